@@ -1,1 +1,11 @@
-"""moe_export.plugins"""
+"""moe_export.plugins: one folder per custom op (reference, fast CPU, Triton, ONNX schema,
+ONNX Runtime lowering, TensorRT plugin).
+
+Every op's ONNX node lives in domain `DOMAIN` with op type = TensorRT plugin name, so TensorRT's
+plugin lookup (op type = plugin name, namespace = domain, `plugin_version` attribute) finds it.
+"""
+
+DOMAIN = "moe_export"
+PLUGIN_NAMESPACE = DOMAIN
+PLUGIN_VERSION = "1"
+OPSET_VERSION = 1
