@@ -27,11 +27,52 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for
     _state["debug"] = debug
 
 
+@app.command()
+def plan(
+    recipe: str = typer.Option(..., "--recipe", "-r", help="recipe YAML (path, or name in the shipped recipes/)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Parameter counts, per-rank memory by weight class, sequences that fit, and a verdict (no weights needed)."""
+    import json
+
+    from moe_export.export.planner import GIB, make_plan
+    from moe_export.recipes.schema import load_recipe
+
+    rec, path = load_recipe(recipe)
+    p = make_plan(rec)
+    if as_json:
+        print(json.dumps(p.to_dict(), indent=2))
+    else:
+        from rich.table import Table
+
+        console.print(
+            f"[bold]{rec.name}[/] ({path}): {p.config.architecture}, world {rec.target.world_size} "
+            f"(tp={rec.parallel.tp}, ep={rec.parallel.ep}) on {rec.target.gpu}"
+        )
+        console.print(f"parameters: total {p.total_params / 1e9:,.2f} B, active {p.active_params / 1e9:,.2f} B")
+        r0 = p.per_rank[0]
+        table = Table(title="rank 0 memory (GiB)")
+        table.add_column("weight class")
+        table.add_column("GiB", justify="right")
+        for cls, b in r0.weight_bytes.items():
+            table.add_row(cls, f"{b / GIB:.3f}")
+        for kind, b in r0.state_bytes_per_sequence.items():
+            table.add_row(f"per sequence: {kind}", f"{b / GIB:.3f}")
+        table.add_row("workspace reserve", f"{p.reserve_bytes / GIB:.3f}")
+        table.add_row("memory per rank", f"{p.memory_bytes / GIB:.3f}")
+        console.print(table)
+        console.print(("[green]" if p.fits else "[red]") + p.verdict())
+    if not p.fits:
+        if not as_json:
+            err_console.print(f"error: recipe {rec.name}: {p.verdict()}", highlight=False)
+        raise typer.Exit(2)
+
+
 def main() -> None:
     """Console-script entry point: maps InputError to exit 2 with a one-paragraph message."""
     debug = "--debug" in sys.argv
     try:
-        app(standalone_mode=False)
+        rc = app(standalone_mode=False)
     except InputError as exc:
         if debug:
             raise
@@ -40,6 +81,11 @@ def main() -> None:
     except (typer.Exit, SystemExit) as exc:
         code = getattr(exc, "exit_code", getattr(exc, "code", 0))
         sys.exit(code or 0)
+    except OSError as exc:
+        if debug:
+            raise
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(1)
     except Exception as exc:  # click usage errors and the like
         import click
 
@@ -49,3 +95,4 @@ def main() -> None:
         if isinstance(exc, click.exceptions.Abort):
             sys.exit(130)
         raise
+    sys.exit(rc if isinstance(rc, int) else 0)

@@ -1,0 +1,209 @@
+"""The planner: from a recipe (no weights needed) to parameter counts, per-rank memory and a verdict.
+
+Byte accounting (per rank):
+  - routed experts: MXFP4 = 4 bits per weight + one E8M0 byte per 32 weights = exactly 4.25 bits/weight;
+  - attention (KDA, MLA, indexer), dense and shared-expert weights: bf16 (2 B) or fp8 (1 B + one fp32
+    scale per 128x128 block), tensor-parallel over the tp group; fp32 checkpoint tensors stay fp32;
+  - embeddings and lm_head: bf16, vocab-parallel; router, latent projections, norms: replicated.
+Per-sequence state at max_seq_len: KDA recurrent state (H x K x V fp32 per layer) + short-conv windows
+(q, k, v: P x (W-1) per layer), MLA latent cache (kv_lora_rank + qk_rope_head_dim = 576 values per token
+per MLA layer, bf16 or fp8; one KV head, so replicated across attention tp) and the DSA indexer key cache
+(index_head_dim values per token per MLA layer).
+Active parameters count the weights a token's forward pass multiplies with: every non-expert weight except
+the input embedding table (a lookup), plus the top-k routed experts of each MoE layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moe_export.export.errors import InputError
+from moe_export.graphs.config import ModelConfig, shipped_model_config
+from moe_export.graphs.sharding import Mapping, check_divisibility, rank_numel
+from moe_export.graphs.weights import WEIGHT_CLASSES, all_tensor_specs
+from moe_export.recipes.schema import Recipe
+
+MXFP4_BITS_PER_WEIGHT = 4.25
+FP8_BLOCK = 128
+GIB = 2**30
+
+
+def resolve_model_config(recipe: Recipe) -> ModelConfig:
+    """Config from the checkpoint's config.json, a synthetic preset, or the recipe's shipped config."""
+    src = recipe.model.source
+    if src.startswith("synthetic:"):
+        from moe_export.export.synth import preset_config
+
+        return preset_config(src.split(":", 1)[1])
+    path = Path(src).expanduser()
+    if (path / "config.json").is_file():
+        return ModelConfig.from_pretrained(path)
+    if recipe.model.config:
+        return shipped_model_config(recipe.model.config)
+    raise InputError(
+        f"recipe {recipe.name}: model.source {src!r} has no config.json and model.config is not set "
+        "(name a shipped config such as 'kimi-k3' to plan without the checkpoint)"
+    )
+
+
+def _class_dtype_bytes(recipe: Recipe, weight_class: str, stored_dtype: str) -> float:
+    """Bytes per weight for a non-expert class under the recipe's quantization choices."""
+    if stored_dtype == "F32":
+        return 4.0
+    q = recipe.quantization
+    choice = {
+        "kda": q.attention,
+        "mla": q.attention,
+        "indexer": q.attention,
+        "dense": q.dense,
+        "shared_experts": q.shared_experts,
+    }.get(weight_class, "bf16")
+    if choice == "fp8":
+        return 1.0 + 4.0 / (FP8_BLOCK * FP8_BLOCK)
+    return 2.0
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    mapping: dict
+    weight_bytes: dict[str, int]
+    state_bytes_per_sequence: dict[str, int]
+    free_bytes: int
+    max_sequences: int
+    overflow: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "rank": self.rank,
+            "mapping": self.mapping,
+            "weight_bytes": self.weight_bytes,
+            "state_bytes_per_sequence": self.state_bytes_per_sequence,
+            "free_bytes": self.free_bytes,
+            "max_sequences": self.max_sequences,
+        }
+
+
+@dataclass
+class Plan:
+    recipe: Recipe
+    config: ModelConfig
+    total_params: int
+    active_params: int
+    per_rank: list[RankPlan]
+    memory_bytes: int
+    reserve_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        return all(r.max_sequences >= 1 for r in self.per_rank)
+
+    def verdict(self) -> str:
+        worst = min(self.per_rank, key=lambda r: r.max_sequences)
+        seq = self.recipe.limits.max_seq_len
+        if not self.fits:
+            need = worst.weight_bytes["total"] + self.reserve_bytes + worst.state_bytes_per_sequence["total"]
+            over = need - self.memory_bytes
+            biggest = max(
+                (k for k in worst.weight_bytes if k != "total"), key=lambda k: worst.weight_bytes[k]
+            )
+            return (
+                f"does not fit: rank {worst.rank} needs {need / GIB:.2f} GiB (weights "
+                f"{worst.weight_bytes['total'] / GIB:.2f} GiB, largest class {biggest} "
+                f"{worst.weight_bytes[biggest] / GIB:.2f} GiB; reserve {self.reserve_bytes / GIB:.2f} GiB; one "
+                f"sequence of {seq} tokens {worst.state_bytes_per_sequence['total'] / GIB:.2f} GiB) but has "
+                f"{self.memory_bytes / GIB:.2f} GiB: over by {over / GIB:.2f} GiB"
+            )
+        batch = self.recipe.limits.max_batch
+        note = "" if worst.max_sequences >= batch else (
+            f"; max_batch={batch} sequences of max_seq_len do not all fit at once (the scheduler caps "
+            f"concurrent full-length sequences at {worst.max_sequences})"
+        )
+        return f"fits: {worst.max_sequences} sequence(s) of {seq} tokens per rank{note}"
+
+    def to_dict(self) -> dict:
+        return {
+            "recipe": self.recipe.name,
+            "model": self.config.architecture,
+            "world_size": self.recipe.target.world_size,
+            "tp": self.recipe.parallel.tp,
+            "ep": self.recipe.parallel.ep,
+            "total_params": self.total_params,
+            "active_params": self.active_params,
+            "memory_bytes_per_rank": self.memory_bytes,
+            "reserve_bytes_per_rank": self.reserve_bytes,
+            "max_seq_len": self.recipe.limits.max_seq_len,
+            "fits": self.fits,
+            "verdict": self.verdict(),
+            "per_rank": [r.to_dict() for r in self.per_rank],
+        }
+
+
+def count_params(cfg: ModelConfig) -> tuple[int, int]:
+    """(total, active) language-model parameters; MXFP4 tensors count their logical elements."""
+    total = 0
+    expert_params_per_layer = 0
+    non_expert = 0
+    embed = 0
+    moe_layers = sum(1 for i in range(cfg.num_layers) if cfg.is_moe(i))
+    for spec in all_tensor_specs(cfg, include_experts=False):
+        non_expert += spec.numel
+        if spec.weight_class == "embeddings":
+            embed += spec.numel
+    if cfg.num_experts:
+        d, i = cfg.expert_in_dim, cfg.moe_intermediate_size
+        expert_params_per_layer = 3 * d * i
+    total = non_expert + moe_layers * cfg.num_experts * expert_params_per_layer
+    active = non_expert - embed + moe_layers * cfg.num_experts_per_token * expert_params_per_layer
+    return total, active
+
+
+def state_bytes_per_sequence(cfg: ModelConfig, recipe: Recipe, mapping: Mapping) -> dict[str, int]:
+    """Bytes one sequence of max_seq_len tokens keeps on this rank, by kind."""
+    seq = recipe.limits.max_seq_len
+    act = 4 if recipe.target.gpu == "cpu" else 2
+    kv = 1 if recipe.quantization.kv_cache == "fp8" else act
+    n_kda, n_mla = len(cfg.kda_layers), len(cfg.mla_layers)
+    heads = cfg.kda_num_heads // mapping.attn_tp
+    kda_state = n_kda * heads * cfg.kda_head_dim * cfg.kda_head_dim * 4
+    conv = n_kda * 3 * heads * cfg.kda_head_dim * (cfg.conv_kernel_size - 1) * act
+    mla = n_mla * seq * cfg.latent_cache_dim * kv
+    use_indexer = cfg.has_dsa and recipe.attention.indexer == "auto"
+    indexer = n_mla * seq * cfg.index_head_dim * kv if use_indexer else 0
+    out = {"kda_state": kda_state, "conv_state": conv, "mla_latent_cache": mla, "indexer_key_cache": indexer}
+    out["total"] = sum(out.values())
+    return out
+
+
+def make_plan(recipe: Recipe, cfg: ModelConfig | None = None) -> Plan:
+    cfg = cfg or resolve_model_config(recipe)
+    tp, ep = recipe.parallel.tp, recipe.parallel.ep
+    attention_tp = recipe.parallel.attention == "tp"
+    check_divisibility(cfg, tp, ep, attention_tp)
+    total, active = count_params(cfg)
+    memory = recipe.memory_bytes
+    reserve = int(recipe.workspace_reserve_gib * GIB)
+    world = recipe.target.world_size
+    specs = all_tensor_specs(cfg, include_experts=False)
+    moe_layers = [i for i in range(cfg.num_layers) if cfg.is_moe(i)]
+    per_rank = []
+    for rank in range(world):
+        mapping = Mapping(world, rank, tp, ep, attention_tp)
+        by_class = {c: 0.0 for c in WEIGHT_CLASSES}
+        for spec in specs:
+            n = rank_numel(spec, mapping, cfg.num_experts)
+            by_class[spec.weight_class] += n * _class_dtype_bytes(recipe, spec.weight_class, spec.dtype)
+        if cfg.num_experts:
+            local = len(mapping.local_experts(cfg.num_experts))
+            per_expert = 3 * cfg.expert_in_dim * cfg.moe_intermediate_size
+            by_class["routed_experts"] = len(moe_layers) * local * per_expert * MXFP4_BITS_PER_WEIGHT / 8
+        weight_bytes = {c: int(math.ceil(v)) for c, v in by_class.items() if v}
+        weight_bytes["total"] = sum(weight_bytes.values())
+        state = state_bytes_per_sequence(cfg, recipe, mapping)
+        free = memory - reserve - weight_bytes["total"]
+        max_seqs = max(0, free // state["total"]) if state["total"] else (1 if free >= 0 else 0)
+        per_rank.append(RankPlan(rank, mapping.to_dict(), weight_bytes, state, int(free), int(max_seqs)))
+    return Plan(recipe, cfg, total, active, per_rank, memory, reserve)
+

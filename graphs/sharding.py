@@ -1,0 +1,156 @@
+"""Tensor and expert parallelism as a few explicit functions (gpt-fast style).
+
+Mapping (TensorRT-LLM users know it): `world_size` ranks; attention, dense and shared FFNs are
+tensor-parallel inside groups of `tp` consecutive ranks; routed experts are split into `ep`
+contiguous slices of whole experts, one per rank of each group of `ep` consecutive ranks, and the
+experts' partial sums are all-reduced over that group in the latent space (before
+`routed_expert_norm`, as K3 requires). Embedding and lm_head are vocab-parallel over the tp group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from moe_export.export.errors import InputError
+from moe_export.graphs.config import ModelConfig
+from moe_export.graphs.weights import TensorSpec
+
+SplitKind = Literal["replicated", "column", "row", "vocab", "expert", "heads"]
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """One rank's place in the world: tp group (attention/FFN shards) and ep group (expert slices)."""
+
+    world_size: int
+    rank: int
+    tp: int
+    ep: int
+    attention_tp: bool = True  # False: attention replicated (data-parallel attention)
+
+    def __post_init__(self) -> None:
+        for name, val in (("tp", self.tp), ("ep", self.ep)):
+            if val < 1 or self.world_size % val:
+                raise InputError(f"mapping: {name}={val} must divide world_size={self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise InputError(f"mapping: rank {self.rank} outside 0..{self.world_size - 1}")
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def tp_group(self) -> tuple[int, ...]:
+        start = self.rank - self.tp_rank
+        return tuple(range(start, start + self.tp))
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank % self.ep
+
+    @property
+    def ep_group(self) -> tuple[int, ...]:
+        start = self.rank - self.ep_rank
+        return tuple(range(start, start + self.ep))
+
+    @property
+    def attn_tp(self) -> int:
+        return self.tp if self.attention_tp else 1
+
+    @property
+    def attn_tp_rank(self) -> int:
+        return self.tp_rank if self.attention_tp else 0
+
+    def local_experts(self, num_experts: int) -> range:
+        """Global ids of the routed experts this rank holds (a contiguous slice)."""
+        per = num_experts // self.ep
+        return range(self.ep_rank * per, (self.ep_rank + 1) * per)
+
+    def to_dict(self) -> dict:
+        return {
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "tp_size": self.tp,
+            "tp_rank": self.tp_rank,
+            "ep_size": self.ep,
+            "ep_rank": self.ep_rank,
+            "attention_tp": self.attention_tp,
+        }
+
+
+def check_divisibility(cfg: ModelConfig, tp: int, ep: int, attention_tp: bool = True) -> None:
+    """Refuse a parallel layout the model cannot be split into, naming the dimension."""
+    problems = []
+    atp = tp if attention_tp else 1
+    checks = [
+        ("num_attention_heads", cfg.num_heads, atp),
+        ("linear_attn_config.num_heads", cfg.kda_num_heads, atp),
+        ("intermediate_size", cfg.intermediate_size, tp),
+        ("vocab_size", cfg.vocab_size, tp),
+    ]
+    if cfg.num_shared_experts:
+        checks.append(("shared experts width", cfg.shared_intermediate_size, tp))
+    if cfg.num_experts:
+        checks.append(("num_experts", cfg.num_experts, ep))
+    for name, dim, by in checks:
+        if dim % by:
+            problems.append(f"{name}={dim} is not divisible by {'ep' if name == 'num_experts' else 'tp'}={by}")
+    if problems:
+        raise InputError("parallel layout does not fit the model: " + "; ".join(problems))
+
+
+def split_kind(spec: TensorSpec) -> SplitKind:
+    """How a checkpoint tensor is distributed: column = split dim 0 by heads/rows, row = split dim 1."""
+    name, cls = spec.name, spec.weight_class
+    if cls == "routed_experts":
+        return "expert"
+    if cls in ("embeddings", "lm_head"):
+        return "vocab"
+    if cls in ("dense", "shared_experts"):
+        return "row" if name.endswith("down_proj.weight") else "column"
+    if cls == "kda":
+        if name.endswith("o_proj.weight"):
+            return "row"
+        replicated = ("f_a_proj.weight", "g_a_proj.weight", "A_log", "o_norm.weight")
+        return "replicated" if name.endswith(replicated) else "column"
+    if cls == "mla":
+        if name.endswith("o_proj.weight"):
+            return "row"
+        column = ("q_b_proj.weight", "q_proj.weight", "kv_b_proj.weight", "g_proj.weight")
+        return "column" if name.endswith(column) else "replicated"
+    return "replicated"  # norms, attn_res, router, latent projections, indexer
+
+
+def shard_tensor(spec: TensorSpec, tensor: torch.Tensor, mapping: Mapping) -> torch.Tensor:
+    """This rank's slice of a (non-expert) checkpoint tensor, as a contiguous copy."""
+    kind = split_kind(spec)
+    if kind == "expert":
+        raise ValueError(f"{spec.name}: routed expert tensors are selected whole, not sliced")
+    if kind == "replicated":
+        return tensor
+    attention = spec.weight_class in ("kda", "mla")
+    size, rank = (mapping.attn_tp, mapping.attn_tp_rank) if attention else (mapping.tp, mapping.tp_rank)
+    dim = 1 if kind == "row" else 0
+    return tensor.chunk(size, dim=dim)[rank].contiguous() if size > 1 else tensor
+
+
+def rank_numel(spec: TensorSpec, mapping: Mapping, num_experts: int) -> int:
+    """Logical parameters of `spec` held by this rank (MXFP4 tensors count their unpacked elements)."""
+    if split_kind(spec) == "expert":
+        if spec.expert not in mapping.local_experts(num_experts):
+            return 0
+        if spec.logical_shape is not None and spec.name.endswith("weight_scale"):
+            return 0  # counted once with weight_packed
+        shape = spec.logical_shape or spec.shape
+        n = 1
+        for d in shape:
+            n *= d
+        return n
+    kind = split_kind(spec)
+    if kind == "replicated":
+        return spec.numel
+    attention = spec.weight_class in ("kda", "mla")
+    return spec.numel // (mapping.attn_tp if attention else mapping.tp)

@@ -1,0 +1,149 @@
+"""Model config parsing, recipe validation and the planner (K3 numbers from public sources)."""
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moe_export.export.errors import InputError
+from moe_export.export.planner import make_plan
+from moe_export.graphs.config import ModelConfig, shipped_model_config
+from moe_export.graphs.weights import all_tensor_specs
+from moe_export.recipes import models_dir
+from moe_export.recipes.schema import load_recipe
+
+K3_TOTAL = 2.78e12  # xinference / model card: 2,779.93 B total incl. the vision tower
+K3_ACTIVE = 104e9
+
+
+def k3_raw() -> dict:
+    return json.loads((models_dir() / "kimi-k3.json").read_text())
+
+
+def test_k3_config_layer_kinds_are_one_based():
+    cfg = shipped_model_config("kimi-k3")
+    assert len(cfg.kda_layers) == 69 and len(cfg.mla_layers) == 24
+    # 1-based 4, 8, ..., 88, 92, 93 are MLA -> 0-based 3, 7, ..., 87, 91, 92
+    assert cfg.mla_layers == tuple(list(range(3, 88, 4)) + [91, 92])
+    assert cfg.is_kda(0) and not cfg.is_kda(92)
+    assert cfg.weight_prefix == "language_model." and cfg.experts_mxfp4
+    assert cfg.latent_cache_dim == 576 and cfg.qk_head_dim == 192
+    assert not cfg.is_moe(0) and cfg.is_moe(1) and cfg.is_moe(92)
+
+
+def test_k3_inventory_matches_public_census():
+    cfg = shipped_model_config("kimi-k3")
+    specs = all_tensor_specs(cfg)
+    # The checkpoint index lists 497,220 tensors including the vision tower and projector (168 tensors).
+    assert len(specs) == 497_220 - 168
+    trunk = sum(s.numel for s in specs if s.weight_class != "routed_experts")
+    assert trunk == 56_743_648_000  # always-active trunk (kimi-k3-in-c README)
+    expert0 = [s for s in specs if s.layer == 1 and s.expert == 0]
+    assert sum(s.nbytes for s in expert0) == 17_547_264  # one MXFP4 expert on disk
+    by_name = {s.name: s for s in specs}
+    a_log = by_name["language_model.model.layers.0.self_attn.A_log"]
+    assert a_log.shape == (128,) and a_log.dtype == "F32"
+    assert by_name["language_model.model.layers.1.block_sparse_moe.gate.e_score_correction_bias"].dtype == "F32"
+    assert by_name["language_model.model.layers.1.block_sparse_moe.experts.0.w2.weight_scale"].shape == (3584, 96)
+
+
+def test_k3_plan_numbers():
+    rec, _ = load_recipe("h100x64.yaml")
+    plan = make_plan(rec)
+    assert abs(plan.total_params - K3_TOTAL) / K3_TOTAL < 0.01
+    assert abs(plan.active_params - K3_ACTIVE) / K3_ACTIVE < 0.03
+    assert plan.fits and len(plan.per_rank) == 64
+    r0 = plan.per_rank[0]
+    # 14 experts x 92 layers x 33,030,144 weights at exactly 4.25 bits
+    assert r0.weight_bytes["routed_experts"] == 14 * 92 * 33_030_144 * 17 // 32
+    # MLA latent cache: 576 bf16 values per token per MLA layer
+    assert r0.state_bytes_per_sequence["mla_latent_cache"] == 24 * 1048576 * 576 * 2
+    assert r0.state_bytes_per_sequence["kda_state"] == 69 * (96 // 8) * 128 * 128 * 4
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-c", "from moe_export.export.cli import main; main()", *args],
+                          capture_output=True, text=True)
+
+
+def test_plan_cli_json_contract():
+    res = run_cli("plan", "--recipe", "h100x64.yaml", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    for key in ("total_params", "active_params", "fits", "per_rank"):
+        assert key in out
+    assert "weight_bytes" in out["per_rank"][0] and "max_sequences" in out["per_rank"][0]
+
+
+def test_plan_that_cannot_fit_exits_2(tmp_path):
+    text = (models_dir().parent / "h100x64.yaml").read_text().replace("memory_gib: 80", "memory_gib: 40")
+    p = tmp_path / "small.yaml"
+    p.write_text(text)
+    res = run_cli("plan", "--recipe", str(p))
+    assert res.returncode == 2
+    assert "over by" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize(
+    "edit, expect",
+    [
+        ("target:\n  gpu: h100\n  nodes: 8\n  gpus_per_node: 8\n  bogus: 1\n", "target.bogus: unknown key"),
+        ("target:\n  gpu: tpu\n  nodes: 1\n  gpus_per_node: 8\n", "target.gpu"),
+        ("target:\n  gpu: h100\n  nodes: 1\n  gpus_per_node: 8\nparallel:\n  tp: 3\n", "parallel.tp=3"),
+        ("target:\n  gpu: h100\n  nodes: 1\n  gpus_per_node: 8\nlimits:\n  max_seq_len: 2000000\n", "limits.max_seq_len"),
+    ],
+)
+def test_bad_recipes_name_file_line_and_field(tmp_path, edit, expect):
+    p = tmp_path / "bad.yaml"
+    p.write_text("name: bad\nmodel:\n  source: x\n  config: kimi-k3\n" + edit)
+    with pytest.raises(InputError) as err:
+        load_recipe(p)
+    assert expect in str(err.value)
+    assert f"{p}:" in str(err.value)
+
+
+def test_bad_recipe_cli_no_traceback(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("name: bad\nmodel:\n  source: x\ntarget:\n  gpu: h100\n  nodes: 1\n  gpus_per_node: 8\n  colour: red\n")
+    res = run_cli("plan", "--recipe", str(p))
+    assert res.returncode == 2
+    assert f"{p}:8: target.colour: unknown key" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_ep_not_dividing_experts_is_refused(tmp_path):
+    text = (models_dir().parent / "h100x64.yaml").read_text().replace("nodes: 8", "nodes: 6").replace("ep: 64", "ep: 48")
+    p = tmp_path / "ep.yaml"
+    p.write_text(text)
+    rec, _ = load_recipe(p)
+    with pytest.raises(InputError, match="num_experts=896 is not divisible by ep=48"):
+        make_plan(rec)
+
+
+@pytest.mark.parametrize(
+    "mutate, expect",
+    [
+        (lambda c: c.update(model_type="llama"), "unsupported model_type 'llama'"),
+        (lambda c: c["text_config"]["linear_attn_config"]["kda_layers"].remove(1), "in neither (1-based): [1]"),
+        (lambda c: c["text_config"]["linear_attn_config"]["kda_layers"].append(4), "in both (1-based): [4]"),
+        (lambda c: c["text_config"]["linear_attn_config"].update(kda_layers=[0]), "outside 1..93"),
+        (lambda c: c["text_config"].pop("hidden_size"), "missing required field 'hidden_size'"),
+        (lambda c: c["text_config"].update(hidden_size=7000), "'hidden_size' (7000) must be a multiple of 32"),
+        (lambda c: c.pop("text_config"), "needs a 'text_config'"),
+    ],
+)
+def test_inconsistent_configs_name_the_field(mutate, expect):
+    raw = copy.deepcopy(k3_raw())
+    mutate(raw)
+    with pytest.raises(InputError) as err:
+        ModelConfig.from_hf_dict(raw)
+    assert expect in str(err.value)
+
+
+def test_kimi_linear_config():
+    cfg = shipped_model_config("kimi-linear-48b-a3b")
+    assert cfg.q_lora_rank is None and not cfg.mla_use_output_gate and cfg.gate_lower_bound is None
+    assert cfg.mla_layers == (3, 7, 11, 15, 19, 23, 26)
+    assert cfg.routed_expert_hidden_size is None and cfg.attn_res_block_size is None
