@@ -68,6 +68,40 @@ def plan(
         raise typer.Exit(2)
 
 
+@app.command()
+def synth(
+    preset: str = typer.Option(..., "--preset", help="tiny-k3, tiny-k3-dsa or tiny-kimi-linear"),
+    out: str = typer.Option(..., "--out", help="output checkpoint directory"),
+    seed: int = typer.Option(0, "--seed", help="random seed (same seed, same bytes)"),
+    force: bool = typer.Option(False, "--force", help="replace a non-empty output directory"),
+) -> None:
+    """Write a synthetic HF checkpoint (config, sharded safetensors, tokenizer) with random weights."""
+    from moe_export.export.synth import write_synthetic_checkpoint
+
+    path = write_synthetic_checkpoint(preset, out, seed=seed, force=force)
+    console.print(f"wrote synthetic checkpoint {preset} (seed {seed}) to {path}", highlight=False)
+
+
+@app.command()
+def inspect(
+    path: str = typer.Argument(..., help="checkpoint directory"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Census of a checkpoint by weight class, its layer kinds, and every problem found (exit 2 if any)."""
+    import json
+
+    from moe_export.export.census import inspect_checkpoint, render_checkpoint_report
+    from moe_export.export.checkpoint import Problem, format_problems
+
+    report = inspect_checkpoint(path)
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        render_checkpoint_report(report, console)
+    if report["problems"]:
+        raise InputError(format_problems(path, [Problem(**p) for p in report["problems"]]))
+
+
 def main() -> None:
     """Console-script entry point: maps InputError to exit 2 with a one-paragraph message."""
     debug = "--debug" in sys.argv

@@ -1,0 +1,300 @@
+"""Synthetic Hugging Face checkpoints with random, well-scaled weights for the Kimi family.
+
+`write_synthetic_checkpoint(preset, out_dir, seed)` writes config.json, sharded safetensors with
+`model.safetensors.index.json`, a byte-level tokenizer and a LICENSE, into a temporary directory that is
+renamed into place at the end. The output is a pure function of (preset, seed): every tensor comes from
+its own `torch.Generator`, seeded from sha256(seed, tensor name), and headers are written with sorted
+keys. Tensors follow the inventory of `moe_export.graphs.weights` and are generated and written one at
+a time (each shard is streamed: header first, then each tensor's bytes).
+
+Values: linear weights ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norm weights 1 +- 0.1, KDA A_log =
+log U(1, 16) per head, dt_bias as transformers' KDA init, small router bias; BF16 except the classes
+the checkpoint stores in F32; K3 routed experts are MXFP4 (compressed-tensors mxfp4-pack-quantized).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+import shutil
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moe_export.export.checkpoint import INDEX_FILE
+from moe_export.export.errors import InputError
+from moe_export.export.tokenizer import BOS, MEDIA, PAD, STOP_TOKEN, special_token_ids, write_byte_tokenizer
+from moe_export.graphs.config import ModelConfig
+from moe_export.graphs.weights import TensorSpec, all_tensor_specs
+
+TORCH_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "U8": torch.uint8}
+LAYERS_PER_SHARD = 3
+VOCAB = 512  # 256 byte tokens + specials, rounded up
+LICENSE_TEXT = (
+    "Synthetic checkpoint written by `moe-export synth` (preset {preset}, seed {seed}).\n"
+    "The weights are pseudo-random numbers, not trained parameters. They are dedicated to the public\n"
+    "domain (CC0-1.0): use them for any purpose, without conditions.\n"
+)
+
+
+def _token_ids() -> dict[str, int]:
+    ids = special_token_ids()
+    return {"bos_token_id": ids[BOS], "eos_token_id": ids[STOP_TOKEN], "pad_token_id": ids[PAD]}
+
+
+def _tiny_k3() -> dict[str, Any]:
+    """K3's composite config at toy size: 7 layers (1-based MLA layers 4, 6, 7), 8 experts top-2."""
+    from moe_export.recipes import models_dir
+
+    cfg = json.loads((models_dir() / "kimi-k3.json").read_text())
+    ids = _token_ids()
+    cfg.update(ids, media_placeholder_token_id=special_token_ids()[MEDIA])
+    text = cfg["text_config"]
+    text.update(
+        ids,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=7,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        intermediate_size=128,
+        num_experts=8,
+        num_experts_per_token=2,
+        moe_intermediate_size=32,
+        num_shared_experts=1,
+        routed_expert_hidden_size=32,
+        attn_res_block_size=3,
+    )
+    text["linear_attn_config"].update(num_heads=4, head_dim=16, full_attn_layers=[4, 6, 7], kda_layers=[1, 2, 3, 5])
+    return cfg
+
+
+def _tiny_k3_dsa() -> dict[str, Any]:
+    """tiny-k3 plus a DSA lightning indexer on the MLA layers (top-4 of the past tokens)."""
+    cfg = _tiny_k3()
+    cfg["text_config"].update(index_n_heads=2, index_head_dim=16, index_topk=4)
+    return cfg
+
+
+def _tiny_kimi_linear() -> dict[str, Any]:
+    """Kimi-Linear-48B-A3B's config at toy size (loads in transformers' KimiLinearForCausalLM)."""
+    from moe_export.recipes import models_dir
+
+    cfg = json.loads((models_dir() / "kimi-linear-48b-a3b.json").read_text())
+    cfg.update(
+        _token_ids(),
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        intermediate_size=128,
+        num_experts=8,
+        num_experts_per_token=2,
+        moe_intermediate_size=32,
+        num_shared_experts=1,
+    )
+    cfg["linear_attn_config"].update(num_heads=4, head_dim=16, full_attn_layers=[4, 6], kda_layers=[1, 2, 3, 5])
+    return cfg
+
+
+PRESETS: dict[str, Callable[[], dict[str, Any]]] = {
+    "tiny-k3": _tiny_k3,
+    "tiny-k3-dsa": _tiny_k3_dsa,
+    "tiny-kimi-linear": _tiny_kimi_linear,
+}
+
+
+def preset_hf_config(preset: str) -> dict[str, Any]:
+    """The HF config.json dict of a preset; InputError naming the known presets if unknown."""
+    if preset not in PRESETS:
+        raise InputError(f"unknown synthetic preset {preset!r}; known presets: {', '.join(PRESETS)}")
+    return copy.deepcopy(PRESETS[preset]())
+
+
+def preset_config(preset: str) -> ModelConfig:
+    """The parsed ModelConfig of a preset."""
+    return ModelConfig.from_hf_dict(preset_hf_config(preset), source=f"synthetic preset {preset}")
+
+
+def vision_specs(cfg: ModelConfig) -> list[TensorSpec]:
+    """A stand-in for K3's vision tower and projector (K3 checkpoints ship them; the text model ignores
+    them): vision width 8, 2x2-merged width 32, projected to hidden. Empty for non-K3 models."""
+    if cfg.model_type != "kimi_k3":
+        return []
+    h, vd, merged = cfg.hidden_size, 8, 32
+    return [
+        TensorSpec("mm_projector.proj.0.weight", (merged, merged), "BF16", "vision"),
+        TensorSpec("mm_projector.proj.2.weight", (h, merged), "BF16", "vision"),
+        TensorSpec("mm_projector.post_norm.weight", (h,), "BF16", "vision"),
+        TensorSpec("vision_tower.final_layernorm.weight", (vd,), "BF16", "vision"),
+    ]
+
+
+def synthetic_specs(cfg: ModelConfig) -> list[TensorSpec]:
+    """Every tensor a synthetic checkpoint of this config holds: the inventory plus `vision_specs`."""
+    return all_tensor_specs(cfg) + vision_specs(cfg)
+
+
+def shard_plan(cfg: ModelConfig, specs: list[TensorSpec]) -> list[list[TensorSpec]]:
+    """Group tensors into shards like K3: LAYERS_PER_SHARD decoder layers per shard, then the global
+    tensors, then the projector, then the vision tower. Within a shard, wider dtypes come first so
+    every tensor's data stays aligned to its element size."""
+    n_layer_shards = math.ceil(cfg.num_layers / LAYERS_PER_SHARD)
+
+    def shard_of(s: TensorSpec) -> int:
+        if s.layer is not None:
+            return s.layer // LAYERS_PER_SHARD
+        if s.name.startswith("mm_projector."):
+            return n_layer_shards + 1
+        if s.name.startswith("vision_tower."):
+            return n_layer_shards + 2
+        return n_layer_shards
+
+    groups: dict[int, list[tuple[int, TensorSpec]]] = {}
+    for i, s in enumerate(specs):
+        groups.setdefault(shard_of(s), []).append((i, s))
+    return [
+        [s for _, s in sorted(groups[k], key=lambda p: (-TORCH_DTYPES[p[1].dtype].itemsize, p[0]))]
+        for k in sorted(groups)
+    ]
+
+
+def shard_file_name(cfg: ModelConfig, index: int, count: int) -> str:
+    """K3 names its shards model-000NN-of-000096 (six digits after "of"); others use HF's five."""
+    width = 6 if cfg.model_type == "kimi_k3" else 5
+    return f"model-{index:05d}-of-{count:0{width}d}.safetensors"
+
+
+def _generator(seed: int, key: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}/{key}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def _uniform(shape: tuple[int, ...], lo: float, hi: float, gen: torch.Generator) -> torch.Tensor:
+    return lo + (hi - lo) * torch.rand(shape, generator=gen)
+
+
+def _mxfp4_expert(seed: int, logical_name: str, logical_shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A routed expert weight [out, in] ~ N(0, 1/in), MXFP4-encoded: (packed [out, in/2], scales [out, in/32])."""
+    from moe_export.quantize.mxfp4 import encode
+
+    gen = _generator(seed, logical_name)
+    w = torch.randn(logical_shape, generator=gen) / math.sqrt(logical_shape[1])
+    return encode(w)
+
+
+def synth_tensor(cfg: ModelConfig, spec: TensorSpec, seed: int) -> torch.Tensor:
+    """The synthetic value of one tensor, in its stored dtype and shape."""
+    name, shape = spec.name, spec.shape
+    for suffix, part in ((".weight_packed", 0), (".weight_scale", 1)):
+        if name.endswith(suffix):
+            return _mxfp4_expert(seed, name[: -len(suffix)], spec.logical_shape)[part]
+    gen = _generator(seed, name)
+    if name.endswith(".A_log"):
+        nh = cfg.kda_num_heads
+        per_head = _uniform((nh,), 1.0, 16.0, gen).log()
+        if cfg.model_type == "kimi_k3":  # [max(head_dim, heads)]: one value per head, zero padding after
+            x = torch.zeros(shape)
+            x[:nh] = per_head
+        else:  # [1, 1, H, 1]
+            x = per_head.reshape(shape)
+    elif name.endswith(".dt_bias"):  # transformers' KDA init: softplus^-1 of dt ~ logU(1e-3, 1e-1)
+        dt = _uniform(shape, math.log(1e-3), math.log(1e-1), gen).exp().clamp_min(1e-4)
+        x = dt + torch.log(-torch.expm1(-dt))
+    elif name.endswith("e_score_correction_bias"):
+        x = 0.02 * torch.randn(shape, generator=gen)
+    elif name.endswith("norm.weight"):  # every RMSNorm / LayerNorm scale
+        x = _uniform(shape, 0.9, 1.1, gen)
+    elif name.endswith("norm.bias"):
+        x = 0.05 * torch.randn(shape, generator=gen)
+    elif name.endswith("embed_tokens.weight"):
+        x = torch.randn(shape, generator=gen)
+    else:  # weights [out, in, ...]: fan-in scaled
+        x = torch.randn(shape, generator=gen) / math.sqrt(math.prod(shape[1:]))
+    return x.to(TORCH_DTYPES[spec.dtype])
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _write_shard(path: Path, cfg: ModelConfig, specs: list[TensorSpec], seed: int) -> None:
+    """Stream one safetensors file: the header (offsets from the specs), then each tensor's bytes."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    pos = 0
+    for s in specs:
+        header[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [pos, pos + s.nbytes]}
+        pos += s.nbytes
+    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for s in specs:
+            data = _tensor_bytes(synth_tensor(cfg, s, seed))
+            if len(data) != s.nbytes:
+                raise AssertionError(f"{s.name}: generated {len(data)} bytes, spec says {s.nbytes}")
+            f.write(data)
+
+
+def _write_files(tmp: Path, preset: str, hf: dict[str, Any], cfg: ModelConfig, seed: int) -> None:
+    (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    shards = shard_plan(cfg, synthetic_specs(cfg))
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, specs in enumerate(shards, start=1):
+        fname = shard_file_name(cfg, i, len(shards))
+        _write_shard(tmp / fname, cfg, specs, seed)
+        for s in specs:
+            weight_map[s.name] = fname
+            total += s.nbytes
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    write_byte_tokenizer(tmp, cfg.max_position_embeddings)
+    (tmp / "LICENSE").write_text(LICENSE_TEXT.format(preset=preset, seed=seed))
+
+
+def write_synthetic_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, force: bool = False) -> Path:
+    """Write preset `preset` with `seed` to `out_dir` (atomically) and return its path.
+
+    An existing non-empty `out_dir` is an InputError unless `force`, which replaces it.
+    """
+    hf = preset_hf_config(preset)
+    cfg = ModelConfig.from_hf_dict(hf, source=f"synthetic preset {preset}")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"{out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise InputError(f"{out}: directory is not empty (pass --force to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.synth-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        _write_files(tmp, preset, hf, cfg, seed)
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
