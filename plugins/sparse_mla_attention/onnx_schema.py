@@ -1,0 +1,135 @@
+"""ONNX schema of `SparseMLAAttention` (domain `moe_export.plugins.DOMAIN`, opset `OPSET_VERSION`).
+
+Node contract (semantics in `reference.py`):
+
+    o_lat = SparseMLAAttention(q_lat, kv_cache, cu_seqlens, slot_ids, positions[, topk_indices])
+    inputs   q_lat        [T, H, Dc+Dr]  float   absorbed queries [q_nope @ W_kc | q_pe]
+             kv_cache     [S, L, Dc+Dr]  float   latent cache pool, already holding this step's rows
+             cu_seqlens   [N+1]          int64   cumulative query tokens per sequence
+             slot_ids     [N]            int64   cache slot of each sequence
+             positions    [T]            int64   absolute position of each query token
+             topk_indices [T, K]         int64   optional: positions to attend, -1 = padding; empty name =
+                                                 dense causal attention
+    output   o_lat        [T, H, Dc]     float
+    attributes  scale (float, required): softmax scale, (qk_nope + qk_rope)^-0.5 = 192^-0.5 for K3
+                kv_lora_rank (int, required): Dc, the width of the value part of each cache row
+                plugin_version (string, default "1"): TensorRT plugin version
+
+`register()` adds the schema to onnx's registry with a Python type-and-shape inference function
+(`OpSchema.set_type_and_shape_inference_function`, available in onnx 1.23), so `onnx.checker.check_model(...,
+full_check=True)` and `onnx.shape_inference.infer_shapes(..., strict_mode=True)` accept graphs with the node.
+It is idempotent (the registry is process-global). The helpers below are shared by the other ops' schemas.
+"""
+
+import onnx
+from onnx import defs, helper
+
+from .. import DOMAIN, OPSET_VERSION, PLUGIN_VERSION
+
+OP_TYPE = "SparseMLAAttention"
+
+
+def register_once(schema: defs.OpSchema) -> None:
+    """Register `schema` unless an op of that name already exists in its domain."""
+    if not defs.has(schema.name, schema.domain):
+        defs.register_schema(schema)
+
+
+def plugin_version_attribute() -> defs.OpSchema.Attribute:
+    """The optional `plugin_version` string attribute (default PLUGIN_VERSION) every plugin node carries."""
+    return defs.OpSchema.Attribute(
+        "plugin_version", helper.make_attribute("plugin_version", PLUGIN_VERSION), "TensorRT plugin version"
+    )
+
+
+def input_dim(ctx, index: int, axis: int) -> onnx.TensorShapeProto.Dimension:
+    """Dimension `axis` of input `index` as a TensorShapeProto.Dimension (empty if unknown)."""
+    dim = onnx.TensorShapeProto.Dimension()
+    ttype = ctx.get_input_type(index)
+    if ttype is not None and ttype.tensor_type.HasField("shape"):
+        dims = ttype.tensor_type.shape.dim
+        if axis < len(dims):
+            dim.CopyFrom(dims[axis])
+    return dim
+
+
+def tensor_type(elem_type: int, dims: list) -> onnx.TypeProto:
+    """TypeProto of a tensor with `dims` entries each a TensorShapeProto.Dimension or int."""
+    ttype = onnx.TypeProto()
+    ttype.tensor_type.elem_type = elem_type
+    shape = ttype.tensor_type.shape
+    for d in dims:
+        new = shape.dim.add()
+        if isinstance(d, int):
+            new.dim_value = d
+        else:
+            new.CopyFrom(d)
+    return ttype
+
+
+def _infer(ctx) -> None:
+    rank = helper.get_attribute_value(ctx.get_attribute("kv_lora_rank"))
+    out = tensor_type(onnx.TensorProto.FLOAT, [input_dim(ctx, 0, 0), input_dim(ctx, 0, 1), int(rank)])
+    ctx.set_output_type(0, out)
+
+
+def schema() -> defs.OpSchema:
+    """The OpSchema of SparseMLAAttention (not yet registered)."""
+    p = defs.OpSchema.FormalParameter
+    opt = defs.OpSchema.FormalParameterOption.Optional
+    s = defs.OpSchema(
+        OP_TYPE,
+        DOMAIN,
+        OPSET_VERSION,
+        "Absorbed MLA over a latent cache pool restricted to top-k positions (dense causal without indices).",
+        inputs=[
+            p("q_lat", "tensor(float)", "[T, H, Dc+Dr]"),
+            p("kv_cache", "tensor(float)", "[S, L, Dc+Dr]"),
+            p("cu_seqlens", "tensor(int64)", "[N+1]"),
+            p("slot_ids", "tensor(int64)", "[N]"),
+            p("positions", "tensor(int64)", "[T]"),
+            p("topk_indices", "tensor(int64)", "[T, K], -1 = padding", param_option=opt),
+        ],
+        outputs=[p("o_lat", "tensor(float)", "[T, H, Dc]")],
+        attributes=[
+            defs.OpSchema.Attribute("scale", defs.OpSchema.AttrType.FLOAT, "softmax scale"),
+            defs.OpSchema.Attribute("kv_lora_rank", defs.OpSchema.AttrType.INT, "Dc"),
+            plugin_version_attribute(),
+        ],
+    )
+    s.set_type_and_shape_inference_function(_infer)
+    return s
+
+
+def register() -> None:
+    """Register the SparseMLAAttention schema (idempotent)."""
+    register_once(schema())
+
+
+def make_node(
+    q_lat: str,
+    kv_cache: str,
+    cu_seqlens: str,
+    slot_ids: str,
+    positions: str,
+    topk_indices: str | None,
+    o_lat: str,
+    *,
+    scale: float,
+    kv_lora_rank: int,
+    name: str | None = None,
+) -> onnx.NodeProto:
+    """A SparseMLAAttention node over the given value names; `topk_indices=None` makes it dense causal."""
+    inputs = [q_lat, kv_cache, cu_seqlens, slot_ids, positions]
+    if topk_indices:
+        inputs.append(topk_indices)
+    return helper.make_node(
+        OP_TYPE,
+        inputs,
+        [o_lat],
+        name=name,
+        domain=DOMAIN,
+        scale=float(scale),
+        kv_lora_rank=int(kv_lora_rank),
+        plugin_version=PLUGIN_VERSION,
+    )
