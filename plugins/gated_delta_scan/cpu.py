@@ -1,0 +1,177 @@
+"""Fast CPU gated delta scan: chunked WY/UT-transform form in fp32 torch, vectorised over heads and chunks.
+
+Same contract as ``reference.gated_delta_scan``. Per chunk of C tokens (local positions 1..C), with
+cumulative log-decay G_t = sum_{s<=t} g_s (vector over K), chunk-initial state S0 and scaled queries q:
+
+    A[t, j] = sum_c k_t[c] k_j[c] exp(G_t[c] - G_j[c])    (j < t)
+    P[t, j] = sum_c q_t[c] k_j[c] exp(G_t[c] - G_j[c])    (j <= t)
+    (I + diag(beta) A) [U | W] = [beta v | beta exp(G) k]  (unit lower-triangular solve)
+    delta = U - W S0                                         (the scaled "new values", [C, V])
+    o     = P U + (exp(G) q - P W) S0
+    S_C   = exp(G_C) * S0 + (exp(G_C - G) k)^T delta
+
+Everything except the two state products is independent of S0 and runs batched over all chunks; the
+chunks of one sequence are then chained by a loop over chunk index (all sequences at once).
+
+Numerics: every exponent used is a log-decay *difference* G_t - G_j with j <= t (<= 0, no overflow).
+A and P are split into 16-token sub-blocks. Off-diagonal blocks factor exactly through the first token r
+of the row block: exp(G_t - G_j) = exp(G_t - G_r) * exp(G_r - G_j), both factors <= 1. Diagonal blocks
+factor through the block's middle token m, where |G_t - G_m| <= 8 max|g| (<= 40 for the K3 safe gate
+g in (-5, 0)); if some |G_t - G_m| exceeds ``_MAX_MID_EXPONENT`` the diagonal blocks are computed
+pairwise instead (exact for any gate, more memory). State and all arithmetic stay fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import check_inputs, l2norm
+
+CHUNK = 64
+_SUB = 16
+_MAX_MID_EXPONENT = 50.0
+
+
+def gated_delta_scan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked scan; shapes as in ``reference.gated_delta_scan``.
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K]; beta: [B, T, H]; initial_state [N, H, K, V].
+    Returns o [B, T, H, V] (v's dtype) and the final state [N, H, K, V] fp32 (or None).
+    """
+    cu = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N = cu.numel() - 1
+    out_dtype = v.dtype
+    if scale is None:
+        scale = K**-0.5
+    q, k, v, g, beta = (x.float().reshape(B * T, *x.shape[2:]) for x in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    q = q * scale
+    state = torch.zeros(N, H, K, V, dtype=torch.float32, device=q.device)
+    if initial_state is not None:
+        state += initial_state.float()
+    lengths = cu[1:] - cu[:-1]
+    if N > 0 and bool((lengths == 1).all()):
+        o = _decode_step(q, k, v, g, beta, state)
+    else:
+        o = _chunked(q, k, v, g, beta, state, cu)
+    return o.reshape(B, T, H, V).to(out_dtype), state if output_final_state else None
+
+
+def _decode_step(q, k, v, g, beta, state):
+    """One recurrence step per sequence; q, k, g [N, H, K], v [N, H, V], beta [N, H]; updates state [N, H, K, V]."""
+    state.mul_(g.exp()[..., None])
+    u = v - torch.einsum("nhk,nhkv->nhv", k, state)
+    state.add_(k[..., None] * (beta[..., None] * u)[..., None, :])
+    return torch.einsum("nhk,nhkv->nhv", q, state)
+
+
+def _chunked(q, k, v, g, beta, state, cu):
+    """Chunked scan over packed tokens: q, k, g [T, H, K]; v [T, H, V]; beta [T, H]; state [N, H, K, V] in/out."""
+    T, H, K = q.shape
+    V = v.shape[-1]
+    lengths = cu[1:] - cu[:-1]
+    max_len = int(lengths.max()) if lengths.numel() else 0
+    o = torch.zeros(T, H, V, dtype=torch.float32, device=q.device)
+    if max_len == 0:
+        return o
+    C = min(CHUNK, -(-max_len // _SUB) * _SUB)
+    n_chunks = -(-lengths // C)  # [N]
+    first_chunk = torch.cumsum(n_chunks, 0) - n_chunks  # [N]
+    seq_of_chunk = torch.repeat_interleave(torch.arange(lengths.numel(), device=q.device), n_chunks)
+    pos_in_seq = torch.arange(int(n_chunks.sum()), device=q.device) - first_chunk[seq_of_chunk]
+    chunk_start = cu[:-1][seq_of_chunk] + pos_in_seq * C  # [NC]
+    tok = chunk_start[:, None] + torch.arange(C, device=q.device)  # [NC, C]
+    tok = torch.where(tok < cu[1:][seq_of_chunk][:, None], tok, T)  # pad slots point at a zero row
+
+    def gather(x):  # [T, H, D] -> [NC, H, C, D] (zero rows for padding)
+        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+        return x[tok].transpose(1, 2).contiguous()
+
+    qc, kc, vc, gc = gather(q), gather(k), gather(v), gather(g)
+    bc = gather(beta[..., None])  # [NC, H, C, 1]
+    G = gc.cumsum(2)
+    A, P = _intra_chunk(qc, kc, G)
+    eye = torch.eye(C, dtype=torch.float32, device=q.device)
+    M = eye + bc * A
+    rhs = torch.cat([bc * vc, bc * (G.exp() * kc)], dim=-1)
+    UW = torch.linalg.solve_triangular(M, rhs, upper=False, unitriangular=True)
+    U, W = UW[..., :V], UW[..., V:]
+    G_last = G[:, :, -1:, :]  # [NC, H, 1, K]
+    Q_state = G.exp() * qc - P @ W  # [NC, H, C, K]
+    K_state = ((G_last - G).exp() * kc).transpose(-1, -2).contiguous()  # [NC, H, K, C]
+    decay_last = G_last.exp().transpose(-1, -2)  # [NC, H, K, 1]
+    O = P @ U
+    S_in = torch.empty(O.shape[0], H, K, V, dtype=torch.float32, device=q.device)
+    for step in range(int(n_chunks.max())):
+        active = n_chunks > step
+        if bool(active.all()):
+            ids = first_chunk + step
+            S0 = state
+        else:
+            ids = first_chunk[active] + step
+            S0 = state[active]
+        S_in[ids] = S0
+        delta = U[ids] - W[ids] @ S0
+        S_new = decay_last[ids] * S0 + K_state[ids] @ delta
+        if S0 is state:
+            state.copy_(S_new)
+        else:
+            state[active] = S_new
+    O += Q_state @ S_in
+    o_tok = O.transpose(1, 2).reshape(-1, H, V)  # [NC*C, H, V]
+    valid = tok.reshape(-1) < T
+    o[tok.reshape(-1)[valid]] = o_tok[valid]
+    return o
+
+
+def _intra_chunk(qc, kc, G):
+    """A (strictly lower) and P (lower incl. diagonal), both [NC, H, C, C], from q, k, G [NC, H, C, K]."""
+    NC, H, C, K = kc.shape
+    nb = C // _SUB
+    A = kc.new_zeros(NC, H, nb, _SUB, C)
+    P = kc.new_zeros(NC, H, nb, _SUB, C)
+    Gb = G.view(NC, H, nb, _SUB, K)
+    qb, kb = qc.view(NC, H, nb, _SUB, K), kc.view(NC, H, nb, _SUB, K)
+    if nb > 1:
+        # Row block I >= 1 against all earlier tokens j < r = I * _SUB.
+        G_ref = Gb[:, :, 1:, :1, :]  # [NC, H, nb-1, 1, K]
+        row = (Gb[:, :, 1:] - G_ref).exp()  # [NC, H, nb-1, SUB, K], <= 1
+        col_exp = G_ref - G[:, :, None, :, :]  # [NC, H, nb-1, C, K]
+        j = torch.arange(C, device=kc.device)
+        r = torch.arange(1, nb, device=kc.device)[:, None] * _SUB
+        col_exp = col_exp.masked_fill((j[None, :] >= r)[None, None, :, :, None], float("-inf"))
+        col = (col_exp.exp() * kc[:, :, None]).transpose(-1, -2)  # [NC, H, nb-1, K, C]
+        A[:, :, 1:] = (kb[:, :, 1:] * row) @ col
+        P[:, :, 1:] = (qb[:, :, 1:] * row) @ col
+    D = Gb - Gb[:, :, :, _SUB // 2 : _SUB // 2 + 1, :]  # [NC, H, nb, SUB, K]
+    lower = torch.ones(_SUB, _SUB, dtype=torch.bool, device=kc.device).tril()
+    if float(D.abs().amax()) <= _MAX_MID_EXPONENT:
+        kd = (kb * (-D).exp()).transpose(-1, -2)  # [NC, H, nb, K, SUB]
+        eD = D.exp()
+        Ad = (kb * eD) @ kd
+        Pd = (qb * eD) @ kd
+    else:
+        diff = Gb[..., :, None, :] - Gb[..., None, :, :]  # [NC, H, nb, SUB, SUB, K]
+        decay = diff.masked_fill(~lower[..., None], float("-inf")).exp() * kb[..., None, :, :]
+        Ad = (decay * kb[..., :, None, :]).sum(-1)
+        Pd = (decay * qb[..., :, None, :]).sum(-1)
+    Ad = Ad.masked_fill(~lower.tril(-1), 0.0)
+    Pd = Pd.masked_fill(~lower, 0.0)
+    for b in range(nb):
+        A[:, :, b, :, b * _SUB : (b + 1) * _SUB] = Ad[:, :, b]
+        P[:, :, b, :, b * _SUB : (b + 1) * _SUB] = Pd[:, :, b]
+    return A.view(NC, H, C, C), P.view(NC, H, C, C)
