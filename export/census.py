@@ -96,10 +96,16 @@ def _ranges(xs: list[int]) -> str:
 def render_checkpoint_report(report: dict[str, Any], console) -> None:
     """Print `inspect_checkpoint`'s report with rich: census table, layer kinds, problem count (the
     problems themselves go to the error paragraph, see `checkpoint.format_problems`)."""
+    from rich.markup import escape
     from rich.table import Table
 
     total = report["total_bytes"] or 1
-    table = Table(title=f"{report['path']}: {report['architecture']} ({report['model_type']}), {report['num_shards']} shard(s)")
+    console.print(
+        f"[bold]{escape(report['path'])}[/]: {report['architecture']} ({report['model_type']}), {report['num_shards']} shard(s)",
+        highlight=False,
+        soft_wrap=True,
+    )
+    table = Table()
     table.add_column("weight class")
     table.add_column("tensors", justify="right")
     table.add_column("bytes", justify="right")
