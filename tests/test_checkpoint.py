@@ -161,6 +161,16 @@ def test_wrong_dtype(ckpt, capsys):
     assert_cli_error(capsys, ckpt, "dtype", name, "expected F32")
 
 
+def test_unsupported_stored_dtype(ckpt, capsys):
+    shard = shard_of(ckpt, "model.norm.weight")
+    data = shard.read_bytes()
+    assert data.count(b'"dtype":"BF16"') > 1
+    shard.write_bytes(data.replace(b'"dtype":"BF16"', b'"dtype":"XF16"', 1))
+    problems = CheckpointReader(ckpt).validate()
+    assert [(p.kind, p.file) for p in problems] == [("dtype", shard.name)]
+    assert_cli_error(capsys, ckpt, "unsupported safetensors dtype 'XF16'", shard.name)
+
+
 def test_truncated_shard(ckpt, capsys):
     shard = shard_of(ckpt, LAYER1 + "self_attn.o_proj.weight")
     data = shard.read_bytes()
