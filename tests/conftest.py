@@ -1,0 +1,151 @@
+"""Shared test fixtures: synthetic checkpoints, in-memory random weights, and the transformers oracle."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from moe_export.graphs.config import ModelConfig
+from moe_export.graphs.weights import all_tensor_specs
+
+SYNTHETIC_PRESETS = ("tiny-k3", "tiny-k3-dsa", "tiny-kimi-linear")
+
+
+@contextlib.contextmanager
+def transformers_without_fla() -> Iterator[object]:
+    """Import transformers with `fla` hidden, so its Kimi Linear / Qwen3-Next modules bind the torch
+    fallbacks instead of fla's Triton kernels (which fail on CPU). Modules imported inside the block keep
+    the fallback; `fla` and its submodules are restored afterwards."""
+    saved = {name: mod for name, mod in sys.modules.items() if name == "fla" or name.startswith("fla.")}
+    for name in saved:
+        del sys.modules[name]
+    sys.modules["fla"] = None  # makes `import fla` raise ImportError
+    try:
+        yield importlib.import_module("transformers")
+    finally:
+        del sys.modules["fla"]
+        sys.modules.update(saved)
+
+
+def import_hf(module: str) -> object:
+    """A transformers modeling module (e.g. 'kimi_linear') imported fresh with fla hidden."""
+    name = f"transformers.models.{module}.modeling_{module}"
+    with transformers_without_fla():
+        sys.modules.pop(name, None)
+        return importlib.import_module(name)
+
+
+class DictSource:
+    """A CheckpointReader stand-in over an in-memory dict of tensors (stored dtypes)."""
+
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+        self.config = config
+        self.tensors = tensors
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+
+def random_source(cfg: ModelConfig, seed: int = 0) -> DictSource:
+    """Random weights for every tensor the config implies, scaled so activations stay O(1)."""
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for spec in all_tensor_specs(cfg):
+        name, shape = spec.name, spec.shape
+        if spec.dtype == "U8":
+            low, high = (120, 125) if name.endswith("weight_scale") else (0, 256)
+            t = torch.randint(low, high, shape, generator=gen, dtype=torch.uint8)
+        elif name.endswith("A_log"):  # one value per head, zero tail
+            t = torch.zeros(shape)
+            t.view(-1)[: cfg.kda_num_heads] = torch.rand(cfg.kda_num_heads, generator=gen) * 2 - 1
+        elif name.endswith(("dt_bias", "e_score_correction_bias", "conv1d.weight")):
+            t = torch.randn(shape, generator=gen) * 0.5
+        elif len(shape) == 1:  # norm weights ~ 1, LayerNorm bias ~ 0
+            t = torch.randn(shape, generator=gen) * (0.1 if name.endswith("bias") else 0.2) + (0 if name.endswith("bias") else 1)
+        else:
+            t = torch.randn(shape, generator=gen) * shape[-1] ** -0.5
+        out[spec.name] = t.to({"BF16": torch.bfloat16, "F32": torch.float32, "U8": torch.uint8}[spec.dtype])
+    return DictSource(cfg, out)
+
+
+def tiny_hf_config(kind: str) -> dict:
+    """HF config dicts of small models: 'k3' (latent MoE, SiTU, attention residuals, safe gate),
+    'k3-dsa' (k3 plus a DSA indexer) and 'kimi-linear' (plain residual, softplus gate, SwiGLU)."""
+    text = {
+        "model_type": "kimi_linear",
+        "vocab_size": 96,
+        "hidden_size": 64,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "mla_use_nope": True,
+        "mla_use_output_gate": True,
+        "intermediate_size": 96,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "num_experts": 8,
+        "num_experts_per_token": 2,
+        "moe_intermediate_size": 32,
+        "num_shared_experts": 1,
+        "routed_expert_hidden_size": 32,
+        "latent_moe_use_norm": True,
+        "moe_renormalize": True,
+        "routed_scaling_factor": 1.5,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "hidden_act": "situ",
+        "activation_situ_beta": 4.0,
+        "activation_situ_linear_beta": 25.0,
+        "attn_res_block_size": 2,
+        "rms_norm_eps": 1e-5,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        "linear_attn_config": {
+            "num_heads": 2,
+            "head_dim": 16,
+            "short_conv_kernel_size": 4,
+            "use_full_rank_gate": True,
+            "gate_lower_bound": -5.0,
+            "kda_layers": [1, 2, 4, 5],
+            "full_attn_layers": [3, 6],
+        },
+    }
+    if kind == "kimi-linear":
+        for key in ("routed_expert_hidden_size", "latent_moe_use_norm", "attn_res_block_size",
+                    "activation_situ_beta", "activation_situ_linear_beta", "mla_use_output_gate"):
+            del text[key]
+        text.update(hidden_act="silu", q_lora_rank=None)
+        text["linear_attn_config"] = {k: v for k, v in text["linear_attn_config"].items()
+                                      if k not in ("use_full_rank_gate", "gate_lower_bound")}
+        return text
+    if kind == "k3-dsa":
+        text.update(index_n_heads=2, index_head_dim=16, index_topk=3)
+    return {"model_type": "kimi_k3", "text_config": text, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
+
+
+@pytest.fixture(scope="session")
+def synthetic_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """preset name -> directory of a synthetic checkpoint written once per session (seed 0)."""
+    from moe_export.export.synth import write_synthetic_checkpoint
+
+    made: dict[str, object] = {}
+
+    def get(preset: str):
+        if preset not in made:
+            out = tmp_path_factory.mktemp(preset)
+            write_synthetic_checkpoint(preset, out, seed=0)
+            made[preset] = out
+        return made[preset]
+
+    return get
