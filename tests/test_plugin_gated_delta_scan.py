@@ -9,10 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import onnx
 import pytest
 import torch
+from onnx import helper
 
-from moe_export.plugins.gated_delta_scan import cpu, reference
+from moe_export.plugins import DOMAIN, OPSET_VERSION
+from moe_export.plugins.gated_delta_scan import cpu, onnx_schema, ort, reference
 
 REPO = Path(__file__).resolve().parents[1]
 INNER_TRITON = os.environ.get("MOE_EXPORT_TRITON_INNER") == "1"
@@ -280,3 +284,140 @@ def node_inputs(seed=0, lengths=(3, 0, 70, 1), S=6, slots=(4, 0, 2, 5), H=2, K=8
     pool = torch.randn(S, H, V, K, generator=torch.Generator().manual_seed(seed + 1))
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
     return q, k, v, g, beta, pool, cu, torch.tensor(slots, dtype=torch.int64)
+
+
+# ------------------------------------------------------------------------- ONNX schema and ORT
+
+
+def onnx_model(act=onnx.TensorProto.FLOAT, with_function=True, scale=0.25, use_qk_l2norm=True):
+    """Model with one GatedDeltaScan node over graph inputs of the same names (+ its function)."""
+    f32, i64 = onnx.TensorProto.FLOAT, onnx.TensorProto.INT64
+    vi = helper.make_tensor_value_info
+    inputs = [
+        vi("q", act, ["T", "H", "K"]), vi("k", act, ["T", "H", "K"]), vi("v", act, ["T", "H", "V"]),
+        vi("g", f32, ["T", "H", "K"]), vi("beta", f32, ["T", "H"]), vi("state_pool", f32, ["S", "H", "V", "K"]),
+        vi("cu_seqlens", i64, ["N1"]), vi("slot_ids", i64, ["N"]),
+    ]  # fmt: skip
+    outputs = [vi("o", act, ["T", "H", "V"]), vi("state_pool_out", f32, ["S", "H", "V", "K"])]
+    node = onnx_schema.make_node(
+        *onnx_schema.INPUTS, *onnx_schema.OUTPUTS, scale=scale, use_qk_l2norm=use_qk_l2norm, name="scan0"
+    )
+    graph = helper.make_graph([node], "gds", inputs, outputs)
+    opsets = [helper.make_opsetid("", ort.ONNX_OPSET), helper.make_opsetid(DOMAIN, OPSET_VERSION)]
+    return helper.make_model(graph, opset_imports=opsets, functions=[ort.function_proto()] if with_function else [])
+
+
+@pytest.mark.parametrize("with_function", [False, True])
+def test_schema_checker_and_strict_shape_inference(with_function):
+    onnx_schema.register()
+    onnx_schema.register()  # idempotent
+    model = onnx_model(with_function=with_function)
+    onnx.checker.check_model(model, full_check=True)
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    assert len(inferred.graph.output) == 2
+
+
+def test_schema_inference_gives_output_types():
+    onnx_schema.register()
+    model = onnx_model(act=onnx.TensorProto.FLOAT16, with_function=False)
+    del model.graph.output[:]
+    model.graph.output.extend([onnx.ValueInfoProto(name="o"), onnx.ValueInfoProto(name="state_pool_out")])
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    types = {v.name: v.type.tensor_type for v in list(inferred.graph.value_info) + list(inferred.graph.output)}
+    assert types["o"].elem_type == onnx.TensorProto.FLOAT16
+    assert [d.dim_param for d in types["o"].shape.dim] == ["T", "H", "V"]
+    assert types["state_pool_out"].elem_type == onnx.TensorProto.FLOAT
+    assert [d.dim_param for d in types["state_pool_out"].shape.dim] == ["S", "H", "V", "K"]
+
+
+def test_make_node_attributes():
+    node = onnx_schema.make_node(*onnx_schema.INPUTS, *onnx_schema.OUTPUTS, scale=0.5, use_qk_l2norm=True)
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    assert node.domain == DOMAIN and node.op_type == "GatedDeltaScan"
+    assert attrs == {"scale": 0.5, "use_qk_l2norm": 1, "plugin_version": b"1"}
+
+
+ORT_CASES = {
+    # name: node_inputs kwargs
+    "varlen_empty_slots": dict(lengths=(3, 0, 70, 1), slots=(4, 0, 2, 5)),
+    "leading_empty": dict(lengths=(0, 9), slots=(3, 1)),
+    "decode": dict(lengths=(1, 1, 1), slots=(5, 2, 0)),
+}
+
+
+def run_ort(model, args):
+    import onnxruntime
+
+    sess = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {name: a.numpy() for name, a in zip(onnx_schema.INPUTS, args)})
+
+
+@pytest.mark.parametrize("name", list(ORT_CASES))
+@pytest.mark.parametrize("l2", [False, True])
+def test_ort_function_matches_reference(name, l2):
+    args = node_inputs(seed=11, **ORT_CASES[name])
+    o, pool = run_ort(onnx_model(use_qk_l2norm=l2), args)
+    o_ref, pool_ref = reference.gated_delta_scan_node(*args, scale=0.25, use_qk_l2norm=l2)
+    close(torch.from_numpy(o), o_ref)
+    close(torch.from_numpy(pool), pool_ref)
+    untouched = [s for s in range(pool.shape[0]) if s not in ORT_CASES[name]["slots"]]
+    assert (torch.from_numpy(pool[untouched]) == args[5][untouched]).all()
+
+
+def test_ort_function_fp16_activations():
+    args = list(node_inputs(seed=12))
+    for i in (0, 1, 2):
+        args[i] = args[i].half()
+    o, pool = run_ort(onnx_model(act=onnx.TensorProto.FLOAT16), args)
+    o_ref, pool_ref = reference.gated_delta_scan_node(*args, scale=0.25, use_qk_l2norm=True)
+    assert o.dtype == np.float16
+    close(torch.from_numpy(o), o_ref, 2e-3)
+    close(torch.from_numpy(pool), pool_ref)
+
+
+def test_ort_prefill_then_decode_through_pool():
+    """Prefill (two sequences) then two decode steps feeding state_pool_out back == one long reference scan."""
+    H, K, V, S, slots = 2, 8, 8, 4, (3, 1)
+    model = onnx_model()
+    q, k, v, g, beta = (x[0] for x in make_inputs(1, 2 * 12, H, K, V, seed=13))
+    pool0 = torch.randn(S, H, V, K)
+    cu_full = torch.tensor([0, 12, 24])
+    o_full, pool_full = reference.gated_delta_scan_node(
+        q, k, v, g, beta, pool0, cu_full, torch.tensor(slots), scale=0.25, use_qk_l2norm=True
+    )
+    pre = [torch.cat([x[:10], x[12:22]]) for x in (q, k, v, g, beta)]
+    o_pre, pool = run_ort(model, [*pre, pool0, torch.tensor([0, 10, 20]), torch.tensor(slots)])
+    outs = [o_pre[:10], o_pre[10:]]
+    for t in (10, 11):
+        step = [torch.stack([x[t], x[12 + t]]) for x in (q, k, v, g, beta)]
+        o_t, pool = run_ort(model, [*step, torch.from_numpy(pool), torch.tensor([0, 1, 2]), torch.tensor(slots)])
+        outs[0], outs[1] = np.concatenate([outs[0], o_t[:1]]), np.concatenate([outs[1], o_t[1:]])
+    close(torch.from_numpy(np.concatenate(outs)), o_full)
+    close(torch.from_numpy(pool), pool_full)
+
+
+# ------------------------------------------------------------------------------- TensorRT side
+
+
+def test_aot_compile_produces_ptx():
+    """The kernel the TensorRT AOT plugin embeds compiles to sm_90 PTX (real compile, no GPU needed)."""
+    pytest.importorskip("triton")
+    from moe_export.plugins.gated_delta_scan import triton_kernel
+
+    kernel = triton_kernel.aot_compile("bf16", 2, 128, 128, 128**-0.5, True, True, 90)
+    assert kernel.metadata.name == "gated_delta_scan_kernel"
+    assert ".entry gated_delta_scan_kernel" in kernel.asm["ptx"]
+    assert kernel.metadata.num_warps * 32 > 0
+
+
+def test_tensorrt_plugin_not_imported_by_package():
+    code = (
+        "import sys, moe_export.plugins.gated_delta_scan as p\n"
+        "from moe_export.plugins.gated_delta_scan import common, reference, cpu, onnx_schema, ort, triton_kernel\n"
+        "assert 'tensorrt' not in sys.modules, 'tensorrt imported'\n"
+        "assert 'moe_export.plugins.gated_delta_scan.tensorrt_plugin' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+    package = REPO / "plugins" / "gated_delta_scan"
+    importers = [p.name for p in package.glob("*.py") if "import tensorrt" in p.read_text()]
+    assert importers == ["tensorrt_plugin.py"]

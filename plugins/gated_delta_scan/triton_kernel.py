@@ -94,7 +94,7 @@ def launch(q, k, v, g, beta, state_in, cu_seqlens, slot_ids, o, state_out, scale
     gated_delta_scan_kernel[grid](
         q, k, v, g, beta, state_in, cu_seqlens, slot_ids, o, state_out,
         scale=float(scale), H=H, K=K, V=V, BK=BK, BV=BV,
-        USE_L2NORM=bool(use_qk_l2norm), STATE_V_FIRST=bool(state_v_first),
+        USE_L2NORM=bool(use_qk_l2norm), STATE_V_FIRST=bool(state_v_first), enable_fp_fusion=True,
     )  # fmt: skip
 
 
@@ -155,3 +155,32 @@ def gated_delta_scan_pool(
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g.float(), beta.float()))
     launch(q, k, v, g, beta, state_pool, cu_seqlens, slot_ids, o, state_pool_out, scale, use_qk_l2norm, True)
     return o, state_pool_out
+
+
+TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def aot_compile(
+    act_dtype: str, H: int, K: int, V: int, scale: float, use_qk_l2norm: bool, state_v_first: bool, capability: int
+):
+    """Compile the kernel ahead of time for CUDA ``sm_<capability>`` (needs no GPU).
+
+    act_dtype: Triton type of q, k, v, o ("fp32", "fp16" or "bf16"); g, beta and states are fp32.
+    Returns Triton's CompiledKernel: ``asm["ptx"]``, ``metadata.name``, ``metadata.num_warps``,
+    ``metadata.shared``. Launch grid: (cdiv(V, BV), H, N) with ``BV = block_sizes(K, V)[1]``.
+    """
+    from triton.backends.compiler import GPUTarget
+
+    BK, BV = block_sizes(K, V)
+    act = f"*{act_dtype}"
+    signature = dict(
+        q_ptr=act, k_ptr=act, v_ptr=act, g_ptr="*fp32", beta_ptr="*fp32", state_in_ptr="*fp32",
+        cu_seqlens_ptr="*i64", slot_ids_ptr="*i64", o_ptr=act, state_out_ptr="*fp32",
+    )  # fmt: skip
+    constexprs = dict(
+        scale=float(scale), H=H, K=K, V=V, BK=BK, BV=BV,
+        USE_L2NORM=bool(use_qk_l2norm), STATE_V_FIRST=bool(state_v_first),
+    )  # fmt: skip
+    signature.update({name: "constexpr" for name in constexprs})
+    src = triton.compiler.ASTSource(fn=gated_delta_scan_kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(enable_fp_fusion=True))
