@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -183,14 +184,15 @@ class CheckpointReader:
         self._index: dict[str, str] | None = None  # tensor name -> shard file, from the index
         self._bad_files: set[str] = set()  # shards whose header could not be parsed (or that are missing)
         self._handles: dict[str, object] = {}
+        self._specs: list[TensorSpec] | None = None
         self.files = self._discover()
+        per_file = Counter((self._index or {}).values())
         for fname in self.files:
             fpath = self.path / fname
             if not fpath.is_file():
                 self._bad_files.add(fname)
-                count = sum(1 for f in (self._index or {}).values() if f == fname)
                 self._problems.append(
-                    Problem("missing_shard", None, f"the index maps {count} tensor(s) to this file, which does not exist", fname)
+                    Problem("missing_shard", None, f"the index maps {per_file[fname]} tensor(s) to this file, which does not exist", fname)
                 )
                 continue
             tensors, problems = read_safetensors_header(fpath)
@@ -222,7 +224,7 @@ class CheckpointReader:
             ):
                 self._problems.append(Problem("corrupt", None, "'weight_map' must map tensor names to file names", INDEX_FILE))
                 return []
-            escaping = sorted({v for v in weight_map.values() if Path(v).name != v})
+            escaping = sorted(v for v in set(weight_map.values()) if Path(v).name != v)
             if escaping:
                 self._problems.append(Problem("corrupt", None, f"shard names must be plain file names, got {escaping[:3]}", INDEX_FILE))
                 return []
@@ -252,7 +254,7 @@ class CheckpointReader:
 
     # ---- public API ----
     def tensor_names(self) -> list[str]:
-        """Readable tensor names in storage order (shard by shard, by byte offset)."""
+        """Names of the tensors the shard headers declare, in storage order (shard by shard, by offset)."""
         order = {f: i for i, f in enumerate(self.files)}
         return [t.name for t in sorted(self._tensors.values(), key=lambda t: (order[t.file], t.start))]
 
@@ -267,8 +269,10 @@ class CheckpointReader:
         return self._tensors[name].nbytes
 
     def expected_specs(self) -> list[TensorSpec]:
-        """The language-model tensors the config implies (see `moe_export.graphs.weights`)."""
-        return all_tensor_specs(self.config)
+        """The language-model tensors the config implies (see `moe_export.graphs.weights`); computed once."""
+        if self._specs is None:
+            self._specs = all_tensor_specs(self.config)
+        return self._specs
 
     def get(self, name: str) -> torch.Tensor:
         """Load one tensor in its stored dtype (U8 for MXFP4 packed weights and scales)."""
