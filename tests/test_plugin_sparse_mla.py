@@ -4,6 +4,7 @@ implementations vs the reference."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import subprocess
@@ -110,10 +111,19 @@ def test_reference_full_topk_equals_unabsorbed_dense_mla():
 
 @pytest.fixture(scope="module")
 def hf_deepseek_v32():
-    """transformers' deepseek_v32 modeling module imported with fla hidden (torch fallbacks)."""
-    from conftest import import_hf
-
-    return import_hf("deepseek_v32")
+    """transformers' deepseek_v32 modeling module, imported fresh with `fla` hidden (so it binds the torch
+    fallbacks, not fla's Triton kernels); sys.modules is restored right after the import."""
+    name = "transformers.models.deepseek_v32.modeling_deepseek_v32"
+    saved = {k: v for k, v in sys.modules.items() if k == "fla" or k.startswith("fla.") or k == name}
+    for k in saved:
+        del sys.modules[k]
+    sys.modules["fla"] = None
+    try:
+        return importlib.import_module(name)
+    finally:
+        del sys.modules["fla"]
+        sys.modules.pop(name, None)
+        sys.modules.update(saved)
 
 
 def test_reference_matches_transformers_deepseek_v32_attention(hf_deepseek_v32):

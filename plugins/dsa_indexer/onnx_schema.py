@@ -1,0 +1,86 @@
+"""ONNX schema of `DSAIndexer` (domain `moe_export.plugins.DOMAIN`, opset `OPSET_VERSION`).
+
+Node contract (semantics in `reference.py`):
+
+    indices = DSAIndexer(q_idx, weights, k_cache, cu_seqlens, slot_ids, positions)
+    inputs   q_idx       [T, Hi, Di]  float   indexer queries (after wq_b and rope)
+             weights     [T, Hi]      float   head weights, already scaled by Hi^-0.5 * Di^-0.5
+             k_cache     [S, L, Di]   float   indexer key cache pool (after wk, k_norm, rope), holding this step
+             cu_seqlens  [N+1]        int64   cumulative query tokens per sequence
+             slot_ids    [N]          int64   cache slot of each sequence
+             positions   [T]          int64   absolute position of each query token
+    output   indices     [T, topk]    int64   positions in the sequence, best first, -1 padding
+    attributes  topk (int, required): number of positions selected per token (index_topk, 2048 for DSA)
+                plugin_version (string, default "1"): TensorRT plugin version
+
+`register()` installs the schema with a Python type-and-shape inference function (see
+`sparse_mla_attention/onnx_schema.py`), idempotently.
+"""
+
+import onnx
+from onnx import defs, helper
+
+from .. import DOMAIN, OPSET_VERSION, PLUGIN_VERSION
+from ..sparse_mla_attention.onnx_schema import input_dim, plugin_version_attribute, register_once, tensor_type
+
+OP_TYPE = "DSAIndexer"
+
+
+def _infer(ctx) -> None:
+    topk = helper.get_attribute_value(ctx.get_attribute("topk"))
+    ctx.set_output_type(0, tensor_type(onnx.TensorProto.INT64, [input_dim(ctx, 0, 0), int(topk)]))
+
+
+def schema() -> defs.OpSchema:
+    """The OpSchema of DSAIndexer (not yet registered)."""
+    p = defs.OpSchema.FormalParameter
+    s = defs.OpSchema(
+        OP_TYPE,
+        DOMAIN,
+        OPSET_VERSION,
+        "DeepSeek-V3.2 lightning indexer: causal relu-scored, head-weighted top-k positions per query token.",
+        inputs=[
+            p("q_idx", "tensor(float)", "[T, Hi, Di]"),
+            p("weights", "tensor(float)", "[T, Hi]"),
+            p("k_cache", "tensor(float)", "[S, L, Di]"),
+            p("cu_seqlens", "tensor(int64)", "[N+1]"),
+            p("slot_ids", "tensor(int64)", "[N]"),
+            p("positions", "tensor(int64)", "[T]"),
+        ],
+        outputs=[p("indices", "tensor(int64)", "[T, topk]")],
+        attributes=[
+            defs.OpSchema.Attribute("topk", defs.OpSchema.AttrType.INT, "positions selected per token"),
+            plugin_version_attribute(),
+        ],
+    )
+    s.set_type_and_shape_inference_function(_infer)
+    return s
+
+
+def register() -> None:
+    """Register the DSAIndexer schema (idempotent)."""
+    register_once(schema())
+
+
+def make_node(
+    q_idx: str,
+    weights: str,
+    k_cache: str,
+    cu_seqlens: str,
+    slot_ids: str,
+    positions: str,
+    indices: str,
+    *,
+    topk: int,
+    name: str | None = None,
+) -> onnx.NodeProto:
+    """A DSAIndexer node over the given value names."""
+    return helper.make_node(
+        OP_TYPE,
+        [q_idx, weights, k_cache, cu_seqlens, slot_ids, positions],
+        [indices],
+        name=name,
+        domain=DOMAIN,
+        topk=int(topk),
+        plugin_version=PLUGIN_VERSION,
+    )

@@ -1,0 +1,47 @@
+"""ONNX Runtime lowering of DSAIndexer: a model-local FunctionProto (domain DOMAIN, same op type) in standard
+ONNX (opset 21) that ORT inlines; the TensorRT graph keeps the bare node.
+
+Body: token -> slot, gather each token's slot keys [T, L, Di], scores = weights @ relu(q_idx @ keys^T)
+([T, 1, Hi] x [T, Hi, L]), positions beyond the token -> -inf, TopK(k = min(topk, L), largest, sorted; ONNX
+breaks ties towards the lower index, as the op does), -inf picks -> -1, Pad with -1 to `topk` columns.
+Memory T*L*(Di + Hi): fine for small models.
+"""
+
+import onnx
+from onnx import helper
+
+from .. import DOMAIN
+from ..sparse_mla_attention.ort import ONNX_OPSET, FunctionBuilder
+from .onnx_schema import OP_TYPE
+
+
+def function_proto() -> onnx.FunctionProto:
+    """FunctionProto implementing DSAIndexer."""
+    b = FunctionBuilder("dsa")
+    num_tokens = b.dim("q_idx", 0)
+    max_len = b.dim("k_cache", 1)
+    slots = b.token_slots(num_tokens, "cu_seqlens", "slot_ids")
+    keys = b.op("Gather", "k_cache", slots, axis=0)  # [T, L, Di]
+    per_head = b.op("Relu", b.op("MatMul", "q_idx", b.op("Transpose", keys, perm=[0, 2, 1])))  # [T, Hi, L]
+    weights = b.op("Unsqueeze", "weights", b.ints([1]))  # [T, 1, Hi]
+    scores = b.op("Squeeze", b.op("MatMul", weights, per_head), b.ints([1]))  # [T, L]
+    span = b.op("Unsqueeze", b.op("Range", b.int_scalar(0), max_len, b.int_scalar(1)), b.ints([0]))
+    causal = b.op("LessOrEqual", span, b.op("Unsqueeze", "positions", b.ints([1])))
+    scores = b.op("Where", causal, scores, b.float_scalar(float("-inf")))
+    topk = b.attr("topk", "int")
+    keep = b.op("Min", topk, max_len)
+    values, order = b.op("TopK", scores, b.op("Unsqueeze", keep, b.ints([0])), outputs=2, axis=-1, largest=1, sorted=1)
+    is_pad = b.op("IsInf", values, detect_positive=0)
+    order = b.op("Where", is_pad, b.int_scalar(-1), order)
+    pad_cols = b.op("Unsqueeze", b.op("Sub", topk, keep), b.ints([0]))
+    pads = b.op("Concat", b.ints([0, 0, 0]), pad_cols, axis=0)
+    b.op("Pad", order, pads, b.int_scalar(-1), out="indices")
+    return helper.make_function(
+        DOMAIN,
+        OP_TYPE,
+        ["q_idx", "weights", "k_cache", "cu_seqlens", "slot_ids", "positions"],
+        ["indices"],
+        b.nodes,
+        [helper.make_opsetid("", ONNX_OPSET)],
+        attributes=["topk"],
+    )

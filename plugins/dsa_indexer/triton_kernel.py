@@ -1,0 +1,97 @@
+"""Triton DSAIndexer (semantics in `reference.py`).
+
+A Triton kernel writes the index scores [T, Lmax] (one program per token and BLOCK_N cache positions: the
+token's [Hi, Di] queries against a [BLOCK_N, Di] key tile, relu, head-weighted sum; positions beyond the
+token get -inf and blocks wholly beyond it skip the loads), then `cpu.select_topk` (torch, runs on the same
+device) takes the top-k with the op's tie rule. Lmax = max(positions) + 1. Dot products use
+`input_precision="ieee"` (fp32). Runs on CUDA tensors, or on CPU under TRITON_INTERPRET=1.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ..sparse_mla_attention.reference import token_slots
+from .cpu import select_topk
+
+
+@triton.jit
+def _index_scores_kernel(
+    q_ptr, w_ptr, k_ptr, slot_ptr, pos_ptr, out_ptr,
+    num_heads, out_len,
+    stride_qt, stride_qh, stride_wt, stride_ks, stride_kl, stride_ot,
+    DI: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    t = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pos = tl.load(pos_ptr + t)
+    valid = offs_n <= pos
+    score = tl.zeros([BLOCK_N], tl.float32)
+    if tl.program_id(1) * BLOCK_N <= pos:
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_h = offs_h < num_heads
+        mask_d = offs_d < DI
+        q = tl.load(
+            q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+            mask=mask_h[:, None] & mask_d[None, :], other=0.0,
+        )  # fmt: skip
+        w = tl.load(w_ptr + t * stride_wt + offs_h, mask=mask_h, other=0.0)
+        slot = tl.load(slot_ptr + t)
+        k = tl.load(
+            k_ptr + slot * stride_ks + offs_n[:, None] * stride_kl + offs_d[None, :],
+            mask=valid[:, None] & mask_d[None, :], other=0.0,
+        )  # fmt: skip
+        s = tl.maximum(tl.dot(q, tl.trans(k), input_precision="ieee"), 0.0)  # [BLOCK_H, BLOCK_N]
+        score = tl.sum(s * w[:, None], axis=0)
+    score = tl.where(valid, score, float("-inf"))
+    tl.store(out_ptr + t * stride_ot + offs_n, score, mask=offs_n < out_len)
+
+
+def dsa_index_scores_triton(
+    q_idx: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    slot_ids: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """Index scores [T, max(positions)+1] fp32 (-inf beyond each token's position)."""
+    num_tokens, num_heads, dim = q_idx.shape
+    q = q_idx.float().contiguous()
+    w = weights.float().contiguous()
+    k = k_cache.float().contiguous()
+    slots = token_slots(cu_seqlens, slot_ids, num_tokens).contiguous()
+    pos = positions.to(torch.int64).contiguous()
+    out_len = int(pos.max()) + 1 if num_tokens else 0
+    out = torch.empty(num_tokens, out_len, dtype=torch.float32, device=q.device)
+    if num_tokens == 0:
+        return out
+    grid = (num_tokens, triton.cdiv(out_len, block_n))
+    _index_scores_kernel[grid](
+        q, w, k, slots, pos, out,
+        num_heads, out_len,
+        q.stride(0), q.stride(1), w.stride(0), k.stride(0), k.stride(1), out.stride(0),
+        DI=dim, BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        BLOCK_N=block_n,
+    )  # fmt: skip
+    return out
+
+
+def dsa_indexer_triton(
+    q_idx: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    slot_ids: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    topk: int,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """q_idx [T, Hi, Di], weights [T, Hi], k_cache [S, L, Di], cu_seqlens [N+1], slot_ids [N], positions [T]
+    -> indices [T, topk] int64."""
+    scores = dsa_index_scores_triton(q_idx, weights, k_cache, cu_seqlens, slot_ids, positions, block_n=block_n)
+    return select_topk(scores, topk)
