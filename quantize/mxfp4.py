@@ -89,8 +89,10 @@ def _encode_chunk(xb: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) 
         # 2*top16 + sticky(low16) = floor(b / 2^16) + ceil(b / 2^16), masked to 17 bits.
         idx = ((b >> 16) + ((b + 0xFFFF) >> 16)) & 0x1FFFF
         table = _code_table(17)
-    codes = torch.index_select(table.to(v.device), 0, idx.view(-1)).view(-1, BLOCK_SIZE // 2, 2)
-    torch.bitwise_or(codes[..., 0], codes[..., 1] << 4, out=packed)
+    codes = torch.index_select(table.to(v.device), 0, idx.view(-1))
+    # Little-endian int16 view of a code pair: even code in bits 0-3, odd code in bits 8-11.
+    pairs = codes.view(torch.int16).view(-1, BLOCK_SIZE // 2)
+    packed.copy_(pairs | (pairs >> 4))
 
 
 def encode(
