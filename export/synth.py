@@ -32,6 +32,7 @@ from moe_export.export.errors import InputError
 from moe_export.export.tokenizer import BOS, MEDIA, PAD, STOP_TOKEN, special_token_ids, write_byte_tokenizer
 from moe_export.graphs.config import ModelConfig
 from moe_export.graphs.weights import TensorSpec, all_tensor_specs
+from moe_export.quantize.mxfp4 import decode, encode
 
 TORCH_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "U8": torch.uint8}
 LAYERS_PER_SHARD = 3
@@ -192,15 +193,17 @@ def _uniform(shape: tuple[int, ...], lo: float, hi: float, gen: torch.Generator)
 
 def _mxfp4_expert(seed: int, logical_name: str, logical_shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """A routed expert weight [out, in] ~ N(0, 1/in), MXFP4-encoded: (packed [out, in/2], scales [out, in/32])."""
-    from moe_export.quantize.mxfp4 import encode
-
     gen = _generator(seed, logical_name)
     w = torch.randn(logical_shape, generator=gen) / math.sqrt(logical_shape[1])
     return encode(w)
 
 
 def synth_tensor(cfg: ModelConfig, spec: TensorSpec, seed: int) -> torch.Tensor:
-    """The synthetic value of one tensor, in its stored dtype and shape."""
+    """The synthetic value of one tensor, in its stored dtype and shape.
+
+    BF16 routed experts are drawn on the MXFP4 grid (exactly representable in bf16), so the build's
+    bf16 -> MXFP4 conversion is lossless and engine-vs-reference parity can be tested exactly; the
+    conversion's error on real weights is reported per tensor in the build manifest instead."""
     name, shape = spec.name, spec.shape
     for suffix, part in ((".weight_packed", 0), (".weight_scale", 1)):
         if name.endswith(suffix):
@@ -225,6 +228,8 @@ def synth_tensor(cfg: ModelConfig, spec: TensorSpec, seed: int) -> torch.Tensor:
         x = 0.05 * torch.randn(shape, generator=gen)
     elif name.endswith("embed_tokens.weight"):
         x = torch.randn(shape, generator=gen)
+    elif spec.weight_class == "routed_experts":  # bf16 experts (Kimi Linear): values on the MXFP4 grid
+        x = decode(*_mxfp4_expert(seed, name[: -len(".weight")], shape))
     else:  # weights [out, in, ...]: fan-in scaled
         x = torch.randn(shape, generator=gen) / math.sqrt(math.prod(shape[1:]))
     return x.to(TORCH_DTYPES[spec.dtype])
