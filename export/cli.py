@@ -7,6 +7,7 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from moe_export.export.errors import InputError
 
@@ -102,6 +103,33 @@ def inspect(
         raise InputError(format_problems(path, [Problem(**p) for p in report["problems"]]))
 
 
+@app.command()
+def generate(
+    path: str = typer.Argument(..., help="checkpoint directory"),
+    prompt_ids: str | None = typer.Option(None, "--prompt-ids", help="comma-separated token ids, e.g. 1,2,3"),
+    prompt: str | None = typer.Option(None, "--prompt", help="prompt text, tokenized with the checkpoint's tokenizer.json"),
+    max_new_tokens: int = typer.Option(..., "--max-new-tokens", help="tokens to generate (stops early at eos)"),
+    temperature: float | None = typer.Option(None, "--temperature", help="sampling temperature (0 = greedy)"),
+    top_p: float | None = typer.Option(None, "--top-p", help="nucleus sampling mass in (0, 1]"),
+    top_k: int | None = typer.Option(None, "--top-k", help="sample among the k most likely tokens"),
+    seed: int = typer.Option(0, "--seed", help="sampling seed"),
+    as_json: bool = typer.Option(False, "--json", help='print {"tokens": [...]} (the new tokens only)'),
+) -> None:
+    """Generate with the fp32 PyTorch reference model; greedy unless a sampling flag is given."""
+    import json
+
+    from moe_export.export.tokenizer import load_tokenizer
+    from moe_export.graphs.generate import generate_from_checkpoint
+    from moe_export.runtime.sampling import SamplingParams
+
+    sampling = SamplingParams.from_flags(temperature, top_k, top_p, seed)
+    tokens = generate_from_checkpoint(path, prompt_ids, prompt, max_new_tokens, sampling)
+    if as_json:
+        print(json.dumps({"tokens": tokens}))
+    else:
+        print(load_tokenizer(path).decode(tokens))
+
+
 def main() -> None:
     """Console-script entry point: maps InputError to exit 2 with a one-paragraph message."""
     debug = "--debug" in sys.argv
@@ -110,7 +138,7 @@ def main() -> None:
     except InputError as exc:
         if debug:
             raise
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except (typer.Exit, SystemExit) as exc:
         code = getattr(exc, "exit_code", getattr(exc, "code", 0))
@@ -118,7 +146,7 @@ def main() -> None:
     except OSError as exc:
         if debug:
             raise
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(1)
     except Exception as exc:  # click usage errors and the like
         import click

@@ -639,10 +639,11 @@ class KimiModel:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> KimiModel:
-        """Build from an HF-format checkpoint directory."""
-        from moe_export.export.checkpoint import CheckpointReader
+        """Build from an HF-format checkpoint directory (validated first: InputError listing every problem)."""
+        from moe_export.export.checkpoint import open_checkpoint
 
-        return cls.from_source(CheckpointReader(path), dtype)
+        with open_checkpoint(path) as reader:
+            return cls.from_source(reader, dtype)
 
     def new_cache(self, batch: int = 1) -> ModelCache:
         return new_cache(self.cfg, batch, self.dtype)

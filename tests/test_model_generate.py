@@ -1,0 +1,157 @@
+"""Sampling filters, generation with the reference model, and the `generate` command."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moe_export.export.cli import main
+from moe_export.export.errors import InputError
+from moe_export.export.tokenizer import load_tokenizer
+from moe_export.graphs.generate import generate
+from moe_export.graphs.model import KimiModel
+from moe_export.runtime.sampling import Sampler, SamplingParams, filter_logits
+
+
+def kept(logits, **kw) -> list[int]:
+    out = filter_logits(torch.tensor([logits]), SamplingParams(temperature=1.0, **kw))[0]
+    return torch.isfinite(out).nonzero().flatten().tolist()
+
+
+def test_top_k_keeps_ties_and_top_p_keeps_smallest_prefix():
+    assert kept([1.0, 2.0, 3.0, 4.0, 5.0], top_k=2) == [3, 4]
+    assert kept([1.0, 3.0, 3.0, 0.0], top_k=1) == [1, 2]
+    probs = [0.5, 0.3, 0.15, 0.05]
+    logp = [math.log(p) for p in probs]
+    assert kept(logp, top_p=0.7) == [0, 1]  # 0.5 < 0.7, 0.5 + 0.3 reaches it
+    assert kept(logp, top_p=0.5) == [0]
+    assert kept(logp, top_p=0.96) == [0, 1, 2, 3]
+    assert kept(logp, top_k=3, top_p=0.99) == [0, 1, 2]
+
+
+def test_temperature_scales_logits():
+    out = filter_logits(torch.tensor([[1.0, 2.0]]), SamplingParams(temperature=0.5))
+    assert out.tolist() == [[2.0, 4.0]]
+
+
+def test_sampler_is_seeded_and_degenerate_filters_are_greedy():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    draws = [[Sampler(SamplingParams(temperature=1.0, seed=s))(logits).tolist() for _ in range(2)] for s in (5, 5)]
+    assert draws[0] == draws[1]
+    greedy = logits.argmax(-1).tolist()
+    assert Sampler(SamplingParams())(logits).tolist() == greedy
+    assert Sampler(SamplingParams(temperature=2.0, top_k=1, seed=3))(logits).tolist() == greedy
+    assert Sampler(SamplingParams(temperature=2.0, top_p=1e-6, seed=3))(logits).tolist() == greedy
+
+
+def test_sampling_frequencies_follow_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=0))
+    counts = torch.bincount(sampler(probs.log().expand(20000, 3)), minlength=3) / 20000
+    torch.testing.assert_close(counts, probs, atol=0.015, rtol=0)
+
+
+@pytest.mark.parametrize("kw", [{"temperature": -1.0}, {"top_k": -2}, {"top_p": 0.0}, {"top_p": 1.5}])
+def test_bad_sampling_params(kw):
+    with pytest.raises(InputError):
+        SamplingParams(**kw)
+
+
+def test_from_flags():
+    assert SamplingParams.from_flags().greedy
+    assert SamplingParams.from_flags(top_k=5) == SamplingParams(temperature=1.0, top_k=5)
+    assert SamplingParams.from_flags(temperature=0.7, top_p=0.9, seed=4) == SamplingParams(0.7, 0, 0.9, 4)
+
+
+@pytest.fixture(scope="module")
+def k3(synthetic_checkpoint):
+    path = synthetic_checkpoint("tiny-k3")
+    return path, KimiModel.from_checkpoint(path)
+
+
+def test_greedy_generate_equals_argmax_of_full_forward(k3):
+    _, model = k3
+    prompt = [5, 17, 200, 3, 99]
+    got = generate(model, prompt, 6, stop_at_eos=False)
+    seq = list(prompt)
+    for _ in range(6):
+        seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    assert got == seq[len(prompt) :]
+
+
+def test_generate_stops_after_eos():
+    """A stub model whose logits favour token 7 (eos) at the third step."""
+
+    class Stub:
+        cfg = SimpleNamespace(eos_token_id=7)
+        steps = 0
+
+        def new_cache(self, batch):
+            return None
+
+        def _logits(self):
+            self.steps += 1
+            return torch.nn.functional.one_hot(torch.tensor([7 if self.steps == 3 else self.steps]), 10).float()
+
+        def prefill(self, ids, cache):
+            return self._logits()[:, None]
+
+        def decode(self, ids, cache):
+            return self._logits()
+
+    assert generate(Stub(), [1], 10) == [1, 2, 7]
+    assert generate(Stub(), [1], 5, stop_at_eos=False) == [1, 2, 7, 4, 5]
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    old = sys.argv
+    sys.argv = ["moe-export", *args]
+    try:
+        with pytest.raises(SystemExit) as exc:
+            main()
+    finally:
+        sys.argv = old
+    out, err = capsys.readouterr()
+    return exc.value.code, out, err
+
+
+def test_cli_generate_json_and_text(k3, capsys):
+    path, model = k3
+    rc, out, _ = run_cli(capsys, "generate", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens", "5", "--json")
+    assert rc == 0
+    assert json.loads(out) == {"tokens": generate(model, [1, 2, 3], 5)}
+
+    tok = load_tokenizer(path)
+    rc, out, _ = run_cli(capsys, "generate", str(path), "--prompt", "Hi there", "--max-new-tokens", "4")
+    assert rc == 0
+    assert out == tok.decode(generate(model, tok.encode("Hi there"), 4)) + "\n"
+
+    args = ("generate", str(path), "--prompt-ids", "4,5", "--max-new-tokens", "6", "--top-p", "0.9", "--seed", "11", "--json")
+    first, second = run_cli(capsys, *args)[1], run_cli(capsys, *args)[1]
+    assert first == second
+    sampled = generate(model, [4, 5], 6, SamplingParams(temperature=1.0, top_p=0.9, seed=11))
+    assert json.loads(first)["tokens"] == sampled
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--prompt-ids", "1,x"), "not an integer"),
+        (("--prompt-ids", "1,2.5"), "not an integer"),
+        (("--prompt-ids", "1,100000"), "outside the vocabulary"),
+        (("--prompt-ids", "-3"), "outside the vocabulary"),
+        (("--prompt-ids", ""), "not an integer"),
+        (("--prompt-ids", "1", "--prompt", "a"), "exactly one"),
+        ((), "exactly one"),
+        (("--prompt-ids", "1", "--top-p", "0"), "top_p"),
+    ],
+)
+def test_cli_generate_bad_input_exits_2(k3, capsys, args, message):
+    rc, _, err = run_cli(capsys, "generate", str(k3[0]), *args, "--max-new-tokens", "2")
+    assert rc == 2
+    assert message in err
