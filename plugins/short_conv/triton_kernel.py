@@ -1,0 +1,152 @@
+"""Triton short conv: one program per (channel tile, sequence), token tiles of BT, taps unrolled.
+
+Tap j of token t (position p = t - bos - (W-1) + j in its sequence) loads x[bos + p] when p >= 0 and the
+carried window state[slot, :, W-1+p] otherwise (two masked loads), so varlen and decode need no padding.
+The final window (last W-1 inputs) is loaded as one [BC, W-1] tile, then after a barrier stored to the
+slot; state in and state out may be the same buffer (in place), since each (slot, channel tile) belongs to
+one program and all its state reads precede its writes.
+
+Kernel argument order is input pointers, then output pointers, then compile-time constants, as the
+TensorRT AOT plugin (``tensorrt_plugin``) requires. Tested on CPU tensors with ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import check_inputs
+
+
+@triton.jit
+def short_conv_kernel(
+    x_ptr,
+    w_ptr,
+    state_in_ptr,
+    cu_seqlens_ptr,
+    slot_ids_ptr,
+    y_ptr,
+    state_out_ptr,
+    C: tl.constexpr,
+    W: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BW: tl.constexpr,
+):
+    """x, y [T, C]; w [C, W] fp32; states [S, C, W-1]; cu_seqlens [N+1]; slot_ids [N]."""
+    i_c = tl.program_id(0)
+    i_n = tl.program_id(1)
+    bos = tl.load(cu_seqlens_ptr + i_n).to(tl.int64)
+    length = tl.load(cu_seqlens_ptr + i_n + 1).to(tl.int64) - bos
+    slot = tl.load(slot_ids_ptr + i_n).to(tl.int64)
+    offs_c = i_c * BC + tl.arange(0, BC)
+    mask_c = offs_c < C
+    state_row = (slot * C + offs_c) * (W - 1)  # [BC]
+    for t0 in range(0, length, BT):
+        offs_t = t0 + tl.arange(0, BT)
+        mask_t = offs_t < length
+        acc = tl.zeros([BT, BC], dtype=tl.float32)
+        for j in tl.static_range(W):
+            p = offs_t - (W - 1) + j  # [BT]
+            m_x = (mask_t & (p >= 0))[:, None] & mask_c[None, :]
+            m_s = (mask_t & (p < 0))[:, None] & mask_c[None, :]
+            b_x = tl.load(x_ptr + (bos + p)[:, None] * C + offs_c[None, :], mask=m_x, other=0.0).to(tl.float32)
+            b_s = tl.load(state_in_ptr + state_row[None, :] + (W - 1 + p)[:, None], mask=m_s, other=0.0)
+            w_j = tl.load(w_ptr + offs_c * W + j, mask=mask_c, other=0.0)
+            acc += (b_x + b_s.to(tl.float32)) * w_j[None, :]
+        y = acc * tl.sigmoid(acc)
+        m_y = mask_t[:, None] & mask_c[None, :]
+        tl.store(y_ptr + (bos + offs_t)[:, None] * C + offs_c[None, :], y.to(y_ptr.dtype.element_ty), mask=m_y)
+    offs_w = tl.arange(0, BW)
+    p = length - (W - 1) + offs_w  # [BW]
+    m_w = offs_w < W - 1
+    m_x = mask_c[:, None] & (m_w & (p >= 0))[None, :]
+    m_s = mask_c[:, None] & (m_w & (p < 0))[None, :]
+    b_x = tl.load(x_ptr + (bos + p)[None, :] * C + offs_c[:, None], mask=m_x, other=0.0).to(tl.float32)
+    b_s = tl.load(state_in_ptr + state_row[:, None] + (W - 1 + p)[None, :], mask=m_s, other=0.0).to(tl.float32)
+    tl.debug_barrier()
+    out = (b_x + b_s).to(state_out_ptr.dtype.element_ty)
+    tl.store(state_out_ptr + state_row[:, None] + offs_w[None, :], out, mask=mask_c[:, None] & m_w[None, :])
+
+
+def block_sizes(C: int, W: int) -> tuple[int, int, int]:
+    """(BT, BC, BW): 16-token tiles, channel tiles of at most 128, the window padded to a power of two."""
+    return 16, min(128, triton.next_power_of_2(C)), triton.next_power_of_2(max(W - 1, 1))
+
+
+def launch(x, weight, state_in, cu_seqlens, slot_ids, y, state_out):
+    """Run the kernel on packed contiguous tensors: x, y [T, C]; weight [C, W] fp32; states [S, C, W-1]."""
+    C, W = weight.shape
+    N = slot_ids.numel()
+    if N == 0:
+        return
+    BT, BC, BW = block_sizes(C, W)
+    grid = (triton.cdiv(C, BC), N)
+    short_conv_kernel[grid](
+        x, weight, state_in, cu_seqlens, slot_ids, y, state_out, C=C, W=W, BT=BT, BC=BC, BW=BW,
+        enable_fp_fusion=True,
+    )  # fmt: skip
+
+
+def short_conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Same contract as ``reference.short_conv`` (final window [N, C, W-1] fp32)."""
+    w, cu = check_inputs(x, weight, initial_state, cu_seqlens)
+    B, T, C = x.shape
+    W = w.shape[1]
+    N = cu.numel() - 1
+    if initial_state is None:
+        state_in = torch.zeros(N, C, W - 1, dtype=torch.float32, device=x.device)
+    else:
+        state_in = initial_state.float().contiguous()
+    state_out = torch.empty_like(state_in)
+    y = torch.empty(B * T, C, dtype=x.dtype, device=x.device)
+    slots = torch.arange(N, dtype=torch.int64, device=x.device)
+    launch(x.reshape(B * T, C).contiguous(), w.contiguous(), state_in, cu, slots, y, state_out)
+    return y.reshape(B, T, C), state_out if output_final_state else None
+
+
+def short_conv_pool(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_pool: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    slot_ids: torch.Tensor,
+    conv_pool_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ONNX-node semantics (``ShortConv``): x [T, C]; weight [C, W] fp32; conv_pool [S, C, W-1];
+    cu_seqlens [N+1] int64; slot_ids [N] int64 (distinct).
+
+    Returns y [T, C] and the pool with slots ``slot_ids`` advanced (a copy unless ``conv_pool_out`` is
+    given; passing ``conv_pool`` itself updates it in place).
+    """
+    if conv_pool_out is None:
+        conv_pool_out = conv_pool.clone()
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    launch(x.contiguous(), weight.float().contiguous(), conv_pool, cu_seqlens, slot_ids, y, conv_pool_out)
+    return y, conv_pool_out
+
+
+def aot_compile(act_dtype: str, pool_dtype: str, C: int, W: int, capability: int):
+    """Compile the kernel ahead of time for CUDA ``sm_<capability>`` (needs no GPU).
+
+    act_dtype / pool_dtype: Triton types of x, y / of the pools ("fp32", "fp16" or "bf16").
+    Returns Triton's CompiledKernel; launch grid (cdiv(C, BC), N) with ``BC = block_sizes(C, W)[1]``.
+    """
+    from triton.backends.compiler import GPUTarget
+
+    BT, BC, BW = block_sizes(C, W)
+    signature = dict(
+        x_ptr=f"*{act_dtype}", w_ptr="*fp32", state_in_ptr=f"*{pool_dtype}", cu_seqlens_ptr="*i64",
+        slot_ids_ptr="*i64", y_ptr=f"*{act_dtype}", state_out_ptr=f"*{pool_dtype}",
+    )  # fmt: skip
+    constexprs = dict(C=C, W=W, BT=BT, BC=BC, BW=BW)
+    signature.update({name: "constexpr" for name in constexprs})
+    src = triton.compiler.ASTSource(fn=short_conv_kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(enable_fp_fusion=True))
