@@ -85,15 +85,24 @@ def synth(
 
 @app.command()
 def inspect(
-    path: str = typer.Argument(..., help="checkpoint directory"),
+    path: str = typer.Argument(..., help="checkpoint directory, or engine directory written by `build`"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    """Census of a checkpoint by weight class, its layer kinds, and every problem found (exit 2 if any)."""
+    """Census of a checkpoint by weight class, its layer kinds, and every problem found (exit 2 if any).
+    For an engine directory: ranks, mapping, graph ops and plugin nodes, weights by class, manifest status."""
     import json
 
     from moe_export.export.census import inspect_checkpoint, render_checkpoint_report
     from moe_export.export.checkpoint import Problem, format_problems
+    from moe_export.export.manifest import inspect_engine, is_engine_dir, render_engine_report
 
+    if is_engine_dir(path):
+        engine = inspect_engine(path)
+        if as_json:
+            print(json.dumps(engine, indent=2))
+        else:
+            render_engine_report(engine, console)
+        return
     report = inspect_checkpoint(path)
     if as_json:
         print(json.dumps(report, indent=2))
@@ -129,6 +138,58 @@ def generate(
     else:
         print(load_tokenizer(path).decode(tokens))
 
+
+@app.command()
+def build(
+    recipe: str = typer.Option(..., "--recipe", "-r", help="recipe YAML (path, or name in the shipped recipes/)"),
+    out: str | None = typer.Option(None, "--out", help="engine directory (default: the recipe's `output`)"),
+) -> None:
+    """Build the per-rank engine directory; only stages whose inputs changed run again. Under
+    `mpiexec -n R`, MPI process r builds the ranks n with n % R == r."""
+    from rich.markup import escape
+
+    from moe_export.export import build as driver
+    from moe_export.recipes.schema import load_recipe
+
+    rec, _ = load_recipe(recipe)
+    try:
+        result = driver.build(rec, out)
+    except driver.BuildError as exc:
+        if _state["debug"]:
+            raise
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    if result.reporter:
+        console.print(driver.describe(result), highlight=False, soft_wrap=True, markup=False)
+
+
+@app.command()
+def verify(
+    path: str = typer.Argument(..., help="engine directory written by `build`"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Re-hash every file against manifest.json; list missing, altered and extra files (exit 2 if any)."""
+    import json
+
+    from moe_export.export.manifest import verify_engine_dir
+
+    report = verify_engine_dir(path)
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        for rel in report["missing"]:
+            console.print(f"missing: {rel}", highlight=False, markup=False)
+        for item in report["altered"]:
+            console.print(f"altered: {item['file']} ({item['reason']})", highlight=False, markup=False)
+        for rel in report["extra"]:
+            console.print(f"extra: {rel}", highlight=False, markup=False)
+        if report["ok"]:
+            console.print(f"ok: {report['checked']} file(s) match the manifest", highlight=False)
+    if not report["ok"]:
+        raise InputError(
+            f"{path}: does not match its manifest: {len(report['missing'])} missing, "
+            f"{len(report['altered'])} altered, {len(report['extra'])} extra file(s)"
+        )
 
 def main() -> None:
     """Console-script entry point: maps InputError to exit 2 with a one-paragraph message."""

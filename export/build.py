@@ -1,0 +1,870 @@
+"""The build driver: a recipe in, an engine directory out, rebuilding only what changed.
+
+Layout of the engine directory OUT (TensorRT-LLM conventions):
+
+    OUT/config.json                     model HF config, mapping, per-rank mappings, recipe echo, thinking
+                                        budgets, limits, tensor -> weight class map
+    OUT/rank{N}/weights.safetensors     this rank's sharded / quantized weights
+    OUT/rank{N}/quantization.json       per-tensor quantization errors (SQNR, max abs error)
+    OUT/rank{N}/model.onnx              the rank's graph; initializers point into weights.safetensors
+    OUT/rank{N}/ort_segment_*.onnx ...  ONNX Runtime backend: segments (+ plan) from the lowering
+    OUT/rank{N}/rank{N}.engine          TensorRT backend: the serialized engine
+    OUT/LICENSE                         the source checkpoint's license, copied
+    OUT/manifest.json                   written last: every file's size + sha256, versions, hashes, keys
+
+Bookkeeping (not artifacts): `.build/` holds each stage's outputs as they are produced, `.state/` one
+JSON record per finished stage, `.cache/` the synthesized source and the source hash cache.
+
+Stages and their content keys. A key is sha256 over the stage name, the moe_export version, the
+recipe fields in `STAGE_FIELDS`, the source fingerprint (sha256 of every source file's content) and
+the upstream stage keys. A stage whose record carries its current key and whose outputs are intact
+(same size and mtime) is skipped:
+
+    convert/rankN  model source + quantization + parallel + target (gpu, world size) + rank mapping
+    graph/rankN    convert key + attention + limits
+    lower/rankN    graph key                             (backend onnxruntime)
+    engine/rankN   graph key + limits + target + workspace_reserve_gib   (backend tensorrt)
+    config         the whole recipe + source + every convert key (the class map reads the weights)
+    license        the source LICENSE file's sha256
+
+Crash safety. Every file is written under a temporary name in its final folder and renamed into
+place; a stage's record is written only after its outputs are in place. Stage outputs go to
+`.build/`; only when every stage has succeeded are they hard-linked into OUT (publish), then the
+manifest is written. So a failed or killed build leaves the previous output untouched, and the next
+run resumes from the last recorded stage and ends byte-identical to an uninterrupted build.
+
+Parallelism. Under `mpiexec -n R`, MPI process r builds the ranks n with n % R == r; process 0
+prepares the source, then writes the global artifacts and the manifest after all ranks finished.
+Without an MPI launcher the ranks are built in turn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moe_export.export.atomic import (
+    atomic_link_or_copy,
+    atomic_path,
+    atomic_write_bytes,
+    atomic_write_json,
+    canonical_json,
+    sha256_file,
+    sweep_temporaries,
+)
+from moe_export.export.errors import InputError
+from moe_export.export.manifest import (
+    CONFIG,
+    ENGINE_FORMAT,
+    GRAPH,
+    MANIFEST,
+    MANIFEST_FORMAT,
+    WEIGHTS,
+    dependency_versions,
+    is_engine_dir,
+    quantization_summary,
+    tool_version,
+)
+from moe_export.graphs.sharding import Mapping
+from moe_export.recipes.schema import Recipe
+
+QUANT_REPORT = "quantization.json"
+LICENSE = "LICENSE"
+LICENSE_NAMES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "LICENCE", "license", "license.txt")
+SYNTH_SEED = 0
+MPI_ENV_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+SYNTH_TEMP_RE = re.compile(r"^\..+\.(synth|old)-\d+$")
+
+# Recipe fields (dotted paths into the recipe) each stage's output depends on, beyond its upstream keys.
+STAGE_FIELDS: dict[str, tuple[str, ...]] = {
+    "convert": ("quantization", "parallel", "target.gpu", "target.nodes", "target.gpus_per_node"),
+    "graph": ("attention", "limits"),
+    "lower": (),
+    "engine": ("limits", "target", "workspace_reserve_gib"),
+}
+
+
+class BuildError(Exception):
+    """A stage failed for a reason other than bad input (disk full, a library error); exit 1."""
+
+
+# ---- stage functions (imported lazily, so a fully up-to-date build imports none of them) ----
+def _convert_rank(reader, cfg, recipe, mapping, out_path: Path) -> dict:
+    from moe_export.export.convert import convert_rank
+
+    return convert_rank(reader, cfg, recipe, mapping, out_path)
+
+
+def _export_rank_graph(cfg, recipe, mapping, weights_path: Path, out_path: Path) -> dict:
+    from moe_export.graphs.onnx_export import export_rank_graph
+
+    return export_rank_graph(cfg, recipe, mapping, weights_path, out_path)
+
+
+def _lower_for_onnxruntime(graph_path: Path, out_dir: Path) -> list[str]:
+    from moe_export.export.backends import lower_for_onnxruntime
+
+    return lower_for_onnxruntime(graph_path, out_dir)
+
+
+def _build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path) -> None:
+    from moe_export.export.backends import build_tensorrt_engine
+
+    build_tensorrt_engine(graph_path, recipe, mapping, out_path)
+
+
+@dataclass(frozen=True)
+class Stages:
+    """The stage functions the driver calls (the defaults are the real ones)."""
+
+    convert_rank: Callable[..., dict] = _convert_rank
+    export_rank_graph: Callable[..., dict] = _export_rank_graph
+    lower_for_onnxruntime: Callable[..., list[str]] = _lower_for_onnxruntime
+    build_tensorrt_engine: Callable[..., None] = _build_tensorrt_engine
+
+
+@dataclass
+class BuildResult:
+    out: Path
+    ran: list[str] = field(default_factory=list)  # stages executed, e.g. "convert/rank0", "config"
+    published: list[str] = field(default_factory=list)  # artifacts (re)linked into OUT
+    removed: list[str] = field(default_factory=list)  # stale artifacts removed from OUT
+    manifest_written: bool = False
+    reporter: bool = True  # False on MPI processes other than 0, which leave the reporting to process 0
+
+    @property
+    def up_to_date(self) -> bool:
+        return not (self.ran or self.published or self.removed or self.manifest_written)
+
+
+# ---- MPI ----
+class _SerialComm:
+    rank, size = 0, 1
+
+    def allgather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+
+class _MpiComm:
+    def __init__(self) -> None:
+        from mpi4py import MPI
+
+        self._comm = MPI.COMM_WORLD
+        self.rank, self.size = self._comm.Get_rank(), self._comm.Get_size()
+
+    def allgather(self, obj: Any) -> list[Any]:
+        return self._comm.allgather(obj)
+
+
+def detect_comm() -> _SerialComm | _MpiComm:
+    """MPI.COMM_WORLD when started by an MPI launcher (mpi4py is imported only then), else a serial stand-in."""
+    if any(v in os.environ for v in MPI_ENV_VARS):
+        return _MpiComm()
+    return _SerialComm()
+
+
+def _collective(comm, fn: Callable[[], Any]) -> Any:
+    """Run `fn` on every process, then synchronize: if any process failed, all of them raise."""
+    err: Exception | None = None
+    result = None
+    try:
+        result = fn()
+    except Exception as exc:  # reported to the peers, then re-raised below
+        err = exc
+    status = None if err is None else ("input" if isinstance(err, InputError) else "build", str(err))
+    statuses = comm.allgather(status)
+    if err is not None:
+        raise err
+    for peer, st in enumerate(statuses):
+        if st is not None:
+            kind, msg = st
+            raise (InputError if kind == "input" else BuildError)(f"MPI process {peer}: {msg}")
+    return result
+
+
+# ---- progress ----
+class _Progress:
+    """Rich progress bars on stderr (bytes written, speed, ETA) when it is a terminal; otherwise one
+    line per finished stage."""
+
+    def __init__(self, enabled: bool | None, prefix: str = "") -> None:
+        from rich.console import Console
+
+        self.console = Console(stderr=True)
+        self.enabled = self.console.is_terminal if enabled is None else enabled
+        self.prefix = prefix
+        self._bars = None
+        if self.enabled:
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                SpinnerColumn,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+
+            self._bars = Progress(
+                SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                TransferSpeedColumn(), TimeRemainingColumn(), console=self.console,
+            )
+
+    def __enter__(self) -> _Progress:
+        if self._bars:
+            self._bars.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bars:
+            self._bars.stop()
+
+    @contextlib.contextmanager
+    def task(self, desc: str, watch: Path, total: int | None = None) -> Iterator[None]:
+        """Track a stage by the size of the file (or folder) it is writing."""
+        desc = self.prefix + desc
+        t0 = time.monotonic()
+        if not self._bars:
+            yield
+            self.console.print(f"{desc}: done in {time.monotonic() - t0:.1f} s", highlight=False, markup=False)
+            return
+        from rich.markup import escape
+
+        tid = self._bars.add_task(escape(desc), total=total)
+        stop = threading.Event()
+
+        def poll() -> None:
+            while not stop.wait(0.25):
+                self._bars.update(tid, completed=_size_of(watch))
+
+        thread = threading.Thread(target=poll, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+        done = _size_of(watch)
+        self._bars.update(tid, completed=done, total=max(done, 1) if total is None else total)
+
+
+def _size_of(path: Path) -> int:
+    try:
+        if path.is_dir():
+            return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+# ---- the source checkpoint ----
+@dataclass
+class Source:
+    """The checkpoint a build reads: where it is, what it is, and the sha256 of its files."""
+
+    path: Path
+    kind: str  # "checkpoint" or "synthetic"
+    spec: str  # recipe model.source as given
+    preset: str | None = None
+    seed: int | None = None
+    files: dict[str, dict] = field(default_factory=dict)  # name -> {"size", "sha256"}
+    license_file: str | None = None
+    license_sha256: str | None = None
+
+    def fingerprint(self) -> str:
+        """Content identity of the source (location-independent)."""
+        ident = {"kind": self.kind, "preset": self.preset, "seed": self.seed,
+                 "files": {n: f["sha256"] for n, f in self.files.items()}}
+        return hashlib.sha256(canonical_json(ident)).hexdigest()
+
+    def manifest_entry(self) -> dict:
+        entry: dict[str, Any] = {"kind": self.kind, "files": self.files, "fingerprint": self.fingerprint()}
+        if self.kind == "synthetic":
+            entry.update(preset=self.preset, seed=self.seed)
+        else:
+            entry["path"] = self.spec
+        return entry
+
+
+def _source_location(recipe: Recipe, out: Path) -> tuple[str, Path, str | None]:
+    src = recipe.model.source
+    if src.startswith("synthetic:"):
+        preset = src.split(":", 1)[1]
+        return "synthetic", out / ".cache" / f"source-{preset}-seed{SYNTH_SEED}", preset
+    return "checkpoint", Path(src).expanduser(), None
+
+
+def _source_files(reader) -> list[str]:
+    from moe_export.export.checkpoint import INDEX_FILE
+
+    names = [CONFIG] + ([INDEX_FILE] if (reader.path / INDEX_FILE).is_file() else [])
+    return names + [f for f in reader.files if f not in names]
+
+
+class _HashCache:
+    """sha256 of files keyed by (path, size, mtime, inode), so unchanged sources are hashed once."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def _entry(self, path: Path) -> Path:
+        return self.folder / (hashlib.sha256(str(path.resolve()).encode()).hexdigest() + ".json")
+
+    @staticmethod
+    def _stamp(path: Path) -> dict:
+        st = path.stat()
+        return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
+
+    def lookup(self, path: Path) -> str | None:
+        try:
+            rec = json.loads(self._entry(path).read_text())
+        except (OSError, ValueError):
+            return None
+        stamp = self._stamp(path)
+        return rec.get("sha256") if all(rec.get(k) == v for k, v in stamp.items()) else None
+
+    def get(self, path: Path) -> str:
+        cached = self.lookup(path)
+        if cached is not None:
+            return cached
+        stamp = self._stamp(path)
+        digest = sha256_file(path)
+        if self._stamp(path) == stamp:  # unchanged while hashing
+            atomic_write_json(self._entry(path), {**stamp, "sha256": digest})
+        return digest
+
+
+# ---- stage keys ----
+def _pick(dump: dict, dotted: str) -> Any:
+    cur: Any = dump
+    for part in dotted.split("."):
+        cur = cur[part]
+    return cur
+
+
+def _key(stage: str, fields: dict, source_fp: str, upstream: list[str], extra: dict | None = None) -> str:
+    payload = {"stage": stage, "moe_export": tool_version(), "recipe": fields, "source": source_fp,
+               "upstream": upstream, **(extra or {})}
+    return hashlib.sha256(canonical_json(payload)).hexdigest()
+
+
+def rank_mapping(recipe: Recipe, rank: int) -> Mapping:
+    p = recipe.parallel
+    return Mapping(recipe.target.world_size, rank, p.tp, p.ep, p.attention == "tp")
+
+
+def rank_stage_names(recipe: Recipe) -> tuple[str, ...]:
+    return ("convert", "graph", "lower" if recipe.backend == "onnxruntime" else "engine")
+
+
+def stage_keys(recipe: Recipe, source_fp: str, license_sha256: str | None) -> dict[str, str]:
+    """Every stage's content key: "convert/rank0", ..., "config", "license"."""
+    dump = recipe.model_dump(mode="json")
+
+    def fields(stage: str) -> dict:
+        return {f: _pick(dump, f) for f in STAGE_FIELDS[stage]}
+
+    keys: dict[str, str] = {}
+    for n in range(recipe.target.world_size):
+        conv = _key("convert", fields("convert"), source_fp, [], {"mapping": rank_mapping(recipe, n).to_dict()})
+        graph = _key("graph", fields("graph"), source_fp, [conv])
+        keys[f"convert/rank{n}"], keys[f"graph/rank{n}"] = conv, graph
+        last = rank_stage_names(recipe)[-1]
+        keys[f"{last}/rank{n}"] = _key(last, fields(last), source_fp, [graph])
+    converts = [keys[f"convert/rank{n}"] for n in range(recipe.target.world_size)]
+    keys["config"] = _key("config", dump, source_fp, converts)
+    keys["license"] = _key("license", {}, license_sha256 or "none", [])
+    return keys
+
+
+# ---- stage records ----
+class _State:
+    """`.state/<stage>[-rankN].json` records: key, outputs (size, mtime, sha256) and the stage's result."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.folder = out / ".state"
+        self.build = out / ".build"
+
+    def _path(self, name: str) -> Path:
+        return self.folder / (name.replace("/", "-") + ".json")
+
+    def load(self, name: str) -> dict | None:
+        try:
+            rec = json.loads(self._path(name).read_text())
+        except (OSError, ValueError):
+            return None
+        return rec if isinstance(rec, dict) else None
+
+    def current(self, name: str, key: str) -> dict | None:
+        """The record if it has `key` and its outputs in .build are intact, else None."""
+        rec = self.load(name)
+        if rec is None or rec.get("key") != key or not isinstance(rec.get("outputs"), dict):
+            return None
+        for rel, meta in rec["outputs"].items():
+            try:
+                st = (self.build / rel).stat()
+            except OSError:
+                return None
+            if st.st_size != meta.get("size") or st.st_mtime_ns != meta.get("mtime_ns"):
+                return None
+        return rec
+
+    def write(self, name: str, obj: Any) -> None:
+        atomic_write_json(self._path(name), obj)
+
+    def record(self, name: str, key: str, outputs: list[str], result: Any) -> dict:
+        metas = {}
+        for rel in outputs:
+            path = self.build / rel
+            st = path.stat()
+            metas[rel] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256_file(path)}
+        rec = {"stage": name, "key": key, "outputs": metas, "result": result}
+        self.write(name, rec)
+        return rec
+
+
+# ---- the driver ----
+@dataclass
+class _Ctx:
+    recipe: Recipe
+    out: Path
+    stages: Stages
+    state: _State
+    progress: _Progress
+    expected_bytes: dict[int, int]
+    reader: Any = None
+    source: Source | None = None
+    keys: dict[str, str] = field(default_factory=dict)
+
+
+def _check_plan(recipe: Recipe) -> dict[int, int]:
+    """The planner's checks (layout divides the model, weights fit) before any work; returns per-rank bytes."""
+    from moe_export.export.planner import make_plan
+
+    plan = make_plan(recipe)
+    if not plan.fits:
+        raise InputError(f"recipe {recipe.name}: {plan.verdict()}")
+    return {r.rank: r.weight_bytes["total"] for r in plan.per_rank}
+
+
+def _check_output(out: Path) -> None:
+    """Refuse an output path that is a file, a foreign non-empty folder, or not writable."""
+    if out.exists() and not out.is_dir():
+        raise InputError(f"output {out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not ((out / ".state").is_dir() or is_engine_dir(out)):
+        raise InputError(
+            f"output {out}: directory is not empty and holds no moe-export build; choose an empty or new --out"
+        )
+
+
+def _prepare(ctx: _Ctx) -> None:
+    """Process 0: create the folders, sweep leftovers of killed runs, synthesize a synthetic source."""
+    out = ctx.out
+    try:
+        for d in (out, out / ".state", out / ".cache", out / ".build"):
+            d.mkdir(parents=True, exist_ok=True)
+        probe = out / ".state" / f".probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise InputError(f"output {out}: cannot write there ({exc.strerror or exc})") from None
+    sweep_temporaries(out)
+    for p in (out / ".cache").iterdir():
+        if SYNTH_TEMP_RE.match(p.name):
+            shutil.rmtree(p, ignore_errors=True)
+    kind, path, preset = _source_location(ctx.recipe, out)
+    if kind == "synthetic" and not path.is_dir():
+        from moe_export.export.synth import write_synthetic_checkpoint
+
+        write_synthetic_checkpoint(preset, path, seed=SYNTH_SEED)
+
+
+def _open_source(ctx: _Ctx) -> None:
+    from moe_export.export.checkpoint import open_checkpoint
+
+    kind, path, preset = _source_location(ctx.recipe, ctx.out)
+    if kind == "checkpoint" and not path.is_dir():
+        raise InputError(f"recipe {ctx.recipe.name}: model.source {str(path)!r} is not a checkpoint directory")
+    ctx.reader = open_checkpoint(path, validate=True)
+    ctx.source = Source(path, kind, ctx.recipe.model.source, preset, SYNTH_SEED if kind == "synthetic" else None)
+
+
+def _hash_share(ctx: _Ctx, comm) -> None:
+    """Hash the source files not in the cache, split across the MPI processes."""
+    cache = _HashCache(ctx.out / ".cache" / "sha256")
+    for i, name in enumerate(_source_files(ctx.reader)):
+        if i % comm.size == comm.rank:
+            cache.get(ctx.source.path / name)
+
+
+def _fingerprint(ctx: _Ctx) -> None:
+    cache = _HashCache(ctx.out / ".cache" / "sha256")
+    src = ctx.source
+    for name in _source_files(ctx.reader):
+        path = src.path / name
+        src.files[name] = {"size": path.stat().st_size, "sha256": cache.get(path)}
+    for name in LICENSE_NAMES:
+        if (src.path / name).is_file():
+            src.license_file, src.license_sha256 = name, sha256_file(src.path / name)
+            break
+    ctx.keys = stage_keys(ctx.recipe, src.fingerprint(), src.license_sha256)
+
+
+DISK_FULL_ERRNOS = (errno.EFBIG, errno.ENOSPC, errno.EDQUOT)
+RUST_OS_ERROR_RE = re.compile(r"\(os error (\d+)\)")  # how Rust libraries (safetensors) report errno
+
+
+def _errno_of(exc: BaseException) -> int | None:
+    """The OS error number behind `exc`: an OSError in its chain, or one quoted in its message."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return seen.errno
+        seen = seen.__cause__ or seen.__context__
+    m = RUST_OS_ERROR_RE.search(str(exc))
+    return int(m.group(1)) if m else None
+
+
+def _stage_failed(what: str, exc: Exception) -> BuildError:
+    hint = ""
+    if _errno_of(exc) in DISK_FULL_ERRNOS:
+        hint = " (the disk is full or a file size limit was reached; the previous output is untouched)"
+    if isinstance(exc, OSError):
+        where = f": {exc.filename}" if exc.filename else ""
+        return BuildError(f"{what} failed: {exc.strerror or exc}{where}{hint}")
+    return BuildError(f"{what} failed: {type(exc).__name__}: {exc}{hint}")
+
+
+def _run_convert(ctx: _Ctx, n: int, mapping: Mapping) -> tuple[list[str], Any]:
+    rdir = ctx.state.build / f"rank{n}"
+    with atomic_path(rdir / WEIGHTS) as tmp, ctx.progress.task(f"convert rank {n}", tmp, ctx.expected_bytes.get(n)):
+        report = ctx.stages.convert_rank(ctx.reader, ctx.reader.config, ctx.recipe, mapping, tmp)
+    atomic_write_json(rdir / QUANT_REPORT, report)
+    return [f"rank{n}/{WEIGHTS}", f"rank{n}/{QUANT_REPORT}"], {"summary": report.get("summary")}
+
+
+def _run_graph(ctx: _Ctx, n: int, mapping: Mapping) -> tuple[list[str], Any]:
+    rdir = ctx.state.build / f"rank{n}"
+    with atomic_path(rdir / GRAPH) as tmp, ctx.progress.task(f"graph rank {n}", tmp):
+        summary = ctx.stages.export_rank_graph(ctx.reader.config, ctx.recipe, mapping, rdir / WEIGHTS, tmp)
+    return [f"rank{n}/{GRAPH}"], summary
+
+
+@contextlib.contextmanager
+def _scratch(rdir: Path, name: str) -> Iterator[Path]:
+    """A temporary folder inside the rank folder (same filesystem, so results can be renamed out)."""
+    tmp = rdir / f".{name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _move_into(src: Path, dst: Path) -> None:
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(src, dst)
+
+
+def _run_lower(ctx: _Ctx, n: int, mapping: Mapping) -> tuple[list[str], Any]:
+    """Lower into a scratch folder that sees the weights under their name, then rename the files out."""
+    rdir = ctx.state.build / f"rank{n}"
+    with _scratch(rdir, "lower") as tmp, ctx.progress.task(f"lower rank {n}", tmp):
+        try:
+            os.link(rdir / WEIGHTS, tmp / WEIGHTS)
+        except OSError:
+            os.symlink(Path("..") / WEIGHTS, tmp / WEIGHTS)
+        names = list(ctx.stages.lower_for_onnxruntime(rdir / GRAPH, tmp))
+        bad = [x for x in names if Path(x).name != x or x in (WEIGHTS, GRAPH, QUANT_REPORT) or not (tmp / x).is_file()]
+        if bad:
+            raise BuildError(f"lower rank {n}: the lowering reported unusable file names {bad}")
+        for name in names:
+            _move_into(tmp / name, rdir / name)
+    return [f"rank{n}/{x}" for x in sorted(names)], {"files": sorted(names)}
+
+
+def _run_engine(ctx: _Ctx, n: int, mapping: Mapping) -> tuple[list[str], Any]:
+    """Build in a scratch folder; TensorRT's timing cache is kept in .cache/tensorrt between builds."""
+    rdir = ctx.state.build / f"rank{n}"
+    name = f"rank{n}.engine"
+    timing = ctx.out / ".cache" / "tensorrt" / f"rank{n}.timing_cache"
+    with _scratch(rdir, "engine") as tmp, ctx.progress.task(f"engine rank {n}", tmp):
+        if timing.is_file():
+            shutil.copyfile(timing, tmp / timing.name)
+        ctx.stages.build_tensorrt_engine(rdir / GRAPH, ctx.recipe, mapping, tmp / name)
+        if not (tmp / name).is_file():
+            raise BuildError(f"engine rank {n}: the engine builder wrote no {name}")
+        if (tmp / timing.name).is_file():
+            timing.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp / timing.name, timing)
+        _move_into(tmp / name, rdir / name)
+    return [f"rank{n}/{name}"], None
+
+
+RANK_RUNNERS = {"convert": _run_convert, "graph": _run_graph, "lower": _run_lower, "engine": _run_engine}
+
+
+def _build_ranks(ctx: _Ctx, ranks: list[int]) -> list[str]:
+    ran = []
+    for n in ranks:
+        mapping = rank_mapping(ctx.recipe, n)
+        (ctx.state.build / f"rank{n}").mkdir(parents=True, exist_ok=True)
+        for stage in rank_stage_names(ctx.recipe):
+            name = f"{stage}/rank{n}"
+            key = ctx.keys[name]
+            if ctx.state.current(name, key):
+                continue
+            try:
+                outputs, result = RANK_RUNNERS[stage](ctx, n, mapping)
+            except (InputError, BuildError):
+                raise
+            except Exception as exc:
+                raise _stage_failed(f"{stage} of rank {n}", exc) from exc
+            ctx.state.record(name, key, outputs, result)
+            ran.append(name)
+    return ran
+
+
+def weight_class_map(ctx: _Ctx) -> dict[str, str]:
+    """Weight class of every tensor name in the ranks' weights files (headers only)."""
+    from moe_export.export.checkpoint import read_safetensors_header
+    from moe_export.graphs.weights import all_tensor_specs, classify_tensor_name
+
+    cfg = ctx.reader.config
+    spec_class = {s.name: s.weight_class for s in all_tensor_specs(cfg, include_experts=False)}
+    out: dict[str, str] = {}
+    for n in range(ctx.recipe.target.world_size):
+        tensors, _ = read_safetensors_header(ctx.state.build / f"rank{n}" / WEIGHTS)
+        for t in tensors:
+            if t.name not in out:
+                out[t.name] = spec_class.get(t.name) or (
+                    "routed_experts" if ".experts." in t.name else classify_tensor_name(t.name)
+                )
+    return dict(sorted(out.items()))
+
+
+def engine_config(ctx: _Ctx) -> dict:
+    """The engine's config.json."""
+    from moe_export.plugins import DOMAIN
+
+    recipe, cfg = ctx.recipe, ctx.reader.config
+    dump = recipe.model_dump(mode="json")
+    files = {"rank_dir": "rank{rank}", "weights": WEIGHTS, "graph": GRAPH, "quantization_report": QUANT_REPORT}
+    if recipe.backend == "tensorrt":
+        files["engine"] = "rank{rank}.engine"
+    return {
+        "format": ENGINE_FORMAT,
+        "moe_export_version": tool_version(),
+        "architecture": cfg.architecture,
+        "model_type": cfg.model_type,
+        "pretrained_config": cfg.raw,
+        "mapping": {
+            "world_size": recipe.target.world_size,
+            "tp_size": recipe.parallel.tp,
+            "ep_size": recipe.parallel.ep,
+            "attention": recipe.parallel.attention,
+        },
+        "ranks": [rank_mapping(recipe, n).to_dict() for n in range(recipe.target.world_size)],
+        "backend": recipe.backend,
+        "target": dump["target"],
+        "quantization": dump["quantization"],
+        "attention": dump["attention"],
+        "limits": dump["limits"],
+        "thinking": dump["thinking"],
+        "plugin_domain": DOMAIN,
+        "files": files,
+        "recipe": dump,
+        "recipe_sha256": recipe.fingerprint(),
+        "weight_classes": weight_class_map(ctx),
+    }
+
+
+def _build_globals(ctx: _Ctx) -> list[str]:
+    ran = []
+    if not ctx.state.current("config", ctx.keys["config"]):
+        atomic_write_json(ctx.state.build / CONFIG, engine_config(ctx))
+        ctx.state.record("config", ctx.keys["config"], [CONFIG], None)
+        ran.append("config")
+    if not ctx.state.current("license", ctx.keys["license"]):
+        src = ctx.source
+        outputs = []
+        if src.license_file:
+            with atomic_path(ctx.state.build / LICENSE) as tmp:
+                shutil.copyfile(src.path / src.license_file, tmp)
+            outputs = [LICENSE]
+        ctx.state.record("license", ctx.keys["license"], outputs, None)
+        ran.append("license")
+    return ran
+
+
+def _stage_names(recipe: Recipe) -> list[str]:
+    names = [f"{s}/rank{n}" for n in range(recipe.target.world_size) for s in rank_stage_names(recipe)]
+    return names + ["config", "license"]
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        sa, sb = a.stat(), b.stat()
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino) or (
+        sa.st_size == sb.st_size and sa.st_mtime_ns == sb.st_mtime_ns
+    )
+
+
+def _publish(ctx: _Ctx, outputs: dict[str, dict], result: BuildResult) -> None:
+    """Link the current stage outputs from .build into OUT and remove artifacts of earlier builds that
+    this one no longer has. The manifest is removed first, so a half-published folder never has one."""
+    out, build = ctx.out, ctx.state.build
+    prev = ctx.state.load("publish") or {}
+    prev_files = set(prev.get("files", []))
+    to_link = [rel for rel in sorted(outputs) if not _same_file(build / rel, out / rel)]
+    stale = sorted(rel for rel in prev_files - set(outputs) if (out / rel).exists())
+    if not (to_link or stale) and prev.get("complete") and set(prev.get("files", [])) == set(outputs):
+        return
+    if to_link or stale:
+        (out / MANIFEST).unlink(missing_ok=True)
+    ctx.state.write("publish", {"files": sorted(prev_files | set(outputs)), "complete": False})
+    for rel in to_link:
+        atomic_link_or_copy(build / rel, out / rel)
+    for rel in stale:
+        (out / rel).unlink(missing_ok=True)
+        parent = (out / rel).parent
+        if parent != out and parent.is_dir() and not any(parent.iterdir()):
+            parent.rmdir()
+    ctx.state.write("publish", {"files": sorted(outputs), "complete": True})
+    result.published, result.removed = to_link, stale
+
+
+def _collect_garbage(build: Path, keep: set[str]) -> None:
+    """Remove files in .build that no current stage produced (old segments, ranks of a larger world)."""
+    for dirpath, dirnames, filenames in os.walk(build, topdown=False):
+        for name in filenames:
+            path = Path(dirpath) / name
+            if path.relative_to(build).as_posix() not in keep:
+                path.unlink(missing_ok=True)
+        if Path(dirpath) != build and not any(Path(dirpath).iterdir()):
+            Path(dirpath).rmdir()
+
+
+def build_manifest(ctx: _Ctx, records: dict[str, dict]) -> dict:
+    """The manifest of the current build (deterministic: no times, no local paths of the output)."""
+    files = {}
+    for rec in records.values():
+        for rel, meta in rec["outputs"].items():
+            files[rel] = {"size": meta["size"], "sha256": meta["sha256"]}
+    reports = {}
+    for n in range(ctx.recipe.target.world_size):
+        reports[n] = json.loads((ctx.state.build / f"rank{n}" / QUANT_REPORT).read_text())
+    src = ctx.source
+    lic = (
+        {"file": LICENSE, "source_file": src.license_file, "sha256": src.license_sha256}
+        if src.license_file
+        else {"file": None, "note": "the source checkpoint has no LICENSE file; check the model's terms before "
+              "distributing these artifacts"}
+    )
+    return {
+        "format": MANIFEST_FORMAT,
+        "tool": "moe-export",
+        "versions": dependency_versions(),
+        "recipe": {"name": ctx.recipe.name, "sha256": ctx.recipe.fingerprint()},
+        "backend": ctx.recipe.backend,
+        "source": src.manifest_entry(),
+        "license": lic,
+        "quantization": quantization_summary(reports),
+        "stages": {name: records[name]["key"] for name in sorted(records)},
+        "files": dict(sorted(files.items())),
+    }
+
+
+def _finish(ctx: _Ctx, result: BuildResult) -> None:
+    """Process 0, after every rank is built: config and LICENSE, publish, manifest last."""
+    result.ran += _build_globals(ctx)
+    records = {}
+    for name in _stage_names(ctx.recipe):
+        rec = ctx.state.current(name, ctx.keys[name])
+        if rec is None:
+            raise BuildError(f"stage {name} has no current record after the build (was .build/ modified meanwhile?)")
+        records[name] = rec
+    outputs = {rel: meta for rec in records.values() for rel, meta in rec["outputs"].items()}
+    _publish(ctx, outputs, result)
+    _collect_garbage(ctx.state.build, set(outputs))
+    data = canonical_json(build_manifest(ctx, records))
+    mpath = ctx.out / MANIFEST
+    if not (mpath.is_file() and mpath.read_bytes() == data):
+        atomic_write_bytes(mpath, data)
+        result.manifest_written = True
+
+
+def build(
+    recipe: Recipe,
+    out: str | Path | None = None,
+    *,
+    stages: Stages | None = None,
+    comm=None,
+    progress: bool | None = None,
+) -> BuildResult:
+    """Build (or bring up to date) the engine directory for `recipe` at `out` (default recipe.output).
+
+    Returns what this call did; on MPI process 0 `ran` lists the stages run by every process.
+    Raises InputError for bad input (before anything is written to the output) and BuildError when a
+    stage fails; in both cases the previous output stays as it was.
+    """
+    comm = comm or detect_comm()
+    out = Path(recipe.output if out is None else out).expanduser()
+    expected = _check_plan(recipe)
+    _check_output(out)
+    prefix = f"[mpi {comm.rank}/{comm.size}] " if comm.size > 1 else ""
+    ctx = _Ctx(recipe, out, stages or Stages(), _State(out), _Progress(progress, prefix), expected)
+    result = BuildResult(out, reporter=comm.rank == 0)
+    try:
+        _collective(comm, lambda: _prepare(ctx) if comm.rank == 0 else None)
+        _collective(comm, lambda: _open_source(ctx))
+        _collective(comm, lambda: _hash_share(ctx, comm))
+        _collective(comm, lambda: _fingerprint(ctx))
+        mine = [n for n in range(recipe.target.world_size) if n % comm.size == comm.rank]
+        with ctx.progress:
+            ran = _collective(comm, lambda: _build_ranks(ctx, mine))
+        result.ran = sorted((x for part in comm.allgather(ran) for x in part), key=_stage_names(recipe).index)
+        _collective(comm, lambda: _finish(ctx, result) if comm.rank == 0 else None)
+    finally:
+        if ctx.reader is not None:
+            ctx.reader.close()
+    return result
+
+
+def describe(result: BuildResult) -> str:
+    """One line for the console."""
+    if result.up_to_date:
+        return f"up to date: nothing to do ({result.out})"
+    parts = []
+    if result.ran:
+        counts: dict[str, int] = {}
+        for name in result.ran:
+            stage = name.split("/")[0]
+            counts[stage] = counts.get(stage, 0) + 1
+        parts.append("ran " + ", ".join(f"{s} x{c}" if c > 1 else s for s, c in counts.items()))
+    if result.published or result.removed:
+        parts.append(f"published {len(result.published)} file(s)" + (f", removed {len(result.removed)}" if result.removed else ""))
+    if result.manifest_written:
+        parts.append(f"wrote {result.out / MANIFEST}")
+    return "; ".join(parts)
+
+

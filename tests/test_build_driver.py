@@ -1,0 +1,442 @@
+"""The build driver (keys, partial rebuilds, atomicity, resume after SIGKILL, MPI, bad input), run with
+small deterministic stand-in stages so the driver logic is tested on its own. `test_build_e2e.py`
+runs the real stages."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+import yaml
+from onnx import TensorProto, helper
+
+from moe_export.export.build import STAGE_FIELDS, BuildError, Stages, build, describe, stage_keys
+from moe_export.export.checkpoint import read_safetensors_header
+from moe_export.export.errors import InputError
+from moe_export.export.manifest import artifact_files, verify_engine_dir
+from moe_export.graphs.sharding import shard_tensor
+from moe_export.graphs.weights import global_tensor_specs, layer_tensor_specs
+from moe_export.plugins import DOMAIN
+from moe_export.recipes import recipes_dir
+from moe_export.recipes.schema import Recipe
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+
+# ---- stand-in stages: small, deterministic, and shaped like the real ones ----
+def fake_convert(reader, cfg, recipe, mapping, out_path):
+    """Embedding and a dense FFN weight sliced for the rank, the final norm, this rank's experts of the
+    first MoE layer; dense stored as fp8 when the recipe asks for it."""
+    from safetensors.torch import save_file
+
+    globals_ = {s.weight_class: s for s in global_tensor_specs(cfg)}
+    dense = next(s for s in layer_tensor_specs(cfg, 0) if s.weight_class == "dense")
+    moe_layer = next(i for i in range(cfg.num_layers) if cfg.is_moe(i))
+    tensors = {
+        globals_["embeddings"].name: shard_tensor(globals_["embeddings"], reader.get(globals_["embeddings"].name), mapping),
+        globals_["norms"].name: reader.get(globals_["norms"].name),
+        dense.name: shard_tensor(dense, reader.get(dense.name), mapping),
+    }
+    if recipe.quantization.dense == "fp8":
+        tensors[dense.name] = tensors[dense.name].to(torch.float8_e4m3fn)
+    for spec in layer_tensor_specs(cfg, moe_layer):
+        if spec.expert in mapping.local_experts(cfg.num_experts):
+            tensors[spec.name] = reader.get(spec.name)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_path), metadata={"rank": str(mapping.rank)})
+    time.sleep(float(os.environ.get("FAKE_STAGE_SLEEP", "0")))
+    entries = [{"name": k, "sqnr_db": 40.0 - i, "max_abs_err": 0.001 * i} for i, k in enumerate(sorted(tensors))]
+    return {"tensors": entries, "summary": {"quantized_tensors": len(entries)}}
+
+
+def fake_graph(cfg, recipe, mapping, weights_path, out_path):
+    """Gather from the embedding (external data in the weights file) -> plugin attention -> AllReduce."""
+    stored = {t.name: t for t in read_safetensors_header(Path(weights_path))[0]}
+    embed = stored[global_tensor_specs(cfg)[0].name]
+    init = TensorProto(name="embed", data_type=TensorProto.BFLOAT16, dims=list(embed.shape))
+    init.data_location = TensorProto.EXTERNAL
+    for k, v in (("location", Path(weights_path).name), ("offset", str(embed.start)), ("length", str(embed.nbytes))):
+        entry = init.external_data.add()
+        entry.key, entry.value = k, v
+    topk = recipe.attention.sparse_topk or 0
+    nodes = [
+        helper.make_node("Cast", ["embed"], ["embed_f32"], to=TensorProto.FLOAT),
+        helper.make_node("Gather", ["embed_f32", "ids"], ["h"]),
+        helper.make_node("SparseMLAAttention", ["h"], ["a"], domain=DOMAIN, topk=topk,
+                         max_seq_len=recipe.limits.max_seq_len),
+        helper.make_node("AllReduce", ["a"], ["y"], domain=DOMAIN, group="tp"),
+    ]
+    graph = helper.make_graph(
+        nodes, f"rank{mapping.rank}", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["T"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", cfg.hidden_size])], [init],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)])
+    Path(out_path).write_bytes(model.SerializeToString(deterministic=True))
+    return {"nodes": len(nodes)}
+
+
+def fake_lower(graph_path, out_dir):
+    """One segment per plugin node plus one when a sparse top-k is set, and a plan file; needs the weights
+    next to the segments."""
+    out_dir = Path(out_dir)
+    assert (out_dir / "weights.safetensors").is_file(), "segments must sit next to the weights"
+    model = onnx.load(str(graph_path), load_external_data=False)
+    topk = next(helper.get_attribute_value(a) for n in model.graph.node for a in n.attribute if a.name == "topk")
+    names = []
+    for i in range(1 + (topk > 0)):
+        names.append(f"ort_segment_{i:03d}.onnx")
+        (out_dir / names[-1]).write_bytes(model.SerializeToString(deterministic=True) + bytes([i]))
+    (out_dir / "ort_plan.json").write_text(json.dumps({"steps": names}, sort_keys=True))
+    return names + ["ort_plan.json"]
+
+
+def fake_engine(graph_path, recipe, mapping, out_path):
+    Path(out_path).write_bytes(Path(graph_path).read_bytes() + f"engine {mapping.rank}".encode())
+
+
+FAKE_STAGES = Stages(fake_convert, fake_graph, fake_lower, fake_engine)
+
+
+# ---- helpers ----
+def recipe_dict(source: str | Path, **changes) -> dict:
+    """tiny-cpu.yaml with `model.source` replaced and dotted-path `changes` applied."""
+    data = yaml.safe_load((recipes_dir() / "tiny-cpu.yaml").read_text())
+    data["model"]["source"] = str(source)
+    for dotted, value in changes.items():
+        cur = data
+        *parents, last = dotted.split(".")
+        for p in parents:
+            cur = cur.setdefault(p, {})
+        cur[last] = value
+    return data
+
+
+def tiny_recipe(source: str | Path, **changes) -> Recipe:
+    return Recipe.model_validate(recipe_dict(source, **changes))
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {rel: (root / rel).read_bytes() for rel in artifact_files(root)}
+
+
+def inodes(root: Path) -> dict[str, tuple[int, int]]:
+    return {rel: ((root / rel).stat().st_ino, (root / rel).stat().st_mtime_ns) for rel in artifact_files(root)}
+
+
+@pytest.fixture(scope="module")
+def ckpt(synthetic_checkpoint) -> Path:
+    return Path(synthetic_checkpoint("tiny-k3"))
+
+
+HELPER = """
+import functools, sys
+sys.path.insert(0, {tests!r})
+import test_build_driver as t
+import moe_export.export.build as b
+b.build = functools.partial(b.build, stages=t.FAKE_STAGES)
+from moe_export.export.cli import main
+sys.argv = ["moe-export", *sys.argv[1:]]
+main()
+"""
+
+
+def cli_with_fakes(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
+    """`moe-export ARGS` in a subprocess whose build uses FAKE_STAGES."""
+    code = HELPER.format(tests=str(Path(__file__).parent))
+    return subprocess.Popen([sys.executable, "-c", code, *args], env={**os.environ, **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def write_recipe(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+# ---- keys ----
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"thinking.high": 300}, {"config"}),
+        ({"quantization.dense": "fp8"}, {"convert", "graph", "lower", "config"}),
+        ({"attention.sparse_topk": 2}, {"graph", "lower", "config"}),
+        ({"limits.max_seq_len": 256}, {"graph", "lower", "config"}),
+        ({"name": "other"}, {"config"}),
+        ({"workspace_reserve_gib": 0.5}, {"config"}),
+    ],
+)
+def test_stage_keys_change_only_where_the_recipe_field_matters(change, expected):
+    base = stage_keys(tiny_recipe("synthetic:tiny-k3"), "src", None)
+    new = stage_keys(tiny_recipe("synthetic:tiny-k3", **change), "src", None)
+    changed = {name.split("/")[0] for name in base if base[name] != new[name]}
+    assert changed == expected
+    assert len(base) == 4 * 3 + 2
+
+
+def test_stage_keys_engine_and_source():
+    trt = tiny_recipe("synthetic:tiny-k3", backend="tensorrt")
+    base = stage_keys(trt, "src", None)
+    assert {k.split("/")[0] for k in base} == {"convert", "graph", "engine", "config", "license"}
+    more = stage_keys(tiny_recipe("synthetic:tiny-k3", backend="tensorrt", workspace_reserve_gib=0.5), "src", None)
+    assert {k.split("/")[0] for k in base if base[k] != more[k]} == {"engine", "config"}
+    other_src = stage_keys(trt, "other", None)
+    assert all(base[k] != other_src[k] for k in base if k != "license")
+    assert stage_keys(trt, "src", "abc")["license"] != base["license"]
+    assert set(STAGE_FIELDS) == {"convert", "graph", "lower", "engine"}
+
+
+# ---- builds ----
+def test_synthetic_build_layout_manifest_and_noop_rerun(tmp_path, capsys):
+    out = tmp_path / "engine"
+    recipe = tiny_recipe("synthetic:tiny-k3")
+    res = build(recipe, out, stages=FAKE_STAGES, progress=False)
+    assert res.ran == [f"{s}/rank{n}" for n in range(4) for s in ("convert", "graph", "lower")] + ["config", "license"]
+    files = artifact_files(out)
+    for n in range(4):
+        for name in ("weights.safetensors", "quantization.json", "model.onnx", "ort_segment_000.onnx", "ort_plan.json"):
+            assert f"rank{n}/{name}" in files
+    assert {"config.json", "LICENSE"} <= set(files)
+    assert (out / ".cache" / "source-tiny-k3-seed0" / "config.json").is_file()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert sorted(manifest["files"]) == files
+    assert manifest["source"]["kind"] == "synthetic" and manifest["source"]["preset"] == "tiny-k3"
+    assert manifest["source"]["seed"] == 0
+    assert all(len(f["sha256"]) == 64 for f in manifest["source"]["files"].values())
+    assert set(manifest["versions"]) == {"moe_export", "torch", "onnx", "onnxruntime", "numpy", "safetensors", "python"}
+    assert manifest["recipe"]["sha256"] == recipe.fingerprint()
+    assert manifest["license"]["file"] == "LICENSE"
+    assert manifest["quantization"]["min_sqnr_db"] is not None
+    assert set(manifest["stages"]) == set(stage_keys(recipe, "x", None))
+    assert str(tmp_path) not in (out / "manifest.json").read_text()
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["mapping"] == {"world_size": 4, "tp_size": 2, "ep_size": 2, "attention": "tp"}
+    assert [r["rank"] for r in cfg["ranks"]] == [0, 1, 2, 3]
+    assert cfg["thinking"] == {"low": 64, "high": 256, "max": 512}
+    assert cfg["pretrained_config"]["model_type"] == "kimi_k3"
+    assert cfg["weight_classes"]["language_model.model.embed_tokens.weight"] == "embeddings"
+    assert verify_engine_dir(out)["ok"]
+    # same inputs: nothing runs, nothing is rewritten
+    before = inodes(out)
+    again = build(recipe, out, stages=FAKE_STAGES, progress=False)
+    assert again.up_to_date and describe(again).startswith("up to date: nothing to do")
+    assert inodes(out) == before
+
+
+def test_thinking_change_rewrites_only_config_and_manifest(ckpt, tmp_path):
+    out = tmp_path / "e"
+    build(tiny_recipe(ckpt), out, stages=FAKE_STAGES, progress=False)
+    before, state_before = inodes(out), inodes(out / ".state")
+    manifest_before = (out / "manifest.json").read_bytes()
+    res = build(tiny_recipe(ckpt, **{"thinking.high": 300}), out, stages=FAKE_STAGES, progress=False)
+    assert res.ran == ["config"]
+    after = inodes(out)
+    assert {k for k in before if before[k] != after[k]} == {"config.json"}
+    assert (out / "manifest.json").read_bytes() != manifest_before
+    assert json.loads((out / "config.json").read_text())["thinking"]["high"] == 300
+    state_after = inodes(out / ".state")
+    assert {k for k in state_before if state_before[k] != state_after.get(k)} == {"config.json", "publish.json"}
+    assert verify_engine_dir(out)["ok"]
+
+
+def test_quantization_change_rebuilds_convert_graph_lowering(ckpt, tmp_path):
+    out = tmp_path / "e"
+    build(tiny_recipe(ckpt), out, stages=FAKE_STAGES, progress=False)
+    before = inodes(out)
+    res = build(tiny_recipe(ckpt, **{"quantization.dense": "fp8"}), out, stages=FAKE_STAGES, progress=False)
+    assert res.ran == [f"{s}/rank{n}" for n in range(4) for s in ("convert", "graph", "lower")] + ["config"]
+    after = inodes(out)
+    assert {k for k in before if before[k] != after[k]} == set(before) - {"LICENSE"}
+    assert verify_engine_dir(out)["ok"]
+
+
+def test_fewer_segments_and_backend_switch_remove_stale_artifacts(ckpt, tmp_path):
+    out = tmp_path / "e"
+    build(tiny_recipe(ckpt, **{"attention.sparse_topk": 2}), out, stages=FAKE_STAGES, progress=False)
+    assert (out / "rank0" / "ort_segment_001.onnx").is_file()
+    res = build(tiny_recipe(ckpt), out, stages=FAKE_STAGES, progress=False)
+    assert "rank0/ort_segment_001.onnx" in res.removed
+    assert not (out / "rank0" / "ort_segment_001.onnx").exists()
+    assert not (out / ".build" / "rank0" / "ort_segment_001.onnx").exists()
+    assert verify_engine_dir(out)["ok"]
+    res = build(tiny_recipe(ckpt, backend="tensorrt"), out, stages=FAKE_STAGES, progress=False)
+    assert res.ran == [f"engine/rank{n}" for n in range(4)] + ["config"]
+    files = artifact_files(out)
+    assert "rank2/rank2.engine" in files and not any("ort_" in f for f in files)
+    assert verify_engine_dir(out)["ok"]
+
+
+def test_deleted_or_touched_outputs_are_repaired(ckpt, tmp_path):
+    out = tmp_path / "e"
+    recipe = tiny_recipe(ckpt)
+    build(recipe, out, stages=FAKE_STAGES, progress=False)
+    (out / "rank1" / "model.onnx").unlink()
+    res = build(recipe, out, stages=FAKE_STAGES, progress=False)
+    assert res.ran == [] and res.published == ["rank1/model.onnx"] and res.manifest_written
+    os.utime(out / "rank3" / "weights.safetensors", ns=(1, 1))  # looks modified: convert reruns
+    res = build(recipe, out, stages=FAKE_STAGES, progress=False)
+    assert res.ran == ["convert/rank3"]
+    assert verify_engine_dir(out)["ok"]
+
+
+def test_touched_source_with_same_content_rebuilds_nothing(tmp_path, ckpt):
+    src = tmp_path / "src"
+    shutil.copytree(ckpt, src)
+    out = tmp_path / "e"
+    build(tiny_recipe(src), out, stages=FAKE_STAGES, progress=False)
+    assert len(list((out / ".cache" / "sha256").iterdir())) >= 3
+    shard = sorted(src.glob("model-*.safetensors"))[0]
+    os.utime(shard, ns=(5, 5))
+    assert build(tiny_recipe(src), out, stages=FAKE_STAGES, progress=False).up_to_date
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01  # same size, new content: a full rebuild
+    shard.write_bytes(bytes(data))
+    res = build(tiny_recipe(src), out, stages=FAKE_STAGES, progress=False)
+    assert "convert/rank0" in res.ran
+
+
+def test_source_without_license_is_noted(tmp_path, ckpt):
+    src = tmp_path / "src"
+    shutil.copytree(ckpt, src)
+    (src / "LICENSE").unlink()
+    out = tmp_path / "e"
+    build(tiny_recipe(src), out, stages=FAKE_STAGES, progress=False)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["license"]["file"] is None and "no LICENSE" in manifest["license"]["note"]
+    assert not (out / "LICENSE").exists()
+    assert manifest["source"]["kind"] == "checkpoint" and manifest["source"]["path"] == str(src)
+
+
+# ---- bad input ----
+def test_corrupt_shard_is_refused_and_previous_output_untouched(tmp_path, ckpt):
+    src = tmp_path / "src"
+    shutil.copytree(ckpt, src)
+    out = tmp_path / "e"
+    build(tiny_recipe(src), out, stages=FAKE_STAGES, progress=False)
+    before = snapshot(out)
+    shard = sorted(src.glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(InputError, match="truncated"):
+        build(tiny_recipe(src), out, stages=FAKE_STAGES, progress=False)
+    assert snapshot(out) == before
+    assert verify_engine_dir(out)["ok"]
+
+
+def test_output_path_problems(tmp_path, ckpt):
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    with pytest.raises(InputError, match="not a directory"):
+        build(tiny_recipe(ckpt), afile, stages=FAKE_STAGES, progress=False)
+    with pytest.raises(InputError, match="cannot write"):
+        build(tiny_recipe(ckpt), afile / "sub", stages=FAKE_STAGES, progress=False)
+    foreign = tmp_path / "home"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(InputError, match="holds no moe-export build"):
+        build(tiny_recipe(ckpt), foreign, stages=FAKE_STAGES, progress=False)
+    assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
+
+
+def test_layout_that_does_not_divide_the_experts_is_refused_before_any_work(tmp_path, ckpt):
+    out = tmp_path / "e"
+    recipe = tiny_recipe(ckpt, **{"target.gpus_per_node": 6, "parallel.ep": 3})
+    with pytest.raises(InputError, match="num_experts=8 is not divisible by ep=3"):
+        build(recipe, out, stages=FAKE_STAGES, progress=False)
+    assert not out.exists()
+
+
+def test_failing_stage_leaves_previous_output_and_raises_build_error(tmp_path, ckpt):
+    out = tmp_path / "e"
+    build(tiny_recipe(ckpt), out, stages=FAKE_STAGES, progress=False)
+    before = snapshot(out)
+
+    def broken_graph(*args):
+        raise RuntimeError("exporter bug")
+
+    stages = Stages(fake_convert, broken_graph, fake_lower, fake_engine)
+    with pytest.raises(BuildError, match="graph of rank 0 failed: RuntimeError: exporter bug"):
+        build(tiny_recipe(ckpt, **{"quantization.dense": "fp8"}), out, stages=stages, progress=False)
+    assert snapshot(out) == before
+    assert (out / "manifest.json").is_file()
+    # the convert stage of rank 0 finished and is kept: the next run resumes after it
+    res = build(tiny_recipe(ckpt, **{"quantization.dense": "fp8"}), out, stages=FAKE_STAGES, progress=False)
+    assert "convert/rank0" not in res.ran and "graph/rank0" in res.ran
+
+
+def test_disk_full_is_a_clear_error_and_previous_output_untouched(tmp_path, ckpt):
+    import resource
+
+    out = tmp_path / "e"
+    good = write_recipe(tmp_path / "good.yaml", recipe_dict(ckpt))
+    proc = cli_with_fakes("build", "--recipe", str(good), "--out", str(out))
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    before = snapshot(out)
+    changed = write_recipe(tmp_path / "fp8.yaml", recipe_dict(ckpt, **{"quantization.dense": "fp8"}))
+
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+
+    proc = cli_with_fakes("build", "--recipe", str(changed), "--out", str(out), preexec_fn=limit_file_size)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err
+    assert "file size limit" in err and "convert of rank 0 failed" in err
+    assert snapshot(out) == before
+    assert verify_engine_dir(out)["ok"]
+
+
+# ---- resume and MPI (subprocesses) ----
+def test_killed_build_resumes_to_identical_bytes(tmp_path):
+    recipe_path = write_recipe(tmp_path / "r.yaml", recipe_dict("synthetic:tiny-k3"))
+    killed = tmp_path / "killed"
+    proc = cli_with_fakes("build", "--recipe", str(recipe_path), "--out", str(killed), env={"FAKE_STAGE_SLEEP": "1.5"})
+    first = killed / ".state" / "convert-rank0.json"
+    deadline = time.monotonic() + 240
+    while not first.is_file():
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline, "the first stage never finished"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert not (killed / "manifest.json").exists()
+    assert not (killed / ".state" / "convert-rank3.json").exists()
+
+    proc = cli_with_fakes("build", "--recipe", str(recipe_path), "--out", str(killed))
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "convert x3" in out  # rank 0's convert was kept
+
+    clean = tmp_path / "clean"
+    build(Recipe.model_validate(recipe_dict("synthetic:tiny-k3")), clean, stages=FAKE_STAGES, progress=False)
+    assert snapshot(killed) == snapshot(clean)
+    assert verify_engine_dir(killed)["ok"]
+
+
+def test_mpi_processes_split_the_ranks(tmp_path, ckpt):
+    mpiexec = VENV_BIN / "mpiexec"
+    if not mpiexec.is_file():
+        pytest.skip("mpiexec is not installed in the environment")
+    recipe_path = write_recipe(tmp_path / "r.yaml", recipe_dict(ckpt))
+    out = tmp_path / "mpi"
+    code = HELPER.format(tests=str(Path(__file__).parent))
+    proc = subprocess.run(
+        [str(mpiexec), "-n", "2", sys.executable, "-c", code, "build", "--recipe", str(recipe_path), "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("ran convert x4") == 1  # process 0 reports for both
+    for line in ("[mpi 0/2] convert rank 0", "[mpi 1/2] convert rank 1", "[mpi 0/2] convert rank 2",
+                 "[mpi 1/2] convert rank 3"):
+        assert line in proc.stderr
+    serial = tmp_path / "serial"
+    build(tiny_recipe(ckpt), serial, stages=FAKE_STAGES, progress=False)
+    assert snapshot(out) == snapshot(serial)
