@@ -51,6 +51,19 @@ def test_router_bias_selects_but_does_not_weight(cfg):
     torch.testing.assert_close(w[0][order], t(1.5 * s0 / (s0 + s2 + 1e-20), 1.5 * s2 / (s0 + s2 + 1e-20)))
 
 
+def test_grouped_routing_keeps_the_best_groups(cfg):
+    """Groups {0, 1} and {2, 3}; the group score is the sum of its top-2 choices, so group 1 wins although
+    expert 0 has the best single score."""
+    cfg = dataclasses.replace(cfg, num_experts=4, num_experts_per_token=2, num_expert_group=2, topk_group=1,
+                              routed_scaling_factor=1.0)
+    logits = [3.0, -3.0, 2.0, 1.9]
+    idx, w = M.route(t(1.0).view(1, 1), t(*logits).view(4, 1), torch.zeros(4), cfg)
+    order = idx[0].argsort()
+    assert idx[0][order].tolist() == [2, 3]
+    s2, s3 = sig(2.0), sig(1.9)
+    torch.testing.assert_close(w[0][order], t(s2 / (s2 + s3), s3 / (s2 + s3)))
+
+
 def test_latent_moe_normalizes_the_aggregate(cfg):
     cfg = dataclasses.replace(cfg, num_experts=3, num_experts_per_token=2, routed_scaling_factor=1.5)
     ex = {
