@@ -1,0 +1,8 @@
+"""MoEMXFP4: this rank's routed experts with MXFP4 weights (W4A16), SiTU or SwiGLU, weighted fp32 partial sum.
+Reference, fast CPU, Triton, ONNX schema, ORT function, TensorRT plugin; `tensorrt_plugin` is not imported
+here (it needs `tensorrt`)."""
+
+from .cpu import dequantize_rows, group_by_expert, moe_mxfp4_cpu
+from .reference import gated_activation, moe_mxfp4_reference
+
+__all__ = ["dequantize_rows", "gated_activation", "group_by_expert", "moe_mxfp4_cpu", "moe_mxfp4_reference"]

@@ -1,0 +1,105 @@
+"""ONNX schema of `MoEMXFP4` (domain `moe_export.plugins.DOMAIN`, opset `OPSET_VERSION`).
+
+Node contract (semantics in `reference.py`):
+
+    y = MoEMXFP4(x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packed, w2_scale)
+    inputs   x               [T, D]            float   expert input (K3: the latent, D = 3584)
+             expert_ids      [T, k]            int64   global expert ids chosen per token
+             expert_weights  [T, k]            float   routing weights
+             w13_packed      [E, 2I, D/2]      uint8   MXFP4 gate rows (0..I-1) then up rows (I..2I-1)
+             w13_scale       [E, 2I, D/32]     uint8   E8M0 scales
+             w2_packed       [E, D, I/2]       uint8   MXFP4 down projection
+             w2_scale        [E, D, I/32]      uint8   E8M0 scales
+    output   y               [T, D]            float   weighted sum over the choices held by this rank
+    attributes  expert_offset (int, required): global id of local expert 0 (this rank holds E experts)
+                activation (string, required): "situ" or "silu"
+                situ_beta (float, required): SiTU beta (4.0 for K3; ignored by "silu")
+                situ_linear_beta (float, required): SiTU up clamp (25.0 for K3; ignored by "silu")
+                plugin_version (string, default "1"): TensorRT plugin version
+    All attributes are required because TensorRT QDP attributes cannot have defaults.
+
+`register()` installs the schema with a Python type-and-shape inference function (see
+`sparse_mla_attention/onnx_schema.py`), idempotently.
+"""
+
+import onnx
+from onnx import defs, helper
+
+from .. import DOMAIN, OPSET_VERSION, PLUGIN_VERSION
+from ..sparse_mla_attention.onnx_schema import input_dim, plugin_version_attribute, register_once, tensor_type
+
+OP_TYPE = "MoEMXFP4"
+
+
+def _infer(ctx) -> None:
+    ctx.set_output_type(0, tensor_type(onnx.TensorProto.FLOAT, [input_dim(ctx, 0, 0), input_dim(ctx, 0, 1)]))
+
+
+def schema() -> defs.OpSchema:
+    """The OpSchema of MoEMXFP4 (not yet registered)."""
+    p = defs.OpSchema.FormalParameter
+    attr = defs.OpSchema.Attribute
+    kind = defs.OpSchema.AttrType
+    s = defs.OpSchema(
+        OP_TYPE,
+        DOMAIN,
+        OPSET_VERSION,
+        "Routed experts with MXFP4 weights (W4A16): this rank's weighted partial sum over the chosen experts.",
+        inputs=[
+            p("x", "tensor(float)", "[T, D]"),
+            p("expert_ids", "tensor(int64)", "[T, k] global expert ids"),
+            p("expert_weights", "tensor(float)", "[T, k]"),
+            p("w13_packed", "tensor(uint8)", "[E, 2I, D/2]"),
+            p("w13_scale", "tensor(uint8)", "[E, 2I, D/32]"),
+            p("w2_packed", "tensor(uint8)", "[E, D, I/2]"),
+            p("w2_scale", "tensor(uint8)", "[E, D, I/32]"),
+        ],
+        outputs=[p("y", "tensor(float)", "[T, D]")],
+        attributes=[
+            attr("expert_offset", kind.INT, "global id of local expert 0"),
+            attr("activation", kind.STRING, '"situ" or "silu"'),
+            attr("situ_beta", kind.FLOAT, "SiTU beta"),
+            attr("situ_linear_beta", kind.FLOAT, "SiTU linear beta"),
+            plugin_version_attribute(),
+        ],
+    )
+    s.set_type_and_shape_inference_function(_infer)
+    return s
+
+
+def register() -> None:
+    """Register the MoEMXFP4 schema (idempotent)."""
+    register_once(schema())
+
+
+def make_node(
+    x: str,
+    expert_ids: str,
+    expert_weights: str,
+    w13_packed: str,
+    w13_scale: str,
+    w2_packed: str,
+    w2_scale: str,
+    y: str,
+    *,
+    expert_offset: int,
+    activation: str = "situ",
+    situ_beta: float = 4.0,
+    situ_linear_beta: float = 25.0,
+    name: str | None = None,
+) -> onnx.NodeProto:
+    """A MoEMXFP4 node over the given value names."""
+    if activation not in ("situ", "silu"):
+        raise ValueError(f'activation must be "situ" or "silu", got {activation!r}')
+    return helper.make_node(
+        OP_TYPE,
+        [x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packed, w2_scale],
+        [y],
+        name=name,
+        domain=DOMAIN,
+        expert_offset=int(expert_offset),
+        activation=activation,
+        situ_beta=float(situ_beta),
+        situ_linear_beta=float(situ_linear_beta),
+        plugin_version=PLUGIN_VERSION,
+    )
