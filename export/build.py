@@ -195,17 +195,16 @@ def _collective(comm, fn: Callable[[], Any]) -> Any:
 
 # ---- progress ----
 class _Progress:
-    """Rich progress bars on stderr (bytes written, speed, ETA) when it is a terminal; otherwise one
-    line per finished stage."""
+    """A rich progress bar on stderr for the running stage (bytes written, speed, ETA) when stderr is a
+    terminal, and one line per finished stage."""
 
     def __init__(self, enabled: bool | None, prefix: str = "") -> None:
         from rich.console import Console
 
         self.console = Console(stderr=True)
-        self.enabled = self.console.is_terminal if enabled is None else enabled
         self.prefix = prefix
         self._bars = None
-        if self.enabled:
+        if self.console.is_terminal if enabled is None else enabled:
             from rich.progress import (
                 BarColumn,
                 DownloadColumn,
@@ -235,34 +234,34 @@ class _Progress:
         """Track a stage by the size of the file (or folder) it is writing."""
         desc = self.prefix + desc
         t0 = time.monotonic()
-        if not self._bars:
-            yield
-            self.console.print(f"{desc}: done in {time.monotonic() - t0:.1f} s", highlight=False, markup=False)
-            return
-        from rich.markup import escape
-
-        tid = self._bars.add_task(escape(desc), total=total)
         stop = threading.Event()
+        thread = None
+        if self._bars:
+            from rich.markup import escape
 
-        def poll() -> None:
-            while not stop.wait(0.25):
-                self._bars.update(tid, completed=_size_of(watch))
+            bars = self._bars
+            tid = bars.add_task(escape(desc), total=total)
 
-        thread = threading.Thread(target=poll, daemon=True)
-        thread.start()
+            def poll() -> None:
+                while not stop.wait(0.25):
+                    bars.update(tid, completed=_size_of(watch))
+
+            thread = threading.Thread(target=poll, daemon=True)
+            thread.start()
         try:
             yield
         finally:
-            stop.set()
-            thread.join()
-        done = _size_of(watch)
-        self._bars.update(tid, completed=done, total=max(done, 1) if total is None else total)
+            if thread is not None:
+                stop.set()
+                thread.join()
+                bars.remove_task(tid)
+        self.console.print(f"{desc}: done in {time.monotonic() - t0:.1f} s", highlight=False, markup=False)
 
 
 def _size_of(path: Path) -> int:
     try:
-        if path.is_dir():
-            return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+        if path.is_dir():  # a scratch folder: what the stage wrote, not the weights linked in for it
+            return sum(p.stat().st_size for p in path.iterdir() if p.is_file() and p.name != WEIGHTS)
         return path.stat().st_size
     except OSError:
         return 0

@@ -264,20 +264,30 @@ def render_engine_report(report: dict[str, Any], console) -> None:
         highlight=False,
         soft_wrap=True,
     )
-    classes = sorted({c for r in report["ranks"] if r["weights"] for c in r["weights"]["classes"]})
-    table = Table(title="weights by class")
-    table.add_column("rank")
-    for c in classes:
-        table.add_column(c, justify="right")
-    table.add_column("total", justify="right")
-    for r in report["ranks"]:
-        w = r["weights"]
-        if w is None:
-            table.add_row(str(r["rank"]), *["-"] * len(classes), "missing")
-            continue
-        cells = [_human_bytes(w["classes"][c]["bytes"]) if c in w["classes"] else "-" for c in classes]
-        table.add_row(str(r["rank"]), *cells, _human_bytes(w["bytes"]))
+    table = Table(title="weights by class, per rank")
+    table.add_column("weight class")
+    table.add_column("tensors", justify="right")
+    table.add_column("bytes (min - max over ranks)", justify="right")
+    table.add_column("all ranks", justify="right")
+    weights = [r["weights"] for r in report["ranks"] if r["weights"]]
+    for cls in sorted({c for w in weights for c in w["classes"]}):
+        rows = [w["classes"].get(cls, {"tensors": 0, "bytes": 0}) for w in weights]
+        t_lo, t_hi = min(x["tensors"] for x in rows), max(x["tensors"] for x in rows)
+        b_lo, b_hi = min(x["bytes"] for x in rows), max(x["bytes"] for x in rows)
+        table.add_row(
+            cls,
+            str(t_lo) if t_lo == t_hi else f"{t_lo} - {t_hi}",
+            _human_bytes(b_lo) if b_lo == b_hi else f"{_human_bytes(b_lo)} - {_human_bytes(b_hi)}",
+            _human_bytes(sum(x["bytes"] for x in rows)),
+        )
+    totals = [w["bytes"] for w in weights]
+    if totals:
+        table.add_row("total", "", f"{_human_bytes(min(totals))} - {_human_bytes(max(totals))}",
+                      _human_bytes(sum(totals)), style="bold")
     console.print(table)
+    missing = [str(r["rank"]) for r in report["ranks"] if not r["weights"]]
+    if missing:
+        console.print(f"[red]no weights file for rank(s) {', '.join(missing)}[/]", highlight=False)
     for r in report["ranks"]:
         g = r["graph"]
         if g is None:

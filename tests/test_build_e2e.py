@@ -1,0 +1,63 @@
+"""`moe-export build` end to end with the real stages: the shipped tiny-cpu recipe (synthetic tiny-k3,
+4 CPU ranks, tp=2, ep=2, ONNX Runtime backend) into a temporary folder, then verify and inspect."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_export.export.cli import main
+from moe_export.export.manifest import artifact_files
+from moe_export.recipes import recipes_dir
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    old = sys.argv
+    sys.argv = ["moe-export", *args]
+    try:
+        with pytest.raises(SystemExit) as exc:
+            main()
+    finally:
+        sys.argv = old
+    out, err = capsys.readouterr()
+    return exc.value.code, out, err
+
+
+def test_tiny_cpu_build_verify_inspect_rerun(tmp_path, capsys):
+    out = tmp_path / "tiny-cpu"
+    recipe = str(recipes_dir() / "tiny-cpu.yaml")
+    code, stdout, err = run_cli(capsys, "build", "--recipe", recipe, "--out", str(out))
+    assert code == 0, err
+    assert "ran convert x4" in stdout
+
+    files = artifact_files(out)
+    assert {"config.json", "LICENSE"} <= set(files)
+    for n in range(4):
+        for name in ("weights.safetensors", "quantization.json", "model.onnx"):
+            assert f"rank{n}/{name}" in files
+        assert any(f.startswith(f"rank{n}/ort_segment_") for f in files)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert sorted(manifest["files"]) == files
+    assert manifest["source"] == {**manifest["source"], "kind": "synthetic", "preset": "tiny-k3", "seed": 0}
+    assert manifest["quantization"]["quantized_tensors"] > 0
+
+    code, stdout, err = run_cli(capsys, "verify", str(out))
+    assert code == 0, err
+
+    code, stdout, err = run_cli(capsys, "inspect", str(out), "--json")
+    assert code == 0, err
+    report = json.loads(stdout)
+    assert report["kind"] == "engine" and report["num_ranks"] == 4 and report["manifest"]["ok"]
+    for rank in report["ranks"]:
+        assert rank["graph"]["plugin_nodes"], "the rank graph has no moe_export plugin nodes"
+        assert rank["graph"]["external_data"] == ["weights.safetensors"]
+        classes = rank["weights"]["classes"]
+        assert {"embeddings", "kda", "mla", "routed_experts"} <= set(classes)
+
+    code, stdout, err = run_cli(capsys, "build", "--recipe", recipe, "--out", str(out))
+    assert code == 0, err
+    assert "up to date: nothing to do" in stdout
+    assert Path(out / "manifest.json").is_file()
