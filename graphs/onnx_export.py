@@ -1,0 +1,454 @@
+"""Per-rank ONNX decoder graph (opset 21) with our plugin nodes and explicit collectives.
+
+One graph per rank handles a packed batch of N sequences (prefill chunks and decode tokens mixed):
+
+  inputs   input_ids [T] int64, positions [T] int64 (absolute position of each token in its sequence),
+           token_slots [T] int64 (cache slot of each token's sequence), cu_seqlens [N+1] int64,
+           slot_ids [N] int64, last_token_index [N] int64 (rows whose logits are wanted),
+           per KDA layer i: kda_state.i [S, H_l, V, K] fp32 and conv_state.i [S, 3*P_l, W-1] fp32,
+           per MLA layer i: mla_cache.i [S, L, kv_lora+rope] and (DSA) index_cache.i [S, L, Di]
+  outputs  logits [N, vocab] fp32 and every state/cache input's updated pool (`<name>.out`).
+
+S (slots) and L (cache length) are symbolic; the runtime allocates pools from the recipe's limits.
+Weights are initializers stored as external data inside the rank's `weights.safetensors` (the
+safetensors data section is raw little-endian bytes, so each initializer points at its byte range).
+
+Collectives are graph nodes `AllReduce` / `AllGather` in our domain with a `group` attribute
+("tp" or "ep"): TensorRT maps them to NCCL plugins; the ONNX Runtime backend splits the graph at
+them and the runtime calls MPI between the segments (see `moe_export.export.backends`).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from moe_export.graphs.config import ModelConfig
+from moe_export.graphs.sharding import Mapping
+from moe_export.graphs.weights import layer_prefix, lm_head_name, model_prefix
+from moe_export.plugins import DOMAIN, OPSET_VERSION, PLUGIN_VERSION
+
+ONNX_OPSET = 21
+MLA_LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm
+INDEXER_KNORM_EPS = 1e-6
+COLLECTIVE_OPS = ("AllReduce", "AllGather")
+
+_SAFETENSORS_TO_ONNX = {
+    "BF16": TensorProto.BFLOAT16,
+    "F16": TensorProto.FLOAT16,
+    "F32": TensorProto.FLOAT,
+    "U8": TensorProto.UINT8,
+    "I64": TensorProto.INT64,
+    "F8_E4M3": TensorProto.FLOAT8E4M3FN,
+}
+
+
+def read_safetensors_index(path: Path) -> dict[str, tuple[str, list[int], int, int]]:
+    """name -> (dtype, shape, absolute byte offset, byte length) from a safetensors header."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    base = 8 + n
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = meta["data_offsets"]
+        out[name] = (meta["dtype"], list(meta["shape"]), base + begin, end - begin)
+    return out
+
+
+class GraphBuilder:
+    """Accumulates nodes, initializers (external, from the weights file) and small constants."""
+
+    def __init__(self, weights_path: Path):
+        self.weights_file = weights_path.name
+        self.index = read_safetensors_index(weights_path)
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[TensorProto] = []
+        self._weights: dict[str, str] = {}
+        self._consts: dict[tuple, str] = {}
+        self._names: set[str] = set()
+
+    # ---- naming ----
+    def _unique(self, name: str) -> str:
+        base, i = name, 1
+        while name in self._names:
+            i += 1
+            name = f"{base}_{i}"
+        self._names.add(name)
+        return name
+
+    # ---- values ----
+    def weight(self, name: str, as_float: bool = True) -> str:
+        """Initializer for stored tensor `name`; bf16/fp16 tensors are Cast to fp32 unless as_float=False."""
+        key = f"{name}|{as_float}"
+        if key in self._weights:
+            return self._weights[key]
+        if name not in self._weights:
+            dtype, shape, offset, length = self.index[name]
+            t = TensorProto(name=name, data_type=_SAFETENSORS_TO_ONNX[dtype], dims=shape)
+            t.data_location = TensorProto.EXTERNAL
+            for k, v in (("location", self.weights_file), ("offset", str(offset)), ("length", str(length))):
+                entry = t.external_data.add()
+                entry.key, entry.value = k, v
+            self.initializers.append(t)
+            self._names.add(name)
+            self._weights[name] = name
+        value = name
+        if as_float and self.index[name][0] in ("BF16", "F16"):
+            value = self.op("Cast", [name], f"{name}.f32", to=TensorProto.FLOAT)
+        self._weights[key] = value
+        return value
+
+    def const(self, value, dtype=np.int64, hint: str = "const") -> str:
+        arr = np.asarray(value, dtype=dtype)
+        key = (arr.dtype.str, arr.shape, arr.tobytes())
+        if key not in self._consts:
+            name = self._unique(f"const.{hint}")
+            self.initializers.append(onnx.numpy_helper.from_array(arr, name))
+            self._consts[key] = name
+        return self._consts[key]
+
+    def op(self, op_type: str, inputs: list[str], name: str, n_out: int = 1, domain: str = "", **attrs):
+        """Append a node named `name`; returns its output value name (or list for n_out > 1)."""
+        name = self._unique(name)
+        outs = [name] if n_out == 1 else [f"{name}.{i}" for i in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, inputs, outs, name=name, domain=domain, **attrs))
+        return outs[0] if n_out == 1 else outs
+
+    def plugin(self, op_type: str, inputs: list[str], name: str, n_out: int = 1, **attrs):
+        return self.op(op_type, inputs, name, n_out, domain=DOMAIN, plugin_version=PLUGIN_VERSION, **attrs)
+
+    # ---- building blocks ----
+    def linear(self, x: str, w_name: str, name: str) -> str:
+        """x [T, in] @ W^T for a stored [out, in] weight -> [T, out]."""
+        return self.op("Gemm", [x, self.weight(w_name)], name, transB=1)
+
+    def rms_norm(self, x: str, w_name: str | None, eps: float, name: str) -> str:
+        """x * rsqrt(mean(x^2, -1) + eps) [* weight] over the last dim."""
+        ms = self.op("ReduceMean", [self.op("Mul", [x, x], f"{name}.sq"), self.const([-1])], f"{name}.ms", keepdims=1)
+        rs = self.op("Sqrt", [self.op("Add", [ms, self.const(eps, np.float32, "eps")], f"{name}.add")], f"{name}.rms")
+        y = self.op("Div", [x, rs], f"{name}.normed")
+        return self.op("Mul", [y, self.weight(w_name)], name) if w_name else y
+
+    def sigmoid_mul(self, x: str, gate: str, name: str) -> str:
+        return self.op("Mul", [x, self.op("Sigmoid", [gate], f"{name}.sigmoid")], name)
+
+    def gated_act(self, gate: str, up: str, cfg: ModelConfig, name: str) -> str:
+        """SwiGLU silu(gate) * up, or SiTU: beta*tanh(gate/beta)*sigmoid(gate) * lin*tanh(up/lin)."""
+        if cfg.hidden_act == "silu":
+            return self.op("Mul", [self.sigmoid_mul(gate, gate, f"{name}.silu"), up], name)
+        beta = self.const(cfg.situ_beta, np.float32, "situ_beta")
+        capped = self.op("Mul", [self.op("Tanh", [self.op("Div", [gate, beta], f"{name}.gdiv")], f"{name}.gtanh"), beta], f"{name}.gcap")
+        a = self.sigmoid_mul(capped, gate, f"{name}.a")
+        if cfg.situ_linear_beta is not None:
+            lin = self.const(cfg.situ_linear_beta, np.float32, "situ_linear_beta")
+            up = self.op("Mul", [self.op("Tanh", [self.op("Div", [up, lin], f"{name}.udiv")], f"{name}.utanh"), lin], f"{name}.ucap")
+        return self.op("Mul", [a, up], name)
+
+    def reshape(self, x: str, shape: list[int], name: str) -> str:
+        return self.op("Reshape", [x, self.const(shape)], name)
+
+    def slice_last(self, x: str, start: int, end: int, name: str) -> str:
+        return self.op("Slice", [x, self.const([start]), self.const([end]), self.const([-1])], name)
+
+    def all_reduce(self, x: str, group: str, size: int, name: str) -> str:
+        return x if size == 1 else self.plugin("AllReduce", [x], name, group=group, reduce_op="sum")
+
+
+class RankGraph:
+    """Emits one rank's decoder (gpt-fast style: one method per block, in forward order)."""
+
+    def __init__(self, cfg: ModelConfig, mapping: Mapping, weights_path: Path, topk_override: int | None = None,
+                 use_indexer: bool = True):
+        self.cfg, self.m = cfg, mapping
+        self.g = GraphBuilder(weights_path)
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+        self.use_indexer = use_indexer and cfg.has_dsa
+        self.topk = topk_override or cfg.index_topk
+        self.kda_heads = cfg.kda_num_heads // mapping.attn_tp
+        self.mla_heads = cfg.num_heads // mapping.attn_tp
+
+    def _input(self, name: str, elem: int, shape: list) -> str:
+        self.inputs.append(helper.make_tensor_value_info(name, elem, shape))
+        return name
+
+    def _output(self, value: str, name: str, elem: int, shape: list) -> None:
+        self.g.op("Identity", [value], name)  # node named like the output, producing it
+        self.outputs.append(helper.make_tensor_value_info(name, elem, shape))
+
+    # ---- embeddings / head (vocab-parallel) ----
+    def embed(self, ids: str) -> str:
+        g, cfg, m = self.g, self.cfg, self.m
+        table = g.weight(model_prefix(cfg) + "embed_tokens.weight")
+        if m.tp == 1:
+            return g.op("Gather", [table, ids], "embed", axis=0)
+        per = cfg.vocab_size // m.tp
+        local = g.op("Sub", [ids, g.const(m.tp_rank * per)], "embed.local_ids")
+        inside = g.op("And", [g.op("GreaterOrEqual", [local, g.const(0)], "embed.ge"),
+                              g.op("Less", [local, g.const(per)], "embed.lt")], "embed.inside")
+        safe = g.op("Where", [inside, local, g.const(0)], "embed.safe_ids")
+        rows = g.op("Gather", [table, safe], "embed.rows", axis=0)
+        mask = g.op("Unsqueeze", [g.op("Cast", [inside], "embed.mask", to=TensorProto.FLOAT), g.const([-1])], "embed.mask2")
+        return g.all_reduce(g.op("Mul", [rows, mask], "embed.partial"), "tp", m.tp, "embed.all_reduce")
+
+    def head(self, h: str) -> str:
+        g, cfg, m = self.g, self.cfg, self.m
+        normed = g.rms_norm(h, model_prefix(cfg) + "norm.weight", cfg.rms_norm_eps, "final_norm")
+        name = model_prefix(cfg) + "embed_tokens.weight" if cfg.tie_word_embeddings else lm_head_name(cfg)
+        logits = g.linear(normed, name, "lm_head")
+        return logits if m.tp == 1 else g.plugin("AllGather", [logits], "lm_head.all_gather", group="tp", axis=-1)
+
+    # ---- attention residuals ----
+    def attn_res(self, prefix: str, snaps: list[str], which: str, name: str) -> str:
+        """Softmax mix over depth of [*snapshots, prefix]: keys RMS-normalized, values raw. [T, D]."""
+        g = self.g
+        cands = [g.op("Unsqueeze", [v, g.const([1])], f"{name}.cand{i}") for i, v in enumerate([*snaps, prefix])]
+        v = g.op("Concat", cands, f"{name}.stack", axis=1)  # [T, n, D]
+        k = g.rms_norm(v, None, self.cfg.rms_norm_eps, f"{name}.keys")
+        wvec = g.op("Mul", [g.weight(f"{which}_res_norm.weight"),
+                            g.reshape(g.weight(f"{which}_res_proj.weight"), [-1], f"{name}.proj")], f"{name}.w")
+        score = g.op("ReduceSum", [g.op("Mul", [k, wvec], f"{name}.kw"), g.const([-1])], f"{name}.score", keepdims=0)
+        p = g.op("Unsqueeze", [g.op("Softmax", [score], f"{name}.softmax", axis=-1), g.const([-1])], f"{name}.p")
+        return g.op("ReduceSum", [g.op("Mul", [p, v], f"{name}.pv"), g.const([1])], name, keepdims=0)
+
+    # ---- KDA ----
+    def kda(self, i: int, x: str, io: dict) -> str:
+        g, cfg, m = self.g, self.cfg, self.m
+        a = layer_prefix(cfg, i) + "self_attn."
+        n = f"layers.{i}.kda"
+        hl, dh, w = self.kda_heads, cfg.kda_head_dim, cfg.conv_kernel_size
+        p_l = hl * dh
+        qkv = g.op("Concat", [g.linear(x, f"{a}{c}_proj.weight", f"{n}.{c}_proj") for c in "qkv"], f"{n}.qkv", axis=-1)
+        conv_w = g.op("Concat", [g.reshape(g.weight(f"{a}{c}_conv1d.weight"), [p_l, w], f"{n}.{c}_conv_w") for c in "qkv"],
+                      f"{n}.conv_w", axis=0)
+        conv_y, conv_out = g.plugin("ShortConv", [qkv, conv_w, io["conv"], io["cu"], io["slots"]], f"{n}.short_conv", 2)
+        q, k, v = (g.reshape(g.slice_last(conv_y, j * p_l, (j + 1) * p_l, f"{n}.{c}_conv"), [-1, hl, dh], f"{n}.{c}")
+                   for j, c in enumerate("qkv"))
+        u = g.op("Add", [g.linear(g.linear(x, f"{a}f_a_proj.weight", f"{n}.f_a"), f"{a}f_b_proj.weight", f"{n}.f_b"),
+                         g.weight(f"{a}dt_bias")], f"{n}.gate_in")
+        u = g.reshape(u, [-1, hl, dh], f"{n}.gate_in_heads")
+        h0 = m.attn_tp_rank * hl
+        a_log = g.slice_last(g.reshape(g.weight(f"{a}A_log"), [-1], f"{n}.A_log_flat"), h0, h0 + hl, f"{n}.A_log_local")
+        decay = g.reshape(g.op("Exp", [a_log], f"{n}.A"), [1, hl, 1], f"{n}.A_heads")
+        if cfg.gate_lower_bound is not None:  # safe gate: lower_bound * sigmoid(A * u), in (lb, 0)
+            s = g.op("Sigmoid", [g.op("Mul", [decay, u], f"{n}.Au")], f"{n}.gate_sigmoid")
+            log_decay = g.op("Mul", [s, g.const(cfg.gate_lower_bound, np.float32, "lower_bound")], f"{n}.g")
+        else:  # -A * softplus(u)
+            sp = g.op("Softplus", [u], f"{n}.softplus")
+            log_decay = g.op("Neg", [g.op("Mul", [decay, sp], f"{n}.A_sp")], f"{n}.g")
+        beta = g.op("Sigmoid", [g.linear(x, f"{a}b_proj.weight", f"{n}.b_proj")], f"{n}.beta")
+        o, state_out = g.plugin("GatedDeltaScan", [q, k, v, log_decay, beta, io["state"], io["cu"], io["slots"]],
+                                f"{n}.gated_delta_scan", 2, scale=float(dh**-0.5), use_qk_l2norm=1)
+        if cfg.use_full_rank_gate:
+            gate = g.linear(x, f"{a}g_proj.weight", f"{n}.g_proj")
+        else:
+            gate = g.linear(g.linear(x, f"{a}g_a_proj.weight", f"{n}.g_a"), f"{a}g_b_proj.weight", f"{n}.g_b")
+        gate = g.reshape(gate, [-1, hl, dh], f"{n}.gate_heads")
+        normed = g.rms_norm(o, f"{a}o_norm.weight", cfg.rms_norm_eps, f"{n}.o_norm")
+        y = g.reshape(g.sigmoid_mul(normed, gate, f"{n}.gated"), [-1, p_l], f"{n}.o_flat")
+        io["conv_out"], io["state_out"] = conv_out, state_out
+        return g.all_reduce(g.linear(y, f"{a}o_proj.weight", f"{n}.o_proj"), "tp", m.attn_tp, f"{n}.all_reduce")
+
+    # ---- MLA (NoPE, absorbed over the latent cache) + DSA ----
+    def mla(self, i: int, x: str, io: dict) -> str:
+        g, cfg, m = self.g, self.cfg, self.m
+        a = layer_prefix(cfg, i) + "self_attn."
+        n = f"layers.{i}.mla"
+        hl, nope, rope, vd, r = self.mla_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        q_latent = None
+        if cfg.q_lora_rank:
+            q_latent = g.rms_norm(g.linear(x, f"{a}q_a_proj.weight", f"{n}.q_a"), f"{a}q_a_layernorm.weight",
+                                  MLA_LATENT_NORM_EPS, f"{n}.q_a_norm")
+            q = g.linear(q_latent, f"{a}q_b_proj.weight", f"{n}.q_b")
+        else:
+            q = g.linear(x, f"{a}q_proj.weight", f"{n}.q_proj")
+        q = g.op("Transpose", [g.reshape(q, [-1, hl, nope + rope], f"{n}.q_heads")], f"{n}.q_hT", perm=[1, 0, 2])
+        q_nope = g.slice_last(q, 0, nope, f"{n}.q_nope")  # [H, T, nope]
+        q_pe = g.slice_last(q, nope, nope + rope, f"{n}.q_pe")
+        kv_b = g.reshape(g.weight(f"{a}kv_b_proj.weight"), [hl, nope + vd, r], f"{n}.kv_b_heads")
+        w_kc = g.op("Slice", [kv_b, g.const([0]), g.const([nope]), g.const([1])], f"{n}.w_kc")  # [H, nope, r]
+        w_vc = g.op("Slice", [kv_b, g.const([nope]), g.const([nope + vd]), g.const([1])], f"{n}.w_vc")  # [H, v, r]
+        q_lat = g.op("MatMul", [q_nope, w_kc], f"{n}.q_absorb")  # [H, T, r]
+        q_full = g.op("Transpose", [g.op("Concat", [q_lat, q_pe], f"{n}.q_cat", axis=-1)], f"{n}.q_lat", perm=[1, 0, 2])
+        ckv = g.linear(x, f"{a}kv_a_proj_with_mqa.weight", f"{n}.kv_a")
+        c = g.rms_norm(g.slice_last(ckv, 0, r, f"{n}.c"), f"{a}kv_a_layernorm.weight", MLA_LATENT_NORM_EPS, f"{n}.c_norm")
+        entry = g.op("Concat", [c, g.slice_last(ckv, r, r + rope, f"{n}.k_pe")], f"{n}.cache_entry", axis=-1)
+        cache = g.op("ScatterND", [io["mla"], io["cache_idx"], entry], f"{n}.cache_write")
+        io["mla_out"] = cache
+        # Dense layers pass an empty [0, 0] index tensor (the op's "dense causal" form), so the node always
+        # has the six inputs TensorRT's plugin signature fixes.
+        indices = self.indexer(i, x, q_latent, io) if self.use_indexer else g.const(np.zeros((0, 0)), np.int64, "dense")
+        attn_inputs = [q_full, cache, io["cu"], io["slots"], io["positions"], indices]
+        o_lat = g.plugin("SparseMLAAttention", attn_inputs, f"{n}.attention",
+                         scale=float((nope + rope) ** -0.5), kv_lora_rank=r)  # [T, H, r]
+        o_t = g.op("Transpose", [o_lat], f"{n}.o_latT", perm=[1, 0, 2])  # [H, T, r]
+        o = g.op("MatMul", [o_t, g.op("Transpose", [w_vc], f"{n}.w_vcT", perm=[0, 2, 1])], f"{n}.v_up")  # [H, T, v]
+        y = g.reshape(g.op("Transpose", [o], f"{n}.oT", perm=[1, 0, 2]), [-1, hl * vd], f"{n}.o_flat")
+        if cfg.mla_use_output_gate:
+            y = g.sigmoid_mul(y, g.linear(x, f"{a}g_proj.weight", f"{n}.g_proj"), f"{n}.gated")
+        return g.all_reduce(g.linear(y, f"{a}o_proj.weight", f"{n}.o_proj"), "tp", m.attn_tp, f"{n}.all_reduce")
+
+    def indexer(self, i: int, x: str, q_latent: str, io: dict) -> str:
+        """DSA lightning indexer: writes this step's keys, returns top-k indices [T, topk] (-1 padded)."""
+        g, cfg = self.g, self.cfg
+        a = layer_prefix(cfg, i) + "self_attn.indexer."
+        n = f"layers.{i}.indexer"
+        hi, di = cfg.index_n_heads, cfg.index_head_dim
+        q = g.reshape(g.linear(q_latent, f"{a}wq_b.weight", f"{n}.wq_b"), [-1, hi, di], f"{n}.q")
+        k = g.op("LayerNormalization", [g.linear(x, f"{a}wk.weight", f"{n}.wk"), g.weight(f"{a}k_norm.weight"),
+                                        g.weight(f"{a}k_norm.bias")], f"{n}.k_norm", axis=-1, epsilon=INDEXER_KNORM_EPS)
+        keys = g.op("ScatterND", [io["index"], io["cache_idx"], k], f"{n}.cache_write")
+        io["index_out"] = keys
+        # score[t, s] = sum_h (w[t, h] * Hi^-0.5 * Di^-0.5) * relu(q[t, h] . k[s]); the op applies relu and sums.
+        weights = g.op("Mul", [g.linear(x, f"{a}weights_proj.weight", f"{n}.weights_proj"),
+                               g.const((hi**-0.5) * (di**-0.5), np.float32, "index_scale")], f"{n}.head_weights")
+        return g.plugin("DSAIndexer", [q, weights, keys, io["cu"], io["slots"], io["positions"]], f"{n}.topk",
+                        topk=int(self.topk))
+
+    # ---- FFNs ----
+    def mlp(self, x: str, prefix: str, name: str, group_size: int) -> str:
+        g = self.g
+        gate = g.linear(x, f"{prefix}gate_proj.weight", f"{name}.gate_proj")
+        up = g.linear(x, f"{prefix}up_proj.weight", f"{name}.up_proj")
+        y = g.linear(g.gated_act(gate, up, self.cfg, f"{name}.act"), f"{prefix}down_proj.weight", f"{name}.down_proj")
+        return g.all_reduce(y, "tp", group_size, f"{name}.all_reduce")
+
+    def moe(self, i: int, x: str) -> str:
+        g, cfg, m = self.g, self.cfg, self.m
+        p = layer_prefix(cfg, i) + "block_sparse_moe."
+        n = f"layers.{i}.moe"
+        scores = g.op("Sigmoid", [g.linear(x, f"{p}gate.weight", f"{n}.router")], f"{n}.scores")  # fp32 [T, E]
+        choice = g.op("Add", [scores, g.weight(f"{p}gate.e_score_correction_bias")], f"{n}.choice")
+        _, ids = g.op("TopK", [choice, g.const([cfg.num_experts_per_token])], f"{n}.topk", 2, axis=-1)
+        w = g.op("GatherElements", [scores, ids], f"{n}.weights", axis=-1)
+        if cfg.moe_renormalize:
+            total = g.op("ReduceSum", [w, g.const([-1])], f"{n}.wsum", keepdims=1)
+            w = g.op("Div", [w, g.op("Add", [total, g.const(1e-20, np.float32, "tiny")], f"{n}.wsum_eps")], f"{n}.wnorm")
+        if cfg.routed_scaling_factor != 1.0:
+            w = g.op("Mul", [w, g.const(cfg.routed_scaling_factor, np.float32, "routed_scale")], f"{n}.wscaled")
+        z = g.linear(x, f"{p}routed_expert_down_proj.weight", f"{n}.latent_down") if cfg.routed_expert_hidden_size else x
+        e = f"{p}experts."
+        partial = g.plugin(
+            "MoEMXFP4",
+            [z, ids, w] + [g.weight(e + t, as_float=False) for t in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")],
+            f"{n}.experts",
+            expert_offset=m.local_experts(cfg.num_experts).start,
+            activation=cfg.hidden_act,
+            situ_beta=float(cfg.situ_beta or 0.0),
+            situ_linear_beta=float(cfg.situ_linear_beta or 0.0),
+        )
+        y = g.all_reduce(partial, "ep", m.ep, f"{n}.experts_all_reduce")  # latent-space reduce before the norm
+        if cfg.routed_expert_hidden_size:
+            if cfg.latent_moe_use_norm:
+                y = g.rms_norm(y, f"{p}routed_expert_norm.weight", cfg.rms_norm_eps, f"{n}.latent_norm")
+            y = g.linear(y, f"{p}routed_expert_up_proj.weight", f"{n}.latent_up")
+        if cfg.num_shared_experts:
+            y = g.op("Add", [y, self.mlp(x, f"{p}shared_experts.", f"{n}.shared", m.tp)], f"{n}.out")
+        return y
+
+    # ---- the decoder ----
+    def build(self) -> onnx.ModelProto:
+        g, cfg = self.g, self.cfg
+        f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+        ids = self._input("input_ids", i64, ["T"])
+        io_common = {
+            "positions": self._input("positions", i64, ["T"]),
+            "token_slots": self._input("token_slots", i64, ["T"]),
+            "cu": self._input("cu_seqlens", i64, ["N_plus_1"]),
+            "slots": self._input("slot_ids", i64, ["N"]),
+        }
+        last = self._input("last_token_index", i64, ["N"])
+        io_common["cache_idx"] = g.op("Concat", [g.op("Unsqueeze", [io_common["token_slots"], g.const([1])], "cache_idx.slot"),
+                                                 g.op("Unsqueeze", [io_common["positions"], g.const([1])], "cache_idx.pos")],
+                                      "cache_idx", axis=1)  # [T, 2] (slot, position) rows for ScatterND
+        h = self.embed(ids)
+        snaps: list[str] = []
+        state_outputs = []
+        eps = cfg.rms_norm_eps
+        for i in range(cfg.num_layers):
+            lp = layer_prefix(cfg, i)
+            io = dict(io_common)
+            if cfg.is_kda(i):
+                hl, dh = self.kda_heads, cfg.kda_head_dim
+                io["state"] = self._input(f"kda_state.{i}", f32, ["S", hl, dh, dh])
+                io["conv"] = self._input(f"conv_state.{i}", f32, ["S", 3 * hl * dh, cfg.conv_kernel_size - 1])
+            else:
+                io["mla"] = self._input(f"mla_cache.{i}", f32, ["S", "L", cfg.latent_cache_dim])
+                if self.use_indexer:
+                    io["index"] = self._input(f"index_cache.{i}", f32, ["S", "L", cfg.index_head_dim])
+            attend = self.kda if cfg.is_kda(i) else self.mla
+            if cfg.attn_res_block_size is None:
+                a = attend(i, g.rms_norm(h, lp + "input_layernorm.weight", eps, f"layers.{i}.input_norm"), io)
+                h = g.op("Add", [h, a], f"layers.{i}.attn_residual")
+                mixed, prefix = h, h
+            else:
+                mixed = self.attn_res(h, snaps, lp + "self_attention", f"layers.{i}.attn_res") if snaps else h
+                prefix = h
+                if i % cfg.attn_res_block_size == 0:
+                    snaps.append(h)
+                    prefix = None
+                a = attend(i, g.rms_norm(mixed, lp + "input_layernorm.weight", eps, f"layers.{i}.input_norm"), io)
+                prefix = a if prefix is None else g.op("Add", [prefix, a], f"layers.{i}.attn_residual")
+                mixed = self.attn_res(prefix, snaps, lp + "mlp", f"layers.{i}.mlp_res")
+            x = g.rms_norm(mixed, lp + "post_attention_layernorm.weight", eps, f"layers.{i}.post_norm")
+            f = self.moe(i, x) if cfg.is_moe(i) else self.mlp(x, lp + "mlp.", f"layers.{i}.mlp", self.m.tp)
+            h = g.op("Add", [prefix, f], f"layers.{i}.mlp_residual")
+            for key, out_name in (("state_out", f"kda_state.{i}.out"), ("conv_out", f"conv_state.{i}.out"),
+                                  ("mla_out", f"mla_cache.{i}.out"), ("index_out", f"index_cache.{i}.out")):
+                if key in io:
+                    state_outputs.append((io[key], out_name))
+        rows = lambda v, nm: g.op("Gather", [v, last], nm, axis=0)  # noqa: E731 - rows of the last tokens
+        if cfg.attn_res_block_size is not None:
+            last_snaps = [rows(s, f"final.snapshot{j}") for j, s in enumerate(snaps)]
+            h = self.attn_res(rows(h, "final.prefix"), last_snaps, model_prefix(cfg) + "output_attn", "final.attn_res")
+        else:
+            h = rows(h, "final.last_tokens")
+        self._output(self.head(h), "logits", f32, ["N", cfg.vocab_size])
+        for value, out_name in state_outputs:
+            src = next(v for v in self.inputs if v.name == out_name[: -len(".out")])
+            dims = [d.dim_param or d.dim_value for d in src.type.tensor_type.shape.dim]
+            self._output(value, out_name, f32, dims)
+        graph = helper.make_graph(g.nodes, f"rank{self.m.rank}", self.inputs, self.outputs, g.initializers)
+        model = helper.make_model(
+            graph,
+            opset_imports=[helper.make_opsetid("", ONNX_OPSET), helper.make_opsetid(DOMAIN, OPSET_VERSION)],
+            producer_name="moe-export",
+        )
+        model.ir_version = 10
+        for k, v in (("mapping", json.dumps(self.m.to_dict(), sort_keys=True)), ("weights", g.weights_file)):
+            entry = model.metadata_props.add()
+            entry.key, entry.value = k, v
+        return model
+
+
+def export_rank_graph(cfg: ModelConfig, recipe, mapping: Mapping, weights_path: Path, out_path: Path) -> dict:
+    """Write this rank's decoder graph to `out_path` (initializers point into `weights_path` by file name,
+    so both must live in the same folder). Returns a summary: op counts by type and plugin nodes."""
+    use_indexer = recipe.attention.indexer == "auto"
+    model = RankGraph(cfg, mapping, Path(weights_path), recipe.attention.sparse_topk, use_indexer).build()
+    Path(out_path).write_bytes(model.SerializeToString(deterministic=True))
+    return graph_summary(model)
+
+
+def graph_summary(model: onnx.ModelProto) -> dict:
+    """Op counts by type (plugin ops prefixed with their domain), inputs and outputs."""
+    counts: dict[str, int] = {}
+    for node in model.graph.node:
+        key = f"{node.domain}::{node.op_type}" if node.domain else node.op_type
+        counts[key] = counts.get(key, 0) + 1
+    return {
+        "nodes": len(model.graph.node),
+        "op_counts": dict(sorted(counts.items())),
+        "plugin_nodes": {k: v for k, v in sorted(counts.items()) if k.startswith(DOMAIN + "::")},
+        "inputs": [v.name for v in model.graph.input],
+        "outputs": [v.name for v in model.graph.output],
+        "initializers": len(model.graph.initializer),
+    }

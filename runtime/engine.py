@@ -1,0 +1,226 @@
+"""Engine runner: executes a built engine directory's per-rank ONNX Runtime segments.
+
+Each rank runs its segments in order (`rank{N}/ort_plan.json`); between segments sit the graph's
+collectives. Two ways to run a world of R ranks:
+  - under `mpiexec -n R`: this process is one rank, collectives go through MPI (mpi4py);
+  - in one process (no mpiexec): every rank is loaded here and run in lockstep, collectives are
+    computed in process (same sums, same order), which is handy for tests and small models.
+Per-sequence state (KDA recurrent state, conv windows, MLA latent cache, indexer key cache) lives
+in pools of `num_slots` slots owned by the runner; a sequence occupies one slot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from moe_export.export.errors import InputError
+
+STATE_PREFIXES = ("kda_state.", "conv_state.", "mla_cache.", "index_cache.")
+RESET_ON_NEW_SEQUENCE = ("kda_state.", "conv_state.")  # recurrent state; caches are position-addressed
+
+
+def mpi_world() -> tuple[int, int] | None:
+    """(rank, size) when launched by mpiexec, else None (checked without importing MPI)."""
+    for rank_key, size_key in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")):
+        if rank_key in os.environ and size_key in os.environ:
+            return int(os.environ[rank_key]), int(os.environ[size_key])
+    return None
+
+
+@dataclass
+class StepBatch:
+    """One engine step over N sequences: tokens [T] packed in sequence order."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    token_slots: np.ndarray  # [T] int64
+    cu_seqlens: np.ndarray  # [N+1] int64
+    slot_ids: np.ndarray  # [N] int64
+
+    @classmethod
+    def from_sequences(cls, chunks: list[tuple[int, int, list[int]]]) -> StepBatch:
+        """chunks: (slot, start position, token ids) per sequence; every chunk has at least one token."""
+        ids, pos, slots, cu = [], [], [], [0]
+        for slot, start, toks in chunks:
+            ids.extend(toks)
+            pos.extend(range(start, start + len(toks)))
+            slots.extend([slot] * len(toks))
+            cu.append(cu[-1] + len(toks))
+        as64 = lambda v: np.asarray(v, dtype=np.int64)  # noqa: E731
+        return cls(as64(ids), as64(pos), as64(slots), as64(cu), as64([c[0] for c in chunks]))
+
+    def feeds(self) -> dict[str, np.ndarray]:
+        return {
+            "input_ids": self.input_ids,
+            "positions": self.positions,
+            "token_slots": self.token_slots,
+            "cu_seqlens": self.cu_seqlens,
+            "slot_ids": self.slot_ids,
+            "last_token_index": self.cu_seqlens[1:] - 1,
+        }
+
+
+class MPICommunicator:
+    """Collectives over MPI sub-communicators of the tp and ep groups (groups of consecutive ranks)."""
+
+    def __init__(self, tp: int, ep: int):
+        from mpi4py import MPI
+
+        self.world = MPI.COMM_WORLD
+        rank = self.world.Get_rank()
+        self.groups = {"tp": self.world.Split(rank // tp, rank), "ep": self.world.Split(rank // ep, rank)}
+
+    def all_reduce(self, x: np.ndarray, group: str) -> np.ndarray:
+        from mpi4py import MPI
+
+        out = np.empty_like(x)
+        self.groups[group].Allreduce(np.ascontiguousarray(x), out, op=MPI.SUM)
+        return out
+
+    def all_gather(self, x: np.ndarray, group: str, axis: int) -> np.ndarray:
+        parts = self.groups[group].allgather(np.ascontiguousarray(x))
+        return np.concatenate(parts, axis=axis)
+
+    def broadcast(self, obj):
+        return self.world.bcast(obj, root=0)
+
+
+@dataclass
+class RankRunner:
+    """One rank's ORT sessions and state pools."""
+
+    rank: int
+    mapping: dict
+    steps: list[dict]
+    sessions: dict[str, object]
+    pools: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, rank_dir: Path, num_slots: int, max_seq_len: int, threads: int) -> RankRunner:
+        import onnxruntime as ort
+
+        plan_path = rank_dir / "ort_plan.json"
+        if not plan_path.is_file():
+            raise InputError(f"{rank_dir}: no ort_plan.json (was this engine built with backend onnxruntime?)")
+        plan = json.loads(plan_path.read_text())
+        graph = onnx.load(str(rank_dir / "model.onnx"), load_external_data=False)
+        meta = {p.key: p.value for p in graph.metadata_props}
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        opts.log_severity_level = 3
+        sessions = {}
+        for step in plan["steps"]:
+            if "segment" in step:
+                sessions[step["segment"]] = ort.InferenceSession(
+                    str(rank_dir / step["segment"]), opts, providers=["CPUExecutionProvider"]
+                )
+        pools = {}
+        for vi in graph.graph.input:
+            if vi.name.startswith(STATE_PREFIXES):
+                dims = []
+                for d in vi.type.tensor_type.shape.dim:
+                    dims.append(d.dim_value if d.HasField("dim_value") else {"S": num_slots, "L": max_seq_len}[d.dim_param])
+                pools[vi.name] = np.zeros(dims, dtype=np.float32)
+        return cls(int(json.loads(meta["mapping"])["rank"]), json.loads(meta["mapping"]), plan["steps"], sessions, pools)
+
+    def reset_slot(self, slot: int) -> None:
+        for name, pool in self.pools.items():
+            if name.startswith(RESET_ON_NEW_SEQUENCE):
+                pool[slot] = 0.0
+
+    def run_segment(self, step: dict, env: dict[str, np.ndarray]) -> None:
+        sess = self.sessions[step["segment"]]
+        outs = sess.run(step["outputs"], {name: env[name] for name in step["inputs"]})
+        env.update(zip(step["outputs"], outs))
+
+
+class Engine:
+    """A built engine directory, with the ranks this process runs (all of them, or its MPI rank)."""
+
+    def __init__(self, engine_dir: str | Path, num_slots: int | None = None, max_seq_len: int | None = None,
+                 threads: int | None = None):
+        self.dir = Path(engine_dir)
+        cfg_path = self.dir / "config.json"
+        if not cfg_path.is_file():
+            raise InputError(f"{self.dir}: not an engine directory (no config.json); build one with moe-export build")
+        self.config = json.loads(cfg_path.read_text())
+        rank_dirs = sorted(p for p in self.dir.glob("rank*") if p.is_dir() and p.name[4:].isdigit())
+        if not rank_dirs:
+            raise InputError(f"{self.dir}: no rank*/ folders")
+        self.world_size = len(rank_dirs)
+        limits = self.config.get("limits") or self.config.get("recipe", {}).get("limits", {})
+        self.num_slots = num_slots or int(limits.get("max_batch", 8))
+        self.max_seq_len = max_seq_len or int(limits.get("max_seq_len", 4096))
+        self.max_num_tokens = int(limits.get("max_num_tokens", 8192))
+        mpi = mpi_world()
+        if mpi is not None and mpi[1] > 1:
+            rank, size = mpi
+            if size != self.world_size:
+                raise InputError(f"{self.dir}: engine has {self.world_size} ranks but mpiexec started {size} processes")
+            local = [rank]
+        else:
+            local = list(range(self.world_size))
+        per_proc_threads = threads or max(1, (os.cpu_count() or 1) // (1 if mpi is None else mpi[1]))
+        self.ranks = [RankRunner.load(rank_dirs[r], self.num_slots, self.max_seq_len, per_proc_threads) for r in local]
+        m = self.ranks[0].mapping
+        self.tp, self.ep = int(m["tp_size"]), int(m["ep_size"])
+        self.comm = MPICommunicator(self.tp, self.ep) if len(local) == 1 and self.world_size > 1 else None
+        self.vocab_size = self._vocab_size()
+
+    def _vocab_size(self) -> int:
+        hf = self.config.get("model_config") or self.config.get("model", {})
+        text = hf.get("text_config", hf) if isinstance(hf, dict) else {}
+        return int(text.get("vocab_size", 0))
+
+    @property
+    def is_root(self) -> bool:
+        return self.comm is None or self.comm.world.Get_rank() == 0
+
+    def reset_slot(self, slot: int) -> None:
+        """Start a new sequence in `slot`: zero its recurrent state."""
+        for r in self.ranks:
+            r.reset_slot(slot)
+
+    def _collective(self, step: dict, envs: dict[int, dict]) -> None:
+        src, dst, group = step["input"], step["output"], step["group"]
+        size = self.tp if group == "tp" else self.ep
+        if self.comm is not None:
+            env = envs[self.ranks[0].rank]
+            if step["collective"] == "AllReduce":
+                env[dst] = self.comm.all_reduce(env[src], group)
+            else:
+                env[dst] = self.comm.all_gather(env[src], group, step["axis"])
+            return
+        for start in range(0, self.world_size, size):
+            members = range(start, start + size)
+            if step["collective"] == "AllReduce":
+                total = envs[members[0]][src].copy()
+                for r in members[1:]:
+                    total += envs[r][src]
+            else:
+                total = np.concatenate([envs[r][src] for r in members], axis=step["axis"])
+            for r in members:
+                envs[r][dst] = total
+
+    def step(self, batch: StepBatch) -> np.ndarray:
+        """Run one packed step; updates the state pools and returns logits [N, vocab] (fp32)."""
+        feeds = batch.feeds()
+        envs = {r.rank: {**feeds, **r.pools} for r in self.ranks}
+        for step in self.ranks[0].steps:
+            if "segment" in step:
+                for r in self.ranks:
+                    r.run_segment(step, envs[r.rank])
+            else:
+                self._collective(step, envs)
+        for r in self.ranks:
+            env = envs[r.rank]
+            for name in r.pools:
+                r.pools[name] = env[f"{name}.out"]
+        return envs[self.ranks[0].rank]["logits"]

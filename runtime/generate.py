@@ -1,0 +1,51 @@
+"""Generation with a built engine: chunked prefill, then one decode step per token.
+
+Under mpiexec every rank runs this loop in lockstep; rank 0 samples and broadcasts each token so
+all ranks feed the same ids.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_export.export.errors import InputError
+from moe_export.runtime.engine import Engine, StepBatch
+from moe_export.runtime.sampling import Sampler, SamplingParams
+
+
+def engine_generate(
+    engine: Engine,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    sampling: SamplingParams | None = None,
+    eos_token_id: int | None = None,
+    slot: int = 0,
+    max_chunk: int | None = None,
+) -> list[int]:
+    """New token ids for one prompt (greedy by default); includes eos if emitted."""
+    if not prompt_ids:
+        raise InputError("the prompt must contain at least one token")
+    if len(prompt_ids) + max_new_tokens > engine.max_seq_len:
+        raise InputError(
+            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the engine's "
+            f"max_seq_len {engine.max_seq_len}"
+        )
+    sampler = Sampler(sampling or SamplingParams())
+    chunk = max_chunk or engine.max_num_tokens
+    engine.reset_slot(slot)
+    out: list[int] = []
+    if max_new_tokens <= 0:
+        return out
+    logits = None
+    for start in range(0, len(prompt_ids), chunk):
+        logits = engine.step(StepBatch.from_sequences([(slot, start, prompt_ids[start:start + chunk])]))
+    pos = len(prompt_ids)
+    while True:
+        token = int(sampler(torch.from_numpy(logits))[0]) if engine.is_root else None
+        if engine.comm is not None:
+            token = engine.comm.broadcast(token)
+        out.append(token)
+        if len(out) == max_new_tokens or token == eos_token_id:
+            return out
+        logits = engine.step(StepBatch.from_sequences([(slot, pos, [token])]))
+        pos += 1
