@@ -85,92 +85,86 @@ def _chunked(q, k, v, g, beta, state, cu):
     V = v.shape[-1]
     lengths = cu[1:] - cu[:-1]
     max_len = int(lengths.max()) if lengths.numel() else 0
-    o = torch.zeros(T, H, V, dtype=torch.float32, device=q.device)
     if max_len == 0:
-        return o
+        return q.new_zeros(T, H, V)
     C = min(CHUNK, -(-max_len // _SUB) * _SUB)
     n_chunks = -(-lengths // C)  # [N]
     first_chunk = torch.cumsum(n_chunks, 0) - n_chunks  # [N]
-    seq_of_chunk = torch.repeat_interleave(torch.arange(lengths.numel(), device=q.device), n_chunks)
-    pos_in_seq = torch.arange(int(n_chunks.sum()), device=q.device) - first_chunk[seq_of_chunk]
-    chunk_start = cu[:-1][seq_of_chunk] + pos_in_seq * C  # [NC]
-    tok = chunk_start[:, None] + torch.arange(C, device=q.device)  # [NC, C]
-    tok = torch.where(tok < cu[1:][seq_of_chunk][:, None], tok, T)  # pad slots point at a zero row
+    NC = int(n_chunks.sum())
+    if bool((lengths % C == 0).all()):
+        dest = None  # every sequence fills whole chunks: the packed layout already is the chunk layout
+    else:  # row of each token in the zero-padded chunk layout [NC * C]
+        seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=q.device), lengths)
+        dest = torch.arange(T, device=q.device) + (first_chunk * C - cu[:-1])[seq]
 
-    def gather(x):  # [T, H, D] -> [NC, H, C, D] (zero rows for padding)
-        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
-        return x[tok].transpose(1, 2).contiguous()
+    def to_chunks(x):  # [T, H, D] -> [NC, H, C, D], zero rows for padding
+        if dest is not None:
+            x = x.new_zeros(NC * C, *x.shape[1:]).index_copy_(0, dest, x)
+        return x.view(NC, C, *x.shape[1:]).transpose(1, 2).contiguous()
 
-    qc, kc, vc, gc = gather(q), gather(k), gather(v), gather(g)
-    bc = gather(beta[..., None])  # [NC, H, C, 1]
-    G = gc.cumsum(2)
+    qc, kc, vc, G = to_chunks(q), to_chunks(k), to_chunks(v), to_chunks(g).cumsum_(2)
+    bc = to_chunks(beta[..., None])  # [NC, H, C, 1]
     A, P = _intra_chunk(qc, kc, G)
+    M = A.mul_(bc)
+    M.diagonal(dim1=-2, dim2=-1).fill_(1.0)  # I + diag(beta) A, unit lower triangular
     eye = torch.eye(C, dtype=torch.float32, device=q.device)
-    M = eye + bc * A
-    rhs = torch.cat([bc * vc, bc * (G.exp() * kc)], dim=-1)
-    UW = torch.linalg.solve_triangular(M, rhs, upper=False, unitriangular=True)
-    U, W = UW[..., :V], UW[..., V:]
+    M_inv = torch.linalg.solve_triangular(M, eye, upper=False, unitriangular=True)
+    eG = G.exp()
+    U = M_inv @ (bc * vc)  # [NC, H, C, V]
+    W = M_inv @ (bc * eG * kc)  # [NC, H, C, K]
     G_last = G[:, :, -1:, :]  # [NC, H, 1, K]
-    Q_state = G.exp() * qc - P @ W  # [NC, H, C, K]
-    K_state = ((G_last - G).exp() * kc).transpose(-1, -2).contiguous()  # [NC, H, K, C]
+    Q_state = eG.mul_(qc).sub_(P @ W)  # [NC, H, C, K]
+    K_state = ((G_last - G).exp_().mul_(kc)).transpose(-1, -2)  # [NC, H, K, C]
     decay_last = G_last.exp().transpose(-1, -2)  # [NC, H, K, 1]
     O = P @ U
-    S_in = torch.empty(O.shape[0], H, K, V, dtype=torch.float32, device=q.device)
+    S_in = torch.empty(NC, H, K, V, dtype=torch.float32, device=q.device)
     for step in range(int(n_chunks.max())):
         active = n_chunks > step
-        if bool(active.all()):
-            ids = first_chunk + step
-            S0 = state
-        else:
-            ids = first_chunk[active] + step
-            S0 = state[active]
+        every = bool(active.all())
+        ids = first_chunk + step if every else first_chunk[active] + step
+        S0 = state if every else state[active]
         S_in[ids] = S0
         delta = U[ids] - W[ids] @ S0
         S_new = decay_last[ids] * S0 + K_state[ids] @ delta
-        if S0 is state:
+        if every:
             state.copy_(S_new)
         else:
             state[active] = S_new
     O += Q_state @ S_in
-    o_tok = O.transpose(1, 2).reshape(-1, H, V)  # [NC*C, H, V]
-    valid = tok.reshape(-1) < T
-    o[tok.reshape(-1)[valid]] = o_tok[valid]
-    return o
+    o = O.transpose(1, 2).reshape(NC * C, H, V)
+    return o if dest is None else o.index_select(0, dest)
 
 
 def _intra_chunk(qc, kc, G):
     """A (strictly lower) and P (lower incl. diagonal), both [NC, H, C, C], from q, k, G [NC, H, C, K]."""
     NC, H, C, K = kc.shape
     nb = C // _SUB
-    A = kc.new_zeros(NC, H, nb, _SUB, C)
-    P = kc.new_zeros(NC, H, nb, _SUB, C)
     Gb = G.view(NC, H, nb, _SUB, K)
     qb, kb = qc.view(NC, H, nb, _SUB, K), kc.view(NC, H, nb, _SUB, K)
-    if nb > 1:
-        # Row block I >= 1 against all earlier tokens j < r = I * _SUB.
-        G_ref = Gb[:, :, 1:, :1, :]  # [NC, H, nb-1, 1, K]
-        row = (Gb[:, :, 1:] - G_ref).exp()  # [NC, H, nb-1, SUB, K], <= 1
-        col_exp = G_ref - G[:, :, None, :, :]  # [NC, H, nb-1, C, K]
-        j = torch.arange(C, device=kc.device)
-        r = torch.arange(1, nb, device=kc.device)[:, None] * _SUB
-        col_exp = col_exp.masked_fill((j[None, :] >= r)[None, None, :, :, None], float("-inf"))
-        col = (col_exp.exp() * kc[:, :, None]).transpose(-1, -2)  # [NC, H, nb-1, K, C]
-        A[:, :, 1:] = (kb[:, :, 1:] * row) @ col
-        P[:, :, 1:] = (qb[:, :, 1:] * row) @ col
+    # Row block I against the earlier tokens j < r = I * _SUB (block 0 has none: all-zero rows).
+    G_ref = Gb[:, :, :, :1, :]  # [NC, H, nb, 1, K]
+    row = (Gb - G_ref).exp_()  # [NC, H, nb, SUB, K], <= 1
+    col = G_ref - G[:, :, None, :, :]  # [NC, H, nb, C, K]
+    j = torch.arange(C, device=kc.device)
+    r = torch.arange(nb, device=kc.device)[:, None] * _SUB
+    col.masked_fill_((j[None, :] >= r)[None, None, :, :, None], float("-inf"))
+    col = col.exp_().mul_(kc[:, :, None]).transpose(-1, -2)  # [NC, H, nb, K, C]
+    A = (kb * row) @ col  # [NC, H, nb, SUB, C]
+    P = (qb * row) @ col
     D = Gb - Gb[:, :, :, _SUB // 2 : _SUB // 2 + 1, :]  # [NC, H, nb, SUB, K]
     lower = torch.ones(_SUB, _SUB, dtype=torch.bool, device=kc.device).tril()
     if float(D.abs().amax()) <= _MAX_MID_EXPONENT:
         kd = (kb * (-D).exp()).transpose(-1, -2)  # [NC, H, nb, K, SUB]
-        eD = D.exp()
+        eD = D.exp_()
         Ad = (kb * eD) @ kd
         Pd = (qb * eD) @ kd
     else:
         diff = Gb[..., :, None, :] - Gb[..., None, :, :]  # [NC, H, nb, SUB, SUB, K]
-        decay = diff.masked_fill(~lower[..., None], float("-inf")).exp() * kb[..., None, :, :]
+        decay = diff.masked_fill_(~lower[..., None], float("-inf")).exp_().mul_(kb[..., None, :, :])
         Ad = (decay * kb[..., :, None, :]).sum(-1)
         Pd = (decay * qb[..., :, None, :]).sum(-1)
-    Ad = Ad.masked_fill(~lower.tril(-1), 0.0)
-    Pd = Pd.masked_fill(~lower, 0.0)
+    Ad.masked_fill_(~lower.tril(-1), 0.0)
+    Pd.masked_fill_(~lower, 0.0)
     for b in range(nb):
         A[:, :, b, :, b * _SUB : (b + 1) * _SUB] = Ad[:, :, b]
         P[:, :, b, :, b * _SUB : (b + 1) * _SUB] = Pd[:, :, b]
