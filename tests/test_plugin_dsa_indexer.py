@@ -145,12 +145,15 @@ def test_reference_matches_fla_naive_dsa_indexer_varlen(fla_dsa_naive):
     lengths, Hi, Di, topk = (13, 2, 21), 8, 16, 9
     T = sum(lengths)
     cu = torch.tensor([0, *np.cumsum(lengths)])
-    q, keys, w = torch.randn(T, Hi, Di, generator=gen), torch.randn(T, Di, generator=gen), torch.rand(T, Hi, generator=gen)
+    q, keys = torch.randn(T, Hi, Di, generator=gen), torch.randn(T, Di, generator=gen)
+    w = torch.rand(T, Hi, generator=gen)
     for n in range(len(lengths)):
         b, e = int(cu[n]), int(cu[n + 1])
         causal = torch.arange(e - b)[None, :] <= torch.arange(e - b)[:, None]
         assert_tie_free(scores_of(q[b:e], w[b:e], keys[b:e]).masked_fill(~causal, float("-inf")), topk)
-    want = fla_dsa_naive.naive_dsa_indexer(q[None], keys[None], w[None], topk=topk, scale=1.0, activation="relu", cu_seqlens=cu)[0]
+    want = fla_dsa_naive.naive_dsa_indexer(
+        q[None], keys[None], w[None], topk=topk, scale=1.0, activation="relu", cu_seqlens=cu
+    )[0]
     cache = torch.zeros(len(lengths), max(lengths), Di)
     for n in range(len(lengths)):
         cache[n, : lengths[n]] = keys[cu[n] : cu[n + 1]]

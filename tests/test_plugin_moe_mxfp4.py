@@ -66,7 +66,8 @@ def oracle(case, offset, activation, beta=4.0, linear_beta=25.0):
     else:
         a = g / (1 + torch.exp(-g)) * u
     out = torch.einsum("eti,edi->etd", a, w2)
-    onehot = torch.nn.functional.one_hot((case["expert_ids"] - offset).clamp(-1, num_local) + 1, num_local + 2)[..., 1:-1]
+    slot = (case["expert_ids"] - offset).clamp(-1, num_local) + 1  # 0 and E+1: other ranks
+    onehot = torch.nn.functional.one_hot(slot, num_local + 2)[..., 1:-1]
     mix = (onehot * case["expert_weights"][..., None]).sum(1)  # [T, E]
     return torch.einsum("te,etd->td", mix, out)
 

@@ -140,7 +140,8 @@ def test_reference_matches_transformers_deepseek_v32_attention(hf_deepseek_v32):
     T, H, dn, dr, Dc = 20, 4, 16, 8, 32
     x = torch.randn(1, T, 64)
     rot = (torch.ones(1, T, dr), torch.zeros(1, T, dr))  # NoPE: identity rotary
-    mask = torch.zeros(1, 1, T, T).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+    mask = torch.zeros(1, 1, T, T).masked_fill(future, torch.finfo(torch.float32).min)
     with torch.no_grad():
         want, _ = attn(x, position_embeddings=rot, attention_mask=mask, position_ids=torch.arange(T)[None])
         q_resid = attn.q_a_layernorm(attn.q_a_proj(x[0]))
@@ -207,7 +208,8 @@ def test_reference_matches_fla_naive_dsa_varlen(fla_dsa_naive):
 @pytest.mark.parametrize("mode", ["sparse", "dense", "k0"])
 def test_cpu_matches_reference(name, mode):
     case = make_case(seed=3, **CASES[name])
-    close(run_all(cpu.sparse_mla_attention_cpu, case, mode), run_all(reference.sparse_mla_attention_reference, case, "sparse" if mode == "sparse" else "dense"))
+    want = run_all(reference.sparse_mla_attention_reference, case, "sparse" if mode == "sparse" else "dense")
+    close(run_all(cpu.sparse_mla_attention_cpu, case, mode), want)
 
 
 def test_cpu_chunking_and_all_invalid_rows(monkeypatch):
@@ -240,7 +242,8 @@ def onnx_model(case, mode, with_function=True):
     ]
     if mode != "dense":
         inputs.append(helper.make_tensor_value_info("topk_indices", TensorProto.INT64, ["T", "K"]))
-    node = onnx_schema.make_node(*names, None if mode == "dense" else "topk_indices", "o_lat", scale=0.3, kv_lora_rank=D - 16)
+    topk = None if mode == "dense" else "topk_indices"
+    node = onnx_schema.make_node(*names, topk, "o_lat", scale=0.3, kv_lora_rank=D - 16)
     out = helper.make_tensor_value_info("o_lat", TensorProto.FLOAT, ["T", H, D - 16])
     graph = helper.make_graph([node], "smla", inputs, [out])
     functions = [ort.function_proto(dense=mode == "dense")] if with_function else []
@@ -313,5 +316,6 @@ def test_inner_triton_small_blocks_and_non_power_of_two_dims():
     case = make_case(seed=7, Dc=24, Dr=8, H=5)
     for idx in (case["topk_indices"], None):
         args = {k: v for k, v in case.items() if k != "topk_indices"}
-        got = triton_kernel.sparse_mla_attention_triton(**args, topk_indices=idx, scale=0.3, kv_lora_rank=24, block_h=2, block_k=4)
-        close(got, reference.sparse_mla_attention_reference(**args, topk_indices=idx, scale=0.3, kv_lora_rank=24))
+        kw = dict(topk_indices=idx, scale=0.3, kv_lora_rank=24)
+        got = triton_kernel.sparse_mla_attention_triton(**args, **kw, block_h=2, block_k=4)
+        close(got, reference.sparse_mla_attention_reference(**args, **kw))

@@ -22,9 +22,14 @@ from .onnx_schema import OP_TYPE
 def _dequantize(b: FunctionBuilder, packed: str, scale: str) -> str:
     """[E, R, C/2] u8 + [E, R, C/32] u8 -> [E, R, C] float."""
     table = b.op("Constant", value=helper.make_tensor("e2m1", TensorProto.FLOAT, [16], list(mxfp4.E2M1_VALUES)))
-    low = b.op("BitwiseAnd", packed, b.op("Constant", value=helper.make_tensor("m", TensorProto.UINT8, [], [15])))
-    high = b.op("BitShift", packed, b.op("Constant", value=helper.make_tensor("s", TensorProto.UINT8, [], [4])), direction="RIGHT")
-    pair = [b.op("Unsqueeze", b.op("Gather", table, b.op("Cast", n, to=TensorProto.INT64)), b.ints([-1])) for n in (low, high)]
+    mask = b.op("Constant", value=helper.make_tensor("m", TensorProto.UINT8, [], [15]))
+    shift = b.op("Constant", value=helper.make_tensor("s", TensorProto.UINT8, [], [4]))
+    low = b.op("BitwiseAnd", packed, mask)
+    high = b.op("BitShift", packed, shift, direction="RIGHT")
+    pair = [
+        b.op("Unsqueeze", b.op("Gather", table, b.op("Cast", nibble, to=TensorProto.INT64)), b.ints([-1]))
+        for nibble in (low, high)
+    ]
     values = b.op("Reshape", b.op("Concat", *pair, axis=-1), b.ints([0, 0, -1, 32]))  # [E, R, C/32, 32]
     s = b.op("Cast", scale, to=TensorProto.FLOAT)
     factor = b.op("Pow", b.float_scalar(2.0), b.op("Sub", s, b.float_scalar(127.0)))
@@ -52,7 +57,8 @@ def function_proto() -> onnx.FunctionProto:
     local = b.op("Sub", "expert_ids", b.attr("expert_offset", "int"))  # [T, k]
     experts = b.op("Range", b.int_scalar(0), b.dim("w13_packed", 0), b.int_scalar(1))  # [E]
     hit = b.op("Cast", b.op("Equal", b.op("Unsqueeze", local, b.ints([-1])), experts), to=TensorProto.FLOAT)
-    mix = b.op("ReduceSum", b.op("Mul", hit, b.op("Unsqueeze", "expert_weights", b.ints([-1]))), b.ints([1]), keepdims=0)
+    weighted = b.op("Mul", hit, b.op("Unsqueeze", "expert_weights", b.ints([-1])))  # [T, k, E]
+    mix = b.op("ReduceSum", weighted, b.ints([1]), keepdims=0)  # [T, E]
     y = b.op("MatMul", b.op("Unsqueeze", mix, b.ints([1])), b.op("Transpose", out, perm=[1, 0, 2]))  # [T, 1, D]
     b.op("Squeeze", y, b.ints([1]), out="y")
     return helper.make_function(

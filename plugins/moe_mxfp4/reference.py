@@ -20,7 +20,9 @@ from moe_export.quantize import mxfp4
 ACTIVATIONS = ("situ", "silu")
 
 
-def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str, beta: float, linear_beta: float) -> torch.Tensor:
+def gated_activation(
+    gate: torch.Tensor, up: torch.Tensor, activation: str, beta: float, linear_beta: float
+) -> torch.Tensor:
     """Elementwise fp32 gated activation of gate, up [..., I] -> [..., I] ("situ" or "silu")."""
     if activation == "situ":
         return beta * torch.tanh(gate / beta) * torch.sigmoid(gate) * (linear_beta * torch.tanh(up / linear_beta))

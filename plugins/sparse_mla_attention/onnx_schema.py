@@ -8,8 +8,8 @@ Node contract (semantics in `reference.py`):
              cu_seqlens   [N+1]          int64   cumulative query tokens per sequence
              slot_ids     [N]            int64   cache slot of each sequence
              positions    [T]            int64   absolute position of each query token
-             topk_indices [T, K]         int64   optional: positions to attend, -1 = padding; empty name =
-                                                 dense causal attention
+             topk_indices [T, K]         int64   optional: positions to attend, -1 = padding; empty name
+                                                 (or K = 0 columns, the TensorRT form) = dense causal
     output   o_lat        [T, H, Dc]     float
     attributes  scale (float, required): softmax scale, (qk_nope + qk_rope)^-0.5 = 192^-0.5 for K3
                 kv_lora_rank (int, required): Dc, the width of the value part of each cache row
