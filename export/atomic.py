@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 TEMP_RE = re.compile(r"^\..+\.tmp-\d+$")
-HASH_CHUNK = 1 << 24
+HASH_CHUNK = 1 << 20
 
 
 def temp_path(path: Path) -> Path:
