@@ -459,7 +459,7 @@ def _check_plan(recipe: Recipe) -> dict[int, int]:
 
 
 def _check_output(out: Path) -> None:
-    """Refuse an output path that is a file, a foreign non-empty folder, or not writable."""
+    """Refuse an output path that is a file or a non-empty folder holding something else than a build."""
     if out.exists() and not out.is_dir():
         raise InputError(f"output {out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not ((out / ".state").is_dir() or is_engine_dir(out)):

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from moe_export.export.cli import main
 from moe_export.export.manifest import artifact_files
@@ -60,4 +62,35 @@ def test_tiny_cpu_build_verify_inspect_rerun(tmp_path, capsys):
     code, stdout, err = run_cli(capsys, "build", "--recipe", recipe, "--out", str(out))
     assert code == 0, err
     assert "up to date: nothing to do" in stdout
-    assert Path(out / "manifest.json").is_file()
+
+    # a thinking budget is only echoed in config.json: nothing else is rebuilt
+    data = yaml.safe_load(Path(recipe).read_text())
+    data["thinking"]["high"] = 300
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(yaml.safe_dump(data))
+    code, stdout, err = run_cli(capsys, "build", "--recipe", str(changed), "--out", str(out))
+    assert code == 0, err
+    assert stdout.startswith("ran config;")
+    assert json.loads((out / "config.json").read_text())["thinking"]["high"] == 300
+    code, stdout, err = run_cli(capsys, "verify", str(out))
+    assert code == 0, err
+
+
+def test_mpi_build_matches_serial_build_byte_for_byte(tmp_path, capsys):
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if not mpiexec.is_file():
+        pytest.skip("mpiexec is not installed in the environment")
+    recipe = str(recipes_dir() / "tiny-cpu.yaml")
+    serial, parallel = tmp_path / "serial", tmp_path / "mpi"
+    code, _, err = run_cli(capsys, "build", "--recipe", recipe, "--out", str(serial))
+    assert code == 0, err
+    proc = subprocess.run(
+        [str(mpiexec), "-n", "2", str(Path(sys.executable).parent / "moe-export"), "build", "--recipe", recipe,
+         "--out", str(parallel)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    files = artifact_files(serial)
+    assert artifact_files(parallel) == files
+    for rel in files:
+        assert (serial / rel).read_bytes() == (parallel / rel).read_bytes(), rel
