@@ -114,7 +114,7 @@ def inspect(
 
 @app.command()
 def generate(
-    path: str = typer.Argument(..., help="checkpoint directory"),
+    path: str = typer.Argument(..., help="checkpoint directory, or engine directory built by `moe-export build`"),
     prompt_ids: str | None = typer.Option(None, "--prompt-ids", help="comma-separated token ids, e.g. 1,2,3"),
     prompt: str | None = typer.Option(None, "--prompt", help="prompt text, tokenized with the checkpoint's tokenizer.json"),
     max_new_tokens: int = typer.Option(..., "--max-new-tokens", help="tokens to generate (stops early at eos)"),
@@ -124,15 +124,25 @@ def generate(
     seed: int = typer.Option(0, "--seed", help="sampling seed"),
     as_json: bool = typer.Option(False, "--json", help='print {"tokens": [...]} (the new tokens only)'),
 ) -> None:
-    """Generate with the fp32 PyTorch reference model; greedy unless a sampling flag is given."""
+    """Generate with an engine directory (all ranks in process, or one rank per process under
+    `mpiexec -n WORLD`, rank 0 printing) or with the fp32 PyTorch reference model on a checkpoint.
+    Greedy unless a sampling flag is given."""
     import json
+    from pathlib import Path
 
     from moe_export.export.tokenizer import load_tokenizer
     from moe_export.graphs.generate import generate_from_checkpoint
     from moe_export.runtime.sampling import SamplingParams
 
     sampling = SamplingParams.from_flags(temperature, top_k, top_p, seed)
-    tokens = generate_from_checkpoint(path, prompt_ids, prompt, max_new_tokens, sampling)
+    if (Path(path) / "config.json").is_file() and "mapping" in json.loads((Path(path) / "config.json").read_text()):
+        from moe_export.runtime.generate import generate_from_engine
+
+        tokens, engine = generate_from_engine(path, prompt_ids, prompt, max_new_tokens, sampling)
+        if not engine.is_root:
+            return
+    else:
+        tokens = generate_from_checkpoint(path, prompt_ids, prompt, max_new_tokens, sampling)
     if as_json:
         print(json.dumps({"tokens": tokens}))
     else:
@@ -209,13 +219,11 @@ def main() -> None:
             raise
         err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(1)
-    except Exception as exc:  # click usage errors and the like
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
+    except Exception as exc:  # usage errors (typer vendors its own click: match both)
+        if hasattr(exc, "show") and hasattr(exc, "exit_code"):  # ClickException and its usage errors
             exc.show()
             sys.exit(2)
-        if isinstance(exc, click.exceptions.Abort):
+        if type(exc).__name__ == "Abort":
             sys.exit(130)
         raise
     sys.exit(rc if isinstance(rc, int) else 0)

@@ -51,6 +51,25 @@ def parse_prompt_ids(text: str, vocab_size: int) -> list[int]:
     return ids
 
 
+def resolve_prompt(
+    tokenizer_dir: str | Path, prompt_ids: str | None, prompt: str | None, vocab_size: int, max_new_tokens: int
+) -> list[int]:
+    """Prompt token ids from exactly one of `prompt_ids` ('1,2,3') or `prompt` (text, tokenized with the
+    tokenizer.json in `tokenizer_dir`)."""
+    from moe_export.export.tokenizer import load_tokenizer
+
+    if (prompt_ids is None) == (prompt is None):
+        raise InputError("give exactly one of --prompt-ids or --prompt")
+    if max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if prompt is not None:
+        ids = load_tokenizer(tokenizer_dir).encode(prompt)
+        if not ids:
+            raise InputError("--prompt: the text encodes to no tokens")
+        return ids
+    return parse_prompt_ids(prompt_ids, vocab_size)
+
+
 def generate_from_checkpoint(
     path: str | Path,
     prompt_ids: str | None,
@@ -58,20 +77,9 @@ def generate_from_checkpoint(
     max_new_tokens: int,
     sampling: SamplingParams,
 ) -> list[int]:
-    """`moe-export generate` on an HF checkpoint directory: exactly one of `prompt_ids` ('1,2,3') or
-    `prompt` (text, tokenized with the checkpoint's tokenizer.json); returns the new token ids."""
-    from moe_export.export.tokenizer import load_tokenizer
+    """`moe-export generate` on an HF checkpoint directory; returns the new token ids."""
     from moe_export.graphs.config import ModelConfig
 
-    if (prompt_ids is None) == (prompt is None):
-        raise InputError("give exactly one of --prompt-ids or --prompt")
-    if max_new_tokens < 1:
-        raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     cfg = ModelConfig.from_pretrained(path)
-    if prompt is not None:
-        ids = load_tokenizer(path).encode(prompt)
-        if not ids:
-            raise InputError("--prompt: the text encodes to no tokens")
-    else:
-        ids = parse_prompt_ids(prompt_ids, cfg.vocab_size)
+    ids = resolve_prompt(path, prompt_ids, prompt, cfg.vocab_size, max_new_tokens)
     return generate(KimiModel.from_checkpoint(path), ids, max_new_tokens, sampling)

@@ -115,6 +115,8 @@ class RankRunner:
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
         opts.log_severity_level = 3
+        # Many small sessions share two cores: spinning worker threads would starve each other.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         sessions = {}
         for step in plan["steps"]:
             if "segment" in step:
@@ -155,7 +157,7 @@ class Engine:
         if not rank_dirs:
             raise InputError(f"{self.dir}: no rank*/ folders")
         self.world_size = len(rank_dirs)
-        limits = self.config.get("limits") or self.config.get("recipe", {}).get("limits", {})
+        limits = self.config.get("limits", {})
         self.num_slots = num_slots or int(limits.get("max_batch", 8))
         self.max_seq_len = max_seq_len or int(limits.get("max_seq_len", 4096))
         self.max_num_tokens = int(limits.get("max_num_tokens", 8192))
@@ -172,12 +174,7 @@ class Engine:
         m = self.ranks[0].mapping
         self.tp, self.ep = int(m["tp_size"]), int(m["ep_size"])
         self.comm = MPICommunicator(self.tp, self.ep) if len(local) == 1 and self.world_size > 1 else None
-        self.vocab_size = self._vocab_size()
-
-    def _vocab_size(self) -> int:
-        hf = self.config.get("model_config") or self.config.get("model", {})
-        text = hf.get("text_config", hf) if isinstance(hf, dict) else {}
-        return int(text.get("vocab_size", 0))
+        self.model_config: dict = self.config.get("pretrained_config", {})
 
     @property
     def is_root(self) -> bool:

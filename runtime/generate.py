@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from pathlib import Path
+
 from moe_export.export.errors import InputError
 from moe_export.runtime.engine import Engine, StepBatch
 from moe_export.runtime.sampling import Sampler, SamplingParams
@@ -49,3 +51,16 @@ def engine_generate(
             return out
         logits = engine.step(StepBatch.from_sequences([(slot, pos, [token])]))
         pos += 1
+
+
+def generate_from_engine(
+    path: str | Path, prompt_ids: str | None, prompt: str | None, max_new_tokens: int, sampling: SamplingParams
+) -> tuple[list[int], Engine]:
+    """`moe-export generate` on a built engine directory (in process, or one rank under mpiexec)."""
+    from moe_export.graphs.config import ModelConfig
+    from moe_export.graphs.generate import resolve_prompt
+
+    engine = Engine(path)
+    cfg = ModelConfig.from_hf_dict(engine.model_config, source=f"{path}/config.json")
+    ids = resolve_prompt(path, prompt_ids, prompt, cfg.vocab_size, max_new_tokens)
+    return engine_generate(engine, ids, max_new_tokens, sampling, cfg.eos_token_id), engine
