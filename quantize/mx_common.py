@@ -14,8 +14,8 @@ from moe_export.export.errors import InputError
 BLOCK_SIZE = 32
 E8M0_BIAS = 127
 E8M0_NAN = 255
-# Blocks per step of the codecs' chunk loop (512 Ki elements): keeps temporaries in cache.
-CHUNK_BLOCKS = 1 << 14
+# Blocks per step of the codecs' chunk loop (1 Mi elements): keeps temporaries in cache.
+CHUNK_BLOCKS = 1 << 15
 
 # Per input dtype: (integer view dtype, exponent shift, magnitude mask, +Inf bit pattern).
 _BITS = {

@@ -70,10 +70,12 @@ def _code_table(index_bits: int) -> torch.Tensor:
 
 @functools.cache
 def _pair_table(dtype: torch.dtype) -> torch.Tensor:
-    """[256, 2] element values of one packed byte: (low nibble, high nibble)."""
+    """[256] values of one packed byte (low nibble, high nibble) in `dtype` (fp32 or bf16), each pair
+    stored as one int64 / int32 so that a byte decodes with a single 1-D gather."""
     vals = torch.tensor(E2M1_VALUES, dtype=torch.float32)
     b = torch.arange(256)
-    return torch.stack([vals[b & 0xF], vals[b >> 4]], dim=-1).to(dtype)
+    pairs = torch.stack([vals[b & 0xF], vals[b >> 4]], dim=-1).to(dtype)
+    return pairs.view(torch.int64 if dtype == torch.float32 else torch.int32).view(256)
 
 
 def _encode_chunk(xb: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> None:
@@ -149,7 +151,7 @@ def decode(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torc
     table = _pair_table(work).to(packed.device)
     step = CHUNK_BLOCKS
     for b0 in range(0, sb.shape[0], step):
-        vals = torch.index_select(table, 0, pb[b0 * 16 : (b0 + step) * 16].to(torch.int32))
+        vals = torch.index_select(table, 0, pb[b0 * 16 : (b0 + step) * 16].to(torch.int32)).view(work)
         sc = e8m0_to_float(sb[b0 : b0 + step], work).unsqueeze(-1)
         torch.mul(vals.view(-1, BLOCK_SIZE), sc, out=ob[b0 : b0 + step])
     return out if work == dtype else out.to(dtype)
