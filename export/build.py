@@ -458,6 +458,18 @@ def _check_plan(recipe: Recipe) -> dict[int, int]:
     return {r.rank: r.weight_bytes["total"] for r in plan.per_rank}
 
 
+def _check_backend(recipe: Recipe, stages: Stages) -> None:
+    """The TensorRT backend needs TensorRT: say so before hours of conversion, not after."""
+    import importlib.util
+
+    if (recipe.backend == "tensorrt" and stages.build_tensorrt_engine is _build_tensorrt_engine
+            and importlib.util.find_spec("tensorrt") is None):
+        raise InputError(
+            f"recipe {recipe.name}: backend 'tensorrt' needs the TensorRT Python package, which is not installed; "
+            "build on a GPU machine with TensorRT >= 10.9, or use backend: onnxruntime"
+        )
+
+
 def _check_output(out: Path) -> None:
     """Refuse an output path that is a file or a non-empty folder holding something else than a build."""
     if out.exists() and not out.is_dir():
@@ -827,11 +839,13 @@ def build(
     stage fails; in both cases the previous output stays as it was.
     """
     comm = comm or detect_comm()
+    stages = stages or Stages()
     out = Path(recipe.output if out is None else out).expanduser()
     expected = _check_plan(recipe)
+    _check_backend(recipe, stages)
     _check_output(out)
     prefix = f"[mpi {comm.rank}/{comm.size}] " if comm.size > 1 else ""
-    ctx = _Ctx(recipe, out, stages or Stages(), _State(out), _Progress(progress, prefix), expected)
+    ctx = _Ctx(recipe, out, stages, _State(out), _Progress(progress, prefix), expected)
     result = BuildResult(out, reporter=comm.rank == 0)
     try:
         _collective(comm, lambda: _prepare(ctx) if comm.rank == 0 else None)

@@ -352,6 +352,17 @@ def test_layout_that_does_not_divide_the_experts_is_refused_before_any_work(tmp_
     assert not out.exists()
 
 
+def test_tensorrt_backend_without_tensorrt_is_refused_before_any_work(tmp_path, ckpt):
+    import importlib.util
+
+    if importlib.util.find_spec("tensorrt") is not None:
+        pytest.skip("TensorRT is installed here")
+    out = tmp_path / "e"
+    with pytest.raises(InputError, match="needs the TensorRT Python package"):
+        build(tiny_recipe(ckpt, backend="tensorrt"), out, progress=False)
+    assert not out.exists()
+
+
 def test_failing_stage_leaves_previous_output_and_raises_build_error(tmp_path, ckpt):
     out = tmp_path / "e"
     build(tiny_recipe(ckpt), out, stages=FAKE_STAGES, progress=False)
