@@ -1,0 +1,131 @@
+"""Decode throughput of the CPU engine vs the PyTorch reference and transformers' `generate`.
+
+Builds the tiny-kimi-linear preset (world 1, ONNX Runtime backend) and measures, in one run on the same
+weights, tokens/s of greedy decoding at batch 1 and batch 8:
+  - engine: `Engine.step` with N sequences packed in one step (one token each);
+  - reference: `KimiModel.decode` (fp32 PyTorch, batch rows advancing together);
+  - transformers: `KimiLinearForCausalLM.generate` (greedy, fp32, torch fallbacks; test extra).
+Prints the ratios `engine_vs_transformers_b1` / `_b8` (goal >= 2) and `engine_vs_reference_*`.
+
+    python benchmarks/decode.py [--steps 32] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from moe_export.export.build import build
+from moe_export.graphs.model import KimiModel
+from moe_export.recipes.schema import load_recipe
+from moe_export.runtime.engine import Engine, StepBatch
+
+PROMPT_LEN = 16
+
+
+@contextlib.contextmanager
+def _transformers_without_fla():
+    """transformers with fla hidden so Kimi Linear binds its torch fallbacks (fla's Triton kernels need a GPU)."""
+    saved = {k: v for k, v in sys.modules.items() if k == "fla" or k.startswith("fla.")}
+    for k in saved:
+        del sys.modules[k]
+    sys.modules["fla"] = None
+    try:
+        yield importlib.import_module("transformers")
+    finally:
+        del sys.modules["fla"]
+        sys.modules.update(saved)
+
+
+def build_engine(root: Path) -> Path:
+    recipe = yaml.safe_load(load_recipe("tiny-cpu.yaml")[1].read_text())
+    recipe.update(name="decode-bench", model={"source": "synthetic:tiny-kimi-linear"}, parallel={"tp": 1, "ep": 1})
+    recipe["target"]["gpus_per_node"] = 1
+    path = root / "decode-bench.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    out = root / "engine"
+    build(load_recipe(path)[0], out)
+    return out
+
+
+def prompts(batch: int) -> list[list[int]]:
+    return [[(7 * b + 13 * t) % 250 + 1 for t in range(PROMPT_LEN)] for b in range(batch)]
+
+
+def engine_tps(engine: Engine, batch: int, steps: int) -> float:
+    for s in range(batch):
+        engine.reset_slot(s)
+    logits = engine.step(StepBatch.from_sequences([(s, 0, p) for s, p in enumerate(prompts(batch))]))
+    tokens = logits.argmax(-1).tolist()
+    start = time.perf_counter()
+    for step in range(steps):
+        logits = engine.step(StepBatch.from_sequences([(s, PROMPT_LEN + step, [tokens[s]]) for s in range(batch)]))
+        tokens = logits.argmax(-1).tolist()
+    return batch * steps / (time.perf_counter() - start)
+
+
+def reference_tps(model: KimiModel, batch: int, steps: int) -> float:
+    cache = model.new_cache(batch)
+    with torch.no_grad():
+        tokens = model.prefill(torch.tensor(prompts(batch)), cache)[:, -1].argmax(-1)
+        start = time.perf_counter()
+        for _ in range(steps):
+            tokens = model.decode(tokens, cache).argmax(-1)
+    return batch * steps / (time.perf_counter() - start)
+
+
+def transformers_tps(checkpoint: Path, batch: int, steps: int) -> float:
+    with _transformers_without_fla() as transformers:
+        model = transformers.KimiLinearForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    ids = torch.tensor(prompts(batch))
+    kwargs = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kwargs)  # warm-up
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+        prefill = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, **kwargs)
+        total = time.perf_counter() - t0
+    return batch * steps / max(total - prefill, 1e-9)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = build_engine(Path(tmp))
+        checkpoint = next((out / ".cache").glob("source-*"))
+        engine = Engine(out, num_slots=8, max_seq_len=PROMPT_LEN + args.steps + 1, threads=2)
+        model = KimiModel.from_checkpoint(checkpoint)
+        figures: dict[str, float] = {}
+        for batch in (1, 8):
+            figures[f"engine_tokens_per_s_b{batch}"] = engine_tps(engine, batch, args.steps)
+            figures[f"reference_tokens_per_s_b{batch}"] = reference_tps(model, batch, args.steps)
+            figures[f"transformers_tokens_per_s_b{batch}"] = transformers_tps(checkpoint, batch, args.steps)
+            figures[f"engine_vs_transformers_b{batch}"] = (
+                figures[f"engine_tokens_per_s_b{batch}"] / figures[f"transformers_tokens_per_s_b{batch}"]
+            )
+            figures[f"engine_vs_reference_b{batch}"] = (
+                figures[f"engine_tokens_per_s_b{batch}"] / figures[f"reference_tokens_per_s_b{batch}"]
+            )
+    for key, value in figures.items():
+        print(f"{key:36s} {value:10.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()
