@@ -14,8 +14,8 @@ Everything except the two state products is independent of S0 and runs batched o
 chunks of one sequence are then chained by a loop over chunk index (all sequences at once).
 
 Numerics: every exponent used is a log-decay *difference* G_t - G_j with j <= t (<= 0, no overflow).
-A and P are split into 16-token sub-blocks. Off-diagonal blocks factor exactly through the first token r
-of the row block: exp(G_t - G_j) = exp(G_t - G_r) * exp(G_r - G_j), both factors <= 1. Diagonal blocks
+A and P are split into 16-token row blocks. Columns before a block factor exactly through the block's first
+token r: exp(G_t - G_j) = exp(G_t - G_r) * exp(G_r - G_j), both factors <= 1. Diagonal blocks
 factor through the block's middle token m, where |G_t - G_m| <= 8 max|g| (<= 40 for the K3 safe gate
 g in (-5, 0)); if some |G_t - G_m| exceeds ``_MAX_MID_EXPONENT`` the diagonal blocks are computed
 pairwise instead (exact for any gate, more memory). State and all arithmetic stay fp32.
@@ -88,14 +88,23 @@ def _chunked(q, k, v, g, beta, state, cu):
     if max_len == 0:
         return q.new_zeros(T, H, V)
     C = min(CHUNK, -(-max_len // _SUB) * _SUB)
+    N = lengths.numel()
     n_chunks = -(-lengths // C)  # [N]
-    first_chunk = torch.cumsum(n_chunks, 0) - n_chunks  # [N]
     NC = int(n_chunks.sum())
-    if bool((lengths % C == 0).all()):
-        dest = None  # every sequence fills whole chunks: the packed layout already is the chunk layout
+    # Step-major chunk layout: the chunks of step s (the s-th chunk of each sequence that has one) are
+    # contiguous, sequences ranked by chunk count (descending), so step s uses ranks [0, n_active[s]).
+    order = torch.argsort(n_chunks, descending=True, stable=True)  # rank -> sequence
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(N, device=q.device)
+    steps = torch.arange(int(n_chunks.max()), device=q.device)
+    n_active = (n_chunks[None, :] > steps[:, None]).sum(1)  # [steps]
+    step_start = torch.cumsum(n_active, 0) - n_active
+    if N == 1 and max_len % C == 0:
+        dest = None  # the packed layout already is the chunk layout
     else:  # row of each token in the zero-padded chunk layout [NC * C]
-        seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=q.device), lengths)
-        dest = torch.arange(T, device=q.device) + (first_chunk * C - cu[:-1])[seq]
+        seq = torch.repeat_interleave(torch.arange(N, device=q.device), lengths)
+        local = torch.arange(T, device=q.device) - cu[:-1][seq]
+        dest = (step_start[local // C] + rank[seq]) * C + local % C
 
     def to_chunks(x):  # [T, H, D] -> [NC, H, C, D], zero rows for padding
         if dest is not None:
@@ -118,18 +127,14 @@ def _chunked(q, k, v, g, beta, state, cu):
     decay_last = G_last.exp().transpose(-1, -2)  # [NC, H, K, 1]
     O = P @ U
     S_in = torch.empty(NC, H, K, V, dtype=torch.float32, device=q.device)
-    for step in range(int(n_chunks.max())):
-        active = n_chunks > step
-        every = bool(active.all())
-        ids = first_chunk + step if every else first_chunk[active] + step
-        S0 = state if every else state[active]
-        S_in[ids] = S0
-        delta = U[ids] - W[ids] @ S0
-        S_new = decay_last[ids] * S0 + K_state[ids] @ delta
-        if every:
-            state.copy_(S_new)
-        else:
-            state[active] = S_new
+    ranked = state[order]  # [N, H, K, V], rank order
+    for start, n in zip(step_start.tolist(), n_active.tolist()):
+        step = slice(start, start + n)
+        S0 = ranked[:n]
+        S_in[step] = S0
+        delta = torch.baddbmm(U[step].view(-1, C, V), W[step].view(-1, C, K), S0.view(-1, K, V), alpha=-1.0)
+        S0.mul_(decay_last[step]).add_(K_state[step] @ delta.view(n, H, C, V))
+    state[order] = ranked
     O += Q_state @ S_in
     o = O.transpose(1, 2).reshape(NC * C, H, V)
     return o if dest is None else o.index_select(0, dest)
@@ -138,34 +143,34 @@ def _chunked(q, k, v, g, beta, state, cu):
 def _intra_chunk(qc, kc, G):
     """A (strictly lower) and P (lower incl. diagonal), both [NC, H, C, C], from q, k, G [NC, H, C, K]."""
     NC, H, C, K = kc.shape
-    nb = C // _SUB
-    Gb = G.view(NC, H, nb, _SUB, K)
-    qb, kb = qc.view(NC, H, nb, _SUB, K), kc.view(NC, H, nb, _SUB, K)
-    # Row block I against the earlier tokens j < r = I * _SUB (block 0 has none: all-zero rows).
-    G_ref = Gb[:, :, :, :1, :]  # [NC, H, nb, 1, K]
-    row = (Gb - G_ref).exp_()  # [NC, H, nb, SUB, K], <= 1
-    col = G_ref - G[:, :, None, :, :]  # [NC, H, nb, C, K]
-    j = torch.arange(C, device=kc.device)
-    r = torch.arange(nb, device=kc.device)[:, None] * _SUB
-    col.masked_fill_((j[None, :] >= r)[None, None, :, :, None], float("-inf"))
-    col = col.exp_().mul_(kc[:, :, None]).transpose(-1, -2)  # [NC, H, nb, K, C]
-    A = (kb * row) @ col  # [NC, H, nb, SUB, C]
-    P = (qb * row) @ col
-    D = Gb - Gb[:, :, :, _SUB // 2 : _SUB // 2 + 1, :]  # [NC, H, nb, SUB, K]
+    A = kc.new_zeros(NC, H, C, C)
+    P = kc.new_zeros(NC, H, C, C)
+    mid = _SUB // 2
+    Gb = G.view(NC, H, C // _SUB, _SUB, K)
+    D = Gb - Gb[:, :, :, mid : mid + 1, :]  # [NC, H, nb, SUB, K]: exponents relative to each block's middle
+    factored = float(D.abs().amax()) <= _MAX_MID_EXPONENT
     lower = torch.ones(_SUB, _SUB, dtype=torch.bool, device=kc.device).tril()
-    if float(D.abs().amax()) <= _MAX_MID_EXPONENT:
-        kd = (kb * (-D).exp()).transpose(-1, -2)  # [NC, H, nb, K, SUB]
-        eD = D.exp_()
-        Ad = (kb * eD) @ kd
-        Pd = (qb * eD) @ kd
-    else:
-        diff = Gb[..., :, None, :] - Gb[..., None, :, :]  # [NC, H, nb, SUB, SUB, K]
-        decay = diff.masked_fill_(~lower[..., None], float("-inf")).exp_().mul_(kb[..., None, :, :])
-        Ad = (decay * kb[..., :, None, :]).sum(-1)
-        Pd = (decay * qb[..., :, None, :]).sum(-1)
-    Ad.masked_fill_(~lower.tril(-1), 0.0)
-    Pd.masked_fill_(~lower, 0.0)
-    for b in range(nb):
-        A[:, :, b, :, b * _SUB : (b + 1) * _SUB] = Ad[:, :, b]
-        P[:, :, b, :, b * _SUB : (b + 1) * _SUB] = Pd[:, :, b]
-    return A.view(NC, H, C, C), P.view(NC, H, C, C)
+    for b, r in enumerate(range(0, C, _SUB)):
+        blk = slice(r, r + _SUB)
+        q_b, k_b, G_b = qc[:, :, blk], kc[:, :, blk], G[:, :, blk]  # [NC, H, SUB, K]
+        if factored:
+            eD = D[:, :, b].exp()
+            kd = (k_b / eD).transpose(-1, -2)  # k * exp(G_m - G_j), [NC, H, K, SUB]
+            Ad = (k_b * eD) @ kd
+            Pd = (q_b * eD) @ kd
+        else:
+            diff = G_b[..., :, None, :] - G_b[..., None, :, :]  # [NC, H, SUB, SUB, K]
+            decay = diff.masked_fill_(~lower[..., None], float("-inf")).exp_().mul_(k_b[..., None, :, :])
+            Ad = (decay * k_b[..., :, None, :]).sum(-1)
+            Pd = (decay * q_b[..., :, None, :]).sum(-1)
+        A[:, :, blk, blk] = Ad.masked_fill_(~lower.tril(-1), 0.0)
+        P[:, :, blk, blk] = Pd.masked_fill_(~lower, 0.0)
+        if r == 0:
+            continue
+        # Earlier tokens j < r, through the block's first token r: both factors <= 1.
+        G_r = G[:, :, r : r + 1]
+        row = (G_b - G_r).exp_()  # [NC, H, SUB, K]
+        col = (G_r - G[:, :, :r]).exp_().mul_(kc[:, :, :r]).transpose(-1, -2)  # [NC, H, K, r]
+        A[:, :, blk, :r] = (k_b * row) @ col
+        P[:, :, blk, :r] = (q_b * row) @ col
+    return A, P
