@@ -81,9 +81,17 @@ def count_nonfinite(t: torch.Tensor) -> int:
     return sum(int((~torch.isfinite(flat[i : i + _STAT_ELEMS])).sum()) for i in range(0, flat.numel(), _STAT_ELEMS))
 
 
+def is_finite(t: torch.Tensor) -> bool:
+    """True if t holds no NaN/Inf: one min/max reduction (NaN propagates), no temporaries."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
 def check_finite(name: str, t: torch.Tensor) -> None:
     """Raise InputError naming `name` if the floating tensor t holds a NaN or Inf."""
-    if not t.is_floating_point():
+    if is_finite(t):
         return
     flat = t.reshape(-1)
     for i in range(0, flat.numel(), _STAT_ELEMS):
@@ -179,7 +187,7 @@ def validate_mxfp4(
         )
     if kind != "scale":
         return 0
-    nan_blocks = int((t == 255).sum())
+    nan_blocks = int((t == 255).sum()) if t.numel() and int(t.amax()) == 255 else 0
     if nan_blocks and not allow_nonfinite:
         raise InputError(f"{name}: {nan_blocks} MXFP4 block scale(s) are 0xFF (NaN); set quantization.allow_nonfinite to keep them")
     return nan_blocks

@@ -44,6 +44,16 @@ def test_check_finite_names_the_tensor_and_index():
     assert transforms.count_nonfinite(t) == 2
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), None])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_is_finite(bad, dtype):
+    t = torch.randn(1000, 33).to(dtype)
+    if bad is not None:
+        t[517, 3] = bad
+    assert transforms.is_finite(t) == (bad is None)
+    assert transforms.is_finite(torch.zeros(0, 4, dtype=dtype)) and transforms.is_finite(torch.ones(3, dtype=torch.int64))
+
+
 def test_quantize_mxfp4_report():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(64, 128, generator=g).to(torch.bfloat16)
