@@ -29,15 +29,8 @@ def temp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file's data, or a folder's entries (after a rename into it), to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -57,9 +50,9 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         yield tmp
         if not tmp.is_file():
             raise FileNotFoundError(f"{tmp}: the writer produced no file for {final}")
-        _fsync_file(tmp)
+        fsync_path(tmp)
         os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        fsync_path(final.parent)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -86,15 +79,6 @@ def canonical_json(obj: Any) -> bytes:
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
     atomic_write_bytes(path, canonical_json(obj))
-
-
-def atomic_link_or_copy(src: Path, dst: Path) -> None:
-    """Make `dst` a hard link to `src` (a copy keeping mtime where links are impossible), atomically."""
-    with atomic_path(dst) as tmp:
-        try:
-            os.link(src, tmp)
-        except OSError:
-            shutil.copy2(src, tmp)
 
 
 def sha256_file(path: str | Path) -> str:

@@ -10,15 +10,17 @@ Layout of the engine directory OUT (TensorRT-LLM conventions):
     OUT/rank{N}/ort_segment_*.onnx ...  ONNX Runtime backend: segments (+ plan) from the lowering
     OUT/rank{N}/rank{N}.engine          TensorRT backend: the serialized engine
     OUT/LICENSE                         the source checkpoint's license, copied
+    OUT/tokenizer.json ...              the source checkpoint's tokenizer files (`TOKENIZER_FILES`), copied
     OUT/manifest.json                   written last: every file's size + sha256, versions, hashes, keys
 
-Bookkeeping (not artifacts): `.build/` holds each stage's outputs as they are produced, `.state/` one
-JSON record per finished stage, `.cache/` the synthesized source and the source hash cache.
+Bookkeeping (not artifacts): `.build/` holds each stage's outputs from when they are produced until
+they are published (moved into OUT), `.state/` one JSON record per finished stage, `.cache/` the
+synthesized source and the source hash cache.
 
 Stages and their content keys. A key is sha256 over the stage name, the moe_export version, the
 recipe fields in `STAGE_FIELDS`, the source fingerprint (sha256 of every source file's content) and
 the upstream stage keys. A stage whose record carries its current key and whose outputs are intact
-(same size and mtime) is skipped:
+(same size, mtime and inode as recorded, staged in `.build/` or already published in OUT) is skipped:
 
     convert/rankN  model source + quantization + parallel + target (gpu, world size) + rank mapping
     graph/rankN    convert key + attention + limits
@@ -26,12 +28,20 @@ the upstream stage keys. A stage whose record carries its current key and whose 
     engine/rankN   graph key + limits + target + workspace_reserve_gib   (backend tensorrt)
     config         the whole recipe + source + every convert key (the class map reads the weights)
     license        the source LICENSE file's sha256
+    tokenizer      the source tokenizer files' sha256
 
 Crash safety. Every file is written under a temporary name in its final folder and renamed into
 place; a stage's record is written only after its outputs are in place. Stage outputs go to
-`.build/`; only when every stage has succeeded are they hard-linked into OUT (publish), then the
-manifest is written. So a failed or killed build leaves the previous output untouched, and the next
-run resumes from the last recorded stage and ends byte-identical to an uninterrupted build.
+`.build/`; only when every stage has succeeded are they moved into OUT (publish: the manifest is
+removed first, the outputs are renamed into place, stale artifacts are removed, the manifest is
+written last). So a failed or killed build leaves the previous output untouched, and the next run
+resumes from the last recorded stage and ends byte-identical to an uninterrupted build.
+
+One link per file. Publishing renames (a rename keeps size, mtime and inode, so the stage records
+still describe the published files), and stages that need an upstream output next to another see it
+through a symbolic link in a scratch folder: every file in OUT has exactly one hard link, which
+onnx.checker requires of external data ("potential hardlink attack"). Nothing is ever copied except
+the small files taken from the source (LICENSE, tokenizer).
 
 Parallelism. Under `mpiexec -n R`, MPI process r builds the ranks n with n % R == r; process 0
 prepares the source, then writes the global artifacts and the manifest after all ranks finished.
@@ -55,11 +65,11 @@ from pathlib import Path
 from typing import Any
 
 from moe_export.export.atomic import (
-    atomic_link_or_copy,
     atomic_path,
     atomic_write_bytes,
     atomic_write_json,
     canonical_json,
+    fsync_path,
     sha256_file,
     sweep_temporaries,
 )
@@ -82,6 +92,7 @@ from moe_export.recipes.schema import Recipe
 QUANT_REPORT = "quantization.json"
 LICENSE = "LICENSE"
 LICENSE_NAMES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "LICENCE", "license", "license.txt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 SYNTH_SEED = 0
 MPI_ENV_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 SYNTH_TEMP_RE = re.compile(r"^\..+\.(synth|old)-\d+$")
@@ -138,7 +149,7 @@ class Stages:
 class BuildResult:
     out: Path
     ran: list[str] = field(default_factory=list)  # stages executed, e.g. "convert/rank0", "config"
-    published: list[str] = field(default_factory=list)  # artifacts (re)linked into OUT
+    published: list[str] = field(default_factory=list)  # artifacts moved into OUT
     removed: list[str] = field(default_factory=list)  # stale artifacts removed from OUT
     manifest_written: bool = False
     reporter: bool = True  # False on MPI processes other than 0, which leave the reporting to process 0
@@ -260,8 +271,8 @@ class _Progress:
 
 def _size_of(path: Path) -> int:
     try:
-        if path.is_dir():  # a scratch folder: what the stage wrote, not the weights linked in for it
-            return sum(p.stat().st_size for p in path.iterdir() if p.is_file() and p.name != WEIGHTS)
+        if path.is_dir():  # a scratch folder: what the stage wrote, not the inputs linked in for it
+            return sum(p.stat().st_size for p in path.iterdir() if p.is_file() and not p.is_symlink())
         return path.stat().st_size
     except OSError:
         return 0
@@ -280,6 +291,7 @@ class Source:
     files: dict[str, dict] = field(default_factory=dict)  # name -> {"size", "sha256"}
     license_file: str | None = None
     license_sha256: str | None = None
+    tokenizer_files: dict[str, str] = field(default_factory=dict)  # name -> sha256, of TOKENIZER_FILES present
 
     def fingerprint(self) -> str:
         """Content identity of the source (location-independent)."""
@@ -367,8 +379,10 @@ def rank_stage_names(recipe: Recipe) -> tuple[str, ...]:
     return ("convert", "graph", "lower" if recipe.backend == "onnxruntime" else "engine")
 
 
-def stage_keys(recipe: Recipe, source_fp: str, license_sha256: str | None) -> dict[str, str]:
-    """Every stage's content key: "convert/rank0", ..., "config", "license"."""
+def stage_keys(
+    recipe: Recipe, source_fp: str, license_sha256: str | None, tokenizer_files: dict[str, str]
+) -> dict[str, str]:
+    """Every stage's content key: "convert/rank0", ..., "config", "license", "tokenizer"."""
     dump = recipe.model_dump(mode="json")
 
     def fields(stage: str) -> dict:
@@ -384,12 +398,16 @@ def stage_keys(recipe: Recipe, source_fp: str, license_sha256: str | None) -> di
     converts = [keys[f"convert/rank{n}"] for n in range(recipe.target.world_size)]
     keys["config"] = _key("config", dump, source_fp, converts)
     keys["license"] = _key("license", {}, license_sha256 or "none", [])
+    keys["tokenizer"] = _key("tokenizer", {}, hashlib.sha256(canonical_json(tokenizer_files)).hexdigest(), [])
     return keys
 
 
 # ---- stage records ----
 class _State:
-    """`.state/<stage>[-rankN].json` records: key, outputs (size, mtime, sha256) and the stage's result."""
+    """`.state/<stage>[-rankN].json` records: key, outputs (size, mtime, inode, sha256) and the stage's result.
+
+    An output is staged at `.build/<rel>` until publish renames it to `OUT/<rel>`; `locate` finds it
+    in either place by its recorded size, mtime and inode."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
@@ -406,19 +424,35 @@ class _State:
             return None
         return rec if isinstance(rec, dict) else None
 
+    def locate(self, rel: str, meta: dict) -> Path | None:
+        """The output `rel` as recorded in `meta`: staged in .build, published in OUT, or None if neither
+        holds it intact."""
+        for path in (self.build / rel, self.out / rel):
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            if (st.st_size, st.st_mtime_ns, st.st_ino) == (meta.get("size"), meta.get("mtime_ns"), meta.get("ino")):
+                return path
+        return None
+
     def current(self, name: str, key: str) -> dict | None:
-        """The record if it has `key` and its outputs in .build are intact, else None."""
+        """The record if it has `key` and its outputs are intact, else None."""
         rec = self.load(name)
         if rec is None or rec.get("key") != key or not isinstance(rec.get("outputs"), dict):
             return None
-        for rel, meta in rec["outputs"].items():
-            try:
-                st = (self.build / rel).stat()
-            except OSError:
-                return None
-            if st.st_size != meta.get("size") or st.st_mtime_ns != meta.get("mtime_ns"):
-                return None
+        if any(self.locate(rel, meta) is None for rel, meta in rec["outputs"].items()):
+            return None
         return rec
+
+    def output(self, name: str, rel: str) -> Path:
+        """Where the output `rel` of the finished stage `name` is now."""
+        rec = self.load(name) or {}
+        meta = rec.get("outputs", {}).get(rel)
+        path = None if meta is None else self.locate(rel, meta)
+        if path is None:
+            raise BuildError(f"stage {name}: its output {rel} is gone (was the output folder modified meanwhile?)")
+        return path
 
     def write(self, name: str, obj: Any) -> None:
         atomic_write_json(self._path(name), obj)
@@ -428,7 +462,7 @@ class _State:
         for rel in outputs:
             path = self.build / rel
             st = path.stat()
-            metas[rel] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256_file(path)}
+            metas[rel] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino, "sha256": sha256_file(path)}
         rec = {"stage": name, "key": key, "outputs": metas, "result": result}
         self.write(name, rec)
         return rec
@@ -530,7 +564,8 @@ def _fingerprint(ctx: _Ctx) -> None:
         if (src.path / name).is_file():
             src.license_file, src.license_sha256 = name, sha256_file(src.path / name)
             break
-    ctx.keys = stage_keys(ctx.recipe, src.fingerprint(), src.license_sha256)
+    src.tokenizer_files = {n: sha256_file(src.path / n) for n in TOKENIZER_FILES if (src.path / n).is_file()}
+    ctx.keys = stage_keys(ctx.recipe, src.fingerprint(), src.license_sha256, src.tokenizer_files)
 
 
 DISK_FULL_ERRNOS = (errno.EFBIG, errno.ENOSPC, errno.EDQUOT)
@@ -568,41 +603,40 @@ def _run_convert(ctx: _Ctx, n: int, mapping: Mapping) -> tuple[list[str], Any]:
 
 def _run_graph(ctx: _Ctx, n: int, mapping: Mapping) -> tuple[list[str], Any]:
     rdir = ctx.state.build / f"rank{n}"
+    weights = ctx.state.output(f"convert/rank{n}", f"rank{n}/{WEIGHTS}")
     with atomic_path(rdir / GRAPH) as tmp, ctx.progress.task(f"graph rank {n}", tmp):
-        summary = ctx.stages.export_rank_graph(ctx.reader.config, ctx.recipe, mapping, rdir / WEIGHTS, tmp)
+        summary = ctx.stages.export_rank_graph(ctx.reader.config, ctx.recipe, mapping, weights, tmp)
     return [f"rank{n}/{GRAPH}"], summary
 
 
 @contextlib.contextmanager
-def _scratch(rdir: Path, name: str) -> Iterator[Path]:
-    """A temporary folder inside the rank folder (same filesystem, so results can be renamed out)."""
+def _scratch(rdir: Path, name: str, inputs: dict[str, Path]) -> Iterator[Path]:
+    """A temporary folder inside the rank folder (same filesystem, so results can be renamed out) that
+    shows each of `inputs` under its name. They are symbolic links: a hard link would give the file a
+    second link, and a published one keeps exactly one."""
     tmp = rdir / f".{name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
+        for link_name, target in inputs.items():
+            os.symlink(os.path.abspath(target), tmp / link_name)
         yield tmp
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _move_into(src: Path, dst: Path) -> None:
-    fd = os.open(src, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(src)
     os.replace(src, dst)
 
 
 def _run_lower(ctx: _Ctx, n: int, mapping: Mapping) -> tuple[list[str], Any]:
     """Lower into a scratch folder that sees the weights under their name, then rename the files out."""
     rdir = ctx.state.build / f"rank{n}"
-    with _scratch(rdir, "lower") as tmp, ctx.progress.task(f"lower rank {n}", tmp):
-        try:
-            os.link(rdir / WEIGHTS, tmp / WEIGHTS)
-        except OSError:
-            os.symlink(Path("..") / WEIGHTS, tmp / WEIGHTS)
-        names = list(ctx.stages.lower_for_onnxruntime(rdir / GRAPH, tmp))
+    graph = ctx.state.output(f"graph/rank{n}", f"rank{n}/{GRAPH}")
+    weights = ctx.state.output(f"convert/rank{n}", f"rank{n}/{WEIGHTS}")
+    with _scratch(rdir, "lower", {WEIGHTS: weights}) as tmp, ctx.progress.task(f"lower rank {n}", tmp):
+        names = list(ctx.stages.lower_for_onnxruntime(graph, tmp))
         bad = [x for x in names if Path(x).name != x or x in (WEIGHTS, GRAPH, QUANT_REPORT) or not (tmp / x).is_file()]
         if bad:
             raise BuildError(f"lower rank {n}: the lowering reported unusable file names {bad}")
@@ -612,14 +646,17 @@ def _run_lower(ctx: _Ctx, n: int, mapping: Mapping) -> tuple[list[str], Any]:
 
 
 def _run_engine(ctx: _Ctx, n: int, mapping: Mapping) -> tuple[list[str], Any]:
-    """Build in a scratch folder; TensorRT's timing cache is kept in .cache/tensorrt between builds."""
+    """Build in a scratch folder that shows the graph with its weights next to it (one may be staged, the
+    other published); TensorRT's timing cache is kept in .cache/tensorrt between builds."""
     rdir = ctx.state.build / f"rank{n}"
     name = f"rank{n}.engine"
     timing = ctx.out / ".cache" / "tensorrt" / f"rank{n}.timing_cache"
-    with _scratch(rdir, "engine") as tmp, ctx.progress.task(f"engine rank {n}", tmp):
+    inputs = {GRAPH: ctx.state.output(f"graph/rank{n}", f"rank{n}/{GRAPH}"),
+              WEIGHTS: ctx.state.output(f"convert/rank{n}", f"rank{n}/{WEIGHTS}")}
+    with _scratch(rdir, "engine", inputs) as tmp, ctx.progress.task(f"engine rank {n}", tmp):
         if timing.is_file():
             shutil.copyfile(timing, tmp / timing.name)
-        ctx.stages.build_tensorrt_engine(rdir / GRAPH, ctx.recipe, mapping, tmp / name)
+        ctx.stages.build_tensorrt_engine(tmp / GRAPH, ctx.recipe, mapping, tmp / name)
         if not (tmp / name).is_file():
             raise BuildError(f"engine rank {n}: the engine builder wrote no {name}")
         if (tmp / timing.name).is_file():
@@ -662,7 +699,7 @@ def weight_class_map(ctx: _Ctx) -> dict[str, str]:
     spec_class = {s.name: s.weight_class for s in all_tensor_specs(cfg, include_experts=False)}
     out: dict[str, str] = {}
     for n in range(ctx.recipe.target.world_size):
-        tensors, _ = read_safetensors_header(ctx.state.build / f"rank{n}" / WEIGHTS)
+        tensors, _ = read_safetensors_header(ctx.state.output(f"convert/rank{n}", f"rank{n}/{WEIGHTS}"))
         for t in tensors:
             if t.name not in out:
                 out[t.name] = spec_class.get(t.name) or (
@@ -709,12 +746,12 @@ def engine_config(ctx: _Ctx) -> dict:
 
 def _build_globals(ctx: _Ctx) -> list[str]:
     ran = []
+    src = ctx.source
     if not ctx.state.current("config", ctx.keys["config"]):
         atomic_write_json(ctx.state.build / CONFIG, engine_config(ctx))
         ctx.state.record("config", ctx.keys["config"], [CONFIG], None)
         ran.append("config")
     if not ctx.state.current("license", ctx.keys["license"]):
-        src = ctx.source
         outputs = []
         if src.license_file:
             with atomic_path(ctx.state.build / LICENSE) as tmp:
@@ -722,57 +759,55 @@ def _build_globals(ctx: _Ctx) -> list[str]:
             outputs = [LICENSE]
         ctx.state.record("license", ctx.keys["license"], outputs, None)
         ran.append("license")
+    if not ctx.state.current("tokenizer", ctx.keys["tokenizer"]):
+        for name in src.tokenizer_files:
+            with atomic_path(ctx.state.build / name) as tmp:
+                shutil.copyfile(src.path / name, tmp)
+        ctx.state.record("tokenizer", ctx.keys["tokenizer"], sorted(src.tokenizer_files), None)
+        ran.append("tokenizer")
     return ran
 
 
 def _stage_names(recipe: Recipe) -> list[str]:
     names = [f"{s}/rank{n}" for n in range(recipe.target.world_size) for s in rank_stage_names(recipe)]
-    return names + ["config", "license"]
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        sa, sb = a.stat(), b.stat()
-    except OSError:
-        return False
-    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino) or (
-        sa.st_size == sb.st_size and sa.st_mtime_ns == sb.st_mtime_ns
-    )
+    return names + ["config", "license", "tokenizer"]
 
 
 def _publish(ctx: _Ctx, outputs: dict[str, dict], result: BuildResult) -> None:
-    """Link the current stage outputs from .build into OUT and remove artifacts of earlier builds that
-    this one no longer has. The manifest is removed first, so a half-published folder never has one."""
+    """Move the stage outputs staged in .build into OUT and remove artifacts of earlier builds that this
+    one no longer has. The manifest is removed first, so a half-published folder never has one."""
     out, build = ctx.out, ctx.state.build
     prev = ctx.state.load("publish") or {}
     prev_files = set(prev.get("files", []))
-    to_link = [rel for rel in sorted(outputs) if not _same_file(build / rel, out / rel)]
+    to_move = [rel for rel in sorted(outputs) if ctx.state.locate(rel, outputs[rel]) == build / rel]
     stale = sorted(rel for rel in prev_files - set(outputs) if (out / rel).exists())
-    if not (to_link or stale) and prev.get("complete") and set(prev.get("files", [])) == set(outputs):
+    if not (to_move or stale) and prev.get("complete") and prev_files == set(outputs):
         return
-    if to_link or stale:
+    if to_move or stale:
         (out / MANIFEST).unlink(missing_ok=True)
     ctx.state.write("publish", {"files": sorted(prev_files | set(outputs)), "complete": False})
-    for rel in to_link:
-        atomic_link_or_copy(build / rel, out / rel)
+    for rel in to_move:
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(build / rel, out / rel)
+    for folder in sorted({(out / rel).parent for rel in to_move}):
+        fsync_path(folder)
     for rel in stale:
         (out / rel).unlink(missing_ok=True)
         parent = (out / rel).parent
         if parent != out and parent.is_dir() and not any(parent.iterdir()):
             parent.rmdir()
     ctx.state.write("publish", {"files": sorted(outputs), "complete": True})
-    result.published, result.removed = to_link, stale
+    result.published, result.removed = to_move, stale
 
 
-def _collect_garbage(build: Path, keep: set[str]) -> None:
-    """Remove files in .build that no current stage produced (old segments, ranks of a larger world)."""
-    for dirpath, dirnames, filenames in os.walk(build, topdown=False):
-        for name in filenames:
-            path = Path(dirpath) / name
-            if path.relative_to(build).as_posix() not in keep:
-                path.unlink(missing_ok=True)
-        if Path(dirpath) != build and not any(Path(dirpath).iterdir()):
-            Path(dirpath).rmdir()
+def _empty_build_folder(build: Path) -> None:
+    """After publish every current output is in OUT: what is left in .build was superseded (outputs of
+    a stage that ran again before the build finished, segments of an abandoned lowering)."""
+    for path in build.iterdir():
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def build_manifest(ctx: _Ctx, records: dict[str, dict]) -> dict:
@@ -783,7 +818,7 @@ def build_manifest(ctx: _Ctx, records: dict[str, dict]) -> dict:
             files[rel] = {"size": meta["size"], "sha256": meta["sha256"]}
     reports = {}
     for n in range(ctx.recipe.target.world_size):
-        reports[n] = json.loads((ctx.state.build / f"rank{n}" / QUANT_REPORT).read_text())
+        reports[n] = json.loads(ctx.state.output(f"convert/rank{n}", f"rank{n}/{QUANT_REPORT}").read_text())
     src = ctx.source
     lic = (
         {"file": LICENSE, "source_file": src.license_file, "sha256": src.license_sha256}
@@ -806,7 +841,7 @@ def build_manifest(ctx: _Ctx, records: dict[str, dict]) -> dict:
 
 
 def _finish(ctx: _Ctx, result: BuildResult) -> None:
-    """Process 0, after every rank is built: config and LICENSE, publish, manifest last."""
+    """Process 0, after every rank is built: config, LICENSE and tokenizer, publish, manifest last."""
     result.ran += _build_globals(ctx)
     records = {}
     for name in _stage_names(ctx.recipe):
@@ -816,7 +851,7 @@ def _finish(ctx: _Ctx, result: BuildResult) -> None:
         records[name] = rec
     outputs = {rel: meta for rec in records.values() for rel, meta in rec["outputs"].items()}
     _publish(ctx, outputs, result)
-    _collect_garbage(ctx.state.build, set(outputs))
+    _empty_build_folder(ctx.state.build)
     data = canonical_json(build_manifest(ctx, records))
     mpath = ctx.out / MANIFEST
     if not (mpath.is_file() and mpath.read_bytes() == data):

@@ -31,6 +31,7 @@ from moe_export.recipes.schema import Recipe
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
+TOKENIZER = ["special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]  # what synth writes
 
 
 # ---- stand-in stages: small, deterministic, and shaped like the real ones ----
@@ -132,6 +133,14 @@ def inodes(root: Path) -> dict[str, tuple[int, int]]:
     return {rel: ((root / rel).stat().st_ino, (root / rel).stat().st_mtime_ns) for rel in artifact_files(root)}
 
 
+def assert_published_alone(out: Path) -> None:
+    """Every artifact has exactly one hard link (onnx.checker refuses external data with more) and
+    nothing is left staged in .build."""
+    links = {rel: (out / rel).stat().st_nlink for rel in [*artifact_files(out), "manifest.json"]}
+    assert set(links.values()) == {1}, links
+    assert list((out / ".build").iterdir()) == []
+
+
 @pytest.fixture(scope="module")
 def ckpt(synthetic_checkpoint) -> Path:
     return Path(synthetic_checkpoint("tiny-k3"))
@@ -174,22 +183,25 @@ def write_recipe(path: Path, data: dict) -> Path:
     ],
 )
 def test_stage_keys_change_only_where_the_recipe_field_matters(change, expected):
-    base = stage_keys(tiny_recipe("synthetic:tiny-k3"), "src", None)
-    new = stage_keys(tiny_recipe("synthetic:tiny-k3", **change), "src", None)
+    base = stage_keys(tiny_recipe("synthetic:tiny-k3"), "src", None, {})
+    new = stage_keys(tiny_recipe("synthetic:tiny-k3", **change), "src", None, {})
     changed = {name.split("/")[0] for name in base if base[name] != new[name]}
     assert changed == expected
-    assert len(base) == 4 * 3 + 2
+    assert len(base) == 4 * 3 + 3
 
 
 def test_stage_keys_engine_and_source():
     trt = tiny_recipe("synthetic:tiny-k3", backend="tensorrt")
-    base = stage_keys(trt, "src", None)
-    assert {k.split("/")[0] for k in base} == {"convert", "graph", "engine", "config", "license"}
-    more = stage_keys(tiny_recipe("synthetic:tiny-k3", backend="tensorrt", workspace_reserve_gib=0.5), "src", None)
+    base = stage_keys(trt, "src", None, {})
+    assert {k.split("/")[0] for k in base} == {"convert", "graph", "engine", "config", "license", "tokenizer"}
+    more = stage_keys(tiny_recipe("synthetic:tiny-k3", backend="tensorrt", workspace_reserve_gib=0.5), "src", None, {})
     assert {k.split("/")[0] for k in base if base[k] != more[k]} == {"engine", "config"}
-    other_src = stage_keys(trt, "other", None)
-    assert all(base[k] != other_src[k] for k in base if k != "license")
-    assert stage_keys(trt, "src", "abc")["license"] != base["license"]
+    other_src = stage_keys(trt, "other", None, {})
+    assert all(base[k] != other_src[k] for k in base if k not in ("license", "tokenizer"))
+    licensed = stage_keys(trt, "src", "abc", {})
+    assert {k for k in base if base[k] != licensed[k]} == {"license"}
+    tokenized = stage_keys(trt, "src", None, {"tokenizer.json": "abc"})
+    assert {k for k in base if base[k] != tokenized[k]} == {"tokenizer"}
     assert set(STAGE_FIELDS) == {"convert", "graph", "lower", "engine"}
 
 
@@ -198,12 +210,14 @@ def test_synthetic_build_layout_manifest_and_noop_rerun(tmp_path, capsys):
     out = tmp_path / "engine"
     recipe = tiny_recipe("synthetic:tiny-k3")
     res = build(recipe, out, stages=FAKE_STAGES, progress=False)
-    assert res.ran == [f"{s}/rank{n}" for n in range(4) for s in ("convert", "graph", "lower")] + ["config", "license"]
+    assert res.ran == [f"{s}/rank{n}" for n in range(4) for s in ("convert", "graph", "lower")] + [
+        "config", "license", "tokenizer"]
     files = artifact_files(out)
     for n in range(4):
         for name in ("weights.safetensors", "quantization.json", "model.onnx", "ort_segment_000.onnx", "ort_plan.json"):
             assert f"rank{n}/{name}" in files
-    assert {"config.json", "LICENSE"} <= set(files)
+    assert {"config.json", "LICENSE", *TOKENIZER} <= set(files)
+    assert_published_alone(out)
     assert (out / ".cache" / "source-tiny-k3-seed0" / "config.json").is_file()
     manifest = json.loads((out / "manifest.json").read_text())
     assert sorted(manifest["files"]) == files
@@ -214,7 +228,7 @@ def test_synthetic_build_layout_manifest_and_noop_rerun(tmp_path, capsys):
     assert manifest["recipe"]["sha256"] == recipe.fingerprint()
     assert manifest["license"]["file"] == "LICENSE"
     assert manifest["quantization"]["min_sqnr_db"] is not None
-    assert set(manifest["stages"]) == set(stage_keys(recipe, "x", None))
+    assert set(manifest["stages"]) == set(stage_keys(recipe, "x", None, {}))
     assert str(tmp_path) not in (out / "manifest.json").read_text()
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["mapping"] == {"world_size": 4, "tp_size": 2, "ep_size": 2, "attention": "tp"}
@@ -244,6 +258,7 @@ def test_thinking_change_rewrites_only_config_and_manifest(ckpt, tmp_path):
     state_after = inodes(out / ".state")
     assert {k for k in state_before if state_before[k] != state_after.get(k)} == {"config.json", "publish.json"}
     assert verify_engine_dir(out)["ok"]
+    assert_published_alone(out)
 
 
 def test_quantization_change_rebuilds_convert_graph_lowering(ckpt, tmp_path):
@@ -253,37 +268,57 @@ def test_quantization_change_rebuilds_convert_graph_lowering(ckpt, tmp_path):
     res = build(tiny_recipe(ckpt, **{"quantization.dense": "fp8"}), out, stages=FAKE_STAGES, progress=False)
     assert res.ran == [f"{s}/rank{n}" for n in range(4) for s in ("convert", "graph", "lower")] + ["config"]
     after = inodes(out)
-    assert {k for k in before if before[k] != after[k]} == set(before) - {"LICENSE"}
+    assert {k for k in before if before[k] != after[k]} == set(before) - {"LICENSE", *TOKENIZER}
     assert verify_engine_dir(out)["ok"]
+    assert_published_alone(out)
 
 
 def test_fewer_segments_and_backend_switch_remove_stale_artifacts(ckpt, tmp_path):
     out = tmp_path / "e"
     build(tiny_recipe(ckpt, **{"attention.sparse_topk": 2}), out, stages=FAKE_STAGES, progress=False)
     assert (out / "rank0" / "ort_segment_001.onnx").is_file()
+    weights = inodes(out)["rank0/weights.safetensors"]
+    # the graph and lowering run again against the weights already published in OUT
     res = build(tiny_recipe(ckpt), out, stages=FAKE_STAGES, progress=False)
+    assert res.ran == [f"{s}/rank{n}" for n in range(4) for s in ("graph", "lower")] + ["config"]
+    assert inodes(out)["rank0/weights.safetensors"] == weights
     assert "rank0/ort_segment_001.onnx" in res.removed
     assert not (out / "rank0" / "ort_segment_001.onnx").exists()
-    assert not (out / ".build" / "rank0" / "ort_segment_001.onnx").exists()
     assert verify_engine_dir(out)["ok"]
+    assert_published_alone(out)
     res = build(tiny_recipe(ckpt, backend="tensorrt"), out, stages=FAKE_STAGES, progress=False)
     assert res.ran == [f"engine/rank{n}" for n in range(4)] + ["config"]
     files = artifact_files(out)
     assert "rank2/rank2.engine" in files and not any("ort_" in f for f in files)
     assert verify_engine_dir(out)["ok"]
+    assert_published_alone(out)
+    # the graph staged in .build, the weights published: the engine builder sees them side by side
+    res = build(tiny_recipe(ckpt, backend="tensorrt", **{"limits.max_seq_len": 256}), out, stages=FAKE_STAGES,
+                progress=False)
+    assert res.ran == [f"{s}/rank{n}" for n in range(4) for s in ("graph", "engine")] + ["config"]
+    assert inodes(out)["rank0/weights.safetensors"] == weights
+    assert verify_engine_dir(out)["ok"]
+    assert_published_alone(out)
 
 
 def test_deleted_or_touched_outputs_are_repaired(ckpt, tmp_path):
     out = tmp_path / "e"
     recipe = tiny_recipe(ckpt)
     build(recipe, out, stages=FAKE_STAGES, progress=False)
-    (out / "rank1" / "model.onnx").unlink()
+    (out / "rank1" / "model.onnx").unlink()  # the only copy: the graph stage runs again
     res = build(recipe, out, stages=FAKE_STAGES, progress=False)
-    assert res.ran == [] and res.published == ["rank1/model.onnx"] and res.manifest_written
+    assert res.ran == ["graph/rank1"] and res.published == ["rank1/model.onnx"] and res.manifest_written
     os.utime(out / "rank3" / "weights.safetensors", ns=(1, 1))  # looks modified: convert reruns
     res = build(recipe, out, stages=FAKE_STAGES, progress=False)
     assert res.ran == ["convert/rank3"]
+    # replaced by a copy with the same size and mtime (cp -p): a different inode, so it reruns too
+    plan = out / "rank2" / "ort_plan.json"
+    shutil.copy2(plan, tmp_path / "plan")
+    os.replace(tmp_path / "plan", plan)
+    res = build(recipe, out, stages=FAKE_STAGES, progress=False)
+    assert res.ran == ["lower/rank2"]
     assert verify_engine_dir(out)["ok"]
+    assert_published_alone(out)
 
 
 def test_touched_source_with_same_content_rebuilds_nothing(tmp_path, ckpt):
@@ -312,6 +347,24 @@ def test_source_without_license_is_noted(tmp_path, ckpt):
     assert manifest["license"]["file"] is None and "no LICENSE" in manifest["license"]["note"]
     assert not (out / "LICENSE").exists()
     assert manifest["source"]["kind"] == "checkpoint" and manifest["source"]["path"] == str(src)
+
+
+def test_tokenizer_files_are_copied_and_follow_the_source(tmp_path, ckpt):
+    src = tmp_path / "src"
+    shutil.copytree(ckpt, src)
+    out = tmp_path / "e"
+    build(tiny_recipe(src), out, stages=FAKE_STAGES, progress=False)
+    for name in TOKENIZER:
+        assert (out / name).read_bytes() == (src / name).read_bytes()
+    assert set(TOKENIZER) <= set(json.loads((out / "manifest.json").read_text())["files"])
+    (src / "chat_template.jinja").write_text("{{ messages }}")
+    (src / "special_tokens_map.json").unlink()
+    res = build(tiny_recipe(src), out, stages=FAKE_STAGES, progress=False)
+    assert res.ran == ["tokenizer"] and res.removed == ["special_tokens_map.json"]
+    assert res.published == ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
+    assert (out / "chat_template.jinja").read_text() == "{{ messages }}"
+    assert verify_engine_dir(out)["ok"]
+    assert_published_alone(out)
 
 
 # ---- bad input ----
@@ -376,9 +429,12 @@ def test_failing_stage_leaves_previous_output_and_raises_build_error(tmp_path, c
         build(tiny_recipe(ckpt, **{"quantization.dense": "fp8"}), out, stages=stages, progress=False)
     assert snapshot(out) == before
     assert (out / "manifest.json").is_file()
+    assert (out / ".build" / "rank0" / "weights.safetensors").is_file()  # staged, not published
     # the convert stage of rank 0 finished and is kept: the next run resumes after it
     res = build(tiny_recipe(ckpt, **{"quantization.dense": "fp8"}), out, stages=FAKE_STAGES, progress=False)
     assert "convert/rank0" not in res.ran and "graph/rank0" in res.ran
+    assert verify_engine_dir(out)["ok"]
+    assert_published_alone(out)
 
 
 def test_disk_full_is_a_clear_error_and_previous_output_untouched(tmp_path, ckpt):
@@ -430,6 +486,7 @@ def test_killed_build_resumes_to_identical_bytes(tmp_path):
     build(Recipe.model_validate(recipe_dict("synthetic:tiny-k3")), clean, stages=FAKE_STAGES, progress=False)
     assert snapshot(killed) == snapshot(clean)
     assert verify_engine_dir(killed)["ok"]
+    assert_published_alone(killed)
 
 
 def test_mpi_processes_split_the_ranks(tmp_path, ckpt):

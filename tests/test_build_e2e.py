@@ -4,15 +4,18 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import onnx
 import pytest
 import yaml
 
 from moe_export.export.cli import main
-from moe_export.export.manifest import artifact_files
+from moe_export.export.manifest import INTERNAL_DIRS, artifact_files
+from moe_export.plugins.registry import register_all_schemas
 from moe_export.recipes import recipes_dir
 
 
@@ -36,7 +39,7 @@ def test_tiny_cpu_build_verify_inspect_rerun(tmp_path, capsys):
     assert "ran convert x4" in stdout
 
     files = artifact_files(out)
-    assert {"config.json", "LICENSE"} <= set(files)
+    assert {"config.json", "LICENSE", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"} <= set(files)
     for n in range(4):
         for name in ("weights.safetensors", "quantization.json", "model.onnx"):
             assert f"rank{n}/{name}" in files
@@ -48,6 +51,23 @@ def test_tiny_cpu_build_verify_inspect_rerun(tmp_path, capsys):
 
     code, stdout, err = run_cli(capsys, "verify", str(out))
     assert code == 0, err
+
+    # what users run on the artifacts: onnx.checker follows the external data into weights.safetensors
+    # and refuses a file with more than one hard link
+    register_all_schemas()
+    onnx.checker.check_model(str(out / "rank0" / "model.onnx"), full_check=True)
+    links = {}
+    for dirpath, dirnames, filenames in os.walk(out):
+        if Path(dirpath) == out:
+            dirnames[:] = [d for d in dirnames if d not in INTERNAL_DIRS]
+        links.update({os.path.join(dirpath, f): os.stat(os.path.join(dirpath, f)).st_nlink for f in filenames})
+    assert len(links) == len(files) + 1 and set(links.values()) == {1}, links
+
+    # the engine directory carries the tokenizer, so text prompts work on it
+    code, stdout, err = run_cli(capsys, "generate", str(out), "--prompt", "Hello", "--max-new-tokens", "4", "--json")
+    assert code == 0, err
+    tokens = json.loads(stdout)["tokens"]
+    assert len(tokens) == 4 and all(isinstance(t, int) for t in tokens)
 
     code, stdout, err = run_cli(capsys, "inspect", str(out), "--json")
     assert code == 0, err
