@@ -1,10 +1,10 @@
-"""Fast CPU short conv: all sequences at once with W row gathers, no per-token loop.
+"""Fast CPU short conv: all sequences at once, W contiguous slice products, no per-token loop.
 
-Per call, the windows of the N sequences and the packed tokens are laid out in one buffer
-``ext = [state_0 (W-1 rows); ...; state_{N-1}; x_0 .. x_{T-1}]`` ([N(W-1)+T, C]). Tap j of token t (relative
-position p = t - bos - (W-1) + j in its sequence n) reads ``ext[N(W-1) + t - (W-1) + j]`` when p >= 0 and the
-state row ``ext[n(W-1) + (W-1) + p]`` otherwise; the final window is gathered the same way. Same contract as
-``reference.short_conv``; fp32 arithmetic.
+The N sequences are laid out in one buffer with each sequence's W-1 window rows right before its tokens,
+``ext = [state_0; x_seq0; state_1; x_seq1; ...]`` ([N(W-1) + T, C]); token t of sequence n sits at row
+``e_t = t + (n+1)(W-1)``. Then ``a[i] = sum_j w[:, j] * ext[i + j]`` over all rows i (W slice FMAs),
+``y_t = silu(a[e_t - (W-1)])`` and the final window of sequence n is ``ext[cu[n+1] + n(W-1) + i]``,
+i < W-1. Same contract as ``reference.short_conv``; fp32 arithmetic.
 """
 
 from __future__ import annotations
@@ -27,32 +27,24 @@ def short_conv(
     B, T, C = x.shape
     W = w.shape[1]
     N = cu.numel() - 1
-    if initial_state is None:
-        state_rows = x.new_zeros(N * (W - 1), C, dtype=torch.float32)
-    else:
-        state_rows = initial_state.float().transpose(1, 2).reshape(N * (W - 1), C)
-    ext = torch.cat([state_rows, x.float().reshape(B * T, C)])
-    rows, final_rows = gather_indices(cu, W)
-    taps = ext[rows]  # [T, W, C]
-    a = torch.einsum("twc,cw->tc", taps, w)
+    rows = B * T + N * (W - 1)
+    lengths = cu[1:] - cu[:-1]
+    seq = torch.repeat_interleave(torch.arange(N, device=x.device), lengths)  # [T]
+    tok_rows = torch.arange(B * T, device=x.device) + (seq + 1) * (W - 1)  # e_t
+    window = torch.arange(W - 1, device=x.device)
+    state_rows = (cu[:-1] + torch.arange(N, device=x.device) * (W - 1))[:, None] + window  # [N, W-1]
+    ext = torch.zeros(rows, C, dtype=torch.float32, device=x.device)
+    ext.index_copy_(0, tok_rows, x.reshape(B * T, C).float())
+    if initial_state is not None:
+        ext.index_copy_(0, state_rows.reshape(-1), initial_state.float().transpose(1, 2).reshape(-1, C))
+    wt = w.t().contiguous()  # [W, C]
+    span = rows - W + 1
+    a = ext[:span] * wt[0]
+    for j in range(1, W):
+        a.addcmul_(ext[j : j + span], wt[j])
+    a = a if N == 1 else a.index_select(0, tok_rows - (W - 1))  # one sequence: rows 0..T-1 already
     y = (a * torch.sigmoid(a)).reshape(B, T, C).to(x.dtype)
     if not output_final_state:
         return y, None
+    final_rows = state_rows + lengths[:, None]
     return y, ext[final_rows].transpose(1, 2).contiguous()
-
-
-def gather_indices(cu: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of ``ext`` (see module doc) read by each tap [T, W] and by each final window entry [N, W-1]."""
-    N = cu.numel() - 1
-    T = int(cu[-1])
-    lengths = cu[1:] - cu[:-1]
-    seq = torch.repeat_interleave(torch.arange(N, device=cu.device), lengths)  # [T]
-    tok = torch.arange(T, device=cu.device)
-    j = torch.arange(W, device=cu.device)
-    p = (tok - cu[:-1][seq])[:, None] - (W - 1) + j  # [T, W]
-    rows = torch.where(p >= 0, N * (W - 1) + tok[:, None] - (W - 1) + j, seq[:, None] * (W - 1) + (W - 1) + p)
-    i = torch.arange(W - 1, device=cu.device)
-    pf = lengths[:, None] - (W - 1) + i  # [N, W-1]
-    n = torch.arange(N, device=cu.device)[:, None]
-    final_rows = torch.where(pf >= 0, N * (W - 1) + cu[:-1, None] + pf, n * (W - 1) + (W - 1) + pf)
-    return rows, final_rows
