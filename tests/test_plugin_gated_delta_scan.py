@@ -77,9 +77,8 @@ def test_reference_varlen_matches_fla_naive_per_sequence(fla_naive):
     o, s = reference.gated_delta_scan(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
     for n in range(4):
         a, b = int(cu[n]), int(cu[n + 1])
-        o_n, s_n = fla_naive.naive_recurrent_kda(
-            q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], initial_state=h0[n : n + 1], output_final_state=True
-        )
+        seq = (x[:, a:b] for x in (q, k, v, g, beta))
+        o_n, s_n = fla_naive.naive_recurrent_kda(*seq, initial_state=h0[n : n + 1], output_final_state=True)
         if b > a:
             close(o[:, a:b], o_n, 1e-6)
         close(s[n : n + 1], s_n, 1e-6)

@@ -157,9 +157,6 @@ def gated_delta_scan_pool(
     return o, state_pool_out
 
 
-TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
 def aot_compile(
     act_dtype: str, H: int, K: int, V: int, scale: float, use_qk_l2norm: bool, state_v_first: bool, capability: int
 ):
