@@ -39,7 +39,6 @@ from moe_export.quantize.mx_common import (
 )
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-E2M1_MAX = 6.0
 EMAX_ELEM = 2  # floor(log2(6))
 _NAN_CODE = 3  # torchao's code for a canonical NaN
 
