@@ -116,7 +116,7 @@ def test_cpu_matches_reference(name, activation):
 
 def test_cpu_small_tiles_repeated_expert_bf16_input(monkeypatch):
     """Row tiles of 2-3 rows, a token choosing the same expert twice, and a bf16 activation input."""
-    monkeypatch.setattr(cpu, "_TILE_ELEMS", 200)
+    monkeypatch.setattr(cpu, "_TILE_ELEMS", 600)
     case, offset = make_case(seed=4, T=6, k=3)
     case["expert_ids"][1] = torch.tensor([offset + 1, offset + 1, offset])
     case["x"] = case["x"].bfloat16()

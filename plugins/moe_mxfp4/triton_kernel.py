@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .cpu import group_by_expert
+from .cpu import group_by_expert, rank_in_group
 from .reference import ACTIVATIONS
 
 
@@ -136,9 +136,7 @@ def padded_expert_blocks(expert_ids: torch.Tensor, expert_offset: int, num_local
     device = expert_ids.device
     padded = (counts + block_m - 1) // block_m * block_m
     run_start = torch.cumsum(padded, 0) - padded  # padded start of each expert's run
-    first = torch.cumsum(counts, 0) - counts  # unpadded start
-    rank = torch.arange(pairs.numel(), device=device) - torch.repeat_interleave(first, counts)
-    dest = torch.repeat_interleave(run_start, counts) + rank
+    dest = torch.repeat_interleave(run_start, counts) + rank_in_group(counts)
     pair_rows = torch.full((int(padded.sum()),), -1, dtype=torch.int64, device=device)
     pair_rows[dest] = pairs
     block_expert = torch.repeat_interleave(experts, padded // block_m).to(torch.int32)
