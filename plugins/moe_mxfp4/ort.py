@@ -7,6 +7,8 @@ Body (dense over the E local experts; fine for small models, memory E*(3*I*D + T
   h = x @ W13^T for every local expert [E, T, 2I]; the activation is computed both ways and chosen with
   Where(Equal(activation, "silu")); out = act @ W2^T [E, T, D];
   y = M @ out per token, with M[t, e] = Σ_j expert_weights[t, j] * (expert_ids[t, j] - expert_offset == e).
+Because every local expert is evaluated, a NaN scale byte (255) in an expert no token chose still turns y into
+NaN here (NaN * 0), where the other implementations never read that expert.
 """
 
 import onnx
