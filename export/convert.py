@@ -8,7 +8,8 @@ rank's expert ids, gate and up fused (`w13`: I gate rows then I up rows), as MXF
     <layer>.block_sparse_moe.experts.w2_packed  [E_local, D, I/2]  U8   w2_scale  [E_local, D, I/32]  U8
 
 The header is computed up front from the tensor inventory, then tensor data is written one tensor
-(one expert slice) at a time, so peak memory stays near the largest single tensor.
+(one expert) at a time at its offset, so peak memory stays near the largest single tensor and each
+source tensor is read once.
 """
 
 from __future__ import annotations
@@ -31,14 +32,13 @@ from moe_export.quantize import transforms
 _TORCH_TO_ST = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.uint8: "U8"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class OutTensor:
-    """One tensor of the rank file: its header entry and a generator of byte chunks in order."""
+    """One tensor of the rank file: its header entry (data offsets are assigned in list order)."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
-    chunks: Callable[[], Iterator[torch.Tensor]]
 
     @property
     def nbytes(self) -> int:
@@ -46,6 +46,10 @@ class OutTensor:
         for d in self.shape:
             n *= d
         return n
+
+
+# A producer yields (tensor name, byte offset inside that tensor, data) pieces, in any order.
+Producer = Callable[[], Iterator[tuple[str, int, torch.Tensor]]]
 
 
 def _sharded_shape(spec: TensorSpec, mapping: Mapping) -> tuple[int, ...]:
@@ -58,18 +62,20 @@ def expert_stack_name(cfg: ModelConfig, layer: int, what: str) -> str:
 
 
 def plan_rank_tensors(reader, cfg: ModelConfig, mapping: Mapping, allow_nonfinite: bool,
-                      reports: list[transforms.QuantReport]) -> list[OutTensor]:
-    """Every tensor of this rank's file, in file order, with a lazy producer for its data."""
-    out: list[OutTensor] = []
+                      reports: list[transforms.QuantReport]) -> tuple[list[OutTensor], list[Producer]]:
+    """This rank's tensors in file order, and the producers that fill them (each source tensor read once)."""
+    tensors: list[OutTensor] = []
+    producers: list[Producer] = []
     for spec in all_tensor_specs(cfg, include_experts=False):
 
-        def produce(spec=spec) -> Iterator[torch.Tensor]:
+        def produce(spec=spec) -> Iterator[tuple[str, int, torch.Tensor]]:
             t = reader.get(spec.name)
             if not allow_nonfinite and t.is_floating_point():
                 transforms.check_finite(spec.name, t)
-            yield shard_tensor(spec, t, mapping)
+            yield spec.name, 0, shard_tensor(spec, t, mapping)
 
-        out.append(OutTensor(spec.name, spec.dtype, _sharded_shape(spec, mapping), produce))
+        tensors.append(OutTensor(spec.name, spec.dtype, _sharded_shape(spec, mapping)))
+        producers.append(produce)
     experts = list(mapping.local_experts(cfg.num_experts)) if cfg.num_experts else []
     d, i = cfg.expert_in_dim, cfg.moe_intermediate_size
     for layer in range(cfg.num_layers):
@@ -81,49 +87,57 @@ def plan_rank_tensors(reader, cfg: ModelConfig, mapping: Mapping, allow_nonfinit
             "w2_packed": (len(experts), d, i // 2),
             "w2_scale": (len(experts), d, i // 32),
         }
-        for what, shape in shapes.items():
+        tensors.extend(OutTensor(expert_stack_name(cfg, layer, w), "U8", shape) for w, shape in shapes.items())
 
-            def produce(layer=layer, what=what) -> Iterator[torch.Tensor]:
-                record = what == "w13_packed" or what == "w2_packed"
-                for e in experts:
-                    fused = transforms.expert_mxfp4(reader, cfg, layer, e, fuse_gate_up=what.startswith("w13"),
-                                                    allow_nonfinite=allow_nonfinite)
-                    if record:
-                        reports.extend(fused.reports)
-                    yield fused.packed if what.endswith("packed") else fused.scales
+        def produce_experts(layer=layer, shapes=shapes) -> Iterator[tuple[str, int, torch.Tensor]]:
+            for slot, e in enumerate(experts):
+                for fused, what in ((True, "w13"), (False, "w2")):
+                    q = transforms.expert_mxfp4(reader, cfg, layer, e, fuse_gate_up=fused,
+                                                allow_nonfinite=allow_nonfinite)
+                    reports.extend(q.reports)
+                    for part, data in (("packed", q.packed), ("scale", q.scales)):
+                        yield expert_stack_name(cfg, layer, f"{what}_{part}"), slot * data.numel(), data
 
-            out.append(OutTensor(expert_stack_name(cfg, layer, what), "U8", shape, produce))
-    return out
+        producers.append(produce_experts)
+    return tensors, producers
 
 
-def write_safetensors_stream(tensors: list[OutTensor], path: Path, metadata: dict[str, str],
-                             progress: Callable[[int], None] | None = None) -> None:
-    """Write a safetensors file tensor by tensor: header first (from the planned shapes), then data."""
+def write_safetensors_stream(tensors: list[OutTensor], producers: list[Producer], path: Path,
+                             metadata: dict[str, str], progress: Callable[[int], None] | None = None) -> None:
+    """Write a safetensors file piece by piece: the header (from the planned shapes) first, then each
+    producer's pieces at their offsets. Every byte of every tensor must be written exactly once."""
     header: dict = {"__metadata__": metadata}
+    offsets: dict[str, tuple[int, int]] = {}
     offset = 0
     for t in tensors:
         header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offsets[t.name] = (offset, t.nbytes)
         offset += t.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
+    base = 8 + len(blob)
+    dtypes = {t.name: t.dtype for t in tensors}
+    written = dict.fromkeys(offsets, 0)
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for t in tensors:
-            written = 0
-            for chunk in t.chunks():
-                if _TORCH_TO_ST.get(chunk.dtype) != t.dtype:
-                    raise InputError(f"{t.name}: produced dtype {chunk.dtype}, expected {t.dtype}")
-                data = chunk.contiguous().view(torch.uint8).numpy().tobytes() if chunk.dtype != torch.uint8 \
-                    else chunk.contiguous().numpy().tobytes()
-                f.write(data)
-                written += len(data)
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        f.truncate(base + offset)
+        fd = f.fileno()
+        for produce in producers:
+            for name, start, chunk in produce():
+                if _TORCH_TO_ST.get(chunk.dtype) != dtypes[name]:
+                    raise InputError(f"{name}: produced dtype {chunk.dtype}, expected {dtypes[name]}")
+                data = memoryview(chunk.contiguous().view(torch.uint8).numpy()).cast("B")
+                t_off, t_len = offsets[name]
+                if start + len(data) > t_len:
+                    raise InputError(f"{name}: piece at {start}+{len(data)} overflows the tensor's {t_len} bytes")
+                os.pwrite(fd, data, base + t_off + start)
+                written[name] += len(data)
                 if progress:
                     progress(len(data))
-            if written != t.nbytes:
-                raise InputError(f"{t.name}: wrote {written} bytes, expected {t.nbytes} (shape {list(t.shape)})")
-        f.flush()
-        os.fsync(f.fileno())
+        short = {n: (w, offsets[n][1]) for n, w in written.items() if w != offsets[n][1]}
+        if short:
+            raise InputError(f"{path}: tensors not completely written (written, expected bytes): {short}")
+        os.fsync(fd)
 
 
 def convert_rank(reader, cfg: ModelConfig, recipe, mapping: Mapping, out_path: Path,
@@ -138,9 +152,9 @@ def convert_rank(reader, cfg: ModelConfig, recipe, mapping: Mapping, out_path: P
                 "the onnxruntime CPU backend runs them in bf16 (set quantization.dense/attention/shared_experts: bf16)"
             )
     reports: list[transforms.QuantReport] = []
-    tensors = plan_rank_tensors(reader, cfg, mapping, recipe.quantization.allow_nonfinite, reports)
+    tensors, producers = plan_rank_tensors(reader, cfg, mapping, recipe.quantization.allow_nonfinite, reports)
     meta = {"format": "moe-export-rank", "rank": str(mapping.rank), "mapping": json.dumps(mapping.to_dict(), sort_keys=True)}
-    write_safetensors_stream(tensors, Path(out_path), meta, progress)
+    write_safetensors_stream(tensors, producers, Path(out_path), meta, progress)
     entries = [r.to_dict() for r in reports]
     finite = [e["sqnr_db"] for e in entries if e.get("sqnr_db") is not None]
     summary = {
@@ -151,7 +165,3 @@ def convert_rank(reader, cfg: ModelConfig, recipe, mapping: Mapping, out_path: P
     }
     return {"tensors": entries, "summary": summary}
 
-
-def rank_tensor_bytes(cfg: ModelConfig, mapping: Mapping) -> int:
-    """Total bytes of a rank's weights file's data section (for progress bars)."""
-    return sum(t.nbytes for t in plan_rank_tensors(None, cfg, mapping, True, []))
