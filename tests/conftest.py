@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import importlib
 import sys
 from collections.abc import Iterator
@@ -149,3 +150,15 @@ def synthetic_checkpoint(tmp_path_factory: pytest.TempPathFactory):
         return made[preset]
 
     return get
+
+
+def pytest_collection_modifyitems(config, items):
+    """Triton kernel tests (`triton_inner`) need TRITON_INTERPRET=1 set before triton is imported, so each
+    plugin's `test_triton_in_interpreter_subprocess` runs them in a fresh process; in this process they
+    are deselected (not skipped: they do run, and fail that test if they fail)."""
+    if os.environ.get("MOE_EXPORT_TRITON_INNER") == "1":
+        return
+    inner = [item for item in items if item.get_closest_marker("triton_inner")]
+    if inner:
+        config.hook.pytest_deselected(items=inner)
+        items[:] = [item for item in items if not item.get_closest_marker("triton_inner")]
