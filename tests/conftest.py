@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import importlib
+import os
+import subprocess
 import sys
 from collections.abc import Iterator
 
@@ -162,3 +163,30 @@ def pytest_collection_modifyitems(config, items):
     if inner:
         config.hook.pytest_deselected(items=inner)
         items[:] = [item for item in items if not item.get_closest_marker("triton_inner")]
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """Run `moe-export ARGS` in process through the console entry point: (exit code, stdout, stderr)."""
+    from moe_export.export.cli import main
+
+    old = sys.argv
+    sys.argv = ["moe-export", *args]
+    try:
+        with pytest.raises(SystemExit) as exc:
+            main()
+    finally:
+        sys.argv = old
+    out, err = capsys.readouterr()
+    return exc.value.code, out, err
+
+
+def run_triton_inner_tests(test_file: str) -> None:
+    """Run `test_file`'s `triton_inner` tests in a fresh pytest process with TRITON_INTERPRET=1 (it must be
+    set before triton is imported); fail if any fails or none ran."""
+    env = dict(os.environ, TRITON_INTERPRET="1", MOE_EXPORT_TRITON_INNER="1", OMP_NUM_THREADS="1")
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_file, "-k", "inner_triton"],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(test_file))), env=env, capture_output=True, text=True,
+    )
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]

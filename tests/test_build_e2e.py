@@ -13,22 +13,12 @@ import onnx
 import pytest
 import yaml
 
-from moe_export.export.cli import main
 from moe_export.export.manifest import INTERNAL_DIRS, artifact_files
 from moe_export.plugins.registry import register_all_schemas
 from moe_export.recipes import recipes_dir
+from conftest import run_cli
 
 
-def run_cli(capsys, *args: str) -> tuple[int, str, str]:
-    old = sys.argv
-    sys.argv = ["moe-export", *args]
-    try:
-        with pytest.raises(SystemExit) as exc:
-            main()
-    finally:
-        sys.argv = old
-    out, err = capsys.readouterr()
-    return exc.value.code, out, err
 
 
 def test_tiny_cpu_build_verify_inspect_rerun(tmp_path, capsys):

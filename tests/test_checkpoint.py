@@ -20,9 +20,9 @@ from moe_export.export.checkpoint import (
     open_checkpoint,
     read_safetensors_header,
 )
-from moe_export.export.cli import main
 from moe_export.export.errors import InputError
 from moe_export.export.synth import synthetic_specs, write_synthetic_checkpoint
+from conftest import run_cli
 
 LAYER1 = "model.layers.1."
 
@@ -38,16 +38,6 @@ def ckpt(clean_kl, tmp_path) -> Path:
     return Path(shutil.copytree(clean_kl, tmp_path / "kl"))
 
 
-def run_cli(capsys, *args: str) -> tuple[int, str, str]:
-    old = sys.argv
-    sys.argv = ["moe-export", *args]
-    try:
-        with pytest.raises(SystemExit) as exc:
-            main()
-    finally:
-        sys.argv = old
-    out, err = capsys.readouterr()
-    return exc.value.code, out, err
 
 
 def index_of(root: Path) -> dict:

@@ -111,7 +111,7 @@ def test_packed_batch_of_prefill_and_decode(engines):
 
 
 def test_kimi_linear_engine_matches_transformers(engines):
-    from tests.conftest import transformers_without_fla
+    from conftest import transformers_without_fla
 
     engine_dir = engines("tiny-kimi-linear", 2, 2, 4)
     with transformers_without_fla() as transformers:

@@ -11,18 +11,9 @@ import pytest
 
 from moe_export.export.cli import main
 from moe_export.export.synth import PRESETS, preset_config, synthetic_specs
+from conftest import run_cli
 
 
-def run_cli(capsys, *args: str) -> tuple[int, str, str]:
-    old = sys.argv
-    sys.argv = ["moe-export", *args]
-    try:
-        with pytest.raises(SystemExit) as exc:
-            main()
-    finally:
-        sys.argv = old
-    out, err = capsys.readouterr()
-    return exc.value.code, out, err
 
 
 @pytest.fixture(scope="module")

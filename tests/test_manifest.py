@@ -13,7 +13,6 @@ import pytest
 from moe_export.export.atomic import atomic_path, atomic_write_json, canonical_json, sweep_temporaries, temp_path
 from moe_export.export.build import build
 from moe_export.export.checkpoint import read_safetensors_header
-from moe_export.export.cli import main
 from moe_export.export.errors import InputError
 from moe_export.export.manifest import (
     inspect_engine,
@@ -25,18 +24,9 @@ from moe_export.export.manifest import (
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_build_driver import FAKE_STAGES, tiny_recipe  # noqa: E402
+from conftest import run_cli
 
 
-def run_cli(capsys, *args: str) -> tuple[int, str, str]:
-    old = sys.argv
-    sys.argv = ["moe-export", *args]
-    try:
-        with pytest.raises(SystemExit) as exc:
-            main()
-    finally:
-        sys.argv = old
-    out, err = capsys.readouterr()
-    return exc.value.code, out, err
 
 
 @pytest.fixture()

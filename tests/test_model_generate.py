@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from moe_export.export.cli import main
 from moe_export.export.errors import InputError
 from moe_export.export.tokenizer import load_tokenizer
 from moe_export.graphs.generate import generate
 from moe_export.graphs.model import KimiModel
 from moe_export.runtime.sampling import Sampler, SamplingParams, filter_logits
+from conftest import run_cli
 
 
 def kept(logits, **kw) -> list[int]:
@@ -108,16 +107,6 @@ def test_generate_stops_after_eos():
     assert generate(Stub(), [1], 5, stop_at_eos=False) == [1, 2, 7, 4, 5]
 
 
-def run_cli(capsys, *args: str) -> tuple[int, str, str]:
-    old = sys.argv
-    sys.argv = ["moe-export", *args]
-    try:
-        with pytest.raises(SystemExit) as exc:
-            main()
-    finally:
-        sys.argv = old
-    out, err = capsys.readouterr()
-    return exc.value.code, out, err
 
 
 def test_cli_generate_json_and_text(k3, capsys):

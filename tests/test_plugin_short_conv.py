@@ -18,6 +18,7 @@ from onnx import helper
 
 from moe_export.plugins import DOMAIN, OPSET_VERSION
 from moe_export.plugins.short_conv import cpu, onnx_schema, ort, reference
+from conftest import run_triton_inner_tests
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -154,15 +155,8 @@ def test_rejects_bad_shapes():
 
 
 def test_triton_in_interpreter_subprocess():
-    """Run the ``inner_triton`` tests below in a fresh process with TRITON_INTERPRET=1."""
-    import triton  # noqa: F401  (test extra: a missing oracle is a broken install, not a skip)
-    env = dict(os.environ, TRITON_INTERPRET="1", MOE_EXPORT_TRITON_INNER="1", OMP_NUM_THREADS="1")
-    r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", "inner_triton"],
-        cwd=REPO, env=env, capture_output=True, text=True,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]
+    """Run this file's ``triton_inner`` tests in a fresh process with TRITON_INTERPRET=1."""
+    run_triton_inner_tests(__file__)
 
 
 inner_triton = pytest.mark.triton_inner  # deselected outside the interpreter subprocess (see conftest)
