@@ -7,6 +7,9 @@ rank's expert ids, gate and up fused (`w13`: I gate rows then I up rows), as MXF
     <layer>.block_sparse_moe.experts.w13_packed [E_local, 2I, D/2] U8   w13_scale [E_local, 2I, D/32] U8
     <layer>.block_sparse_moe.experts.w2_packed  [E_local, D, I/2]  U8   w2_scale  [E_local, D, I/32]  U8
 
+With `quantization.{dense,attention,shared_experts}: fp8`, those classes' 2-D weights are stored
+FP8 E4M3 with fp32 128x128 block scales `<name>_scale_inv`, quantized per rank shard.
+
 The header is computed up front from the tensor inventory, then tensor data is written one tensor
 (one expert) at a time at its offset, so peak memory stays near the largest single tensor and each
 source tensor is read once.
@@ -27,9 +30,11 @@ from moe_export.export.errors import InputError
 from moe_export.graphs.config import ModelConfig
 from moe_export.graphs.sharding import Mapping, shard_tensor
 from moe_export.graphs.weights import TensorSpec, all_tensor_specs, layer_prefix
-from moe_export.quantize import transforms
+from moe_export.quantize import fp8, transforms
 
-_TORCH_TO_ST = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.uint8: "U8"}
+_TORCH_TO_ST = {
+    torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3",
+}
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,7 @@ class OutTensor:
 
     @property
     def nbytes(self) -> int:
-        n = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1}[self.dtype]
+        n = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "F8_E4M3": 1}[self.dtype]
         for d in self.shape:
             n *= d
         return n
@@ -61,20 +66,48 @@ def expert_stack_name(cfg: ModelConfig, layer: int, what: str) -> str:
     return f"{layer_prefix(cfg, layer)}block_sparse_moe.experts.{what}"
 
 
+def fp8_weight_classes(recipe) -> set[str]:
+    """Weight classes whose 2-D bf16 weights the recipe stores as FP8 E4M3 with 128x128 block scales."""
+    q = recipe.quantization
+    chosen = {"dense": q.dense, "shared_experts": q.shared_experts, "kda": q.attention, "mla": q.attention,
+              "indexer": q.attention}
+    return {cls for cls, choice in chosen.items() if choice == "fp8"}
+
+
+def fp8_scale_name(name: str) -> str:
+    """`x.weight` -> `x.weight_scale_inv` (the DeepSeek / HF fine-grained FP8 convention)."""
+    return name + "_scale_inv"
+
+
 def plan_rank_tensors(reader, cfg: ModelConfig, mapping: Mapping, allow_nonfinite: bool,
-                      reports: list[transforms.QuantReport]) -> tuple[list[OutTensor], list[Producer]]:
-    """This rank's tensors in file order, and the producers that fill them (each source tensor read once)."""
+                      reports: list[transforms.QuantReport], fp8_classes: frozenset[str] = frozenset()
+                      ) -> tuple[list[OutTensor], list[Producer]]:
+    """This rank's tensors in file order, and the producers that fill them (each source tensor read once).
+    2-D BF16 weights of `fp8_classes` are quantized per shard to FP8 + `_scale_inv` block scales."""
     tensors: list[OutTensor] = []
     producers: list[Producer] = []
     for spec in all_tensor_specs(cfg, include_experts=False):
+        shape = _sharded_shape(spec, mapping)
+        to_fp8 = spec.weight_class in fp8_classes and spec.dtype == "BF16" and len(shape) == 2
 
-        def produce(spec=spec) -> Iterator[tuple[str, int, torch.Tensor]]:
+        def produce(spec=spec, to_fp8=to_fp8) -> Iterator[tuple[str, int, torch.Tensor]]:
             t = reader.get(spec.name)
             if not allow_nonfinite and t.is_floating_point():
                 transforms.check_finite(spec.name, t)
-            yield spec.name, 0, shard_tensor(spec, t, mapping)
+            shard = shard_tensor(spec, t, mapping)
+            if to_fp8:
+                q, scale_inv, report = transforms.quantize_fp8(spec.name, shard, allow_nonfinite)
+                reports.append(report)
+                yield spec.name, 0, q
+                yield fp8_scale_name(spec.name), 0, scale_inv
+            else:
+                yield spec.name, 0, shard
 
-        tensors.append(OutTensor(spec.name, spec.dtype, _sharded_shape(spec, mapping)))
+        if to_fp8:
+            grid = tuple(-(-d // fp8.FP8_BLOCK) for d in shape)
+            tensors += [OutTensor(spec.name, "F8_E4M3", shape), OutTensor(fp8_scale_name(spec.name), "F32", grid)]
+        else:
+            tensors.append(OutTensor(spec.name, spec.dtype, shape))
         producers.append(produce)
     experts = list(mapping.local_experts(cfg.num_experts)) if cfg.num_experts else []
     d, i = cfg.expert_in_dim, cfg.moe_intermediate_size
@@ -144,15 +177,9 @@ def convert_rank(reader, cfg: ModelConfig, recipe, mapping: Mapping, out_path: P
                  progress: Callable[[int], None] | None = None) -> dict:
     """Stream, shard and quantize the checkpoint into this rank's safetensors file at `out_path`.
     Returns a JSON-able quantization report: per-tensor entries and a summary."""
-    if recipe.quantization.dense == "fp8" or recipe.quantization.attention == "fp8" or \
-            recipe.quantization.shared_experts == "fp8":
-        if recipe.backend == "onnxruntime":
-            raise InputError(
-                f"recipe {recipe.name}: fp8 dense/attention/shared weights need the tensorrt backend; "
-                "the onnxruntime CPU backend runs them in bf16 (set quantization.dense/attention/shared_experts: bf16)"
-            )
     reports: list[transforms.QuantReport] = []
-    tensors, producers = plan_rank_tensors(reader, cfg, mapping, recipe.quantization.allow_nonfinite, reports)
+    tensors, producers = plan_rank_tensors(reader, cfg, mapping, recipe.quantization.allow_nonfinite, reports,
+                                           frozenset(fp8_weight_classes(recipe)))
     meta = {"format": "moe-export-rank", "rank": str(mapping.rank), "mapping": json.dumps(mapping.to_dict(), sort_keys=True)}
     write_safetensors_stream(tensors, producers, Path(out_path), meta, progress)
     entries = [r.to_dict() for r in reports]

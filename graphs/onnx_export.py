@@ -36,7 +36,7 @@ from moe_export.plugins import DOMAIN, OPSET_VERSION, PLUGIN_VERSION
 ONNX_OPSET = 21
 MLA_LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm
 INDEXER_KNORM_EPS = 1e-6
-COLLECTIVE_OPS = ("AllReduce", "AllGather")
+FP8_BLOCK = 128
 
 _SAFETENSORS_TO_ONNX = {
     "BF16": TensorProto.BFLOAT16,
@@ -103,8 +103,22 @@ class GraphBuilder:
         value = name
         if as_float and self.index[name][0] in ("BF16", "F16"):
             value = self.op("Cast", [name], f"{name}.f32", to=TensorProto.FLOAT)
+        elif as_float and self.index[name][0] == "F8_E4M3":
+            value = self.fp8_dequant(name)
         self._weights[key] = value
         return value
+
+    def fp8_dequant(self, name: str) -> str:
+        """FP8 E4M3 weight [R, C] * its 128x128 block scales `<name>_scale_inv` [ceil(R/128), ceil(C/128)]
+        -> fp32 [R, C] (scales repeated over each block, edge blocks cut to the weight's shape)."""
+        rows, cols = self.index[name][1]
+        scale = self.weight(name + "_scale_inv")
+        gr, gc = self.index[name + "_scale_inv"][1]
+        blocks = self.op("Expand", [self.reshape(scale, [gr, 1, gc, 1], f"{name}.scale4"),
+                                    self.const([gr, FP8_BLOCK, gc, FP8_BLOCK])], f"{name}.scale_blocks")
+        full = self.op("Slice", [self.reshape(blocks, [gr * FP8_BLOCK, gc * FP8_BLOCK], f"{name}.scale_grid"),
+                                 self.const([0, 0]), self.const([rows, cols])], f"{name}.scale_full")
+        return self.op("Mul", [self.op("Cast", [name], f"{name}.f32", to=TensorProto.FLOAT), full], f"{name}.dequant")
 
     def const(self, value, dtype=np.int64, hint: str = "const") -> str:
         arr = np.asarray(value, dtype=dtype)

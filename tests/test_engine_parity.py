@@ -142,3 +142,45 @@ def test_mpiexec_generate_cli_equals_reference(engines):
     assert len(lines) == 1, "only rank 0 prints"
     assert json.loads(lines[0]) == json.loads(ref.stdout)
     assert len(json.loads(lines[0])["tokens"]) == 12
+
+
+class FP8RoundTrip:
+    """The source checkpoint with the recipe's FP8 classes' 2-D bf16 weights passed through FP8 block
+    quantization (world 1: one shard = the whole tensor), i.e. what an fp8 engine computes with."""
+
+    def __init__(self, reader, classes: set[str]):
+        from moe_export.graphs.weights import all_tensor_specs
+
+        self.reader, self.config = reader, reader.config
+        self.fp8 = {s.name for s in all_tensor_specs(reader.config, include_experts=False)
+                    if s.weight_class in classes and s.dtype == "BF16" and len(s.shape) == 2}
+
+    def get(self, name: str) -> torch.Tensor:
+        from moe_export.quantize import fp8
+
+        t = self.reader.get(name)
+        return fp8.decode(*fp8.encode(t)) if name in self.fp8 else t  # fp32, as the engine dequantizes
+
+
+def test_fp8_dense_attention_shared_engine_matches_fp8_reference(tmp_path):
+    """quantization dense/attention/shared_experts: fp8 -> FP8 weights + block scales in the rank file,
+    dequantized in the graph; equals the reference run on the same FP8-rounded weights."""
+    from moe_export.export.checkpoint import open_checkpoint
+    from moe_export.export.convert import fp8_weight_classes
+
+    path = make_recipe(tmp_path, "tiny-k3", 1, 1, 1)
+    data = yaml.safe_load(path.read_text())
+    data["quantization"].update(dense="fp8", attention="fp8", shared_experts="fp8")
+    path.write_text(yaml.safe_dump(data))
+    rec, _ = load_recipe(path)
+    out = tmp_path / "fp8"
+    build(rec, out)
+    header = json.loads((out / "rank0" / "quantization.json").read_text())
+    assert any(t["fmt"] == "fp8_block128" for t in header["tensors"])
+    ref = KimiModel.from_source(FP8RoundTrip(open_checkpoint(source_checkpoint(out)), fp8_weight_classes(rec)))
+    cache = ref.new_cache(1)
+    eng = Engine(out, num_slots=1, max_seq_len=64, threads=1)
+    eng.reset_slot(0)
+    want = ref.prefill(torch.tensor([PROMPT]), cache)[0, -1].numpy()
+    got = eng.step(StepBatch.from_sequences([(0, 0, PROMPT)]))[0]
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
