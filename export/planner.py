@@ -171,7 +171,8 @@ def state_bytes_per_sequence(cfg: ModelConfig, recipe: Recipe, mapping: Mapping)
     conv = n_kda * 3 * heads * cfg.kda_head_dim * (cfg.conv_kernel_size - 1) * act
     mla = n_mla * seq * cfg.latent_cache_dim * kv
     use_indexer = cfg.has_dsa and recipe.attention.indexer == "auto"
-    indexer = n_mla * seq * cfg.index_head_dim * kv if use_indexer else 0
+    n_indexer = sum(1 for i in cfg.mla_layers if cfg.has_indexer(i))
+    indexer = n_indexer * seq * cfg.index_head_dim * kv if use_indexer else 0
     out = {"kda_state": kda_state, "conv_state": conv, "mla_latent_cache": mla, "indexer_key_cache": indexer}
     out["total"] = sum(out.values())
     return out

@@ -82,9 +82,12 @@ def _tiny_k3() -> dict[str, Any]:
 
 
 def _tiny_k3_dsa() -> dict[str, Any]:
-    """tiny-k3 plus a DSA lightning indexer on the MLA layers (top-4 of the past tokens)."""
+    """tiny-k3 plus a DSA lightning indexer (top-4 of the past tokens) on MLA layers 4 and 6 (1-based);
+    the last MLA layer (7) is a GLM-5-Next style "shared" layer reusing layer 6's selection."""
     cfg = _tiny_k3()
-    cfg["text_config"].update(index_n_heads=2, index_head_dim=16, index_topk=4)
+    layers = cfg["text_config"]["num_hidden_layers"]
+    cfg["text_config"].update(index_n_heads=2, index_head_dim=16, index_topk=4,
+                              indexer_types=["full"] * (layers - 1) + ["shared"])
     return cfg
 
 

@@ -69,6 +69,7 @@ class ModelConfig:
     index_n_heads: int | None = None
     index_head_dim: int | None = None
     index_topk: int | None = None
+    index_shared_layers: tuple[int, ...] = ()  # MLA layers reusing the previous full layer's selection
     # Checkpoint format
     experts_mxfp4: bool = False  # routed experts stored as compressed-tensors mxfp4-pack-quantized
     weight_prefix: str = ""  # "language_model." for K3 composite checkpoints
@@ -112,6 +113,10 @@ class ModelConfig:
         """Human name of the detected architecture."""
         base = {"kimi_k3": "Kimi K3", "kimi_linear": "Kimi Linear"}[self.model_type]
         return base + (" + DSA indexer" if self.has_dsa else "")
+
+    def has_indexer(self, layer: int) -> bool:
+        """True for MLA layers that run their own DSA indexer ("full"); "shared" layers reuse a selection."""
+        return self.has_dsa and layer in self.mla_layers and layer not in self.index_shared_layers
 
     def is_kda(self, layer: int) -> bool:
         return layer in self.kda_layers
@@ -232,6 +237,7 @@ class ModelConfig:
                     raise InputError(f"{source} DSA field '{k}' must be a positive integer, got {v!r}")
             if q_lora is None:
                 raise InputError(f"{source} the DSA indexer reads the q-LoRA latent: field 'q_lora_rank' is required")
+        shared = _shared_indexer_layers(t, num_layers, mla, source) if index["index_topk"] is not None else ()
         qc = t.get("quantization_config") or raw.get("quantization_config")
         experts_mxfp4 = False
         if qc:
@@ -286,6 +292,7 @@ class ModelConfig:
             index_n_heads=index["index_n_heads"],
             index_head_dim=index["index_head_dim"],
             index_topk=index["index_topk"],
+            index_shared_layers=shared,
             experts_mxfp4=experts_mxfp4,
             weight_prefix=prefix,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", t.get("tie_word_embeddings", False))),
@@ -335,6 +342,27 @@ class ModelConfig:
         if not isinstance(data, dict):
             raise InputError(f"{cfg_path}: expected a JSON object")
         return cls.from_hf_dict(data, source=str(cfg_path))
+
+
+def _shared_indexer_layers(t: dict[str, Any], num_layers: int, mla: list[int], source: str) -> tuple[int, ...]:
+    """0-based MLA layers whose DSA indexer mode is "shared" (GLM-5-Next style `indexer_types`, one entry per
+    layer, "full" or "shared"; or `index_topk_pattern`, a string of F / S). Empty when neither is given."""
+    types = t.get("indexer_types")
+    key = "indexer_types"
+    if types is None and t.get("index_topk_pattern") is not None:
+        key, pattern = "index_topk_pattern", t["index_topk_pattern"]
+        types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else pattern
+    if types is None:
+        return ()
+    if not isinstance(types, list) or len(types) != num_layers or not set(types) <= {"full", "shared"}:
+        raise InputError(f"{source} field '{key}' must give 'full' or 'shared' (F / S) for each of the {num_layers} layers")
+    shared = tuple(i for i in mla if types[i] == "shared")
+    if shared and shared[0] == mla[0]:
+        raise InputError(
+            f"{source} field '{key}': layer {mla[0] + 1} (1-based), the first MLA layer, cannot be 'shared' "
+            "(there is no earlier full indexer layer to reuse)"
+        )
+    return shared
 
 
 def shipped_model_config(name: str) -> ModelConfig:

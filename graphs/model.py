@@ -206,7 +206,7 @@ def load_mla(src: WeightSource, layer: int, dtype: torch.dtype) -> MLAWeights:
     get = _loader(src, dtype)
     lora = cfg.q_lora_rank is not None
     indexer = None
-    if cfg.has_dsa:
+    if cfg.has_indexer(layer):
         ip = pre + "indexer."
         indexer = IndexerWeights(
             wq_b=get(ip + "wq_b.weight"),
@@ -302,7 +302,15 @@ class MLACache:
     """Per-token MLA latent `[RMSNorm(c) | k_pe]` and, with DSA, the indexer keys."""
 
     latent: torch.Tensor  # [B, S, kv_lora_rank + qk_rope_head_dim] compute dtype
-    index_keys: torch.Tensor | None  # [B, S, index_head_dim] (after k_norm), None without DSA
+    index_keys: torch.Tensor | None  # [B, S, index_head_dim] (after k_norm), None without an own indexer
+    selection: DSASelection | None = None  # shared by all MLA layers of a DSA model
+
+
+@dataclass
+class DSASelection:
+    """The top-k selection of the latest full-indexer layer in this step, reused by "shared" layers."""
+
+    allowed: torch.Tensor | None = None  # [B, T, S] bool
 
 
 @dataclass
@@ -314,14 +322,15 @@ class ModelCache:
 def new_cache(cfg: ModelConfig, batch: int, dtype: torch.dtype = torch.float32) -> ModelCache:
     """An empty cache for `batch` sequences: zero conv windows / KDA states, zero-length MLA caches."""
     layers: list[KDACache | MLACache] = []
+    selection = DSASelection() if cfg.has_dsa else None
     for i in range(cfg.num_layers):
         if cfg.is_kda(i):
             win = torch.zeros(batch, cfg.conv_kernel_size - 1, cfg.kda_proj_dim, dtype=dtype)
             state = torch.zeros(batch, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim, dtype=torch.float32)
             layers.append(KDACache(win.clone(), win.clone(), win.clone(), state))
         else:
-            keys = torch.zeros(batch, 0, cfg.index_head_dim, dtype=dtype) if cfg.has_dsa else None
-            layers.append(MLACache(torch.zeros(batch, 0, cfg.latent_cache_dim, dtype=dtype), keys))
+            keys = torch.zeros(batch, 0, cfg.index_head_dim, dtype=dtype) if cfg.has_indexer(i) else None
+            layers.append(MLACache(torch.zeros(batch, 0, cfg.latent_cache_dim, dtype=dtype), keys, selection))
     return ModelCache(layers)
 
 
@@ -506,6 +515,10 @@ def mla_layer(x: torch.Tensor, w: MLAWeights, cfg: ModelConfig, cache: MLACache)
     if w.indexer is not None:
         cache.index_keys = torch.cat([cache.index_keys, indexer_keys(x, w.indexer)], dim=1)
         allowed = indexer_select(x, q_latent, cache.index_keys, w.indexer, cfg, allowed)
+        if cache.selection is not None:
+            cache.selection.allowed = allowed
+    elif cache.selection is not None:  # a "shared" DSA layer: the previous full layer's top-k selection
+        allowed = cache.selection.allowed
     return mla_output(mla_attend(q, cache.latent, w, cfg, allowed), x, w)
 
 

@@ -187,6 +187,7 @@ class RankGraph:
         self.outputs: list[onnx.ValueInfoProto] = []
         self.use_indexer = use_indexer and cfg.has_dsa
         self.topk = topk_override or cfg.index_topk
+        self.last_indices: str | None = None  # the latest full DSA layer's top-k indices value
         self.kda_heads = cfg.kda_num_heads // mapping.attn_tp
         self.mla_heads = cfg.num_heads // mapping.attn_tp
 
@@ -299,7 +300,12 @@ class RankGraph:
         io["mla_out"] = cache
         # Dense layers pass an empty [0, 0] index tensor (the op's "dense causal" form), so the node always
         # has the six inputs TensorRT's plugin signature fixes.
-        indices = self.indexer(i, x, q_latent, io) if self.use_indexer else g.const(np.zeros((0, 0)), np.int64, "dense")
+        if self.use_indexer and cfg.has_indexer(i):
+            indices = self.last_indices = self.indexer(i, x, q_latent, io)
+        elif self.use_indexer:  # "shared" layer: reuse the previous full layer's selection
+            indices = self.last_indices
+        else:
+            indices = g.const(np.zeros((0, 0)), np.int64, "dense")
         attn_inputs = [q_full, cache, io["cu"], io["slots"], io["positions"], indices]
         o_lat = g.plugin("SparseMLAAttention", attn_inputs, f"{n}.attention",
                          scale=float((nope + rope) ** -0.5), kv_lora_rank=r)  # [T, H, r]
@@ -396,7 +402,7 @@ class RankGraph:
                 io["conv"] = self._input(f"conv_state.{i}", f32, ["S", 3 * hl * dh, cfg.conv_kernel_size - 1])
             else:
                 io["mla"] = self._input(f"mla_cache.{i}", f32, ["S", "L", cfg.latent_cache_dim])
-                if self.use_indexer:
+                if self.use_indexer and cfg.has_indexer(i):
                     io["index"] = self._input(f"index_cache.{i}", f32, ["S", "L", cfg.index_head_dim])
             attend = self.kda if cfg.is_kda(i) else self.mla
             if cfg.attn_res_block_size is None:

@@ -134,7 +134,7 @@ def layer_tensor_specs(cfg: ModelConfig, layer: int, include_experts: bool = Tru
         if cfg.mla_use_output_gate:
             add(f"{a}g_proj.weight", (nh * cfg.v_head_dim, h), "mla")
         add(f"{a}o_proj.weight", (h, nh * cfg.v_head_dim), "mla")
-        if cfg.has_dsa:
+        if cfg.has_indexer(layer):
             ih, idim = cfg.index_n_heads, cfg.index_head_dim
             add(f"{a}indexer.wq_b.weight", (ih * idim, cfg.q_lora_rank), "indexer")
             add(f"{a}indexer.wk.weight", (idim, h), "indexer")

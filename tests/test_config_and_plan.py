@@ -147,3 +147,26 @@ def test_kimi_linear_config():
     assert cfg.q_lora_rank is None and not cfg.mla_use_output_gate and cfg.gate_lower_bound is None
     assert cfg.mla_layers == (3, 7, 11, 15, 19, 23, 26)
     assert cfg.routed_expert_hidden_size is None and cfg.attn_res_block_size is None
+
+
+def test_dsa_shared_indexer_layers():
+    raw = copy.deepcopy(k3_raw())
+    t = raw["text_config"]
+    t.update(index_n_heads=64, index_head_dim=128, index_topk=2048)
+    cfg = ModelConfig.from_hf_dict(raw)
+    assert cfg.has_dsa and cfg.index_shared_layers == () and all(cfg.has_indexer(i) for i in cfg.mla_layers)
+    pattern = "".join("S" if i in (7, 92) else "F" for i in range(93))  # 0-based MLA layers 7 and 92 shared
+    t["index_topk_pattern"] = pattern
+    cfg = ModelConfig.from_hf_dict(raw)
+    assert cfg.index_shared_layers == (7, 92) and not cfg.has_indexer(92) and cfg.has_indexer(3)
+    names = {s.name for s in all_tensor_specs(cfg, include_experts=False)}
+    assert "language_model.model.layers.3.self_attn.indexer.wk.weight" in names
+    assert "language_model.model.layers.7.self_attn.indexer.wk.weight" not in names
+    t["index_topk_pattern"] = "S" + "F" * 92
+    t["linear_attn_config"]["full_attn_layers"] = [1] + t["linear_attn_config"]["full_attn_layers"]
+    t["linear_attn_config"]["kda_layers"].remove(1)
+    with pytest.raises(InputError, match="first MLA layer, cannot be 'shared'"):
+        ModelConfig.from_hf_dict(raw)
+    t["index_topk_pattern"] = "FX"
+    with pytest.raises(InputError, match="'index_topk_pattern' must give 'full' or 'shared'"):
+        ModelConfig.from_hf_dict(raw)

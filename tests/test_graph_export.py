@@ -50,7 +50,7 @@ def test_plugin_nodes_collectives_and_names(rank_graph):
     assert plugins[f"{DOMAIN}::GatedDeltaScan"] == len(cfg.kda_layers)
     assert plugins[f"{DOMAIN}::ShortConv"] == len(cfg.kda_layers)
     assert plugins[f"{DOMAIN}::SparseMLAAttention"] == len(cfg.mla_layers)
-    assert plugins.get(f"{DOMAIN}::DSAIndexer", 0) == (len(cfg.mla_layers) if cfg.has_dsa else 0)
+    assert plugins.get(f"{DOMAIN}::DSAIndexer", 0) == sum(cfg.has_indexer(i) for i in cfg.mla_layers)
     assert plugins[f"{DOMAIN}::MoEMXFP4"] == sum(cfg.is_moe(i) for i in range(cfg.num_layers))
     assert plugins[f"{DOMAIN}::AllGather"] == 1  # vocab-parallel logits
     names = [n.name for n in model.graph.node]

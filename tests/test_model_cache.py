@@ -33,7 +33,7 @@ def test_prefill_chunks_and_decode_agree(model):
     for layer, c in enumerate(cache.layers):
         if isinstance(c, MLACache):
             assert c.latent.shape == (2, T, model.cfg.latent_cache_dim)
-            assert (c.index_keys is not None) == model.cfg.has_dsa
+            assert (c.index_keys is not None) == model.cfg.has_indexer(layer)
         else:
             assert isinstance(c, KDACache) and model.cfg.is_kda(layer)
             assert c.state.dtype == torch.float32

@@ -62,7 +62,7 @@ def test_k3_presets_follow_k3_structure():
     for preset in ("tiny-k3", "tiny-k3-dsa"):
         hf = preset_hf_config(preset)
         extra = set(hf["text_config"]) - set(shipped["text_config"])
-        assert extra == (set() if preset == "tiny-k3" else {"index_n_heads", "index_head_dim", "index_topk"})
+        assert extra == (set() if preset == "tiny-k3" else {"index_n_heads", "index_head_dim", "index_topk", "indexer_types"})
         cfg = preset_config(preset)
         n = cfg.num_layers
         assert cfg.weight_prefix == "language_model." and cfg.experts_mxfp4
