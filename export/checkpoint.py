@@ -290,6 +290,10 @@ class CheckpointReader:
             self._handles[stored.file] = handle
         return handle.get_tensor(name)
 
+    def release(self, file: str) -> None:
+        """Close one shard's memory map (its tensors already returned stay valid: they are copies)."""
+        self._handles.pop(file, None)
+
     def iter_tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (name, tensor) one at a time, in storage order (or in the order of `names`)."""
         for name in self.tensor_names() if names is None else names:

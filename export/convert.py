@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +29,7 @@ import torch
 from moe_export.export.errors import InputError
 from moe_export.graphs.config import ModelConfig
 from moe_export.graphs.sharding import Mapping, shard_tensor
-from moe_export.graphs.weights import TensorSpec, all_tensor_specs, layer_prefix
+from moe_export.graphs.weights import TensorSpec, all_tensor_specs, expert_tensor_specs, layer_prefix
 from moe_export.quantize import fp8, transforms
 
 _TORCH_TO_ST = {
@@ -57,6 +57,14 @@ class OutTensor:
 Producer = Callable[[], Iterator[tuple[str, int, torch.Tensor]]]
 
 
+@dataclass
+class Job:
+    """A producer and the source tensors it reads (to order jobs by storage and release shards early)."""
+
+    produce: Producer
+    sources: list[str]
+
+
 def _sharded_shape(spec: TensorSpec, mapping: Mapping) -> tuple[int, ...]:
     return tuple(shard_tensor(spec, torch.empty(spec.shape, device="meta"), mapping).shape)
 
@@ -81,11 +89,11 @@ def fp8_scale_name(name: str) -> str:
 
 def plan_rank_tensors(reader, cfg: ModelConfig, mapping: Mapping, allow_nonfinite: bool,
                       reports: list[transforms.QuantReport], fp8_classes: frozenset[str] = frozenset()
-                      ) -> tuple[list[OutTensor], list[Producer]]:
+                      ) -> tuple[list[OutTensor], list[Job]]:
     """This rank's tensors in file order, and the producers that fill them (each source tensor read once).
     2-D BF16 weights of `fp8_classes` are quantized per shard to FP8 + `_scale_inv` block scales."""
     tensors: list[OutTensor] = []
-    producers: list[Producer] = []
+    jobs: list[Job] = []
     for spec in all_tensor_specs(cfg, include_experts=False):
         shape = _sharded_shape(spec, mapping)
         to_fp8 = spec.weight_class in fp8_classes and spec.dtype == "BF16" and len(shape) == 2
@@ -108,7 +116,7 @@ def plan_rank_tensors(reader, cfg: ModelConfig, mapping: Mapping, allow_nonfinit
             tensors += [OutTensor(spec.name, "F8_E4M3", shape), OutTensor(fp8_scale_name(spec.name), "F32", grid)]
         else:
             tensors.append(OutTensor(spec.name, spec.dtype, shape))
-        producers.append(produce)
+        jobs.append(Job(produce, [spec.name]))
     experts = list(mapping.local_experts(cfg.num_experts)) if cfg.num_experts else []
     d, i = cfg.expert_in_dim, cfg.moe_intermediate_size
     for layer in range(cfg.num_layers):
@@ -131,11 +139,34 @@ def plan_rank_tensors(reader, cfg: ModelConfig, mapping: Mapping, allow_nonfinit
                     for part, data in (("packed", q.packed), ("scale", q.scales)):
                         yield expert_stack_name(cfg, layer, f"{what}_{part}"), slot * data.numel(), data
 
-        producers.append(produce_experts)
-    return tensors, producers
+        sources = [s.name for e in experts for s in expert_tensor_specs(cfg, layer, e)]
+        jobs.append(Job(produce_experts, sources))
+    return tensors, jobs
 
 
-def write_safetensors_stream(tensors: list[OutTensor], producers: list[Producer], path: Path,
+def storage_order(reader, jobs: list[Job]) -> Iterator[Job]:
+    """Jobs in the order their first source is stored, closing each shard's memory map once every tensor
+    this rank reads from it has been read (bounds file-backed memory to about one shard)."""
+    files = {f: i for i, f in enumerate(reader.files)}
+
+    def where(name: str) -> tuple[int, int]:
+        stored = reader.stored(name)
+        return files.get(stored.file, len(files)), stored.start
+
+    remaining: dict[str, int] = {}
+    for job in jobs:
+        for name in job.sources:
+            remaining[reader.stored(name).file] = remaining.get(reader.stored(name).file, 0) + 1
+    for job in sorted(jobs, key=lambda j: min(where(n) for n in j.sources)):
+        yield job
+        for name in job.sources:
+            file = reader.stored(name).file
+            remaining[file] -= 1
+            if remaining[file] == 0:
+                reader.release(file)
+
+
+def write_safetensors_stream(tensors: list[OutTensor], producers: Iterable[Producer], path: Path,
                              metadata: dict[str, str], progress: Callable[[int], None] | None = None) -> None:
     """Write a safetensors file piece by piece: the header (from the planned shapes) first, then each
     producer's pieces at their offsets. Every byte of every tensor must be written exactly once."""
@@ -178,8 +209,9 @@ def convert_rank(reader, cfg: ModelConfig, recipe, mapping: Mapping, out_path: P
     """Stream, shard and quantize the checkpoint into this rank's safetensors file at `out_path`.
     Returns a JSON-able quantization report: per-tensor entries and a summary."""
     reports: list[transforms.QuantReport] = []
-    tensors, producers = plan_rank_tensors(reader, cfg, mapping, recipe.quantization.allow_nonfinite, reports,
-                                           frozenset(fp8_weight_classes(recipe)))
+    tensors, jobs = plan_rank_tensors(reader, cfg, mapping, recipe.quantization.allow_nonfinite, reports,
+                                      frozenset(fp8_weight_classes(recipe)))
+    producers = (job.produce for job in storage_order(reader, jobs))
     meta = {"format": "moe-export-rank", "rank": str(mapping.rank), "mapping": json.dumps(mapping.to_dict(), sort_keys=True)}
     write_safetensors_stream(tensors, producers, Path(out_path), meta, progress)
     entries = [r.to_dict() for r in reports]
