@@ -190,3 +190,19 @@ def run_triton_inner_tests(test_file: str) -> None:
     )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]
+
+
+def load_fla_naive(relpath: str):
+    """One of fla's pure-torch `naive.py` oracles (e.g. 'ops/kda/naive.py'), loaded by file path so none of
+    fla's Triton-backed modules is imported. fla is in the test extra: missing means a broken install."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("fla")
+    assert spec is not None, "flash-linear-attention (test extra) is not installed"
+    path = Path(spec.submodule_search_locations[0]) / relpath
+    assert path.exists(), f"this fla has no {relpath}"
+    mod_spec = importlib.util.spec_from_file_location("_fla_oracle_" + relpath.replace("/", "_")[:-3], path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    return mod

@@ -16,7 +16,7 @@ from onnx import TensorProto, helper
 
 from moe_export.plugins import DOMAIN, OPSET_VERSION
 from moe_export.plugins.dsa_indexer import cpu, onnx_schema, ort, reference
-from conftest import run_triton_inner_tests
+from conftest import load_fla_naive, run_triton_inner_tests
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -124,17 +124,7 @@ def test_reference_matches_transformers_deepseek_v32_indexer(hf_deepseek_v32):
 
 @pytest.fixture(scope="module")
 def fla_dsa_naive():
-    """fla's ops/dsa/naive.py loaded by path (imports only torch + einops, no Triton)."""
-    spec = importlib.util.find_spec("fla")
-    if spec is None:
-        pytest.skip("flash-linear-attention not installed")
-    path = Path(spec.submodule_search_locations[0]) / "ops" / "dsa" / "naive.py"
-    if not path.exists():
-        pytest.skip("this fla has no naive DSA")
-    mod_spec = importlib.util.spec_from_file_location("_fla_dsa_naive_oracle", path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
-    return mod
+    return load_fla_naive("ops/dsa/naive.py")
 
 
 def test_reference_matches_fla_naive_dsa_indexer_varlen(fla_dsa_naive):

@@ -3,7 +3,6 @@ Triton (interpreter, in a subprocess) and ONNX Runtime implementations vs the re
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from onnx import helper
 
 from moe_export.plugins import DOMAIN, OPSET_VERSION
 from moe_export.plugins.gated_delta_scan import cpu, onnx_schema, ort, reference
-from conftest import run_triton_inner_tests
+from conftest import load_fla_naive, run_triton_inner_tests
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,16 +40,7 @@ def close(a, b, rtol=2e-5):
 
 @pytest.fixture(scope="module")
 def fla_naive():
-    """fla's naive.py loaded by path, so none of fla's Triton-backed modules is imported."""
-    spec = importlib.util.find_spec("fla")
-    if spec is None:
-        pytest.skip("flash-linear-attention not installed")
-    path = Path(spec.submodule_search_locations[0]) / "ops" / "kda" / "naive.py"
-    import einops  # noqa: F401  (test extra: a missing oracle is a broken install, not a skip)
-    mod_spec = importlib.util.spec_from_file_location("_fla_kda_naive_oracle", path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
-    return mod
+    return load_fla_naive("ops/kda/naive.py")
 
 
 # --------------------------------------------------------------------------------------- oracles
