@@ -425,7 +425,9 @@ class RankGraph:
                                   ("mla_out", f"mla_cache.{i}.out"), ("index_out", f"index_cache.{i}.out")):
                 if key in io:
                     state_outputs.append((io[key], out_name))
-        rows = lambda v, nm: g.op("Gather", [v, last], nm, axis=0)  # noqa: E731 - rows of the last tokens
+        def rows(value: str, name: str) -> str:  # the rows of each sequence's last token
+            return g.op("Gather", [value, last], name, axis=0)
+
         if cfg.attn_res_block_size is not None:
             last_snaps = [rows(s, f"final.snapshot{j}") for j, s in enumerate(snaps)]
             h = self.attn_res(rows(h, "final.prefix"), last_snaps, model_prefix(cfg) + "output_attn", "final.attn_res")

@@ -52,8 +52,8 @@ class StepBatch:
             pos.extend(range(start, start + len(toks)))
             slots.extend([slot] * len(toks))
             cu.append(cu[-1] + len(toks))
-        as64 = lambda v: np.asarray(v, dtype=np.int64)  # noqa: E731
-        return cls(as64(ids), as64(pos), as64(slots), as64(cu), as64([c[0] for c in chunks]))
+        ids, pos, slots, cu = (np.asarray(v, dtype=np.int64) for v in (ids, pos, slots, cu))
+        return cls(ids, pos, slots, cu, np.asarray([c[0] for c in chunks], dtype=np.int64))
 
     def feeds(self) -> dict[str, np.ndarray]:
         return {
