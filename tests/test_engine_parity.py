@@ -30,12 +30,12 @@ DECODE_STEPS = 8
 ATOL = 1e-4
 
 
-def make_recipe(tmp: Path, preset: str, tp: int, ep: int, world: int) -> Path:
+def make_recipe(tmp: Path, preset: str, tp: int, ep: int, world: int, attention: str = "tp") -> Path:
     base = yaml.safe_load(Path(load_recipe("tiny-cpu.yaml")[1]).read_text())
-    base["name"] = f"{preset}-tp{tp}-ep{ep}-w{world}"
+    base["name"] = f"{preset}-tp{tp}-ep{ep}-w{world}-attn{attention}"
     base["model"] = {"source": f"synthetic:{preset}"}
     base["target"]["gpus_per_node"] = world
-    base["parallel"] = {"tp": tp, "ep": ep}
+    base["parallel"] = {"tp": tp, "ep": ep, "attention": attention}
     path = tmp / f"{base['name']}.yaml"
     path.write_text(yaml.safe_dump(base))
     return path
@@ -47,8 +47,8 @@ def engines(tmp_path_factory):
     root = tmp_path_factory.mktemp("engines")
     built: dict[tuple, Path] = {}
 
-    def get(preset: str, tp: int, ep: int, world: int) -> Path:
-        key = (preset, tp, ep, world)
+    def get(preset: str, tp: int, ep: int, world: int, attention: str = "tp") -> Path:
+        key = (preset, tp, ep, world, attention)
         if key not in built:
             rec, _ = load_recipe(make_recipe(root, *key))
             out = root / rec.name
@@ -88,9 +88,10 @@ def test_tp2_ep2_engine_matches_reference(engines, preset):
     compare_with_reference(engines(preset, 2, 2, 4))
 
 
-@pytest.mark.parametrize("tp, ep, world", [(1, 1, 1), (1, 4, 4)])
-def test_other_layouts_match_reference(engines, tp, ep, world):
-    compare_with_reference(engines("tiny-k3", tp, ep, world))
+@pytest.mark.parametrize("tp, ep, world, attention", [(1, 1, 1, "tp"), (1, 4, 4, "tp"), (2, 2, 4, "dp")])
+def test_other_layouts_match_reference(engines, tp, ep, world, attention):
+    """World 1, experts over 4 ranks, and data-parallel (replicated) attention with tp=2 FFNs."""
+    compare_with_reference(engines("tiny-k3", tp, ep, world, attention))
 
 
 def test_packed_batch_of_prefill_and_decode(engines):
