@@ -267,6 +267,27 @@ def test_ort_function_matches_reference(name, mode):
     close(got, run_all(reference.sparse_mla_attention_reference, case, "sparse" if mode == "sparse" else "dense"))
 
 
+# ------------------------------------------------------------------- triton AOT (TensorRT plugin)
+
+
+def test_aot_compile_produces_ptx():
+    """The kernel the TensorRT AOT plugin embeds compiles to sm_90 PTX for fp32 at K3's MLA widths (Dc 512,
+    Dr 64), real compile on CPU, without tensorrt; its parameters start with the plugin's launch order: six
+    input pointers, the int32 scalars N, L, K, then the output pointer."""
+    import triton  # noqa: F401  (test extra: a missing oracle is a broken install, not a skip)
+    from moe_export.plugins.sparse_mla_attention import triton_kernel
+
+    kernel = triton_kernel.aot_compile(16, 512, 64, 192**-0.5, 90)
+    ptx = kernel.asm["ptx"]
+    assert kernel.metadata.name == "_sparse_mla_kernel"
+    assert ".entry _sparse_mla_kernel(" in ptx and ".target sm_90" in ptx
+    entry = ptx[ptx.index(".entry _sparse_mla_kernel(") :].split(")", 1)[0]
+    kinds = [".u64 .ptr" if ".ptr" in line else line.split()[1] for line in entry.splitlines() if ".param" in line]
+    assert kinds[:10] == [".u64 .ptr"] * 6 + [".u32"] * 3 + [".u64 .ptr"]
+    assert kernel.metadata.num_warps * 32 > 0
+    assert "tensorrt" not in sys.modules
+
+
 # ------------------------------------------------------------- triton (interpreter, subprocess)
 
 
@@ -300,3 +321,19 @@ def test_inner_triton_small_blocks_and_non_power_of_two_dims():
         kw = dict(topk_indices=idx, scale=0.3, kv_lora_rank=24)
         got = triton_kernel.sparse_mla_attention_triton(**args, **kw, block_h=2, block_k=4)
         close(got, reference.sparse_mla_attention_reference(**args, **kw))
+
+
+@inner_triton
+def test_inner_triton_many_sequences():
+    """150 sequences (some empty), more than one block of the kernel's token -> sequence search."""
+    from moe_export.plugins.sparse_mla_attention import triton_kernel
+
+    n = 150
+    gen = torch.Generator().manual_seed(8)
+    lengths = tuple(int(x) for x in torch.randint(0, 3, (n,), generator=gen))
+    starts = tuple(int(x) for x in torch.randint(0, 20, (n,), generator=gen))
+    slots = tuple(int(x) for x in torch.randperm(n, generator=gen))
+    case = make_case(seed=9, H=2, L=24, slots=slots, starts=starts, lengths=lengths, S=n, K=6)
+    for mode in ("sparse", "k0"):
+        got = run_all(triton_kernel.sparse_mla_attention_triton, case, mode)
+        close(got, run_all(reference.sparse_mla_attention_reference, case, "sparse" if mode == "sparse" else "dense"))

@@ -2,14 +2,26 @@
 
 NOT EXERCISED HERE: TensorRT cannot be installed on this project's machines (the PyPI wheels fetch the real
 libraries from NVIDIA's index, unreachable here; the lent GPU image has no TensorRT either), so this file has
-never been imported or run. It follows the QDP API as read from TensorRT's public `tensorrt.plugin` sources.
+never been imported or run. It follows the QDP API as read from TensorRT's public `tensorrt.plugin` sources and
+samples. What is tested elsewhere: the Triton kernel (interpreter, vs the reference, sparse / dense / K = 0,
+with the token -> slot search done in the kernel) and that `triton_kernel.aot_compile` produces sm_90 PTX.
 
 Importing this module registers `moe_export::SparseMLAAttention` (namespace = ONNX domain, name = op type,
 version "1"), which TensorRT's ONNX parser (>= 10.10) binds to the bare ONNX node. Nothing else in the package
-imports it. Only a JIT `impl` (Python callback) is provided, no AOT kernel, so engines need Python at runtime.
+imports it.
 
 QDP input lists are fixed, so the plugin always has six inputs: the TensorRT graph gives dense-causal layers an
 empty [T, 0] (or [0, 0]) int64 `topk_indices`, which the op defines as dense (see `reference.py`).
+
+- `impl` (JIT, needs Python in the engine) launches the kernel on TensorRT's stream.
+- `aot_impl` compiles the same kernel to PTX for the build GPU. Kernel parameters are the 6 input pointers,
+  then the int32 extra arguments N (= slot_ids rows), L (= cache length), K (= topk_indices columns; 0 makes
+  the kernel dense and leaves `topk_indices` unread), then the output pointer (TensorRT's AOT sample puts the
+  extra scalars between input and output pointers); grid (T, cdiv(H, 16)). H and Dc+Dr must be build-time
+  constants. Open risks: Triton >= 3.3 appends two scratch-pointer parameters (unused by this kernel: scratch
+  sizes 0) that TensorRT does not pass; at Dc = 512 the kernel needs ~110 KiB of dynamic shared memory, more
+  than the 48 KiB a launch gets unless the kernel is opted in (`cuFuncSetAttribute`), which Triton's own
+  launcher does and TensorRT's AOT launcher is not known to do.
 """
 
 import tensorrt as trt
@@ -18,9 +30,10 @@ import torch
 
 from .. import PLUGIN_NAMESPACE
 from .onnx_schema import OP_TYPE
-from .triton_kernel import sparse_mla_attention_triton
+from .triton_kernel import aot_compile, sparse_mla_attention_triton
 
 PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{OP_TYPE}"
+_BLOCK_H = 16  # heads per program of the AOT kernel
 
 
 @trtp.register(PLUGIN_ID)
@@ -72,3 +85,32 @@ def _run(
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
         result = sparse_mla_attention_triton(*as_torch, indices, scale=scale, kv_lora_rank=kv_lora_rank)
         out.copy_(result)
+
+
+@trtp.aot_impl(PLUGIN_ID)
+def _compile(
+    q_lat: trtp.TensorDesc,
+    kv_cache: trtp.TensorDesc,
+    cu_seqlens: trtp.TensorDesc,
+    slot_ids: trtp.TensorDesc,
+    positions: trtp.TensorDesc,
+    topk_indices: trtp.TensorDesc,
+    scale: float,
+    kv_lora_rank: int,
+    outputs: tuple[trtp.TensorDesc],
+    tactic: int,
+) -> tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymExprs]:
+    """PTX of the kernel for the build GPU; H and Dc+Dr must be build-time constants (K3: Dc+Dr = 512+64)."""
+    num_heads = q_lat.shape_expr[1].constant_value
+    rope_dim = q_lat.shape_expr[2].constant_value - kv_lora_rank
+    major, minor = torch.cuda.get_device_capability()
+    kernel = aot_compile(num_heads, kv_lora_rank, rope_dim, scale, major * 10 + minor, block_h=_BLOCK_H)
+    params = trtp.KernelLaunchParams()
+    params.grid_x = q_lat.shape_expr[0]
+    params.grid_y = -(-num_heads // _BLOCK_H)
+    params.block_x = kernel.metadata.num_warps * 32
+    params.shared_mem = kernel.metadata.shared
+    extra_args = trtp.SymIntExprs.from_tuple(
+        [trtp.SymInt32(e) for e in (slot_ids.shape_expr[0], kv_cache.shape_expr[1], topk_indices.shape_expr[1])]
+    )
+    return kernel.metadata.name, kernel.asm["ptx"], params, extra_args
