@@ -6,7 +6,17 @@ never been imported or run. It follows the QDP API as read from TensorRT's publi
 
 Importing this module registers `moe_export::DSAIndexer` (namespace = ONNX domain, name = op type, version
 "1"), which TensorRT's ONNX parser (>= 10.10) binds to the bare ONNX node. Nothing else in the package imports
-it. Only a JIT `impl` (Python callback) is provided, no AOT kernel, so engines need Python at runtime.
+it. Only a JIT `impl` (Python callback) is provided, so engines need Python at runtime.
+
+Why there is no `aot_impl`: a QDP AOT implementation is one kernel launch whose only tensors are the plugin's
+inputs and outputs, but `triton_kernel.dsa_indexer_triton` is not one launch. It (1) reads `positions.max()`
+back to the host to size an intermediate score buffer [T, max(positions)+1], (2) launches the score kernel
+into that buffer, and (3) selects the top-k in torch (`cpu.select_topk`: a stable descending sort of every
+score row, ties to the lower position, -inf -> -1 padding). The Triton kernel alone writes scores, not the
+[T, topk] indices the op outputs. An AOT version needs a device top-k kernel: one program per token that
+computes its scores over cache positions 0..pos itself and keeps the `topk` best (topk = 2048 for DeepSeek-V3.2)
+with the same tie rule, e.g. a radix / threshold select over the row held in shared memory or recomputed per
+pass, writing the indices directly, so that scores never need a buffer outside the kernel.
 """
 
 import tensorrt as trt

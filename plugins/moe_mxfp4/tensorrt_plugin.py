@@ -7,7 +7,18 @@ Hopper has no FP4 math, so the weights stay packed in memory and are dequantized
 
 Importing this module registers `moe_export::MoEMXFP4` (namespace = ONNX domain, name = op type, version
 "1"), which TensorRT's ONNX parser (>= 10.10) binds to the bare ONNX node. Nothing else in the package imports
-it. Only a JIT `impl` (Python callback) is provided, no AOT kernel, so engines need Python at runtime.
+it. Only a JIT `impl` (Python callback) is provided, so engines need Python at runtime.
+
+Why there is no `aot_impl`: a QDP AOT implementation is one kernel launch whose only tensors are the plugin's
+inputs and outputs, but `triton_kernel.moe_mxfp4_triton` is host-side torch work plus two launches:
+`padded_expert_blocks` sorts the (token, choice) pairs routed to this rank by local expert and pads each
+expert's run to a multiple of BLOCK_M (argsort, unique_consecutive, and a data-dependent number of M-blocks read
+back to size the grid); the up kernel writes an intermediate activation buffer [P_pad, I]; the down kernel
+writes a [T*k, D] buffer that torch zero-fills beforehand and sums over the k choices afterwards. An AOT
+version needs a fused single-launch MoE kernel: expert grouping done in the kernel (each program finds the
+pairs of its expert from `expert_ids`, e.g. by a per-expert scan or a persistent grid over experts, so the grid
+depends only on shapes), the up-projection activation kept on chip between the two GEMMs, and the k routed
+contributions of a token reduced without a host-side buffer and sum (deterministically, not by float atomics).
 """
 
 import tensorrt as trt
