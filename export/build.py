@@ -74,6 +74,7 @@ from moe_export.export.atomic import (
     sweep_temporaries,
 )
 from moe_export.export.errors import InputError
+from moe_export.export.mpi import mpi_world
 from moe_export.export.manifest import (
     CONFIG,
     ENGINE_FORMAT,
@@ -94,7 +95,6 @@ LICENSE = "LICENSE"
 LICENSE_NAMES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "LICENCE", "license", "license.txt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 SYNTH_SEED = 0
-MPI_ENV_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 SYNTH_TEMP_RE = re.compile(r"^\..+\.(synth|old)-\d+$")
 
 # Recipe fields (dotted paths into the recipe) each stage's output depends on, beyond its upstream keys.
@@ -180,7 +180,7 @@ class _MpiComm:
 
 def detect_comm() -> _SerialComm | _MpiComm:
     """MPI.COMM_WORLD when started by an MPI launcher (mpi4py is imported only then), else a serial stand-in."""
-    if any(v in os.environ for v in MPI_ENV_VARS):
+    if mpi_world() is not None:
         return _MpiComm()
     return _SerialComm()
 
