@@ -26,7 +26,8 @@ the upstream stage keys. A stage whose record carries its current key and whose 
     graph/rankN    convert key + attention + limits
     lower/rankN    graph key                             (backend onnxruntime)
     engine/rankN   graph key + limits + target + workspace_reserve_gib   (backend tensorrt)
-    config         the whole recipe + source + every convert key (the class map reads the weights)
+    config         the whole recipe + source + every convert key (the class map reads the weights) +
+                   generation_config.json's sha256 (its stop ids go into config.json)
     license        the source LICENSE file's sha256
     tokenizer      the source tokenizer files' sha256
 
@@ -87,13 +88,17 @@ from moe_export.export.manifest import (
     quantization_summary,
     tool_version,
 )
+from moe_export.graphs.config import GENERATION_CONFIG
 from moe_export.graphs.sharding import Mapping
 from moe_export.recipes.schema import Recipe
 
 QUANT_REPORT = "quantization.json"
 LICENSE = "LICENSE"
 LICENSE_NAMES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "LICENCE", "license", "license.txt")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+# Files copied verbatim from the source next to the engine (the "tokenizer" stage): what a runtime needs
+# besides the weights (tokenizer, chat template, and the generation config with its stop ids).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   GENERATION_CONFIG)
 SYNTH_SEED = 0
 SYNTH_TEMP_RE = re.compile(r"^\..+\.(synth|old)-\d+$")
 
@@ -396,7 +401,7 @@ def stage_keys(
         last = rank_stage_names(recipe)[-1]
         keys[f"{last}/rank{n}"] = _key(last, fields(last), source_fp, [graph])
     converts = [keys[f"convert/rank{n}"] for n in range(recipe.target.world_size)]
-    keys["config"] = _key("config", dump, source_fp, converts)
+    keys["config"] = _key("config", dump, source_fp, converts, {"generation_config": tokenizer_files.get(GENERATION_CONFIG)})
     keys["license"] = _key("license", {}, license_sha256 or "none", [])
     keys["tokenizer"] = _key("tokenizer", {}, hashlib.sha256(canonical_json(tokenizer_files)).hexdigest(), [])
     return keys
@@ -736,6 +741,7 @@ def engine_config(ctx: _Ctx) -> dict:
         "attention": dump["attention"],
         "limits": dump["limits"],
         "thinking": dump["thinking"],
+        "eos_token_ids": list(cfg.eos_token_ids),
         "plugin_domain": DOMAIN,
         "files": files,
         "recipe": dump,
