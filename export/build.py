@@ -44,6 +44,9 @@ through a symbolic link in a scratch folder: every file in OUT has exactly one h
 onnx.checker requires of external data ("potential hardlink attack"). Nothing is ever copied except
 the small files taken from the source (LICENSE, tokenizer).
 
+One build per output. Process 0 holds an exclusive lock on OUT (`build_lock`) for the whole build; a
+second build into the same OUT exits 2 naming the holder instead of sweeping its temporary files.
+
 Parallelism. Under `mpiexec -n R`, MPI process r builds the ranks n with n % R == r; process 0
 prepares the source, then writes the global artifacts and the manifest after all ranks finished.
 Without an MPI launcher the ranks are built in turn.
@@ -74,6 +77,7 @@ from moe_export.export.atomic import (
     sha256_file,
     sweep_temporaries,
 )
+from moe_export.export.build_lock import OutputLock
 from moe_export.export.errors import InputError
 from moe_export.export.mpi import mpi_world
 from moe_export.export.manifest import (
@@ -888,6 +892,7 @@ def build(
     prefix = f"[mpi {comm.rank}/{comm.size}] " if comm.size > 1 else ""
     ctx = _Ctx(recipe, out, stages, _State(out), _Progress(progress, prefix), expected)
     result = BuildResult(out, reporter=comm.rank == 0)
+    lock = _collective(comm, lambda: OutputLock.acquire(out) if comm.rank == 0 else None)
     try:
         _collective(comm, lambda: _prepare(ctx) if comm.rank == 0 else None)
         _collective(comm, lambda: _open_source(ctx))
@@ -901,6 +906,8 @@ def build(
     finally:
         if ctx.reader is not None:
             ctx.reader.close()
+        if lock is not None:
+            lock.release()
     return result
 
 
