@@ -208,3 +208,27 @@ def make_plan(recipe: Recipe, cfg: ModelConfig | None = None) -> Plan:
         per_rank.append(RankPlan(rank, mapping.to_dict(), weight_bytes, state, int(free), int(max_seqs)))
     return Plan(recipe, cfg, total, active, per_rank, memory, reserve)
 
+
+
+def reference_fp32_bytes(cfg: ModelConfig) -> int:
+    """Bytes of the fp32 PyTorch reference model's weights (`moe-export generate` on a checkpoint): every
+    parameter as fp32, MXFP4 experts decoded (4 B per logical weight)."""
+    return count_params(cfg)[0] * 4
+
+
+def available_memory_bytes() -> int:
+    """Memory the OS can give this process now without swapping (psutil's `available`)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def check_reference_fits(cfg: ModelConfig, where: str) -> None:
+    """InputError naming the memory needed when the fp32 reference model of `cfg` cannot be loaded here."""
+    need, have = reference_fp32_bytes(cfg), available_memory_bytes()
+    if need > have:
+        raise InputError(
+            f"{where}: the fp32 reference model of this {cfg.architecture} checkpoint needs {need / GIB:,.1f} GiB "
+            f"of memory for its weights, {have / GIB:,.1f} GiB are available; build an engine "
+            "(`moe-export build`) and generate with it instead"
+        )

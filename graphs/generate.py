@@ -78,8 +78,10 @@ def generate_from_checkpoint(
     sampling: SamplingParams,
 ) -> list[int]:
     """`moe-export generate` on an HF checkpoint directory; returns the new token ids."""
+    from moe_export.export.planner import check_reference_fits
     from moe_export.graphs.config import ModelConfig
 
     cfg = ModelConfig.from_pretrained(path)
+    check_reference_fits(cfg, str(path))  # before reading any weights
     ids = resolve_prompt(path, prompt_ids, prompt, cfg.vocab_size, max_new_tokens)
     return generate(KimiModel.from_checkpoint(path), ids, max_new_tokens, sampling)
