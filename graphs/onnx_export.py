@@ -7,7 +7,10 @@ One graph per rank handles a packed batch of N sequences (prefill chunks and dec
            slot_ids [N] int64, last_token_index [N] int64 (rows whose logits are wanted),
            per KDA layer i: kda_state.i [S, H_l, V, K] fp32 and conv_state.i [S, 3*P_l, W-1] fp32,
            per MLA layer i: mla_cache.i [S, L, kv_lora+rope] and (DSA) index_cache.i [S, L, Di]
-  outputs  logits [N, vocab] fp32 and every state/cache input's updated pool (`<name>.out`).
+  outputs  logits [N, vocab] fp32; per KDA layer the new state / conv windows of the step's N sequences
+           (`kda_state.i.out` [N, H_l, V, K], `conv_state.i.out` [N, 3*P_l, W-1], row n = slot_ids[n]),
+           which the runtime writes into its pools in place; per MLA layer the updated cache pools
+           (`<name>.out`).
 
 S (slots) and L (cache length) are symbolic; the runtime allocates pools from the recipe's limits.
 Weights are initializers stored as external data inside the rank's `weights.safetensors` (the
@@ -244,7 +247,11 @@ class RankGraph:
         qkv = g.op("Concat", [g.linear(x, f"{a}{c}_proj.weight", f"{n}.{c}_proj") for c in "qkv"], f"{n}.qkv", axis=-1)
         conv_w = g.op("Concat", [g.reshape(g.weight(f"{a}{c}_conv1d.weight"), [p_l, w], f"{n}.{c}_conv_w") for c in "qkv"],
                       f"{n}.conv_w", axis=0)
-        conv_y, conv_out = g.plugin("ShortConv", [qkv, conv_w, io["conv"], io["cu"], io["slots"]], f"{n}.short_conv", 2)
+        # The step's sequences' windows / states only ([N, ...], addressed by local slots 0..N-1): the plugin
+        # outputs are then the touched slots' new values, which the runtime writes back (O(tokens), not O(pool)).
+        conv_in = g.op("Gather", [io["conv"], io["slots"]], f"{n}.conv_windows", axis=0)
+        state_in = g.op("Gather", [io["state"], io["slots"]], f"{n}.states", axis=0)
+        conv_y, conv_out = g.plugin("ShortConv", [qkv, conv_w, conv_in, io["cu"], io["local_slots"]], f"{n}.short_conv", 2)
         q, k, v = (g.reshape(g.slice_last(conv_y, j * p_l, (j + 1) * p_l, f"{n}.{c}_conv"), [-1, hl, dh], f"{n}.{c}")
                    for j, c in enumerate("qkv"))
         u = g.op("Add", [g.linear(g.linear(x, f"{a}f_a_proj.weight", f"{n}.f_a"), f"{a}f_b_proj.weight", f"{n}.f_b"),
@@ -260,7 +267,7 @@ class RankGraph:
             sp = g.op("Softplus", [u], f"{n}.softplus")
             log_decay = g.op("Neg", [g.op("Mul", [decay, sp], f"{n}.A_sp")], f"{n}.g")
         beta = g.op("Sigmoid", [g.linear(x, f"{a}b_proj.weight", f"{n}.b_proj")], f"{n}.beta")
-        o, state_out = g.plugin("GatedDeltaScan", [q, k, v, log_decay, beta, io["state"], io["cu"], io["slots"]],
+        o, state_out = g.plugin("GatedDeltaScan", [q, k, v, log_decay, beta, state_in, io["cu"], io["local_slots"]],
                                 f"{n}.gated_delta_scan", 2, scale=float(dh**-0.5), use_qk_l2norm=1)
         if cfg.use_full_rank_gate:
             gate = g.linear(x, f"{a}g_proj.weight", f"{n}.g_proj")
@@ -386,6 +393,8 @@ class RankGraph:
             "slots": self._input("slot_ids", i64, ["N"]),
         }
         last = self._input("last_token_index", i64, ["N"])
+        num_seqs = g.op("Squeeze", [g.op("Shape", [io_common["slots"]], "num_seqs.shape"), g.const([0])], "num_seqs")
+        io_common["local_slots"] = g.op("Range", [g.const(0), num_seqs, g.const(1)], "local_slots")  # [N] 0..N-1
         io_common["cache_idx"] = g.op("Concat", [g.op("Unsqueeze", [io_common["token_slots"], g.const([1])], "cache_idx.slot"),
                                                  g.op("Unsqueeze", [io_common["positions"], g.const([1])], "cache_idx.pos")],
                                       "cache_idx", axis=1)  # [T, 2] (slot, position) rows for ScatterND
@@ -437,6 +446,8 @@ class RankGraph:
         for value, out_name in state_outputs:
             src = next(v for v in self.inputs if v.name == out_name[: -len(".out")])
             dims = [d.dim_param or d.dim_value for d in src.type.tensor_type.shape.dim]
+            if out_name.startswith(("kda_state.", "conv_state.")):
+                dims[0] = "N"  # the step's sequences only
             self._output(value, out_name, f32, dims)
         graph = helper.make_graph(g.nodes, f"rank{self.m.rank}", self.inputs, self.outputs, g.initializers)
         model = helper.make_model(

@@ -173,6 +173,15 @@ class RankRunner:
             if name.startswith(RESET_ON_NEW_SEQUENCE):
                 pool[dst] = pool[src]
 
+    def write_back(self, env: dict[str, np.ndarray], batch: StepBatch) -> None:
+        """Store the step's new state: the touched slots' recurrent state in place, cache pools as returned."""
+        for name, pool in self.pools.items():
+            new = env[f"{name}.out"]
+            if name.startswith(RESET_ON_NEW_SEQUENCE):
+                pool[batch.slot_ids] = new
+            else:
+                self.pools[name] = new
+
     def run_segment(self, step: dict, env: dict[str, np.ndarray]) -> None:
         sess = self.sessions[step["segment"]]
         outs = sess.run(step["outputs"], {name: env[name] for name in step["inputs"]})
@@ -244,6 +253,8 @@ class Engine:
         if batch.input_ids.shape[0] > self.max_num_tokens:
             raise InputError(f"step has {batch.input_ids.shape[0]} tokens; the engine's max_num_tokens is "
                              f"{self.max_num_tokens}")
+        if np.unique(batch.slot_ids).shape[0] != batch.num_sequences:
+            raise InputError(f"a step may hold each slot once, got slots {batch.slot_ids.tolist()}")
         for n in range(batch.num_sequences):
             self._check_slot(int(batch.slot_ids[n]))
             end = int(batch.positions[batch.cu_seqlens[n + 1] - 1]) + 1
@@ -294,7 +305,5 @@ class Engine:
             else:
                 self._collective(step, envs)
         for r in self.ranks:
-            env = envs[r.rank]
-            for name in r.pools:
-                r.pools[name] = env[f"{name}.out"]
+            r.write_back(envs[r.rank], batch)
         return envs[self.ranks[0].rank]["logits"]
