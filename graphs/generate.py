@@ -19,11 +19,11 @@ def generate(
     stop_at_eos: bool = True,
 ) -> list[int]:
     """New token ids for one prompt (greedy by default). Stops after `max_new_tokens`, or after emitting
-    the config's eos_token_id when `stop_at_eos` (the eos token is included in the result)."""
+    any of the config's eos_token_ids when `stop_at_eos` (the eos token is included in the result)."""
     if not prompt_ids:
         raise InputError("the prompt must contain at least one token")
     sampler = Sampler(sampling or SamplingParams())
-    eos = model.cfg.eos_token_id if stop_at_eos else None
+    stop_ids = set(model.cfg.eos_token_ids) if stop_at_eos else set()
     cache = model.new_cache(1)
     out: list[int] = []
     if max_new_tokens <= 0:
@@ -32,7 +32,7 @@ def generate(
     while True:
         token = int(sampler(logits)[0])
         out.append(token)
-        if len(out) == max_new_tokens or token == eos:
+        if len(out) == max_new_tokens or token in stop_ids:
             return out
         logits = model.decode(torch.tensor([token], dtype=torch.long), cache)
 

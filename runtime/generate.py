@@ -6,9 +6,10 @@ all ranks feed the same ids.
 
 from __future__ import annotations
 
-import torch
-
+from collections.abc import Collection
 from pathlib import Path
+
+import torch
 
 from moe_export.export.errors import InputError
 from moe_export.runtime.engine import Engine, SequenceChunk, StepBatch
@@ -20,12 +21,12 @@ def engine_generate(
     prompt_ids: list[int],
     max_new_tokens: int,
     sampling: SamplingParams | None = None,
-    eos_token_id: int | None = None,
+    stop_ids: Collection[int] = (),
     slot: int = 0,
     max_chunk: int | None = None,
     block_table: list[int] | None = None,
 ) -> list[int]:
-    """New token ids for one prompt (greedy by default); includes eos if emitted.
+    """New token ids for one prompt (greedy by default); stops after any of `stop_ids` (included).
 
     block_table: cache blocks of the sequence (enough for prompt + max_new_tokens); default: the first
     blocks of the pool (this loop runs one sequence at a time)."""
@@ -53,7 +54,7 @@ def engine_generate(
         if engine.comm is not None:
             token = engine.comm.broadcast(token)
         out.append(token)
-        if len(out) == max_new_tokens or token == eos_token_id:
+        if len(out) == max_new_tokens or token in stop_ids:
             return out
         logits = engine.step(StepBatch.from_sequences([SequenceChunk(slot, pos, [token], block_table)]))
         pos += 1
@@ -63,10 +64,11 @@ def generate_from_engine(
     path: str | Path, prompt_ids: str | None, prompt: str | None, max_new_tokens: int, sampling: SamplingParams
 ) -> tuple[list[int], Engine]:
     """`moe-export generate` on a built engine directory (in process, or one rank under mpiexec)."""
-    from moe_export.graphs.config import ModelConfig
+    from moe_export.graphs.config import ModelConfig, read_generation_config
     from moe_export.graphs.generate import resolve_prompt
 
     engine = Engine(path)
-    cfg = ModelConfig.from_hf_dict(engine.model_config, source=f"{path}/config.json")
+    cfg = ModelConfig.from_hf_dict(engine.model_config, source=f"{path}/config.json",
+                                   generation_config=read_generation_config(path))
     ids = resolve_prompt(path, prompt_ids, prompt, cfg.vocab_size, max_new_tokens)
-    return engine_generate(engine, ids, max_new_tokens, sampling, cfg.eos_token_id), engine
+    return engine_generate(engine, ids, max_new_tokens, sampling, set(cfg.eos_token_ids)), engine

@@ -87,7 +87,7 @@ def test_generate_stops_after_eos():
     """A stub model whose logits favour token 7 (eos) at the third step."""
 
     class Stub:
-        cfg = SimpleNamespace(eos_token_id=7)
+        cfg = SimpleNamespace(eos_token_id=7, eos_token_ids=(7,))
         steps = 0
 
         def new_cache(self, batch):
