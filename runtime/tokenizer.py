@@ -239,6 +239,32 @@ def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
     return ranks
 
 
+class IncrementalDecoder:
+    """Streaming detokenizer: `push(id)` returns the text the id completes. A token that ends inside a
+    UTF-8 character is held until the character completes (at most 4 tokens); a special token flushes
+    what is held and returns its name."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tok = tokenizer
+        self.pending: list[int] = []
+
+    def push(self, token_id: int) -> str:
+        if self.tok.is_special(token_id):
+            return self.flush() + self.tok.decode([token_id])
+        self.pending.append(token_id)
+        text = self.tok.decode(self.pending)
+        if text.endswith("\ufffd") and len(self.pending) < 4:
+            return ""
+        self.pending = []
+        return text
+
+    def flush(self) -> str:
+        """Text of the held tokens (an incomplete character decodes as U+FFFD)."""
+        text = self.tok.decode(self.pending) if self.pending else ""
+        self.pending = []
+        return text
+
+
 def _read_config(directory: Path) -> dict:
     path = directory / TOKENIZER_CONFIG
     if not path.is_file():
