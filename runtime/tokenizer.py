@@ -20,6 +20,7 @@ import binascii
 import json
 import re
 from abc import ABC, abstractmethod
+from functools import cached_property
 from pathlib import Path
 
 from moe_export.export.atomic import atomic_write_bytes, atomic_write_json
@@ -146,9 +147,9 @@ class Tokenizer(ABC):
             ids = [i for i in ids if i not in self._special_ids]
         return self._decode(ids)
 
-    @property
-    def _special_ids(self) -> set[int]:
-        return set(self._specials.values())
+    @cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(self._specials.values())
 
 
 class KimiTokenizer(Tokenizer):
