@@ -513,7 +513,9 @@ class _Call:
 class OutputParser:
     """Streaming parser of one assistant output (token ids after the generation prompt).
 
-    feed(ids) -> ParsedDelta of new reasoning / content text; finish() -> ParsedMessage."""
+    feed(ids) -> ParsedDelta of new reasoning / content text; finish() -> ParsedMessage. After finish(),
+    `delta` holds the text finish() itself added (an unfinished tool call, a held-back character): stream
+    it as the last delta."""
 
     def __init__(self, tokenizer: Tokenizer, family: str, *, starts_in_reasoning: bool, tools_declared: bool = True) -> None:
         _check_family(family)

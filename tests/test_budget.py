@@ -139,3 +139,34 @@ def test_no_cap_and_runtime_deviation(toks):
     assert budget.forced_token() == first and budget.reasoning_tokens == 2
     with pytest.raises(InputError, match="family"):
         ReasoningBudget(tok, "k9", 1, starts_in_reasoning=True)
+
+
+@pytest.mark.parametrize("family", ["k3", "k2"])
+def test_random_streams_never_exceed_the_cap(toks, family):
+    """Random token soup with think markers mixed in: the count never passes the cap, and every forced
+    marker leaves the parser out of reasoning (it agrees with the budget on where reasoning ended)."""
+    import random
+
+    tok = toks[family]
+    s = tok.encode_special
+    if family == "k3":
+        pieces = [[s("<|close|>")], [s("<|open|>")], [s("<|sep|>")], tok.encode("think"), tok.encode("th"), tok.encode("ink"), tok.encode("response")]
+    else:
+        pieces = [[s("<think>")], [s("</think>")], [s("<|tool_calls_section_begin|>")]]
+    pieces += [tok.encode(" word"), tok.encode("x"), [s("[EOS]")]]
+    rng = random.Random(1)
+    for trial in range(200):
+        cap = rng.randint(0, 12)
+        script = [t for _ in range(200) for t in rng.choice(pieces)]
+        starts = trial % 3 != 0
+        budget = ReasoningBudget(tok, family, cap, starts_in_reasoning=starts)
+        parser = OutputParser(tok, family, starts_in_reasoning=starts)
+        it = iter(script)
+        for _ in range(120):
+            f = budget.forced_token()
+            t = f if f is not None else next(it)
+            budget.observe(t)
+            parser.feed([t])
+            assert budget.reasoning_tokens <= cap
+            if f is not None and budget.forced_token() is None:  # a forced marker just completed
+                assert not budget.in_reasoning and parser.channel != "reasoning"

@@ -379,3 +379,32 @@ def test_unparseable_tool_call_becomes_content_and_is_counted(toks, family):
     undeclared = OutputParser(tok, family, starts_in_reasoning=False, tools_declared=False)
     undeclared.feed(begin + good)
     assert undeclared.finish().tool_calls == []
+
+
+@pytest.mark.parametrize("family", ["k3", "k2"])
+def test_random_outputs_never_raise_or_leak(toks, family):
+    """Random token soup (as random weights produce): parsing never fails, streamed deltas add up to the
+    final message, and without failed calls no special-token name reaches reasoning or content."""
+    import random
+
+    tok = toks[family]
+    specials = list(tok.special_tokens.values())
+    structural = [tok.encode_special(n) for n in tok.special_tokens if not n.startswith("<|reserved")]
+    words = [tok.encode(w) for w in ("think", "response", "tools", "call", 'tool="f"', "argument", 'key="a" type="number"', "json", "1", " x", "{", "}", "functions.f:0")]
+    rng = random.Random(0)
+    for trial in range(300):
+        ids: list[int] = []
+        for _ in range(rng.randint(0, 60)):
+            r = rng.random()
+            ids += [rng.choice(structural)] if r < 0.4 else rng.choice(words) if r < 0.8 else [rng.choice(specials) if r < 0.85 else rng.randrange(0, 300)]
+        parser = OutputParser(tok, family, starts_in_reasoning=bool(trial % 2))
+        deltas = [parser.feed(ids[k:k + 5]) for k in range(0, len(ids), 5)]
+        msg = parser.finish()
+        deltas.append(parser.delta)
+        assert "".join(d.reasoning for d in deltas) == (msg.reasoning_content or "")
+        assert "".join(d.content for d in deltas) == (msg.content or "")
+        for c in msg.tool_calls:
+            json.loads(c["function"]["arguments"])
+        if msg.tool_call_parse_failures == 0:
+            for name in tok.special_tokens:
+                assert name not in (msg.content or "") and name not in (msg.reasoning_content or "")
