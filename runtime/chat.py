@@ -564,8 +564,10 @@ class OutputParser:
             if self.call is not None:
                 self.call.ids.append(t)
             name = self.names.get(t)
-            if self.family == "k3":
-                self.header_ids = [t] if name in (OPEN, CLOSE) else [*self.header_ids, t]
+            if self.family == "k3" and name in (OPEN, CLOSE):
+                self.header_ids = [t]
+            elif self.header is not None:
+                self.header_ids.append(t)
             if name is None:
                 self._emit(self.run.push(t))
                 continue
