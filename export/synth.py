@@ -1,10 +1,10 @@
 """Synthetic Hugging Face checkpoints with random, well-scaled weights for the Kimi family.
 
 `write_synthetic_checkpoint(preset, out_dir, seed)` writes config.json, sharded safetensors with
-`model.safetensors.index.json`, a Kimi-format tokenizer (`tiktoken.model` byte ranks + a few merges, the
-family's special tokens) and a LICENSE, into a temporary directory that is renamed into place at the end.
-The output is a pure function of (preset, seed): every tensor comes from its own `torch.Generator`,
-seeded from sha256(seed, tensor name), and headers are written with sorted keys. Tensors follow the inventory of `moe_export.graphs.weights` and are generated and written one at
+`model.safetensors.index.json`, a Kimi tiktoken tokenizer and a LICENSE, into a temporary directory that is
+renamed into place at the end. The output is a pure function of (preset, seed): every tensor comes from
+its own `torch.Generator`, seeded from sha256(seed, tensor name), and headers are written with sorted
+keys. Tensors follow the inventory of `moe_export.graphs.weights` and are generated and written one at
 a time (each shard is streamed: header first, then each tensor's bytes).
 
 Values: linear weights ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norm weights 1 +- 0.1, KDA A_log =
