@@ -11,7 +11,7 @@ import torch
 from pathlib import Path
 
 from moe_export.export.errors import InputError
-from moe_export.runtime.engine import Engine, StepBatch
+from moe_export.runtime.engine import Engine, SequenceChunk, StepBatch
 from moe_export.runtime.sampling import Sampler, SamplingParams
 
 
@@ -23,8 +23,12 @@ def engine_generate(
     eos_token_id: int | None = None,
     slot: int = 0,
     max_chunk: int | None = None,
+    block_table: list[int] | None = None,
 ) -> list[int]:
-    """New token ids for one prompt (greedy by default); includes eos if emitted."""
+    """New token ids for one prompt (greedy by default); includes eos if emitted.
+
+    block_table: cache blocks of the sequence (enough for prompt + max_new_tokens); default: the first
+    blocks of the pool (this loop runs one sequence at a time)."""
     if not prompt_ids:
         raise InputError("the prompt must contain at least one token")
     if len(prompt_ids) + max_new_tokens > engine.max_seq_len:
@@ -32,6 +36,8 @@ def engine_generate(
             f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the engine's "
             f"max_seq_len {engine.max_seq_len}"
         )
+    if block_table is None:
+        block_table = list(range(-(-(len(prompt_ids) + max_new_tokens) // engine.block_size)))
     sampler = Sampler(sampling or SamplingParams())
     chunk = max_chunk or engine.max_num_tokens
     engine.reset_slot(slot)
@@ -40,7 +46,7 @@ def engine_generate(
         return out
     logits = None
     for start in range(0, len(prompt_ids), chunk):
-        logits = engine.step(StepBatch.from_sequences([(slot, start, prompt_ids[start:start + chunk])]))
+        logits = engine.step(StepBatch.from_sequences([SequenceChunk(slot, start, prompt_ids[start:start + chunk], block_table)]))
     pos = len(prompt_ids)
     while True:
         token = int(sampler(torch.from_numpy(logits))[0]) if engine.is_root else None
@@ -49,7 +55,7 @@ def engine_generate(
         out.append(token)
         if len(out) == max_new_tokens or token == eos_token_id:
             return out
-        logits = engine.step(StepBatch.from_sequences([(slot, pos, [token])]))
+        logits = engine.step(StepBatch.from_sequences([SequenceChunk(slot, pos, [token], block_table)]))
         pos += 1
 
 
