@@ -64,9 +64,9 @@ def model_eos_ids(model_config: dict) -> list[int]:
 
 
 def generate_tokens(engine, prompt_ids: list[int], sampling: SamplingParams | None = None,
-                    eos_token_ids=()) -> list[int]:
+                    eos_token_ids=(), sample_vocab: int | None = None) -> list[int]:
     """New token ids of one prompt (rank 0 of `engine`), through the scheduler; the stop token is included."""
-    sched = Scheduler(engine, eos_token_ids=eos_token_ids, keep_sessions=False)
+    sched = Scheduler(engine, eos_token_ids=eos_token_ids, keep_sessions=False, sample_vocab=sample_vocab)
     sched.add(Request("generate", list(prompt_ids), sampling or SamplingParams()))
     out: list[int] = []
     while sched.has_work:
