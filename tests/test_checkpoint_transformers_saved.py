@@ -19,10 +19,17 @@ from moe_export.export.synth import preset_hf_config
 from moe_export.graphs.model import KimiModel
 from moe_export.quantize import mxfp4
 from moe_export.recipes.schema import load_recipe
-from moe_export.runtime.engine import Engine, StepBatch
+from moe_export.runtime.engine import Engine, SequenceChunk, StepBatch
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 8, 300, 11, 12, 77]
 ATOL = 1e-4
+
+
+def whole_chunk(eng: Engine, slot: int, start: int, tokens: list[int]) -> SequenceChunk:
+    """A chunk of slot `slot` whose block table is blocks slot*per .. of the engine's pool, enough for it."""
+    per = eng.num_blocks // eng.num_slots
+    need = -(-(start + len(tokens)) // eng.block_size)
+    return SequenceChunk(slot, start, tokens, list(range(slot * per, slot * per + need)))
 
 
 def saved_by_transformers(path: Path, dtype: torch.dtype) -> Path:
@@ -81,13 +88,14 @@ def test_engine_matches_transformers(saved, tmp_path):
     path, _, want = saved
     base = yaml.safe_load(Path(load_recipe("tiny-cpu.yaml")[1]).read_text())
     base.update(name="hf-saved", model={"source": str(path)})
+    base["quantization"]["kv_cache"] = "fp32"  # exact cache: the comparison is about the weights
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(base))  # tp=2, ep=2 on 4 ranks
     rec, _ = load_recipe(tmp_path / "r.yaml")
     build(rec, tmp_path / "engine")
     report = json.loads((tmp_path / "engine" / "rank0" / "quantization.json").read_text())
     assert report["source_dtypes"]
-    eng = Engine(tmp_path / "engine", num_slots=1, max_seq_len=64, threads=1)
+    eng = Engine(tmp_path / "engine", num_slots=1, threads=1)
     eng.reset_slot(0)
-    got = eng.step(StepBatch.from_sequences([(0, 0, PROMPT)]))[0]
+    got = eng.step(StepBatch.from_sequences([whole_chunk(eng, 0, 0, PROMPT)]))[0]
     np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
     assert np.abs(want).max() > 0.5  # logits large enough for the tolerance to mean something

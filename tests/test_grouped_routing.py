@@ -15,10 +15,17 @@ from moe_export.export.checkpoint import open_checkpoint
 from moe_export.graphs import model as M
 from moe_export.graphs.model import KimiModel
 from moe_export.recipes.schema import load_recipe
-from moe_export.runtime.engine import Engine, StepBatch
+from moe_export.runtime.engine import Engine, SequenceChunk, StepBatch
 
 PRESET = "tiny-dsa-grouped"
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 8, 300, 11, 12, 77, 1, 400]
+
+
+def whole_chunk(eng: Engine, slot: int, start: int, tokens: list[int]) -> SequenceChunk:
+    """A chunk of slot `slot` whose block table is blocks slot*per .. of the engine's pool, enough for it."""
+    per = eng.num_blocks // eng.num_slots
+    need = -(-(start + len(tokens)) // eng.block_size)
+    return SequenceChunk(slot, start, tokens, list(range(slot * per, slot * per + need)))
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +75,7 @@ def test_engine_graph_routes_by_group(synthetic_checkpoint, tmp_path):
     """tp=1, ep=2 engine vs the reference over a prefill and greedy decode steps."""
     base = yaml.safe_load(open(load_recipe("tiny-cpu.yaml")[1]).read())
     base.update(name="grouped", model={"source": str(synthetic_checkpoint(PRESET))})
+    base["quantization"]["kv_cache"] = "fp32"  # exact cache: the comparison is about the routing
     base["target"]["gpus_per_node"] = 2
     base["parallel"] = {"tp": 1, "ep": 2}
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(base))
@@ -75,12 +83,12 @@ def test_engine_graph_routes_by_group(synthetic_checkpoint, tmp_path):
     build(rec, tmp_path / "engine")
     ref = KimiModel.from_checkpoint(synthetic_checkpoint(PRESET))
     cache = ref.new_cache(1)
-    eng = Engine(tmp_path / "engine", num_slots=1, max_seq_len=64, threads=1)
+    eng = Engine(tmp_path / "engine", num_slots=1, threads=1)
     eng.reset_slot(0)
     want = ref.prefill(torch.tensor([PROMPT]), cache)[0, -1]
-    got = eng.step(StepBatch.from_sequences([(0, 0, PROMPT)]))[0]
+    got = eng.step(StepBatch.from_sequences([whole_chunk(eng, 0, 0, PROMPT)]))[0]
     for step in range(4):
         np.testing.assert_allclose(got, want.numpy(), atol=1e-4, rtol=0, err_msg=f"step {step}")
         token = int(want.argmax())
         want = ref.decode(torch.tensor([token]), cache)[0]
-        got = eng.step(StepBatch.from_sequences([(0, len(PROMPT) + step, [token])]))[0]
+        got = eng.step(StepBatch.from_sequences([whole_chunk(eng, 0, len(PROMPT) + step, [token])]))[0]
