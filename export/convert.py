@@ -143,6 +143,23 @@ def plan_rank_tensors(reader, cfg: ModelConfig, mapping: Mapping, allow_nonfinit
     return tensors, jobs
 
 
+def rank_source_bytes(reader, cfg: ModelConfig, mapping: Mapping) -> int:
+    """Checkpoint bytes a rank's weights come from: its tensor-parallel slice of every non-expert tensor and
+    its whole routed experts (what a converter of that rank must read at least)."""
+    from moe_export.export.checkpoint import SAFETENSORS_DTYPES
+
+    total = 0
+    for spec in all_tensor_specs(cfg, include_experts=False):
+        part = shard_range(spec, mapping)
+        numel = spec.numel if part is None else spec.numel // spec.shape[part[0]] * (part[2] - part[1])
+        total += numel * SAFETENSORS_DTYPES[reader.stored(spec.name).dtype]
+    for layer in range(cfg.num_layers):
+        if cfg.is_moe(layer):
+            for e in mapping.local_experts(cfg.num_experts):
+                total += sum(reader.nbytes(s.name) for s in expert_tensor_specs(cfg, layer, e))
+    return total
+
+
 def storage_order(reader, jobs: list[Job]) -> Iterator[Job]:
     """Jobs in the order their first source is stored, closing each shard's memory map once every tensor
     this rank reads from it has been read (bounds file-backed memory to about one shard)."""

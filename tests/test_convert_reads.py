@@ -7,26 +7,9 @@ import pytest
 
 from moe_export.export import build as build_mod
 from moe_export.export import checkpoint as ckpt_mod
-from moe_export.export.checkpoint import SAFETENSORS_DTYPES, open_checkpoint
-from moe_export.export.convert import convert_rank
+from moe_export.export.checkpoint import open_checkpoint
+from moe_export.export.convert import convert_rank, rank_source_bytes
 from moe_export.export.stage_keys import rank_mapping
-from moe_export.graphs.sharding import shard_range
-from moe_export.graphs.weights import all_tensor_specs, expert_tensor_specs
-
-
-def needed_bytes(reader, mapping) -> int:
-    """Source bytes this rank's weights come from: its slice of every non-expert tensor, its whole experts."""
-    cfg = reader.config
-    total = 0
-    for spec in all_tensor_specs(cfg, include_experts=False):
-        part = shard_range(spec, mapping)
-        numel = spec.numel if part is None else spec.numel // spec.shape[part[0]] * (part[2] - part[1])
-        total += numel * SAFETENSORS_DTYPES[reader.stored(spec.name).dtype]
-    for layer in range(cfg.num_layers):
-        if cfg.is_moe(layer):
-            for e in mapping.local_experts(cfg.num_experts):
-                total += sum(reader.nbytes(s.name) for s in expert_tensor_specs(cfg, layer, e))
-    return total
 
 
 @pytest.mark.parametrize("preset", ["tiny-k3", "tiny-kimi-linear"])
@@ -39,7 +22,7 @@ def test_each_rank_reads_only_what_it_needs(synthetic_checkpoint, tmp_path, pres
             reader.bytes_read = 0  # validation's value checks read K3's A_log; count the conversion only
             mapping = rank_mapping(recipe, rank)
             convert_rank(reader, reader.config, recipe, mapping, tmp_path / f"rank{rank}.safetensors")
-            ratio = reader.bytes_read / needed_bytes(reader, mapping)
+            ratio = reader.bytes_read / rank_source_bytes(reader, reader.config, mapping)
         assert ratio <= 1.0001, f"rank {rank} read {ratio:.3f}x the bytes it needs"
 
 
