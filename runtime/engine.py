@@ -291,6 +291,10 @@ class Engine:
             if (used >= self.num_blocks).any():
                 raise InputError(f"sequence in slot {int(batch.slot_ids[n])}: block id {int(used.max())} out of "
                                  f"range: the engine has {self.num_blocks} blocks")
+        rows = batch.cache_rows(self.block_size)
+        if np.unique(rows).shape[0] != rows.shape[0]:
+            raise InputError("two tokens of the step would write the same cache row: block tables of the step's "
+                             "sequences overlap where they write")
 
     def _collective(self, step: dict, envs: dict[int, dict]) -> None:
         src, dst, group = step["input"], step["output"], step["group"]
