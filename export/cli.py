@@ -62,6 +62,10 @@ def plan(
         table.add_row("workspace reserve", f"{p.reserve_bytes / GIB:.3f}")
         table.add_row("memory per rank", f"{p.memory_bytes / GIB:.3f}")
         console.print(table)
+        d = p.to_dict()
+        fit = ", ".join(f"{n} x {int(length):,} tokens" for length, n in d["sequences_that_fit"].items())
+        console.print(f"cache per rank: {d['cache_tokens_per_rank']:,} tokens in blocks of {rec.limits.block_size} "
+                      f"({rec.limits.max_batch} sequence slots); at once: {fit}")
         console.print(("[green]" if p.fits else "[red]") + p.verdict())
     if not p.fits:
         if not as_json:
