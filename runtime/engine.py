@@ -27,6 +27,7 @@ import onnx
 from onnx import TensorProto
 
 from moe_export.export.errors import InputError
+from moe_export.export.mpi import mpi_world
 from moe_export.export.planner import engine_pool_sizes
 
 STATE_PREFIXES = ("kda_state.", "conv_state.", "mla_cache.", "index_cache.")
@@ -36,12 +37,17 @@ DEFAULT_BLOCK_SIZE = 64  # tokens per cache block when the engine's config.json 
 POOL_DTYPES = {TensorProto.FLOAT: np.float32, TensorProto.BFLOAT16: ml_dtypes.bfloat16}  # ONNX -> numpy
 
 
-def mpi_world() -> tuple[int, int] | None:
-    """(rank, size) when launched by mpiexec, else None (checked without importing MPI)."""
-    for rank_key, size_key in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")):
-        if rank_key in os.environ and size_key in os.environ:
-            return int(os.environ[rank_key]), int(os.environ[size_key])
-    return None
+def rank_folders(engine_dir: Path) -> list[Path]:
+    """`rank{N}/` folders indexed by N (rank10 after rank9, not after rank1); InputError unless they are
+    exactly rank0 .. rank{R-1}."""
+    found = {int(p.name[4:]): p for p in engine_dir.glob("rank*") if p.is_dir() and p.name[4:].isdigit()}
+    if not found:
+        raise InputError(f"{engine_dir}: no rank*/ folders")
+    missing = sorted(set(range(max(found) + 1)) - set(found))
+    if missing:
+        raise InputError(f"{engine_dir}: rank folders {[f'rank{n}' for n in missing[:8]]} are missing "
+                         f"(found {len(found)} of rank0..rank{max(found)})")
+    return [found[n] for n in range(len(found))]
 
 
 @dataclass
@@ -222,9 +228,7 @@ class Engine:
         if not cfg_path.is_file():
             raise InputError(f"{self.dir}: not an engine directory (no config.json); build one with moe-export build")
         self.config = json.loads(cfg_path.read_text())
-        rank_dirs = sorted(p for p in self.dir.glob("rank*") if p.is_dir() and p.name[4:].isdigit())
-        if not rank_dirs:
-            raise InputError(f"{self.dir}: no rank*/ folders")
+        rank_dirs = rank_folders(self.dir)
         self.world_size = len(rank_dirs)
         limits = self.config.get("limits", {})
         self.num_slots = num_slots or int(limits.get("max_batch", 8))
@@ -246,6 +250,9 @@ class Engine:
         per_proc_threads = threads or max(1, (os.cpu_count() or 1) // (1 if mpi is None else mpi[1]))
         self.ranks = [RankRunner.load(rank_dirs[r], self.num_slots, self.num_blocks, self.block_size, per_proc_threads)
                       for r in local]
+        for r, runner in zip(local, self.ranks):
+            if runner.rank != r:
+                raise InputError(f"{rank_dirs[r]}: its graph holds the mapping of rank {runner.rank}, not rank {r}")
         m = self.ranks[0].mapping
         self.tp, self.ep = int(m["tp_size"]), int(m["ep_size"])
         self.comm = MPICommunicator(self.tp, self.ep) if len(local) == 1 and self.world_size > 1 else None
