@@ -19,7 +19,7 @@ from pathlib import Path
 from moe_export.export.errors import InputError
 from moe_export.runtime.budget import ReasoningBudget, resolve_thinking
 from moe_export.runtime.chat import OutputParser, ParsedMessage, prompt_starts_in_reasoning, render_ids
-from moe_export.runtime.generate import model_eos_ids
+from moe_export.runtime.generate import engine_eos_ids
 from moe_export.runtime.sampling import LogitsProcessor, SamplingParams
 from moe_export.runtime.scheduler import Request, Scheduler, SequenceUpdate, follow
 from moe_export.runtime.tokenizer import load_tokenizer
@@ -157,7 +157,7 @@ class LLM:
         self.thinking_caps: dict[str, int] = dict(self.engine.config.get("thinking", {}))
         resolve_thinking(None, self.thinking_caps, default_effort)  # validates the default tier
         self.default_effort = default_effort
-        self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(model_eos_ids(self.engine.model_config)))
+        self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(engine_eos_ids(self.engine)))
         self.reuse_sessions = reuse_sessions
         self._ids = itertools.count()
         self._core = _Core(self) if self.engine.is_root else None
