@@ -1,7 +1,7 @@
 """Runtime: continuous batching throughput and session-reuse time to first token.
 
 Builds the embedded default (tiny-cpu recipe: synthetic tiny-k3, tp=2 ep=2, all 4 ranks in this process)
-with runtime limits for the job (16 slots, max_seq_len 4096, 512 tokens per step) and measures through
+with runtime limits for the job (16 slots, max_seq_len just above the history, 256 tokens per step) and measures through
 the public `LLM` API, in interleaved rounds with equal repetitions:
 
   batching_speedup_16   aggregate generated tokens/s of 16 requests submitted together (one
@@ -38,10 +38,10 @@ PROMPT = 32
 NEW_TURN = 24  # tokens a follow-up turn adds after the previous output
 
 
-def build_engine(root: Path) -> Path:
+def build_engine(root: Path, max_seq_len: int) -> Path:
     recipe = yaml.safe_load(load_recipe("tiny-cpu.yaml")[1].read_text())
     recipe["name"] = "runtime-bench"
-    recipe["limits"] = {"max_batch": BATCH, "max_seq_len": 4096, "max_num_tokens": 512, "block_size": 64}
+    recipe["limits"] = {"max_batch": BATCH, "max_seq_len": max_seq_len, "max_num_tokens": 256, "block_size": 64}
     path = root / "runtime-bench.yaml"
     path.write_text(yaml.safe_dump(recipe))
     out = root / "engine"
@@ -71,9 +71,9 @@ def main() -> None:
         args.rounds, args.history, args.tokens = 1, 300, 8
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
-        engine_dir = build_engine(Path(tmp))
+        engine_dir = build_engine(Path(tmp), args.history + 8 + NEW_TURN + 64)
         threads = min(2, os.cpu_count() or 1)
-        reuse = LLM(engine_dir, num_slots=BATCH, threads=threads)
+        reuse = LLM(engine_dir, num_slots=2, threads=threads)
         full = LLM(engine_dir, num_slots=BATCH, threads=threads, reuse_sessions=False)
         vocab = reuse.tokenizer.vocab_size
         gen = SamplingParams(max_tokens=args.tokens, ignore_eos=True)

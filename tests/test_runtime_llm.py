@@ -123,3 +123,22 @@ def test_chat_terminal(runtime_engine, capsys, monkeypatch):
     assert prompts[1] > prompts[0] + 30 and prompts[2] < prompts[1]  # history kept, then cleared
     rc, _, err = run_cli(capsys, "chat", str(engine_dir), "--effort", "medium")
     assert rc == 2 and "reasoning effort must be" in err
+
+
+def test_chat_terminal_under_mpiexec(runtime_engine):
+    """`mpiexec -n 4 moe-export chat`: rank 0 reads the terminal, ranks 1-3 follow its steps, all exit."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    engine_dir = runtime_engine("tiny-k3", 2, 2, 4)
+    mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
+    cli = str(Path(sys.executable).parent / "moe-export")
+    r = subprocess.run([mpiexec, "-n", "4", cli, "chat", str(engine_dir), "--max-tokens", "12", "--effort", "low"],
+                       input="Hi!\nMore?\n/exit\n", capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    usage = [line for line in r.stdout.splitlines() if line.startswith("(prompt ")]
+    assert len(usage) == 2 and all("reasoning 6;" in line for line in usage), r.stdout
