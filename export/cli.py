@@ -149,6 +149,26 @@ def generate(
 
 
 @app.command()
+def chat(
+    engine: str = typer.Argument(..., help="engine directory built by `moe-export build`"),
+    effort: str = typer.Option("max", "--effort", help="thinking effort: low, high, max, none, or a number of reasoning tokens"),
+    max_tokens: int = typer.Option(1024, "--max-tokens", help="most tokens per answer"),
+    temperature: float | None = typer.Option(None, "--temperature", help="sampling temperature (0 = greedy)"),
+    top_p: float | None = typer.Option(None, "--top-p", help="nucleus sampling mass in (0, 1]"),
+    top_k: int | None = typer.Option(None, "--top-k", help="sample among the k most likely tokens"),
+    seed: int = typer.Option(0, "--seed", help="sampling seed"),
+    system: str | None = typer.Option(None, "--system", help="system prompt"),
+) -> None:
+    """A terminal conversation: streams answers (reasoning dimmed), keeps history with state reuse;
+    /effort low|high|max|none, /reset, /exit. Under `mpiexec -n WORLD`, rank 0 talks to the terminal."""
+    from moe_export.runtime.sampling import SamplingParams
+    from moe_export.runtime.terminal import chat_terminal
+
+    chat_terminal(engine, effort=effort, system=system,
+                  sampling=SamplingParams.from_flags(temperature, top_k, top_p, seed, max_tokens))
+
+
+@app.command()
 def build(
     recipe: str = typer.Option(..., "--recipe", "-r", help="recipe YAML (path, or name in the shipped recipes/)"),
     out: str | None = typer.Option(None, "--out", help="engine directory (default: the recipe's `output`)"),
