@@ -232,12 +232,12 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
         if waiting >= settings.max_queue:
             raise APIError(429, f"the request queue is full ({waiting} waiting, limit {settings.max_queue}); retry later")
 
-    def sampling_params(temperature, top_p, top_k, seed, max_tokens, stop, logprobs=False) -> SamplingParams:
+    def sampling_params(temperature, top_p, top_k, seed, max_tokens, stop, logprobs=False, ignore_eos=False) -> SamplingParams:
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         return SamplingParams(
             temperature=1.0 if temperature is None else float(temperature), top_p=1.0 if top_p is None else float(top_p),
             top_k=max(int(top_k or 0), 0), seed=int(seed or 0), max_tokens=int(max_tokens or settings.default_max_tokens),
-            stop=stops, logprobs=bool(logprobs),
+            stop=stops, logprobs=bool(logprobs), ignore_eos=ignore_eos,
         )
 
     def grammar_for(tools, tool_choice, response_format, thinking: bool, parallel: bool):
@@ -264,9 +264,9 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
             response_format=response_format, logits_processors=[processor] if processor else None, request_id=request_id,
         )
         metrics.requests_by_tier.labels(plan.tier).inc()
-        return await timed(stream, request_id), processor, plan.tier
+        return await timed(stream), processor, plan.tier
 
-    async def timed(stream: AsyncIterator, request_id: str) -> AsyncIterator:
+    async def timed(stream: AsyncIterator) -> AsyncIterator:
         """Await the first delta (errors surface now), then re-yield all deltas, recording TTFT / ITL."""
         start = time.perf_counter()
         first = await stream.__anext__()
@@ -274,7 +274,6 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
 
         async def deltas():
             last = time.perf_counter()
-            finished = first.finished
             try:
                 yield first
                 async for delta in stream:
@@ -282,11 +281,9 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
                     if delta.token_ids:
                         metrics.itl.observe(now - last)
                         last = now
-                    finished = delta.finished
                     yield delta
             finally:
-                if not finished:
-                    llm.abort(request_id)
+                await stream.aclose()  # a client that went away: the runtime aborts the request
 
         return deltas()
 
@@ -335,8 +332,8 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
             plan = resolve_thinking(req.reasoning_effort, info.thinking_caps, settings.default_effort)
             ids = render_ids(
                 tokenizer, convert.chat_messages_from_openai(req.messages), family=family, tools=convert.openai_tools(req.tools),
-                thinking=plan.enabled, thinking_effort=plan.tier if plan.enabled else None,
-                add_generation_prompt=req.add_generation_prompt,
+                thinking=plan.enabled, thinking_effort=plan.tier, add_generation_prompt=req.add_generation_prompt,
+                tool_choice=convert.normalize_tool_choice(req.tool_choice, req.tools), response_format=req.response_format,
             )
         metrics.requests.labels("/tokenize", "200").inc()
         return {"count": len(ids), "max_model_len": info.max_seq_len, "tokens": ids}
@@ -361,7 +358,8 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
         messages = convert.chat_messages_from_openai(req.messages)
         tools = convert.openai_tools(req.tools)
         tool_choice = convert.normalize_tool_choice(req.tool_choice, tools)
-        sampling = sampling_params(req.temperature, req.top_p, req.top_k, req.seed, max_tokens, req.stop, req.logprobs)
+        sampling = sampling_params(req.temperature, req.top_p, req.top_k, req.seed, max_tokens, req.stop, req.logprobs,
+                                   req.ignore_eos)
         request_id = convert.new_id("chatcmpl-")
         deltas, processor, tier = await run_chat(
             request_id, messages, sampling, tools=tools, tool_choice=tool_choice, response_format=req.response_format,
@@ -421,10 +419,10 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
             if bad or not prompt:
                 raise APIError(400, f"prompt: token ids must be a non-empty list in [0, {tokenizer.vocab_size})", "prompt")
         sampling = sampling_params(req.temperature, req.top_p, req.top_k, req.seed, req.max_tokens, req.stop,
-                                   req.logprobs is not None)
+                                   req.logprobs is not None, req.ignore_eos)
         request_id = convert.new_id("cmpl-")
         check_queue()
-        deltas = await timed(llm.generate_stream(prompt, sampling, request_id=request_id), request_id)
+        deltas = await timed(llm.generate_stream(prompt, sampling, request_id=request_id))
         model = req.model or settings.model_name
         echo = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) if req.echo else ""
 

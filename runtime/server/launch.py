@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -45,11 +46,15 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
           store: str | None = None, default_effort: str = "max", max_queue: int = 256) -> None:
     """Run the server until SIGTERM / SIGINT (blocks). Under mpiexec, ranks > 0 run the follower loop."""
     check_serve_args(engine_dir, host, port, store, default_effort, max_queue)
+    from moe_export.runtime.engine import mpi_world
     from moe_export.runtime.llm import LLM, AsyncLLM
 
-    llm = LLM(engine_dir, default_effort=default_effort)
-    if not llm.engine.is_root:
-        llm.run_follower()
+    world = mpi_world()
+    if world is not None and world[0] != 0:
+        # mpiexec forwards SIGTERM to every rank; followers leave when rank 0 has drained and shuts down.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        LLM(engine_dir, default_effort=default_effort).run_follower()
         return
     import uvicorn
 
@@ -59,7 +64,7 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
         engine_dir=Path(engine_dir), api_keys=api_keys, store_path=store or ":memory:",
         default_effort=default_effort, max_queue=max_queue,
     )
-    app = create_app(AsyncLLM(llm), settings)
+    app = create_app(AsyncLLM(engine_dir, default_effort=default_effort), settings)  # shut down with the app
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=600)
     server = uvicorn.Server(config)
     print(f"serving {settings.model_name} on http://{host}:{port} (store: {settings.store_path})", file=sys.stderr, flush=True)

@@ -32,6 +32,7 @@ class ChatCompletionRequest(Lenient):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
 
 
 class CompletionRequest(Lenient):
@@ -48,6 +49,7 @@ class CompletionRequest(Lenient):
     echo: bool = False
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    ignore_eos: bool = False
 
 
 class ResponsesRequest(Lenient):
@@ -91,6 +93,8 @@ class TokenizeRequest(Lenient):
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
     reasoning_effort: str | int | None = None
