@@ -83,9 +83,11 @@ class ServerSettings:
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """What the server needs from the engine's config.json: context limit, thinking caps, logits width."""
+    """What the server needs from the engine's config.json: context limit, sequence slots, thinking caps,
+    logits width."""
 
     max_seq_len: int
+    max_batch: int
     thinking_caps: dict
     vocab_size: int
 
@@ -94,7 +96,9 @@ class EngineInfo:
         cfg = json.loads((Path(engine_dir) / "config.json").read_text())
         pre = cfg.get("pretrained_config", {})
         text = pre.get("text_config", pre)
-        return cls(int(cfg["limits"]["max_seq_len"]), dict(cfg.get("thinking") or {}), int(text["vocab_size"]))
+        limits = cfg["limits"]
+        return cls(int(limits["max_seq_len"]), int(limits["max_batch"]), dict(cfg.get("thinking") or {}),
+                   int(text["vocab_size"]))
 
 
 def _key_digest(key: str) -> bytes:
@@ -227,8 +231,12 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
             raise APIError(400, f"max tokens {max_tokens} is over the engine's context length {info.max_seq_len}",
                            "max_tokens")
 
+    in_flight = [0]  # generation requests accepted and not finished
+
     def check_queue() -> None:
-        waiting = llm.stats()["waiting"]
+        """429 when the requests beyond the engine's sequence slots would exceed --max-queue (counted here:
+        the scheduler learns of a request only when its thread picks it up)."""
+        waiting = max(in_flight[0] - info.max_batch, llm.stats()["waiting"])
         if waiting >= settings.max_queue:
             raise APIError(429, f"the request queue is full ({waiting} waiting, limit {settings.max_queue}); retry later")
 
@@ -269,7 +277,12 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
     async def timed(stream: AsyncIterator) -> AsyncIterator:
         """Await the first delta (errors surface now), then re-yield all deltas, recording TTFT / ITL."""
         start = time.perf_counter()
-        first = await stream.__anext__()
+        in_flight[0] += 1
+        try:
+            first = await stream.__anext__()
+        except BaseException:
+            in_flight[0] -= 1
+            raise
         metrics.ttft.observe(time.perf_counter() - start)
 
         async def deltas():
@@ -283,6 +296,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
                         last = now
                     yield delta
             finally:
+                in_flight[0] -= 1
                 await stream.aclose()  # a client that went away: the runtime aborts the request
 
         return deltas()
@@ -473,7 +487,8 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
         check_limits(messages, None, None)
         tool_choice = convert.responses_tool_choice(req.tool_choice, tools)
         effort = (req.reasoning or {}).get("effort")
-        sampling = sampling_params(req.temperature, req.top_p, None, None, req.max_output_tokens, None)
+        sampling = sampling_params(req.temperature, req.top_p, None, None, req.max_output_tokens, None,
+                                   ignore_eos=req.ignore_eos)
         response_id = convert.new_id("resp_")
         deltas, processor, tier = await run_chat(
             response_id, messages, sampling, tools=tools, tool_choice=tool_choice,

@@ -57,8 +57,11 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
         LLM(engine_dir, default_effort=default_effort).run_follower()
         return
     import uvicorn
+    from sse_starlette.sse import AppStatus
 
     from moe_export.runtime.server.app import ServerSettings, create_app
+
+    AppStatus.disable_automatic_graceful_drain()  # SIGTERM drains: running streams finish, they are not cut
 
     settings = ServerSettings(
         engine_dir=Path(engine_dir), api_keys=api_keys, store_path=store or ":memory:",
@@ -68,4 +71,9 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=600)
     server = uvicorn.Server(config)
     print(f"serving {settings.model_name} on http://{host}:{port} (store: {settings.store_path})", file=sys.stderr, flush=True)
+    # uvicorn handles SIGTERM / SIGINT while it runs (stop accepting, drain, lifespan shutdown) and re-raises
+    # the signal afterwards to the handler that was there before: make that one a no-op, so a drained
+    # server exits 0 instead of dying by the signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     server.run()
