@@ -88,6 +88,9 @@ def test_chat_plain_and_stream_agree(oai):
     streamed_content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed_reasoning == reasoning and streamed_content == (msg.content or "")
     assert chunks[-1].usage.completion_tokens == 14 and chunks[-2].choices[0].finish_reason == "length"
+    with_logprobs = oai.chat.completions.create(model="m", messages=messages, max_completion_tokens=14, logprobs=True, **GREEDY)
+    entries = with_logprobs.choices[0].logprobs.content
+    assert len(entries) == 14 and all(e.logprob <= 0 for e in entries)
 
 
 @pytest.mark.parametrize("effort", ["low", "high", "max", "none"])

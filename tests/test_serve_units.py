@@ -176,3 +176,18 @@ def test_no_grammar_for_auto_tools_or_text():
     with pytest.raises(InputError, match="response_format.type"):
         structural_tag_for("k3", tools=None, tool_choice=None, response_format={"type": "xml"}, thinking=True,
                            starts_in_reasoning=True)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["serve", "/nonexistent/engine"], "not an engine directory"),
+    (["serve", ".", "--port", "0"], "--port"),
+    (["serve", ".", "--default-effort", "extreme"], "--default-effort"),
+    (["serve", ".", "--host", "example.com"], "--host"),
+])
+def test_serve_cli_bad_input_exits_2(capsys, tmp_path, monkeypatch, args, message):
+    from conftest import run_cli
+
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(capsys, *args)
+    assert code == 2 and message in err and "Traceback" not in err
