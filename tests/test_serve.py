@@ -119,6 +119,12 @@ def test_tool_call_round_trip_keeps_reasoning_verbatim(server, oai):
          "tool_calls": [call.model_dump()]},
         {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "sunny"}'},
     ]
+    chunks = list(oai.chat.completions.create(model="m", messages=messages, tools=WEATHER, max_tokens=200, stream=True,
+                                              tool_choice={"type": "function", "function": {"name": "get_weather"}}, **GREEDY))
+    streamed_calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(tc.id, tc.function.name, tc.function.arguments) for tc in streamed_calls] == [
+        (call.id, call.function.name, call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
     second = oai.chat.completions.create(model="m", messages=turn2, tools=WEATHER, max_tokens=20, **GREEDY)
     assert second.choices[0].finish_reason in ("stop", "length")
     prompt2 = tokenize(server, messages=turn2, tools=WEATHER)
@@ -339,3 +345,27 @@ def test_mpiexec_4_ranks_serve_and_drain(tmp_path_factory, server):
     # same synthetic weights, other layout: the parity suite holds logits within 1e-4, so greedy text agrees
     assert four[0]["choices"][0]["message"] == one["choices"][0]["message"]
     assert code == 0
+
+
+@pytest.fixture(scope="module")
+def k2_server(tmp_path_factory):
+    srv = InProcessServer(build_serve_engine(tmp_path_factory.mktemp("serve-k2"), preset="tiny-kimi-linear"),
+                          default_effort="low")
+    yield srv
+    srv.stop()
+
+
+def test_k2_family_forced_tool_call_and_json(k2_server):
+    """tiny-kimi-linear speaks the K2 role-token format: the same requests work through its grammar."""
+    client = openai.OpenAI(base_url=f"{k2_server.url}/v1", api_key="unused", max_retries=0)
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Weather?"}], tools=WEATHER,
+                                       tool_choice="required", parallel_tool_calls=False, max_tokens=200, **GREEDY)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMS)
+    assert r.usage.completion_tokens_details.reasoning_tokens == SERVE_THINKING["low"]
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "JSON please"}], max_tokens=60,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+                                       reasoning_effort="none", **GREEDY)
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
