@@ -369,3 +369,55 @@ def test_k2_family_forced_tool_call_and_json(k2_server):
                                        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
                                        reasoning_effort="none", **GREEDY)
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+def test_bodies_validate_against_the_sdks_own_models(server):
+    """Strict pydantic validation with the clients' own response types (the clients themselves parse leniently)."""
+    from anthropic.types import Message
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+    from openai.types.responses import Response
+
+    h = {"Authorization": f"Bearer {KEY_A}"}
+    chat = httpx.post(f"{server.url}/v1/chat/completions", headers=h, timeout=120, json={
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "temperature": 0,
+        "tools": WEATHER, "tool_choice": "required", "parallel_tool_calls": False}).json()
+    assert ChatCompletion.model_validate(chat).choices[0].message.tool_calls
+    completion = httpx.post(f"{server.url}/v1/completions", headers=h, timeout=120,
+                            json={"model": "m", "prompt": "a", "max_tokens": 3}).json()
+    Completion.model_validate(completion)
+    response = httpx.post(f"{server.url}/v1/responses", headers=h, timeout=120,
+                          json={"model": "m", "input": "hi", "max_output_tokens": 8, "temperature": 0}).json()
+    assert Response.model_validate(response).output[0].type == "reasoning"
+    message = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": KEY_A}, timeout=120, json={
+        "model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "temperature": 0}).json()
+    assert Message.model_validate(message).content[0].type == "thinking"
+
+
+def sse_data(url: str, headers: dict, body: dict) -> list[dict]:
+    with httpx.stream("POST", url, headers=headers, json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        lines = [line[5:].strip() for line in r.iter_lines() if line.startswith("data:")]
+    return [json.loads(d) for d in lines if d != "[DONE]"]
+
+
+def test_stream_events_validate_against_the_sdks_own_models(server):
+    from anthropic.types import RawMessageStreamEvent
+    from openai.types.chat import ChatCompletionChunk
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    h = {"Authorization": f"Bearer {KEY_A}"}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "temperature": 0,
+            "tools": WEATHER, "tool_choice": "required", "parallel_tool_calls": False}
+    for chunk in sse_data(f"{server.url}/v1/chat/completions", h, chat):
+        ChatCompletionChunk.model_validate(chunk)
+    events = sse_data(f"{server.url}/v1/responses", h, {"model": "m", "input": "hi", "max_output_tokens": 12,
+                                                        "temperature": 0, "reasoning": {"effort": "low"}})
+    kinds = [TypeAdapter(ResponseStreamEvent).validate_python(e).type for e in events]
+    assert kinds[0] == "response.created" and "response.reasoning_text.delta" in kinds
+    events = sse_data(f"{server.url}/v1/messages", {"x-api-key": KEY_A}, {
+        "model": "m", "max_tokens": 200, "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
+        "tools": [{"name": "get_weather", "input_schema": WEATHER_PARAMS}], "tool_choice": {"type": "any"}})
+    kinds = [TypeAdapter(RawMessageStreamEvent).validate_python(e).type for e in events]
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds
