@@ -185,9 +185,19 @@ def test_no_grammar_for_auto_tools_or_text():
     (["serve", ".", "--host", "example.com"], "--host"),
 ])
 def test_serve_cli_bad_input_exits_2(capsys, tmp_path, monkeypatch, args, message):
+    """Bad arguments are refused before any engine is loaded."""
     from conftest import run_cli
 
     (tmp_path / "config.json").write_text("{}")
     monkeypatch.chdir(tmp_path)
     code, _, err = run_cli(capsys, *args)
     assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_serve_busy_port_is_a_clear_error():
+    from moe_export.runtime.server.launch import listening_socket
+
+    with listening_socket("127.0.0.1", 0) as taken:
+        taken.listen()
+        with pytest.raises(InputError, match=rf"cannot listen on 127.0.0.1:{taken.getsockname()[1]}"):
+            listening_socket("127.0.0.1", taken.getsockname()[1]).close()
