@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
@@ -138,10 +137,9 @@ def _error_body(path: str, status: int, message: str, param: str | None = None) 
                       "code": status}}
 
 
-def _validation_message(exc: RequestValidationError | ValidationError) -> tuple[str, str | None]:
+def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     first = exc.errors()[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    where = ".".join(loc) or "body"
+    where = ".".join(str(p) for p in first.get("loc", ())) or "body"
     return f"{where}: {first.get('msg', 'invalid value')}", where
 
 
@@ -178,11 +176,6 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
     @app.exception_handler(InputError)
     async def _input_error(request: Request, exc: InputError):
         return error_response(request, 400, str(exc))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError):
-        message, where = _validation_message(exc)
-        return error_response(request, 400, message, where)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):

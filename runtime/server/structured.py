@@ -60,7 +60,6 @@ class GrammarVocab:
             encoded.append(piece)
             if any(s in piece for s in starts) or any(piece.endswith(e) for e in ends):
                 self.spells_marker[i] = True
-        self.family = family
         self.vocab_size = vocab_size
         self.info = xgr.TokenizerInfo(encoded, xgr.VocabType.RAW, vocab_size=vocab_size,
                                       stop_token_ids=sorted(tokenizer.eos_token_ids))
