@@ -23,6 +23,7 @@ from moe_export.export.errors import InputError
 
 STATE_PREFIXES = ("kda_state.", "conv_state.", "mla_cache.", "index_cache.")
 RESET_ON_NEW_SEQUENCE = ("kda_state.", "conv_state.")  # recurrent state; caches are position-addressed
+DEFAULT_BLOCK_SIZE = 64  # tokens per cache block when the engine's config.json does not say
 
 
 def mpi_world() -> tuple[int, int] | None:
@@ -34,6 +35,21 @@ def mpi_world() -> tuple[int, int] | None:
 
 
 @dataclass
+class SequenceChunk:
+    """One sequence's tokens in a step.
+
+    slot: recurrent-state slot (KDA state + conv windows) of the sequence; start: absolute position of
+    tokens[0]; tokens: the new token ids (at least one); block_table: physical cache block ids covering
+    positions [0, start + len(tokens)) in order (block j holds positions j*block_size .. (j+1)*block_size-1).
+    """
+
+    slot: int
+    start: int
+    tokens: list[int]
+    block_table: list[int]
+
+
+@dataclass
 class StepBatch:
     """One engine step over N sequences: tokens [T] packed in sequence order."""
 
@@ -42,18 +58,33 @@ class StepBatch:
     token_slots: np.ndarray  # [T] int64
     cu_seqlens: np.ndarray  # [N+1] int64
     slot_ids: np.ndarray  # [N] int64
+    block_tables: np.ndarray  # [N, B] int64, B = longest table in the step, rows padded with -1
 
     @classmethod
-    def from_sequences(cls, chunks: list[tuple[int, int, list[int]]]) -> StepBatch:
-        """chunks: (slot, start position, token ids) per sequence; every chunk has at least one token."""
+    def from_sequences(cls, chunks: list[SequenceChunk]) -> StepBatch:
+        """Pack `chunks` (each with at least one token) into one step."""
+        if not chunks:
+            raise InputError("a step needs at least one sequence chunk")
         ids, pos, slots, cu = [], [], [], [0]
-        for slot, start, toks in chunks:
-            ids.extend(toks)
-            pos.extend(range(start, start + len(toks)))
-            slots.extend([slot] * len(toks))
-            cu.append(cu[-1] + len(toks))
+        for c in chunks:
+            if not isinstance(c, SequenceChunk):
+                raise InputError(f"StepBatch.from_sequences takes SequenceChunk items, got {type(c).__name__}")
+            if not c.tokens:
+                raise InputError(f"sequence chunk of slot {c.slot} has no tokens")
+            ids.extend(c.tokens)
+            pos.extend(range(c.start, c.start + len(c.tokens)))
+            slots.extend([c.slot] * len(c.tokens))
+            cu.append(cu[-1] + len(c.tokens))
+        width = max(len(c.block_table) for c in chunks)
+        tables = np.full((len(chunks), max(width, 1)), -1, dtype=np.int64)
+        for n, c in enumerate(chunks):
+            tables[n, : len(c.block_table)] = c.block_table
         ids, pos, slots, cu = (np.asarray(v, dtype=np.int64) for v in (ids, pos, slots, cu))
-        return cls(ids, pos, slots, cu, np.asarray([c[0] for c in chunks], dtype=np.int64))
+        return cls(ids, pos, slots, cu, np.asarray([c.slot for c in chunks], dtype=np.int64), tables)
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.slot_ids.shape[0])
 
     def feeds(self) -> dict[str, np.ndarray]:
         return {
@@ -137,6 +168,11 @@ class RankRunner:
             if name.startswith(RESET_ON_NEW_SEQUENCE):
                 pool[slot] = 0.0
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        for name, pool in self.pools.items():
+            if name.startswith(RESET_ON_NEW_SEQUENCE):
+                pool[dst] = pool[src]
+
     def run_segment(self, step: dict, env: dict[str, np.ndarray]) -> None:
         sess = self.sessions[step["segment"]]
         outs = sess.run(step["outputs"], {name: env[name] for name in step["inputs"]})
@@ -144,9 +180,12 @@ class RankRunner:
 
 
 class Engine:
-    """A built engine directory, with the ranks this process runs (all of them, or its MPI rank)."""
+    """A built engine directory, with the ranks this process runs (all of them, or its MPI rank).
 
-    def __init__(self, engine_dir: str | Path, num_slots: int | None = None, max_seq_len: int | None = None,
+    num_slots: concurrent sequences (recurrent-state slots); num_blocks: cache blocks of `block_size`
+    tokens in each paged pool (default: enough for num_slots sequences of max_seq_len)."""
+
+    def __init__(self, engine_dir: str | Path, *, num_slots: int | None = None, num_blocks: int | None = None,
                  threads: int | None = None):
         self.dir = Path(engine_dir)
         cfg_path = self.dir / "config.json"
@@ -159,8 +198,10 @@ class Engine:
         self.world_size = len(rank_dirs)
         limits = self.config.get("limits", {})
         self.num_slots = num_slots or int(limits.get("max_batch", 8))
-        self.max_seq_len = max_seq_len or int(limits.get("max_seq_len", 4096))
+        self.max_seq_len = int(limits.get("max_seq_len", 4096))
         self.max_num_tokens = int(limits.get("max_num_tokens", 8192))
+        self.block_size = int(limits.get("block_size", DEFAULT_BLOCK_SIZE))
+        self.num_blocks = num_blocks or self.num_slots * -(-self.max_seq_len // self.block_size)
         mpi = mpi_world()
         if mpi is not None and mpi[1] > 1:
             rank, size = mpi
@@ -180,10 +221,45 @@ class Engine:
     def is_root(self) -> bool:
         return self.comm is None or self.comm.world.Get_rank() == 0
 
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise InputError(f"slot {slot} out of range: the engine has {self.num_slots} slots")
+
     def reset_slot(self, slot: int) -> None:
         """Start a new sequence in `slot`: zero its recurrent state."""
+        self._check_slot(slot)
         for r in self.ranks:
             r.reset_slot(slot)
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy `src`'s recurrent state (KDA state, conv windows) into `dst` (fork a kept session)."""
+        self._check_slot(src)
+        self._check_slot(dst)
+        for r in self.ranks:
+            r.copy_slot(src, dst)
+
+    def check_batch(self, batch: StepBatch) -> None:
+        """Clear errors for a step the pools cannot hold: slot, position or block id out of range, block
+        table too short for the positions written, more tokens than max_num_tokens."""
+        if batch.input_ids.shape[0] > self.max_num_tokens:
+            raise InputError(f"step has {batch.input_ids.shape[0]} tokens; the engine's max_num_tokens is "
+                             f"{self.max_num_tokens}")
+        for n in range(batch.num_sequences):
+            self._check_slot(int(batch.slot_ids[n]))
+            end = int(batch.positions[batch.cu_seqlens[n + 1] - 1]) + 1
+            if end > self.max_seq_len:
+                raise InputError(f"sequence in slot {int(batch.slot_ids[n])} reaches {end} tokens; the engine's "
+                                 f"max_seq_len is {self.max_seq_len}")
+            table = batch.block_tables[n]
+            need = -(-end // self.block_size)
+            used = table[:need]
+            if used.shape[0] < need or (used < 0).any():
+                raise InputError(f"sequence in slot {int(batch.slot_ids[n])}: block table covers "
+                                 f"{int((table >= 0).sum())} blocks, {need} needed for {end} tokens "
+                                 f"(block_size {self.block_size})")
+            if (used >= self.num_blocks).any():
+                raise InputError(f"sequence in slot {int(batch.slot_ids[n])}: block id {int(used.max())} out of "
+                                 f"range: the engine has {self.num_blocks} blocks")
 
     def _collective(self, step: dict, envs: dict[int, dict]) -> None:
         src, dst, group = step["input"], step["output"], step["group"]
@@ -208,6 +284,7 @@ class Engine:
 
     def step(self, batch: StepBatch) -> np.ndarray:
         """Run one packed step; updates the state pools and returns logits [N, vocab] (fp32)."""
+        self.check_batch(batch)
         feeds = batch.feeds()
         envs = {r.rank: {**feeds, **r.pools} for r in self.ranks}
         for step in self.ranks[0].steps:

@@ -206,3 +206,37 @@ def load_fla_naive(relpath: str):
     mod = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="session")
+def runtime_engine(tmp_path_factory: pytest.TempPathFactory):
+    """(preset, tp, ep, world) -> engine directory built once per session from tiny-cpu.yaml with small
+    runtime limits (max_batch 6, max_seq_len 160, max_num_tokens 48, block_size 16, thinking caps 6/12/20)."""
+    import yaml
+
+    from moe_export.export.build import build
+    from moe_export.recipes.schema import load_recipe
+
+    root = tmp_path_factory.mktemp("runtime-engines")
+    built: dict[tuple, object] = {}
+
+    def get(preset: str = "tiny-k3", tp: int = 2, ep: int = 2, world: int = 4):
+        key = (preset, tp, ep, world)
+        if key not in built:
+            from pathlib import Path
+
+            data = yaml.safe_load(Path(load_recipe("tiny-cpu.yaml")[1]).read_text())
+            data["name"] = f"rt-{preset}-tp{tp}-ep{ep}-w{world}"
+            data["model"] = {"source": f"synthetic:{preset}"}
+            data["target"]["gpus_per_node"] = world
+            data["parallel"] = {"tp": tp, "ep": ep}
+            data["limits"] = {"max_batch": 6, "max_seq_len": 160, "max_num_tokens": 48, "block_size": 16}
+            data["thinking"] = {"low": 6, "high": 12, "max": 20}
+            path = root / f"{data['name']}.yaml"
+            path.write_text(yaml.safe_dump(data))
+            rec, _ = load_recipe(path)
+            build(rec, root / rec.name)
+            built[key] = root / rec.name
+        return built[key]
+
+    return get
