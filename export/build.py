@@ -10,7 +10,7 @@ Layout of the engine directory OUT (TensorRT-LLM conventions):
     OUT/rank{N}/ort_segment_*.onnx ...  ONNX Runtime backend: segments (+ plan) from the lowering
     OUT/rank{N}/rank{N}.engine          TensorRT backend: the serialized engine
     OUT/LICENSE                         the source checkpoint's license, copied
-    OUT/tokenizer.json ...              the source checkpoint's tokenizer files (`TOKENIZER_FILES`), copied
+    OUT/tiktoken.model ...              the source checkpoint's tokenizer files (`TOKENIZER_FILES`), copied
     OUT/manifest.json                   written last: every file's size + sha256, versions, hashes, keys
 
 Bookkeeping (not artifacts): `.build/` holds each stage's outputs from when they are produced until
@@ -92,7 +92,7 @@ from moe_export.recipes.schema import Recipe
 QUANT_REPORT = "quantization.json"
 LICENSE = "LICENSE"
 LICENSE_NAMES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "LICENCE", "license", "license.txt")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 SYNTH_SEED = 0
 MPI_ENV_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 SYNTH_TEMP_RE = re.compile(r"^\..+\.(synth|old)-\d+$")

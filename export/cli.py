@@ -116,7 +116,7 @@ def inspect(
 def generate(
     path: str = typer.Argument(..., help="checkpoint directory, or engine directory built by `moe-export build`"),
     prompt_ids: str | None = typer.Option(None, "--prompt-ids", help="comma-separated token ids, e.g. 1,2,3"),
-    prompt: str | None = typer.Option(None, "--prompt", help="prompt text, tokenized with the checkpoint's tokenizer.json"),
+    prompt: str | None = typer.Option(None, "--prompt", help="prompt text, tokenized with the checkpoint's tokenizer"),
     max_new_tokens: int = typer.Option(..., "--max-new-tokens", help="tokens to generate (stops early at eos)"),
     temperature: float | None = typer.Option(None, "--temperature", help="sampling temperature (0 = greedy)"),
     top_p: float | None = typer.Option(None, "--top-p", help="nucleus sampling mass in (0, 1]"),
@@ -129,7 +129,7 @@ def generate(
     Greedy unless a sampling flag is given."""
     import json
 
-    from moe_export.export.tokenizer import load_tokenizer
+    from moe_export.runtime.tokenizer import load_tokenizer
     from moe_export.runtime.generate import generate_command
     from moe_export.runtime.sampling import SamplingParams
 

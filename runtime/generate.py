@@ -109,7 +109,7 @@ def resolve_prompt(
 ) -> list[int]:
     """Prompt token ids from exactly one of `prompt_ids` ('1,2,3') or `prompt` (text, tokenized with the
     tokenizer in `tokenizer_dir`)."""
-    from moe_export.export.tokenizer import load_tokenizer
+    from moe_export.runtime.tokenizer import load_tokenizer
 
     if (prompt_ids is None) == (prompt is None):
         raise InputError("give exactly one of --prompt-ids or --prompt")

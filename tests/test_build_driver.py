@@ -31,7 +31,7 @@ from moe_export.recipes.schema import Recipe
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
-TOKENIZER = ["special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]  # what synth writes
+TOKENIZER = ["tiktoken.model", "tokenizer_config.json"]  # what synth writes
 
 
 # ---- stand-in stages: small, deterministic, and shaped like the real ones ----
@@ -358,10 +358,10 @@ def test_tokenizer_files_are_copied_and_follow_the_source(tmp_path, ckpt):
         assert (out / name).read_bytes() == (src / name).read_bytes()
     assert set(TOKENIZER) <= set(json.loads((out / "manifest.json").read_text())["files"])
     (src / "chat_template.jinja").write_text("{{ messages }}")
-    (src / "special_tokens_map.json").unlink()
+    (src / "tiktoken.model").unlink()
     res = build(tiny_recipe(src), out, stages=FAKE_STAGES, progress=False)
-    assert res.ran == ["tokenizer"] and res.removed == ["special_tokens_map.json"]
-    assert res.published == ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
+    assert res.ran == ["tokenizer"] and res.removed == ["tiktoken.model"]
+    assert res.published == ["chat_template.jinja", "tokenizer_config.json"]
     assert (out / "chat_template.jinja").read_text() == "{{ messages }}"
     assert verify_engine_dir(out)["ok"]
     assert_published_alone(out)
