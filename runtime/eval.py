@@ -223,7 +223,7 @@ async def run_eval_async(engine_dir: str, tasks: list[EvalTask], tiers: list[str
             results = await asyncio.gather(*(run_task(llm, task, tier) for task in tasks))
             per_tier[tier] = summarize_tier(results)
             rows.extend(results)
-        return {"engine": str(engine_dir), "tiers": per_tier, "results": rows}
+        return {"engine": str(engine_dir), "tier_order": tiers, "tiers": per_tier, "results": rows}
     finally:
         llm.shutdown()
 
@@ -250,7 +250,7 @@ def plot_tiers(report: dict, path: Path) -> None:
 
     from moe_export.export.atomic import atomic_path
 
-    tiers = list(report["tiers"])
+    tiers = report["tier_order"]
     xs = [report["tiers"][t]["avg_reasoning_tokens"] + report["tiers"][t]["avg_output_tokens"] for t in tiers]
     ys = [report["tiers"][t]["pass_rate"] for t in tiers]
     fig, ax = plt.subplots(figsize=(5, 3.5), dpi=100)

@@ -40,6 +40,10 @@ REDUCE_TEMPLATES = {
 OVERHEAD_MARGIN = 8  # tokens kept free beyond the measured prompt overhead
 
 
+class OverLongDocument(InputError):
+    """A document that needs more than --max-chunks chunks."""
+
+
 @dataclass(frozen=True)
 class DocJob:
     """What to do with every document (picklable: sent to Ray actors)."""
@@ -108,14 +112,15 @@ class DocRunner:
         return out.content or ""
 
     async def run(self, path: str, text: str) -> dict:
-        """One document -> response body {"output", "chunks", "chunk_outputs", "usage"}; InputError if over-long."""
+        """One document -> response body {"output", "chunks", "chunk_outputs", "usage"}; OverLongDocument if
+        it needs more than max_chunks chunks."""
         import asyncio
 
         if len(text) > self.job.max_chunks * self.budget * 16:  # > 16 characters per token cannot fit
-            raise InputError(f"{path}: {len(text)} characters cannot fit in {self.job.max_chunks} chunks (--max-chunks)")
+            raise OverLongDocument(f"{path}: {len(text)} characters cannot fit in {self.job.max_chunks} chunks (--max-chunks)")
         chunks = chunk_text(text, self.count, self.budget, self.job.overlap)
         if len(chunks) > self.job.max_chunks:
-            raise InputError(f"{path}: needs {len(chunks)} chunks of {self.budget} tokens, over --max-chunks {self.job.max_chunks}")
+            raise OverLongDocument(f"{path}: needs {len(chunks)} chunks of {self.budget} tokens, over --max-chunks {self.job.max_chunks}")
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "reasoning_tokens": 0, "requests": 0}
         prompts = [self.prompt.render(document=c, path=path, chunk_index=i, num_chunks=len(chunks),
                                       question=self.job.question or "") for i, c in enumerate(chunks)]

@@ -22,15 +22,14 @@ class ReplicaWorker:
     """A Ray Data actor: one engine replica, and its own event loop driving the replica's AsyncLLM."""
 
     def __init__(self, engine_dir: str, doc_job, concurrency: int, default_effort: str | None) -> None:
-        from moe_export.runtime.batch.runner import ItemProcessor, start_llm
+        from moe_export.runtime.batch.runner import start_llm
 
         self.loop = asyncio.new_event_loop()
 
         async def start():
-            allm, conc, max_seq_len = start_llm(engine_dir, default_effort, concurrency)
-            return allm, ItemProcessor(allm, max_seq_len, doc_job, conc)
+            return start_llm(engine_dir, default_effort, concurrency, doc_job)
 
-        self.allm, self.processor = self.loop.run_until_complete(start())
+        self.llm, self.allm, self.processor = self.loop.run_until_complete(start())
 
     def __call__(self, batch: dict) -> dict:
         """batch {"item": [JSON item]} -> {"record": [JSON output record]} (same order)."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_export.export.errors import InputError
-from moe_export.runtime.batch.doc_tasks import DocJob, DocRunner
+from moe_export.runtime.batch.doc_tasks import DocJob, DocRunner, OverLongDocument
 from moe_export.runtime.batch.documents import read_documents
 from moe_export.runtime.batch.openai_batch import parse_input_line, run_request
 from moe_export.runtime.batch.output import ResultLog
@@ -111,6 +111,7 @@ class ItemProcessor:
 
     def __init__(self, llm, max_seq_len: int, doc_job: DocJob | None, concurrency: int) -> None:
         self.llm = llm
+        self.concurrency = concurrency
         self.semaphore = asyncio.Semaphore(concurrency)
         self.docs = DocRunner(llm, doc_job, max_seq_len, self.semaphore) if doc_job is not None else None
 
@@ -121,6 +122,8 @@ class ItemProcessor:
             async with self.semaphore:
                 body, _ = await run_request(self.llm, item)
             return ok_record(item, body)
+        except OverLongDocument as exc:
+            return error_record(item["custom_id"], "over_long", str(exc), item.get("content_hash"))
         except InputError as exc:
             return error_record(item["custom_id"], "invalid_request", str(exc), item.get("content_hash"))
         except Exception as exc:  # one item's failure is its error line, never the run's end
@@ -128,23 +131,26 @@ class ItemProcessor:
                                 item.get("content_hash"))
 
 
-def start_llm(engine_dir: str, default_effort: str | None, concurrency: int) -> tuple[object, int, int]:
-    """(AsyncLLM, concurrency, max_seq_len) on `engine_dir`; call inside the event loop that will use it.
+def start_llm(engine_dir: str, default_effort: str | None, concurrency: int, doc_job: DocJob | None):
+    """(LLM, AsyncLLM over it, ItemProcessor) on `engine_dir`; call inside the event loop that will use them.
     concurrency 0 means twice the engine's sequence slots (the scheduler always has a queue to fill from)."""
     from moe_export.runtime.llm import LLM, AsyncLLM
 
-    kwargs = {} if default_effort is None else {"default_effort": default_effort}
-    llm = LLM(engine_dir, **kwargs)
-    allm = AsyncLLM(llm)
-    return allm, concurrency or 2 * llm.engine.num_slots, llm.engine.max_seq_len
+    llm = LLM(engine_dir, **({} if default_effort is None else {"default_effort": default_effort}))
+    try:
+        allm = AsyncLLM(llm)
+        processor = ItemProcessor(allm, llm.engine.max_seq_len, doc_job, concurrency or 2 * llm.engine.num_slots)
+    except BaseException:
+        llm.shutdown()
+        raise
+    return llm, allm, processor
 
 
 async def run_local(engine_dir: str, pending: list[dict], doc_job: DocJob | None, concurrency: int,
                     default_effort: str | None, emit: Callable[[dict], None]) -> None:
     """Process `pending` on one in-process engine; `emit(record)` is called as each item finishes."""
-    allm, concurrency, max_seq_len = start_llm(engine_dir, default_effort, concurrency)
+    llm, allm, processor = start_llm(engine_dir, default_effort, concurrency, doc_job)
     try:
-        processor = ItemProcessor(allm, max_seq_len, doc_job, concurrency)
         queue: asyncio.Queue = asyncio.Queue()
         for item in pending:
             queue.put_nowait(item)
@@ -153,9 +159,10 @@ async def run_local(engine_dir: str, pending: list[dict], doc_job: DocJob | None
             while not queue.empty():
                 emit(await processor.process(queue.get_nowait()))
 
-        await asyncio.gather(*(worker() for _ in range(max(1, min(concurrency, len(pending))))))
+        await asyncio.gather(*(worker() for _ in range(max(1, min(processor.concurrency, len(pending))))))
     finally:
         allm.shutdown()
+        llm.shutdown()
 
 
 def run_batch(engine_dir: str, input_path: str, output: str, *, concurrency: int | None = None,
