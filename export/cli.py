@@ -268,6 +268,24 @@ def eval_(
     console.print(table)
 
 
+@app.command()
+def serve(
+    engine: str = typer.Argument(..., help="engine directory built by `moe-export build`"),
+    host: str = typer.Option("127.0.0.1", "--host", help="address to bind (loopback by default)"),
+    port: int = typer.Option(8000, "--port", help="TCP port"),
+    api_key: list[str] = typer.Option(None, "--api-key", help="accepted API key (repeatable); default: $MOE_EXPORT_API_KEY (comma-separated), else no auth"),
+    store: str | None = typer.Option(None, "--store", help="SQLite file for stored Responses history (default: in memory)"),
+    default_effort: str = typer.Option("max", "--default-effort", help="thinking tier when a request names none: low, high, max or none"),
+    max_queue: int = typer.Option(256, "--max-queue", help="waiting requests before new ones get 429"),
+) -> None:
+    """OpenAI- and Anthropic-compatible HTTP server (rank 0; other ranks follow under `mpiexec -n WORLD`).
+    Ready when GET /health answers 200; SIGTERM drains running requests and exits 0."""
+    from moe_export.runtime.server.launch import resolve_api_keys, serve as run_server
+
+    run_server(engine, host=host, port=port, api_keys=resolve_api_keys(api_key), store=store,
+               default_effort=default_effort, max_queue=max_queue)
+
+
 def main() -> None:
     """Console-script entry point: maps InputError to exit 2 with a one-paragraph message."""
     debug = "--debug" in sys.argv
