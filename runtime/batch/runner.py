@@ -19,7 +19,7 @@ from pathlib import Path
 from moe_export.export.errors import InputError
 from moe_export.runtime.batch.doc_tasks import DocJob, DocRunner, OverLongDocument
 from moe_export.runtime.batch.documents import read_documents
-from moe_export.runtime.batch.openai_batch import parse_input_line, run_request
+from moe_export.runtime.batch.openai_batch import ServedEndpoints, custom_id_of, parse_input_line
 from moe_export.runtime.batch.output import ResultLog
 
 
@@ -46,9 +46,10 @@ class BatchSummary:
             self.errors[record["error"]["code"]] = self.errors.get(record["error"]["code"], 0) + 1
 
 
-def ok_record(item: dict, body: dict) -> dict:
+def ok_record(item: dict, body: dict, request_id: str | None = None) -> dict:
     record = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": item["custom_id"],
-              "response": {"status_code": 200, "request_id": f"req_{uuid.uuid4().hex}", "body": body}, "error": None}
+              "response": {"status_code": 200, "request_id": request_id or f"req_{uuid.uuid4().hex}", "body": body},
+              "error": None}
     if item.get("content_hash"):
         record["content_hash"] = item["content_hash"]
     return record
@@ -89,7 +90,7 @@ def collect_items(input_path: Path, log: ResultLog, max_file_bytes: int) -> tupl
         try:
             item = parse_input_line(line, line_no)
         except InputError as exc:
-            custom_id = f"line-{line_no}"
+            custom_id = custom_id_of(line) or f"line-{line_no}"
             if custom_id not in log.done:
                 refused.append(error_record(custom_id, "bad_record", str(exc)))
             else:
@@ -107,21 +108,32 @@ def collect_items(input_path: Path, log: ResultLog, max_file_bytes: int) -> tupl
 
 
 class ItemProcessor:
-    """Turns items into output records on one AsyncLLM (shared by the local and the Ray runner)."""
+    """Turns items into output records on one AsyncLLM (shared by the local and the Ray runner): batch API
+    lines through the server's endpoints in process, documents through a DocRunner."""
 
-    def __init__(self, llm, max_seq_len: int, doc_job: DocJob | None, concurrency: int) -> None:
-        self.llm = llm
+    def __init__(self, llm, engine_dir: str, default_effort: str | None, max_seq_len: int, doc_job: DocJob | None,
+                 concurrency: int) -> None:
         self.concurrency = concurrency
         self.semaphore = asyncio.Semaphore(concurrency)
         self.docs = DocRunner(llm, doc_job, max_seq_len, self.semaphore) if doc_job is not None else None
+        self.endpoints = ServedEndpoints(llm, engine_dir, default_effort, concurrency) if doc_job is None else None
+
+    async def _endpoint(self, item: dict) -> dict:
+        async with self.semaphore:
+            status, request_id, payload = await self.endpoints.post(item["url"], item["body"])
+        if status == 200:
+            return ok_record(item, payload, request_id)
+        error = payload.get("error") if isinstance(payload.get("error"), dict) else {}
+        record = error_record(item["custom_id"], str(error.get("type", f"http_{status}")),
+                              str(error.get("message", payload)))
+        record["response"] = {"status_code": status, "request_id": request_id, "body": None}
+        return record
 
     async def process(self, item: dict) -> dict:
         try:
             if item["kind"] == "doc":
                 return ok_record(item, await self.docs.run(item["custom_id"], item["text"]))
-            async with self.semaphore:
-                body, _ = await run_request(self.llm, item)
-            return ok_record(item, body)
+            return await self._endpoint(item)
         except OverLongDocument as exc:
             return error_record(item["custom_id"], "over_long", str(exc), item.get("content_hash"))
         except InputError as exc:
@@ -129,6 +141,10 @@ class ItemProcessor:
         except Exception as exc:  # one item's failure is its error line, never the run's end
             return error_record(item["custom_id"], "generation_failed", f"{type(exc).__name__}: {exc}",
                                 item.get("content_hash"))
+
+    async def aclose(self) -> None:
+        if self.endpoints is not None:
+            await self.endpoints.aclose()
 
 
 def start_llm(engine_dir: str, default_effort: str | None, concurrency: int, doc_job: DocJob | None):
@@ -139,7 +155,8 @@ def start_llm(engine_dir: str, default_effort: str | None, concurrency: int, doc
     llm = LLM(engine_dir, **({} if default_effort is None else {"default_effort": default_effort}))
     try:
         allm = AsyncLLM(llm)
-        processor = ItemProcessor(allm, llm.engine.max_seq_len, doc_job, concurrency or 2 * llm.engine.num_slots)
+        processor = ItemProcessor(allm, engine_dir, default_effort, llm.engine.max_seq_len, doc_job,
+                                  concurrency or 2 * llm.engine.num_slots)
     except BaseException:
         llm.shutdown()
         raise
@@ -160,6 +177,7 @@ async def run_local(engine_dir: str, pending: list[dict], doc_job: DocJob | None
                 emit(await processor.process(queue.get_nowait()))
 
         await asyncio.gather(*(worker() for _ in range(max(1, min(processor.concurrency, len(pending))))))
+        await processor.aclose()
     finally:
         allm.shutdown()
         llm.shutdown()
@@ -172,6 +190,8 @@ def run_batch(engine_dir: str, input_path: str, output: str, *, concurrency: int
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     src = Path(input_path)
+    if not (Path(engine_dir) / "config.json").is_file():
+        raise InputError(f"{engine_dir}: not an engine directory (no config.json); build one with moe-export build")
     if src.is_dir() and doc_job is None:
         raise InputError(f"--input {input_path} is a folder of documents: give --task or --prompt-file")
     if not src.is_dir() and doc_job is not None:
