@@ -1,7 +1,7 @@
 """Synthetic Hugging Face checkpoints with random, well-scaled weights for the Kimi family.
 
 `write_synthetic_checkpoint(preset, out_dir, seed)` writes config.json, sharded safetensors with
-`model.safetensors.index.json`, a Kimi-format tokenizer (byte-level ranks, the family's special tokens) and a LICENSE, into a temporary directory that is
+`model.safetensors.index.json`, a Kimi tiktoken tokenizer and a LICENSE, into a temporary directory that is
 renamed into place at the end. The output is a pure function of (preset, seed): every tensor comes from
 its own `torch.Generator`, seeded from sha256(seed, tensor name), and headers are written with sorted
 keys. Tensors follow the inventory of `moe_export.graphs.weights` and are generated and written one at

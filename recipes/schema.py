@@ -62,7 +62,8 @@ class QuantizationSection(_Strict):
     dense: Literal["bf16", "fp8"] = "bf16"
     attention: Literal["bf16", "fp8"] = "bf16"
     shared_experts: Literal["bf16", "fp8"] = "bf16"
-    kv_cache: Literal["bf16", "fp8"] = "bf16"
+    kv_cache: Literal["bf16", "fp8", "fp32"] = Field(
+        default="bf16", description="cache pool storage (compute stays fp32); fp32 for exact parity checks")
     allow_nonfinite: bool = False
 
 

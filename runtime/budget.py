@@ -10,7 +10,8 @@ prompt, which the budget never sees: `starts_in_reasoning` says how the generati
 
 `reasoning_tokens` counts the tokens inside think elements, without the markers; with a cap it never
 exceeds the cap, and equals it when the cap is what ended reasoning (less only by the part of a close tag
-the model had written itself when the cap was reached).
+the model had written itself when the cap was reached: a begun close tag counts toward the cap while it
+is written, and is not reasoning once it completes).
 """
 
 from __future__ import annotations
@@ -69,20 +70,29 @@ class ReasoningBudget:
         self.family = family
         self.cap = cap
         self.in_reasoning = starts_in_reasoning
-        self.reasoning_tokens = 0
+        self._committed = 0  # reasoning tokens outside any unfinished tag
         self._queue: list[int] = []
+        self._tag: list[int] | None = None  # K3: tokens of the tag being written, from its <|open|> / <|close|>
+        self._tag_in_reasoning = False
         if family == "k3":
             self._open, self._close, self._sep = (tokenizer.encode_special(m) for m in ("<|open|>", "<|close|>", "<|sep|>"))
             self._after_close = [self._open, *tokenizer.encode("response"), self._sep]
-            self._tag: list[int] | None = None  # tokens of the tag being written, from its <|open|> / <|close|>
         else:
             self._think, self._end_think, self._calls_begin = (
                 tokenizer.encode_special(m) for m in ("<think>", "</think>", "<|tool_calls_section_begin|>")
             )
 
+    @property
+    def reasoning_tokens(self) -> int:
+        """Reasoning tokens so far; a close tag still being written counts once it is not `think`'s."""
+        if self._tag is not None and self._tag_in_reasoning and not self._tag_may_close_think():
+            return self._committed + len(self._tag)
+        return self._committed
+
     def forced_token(self) -> int | None:
         """The token the runtime must emit next instead of sampling, or None."""
-        if not self._queue and self.in_reasoning and self.cap is not None and self.reasoning_tokens >= self.cap:
+        pending = len(self._tag) if self._tag is not None and self._tag_in_reasoning else 0
+        if not self._queue and self.in_reasoning and self.cap is not None and self._committed + pending >= self.cap:
             self._queue = self._close_marker()
         return self._queue[0] if self._queue else None
 
@@ -101,35 +111,45 @@ class ReasoningBudget:
         elif token_id in (self._end_think, self._calls_begin):
             self.in_reasoning = False
         elif self.in_reasoning:
-            self.reasoning_tokens += 1
+            self._committed += 1
 
     def _observe_k3(self, t: int) -> None:
-        if self.in_reasoning:
-            self.reasoning_tokens += 1
+        """Tags are `<|open|>`/`<|close|>` NAME `<|sep|>`; a tag's tokens count as reasoning once it
+        turns out not to be the think close tag (a new tag abandons an unfinished one)."""
         if t in (self._open, self._close):
-            self._tag = [t]
+            self._settle_tag()
+            self._tag, self._tag_in_reasoning = [t], self.in_reasoning
             return
         if self._tag is None:
+            self._committed += self.in_reasoning
             return
         self._tag.append(t)
         if t != self._sep:
             return
-        tag, self._tag = self._tag, None
-        if self.tok.decode(tag[1:-1]) != "think":
-            return
-        if tag[0] == self._close and self.in_reasoning:
-            self.in_reasoning = False
-            self.reasoning_tokens -= len(tag)  # the close tag is a marker, not reasoning
-        elif tag[0] == self._open and not self.in_reasoning:
+        is_think = self.tok.decode(self._tag[1:-1]) == "think"
+        if is_think and self._tag[0] == self._close and self.in_reasoning:
+            self.in_reasoning = False  # the close tag is a marker, not reasoning
+            self._tag = None
+        elif is_think and self._tag[0] == self._open and not self.in_reasoning:
             self.in_reasoning = True
+            self._tag = None
+        else:
+            self._settle_tag()
+
+    def _settle_tag(self) -> None:
+        """The pending tag is not a think marker: its tokens are reasoning if it began in reasoning."""
+        if self._tag is not None and self._tag_in_reasoning:
+            self._committed += len(self._tag)
+        self._tag = None
+
+    def _tag_may_close_think(self) -> bool:
+        return self._tag[0] == self._close and "think".startswith(self.tok.decode(self._tag[1:]))
 
     def _close_marker(self) -> list[int]:
         """The rest of the close marker: completes a `<|close|>th...` the model began, else the whole."""
         if self.family == "k2":
             return [self._end_think]
-        if self._tag is not None and self._tag[0] == self._close:
-            written = self.tok.decode(self._tag[1:])
-            if "think".startswith(written):
-                rest = "think"[len(written):]
-                return [*self.tok.encode(rest), self._sep, *self._after_close]
+        if self._tag is not None and self._tag_may_close_think():
+            rest = "think"[len(self.tok.decode(self._tag[1:])):]
+            return [*self.tok.encode(rest), self._sep, *self._after_close]
         return [self._close, *self.tok.encode("think"), self._sep, *self._after_close]

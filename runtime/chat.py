@@ -31,7 +31,7 @@ from typing import Any
 
 from moe_export.export.errors import InputError
 from moe_export.runtime.budget import EFFORT_TIERS
-from moe_export.runtime.tokenizer import Tokenizer
+from moe_export.runtime.tokenizer import IncrementalDecoder, Tokenizer
 
 FAMILIES = ("k3", "k2")
 K2_DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
@@ -79,7 +79,9 @@ def render(
     thinking_effort: "low" | "high" | "max" (K3's thinking-effort message; default max when thinking is
     on) or "none" (= thinking off). tool_choice: "auto" | "none" | "required" | {"type": "function",
     "function": {"name": ...}}. response_format: {"type": "text" | "json_object" | "json_schema", ...}.
-    vision: the engine has a vision graph (else image parts are an InputError)."""
+    The thinking-effort / tool-choice / response-format system messages are K3's; K2 has none (its
+    tool choice and response format are left to constrained decoding). vision: the engine has a vision
+    graph (K3: image parts render as `<|kimi_image_placeholder|>`); without one image parts are an InputError."""
     segments = render_segments(
         messages, family=family, tools=tools, thinking=thinking, thinking_effort=thinking_effort,
         tool_choice=tool_choice, response_format=response_format, add_generation_prompt=add_generation_prompt,
@@ -491,28 +493,6 @@ class ParsedMessage:
     tool_call_parse_failures: int = 0
 
 
-class _TextRun:
-    """Incremental decoding of ordinary-token runs: a token that ends inside a UTF-8 character is held
-    until the character completes (at most 4 tokens)."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tok = tokenizer
-        self.pending: list[int] = []
-
-    def push(self, token_id: int) -> str:
-        self.pending.append(token_id)
-        text = self.tok.decode(self.pending)
-        if text.endswith("\ufffd") and len(self.pending) < 4:
-            return ""
-        self.pending = []
-        return text
-
-    def flush(self) -> str:
-        text = self.tok.decode(self.pending) if self.pending else ""
-        self.pending = []
-        return text
-
-
 @dataclass
 class _Call:
     """A tool call being read: its raw tokens (for the failure path) and parsed parts."""
@@ -533,7 +513,9 @@ class _Call:
 class OutputParser:
     """Streaming parser of one assistant output (token ids after the generation prompt).
 
-    feed(ids) -> ParsedDelta of new reasoning / content text; finish() -> ParsedMessage."""
+    feed(ids) -> ParsedDelta of new reasoning / content text; finish() -> ParsedMessage. After finish(),
+    `delta` holds the text finish() itself added (an unfinished tool call, a held-back character): stream
+    it as the last delta."""
 
     def __init__(self, tokenizer: Tokenizer, family: str, *, starts_in_reasoning: bool, tools_declared: bool = True) -> None:
         _check_family(family)
@@ -546,7 +528,7 @@ class OutputParser:
         self.tool_calls: list[dict] = []
         self.failures = 0
         self.failure_reasons: list[str] = []  # why each failed call did not parse (for logs)
-        self.run = _TextRun(tokenizer)
+        self.run = IncrementalDecoder(tokenizer)
         self.names = {i: n for n, i in tokenizer.special_tokens.items()}
         self.header: str | None = None  # K3: text of an open / close tag before its <|sep|>
         self.header_kind = ""
@@ -582,8 +564,10 @@ class OutputParser:
             if self.call is not None:
                 self.call.ids.append(t)
             name = self.names.get(t)
-            if self.family == "k3":
-                self.header_ids = [t] if name in (OPEN, CLOSE) else [*self.header_ids, t]
+            if self.family == "k3" and name in (OPEN, CLOSE):
+                self.header_ids = [t]
+            elif self.header is not None:
+                self.header_ids.append(t)
             if name is None:
                 self._emit(self.run.push(t))
                 continue

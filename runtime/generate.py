@@ -63,10 +63,16 @@ def model_eos_ids(model_config: dict) -> list[int]:
     return []
 
 
+def engine_eos_ids(engine) -> list[int]:
+    """Every stop id of an engine: the build's `eos_token_ids` (config.json and generation_config.json
+    together), else those of its HF config."""
+    return list(engine.config.get("eos_token_ids") or model_eos_ids(engine.model_config))
+
+
 def generate_tokens(engine, prompt_ids: list[int], sampling: SamplingParams | None = None,
-                    eos_token_ids=()) -> list[int]:
+                    eos_token_ids=(), sample_vocab: int | None = None) -> list[int]:
     """New token ids of one prompt (rank 0 of `engine`), through the scheduler; the stop token is included."""
-    sched = Scheduler(engine, eos_token_ids=eos_token_ids, keep_sessions=False)
+    sched = Scheduler(engine, eos_token_ids=eos_token_ids, keep_sessions=False, sample_vocab=sample_vocab)
     sched.add(Request("generate", list(prompt_ids), sampling or SamplingParams()))
     out: list[int] = []
     while sched.has_work:
@@ -80,12 +86,12 @@ def generate_tokens(engine, prompt_ids: list[int], sampling: SamplingParams | No
 def reference_generate(model, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
                        stop_at_eos: bool = True) -> list[int]:
     """Generation with the reference model (greedy by default): at most `max_new_tokens`, stopping after
-    the config's eos id when `stop_at_eos` (the eos token is included)."""
+    any of the config's eos ids when `stop_at_eos` (the eos token is included)."""
     if max_new_tokens < 1:
         return []
     base = sampling or SamplingParams()
     params = SamplingParams(base.temperature, base.top_k, base.top_p, base.seed, max_new_tokens, ignore_eos=not stop_at_eos)
-    eos = [model.cfg.eos_token_id] if model.cfg.eos_token_id is not None else []
+    eos = list(model.cfg.eos_token_ids)
     engine = ReferenceEngine(model, max_seq_len=len(prompt_ids) + max_new_tokens)
     return generate_tokens(engine, prompt_ids, params, eos)
 
@@ -142,7 +148,7 @@ def generate_command(path: str | Path, prompt_ids: str | None, prompt: str | Non
         try:
             cfg = ModelConfig.from_hf_dict(engine.model_config, source=f"{path}/config.json")
             ids = resolve_prompt(path, prompt_ids, prompt, cfg.vocab_size, sampling.max_tokens)
-            return generate_tokens(engine, ids, sampling, model_eos_ids(engine.model_config))
+            return generate_tokens(engine, ids, sampling, engine_eos_ids(engine))
         finally:
             if engine.comm is not None:
                 engine.comm.broadcast(None)  # release the follower ranks, also after an error
@@ -151,4 +157,4 @@ def generate_command(path: str | Path, prompt_ids: str | None, prompt: str | Non
     cfg = ModelConfig.from_pretrained(path)
     ids = resolve_prompt(path, prompt_ids, prompt, cfg.vocab_size, sampling.max_tokens)
     engine = ReferenceEngine(KimiModel.from_checkpoint(path), max_seq_len=len(ids) + sampling.max_tokens)
-    return generate_tokens(engine, ids, sampling, model_eos_ids(json.loads(cfg_path.read_text())))
+    return generate_tokens(engine, ids, sampling, cfg.eos_token_ids)

@@ -52,6 +52,7 @@ class SequenceUpdate:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_text_index: int | None = None  # where a stop string starts in the decoded output text
     error: str | None = None  # why a request was aborted by the runtime (e.g. a failing logits processor)
+    cached_tokens: int = 0  # prompt tokens whose state came from a kept session
 
 
 @dataclass
@@ -75,10 +76,13 @@ class Scheduler:
     """Continuous batching on rank 0 of `engine` (an Engine, or anything with the same step interface).
 
     eos_token_ids: the model's stop ids (ignored per request with `ignore_eos`). decode: output ids ->
-    text, for stop strings. keep_sessions: keep finished sequences' state for reuse."""
+    text, for stop strings. keep_sessions: keep finished sequences' state for reuse. sample_vocab: sample
+    among ids below it only (the tokenizer's size when the model's vocabulary has padding rows)."""
 
-    def __init__(self, engine, *, eos_token_ids=(), decode=None, keep_sessions: bool = True) -> None:
+    def __init__(self, engine, *, eos_token_ids=(), decode=None, keep_sessions: bool = True,
+                 sample_vocab: int | None = None) -> None:
         self.engine = engine
+        self.sample_vocab = sample_vocab
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.decode = decode
         self.keep_sessions = keep_sessions
@@ -251,7 +255,7 @@ class Scheduler:
         budget = req.budget
         try:
             forced = budget.forced_token() if budget is not None else None
-            token, logprob = seq.sampler.choose(seq.output_ids, torch.from_numpy(np.asarray(logits_row)), forced)
+            token, logprob = seq.sampler.choose(seq.output_ids, torch.from_numpy(np.asarray(logits_row)[: self.sample_vocab]), forced)
         except Exception as exc:  # a failing request-supplied logits processor ends that request only
             self.running.remove(seq)
             self._release(seq, keep=False)
@@ -261,7 +265,8 @@ class Scheduler:
             budget.observe(token)
         if logprob is not None:
             seq.logprobs.append(logprob)
-        update = SequenceUpdate(req.request_id, [token], [logprob] if logprob is not None else None)
+        update = SequenceUpdate(req.request_id, [token], [logprob] if logprob is not None else None,
+                                cached_tokens=seq.cached_tokens)
         n_out = len(seq.tokens) - seq.prompt_len
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             update.finish_reason = "stop"

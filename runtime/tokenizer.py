@@ -20,6 +20,7 @@ import binascii
 import json
 import re
 from abc import ABC, abstractmethod
+from functools import cached_property
 from pathlib import Path
 
 from moe_export.export.atomic import atomic_write_bytes, atomic_write_json
@@ -146,9 +147,9 @@ class Tokenizer(ABC):
             ids = [i for i in ids if i not in self._special_ids]
         return self._decode(ids)
 
-    @property
-    def _special_ids(self) -> set[int]:
-        return set(self._specials.values())
+    @cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(self._specials.values())
 
 
 class KimiTokenizer(Tokenizer):
@@ -237,6 +238,32 @@ def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
         except (ValueError, binascii.Error):
             raise InputError(f"{path}:{n}: not a `base64(token) rank` line: {line[:60]!r}") from None
     return ranks
+
+
+class IncrementalDecoder:
+    """Streaming detokenizer: `push(id)` returns the text the id completes. A token that ends inside a
+    UTF-8 character is held until the character completes (at most 4 tokens); a special token flushes
+    what is held and returns its name."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tok = tokenizer
+        self.pending: list[int] = []
+
+    def push(self, token_id: int) -> str:
+        if self.tok.is_special(token_id):
+            return self.flush() + self.tok.decode([token_id])
+        self.pending.append(token_id)
+        text = self.tok.decode(self.pending)
+        if text.endswith("\ufffd") and len(self.pending) < 4:
+            return ""
+        self.pending = []
+        return text
+
+    def flush(self) -> str:
+        """Text of the held tokens (an incomplete character decodes as U+FFFD)."""
+        text = self.tok.decode(self.pending) if self.pending else ""
+        self.pending = []
+        return text
 
 
 def _read_config(directory: Path) -> dict:

@@ -36,9 +36,12 @@ def chunk(slot: int, start: int, tokens: list[int], block_size: int, first_block
     return SequenceChunk(slot, start, tokens, list(range(first_block, first_block + blocks)))
 
 
-def make_recipe(tmp: Path, preset: str, tp: int, ep: int, world: int, attention: str = "tp") -> Path:
+def make_recipe(tmp: Path, preset: str, tp: int, ep: int, world: int, attention: str = "tp",
+                kv_cache: str = "fp32") -> Path:
+    """tiny-cpu with another model, layout and cache storage dtype (fp32 by default: exact parity)."""
     base = yaml.safe_load(Path(load_recipe("tiny-cpu.yaml")[1]).read_text())
-    base["name"] = f"{preset}-tp{tp}-ep{ep}-w{world}-attn{attention}"
+    base["name"] = f"{preset}-tp{tp}-ep{ep}-w{world}-attn{attention}-kv{kv_cache}"
+    base["quantization"]["kv_cache"] = kv_cache
     base["model"] = {"source": f"synthetic:{preset}"}
     base["target"]["gpus_per_node"] = world
     base["parallel"] = {"tp": tp, "ep": ep, "attention": attention}
@@ -53,8 +56,8 @@ def engines(tmp_path_factory):
     root = tmp_path_factory.mktemp("engines")
     built: dict[tuple, Path] = {}
 
-    def get(preset: str, tp: int, ep: int, world: int, attention: str = "tp") -> Path:
-        key = (preset, tp, ep, world, attention)
+    def get(preset: str, tp: int, ep: int, world: int, attention: str = "tp", kv_cache: str = "fp32") -> Path:
+        key = (preset, tp, ep, world, attention, kv_cache)
         if key not in built:
             rec, _ = load_recipe(make_recipe(root, *key))
             out = root / rec.name

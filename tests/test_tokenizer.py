@@ -153,3 +153,18 @@ def test_bad_files(tmp_path):
     (tmp_path / "tokenizer_config.json").unlink()
     with pytest.raises(InputError, match="needs tokenizer_config.json"):
         load_tokenizer(tmp_path)
+
+
+def test_incremental_decoder(kimi):
+    from moe_export.runtime.tokenizer import IncrementalDecoder
+
+    text = "a中🙂 b"
+    ids = [b for b in text.encode()]  # one byte token per byte: characters split across tokens
+    sep = kimi.encode_special("[EOS]")
+    dec = IncrementalDecoder(kimi)
+    pieces = [dec.push(i) for i in [*ids, sep, *"x".encode()]]
+    assert "".join(pieces) + dec.flush() == text + "[EOS]x"
+    assert all("\ufffd" not in p for p in pieces)
+    assert pieces[1:4] == ["", "", "中"]
+    dec.push("中".encode()[0])
+    assert dec.flush() == "\ufffd"

@@ -4,19 +4,19 @@ NOT EXERCISED HERE: TensorRT cannot be installed on this project's machines (the
 libraries from NVIDIA's index, unreachable here; the lent GPU image has no TensorRT either), so this file has
 never been imported or run. It follows the QDP API as read from TensorRT's public `tensorrt.plugin` sources and
 samples. What is tested elsewhere: the Triton kernel (interpreter, vs the reference, sparse / dense / K = 0,
-with the token -> slot search done in the kernel) and that `triton_kernel.aot_compile` produces sm_90 PTX.
+with the token -> sequence search and the block-table lookup done in the kernel) and that `triton_kernel.aot_compile` produces sm_90 PTX.
 
 Importing this module registers `moe_export::SparseMLAAttention` (namespace = ONNX domain, name = op type,
 version "1"), which TensorRT's ONNX parser (>= 10.10) binds to the bare ONNX node. Nothing else in the package
 imports it.
 
-QDP input lists are fixed, so the plugin always has six inputs: the TensorRT graph gives dense-causal layers an
+QDP input lists are fixed, so the plugin always has seven inputs: the TensorRT graph gives dense-causal layers an
 empty [T, 0] (or [0, 0]) int64 `topk_indices`, which the op defines as dense (see `reference.py`).
 
 - `impl` (JIT, needs Python in the engine) launches the kernel on TensorRT's stream.
-- `aot_impl` compiles the same kernel to PTX for the build GPU. Kernel parameters are the 6 input pointers,
-  then the int32 extra arguments N (= slot_ids rows), L (= cache length), K (= topk_indices columns; 0 makes
-  the kernel dense and leaves `topk_indices` unread), then the output pointer (TensorRT's AOT sample puts the
+- `aot_impl` compiles the same kernel to PTX for the build GPU. Kernel parameters are the 7 input pointers,
+  then the int32 extra arguments N (= block_tables rows), BS (= pool block size), B (= block_tables columns),
+  K (= topk_indices columns; 0 makes the kernel dense and leaves `topk_indices` unread), then the output pointer (TensorRT's AOT sample puts the
   extra scalars between input and output pointers); grid (T, cdiv(H, 16)). H and Dc+Dr must be build-time
   constants. Open risks: Triton >= 3.3 appends two scratch-pointer parameters (unused by this kernel: scratch
   sizes 0) that TensorRT does not pass; at Dc = 512 the kernel needs ~110 KiB of dynamic shared memory, more
@@ -39,9 +39,10 @@ _BLOCK_H = 16  # heads per program of the AOT kernel
 @trtp.register(PLUGIN_ID)
 def _describe(
     q_lat: trtp.TensorDesc,
-    kv_cache: trtp.TensorDesc,
+    kv_pool: trtp.TensorDesc,
+    kv_new: trtp.TensorDesc,
     cu_seqlens: trtp.TensorDesc,
-    slot_ids: trtp.TensorDesc,
+    block_tables: trtp.TensorDesc,
     positions: trtp.TensorDesc,
     topk_indices: trtp.TensorDesc,
     scale: float,
@@ -54,23 +55,26 @@ def _describe(
 @trtp.autotune(PLUGIN_ID)
 def _formats(
     q_lat: trtp.TensorDesc,
-    kv_cache: trtp.TensorDesc,
+    kv_pool: trtp.TensorDesc,
+    kv_new: trtp.TensorDesc,
     cu_seqlens: trtp.TensorDesc,
-    slot_ids: trtp.TensorDesc,
+    block_tables: trtp.TensorDesc,
     positions: trtp.TensorDesc,
     topk_indices: trtp.TensorDesc,
     outputs: tuple[trtp.TensorDesc],
 ) -> list[trtp.AutoTuneCombination]:
-    """fp32 activations and cache, int64 index inputs, linear layout."""
-    return [trtp.AutoTuneCombination("FP32, FP32, INT64, INT64, INT64, INT64, FP32")]
+    """fp32 activations and new rows, fp32 or bf16 cache pool, int64 index inputs, linear layout."""
+    return [trtp.AutoTuneCombination("FP32, FP32, FP32, INT64, INT64, INT64, INT64, FP32"),
+            trtp.AutoTuneCombination("FP32, BF16, FP32, INT64, INT64, INT64, INT64, FP32")]
 
 
 @trtp.impl(PLUGIN_ID)
 def _run(
     q_lat: trtp.Tensor,
-    kv_cache: trtp.Tensor,
+    kv_pool: trtp.Tensor,
+    kv_new: trtp.Tensor,
     cu_seqlens: trtp.Tensor,
-    slot_ids: trtp.Tensor,
+    block_tables: trtp.Tensor,
     positions: trtp.Tensor,
     topk_indices: trtp.Tensor,
     scale: float,
@@ -79,7 +83,7 @@ def _run(
     stream: int,
 ) -> None:
     """Run the Triton kernel on TensorRT's stream and copy into the output buffer."""
-    as_torch = [torch.as_tensor(t, device="cuda") for t in (q_lat, kv_cache, cu_seqlens, slot_ids, positions)]
+    as_torch = [torch.as_tensor(t, device="cuda") for t in (q_lat, kv_pool, kv_new, cu_seqlens, block_tables, positions)]
     indices = torch.as_tensor(topk_indices, device="cuda")
     out = torch.as_tensor(outputs[0], device="cuda")
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
@@ -90,9 +94,10 @@ def _run(
 @trtp.aot_impl(PLUGIN_ID)
 def _compile(
     q_lat: trtp.TensorDesc,
-    kv_cache: trtp.TensorDesc,
+    kv_pool: trtp.TensorDesc,
+    kv_new: trtp.TensorDesc,
     cu_seqlens: trtp.TensorDesc,
-    slot_ids: trtp.TensorDesc,
+    block_tables: trtp.TensorDesc,
     positions: trtp.TensorDesc,
     topk_indices: trtp.TensorDesc,
     scale: float,
@@ -104,13 +109,16 @@ def _compile(
     num_heads = q_lat.shape_expr[1].constant_value
     rope_dim = q_lat.shape_expr[2].constant_value - kv_lora_rank
     major, minor = torch.cuda.get_device_capability()
-    kernel = aot_compile(num_heads, kv_lora_rank, rope_dim, scale, major * 10 + minor, block_h=_BLOCK_H)
+    pool_dtype = torch.bfloat16 if kv_pool.dtype == trt.bfloat16 else torch.float32
+    kernel = aot_compile(num_heads, kv_lora_rank, rope_dim, scale, major * 10 + minor, block_h=_BLOCK_H,
+                         pool_dtype=pool_dtype)
     params = trtp.KernelLaunchParams()
     params.grid_x = q_lat.shape_expr[0]
     params.grid_y = -(-num_heads // _BLOCK_H)
     params.block_x = kernel.metadata.num_warps * 32
     params.shared_mem = kernel.metadata.shared
     extra_args = trtp.SymIntExprs.from_tuple(
-        [trtp.SymInt32(e) for e in (slot_ids.shape_expr[0], kv_cache.shape_expr[1], topk_indices.shape_expr[1])]
+        [trtp.SymInt32(e) for e in (block_tables.shape_expr[0], kv_pool.shape_expr[1], block_tables.shape_expr[1],
+                                    topk_indices.shape_expr[1])]
     )
     return kernel.metadata.name, kernel.asm["ptx"], params, extra_args
