@@ -33,7 +33,7 @@ def engine(tmp_path_factory):
     data = yaml.safe_load(load_recipe("tiny-cpu.yaml")[1].read_text())
     data.update(name="batch-tiny", parallel={"tp": 1, "ep": 1})
     data["target"]["gpus_per_node"] = 1
-    data["limits"] = {"max_batch": 16, "max_seq_len": 256, "max_num_tokens": 512}
+    data["limits"] = {"max_batch": 16, "max_seq_len": 512, "max_num_tokens": 512}
     (root / "batch.yaml").write_text(yaml.safe_dump(data))
     build(load_recipe(root / "batch.yaml")[0], root / "engine")
     return root / "engine"
@@ -117,7 +117,7 @@ def make_collection(root: Path) -> tuple[set[str], dict[str, str]]:
         else:
             (root / name).write_text(body)
             good.add(name)
-    (root / "chunked.txt").write_text(" ".join(f"word{i}" for i in range(30)))  # 2-4 chunks of ~100 tokens
+    (root / "chunked.txt").write_text(" ".join(f"word{i}" for i in range(70)))  # 2-4 chunks of ~300 tokens
     good.add("chunked.txt")
     bad = {"empty.txt": "empty_document", "binary.txt": "binary_file", "latin1.md": "undecodable",
            "huge.txt": "over_long", "overlong.txt": "over_long"}
