@@ -31,7 +31,7 @@ from mpi4py import MPI
 from moe_export.runtime.engine import Engine, SequenceChunk, StepBatch
 rank = MPI.COMM_WORLD.Get_rank()
 try:
-    eng = Engine(sys.argv[1], num_slots=1, threads=1)
+    eng = Engine(sys.argv[1], num_slots=1, num_blocks=8, threads=1)
     mine = eng.ranks[0]
     assert mine.mapping["rank"] == rank, f"MPI rank {rank} loaded the mapping of rank {mine.mapping['rank']}"
     assert mine.mapping["tp_rank"] == rank % 2 and mine.mapping["ep_rank"] == rank % 4, mine.mapping
@@ -44,13 +44,6 @@ if rank == 0:
     np.save(sys.argv[2], logits)
 print(f"rank {rank} ok")
 """
-
-
-def whole_chunk(eng: Engine, slot: int, start: int, tokens: list[int]) -> SequenceChunk:
-    """A chunk of slot `slot` whose block table is blocks slot*per .. of the engine's pool, enough for it."""
-    per = eng.num_blocks // eng.num_slots
-    need = -(-(start + len(tokens)) // eng.block_size)
-    return SequenceChunk(slot, start, tokens, list(range(slot * per, slot * per + need)))
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +63,7 @@ def engine12(tmp_path_factory) -> Path:
 def test_rank_folders_are_ordered_by_number(engine12):
     dirs = rank_folders(engine12)
     assert [d.name for d in dirs] == [f"rank{n}" for n in range(WORLD)]
-    eng = Engine(engine12, num_slots=1, threads=1)
+    eng = Engine(engine12, num_slots=1, num_blocks=8, threads=1)
     assert [r.mapping["rank"] for r in eng.ranks] == list(range(WORLD))
 
 
@@ -90,9 +83,9 @@ def test_mpiexec_12_ranks_each_loads_its_own_mapping(engine12, tmp_path):
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert sorted(int(n) for n in re.findall(r"rank (\d+) ok", r.stdout)) == list(range(WORLD))
-    eng = Engine(engine12, num_slots=1, threads=1)
+    eng = Engine(engine12, num_slots=1, num_blocks=8, threads=1)
     eng.reset_slot(0)
-    want = eng.step(StepBatch.from_sequences([whole_chunk(eng, 0, 0, [5, 17, 99, 3])]))
+    want = eng.step(StepBatch.from_sequences([SequenceChunk(0, 0, [5, 17, 99, 3], [0])]))
     np.testing.assert_allclose(np.load(out), want, atol=1e-5, rtol=0)
 
 
