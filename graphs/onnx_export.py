@@ -14,8 +14,8 @@ Weights are initializers stored as external data inside the rank's `weights.safe
 safetensors data section is raw little-endian bytes, so each initializer points at its byte range).
 
 Collectives are graph nodes `AllReduce` / `AllGather` in our domain with a `group` attribute
-("tp" or "ep"): TensorRT maps them to NCCL plugins; the ONNX Runtime backend splits the graph at
-them and the runtime calls MPI between the segments (see `moe_export.export.backends`).
+("tp" or "ep"): both backends split the graph at them and the runtime performs the collective between
+the segments (MPI on CPU, NCCL between TensorRT engines; see `moe_export.export.backends`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from onnx import TensorProto, helper
 from moe_export.graphs.config import ModelConfig
 from moe_export.graphs.sharding import Mapping
 from moe_export.graphs.weights import layer_prefix, lm_head_name, model_prefix
-from moe_export.plugins import DOMAIN, OPSET_VERSION, PLUGIN_VERSION
+from moe_export.plugins import DOMAIN, OPSET_VERSION, PLUGIN_NAMESPACE, PLUGIN_VERSION
 
 ONNX_OPSET = 21
 MLA_LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm
@@ -137,7 +137,9 @@ class GraphBuilder:
         return outs[0] if n_out == 1 else outs
 
     def plugin(self, op_type: str, inputs: list[str], name: str, n_out: int = 1, **attrs):
-        return self.op(op_type, inputs, name, n_out, domain=DOMAIN, plugin_version=PLUGIN_VERSION, **attrs)
+        """A node in our domain with the attributes TensorRT's ONNX parser finds the plugin by."""
+        return self.op(op_type, inputs, name, n_out, domain=DOMAIN, plugin_version=PLUGIN_VERSION,
+                       plugin_namespace=PLUGIN_NAMESPACE, **attrs)
 
     # ---- building blocks ----
     def linear(self, x: str, w_name: str, name: str) -> str:

@@ -273,7 +273,7 @@ def test_ort_function_matches_reference(name, mode):
 def test_aot_compile_produces_ptx():
     """The kernel the TensorRT AOT plugin embeds compiles to sm_90 PTX for fp32 at K3's MLA widths (Dc 512,
     Dr 64), real compile on CPU, without tensorrt; its parameters start with the plugin's launch order: six
-    input pointers, the int32 scalars N, L, K, then the output pointer."""
+    input pointers, the int32 scalars N, S, L, K, then the output pointer."""
     import triton  # noqa: F401  (test extra: a missing oracle is a broken install, not a skip)
     from moe_export.plugins.sparse_mla_attention import triton_kernel
 
@@ -283,7 +283,7 @@ def test_aot_compile_produces_ptx():
     assert ".entry _sparse_mla_kernel(" in ptx and ".target sm_90" in ptx
     entry = ptx[ptx.index(".entry _sparse_mla_kernel(") :].split(")", 1)[0]
     kinds = [".u64 .ptr" if ".ptr" in line else line.split()[1] for line in entry.splitlines() if ".param" in line]
-    assert kinds[:10] == [".u64 .ptr"] * 6 + [".u32"] * 3 + [".u64 .ptr"]
+    assert kinds[:11] == [".u64 .ptr"] * 6 + [".u32"] * 4 + [".u64 .ptr"]
     assert kernel.metadata.num_warps * 32 > 0
     assert "tensorrt" not in sys.modules
 

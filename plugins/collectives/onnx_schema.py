@@ -6,15 +6,15 @@
         y = concat over the group's ranks (in rank order) along `axis`; that dim becomes unknown here
         (the group size is a property of the mapping, not of the graph).
 
-The ONNX Runtime backend splits graphs at these nodes and the runtime calls MPI (or sums in process);
-TensorRT maps them to NCCL plugins (`tensorrt_plugin.py`).
+Both backends split graphs at these nodes (`export/backends.py`, `export/tensorrt_build.py`): the runtime
+performs the collective between segments (MPI or in process on CPU, NCCL between TensorRT engines).
 """
 
 import onnx
 from onnx import defs, helper
 
 from .. import DOMAIN, OPSET_VERSION
-from ..sparse_mla_attention.onnx_schema import plugin_version_attribute, register_once
+from ..sparse_mla_attention.onnx_schema import plugin_lookup_attributes, register_once
 
 COLLECTIVE_OPS = ("AllReduce", "AllGather")
 
@@ -42,13 +42,13 @@ def schemas() -> list[defs.OpSchema]:
         "AllReduce", DOMAIN, OPSET_VERSION, "Elementwise sum over the ranks of a group.",
         inputs=[p("x", "tensor(float)", "any shape")], outputs=[p("y", "tensor(float)", "same as x")],
         attributes=[group, attr("reduce_op", helper.make_attribute("reduce_op", "sum"), "sum"),
-                    plugin_version_attribute()],
+                    *plugin_lookup_attributes()],
     )
     reduce.set_type_and_shape_inference_function(_same_type)
     gather = defs.OpSchema(
         "AllGather", DOMAIN, OPSET_VERSION, "Concatenation over the ranks of a group along `axis`.",
         inputs=[p("x", "tensor(float)", "any shape")], outputs=[p("y", "tensor(float)", "x with axis grown")],
-        attributes=[group, attr("axis", defs.OpSchema.AttrType.INT, "concat axis"), plugin_version_attribute()],
+        attributes=[group, attr("axis", defs.OpSchema.AttrType.INT, "concat axis"), *plugin_lookup_attributes()],
     )
     gather.set_type_and_shape_inference_function(_gather_type)
     return [reduce, gather]

@@ -20,8 +20,8 @@ Node contract (semantics in `reference.py`):
 import onnx
 from onnx import defs, helper
 
-from .. import DOMAIN, OPSET_VERSION, PLUGIN_VERSION
-from ..sparse_mla_attention.onnx_schema import input_dim, plugin_version_attribute, register_once, tensor_type
+from .. import DOMAIN, OPSET_VERSION, PLUGIN_NAMESPACE, PLUGIN_VERSION
+from ..sparse_mla_attention.onnx_schema import input_dim, plugin_lookup_attributes, register_once, tensor_type
 
 OP_TYPE = "DSAIndexer"
 
@@ -50,7 +50,7 @@ def schema() -> defs.OpSchema:
         outputs=[p("indices", "tensor(int64)", "[T, topk]")],
         attributes=[
             defs.OpSchema.Attribute("topk", defs.OpSchema.AttrType.INT, "positions selected per token"),
-            plugin_version_attribute(),
+            *plugin_lookup_attributes(),
         ],
     )
     s.set_type_and_shape_inference_function(_infer)
@@ -83,4 +83,5 @@ def make_node(
         domain=DOMAIN,
         topk=int(topk),
         plugin_version=PLUGIN_VERSION,
+        plugin_namespace=PLUGIN_NAMESPACE,
     )

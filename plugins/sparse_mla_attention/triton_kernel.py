@@ -22,13 +22,15 @@ _SEQ_BLOCK = tl.constexpr(64)  # cu_seqlens entries compared per step of the tok
 @triton.jit
 def _sparse_mla_kernel(
     q_ptr, kv_ptr, cu_seqlens_ptr, slot_ids_ptr, pos_ptr, idx_ptr,
-    num_seqs, cache_len, num_idx,
+    num_seqs, num_slots, cache_len, num_idx,
     o_ptr,
     scale: tl.constexpr, H: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr,
     BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """q [T, H, DC+DR], kv [S, cache_len, DC+DR], cu_seqlens [num_seqs+1], slot_ids [num_seqs], pos [T],
-    idx [T, num_idx] (num_idx = 0: dense causal; idx is then not read) -> o [T, H, DC] fp32."""
+    idx [T, num_idx] (num_idx = 0: dense causal; idx is then not read) -> o [T, H, DC] fp32. The sequence,
+    slot and position are clamped into [0, num_seqs-1], [0, num_slots-1], [0, cache_len-1]: TensorRT times
+    tactics on unspecified input contents, which must not send the kernel outside its buffers."""
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_c = tl.arange(0, BLOCK_DC)
@@ -43,8 +45,9 @@ def _sparse_mla_kernel(
         offs_n = start + tl.arange(0, _SEQ_BLOCK)
         ends = tl.load(cu_seqlens_ptr + 1 + offs_n, mask=offs_n < num_seqs, other=0)
         seq += tl.sum(((offs_n < num_seqs) & (ends <= t)).to(tl.int64), axis=0)
-    slot = tl.load(slot_ids_ptr + seq).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
+    seq = tl.minimum(seq, num_seqs - 1)
+    slot = tl.minimum(tl.maximum(tl.load(slot_ids_ptr + seq).to(tl.int64), 0), num_slots - 1)
+    pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t).to(tl.int64), 0), cache_len - 1)
 
     q_row = q_ptr + (t * H + offs_h[:, None]) * (DC + DR)
     q_c = tl.load(q_row + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
@@ -108,13 +111,13 @@ def sparse_mla_attention_triton(
     out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=torch.float32, device=q.device)
     has_indices = topk_indices is not None and topk_indices.shape[1] > 0
     idx = topk_indices.to(torch.int64).contiguous() if has_indices else pos  # dense: idx is never read
-    if num_tokens == 0:
-        return out
+    if num_tokens == 0 or slots.numel() == 0 or kv.shape[0] == 0 or kv.shape[1] == 0:
+        return out.zero_()
     block_dc, block_dr = block_sizes(kv_lora_rank, dim - kv_lora_rank)
     grid = (num_tokens, triton.cdiv(num_heads, block_h))
     _sparse_mla_kernel[grid](
         q, kv, cu, slots, pos, idx,
-        slots.numel(), kv.shape[1], idx.shape[1] if has_indices else 0,
+        slots.numel(), kv.shape[0], kv.shape[1], idx.shape[1] if has_indices else 0,
         out,
         scale=float(scale), H=num_heads, DC=kv_lora_rank, DR=dim - kv_lora_rank,
         BLOCK_DC=block_dc, BLOCK_DR=block_dr, BLOCK_H=block_h, BLOCK_K=block_k, enable_fp_fusion=True,
@@ -135,14 +138,14 @@ def aot_compile(
 
     Returns Triton's CompiledKernel: ``asm["ptx"]``, ``metadata.name``, ``metadata.num_warps``,
     ``metadata.shared``. Parameters: q_lat, kv_cache, cu_seqlens, slot_ids, positions, topk_indices pointers;
-    int32 num_seqs (N), cache_len (L), num_idx (K, 0 = dense); o_lat pointer. Grid (T, cdiv(H, block_h)).
+    int32 num_seqs (N), num_slots (S), cache_len (L), num_idx (K, 0 = dense); o_lat pointer. Grid (T, cdiv(H, block_h)).
     """
     from triton.backends.compiler import GPUTarget
 
     block_dc, block_dr = block_sizes(kv_lora_rank, rope_dim)
     signature = dict(
         q_ptr="*fp32", kv_ptr="*fp32", cu_seqlens_ptr="*i64", slot_ids_ptr="*i64", pos_ptr="*i64",
-        idx_ptr="*i64", num_seqs="i32", cache_len="i32", num_idx="i32", o_ptr="*fp32",
+        idx_ptr="*i64", num_seqs="i32", num_slots="i32", cache_len="i32", num_idx="i32", o_ptr="*fp32",
     )  # fmt: skip
     constexprs = dict(
         scale=float(scale), H=num_heads, DC=kv_lora_rank, DR=rope_dim,
