@@ -29,8 +29,8 @@ learns from the plugin module before and during the build, plus what the JIT imp
 from __future__ import annotations
 
 import enum
-import importlib
 import importlib.util
+import shutil
 import sys
 import types
 import zipfile
@@ -45,8 +45,8 @@ PINNED_WHEELS = {"10.9": "tensorrt_cu12_bindings-10.9.0.34", "11.4": "tensorrt_c
 
 
 def plugin_package_dir(version: str) -> Path:
-    """`.whl/tensorrt-<version>/plugin`, extracted from the pinned wheel (downloaded by the test command)."""
-    dest = WHEEL_DIR / f"tensorrt-{version}"
+    """`.whl/<pinned wheel name>/plugin`, extracted from the pinned wheel (downloaded by the test command)."""
+    dest = WHEEL_DIR / PINNED_WHEELS[version]
     if (dest / "plugin" / "__init__.py").is_file():
         return dest / "plugin"
     wheels = sorted(WHEEL_DIR.glob(f"{PINNED_WHEELS[version]}-*.whl"))
@@ -55,7 +55,8 @@ def plugin_package_dir(version: str) -> Path:
             f"no {PINNED_WHEELS[version]}-*.whl in {WHEEL_DIR}: run the README's test command (its `pip download` "
             "step fetches the pinned TensorRT bindings wheels)"
         )
-    tmp = WHEEL_DIR / f".tensorrt-{version}.partial"
+    tmp = WHEEL_DIR / f".{PINNED_WHEELS[version]}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
     with zipfile.ZipFile(wheels[0]) as zf:
         for name in zf.namelist():
             if name.startswith("tensorrt_bindings/plugin/") and name.endswith(".py"):
