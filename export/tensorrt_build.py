@@ -67,13 +67,13 @@ def register_plugins() -> None:
         importlib.import_module(f"moe_export.plugins.{folder}.tensorrt_plugin")
 
 
-def profile_range(name: str, axis: int, dim: onnx.TensorShapeProto.Dimension, limits) -> tuple[int, int, int]:
-    """(min, opt, max) of one dimension of a segment input, from its symbolic name (or fixed value).
+def profile_range(name: str, axis: int, dim: str | int, limits) -> tuple[int, int, int]:
+    """(min, opt, max) of one dimension of a segment input: a fixed size, or a symbolic name.
 
     T tokens of the step; N sequences (N_plus_1 = cu_seqlens); S pool slots and L cache length, whose maxima
     are the pools the runtime allocates (num_slots = max_batch, max_seq_len positions per slot)."""
-    if dim.HasField("dim_value"):
-        return dim.dim_value, dim.dim_value, dim.dim_value
+    if isinstance(dim, int):
+        return dim, dim, dim
     tokens = limits.max_num_tokens
     ranges = {
         "T": (1, min(tokens, 256), tokens),
@@ -82,13 +82,43 @@ def profile_range(name: str, axis: int, dim: onnx.TensorShapeProto.Dimension, li
         "S": (1, min(limits.max_batch, 4), limits.max_batch),
         "L": (1, min(limits.max_seq_len, 4096), limits.max_seq_len),
     }
-    if dim.dim_param not in ranges:
-        raise InputError(f"segment input {name!r} axis {axis}: unknown symbolic dimension {dim.dim_param!r}")
-    return ranges[dim.dim_param]
+    if dim not in ranges:
+        raise InputError(f"segment input {name!r} axis {axis}: unknown symbolic dimension {dim!r}")
+    return ranges[dim]
 
 
-def _build_segment(trt, builder, logger, model: onnx.ModelProto, segment: Segment, types, graph_dir: Path,
-                   recipe, timing_cache, prefer_aot: bool) -> bytes:  # fmt: skip
+def segment_input_dims(model: onnx.ModelProto, types: dict[str, onnx.TypeProto], mapping) -> dict[str, list]:
+    """Dimensions (int or symbolic name) of every value that crosses a segment boundary.
+
+    ONNX shape inference leaves some dims unnamed: a collective's gathered axis (recovered from its input and
+    the group size) and the token dim of `Reshape(x, [-1, heads, dim])` outputs (in our graphs every unnamed
+    leading dim counts tokens, so axis 0 reads as T)."""
+    steps = plan_segments(model)
+    gathered = {s["output"]: s for s in steps if isinstance(s, dict)}
+
+    def dims_of(name: str) -> list:
+        out = []
+        for axis, d in enumerate(types[name].tensor_type.shape.dim):
+            if d.HasField("dim_value"):
+                out.append(d.dim_value)
+            elif d.dim_param and not d.dim_param.startswith("unk__"):
+                out.append(d.dim_param)
+            elif name in gathered and gathered[name]["collective"] == "AllGather":
+                step = gathered[name]
+                src = dims_of(step["input"])
+                size = mapping.tp if step["group"] == "tp" else mapping.ep
+                out.append(src[axis] * size if axis % len(src) == step["axis"] % len(src) else src[axis])
+            elif axis == 0:
+                out.append("T")
+            else:
+                raise InputError(f"value {name!r} axis {axis}: dimension unknown after shape inference")
+        return out
+
+    return {i: dims_of(i) for s in steps if isinstance(s, Segment) for i in s.inputs}
+
+
+def _build_segment(trt, builder, logger, model: onnx.ModelProto, segment: Segment, types, input_dims: dict,
+                   graph_dir: Path, recipe, timing_cache, prefer_aot: bool) -> bytes:  # fmt: skip
     """Serialized engine of one segment (its ONNX file is written next to the weights, parsed, removed)."""
     flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
     prefer = "PREFER_AOT_PYTHON_PLUGINS" if prefer_aot else "PREFER_JIT_PYTHON_PLUGINS"
@@ -110,7 +140,7 @@ def _build_segment(trt, builder, logger, model: onnx.ModelProto, segment: Segmen
     profile = builder.create_optimization_profile()
     for i in range(network.num_inputs):
         tensor = network.get_input(i)
-        dims = types[tensor.name].tensor_type.shape.dim
+        dims = input_dims[tensor.name]
         ranges = [profile_range(tensor.name, axis, d, recipe.limits) for axis, d in enumerate(dims)]
         profile.set_shape(tensor.name, *([r[j] for r in ranges] for j in range(3)))
     config.add_optimization_profile(profile)
@@ -131,6 +161,7 @@ def build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path, *, 
     graph_path, out_path = Path(graph_path), Path(out_path)
     model = onnx.load(str(graph_path), load_external_data=False)
     types = _value_types(model)
+    input_dims = segment_input_dims(model, types, mapping)
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     cache_path = out_path.with_suffix(".timing_cache")
@@ -143,8 +174,8 @@ def build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path, *, 
             steps.append(step)
             continue
         name = f"segment.{step.index:03d}"
-        blob = _build_segment(trt, builder, logger, model, step, types, graph_path.parent, recipe, timing_cache,
-                              prefer_aot)
+        blob = _build_segment(trt, builder, logger, model, step, types, input_dims, graph_path.parent, recipe,
+                              timing_cache, prefer_aot)
         engines[name] = np.frombuffer(blob, dtype=np.uint8)
         steps.append({"segment": name, "inputs": step.inputs, "outputs": step.outputs})
     plan = {"steps": steps, "graph_outputs": [v.name for v in model.graph.output], "rank": mapping.rank}
