@@ -67,10 +67,10 @@ NODES = plugin_nodes()
 def first_of_each() -> list:
     seen, out = set(), []
     for label, node, types in NODES:
-        key = (node.op_type, len(node.input) == 6 and "dense" in node.input[5])
-        if key not in seen:
-            seen.add(key)
-            out.append(pytest.param(node, types, id=f"{label}-{node.op_type}{'-dense' if key[1] else ''}"))
+        dense = len(node.input) == 6 and "dense" in node.input[5]
+        if (label, node.op_type, dense) not in seen:
+            seen.add((label, node.op_type, dense))
+            out.append(pytest.param(node, types, id=f"{label}-{node.op_type}{'-dense' if dense else ''}"))
     return out
 
 

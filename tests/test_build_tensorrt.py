@@ -51,3 +51,36 @@ def test_builder_without_tensorrt_is_a_clear_error(tmp_path):
     with pytest.raises(InputError, match="needs the TensorRT Python package"):
         build_tensorrt_engine(tmp_path / "model.onnx", recipe, Mapping(64, 0, 8, 64), tmp_path / "rank0.engine")
     assert not any(tmp_path.iterdir())
+
+
+def test_gpu_graph_computes_in_bf16_with_fp32_where_needed(tiny_graphs):  # noqa: F811
+    """TensorRT folds a Cast of an initializer into a converted copy, so the weight Casts in a graph are the
+    weights the engine holds converted: in the GPU (bf16) graph only router, norm and attention-residual
+    weights (fp32 by design); in the CPU (fp32) graph every bf16 weight."""
+    from moe_export.graphs.weights import classify_tensor_name
+    from moe_export.plugins.registry import register_all_schemas
+
+    register_all_schemas()
+    cpu_path, gpu_path = tiny_graphs[1], tiny_graphs[2]  # tiny-k3-dsa exported for onnxruntime / tensorrt
+    onnx.checker.check_model(str(gpu_path), full_check=True)
+    gpu = onnx.load(str(gpu_path), load_external_data=False)
+    inferred = onnx.shape_inference.infer_shapes(gpu, check_type=True, strict_mode=True)
+    types = {v.name: v.type.tensor_type.elem_type for v in [*inferred.graph.value_info, *inferred.graph.output]}
+    assert types["logits"] == onnx.TensorProto.FLOAT
+
+    def cast_weights(model):
+        inits = {t.name: t for t in model.graph.initializer}
+        return {n.input[0]: inits[n.input[0]] for n in model.graph.node if n.op_type == "Cast" and n.input[0] in inits}
+
+    gpu_casts = cast_weights(gpu)
+    assert {classify_tensor_name(n) for n in gpu_casts} <= {"router", "norms", "attn_res", "mla", "indexer", "latent_proj"}
+    assert all(len(t.dims) == 1 or classify_tensor_name(n) in ("router", "attn_res") for n, t in gpu_casts.items())
+    cpu_casts = cast_weights(onnx.load(str(cpu_path), load_external_data=False))
+    bf16 = [t.name for t in gpu.graph.initializer if t.data_type == onnx.TensorProto.BFLOAT16 and t.dims]
+    assert set(bf16) <= set(cpu_casts) and len(bf16) > len(gpu_casts)
+    # activations between layers and the collectives are bf16; gates, state and plugin fp32 inputs stay fp32
+    reduces = [n for n in gpu.graph.node if n.op_type == "AllReduce"]
+    assert reduces and all(types[n.output[0]] == onnx.TensorProto.BFLOAT16 for n in reduces)
+    for n in gpu.graph.node:
+        if n.op_type == "GatedDeltaScan":
+            assert [types.get(i) for i in n.input[:5]] == [16, 16, 16, 1, 1]

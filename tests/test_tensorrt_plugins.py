@@ -1,7 +1,8 @@
 """TensorRT plugin modules under TensorRT's real `tensorrt.plugin` code, for each pinned TensorRT version.
 
-Builds two tiny rank graphs (tiny-k3: dense MLA; tiny-k3-dsa: DSA indexer + sparse MLA; both with KDA and
-MXFP4 experts) the way `moe-export build` does, then runs `tensorrt_plugin_checks.py` in a fresh process per
+Builds three tiny rank graphs the way `moe-export build` does (tiny-k3: dense MLA; tiny-k3-dsa: DSA indexer +
+sparse MLA; both with KDA and MXFP4 experts, as the CPU backend exports them; and tiny-k3-dsa as a TensorRT
+build exports it, computing in bf16), then runs `tensorrt_plugin_checks.py` in a fresh process per
 version (the QDP registry is process-global) over TensorRT 10.9's and 11.4's pure-Python plugin package,
 extracted from the bindings wheels the README's test command downloads into `.whl/`. A missing wheel fails
 here (never a skip). What is real and what is a stand-in: `tensorrt_standin.py`.
@@ -30,11 +31,12 @@ TESTS = Path(__file__).resolve().parent
 
 @pytest.fixture(scope="module")
 def tiny_graphs(tmp_path_factory) -> list[Path]:
-    recipe, _ = load_recipe("tiny-cpu.yaml")
+    cpu, _ = load_recipe("tiny-cpu.yaml")
+    gpu = cpu.model_copy(update={"backend": "tensorrt"})
     mapping = Mapping(4, 1, 2, 2)
     paths = []
-    for preset in ("tiny-k3", "tiny-k3-dsa"):
-        root = tmp_path_factory.mktemp(preset)
+    for preset, recipe in (("tiny-k3", cpu), ("tiny-k3-dsa", cpu), ("tiny-k3-dsa", gpu)):
+        root = tmp_path_factory.mktemp(f"{preset}-{recipe.backend}")
         reader = open_checkpoint(write_synthetic_checkpoint(preset, root / "ckpt", 0))
         convert_rank(reader, reader.config, recipe, mapping, root / "weights.safetensors")
         export_rank_graph(reader.config, recipe, mapping, root / "weights.safetensors", root / "model.onnx")

@@ -17,6 +17,7 @@ from .. import DOMAIN, OPSET_VERSION
 from ..sparse_mla_attention.onnx_schema import plugin_lookup_attributes, register_once
 
 COLLECTIVE_OPS = ("AllReduce", "AllGather")
+_FLOATS = ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "fp32 on CPU, bf16 in GPU builds")
 
 
 def _same_type(ctx) -> None:
@@ -40,14 +41,14 @@ def schemas() -> list[defs.OpSchema]:
     group = attr("group", defs.OpSchema.AttrType.STRING, "process group: tp or ep")
     reduce = defs.OpSchema(
         "AllReduce", DOMAIN, OPSET_VERSION, "Elementwise sum over the ranks of a group.",
-        inputs=[p("x", "tensor(float)", "any shape")], outputs=[p("y", "tensor(float)", "same as x")],
+        inputs=[p("x", "T", "any shape")], outputs=[p("y", "T", "same as x")], type_constraints=[_FLOATS],
         attributes=[group, attr("reduce_op", helper.make_attribute("reduce_op", "sum"), "sum"),
                     *plugin_lookup_attributes()],
     )
     reduce.set_type_and_shape_inference_function(_same_type)
     gather = defs.OpSchema(
         "AllGather", DOMAIN, OPSET_VERSION, "Concatenation over the ranks of a group along `axis`.",
-        inputs=[p("x", "tensor(float)", "any shape")], outputs=[p("y", "tensor(float)", "x with axis grown")],
+        inputs=[p("x", "T", "any shape")], outputs=[p("y", "T", "x with axis grown")], type_constraints=[_FLOATS],
         attributes=[group, attr("axis", defs.OpSchema.AttrType.INT, "concat axis"), *plugin_lookup_attributes()],
     )
     gather.set_type_and_shape_inference_function(_gather_type)
