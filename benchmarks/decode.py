@@ -27,7 +27,7 @@ import yaml
 from moe_export.export.build import build
 from moe_export.graphs.model import KimiModel
 from moe_export.recipes.schema import load_recipe
-from moe_export.runtime.engine import Engine, StepBatch
+from moe_export.runtime.engine import Engine, SequenceChunk, StepBatch
 
 PROMPT_LEN = 16
 
@@ -62,13 +62,16 @@ def prompts(batch: int) -> list[list[int]]:
 
 
 def engine_tps(engine: Engine, batch: int, steps: int) -> float:
+    per_seq = -(-(PROMPT_LEN + steps + 1) // engine.block_size)
+    tables = [list(range(s * per_seq, (s + 1) * per_seq)) for s in range(batch)]
     for s in range(batch):
         engine.reset_slot(s)
-    logits = engine.step(StepBatch.from_sequences([(s, 0, p) for s, p in enumerate(prompts(batch))]))
+    logits = engine.step(StepBatch.from_sequences([SequenceChunk(s, 0, p, tables[s]) for s, p in enumerate(prompts(batch))]))
     tokens = logits.argmax(-1).tolist()
     start = time.perf_counter()
     for step in range(steps):
-        logits = engine.step(StepBatch.from_sequences([(s, PROMPT_LEN + step, [tokens[s]]) for s in range(batch)]))
+        logits = engine.step(StepBatch.from_sequences(
+            [SequenceChunk(s, PROMPT_LEN + step, [tokens[s]], tables[s]) for s in range(batch)]))
         tokens = logits.argmax(-1).tolist()
     return batch * steps / (time.perf_counter() - start)
 
@@ -108,7 +111,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = build_engine(Path(tmp))
         checkpoint = next((out / ".cache").glob("source-*"))
-        engine = Engine(out, num_slots=8, max_seq_len=PROMPT_LEN + args.steps + 1, threads=2)
+        engine = Engine(out, num_slots=8, threads=2)
         model = KimiModel.from_checkpoint(checkpoint)
         figures: dict[str, float] = {}
         for batch in (1, 8):

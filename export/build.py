@@ -10,7 +10,7 @@ Layout of the engine directory OUT (TensorRT-LLM conventions):
     OUT/rank{N}/ort_segment_*.onnx ...  ONNX Runtime backend: segments (+ plan) from the lowering
     OUT/rank{N}/rank{N}.engine          TensorRT backend: the serialized engine
     OUT/LICENSE                         the source checkpoint's license, copied
-    OUT/tokenizer.json ...              the source checkpoint's tokenizer files (`TOKENIZER_FILES`), copied
+    OUT/tiktoken.model ...              the source checkpoint's tokenizer files (`TOKENIZER_FILES`), copied
     OUT/manifest.json                   written last: every file's size + sha256, versions, hashes, keys
 
 Bookkeeping (not artifacts): `.build/` holds each stage's outputs from when they are produced until
@@ -26,7 +26,8 @@ the upstream stage keys. A stage whose record carries its current key and whose 
     graph/rankN    convert key + attention + limits
     lower/rankN    graph key                             (backend onnxruntime)
     engine/rankN   graph key + limits + target + workspace_reserve_gib   (backend tensorrt)
-    config         the whole recipe + source + every convert key (the class map reads the weights)
+    config         the whole recipe + source + every convert key (the class map reads the weights) +
+                   generation_config.json's sha256 (its stop ids go into config.json)
     license        the source LICENSE file's sha256
     tokenizer      the source tokenizer files' sha256
 
@@ -42,6 +43,9 @@ still describe the published files), and stages that need an upstream output nex
 through a symbolic link in a scratch folder: every file in OUT has exactly one hard link, which
 onnx.checker requires of external data ("potential hardlink attack"). Nothing is ever copied except
 the small files taken from the source (LICENSE, tokenizer).
+
+One build per output. Process 0 holds an exclusive lock on OUT (`build_lock`) for the whole build; a
+second build into the same OUT exits 2 naming the holder instead of sweeping its temporary files.
 
 Parallelism. Under `mpiexec -n R`, MPI process r builds the ranks n with n % R == r; process 0
 prepares the source, then writes the global artifacts and the manifest after all ranks finished.
@@ -73,7 +77,9 @@ from moe_export.export.atomic import (
     sha256_file,
     sweep_temporaries,
 )
+from moe_export.export.build_lock import OutputLock
 from moe_export.export.errors import InputError
+from moe_export.export.mpi import mpi_world
 from moe_export.export.manifest import (
     CONFIG,
     ENGINE_FORMAT,
@@ -86,15 +92,18 @@ from moe_export.export.manifest import (
     quantization_summary,
     tool_version,
 )
+from moe_export.graphs.config import GENERATION_CONFIG
 from moe_export.graphs.sharding import Mapping
 from moe_export.recipes.schema import Recipe
 
 QUANT_REPORT = "quantization.json"
 LICENSE = "LICENSE"
 LICENSE_NAMES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "LICENCE", "license", "license.txt")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+# Files copied verbatim from the source next to the engine (the "tokenizer" stage): what a runtime needs
+# besides the weights (tokenizer, chat template, and the generation config with its stop ids).
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", GENERATION_CONFIG)
 SYNTH_SEED = 0
-MPI_ENV_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 SYNTH_TEMP_RE = re.compile(r"^\..+\.(synth|old)-\d+$")
 
 # Recipe fields (dotted paths into the recipe) each stage's output depends on, beyond its upstream keys.
@@ -180,7 +189,7 @@ class _MpiComm:
 
 def detect_comm() -> _SerialComm | _MpiComm:
     """MPI.COMM_WORLD when started by an MPI launcher (mpi4py is imported only then), else a serial stand-in."""
-    if any(v in os.environ for v in MPI_ENV_VARS):
+    if mpi_world() is not None:
         return _MpiComm()
     return _SerialComm()
 
@@ -396,7 +405,7 @@ def stage_keys(
         last = rank_stage_names(recipe)[-1]
         keys[f"{last}/rank{n}"] = _key(last, fields(last), source_fp, [graph])
     converts = [keys[f"convert/rank{n}"] for n in range(recipe.target.world_size)]
-    keys["config"] = _key("config", dump, source_fp, converts)
+    keys["config"] = _key("config", dump, source_fp, converts, {"generation_config": tokenizer_files.get(GENERATION_CONFIG)})
     keys["license"] = _key("license", {}, license_sha256 or "none", [])
     keys["tokenizer"] = _key("tokenizer", {}, hashlib.sha256(canonical_json(tokenizer_files)).hexdigest(), [])
     return keys
@@ -736,6 +745,7 @@ def engine_config(ctx: _Ctx) -> dict:
         "attention": dump["attention"],
         "limits": dump["limits"],
         "thinking": dump["thinking"],
+        "eos_token_ids": list(cfg.eos_token_ids),
         "plugin_domain": DOMAIN,
         "files": files,
         "recipe": dump,
@@ -882,6 +892,7 @@ def build(
     prefix = f"[mpi {comm.rank}/{comm.size}] " if comm.size > 1 else ""
     ctx = _Ctx(recipe, out, stages, _State(out), _Progress(progress, prefix), expected)
     result = BuildResult(out, reporter=comm.rank == 0)
+    lock = _collective(comm, lambda: OutputLock.acquire(out) if comm.rank == 0 else None)
     try:
         _collective(comm, lambda: _prepare(ctx) if comm.rank == 0 else None)
         _collective(comm, lambda: _open_source(ctx))
@@ -895,6 +906,8 @@ def build(
     finally:
         if ctx.reader is not None:
             ctx.reader.close()
+        if lock is not None:
+            lock.release()
     return result
 
 

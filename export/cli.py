@@ -116,7 +116,7 @@ def inspect(
 def generate(
     path: str = typer.Argument(..., help="checkpoint directory, or engine directory built by `moe-export build`"),
     prompt_ids: str | None = typer.Option(None, "--prompt-ids", help="comma-separated token ids, e.g. 1,2,3"),
-    prompt: str | None = typer.Option(None, "--prompt", help="prompt text, tokenized with the checkpoint's tokenizer.json"),
+    prompt: str | None = typer.Option(None, "--prompt", help="prompt text, tokenized with the checkpoint's tokenizer"),
     max_new_tokens: int = typer.Option(..., "--max-new-tokens", help="tokens to generate (stops early at eos)"),
     temperature: float | None = typer.Option(None, "--temperature", help="sampling temperature (0 = greedy)"),
     top_p: float | None = typer.Option(None, "--top-p", help="nucleus sampling mass in (0, 1]"),
@@ -128,21 +128,16 @@ def generate(
     `mpiexec -n WORLD`, rank 0 printing) or with the fp32 PyTorch reference model on a checkpoint.
     Greedy unless a sampling flag is given."""
     import json
-    from pathlib import Path
 
-    from moe_export.export.tokenizer import load_tokenizer
-    from moe_export.graphs.generate import generate_from_checkpoint
+    from moe_export.runtime.tokenizer import load_tokenizer
+    from moe_export.runtime.generate import generate_command
     from moe_export.runtime.sampling import SamplingParams
 
-    sampling = SamplingParams.from_flags(temperature, top_k, top_p, seed)
-    if (Path(path) / "config.json").is_file() and "mapping" in json.loads((Path(path) / "config.json").read_text()):
-        from moe_export.runtime.generate import generate_from_engine
-
-        tokens, engine = generate_from_engine(path, prompt_ids, prompt, max_new_tokens, sampling)
-        if not engine.is_root:
-            return
-    else:
-        tokens = generate_from_checkpoint(path, prompt_ids, prompt, max_new_tokens, sampling)
+    if max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    tokens = generate_command(path, prompt_ids, prompt, SamplingParams.from_flags(temperature, top_k, top_p, seed, max_new_tokens))
+    if tokens is None:  # a follower rank under mpiexec: rank 0 prints
+        return
     if as_json:
         print(json.dumps({"tokens": tokens}))
     else:

@@ -1,7 +1,7 @@
 """Synthetic Hugging Face checkpoints with random, well-scaled weights for the Kimi family.
 
 `write_synthetic_checkpoint(preset, out_dir, seed)` writes config.json, sharded safetensors with
-`model.safetensors.index.json`, a byte-level tokenizer and a LICENSE, into a temporary directory that is
+`model.safetensors.index.json`, a Kimi tiktoken tokenizer and a LICENSE, into a temporary directory that is
 renamed into place at the end. The output is a pure function of (preset, seed): every tensor comes from
 its own `torch.Generator`, seeded from sha256(seed, tensor name), and headers are written with sorted
 keys. Tensors follow the inventory of `moe_export.graphs.weights` and are generated and written one at
@@ -29,14 +29,14 @@ import torch
 
 from moe_export.export.checkpoint import INDEX_FILE
 from moe_export.export.errors import InputError
-from moe_export.export.tokenizer import BOS, MEDIA, PAD, STOP_TOKEN, special_token_ids, write_byte_tokenizer
 from moe_export.graphs.config import ModelConfig
 from moe_export.graphs.weights import TensorSpec, all_tensor_specs
 from moe_export.quantize.mxfp4 import decode, encode
+from moe_export.runtime.tokenizer import END_OF_MESSAGE, synthetic_special_ids, synthetic_vocab_size, write_synthetic_tokenizer
 
 TORCH_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "U8": torch.uint8}
 LAYERS_PER_SHARD = 3
-VOCAB = 512  # 256 byte tokens + specials, rounded up
+VOCAB = -(-synthetic_vocab_size() // 64) * 64  # byte ranks + merges + 256 specials, rounded up
 LICENSE_TEXT = (
     "Synthetic checkpoint written by `moe-export synth` (preset {preset}, seed {seed}).\n"
     "The weights are pseudo-random numbers, not trained parameters. They are dedicated to the public\n"
@@ -44,9 +44,15 @@ LICENSE_TEXT = (
 )
 
 
-def _token_ids() -> dict[str, int]:
-    ids = special_token_ids()
-    return {"bos_token_id": ids[BOS], "eos_token_id": ids[STOP_TOKEN], "pad_token_id": ids[PAD]}
+def _token_ids(family: str) -> dict[str, int]:
+    """bos / eos / pad ids of the synthetic tokenizer; eos is the end-of-message token (the stop token)."""
+    ids = synthetic_special_ids(family)
+    return {"bos_token_id": ids["[BOS]"], "eos_token_id": ids[END_OF_MESSAGE[family]], "pad_token_id": ids["[PAD]"]}
+
+
+def tokenizer_family(cfg: ModelConfig) -> str:
+    """The chat family of a synthetic checkpoint: K3's XTML tokens for kimi_k3, else K2's role tokens."""
+    return "k3" if cfg.model_type == "kimi_k3" else "k2"
 
 
 def _tiny_k3() -> dict[str, Any]:
@@ -54,8 +60,8 @@ def _tiny_k3() -> dict[str, Any]:
     from moe_export.recipes import models_dir
 
     cfg = json.loads((models_dir() / "kimi-k3.json").read_text())
-    ids = _token_ids()
-    cfg.update(ids, media_placeholder_token_id=special_token_ids()[MEDIA])
+    ids = _token_ids("k3")
+    cfg.update(ids, media_placeholder_token_id=synthetic_special_ids("k3")["<|kimi_image_placeholder|>"])
     text = cfg["text_config"]
     text.update(
         ids,
@@ -97,7 +103,7 @@ def _tiny_kimi_linear() -> dict[str, Any]:
 
     cfg = json.loads((models_dir() / "kimi-linear-48b-a3b.json").read_text())
     cfg.update(
-        _token_ids(),
+        _token_ids("k2"),
         vocab_size=VOCAB,
         hidden_size=64,
         num_hidden_layers=6,
@@ -274,7 +280,7 @@ def _write_files(tmp: Path, preset: str, hf: dict[str, Any], cfg: ModelConfig, s
             total += s.nbytes
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    write_byte_tokenizer(tmp, cfg.max_position_embeddings)
+    write_synthetic_tokenizer(tmp, tokenizer_family(cfg), cfg.max_position_embeddings)
     (tmp / "LICENSE").write_text(LICENSE_TEXT.format(preset=preset, seed=seed))
 
 

@@ -20,8 +20,8 @@ Builder settings, each for a reason:
   - PreviewFeature.ALIASED_PLUGIN_IO_10_03: without it TensorRT ignores the in-place (aliased) pool outputs
     of GatedDeltaScan / ShortConv and hands fresh buffers in which only the addressed slots are written.
   - one optimization profile per segment from the recipe's limits (`profile_range`): token and sequence
-    dims from 1 to their maxima, pool dims (slots S, cache length L) from 1 to the runtime's pool sizes with
-    small opt values, so the build never allocates full-size pools while timing tactics.
+    dims from 1 to their maxima, pool dims (slots S, cache blocks NB, table width B) from 1 to the runtime's
+    pool sizes with small opt values, so the build never allocates full-size pools while timing tactics.
 Supported: TensorRT 10.9+ (AOT plugins, network preference flags), any NumPy (see plugins/tensorrt_common.py).
 NOT RUN HERE: TensorRT's libraries are not installable on this project's machines; what is checked on CPU is
 listed in the README's backend section.
@@ -67,20 +67,30 @@ def register_plugins() -> None:
         importlib.import_module(f"moe_export.plugins.{folder}.tensorrt_plugin")
 
 
+def pool_limits(limits) -> dict[str, int]:
+    """The runtime's default pool sizes (`runtime.engine.Engine`): S = max_batch slots, BS = block_size,
+    B = blocks per sequence of max_seq_len, NB = S * B cache blocks."""
+    per_sequence = -(-limits.max_seq_len // limits.block_size)
+    return {"S": limits.max_batch, "BS": limits.block_size, "B": per_sequence, "NB": limits.max_batch * per_sequence}
+
+
 def profile_range(name: str, axis: int, dim: str | int, limits) -> tuple[int, int, int]:
     """(min, opt, max) of one dimension of a segment input: a fixed size, or a symbolic name.
 
-    T tokens of the step; N sequences (N_plus_1 = cu_seqlens); S pool slots and L cache length, whose maxima
-    are the pools the runtime allocates (num_slots = max_batch, max_seq_len positions per slot)."""
+    T tokens of the step; N sequences (N_plus_1 = cu_seqlens); pools: S recurrent-state slots, NB cache blocks
+    of BS positions, B blocks per block table, with maxima the runtime's pool sizes (`pool_limits`) and small
+    opt values, so the build's tactic timing never allocates full-size pools."""
     if isinstance(dim, int):
         return dim, dim, dim
-    tokens = limits.max_num_tokens
+    tokens, pools = limits.max_num_tokens, pool_limits(limits)
     ranges = {
         "T": (1, min(tokens, 256), tokens),
         "N": (1, limits.max_batch, limits.max_batch),
         "N_plus_1": (2, limits.max_batch + 1, limits.max_batch + 1),
-        "S": (1, min(limits.max_batch, 4), limits.max_batch),
-        "L": (1, min(limits.max_seq_len, 4096), limits.max_seq_len),
+        "S": (1, min(pools["S"], 4), pools["S"]),
+        "BS": (pools["BS"], pools["BS"], pools["BS"]),
+        "B": (1, min(pools["B"], 64), pools["B"]),
+        "NB": (1, min(pools["NB"], 256), pools["NB"]),
     }
     if dim not in ranges:
         raise InputError(f"segment input {name!r} axis {axis}: unknown symbolic dimension {dim!r}")
@@ -91,8 +101,8 @@ def segment_input_dims(model: onnx.ModelProto, types: dict[str, onnx.TypeProto],
     """Dimensions (int or symbolic name) of every value that crosses a segment boundary.
 
     ONNX shape inference leaves some dims unnamed: a collective's gathered axis (recovered from its input and
-    the group size) and the token dim of `Reshape(x, [-1, heads, dim])` outputs (in our graphs every unnamed
-    leading dim counts tokens, so axis 0 reads as T)."""
+    the group size), `local_slots` = Range(0, N), and the token dim of `Reshape(x, [-1, heads, dim])` outputs
+    (in our graphs every other unnamed leading dim counts tokens, so axis 0 reads as T)."""
     steps = plan_segments(model)
     gathered = {s["output"]: s for s in steps if isinstance(s, dict)}
 
@@ -109,7 +119,7 @@ def segment_input_dims(model: onnx.ModelProto, types: dict[str, onnx.TypeProto],
                 size = mapping.tp if step["group"] == "tp" else mapping.ep
                 out.append(src[axis] * size if axis % len(src) == step["axis"] % len(src) else src[axis])
             elif axis == 0:
-                out.append("T")
+                out.append("N" if name == "local_slots" else "T")
             else:
                 raise InputError(f"value {name!r} axis {axis}: dimension unknown after shape inference")
         return out

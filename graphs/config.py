@@ -19,6 +19,7 @@ from typing import Any
 from moe_export.export.errors import InputError
 
 SUPPORTED_MODEL_TYPES = ("kimi_k3", "kimi_linear")
+GENERATION_CONFIG = "generation_config.json"
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,8 @@ class ModelConfig:
     weight_prefix: str = ""  # "language_model." for K3 composite checkpoints
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | None = None  # the first of eos_token_ids
+    eos_token_ids: tuple[int, ...] = ()  # every stop id of config.json (top level, text_config) and generation_config.json
     pad_token_id: int | None = None
     max_position_embeddings: int = 1048576
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -136,8 +138,10 @@ class ModelConfig:
 
     # ---- parsing ----
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        """Parse an HF config dict; raises InputError naming the offending field."""
+    def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json",
+                     generation_config: dict[str, Any] | None = None) -> ModelConfig:
+        """Parse an HF config dict (and the checkpoint's generation_config.json dict, whose eos ids are
+        stop ids too); raises InputError naming the offending field."""
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise InputError(
@@ -153,11 +157,12 @@ class ModelConfig:
             source = f"{source}: text_config"
         else:
             source = f"{source}:"
-        return cls._from_text_config(model_type, text, prefix, source, cfg)
+        return cls._from_text_config(model_type, text, prefix, source, cfg, generation_config)
 
     @classmethod
     def _from_text_config(
-        cls, model_type: str, t: dict[str, Any], prefix: str, source: str, raw: dict[str, Any]
+        cls, model_type: str, t: dict[str, Any], prefix: str, source: str, raw: dict[str, Any],
+        generation_config: dict[str, Any] | None,
     ) -> ModelConfig:
         def req(key: str, kind: type = int) -> Any:
             if key not in t:
@@ -248,9 +253,8 @@ class ModelConfig:
                     "only compressed-tensors 'mxfp4-pack-quantized' routed experts are supported"
                 )
             experts_mxfp4 = True
-        eos = raw.get("eos_token_id", t.get("eos_token_id"))
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
+        eos_ids = stop_token_ids(source, raw.get("eos_token_id"), t.get("eos_token_id"),
+                                 (generation_config or {}).get("eos_token_id"))
 
         conf = cls(
             model_type=model_type,
@@ -297,7 +301,8 @@ class ModelConfig:
             weight_prefix=prefix,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", t.get("tie_word_embeddings", False))),
             bos_token_id=raw.get("bos_token_id", t.get("bos_token_id")),
-            eos_token_id=eos,
+            eos_token_id=eos_ids[0] if eos_ids else None,
+            eos_token_ids=eos_ids,
             pad_token_id=raw.get("pad_token_id", t.get("pad_token_id")),
             max_position_embeddings=t.get("max_position_embeddings", t.get("model_max_length", 1048576)),
             raw=raw,
@@ -341,7 +346,33 @@ class ModelConfig:
             raise InputError(f"{cfg_path}: not valid JSON ({exc})") from None
         if not isinstance(data, dict):
             raise InputError(f"{cfg_path}: expected a JSON object")
-        return cls.from_hf_dict(data, source=str(cfg_path))
+        return cls.from_hf_dict(data, source=str(cfg_path), generation_config=read_generation_config(cfg_path.parent))
+
+
+def read_generation_config(folder: str | Path) -> dict[str, Any] | None:
+    """`generation_config.json` of a checkpoint or engine folder (None if absent); InputError if unreadable."""
+    path = Path(folder) / GENERATION_CONFIG
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: expected a JSON object")
+    return data
+
+
+def stop_token_ids(source: str, *values: Any) -> tuple[int, ...]:
+    """Every eos id of `values` (each None, an int or a list of ints), first occurrence first."""
+    out: list[int] = []
+    for val in values:
+        for tok in val if isinstance(val, list) else [] if val is None else [val]:
+            if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+                raise InputError(f"{source} eos_token_id must be a token id or a list of them, got {val!r}")
+            if tok not in out:
+                out.append(tok)
+    return tuple(out)
 
 
 def _shared_indexer_layers(t: dict[str, Any], num_layers: int, mla: list[int], source: str) -> tuple[int, ...]:

@@ -3,19 +3,27 @@
 One graph per rank handles a packed batch of N sequences (prefill chunks and decode tokens mixed):
 
   inputs   input_ids [T] int64, positions [T] int64 (absolute position of each token in its sequence),
-           token_slots [T] int64 (cache slot of each token's sequence), cu_seqlens [N+1] int64,
-           slot_ids [N] int64, last_token_index [N] int64 (rows whose logits are wanted),
+           cu_seqlens [N+1] int64, slot_ids [N] int64 (recurrent-state slot of each sequence),
+           block_tables [N, B] int64 (each sequence's cache blocks in order, -1 padded),
+           last_token_index [N] int64 (rows whose logits are wanted),
            per KDA layer i: kda_state.i [S, H_l, V, K] fp32 and conv_state.i [S, 3*P_l, W-1] fp32,
-           per MLA layer i: mla_cache.i [S, L, kv_lora+rope] and (DSA) index_cache.i [S, L, Di]
-  outputs  logits [N, vocab] fp32 and every state/cache input's updated pool (`<name>.out`).
+           per MLA layer i: the paged pools mla_cache.i [NB, BS, kv_lora+rope] and (DSA) index_cache.i
+           [NB, BS, Di], stored in the recipe's kv_cache dtype (`cache_storage_type`)
+  outputs  logits [N, vocab] fp32; per KDA layer the new state / conv windows of the step's N sequences
+           (`kda_state.i.out` [N, H_l, V, K], `conv_state.i.out` [N, 3*P_l, W-1], row n = slot_ids[n]),
+           which the runtime writes into its pools in place; per MLA layer the step's new cache rows
+           (`mla_cache.i.out` [T, kv_lora+rope], `index_cache.i.out` [T, Di], fp32 values already rounded to
+           the storage dtype), which the runtime writes at each token's block-table row.
 
-S (slots) and L (cache length) are symbolic; the runtime allocates pools from the recipe's limits.
+S (slots), NB (blocks) and BS (block size) are symbolic; the runtime sizes the pools (see
+`moe_export.export.planner.pool_sizes`). No output is a whole pool, so a step costs O(tokens + context used).
 
 Compute dtype. CPU builds (backend onnxruntime) compute in fp32. GPU builds (backend tensorrt) compute in
 bf16: bf16 weights are used as stored (TensorRT folds a Cast of an initializer into a converted copy, so an
 fp32 graph would hold every weight in fp32), activations, GEMMs and collectives are bf16, and fp32 stays where
 the model needs it: router logits and scores, KDA gates (A_log, dt_bias, decay, beta) and recurrent state, conv
 taps, RMS / layer norm and attention-residual arithmetic, the plugins' fp32 inputs, caches and logits.
+
 Weights are initializers stored as external data inside the rank's `weights.safetensors` (the
 safetensors data section is raw little-endian bytes, so each initializer points at its byte range).
 
@@ -34,12 +42,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from moe_export.export.errors import InputError
 from moe_export.graphs.config import ModelConfig
 from moe_export.graphs.sharding import Mapping
 from moe_export.graphs.weights import layer_prefix, lm_head_name, model_prefix
 from moe_export.plugins import DOMAIN, OPSET_VERSION, PLUGIN_NAMESPACE, PLUGIN_VERSION
 
 ONNX_OPSET = 21
+CACHE_STORAGE = {"fp32": TensorProto.FLOAT, "bf16": TensorProto.BFLOAT16}  # recipe kv_cache -> pool element type
 MLA_LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm
 INDEXER_KNORM_EPS = 1e-6
 FP8_BLOCK = 128
@@ -217,8 +227,9 @@ class RankGraph:
     """Emits one rank's decoder (gpt-fast style: one method per block, in forward order)."""
 
     def __init__(self, cfg: ModelConfig, mapping: Mapping, weights_path: Path, topk_override: int | None = None,
-                 use_indexer: bool = True, compute_dtype: int = TensorProto.FLOAT):
+                 use_indexer: bool = True, kv_cache: str = "fp32", compute_dtype: int = TensorProto.FLOAT):
         self.cfg, self.m = cfg, mapping
+        self.cache_type = cache_storage_type(kv_cache)
         self.g = GraphBuilder(weights_path, compute_dtype)
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
@@ -285,7 +296,11 @@ class RankGraph:
         qkv = g.op("Concat", [g.linear(x, f"{a}{c}_proj.weight", f"{n}.{c}_proj") for c in "qkv"], f"{n}.qkv", axis=-1)
         conv_w = g.op("Concat", [g.reshape(g.weight(f"{a}{c}_conv1d.weight", dtype=TensorProto.FLOAT), [p_l, w],
                                            f"{n}.{c}_conv_w") for c in "qkv"], f"{n}.conv_w", axis=0)  # fmt: skip
-        conv_y, conv_out = g.plugin("ShortConv", [qkv, conv_w, io["conv"], io["cu"], io["slots"]], f"{n}.short_conv", 2)
+        # The step's sequences' windows / states only ([N, ...], addressed by local slots 0..N-1): the plugin
+        # outputs are then the touched slots' new values, which the runtime writes back (O(tokens), not O(pool)).
+        conv_in = g.op("Gather", [io["conv"], io["slots"]], f"{n}.conv_windows", axis=0)
+        state_in = g.op("Gather", [io["state"], io["slots"]], f"{n}.states", axis=0)
+        conv_y, conv_out = g.plugin("ShortConv", [qkv, conv_w, conv_in, io["cu"], io["local_slots"]], f"{n}.short_conv", 2)
         q, k, v = (g.reshape(g.slice_last(conv_y, j * p_l, (j + 1) * p_l, f"{n}.{c}_conv"), [-1, hl, dh], f"{n}.{c}")
                    for j, c in enumerate("qkv"))
         f_b = g.to_f32(g.linear(g.linear(x, f"{a}f_a_proj.weight", f"{n}.f_a"), f"{a}f_b_proj.weight", f"{n}.f_b"), f"{n}.f_b")
@@ -302,7 +317,7 @@ class RankGraph:
             sp = g.op("Softplus", [u], f"{n}.softplus")
             log_decay = g.op("Neg", [g.op("Mul", [decay, sp], f"{n}.A_sp")], f"{n}.g")
         beta = g.op("Sigmoid", [g.to_f32(g.linear(x, f"{a}b_proj.weight", f"{n}.b_proj"), f"{n}.b_proj")], f"{n}.beta")
-        o, state_out = g.plugin("GatedDeltaScan", [q, k, v, log_decay, beta, io["state"], io["cu"], io["slots"]],
+        o, state_out = g.plugin("GatedDeltaScan", [q, k, v, log_decay, beta, state_in, io["cu"], io["local_slots"]],
                                 f"{n}.gated_delta_scan", 2, scale=float(dh**-0.5), use_qk_l2norm=1)
         if cfg.use_full_rank_gate:
             gate = g.linear(x, f"{a}g_proj.weight", f"{n}.g_proj")
@@ -338,8 +353,7 @@ class RankGraph:
         ckv = g.linear(x, f"{a}kv_a_proj_with_mqa.weight", f"{n}.kv_a")
         c = g.rms_norm(g.slice_last(ckv, 0, r, f"{n}.c"), f"{a}kv_a_layernorm.weight", MLA_LATENT_NORM_EPS, f"{n}.c_norm")
         entry = g.op("Concat", [c, g.slice_last(ckv, r, r + rope, f"{n}.k_pe")], f"{n}.cache_entry", axis=-1)
-        cache = g.op("ScatterND", [io["mla"], io["cache_idx"], g.to_f32(entry, f"{n}.cache_entry")], f"{n}.cache_write")
-        io["mla_out"] = cache
+        entry = io["mla_out"] = self.round_to_storage(g.to_f32(entry, f"{n}.cache_entry"), f"{n}.cache_rows")
         # Dense layers pass an empty [0, 0] index tensor (the op's "dense causal" form), so the node always
         # has the six inputs TensorRT's plugin signature fixes.
         if self.use_indexer and cfg.has_indexer(i):
@@ -348,7 +362,7 @@ class RankGraph:
             indices = self.last_indices
         else:
             indices = g.const(np.zeros((0, 0)), np.int64, "dense")
-        attn_inputs = [g.to_f32(q_full, f"{n}.q_lat"), cache, io["cu"], io["slots"], io["positions"], indices]
+        attn_inputs = [g.to_f32(q_full, f"{n}.q_lat"), io["mla"], entry, io["cu"], io["tables"], io["positions"], indices]
         o_lat = g.plugin("SparseMLAAttention", attn_inputs, f"{n}.attention",
                          scale=float((nope + rope) ** -0.5), kv_lora_rank=r)  # [T, H, r]
         o_t = g.op("Transpose", [g.to_act(o_lat, f"{n}.attention")], f"{n}.o_latT", perm=[1, 0, 2])  # [H, T, r]
@@ -369,13 +383,19 @@ class RankGraph:
                                         g.weight(f"{a}k_norm.weight", dtype=TensorProto.FLOAT),
                                         g.weight(f"{a}k_norm.bias", dtype=TensorProto.FLOAT)],
                  f"{n}.k_norm", axis=-1, epsilon=INDEXER_KNORM_EPS)  # fmt: skip
-        keys = g.op("ScatterND", [io["index"], io["cache_idx"], k], f"{n}.cache_write")
-        io["index_out"] = keys
+        k = io["index_out"] = self.round_to_storage(k, f"{n}.cache_rows")
         # score[t, s] = sum_h (w[t, h] * Hi^-0.5 * Di^-0.5) * relu(q[t, h] . k[s]); the op applies relu and sums.
         weights = g.op("Mul", [g.to_f32(g.linear(x, f"{a}weights_proj.weight", f"{n}.weights_proj"), f"{n}.weights_proj"),
                                g.const((hi**-0.5) * (di**-0.5), np.float32, "index_scale")], f"{n}.head_weights")
-        return g.plugin("DSAIndexer", [q, weights, keys, io["cu"], io["slots"], io["positions"]], f"{n}.topk",
+        return g.plugin("DSAIndexer", [q, weights, io["index"], k, io["cu"], io["tables"], io["positions"]], f"{n}.topk",
                         topk=int(self.topk))
+
+    def round_to_storage(self, rows: str, name: str) -> str:
+        """fp32 cache rows rounded to the pool's storage dtype (kept fp32: the runtime stores them exactly)."""
+        if self.cache_type == TensorProto.FLOAT:
+            return rows
+        stored = self.g.op("Cast", [rows], f"{name}.stored", to=self.cache_type)
+        return self.g.op("Cast", [stored], name, to=TensorProto.FLOAT)
 
     # ---- FFNs ----
     def mlp(self, x: str, prefix: str, name: str, group_size: int) -> str:
@@ -427,14 +447,14 @@ class RankGraph:
         ids = self._input("input_ids", i64, ["T"])
         io_common = {
             "positions": self._input("positions", i64, ["T"]),
-            "token_slots": self._input("token_slots", i64, ["T"]),
             "cu": self._input("cu_seqlens", i64, ["N_plus_1"]),
             "slots": self._input("slot_ids", i64, ["N"]),
         }
+        if cfg.mla_layers:
+            io_common["tables"] = self._input("block_tables", i64, ["N", "B"])
         last = self._input("last_token_index", i64, ["N"])
-        io_common["cache_idx"] = g.op("Concat", [g.op("Unsqueeze", [io_common["token_slots"], g.const([1])], "cache_idx.slot"),
-                                                 g.op("Unsqueeze", [io_common["positions"], g.const([1])], "cache_idx.pos")],
-                                      "cache_idx", axis=1)  # [T, 2] (slot, position) rows for ScatterND
+        num_seqs = g.op("Squeeze", [g.op("Shape", [io_common["slots"]], "num_seqs.shape"), g.const([0])], "num_seqs")
+        io_common["local_slots"] = g.op("Range", [g.const(0), num_seqs, g.const(1)], "local_slots")  # [N] 0..N-1
         h = self.embed(ids)
         snaps: list[str] = []
         state_outputs = []
@@ -447,9 +467,9 @@ class RankGraph:
                 io["state"] = self._input(f"kda_state.{i}", f32, ["S", hl, dh, dh])
                 io["conv"] = self._input(f"conv_state.{i}", f32, ["S", 3 * hl * dh, cfg.conv_kernel_size - 1])
             else:
-                io["mla"] = self._input(f"mla_cache.{i}", f32, ["S", "L", cfg.latent_cache_dim])
+                io["mla"] = self._input(f"mla_cache.{i}", self.cache_type, ["NB", "BS", cfg.latent_cache_dim])
                 if self.use_indexer and cfg.has_indexer(i):
-                    io["index"] = self._input(f"index_cache.{i}", f32, ["S", "L", cfg.index_head_dim])
+                    io["index"] = self._input(f"index_cache.{i}", self.cache_type, ["NB", "BS", cfg.index_head_dim])
             attend = self.kda if cfg.is_kda(i) else self.mla
             if cfg.attn_res_block_size is None:
                 a = attend(i, g.rms_norm(h, lp + "input_layernorm.weight", eps, f"layers.{i}.input_norm"), io)
@@ -483,6 +503,10 @@ class RankGraph:
         for value, out_name in state_outputs:
             src = next(v for v in self.inputs if v.name == out_name[: -len(".out")])
             dims = [d.dim_param or d.dim_value for d in src.type.tensor_type.shape.dim]
+            if out_name.startswith(("kda_state.", "conv_state.")):
+                dims[0] = "N"  # the step's sequences only
+            else:
+                dims = ["T", dims[-1]]  # the step's new cache rows
             self._output(value, out_name, f32, dims)
         graph = helper.make_graph(g.nodes, f"rank{self.m.rank}", self.inputs, self.outputs, g.initializers)
         model = helper.make_model(
@@ -507,9 +531,17 @@ def export_rank_graph(cfg: ModelConfig, recipe, mapping: Mapping, weights_path: 
     so both must live in the same folder). Returns a summary: op counts by type and plugin nodes."""
     use_indexer = recipe.attention.indexer == "auto"
     model = RankGraph(cfg, mapping, Path(weights_path), recipe.attention.sparse_topk, use_indexer,
-                      compute_dtype(recipe)).build()
+                      recipe.quantization.kv_cache, compute_dtype(recipe)).build()
     Path(out_path).write_bytes(model.SerializeToString(deterministic=True))
     return graph_summary(model)
+
+
+def cache_storage_type(kv_cache: str) -> int:
+    """ONNX element type of the cache pools for the recipe's `quantization.kv_cache`."""
+    if kv_cache not in CACHE_STORAGE:
+        raise InputError(f"quantization.kv_cache {kv_cache!r}: the graphs store caches as one of "
+                         f"{sorted(CACHE_STORAGE)}")
+    return CACHE_STORAGE[kv_cache]
 
 
 def graph_summary(model: onnx.ModelProto) -> dict:

@@ -13,7 +13,7 @@ Buffers. `Tensor.__cuda_array_interface__` refuses BF16, so `as_torch` builds th
 through an int16 view) and every plugin wraps its buffers with it.
 
 Tactic runs. TensorRT may execute a plugin while timing tactics with unspecified input contents; the Triton
-kernels clamp their index inputs themselves, host-side code calls `clamp_ragged_indices` first.
+kernels clamp their index inputs themselves, host-side code (DSAIndexer) calls `clamp_ragged_indices` first.
 """
 
 import numpy as np
@@ -72,10 +72,12 @@ def as_torch(tensor) -> torch.Tensor:
 
 
 def clamp_ragged_indices(
-    cu_seqlens: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor, num_slots: int, cache_len: int
+    cu_seqlens: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor, num_blocks: int, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """cu_seqlens [N+1] into [0, T] and non-decreasing, slot_ids [N] into [0, S-1], positions [T] into
-    [0, L-1] (T = positions rows): identity on valid inputs, in-bounds on the garbage of tactic runs."""
+    """cu_seqlens [N+1] into [0, T] and non-decreasing, block_tables [N, B] into [-1, NB-1] (-1 = unused),
+    positions [T] into [0, B*BS-1] (T = positions rows): identity on valid inputs, in bounds on the garbage of
+    tactic runs."""
     num_tokens = positions.shape[0]
     cu = torch.cummax(cu_seqlens.clamp(0, num_tokens), 0).values
-    return cu, slot_ids.clamp(0, max(num_slots - 1, 0)), positions.clamp(0, max(cache_len - 1, 0))
+    tables = block_tables.clamp(-1, num_blocks - 1)
+    return cu, tables, positions.clamp(0, max(block_tables.shape[1] * block_size - 1, 0))

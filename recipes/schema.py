@@ -62,7 +62,8 @@ class QuantizationSection(_Strict):
     dense: Literal["bf16", "fp8"] = "bf16"
     attention: Literal["bf16", "fp8"] = "bf16"
     shared_experts: Literal["bf16", "fp8"] = "bf16"
-    kv_cache: Literal["bf16", "fp8"] = "bf16"
+    kv_cache: Literal["bf16", "fp8", "fp32"] = Field(
+        default="bf16", description="cache pool storage (compute stays fp32); fp32 for exact parity checks")
     allow_nonfinite: bool = False
 
 
@@ -75,6 +76,7 @@ class LimitsSection(_Strict):
     max_batch: int = Field(default=8, ge=1)
     max_seq_len: int = Field(default=4096, ge=1, le=MAX_SEQ_LEN_LIMIT)
     max_num_tokens: int = Field(default=8192, ge=1, description="tokens per engine step (prefill chunks + decode)")
+    block_size: int = Field(default=64, ge=1, le=4096, description="tokens per paged cache block (MLA latent, DSA keys)")
 
 
 class ThinkingSection(_Strict):

@@ -5,8 +5,13 @@ collectives. Two ways to run a world of R ranks:
   - under `mpiexec -n R`: this process is one rank, collectives go through MPI (mpi4py);
   - in one process (no mpiexec): every rank is loaded here and run in lockstep, collectives are
     computed in process (same sums, same order), which is handy for tests and small models.
-Per-sequence state (KDA recurrent state, conv windows, MLA latent cache, indexer key cache) lives
-in pools of `num_slots` slots owned by the runner; a sequence occupies one slot.
+State lives in pools owned by the runner and is updated in place at O(tokens) per step:
+  - recurrent state (KDA state fp32, conv windows): `num_slots` slots, a sequence occupies one; the
+    graph returns the new state of the step's slots only, written back at `slot_ids`;
+  - caches (MLA latent, DSA indexer keys): one paged pool per layer, [num_blocks, block_size, D] in the
+    recipe's kv_cache dtype (fp32 / bf16); a sequence owns the blocks of its block table; the graph reads
+    earlier rows through the block tables and returns the step's new rows, written back at each token's
+    physical row `block_tables[n, pos // block_size] * block_size + pos % block_size`.
 """
 
 from __future__ import annotations
@@ -16,21 +21,47 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnx
+from onnx import TensorProto
 
 from moe_export.export.errors import InputError
+from moe_export.export.mpi import mpi_world
 
 STATE_PREFIXES = ("kda_state.", "conv_state.", "mla_cache.", "index_cache.")
 RESET_ON_NEW_SEQUENCE = ("kda_state.", "conv_state.")  # recurrent state; caches are position-addressed
+CACHE_PREFIXES = ("mla_cache.", "index_cache.")  # paged pools, written at the step's token rows
+DEFAULT_BLOCK_SIZE = 64  # tokens per cache block when the engine's config.json does not say
+POOL_DTYPES = {TensorProto.FLOAT: np.float32, TensorProto.BFLOAT16: ml_dtypes.bfloat16}  # ONNX -> numpy
 
 
-def mpi_world() -> tuple[int, int] | None:
-    """(rank, size) when launched by mpiexec, else None (checked without importing MPI)."""
-    for rank_key, size_key in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")):
-        if rank_key in os.environ and size_key in os.environ:
-            return int(os.environ[rank_key]), int(os.environ[size_key])
-    return None
+def rank_folders(engine_dir: Path) -> list[Path]:
+    """`rank{N}/` folders indexed by N (rank10 after rank9, not after rank1); InputError unless they are
+    exactly rank0 .. rank{R-1}."""
+    found = {int(p.name[4:]): p for p in engine_dir.glob("rank*") if p.is_dir() and p.name[4:].isdigit()}
+    if not found:
+        raise InputError(f"{engine_dir}: no rank*/ folders")
+    missing = sorted(set(range(max(found) + 1)) - set(found))
+    if missing:
+        raise InputError(f"{engine_dir}: rank folders {[f'rank{n}' for n in missing[:8]]} are missing "
+                         f"(found {len(found)} of rank0..rank{max(found)})")
+    return [found[n] for n in range(len(found))]
+
+
+@dataclass
+class SequenceChunk:
+    """One sequence's tokens in a step.
+
+    slot: recurrent-state slot (KDA state + conv windows) of the sequence; start: absolute position of
+    tokens[0]; tokens: the new token ids (at least one); block_table: physical cache block ids covering
+    positions [0, start + len(tokens)) in order (block j holds positions j*block_size .. (j+1)*block_size-1).
+    """
+
+    slot: int
+    start: int
+    tokens: list[int]
+    block_table: list[int]
 
 
 @dataclass
@@ -39,29 +70,47 @@ class StepBatch:
 
     input_ids: np.ndarray  # [T] int64
     positions: np.ndarray  # [T] int64
-    token_slots: np.ndarray  # [T] int64
     cu_seqlens: np.ndarray  # [N+1] int64
     slot_ids: np.ndarray  # [N] int64
+    block_tables: np.ndarray  # [N, B] int64, B = longest table in the step, rows padded with -1
 
     @classmethod
-    def from_sequences(cls, chunks: list[tuple[int, int, list[int]]]) -> StepBatch:
-        """chunks: (slot, start position, token ids) per sequence; every chunk has at least one token."""
-        ids, pos, slots, cu = [], [], [], [0]
-        for slot, start, toks in chunks:
-            ids.extend(toks)
-            pos.extend(range(start, start + len(toks)))
-            slots.extend([slot] * len(toks))
-            cu.append(cu[-1] + len(toks))
-        ids, pos, slots, cu = (np.asarray(v, dtype=np.int64) for v in (ids, pos, slots, cu))
-        return cls(ids, pos, slots, cu, np.asarray([c[0] for c in chunks], dtype=np.int64))
+    def from_sequences(cls, chunks: list[SequenceChunk]) -> StepBatch:
+        """Pack `chunks` (each with at least one token) into one step."""
+        if not chunks:
+            raise InputError("a step needs at least one sequence chunk")
+        ids, pos, cu = [], [], [0]
+        for c in chunks:
+            if not isinstance(c, SequenceChunk):
+                raise InputError(f"StepBatch.from_sequences takes SequenceChunk items, got {type(c).__name__}")
+            if not c.tokens:
+                raise InputError(f"sequence chunk of slot {c.slot} has no tokens")
+            ids.extend(c.tokens)
+            pos.extend(range(c.start, c.start + len(c.tokens)))
+            cu.append(cu[-1] + len(c.tokens))
+        width = max(len(c.block_table) for c in chunks)
+        tables = np.full((len(chunks), max(width, 1)), -1, dtype=np.int64)
+        for n, c in enumerate(chunks):
+            tables[n, : len(c.block_table)] = c.block_table
+        ids, pos, cu = (np.asarray(v, dtype=np.int64) for v in (ids, pos, cu))
+        return cls(ids, pos, cu, np.asarray([c.slot for c in chunks], dtype=np.int64), tables)
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.slot_ids.shape[0])
+
+    def cache_rows(self, block_size: int) -> np.ndarray:
+        """[T] int64 physical pool row of each token: its block-table block * block_size + offset in the block."""
+        seq = np.repeat(np.arange(self.num_sequences), np.diff(self.cu_seqlens))
+        return self.block_tables[seq, self.positions // block_size] * block_size + self.positions % block_size
 
     def feeds(self) -> dict[str, np.ndarray]:
         return {
             "input_ids": self.input_ids,
             "positions": self.positions,
-            "token_slots": self.token_slots,
             "cu_seqlens": self.cu_seqlens,
             "slot_ids": self.slot_ids,
+            "block_tables": self.block_tables,
             "last_token_index": self.cu_seqlens[1:] - 1,
         }
 
@@ -100,9 +149,10 @@ class RankRunner:
     steps: list[dict]
     sessions: dict[str, object]
     pools: dict[str, np.ndarray] = field(default_factory=dict)
+    pool_feeds: dict[str, object] = field(default_factory=dict)  # what ORT is fed: the array, or a bf16 view of it
 
     @classmethod
-    def load(cls, rank_dir: Path, num_slots: int, max_seq_len: int, threads: int) -> RankRunner:
+    def load(cls, rank_dir: Path, num_slots: int, num_blocks: int, block_size: int, threads: int) -> RankRunner:
         import onnxruntime as ort
 
         plan_path = rank_dir / "ort_plan.json"
@@ -123,19 +173,39 @@ class RankRunner:
                 sessions[step["segment"]] = ort.InferenceSession(
                     str(rank_dir / step["segment"]), opts, providers=["CPUExecutionProvider"]
                 )
-        pools = {}
+        sizes = {"S": num_slots, "NB": num_blocks, "BS": block_size}
+        pools, pool_feeds = {}, {}
         for vi in graph.graph.input:
             if vi.name.startswith(STATE_PREFIXES):
-                dims = []
-                for d in vi.type.tensor_type.shape.dim:
-                    dims.append(d.dim_value if d.HasField("dim_value") else {"S": num_slots, "L": max_seq_len}[d.dim_param])
-                pools[vi.name] = np.zeros(dims, dtype=np.float32)
-        return cls(int(json.loads(meta["mapping"])["rank"]), json.loads(meta["mapping"]), plan["steps"], sessions, pools)
+                dims = [d.dim_value if d.HasField("dim_value") else sizes[d.dim_param] for d in vi.type.tensor_type.shape.dim]
+                elem = vi.type.tensor_type.elem_type
+                pool = pools[vi.name] = np.zeros(dims, dtype=POOL_DTYPES[elem])
+                # numpy has no bf16 that ORT reads: feed the same memory as an OrtValue (no copy, so the
+                # in-place writes below are what the next step sees)
+                pool_feeds[vi.name] = pool if elem == TensorProto.FLOAT else \
+                    ort.OrtValue.ortvalue_from_numpy_with_onnx_type(pool.view(np.uint16), elem)
+        mapping = json.loads(meta["mapping"])
+        return cls(int(mapping["rank"]), mapping, plan["steps"], sessions, pools, pool_feeds)
 
     def reset_slot(self, slot: int) -> None:
         for name, pool in self.pools.items():
             if name.startswith(RESET_ON_NEW_SEQUENCE):
                 pool[slot] = 0.0
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        for name, pool in self.pools.items():
+            if name.startswith(RESET_ON_NEW_SEQUENCE):
+                pool[dst] = pool[src]
+
+    def write_back(self, env: dict[str, np.ndarray], batch: StepBatch, cache_rows: np.ndarray) -> None:
+        """Store the step's new state in place: the touched slots' recurrent state at `slot_ids`, the new
+        cache rows [T, D] (fp32, already rounded to the pool dtype) at their physical rows `cache_rows` [T]."""
+        for name, pool in self.pools.items():
+            new = env[f"{name}.out"]
+            if name.startswith(RESET_ON_NEW_SEQUENCE):
+                pool[batch.slot_ids] = new
+            else:
+                pool.reshape(-1, pool.shape[-1])[cache_rows] = new.astype(pool.dtype)
 
     def run_segment(self, step: dict, env: dict[str, np.ndarray]) -> None:
         sess = self.sessions[step["segment"]]
@@ -144,23 +214,26 @@ class RankRunner:
 
 
 class Engine:
-    """A built engine directory, with the ranks this process runs (all of them, or its MPI rank)."""
+    """A built engine directory, with the ranks this process runs (all of them, or its MPI rank).
 
-    def __init__(self, engine_dir: str | Path, num_slots: int | None = None, max_seq_len: int | None = None,
+    num_slots: concurrent sequences (recurrent-state slots); num_blocks: cache blocks of `block_size`
+    tokens in each paged pool (default: enough for num_slots sequences of max_seq_len)."""
+
+    def __init__(self, engine_dir: str | Path, *, num_slots: int | None = None, num_blocks: int | None = None,
                  threads: int | None = None):
         self.dir = Path(engine_dir)
         cfg_path = self.dir / "config.json"
         if not cfg_path.is_file():
             raise InputError(f"{self.dir}: not an engine directory (no config.json); build one with moe-export build")
         self.config = json.loads(cfg_path.read_text())
-        rank_dirs = sorted(p for p in self.dir.glob("rank*") if p.is_dir() and p.name[4:].isdigit())
-        if not rank_dirs:
-            raise InputError(f"{self.dir}: no rank*/ folders")
+        rank_dirs = rank_folders(self.dir)
         self.world_size = len(rank_dirs)
         limits = self.config.get("limits", {})
         self.num_slots = num_slots or int(limits.get("max_batch", 8))
-        self.max_seq_len = max_seq_len or int(limits.get("max_seq_len", 4096))
+        self.max_seq_len = int(limits.get("max_seq_len", 4096))
         self.max_num_tokens = int(limits.get("max_num_tokens", 8192))
+        self.block_size = int(limits.get("block_size", DEFAULT_BLOCK_SIZE))
+        self.num_blocks = num_blocks or self.num_slots * -(-self.max_seq_len // self.block_size)
         mpi = mpi_world()
         if mpi is not None and mpi[1] > 1:
             rank, size = mpi
@@ -170,7 +243,11 @@ class Engine:
         else:
             local = list(range(self.world_size))
         per_proc_threads = threads or max(1, (os.cpu_count() or 1) // (1 if mpi is None else mpi[1]))
-        self.ranks = [RankRunner.load(rank_dirs[r], self.num_slots, self.max_seq_len, per_proc_threads) for r in local]
+        self.ranks = [RankRunner.load(rank_dirs[r], self.num_slots, self.num_blocks, self.block_size, per_proc_threads)
+                      for r in local]
+        for r, runner in zip(local, self.ranks):
+            if runner.rank != r:
+                raise InputError(f"{rank_dirs[r]}: its graph holds the mapping of rank {runner.rank}, not rank {r}")
         m = self.ranks[0].mapping
         self.tp, self.ep = int(m["tp_size"]), int(m["ep_size"])
         self.comm = MPICommunicator(self.tp, self.ep) if len(local) == 1 and self.world_size > 1 else None
@@ -180,10 +257,47 @@ class Engine:
     def is_root(self) -> bool:
         return self.comm is None or self.comm.world.Get_rank() == 0
 
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise InputError(f"slot {slot} out of range: the engine has {self.num_slots} slots")
+
     def reset_slot(self, slot: int) -> None:
         """Start a new sequence in `slot`: zero its recurrent state."""
+        self._check_slot(slot)
         for r in self.ranks:
             r.reset_slot(slot)
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy `src`'s recurrent state (KDA state, conv windows) into `dst` (fork a kept session)."""
+        self._check_slot(src)
+        self._check_slot(dst)
+        for r in self.ranks:
+            r.copy_slot(src, dst)
+
+    def check_batch(self, batch: StepBatch) -> None:
+        """Clear errors for a step the pools cannot hold: slot, position or block id out of range, block
+        table too short for the positions written, more tokens than max_num_tokens."""
+        if batch.input_ids.shape[0] > self.max_num_tokens:
+            raise InputError(f"step has {batch.input_ids.shape[0]} tokens; the engine's max_num_tokens is "
+                             f"{self.max_num_tokens}")
+        if np.unique(batch.slot_ids).shape[0] != batch.num_sequences:
+            raise InputError(f"a step may hold each slot once, got slots {batch.slot_ids.tolist()}")
+        for n in range(batch.num_sequences):
+            self._check_slot(int(batch.slot_ids[n]))
+            end = int(batch.positions[batch.cu_seqlens[n + 1] - 1]) + 1
+            if end > self.max_seq_len:
+                raise InputError(f"sequence in slot {int(batch.slot_ids[n])} reaches {end} tokens; the engine's "
+                                 f"max_seq_len is {self.max_seq_len}")
+            table = batch.block_tables[n]
+            need = -(-end // self.block_size)
+            used = table[:need]
+            if used.shape[0] < need or (used < 0).any():
+                raise InputError(f"sequence in slot {int(batch.slot_ids[n])}: block table covers "
+                                 f"{int((table >= 0).sum())} blocks, {need} needed for {end} tokens "
+                                 f"(block_size {self.block_size})")
+            if (used >= self.num_blocks).any():
+                raise InputError(f"sequence in slot {int(batch.slot_ids[n])}: block id {int(used.max())} out of "
+                                 f"range: the engine has {self.num_blocks} blocks")
 
     def _collective(self, step: dict, envs: dict[int, dict]) -> None:
         src, dst, group = step["input"], step["output"], step["group"]
@@ -208,16 +322,16 @@ class Engine:
 
     def step(self, batch: StepBatch) -> np.ndarray:
         """Run one packed step; updates the state pools and returns logits [N, vocab] (fp32)."""
+        self.check_batch(batch)
         feeds = batch.feeds()
-        envs = {r.rank: {**feeds, **r.pools} for r in self.ranks}
+        envs = {r.rank: {**feeds, **r.pool_feeds} for r in self.ranks}
         for step in self.ranks[0].steps:
             if "segment" in step:
                 for r in self.ranks:
                     r.run_segment(step, envs[r.rank])
             else:
                 self._collective(step, envs)
+        rows = batch.cache_rows(self.block_size)
         for r in self.ranks:
-            env = envs[r.rank]
-            for name in r.pools:
-                r.pools[name] = env[f"{name}.out"]
+            r.write_back(envs[r.rank], batch, rows)
         return envs[self.ranks[0].rank]["logits"]

@@ -1,66 +1,160 @@
-"""Generation with a built engine: chunked prefill, then one decode step per token.
-
-Under mpiexec every rank runs this loop in lockstep; rank 0 samples and broadcasts each token so
-all ranks feed the same ids.
+"""`moe-export generate`: token-level generation through the runtime's scheduler (the one generation
+loop), on a built engine (in process, or one rank per process under mpiexec) or on the fp32 PyTorch
+reference model of a checkpoint, which `ReferenceEngine` puts behind the same step interface.
 """
 
 from __future__ import annotations
 
-import torch
-
+import copy
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from moe_export.export.errors import InputError
-from moe_export.runtime.engine import Engine, StepBatch
-from moe_export.runtime.sampling import Sampler, SamplingParams
+from moe_export.runtime.engine import StepBatch
+from moe_export.runtime.sampling import SamplingParams
+from moe_export.runtime.scheduler import Request, Scheduler, follow
 
 
-def engine_generate(
-    engine: Engine,
-    prompt_ids: list[int],
-    max_new_tokens: int,
-    sampling: SamplingParams | None = None,
-    eos_token_id: int | None = None,
-    slot: int = 0,
-    max_chunk: int | None = None,
-) -> list[int]:
-    """New token ids for one prompt (greedy by default); includes eos if emitted."""
-    if not prompt_ids:
-        raise InputError("the prompt must contain at least one token")
-    if len(prompt_ids) + max_new_tokens > engine.max_seq_len:
-        raise InputError(
-            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the engine's "
-            f"max_seq_len {engine.max_seq_len}"
-        )
-    sampler = Sampler(sampling or SamplingParams())
-    chunk = max_chunk or engine.max_num_tokens
-    engine.reset_slot(slot)
+class ReferenceEngine:
+    """The reference KimiModel behind the Engine step interface: one ModelCache per slot. Block tables
+    are accepted and unused (each slot's reference cache grows with its sequence)."""
+
+    world_size = 1
+    comm = None
+    is_root = True
+
+    def __init__(self, model, *, num_slots: int = 1, max_seq_len: int = 4096, max_num_tokens: int = 8192,
+                 block_size: int = 64) -> None:
+        self.model = model
+        self.num_slots, self.max_seq_len, self.max_num_tokens, self.block_size = num_slots, max_seq_len, max_num_tokens, block_size
+        self.num_blocks = num_slots * -(-max_seq_len // block_size)
+        self.model_config = {"vocab_size": model.cfg.vocab_size}
+        self.config: dict = {}
+        self.caches = [model.new_cache(1) for _ in range(num_slots)]
+
+    def reset_slot(self, slot: int) -> None:
+        self.caches[slot] = self.model.new_cache(1)
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        self.caches[dst] = copy.deepcopy(self.caches[src])
+
+    def step(self, batch: StepBatch) -> np.ndarray:
+        """logits [N, vocab] fp32 of each sequence's last token; each chunk continues its slot's cache."""
+        rows = []
+        for n, slot in enumerate(batch.slot_ids.tolist()):
+            lo, hi = int(batch.cu_seqlens[n]), int(batch.cu_seqlens[n + 1])
+            cache = self.caches[slot]
+            if int(batch.positions[lo]) != cache.length:
+                raise ValueError(f"slot {slot} holds {cache.length} tokens; the chunk starts at {int(batch.positions[lo])}")
+            ids = torch.from_numpy(batch.input_ids[lo:hi]).long()[None]
+            rows.append(self.model(ids, cache)[0, -1])
+        return torch.stack(rows).numpy()
+
+
+def model_eos_ids(model_config: dict) -> list[int]:
+    """The stop ids of an HF config dict: `eos_token_ids` when present, else `eos_token_id` (int or list)."""
+    text = model_config.get("text_config") or {}
+    for key in ("eos_token_ids", "eos_token_id"):
+        value = model_config.get(key, text.get(key))
+        if value is not None:
+            return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+    return []
+
+
+def engine_eos_ids(engine) -> list[int]:
+    """Every stop id of an engine: the build's `eos_token_ids` (config.json and generation_config.json
+    together), else those of its HF config."""
+    return list(engine.config.get("eos_token_ids") or model_eos_ids(engine.model_config))
+
+
+def generate_tokens(engine, prompt_ids: list[int], sampling: SamplingParams | None = None,
+                    eos_token_ids=(), sample_vocab: int | None = None) -> list[int]:
+    """New token ids of one prompt (rank 0 of `engine`), through the scheduler; the stop token is included."""
+    sched = Scheduler(engine, eos_token_ids=eos_token_ids, keep_sessions=False, sample_vocab=sample_vocab)
+    sched.add(Request("generate", list(prompt_ids), sampling or SamplingParams()))
     out: list[int] = []
-    if max_new_tokens <= 0:
-        return out
-    logits = None
-    for start in range(0, len(prompt_ids), chunk):
-        logits = engine.step(StepBatch.from_sequences([(slot, start, prompt_ids[start:start + chunk])]))
-    pos = len(prompt_ids)
-    while True:
-        token = int(sampler(torch.from_numpy(logits))[0]) if engine.is_root else None
-        if engine.comm is not None:
-            token = engine.comm.broadcast(token)
-        out.append(token)
-        if len(out) == max_new_tokens or token == eos_token_id:
-            return out
-        logits = engine.step(StepBatch.from_sequences([(slot, pos, [token])]))
-        pos += 1
+    while sched.has_work:
+        for update in sched.step():
+            out.extend(update.token_ids)
+            if update.error:
+                raise InputError(update.error)
+    return out
 
 
-def generate_from_engine(
-    path: str | Path, prompt_ids: str | None, prompt: str | None, max_new_tokens: int, sampling: SamplingParams
-) -> tuple[list[int], Engine]:
-    """`moe-export generate` on a built engine directory (in process, or one rank under mpiexec)."""
+def reference_generate(model, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
+                       stop_at_eos: bool = True) -> list[int]:
+    """Generation with the reference model (greedy by default): at most `max_new_tokens`, stopping after
+    any of the config's eos ids when `stop_at_eos` (the eos token is included)."""
+    if max_new_tokens < 1:
+        return []
+    base = sampling or SamplingParams()
+    params = SamplingParams(base.temperature, base.top_k, base.top_p, base.seed, max_new_tokens, ignore_eos=not stop_at_eos)
+    eos = list(model.cfg.eos_token_ids)
+    engine = ReferenceEngine(model, max_seq_len=len(prompt_ids) + max_new_tokens)
+    return generate_tokens(engine, prompt_ids, params, eos)
+
+
+def parse_prompt_ids(text: str, vocab_size: int) -> list[int]:
+    """'1,2,3' -> [1, 2, 3]; InputError for an empty list, a non-integer or an id outside [0, vocab_size)."""
+    ids = []
+    for part in text.split(","):
+        try:
+            ids.append(int(part.strip()))
+        except ValueError:
+            raise InputError(f"--prompt-ids: {part.strip()!r} is not an integer token id (expected e.g. 1,2,3)") from None
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise InputError(f"--prompt-ids: token ids {bad[:8]} are outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def resolve_prompt(
+    tokenizer_dir: str | Path, prompt_ids: str | None, prompt: str | None, vocab_size: int, max_new_tokens: int
+) -> list[int]:
+    """Prompt token ids from exactly one of `prompt_ids` ('1,2,3') or `prompt` (text, tokenized with the
+    tokenizer in `tokenizer_dir`)."""
+    from moe_export.runtime.tokenizer import load_tokenizer
+
+    if (prompt_ids is None) == (prompt is None):
+        raise InputError("give exactly one of --prompt-ids or --prompt")
+    if max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if prompt is not None:
+        ids = load_tokenizer(tokenizer_dir).encode(prompt)
+        if not ids:
+            raise InputError("--prompt: the text encodes to no tokens")
+        return ids
+    return parse_prompt_ids(prompt_ids, vocab_size)
+
+
+def generate_command(path: str | Path, prompt_ids: str | None, prompt: str | None, sampling: SamplingParams
+                     ) -> list[int] | None:
+    """`moe-export generate` on an engine directory or an HF checkpoint: the new token ids (None on
+    non-root ranks under mpiexec, which follow rank 0's steps)."""
+    import json
+
     from moe_export.graphs.config import ModelConfig
-    from moe_export.graphs.generate import resolve_prompt
 
-    engine = Engine(path)
-    cfg = ModelConfig.from_hf_dict(engine.model_config, source=f"{path}/config.json")
-    ids = resolve_prompt(path, prompt_ids, prompt, cfg.vocab_size, max_new_tokens)
-    return engine_generate(engine, ids, max_new_tokens, sampling, cfg.eos_token_id), engine
+    cfg_path = Path(path) / "config.json"
+    if cfg_path.is_file() and "mapping" in json.loads(cfg_path.read_text()):
+        from moe_export.runtime.engine import Engine
+
+        engine = Engine(path, num_slots=1)
+        if not engine.is_root:
+            follow(engine)
+            return None
+        try:
+            cfg = ModelConfig.from_hf_dict(engine.model_config, source=f"{path}/config.json")
+            ids = resolve_prompt(path, prompt_ids, prompt, cfg.vocab_size, sampling.max_tokens)
+            return generate_tokens(engine, ids, sampling, engine_eos_ids(engine))
+        finally:
+            if engine.comm is not None:
+                engine.comm.broadcast(None)  # release the follower ranks, also after an error
+    from moe_export.graphs.model import KimiModel
+
+    cfg = ModelConfig.from_pretrained(path)
+    ids = resolve_prompt(path, prompt_ids, prompt, cfg.vocab_size, sampling.max_tokens)
+    engine = ReferenceEngine(KimiModel.from_checkpoint(path), max_seq_len=len(ids) + sampling.max_tokens)
+    return generate_tokens(engine, ids, sampling, cfg.eos_token_ids)

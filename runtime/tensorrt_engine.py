@@ -12,12 +12,9 @@ ranks, as `graphs.sharding.Mapping` lays them out), on the same CUDA stream as t
 are torch CUDA tensors. The JIT plugins run in this process (their modules are imported before the engines
 are deserialized), so TensorRT calls back into Python for them.
 
-State pools ([S, ...] per layer, S = num_slots, L = max_seq_len) are torch tensors owned here. Outputs that a
-plugin declares aliased to its pool input (GatedDeltaScan, ShortConv) are bound to the pool's own buffer, as
-TensorRT's aliased plugin I/O requires; the graph's `<pool>.out` outputs get buffers of their own and replace
-the pools after each step (the same functional contract as the ONNX Runtime runner). Known cost, to be removed
-with the in-place paged state (issue 9 part 2): the `<pool>.out` copies, and the MLA / indexer caches being
-written with ScatterND, which TensorRT runs out of place.
+State pools are torch tensors owned here, sized and written back exactly as `runtime.engine` does for ONNX
+Runtime (recurrent state [S, ...] per KDA layer; paged MLA / indexer caches [NB, BS, D] in the recipe's cache
+dtype): the graph returns only the step's new state rows and cache rows, written in place after each step.
 """
 
 from __future__ import annotations
@@ -29,9 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from moe_export.export.errors import InputError
-from moe_export.runtime.engine import RESET_ON_NEW_SEQUENCE, STATE_PREFIXES, StepBatch, mpi_world
-
-ALIASED_OUTPUTS = {"GatedDeltaScan": {1: 5}, "ShortConv": {1: 2}}  # op type -> {output index: input index}
+from moe_export.runtime.engine import DEFAULT_BLOCK_SIZE, RESET_ON_NEW_SEQUENCE, STATE_PREFIXES, StepBatch, mpi_world
 
 
 def read_engine_file(path: Path) -> tuple[dict, dict[str, bytes]]:
@@ -54,15 +49,16 @@ def read_engine_file(path: Path) -> tuple[dict, dict[str, bytes]]:
     return plan, blobs
 
 
-def aliased_values(graph_path: Path) -> dict[str, str]:
-    """{plugin output value: the input value it aliases} for the in-place pool plugins of a rank graph."""
+def pool_shapes(graph_path: Path, sizes: dict[str, int]) -> dict[str, tuple[list[int], int]]:
+    """{state input: (shape with S / NB / BS resolved from `sizes`, ONNX element type)} of a rank graph."""
     import onnx
 
     model = onnx.load(str(graph_path), load_external_data=False)
     out = {}
-    for node in model.graph.node:
-        for o, i in ALIASED_OUTPUTS.get(node.op_type, {}).items():
-            out[node.output[o]] = node.input[i]
+    for vi in model.graph.input:
+        if vi.name.startswith(STATE_PREFIXES):
+            dims = [d.dim_value if d.HasField("dim_value") else sizes[d.dim_param] for d in vi.type.tensor_type.shape.dim]
+            out[vi.name] = (dims, vi.type.tensor_type.elem_type)
     return out
 
 
@@ -93,8 +89,8 @@ class TensorRTEngine:
         self.num_slots = num_slots or int(limits["max_batch"])
         self.max_seq_len = int(limits["max_seq_len"])
         self.max_num_tokens = int(limits["max_num_tokens"])
-        self.block_size = self.max_seq_len  # slot-addressed pools: one block per slot
-        self.num_blocks = num_blocks or self.num_slots
+        self.block_size = int(limits.get("block_size", DEFAULT_BLOCK_SIZE))
+        self.num_blocks = num_blocks or self.num_slots * -(-self.max_seq_len // self.block_size)
         world = mpi_world() or (0, 1)
         if world[1] != self.world_size:
             raise InputError(f"{self.dir}: engine has {self.world_size} ranks; run it under mpiexec -n {self.world_size}")
@@ -107,7 +103,6 @@ class TensorRTEngine:
         rank_dir = self.dir / f"rank{self.rank}"
         plan, blobs = read_engine_file(rank_dir / f"rank{self.rank}.engine")
         self.steps = plan["steps"]
-        self.aliases = aliased_values(rank_dir / "model.onnx")
         register_plugins()  # the JIT plugins' Python callbacks must exist before deserialization
         self._runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         self._engines = {name: self._runtime.deserialize_cuda_engine(blob) for name, blob in blobs.items()}
@@ -115,7 +110,11 @@ class TensorRTEngine:
             raise InputError(f"{rank_dir}: TensorRT could not deserialize an engine (version or GPU mismatch?)")
         self._contexts = {name: e.create_execution_context() for name, e in self._engines.items()}
         self._trt, self._torch, self._dist = trt, torch, dist
-        self.pools = self._allocate_pools()
+        sizes = {"S": self.num_slots, "NB": self.num_blocks, "BS": self.block_size}
+        self.pools = {
+            name: torch.zeros(shape, dtype=self._torch_dtype_onnx(elem), device=self.device)
+            for name, (shape, elem) in pool_shapes(rank_dir / "model.onnx", sizes).items()
+        }
 
     # ---- Engine interface ----
     @property
@@ -128,8 +127,10 @@ class TensorRTEngine:
                 pool[slot].zero_()
 
     def copy_slot(self, src: int, dst: int) -> None:
-        for pool in self.pools.values():
-            pool[dst].copy_(pool[src])
+        """Copy a slot's recurrent state (the caches are shared through block tables)."""
+        for name, pool in self.pools.items():
+            if name.startswith(RESET_ON_NEW_SEQUENCE):
+                pool[dst].copy_(pool[src])
 
     def step(self, batch: StepBatch) -> np.ndarray:
         """Run one packed step on this rank; returns logits [N, vocab] fp32 (every rank)."""
@@ -142,9 +143,15 @@ class TensorRTEngine:
                     self._run_segment(step, env)
                 else:
                     self._collective(step, env)
+            slots = env["slot_ids"]
+            rows = torch.from_numpy(batch.cache_rows(self.block_size)).to(self.device)
+            for name, pool in self.pools.items():  # the step's new state and cache rows, written in place
+                new = env[f"{name}.out"]
+                if name.startswith(RESET_ON_NEW_SEQUENCE):
+                    pool[slots] = new.to(pool.dtype)
+                else:
+                    pool.view(-1, pool.shape[-1])[rows] = new.to(pool.dtype)
         self.stream.synchronize()
-        for name in self.pools:
-            self.pools[name] = env[f"{name}.out"]
         return env["logits"].float().cpu().numpy()
 
     # ---- internals ----
@@ -153,23 +160,12 @@ class TensorRTEngine:
         return {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
                 trt.int64: torch.int64, trt.int32: torch.int32, trt.uint8: torch.uint8, trt.bool: torch.bool}[dtype]  # fmt: skip
 
-    def _allocate_pools(self) -> dict:
-        """Zeroed pools for every state input: the profile's maximum shape (L = max_seq_len) with S = num_slots."""
-        pools = {}
-        for engine in self._engines.values():
-            for i in range(engine.num_io_tensors):
-                name = engine.get_tensor_name(i)
-                if not name.startswith(STATE_PREFIXES) or name.endswith(".out") or name in pools:
-                    continue
-                if engine.get_tensor_mode(name) != self._trt.TensorIOMode.INPUT:
-                    continue
-                shape = [int(d) for d in engine.get_tensor_profile_shape(name, 0)[2]]
-                if self.num_slots > shape[0]:
-                    raise InputError(f"num_slots={self.num_slots} exceeds the engine's {shape[0]} slots ({name})")
-                shape[0] = self.num_slots
-                dtype = self._torch_dtype(engine.get_tensor_dtype(name))
-                pools[name] = self._torch.zeros(shape, dtype=dtype, device=self.device)
-        return pools
+    def _torch_dtype_onnx(self, elem: int):
+        from onnx import TensorProto
+
+        torch = self._torch
+        return {TensorProto.FLOAT: torch.float32, TensorProto.BFLOAT16: torch.bfloat16,
+                TensorProto.FLOAT16: torch.float16}[elem]  # fmt: skip
 
     def _run_segment(self, step: dict, env: dict) -> None:
         engine, context = self._engines[step["segment"]], self._contexts[step["segment"]]
@@ -179,12 +175,9 @@ class TensorRTEngine:
             context.set_input_shape(name, tuple(value.shape))
             context.set_tensor_address(name, value.data_ptr())
         for name in step["outputs"]:
-            if name in self.aliases and self.aliases[name] in env:  # in-place pool output: the pool's buffer
-                env[name] = env[self.aliases[name]]
-            else:
-                shape = tuple(context.get_tensor_shape(name))
-                env[name] = self._torch.empty(shape, dtype=self._torch_dtype(engine.get_tensor_dtype(name)),
-                                              device=self.device)  # fmt: skip
+            shape = tuple(context.get_tensor_shape(name))
+            env[name] = self._torch.empty(shape, dtype=self._torch_dtype(engine.get_tensor_dtype(name)),
+                                          device=self.device)  # fmt: skip
             context.set_tensor_address(name, env[name].data_ptr())
         if not context.execute_async_v3(self.stream.cuda_stream):
             raise RuntimeError(f"TensorRT failed to enqueue {step['segment']} (see the log above)")

@@ -206,3 +206,73 @@ def load_fla_naive(relpath: str):
     mod = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(mod)
     return mod
+
+
+def page_cache(
+    cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    positions: torch.Tensor,
+    block_size: int,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A slot-addressed cache [S, L, D] (sequence n in slot slot_ids[n]) as the paged ops take it.
+
+    Returns (pool [NB, block_size, D] in `dtype`, new rows [T, D] fp32 rounded to `dtype`, block_tables
+    [N, B]): each sequence gets distinct
+    blocks in shuffled order (plus spare blocks and a -1 padding column), its positions before the step's
+    chunk are written to the pool, the step's own rows go to `new`. Every other pool row, including the
+    pool rows at the step's own positions, is NaN, so an implementation reading the wrong place fails."""
+    gen = torch.Generator().manual_seed(seed)
+    n_seq = slot_ids.shape[0]
+    ends = [int(positions[cu_seqlens[n + 1] - 1]) + 1 if cu_seqlens[n + 1] > cu_seqlens[n] else 0 for n in range(n_seq)]
+    starts = [int(positions[cu_seqlens[n]]) if cu_seqlens[n + 1] > cu_seqlens[n] else 0 for n in range(n_seq)]
+    need = [max(1, -(-e // block_size)) for e in ends]
+    num_blocks = sum(need) + 3
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.full((n_seq, max(need) + 1), -1, dtype=torch.int64)
+    pool = torch.full((num_blocks, block_size, cache.shape[-1]), float("nan"))
+    used = 0
+    for n in range(n_seq):
+        tables[n, : need[n]] = order[used : used + need[n]]
+        used += need[n]
+        for p in range(starts[n]):
+            pool[tables[n, p // block_size], p % block_size] = cache[slot_ids[n], p]
+    slot_of_token = slot_ids[torch.searchsorted(cu_seqlens[1:].contiguous(), torch.arange(positions.shape[0]), right=True)]
+    new = cache[slot_of_token, positions]
+    return pool.to(dtype), new.to(dtype).float(), tables
+
+
+@pytest.fixture(scope="session")
+def runtime_engine(tmp_path_factory: pytest.TempPathFactory):
+    """(preset, tp, ep, world) -> engine directory built once per session from tiny-cpu.yaml with small
+    runtime limits (max_batch 6, max_seq_len 256, max_num_tokens 48, block_size 16, thinking caps 6/12/20)."""
+    import yaml
+
+    from moe_export.export.build import build
+    from moe_export.recipes.schema import load_recipe
+
+    root = tmp_path_factory.mktemp("runtime-engines")
+    built: dict[tuple, object] = {}
+
+    def get(preset: str = "tiny-k3", tp: int = 2, ep: int = 2, world: int = 4):
+        key = (preset, tp, ep, world)
+        if key not in built:
+            from pathlib import Path
+
+            data = yaml.safe_load(Path(load_recipe("tiny-cpu.yaml")[1]).read_text())
+            data["name"] = f"rt-{preset}-tp{tp}-ep{ep}-w{world}"
+            data["model"] = {"source": f"synthetic:{preset}"}
+            data["target"]["gpus_per_node"] = world
+            data["parallel"] = {"tp": tp, "ep": ep}
+            data["limits"] = {"max_batch": 6, "max_seq_len": 256, "max_num_tokens": 48, "block_size": 16}
+            data["thinking"] = {"low": 6, "high": 12, "max": 20}
+            path = root / f"{data['name']}.yaml"
+            path.write_text(yaml.safe_dump(data))
+            rec, _ = load_recipe(path)
+            build(rec, root / rec.name)
+            built[key] = root / rec.name
+        return built[key]
+
+    return get

@@ -5,8 +5,9 @@ over the exported graphs of real tiny builds (env MOE_EXPORT_TRT_GRAPHS: model.o
 The file name has no `test_` prefix so the main test run does not collect it. See `tensorrt_standin.py` for
 what is real and what is faked.
 
-Concrete shapes of the "tiny engine": T tokens, N sequences, S pool slots, L cache positions (ENV). Reshaped
-token dims that ONNX shape inference leaves unnamed are token dims in our graphs, so they are read as T.
+Concrete shapes of the "tiny engine" (ENV): T tokens, N sequences, S state slots, NB cache blocks of BS
+positions, B blocks per block table. Dims ONNX shape inference leaves unnamed are, in our graphs, token dims
+(`Reshape(x, [-1, heads, dim])`) except `local_slots` = Range(0, N).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import tensorrt_standin as standin  # noqa: E402
 
 VERSION = os.environ.get("MOE_EXPORT_TRT_VERSION", "")
 GRAPHS = [Path(p) for p in os.environ.get("MOE_EXPORT_TRT_GRAPHS", "").split(os.pathsep) if p]
-ENV = {"T": 5, "N": 2, "N_plus_1": 3, "S": 3, "L": 16}
+ENV = {"T": 5, "N": 2, "N_plus_1": 3, "S": 3, "NB": 7, "BS": 4, "B": 3}
 EXPECTED = {  # op type -> (has JIT impl, has AOT impl, aliased input of each output)
     "GatedDeltaScan": (True, True, [-1, 5]),
     "ShortConv": (True, True, [-1, 2]),
@@ -67,7 +68,7 @@ NODES = plugin_nodes()
 def first_of_each() -> list:
     seen, out = set(), []
     for label, node, types in NODES:
-        dense = len(node.input) == 6 and "dense" in node.input[5]
+        dense = node.op_type == "SparseMLAAttention" and "dense" in node.input[6]
         if (label, node.op_type, dense) not in seen:
             seen.add((label, node.op_type, dense))
             out.append(pytest.param(node, types, id=f"{label}-{node.op_type}{'-dense' if dense else ''}"))
@@ -79,7 +80,9 @@ def io_of(node, types):
 
     def dims(name):
         shape = types[name].tensor_type.shape.dim
-        return [d.dim_value if d.HasField("dim_value") else (d.dim_param if d.dim_param in ENV else "T") for d in shape]
+        unnamed = "N" if name == "local_slots" else "T"  # Range(0, N) / Reshape(x, [-1, ...]) outputs
+        return [d.dim_value if d.HasField("dim_value") else (d.dim_param if d.dim_param in ENV else unnamed)
+                for d in shape]  # fmt: skip
 
     in_types = [standin.ONNX_TO_TRT[types[i].tensor_type.elem_type] for i in node.input]
     in_dims = [dims(i) for i in node.input]
@@ -180,23 +183,23 @@ def test_aot_launch_parameters_and_extra_args(node, types, monkeypatch):
     assert all(dtype == standin.PluginArgDataType.INT32 for dtype, _ in launch["extras"])
     extras = [v for _, v in launch["extras"]]
     shape = {name: [standin.symbolic(d).evaluate(ENV) for d in dims] for name, dims in zip(node.input, in_dims)}
-    T, N, S = ENV["T"], ENV["N"], ENV["S"]
+    T, N = ENV["T"], ENV["N"]
     if node.op_type == "GatedDeltaScan":
         from moe_export.plugins.gated_delta_scan.triton_kernel import block_sizes
 
         _, H, K = shape[node.input[0]]
         V = shape[node.input[2]][2]
-        assert extras == [T, S]
+        assert extras == [T, shape[node.input[5]][0]]  # tokens, state rows (the step's gathered states)
         assert launch["grid"] == [-(-V // block_sizes(K, V)[1]), H, N]
     elif node.op_type == "ShortConv":
         from moe_export.plugins.short_conv.triton_kernel import block_sizes
 
         C, W = shape[node.input[1]]
-        assert extras == [T, S]
+        assert extras == [T, shape[node.input[2]][0]]  # tokens, window rows (the step's gathered windows)
         assert launch["grid"] == [-(-C // block_sizes(C, W)[1]), N, 1]
     else:
         H = shape[node.input[0]][1]
-        assert extras == [N, S, ENV["L"], shape[node.input[5]][1]]
+        assert extras == [N, T, ENV["NB"], ENV["BS"], ENV["B"], shape[node.input[6]][1]]
         assert launch["grid"] == [T, -(-H // 16), 1]
     assert launch["block"][0] % 32 == 0 and launch["block"][1:] == [1, 1]
     assert launch["shared"] >= 0

@@ -31,7 +31,7 @@ from moe_export.recipes.schema import Recipe
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
-TOKENIZER = ["special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]  # what synth writes
+TOKENIZER = ["tiktoken.model", "tokenizer_config.json"]  # what synth writes
 
 
 # ---- stand-in stages: small, deterministic, and shaped like the real ones ----
@@ -358,10 +358,10 @@ def test_tokenizer_files_are_copied_and_follow_the_source(tmp_path, ckpt):
         assert (out / name).read_bytes() == (src / name).read_bytes()
     assert set(TOKENIZER) <= set(json.loads((out / "manifest.json").read_text())["files"])
     (src / "chat_template.jinja").write_text("{{ messages }}")
-    (src / "special_tokens_map.json").unlink()
+    (src / "tiktoken.model").unlink()
     res = build(tiny_recipe(src), out, stages=FAKE_STAGES, progress=False)
-    assert res.ran == ["tokenizer"] and res.removed == ["special_tokens_map.json"]
-    assert res.published == ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
+    assert res.ran == ["tokenizer"] and res.removed == ["tiktoken.model"]
+    assert res.published == ["chat_template.jinja", "tokenizer_config.json"]
     assert (out / "chat_template.jinja").read_text() == "{{ messages }}"
     assert verify_engine_dir(out)["ok"]
     assert_published_alone(out)
@@ -487,6 +487,32 @@ def test_killed_build_resumes_to_identical_bytes(tmp_path):
     assert snapshot(killed) == snapshot(clean)
     assert verify_engine_dir(killed)["ok"]
     assert_published_alone(killed)
+
+
+def test_second_build_into_a_locked_output_exits_2_naming_the_holder(tmp_path):
+    """While one build runs, a second into the same OUT exits 2 naming the first's pid; the first's
+    temporary files survive and it finishes with a verified output."""
+    recipe_path = write_recipe(tmp_path / "r.yaml", recipe_dict("synthetic:tiny-k3"))
+    out = tmp_path / "engine"
+    first = cli_with_fakes("build", "--recipe", str(recipe_path), "--out", str(out), env={"FAKE_STAGE_SLEEP": "6"})
+    deadline = time.monotonic() + 240
+    while not (out / ".state" / "convert-rank0.json").is_file():
+        assert first.poll() is None, first.communicate()[1]
+        assert time.monotonic() < deadline, "the first stage never finished"
+        time.sleep(0.05)
+    staged = sorted(p.relative_to(out) for p in (out / ".build").rglob("*"))
+    second = cli_with_fakes("build", "--recipe", str(recipe_path), "--out", str(out))
+    _, err = second.communicate(timeout=120)
+    assert first.poll() is None, "the first build ended before the second one started"
+    assert second.returncode == 2, err
+    assert f"pid {first.pid}" in err and "another build" in err and "Traceback" not in err
+    assert set(staged) <= {p.relative_to(out) for p in (out / ".build").rglob("*")} | {
+        p.relative_to(out) for p in out.rglob("*")}  # nothing of the first build's was swept
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
+    assert verify_engine_dir(out)["ok"]
+    third = cli_with_fakes("build", "--recipe", str(recipe_path), "--out", str(out))  # the lock was released
+    assert third.communicate(timeout=120)[0].startswith("up to date") and third.returncode == 0
 
 
 def test_mpi_processes_split_the_ranks(tmp_path, ckpt):

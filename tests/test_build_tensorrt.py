@@ -29,10 +29,13 @@ def test_every_segment_input_has_profile_dims(tiny_graphs):  # noqa: F811
                 low, opt, high = profile_range(name, axis, d, limits)
                 assert 1 <= low <= opt <= high or low == opt == high
         pools = [v for n, v in dims.items() if n.startswith(("mla_cache.", "index_cache."))]
-        assert pools and all(v[:2] == ["S", "L"] for v in pools)
-    # pools follow the runtime's pool sizes, the build's tactic timing uses small opt shapes
-    assert profile_range("mla_cache.3", 0, "S", limits) == (1, 4, limits.max_batch)
-    assert profile_range("mla_cache.3", 1, "L", limits) == (1, 4096, limits.max_seq_len)
+        assert pools and all(v[:2] == ["NB", "BS"] for v in pools)
+    # pools follow the runtime's pool sizes (runtime.engine.Engine's defaults), tactic timing uses small opt shapes
+    per_sequence = -(-limits.max_seq_len // limits.block_size)
+    assert profile_range("kda_state.0", 0, "S", limits) == (1, 4, limits.max_batch)
+    assert profile_range("mla_cache.3", 0, "NB", limits) == (1, 256, limits.max_batch * per_sequence)
+    assert profile_range("mla_cache.3", 1, "BS", limits) == (limits.block_size,) * 3
+    assert profile_range("block_tables", 1, "B", limits) == (1, 64, per_sequence)
     assert profile_range("input_ids", 0, "T", limits) == (1, 256, limits.max_num_tokens)
     with pytest.raises(InputError, match="unknown symbolic dimension"):
         profile_range("x", 0, "Q", limits)

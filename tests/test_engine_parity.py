@@ -23,16 +23,25 @@ import yaml
 from moe_export.export.build import build
 from moe_export.graphs.model import KimiModel
 from moe_export.recipes.schema import load_recipe
-from moe_export.runtime.engine import Engine, StepBatch
+from moe_export.runtime.engine import Engine, SequenceChunk, StepBatch
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 8, 300, 11, 12, 77, 1, 400]
 DECODE_STEPS = 8
 ATOL = 1e-4
 
 
-def make_recipe(tmp: Path, preset: str, tp: int, ep: int, world: int, attention: str = "tp") -> Path:
+def chunk(slot: int, start: int, tokens: list[int], block_size: int, first_block: int = 0) -> SequenceChunk:
+    """A chunk whose block table is the consecutive blocks first_block, first_block + 1, ... it needs."""
+    blocks = -(-(start + len(tokens)) // block_size)
+    return SequenceChunk(slot, start, tokens, list(range(first_block, first_block + blocks)))
+
+
+def make_recipe(tmp: Path, preset: str, tp: int, ep: int, world: int, attention: str = "tp",
+                kv_cache: str = "fp32") -> Path:
+    """tiny-cpu with another model, layout and cache storage dtype (fp32 by default: exact parity)."""
     base = yaml.safe_load(Path(load_recipe("tiny-cpu.yaml")[1]).read_text())
-    base["name"] = f"{preset}-tp{tp}-ep{ep}-w{world}-attn{attention}"
+    base["name"] = f"{preset}-tp{tp}-ep{ep}-w{world}-attn{attention}-kv{kv_cache}"
+    base["quantization"]["kv_cache"] = kv_cache
     base["model"] = {"source": f"synthetic:{preset}"}
     base["target"]["gpus_per_node"] = world
     base["parallel"] = {"tp": tp, "ep": ep, "attention": attention}
@@ -47,8 +56,8 @@ def engines(tmp_path_factory):
     root = tmp_path_factory.mktemp("engines")
     built: dict[tuple, Path] = {}
 
-    def get(preset: str, tp: int, ep: int, world: int, attention: str = "tp") -> Path:
-        key = (preset, tp, ep, world, attention)
+    def get(preset: str, tp: int, ep: int, world: int, attention: str = "tp", kv_cache: str = "fp32") -> Path:
+        key = (preset, tp, ep, world, attention, kv_cache)
         if key not in built:
             rec, _ = load_recipe(make_recipe(root, *key))
             out = root / rec.name
@@ -68,10 +77,11 @@ def compare_with_reference(engine_dir: Path) -> list[int]:
     """Prefill + greedy decode with the engine and the reference side by side; returns the tokens."""
     ref = KimiModel.from_checkpoint(source_checkpoint(engine_dir))
     cache = ref.new_cache(1)
-    eng = Engine(engine_dir, num_slots=2, max_seq_len=64, threads=1)
+    eng = Engine(engine_dir, num_slots=2, threads=1)
+    bs = eng.block_size
     eng.reset_slot(1)
     ref_logits = ref.prefill(torch.tensor([PROMPT]), cache)[0, -1]
-    logits = eng.step(StepBatch.from_sequences([(1, 0, PROMPT)]))[0]
+    logits = eng.step(StepBatch.from_sequences([chunk(1, 0, PROMPT, bs)]))[0]
     tokens = []
     for step in range(DECODE_STEPS + 1):
         np.testing.assert_allclose(logits, ref_logits.numpy(), atol=ATOL, rtol=0, err_msg=f"step {step}")
@@ -79,7 +89,7 @@ def compare_with_reference(engine_dir: Path) -> list[int]:
         assert int(np.argmax(logits)) == token, f"greedy token differs at step {step}"
         tokens.append(token)
         ref_logits = ref.decode(torch.tensor([token]), cache)[0]
-        logits = eng.step(StepBatch.from_sequences([(1, len(PROMPT) + step, [token])]))[0]
+        logits = eng.step(StepBatch.from_sequences([chunk(1, len(PROMPT) + step, [token], bs)]))[0]
     return tokens
 
 
@@ -97,16 +107,17 @@ def test_other_layouts_match_reference(engines, tp, ep, world, attention):
 def test_packed_batch_of_prefill_and_decode(engines):
     """One step mixing a prefill chunk of one sequence with a decode token of another equals running them apart."""
     engine_dir = engines("tiny-k3-dsa", 2, 2, 4)
-    eng = Engine(engine_dir, num_slots=3, max_seq_len=64, threads=1)
+    eng = Engine(engine_dir, num_slots=3, threads=1)
+    bs = eng.block_size
     for s in range(3):
         eng.reset_slot(s)
     a, b = PROMPT[:9], PROMPT[3:]
-    alone_a = eng.step(StepBatch.from_sequences([(0, 0, a)]))
+    alone_a = eng.step(StepBatch.from_sequences([chunk(0, 0, a, bs)]))
     eng.reset_slot(0)
-    alone_b = eng.step(StepBatch.from_sequences([(0, 0, b)]))
+    alone_b = eng.step(StepBatch.from_sequences([chunk(0, 0, b, bs)]))
     eng.reset_slot(0)
-    eng.step(StepBatch.from_sequences([(0, 0, a[:-1])]))
-    mixed = eng.step(StepBatch.from_sequences([(0, len(a) - 1, a[-1:]), (2, 0, b)]))
+    eng.step(StepBatch.from_sequences([chunk(0, 0, a[:-1], bs)]))
+    mixed = eng.step(StepBatch.from_sequences([chunk(0, len(a) - 1, a[-1:], bs), chunk(2, 0, b, bs, first_block=1)]))
     np.testing.assert_allclose(mixed[0], alone_a[0], atol=ATOL, rtol=0)
     np.testing.assert_allclose(mixed[1], alone_b[0], atol=ATOL, rtol=0)
 
@@ -120,9 +131,9 @@ def test_kimi_linear_engine_matches_transformers(engines):
         hf.eval()
         with torch.no_grad():
             want = hf(torch.tensor([PROMPT])).logits[0, -1].numpy()
-    eng = Engine(engine_dir, num_slots=1, max_seq_len=64, threads=1)
+    eng = Engine(engine_dir, num_slots=1, threads=1)
     eng.reset_slot(0)
-    got = eng.step(StepBatch.from_sequences([(0, 0, PROMPT)]))[0]
+    got = eng.step(StepBatch.from_sequences([chunk(0, 0, PROMPT, eng.block_size)]))[0]
     np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
 
 
@@ -180,8 +191,8 @@ def test_fp8_dense_attention_shared_engine_matches_fp8_reference(tmp_path):
     assert any(t["fmt"] == "fp8_block128" for t in header["tensors"])
     ref = KimiModel.from_source(FP8RoundTrip(open_checkpoint(source_checkpoint(out)), fp8_weight_classes(rec)))
     cache = ref.new_cache(1)
-    eng = Engine(out, num_slots=1, max_seq_len=64, threads=1)
+    eng = Engine(out, num_slots=1, threads=1)
     eng.reset_slot(0)
     want = ref.prefill(torch.tensor([PROMPT]), cache)[0, -1].numpy()
-    got = eng.step(StepBatch.from_sequences([(0, 0, PROMPT)]))[0]
+    got = eng.step(StepBatch.from_sequences([chunk(0, 0, PROMPT, eng.block_size)]))[0]
     np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from moe_export.export.errors import InputError
-from moe_export.export.tokenizer import load_tokenizer
-from moe_export.graphs.generate import generate
+from moe_export.runtime.tokenizer import load_tokenizer
+from moe_export.runtime.generate import ReferenceEngine, generate_tokens, reference_generate
 from moe_export.graphs.model import KimiModel
 from moe_export.runtime.sampling import Sampler, SamplingParams, filter_logits
 from conftest import run_cli
@@ -76,54 +76,40 @@ def k3(synthetic_checkpoint):
 def test_greedy_generate_equals_argmax_of_full_forward(k3):
     _, model = k3
     prompt = [5, 17, 200, 3, 99]
-    got = generate(model, prompt, 6, stop_at_eos=False)
+    got = reference_generate(model, prompt, 6, stop_at_eos=False)
     seq = list(prompt)
     for _ in range(6):
         seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
     assert got == seq[len(prompt) :]
 
 
-def test_generate_stops_after_eos():
-    """A stub model whose logits favour token 7 (eos) at the third step."""
-
-    class Stub:
-        cfg = SimpleNamespace(eos_token_id=7)
-        steps = 0
-
-        def new_cache(self, batch):
-            return None
-
-        def _logits(self):
-            self.steps += 1
-            return torch.nn.functional.one_hot(torch.tensor([7 if self.steps == 3 else self.steps]), 10).float()
-
-        def prefill(self, ids, cache):
-            return self._logits()[:, None]
-
-        def decode(self, ids, cache):
-            return self._logits()
-
-    assert generate(Stub(), [1], 10) == [1, 2, 7]
-    assert generate(Stub(), [1], 5, stop_at_eos=False) == [1, 2, 7, 4, 5]
-
-
+def test_generate_stops_after_a_stop_id_and_eos(k3):
+    """The loop ends right after a stop id or an eos id (included), not before, not later."""
+    _, model = k3
+    free = reference_generate(model, [1, 2, 3], 8, stop_at_eos=False)
+    i = next(i for i in range(1, 8) if free[i] not in free[:i])
+    stop = SamplingParams(max_tokens=8, stop_token_ids=(free[i],))
+    assert generate_tokens(ReferenceEngine(model), [1, 2, 3], stop) == free[: i + 1]
+    assert generate_tokens(ReferenceEngine(model), [1, 2, 3], SamplingParams(max_tokens=8), [free[i]]) == free[: i + 1]
+    ignore = SamplingParams(max_tokens=8, ignore_eos=True)
+    assert generate_tokens(ReferenceEngine(model), [1, 2, 3], ignore, [free[i]]) == free
 
 
 def test_cli_generate_json_and_text(k3, capsys):
     path, model = k3
     rc, out, _ = run_cli(capsys, "generate", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens", "5", "--json")
     assert rc == 0
-    assert json.loads(out) == {"tokens": generate(model, [1, 2, 3], 5)}
+    assert json.loads(out) == {"tokens": reference_generate(model, [1, 2, 3], 5)}
 
     tok = load_tokenizer(path)
     rc, out, _ = run_cli(capsys, "generate", str(path), "--prompt", "Hi there", "--max-new-tokens", "4")
     assert rc == 0
-    assert out == tok.decode(generate(model, tok.encode("Hi there"), 4)) + "\n"
+    assert out == tok.decode(reference_generate(model, tok.encode("Hi there"), 4)) + "\n"
 
     args = ("generate", str(path), "--prompt-ids", "4,5", "--max-new-tokens", "6", "--top-p", "0.9", "--seed", "11", "--json")
     first, second = run_cli(capsys, *args)[1], run_cli(capsys, *args)[1]
     assert first == second
-    sampled = generate(model, [4, 5], 6, SamplingParams(temperature=1.0, top_p=0.9, seed=11))
+    sampled = reference_generate(model, [4, 5], 6, SamplingParams(temperature=1.0, top_p=0.9, seed=11))
     assert json.loads(first)["tokens"] == sampled
 
 

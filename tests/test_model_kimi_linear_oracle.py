@@ -8,7 +8,7 @@ from conftest import import_hf
 
 from moe_export.export.checkpoint import CheckpointReader
 from moe_export.graphs import model as M
-from moe_export.graphs.generate import generate
+from moe_export.runtime.generate import reference_generate
 
 PROMPT = [17, 250, 3, 99, 42, 7, 128, 64, 200, 5, 31, 77, 1, 180, 255, 12, 90, 143, 8, 60]
 
@@ -59,7 +59,7 @@ def test_greedy_generate_matches_transformers(pair):
     n = 12
     with torch.no_grad():
         ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=n, do_sample=False, eos_token_id=None)
-    got = generate(ours, PROMPT, n, stop_at_eos=False)
+    got = reference_generate(ours, PROMPT, n, stop_at_eos=False)
     assert got == ref[0, len(PROMPT) :].tolist()
 
 

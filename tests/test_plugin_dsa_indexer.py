@@ -16,18 +16,21 @@ from onnx import TensorProto, helper
 
 from moe_export.plugins import DOMAIN, OPSET_VERSION
 from moe_export.plugins.dsa_indexer import cpu, onnx_schema, ort, reference
-from conftest import load_fla_naive, run_triton_inner_tests
+from conftest import load_fla_naive, page_cache, run_triton_inner_tests
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def make_case(seed=0, Hi=4, Di=16, L=40, slots=(3, 0, 1), starts=(0, 17, 39), lengths=(6, 2, 1), S=4, integer=False):
-    """Packed inputs; sequence n has lengths[n] query tokens at positions starts[n].. in slot slots[n].
+def make_case(seed=0, Hi=4, Di=16, L=40, slots=(3, 0, 1), starts=(0, 17, 39), lengths=(6, 2, 1), S=4, integer=False,
+              block_size=8, dtype=torch.float32, with_cache=False):
+    """Packed inputs; sequence n has lengths[n] query tokens at positions starts[n].., its keys are random rows
+    (slot slots[n] of a [S, L, Di] table), paged into shuffled blocks of `block_size` (`conftest.page_cache`).
 
     `integer`: q and k in {-2..2}, weights in {0.25, 0.5, 0.75, 1}, so every implementation computes the scores
     exactly and many positions tie (exercising the lower-position-first rule); every slot's key at position 5
     also equals its key at position 2.
-    Returns dict(q_idx [T,Hi,Di], weights [T,Hi], k_cache [S,L,Di], cu_seqlens, slot_ids, positions).
+    Returns dict(q_idx [T,Hi,Di], weights [T,Hi], k_pool [NB,BS,Di], k_new [T,Di], cu_seqlens, block_tables,
+    positions); with `with_cache` also the unpaged key table and the slots, (case, k_cache, slot_ids).
     """
     gen = torch.Generator().manual_seed(seed)
     T = sum(lengths)
@@ -40,14 +43,13 @@ def make_case(seed=0, Hi=4, Di=16, L=40, slots=(3, 0, 1), starts=(0, 17, 39), le
         k_cache = torch.randn(S, L, Di, generator=gen)
         q_idx = torch.randn(T, Hi, Di, generator=gen)
         weights = torch.rand(T, Hi, generator=gen) + 0.1
-    return dict(
-        q_idx=q_idx,
-        weights=weights,
-        k_cache=k_cache,
-        cu_seqlens=torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64),
-        slot_ids=torch.tensor(slots, dtype=torch.int64),
-        positions=torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(torch.int64),
-    )
+    cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64)
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(torch.int64)
+    slot_ids = torch.tensor(slots, dtype=torch.int64)
+    pool, new, tables = page_cache(k_cache, slot_ids, cu, positions, block_size, seed, dtype)
+    case = dict(q_idx=q_idx, weights=weights, k_pool=pool, k_new=new, cu_seqlens=cu, block_tables=tables,
+                positions=positions)
+    return (case, k_cache, slot_ids) if with_cache else case
 
 
 CASES = {
@@ -56,6 +58,8 @@ CASES = {
     "single_decode_many_heads": dict(slots=(0,), starts=(39,), lengths=(1,), S=1, Hi=20, Di=24),
     "empty_sequence": dict(slots=(2, 1, 0), starts=(3, 0, 30), lengths=(2, 0, 3), S=3),
     "exact_ties": dict(slots=(1, 2), starts=(12, 0), lengths=(9, 7), S=3, integer=True),
+    "block_size_1": dict(block_size=1),
+    "bf16_pool": dict(dtype=torch.bfloat16),
 }
 
 
@@ -114,9 +118,9 @@ def test_reference_matches_transformers_deepseek_v32_indexer(hf_deepseek_v32):
         w = idx_mod.weights_proj(x[0]) * Hi**-0.5 * idx_mod.softmax_scale
     causal = torch.arange(T)[None, :] <= torch.arange(T)[:, None]
     assert_tie_free(scores_of(q, w, k).masked_fill(~causal, float("-inf")), topk)
-    got = reference.dsa_indexer_reference(
-        q, w, k[None], torch.tensor([0, T]), torch.tensor([0]), torch.arange(T), topk=topk
-    )
+    cu, pos = torch.tensor([0, T]), torch.arange(T)
+    pool, new, tables = page_cache(k[None], torch.tensor([0]), cu, pos, block_size=5)
+    got = reference.dsa_indexer_reference(q, w, pool, new, cu, tables, pos, topk=topk)
     want = torch.where(want <= torch.arange(T)[:, None], want, -1)  # HF returns masked slots for t < topk
     assert torch.equal(got, want)
     assert (got[:, 0] >= 0).all() and (got[: topk - 1] == -1).any()
@@ -146,19 +150,20 @@ def test_reference_matches_fla_naive_dsa_indexer_varlen(fla_dsa_naive):
     for n in range(len(lengths)):
         cache[n, : lengths[n]] = keys[cu[n] : cu[n + 1]]
     local = torch.cat([torch.arange(n) for n in lengths])
-    got = reference.dsa_indexer_reference(q, w, cache, cu, torch.arange(len(lengths)), local, topk=topk)
+    pool, new, tables = page_cache(cache, torch.arange(len(lengths)), cu, local, block_size=4)
+    got = reference.dsa_indexer_reference(q, w, pool, new, cu, tables, local, topk=topk)
     assert torch.equal(got, want)
 
 
 def test_reference_tie_rule_and_padding():
     """Rows list all causal positions by (score desc, position asc) when topk > pos+1, then -1 padding."""
-    case = make_case(seed=1, **CASES["exact_ties"])
+    case, k_cache, slot_ids = make_case(seed=1, **CASES["exact_ties"], with_cache=True)
     got = reference.dsa_indexer_reference(**case, topk=40)
-    slots = case["slot_ids"][torch.searchsorted(case["cu_seqlens"][1:], torch.arange(got.shape[0]), right=True)]
+    slots = slot_ids[torch.searchsorted(case["cu_seqlens"][1:], torch.arange(got.shape[0]), right=True)]
     ties = 0
     for t in range(got.shape[0]):
         pos = int(case["positions"][t])
-        keys = case["k_cache"][slots[t], : pos + 1]
+        keys = k_cache[slots[t], : pos + 1]
         score = scores_of(case["q_idx"][t : t + 1], case["weights"][t : t + 1], keys)[0]
         row = got[t].tolist()
         assert row[pos + 1 :] == [-1] * (40 - pos - 1)
@@ -190,12 +195,14 @@ def onnx_model(case, topk, with_function=True):
     """Model with one DSAIndexer node (+ its function)."""
     onnx_schema.register()
     Hi, Di = case["q_idx"].shape[1:]
+    cache_type = TensorProto.BFLOAT16 if case["k_pool"].dtype == torch.bfloat16 else TensorProto.FLOAT
     inputs = [
         helper.make_tensor_value_info("q_idx", TensorProto.FLOAT, ["T", Hi, Di]),
         helper.make_tensor_value_info("weights", TensorProto.FLOAT, ["T", Hi]),
-        helper.make_tensor_value_info("k_cache", TensorProto.FLOAT, ["S", "L", Di]),
+        helper.make_tensor_value_info("k_pool", cache_type, ["NB", "BS", Di]),
+        helper.make_tensor_value_info("k_new", TensorProto.FLOAT, ["T", Di]),
         helper.make_tensor_value_info("cu_seqlens", TensorProto.INT64, ["N1"]),
-        helper.make_tensor_value_info("slot_ids", TensorProto.INT64, ["N"]),
+        helper.make_tensor_value_info("block_tables", TensorProto.INT64, ["N", "B"]),
         helper.make_tensor_value_info("positions", TensorProto.INT64, ["T"]),
     ]
     node = onnx_schema.make_node(*[i.name for i in inputs], "indices", topk=topk)
@@ -215,7 +222,7 @@ def test_schema_checker_and_strict_shape_inference(with_function):
     out_type = inferred.graph.output[0].type.tensor_type
     assert out_type.elem_type == TensorProto.INT64
     assert [d.dim_param or d.dim_value for d in out_type.shape.dim] == ["T", 6]
-    assert {a.name for a in model.graph.node[0].attribute} == {"topk", "plugin_version"}
+    assert {a.name for a in model.graph.node[0].attribute} == {"topk", "plugin_version", "plugin_namespace"}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -225,7 +232,15 @@ def test_ort_function_matches_reference(name, topk):
 
     case = make_case(seed=6, **CASES[name])
     sess = onnxruntime.InferenceSession(onnx_model(case, topk).SerializeToString(), providers=["CPUExecutionProvider"])
-    got = torch.from_numpy(sess.run(None, {k: v.numpy() for k, v in case.items()})[0])
+    feed = {}
+    for k, v in case.items():
+        if v.dtype == torch.bfloat16:  # numpy has no bf16: feed the bits as an OrtValue
+            v = onnxruntime.OrtValue.ortvalue_from_numpy_with_onnx_type(v.view(torch.int16).numpy().view(np.uint16),
+                                                                        TensorProto.BFLOAT16)
+        else:
+            v = v.numpy()
+        feed[k] = v
+    got = torch.from_numpy(sess.run(None, feed)[0])
     assert torch.equal(got, reference.dsa_indexer_reference(**case, topk=topk))
 
 

@@ -17,7 +17,7 @@ from onnx import TensorProto, helper
 
 from moe_export.plugins import DOMAIN, OPSET_VERSION
 from moe_export.plugins.sparse_mla_attention import cpu, onnx_schema, ort, reference
-from conftest import load_fla_naive, run_triton_inner_tests
+from conftest import load_fla_naive, page_cache, run_triton_inner_tests
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,11 +28,15 @@ def close(a, b, tol=1e-5):
     assert err < tol, err
 
 
-def make_case(seed=0, H=3, Dc=32, Dr=16, L=48, slots=(4, 0, 2), starts=(0, 20, 47), lengths=(5, 1, 1), S=5, K=12):
-    """Packed inputs of sequences with `lengths[n]` query tokens at positions starts[n]..; cache slot slots[n].
+def make_case(seed=0, H=3, Dc=32, Dr=16, L=48, slots=(4, 0, 2), starts=(0, 20, 47), lengths=(5, 1, 1), S=5, K=12,
+              block_size=8, dtype=torch.float32):
+    """Packed inputs of sequences with `lengths[n]` query tokens at positions starts[n]..; their contexts are
+    random latent rows, paged into shuffled blocks of `block_size` (`conftest.page_cache`; `slots` only picks
+    which random rows each sequence gets).
 
-    Returns dict(q_lat [T,H,Dc+Dr], kv_cache [S,L,Dc+Dr], cu_seqlens, slot_ids, positions, topk_indices [T,K])
-    where each index row mixes distinct causal positions, -1 padding and positions beyond the token (ignored).
+    Returns dict(q_lat [T,H,Dc+Dr], kv_pool [NB,BS,Dc+Dr], kv_new [T,Dc+Dr], cu_seqlens, block_tables [N,B],
+    positions, topk_indices [T,K]) where each index row mixes distinct causal positions, -1 padding and positions
+    beyond the token (ignored).
     """
     gen = torch.Generator().manual_seed(seed)
     cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64)
@@ -45,11 +49,15 @@ def make_case(seed=0, H=3, Dc=32, Dr=16, L=48, slots=(4, 0, 2), starts=(0, 20, 4
         future = torch.arange(pos + 1, pos + 3)  # beyond the token: must be ignored
         row = torch.cat([causal, future, torch.full((K,), -1)])[:K]
         rows.append(row[torch.randperm(K, generator=gen)])
+    q_lat = torch.randn(T, H, Dc + Dr, generator=gen)
+    cache = torch.randn(S, L, Dc + Dr, generator=gen)
+    pool, new, tables = page_cache(cache, torch.tensor(slots), cu, positions, block_size, seed, dtype)
     return dict(
-        q_lat=torch.randn(T, H, Dc + Dr, generator=gen),
-        kv_cache=torch.randn(S, L, Dc + Dr, generator=gen),
+        q_lat=q_lat,
+        kv_pool=pool,
+        kv_new=new,
         cu_seqlens=cu,
-        slot_ids=torch.tensor(slots, dtype=torch.int64),
+        block_tables=tables,
         positions=positions,
         topk_indices=torch.stack(rows).to(torch.int64),
     )
@@ -59,6 +67,8 @@ CASES = {
     "prefill_decode_mix": dict(),
     "chunked_prefill": dict(slots=(1, 3), starts=(10, 0), lengths=(7, 9), S=4, K=8),
     "single_decode": dict(slots=(0,), starts=(47,), lengths=(1,), S=1, K=16, H=17),
+    "block_size_1": dict(block_size=1),
+    "one_block_per_sequence": dict(block_size=64),
     "empty_sequence": dict(slots=(2, 1, 0), starts=(3, 0, 5), lengths=(2, 0, 3), S=3, K=5),
 }
 
@@ -68,7 +78,7 @@ def run_all(fn, case, mode):
     c = dict(case)
     idx = c.pop("topk_indices")
     idx = {"sparse": idx, "dense": None, "k0": idx[:, :0]}[mode]
-    return fn(**c, topk_indices=idx, scale=0.3, kv_lora_rank=case["kv_cache"].shape[-1] - 16)
+    return fn(**c, topk_indices=idx, scale=0.3, kv_lora_rank=case["kv_pool"].shape[-1] - 16)
 
 
 # --------------------------------------------------------------------------------------- oracles
@@ -101,7 +111,9 @@ def test_reference_full_topk_equals_unabsorbed_dense_mla():
     q_lat = torch.cat([torch.einsum("thd,hdc->thc", q_nope, w_kc), q_pe], dim=-1)
     cache = torch.cat([c, k_pe], dim=-1)[None]
     idx = torch.stack([torch.cat([torch.randperm(T, generator=gen), torch.full((3,), -1)]) for _ in range(T)])
-    args = (q_lat, cache, torch.tensor([0, T]), torch.tensor([0]), torch.arange(T))
+    cu, pos = torch.tensor([0, T]), torch.arange(T)
+    pool, new, tables = page_cache(cache, torch.tensor([0]), cu, pos, block_size=4)
+    args = (q_lat, pool, new, cu, tables, pos)
     for indices in (idx, None):
         o_lat = reference.sparse_mla_attention_reference(*args, indices, scale=scale, kv_lora_rank=Dc)
         close(torch.einsum("thc,hvc->thv", o_lat, w_vc), want)
@@ -152,9 +164,10 @@ def test_reference_matches_transformers_deepseek_v32_attention(hf_deepseek_v32):
         idx = torch.where(idx <= torch.arange(T)[:, None], idx, -1)  # the HF indexer also returns masked slots
         q_lat = torch.cat([torch.einsum("thd,hdc->thc", q[..., :dn], w_kc), q[..., dn:]], dim=-1)
         cache = torch.cat([c, k_pe], dim=-1)[None]
+        cu, pos = torch.tensor([0, T]), torch.arange(T)
+        pool, new, tables = page_cache(cache, torch.tensor([0]), cu, pos, block_size=8)
         o_lat = reference.sparse_mla_attention_reference(
-            q_lat, cache, torch.tensor([0, T]), torch.tensor([0]), torch.arange(T), idx,
-            scale=attn.scaling, kv_lora_rank=Dc,
+            q_lat, pool, new, cu, tables, pos, idx, scale=attn.scaling, kv_lora_rank=Dc,
         )  # fmt: skip
         got = attn.o_proj(torch.einsum("thc,hvc->thv", o_lat, w_vc).reshape(T, -1))
     assert (idx >= 0).sum(1).max() == 6 and (idx < 0).any()
@@ -183,9 +196,8 @@ def test_reference_matches_fla_naive_dsa_varlen(fla_dsa_naive):
     cache = torch.zeros(len(lengths), max(lengths), Dc + Dr)
     for n in range(len(lengths)):
         cache[n, : lengths[n]] = rows[cu[n] : cu[n + 1]]
-    got = reference.sparse_mla_attention_reference(
-        q_lat, cache, cu, torch.arange(len(lengths)), local, idx, scale=0.25, kv_lora_rank=Dc
-    )
+    pool, new, tables = page_cache(cache, torch.arange(len(lengths)), cu, local, block_size=4)
+    got = reference.sparse_mla_attention_reference(q_lat, pool, new, cu, tables, local, idx, scale=0.25, kv_lora_rank=Dc)
     close(got, want)
 
 
@@ -216,16 +228,21 @@ def test_cpu_chunking_and_all_invalid_rows(monkeypatch):
 # ------------------------------------------------------------------------------ ONNX + ORT path
 
 
+ONNX_CACHE_TYPES = {torch.float32: TensorProto.FLOAT, torch.bfloat16: TensorProto.BFLOAT16}
+
+
 def onnx_model(case, mode, with_function=True):
     """Model with one SparseMLAAttention node (+ its function); mode as in run_all."""
     onnx_schema.register()
     H, D = case["q_lat"].shape[1:]
-    names = ["q_lat", "kv_cache", "cu_seqlens", "slot_ids", "positions"]
+    cache_type = ONNX_CACHE_TYPES[case["kv_pool"].dtype]
+    names = ["q_lat", "kv_pool", "kv_new", "cu_seqlens", "block_tables", "positions"]
     inputs = [
         helper.make_tensor_value_info("q_lat", TensorProto.FLOAT, ["T", H, D]),
-        helper.make_tensor_value_info("kv_cache", TensorProto.FLOAT, ["S", "L", D]),
+        helper.make_tensor_value_info("kv_pool", cache_type, ["NB", "BS", D]),
+        helper.make_tensor_value_info("kv_new", TensorProto.FLOAT, ["T", D]),
         helper.make_tensor_value_info("cu_seqlens", TensorProto.INT64, ["N1"]),
-        helper.make_tensor_value_info("slot_ids", TensorProto.INT64, ["N"]),
+        helper.make_tensor_value_info("block_tables", TensorProto.INT64, ["N", "B"]),
         helper.make_tensor_value_info("positions", TensorProto.INT64, ["T"]),
     ]
     if mode != "dense":
@@ -250,7 +267,7 @@ def test_schema_checker_and_strict_shape_inference(mode, with_function):
     dims = inferred.graph.output[0].type.tensor_type.shape.dim
     assert [d.dim_param or d.dim_value for d in dims] == ["T", 3, 32]
     node = model.graph.node[0]
-    assert node.domain == DOMAIN and {a.name for a in node.attribute} == {"scale", "kv_lora_rank", "plugin_version"}
+    assert node.domain == DOMAIN and {a.name for a in node.attribute} == {"scale", "kv_lora_rank", "plugin_version", "plugin_namespace"}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -259,12 +276,37 @@ def test_ort_function_matches_reference(name, mode):
     import onnxruntime
 
     case = make_case(seed=5, **CASES[name])
+    got = run_ort(case, mode)
+    close(got, run_all(reference.sparse_mla_attention_reference, case, "sparse" if mode == "sparse" else "dense"))
+
+
+def run_ort(case, mode):
+    """The ORT function on a case (bf16 pools fed as OrtValues: numpy has no bf16)."""
+    import onnxruntime
+
     sess = onnxruntime.InferenceSession(onnx_model(case, mode).SerializeToString(), providers=["CPUExecutionProvider"])
-    feed = {k: v.numpy() for k, v in case.items() if k != "topk_indices"}
+    feed = {}
+    for k, v in case.items():
+        if k == "topk_indices":
+            continue
+        if v.dtype == torch.bfloat16:
+            feed[k] = onnxruntime.OrtValue.ortvalue_from_numpy_with_onnx_type(v.view(torch.int16).numpy().view(np.uint16),
+                                                                             TensorProto.BFLOAT16)
+        else:
+            feed[k] = v.numpy()
     if mode != "dense":
         feed["topk_indices"] = case["topk_indices"][:, : 0 if mode == "k0" else None].numpy()
-    got = torch.from_numpy(sess.run(None, feed)[0])
-    close(got, run_all(reference.sparse_mla_attention_reference, case, "sparse" if mode == "sparse" else "dense"))
+    return torch.from_numpy(sess.run(None, feed)[0])
+
+
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_bf16_pool_is_cast_after_the_gather(mode):
+    """A bf16 pool (new rows fp32, rounded to bf16): CPU and ORT equal the reference run on the same values
+    (up to fp32 rounding), i.e. the cast happens after the gather and the arithmetic stays fp32."""
+    case = make_case(seed=10, dtype=torch.bfloat16)
+    want = run_all(reference.sparse_mla_attention_reference, case, mode)
+    close(run_all(cpu.sparse_mla_attention_cpu, case, mode), want)
+    close(run_ort(case, mode), want)
 
 
 # ------------------------------------------------------------------- triton AOT (TensorRT plugin)
@@ -272,8 +314,8 @@ def test_ort_function_matches_reference(name, mode):
 
 def test_aot_compile_produces_ptx():
     """The kernel the TensorRT AOT plugin embeds compiles to sm_90 PTX for fp32 at K3's MLA widths (Dc 512,
-    Dr 64), real compile on CPU, without tensorrt; its parameters start with the plugin's launch order: six
-    input pointers, the int32 scalars N, S, L, K, then the output pointer."""
+    Dr 64), real compile on CPU, without tensorrt; its parameters start with the plugin's launch order: seven
+    input pointers, the int32 scalars N, T, NB, BS, B, K, then the output pointer; a bf16 pool gives bf16 pointers."""
     import triton  # noqa: F401  (test extra: a missing oracle is a broken install, not a skip)
     from moe_export.plugins.sparse_mla_attention import triton_kernel
 
@@ -283,8 +325,9 @@ def test_aot_compile_produces_ptx():
     assert ".entry _sparse_mla_kernel(" in ptx and ".target sm_90" in ptx
     entry = ptx[ptx.index(".entry _sparse_mla_kernel(") :].split(")", 1)[0]
     kinds = [".u64 .ptr" if ".ptr" in line else line.split()[1] for line in entry.splitlines() if ".param" in line]
-    assert kinds[:11] == [".u64 .ptr"] * 6 + [".u32"] * 4 + [".u64 .ptr"]
+    assert kinds[:14] == [".u64 .ptr"] * 7 + [".u32"] * 6 + [".u64 .ptr"]
     assert kernel.metadata.num_warps * 32 > 0
+    assert ".entry _sparse_mla_kernel(" in triton_kernel.aot_compile(16, 512, 64, 192**-0.5, 90, pool_dtype=torch.bfloat16).asm["ptx"]
     assert "tensorrt" not in sys.modules
 
 
@@ -315,12 +358,22 @@ def test_inner_triton_small_blocks_and_non_power_of_two_dims():
     """Dc = 24, Dr = 8 (masked tails), 2-head blocks, 4-index blocks: many loop iterations."""
     from moe_export.plugins.sparse_mla_attention import triton_kernel
 
-    case = make_case(seed=7, Dc=24, Dr=8, H=5)
+    case = make_case(seed=7, Dc=24, Dr=8, H=5, block_size=3)
     for idx in (case["topk_indices"], None):
         args = {k: v for k, v in case.items() if k != "topk_indices"}
         kw = dict(topk_indices=idx, scale=0.3, kv_lora_rank=24)
         got = triton_kernel.sparse_mla_attention_triton(**args, **kw, block_h=2, block_k=4)
         close(got, reference.sparse_mla_attention_reference(**args, **kw))
+
+
+@inner_triton
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_inner_triton_bf16_pool(mode):
+    from moe_export.plugins.sparse_mla_attention import triton_kernel
+
+    case = make_case(seed=11, dtype=torch.bfloat16)
+    close(run_all(triton_kernel.sparse_mla_attention_triton, case, mode),
+          run_all(reference.sparse_mla_attention_reference, case, mode))
 
 
 @inner_triton

@@ -84,13 +84,14 @@ def test_inner_triton_sparse_mla_garbage_indices(sparse):
     from moe_export.plugins.sparse_mla_attention import triton_kernel
 
     gen = torch.Generator().manual_seed(2)
-    T, H, DC, DR, S, L, N = 5, 4, 16, 16, 2, 8, 3
+    T, H, DC, DR, NB, BS, B, N = 5, 4, 16, 16, 3, 4, 2, 3
     q = torch.randn(T, H, DC + DR, generator=gen)
-    kv_buf, kv = guarded((S, L, DC + DR), torch.randn(S, L, DC + DR, generator=gen))
+    pool_buf, pool = guarded((NB, BS, DC + DR), torch.randn(NB, BS, DC + DR, generator=gen))
+    new_buf, new = guarded((T, DC + DR), torch.randn(T, DC + DR, generator=gen))
     cu = garbage_indices(gen, N + 1, -1000, 1000)
-    slots = garbage_indices(gen, N, -50, 50)
+    tables = torch.randint(-500, 500, (N, B), generator=gen)
     pos = garbage_indices(gen, T, -5000, 5000)
     idx = torch.randint(-5000, 5000, (T, 6), generator=gen) if sparse else None
-    out = triton_kernel.sparse_mla_attention_triton(q, kv, cu, slots, pos, idx, scale=0.1, kv_lora_rank=DC)
-    assert guards_intact(kv_buf)
+    out = triton_kernel.sparse_mla_attention_triton(q, pool, new, cu, tables, pos, idx, scale=0.1, kv_lora_rank=DC)
+    assert guards_intact(pool_buf) and guards_intact(new_buf)
     assert torch.isfinite(out).all()

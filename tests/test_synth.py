@@ -15,7 +15,7 @@ import torch
 from moe_export.export.checkpoint import INDEX_FILE, open_checkpoint
 from moe_export.export.errors import InputError
 from moe_export.export.synth import PRESETS, preset_config, preset_hf_config, synthetic_specs, write_synthetic_checkpoint
-from moe_export.export.tokenizer import SPECIAL_TOKENS, load_tokenizer
+from moe_export.runtime.tokenizer import load_tokenizer, synthetic_special_ids, synthetic_vocab_size
 from moe_export.quantize.mxfp4 import decode
 from moe_export.recipes import models_dir
 
@@ -37,7 +37,7 @@ def test_preset_validates_clean(made, preset):
     reader = open_checkpoint(root)  # raises on any problem
     assert set(reader.tensor_names()) == {s.name for s in synthetic_specs(reader.config)}
     names = {p.name for p in root.iterdir()}
-    assert {"config.json", INDEX_FILE, "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "LICENSE"} <= names
+    assert {"config.json", INDEX_FILE, "tiktoken.model", "tokenizer_config.json", "LICENSE"} <= names
     shards = sorted(n for n in names if n.endswith(".safetensors"))
     assert len(shards) >= 3
     width = 6 if reader.config.model_type == "kimi_k3" else 5
@@ -96,23 +96,26 @@ def test_values_are_well_scaled(made):
     assert 0.9 < q.std().item() * math.sqrt(cfg.q_lora_rank) < 1.1
 
 
-def test_tokenizer_matches_config(made):
-    root = made["tiny-k3"]
-    tok = load_tokenizer(root)
-    cfg = preset_config("tiny-k3")
-    assert tok.vocab_size == 256 + len(SPECIAL_TOKENS) <= cfg.vocab_size
-    text = "héllo <|im_start|>user\nhi<|im_end|><think>x</think>"
+@pytest.mark.parametrize("preset, family, stop", [("tiny-k3", "k3", "<|end_of_msg|>"), ("tiny-kimi-linear", "k2", "<|im_end|>")])
+def test_tokenizer_matches_config(made, preset, family, stop):
+    tok = load_tokenizer(made[preset])
+    cfg = preset_config(preset)
+    assert tok.family == family
+    assert tok.vocab_size == synthetic_vocab_size() <= cfg.vocab_size
+    assert cfg.vocab_size % 64 == 0
+    text = "héllo <|open|>user<|sep|>hi<|im_end|><think>x</think>"
     ids = tok.encode(text)
     assert tok.decode(ids) == text
     assert tok.encode("AB") == [65, 66]
-    assert tok.token_to_id("[BOS]") == cfg.bos_token_id
-    assert tok.token_to_id("<|im_end|>") == cfg.eos_token_id
+    assert tok.token_to_id("[BOS]") == cfg.bos_token_id == synthetic_special_ids(family)["[BOS]"]
+    assert tok.token_to_id(stop) == cfg.eos_token_id
     assert tok.token_to_id("[PAD]") == cfg.pad_token_id
+    assert cfg.eos_token_id in tok.eos_token_ids
     assert max(ids) < cfg.vocab_size
 
 
-def test_load_tokenizer_needs_tokenizer_json(tmp_path):
-    with pytest.raises(InputError, match="no tokenizer.json"):
+def test_load_tokenizer_needs_a_tokenizer(tmp_path):
+    with pytest.raises(InputError, match="no tokenizer"):
         load_tokenizer(tmp_path)
 
 

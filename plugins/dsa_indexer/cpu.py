@@ -1,12 +1,15 @@
 """Fast CPU DSAIndexer (semantics in `reference.py`).
 
-Per sequence, the chunk's queries score the slot's key prefix with one matmul ([c*Hi, Di] x [Di, Lq]), relu,
+Per sequence, its keys 0..(last position) are gathered once through the block table (the step's own keys from
+`k_new`; fp32 after the gather), then the chunk's queries score them with one matmul ([c*Hi, Di] x [Di, Lq]), relu,
 and a batched head-weighted sum ([c, 1, Hi] x [c, Hi, Lq]); non-causal positions get -inf; `select_topk` then
 picks the best `topk` with a stable descending sort (ties -> lower position), so the result is deterministic
 and identical to ONNX TopK. Chunks keep the [c, Hi, Lq] temporary near `_CHUNK_ELEMS` floats.
 """
 
 import torch
+
+from ..sparse_mla_attention.reference import gather_context
 
 _CHUNK_ELEMS = 1 << 24
 
@@ -25,25 +28,27 @@ def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
 def dsa_indexer_cpu(
     q_idx: torch.Tensor,
     weights: torch.Tensor,
-    k_cache: torch.Tensor,
+    k_pool: torch.Tensor,
+    k_new: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    slot_ids: torch.Tensor,
+    block_tables: torch.Tensor,
     positions: torch.Tensor,
     *,
     topk: int,
 ) -> torch.Tensor:
-    """q_idx [T, Hi, Di], weights [T, Hi], k_cache [S, L, Di], cu_seqlens [N+1], slot_ids [N], positions [T]
-    -> indices [T, topk] int64."""
+    """q_idx [T, Hi, Di], weights [T, Hi], k_pool [NB, BS, Di], k_new [T, Di], cu_seqlens [N+1],
+    block_tables [N, B], positions [T] -> indices [T, topk] int64."""
     num_tokens, num_heads, _ = q_idx.shape
     q = q_idx.float()
     w = weights.float()
     out = torch.full((num_tokens, topk), -1, dtype=torch.int64)
-    for n in range(slot_ids.shape[0]):
+    for n in range(cu_seqlens.shape[0] - 1):
         b, e = int(cu_seqlens[n]), int(cu_seqlens[n + 1])
         if e == b:
             continue
         length = int(positions[b:e].max()) + 1
-        keys_t = k_cache[int(slot_ids[n]), :length].float().T  # [Di, Lq]
+        keys = gather_context(k_pool, k_new, cu_seqlens, block_tables, positions, torch.tensor(n), torch.arange(length))
+        keys_t = keys.T  # [Di, Lq]
         chunk = max(1, _CHUNK_ELEMS // max(1, length * num_heads))
         for t0 in range(b, e, chunk):
             t1 = min(e, t0 + chunk)

@@ -2,13 +2,14 @@
 
 Node contract (semantics in `reference.py`):
 
-    indices = DSAIndexer(q_idx, weights, k_cache, cu_seqlens, slot_ids, positions)
-    inputs   q_idx       [T, Hi, Di]  float   indexer queries (after wq_b and rope)
-             weights     [T, Hi]      float   head weights, already scaled by Hi^-0.5 * Di^-0.5
-             k_cache     [S, L, Di]   float   indexer key cache pool (after wk, k_norm, rope), holding this step
-             cu_seqlens  [N+1]        int64   cumulative query tokens per sequence
-             slot_ids    [N]          int64   cache slot of each sequence
-             positions   [T]          int64   absolute position of each query token
+    indices = DSAIndexer(q_idx, weights, k_pool, k_new, cu_seqlens, block_tables, positions)
+    inputs   q_idx        [T, Hi, Di]   float   indexer queries (after wq_b and rope)
+             weights      [T, Hi]       float   head weights, already scaled by Hi^-0.5 * Di^-0.5
+             k_pool       [NB, BS, Di]  C       paged indexer key pool (earlier steps), C = float, bf16, fp16
+             k_new        [T, Di]       float   this step's keys (after wk, k_norm, rope), rounded to C
+             cu_seqlens   [N+1]         int64   cumulative query tokens per sequence
+             block_tables [N, B]        int64   each sequence's pool blocks in order (-1 = unused)
+             positions    [T]           int64   absolute position of each query token
     output   indices     [T, topk]    int64   positions in the sequence, best first, -1 padding
     attributes  topk (int, required): number of positions selected per token (index_topk, 2048 for DSA)
                 plugin_version (string, default "1"): TensorRT plugin version
@@ -21,7 +22,13 @@ import onnx
 from onnx import defs, helper
 
 from .. import DOMAIN, OPSET_VERSION, PLUGIN_NAMESPACE, PLUGIN_VERSION
-from ..sparse_mla_attention.onnx_schema import input_dim, plugin_lookup_attributes, register_once, tensor_type
+from ..sparse_mla_attention.onnx_schema import (
+    CACHE_TYPE_CONSTRAINT,
+    input_dim,
+    plugin_lookup_attributes,
+    register_once,
+    tensor_type,
+)
 
 OP_TYPE = "DSAIndexer"
 
@@ -42,12 +49,14 @@ def schema() -> defs.OpSchema:
         inputs=[
             p("q_idx", "tensor(float)", "[T, Hi, Di]"),
             p("weights", "tensor(float)", "[T, Hi]"),
-            p("k_cache", "tensor(float)", "[S, L, Di]"),
+            p("k_pool", "C", "[NB, BS, Di]"),
+            p("k_new", "tensor(float)", "[T, Di]"),
             p("cu_seqlens", "tensor(int64)", "[N+1]"),
-            p("slot_ids", "tensor(int64)", "[N]"),
+            p("block_tables", "tensor(int64)", "[N, B]"),
             p("positions", "tensor(int64)", "[T]"),
         ],
         outputs=[p("indices", "tensor(int64)", "[T, topk]")],
+        type_constraints=[CACHE_TYPE_CONSTRAINT],
         attributes=[
             defs.OpSchema.Attribute("topk", defs.OpSchema.AttrType.INT, "positions selected per token"),
             *plugin_lookup_attributes(),
@@ -65,9 +74,10 @@ def register() -> None:
 def make_node(
     q_idx: str,
     weights: str,
-    k_cache: str,
+    k_pool: str,
+    k_new: str,
     cu_seqlens: str,
-    slot_ids: str,
+    block_tables: str,
     positions: str,
     indices: str,
     *,
@@ -77,7 +87,7 @@ def make_node(
     """A DSAIndexer node over the given value names."""
     return helper.make_node(
         OP_TYPE,
-        [q_idx, weights, k_cache, cu_seqlens, slot_ids, positions],
+        [q_idx, weights, k_pool, k_new, cu_seqlens, block_tables, positions],
         [indices],
         name=name,
         domain=DOMAIN,

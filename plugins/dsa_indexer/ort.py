@@ -1,10 +1,11 @@
 """ONNX Runtime lowering of DSAIndexer: a model-local FunctionProto (domain DOMAIN, same op type) in standard
 ONNX (opset 21) that ORT inlines; the TensorRT graph keeps the bare node.
 
-Body: token -> slot, gather each token's slot keys [T, L, Di], scores = weights @ relu(q_idx @ keys^T)
+Body: token -> sequence, gather each token's keys at positions 0..B*BS-1 (B*BS = what the step's block tables
+cover; the step's own keys from `k_new`, earlier ones from the pool, fp32 after the gather) [T, L, Di], scores = weights @ relu(q_idx @ keys^T)
 ([T, 1, Hi] x [T, Hi, L]), positions beyond the token -> -inf, TopK(k = min(topk, L), largest, sorted; ONNX
 breaks ties towards the lower index, as the op does), -inf picks -> -1, Pad with -1 to `topk` columns.
-Memory T*L*(Di + Hi): fine for small models.
+Memory T*L*(Di + Hi) with L the used context, never the pool: fine for small models.
 """
 
 import onnx
@@ -19,14 +20,17 @@ def function_proto() -> onnx.FunctionProto:
     """FunctionProto implementing DSAIndexer."""
     b = FunctionBuilder("dsa")
     num_tokens = b.dim("q_idx", 0)
-    max_len = b.dim("k_cache", 1)
-    slots = b.token_slots(num_tokens, "cu_seqlens", "slot_ids")
-    keys = b.op("Gather", "k_cache", slots, axis=0)  # [T, L, Di]
+    max_len = b.op("Mul", b.dim("block_tables", 1), b.dim("k_pool", 1))
+    seq = b.token_sequences(num_tokens, "cu_seqlens")
+    span = b.op("Unsqueeze", b.op("Range", b.int_scalar(0), max_len, b.int_scalar(1)), b.ints([0]))  # [1, L]
+    shape = b.op("Concat", b.op("Shape", "positions"), b.op("Unsqueeze", max_len, b.ints([0])), axis=0)
+    span_t = b.op("Expand", span, shape)  # [T, L]
+    keys = b.context_rows("k_pool", "k_new", "cu_seqlens", "block_tables", "positions", seq, span_t)  # [T, L, Di]
+    causal = b.op("LessOrEqual", span, b.op("Unsqueeze", "positions", b.ints([1])))
+    keys = b.op("Where", b.op("Unsqueeze", causal, b.ints([2])), keys, b.float_scalar(0.0))
     per_head = b.op("Relu", b.op("MatMul", "q_idx", b.op("Transpose", keys, perm=[0, 2, 1])))  # [T, Hi, L]
     weights = b.op("Unsqueeze", "weights", b.ints([1]))  # [T, 1, Hi]
     scores = b.op("Squeeze", b.op("MatMul", weights, per_head), b.ints([1]))  # [T, L]
-    span = b.op("Unsqueeze", b.op("Range", b.int_scalar(0), max_len, b.int_scalar(1)), b.ints([0]))
-    causal = b.op("LessOrEqual", span, b.op("Unsqueeze", "positions", b.ints([1])))
     scores = b.op("Where", causal, scores, b.float_scalar(float("-inf")))
     topk = b.attr("topk", "int")
     keep = b.op("Min", topk, max_len)
@@ -39,7 +43,7 @@ def function_proto() -> onnx.FunctionProto:
     return helper.make_function(
         DOMAIN,
         OP_TYPE,
-        ["q_idx", "weights", "k_cache", "cu_seqlens", "slot_ids", "positions"],
+        ["q_idx", "weights", "k_pool", "k_new", "cu_seqlens", "block_tables", "positions"],
         ["indices"],
         b.nodes,
         [helper.make_opsetid("", ONNX_OPSET)],

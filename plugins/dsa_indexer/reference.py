@@ -1,14 +1,16 @@
 """Naive fp32 reference of DSAIndexer, the DeepSeek-V3.2 lightning indexer (top-k selection for sparse MLA).
 
-Per query token t (in cache slot `slot`, at absolute position `pos = positions[t]`) and cache position
-s <= pos:   score[t, s] = Σ_h relu(q_idx[t, h] · k_cache[slot, s]) * weights[t, h]
+Per query token t (at absolute position `pos = positions[t]` of its sequence) and position s <= pos:
+            score[t, s] = Σ_h relu(q_idx[t, h] · key[s]) * weights[t, h]
 The output lists the `topk` positions of highest score, best first; ties go to the lower position (the rule of
 ONNX TopK); when fewer than `topk` positions exist (pos + 1 < topk) the row is padded with -1.
-Packing of tokens, sequences and slots is that of SparseMLAAttention (`sparse_mla_attention/reference.py`).
+Packing of tokens and sequences and the paged key cache (pool `k_pool` [NB, BS, Di] read through `block_tables`
+for earlier steps, `k_new` [T, Di] for the step's own positions, any float storage dtype cast to fp32 after the
+gather) are those of SparseMLAAttention (`sparse_mla_attention/reference.py`).
 
 Op boundary w.r.t. transformers' `DeepseekV32Indexer.forward` (projections, norm and rope stay in the graph):
   q_idx   = rope(wq_b(q_resid).view(T, Hi, Di))     rope on the first qk_rope_head_dim dims, half-split layout
-  k       = rope(k_norm(wk(x)))                      k_norm is a LayerNorm (eps 1e-6); k is written to k_cache
+  k       = rope(k_norm(wk(x)))                      k_norm is a LayerNorm (eps 1e-6); k is this step's k_new
   weights = weights_proj(x) * Hi**-0.5 * Di**-0.5    HF's softmax_scale = Di**-0.5 multiplies q·k *inside* the
                                                      relu; relu(a*c) = c*relu(a) for c > 0, so it is folded here
 HF's Hadamard rotation / FP8 scoring of the original release are orthogonal / precision-only and not modelled.
@@ -23,30 +25,32 @@ both attention nodes; nothing is recomputed). GLM-5-Next's own indexer additiona
 
 import torch
 
-from ..sparse_mla_attention.reference import token_slots
+from ..sparse_mla_attention.reference import gather_context, token_sequences
 
 
 def dsa_indexer_reference(
     q_idx: torch.Tensor,
     weights: torch.Tensor,
-    k_cache: torch.Tensor,
+    k_pool: torch.Tensor,
+    k_new: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    slot_ids: torch.Tensor,
+    block_tables: torch.Tensor,
     positions: torch.Tensor,
     *,
     topk: int,
 ) -> torch.Tensor:
     """One token at a time, in fp32.
 
-    q_idx [T, Hi, Di], weights [T, Hi], k_cache [S, L, Di], cu_seqlens [N+1], slot_ids [N], positions [T]
-    -> indices [T, topk] int64 (positions within the sequence, best first, -1 padding).
+    q_idx [T, Hi, Di], weights [T, Hi], k_pool [NB, BS, Di], k_new [T, Di], cu_seqlens [N+1], block_tables [N, B],
+    positions [T] -> indices [T, topk] int64 (positions within the sequence, best first, -1 padding).
     """
     num_tokens = q_idx.shape[0]
     out = torch.full((num_tokens, topk), -1, dtype=torch.int64, device=q_idx.device)
-    slots = token_slots(cu_seqlens, slot_ids, num_tokens)
+    seqs = token_sequences(cu_seqlens, num_tokens)
     for t in range(num_tokens):
         pos = int(positions[t])
-        keys = k_cache[slots[t], : pos + 1].float()  # [pos+1, Di]
+        keys = gather_context(k_pool, k_new, cu_seqlens, block_tables, positions, seqs[t],
+                              torch.arange(pos + 1, device=q_idx.device))  # [pos+1, Di] fp32
         per_head = torch.relu(q_idx[t].float() @ keys.T)  # [Hi, pos+1]
         score = weights[t].float() @ per_head  # [pos+1]
         order = torch.sort(score, descending=True, stable=True).indices[:topk]

@@ -37,9 +37,10 @@ PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{OP_TYPE}"
 def _describe(
     q_idx: trtp.TensorDesc,
     weights: trtp.TensorDesc,
-    k_cache: trtp.TensorDesc,
+    k_pool: trtp.TensorDesc,
+    k_new: trtp.TensorDesc,
     cu_seqlens: trtp.TensorDesc,
-    slot_ids: trtp.TensorDesc,
+    block_tables: trtp.TensorDesc,
     positions: trtp.TensorDesc,
     topk: Int32Field,
 ) -> trtp.TensorDesc:
@@ -51,31 +52,36 @@ def _describe(
 def _formats(
     q_idx: trtp.TensorDesc,
     weights: trtp.TensorDesc,
-    k_cache: trtp.TensorDesc,
+    k_pool: trtp.TensorDesc,
+    k_new: trtp.TensorDesc,
     cu_seqlens: trtp.TensorDesc,
-    slot_ids: trtp.TensorDesc,
+    block_tables: trtp.TensorDesc,
     positions: trtp.TensorDesc,
     outputs: tuple[trtp.TensorDesc],
 ) -> list[trtp.AutoTuneCombination]:
-    """fp32 queries, weights and keys; int64 bookkeeping inputs and output; linear layout."""
-    return [trtp.AutoTuneCombination("FP32, FP32, FP32, INT64, INT64, INT64, INT64")]
+    """fp32 queries, weights and new keys, fp32 or bf16 key pool; int64 bookkeeping inputs and output."""
+    return [trtp.AutoTuneCombination("FP32, FP32, FP32, FP32, INT64, INT64, INT64, INT64"),
+            trtp.AutoTuneCombination("FP32, FP32, BF16, FP32, INT64, INT64, INT64, INT64")]
 
 
 @trtp.impl(PLUGIN_ID)
 def _run(
     q_idx: trtp.Tensor,
     weights: trtp.Tensor,
-    k_cache: trtp.Tensor,
+    k_pool: trtp.Tensor,
+    k_new: trtp.Tensor,
     cu_seqlens: trtp.Tensor,
-    slot_ids: trtp.Tensor,
+    block_tables: trtp.Tensor,
     positions: trtp.Tensor,
     topk: Int32Field,
     outputs: tuple[trtp.Tensor],
     stream: int,
 ) -> None:
     """Run on TensorRT's stream (index inputs clamped into their buffers) and copy into the output buffer."""
-    q, w, keys, cu, slots, pos = (as_torch(t) for t in (q_idx, weights, k_cache, cu_seqlens, slot_ids, positions))
+    q, w, pool, new, cu, tables, pos = (
+        as_torch(t) for t in (q_idx, weights, k_pool, k_new, cu_seqlens, block_tables, positions)
+    )
     out = as_torch(outputs[0])
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-        cu, slots, pos = clamp_ragged_indices(cu, slots, pos, keys.shape[0], keys.shape[1])
-        out.copy_(dsa_indexer_triton(q, w, keys, cu, slots, pos, topk=scalar(topk)))
+        cu, tables, pos = clamp_ragged_indices(cu, tables, pos, pool.shape[0], pool.shape[1])
+        out.copy_(dsa_indexer_triton(q, w, pool, new, cu, tables, pos, topk=scalar(topk)))

@@ -2,7 +2,8 @@
 
 A Triton kernel writes the index scores [T, Lmax] (one program per token and BLOCK_N cache positions: the
 token's [Hi, Di] queries against a [BLOCK_N, Di] key tile, relu, head-weighted sum; positions beyond the
-token get -inf and blocks wholly beyond it skip the loads), then `cpu.select_topk` (torch, runs on the same
+token get -inf and blocks wholly beyond it skip the loads; keys of earlier steps are loaded from the paged pool
+through the sequence's block table, the step's own from `k_new`, and cast to fp32 after the load), then `cpu.select_topk` (torch, runs on the same
 device) takes the top-k with the op's tie rule. Lmax = max(positions) + 1. Dot products use
 `input_precision="ieee"` (fp32). Runs on CUDA tensors, or on CPU under TRITON_INTERPRET=1.
 """
@@ -11,15 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ..sparse_mla_attention.reference import token_slots
+from ..sparse_mla_attention.reference import token_sequences
 from .cpu import select_topk
 
 
 @triton.jit
 def _index_scores_kernel(
-    q_ptr, w_ptr, k_ptr, slot_ptr, pos_ptr, out_ptr,
-    num_heads, out_len,
-    stride_qt, stride_qh, stride_wt, stride_ks, stride_kl, stride_ot,
+    q_ptr, w_ptr, pool_ptr, new_ptr, seq_ptr, cu_ptr, tables_ptr, pos_ptr, out_ptr,
+    num_heads, out_len, block_size, table_width,
+    stride_qt, stride_qh, stride_wt, stride_ot,
     DI: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -37,11 +38,16 @@ def _index_scores_kernel(
             mask=mask_h[:, None] & mask_d[None, :], other=0.0,
         )  # fmt: skip
         w = tl.load(w_ptr + t * stride_wt + offs_h, mask=mask_h, other=0.0)
-        slot = tl.load(slot_ptr + t)
-        k = tl.load(
-            k_ptr + slot * stride_ks + offs_n[:, None] * stride_kl + offs_d[None, :],
-            mask=valid[:, None] & mask_d[None, :], other=0.0,
-        )  # fmt: skip
+        seq = tl.load(seq_ptr + t)
+        first = tl.load(cu_ptr + seq)
+        chunk_start = tl.load(pos_ptr + first)
+        own = valid & (offs_n >= chunk_start)
+        past = valid & (offs_n < chunk_start)
+        block = tl.load(tables_ptr + seq * table_width + offs_n // block_size, mask=past, other=0)
+        pool_rows = pool_ptr + (block * block_size + offs_n % block_size)[:, None] * DI
+        new_rows = new_ptr + (first + offs_n - chunk_start)[:, None] * DI
+        k = tl.load(pool_rows + offs_d[None, :], mask=past[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        k += tl.load(new_rows + offs_d[None, :], mask=own[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
         s = tl.maximum(tl.dot(q, tl.trans(k), input_precision="ieee"), 0.0)  # [BLOCK_H, BLOCK_N]
         score = tl.sum(s * w[:, None], axis=0)
     score = tl.where(valid, score, float("-inf"))
@@ -51,9 +57,10 @@ def _index_scores_kernel(
 def dsa_index_scores_triton(
     q_idx: torch.Tensor,
     weights: torch.Tensor,
-    k_cache: torch.Tensor,
+    k_pool: torch.Tensor,
+    k_new: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    slot_ids: torch.Tensor,
+    block_tables: torch.Tensor,
     positions: torch.Tensor,
     *,
     block_n: int = 64,
@@ -62,8 +69,11 @@ def dsa_index_scores_triton(
     num_tokens, num_heads, dim = q_idx.shape
     q = q_idx.float().contiguous()
     w = weights.float().contiguous()
-    k = k_cache.float().contiguous()
-    slots = token_slots(cu_seqlens, slot_ids, num_tokens).contiguous()
+    pool = k_pool.contiguous()
+    new = k_new.float().contiguous()
+    cu = cu_seqlens.to(torch.int64).contiguous()
+    tables = block_tables.to(torch.int64).contiguous()
+    seqs = token_sequences(cu, num_tokens).contiguous()
     pos = positions.to(torch.int64).contiguous()
     out_len = int(pos.max()) + 1 if num_tokens else 0
     out = torch.empty(num_tokens, out_len, dtype=torch.float32, device=q.device)
@@ -71,9 +81,9 @@ def dsa_index_scores_triton(
         return out
     grid = (num_tokens, triton.cdiv(out_len, block_n))
     _index_scores_kernel[grid](
-        q, w, k, slots, pos, out,
-        num_heads, out_len,
-        q.stride(0), q.stride(1), w.stride(0), k.stride(0), k.stride(1), out.stride(0),
+        q, w, pool, new, seqs, cu, tables, pos, out,
+        num_heads, out_len, pool.shape[1], tables.shape[1],
+        q.stride(0), q.stride(1), w.stride(0), out.stride(0),
         DI=dim, BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
         BLOCK_N=block_n,
     )  # fmt: skip
@@ -83,15 +93,16 @@ def dsa_index_scores_triton(
 def dsa_indexer_triton(
     q_idx: torch.Tensor,
     weights: torch.Tensor,
-    k_cache: torch.Tensor,
+    k_pool: torch.Tensor,
+    k_new: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    slot_ids: torch.Tensor,
+    block_tables: torch.Tensor,
     positions: torch.Tensor,
     *,
     topk: int,
     block_n: int = 64,
 ) -> torch.Tensor:
-    """q_idx [T, Hi, Di], weights [T, Hi], k_cache [S, L, Di], cu_seqlens [N+1], slot_ids [N], positions [T]
-    -> indices [T, topk] int64."""
-    scores = dsa_index_scores_triton(q_idx, weights, k_cache, cu_seqlens, slot_ids, positions, block_n=block_n)
+    """q_idx [T, Hi, Di], weights [T, Hi], k_pool [NB, BS, Di] (fp32 / bf16 / fp16), k_new [T, Di] fp32,
+    cu_seqlens [N+1], block_tables [N, B], positions [T] -> indices [T, topk] int64."""
+    scores = dsa_index_scores_triton(q_idx, weights, k_pool, k_new, cu_seqlens, block_tables, positions, block_n=block_n)
     return select_topk(scores, topk)

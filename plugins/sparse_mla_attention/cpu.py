@@ -1,13 +1,14 @@
 """Fast CPU SparseMLAAttention (semantics in `reference.py`).
 
-Sparse path: gathers only the K selected latent rows per token (cost independent of the context length) and
-runs two batched matmuls per token chunk. Dense path (no indices): per sequence, one matmul of the chunk's
-queries against the slot's cache prefix with a causal mask. Chunks keep temporaries near `_CHUNK_ELEMS` floats.
+Sparse path: gathers only the K selected latent rows per token through the block tables (cost independent of
+the context length and of the pool size) and runs two batched matmuls per token chunk. Dense path (no indices):
+per sequence, gathers its rows 0..(last position) once and runs one matmul of the chunk's queries against them
+with a causal mask. Rows are cast to fp32 after the gather. Chunks keep temporaries near `_CHUNK_ELEMS` floats.
 """
 
 import torch
 
-from .reference import token_slots
+from .reference import gather_context, token_sequences
 
 _CHUNK_ELEMS = 1 << 24
 
@@ -27,33 +28,31 @@ def masked_softmax_combine(scores: torch.Tensor, valid: torch.Tensor, values: to
     return torch.matmul(probs, values)
 
 
-def _sparse(q, kv_cache, slots, positions, topk_indices, scale, kv_lora_rank):
+def _sparse(q, ctx, seqs, positions, topk_indices, scale, kv_lora_rank):
     num_tokens, num_heads, dim = q.shape
-    num_slots, max_len, _ = kv_cache.shape
     k = topk_indices.shape[1]
-    flat = kv_cache.reshape(num_slots * max_len, dim)
     out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=torch.float32)
     chunk = max(1, _CHUNK_ELEMS // max(1, k * max(dim, num_heads)))
     for t0 in range(0, num_tokens, chunk):
         t1 = min(num_tokens, t0 + chunk)
         idx = topk_indices[t0:t1]
         valid = (idx >= 0) & (idx <= positions[t0:t1, None])
-        rows = slots[t0:t1, None] * max_len + idx.clamp(0, max_len - 1)
-        gathered = flat.index_select(0, rows.reshape(-1)).view(t1 - t0, k, dim).float()
+        gathered = gather_context(*ctx, seqs[t0:t1], idx.clamp(min=0))  # [c, K, Dc+Dr] fp32
+        gathered = torch.where(valid[..., None], gathered, 0.0)
         scores = torch.bmm(q[t0:t1], gathered.transpose(1, 2)).mul_(scale)
         out[t0:t1] = masked_softmax_combine(scores, valid[:, None, :], gathered[:, :, :kv_lora_rank])
     return out
 
 
-def _dense(q, kv_cache, cu_seqlens, slot_ids, positions, scale, kv_lora_rank):
+def _dense(q, ctx, cu_seqlens, positions, scale, kv_lora_rank):
     num_tokens, num_heads, dim = q.shape
     out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=torch.float32)
-    for n in range(slot_ids.shape[0]):
+    for n in range(cu_seqlens.shape[0] - 1):
         b, e = int(cu_seqlens[n]), int(cu_seqlens[n + 1])
         if e == b:
             continue
         length = int(positions[b:e].max()) + 1
-        keys = kv_cache[int(slot_ids[n]), :length].float()  # [Lq, Dc+Dr]
+        keys = gather_context(*ctx, torch.tensor(n), torch.arange(length))  # [Lq, Dc+Dr] fp32
         chunk = max(1, _CHUNK_ELEMS // max(1, length * num_heads))
         for t0 in range(b, e, chunk):
             t1 = min(e, t0 + chunk)
@@ -65,19 +64,20 @@ def _dense(q, kv_cache, cu_seqlens, slot_ids, positions, scale, kv_lora_rank):
 
 def sparse_mla_attention_cpu(
     q_lat: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_pool: torch.Tensor,
+    kv_new: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    slot_ids: torch.Tensor,
+    block_tables: torch.Tensor,
     positions: torch.Tensor,
     topk_indices: torch.Tensor | None = None,
     *,
     scale: float,
     kv_lora_rank: int,
 ) -> torch.Tensor:
-    """q_lat [T, H, Dc+Dr], kv_cache [S, L, Dc+Dr], cu_seqlens [N+1], slot_ids [N], positions [T],
-    topk_indices [T, K] or None (None or K = 0: dense causal) -> o_lat [T, H, Dc] fp32."""
+    """q_lat [T, H, Dc+Dr], kv_pool [NB, BS, Dc+Dr], kv_new [T, Dc+Dr], cu_seqlens [N+1], block_tables [N, B],
+    positions [T], topk_indices [T, K] or None (None or K = 0: dense causal) -> o_lat [T, H, Dc] fp32."""
     q = q_lat.float()
+    ctx = (kv_pool, kv_new, cu_seqlens, block_tables, positions)
     if topk_indices is None or topk_indices.shape[1] == 0:
-        return _dense(q, kv_cache, cu_seqlens, slot_ids, positions, scale, kv_lora_rank)
-    slots = token_slots(cu_seqlens, slot_ids, q.shape[0])
-    return _sparse(q, kv_cache, slots, positions, topk_indices, scale, kv_lora_rank)
+        return _dense(q, ctx, cu_seqlens, positions, scale, kv_lora_rank)
+    return _sparse(q, ctx, token_sequences(cu_seqlens, q.shape[0]), positions, topk_indices, scale, kv_lora_rank)

@@ -2,12 +2,14 @@
 
 Node contract (semantics in `reference.py`):
 
-    o_lat = SparseMLAAttention(q_lat, kv_cache, cu_seqlens, slot_ids, positions[, topk_indices])
-    inputs   q_lat        [T, H, Dc+Dr]  float   absorbed queries [q_nope @ W_kc | q_pe]
-             kv_cache     [S, L, Dc+Dr]  float   latent cache pool, already holding this step's rows
-             cu_seqlens   [N+1]          int64   cumulative query tokens per sequence
-             slot_ids     [N]            int64   cache slot of each sequence
-             positions    [T]            int64   absolute position of each query token
+    o_lat = SparseMLAAttention(q_lat, kv_pool, kv_new, cu_seqlens, block_tables, positions[, topk_indices])
+    inputs   q_lat        [T, H, Dc+Dr]   float   absorbed queries [q_nope @ W_kc | q_pe]
+             kv_pool      [NB, BS, Dc+Dr] C       paged latent cache pool (earlier steps' rows), C = float, bf16, fp16
+             kv_new       [T, Dc+Dr]      float   this step's latent rows, rounded to C (the runtime writes them
+                                                  to the pool after the step)
+             cu_seqlens   [N+1]           int64   cumulative query tokens per sequence
+             block_tables [N, B]          int64   each sequence's pool blocks in order (-1 = unused)
+             positions    [T]             int64   absolute position of each query token
              topk_indices [T, K]         int64   optional: positions to attend, -1 = padding; empty name
                                                  (or K = 0 columns, the TensorRT form) = dense causal
     output   o_lat        [T, H, Dc]     float
@@ -27,6 +29,7 @@ from onnx import defs, helper
 from .. import DOMAIN, OPSET_VERSION, PLUGIN_NAMESPACE, PLUGIN_VERSION
 
 OP_TYPE = "SparseMLAAttention"
+CACHE_TYPE_CONSTRAINT = ("C", ["tensor(float)", "tensor(bfloat16)", "tensor(float16)"], "cache storage dtype")
 
 
 def register_once(schema: defs.OpSchema) -> None:
@@ -88,16 +91,18 @@ def schema() -> defs.OpSchema:
         OP_TYPE,
         DOMAIN,
         OPSET_VERSION,
-        "Absorbed MLA over a latent cache pool restricted to top-k positions (dense causal without indices).",
+        "Absorbed MLA over a paged latent cache restricted to top-k positions (dense causal without indices).",
         inputs=[
             p("q_lat", "tensor(float)", "[T, H, Dc+Dr]"),
-            p("kv_cache", "tensor(float)", "[S, L, Dc+Dr]"),
+            p("kv_pool", "C", "[NB, BS, Dc+Dr]"),
+            p("kv_new", "tensor(float)", "[T, Dc+Dr]"),
             p("cu_seqlens", "tensor(int64)", "[N+1]"),
-            p("slot_ids", "tensor(int64)", "[N]"),
+            p("block_tables", "tensor(int64)", "[N, B]"),
             p("positions", "tensor(int64)", "[T]"),
             p("topk_indices", "tensor(int64)", "[T, K], -1 = padding", param_option=opt),
         ],
         outputs=[p("o_lat", "tensor(float)", "[T, H, Dc]")],
+        type_constraints=[CACHE_TYPE_CONSTRAINT],
         attributes=[
             defs.OpSchema.Attribute("scale", defs.OpSchema.AttrType.FLOAT, "softmax scale"),
             defs.OpSchema.Attribute("kv_lora_rank", defs.OpSchema.AttrType.INT, "Dc"),
@@ -115,9 +120,10 @@ def register() -> None:
 
 def make_node(
     q_lat: str,
-    kv_cache: str,
+    kv_pool: str,
+    kv_new: str,
     cu_seqlens: str,
-    slot_ids: str,
+    block_tables: str,
     positions: str,
     topk_indices: str | None,
     o_lat: str,
@@ -127,7 +133,7 @@ def make_node(
     name: str | None = None,
 ) -> onnx.NodeProto:
     """A SparseMLAAttention node over the given value names; `topk_indices=None` makes it dense causal."""
-    inputs = [q_lat, kv_cache, cu_seqlens, slot_ids, positions]
+    inputs = [q_lat, kv_pool, kv_new, cu_seqlens, block_tables, positions]
     if topk_indices:
         inputs.append(topk_indices)
     return helper.make_node(

@@ -1,15 +1,18 @@
 """ONNX Runtime lowering of SparseMLAAttention: a model-local FunctionProto (domain DOMAIN, same op type) whose
 body is standard ONNX (opset 21); ORT inlines it. The TensorRT graph keeps the bare node instead.
 
-Body: token -> slot (compare token ids with cu_seqlens), gather the K indexed latent rows per token from the
-flattened pool [S*L, Dc+Dr], scores = q_lat @ rows^T * scale, masked softmax (invalid = index < 0 or > position;
-a row with nothing valid gives zeros), o_lat = p @ rows[..., :Dc].
+Body: token -> sequence (compare token ids with cu_seqlens), then `context_rows`: the K indexed latent rows per
+token, the step's own positions gathered from `kv_new`, earlier ones with GatherND from the pool at (block of
+the sequence's block table, offset in block), cast to fp32 after the gather (cost O(T*K), not O(pool));
+scores = q_lat @ rows^T * scale, masked softmax (invalid = index < 0 or > position; a row with nothing valid
+gives zeros), o_lat = p @ rows[..., :Dc].
 
 Optional input: an ONNX function cannot branch on whether an optional input was given (ORT's inliner rejects
 `Optional`/`OptionalHasElement` on a missing function input, checked with ORT 1.32), so there are two bodies
-with the same op type and the same six formal inputs: `function_proto(dense=False)` reads `topk_indices`
+with the same op type and the same seven formal inputs: `function_proto(dense=False)` reads `topk_indices`
 (and, through an `If`, treats K = 0 columns as dense); `function_proto(dense=True)` ignores it. Dense attends
-to all positions 0..L-1 of the slot (causality masks the rest; memory T*L*(Dc+Dr), fine for small models).
+to all positions covered by the step's block tables, 0..B*BS-1 (causality masks the rest; memory T*B*BS*(Dc+Dr):
+the used context, fine for small models).
 A model holds one function per op type, so the exporter picks the variant per model; a model mixing dense
 and sparse layers uses the sparse body and gives its dense layers an empty [T, 0] (or [0, 0]) index tensor.
 """
@@ -69,15 +72,34 @@ class FunctionBuilder:
         """0-D int64: size of `value` along `axis`."""
         return self.op("Squeeze", self.op("Shape", value, start=axis, end=axis + 1), self.ints([0]))
 
-    def token_slots(self, num_tokens: str, cu_seqlens: str, slot_ids: str) -> str:
-        """[T] int64 cache slot of each packed token: slot_ids[#{n : cu_seqlens[n+1] <= t}]."""
+    def token_sequences(self, num_tokens: str, cu_seqlens: str) -> str:
+        """[T] int64 sequence of each packed token: #{n : cu_seqlens[n+1] <= t}."""
         tokens = self.op("Range", self.int_scalar(0), num_tokens, self.int_scalar(1))
         tail = self.op("Slice", cu_seqlens, self.ints([1]), self.ints([_INT64_MAX]))
         passed = self.op(
             "GreaterOrEqual", self.op("Unsqueeze", tokens, self.ints([1])), self.op("Unsqueeze", tail, self.ints([0]))
         )
-        seq = self.op("ReduceSum", self.op("Cast", passed, to=TensorProto.INT64), self.ints([1]), keepdims=0)
-        return self.op("Gather", slot_ids, seq)
+        return self.op("ReduceSum", self.op("Cast", passed, to=TensorProto.INT64), self.ints([1]), keepdims=0)
+
+    def context_rows(self, pool: str, new: str, cu_seqlens: str, block_tables: str, positions: str, seq: str,
+                     idx: str) -> str:
+        """fp32 rows [T, K, D] at positions idx [T, K] (>= 0) of each token's sequence (seq [T]): the step's own
+        positions from `new` [T, D], earlier ones from `pool` [NB, BS, D] through the block tables [N, B]."""
+        first = self.op("Unsqueeze", self.op("Gather", cu_seqlens, seq), self.ints([1]))  # [T, 1]
+        start = self.op("Gather", positions, first)  # [T, 1] chunk start position
+        own = self.op("GreaterOrEqual", idx, start)
+        last_token = self.op("Sub", self.dim(new, 0), self.int_scalar(1))
+        new_row = self.op("Clip", self.op("Sub", self.op("Add", first, idx), start), self.int_scalar(0), last_token)
+        block_size = self.dim(pool, 1)
+        last_col = self.op("Sub", self.dim(block_tables, 1), self.int_scalar(1))
+        col = self.op("Clip", self.op("Div", idx, block_size), self.int_scalar(0), last_col)
+        tables = self.op("Gather", block_tables, seq, axis=0)  # [T, B]
+        block = self.op("Max", self.op("GatherElements", tables, col, axis=1), self.int_scalar(0))  # [T, K]
+        where = self.op("Concat", self.op("Unsqueeze", block, self.ints([2])),
+                        self.op("Unsqueeze", self.op("Mod", idx, block_size), self.ints([2])), axis=2)  # [T, K, 2]
+        from_pool = self.op("Cast", self.op("GatherND", pool, where), to=TensorProto.FLOAT)
+        from_new = self.op("Cast", self.op("Gather", new, new_row, axis=0), to=TensorProto.FLOAT)
+        return self.op("Where", self.op("Unsqueeze", own, self.ints([2])), from_new, from_pool)
 
     def masked_softmax(self, scores: str, valid: str, axis: int = -1) -> str:
         """Softmax of `scores` over `axis` where `valid` (broadcast); entries outside get 0, all-invalid rows 0."""
@@ -100,13 +122,13 @@ def _identity_graph(source: str, name: str) -> onnx.GraphProto:
 def function_proto(dense: bool = False) -> onnx.FunctionProto:
     """FunctionProto for SparseMLAAttention; `dense=True` gives the body that ignores `topk_indices`."""
     b = FunctionBuilder("smla")
-    q, kv, cu, slots_in, pos = "q_lat", "kv_cache", "cu_seqlens", "slot_ids", "positions"
+    q, pool, new, cu, tables, pos = "q_lat", "kv_pool", "kv_new", "cu_seqlens", "block_tables", "positions"
     num_tokens = b.dim(q, 0)
-    max_len = b.dim(kv, 1)
-    slots = b.token_slots(num_tokens, cu, slots_in)
-    span = b.op("Range", b.int_scalar(0), max_len, b.int_scalar(1))
+    span_len = b.op("Mul", b.dim(tables, 1), b.dim(pool, 1))  # positions the block tables cover
+    seq = b.token_sequences(num_tokens, cu)
+    span = b.op("Range", b.int_scalar(0), span_len, b.int_scalar(1))
     dense_shape = b.op("Concat", b.op("Shape", pos), b.op("Shape", span), axis=0)
-    dense_idx = b.op("Expand", b.op("Unsqueeze", span, b.ints([0])), dense_shape)  # [T, L]
+    dense_idx = b.op("Expand", b.op("Unsqueeze", span, b.ints([0])), dense_shape)  # [T, B*BS]
     if dense:
         idx = dense_idx
     else:
@@ -116,19 +138,18 @@ def function_proto(dense: bool = False) -> onnx.FunctionProto:
         idx = b.op("If", no_cols, then_branch=all_pos, else_branch=given)
     pos_col = b.op("Unsqueeze", pos, b.ints([1]))
     valid = b.op("And", b.op("GreaterOrEqual", idx, b.int_scalar(0)), b.op("LessOrEqual", idx, pos_col))
-    clamped = b.op("Clip", idx, b.int_scalar(0), b.op("Sub", max_len, b.int_scalar(1)))
-    rows = b.op("Add", b.op("Mul", b.op("Unsqueeze", slots, b.ints([1])), max_len), clamped)
-    gathered = b.op("Gather", b.op("Flatten", kv, axis=2), rows, axis=0)  # [T, K, Dc+Dr]
-    scores = b.op("MatMul", q, b.op("Transpose", gathered, perm=[0, 2, 1]))  # [T, H, K]
+    rows = b.context_rows(pool, new, cu, tables, pos, seq, b.op("Max", idx, b.int_scalar(0)))  # [T, K, Dc+Dr]
+    rows = b.op("Where", b.op("Unsqueeze", valid, b.ints([2])), rows, b.float_scalar(0.0))
+    scores = b.op("MatMul", q, b.op("Transpose", rows, perm=[0, 2, 1]))  # [T, H, K]
     scores = b.op("Mul", scores, b.attr("scale", "float"))
     probs = b.masked_softmax(scores, b.op("Unsqueeze", valid, b.ints([1])))
     rank = b.op("Unsqueeze", b.attr("kv_lora_rank", "int"), b.ints([0]))
-    values = b.op("Slice", gathered, b.ints([0]), rank, b.ints([2]))
+    values = b.op("Slice", rows, b.ints([0]), rank, b.ints([2]))
     b.op("MatMul", probs, values, out="o_lat")
     return helper.make_function(
         DOMAIN,
         OP_TYPE,
-        ["q_lat", "kv_cache", "cu_seqlens", "slot_ids", "positions", "topk_indices"],
+        ["q_lat", "kv_pool", "kv_new", "cu_seqlens", "block_tables", "positions", "topk_indices"],
         ["o_lat"],
         b.nodes,
         [helper.make_opsetid("", ONNX_OPSET)],

@@ -4,21 +4,22 @@ NOT RUN ON A GPU HERE: TensorRT's libraries cannot be installed on this project'
 (`tests/test_tensorrt_plugins.py`): this module under TensorRT's real pure-Python `tensorrt.plugin` package
 (10.9 and 11.4 bindings wheels) over a stand-in of the compiled core: registration, creation from the
 parser's fields, output types and shapes, and the `aot_impl` launch parameters and int32 extras with the real
-Triton PTX compile. The kernel itself is tested in the interpreter (sparse / dense / K = 0).
+Triton PTX compile. The kernel itself is tested in the interpreter (sparse / dense / K = 0, paged pools, with
+the token -> sequence search and the block-table lookup done in the kernel).
 
 Importing this module registers `moe_export::SparseMLAAttention` (name = op type, namespace = the node's
 `plugin_namespace` attribute, version "1"); `scale` arrives as one FLOAT32, `kv_lora_rank` as one INT32.
-QDP input lists are fixed, so the plugin always has six inputs: the TensorRT graph gives dense-causal layers an
+QDP input lists are fixed, so the plugin always has seven inputs: the TensorRT graph gives dense-causal layers an
 empty [0, 0] int64 `topk_indices`, which the op defines as dense (see `reference.py`).
 
 - `impl` (JIT, needs Python in the engine) launches the kernel on TensorRT's stream.
-- `aot_impl` compiles the same kernel to PTX for the build GPU. Kernel parameters are the 6 input pointers,
-  then the int32 extras N (= slot_ids rows), S (= pool slots), L (= cache length), K (= topk_indices columns;
-  0 makes the kernel dense and leaves `topk_indices` unread), then the output pointer; grid (T, cdiv(H, 16)).
-  H and Dc+Dr must be build-time constants. Open risks, checked by `benchmarks/gpu_check.sh` on a GPU:
-  Triton >= 3.3 appends scratch-pointer parameters TensorRT does not pass; at Dc = 512 the kernel needs
-  ~110 KiB of dynamic shared memory, more than the 48 KiB a launch gets unless the kernel is opted in
-  (`cuFuncSetAttribute`), which Triton's launcher does and TensorRT's AOT launcher is not known to do.
+- `aot_impl` compiles the same kernel to PTX for the build GPU. Kernel parameters are the 7 input pointers,
+  then the int32 extras N (= block_tables rows), T (= tokens), NB (= pool blocks), BS (= block size), B (=
+  block_tables columns), K (= topk_indices columns; 0 makes the kernel dense and leaves `topk_indices` unread),
+  then the output pointer; grid (T, cdiv(H, 16)). H and Dc+Dr must be build-time constants. Open risks,
+  checked by `benchmarks/gpu_check.sh` on a GPU: Triton >= 3.3 appends scratch-pointer parameters TensorRT
+  does not pass; at Dc = 512 the kernel needs ~110 KiB of dynamic shared memory, more than the 48 KiB a launch
+  gets unless the kernel is opted in (`cuFuncSetAttribute`), which TensorRT's AOT launcher is not known to do.
 """
 
 import tensorrt as trt
@@ -37,9 +38,10 @@ _BLOCK_H = 16  # heads per program of the AOT kernel
 @trtp.register(PLUGIN_ID)
 def _describe(
     q_lat: trtp.TensorDesc,
-    kv_cache: trtp.TensorDesc,
+    kv_pool: trtp.TensorDesc,
+    kv_new: trtp.TensorDesc,
     cu_seqlens: trtp.TensorDesc,
-    slot_ids: trtp.TensorDesc,
+    block_tables: trtp.TensorDesc,
     positions: trtp.TensorDesc,
     topk_indices: trtp.TensorDesc,
     scale: Float32Field,
@@ -53,23 +55,26 @@ def _describe(
 @trtp.autotune(PLUGIN_ID)
 def _formats(
     q_lat: trtp.TensorDesc,
-    kv_cache: trtp.TensorDesc,
+    kv_pool: trtp.TensorDesc,
+    kv_new: trtp.TensorDesc,
     cu_seqlens: trtp.TensorDesc,
-    slot_ids: trtp.TensorDesc,
+    block_tables: trtp.TensorDesc,
     positions: trtp.TensorDesc,
     topk_indices: trtp.TensorDesc,
     outputs: tuple[trtp.TensorDesc],
 ) -> list[trtp.AutoTuneCombination]:
-    """fp32 activations and cache, int64 index inputs, linear layout."""
-    return [trtp.AutoTuneCombination("FP32, FP32, INT64, INT64, INT64, INT64, FP32")]
+    """fp32 activations and new rows, fp32 or bf16 cache pool, int64 index inputs, linear layout."""
+    return [trtp.AutoTuneCombination("FP32, FP32, FP32, INT64, INT64, INT64, INT64, FP32"),
+            trtp.AutoTuneCombination("FP32, BF16, FP32, INT64, INT64, INT64, INT64, FP32")]
 
 
 @trtp.impl(PLUGIN_ID)
 def _run(
     q_lat: trtp.Tensor,
-    kv_cache: trtp.Tensor,
+    kv_pool: trtp.Tensor,
+    kv_new: trtp.Tensor,
     cu_seqlens: trtp.Tensor,
-    slot_ids: trtp.Tensor,
+    block_tables: trtp.Tensor,
     positions: trtp.Tensor,
     topk_indices: trtp.Tensor,
     scale: Float32Field,
@@ -78,7 +83,7 @@ def _run(
     stream: int,
 ) -> None:
     """Run the Triton kernel on TensorRT's stream and copy into the output buffer."""
-    inputs = [as_torch(t) for t in (q_lat, kv_cache, cu_seqlens, slot_ids, positions, topk_indices)]
+    inputs = [as_torch(t) for t in (q_lat, kv_pool, kv_new, cu_seqlens, block_tables, positions, topk_indices)]
     out = as_torch(outputs[0])
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
         result = sparse_mla_attention_triton(*inputs, scale=scalar(scale), kv_lora_rank=scalar(kv_lora_rank))
@@ -88,9 +93,10 @@ def _run(
 @trtp.aot_impl(PLUGIN_ID)
 def _compile(
     q_lat: trtp.TensorDesc,
-    kv_cache: trtp.TensorDesc,
+    kv_pool: trtp.TensorDesc,
+    kv_new: trtp.TensorDesc,
     cu_seqlens: trtp.TensorDesc,
-    slot_ids: trtp.TensorDesc,
+    block_tables: trtp.TensorDesc,
     positions: trtp.TensorDesc,
     topk_indices: trtp.TensorDesc,
     scale: Float32Field,
@@ -103,7 +109,9 @@ def _compile(
     num_heads = q_lat.shape_expr[1].constant_value()
     rope_dim = q_lat.shape_expr[2].constant_value() - rank
     major, minor = torch.cuda.get_device_capability()
-    kernel = aot_compile(num_heads, rank, rope_dim, scalar(scale), major * 10 + minor, block_h=_BLOCK_H)
+    pool_dtype = torch.bfloat16 if kv_pool.dtype == trt.bfloat16 else torch.float32
+    kernel = aot_compile(num_heads, rank, rope_dim, scalar(scale), major * 10 + minor, block_h=_BLOCK_H,
+                         pool_dtype=pool_dtype)
     params = trtp.KernelLaunchParams()
     params.grid_x = q_lat.shape_expr[0]
     params.grid_y = -(-num_heads // _BLOCK_H)
@@ -112,7 +120,8 @@ def _compile(
     extra_args = trtp.SymIntExprs.from_tuple(
         [
             trtp.SymInt32(e)
-            for e in (slot_ids.shape_expr[0], kv_cache.shape_expr[0], kv_cache.shape_expr[1], topk_indices.shape_expr[1])
-        ]
+            for e in (block_tables.shape_expr[0], q_lat.shape_expr[0], kv_pool.shape_expr[0], kv_pool.shape_expr[1],
+                      block_tables.shape_expr[1], topk_indices.shape_expr[1])
+        ]  # fmt: skip
     )
     return kernel.metadata.name, kernel.asm["ptx"], params, extra_args

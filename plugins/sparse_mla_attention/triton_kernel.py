@@ -1,15 +1,18 @@
 """Triton SparseMLAAttention (semantics in `reference.py`).
 
 One program per (query token, block of BLOCK_H heads). It finds its token's sequence by counting the
-`cu_seqlens` ends at or before the token (`reference.token_slots`, done in the kernel so that a TensorRT launch
-needs nothing computed on the host), then walks the token's K indices (or, when there are none, positions
-0..pos) in blocks of BLOCK_K, gathers those latent rows from the slot's cache, and keeps an online softmax
+`cu_seqlens` ends at or before the token (`reference.token_sequences`, done in the kernel so that a TensorRT
+launch needs nothing computed on the host), then walks the token's K indices (or, when there are none, positions
+0..pos) in blocks of BLOCK_K, loads those latent rows (the step's own positions from `kv_new`, earlier ones from
+the paged pool through the sequence's block table, cast to fp32 after the load), and keeps an online softmax
 (running max / sum) with an fp32 accumulator [BLOCK_H, Dc]. Dense vs sparse is decided at run time
 (`num_idx == 0` is dense), so one compiled kernel serves both. Dot products use `input_precision="ieee"` so
 fp32 inputs give fp32 results (TF32 would lose ~1e-3). Runs on CUDA tensors, or on CPU under TRITON_INTERPRET=1.
 
-All tensors are contiguous. Kernel parameters are the six input pointers, the int32 scalars, then the output
+All tensors are contiguous. Kernel parameters are the seven input pointers, the int32 scalars, then the output
 pointer, then compile-time constants: the order a TensorRT AOT plugin launch uses (`tensorrt_plugin`).
+Every index read from an input (sequence, first token, position, block id, new-row index) is clamped into its
+buffer: TensorRT runs plugins while timing tactics with unspecified input contents.
 """
 
 import torch
@@ -17,20 +20,20 @@ import triton
 import triton.language as tl
 
 _SEQ_BLOCK = tl.constexpr(64)  # cu_seqlens entries compared per step of the token -> sequence search
+POOL_DTYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}  # AOT pointer types
 
 
 @triton.jit
 def _sparse_mla_kernel(
-    q_ptr, kv_ptr, cu_seqlens_ptr, slot_ids_ptr, pos_ptr, idx_ptr,
-    num_seqs, num_slots, cache_len, num_idx,
+    q_ptr, pool_ptr, new_ptr, cu_seqlens_ptr, block_tables_ptr, pos_ptr, idx_ptr,
+    num_seqs, num_tokens, num_blocks, block_size, table_width, num_idx,
     o_ptr,
     scale: tl.constexpr, H: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr,
     BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """q [T, H, DC+DR], kv [S, cache_len, DC+DR], cu_seqlens [num_seqs+1], slot_ids [num_seqs], pos [T],
-    idx [T, num_idx] (num_idx = 0: dense causal; idx is then not read) -> o [T, H, DC] fp32. The sequence,
-    slot and position are clamped into [0, num_seqs-1], [0, num_slots-1], [0, cache_len-1]: TensorRT times
-    tactics on unspecified input contents, which must not send the kernel outside its buffers."""
+    """q [T, H, DC+DR], pool [NB, block_size, DC+DR], new [T, DC+DR], cu_seqlens [num_seqs+1],
+    block_tables [num_seqs, table_width], pos [T], idx [T, num_idx] (num_idx = 0: dense causal; idx is then not
+    read) -> o [T, H, DC] fp32."""
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_c = tl.arange(0, BLOCK_DC)
@@ -46,13 +49,16 @@ def _sparse_mla_kernel(
         ends = tl.load(cu_seqlens_ptr + 1 + offs_n, mask=offs_n < num_seqs, other=0)
         seq += tl.sum(((offs_n < num_seqs) & (ends <= t)).to(tl.int64), axis=0)
     seq = tl.minimum(seq, num_seqs - 1)
-    slot = tl.minimum(tl.maximum(tl.load(slot_ids_ptr + seq).to(tl.int64), 0), num_slots - 1)
-    pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t).to(tl.int64), 0), cache_len - 1)
+    first = tl.load(cu_seqlens_ptr + seq).to(tl.int64)  # the sequence's first token in this step
+    first = tl.minimum(tl.maximum(first, 0), t)
+    chunk_start = tl.maximum(tl.load(pos_ptr + first).to(tl.int64), 0)  # earlier positions are in the pool
+    max_pos = table_width.to(tl.int64) * block_size - 1  # the last position the block table can address
+    pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t).to(tl.int64), 0), max_pos)
+    table = block_tables_ptr + seq * table_width
 
     q_row = q_ptr + (t * H + offs_h[:, None]) * (DC + DR)
     q_c = tl.load(q_row + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
     q_r = tl.load(q_row + DC + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
-    kv_base = kv_ptr + slot * cache_len * (DC + DR)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -64,9 +70,16 @@ def _sparse_mla_kernel(
         idx = tl.load(idx_ptr + t * num_idx + offs_k, mask=offs_k < num_idx, other=-1)
         idx = tl.where(sparse, idx, offs_k)
         valid = (idx >= 0) & (idx <= pos)
-        rows = kv_base + idx[:, None] * (DC + DR)
-        k_c = tl.load(rows + offs_c[None, :], mask=valid[:, None] & mask_c[None, :], other=0.0)
-        k_r = tl.load(rows + DC + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)
+        own = valid & (idx >= chunk_start) & (first + idx - chunk_start < num_tokens)
+        past = valid & (idx < chunk_start)
+        block = tl.load(table + idx // block_size, mask=past, other=0).to(tl.int64)
+        block = tl.minimum(tl.maximum(block, 0), num_blocks - 1)
+        pool_rows = pool_ptr + (block * block_size + idx % block_size)[:, None] * (DC + DR)
+        new_rows = new_ptr + (first + idx - chunk_start)[:, None] * (DC + DR)
+        k_c = tl.load(pool_rows + offs_c[None, :], mask=past[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+        k_c += tl.load(new_rows + offs_c[None, :], mask=own[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+        k_r = tl.load(pool_rows + DC + offs_r[None, :], mask=past[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
+        k_r += tl.load(new_rows + DC + offs_r[None, :], mask=own[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
         s = tl.dot(q_c, tl.trans(k_c), input_precision="ieee")
         s += tl.dot(q_r, tl.trans(k_r), input_precision="ieee")
         s = tl.where(valid[None, :], s * scale, float("-inf"))
@@ -89,9 +102,10 @@ def block_sizes(kv_lora_rank: int, rope_dim: int) -> tuple[int, int]:
 
 def sparse_mla_attention_triton(
     q_lat: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_pool: torch.Tensor,
+    kv_new: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    slot_ids: torch.Tensor,
+    block_tables: torch.Tensor,
     positions: torch.Tensor,
     topk_indices: torch.Tensor | None = None,
     *,
@@ -100,24 +114,26 @@ def sparse_mla_attention_triton(
     block_h: int = 16,
     block_k: int = 32,
 ) -> torch.Tensor:
-    """q_lat [T, H, Dc+Dr] fp32, kv_cache [S, L, Dc+Dr] fp32, cu_seqlens [N+1], slot_ids [N], positions [T],
-    topk_indices [T, K] int64 or None (None or K = 0: dense causal) -> o_lat [T, H, Dc] fp32."""
+    """q_lat [T, H, Dc+Dr] fp32, kv_pool [NB, BS, Dc+Dr] (fp32 / bf16 / fp16), kv_new [T, Dc+Dr] fp32,
+    cu_seqlens [N+1], block_tables [N, B], positions [T], topk_indices [T, K] int64 or None (None or K = 0:
+    dense causal) -> o_lat [T, H, Dc] fp32."""
     num_tokens, num_heads, dim = q_lat.shape
     q = q_lat.float().contiguous()
-    kv = kv_cache.float().contiguous()
+    pool = kv_pool.contiguous()
+    new = kv_new.float().contiguous()
     cu = cu_seqlens.to(torch.int64).contiguous()
-    slots = slot_ids.to(torch.int64).contiguous()
+    tables = block_tables.to(torch.int64).contiguous()
     pos = positions.to(torch.int64).contiguous()
     out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=torch.float32, device=q.device)
     has_indices = topk_indices is not None and topk_indices.shape[1] > 0
     idx = topk_indices.to(torch.int64).contiguous() if has_indices else pos  # dense: idx is never read
-    if num_tokens == 0 or slots.numel() == 0 or kv.shape[0] == 0 or kv.shape[1] == 0:
+    if num_tokens == 0 or cu.numel() < 2 or pool.shape[0] == 0 or tables.shape[1] == 0:
         return out.zero_()
     block_dc, block_dr = block_sizes(kv_lora_rank, dim - kv_lora_rank)
     grid = (num_tokens, triton.cdiv(num_heads, block_h))
     _sparse_mla_kernel[grid](
-        q, kv, cu, slots, pos, idx,
-        slots.numel(), kv.shape[0], kv.shape[1], idx.shape[1] if has_indices else 0,
+        q, pool, new, cu, tables, pos, idx,
+        cu.numel() - 1, num_tokens, pool.shape[0], pool.shape[1], tables.shape[1], idx.shape[1] if has_indices else 0,
         out,
         scale=float(scale), H=num_heads, DC=kv_lora_rank, DR=dim - kv_lora_rank,
         BLOCK_DC=block_dc, BLOCK_DR=block_dr, BLOCK_H=block_h, BLOCK_K=block_k, enable_fp_fusion=True,
@@ -133,19 +149,26 @@ def aot_compile(
     capability: int,
     block_h: int = 16,
     block_k: int = 32,
+    pool_dtype: torch.dtype = torch.float32,
 ):
-    """Compile the kernel ahead of time for CUDA ``sm_<capability>`` (needs no GPU); fp32 q, cache and output.
+    """Compile the kernel ahead of time for CUDA ``sm_<capability>`` (needs no GPU); fp32 q, new rows and
+    output, the pool in `pool_dtype` (fp32, bf16 or fp16).
 
     Returns Triton's CompiledKernel: ``asm["ptx"]``, ``metadata.name``, ``metadata.num_warps``,
-    ``metadata.shared``. Parameters: q_lat, kv_cache, cu_seqlens, slot_ids, positions, topk_indices pointers;
-    int32 num_seqs (N), num_slots (S), cache_len (L), num_idx (K, 0 = dense); o_lat pointer. Grid (T, cdiv(H, block_h)).
+    ``metadata.shared``. Parameters: q_lat, kv_pool, kv_new, cu_seqlens, block_tables, positions, topk_indices
+    pointers; int32 num_seqs (N), num_tokens (T), num_blocks (NB), block_size (BS), table_width (B), num_idx (K,
+    0 = dense); o_lat pointer.
+    Grid (T, cdiv(H, block_h)).
     """
     from triton.backends.compiler import GPUTarget
 
     block_dc, block_dr = block_sizes(kv_lora_rank, rope_dim)
+    pool_type = POOL_DTYPES[pool_dtype]
     signature = dict(
-        q_ptr="*fp32", kv_ptr="*fp32", cu_seqlens_ptr="*i64", slot_ids_ptr="*i64", pos_ptr="*i64",
-        idx_ptr="*i64", num_seqs="i32", num_slots="i32", cache_len="i32", num_idx="i32", o_ptr="*fp32",
+        q_ptr="*fp32", pool_ptr=pool_type, new_ptr="*fp32", cu_seqlens_ptr="*i64", block_tables_ptr="*i64",
+        pos_ptr="*i64", idx_ptr="*i64", num_seqs="i32", num_tokens="i32", num_blocks="i32", block_size="i32",
+        table_width="i32", num_idx="i32",
+        o_ptr="*fp32",
     )  # fmt: skip
     constexprs = dict(
         scale=float(scale), H=num_heads, DC=kv_lora_rank, DR=rope_dim,

@@ -1,0 +1,393 @@
+"""The Python API: `LLM` (offline, blocking) and `AsyncLLM` (a background thread runs the scheduler;
+asyncio-facing streams), over a built engine directory.
+
+Both render chats with the engine's tokenizer family, apply the thinking budget of the request's effort
+(`ReasoningBudget`: forced close markers, `reasoning_tokens` in usage), parse the output into reasoning,
+content and tool calls, and keep finished turns' state for reuse by the next turn (exact token prefix).
+Under mpiexec, rank 0 holds the API and other ranks call `run_follower()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moe_export.export.errors import InputError
+from moe_export.runtime.budget import ReasoningBudget, resolve_thinking
+from moe_export.runtime.chat import OutputParser, ParsedMessage, prompt_starts_in_reasoning, render_ids
+from moe_export.runtime.generate import engine_eos_ids
+from moe_export.runtime.sampling import LogitsProcessor, SamplingParams
+from moe_export.runtime.scheduler import Request, Scheduler, SequenceUpdate, follow
+from moe_export.runtime.tokenizer import load_tokenizer
+
+
+@dataclass
+class ChatOutput:
+    """A finished request. text: the raw decoded output (a final stop token left out, cut before a stop
+    string); reasoning_content / content / tool_calls: the parsed message (chat requests; for plain
+    generation content is the text). usage: prompt_tokens, completion_tokens, reasoning_tokens,
+    cached_tokens (prompt tokens whose state came from a kept session)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    reasoning_content: str | None
+    content: str | None
+    tool_calls: list[dict]
+    finish_reason: str  # "stop" | "length" | "tool_calls" | "abort"
+    usage: dict
+    logprobs: list[float] | None
+    tool_call_parse_failures: int = 0
+
+
+GenerationOutput = ChatOutput
+
+
+@dataclass
+class StreamDelta:
+    """New output of one step: token ids, raw text delta and, for chats, parsed reasoning / content deltas."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str = ""
+    reasoning: str = ""
+    content: str = ""
+    finished: bool = False
+    output: ChatOutput | None = None
+    error: str | None = None  # set (with finished) when the runtime ended the request, e.g. a failing logits processor
+
+
+@dataclass
+class _Tracked:
+    """Rank 0's output-side state of one request."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    parser: OutputParser | None
+    budget: ReasoningBudget | None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text_sent: int = 0
+    cached_tokens: int = 0
+
+
+class _Core:
+    """Scheduler + per-request detokenizing, parsing and budgets: one step -> StreamDeltas. One thread."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+        self.sched = Scheduler(llm.engine, eos_token_ids=llm.eos_token_ids, decode=llm.tokenizer.decode,
+                               sample_vocab=llm.tokenizer.vocab_size)
+        self.tracked: dict[str, _Tracked] = {}
+
+    def submit(self, tracked: _Tracked, processors: list[LogitsProcessor] | None) -> None:
+        self.sched.add(Request(tracked.request_id, tracked.prompt_ids, tracked.sampling, list(processors or ()), tracked.budget))
+        self.tracked[tracked.request_id] = tracked
+
+    def step(self) -> list[StreamDelta]:
+        return [self._delta(u) for u in self.sched.step()]
+
+    def _delta(self, u: SequenceUpdate) -> StreamDelta:
+        tr = self.tracked[u.request_id]
+        tr.output_ids += u.token_ids
+        tr.logprobs += u.logprobs or []
+        tr.cached_tokens = max(tr.cached_tokens, u.cached_tokens)
+        ids = tr.output_ids
+        if u.finished and u.finish_reason == "stop" and ids and u.stop_text_index is None:
+            ids = ids[:-1]  # the stop token is not text
+        full = self.llm.tokenizer.decode(ids)[: u.stop_text_index]
+        if u.finished:
+            visible = full
+        else:  # hold back an incomplete character and anything that may begin a stop string
+            visible = full.rstrip("\ufffd")
+            for s in tr.sampling.stop:
+                for k in range(min(len(s) - 1, len(visible)), 0, -1):
+                    if visible.endswith(s[:k]):
+                        visible = visible[:-k]
+                        break
+        delta = StreamDelta(u.request_id, list(u.token_ids), visible[tr.text_sent:] if len(visible) > tr.text_sent else "")
+        tr.text_sent = max(tr.text_sent, len(visible))
+        if tr.parser is not None:
+            parsed = tr.parser.feed(u.token_ids)
+            delta.reasoning, delta.content = parsed.reasoning, parsed.content
+        else:
+            delta.content = delta.text
+        if u.finished:
+            del self.tracked[u.request_id]
+            delta.finished = True
+            delta.output = self._output(tr, full, u)
+            delta.error = u.error and f"request {tr.request_id}: {u.error}"
+        return delta
+
+    def _output(self, tr: _Tracked, text: str, u: SequenceUpdate) -> ChatOutput:
+        msg = tr.parser.finish() if tr.parser is not None else ParsedMessage(None, text or None)
+        reason = u.finish_reason
+        if reason == "stop" and msg.tool_calls:
+            reason = "tool_calls"
+        usage = {
+            "prompt_tokens": len(tr.prompt_ids),
+            "completion_tokens": len(tr.output_ids),
+            "reasoning_tokens": tr.budget.reasoning_tokens if tr.budget is not None else 0,
+            "cached_tokens": tr.cached_tokens,
+        }
+        return ChatOutput(tr.request_id, tr.prompt_ids, tr.output_ids, text, msg.reasoning_content, msg.content,
+                          msg.tool_calls, reason, usage, tr.logprobs if tr.sampling.logprobs else None,
+                          msg.tool_call_parse_failures)
+
+
+class LLM:
+    """A built engine with its tokenizer and chat family; offline batch API (the vLLM shape).
+
+    default_effort: thinking tier when a chat request gives none (low | high | max | none)."""
+
+    def __init__(self, engine_dir: str | Path, *, default_effort: str = "max", num_slots: int | None = None,
+                 num_blocks: int | None = None, threads: int | None = None) -> None:
+        from moe_export.runtime.engine import Engine
+
+        self.engine = Engine(engine_dir, num_slots=num_slots, num_blocks=num_blocks, threads=threads)
+        self.tokenizer = load_tokenizer(engine_dir)
+        self.family = self.tokenizer.family
+        self.thinking_caps: dict[str, int] = dict(self.engine.config.get("thinking", {}))
+        resolve_thinking(None, self.thinking_caps, default_effort)  # validates the default tier
+        self.default_effort = default_effort
+        self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(engine_eos_ids(self.engine)))
+        self._ids = itertools.count()
+        self._core = _Core(self) if self.engine.is_root else None
+
+    # ---- request preparation (rank 0) -----------------------------------------------------------
+
+    def _new_id(self, request_id: str | None) -> str:
+        return request_id if request_id is not None else f"req-{next(self._ids)}"
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            if not ids:
+                raise InputError("the prompt encodes to no tokens")
+            return ids
+        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+            raise InputError("a prompt is a string or a list of token ids")
+        return list(prompt)
+
+    def prepare_generate(self, prompt: str | list[int], sampling: SamplingParams | None = None,
+                         request_id: str | None = None) -> _Tracked:
+        return _Tracked(self._new_id(request_id), self._prompt_ids(prompt), sampling or SamplingParams(), None, None)
+
+    def prepare_chat(self, messages: list[dict], sampling: SamplingParams | None = None, *, tools=None,
+                     reasoning_effort=None, tool_choice=None, response_format=None, request_id: str | None = None) -> _Tracked:
+        """Render a conversation and set up its budget and output parser."""
+        if self.family is None:
+            raise InputError(f"{self.engine.dir}: the tokenizer has no K3 or K2 chat tokens: use generate()")
+        plan = resolve_thinking(reasoning_effort, self.thinking_caps, self.default_effort)
+        ids = render_ids(self.tokenizer, messages, family=self.family, tools=tools, thinking=plan.enabled,
+                         thinking_effort=plan.tier, tool_choice=tool_choice, response_format=response_format)
+        starts = prompt_starts_in_reasoning(self.family, plan.enabled)
+        budget = ReasoningBudget(self.tokenizer, self.family, plan.cap if plan.enabled else None, starts_in_reasoning=starts)
+        parser = OutputParser(self.tokenizer, self.family, starts_in_reasoning=starts, tools_declared=bool(tools))
+        return _Tracked(self._new_id(request_id), ids, sampling or SamplingParams(), parser, budget)
+
+    # ---- blocking API ---------------------------------------------------------------------------
+
+    def _root(self) -> _Core:
+        if self._core is None:
+            raise InputError("this is a follower rank under mpiexec: call run_follower(); rank 0 serves requests")
+        return self._core
+
+    def _run(self, tracked: list[_Tracked], processors: list[LogitsProcessor] | None = None) -> Iterator[StreamDelta]:
+        core = self._root()
+        for tr in tracked:
+            core.submit(tr, processors)
+        pending = {tr.request_id for tr in tracked}
+        while pending:
+            for delta in core.step():
+                if delta.request_id in pending:
+                    if delta.error:
+                        raise InputError(delta.error)
+                    if delta.finished:
+                        pending.discard(delta.request_id)
+                    yield delta
+
+    def _collect(self, tracked: list[_Tracked], processors=None) -> list[ChatOutput]:
+        done = {d.request_id: d.output for d in self._run(tracked, processors) if d.finished}
+        return [done[tr.request_id] for tr in tracked]
+
+    def generate(self, prompts: list[str | list[int]], sampling: SamplingParams | None = None, *,
+                 logits_processors: list[LogitsProcessor] | None = None) -> list[GenerationOutput]:
+        """Continue each prompt (text or token ids), all batched together; outputs in prompt order."""
+        return self._collect([self.prepare_generate(p, sampling) for p in prompts], logits_processors)
+
+    def chat(self, conversations: list[list[dict]], sampling: SamplingParams | None = None, *, tools=None,
+             reasoning_effort=None, tool_choice=None, response_format=None,
+             logits_processors: list[LogitsProcessor] | None = None) -> list[ChatOutput]:
+        """Answer each conversation (OpenAI message dicts), all batched together."""
+        tracked = [self.prepare_chat(c, sampling, tools=tools, reasoning_effort=reasoning_effort, tool_choice=tool_choice,
+                                     response_format=response_format) for c in conversations]
+        return self._collect(tracked, logits_processors)
+
+    def chat_stream(self, messages: list[dict], sampling: SamplingParams | None = None, **kwargs) -> Iterator[StreamDelta]:
+        """One conversation's deltas as they are generated (blocking iterator; the terminal uses it)."""
+        processors = kwargs.pop("logits_processors", None)
+        return self._run([self.prepare_chat(messages, sampling, **kwargs)], processors)
+
+    def stats(self) -> dict:
+        return self._root().sched.stats()
+
+    def run_follower(self) -> None:
+        """Non-root ranks under mpiexec: execute rank 0's steps until it shuts down."""
+        if self.engine.is_root:
+            raise InputError("run_follower() is for non-root ranks; rank 0 serves requests")
+        follow(self.engine)
+
+    def shutdown(self) -> None:
+        """Rank 0: release the follower ranks (multi-rank); the LLM takes no requests afterwards."""
+        if self._core is not None:
+            self._core.sched.shutdown()
+            self._core = None
+
+
+class AsyncLLM:
+    """asyncio front end: one background thread owns the scheduler and steps while there is work;
+    requests and aborts reach it through a command list, deltas come back on per-request queues."""
+
+    def __init__(self, engine_dir_or_llm: str | Path | LLM, **kwargs) -> None:
+        self._owns_llm = not isinstance(engine_dir_or_llm, LLM)
+        self.llm = LLM(engine_dir_or_llm, **kwargs) if self._owns_llm else engine_dir_or_llm
+        self.tokenizer, self.family = self.llm.tokenizer, self.llm.family
+        self._core = self.llm._root()
+        self._cv = threading.Condition()
+        self._commands: list = []
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._closing = False
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="moe-export-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- scheduler thread -----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._commands and not self._core.sched.has_work and not self._closing:
+                    self._cv.wait()
+                commands, self._commands = self._commands, []
+                if self._closing and not commands:
+                    for rid in list(self._queues):
+                        self._core.sched.abort(rid)
+            for command in commands:
+                command()
+            try:
+                deltas = self._core.step() if self._core.sched.has_work else []
+            except BaseException as exc:  # the engine failed: every open stream ends with this error
+                self._failure = exc
+                for rid in list(self._queues):
+                    self._push(rid, exc)
+                return
+            for d in deltas:
+                self._push(d.request_id, d)
+            if self._closing and not self._core.sched.has_work and not self._commands:
+                return
+
+    def _push(self, request_id: str, item) -> None:
+        target = self._queues.get(request_id)
+        if target is None:
+            return
+        if isinstance(item, BaseException) or item.finished:
+            del self._queues[request_id]
+        loop, queue = target
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _command(self, fn) -> None:
+        with self._cv:
+            if self._closing or self._failure is not None:
+                raise InputError("the engine is shut down" if self._failure is None else f"the engine failed: {self._failure}")
+            self._commands.append(fn)
+            self._cv.notify()
+
+    # ---- asyncio API ----------------------------------------------------------------------------
+
+    async def _stream(self, tracked: _Tracked, processors) -> AsyncIterator[StreamDelta]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        rid = tracked.request_id
+        if rid in self._queues:
+            raise InputError(f"request id {rid!r} is already in use")
+        self._queues[rid] = (loop, queue)
+
+        def submit() -> None:
+            try:
+                self._core.submit(tracked, processors)
+            except InputError as exc:
+                self._push(rid, exc)
+
+        finished = False
+        try:
+            self._command(submit)
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.error:
+                    finished = True
+                    raise InputError(item.error)
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:  # the consumer went away (e.g. a client disconnect): free the request's state now
+                self.abort(rid)
+
+    def chat_stream(self, messages: list[dict], sampling: SamplingParams | None = None, *, tools=None,
+                    reasoning_effort=None, tool_choice=None, response_format=None,
+                    logits_processors: list[LogitsProcessor] | None = None, request_id: str | None = None
+                    ) -> AsyncIterator[StreamDelta]:
+        """Stream one chat's deltas; the last one has finished=True and the ChatOutput."""
+        tracked = self.llm.prepare_chat(messages, sampling, tools=tools, reasoning_effort=reasoning_effort,
+                                        tool_choice=tool_choice, response_format=response_format, request_id=request_id)
+        return self._stream(tracked, logits_processors)
+
+    def generate_stream(self, prompt: str | list[int], sampling: SamplingParams | None = None, *,
+                        request_id: str | None = None, logits_processors: list[LogitsProcessor] | None = None
+                        ) -> AsyncIterator[StreamDelta]:
+        """Stream one prompt's continuation."""
+        return self._stream(self.llm.prepare_generate(prompt, sampling, request_id), logits_processors)
+
+    async def chat(self, messages: list[dict], sampling: SamplingParams | None = None, **kwargs) -> ChatOutput:
+        async for delta in self.chat_stream(messages, sampling, **kwargs):
+            if delta.finished:
+                return delta.output
+        raise RuntimeError("the stream ended without a final delta")
+
+    async def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None, **kwargs) -> ChatOutput:
+        async for delta in self.generate_stream(prompt, sampling, **kwargs):
+            if delta.finished:
+                return delta.output
+        raise RuntimeError("the stream ended without a final delta")
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now; its stream ends with a final delta whose finish_reason is "abort"."""
+        with self._cv:
+            if self._closing or self._failure is not None:
+                return
+            self._commands.append(lambda: self._core.sched.abort(request_id))
+            self._cv.notify()
+
+    def stats(self) -> dict:
+        return self._core.sched.stats()
+
+    def shutdown(self) -> None:
+        """Abort open requests and stop the thread; an LLM this AsyncLLM created is shut down too (follower
+        ranks released), one passed in stays usable."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        self._thread.join()
+        if self._owns_llm:
+            self.llm.shutdown()

@@ -1,0 +1,336 @@
+"""Iteration-level continuous batching over an engine's `step` (the runtime's one generation loop).
+
+Each `step()` packs the decode token of every running sequence, then prefill chunks of sequences
+still reading their prompt and of newly admitted ones, up to the engine's `max_num_tokens`; finished
+sequences leave and waiting ones join between steps. A request is admitted when a recurrent-state
+slot and the cache blocks for its prompt plus `max_tokens` are free (kept sessions are evicted, least
+recently used first, to make room); otherwise it waits, in arrival order. Aborting frees its slot and
+blocks at once.
+
+Multi-rank (under mpiexec): rank 0 runs this scheduler and broadcasts every step's plan (slot resets,
+chunks with tokens, positions, slots, block tables); the sampled tokens travel in the next plan.
+Other ranks run `follow()`, executing the same plans in lockstep. A rank that fails prints which rank
+and why, then aborts the MPI world, so no rank is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from moe_export.export.errors import InputError
+from moe_export.runtime.blocks import BlockAllocator
+from moe_export.runtime.engine import SequenceChunk, StepBatch
+from moe_export.runtime.sampling import LogitsProcessor, RequestSampler, SamplingParams
+from moe_export.runtime.sessions import KeptSequence, SessionCache
+
+
+@dataclass
+class Request:
+    """One generation request at token level. `budget`: a ReasoningBudget (observe / forced_token /
+    reasoning_tokens) or None."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    budget: object | None = None
+
+
+@dataclass
+class SequenceUpdate:
+    """What one step produced for one request: new token ids (with logprobs when asked), and the end."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_text_index: int | None = None  # where a stop string starts in the decoded output text
+    error: str | None = None  # why a request was aborted by the runtime (e.g. a failing logits processor)
+    cached_tokens: int = 0  # prompt tokens whose state came from a kept session
+
+
+@dataclass
+class Sequence:
+    request: Request
+    tokens: list[int]  # prompt + output
+    prompt_len: int
+    sampler: RequestSampler
+    slot: int = -1
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose state the engine holds (positions [0, num_computed))
+    cached_tokens: int = 0  # prompt tokens taken from a kept session
+    logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+
+class Scheduler:
+    """Continuous batching on rank 0 of `engine` (an Engine, or anything with the same step interface).
+
+    eos_token_ids: the model's stop ids (ignored per request with `ignore_eos`). decode: output ids ->
+    text, for stop strings. keep_sessions: keep finished sequences' state for reuse. sample_vocab: sample
+    among ids below it only (the tokenizer's size when the model's vocabulary has padding rows)."""
+
+    def __init__(self, engine, *, eos_token_ids=(), decode=None, keep_sessions: bool = True,
+                 sample_vocab: int | None = None) -> None:
+        self.engine = engine
+        self.sample_vocab = sample_vocab
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.decode = decode
+        self.keep_sessions = keep_sessions
+        self.allocator = BlockAllocator(engine.num_blocks, engine.block_size)
+        self.sessions = SessionCache()
+        self.free_slots = list(range(engine.num_slots - 1, -1, -1))
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._ids: set[str] = set()
+        self._aborted: list[SequenceUpdate] = []
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Queue a request; InputError if it can never run (empty or too long prompt, unknown ids, duplicate id)."""
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise InputError(f"request {request.request_id}: the prompt must contain at least one token")
+        limit = self.engine.max_seq_len
+        if n >= limit:
+            raise InputError(
+                f"request {request.request_id}: the prompt has {n} tokens; the engine's max_seq_len is {limit} "
+                f"(at most {limit - 1} prompt tokens, leaving room for one generated token)"
+            )
+        vocab = self.vocab_size
+        if vocab is not None:
+            bad = [t for t in request.prompt_ids if not 0 <= int(t) < vocab]
+            if bad:
+                raise InputError(f"request {request.request_id}: token ids {bad[:8]} are outside the vocabulary [0, {vocab})")
+        if request.sampling.stop and self.decode is None:
+            raise InputError(f"request {request.request_id}: stop strings need a tokenizer")
+        if request.request_id in self._ids:
+            raise InputError(f"request id {request.request_id!r} is already in use")
+        seq = Sequence(request, [int(t) for t in request.prompt_ids], n, RequestSampler(request.sampling, request.logits_processors))
+        if self._blocks_for(seq) > self.allocator.num_blocks:
+            raise InputError(f"request {request.request_id}: prompt + max_tokens needs {self._blocks_for(seq)} cache blocks; "
+                             f"the engine has {self.allocator.num_blocks}")
+        self._ids.add(request.request_id)
+        self.waiting.append(seq)
+
+    @property
+    def vocab_size(self) -> int | None:
+        cfg = getattr(self.engine, "model_config", None) or {}
+        vocab = cfg.get("vocab_size", (cfg.get("text_config") or {}).get("vocab_size"))
+        return int(vocab) if vocab else None
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request now (its slot and blocks freed); reported as finished with reason "abort"."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request.request_id == request_id:
+                    queue.remove(seq)
+                    self._release(seq, keep=False)
+                    self._aborted.append(SequenceUpdate(request_id, [], None, True, "abort"))
+                    return True
+        return False
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._aborted)
+
+    def stats(self) -> dict:
+        return {
+            "waiting": len(self.waiting),
+            "running": len(self.running),
+            "blocks_used": self.allocator.used_blocks,
+            "blocks_total": self.allocator.num_blocks,
+            "kept_sessions": len(self.sessions),
+            "reuse_hits": self.sessions.hits,
+            "reuse_tokens": self.sessions.reused_tokens,
+        }
+
+    # ---- admission ------------------------------------------------------------------------------
+
+    def _blocks_for(self, seq: Sequence) -> int:
+        """Blocks covering every position this request may feed (the last sampled token is never fed)."""
+        last = min(seq.prompt_len + seq.request.sampling.max_tokens - 1, self.engine.max_seq_len)
+        return self.allocator.blocks_needed(last)
+
+    def _release_kept(self, kept: KeptSequence) -> None:
+        self.allocator.decref(kept.blocks)
+        self.free_slots.append(kept.slot)
+
+    def _try_admit(self, seq: Sequence, resets: list[int]) -> bool:
+        """Give `seq` a slot and its blocks (reusing a kept session when one is a prefix); False: must wait."""
+        need = self._blocks_for(seq)
+        kept = self.sessions.take_longest_prefix(seq.tokens) if self.keep_sessions else None
+        have = len(kept.blocks) if kept else 0
+        while (self.allocator.free_blocks < need - have or (kept is None and not self.free_slots)) and len(self.sessions):
+            self._release_kept(self.sessions.evict_lru())
+        if self.allocator.free_blocks < need - have or (kept is None and not self.free_slots):
+            if kept is not None:  # cannot run yet: give the session back untouched
+                self.sessions.hits -= 1
+                self.sessions.reused_tokens -= len(kept.tokens)
+                self.sessions.keep(kept)
+            return False
+        if kept is not None:
+            seq.slot, seq.blocks = kept.slot, kept.blocks
+            seq.num_computed = seq.cached_tokens = len(kept.tokens)
+            if need > have:
+                seq.blocks = seq.blocks + self.allocator.allocate(need - have)
+        else:
+            seq.slot = self.free_slots.pop()
+            seq.blocks = self.allocator.allocate(need)
+            resets.append(seq.slot)
+        return True
+
+    def _release(self, seq: Sequence, keep: bool) -> None:
+        """Hand a sequence's slot and blocks back, or keep them as a session keyed by its computed tokens."""
+        self._ids.discard(seq.request.request_id)
+        if seq.slot < 0:
+            return
+        if keep and self.keep_sessions and seq.num_computed > 0:
+            used = self.allocator.blocks_needed(seq.num_computed)
+            self.allocator.decref(seq.blocks[used:])
+            replaced = self.sessions.keep(KeptSequence(tuple(seq.tokens[: seq.num_computed]), seq.slot, seq.blocks[:used]))
+            if replaced is not None:
+                self._release_kept(replaced)
+        else:
+            self.allocator.decref(seq.blocks)
+            self.free_slots.append(seq.slot)
+        seq.slot, seq.blocks = -1, []
+
+    # ---- one iteration --------------------------------------------------------------------------
+
+    def _plan(self) -> tuple[list[int], list[Sequence], list[SequenceChunk]]:
+        budget = self.engine.max_num_tokens
+        resets: list[int] = []
+        scheduled: list[Sequence] = []
+        chunks: list[SequenceChunk] = []
+
+        def add_chunk(seq: Sequence) -> None:
+            nonlocal budget
+            pending = seq.tokens[seq.num_computed: seq.num_computed + budget]
+            chunks.append(SequenceChunk(seq.slot, seq.num_computed, pending,
+                                        seq.blocks[: self.allocator.blocks_needed(seq.num_computed + len(pending))]))
+            scheduled.append(seq)
+            budget -= len(pending)
+
+        decoding = [s for s in self.running if len(s.tokens) - s.num_computed == 1]
+        prefilling = [s for s in self.running if len(s.tokens) - s.num_computed > 1]
+        for seq in decoding + prefilling:
+            if budget <= 0:
+                break
+            add_chunk(seq)
+        while self.waiting and budget > 0 and self._try_admit(self.waiting[0], resets):
+            seq = self.waiting.popleft()
+            self.running.append(seq)
+            add_chunk(seq)
+        return resets, scheduled, chunks
+
+    def step(self) -> list[SequenceUpdate]:
+        """Run one engine step (if anything is runnable); returns the updates it produced."""
+        updates, self._aborted = self._aborted, []
+        resets, scheduled, chunks = self._plan()
+        if not chunks:
+            if self.waiting and not self.running and not updates:
+                raise RuntimeError("the scheduler cannot admit any waiting request although nothing runs")
+            return updates
+        logits = self._execute({"resets": resets, "chunks": [[c.slot, c.start, c.tokens, c.block_table] for c in chunks]})
+        for row, (seq, chunk) in enumerate(zip(scheduled, chunks)):
+            seq.num_computed += len(chunk.tokens)
+            if seq.num_computed < len(seq.tokens):
+                continue  # a prefill chunk short of the prompt's end: no token yet
+            updates.append(self._sample(seq, logits[row]))
+        return updates
+
+    def _sample(self, seq: Sequence, logits_row: np.ndarray) -> SequenceUpdate:
+        req, params = seq.request, seq.request.sampling
+        budget = req.budget
+        try:
+            forced = budget.forced_token() if budget is not None else None
+            token, logprob = seq.sampler.choose(seq.output_ids, torch.from_numpy(np.asarray(logits_row)[: self.sample_vocab]), forced)
+        except Exception as exc:  # a failing request-supplied logits processor ends that request only
+            self.running.remove(seq)
+            self._release(seq, keep=False)
+            return SequenceUpdate(req.request_id, [], None, True, "abort", error=f"{type(exc).__name__}: {exc}")
+        seq.tokens.append(token)
+        if budget is not None:
+            budget.observe(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        update = SequenceUpdate(req.request_id, [token], [logprob] if logprob is not None else None,
+                                cached_tokens=seq.cached_tokens)
+        n_out = len(seq.tokens) - seq.prompt_len
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            update.finish_reason = "stop"
+        elif params.stop:
+            text = self.decode(seq.output_ids)
+            hits = [i for i in (text.find(s) for s in params.stop) if i >= 0]
+            if hits:
+                update.finish_reason, update.stop_text_index = "stop", min(hits)
+        if update.finish_reason is None and (n_out >= params.max_tokens or len(seq.tokens) >= self.engine.max_seq_len):
+            update.finish_reason = "length"
+        if update.finish_reason is not None:
+            update.finished = True
+            self.running.remove(seq)
+            self._release(seq, keep=True)
+        return update
+
+    # ---- lockstep execution ---------------------------------------------------------------------
+
+    def _execute(self, plan: dict) -> np.ndarray:
+        """Broadcast `plan` (multi-rank) and run it on this rank: logits [N, vocab]."""
+        comm = self.engine.comm
+        try:
+            if comm is not None:
+                comm.broadcast(plan)
+            return run_plan(self.engine, plan)
+        except BaseException as exc:
+            stop_the_world(self.engine, exc)
+            raise
+
+    def shutdown(self) -> None:
+        """Tell follower ranks to leave `follow()` (rank 0, multi-rank only)."""
+        if self.engine.comm is not None:
+            self.engine.comm.broadcast(None)
+
+
+def run_plan(engine, plan: dict) -> np.ndarray:
+    """Apply a step plan on this rank: reset new sequences' slots, then one engine step."""
+    for slot in plan["resets"]:
+        engine.reset_slot(slot)
+    chunks = [SequenceChunk(slot, start, list(tokens), list(table)) for slot, start, tokens, table in plan["chunks"]]
+    return engine.step(StepBatch.from_sequences(chunks))
+
+
+def follow(engine) -> int:
+    """Non-root ranks: execute rank 0's plans until it shuts down; returns the number of steps run."""
+    steps = 0
+    while True:
+        try:
+            plan = engine.comm.broadcast(None)
+            if plan is None:
+                return steps
+            run_plan(engine, plan)
+        except BaseException as exc:
+            stop_the_world(engine, exc)
+            raise
+        steps += 1
+
+
+def stop_the_world(engine, exc: BaseException) -> None:
+    """Multi-rank: report which rank failed and why, then abort every rank (MPI Abort), never hang."""
+    comm = getattr(engine, "comm", None)
+    if comm is None:
+        return
+    rank = comm.world.Get_rank()
+    print(f"moe-export: rank {rank} of {comm.world.Get_size()} failed, stopping all ranks: "
+          f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    comm.world.Abort(1)

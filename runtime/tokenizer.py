@@ -1,0 +1,332 @@
+"""The project's one tokenizer loader: Kimi `tiktoken.model` tokenizers, and `tokenizer.json` for others.
+
+Kimi checkpoints (K2, Kimi Linear, K3) ship `tiktoken.model` (one `base64(token bytes) rank` per line)
+and `tokenizer_config.json` (`added_tokens_decoder`: id -> {content, special}). We build a
+`tiktoken.Encoding` from them with Kimi's pre-tokenizer pattern; the 256 special ids follow the last BPE
+rank, named from `added_tokens_decoder`, unnamed ones `<|reserved_token_{id}|>`. The checkpoint's
+`tokenization_kimi.py` is never executed.
+
+`encode(text)` treats every special-token string as ordinary text, so user, tool and document text can
+never inject a control token; structural markers are encoded one by one with `encode_special(name)`.
+
+`write_synthetic_tokenizer` writes a small tokenizer in the same format for the synthetic presets: byte
+ranks 0..255 (any text round-trips), a few merges, then the family's real special-token names.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+from abc import ABC, abstractmethod
+from functools import cached_property
+from pathlib import Path
+
+from moe_export.export.atomic import atomic_write_bytes, atomic_write_json
+from moe_export.export.errors import InputError
+
+TIKTOKEN_FILE = "tiktoken.model"
+TOKENIZER_JSON = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+# Kimi's pre-tokenizer (the same in K2, Kimi Linear and K3); `&&` is a class intersection.
+KIMI_PATTERN = "|".join(
+    [
+        r"[\p{Han}]+",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    ]
+)
+NUM_RESERVED_SPECIAL = 256
+# Long inputs are encoded in pieces so the regex never sees a huge run (as Kimi's tokenizer does).
+MAX_ENCODE_CHARS = 400_000
+MAX_RUN_CHARS = 25_000
+
+# Special-token names by offset from the first special id (K2: 163584). K3 reuses the range with new names
+# for the structural tokens; only names known from public sources are listed.
+K2_SPECIAL_NAMES = {
+    0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>", 9: "[EOT]",
+    10: "<|im_system|>", 11: "<|tool_calls_section_begin|>", 12: "<|tool_calls_section_end|>",
+    13: "<|tool_call_begin|>", 14: "<|tool_call_argument_begin|>", 15: "<|tool_call_end|>",
+    17: "<|im_middle|>", 22: "<think>", 23: "</think>", 254: "[UNK]", 255: "[PAD]",
+}
+K3_SPECIAL_NAMES = {
+    0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>", 9: "[EOT]",
+    18: "<|kimi_image_placeholder|>", 254: "[UNK]", 255: "[PAD]",
+}
+FAMILY_SPECIAL_NAMES = {"k2": K2_SPECIAL_NAMES, "k3": K3_SPECIAL_NAMES}
+# The token that ends a chat message: the generation stop token of each family.
+END_OF_MESSAGE = {"k2": "<|im_end|>", "k3": "<|end_of_msg|>"}
+FAMILY_MARKERS = {"k3": ("<|open|>", "<|close|>", "<|sep|>"), "k2": ("<|im_user|>", "<|im_assistant|>", "<|im_middle|>")}
+# BPE merges of the synthetic tokenizer (ranks 256.. in this order; each is two earlier tokens).
+SYNTHETIC_MERGES = (
+    b"th", b"in", b"ink", b"think", b"er", b"an", b"on", b"re", b"es", b" t", b"ag", b"ss", b"me",
+    b"mess", b"messag", b"message",
+)
+
+
+def split_long_runs(text: str, max_run: int = MAX_RUN_CHARS) -> list[str]:
+    """Cut `text` so no piece holds more than `max_run` consecutive whitespace or non-whitespace chars.
+
+    A run longer than `max_run` is cut every `max_run` characters from its start; other text is untouched."""
+    cuts = [
+        m.start() + k
+        for m in re.finditer(r"\s{%d,}|\S{%d,}" % (max_run + 1, max_run + 1), text)
+        for k in range(max_run, len(m.group()), max_run)
+    ]
+    bounds = [0, *cuts, len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+class Tokenizer(ABC):
+    """Text <-> token ids; `vocab_size` counts every id (specials included). Subclasses set `path`,
+    `_specials` (name -> id) and `eos_token_ids`, and encode / decode with their library."""
+
+    path: Path
+    _specials: dict[str, int]
+    eos_token_ids: set[int]
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @abstractmethod
+    def _token_to_id(self, token: str) -> int | None: ...
+
+    @abstractmethod
+    def _encode_text(self, text: str) -> list[int]: ...
+
+    @abstractmethod
+    def _decode(self, ids: list[int]) -> str: ...
+
+    @property
+    def family(self) -> str | None:
+        """"k3" or "k2" from the structural special tokens present, else None."""
+        for name, markers in FAMILY_MARKERS.items():
+            if all(m in self._specials for m in markers):
+                return name
+        return None
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """Special-token name -> id."""
+        return dict(self._specials)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a special token or of a single ordinary token; None if `token` is neither."""
+        if token in self._specials:
+            return self._specials[token]
+        return self._token_to_id(token)
+
+    def encode_special(self, token: str) -> int:
+        """Id of the special token named `token` (a structural marker); InputError if it is not one."""
+        if token not in self._specials:
+            raise InputError(f"{self.path}: {token!r} is not a special token of this tokenizer")
+        return self._specials[token]
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` as ordinary text: special-token strings in it are encoded as text."""
+        return [t for piece in split_long_runs(text) if piece for t in self._encode_text(piece)]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids` (invalid UTF-8 replaced); special tokens by name unless skipped."""
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise InputError(f"token ids {bad[:8]} are outside the vocabulary [0, {self.vocab_size})")
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self._special_ids]
+        return self._decode(ids)
+
+    @cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(self._specials.values())
+
+
+class KimiTokenizer(Tokenizer):
+    """A Kimi `tiktoken.model` tokenizer (tiktoken BPE with Kimi's pattern and special-token layout)."""
+
+    def __init__(self, directory: Path) -> None:
+        import tiktoken
+
+        self.path = directory
+        ranks = read_tiktoken_ranks(directory / TIKTOKEN_FILE)
+        if sorted(ranks.values()) != list(range(len(ranks))):
+            raise InputError(f"{directory / TIKTOKEN_FILE}: ranks must be 0..{len(ranks) - 1} without gaps")
+        config = _read_config(directory)
+        base = len(ranks)
+        named: dict[int, str] = {}
+        for key, entry in config.get("added_tokens_decoder", {}).items():
+            tid = int(key)
+            if not base <= tid < base + NUM_RESERVED_SPECIAL:
+                raise InputError(
+                    f"{directory / TOKENIZER_CONFIG}: added token {entry.get('content')!r} has id {tid}, outside the "
+                    f"special range [{base}, {base + NUM_RESERVED_SPECIAL}) after the {base} BPE ranks"
+                )
+            named[tid] = entry["content"]
+        self._specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(base, base + NUM_RESERVED_SPECIAL)}
+        self._num_base = base
+        self._ranks = ranks
+        self._enc = tiktoken.Encoding(
+            name=f"kimi:{directory}", pat_str=KIMI_PATTERN, mergeable_ranks=ranks, special_tokens=self._specials
+        )
+        self.eos_token_ids = _eos_ids(config, self._specials, self.family)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._num_base + NUM_RESERVED_SPECIAL
+
+    def _token_to_id(self, token: str) -> int | None:
+        return self._ranks.get(token.encode())
+
+    def _encode_text(self, text: str) -> list[int]:
+        return self._enc.encode(text, allowed_special=set(), disallowed_special=())
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._enc.decode(ids, errors="replace")
+
+
+class JsonTokenizer(Tokenizer):
+    """A Hugging Face `tokenizer.json` tokenizer (checkpoints that are not Kimi's tiktoken format)."""
+
+    def __init__(self, directory: Path) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self.path = directory
+        try:
+            self._tok = HFTokenizer.from_file(str(directory / TOKENIZER_JSON))
+        except Exception as exc:  # the Rust parser raises a bare Exception with the JSON error
+            raise InputError(f"{directory / TOKENIZER_JSON}: not a valid tokenizers file ({exc})") from None
+        self._tok.encode_special_tokens = True  # special-token strings in text stay text
+        self._specials = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        config = _read_config(directory) if (directory / TOKENIZER_CONFIG).is_file() else {}
+        self.eos_token_ids = _eos_ids(config, self._specials, self.family)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def _token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def _encode_text(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+
+def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
+    """`base64(token bytes) rank` per line -> {token bytes: rank}; InputError naming the bad line.
+    (Parsed here rather than with `tiktoken.load`, which caches files by path in a shared folder.)"""
+    ranks: dict[bytes, int] = {}
+    for n, line in enumerate(path.read_bytes().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, binascii.Error):
+            raise InputError(f"{path}:{n}: not a `base64(token) rank` line: {line[:60]!r}") from None
+    return ranks
+
+
+class IncrementalDecoder:
+    """Streaming detokenizer: `push(id)` returns the text the id completes. A token that ends inside a
+    UTF-8 character is held until the character completes (at most 4 tokens); a special token flushes
+    what is held and returns its name."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tok = tokenizer
+        self.pending: list[int] = []
+
+    def push(self, token_id: int) -> str:
+        if self.tok.is_special(token_id):
+            return self.flush() + self.tok.decode([token_id])
+        self.pending.append(token_id)
+        text = self.tok.decode(self.pending)
+        if text.endswith("\ufffd") and len(self.pending) < 4:
+            return ""
+        self.pending = []
+        return text
+
+    def flush(self) -> str:
+        """Text of the held tokens (an incomplete character decodes as U+FFFD)."""
+        text = self.tok.decode(self.pending) if self.pending else ""
+        self.pending = []
+        return text
+
+
+def _read_config(directory: Path) -> dict:
+    path = directory / TOKENIZER_CONFIG
+    if not path.is_file():
+        raise InputError(f"{directory}: {TIKTOKEN_FILE} needs {TOKENIZER_CONFIG} beside it (the special tokens)")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("added_tokens_decoder", {}), dict):
+        raise InputError(f"{path}: expected an object with an `added_tokens_decoder` object")
+    return config
+
+
+def _eos_ids(config: dict, specials: dict[str, int], family: str | None) -> set[int]:
+    """The config's `eos_token` plus the family's end-of-message token (generation stops at either)."""
+    eos = config.get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    names = {eos, END_OF_MESSAGE.get(family or "")}
+    return {specials[n] for n in names if n in specials}
+
+
+def load_tokenizer(directory: str | Path) -> Tokenizer:
+    """Load `tiktoken.model` + `tokenizer_config.json` (Kimi), else `tokenizer.json`; InputError if neither."""
+    d = Path(directory)
+    if (d / TIKTOKEN_FILE).is_file():
+        return KimiTokenizer(d)
+    if (d / TOKENIZER_JSON).is_file():
+        return JsonTokenizer(d)
+    raise InputError(f"{d}: no tokenizer ({TIKTOKEN_FILE} + {TOKENIZER_CONFIG}, or {TOKENIZER_JSON})")
+
+
+def synthetic_special_ids(family: str) -> dict[str, int]:
+    """Name -> id of the synthetic tokenizer's named special tokens for `family` ("k3" | "k2")."""
+    base = 256 + len(SYNTHETIC_MERGES)
+    return {name: base + offset for offset, name in FAMILY_SPECIAL_NAMES[family].items()}
+
+
+def synthetic_vocab_size() -> int:
+    """Ids the synthetic tokenizer uses: byte ranks, merges, the reserved special range."""
+    return 256 + len(SYNTHETIC_MERGES) + NUM_RESERVED_SPECIAL
+
+
+def write_synthetic_tokenizer(out_dir: Path, family: str, model_max_length: int) -> None:
+    """Write `tiktoken.model` and `tokenizer_config.json` (Kimi format) for the synthetic presets."""
+    ranks = [bytes([b]) for b in range(256)] + list(SYNTHETIC_MERGES)
+    lines = [f"{base64.b64encode(tok).decode()} {rank}\n" for rank, tok in enumerate(ranks)]
+    atomic_write_bytes(out_dir / TIKTOKEN_FILE, "".join(lines).encode())
+    ids = synthetic_special_ids(family)
+    config = {
+        "tokenizer_class": "TikTokenTokenizer",
+        "added_tokens_decoder": {
+            str(i): {"content": name, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+            for name, i in ids.items()
+        },
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "pad_token": "[PAD]",
+        "unk_token": "[UNK]",
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+    }
+    atomic_write_json(out_dir / TOKENIZER_CONFIG, config)
+

@@ -1,0 +1,53 @@
+"""Run under `mpiexec -n WORLD`: rank 0 schedules the requests in argv[2] (JSON list of {prompt,
+max_tokens}) together on the engine argv[1]; other ranks follow. Rank 0 prints one JSON line:
+{"tokens": [...per request], "root_steps": N, "follower_steps": [...]}.
+
+Failure injection for the stop-the-world test: FAIL_RANK / FAIL_AT_STEP make that rank's engine.step
+raise at that step."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from moe_export.runtime.engine import Engine
+from moe_export.runtime.sampling import SamplingParams
+from moe_export.runtime.scheduler import Request, Scheduler, follow
+
+
+def main() -> None:
+    engine = Engine(sys.argv[1], threads=1)
+    rank = engine.comm.world.Get_rank()
+    if os.environ.get("FAIL_RANK") == str(rank):
+        real_step, calls = engine.step, [0]
+
+        def failing_step(batch):
+            calls[0] += 1
+            if calls[0] == int(os.environ["FAIL_AT_STEP"]):
+                raise RuntimeError(f"injected failure at step {calls[0]}")
+            return real_step(batch)
+
+        engine.step = failing_step
+    if not engine.is_root:
+        steps = follow(engine)
+        engine.comm.world.gather(steps, root=0)
+        return
+    spec = json.loads(sys.argv[2])
+    sched = Scheduler(engine, keep_sessions=False)
+    for i, s in enumerate(spec):
+        sched.add(Request(str(i), s["prompt"], SamplingParams(max_tokens=s["max_tokens"], ignore_eos=True)))
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(spec))}
+    steps = 0
+    while sched.has_work:
+        for u in sched.step():
+            tokens[u.request_id].extend(u.token_ids)
+        steps += 1
+    sched.shutdown()
+    follower_steps = engine.comm.world.gather(steps, root=0)[1:]
+    print(json.dumps({"tokens": [tokens[str(i)] for i in range(len(spec))], "root_steps": steps,
+                      "follower_steps": follower_steps}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""LLM / AsyncLLM: batched generate, thinking-budget tiers held exactly, parsed chat output, streaming
+deltas that add up to the final output, abort, stop strings in text."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from moe_export.export.errors import InputError
+from moe_export.runtime.chat import parse_output
+from moe_export.runtime.generate import generate_tokens
+from moe_export.runtime.llm import LLM, AsyncLLM
+from moe_export.runtime.sampling import SamplingParams
+
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+
+
+@pytest.fixture(scope="module", params=["tiny-k3", "tiny-kimi-linear"])
+def llm(request, runtime_engine):
+    llm = LLM(runtime_engine(request.param, 2, 2, 4), threads=1)
+    yield llm
+    llm.shutdown()
+
+
+def test_generate_batch_equals_alone(llm):
+    prompts = ["Hello there", [5, 17, 99, 3], "A longer prompt about the weather in Paris."]
+    params = SamplingParams(max_tokens=7, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    for p, out in zip(prompts, outs):
+        ids = llm.tokenizer.encode(p) if isinstance(p, str) else p
+        assert out.prompt_ids == ids
+        assert out.output_ids == generate_tokens(llm.engine, ids, params, sample_vocab=llm.tokenizer.vocab_size)
+        assert out.text == llm.tokenizer.decode(out.output_ids) and out.finish_reason == "length"
+        assert out.usage["completion_tokens"] == 7 and out.usage["prompt_tokens"] == len(ids)
+
+
+@pytest.mark.parametrize("effort, cap", [("low", 6), ("high", 12), ("max", 20), (3, 3)])
+def test_each_tier_cap_holds_exactly(llm, effort, cap):
+    out = llm.chat([CONVERSATION], SamplingParams(max_tokens=40), reasoning_effort=effort)[0]
+    assert out.usage["reasoning_tokens"] == cap
+    # the forced close marker follows the first `cap` output tokens, and the parse agrees with a whole parse
+    tok = llm.tokenizer
+    if llm.family == "k3":
+        marker = [tok.encode_special("<|close|>"), *tok.encode("think"), tok.encode_special("<|sep|>"),
+                  tok.encode_special("<|open|>"), *tok.encode("response"), tok.encode_special("<|sep|>")]
+    else:
+        marker = [tok.encode_special("</think>")]
+    assert out.output_ids[cap: cap + len(marker)] == marker
+    whole = parse_output(tok, llm.family, out.output_ids, starts_in_reasoning=True, tools_declared=False)
+    assert (out.reasoning_content, out.content) == (whole.reasoning_content, whole.content)
+
+
+def test_effort_none_and_bad_effort(llm):
+    out = llm.chat([CONVERSATION], SamplingParams(max_tokens=6), reasoning_effort="none")[0]
+    assert out.usage["reasoning_tokens"] == 0 and out.reasoning_content is None
+    with pytest.raises(InputError, match="reasoning effort"):
+        llm.chat([CONVERSATION], reasoning_effort="medium-ish")
+
+
+def test_stop_string_cuts_text(llm):
+    free = llm.generate(["Hello there"], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    text = free.text
+    stop = next(text[i:i + 2] for i in range(2, len(text) - 2) if text[i:i + 2].isprintable() and text[i:i + 2].strip())
+    out = llm.generate(["Hello there"], SamplingParams(max_tokens=12, ignore_eos=True, stop=(stop,)))[0]
+    assert out.finish_reason == "stop" and out.text == text[: text.index(stop)]
+
+
+def test_async_streams_add_up_and_abort(llm):
+    async def main():
+        engine = AsyncLLM(llm)
+        try:
+            async def consume(stream):
+                deltas = [d async for d in stream]
+                return deltas
+
+            params = SamplingParams(max_tokens=30, ignore_eos=True)
+            streams = [engine.chat_stream(CONVERSATION, params, reasoning_effort="low", request_id="a"),
+                       engine.generate_stream("Once upon a time", SamplingParams(max_tokens=9, ignore_eos=True), request_id="b")]
+            a, b = await asyncio.gather(*(consume(s) for s in streams))
+            for deltas in (a, b):
+                out = deltas[-1].output
+                assert deltas[-1].finished and sum(1 for d in deltas if d.finished) == 1
+                assert [t for d in deltas for t in d.token_ids] == out.output_ids
+                assert "".join(d.text for d in deltas) == out.text
+            out_a = a[-1].output
+            assert "".join(d.reasoning for d in a) == out_a.reasoning_content
+            assert "".join(d.content for d in a) == (out_a.content or "")
+            assert out_a.usage["reasoning_tokens"] == 6
+
+            stream = engine.generate_stream("Abort me", SamplingParams(max_tokens=100, ignore_eos=True), request_id="c")
+            first = await stream.__anext__()
+            engine.abort("c")
+            rest = [d async for d in stream]
+            assert rest[-1].finished and rest[-1].output.finish_reason == "abort"
+            assert len(first.token_ids) + sum(len(d.token_ids) for d in rest) < 100
+            assert engine.stats()["running"] == 0
+            with pytest.raises(InputError, match="max_seq_len"):
+                await engine.generate([1] * 500)
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())

@@ -1,0 +1,212 @@
+"""Continuous batching: batched == unbatched (greedy and seeded), admission by blocks and slots, abort,
+stop ids / strings, logprobs vs the reference model, logits processors; in process and under mpiexec."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moe_export.export.errors import InputError
+from moe_export.runtime.engine import Engine
+from moe_export.runtime.generate import generate_tokens
+from moe_export.runtime.sampling import SamplingParams
+from moe_export.runtime.scheduler import Request, Scheduler
+
+PROMPTS = [
+    [5, 17, 99, 3, 250, 42, 7, 8, 300, 11, 12, 77, 1, 400, 9, 9, 31, 64, 65, 66, 70, 71, 72, 73, 80, 81],
+    [200, 201, 3],
+    [7] * 40 + [8, 9],
+    [11, 12, 13, 14, 15, 16, 17],
+    [300, 1, 300, 1, 300, 1, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56],
+]
+MAX_TOKENS = [9, 14, 6, 11, 8]
+
+
+def run_all(sched: Scheduler, requests: list[Request], join_late: dict[int, list[Request]] | None = None) -> dict:
+    """Drive `sched` to completion; requests in join_late[k] are added before step k. -> id -> (tokens, updates)."""
+    out: dict[str, list] = {}
+    for r in requests:
+        sched.add(r)
+    step = 0
+    while sched.has_work or (join_late and any(k >= step for k in join_late)):
+        for r in (join_late or {}).get(step, []):
+            sched.add(r)
+        for u in sched.step():
+            out.setdefault(u.request_id, []).append(u)
+        step += 1
+    return {rid: ([t for u in us for t in u.token_ids], us) for rid, us in out.items()}
+
+
+@pytest.fixture(scope="module")
+def engine(runtime_engine):
+    return Engine(runtime_engine("tiny-k3", 2, 2, 4), threads=1)
+
+
+def alone(engine, prompt, params) -> list[int]:
+    return generate_tokens(engine, prompt, params)
+
+
+def test_batched_equals_unbatched_greedy_with_late_joins(engine):
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    want = [alone(engine, p, s) for p, s in zip(PROMPTS, params)]
+    sched = Scheduler(engine, keep_sessions=False)
+    reqs = [Request(f"r{i}", p, s) for i, (p, s) in enumerate(zip(PROMPTS, params))]
+    got = run_all(sched, reqs[:3], join_late={2: [reqs[3]], 5: [reqs[4]]})
+    for i, w in enumerate(want):
+        tokens, updates = got[f"r{i}"]
+        assert tokens == w, f"request {i}"
+        assert updates[-1].finished and updates[-1].finish_reason == "length"
+    assert sched.allocator.used_blocks == 0 and len(sched.free_slots) == engine.num_slots
+
+
+def test_seeded_sampling_is_per_request(engine):
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=s, max_tokens=7, ignore_eos=True) for s in (1, 2, 1)]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0]]
+    want = [alone(engine, p, s) for p, s in zip(prompts, params)]
+    got = run_all(Scheduler(engine, keep_sessions=False), [Request(f"s{i}", p, s) for i, (p, s) in enumerate(zip(prompts, params))])
+    assert [got[f"s{i}"][0] for i in range(3)] == want
+    assert want[0] == want[2] and want[0] != want[1]
+
+
+def test_admission_is_bounded_by_blocks_and_waits(runtime_engine):
+    """A pool of 5 blocks of 16 positions: requests needing 2 blocks each run at most two at a time."""
+    eng = Engine(runtime_engine("tiny-k3", 2, 2, 4), num_blocks=5, threads=1)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = [PROMPTS[0][:20], PROMPTS[4][:18], PROMPTS[2][:12], PROMPTS[3] + [1, 2, 3, 4]]
+    sched = Scheduler(eng, keep_sessions=False)
+    for i, p in enumerate(prompts):
+        sched.add(Request(f"b{i}", p, params))
+    got: dict[str, list[int]] = {}
+    for u in sched.step():
+        got.setdefault(u.request_id, []).extend(u.token_ids)
+    assert sched.stats()["running"] == 2 and sched.stats()["waiting"] == 2
+    seen_blocks = []
+    while sched.has_work:
+        for u in sched.step():
+            got.setdefault(u.request_id, []).extend(u.token_ids)
+        seen_blocks.append(sched.allocator.used_blocks)
+    assert max(seen_blocks) <= 5
+    for i, p in enumerate(prompts):
+        assert got[f"b{i}"] == alone(eng, p, params)
+    with pytest.raises(InputError, match="needs 7 cache blocks; the engine has 5"):
+        sched.add(Request("big", PROMPTS[2], SamplingParams(max_tokens=70)))
+
+
+def test_abort_frees_state_at_once(engine):
+    sched = Scheduler(engine, keep_sessions=False)
+    sched.add(Request("a", PROMPTS[0], SamplingParams(max_tokens=20)))
+    sched.add(Request("b", PROMPTS[1], SamplingParams(max_tokens=20, ignore_eos=True)))
+    sched.step()
+    used = sched.allocator.used_blocks
+    assert sched.abort("a")
+    assert sched.allocator.used_blocks < used and len(sched.free_slots) == engine.num_slots - 1
+    updates = sched.step()
+    assert any(u.request_id == "a" and u.finished and u.finish_reason == "abort" for u in updates)
+    assert not sched.abort("a")
+    while sched.has_work:
+        sched.step()
+    assert sched.allocator.used_blocks == 0
+
+
+def test_stop_ids_stop_strings_and_bad_requests(engine):
+    free = alone(engine, PROMPTS[3], SamplingParams(max_tokens=12, ignore_eos=True))
+    i = next(i for i in range(1, 12) if free[i] not in free[:i])
+    got = run_all(Scheduler(engine), [Request("s", PROMPTS[3], SamplingParams(max_tokens=12, stop_token_ids=(free[i],)))])
+    assert got["s"][0] == free[: i + 1] and got["s"][1][-1].finish_reason == "stop"
+
+    def decode(ids):
+        return "".join(f"<{t}>" for t in ids)
+
+    stop = f"{free[i - 1]}><{free[i]}"
+    sched = Scheduler(engine, decode=decode)
+    got = run_all(sched, [Request("t", PROMPTS[3], SamplingParams(max_tokens=12, stop=(stop,)))])
+    last = got["t"][1][-1]
+    assert got["t"][0] == free[: i + 1] and last.finish_reason == "stop"
+    assert decode(free[: i + 1])[last.stop_text_index:].startswith(stop)
+
+    with pytest.raises(InputError, match="max_seq_len is 256"):
+        sched.add(Request("long", [1] * 256))
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        sched.add(Request("oov", [1, 10**7]))
+    with pytest.raises(InputError, match="need a tokenizer"):
+        Scheduler(engine).add(Request("x", [1], SamplingParams(stop=("a",))))
+
+
+def test_logprobs_match_the_reference_model(runtime_engine):
+    from moe_export.graphs.model import KimiModel
+
+    engine_dir = runtime_engine("tiny-k3", 2, 2, 4)
+    eng = Engine(engine_dir, threads=1)
+    sched = Scheduler(eng)
+    got = run_all(sched, [Request("l", PROMPTS[1], SamplingParams(max_tokens=4, logprobs=True, ignore_eos=True))])
+    tokens, updates = got["l"]
+    logprobs = [lp for u in updates for lp in u.logprobs]
+    ref = KimiModel.from_checkpoint(next((Path(engine_dir) / ".cache").glob("source-*")))
+    seq = PROMPTS[1] + tokens
+    want = torch.log_softmax(ref(torch.tensor([seq]))[0], -1)
+    for k, t in enumerate(tokens):
+        assert abs(logprobs[k] - float(want[len(PROMPTS[1]) - 1 + k, t])) < 1e-4
+
+
+def test_logits_processors(engine):
+    free = alone(engine, PROMPTS[1], SamplingParams(max_tokens=6, ignore_eos=True))
+    banned = free[2]
+
+    def ban(_ids, logits):
+        logits = logits.clone()
+        logits[banned] = float("-inf")
+        return logits
+
+    def broken(_ids, _logits):
+        raise ValueError("grammar exploded")
+
+    sched = Scheduler(engine)
+    got = run_all(sched, [Request("ban", PROMPTS[1], SamplingParams(max_tokens=6, ignore_eos=True), [ban]),
+                          Request("broken", PROMPTS[3], SamplingParams(max_tokens=6), [broken]),
+                          Request("plain", PROMPTS[1], SamplingParams(max_tokens=6, ignore_eos=True))])
+    assert banned not in got["ban"][0] and got["ban"][0][:2] == free[:2]
+    assert got["plain"][0] == free
+    last = got["broken"][1][-1]
+    assert last.finish_reason == "abort" and "grammar exploded" in last.error
+
+
+def mpiexec() -> str:
+    return shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
+
+
+MPI_SCRIPT = Path(__file__).with_name("mpi_scheduler_run.py")
+
+
+def test_batched_equals_unbatched_under_mpiexec(runtime_engine, engine):
+    """mpiexec -n 4: rank 0 schedules all requests together; equals in-process unbatched runs."""
+    engine_dir = runtime_engine("tiny-k3", 2, 2, 4)
+    spec = [{"prompt": p, "max_tokens": n} for p, n in zip(PROMPTS, MAX_TOKENS)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([mpiexec(), "-n", "4", sys.executable, str(MPI_SCRIPT), str(engine_dir), json.dumps(spec)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [line for line in r.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, r.stdout
+    got = json.loads(lines[0])
+    want = [alone(engine, p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(PROMPTS, MAX_TOKENS)]
+    assert got["tokens"] == want
+    assert got["follower_steps"] == [got["root_steps"]] * 3
+
+
+def test_a_failing_rank_stops_the_world(runtime_engine):
+    engine_dir = runtime_engine("tiny-k3", 2, 2, 4)
+    spec = [{"prompt": p, "max_tokens": n} for p, n in zip(PROMPTS, MAX_TOKENS)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FAIL_RANK": "2", "FAIL_AT_STEP": "3"}
+    r = subprocess.run([mpiexec(), "-n", "4", sys.executable, str(MPI_SCRIPT), str(engine_dir), json.dumps(spec)],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode != 0
+    assert "rank 2 of 4 failed, stopping all ranks: RuntimeError: injected failure at step 3" in r.stderr
+    assert not r.stdout.strip()
