@@ -109,22 +109,25 @@ def check_short_conv(fig: dict, capability: int) -> None:
 
 
 def check_sparse_mla(fig: dict, capability: int) -> None:
-    dev, H, DC, DR, S, L, K = "cuda", 12, 512, 64, 4, 4096, 256
-    cu, slots = _ragged(dev, [3, 1, 2], S)
-    T = int(cu[-1])
-    q = torch.randn(T, H, DC + DR, device=dev)
-    kv = torch.randn(S, L, DC + DR, device=dev)
-    pos = torch.randint(K, L, (T,), device=dev)
+    """Decode: one query token per sequence over a paged pool (blocks of 64 positions, shuffled tables)."""
+    dev, H, DC, DR, BS, L, K, N = "cuda", 12, 512, 64, 64, 4096, 256, 3
+    B = L // BS
+    tables = torch.randperm(N * B, device=dev).view(N, B)
+    pool = torch.randn(N * B, BS, DC + DR, device=dev)
+    cu = torch.arange(N + 1, device=dev)
+    pos = torch.randint(K, L, (N,), device=dev)
+    q = torch.randn(N, H, DC + DR, device=dev)
+    new = torch.randn(N, DC + DR, device=dev)
     idx = torch.stack([torch.randperm(int(p) + 1, device=dev)[:K] for p in pos])
     scale = 192**-0.5
     kernel = mla.aot_compile(H, DC, DR, scale, capability, block_h=16)
-    out = torch.empty(T, H, DC, device=dev)
+    out = torch.empty(N, H, DC, device=dev)
     fig["mla_launch"] = launch_like_tensorrt(
-        kernel, (T, -(-H // 16), 1), [q, kv, cu, slots, pos, idx], [slots.numel(), S, L, K], [out]
+        kernel, (N, -(-H // 16), 1), [q, pool, new, cu, tables, pos, idx], [N, N, N * B, BS, B, K], [out]
     )
-    jit = mla.sparse_mla_attention_triton(q, kv, cu, slots, pos, idx, scale=scale, kv_lora_rank=DC)
-    ref = mla_ref.sparse_mla_attention_reference(q.cpu(), kv.cpu(), cu.cpu(), slots.cpu(), pos.cpu(), idx.cpu(),
-                                                 scale=scale, kv_lora_rank=DC)  # fmt: skip
+    jit = mla.sparse_mla_attention_triton(q, pool, new, cu, tables, pos, idx, scale=scale, kv_lora_rank=DC)
+    ref = mla_ref.sparse_mla_attention_reference(q.cpu(), pool.cpu(), new.cpu(), cu.cpu(), tables.cpu(), pos.cpu(),
+                                                 idx.cpu(), scale=scale, kv_lora_rank=DC)  # fmt: skip
     fig["mla_aot_vs_jit"] = _max_diff(out, jit)
     fig["mla_aot_vs_reference"] = _max_diff(out.cpu(), ref)
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from moe_export.export.errors import InputError
+from moe_export.export.planner import engine_pool_sizes
 from moe_export.runtime.engine import DEFAULT_BLOCK_SIZE, RESET_ON_NEW_SEQUENCE, STATE_PREFIXES, StepBatch, mpi_world
 
 
@@ -87,10 +88,13 @@ class TensorRTEngine:
         self.world_size = int(self.config["mapping"]["world_size"])
         self.tp, self.ep = int(self.config["mapping"]["tp_size"]), int(self.config["mapping"]["ep_size"])
         self.num_slots = num_slots or int(limits["max_batch"])
+        if self.num_slots > int(limits["max_batch"]):
+            raise InputError(f"num_slots={self.num_slots}: the engines' profiles allow at most max_batch="
+                             f"{limits['max_batch']} state slots (rebuild with a larger limits.max_batch)")
         self.max_seq_len = int(limits["max_seq_len"])
         self.max_num_tokens = int(limits["max_num_tokens"])
         self.block_size = int(limits.get("block_size", DEFAULT_BLOCK_SIZE))
-        self.num_blocks = num_blocks or self.num_slots * -(-self.max_seq_len // self.block_size)
+        self.num_blocks = num_blocks or engine_pool_sizes(self.config, self.num_slots).num_blocks
         world = mpi_world() or (0, 1)
         if world[1] != self.world_size:
             raise InputError(f"{self.dir}: engine has {self.world_size} ranks; run it under mpiexec -n {self.world_size}")
