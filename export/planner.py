@@ -302,3 +302,26 @@ def engine_pool_sizes(engine_config: dict, num_slots: int | None = None) -> Pool
     cfg = ModelConfig.from_hf_dict(engine_config["pretrained_config"], source="engine config.json")
     return make_plan(recipe, cfg).pool_sizes()
 
+
+def reference_fp32_bytes(cfg: ModelConfig) -> int:
+    """Bytes of the fp32 PyTorch reference model's weights (`moe-export generate` on a checkpoint): every
+    parameter as fp32, MXFP4 experts decoded (4 B per logical weight)."""
+    return count_params(cfg)[0] * 4
+
+
+def available_memory_bytes() -> int:
+    """Memory the OS can give this process now without swapping (psutil's `available`)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def check_reference_fits(cfg: ModelConfig, where: str) -> None:
+    """InputError naming the memory needed when the fp32 reference model of `cfg` cannot be loaded here."""
+    need, have = reference_fp32_bytes(cfg), available_memory_bytes()
+    if need > have:
+        raise InputError(
+            f"{where}: the fp32 reference model of this {cfg.architecture} checkpoint needs {need / GIB:,.1f} GiB "
+            f"of memory for its weights, {have / GIB:,.1f} GiB are available; build an engine "
+            "(`moe-export build`) and generate with it instead"
+        )
