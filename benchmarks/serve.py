@@ -1,0 +1,130 @@
+"""Serving throughput and latency of `moe-export serve` against the in-process runtime.
+
+Builds the tiny-k3 preset (world 1, ONNX Runtime, 16 sequences), starts `moe-export serve` as a
+subprocess on loopback, and measures in interleaved rounds (equal repetitions):
+  - server at 1, 4 and 16 concurrent clients: each client streams chat completions (greedy, thinking
+    off, fixed length via `max_tokens`) through the official `openai` async client; aggregate generated
+    tokens/s, and p50 / p99 time to first token (first streamed delta);
+  - in-process runtime at 16 sequences: `LLM.chat` on the same 16 conversations in one call (the baseline
+    a user would run without HTTP).
+Prints `serve_speedup_16` (aggregate tokens/s at 16 clients / at 1, goal >= 4) and `serve_overhead_16`
+(server tokens/s at 16 / in-process tokens/s at 16, goal >= 0.85).
+
+    python benchmarks/serve.py [--tokens 32] [--rounds 2] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from serve_support import build_serve_engine, start_cli_server, stop_process  # noqa: E402
+
+CLIENTS = (1, 4, 16)
+
+
+def conversation(i: int) -> list[dict]:
+    return [{"role": "user", "content": f"Client {i}: summarize the history of city number {i} in detail."}]
+
+
+async def client_round(url: str, clients: int, tokens: int) -> tuple[float, list[float]]:
+    """(generated tokens per second over the round, time to first token of each request in s)."""
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600) as client:
+        async def one(i: int) -> tuple[int, float]:
+            start = time.perf_counter()
+            ttft, generated = None, 0
+            stream = await client.chat.completions.create(
+                model="m", messages=conversation(i), max_tokens=tokens, temperature=0, reasoning_effort="none",
+                stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                if ttft is None and chunk.choices and chunk.choices[0].delta.content:
+                    ttft = time.perf_counter() - start
+                if chunk.usage is not None:
+                    generated = chunk.usage.completion_tokens
+            return generated, ttft if ttft is not None else time.perf_counter() - start
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(i) for i in range(clients)))
+        elapsed = time.perf_counter() - start
+    return sum(g for g, _ in results) / elapsed, [t for _, t in results]
+
+
+def in_process_round(llm, tokens: int) -> float:
+    from moe_export.runtime.sampling import SamplingParams
+
+    sampling = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.chat([conversation(i) for i in range(16)], sampling, reasoning_effort="none")
+    elapsed = time.perf_counter() - start
+    return sum(len(o.output_ids) for o in outs) / elapsed
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def run(tokens: int, rounds: int) -> dict:
+    from moe_export.runtime.llm import LLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = build_serve_engine(Path(tmp))
+        llm = LLM(engine, default_effort="none")
+        proc, url = start_cli_server([str(engine), "--default-effort", "none"])
+        try:
+            asyncio.run(client_round(url, 1, 4))  # warm-up (first request compiles nothing, but pages in)
+            in_process_round(llm, 4)
+            rates = {n: [] for n in CLIENTS}
+            ttfts = {n: [] for n in CLIENTS}
+            local: list[float] = []
+            for _ in range(rounds):
+                for n in CLIENTS:
+                    rate, firsts = asyncio.run(client_round(url, n, tokens))
+                    rates[n].append(rate)
+                    ttfts[n].extend(firsts)
+                local.append(in_process_round(llm, tokens))
+        finally:
+            stop_process(proc)
+            llm.shutdown()
+    result = {"tokens_per_request": tokens, "rounds": rounds}
+    for n in CLIENTS:
+        result[f"serve_tokens_per_s_{n}"] = statistics.median(rates[n])
+        result[f"serve_ttft_p50_s_{n}"] = percentile(ttfts[n], 0.5)
+        result[f"serve_ttft_p99_s_{n}"] = percentile(ttfts[n], 0.99)
+    result["in_process_tokens_per_s_16"] = statistics.median(local)
+    result["loadavg_1min"] = os.getloadavg()[0]
+    result["serve_speedup_16"] = result["serve_tokens_per_s_16"] / result["serve_tokens_per_s_1"]
+    result["serve_overhead_16"] = result["serve_tokens_per_s_16"] / result["in_process_tokens_per_s_16"]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=32, help="generated tokens per request")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (medians are reported)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    args = parser.parse_args()
+    result = run(args.tokens, args.rounds)
+    for key, value in result.items():
+        print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
+    print(f"serve_speedup_16 {result['serve_speedup_16']:.2f}x (goal >= 4): "
+          f"{'met' if result['serve_speedup_16'] >= 4 else 'NOT met'}")
+    print(f"serve_overhead_16 {result['serve_overhead_16']:.2f} (goal >= 0.85): "
+          f"{'met' if result['serve_overhead_16'] >= 0.85 else 'NOT met'}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

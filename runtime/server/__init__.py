@@ -1,0 +1,1 @@
+"""moe_export.runtime.server: the OpenAI- and Anthropic-compatible HTTP server (`moe-export serve`)."""

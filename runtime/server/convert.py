@@ -1,0 +1,437 @@
+"""Conversions between the served APIs and the runtime's chat messages / outputs.
+
+Runtime chat message (what `moe_export.runtime.chat.render` takes): {"role": system|user|assistant|tool,
+"content": str, "name"?, "reasoning_content"? (assistant), "tool_calls"? (assistant, OpenAI shape with
+`arguments` a JSON string), "tool_call_id"? (tool)}. Reasoning and tool calls sent back by a client are
+kept verbatim: they are rendered into the next prompt exactly as the model produced them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from moe_export.export.errors import InputError
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+def _text_of(content: Any, where: str, text_types: tuple[str, ...]) -> str | list:
+    """A message content as a string when it is only text parts; lists with other parts (images) are
+    passed on unchanged for the runtime to accept or refuse."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise InputError(f"{where}: content must be a string or a list of parts")
+    if all(isinstance(p, dict) and p.get("type") in text_types for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    for p in content:
+        if not isinstance(p, dict) or "type" not in p:
+            raise InputError(f"{where}: every content part must be an object with a `type`")
+    return content
+
+
+def _arguments_string(arguments: Any, where: str) -> str:
+    if isinstance(arguments, str):
+        return arguments
+    if isinstance(arguments, dict):
+        return json.dumps(arguments, ensure_ascii=False)
+    raise InputError(f"{where}: function.arguments must be a JSON string or an object")
+
+
+# --- OpenAI Chat Completions --------------------------------------------------------------------------
+
+def chat_messages_from_openai(messages: list[dict]) -> list[dict]:
+    """OpenAI chat messages -> runtime messages (developer -> system; `reasoning` accepted as
+    `reasoning_content`; text parts joined)."""
+    if not messages:
+        raise InputError("messages: at least one message is required")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        role = m.get("role")
+        if role == "developer":
+            role = "system"
+        if role not in ("system", "user", "assistant", "tool"):
+            raise InputError(f"{where}.role: must be system, developer, user, assistant or tool, got {role!r}")
+        msg: dict[str, Any] = {"role": role, "content": _text_of(m.get("content"), where, ("text", "input_text"))}
+        if m.get("name"):
+            msg["name"] = str(m["name"])
+        if role == "assistant":
+            reasoning = m.get("reasoning_content", m.get("reasoning"))
+            if reasoning is not None:
+                msg["reasoning_content"] = str(reasoning)
+            if m.get("tool_calls"):
+                msg["tool_calls"] = [_openai_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(m["tool_calls"])]
+        if role == "tool":
+            if not m.get("tool_call_id"):
+                raise InputError(f"{where}: a tool message needs `tool_call_id`")
+            msg["tool_call_id"] = str(m["tool_call_id"])
+        out.append(msg)
+    return out
+
+
+def _openai_tool_call(call: dict, where: str) -> dict:
+    fn = call.get("function") or {}
+    if not fn.get("name"):
+        raise InputError(f"{where}: function.name is required")
+    return {
+        "id": str(call.get("id") or new_id("call_")),
+        "type": "function",
+        "function": {"name": str(fn["name"]), "arguments": _arguments_string(fn.get("arguments", "{}"), where)},
+    }
+
+
+def openai_tools(tools: list[dict] | None) -> list[dict] | None:
+    """Validate OpenAI chat tools ({type: function, function: {name, description?, parameters?}})."""
+    if not tools:
+        return None
+    for i, t in enumerate(tools):
+        if t.get("type") != "function" or not isinstance(t.get("function"), dict) or not t["function"].get("name"):
+            raise InputError(f"tools[{i}]: must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}")
+    return tools
+
+
+def normalize_tool_choice(tool_choice: Any, tools: list[dict] | None, field: str = "tool_choice") -> str | dict | None:
+    """'auto' | 'none' | 'required' | {'type': 'function', 'function': {'name': N}} (validated against tools)."""
+    if tool_choice is None:
+        return None
+    if isinstance(tool_choice, str):
+        if tool_choice not in ("auto", "none", "required"):
+            raise InputError(f"{field}: must be auto, none, required or a named function, got {tool_choice!r}")
+        if tool_choice == "required" and not tools:
+            raise InputError(f"{field}: 'required' needs at least one tool")
+        return tool_choice
+    name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+    if not name:
+        raise InputError(f"{field}: a named choice must give the function name")
+    if name not in {t["function"]["name"] for t in tools or []}:
+        raise InputError(f"{field}: function {name!r} is not among the declared tools")
+    return {"type": "function", "function": {"name": name}}
+
+
+def chat_completion_response(out, *, request_id: str, model: str, logprob_pieces: list[str] | None) -> dict:
+    """ChatOutput -> chat.completion object (logprob_pieces: the decoded output tokens when logprobs were asked)."""
+    message: dict[str, Any] = {"role": "assistant", "content": out.content, "reasoning_content": out.reasoning_content}
+    if out.tool_calls:
+        message["tool_calls"] = out.tool_calls
+    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": out.finish_reason, "logprobs": None}
+    if logprob_pieces is not None and out.logprobs is not None:
+        choice["logprobs"] = chat_logprobs(logprob_pieces, out.logprobs)
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": openai_usage(out.usage),
+    }
+
+
+def chat_logprobs(pieces: list[str], logprobs: list[float]) -> dict:
+    return {"content": [{"token": t, "logprob": float(lp), "bytes": list(t.encode()), "top_logprobs": []}
+                        for t, lp in zip(pieces, logprobs)]}
+
+
+def openai_usage(usage: dict) -> dict:
+    prompt, completion = usage["prompt_tokens"], usage["completion_tokens"]
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)},
+        "completion_tokens_details": {"reasoning_tokens": usage.get("reasoning_tokens", 0)},
+    }
+
+
+# --- OpenAI Responses ---------------------------------------------------------------------------------
+
+def responses_tools(tools: list[dict] | None) -> list[dict] | None:
+    """Responses function tools ({type: function, name, parameters}) -> chat tools."""
+    if not tools:
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        if t.get("type") != "function" or not t.get("name"):
+            raise InputError(f"tools[{i}]: only function tools ({{'type': 'function', 'name': ...}}) are served")
+        fn = {"name": t["name"]}
+        if t.get("description"):
+            fn["description"] = t["description"]
+        if t.get("parameters") is not None:
+            fn["parameters"] = t["parameters"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def responses_tool_choice(tool_choice: Any, tools: list[dict] | None) -> str | dict | None:
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and "function" not in tool_choice:
+        tool_choice = {"type": "function", "function": {"name": tool_choice.get("name")}}
+    return normalize_tool_choice(tool_choice, tools)
+
+
+def messages_from_responses_input(items: str | list[dict]) -> list[dict]:
+    """Responses input items -> runtime messages. Consecutive reasoning / assistant message /
+    function_call items form one assistant message; function_call_output becomes a tool message."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict] = []
+    assistant: dict | None = None
+
+    def open_assistant() -> dict:
+        nonlocal assistant
+        if assistant is None:
+            assistant = {"role": "assistant", "content": ""}
+            out.append(assistant)
+        return assistant
+
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message" and item.get("role") == "assistant":
+            a = open_assistant()
+            a["content"] += _text_of(item.get("content"), where, ("output_text", "input_text", "text"))
+            continue
+        if kind == "reasoning":
+            a = open_assistant()
+            parts = item.get("content") or []
+            if not parts and item.get("summary"):
+                parts = item["summary"]
+            a["reasoning_content"] = a.get("reasoning_content", "") + "".join(str(p.get("text", "")) for p in parts)
+            continue
+        if kind == "function_call":
+            if not item.get("name") or not item.get("call_id"):
+                raise InputError(f"{where}: a function_call item needs `name` and `call_id`")
+            a = open_assistant()
+            a.setdefault("tool_calls", []).append({
+                "id": str(item["call_id"]), "type": "function",
+                "function": {"name": str(item["name"]), "arguments": _arguments_string(item.get("arguments", "{}"), where)},
+            })
+            continue
+        assistant = None
+        if kind == "function_call_output":
+            if not item.get("call_id"):
+                raise InputError(f"{where}: a function_call_output item needs `call_id`")
+            output = item.get("output", "")
+            if not isinstance(output, str):
+                output = _text_of(output, where, ("input_text", "output_text", "text"))
+            out.append({"role": "tool", "tool_call_id": str(item["call_id"]), "content": output})
+        elif kind == "message":
+            role = item.get("role")
+            if role == "developer":
+                role = "system"
+            if role not in ("system", "user"):
+                raise InputError(f"{where}.role: must be user, system, developer or assistant, got {role!r}")
+            out.append({"role": role, "content": _text_of(item.get("content"), where, ("input_text", "text"))})
+        else:
+            raise InputError(f"{where}.type: {kind!r} is not served (message, reasoning, function_call, function_call_output)")
+    return out
+
+
+def assistant_message(out) -> dict:
+    """ChatOutput -> the assistant message stored in history (rendered back verbatim next turn)."""
+    msg: dict[str, Any] = {"role": "assistant", "content": out.content or "", "reasoning_content": out.reasoning_content or ""}
+    if out.tool_calls:
+        msg["tool_calls"] = out.tool_calls
+    return msg
+
+
+def responses_output_items(out) -> list[dict]:
+    """ChatOutput -> Responses output items: reasoning, message, function_call(s)."""
+    items: list[dict] = []
+    if out.reasoning_content:
+        items.append({"type": "reasoning", "id": new_id("rs_"), "summary": [],
+                      "content": [{"type": "reasoning_text", "text": out.reasoning_content}], "status": "completed"})
+    if out.content:
+        items.append({"type": "message", "id": new_id("msg_"), "role": "assistant", "status": "completed",
+                      "content": [{"type": "output_text", "text": out.content, "annotations": [], "logprobs": []}]})
+    for call in out.tool_calls or []:
+        items.append({"type": "function_call", "id": new_id("fc_"), "call_id": call["id"], "status": "completed",
+                      "name": call["function"]["name"], "arguments": call["function"]["arguments"]})
+    return items
+
+
+def responses_object(
+    response_id: str, req, *, model: str, status: str, output: list[dict], usage: dict | None, effort: str | None,
+) -> dict:
+    """The Responses API `response` object."""
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": status,
+        "model": model,
+        "output": output,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": req.instructions,
+        "previous_response_id": req.previous_response_id,
+        "store": req.store,
+        "tools": req.tools or [],
+        "tool_choice": req.tool_choice or "auto",
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "reasoning": {"effort": effort, "summary": None},
+        "text": req.text or {"format": {"type": "text"}},
+        "temperature": req.temperature if req.temperature is not None else 0.0,
+        "top_p": req.top_p if req.top_p is not None else 1.0,
+        "max_output_tokens": req.max_output_tokens,
+        "metadata": req.metadata or {},
+        "usage": None if usage is None else {
+            "input_tokens": usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0), "cache_write_tokens": 0},
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": usage.get("reasoning_tokens", 0)},
+            "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
+        },
+    }
+
+
+def response_format_from_text(text: dict | None) -> dict | None:
+    """Responses `text.format` -> a chat `response_format`."""
+    fmt = (text or {}).get("format")
+    if not fmt or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "response"), "schema": fmt.get("schema"),
+                                                       "strict": fmt.get("strict", True)}}
+    return {"type": fmt.get("type")}
+
+
+# --- Anthropic Messages -------------------------------------------------------------------------------
+
+def messages_from_anthropic(system: str | list | None, messages: list[dict]) -> list[dict]:
+    """Anthropic system + messages -> runtime messages: thinking blocks -> reasoning_content, tool_use ->
+    tool_calls (input as a JSON string), tool_result blocks -> tool messages (before the user's text)."""
+    if not messages:
+        raise InputError("messages: at least one message is required")
+    out: list[dict] = []
+    if system:
+        out.append({"role": "system", "content": _text_of(system, "system", ("text",))})
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        role = m.get("role")
+        if role not in ("user", "assistant"):
+            raise InputError(f"{where}.role: must be user or assistant, got {role!r}")
+        content = m.get("content")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        if not isinstance(blocks, list):
+            raise InputError(f"{where}.content: must be a string or a list of content blocks")
+        if role == "assistant":
+            msg: dict[str, Any] = {"role": "assistant", "content": ""}
+            for j, b in enumerate(blocks):
+                kind = b.get("type")
+                if kind == "text":
+                    msg["content"] += str(b.get("text", ""))
+                elif kind == "thinking":
+                    msg["reasoning_content"] = msg.get("reasoning_content", "") + str(b.get("thinking", ""))
+                elif kind == "redacted_thinking":
+                    raise InputError(f"{where}.content[{j}]: redacted_thinking cannot be rendered back (no decryption here)")
+                elif kind == "tool_use":
+                    if not b.get("id") or not b.get("name"):
+                        raise InputError(f"{where}.content[{j}]: tool_use needs `id` and `name`")
+                    msg.setdefault("tool_calls", []).append({
+                        "id": str(b["id"]), "type": "function",
+                        "function": {"name": str(b["name"]), "arguments": json.dumps(b.get("input", {}), ensure_ascii=False)},
+                    })
+                else:
+                    raise InputError(f"{where}.content[{j}].type: {kind!r} is not allowed in an assistant message")
+            out.append(msg)
+            continue
+        texts: list = []
+        for j, b in enumerate(blocks):
+            kind = b.get("type")
+            if kind == "tool_result":
+                if not b.get("tool_use_id"):
+                    raise InputError(f"{where}.content[{j}]: tool_result needs `tool_use_id`")
+                result = _text_of(b.get("content"), f"{where}.content[{j}]", ("text",))
+                out.append({"role": "tool", "tool_call_id": str(b["tool_use_id"]), "content": result})
+            elif kind == "text":
+                texts.append(b)
+            elif kind == "image":
+                texts.append(b)
+            else:
+                raise InputError(f"{where}.content[{j}].type: {kind!r} is not served (text, image, tool_result)")
+        if texts:
+            out.append({"role": "user", "content": _text_of(texts, where, ("text",))})
+    return out
+
+
+def anthropic_tools(tools: list[dict] | None) -> list[dict] | None:
+    """Anthropic tools ({name, description?, input_schema}) -> chat tools."""
+    if not tools:
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        if not t.get("name") or t.get("type", "custom") not in ("custom",):
+            raise InputError(f"tools[{i}]: only client tools ({{'name': ..., 'input_schema': ...}}) are served")
+        fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object"}}
+        if t.get("description"):
+            fn["description"] = t["description"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def anthropic_tool_choice(choice: dict | None, tools: list[dict] | None) -> str | dict | None:
+    if not choice:
+        return None
+    kind = choice.get("type")
+    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+    if kind == "tool":
+        mapped = {"type": "function", "function": {"name": choice.get("name")}}
+    if mapped is None:
+        raise InputError(f"tool_choice.type: must be auto, any, tool or none, got {kind!r}")
+    return normalize_tool_choice(mapped, tools)
+
+
+def anthropic_effort(thinking: dict | None) -> str | int | None:
+    """`thinking: {type: enabled, budget_tokens: N}` -> numeric budget N; `{type: disabled}` -> 'none'."""
+    if thinking is None:
+        return None
+    kind = thinking.get("type")
+    if kind == "disabled":
+        return "none"
+    if kind in ("enabled", "adaptive"):
+        budget = thinking.get("budget_tokens")
+        if budget is None:
+            return None
+        if not isinstance(budget, int) or budget < 1:
+            raise InputError(f"thinking.budget_tokens: must be a positive integer, got {budget!r}")
+        return budget
+    raise InputError(f"thinking.type: must be enabled or disabled, got {kind!r}")
+
+
+ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
+
+
+def anthropic_content(out) -> list[dict]:
+    """ChatOutput -> content blocks: thinking, text, tool_use."""
+    blocks: list[dict] = []
+    if out.reasoning_content:
+        blocks.append({"type": "thinking", "thinking": out.reasoning_content, "signature": ""})
+    if out.content:
+        blocks.append({"type": "text", "text": out.content})
+    for call in out.tool_calls or []:
+        blocks.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+                       "input": json.loads(call["function"]["arguments"] or "{}")})
+    return blocks
+
+
+def anthropic_usage(usage: dict) -> dict:
+    return {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
+            "cache_read_input_tokens": usage.get("cached_tokens", 0), "cache_creation_input_tokens": 0}
+
+
+def anthropic_message(out, *, message_id: str, model: str) -> dict:
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": anthropic_content(out),
+        "stop_reason": ANTHROPIC_STOP[out.finish_reason],
+        "stop_sequence": None,
+        "usage": anthropic_usage(out.usage),
+    }

@@ -1,0 +1,99 @@
+"""`moe-export serve`: load the engine, then rank 0 serves HTTP with uvicorn while, under `mpiexec -n
+WORLD`, the other ranks follow rank 0's step plans. SIGTERM / SIGINT: uvicorn stops accepting, drains
+the running requests, the runtime shuts down (releasing the followers), and the process exits 0."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from moe_export.export.errors import InputError
+
+API_KEY_ENV = "MOE_EXPORT_API_KEY"
+EFFORTS = ("low", "high", "max", "none")
+
+
+def resolve_api_keys(cli_keys: list[str] | None) -> tuple[str, ...]:
+    """Keys from `--api-key` (repeatable), else from MOE_EXPORT_API_KEY (comma-separated); () = no auth."""
+    keys = list(cli_keys or []) or [k for k in os.environ.get(API_KEY_ENV, "").split(",")]
+    keys = [k.strip() for k in keys if k.strip()]
+    return tuple(keys)
+
+
+def check_serve_args(engine_dir: str, host: str, port: int, store: str | None, default_effort: str, max_queue: int) -> None:
+    path = Path(engine_dir)
+    if not (path / "config.json").is_file():
+        raise InputError(f"{engine_dir}: not an engine directory (no config.json); build one with `moe-export build`")
+    if not 0 < port < 65536:
+        raise InputError(f"--port must be in 1..65535, got {port}")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if host != "localhost":
+            raise InputError(f"--host must be an IP address or localhost, got {host!r}") from None
+    if default_effort not in EFFORTS:
+        raise InputError(f"--default-effort must be one of {', '.join(EFFORTS)}, got {default_effort!r}")
+    if max_queue < 1:
+        raise InputError(f"--max-queue must be >= 1, got {max_queue}")
+    if store is not None and Path(store).is_dir():
+        raise InputError(f"--store {store}: is a directory; give a file path such as history.sqlite")
+
+
+def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_keys: tuple[str, ...] = (),
+          store: str | None = None, default_effort: str = "max", max_queue: int = 256) -> None:
+    """Run the server until SIGTERM / SIGINT (blocks). Under mpiexec, ranks > 0 run the follower loop."""
+    check_serve_args(engine_dir, host, port, store, default_effort, max_queue)
+    from moe_export.runtime.engine import mpi_world
+    from moe_export.runtime.llm import LLM, AsyncLLM
+
+    world = mpi_world()
+    if world is not None and world[0] != 0:
+        # mpiexec forwards SIGTERM to every rank; followers leave when rank 0 has drained and shuts down.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        LLM(engine_dir, default_effort=default_effort).run_follower()
+        return
+    import uvicorn
+    from sse_starlette.sse import AppStatus
+
+    from moe_export.runtime.server.app import ServerSettings, create_app
+
+    AppStatus.disable_automatic_graceful_drain()  # SIGTERM drains: running streams finish, they are not cut
+
+    settings = ServerSettings(
+        engine_dir=Path(engine_dir), api_keys=api_keys, store_path=store or ":memory:",
+        default_effort=default_effort, max_queue=max_queue,
+    )
+    sock = listening_socket(host, port)  # before loading: a busy port fails fast, with no engine loaded
+    llm = AsyncLLM(engine_dir, default_effort=default_effort)
+    try:
+        app = create_app(llm, settings)  # the app shuts the runtime down (and releases follower ranks) at exit
+    except BaseException:
+        llm.shutdown()
+        raise
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=600)
+    server = uvicorn.Server(config)
+    print(f"serving {settings.model_name} on http://{host}:{port} (store: {settings.store_path})", file=sys.stderr, flush=True)
+    # uvicorn handles SIGTERM / SIGINT while it runs (stop accepting, drain, lifespan shutdown) and re-raises
+    # the signal afterwards to the handler that was there before: make that one a no-op, so a drained
+    # server exits 0 instead of dying by the signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run(sockets=[sock])
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket for uvicorn; InputError naming the address when it cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise InputError(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
+    return sock

@@ -1,0 +1,65 @@
+"""Prometheus metrics of the server (one registry per app, exported at GET /metrics).
+
+Counters and histograms are updated by the request handlers; the scheduler's gauges (queue depth,
+running sequences, cache blocks, state-reuse hits) are read from the runtime's `stats()` at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class RuntimeStatsCollector:
+    """Scheduler gauges from `stats()`: waiting, running, blocks_used, blocks_total, reuse_hits, reuse_tokens."""
+
+    def __init__(self, stats: Callable[[], dict]) -> None:
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats()
+        yield GaugeMetricFamily("moe_export_queue_depth", "requests waiting for admission", value=s["waiting"])
+        yield GaugeMetricFamily("moe_export_running_sequences", "sequences being generated", value=s["running"])
+        yield GaugeMetricFamily("moe_export_cache_blocks_used", "cache blocks in use", value=s["blocks_used"])
+        yield GaugeMetricFamily("moe_export_cache_blocks_total", "cache blocks in the pool", value=s["blocks_total"])
+        yield CounterMetricFamily("moe_export_state_reuse_hits", "requests that continued a kept sequence state",
+                                  value=s["reuse_hits"])
+        yield CounterMetricFamily("moe_export_state_reuse_tokens", "prompt tokens not prefilled thanks to state reuse",
+                                  value=s["reuse_tokens"])
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], dict]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("moe_export_requests", "HTTP requests by route and status", ["route", "status"], registry=r)
+        self.prompt_tokens = Counter("moe_export_prompt_tokens", "prompt tokens of completed requests", registry=r)
+        self.completion_tokens = Counter("moe_export_completion_tokens", "generated tokens", registry=r)
+        self.reasoning_tokens = Counter("moe_export_reasoning_tokens", "generated reasoning tokens", registry=r)
+        self.reasoning_tokens_by_tier = Counter(
+            "moe_export_reasoning_tokens_by_tier", "reasoning tokens by thinking tier", ["tier"], registry=r)
+        self.requests_by_tier = Counter("moe_export_requests_by_tier", "generation requests by thinking tier (tier mix)",
+                                        ["tier"], registry=r)
+        self.ttft = Histogram("moe_export_time_to_first_token_seconds", "time from request to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("moe_export_inter_token_latency_seconds", "time between streamed token deltas",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.tool_calls = Counter("moe_export_tool_call_parses", "model tool calls by parse result", ["result"], registry=r)
+        self.structured_failures = Counter(
+            "moe_export_structured_output_failures", "constrained requests whose output is not a complete grammar sentence",
+            registry=r)
+        r.register(RuntimeStatsCollector(stats))
+
+    def record_output(self, out, tier: str) -> None:
+        """Token and tool-call counters of one finished generation (ChatOutput / GenerationOutput)."""
+        u = out.usage
+        self.prompt_tokens.inc(u["prompt_tokens"])
+        self.completion_tokens.inc(u["completion_tokens"])
+        self.reasoning_tokens.inc(u.get("reasoning_tokens", 0))
+        self.reasoning_tokens_by_tier.labels(tier).inc(u.get("reasoning_tokens", 0))
+        self.tool_calls.labels("success").inc(len(getattr(out, "tool_calls", None) or []))
+        self.tool_calls.labels("failure").inc(getattr(out, "tool_call_parse_failures", 0))

@@ -1,0 +1,423 @@
+"""`moe-export serve` on a live loopback server over a tiny random-weight K3 engine, driven by the official
+`openai` and `anthropic` clients (unmodified) and raw httpx for protocol details.
+
+Random weights never close reasoning by themselves, so each tier's cap is what ends it (usage shows the
+cap exactly); grammar-constrained decoding is what makes forced tool calls and JSON formats parse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sqlite3
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from serve_support import SERVE_THINKING, InProcessServer, build_serve_engine, start_cli_server, stop_process
+
+KEY_A, KEY_B = "key-a-0123456789", "key-b-9876543210"
+WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                                                   "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                  "required": ["city", "days"], "additionalProperties": False}
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "forecast", "parameters": WEATHER_PARAMS}}]
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="session")
+def serve_engine(tmp_path_factory):
+    return build_serve_engine(tmp_path_factory.mktemp("serve-engine"))
+
+
+@pytest.fixture(scope="session")
+def server(serve_engine, tmp_path_factory):
+    srv = InProcessServer(serve_engine, api_keys=(KEY_A, KEY_B), store_path=str(tmp_path_factory.mktemp("store") / "h.sqlite"),
+                          default_effort="low", max_body_bytes=256 << 10, max_messages=64, max_tools=8)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture()
+def oai(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY_A, max_retries=0)
+
+
+@pytest.fixture()
+def claude(server):
+    return anthropic.Anthropic(base_url=server.url, api_key=KEY_A, max_retries=0)
+
+
+def tokenize(server, **body) -> list[int]:
+    r = httpx.post(f"{server.url}/tokenize", json=body, headers={"Authorization": f"Bearer {KEY_A}"})
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def contains(seq: list[int], sub: list[int]) -> bool:
+    return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+
+
+def test_models_health_and_metrics(server, oai):
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert [m.id for m in oai.models.list().data] == [server.settings.model_name]
+    oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3, **GREEDY)
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("moe_export_requests_total", "moe_export_time_to_first_token_seconds_bucket", "moe_export_queue_depth",
+                 "moe_export_cache_blocks_used", "moe_export_state_reuse_hits", "moe_export_reasoning_tokens_by_tier_total",
+                 "moe_export_tool_call_parses_total", "moe_export_structured_output_failures_total"):
+        assert name in text, name
+    assert 'moe_export_requests_total{route="/v1/chat/completions",status="200"}' in text
+
+
+def test_chat_plain_and_stream_agree(oai):
+    messages = [{"role": "user", "content": "Tell me about Paris."}]
+    whole = oai.chat.completions.create(model="m", messages=messages, max_completion_tokens=14, **GREEDY)
+    msg = whole.choices[0].message
+    assert whole.object == "chat.completion" and whole.choices[0].finish_reason == "length"
+    usage = whole.usage
+    assert usage.completion_tokens == 14 and usage.completion_tokens_details.reasoning_tokens == SERVE_THINKING["low"]
+    reasoning = msg.model_extra["reasoning_content"]
+    assert reasoning and "<|" not in reasoning and "<|" not in (msg.content or "")
+    chunks = list(oai.chat.completions.create(model="m", messages=messages, max_completion_tokens=14, stream=True,
+                                              stream_options={"include_usage": True}, **GREEDY))
+    streamed_reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks if c.choices)
+    streamed_content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed_reasoning == reasoning and streamed_content == (msg.content or "")
+    assert chunks[-1].usage.completion_tokens == 14 and chunks[-2].choices[0].finish_reason == "length"
+    with_logprobs = oai.chat.completions.create(model="m", messages=messages, max_completion_tokens=14, logprobs=True, **GREEDY)
+    entries = with_logprobs.choices[0].logprobs.content
+    assert len(entries) == 14 and all(e.logprob <= 0 for e in entries)
+
+
+@pytest.mark.parametrize("effort", ["low", "high", "max", "none"])
+def test_each_tier_caps_reasoning(oai, effort):
+    r = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "Think hard."}],
+                                    reasoning_effort=effort, max_tokens=40, **GREEDY)
+    reasoning_tokens = r.usage.completion_tokens_details.reasoning_tokens
+    assert reasoning_tokens == (0 if effort == "none" else SERVE_THINKING[effort])
+    if effort == "none":
+        assert not r.choices[0].message.model_extra.get("reasoning_content")
+
+
+def test_tool_call_round_trip_keeps_reasoning_verbatim(server, oai):
+    messages = [{"role": "user", "content": "Weather in Rome?"}]
+    first = oai.chat.completions.create(model="m", messages=messages, tools=WEATHER, max_tokens=200,
+                                        tool_choice={"type": "function", "function": {"name": "get_weather"}}, **GREEDY)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMS)
+    reasoning = choice.message.model_extra["reasoning_content"]
+    assert reasoning
+    turn2 = messages + [
+        {"role": "assistant", "content": choice.message.content, "reasoning_content": reasoning,
+         "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "sunny"}'},
+    ]
+    chunks = list(oai.chat.completions.create(model="m", messages=messages, tools=WEATHER, max_tokens=200, stream=True,
+                                              tool_choice={"type": "function", "function": {"name": "get_weather"}}, **GREEDY))
+    streamed_calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(tc.id, tc.function.name, tc.function.arguments) for tc in streamed_calls] == [
+        (call.id, call.function.name, call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    second = oai.chat.completions.create(model="m", messages=turn2, tools=WEATHER, max_tokens=20, **GREEDY)
+    assert second.choices[0].finish_reason in ("stop", "length")
+    prompt2 = tokenize(server, messages=turn2, tools=WEATHER)
+    assert second.usage.prompt_tokens == len(prompt2)  # /tokenize renders what the runtime rendered
+    from moe_export.runtime.tokenizer import load_tokenizer
+
+    assert contains(prompt2, load_tokenizer(server.settings.engine_dir).encode(reasoning))
+
+
+def test_json_schema_response_format_validates(oai):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 99}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    r = oai.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Answer in JSON."}], max_tokens=80, **GREEDY,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+def test_completions_and_token_endpoints(server, oai):
+    whole = oai.completions.create(model="m", prompt="Once upon a time", max_tokens=6, **GREEDY)
+    assert whole.object == "text_completion" and whole.usage.completion_tokens == 6
+    streamed = "".join(c.choices[0].text for c in oai.completions.create(model="m", prompt="Once upon a time", max_tokens=6,
+                                                                        stream=True, **GREEDY))
+    assert streamed == whole.choices[0].text
+    ids = tokenize(server, prompt="typed <|open|> stays text")
+    r = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}, headers={"Authorization": f"Bearer {KEY_A}"})
+    assert r.json()["prompt"] == "typed <|open|> stays text"
+
+
+def test_anthropic_messages_thinking_tools_and_stream(claude):
+    msg = claude.messages.create(model="m", max_tokens=16, messages=[{"role": "user", "content": "hello"}],
+                                 thinking={"type": "enabled", "budget_tokens": 5}, extra_body=GREEDY)
+    assert msg.type == "message" and msg.content[0].type == "thinking"
+    assert msg.usage.output_tokens == 16 and msg.stop_reason == "max_tokens"
+    with claude.messages.stream(model="m", max_tokens=16, messages=[{"role": "user", "content": "hello"}],
+                                thinking={"type": "enabled", "budget_tokens": 5}, extra_body=GREEDY) as stream:
+        final = stream.get_final_message()
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in msg.content]
+
+    tools = [{"name": "get_weather", "description": "forecast", "input_schema": WEATHER_PARAMS}]
+    first = claude.messages.create(model="m", max_tokens=200, tools=tools, tool_choice={"type": "tool", "name": "get_weather"},
+                                   messages=[{"role": "user", "content": "Weather in Oslo?"}], extra_body=GREEDY)
+    assert first.stop_reason == "tool_use"
+    use = next(b for b in first.content if b.type == "tool_use")
+    jsonschema.validate(use.input, WEATHER_PARAMS)
+    second = claude.messages.create(model="m", max_tokens=10, tools=tools, extra_body=GREEDY, messages=[
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "snow"}]},
+    ])
+    assert second.stop_reason in ("end_turn", "max_tokens")
+
+
+def test_responses_chain_equals_stateless_history(server, oai):
+    opts = {"reasoning": {"effort": "low"}, "max_output_tokens": 12, "temperature": 0}
+    r1 = oai.responses.create(model="m", input="Plan a trip.", **opts)
+    assert r1.status == "incomplete" and [i.type for i in r1.output][0] == "reasoning"
+    r2 = oai.responses.create(model="m", input="And then?", previous_response_id=r1.id, **opts)
+    items1 = [i.model_dump(exclude_none=True) for i in r1.output]
+    stateless = oai.responses.create(model="m", store=False, input=[
+        {"role": "user", "content": "Plan a trip."}, *items1, {"role": "user", "content": "And then?"}], **opts)
+    dropped = oai.responses.create(model="m", store=False, input=[
+        {"role": "user", "content": "Plan a trip."}, *[i for i in items1 if i["type"] != "reasoning"],
+        {"role": "user", "content": "And then?"}], **opts)
+    assert [i.model_dump(exclude={"id"}) for i in r2.output] == [i.model_dump(exclude={"id"}) for i in stateless.output]
+    assert r2.usage.input_tokens == stateless.usage.input_tokens != dropped.usage.input_tokens
+    assert [i.model_dump(exclude={"id"}) for i in dropped.output] != [i.model_dump(exclude={"id"}) for i in r2.output]
+    assert oai.responses.retrieve(r2.id).id == r2.id
+    other = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY_B, max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(r2.id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.create(model="m", input="x", previous_response_id=r2.id)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(stateless.id)  # store=False: never stored
+    events = list(oai.responses.create(model="m", input="And then?", previous_response_id=r1.id, stream=True, **opts))
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    assert [i.model_dump(exclude={"id"}) for i in events[-1].response.output] == [i.model_dump(exclude={"id"}) for i in r2.output]
+    oai.responses.delete(r2.id)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(r2.id)
+
+
+def test_responses_function_call_output_round_trip(oai):
+    tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER_PARAMS}]
+    r1 = oai.responses.create(model="m", input="Weather?", tools=tools, max_output_tokens=200, temperature=0,
+                              tool_choice={"type": "function", "name": "get_weather"})
+    call = next(i for i in r1.output if i.type == "function_call")
+    jsonschema.validate(json.loads(call.arguments), WEATHER_PARAMS)
+    r2 = oai.responses.create(model="m", previous_response_id=r1.id, tools=tools, max_output_tokens=8, temperature=0,
+                              input=[{"type": "function_call_output", "call_id": call.call_id, "output": "rain"}])
+    assert r2.status in ("completed", "incomplete") and r2.usage.input_tokens > r1.usage.input_tokens
+
+
+async def _one_conversation(client: openai.AsyncOpenAI, i: int) -> tuple[str, str]:
+    r = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"conversation {i}: " + "ab" * i}],
+                                             max_tokens=10, reasoning_effort="low", **GREEDY)
+    m = r.choices[0].message
+    return m.model_extra.get("reasoning_content") or "", m.content or ""
+
+
+def test_16_concurrent_clients_equal_sequential_greedy(server):
+    async def run(concurrent: bool):
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY_A, max_retries=0) as client:
+            if concurrent:
+                return await asyncio.gather(*(_one_conversation(client, i) for i in range(16)))
+            return [await _one_conversation(client, i) for i in range(16)]
+
+    sequential = asyncio.run(run(False))
+    assert asyncio.run(run(True)) == sequential
+    assert len(set(sequential)) > 1
+
+
+def test_auth_limits_and_error_shapes(server, serve_engine):
+    url = server.url
+    good = {"Authorization": f"Bearer {KEY_A}"}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = httpx.post(f"{url}/v1/chat/completions", json=chat)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.post(f"{url}/v1/chat/completions", json=chat, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.create(
+            model="m", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    r = httpx.post(f"{url}/v1/messages", json={"model": "m", "messages": []}, headers={"x-api-key": KEY_A})
+    assert r.status_code == 400 and r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", headers={**good, "content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "messages": [{"role": "user", "content": "x" * (300 << 10)}]},
+                   headers=good)
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "messages": chat["messages"] * 65}, headers=good)
+    assert r.status_code == 400 and "limit of 64" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "tools": WEATHER * 9}, headers=good)
+    assert r.status_code == 400 and "limit of 8" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "max_tokens": 5000}, headers=good)
+    assert r.status_code == 400 and "1024" in r.json()["error"]["message"]
+    long_prompt = {**chat, "messages": [{"role": "user", "content": "word " * 300}]}
+    r = httpx.post(f"{url}/v1/chat/completions", json=long_prompt, headers=good)
+    assert r.status_code == 400 and "1024" in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "reasoning_effort": "extreme"}, headers=good)
+    assert r.status_code == 400 and "effort" in r.json()["error"]["message"]
+    r = httpx.get(f"{url}/v1/responses/resp_nope", headers=good)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    for r in (httpx.get(f"{url}/nowhere"), httpx.post(f"{url}/v1/chat/completions", json={"messages": 3}, headers=good)):
+        assert "Traceback" not in r.text and "error" in r.json()
+
+
+def test_full_queue_answers_429(server):
+    old = server.settings.max_queue
+    server.settings.max_queue = 1
+
+    async def flood():
+        async with httpx.AsyncClient(timeout=120) as client:
+            body = {"model": "m", "messages": [{"role": "user", "content": "go"}], "max_tokens": 30, "reasoning_effort": "none"}
+            return await asyncio.gather(*(client.post(f"{server.url}/v1/chat/completions", json=body,
+                                                      headers={"Authorization": f"Bearer {KEY_A}"}) for _ in range(40)))
+
+    try:
+        codes = [r.status_code for r in asyncio.run(flood())]
+    finally:
+        server.settings.max_queue = old
+    assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
+
+
+@pytest.mark.slow
+def test_kill9_restart_continues_chain_and_sigterm_drains(serve_engine, tmp_path):
+    store = tmp_path / "history.sqlite"
+    args = [str(serve_engine), "--store", str(store), "--default-effort", "low"]
+    proc, url = start_cli_server(args, env={"MOE_EXPORT_API_KEY": KEY_A})
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY_A, max_retries=0)
+    opts = {"max_output_tokens": 10, "temperature": 0}
+    r1 = client.responses.create(model="m", input="First turn.", **opts)
+    stream = iter(client.responses.create(model="m", input="Never finished.", stream=True, max_output_tokens=800,
+                                          temperature=0, extra_body={"ignore_eos": True}))
+    for _, event in zip(range(8), stream):  # mid-stream: a few deltas in, hundreds of tokens to go
+        assert event.type != "response.completed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    rows = sqlite3.connect(store).execute("SELECT id FROM responses").fetchall()
+    assert rows == [(r1.id,)]  # the killed response left no partial record
+
+    proc, url = start_cli_server(args, env={"MOE_EXPORT_API_KEY": KEY_A})
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY_A, max_retries=0)
+    r2 = client.responses.create(model="m", input="Second turn.", previous_response_id=r1.id, **opts)
+    stateless = client.responses.create(model="m", store=False, input=[
+        {"role": "user", "content": "First turn."}, *[i.model_dump(exclude_none=True) for i in r1.output],
+        {"role": "user", "content": "Second turn."}], **opts)
+    assert [i.model_dump(exclude={"id"}) for i in r2.output] == [i.model_dump(exclude={"id"}) for i in stateless.output]
+
+    chunks = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY_A}"}, timeout=120,
+                      json={"model": "m", "messages": [{"role": "user", "content": "drain me"}], "max_tokens": 60,
+                            "stream": True, "reasoning_effort": "none"}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data:"):
+                if not chunks:
+                    proc.send_signal(signal.SIGTERM)  # drain: this stream must still finish
+                chunks.append(line)
+    assert chunks[-1] == "data: [DONE]"
+    assert proc.wait(60) == 0
+
+
+@pytest.mark.slow
+def test_mpiexec_4_ranks_serve_and_drain(tmp_path_factory, server):
+    engine4 = build_serve_engine(tmp_path_factory.mktemp("serve-engine-4"), tp=2, ep=2, world=4)
+    proc, url = start_cli_server([str(engine4), "--default-effort", "low"], mpiexec_ranks=4)
+    try:
+        body = {"model": "m", "messages": [{"role": "user", "content": "Tell me about Paris."}], "max_tokens": 12, "temperature": 0}
+        four = [httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json() for _ in range(2)]
+        one = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"}).json()
+    finally:
+        code = stop_process(proc)
+    assert four[0]["choices"][0]["message"] == four[1]["choices"][0]["message"]
+    assert four[0]["usage"]["completion_tokens"] == 12
+    # same synthetic weights, other layout: the parity suite holds logits within 1e-4, so greedy text agrees
+    assert four[0]["choices"][0]["message"] == one["choices"][0]["message"]
+    assert code == 0
+
+
+@pytest.fixture(scope="module")
+def k2_server(tmp_path_factory):
+    srv = InProcessServer(build_serve_engine(tmp_path_factory.mktemp("serve-k2"), preset="tiny-kimi-linear"),
+                          default_effort="low")
+    yield srv
+    srv.stop()
+
+
+def test_k2_family_forced_tool_call_and_json(k2_server):
+    """tiny-kimi-linear speaks the K2 role-token format: the same requests work through its grammar."""
+    client = openai.OpenAI(base_url=f"{k2_server.url}/v1", api_key="unused", max_retries=0)
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Weather?"}], tools=WEATHER,
+                                       tool_choice="required", parallel_tool_calls=False, max_tokens=200, **GREEDY)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMS)
+    assert r.usage.completion_tokens_details.reasoning_tokens == SERVE_THINKING["low"]
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "JSON please"}], max_tokens=60,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+                                       reasoning_effort="none", **GREEDY)
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+def test_bodies_validate_against_the_sdks_own_models(server):
+    """Strict pydantic validation with the clients' own response types (the clients themselves parse leniently)."""
+    from anthropic.types import Message
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+    from openai.types.responses import Response
+
+    h = {"Authorization": f"Bearer {KEY_A}"}
+    chat = httpx.post(f"{server.url}/v1/chat/completions", headers=h, timeout=120, json={
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "temperature": 0,
+        "tools": WEATHER, "tool_choice": "required", "parallel_tool_calls": False}).json()
+    assert ChatCompletion.model_validate(chat).choices[0].message.tool_calls
+    completion = httpx.post(f"{server.url}/v1/completions", headers=h, timeout=120,
+                            json={"model": "m", "prompt": "a", "max_tokens": 3}).json()
+    Completion.model_validate(completion)
+    response = httpx.post(f"{server.url}/v1/responses", headers=h, timeout=120,
+                          json={"model": "m", "input": "hi", "max_output_tokens": 8, "temperature": 0}).json()
+    assert Response.model_validate(response).output[0].type == "reasoning"
+    message = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": KEY_A}, timeout=120, json={
+        "model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "temperature": 0}).json()
+    assert Message.model_validate(message).content[0].type == "thinking"
+
+
+def sse_data(url: str, headers: dict, body: dict) -> list[dict]:
+    with httpx.stream("POST", url, headers=headers, json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        lines = [line[5:].strip() for line in r.iter_lines() if line.startswith("data:")]
+    return [json.loads(d) for d in lines if d != "[DONE]"]
+
+
+def test_stream_events_validate_against_the_sdks_own_models(server):
+    from anthropic.types import RawMessageStreamEvent
+    from openai.types.chat import ChatCompletionChunk
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    h = {"Authorization": f"Bearer {KEY_A}"}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "temperature": 0,
+            "tools": WEATHER, "tool_choice": "required", "parallel_tool_calls": False}
+    for chunk in sse_data(f"{server.url}/v1/chat/completions", h, chat):
+        ChatCompletionChunk.model_validate(chunk)
+    events = sse_data(f"{server.url}/v1/responses", h, {"model": "m", "input": "hi", "max_output_tokens": 12,
+                                                        "temperature": 0, "reasoning": {"effort": "low"}})
+    kinds = [TypeAdapter(ResponseStreamEvent).validate_python(e).type for e in events]
+    assert kinds[0] == "response.created" and "response.reasoning_text.delta" in kinds
+    events = sse_data(f"{server.url}/v1/messages", {"x-api-key": KEY_A}, {
+        "model": "m", "max_tokens": 200, "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
+        "tools": [{"name": "get_weather", "input_schema": WEATHER_PARAMS}], "tool_choice": {"type": "any"}})
+    kinds = [TypeAdapter(RawMessageStreamEvent).validate_python(e).type for e in events]
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds

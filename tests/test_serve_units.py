@@ -1,0 +1,203 @@
+"""Server parts that need no engine: the SQLite response store, API -> chat message conversions, and
+grammar-constrained decoding over the synthetic Kimi tokenizers with random logits (the grammar, not the
+model, must make the output parse; the runtime's own output parser reads it back)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import jsonschema
+import pytest
+import torch
+
+from moe_export.export.errors import InputError
+from moe_export.runtime.chat import parse_output
+from moe_export.runtime.server import convert
+from moe_export.runtime.server.store import ResponseStore, StoredResponse, key_scope
+from moe_export.runtime.server.structured import GrammarLogitsProcessor, GrammarVocab, structural_tag_for
+from moe_export.runtime.tokenizer import load_tokenizer, write_synthetic_tokenizer
+
+
+def test_store_chain_scope_and_reopen(tmp_path):
+    path = tmp_path / "h.sqlite"
+    store = ResponseStore(path)
+    a, b = key_scope("key-a"), key_scope("key-b")
+    user1, asst1 = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "reasoning_content": "r1"}
+    store.put(StoredResponse("resp_1", None, [{"role": "user", "content": "hi"}], [user1], asst1, {"id": "resp_1"}), a)
+    user2 = {"role": "user", "content": "more"}
+    store.put(StoredResponse("resp_2", "resp_1", [], [user2], {"role": "assistant", "content": "ok"}, {"id": "resp_2"}), a)
+    store.close()
+    reopened = ResponseStore(path)  # a new process would see exactly this
+    assert reopened.history("resp_2", a) == [user1, asst1, user2, {"role": "assistant", "content": "ok"}]
+    assert reopened.get("resp_2", b) is None and reopened.history("resp_2", b) is None
+    assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    with pytest.raises(sqlite3.IntegrityError):  # one row per id; a failed insert leaves the store as it was
+        reopened.put(StoredResponse("resp_1", None, [], [], {}, {}), a)
+    assert reopened.delete("resp_1", b) is False and reopened.delete("resp_1", a) is True
+    assert reopened.history("resp_2", a) is None  # an ancestor is gone: the chain is incomplete
+
+
+def test_responses_items_become_one_assistant_message_with_reasoning_and_calls():
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "think <|open|>"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "checking"}]},
+        {"type": "function_call", "call_id": "c1", "name": "get", "arguments": '{"a": 1}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+    ]
+    assert convert.messages_from_responses_input(items) == [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "checking", "reasoning_content": "think <|open|>",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    with pytest.raises(InputError, match=r"input\[0\]\.type"):
+        convert.messages_from_responses_input([{"type": "web_search_call"}])
+
+
+def test_anthropic_blocks_and_openai_reasoning_field():
+    msgs = convert.messages_from_anthropic("be brief", [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm", "signature": ""},
+                                          {"type": "tool_use", "id": "t1", "name": "f", "input": {"x": [1, 2]}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "3"}]},
+                                     {"type": "text", "text": "thanks"}]},
+    ])
+    assert msgs == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "reasoning_content": "hmm",
+         "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "f", "arguments": '{"x": [1, 2]}'}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "3"},
+        {"role": "user", "content": "thanks"},
+    ]
+    assert convert.chat_messages_from_openai([{"role": "assistant", "content": None, "reasoning": "r"}]) == [
+        {"role": "assistant", "content": "", "reasoning_content": "r"}]
+    assert convert.anthropic_effort({"type": "enabled", "budget_tokens": 100}) == 100
+    assert convert.anthropic_effort({"type": "disabled"}) == "none"
+    with pytest.raises(InputError, match="not among the declared tools"):
+        convert.normalize_tool_choice({"type": "function", "function": {"name": "g"}},
+                                      [{"type": "function", "function": {"name": "f"}}])
+
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["city", "days"]}}}]
+ANSWER_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 99}},
+                 "required": ["ok", "n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    out = {}
+    for family in ("k3", "k2"):
+        d = tmp_path_factory.mktemp(f"tok-{family}")
+        write_synthetic_tokenizer(d, family, 4096)
+        out[family] = load_tokenizer(d)
+    return out
+
+
+VOCABS: dict[str, GrammarVocab] = {}
+
+
+def constrained_random_decode(tok, family, tag, *, seed: int, forced_close: list[int] | None, steps: int = 300):
+    """Greedy decode over random logits through the grammar; `forced_close` is injected after 12 tokens
+    unless the model already began it (as the thinking budget does). Returns (output ids, processor)."""
+    if family not in VOCABS:
+        VOCABS[family] = GrammarVocab(tok, family, tok.vocab_size + 8)
+    vocab = VOCABS[family]
+    proc = GrammarLogitsProcessor(vocab, vocab.compile(tag))
+    gen = torch.Generator().manual_seed(seed)
+    out: list[int] = []
+    for step in range(steps):
+        if forced_close and step == 12 and forced_close[0] not in out:
+            out.extend(forced_close)
+        t = int(proc(out, torch.randn(vocab.vocab_size, generator=gen)).argmax())
+        out.append(t)
+        if t in tok.eos_token_ids:
+            break
+    return out, proc
+
+
+def k3_close_think(tok) -> list[int]:
+    sp = tok.encode_special
+    return [sp("<|close|>"), *tok.encode("think"), sp("<|sep|>"), sp("<|open|>"), *tok.encode("response"), sp("<|sep|>")]
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_k3_forced_tool_call_always_parses(tokenizers, thinking, seed):
+    tok = tokenizers["k3"]
+    tag = structural_tag_for("k3", tools=WEATHER, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                             response_format=None, thinking=thinking, starts_in_reasoning=thinking)
+    out, proc = constrained_random_decode(tok, "k3", tag, seed=seed, forced_close=k3_close_think(tok) if thinking else None)
+    assert proc.completed and not proc.failed and out[-1] in tok.eos_token_ids
+    # every marker is its own special token, never spelled from text pieces
+    assert tok.decode(out, skip_special_tokens=True).count("<|") == 0
+    assert '<|open|>call tool="get_weather" index="1"<|sep|>' in tok.decode(out)
+    parsed = parse_output(tok, "k3", out, starts_in_reasoning=thinking)
+    assert parsed.tool_call_parse_failures == 0 and not parsed.content
+    (call,) = parsed.tool_calls
+    assert call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER[0]["function"]["parameters"])
+    assert bool(parsed.reasoning_content) == thinking
+
+
+@pytest.mark.parametrize("family", ["k3", "k2"])
+@pytest.mark.parametrize("seed", [0, 3])
+def test_json_schema_response_format_validates(tokenizers, family, seed):
+    tok = tokenizers[family]
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}
+    tag = structural_tag_for(family, tools=None, tool_choice=None, response_format=fmt, thinking=False, starts_in_reasoning=False)
+    out, proc = constrained_random_decode(tok, family, tag, seed=seed, forced_close=None)
+    assert proc.completed and out[-1] in tok.eos_token_ids
+    parsed = parse_output(tok, family, out, starts_in_reasoning=False)
+    jsonschema.validate(json.loads(parsed.content), ANSWER_SCHEMA)
+
+
+def test_k2_required_tool_call_with_reasoning(tokenizers):
+    tok = tokenizers["k2"]
+    tag = structural_tag_for("k2", tools=WEATHER, tool_choice="required", response_format=None, thinking=True,
+                             starts_in_reasoning=True, parallel_tool_calls=False)
+    out, proc = constrained_random_decode(tok, "k2", tag, seed=5, forced_close=[tok.encode_special("</think>")])
+    assert proc.completed
+    assert "</think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:1" in tok.decode(out)
+    parsed = parse_output(tok, "k2", out, starts_in_reasoning=True)
+    (call,) = parsed.tool_calls
+    assert parsed.tool_call_parse_failures == 0 and call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER[0]["function"]["parameters"])
+
+
+def test_no_grammar_for_auto_tools_or_text():
+    assert structural_tag_for("k3", tools=WEATHER, tool_choice="auto", response_format=None, thinking=True,
+                              starts_in_reasoning=True) is None
+    with pytest.raises(InputError, match="response_format.type"):
+        structural_tag_for("k3", tools=None, tool_choice=None, response_format={"type": "xml"}, thinking=True,
+                           starts_in_reasoning=True)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["serve", "/nonexistent/engine"], "not an engine directory"),
+    (["serve", ".", "--port", "0"], "--port"),
+    (["serve", ".", "--default-effort", "extreme"], "--default-effort"),
+    (["serve", ".", "--host", "example.com"], "--host"),
+])
+def test_serve_cli_bad_input_exits_2(capsys, tmp_path, monkeypatch, args, message):
+    """Bad arguments are refused before any engine is loaded."""
+    from conftest import run_cli
+
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(capsys, *args)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_serve_busy_port_is_a_clear_error():
+    from moe_export.runtime.server.launch import listening_socket
+
+    with listening_socket("127.0.0.1", 0) as taken:
+        taken.listen()
+        with pytest.raises(InputError, match=rf"cannot listen on 127.0.0.1:{taken.getsockname()[1]}"):
+            listening_socket("127.0.0.1", taken.getsockname()[1]).close()
