@@ -221,6 +221,77 @@ def verify(
         )
 
 
+@app.command("triton-repo")
+def triton_repo(
+    engine: str = typer.Argument(..., help="engine directory written by `build`"),
+    out: str = typer.Option(..., "--out", help="Triton model repository folder (created if absent)"),
+    model_name: str = typer.Option("moe-export", "--model-name", help="model folder / name in the repository"),
+    default_effort: str = typer.Option("max", "--default-effort", help="thinking tier when a request names none"),
+) -> None:
+    """Write a Triton Inference Server model (Python backend, decoupled, vLLM-backend tensor names) hosting
+    the runtime on ENGINE, plus launch_NAME.sh (in process, or --mpi: one process per rank)."""
+    from moe_export.runtime.triton_repo import write_triton_repo
+
+    path = write_triton_repo(engine, out, model_name, default_effort)
+    console.print(f"wrote Triton model {model_name} to {path} (launch: {path.parent / f'launch_{model_name}.sh'})",
+                  highlight=False, markup=False)
+
+
+@app.command()
+def batch(
+    engine: str = typer.Argument(..., help="engine directory written by `build`"),
+    input_path: str = typer.Option(..., "--input", help="OpenAI batch JSONL file, or a folder of documents"),
+    output: str = typer.Option(..., "--output", help="output JSONL (appended; items already in it are skipped)"),
+    concurrency: int | None = typer.Option(None, "--concurrency", help="items in flight (default: 2 x engine slots)"),
+    task: str | None = typer.Option(None, "--task", help="documents: summarize, extract or qa"),
+    prompt_file: str | None = typer.Option(None, "--prompt-file", help="documents: Jinja template (variable `document`)"),
+    question: str | None = typer.Option(None, "--question", help="the question for --task qa"),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="documents: tokens generated per request"),
+    overlap: int = typer.Option(64, "--overlap", help="documents: tokens shared by neighbouring chunks"),
+    max_chunks: int = typer.Option(64, "--max-chunks", help="documents: more chunks than this = over-long error"),
+    max_file_bytes: int = typer.Option(64 << 20, "--max-file-bytes", help="documents: larger files = over-long error"),
+    reasoning_effort: str | None = typer.Option(None, "--reasoning-effort", help="documents: low, high, max or none"),
+    ray_address: str | None = typer.Option(None, "--ray", help="run on Ray Data: auto, or a cluster ADDRESS"),
+    ray_actors: int = typer.Option(2, "--ray-actors", help="Ray: engine replicas (one per actor)"),
+) -> None:
+    """Offline batch inference through the runtime's continuous batching; resumable; exit 1 if any item failed."""
+    from moe_export.runtime.batch.doc_tasks import DocJob
+    from moe_export.runtime.batch.runner import render_summary, run_batch
+
+    doc_job = None
+    if task is not None or prompt_file is not None:
+        doc_job = DocJob.make(task, prompt_file, question, overlap=overlap, max_chunks=max_chunks,
+                              max_tokens=max_tokens, reasoning_effort=reasoning_effort)
+    summary = run_batch(engine, input_path, output, concurrency=concurrency, doc_job=doc_job, ray_address=ray_address,
+                        ray_actors=ray_actors, max_file_bytes=max_file_bytes, console=err_console)
+    render_summary(summary, err_console)
+    if summary.failed:
+        err_console.print(f"{summary.failed} item(s) failed: see the error lines in {output}", highlight=False)
+        raise typer.Exit(1)
+
+
+@app.command("eval")
+def eval_(
+    engine: str = typer.Argument(..., help="engine directory written by `build`"),
+    tasks: str = typer.Option(..., "--tasks", help="tasks JSONL (see moe_export.runtime.eval)"),
+    tiers: str = typer.Option("low,high,max", "--tiers", help="comma-separated thinking tiers (low, high, max, none)"),
+    out: str = typer.Option(..., "--out", help="report folder: report.json and tiers.png"),
+) -> None:
+    """Run checkable tasks through the chat path at each thinking tier; pass rate, rounds, tokens, latency."""
+    from rich.table import Table
+
+    from moe_export.runtime.eval import run_eval
+
+    report = run_eval(engine, tasks, tiers, out)
+    table = Table(title=f"eval ({out}/report.json)")
+    for column in ("tier", "pass rate", "avg rounds", "reasoning tok", "output tok", "latency p50 s"):
+        table.add_column(column, justify="right")
+    for tier, row in report["tiers"].items():
+        table.add_row(tier, f"{row['pass_rate']:.2f}", f"{row['avg_rounds']:.2f}", f"{row['avg_reasoning_tokens']:.1f}",
+                      f"{row['avg_output_tokens']:.1f}", f"{row['latency_s']['p50']:.2f}")
+    console.print(table)
+
+
 @app.command()
 def serve(
     engine: str = typer.Argument(..., help="engine directory built by `moe-export build`"),

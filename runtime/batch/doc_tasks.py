@@ -1,0 +1,190 @@
+"""Document jobs: a Jinja prompt per chunk, then the per-chunk outputs merged into one per document.
+
+Prompt: `--prompt-file TEMPLATE.j2` (variables: document = the chunk's text, path, chunk_index (0-based),
+num_chunks, question) or a built-in `--task`:
+  summarize  per-chunk summaries; more than one chunk -> the summaries are summarized again (in groups
+             that fit the context, repeated until one is left)
+  extract    per-chunk JSON objects of the facts found; merged key by key (lists concatenated without
+             duplicates, first non-null scalar kept); chunks whose output is not JSON are kept in "unparsed"
+  qa         per-chunk answers to --question; more than one chunk -> one answer from the partial answers
+  (template) the chunk outputs joined in order, separated by a blank line
+Chunks hold at most (max_seq_len - prompt overhead - max_tokens) document tokens, with `overlap` tokens
+shared between neighbours.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import jinja2
+
+from moe_export.export.errors import InputError
+from moe_export.runtime.batch.chunking import chunk_text
+
+TASK_TEMPLATES = {
+    "summarize": "Summarize the following document in a few sentences.\n\n{{ document }}",
+    "extract": (
+        "Extract the named entities, dates and numbers stated in the following document. Answer with one JSON "
+        'object only, shaped {"entities": [...], "dates": [...], "numbers": [...]}.\n\n{{ document }}'
+    ),
+    "qa": "Answer the question using only the document. If the document does not say, answer \"not stated\".\n\n"
+          "Question: {{ question }}\n\nDocument:\n{{ document }}",
+}
+REDUCE_TEMPLATES = {
+    "summarize": "These are summaries of consecutive parts of one document. Write one summary of the whole "
+                 "document.\n\n{{ document }}",
+    "qa": "These are answers to the question from consecutive parts of one document. Give one final answer.\n\n"
+          "Question: {{ question }}\n\nPartial answers:\n{{ document }}",
+}
+OVERHEAD_MARGIN = 8  # tokens kept free beyond the measured prompt overhead
+
+
+class OverLongDocument(InputError):
+    """A document that needs more than --max-chunks chunks."""
+
+
+@dataclass(frozen=True)
+class DocJob:
+    """What to do with every document (picklable: sent to Ray actors)."""
+
+    template: str  # Jinja source of the per-chunk prompt
+    task: str | None  # summarize | extract | qa, or None for a user template
+    question: str | None = None
+    overlap: int = 64
+    max_chunks: int = 64
+    max_tokens: int = 256
+    reasoning_effort: str | None = None
+
+    @classmethod
+    def make(cls, task: str | None, prompt_file: str | None, question: str | None, **kw) -> DocJob:
+        if (task is None) == (prompt_file is None):
+            raise InputError("documents need exactly one of --task summarize|extract|qa and --prompt-file TEMPLATE.j2")
+        if task is not None and task not in TASK_TEMPLATES:
+            raise InputError(f"--task {task}: expected one of {', '.join(TASK_TEMPLATES)}")
+        if task == "qa" and not question:
+            raise InputError("--task qa needs --question")
+        if prompt_file is not None:
+            try:
+                source = open(prompt_file, encoding="utf-8").read()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise InputError(f"--prompt-file {prompt_file}: cannot read ({exc})") from None
+        else:
+            source = TASK_TEMPLATES[task]
+        env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False)
+        try:
+            env.from_string(source).render(document="", path="", chunk_index=0, num_chunks=1, question=question or "")
+        except jinja2.TemplateError as exc:
+            raise InputError(f"prompt template {prompt_file or task}: {exc}") from None
+        return cls(template=source, task=task, question=question, **kw)
+
+
+class DocRunner:
+    """Runs a DocJob's documents on one AsyncLLM; `semaphore` bounds the requests in flight."""
+
+    def __init__(self, llm, job: DocJob, max_seq_len: int, semaphore) -> None:
+        from moe_export.runtime.chat import render_ids
+        from moe_export.runtime.sampling import SamplingParams
+
+        self.llm, self.job, self.semaphore = llm, job, semaphore
+        env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False)
+        self.prompt = env.from_string(job.template)
+        self.reduce = env.from_string(REDUCE_TEMPLATES[job.task]) if job.task in REDUCE_TEMPLATES else None
+        self.sampling = SamplingParams(max_tokens=job.max_tokens)
+        self.count = lambda text: len(llm.tokenizer.encode(text))
+        empty = [{"role": "user", "content": self.prompt.render(document="", path="", chunk_index=0, num_chunks=1,
+                                                                question=job.question or "")}]
+        overhead = len(render_ids(llm.tokenizer, empty, family=llm.family)) + OVERHEAD_MARGIN
+        self.budget = max_seq_len - overhead - job.max_tokens
+        if self.budget <= job.overlap:
+            raise InputError(
+                f"the engine's context ({max_seq_len} tokens) leaves {self.budget} document tokens per chunk after the "
+                f"prompt ({overhead}) and max_tokens ({job.max_tokens}); need more than the overlap ({job.overlap})"
+            )
+
+    async def _ask(self, content: str, usage: dict) -> str:
+        kwargs = {} if self.job.reasoning_effort is None else {"reasoning_effort": self.job.reasoning_effort}
+        async with self.semaphore:
+            out = await self.llm.chat([{"role": "user", "content": content}], self.sampling, **kwargs)
+        for key in ("prompt_tokens", "completion_tokens", "reasoning_tokens"):
+            usage[key] += out.usage.get(key, 0)
+        usage["requests"] += 1
+        return out.content or ""
+
+    async def run(self, path: str, text: str) -> dict:
+        """One document -> response body {"output", "chunks", "chunk_outputs", "usage"}; OverLongDocument if
+        it needs more than max_chunks chunks."""
+        import asyncio
+
+        if len(text) > self.job.max_chunks * self.budget * 16:  # > 16 characters per token cannot fit
+            raise OverLongDocument(f"{path}: {len(text)} characters cannot fit in {self.job.max_chunks} chunks (--max-chunks)")
+        chunks = chunk_text(text, self.count, self.budget, self.job.overlap)
+        if len(chunks) > self.job.max_chunks:
+            raise OverLongDocument(f"{path}: needs {len(chunks)} chunks of {self.budget} tokens, over --max-chunks {self.job.max_chunks}")
+        usage = {"prompt_tokens": 0, "completion_tokens": 0, "reasoning_tokens": 0, "requests": 0}
+        prompts = [self.prompt.render(document=c, path=path, chunk_index=i, num_chunks=len(chunks),
+                                      question=self.job.question or "") for i, c in enumerate(chunks)]
+        outputs = await asyncio.gather(*(self._ask(p, usage) for p in prompts))
+        merged = await self._merge(list(outputs), usage)
+        return {"output": merged, "chunks": len(chunks), "chunk_outputs": list(outputs) if len(chunks) > 1 else [],
+                "usage": usage}
+
+    async def _merge(self, outputs: list[str], usage: dict):
+        if self.job.task == "extract":
+            return merge_extractions(outputs)
+        if self.reduce is None:
+            return "\n\n".join(outputs)
+        import asyncio
+
+        while len(outputs) > 1:
+            groups = pack_groups(outputs, self.count, self.budget)
+            if all(len(g) == 1 for g in groups):  # every partial output alone fills a chunk: stop reducing
+                return "\n\n".join(outputs)
+            outputs = await asyncio.gather(*(
+                self._ask(self.reduce.render(document="\n\n".join(g), question=self.job.question or ""), usage)
+                if len(g) > 1 else asyncio.sleep(0, g[0]) for g in groups))
+        return outputs[0]
+
+
+def pack_groups(parts: list[str], count, budget: int) -> list[list[str]]:
+    """Consecutive parts packed greedily into groups whose joined text fits `budget` tokens."""
+    groups: list[list[str]] = []
+    for part in parts:
+        if groups and count("\n\n".join([*groups[-1], part])) <= budget:
+            groups[-1].append(part)
+        else:
+            groups.append([part])
+    return groups
+
+
+def _merge_values(a, b):
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = dict(a)
+        for key, value in b.items():
+            out[key] = _merge_values(out[key], value) if key in out else value
+        return out
+    if isinstance(a, list) and isinstance(b, list):
+        out = list(a)
+        for value in b:
+            if value not in out:
+                out.append(value)
+        return out
+    return b if a is None else a
+
+
+def merge_extractions(outputs: list[str]) -> dict:
+    """Per-chunk JSON objects merged key by key; outputs that are not a JSON object go to "unparsed"."""
+    merged: dict = {}
+    unparsed = []
+    for text in outputs:
+        try:
+            value = json.loads(text.strip().removeprefix("```json").removeprefix("```").removesuffix("```"))
+        except json.JSONDecodeError:
+            value = None
+        if isinstance(value, dict):
+            merged = _merge_values(merged, value)
+        else:
+            unparsed.append(text)
+    if unparsed:
+        merged["unparsed"] = unparsed
+    return merged

@@ -1,0 +1,203 @@
+"""Triton Inference Server Python-backend model hosting the moe-export runtime (copied verbatim to
+`REPO/NAME/1/model.py` by `moe-export triton-repo`; it imports `triton_python_backend_utils`, which only
+exists inside Triton's Python-backend stub, or a test double of it).
+
+Decoupled (streaming) model. `execute` hands every request to one asyncio loop thread that owns an
+`AsyncLLM`, and returns at once; the runtime's scheduler batches all in-flight requests continuously
+(Triton's dynamic batcher stays off). Each request streams responses through its response sender and
+ends with TRITONSERVER_RESPONSE_COMPLETE_FINAL. A cancelled request (`sender.is_cancelled()`) is aborted in
+the runtime and answered with a CANCELLED error; a bad request gets an INVALID_ARG error and an internal
+failure an INTERNAL error: per request, never a crash of the model.
+
+Tensors (the names of Triton's vLLM backend, so its OpenAI-compatible frontend and load tools work):
+  inputs  text_input (BYTES [1], raw prompt), messages (BYTES [1], JSON list of chat messages; instead of
+          text_input), stream (BOOL [1]), sampling_parameters (BYTES [1], JSON object: temperature, top_p,
+          top_k, seed, max_tokens, stop, stop_token_ids, ignore_eos, reasoning_effort, tools, tool_choice,
+          response_format), exclude_input_in_output (BOOL [1])
+  outputs text_output (BYTES [-1]), reasoning_content, tool_calls (JSON), usage (JSON), finish_reason
+Only requested outputs are sent (all of them when the client names none).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+OUTPUT_NAMES = ("text_output", "reasoning_content", "tool_calls", "usage", "finish_reason")
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+TRITON_IGNORED_OPTIONS = ("n", "best_of", "logprobs", "presence_penalty", "frequency_penalty")
+
+
+class BadRequest(Exception):
+    """A request this model refuses: answered with INVALID_ARG."""
+
+
+def _scalar(request, name: str):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return None
+    values = np.asarray(tensor.as_numpy()).reshape(-1)
+    if values.size != 1:
+        raise BadRequest(f"input {name} must hold exactly one element, got shape {tensor.as_numpy().shape}")
+    return values[0]
+
+
+def _text(request, name: str) -> str | None:
+    value = _scalar(request, name)
+    if value is None:
+        return None
+    try:
+        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"input {name} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def _json(request, name: str):
+    text = _text(request, name)
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"input {name} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+
+
+def _string_tensor(name: str, text: str):
+    return pb_utils.Tensor(name, np.array([text.encode("utf-8")], dtype=np.object_))
+
+
+class TritonPythonModel:
+    """One model instance: one AsyncLLM on one engine, all requests of the instance batched together."""
+
+    def initialize(self, args: dict) -> None:
+        from moe_export.runtime.llm import AsyncLLM
+
+        self.model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
+            raise pb_utils.TritonModelException(
+                f"{self.model_config['name']}: set model_transaction_policy {{ decoupled: true }} (responses stream)"
+            )
+        params = {k: v["string_value"] for k, v in self.model_config.get("parameters", {}).items()}
+        engine_dir = params["engine_dir"]
+        default_effort = params.get("default_effort", "max")
+        self.ids = itertools.count()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="moe-export-runtime", daemon=True)
+        self.thread.start()
+        self.inflight: set = set()
+        self.lock = threading.Lock()
+
+        async def start():
+            return AsyncLLM(engine_dir, default_effort=default_effort)
+
+        self.llm = asyncio.run_coroutine_threadsafe(start(), self.loop).result()
+
+    def execute(self, requests):
+        """Decoupled: schedule each request on the runtime loop and return None at once."""
+        for request in requests:
+            future = asyncio.run_coroutine_threadsafe(self._serve(request), self.loop)
+            with self.lock:
+                self.inflight.add(future)
+            future.add_done_callback(self._forget)
+        return None
+
+    def _forget(self, future) -> None:
+        with self.lock:
+            self.inflight.discard(future)
+
+    def _parse(self, request) -> dict:
+        prompt = _text(request, "text_input")
+        messages = _json(request, "messages")
+        if (prompt is None) == (messages is None):
+            raise BadRequest("give exactly one of the inputs text_input (a prompt) and messages (JSON chat messages)")
+        if messages is not None and not (isinstance(messages, list) and all(isinstance(m, dict) for m in messages)):
+            raise BadRequest("input messages must be a JSON list of message objects")
+        options = _json(request, "sampling_parameters") or {}
+        from moe_export.runtime.request_options import parse_request_options
+
+        opts = parse_request_options(options, "sampling_parameters", ignored=TRITON_IGNORED_OPTIONS)
+        if prompt is not None and opts.chat_kwargs:
+            raise BadRequest(f"{', '.join(sorted(opts.chat_kwargs))} apply to chat requests (the messages input), not text_input")
+        stream = _scalar(request, "stream")
+        exclude = _scalar(request, "exclude_input_in_output")
+        wanted = set(request.requested_output_names()) or set(OUTPUT_NAMES)
+        return {
+            "prompt": prompt, "messages": messages, "opts": opts, "stream": bool(stream) if stream is not None else False,
+            "exclude_input": bool(exclude) if exclude is not None else False, "wanted": wanted,
+        }
+
+    def _response(self, wanted: set, text: str, reasoning: str, output=None):
+        tensors = []
+        if "text_output" in wanted:
+            tensors.append(_string_tensor("text_output", text))
+        if "reasoning_content" in wanted:
+            tensors.append(_string_tensor("reasoning_content", reasoning))
+        if output is not None:
+            extra = {"tool_calls": json.dumps(output.tool_calls), "usage": json.dumps(output.usage),
+                     "finish_reason": output.finish_reason or ""}
+            tensors.extend(_string_tensor(name, value) for name, value in extra.items() if name in wanted)
+        return pb_utils.InferenceResponse(output_tensors=tensors)
+
+    @staticmethod
+    def _error(message: str, code):
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+
+    async def _serve(self, request) -> None:
+        from moe_export.export.errors import InputError
+
+        sender = request.get_response_sender()
+        request_id = f"triton-{next(self.ids)}-{request.request_id() or 'anon'}"
+        try:
+            job = self._parse(request)
+        except (BadRequest, InputError) as exc:
+            sender.send(self._error(str(exc), pb_utils.TritonError.INVALID_ARG), flags=FINAL)
+            return
+        opts = job["opts"]
+        chat = job["messages"] is not None
+        deltas = None
+        try:
+            if chat:
+                deltas = self.llm.chat_stream(job["messages"], opts.sampling, request_id=request_id, **opts.chat_kwargs)
+            else:
+                deltas = self.llm.generate_stream(job["prompt"], opts.sampling, request_id=request_id)
+            async for delta in deltas:
+                if sender.is_cancelled():
+                    self.llm.abort(request_id)
+                    sender.send(self._error("request cancelled by the client", pb_utils.TritonError.CANCELLED), flags=FINAL)
+                    return
+                if job["stream"]:
+                    sender.send(self._response(job["wanted"], delta.content if chat else delta.text, delta.reasoning,
+                                               delta.output), flags=FINAL if delta.finished else 0)
+                elif delta.finished:
+                    out = delta.output
+                    full = (out.content or "") if chat else out.text
+                    if not chat and not job["exclude_input"]:
+                        full = job["prompt"] + full
+                    sender.send(self._response(job["wanted"], full, out.reasoning_content or "", out), flags=FINAL)
+                if delta.finished:
+                    return
+            sender.send(self._error("the runtime ended the request without a final output", pb_utils.TritonError.INTERNAL),
+                        flags=FINAL)
+        except InputError as exc:
+            sender.send(self._error(str(exc), pb_utils.TritonError.INVALID_ARG), flags=FINAL)
+        except Exception as exc:  # any failure is this request's error, never the model's crash
+            self.llm.abort(request_id)
+            sender.send(self._error(f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL), flags=FINAL)
+        finally:
+            if deltas is not None and hasattr(deltas, "aclose"):
+                await deltas.aclose()
+
+    def finalize(self) -> None:
+        """Finish in-flight requests (their senders stay valid until they end), then stop the runtime."""
+        with self.lock:
+            pending = list(self.inflight)
+        for future in pending:
+            future.result()
+        self.llm.shutdown()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()

@@ -1,0 +1,237 @@
+"""`moe-export batch` end to end on a tiny engine: OpenAI batch JSONL (bodies validated by the official
+openai client's types), a document collection killed partway and resumed (every good document exactly
+once, bad ones reported), templates and tasks, and the same job on a local Ray with two actors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+
+GOOD_DOCS = 200
+MOE_EXPORT = str(Path(sys.executable).parent / "moe-export")
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """tiny-k3 on one rank, 16 sequence slots, 512-token steps (prefill of many documents packs together)."""
+    import yaml
+
+    from moe_export.export.build import build
+    from moe_export.recipes.schema import load_recipe
+
+    root = tmp_path_factory.mktemp("batch-engine")
+    data = yaml.safe_load(load_recipe("tiny-cpu.yaml")[1].read_text())
+    data.update(name="batch-tiny", parallel={"tp": 1, "ep": 1})
+    data["target"]["gpus_per_node"] = 1
+    data["limits"] = {"max_batch": 16, "max_seq_len": 512, "max_num_tokens": 512}
+    (root / "batch.yaml").write_text(yaml.safe_dump(data))
+    build(load_recipe(root / "batch.yaml")[0], root / "engine")
+    return root / "engine"
+
+
+def read_lines(path: Path) -> list[dict]:
+    data = path.read_bytes()
+    assert data == b"" or data.endswith(b"\n"), "a line was left half-written"
+    return [json.loads(line) for line in data.splitlines()]
+
+
+def write_batch_input(path: Path) -> None:
+    lines = [
+        {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "m", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 6,
+                  "reasoning_effort": "low"}},
+        {"custom_id": "cmpl-1", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "m", "prompt": "Once upon a time", "max_tokens": 5, "ignore_eos": True}},
+        {"custom_id": "resp-1", "method": "POST", "url": "/v1/responses",
+         "body": {"model": "m", "input": "What is 2+2?", "instructions": "Be brief.", "max_output_tokens": 6,
+                  "reasoning": {"effort": "none"}}},
+        {"custom_id": "stream-1", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "x"}], "stream": True}},
+        {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "dup"}]}},
+        {"custom_id": "long-1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "y" * 2000}},
+    ]
+    text = "\n".join(json.dumps(line) for line in lines) + "\n{broken json\n"
+    path.write_text(text)
+
+
+def test_openai_batch_file_outputs_and_resume(engine, tmp_path, capsys):
+    import openai.types
+    import openai.types.chat
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_batch_input(src)
+    code, _, err = run_cli(capsys, "batch", str(engine), "--input", str(src), "--output", str(out), "--concurrency", "4")
+    assert code == 1 and "failed" in err and "Traceback" not in err  # some items failed: exit 1
+    records = read_lines(out)
+    ok = {r["custom_id"]: r["response"] for r in records if r["error"] is None}
+    failed = {(r["custom_id"], r["error"]["code"]): r["error"]["message"] for r in records if r["error"] is not None}
+    assert len(records) == len(ok) + len(failed) == 7
+    chat = ok["chat-1"]
+    assert chat["status_code"] == 200
+    openai.types.chat.ChatCompletion.model_validate(chat["body"])
+    assert chat["body"]["usage"]["completion_tokens"] <= 6
+    cmpl = ok["cmpl-1"]["body"]
+    openai.types.Completion.model_validate(cmpl)
+    assert cmpl["usage"]["completion_tokens"] == 5 and cmpl["choices"][0]["finish_reason"] == "length"
+    resp = ok["resp-1"]["body"]  # the server's Responses object (strict validation: see test_serve)
+    assert resp["object"] == "response" and resp["usage"]["output_tokens"] <= 6
+    assert all(item["type"] in ("reasoning", "message", "function_call") for item in resp["output"])
+    assert "stream" in failed[("stream-1", "bad_record")]
+    assert ("chat-1", "duplicate_custom_id") in failed
+    assert "line 7" in failed[("line-7", "bad_record")]
+    (long_line,) = [r for r in records if r["custom_id"] == "long-1"]  # refused by the endpoint: its status kept
+    assert long_line["response"]["status_code"] == 400 and long_line["response"]["body"] is None
+    assert long_line["error"]["code"] == "invalid_request_error" and "2000" in long_line["error"]["message"]
+    assert all(r["id"].startswith("batch_req_") for r in records)
+
+    size = out.stat().st_size  # rerun: everything is already done, nothing is appended, nothing failed now
+    code, _, err = run_cli(capsys, "batch", str(engine), "--input", str(src), "--output", str(out))
+    assert code == 0 and out.stat().st_size == size
+
+
+def make_collection(root: Path) -> tuple[set[str], dict[str, str]]:
+    """~200 small documents of every kind, one that needs several chunks, and bad files (name -> error code)."""
+    root.mkdir()
+    good = set()
+    for i in range(GOOD_DOCS):
+        kind = ("txt", "md", "html", "jsonl")[i % 4]
+        name = f"doc{i:03d}.{kind}"
+        body = f"Document {i}: the value is {i * 7} and the colour is {('red', 'green', 'blue')[i % 3]}."
+        if kind == "html":
+            (root / name).write_text(f"<html><body><h1>Doc {i}</h1><p>{body}</p></body></html>")
+            good.add(name)
+        elif kind == "jsonl":
+            (root / name).write_text(json.dumps({"id": f"r{i}", "text": body}) + "\n")
+            good.add(f"{name}#r{i}")
+        else:
+            (root / name).write_text(body)
+            good.add(name)
+    (root / "chunked.txt").write_text(" ".join(f"word{i}" for i in range(70)))  # 2-4 chunks of ~300 tokens
+    good.add("chunked.txt")
+    bad = {"empty.txt": "empty_document", "binary.txt": "binary_file", "latin1.md": "undecodable",
+           "huge.txt": "over_long", "overlong.txt": "over_long"}
+    (root / "empty.txt").write_text("")
+    (root / "binary.txt").write_bytes(bytes(range(256)) * 4)
+    (root / "latin1.md").write_bytes("naïve façade".encode("latin-1"))
+    (root / "huge.txt").write_text("h" * 30_000)  # over --max-file-bytes
+    (root / "overlong.txt").write_text(" ".join(f"token{i}" for i in range(800)))  # over --max-chunks
+    return good, bad
+
+
+def batch_command(engine: Path, docs: Path, out: Path, *extra: str) -> list[str]:
+    return [MOE_EXPORT, "batch", str(engine), "--input", str(docs), "--output",
+            str(out), "--task", "summarize", "--max-tokens", "2", "--overlap", "8", "--max-chunks", "4",
+            "--max-file-bytes", "20000", *extra]
+
+
+def test_document_collection_killed_and_resumed_processes_each_document_once(engine, tmp_path, capsys):
+    docs, out = tmp_path / "docs", tmp_path / "out.jsonl"
+    good, bad = make_collection(docs)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(batch_command(engine, docs, out), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if out.exists() and out.read_bytes().count(b"\n") >= 40:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be killed; make the collection larger"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    first = read_lines(out)
+    assert 40 <= len(first) < len(good) + len(bad)
+
+    done = subprocess.run(batch_command(engine, docs, out), env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stderr[-2000:]  # the bad files failed
+    assert "batch summary" in done.stderr and "Traceback" not in done.stderr
+    records = read_lines(out)
+    counts = Counter(r["custom_id"] for r in records)
+    assert set(counts) == good | set(bad)
+    assert all(n == 1 for n in counts.values()), [k for k, n in counts.items() if n > 1]
+    by_id = {r["custom_id"]: r for r in records}
+    for name in good:
+        assert by_id[name]["error"] is None and by_id[name]["response"]["status_code"] == 200, by_id[name]
+        assert by_id[name]["content_hash"].startswith("sha256:")
+    for name, code in bad.items():
+        assert by_id[name]["response"] is None and by_id[name]["error"]["code"] == code, by_id[name]
+    assert "--max-chunks" in by_id["overlong.txt"]["error"]["message"]
+    chunked = by_id["chunked.txt"]["response"]["body"]
+    assert 2 <= chunked["chunks"] <= 4 and len(chunked["chunk_outputs"]) == chunked["chunks"]
+    assert chunked["usage"]["requests"] > chunked["chunks"]  # the partial summaries were summarized again
+
+    code, _, _ = run_cli(capsys, *batch_command(engine, docs, out)[1:])
+    assert code == 0 and len(read_lines(out)) == len(records)  # nothing left to do
+    (docs / "doc000.txt").write_text("Document 0 was edited.")  # changed content: done again
+    code, _, _ = run_cli(capsys, *batch_command(engine, docs, out)[1:])
+    assert code == 0 and [r["custom_id"] for r in read_lines(out)[len(records):]] == ["doc000.txt"]
+
+
+def test_prompt_template_tasks_and_bad_options(engine, tmp_path, capsys):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("Alice met Bob in Paris on 3 May.")
+    (docs / "b.txt").write_text("Carol paid 12 euros.")
+    template = tmp_path / "t.j2"
+    template.write_text("File {{ path }} part {{ chunk_index + 1 }}/{{ num_chunks }}: {{ document }}\nTL;DR:")
+    out = tmp_path / "t.jsonl"
+    code, _, err = run_cli(capsys, "batch", str(engine), "--input", str(docs), "--output", str(out),
+                           "--prompt-file", str(template), "--max-tokens", "3")
+    assert code == 0, err
+    assert {r["custom_id"] for r in read_lines(out)} == {"a.txt", "b.txt"}
+    out = tmp_path / "e.jsonl"
+    code, _, err = run_cli(capsys, "batch", str(engine), "--input", str(docs), "--output", str(out),
+                           "--task", "extract", "--max-tokens", "3")
+    assert code == 0, err
+    assert all(isinstance(r["response"]["body"]["output"], dict) for r in read_lines(out))
+    for args, message in [
+        (["--task", "qa"], "--question"),
+        (["--task", "poem"], "expected one of"),
+        ([], "give --task or --prompt-file"),
+        (["--task", "summarize", "--prompt-file", str(template)], "exactly one of"),
+        (["--prompt-file", str(tmp_path / "missing.j2")], "cannot read"),
+        (["--task", "summarize", "--concurrency", "0"], "--concurrency"),
+    ]:
+        code, _, err = run_cli(capsys, "batch", str(engine), "--input", str(docs), "--output", str(tmp_path / "x.jsonl"), *args)
+        assert code == 2 and message in err and "Traceback" not in err, (args, err)
+    bad_template = tmp_path / "bad.j2"
+    bad_template.write_text("{{ document ")
+    code, _, err = run_cli(capsys, "batch", str(engine), "--input", str(docs), "--output", str(tmp_path / "x.jsonl"),
+                           "--prompt-file", str(bad_template))
+    assert code == 2 and "prompt template" in err
+
+
+@pytest.mark.slow
+def test_ray_data_two_actors_same_results_as_local(engine, tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(12):
+        (docs / f"d{i:02d}.txt").write_text(f"Ray document {i} says {i * i}.")
+    (docs / "empty.txt").write_text("")
+    local, on_ray = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_ENABLE_UV_RUN_RUNTIME_ENV="0")
+    common = ["--task", "summarize", "--max-tokens", "3"]
+    r = subprocess.run([MOE_EXPORT, "batch", str(engine), "--input", str(docs),
+                        "--output", str(local), *common], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1, r.stderr[-2000:]
+    r = subprocess.run([MOE_EXPORT, "batch", str(engine), "--input", str(docs),
+                        "--output", str(on_ray), *common, "--ray", "auto", "--ray-actors", "2"],
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 1, r.stderr[-3000:]
+    want = {x["custom_id"]: x for x in read_lines(local)}
+    got = {x["custom_id"]: x for x in read_lines(on_ray)}
+    assert set(got) == set(want) and len(read_lines(on_ray)) == len(want)
+    for key, record in want.items():  # greedy decoding: the replicas produce what the local run produced
+        if record["error"] is None:
+            assert got[key]["response"]["body"]["output"] == record["response"]["body"]["output"]
+        else:
+            assert got[key]["error"]["code"] == record["error"]["code"]

@@ -1,0 +1,135 @@
+"""Batch building blocks that need no engine: document extraction and refusal reasons, chunking with
+overlap, the whole-or-absent output log, OpenAI batch input lines."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from moe_export.export.errors import InputError
+from moe_export.runtime.batch.chunking import chunk_text
+from moe_export.runtime.batch.documents import read_documents
+from moe_export.runtime.batch.openai_batch import parse_input_line
+from moe_export.runtime.batch.output import ResultLog
+
+
+def byte_count(text: str) -> int:
+    return len(text.encode("utf-8"))
+
+
+def word_count(text: str) -> int:
+    return len(text.split())
+
+
+@pytest.mark.parametrize("count,budget,overlap", [(byte_count, 120, 30), (byte_count, 40, 0), (word_count, 7, 3)])
+def test_chunks_fit_cover_in_order_and_overlap(count, budget, overlap):
+    words = [f"w{i}{'x' * (i % 9)}" for i in range(300)]
+    text = " ".join(words) + "\n"
+    chunks = chunk_text(text, count, budget, overlap)
+    assert len(chunks) > 3
+    assert all(count(c) <= budget for c in chunks)
+    assert text.startswith(chunks[0]) and text.endswith(chunks[-1])
+    pos = 0  # each chunk starts at or before the previous one's end, and the shared part is <= overlap
+    for prev, cur in zip(chunks, chunks[1:]):
+        start = text.index(prev, pos)
+        end = start + len(prev)
+        nxt = text.index(cur, start + 1)
+        assert start < nxt <= end
+        assert count(text[nxt:end]) <= overlap
+        if overlap == 0:
+            assert nxt == end
+        pos = start + 1
+    rebuilt = chunks[0]
+    for cur in chunks[1:]:
+        shared = max(k for k in range(len(cur) + 1) if rebuilt.endswith(cur[:k]))
+        rebuilt += cur[shared:]
+    assert rebuilt == text
+
+
+def test_chunking_cuts_an_overlong_word_and_keeps_short_text_whole():
+    assert chunk_text("short text", byte_count, 100, 10) == ["short text"]
+    long_word = "é" * 50 + "z" * 30  # multi-byte characters: pieces never split a character
+    chunks = chunk_text(long_word, byte_count, 16, 0)
+    assert "".join(chunks) == long_word and all(byte_count(c) <= 16 for c in chunks)
+    with pytest.raises(ValueError):
+        chunk_text("x y", byte_count, 10, 10)
+
+
+def write_pdf(path, text: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with matplotlib.rc_context({"pdf.fonttype": 42}):
+        fig = plt.figure()
+        fig.text(0.1, 0.5, text)
+        fig.savefig(path)
+        plt.close(fig)
+
+
+def test_documents_extracted_and_bad_ones_refused(tmp_path):
+    (tmp_path / "a.txt").write_text("plain text document")
+    (tmp_path / "b.md").write_text("# Title\n\nmarkdown body")
+    (tmp_path / "c.html").write_text("<html><head><script>var hidden = 1;</script><style>p{}</style></head>"
+                                     "<body><h1>Report</h1><p>Revenue <b>rose</b>.</p></body></html>")
+    write_pdf(tmp_path / "d.pdf", "Quarterly revenue grew 12 percent")
+    (tmp_path / "e.jsonl").write_text('{"id": "r1", "text": "first record"}\nnot json\n{"text": 5}\n{"text": "second"}\n')
+    (tmp_path / "empty.txt").write_text("  \n")
+    (tmp_path / "bin.txt").write_bytes(b"abc\x00\x01\x02")
+    (tmp_path / "latin1.txt").write_bytes("café crème".encode("latin-1"))
+    (tmp_path / "huge.txt").write_text("x" * 300_000)
+    (tmp_path / "broken.pdf").write_bytes(b"%PDF-1.4 garbage")
+    (tmp_path / "ignored.csv").write_text("a,b")
+    docs = {d.custom_id: d for d in read_documents(tmp_path, max_file_bytes=200_000)}
+    assert docs["a.txt"].text == "plain text document" and docs["a.txt"].error_code is None
+    assert "markdown body" in docs["b.md"].text
+    html = docs["c.html"].text
+    assert "Report" in html and "Revenue rose." in html and "hidden" not in html and "<" not in html
+    assert docs["d.pdf"].text.strip() == "Quarterly revenue grew 12 percent"
+    assert docs["e.jsonl#r1"].text == "first record" and docs["e.jsonl#line4"].text == "second"
+    assert docs["e.jsonl#line2"].error_code == "bad_record" and docs["e.jsonl#line3"].error_code == "bad_record"
+    assert docs["empty.txt"].error_code == "empty_document"
+    assert docs["bin.txt"].error_code == "binary_file"
+    assert docs["latin1.txt"].error_code == "undecodable" and "0xe9" in docs["latin1.txt"].error_message
+    assert docs["huge.txt"].error_code == "over_long" and "--max-file-bytes" in docs["huge.txt"].error_message
+    assert docs["broken.pdf"].error_code == "undecodable"
+    assert "ignored.csv" not in docs
+    assert docs["a.txt"].content_hash.startswith("sha256:") and docs["a.txt"].key.startswith("a.txt@sha256:")
+
+
+def test_result_log_truncates_a_cut_line_and_remembers_done_keys(tmp_path):
+    path = tmp_path / "out.jsonl"
+    log = ResultLog(path)
+    log.append({"custom_id": "a", "response": None, "error": {"code": "x", "message": "m"}})
+    log.append({"custom_id": "doc.txt", "content_hash": "sha256:1", "response": {}, "error": None})
+    log.close()
+    with open(path, "ab") as f:  # a kill in the middle of a write
+        f.write(b'{"custom_id": "b", "respo')
+    log = ResultLog(path)
+    assert log.repaired_bytes == len(b'{"custom_id": "b", "respo')
+    assert log.done == {"a", "doc.txt@sha256:1"}
+    log.append({"custom_id": "b", "response": {}, "error": None})
+    log.close()
+    lines = path.read_bytes().splitlines()
+    assert [json.loads(line)["custom_id"] for line in lines] == ["a", "doc.txt", "b"]
+    path.write_text("not a record\n")
+    with pytest.raises(InputError, match="line 1"):
+        ResultLog(path)
+    assert os.path.getsize(path) == len("not a record\n")
+
+
+@pytest.mark.parametrize("line,message", [
+    ("{", "not JSON"),
+    ("[]", "JSON object"),
+    ('{"method": "POST", "url": "/v1/chat/completions", "body": {}}', "custom_id"),
+    ('{"custom_id": "x", "method": "GET", "url": "/v1/chat/completions", "body": {}}', "method must be POST"),
+    ('{"custom_id": "x", "method": "POST", "url": "/v1/embeddings", "body": {}}', "url must be one of"),
+    ('{"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": 3}', "body must be"),
+])
+def test_bad_batch_lines_name_the_line(line, message):
+    with pytest.raises(InputError, match=message) as exc:
+        parse_input_line(line, 7)
+    assert "line 7" in str(exc.value)

@@ -1,0 +1,220 @@
+"""`moe-export triton-repo`: config.pbtxt validated by Triton's own ModelConfig protobuf (tritonclient),
+and the generated model.py run end to end on a tiny engine inside a test double of
+`triton_python_backend_utils` (tests/triton_backend_double: which documented behaviours it reproduces is
+listed in its docstring). No tritonserver exists here: what runs is our model.py against that double."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from google.protobuf import json_format, text_format
+from tritonclient.grpc import model_config_pb2
+
+from conftest import run_cli
+
+DOUBLE_DIR = Path(__file__).parent / "triton_backend_double"
+
+
+def parse_config(text: str) -> model_config_pb2.ModelConfig:
+    return text_format.Parse(text, model_config_pb2.ModelConfig())
+
+
+@pytest.fixture(scope="module")
+def engine(runtime_engine):
+    return runtime_engine("tiny-k3", 1, 1, 1)
+
+
+@pytest.fixture(scope="module")
+def repo(engine, tmp_path_factory):
+    out = tmp_path_factory.mktemp("triton") / "repo"
+    from moe_export.runtime.triton_repo import write_triton_repo
+
+    write_triton_repo(engine, out, "kimi", default_effort="low")
+    return out
+
+
+def test_config_pbtxt_is_a_valid_decoupled_python_model(repo, engine):
+    cfg = parse_config((repo / "kimi" / "config.pbtxt").read_text())
+    assert cfg.name == "kimi" and cfg.backend == "python" and cfg.max_batch_size == 0
+    assert cfg.model_transaction_policy.decoupled
+    assert not cfg.HasField("dynamic_batching")
+    inputs = {i.name: i for i in cfg.input}
+    outputs = {o.name: o for o in cfg.output}
+    string, boolean = model_config_pb2.DataType.Value("TYPE_STRING"), model_config_pb2.DataType.Value("TYPE_BOOL")
+    # the vLLM backend's names and types, which Triton's OpenAI frontend sends
+    assert inputs["text_input"].data_type == string and list(inputs["text_input"].dims) == [1]
+    assert inputs["stream"].data_type == boolean and inputs["exclude_input_in_output"].data_type == boolean
+    assert inputs["sampling_parameters"].data_type == string and inputs["messages"].data_type == string
+    assert all(i.optional for i in cfg.input)
+    assert outputs["text_output"].data_type == string and list(outputs["text_output"].dims) == [-1]
+    assert {"reasoning_content", "tool_calls", "usage"} <= set(outputs)
+    assert cfg.parameters["engine_dir"].string_value == str(Path(engine).resolve())
+    assert cfg.parameters["default_effort"].string_value == "low"
+    assert (repo / "kimi" / "1" / "model.py").read_text().startswith('"""Triton Inference Server Python-backend')
+    script = (repo / "launch_kimi.sh").read_text()
+    assert "mpiexec -n 1 tritonserver" in script and "-m moe_export.runtime.triton_follower" in script
+    assert "WORLD=1\n" in script and (repo / "launch_kimi.sh").stat().st_mode & 0o111
+    assert subprocess.run(["bash", "-n", str(repo / "launch_kimi.sh")]).returncode == 0
+
+
+def test_malformed_config_fails_to_parse(repo):
+    text = (repo / "kimi" / "config.pbtxt").read_text()
+    with pytest.raises(text_format.ParseError):
+        parse_config(text.replace("decoupled: true", "decoupled: maybe"))
+    with pytest.raises(text_format.ParseError):
+        parse_config(text + "\ninput { name: \"x\" data_type: TYPE_TEXT dims: [ 1 ] }\n")
+    with pytest.raises(text_format.ParseError):
+        parse_config(text.replace("model_transaction_policy", "transaction_policy"))
+
+
+def test_cli_writes_repo_and_rejects_bad_input(engine, tmp_path, capsys):
+    code, out, _ = run_cli(capsys, "triton-repo", str(engine), "--out", str(tmp_path / "r"), "--model-name", "m1")
+    assert code == 0 and (tmp_path / "r" / "m1" / "1" / "model.py").is_file()
+    parse_config((tmp_path / "r" / "m1" / "config.pbtxt").read_text())
+    code, _, err = run_cli(capsys, "triton-repo", str(tmp_path), "--out", str(tmp_path / "r2"))
+    assert code == 2 and "not an engine directory" in err and "Traceback" not in err
+    code, _, err = run_cli(capsys, "triton-repo", str(engine), "--out", str(tmp_path / "r"), "--model-name", "bad/name")
+    assert code == 2 and "model name" in err
+    code, _, err = run_cli(capsys, "triton-repo", str(engine), "--out", str(tmp_path / "r"), "--default-effort", "huge")
+    assert code == 2 and "default effort" in err
+
+
+# ---- model.py end to end in the backend double ----
+
+
+@pytest.fixture(scope="module")
+def pb_utils():
+    sys.path.insert(0, str(DOUBLE_DIR))
+    try:
+        import triton_python_backend_utils
+
+        yield triton_python_backend_utils
+    finally:
+        sys.path.remove(str(DOUBLE_DIR))
+
+
+@pytest.fixture(scope="module")
+def model(repo, pb_utils):
+    """The generated model.py loaded as Triton's stub does: initialize(args) with model_config as JSON."""
+    spec = importlib.util.spec_from_file_location("triton_generated_model", repo / "kimi" / "1" / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = parse_config((repo / "kimi" / "config.pbtxt").read_text())
+    args = {"model_config": json_format.MessageToJson(cfg, preserving_proto_field_name=True),
+            "model_repository": str(repo / "kimi"), "model_version": "1", "model_name": "kimi",
+            "model_instance_kind": "CPU", "model_instance_name": "kimi_0_0", "model_instance_device_id": "0"}
+    instance = module.TritonPythonModel()
+    instance.initialize(args)
+    instance.declared_outputs = {o.name for o in cfg.output}
+    yield instance
+    instance.finalize()
+
+
+def make_request(pb_utils, model, request_id: str, *, prompt=None, messages=None, stream=True, params=None,
+                 outputs=None, raw_inputs=None):
+    tensors = []
+    if prompt is not None:
+        tensors.append(pb_utils.Tensor("text_input", np.array([prompt.encode()], dtype=np.object_)))
+    if messages is not None:
+        tensors.append(pb_utils.Tensor("messages", np.array([json.dumps(messages).encode()], dtype=np.object_)))
+    tensors.append(pb_utils.Tensor("stream", np.array([stream], dtype=bool)))
+    if params is not None:
+        tensors.append(pb_utils.Tensor("sampling_parameters", np.array([json.dumps(params).encode()], dtype=np.object_)))
+    tensors.extend(raw_inputs or [])
+    return pb_utils.InferenceRequest(tensors, request_id, outputs, declared_outputs=model.declared_outputs)
+
+
+def text_of(response, name="text_output") -> str:
+    tensors = {t.name(): t for t in response.output_tensors()}
+    return tensors[name].as_numpy()[0].decode() if name in tensors else None
+
+
+def test_three_concurrent_streams_a_cancelled_one_and_a_bad_one(model, pb_utils, engine):
+    from moe_export.runtime.llm import LLM
+
+    params = {"max_tokens": 12, "ignore_eos": True, "temperature": 0.0}
+    prompts = ["hello there", "the quick brown fox", "numbers: 1 2 3"]
+    streams = [make_request(pb_utils, model, f"s{i}", prompt=p, params=params) for i, p in enumerate(prompts)]
+    chat = make_request(pb_utils, model, "chat", messages=[{"role": "user", "content": "hi"}],
+                        params={"max_tokens": 8, "reasoning_effort": "low"}, stream=False)
+    cancelled = make_request(pb_utils, model, "cancel-me", prompt="a long story", params={"max_tokens": 100, "ignore_eos": True})
+    bad = [make_request(pb_utils, model, "bad-json", prompt="x", raw_inputs=[]),
+           make_request(pb_utils, model, "bad-param", prompt="x", params={"max_tokens": 4, "beam_width": 3}),
+           make_request(pb_utils, model, "both", prompt="x", messages=[{"role": "user", "content": "y"}]),
+           make_request(pb_utils, model, "too-long", prompt="z" * 400, params={"max_tokens": 4})]
+    bad[0]._inputs["sampling_parameters"] = pb_utils.Tensor("sampling_parameters", np.array([b"{not json"], dtype=np.object_))
+
+    assert model.execute([*streams, chat, cancelled]) is None  # decoupled: execute returns at once
+    assert model.execute(bad) is None
+    deadline = time.time() + 30
+    while not cancelled.sender.responses and time.time() < deadline:
+        time.sleep(0.01)
+    cancelled.cancel()
+    for request in [*streams, chat, cancelled, *bad]:
+        assert request.sender.done.wait(120), request.request_id()
+        assert request.sender.flags[-1] == pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        assert pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL not in request.sender.flags[:-1]
+
+    # streams: one response per token, their concatenation equals the offline runtime's text for the prompt
+    reference = LLM(engine)
+    try:
+        from moe_export.runtime.sampling import SamplingParams
+
+        expected = reference.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    finally:
+        reference.shutdown()
+    for request, ref in zip(streams, expected):
+        responses = request.sender.responses
+        assert not any(r.has_error() for r in responses)
+        assert len(responses) >= 2
+        assert "".join(text_of(r) for r in responses) == ref.text
+        usage = json.loads(text_of(responses[-1], "usage"))
+        assert usage["completion_tokens"] == 12 and usage["prompt_tokens"] == len(ref.prompt_ids)
+        assert text_of(responses[-1], "finish_reason") == "length"
+
+    (final,) = chat.sender.responses  # not streamed: one response carrying the whole message
+    assert not final.has_error()
+    assert json.loads(text_of(final, "usage"))["completion_tokens"] <= 8
+    assert isinstance(json.loads(text_of(final, "tool_calls")), list)
+
+    last = cancelled.sender.responses[-1]
+    assert last.has_error() and last.error().code() == pb_utils.TritonError.CANCELLED
+    generated = sum(1 for r in cancelled.sender.responses if not r.has_error())
+    assert generated < 100  # stopped early, and its sequence left the scheduler
+    assert model.llm.stats()["running"] == 0
+
+    codes = {r.request_id(): r.sender.responses[-1].error() for r in bad}
+    assert all(e is not None and e.code() == pb_utils.TritonError.INVALID_ARG for e in codes.values()), codes
+    assert "not valid JSON" in codes["bad-json"].message()
+    assert "beam_width" in codes["bad-param"].message()
+    assert "exactly one of" in codes["both"].message()
+    assert "400" in codes["too-long"].message() or "max_seq_len" in codes["too-long"].message()
+
+    # the model still serves after all that, and only the requested outputs come back
+    again = make_request(pb_utils, model, "after", prompt="hello there", params=params, stream=False,
+                         outputs=["text_output"])
+    model.execute([again])
+    assert again.sender.done.wait(60)
+    (resp,) = again.sender.responses
+    assert [t.name() for t in resp.output_tensors()] == ["text_output"]
+    assert text_of(resp) == "hello there" + expected[0].text  # exclude_input_in_output defaults to false
+
+
+def test_model_is_thread_safe_for_execute_from_several_threads(model, pb_utils):
+    requests = [make_request(pb_utils, model, f"t{i}", prompt=f"thread {i}", params={"max_tokens": 3}) for i in range(4)]
+    threads = [threading.Thread(target=model.execute, args=([r],)) for r in requests]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in requests:
+        assert r.sender.done.wait(60)
+        assert not any(resp.has_error() for resp in r.sender.responses)
