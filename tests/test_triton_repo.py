@@ -149,7 +149,8 @@ def test_three_concurrent_streams_a_cancelled_one_and_a_bad_one(model, pb_utils,
     bad = [make_request(pb_utils, model, "bad-json", prompt="x", raw_inputs=[]),
            make_request(pb_utils, model, "bad-param", prompt="x", params={"max_tokens": 4, "beam_width": 3}),
            make_request(pb_utils, model, "both", prompt="x", messages=[{"role": "user", "content": "y"}]),
-           make_request(pb_utils, model, "too-long", prompt="z" * 400, params={"max_tokens": 4})]
+           make_request(pb_utils, model, "too-long", prompt="z" * 400, params={"max_tokens": 4}),
+           make_request(pb_utils, model, "n-two", prompt="x", params={"n": 2, "presence_penalty": 0.0})]
     bad[0]._inputs["sampling_parameters"] = pb_utils.Tensor("sampling_parameters", np.array([b"{not json"], dtype=np.object_))
 
     assert model.execute([*streams, chat, cancelled]) is None  # decoupled: execute returns at once
@@ -196,6 +197,7 @@ def test_three_concurrent_streams_a_cancelled_one_and_a_bad_one(model, pb_utils,
     assert "not valid JSON" in codes["bad-json"].message()
     assert "beam_width" in codes["bad-param"].message()
     assert "exactly one of" in codes["both"].message()
+    assert "n=2" in codes["n-two"].message()
     assert "400" in codes["too-long"].message() or "max_seq_len" in codes["too-long"].message()
 
     # the model still serves after all that, and only the requested outputs come back
