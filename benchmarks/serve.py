@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -102,6 +103,7 @@ def run(tokens: int, rounds: int) -> dict:
         result[f"serve_ttft_p50_s_{n}"] = percentile(ttfts[n], 0.5)
         result[f"serve_ttft_p99_s_{n}"] = percentile(ttfts[n], 0.99)
     result["in_process_tokens_per_s_16"] = statistics.median(local)
+    result["loadavg_1min"] = os.getloadavg()[0]
     result["serve_speedup_16"] = result["serve_tokens_per_s_16"] / result["serve_tokens_per_s_1"]
     result["serve_overhead_16"] = result["serve_tokens_per_s_16"] / result["in_process_tokens_per_s_16"]
     return result

@@ -129,19 +129,24 @@ def lower_for_onnxruntime(graph_path: Path, out_dir: Path) -> list[str]:
     return written
 
 
-def _profile_range(name: str, axis: int, dim: int, limits) -> tuple[int, int, int]:
-    """(min, opt, max) of one input dimension for the optimization profile."""
+def _profile_range(name: str, axis: int, dim: int, limits, pools) -> tuple[int, int, int]:
+    """(min, opt, max) of one input dimension for the optimization profile; `pools` is the engine's
+    `planner.PoolSizes` (the same arithmetic the planner and the engine loader use)."""
     if dim >= 0:
         return dim, dim, dim
-    if axis == 0 and name in ("input_ids", "positions", "token_slots"):
+    if axis == 0 and name in ("input_ids", "positions"):
         return 1, min(limits.max_num_tokens, 256), limits.max_num_tokens
-    if axis == 0 and name in ("slot_ids", "last_token_index"):
+    if axis == 0 and name in ("slot_ids", "last_token_index", "block_tables"):
         return 1, limits.max_batch, limits.max_batch
     if name == "cu_seqlens":
         return 2, limits.max_batch + 1, limits.max_batch + 1
-    if axis == 0:  # state / cache pools: one slot per concurrent sequence
-        return limits.max_batch, limits.max_batch, limits.max_batch
-    return limits.max_seq_len, limits.max_seq_len, limits.max_seq_len  # cache length
+    if name == "block_tables":  # blocks of the longest sequence
+        most = -(-limits.max_seq_len // pools.block_size)
+        return 1, most, most
+    if name.startswith(("mla_cache.", "index_cache.")):  # paged pools [num_blocks, block_size, D]
+        size = pools.num_blocks if axis == 0 else pools.block_size
+        return size, size, size
+    return pools.num_slots, pools.num_slots, pools.num_slots  # recurrent-state pools: one slot per sequence
 
 
 def build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path) -> None:
@@ -171,10 +176,13 @@ def build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path) -> 
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(recipe.workspace_reserve_gib * 2**30))
     limits = recipe.limits
+    from moe_export.export.planner import make_plan
+
+    pools = make_plan(recipe).pool_sizes()  # what the runtime allocates on every rank
     profile = builder.create_optimization_profile()
     for i in range(network.num_inputs):
         tensor = network.get_input(i)
-        ranges = [_profile_range(tensor.name, axis, d, limits) for axis, d in enumerate(tensor.shape)]
+        ranges = [_profile_range(tensor.name, axis, d, limits, pools) for axis, d in enumerate(tensor.shape)]
         profile.set_shape(tensor.name, *(list(r[j] for r in ranges) for j in range(3)))
     config.add_optimization_profile(profile)
     cache_path = Path(out_path).with_suffix(".timing_cache")

@@ -17,9 +17,10 @@ Bookkeeping (not artifacts): `.build/` holds each stage's outputs from when they
 they are published (moved into OUT), `.state/` one JSON record per finished stage, `.cache/` the
 synthesized source and the source hash cache.
 
-Stages and their content keys. A key is sha256 over the stage name, the moe_export version, the
-recipe fields in `STAGE_FIELDS`, the source fingerprint (sha256 of every source file's content) and
-the upstream stage keys. A stage whose record carries its current key and whose outputs are intact
+Stages and their content keys (`stage_keys`). A key is sha256 over the stage name, the recipe fields in
+`STAGE_FIELDS`, the source fingerprint (sha256 of every source file's content), the upstream stage keys,
+and the stage's code: its source files' sha256 and the versions of the libraries that shape its output
+(`STAGE_CODE`, `STAGE_LIBRARIES`). A stage whose record carries its current key and whose outputs are intact
 (same size, mtime and inode as recorded, staged in `.build/` or already published in OUT) is skipped:
 
     convert/rankN  model source + quantization + parallel + target (gpu, world size) + rank mapping
@@ -44,7 +45,7 @@ through a symbolic link in a scratch folder: every file in OUT has exactly one h
 onnx.checker requires of external data ("potential hardlink attack"). Nothing is ever copied except
 the small files taken from the source (LICENSE, tokenizer).
 
-One build per output. Process 0 holds an exclusive lock on OUT (`build_lock`) for the whole build; a
+One build per output. Process 0 holds an exclusive lock on OUT (`build_lock`, .cache/build.lock) for the whole build; a
 second build into the same OUT exits 2 naming the holder instead of sweeping its temporary files.
 
 Parallelism. Under `mpiexec -n R`, MPI process r builds the ranks n with n % R == r; process 0
@@ -80,6 +81,7 @@ from moe_export.export.atomic import (
 from moe_export.export.build_lock import OutputLock
 from moe_export.export.errors import InputError
 from moe_export.export.mpi import mpi_world
+from moe_export.export.stage_keys import STAGE_FIELDS, rank_mapping, rank_stage_names, stage_keys
 from moe_export.export.manifest import (
     CONFIG,
     ENGINE_FORMAT,
@@ -105,15 +107,6 @@ TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer_config.json", 
                    "chat_template.jinja", GENERATION_CONFIG)
 SYNTH_SEED = 0
 SYNTH_TEMP_RE = re.compile(r"^\..+\.(synth|old)-\d+$")
-
-# Recipe fields (dotted paths into the recipe) each stage's output depends on, beyond its upstream keys.
-STAGE_FIELDS: dict[str, tuple[str, ...]] = {
-    "convert": ("quantization", "parallel", "target.gpu", "target.nodes", "target.gpus_per_node"),
-    "graph": ("attention", "limits"),
-    "lower": (),
-    "engine": ("limits", "target", "workspace_reserve_gib"),
-}
-
 
 class BuildError(Exception):
     """A stage failed for a reason other than bad input (disk full, a library error); exit 1."""
@@ -365,52 +358,6 @@ class _HashCache:
         return digest
 
 
-# ---- stage keys ----
-def _pick(dump: dict, dotted: str) -> Any:
-    cur: Any = dump
-    for part in dotted.split("."):
-        cur = cur[part]
-    return cur
-
-
-def _key(stage: str, fields: dict, source_fp: str, upstream: list[str], extra: dict | None = None) -> str:
-    payload = {"stage": stage, "moe_export": tool_version(), "recipe": fields, "source": source_fp,
-               "upstream": upstream, **(extra or {})}
-    return hashlib.sha256(canonical_json(payload)).hexdigest()
-
-
-def rank_mapping(recipe: Recipe, rank: int) -> Mapping:
-    p = recipe.parallel
-    return Mapping(recipe.target.world_size, rank, p.tp, p.ep, p.attention == "tp")
-
-
-def rank_stage_names(recipe: Recipe) -> tuple[str, ...]:
-    return ("convert", "graph", "lower" if recipe.backend == "onnxruntime" else "engine")
-
-
-def stage_keys(
-    recipe: Recipe, source_fp: str, license_sha256: str | None, tokenizer_files: dict[str, str]
-) -> dict[str, str]:
-    """Every stage's content key: "convert/rank0", ..., "config", "license", "tokenizer"."""
-    dump = recipe.model_dump(mode="json")
-
-    def fields(stage: str) -> dict:
-        return {f: _pick(dump, f) for f in STAGE_FIELDS[stage]}
-
-    keys: dict[str, str] = {}
-    for n in range(recipe.target.world_size):
-        conv = _key("convert", fields("convert"), source_fp, [], {"mapping": rank_mapping(recipe, n).to_dict()})
-        graph = _key("graph", fields("graph"), source_fp, [conv])
-        keys[f"convert/rank{n}"], keys[f"graph/rank{n}"] = conv, graph
-        last = rank_stage_names(recipe)[-1]
-        keys[f"{last}/rank{n}"] = _key(last, fields(last), source_fp, [graph])
-    converts = [keys[f"convert/rank{n}"] for n in range(recipe.target.world_size)]
-    keys["config"] = _key("config", dump, source_fp, converts, {"generation_config": tokenizer_files.get(GENERATION_CONFIG)})
-    keys["license"] = _key("license", {}, license_sha256 or "none", [])
-    keys["tokenizer"] = _key("tokenizer", {}, hashlib.sha256(canonical_json(tokenizer_files)).hexdigest(), [])
-    return keys
-
-
 # ---- stage records ----
 class _State:
     """`.state/<stage>[-rankN].json` records: key, outputs (size, mtime, inode, sha256) and the stage's result.
@@ -517,7 +464,8 @@ def _check_output(out: Path) -> None:
     """Refuse an output path that is a file or a non-empty folder holding something else than a build."""
     if out.exists() and not out.is_dir():
         raise InputError(f"output {out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not ((out / ".state").is_dir() or is_engine_dir(out)):
+    if out.is_dir() and any(out.iterdir()) and not (
+            (out / ".state").is_dir() or (out / ".cache").is_dir() or is_engine_dir(out)):
         raise InputError(
             f"output {out}: directory is not empty and holds no moe-export build; choose an empty or new --out"
         )

@@ -1,4 +1,4 @@
-"""One build at a time per output folder: an exclusive `flock` on `OUT/.state/lock`.
+"""One build at a time per output folder: an exclusive `flock` on `OUT/.cache/build.lock`.
 
 The lock file records its holder (pid, host, start time) so that a second build can name it. The kernel
 drops the lock when the holder exits, killed or not, so a stale file never blocks a later build.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from moe_export.export.errors import InputError
 
-LOCK_FILE = "lock"
+LOCK_FILE = "build.lock"
 
 
 class OutputLock:
@@ -27,7 +27,7 @@ class OutputLock:
     @classmethod
     def acquire(cls, out: Path) -> OutputLock:
         """Lock OUT for this process; InputError naming the holder if another build has it."""
-        folder = out / ".state"
+        folder = out / ".cache"  # bookkeeping: not an artifact, not a stage record
         try:
             folder.mkdir(parents=True, exist_ok=True)
             fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)

@@ -52,7 +52,8 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
     with CheckpointReader(path) as reader:
         problems = reader.validate()
         cfg = reader.config
-        spec_class = {s.name: s.weight_class for s in reader.expected_specs()}
+        spec_class = {reader.stored(s.name).name if s.name in reader else s.name: s.weight_class
+                      for s in reader.expected_specs()}
         counts = {c: [0, 0] for c in WEIGHT_CLASSES}
         names = reader.tensor_names()
         for name in names:
@@ -71,6 +72,7 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
             "classes": {c: {"tensors": n, "bytes": b} for c, (n, b) in counts.items() if n},
             "layers": layer_summary(cfg),
             "problems": [p.to_dict() for p in problems],
+            "source_dtypes": reader.dtype_report(),
         }
 
 
@@ -130,5 +132,7 @@ def render_checkpoint_report(report: dict[str, Any], console) -> None:
     if lay["dsa_index_topk"]:
         console.print(f"  DSA indexer: top-{lay['dsa_index_topk']} on the MLA layers", highlight=False)
 
+    for what, count in report["source_dtypes"].items():
+        console.print(f"  float dtype: {count} tensor(s) stored {what}", highlight=False)
     n = len(report["problems"])
     console.print(f"[red]{n} problem(s) found[/]" if n else "[green]no problems found[/]")

@@ -37,6 +37,30 @@ SAFETENSORS_DTYPES = {
 }  # fmt: skip
 # How many problems an InputError message lists before summarizing the rest.
 MAX_LISTED_PROBLEMS = 40
+# Float dtypes a checkpoint may store any float tensor in (fine-tuned and re-saved checkpoints are often
+# fp32 or fp16); see `load_dtype` for what the reader hands out.
+FLOAT_DTYPES = ("F64", "F32", "BF16", "F16")
+_TORCH_FLOAT = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def alternate_names(name: str) -> list[str]:
+    """Other on-disk spellings of an inventory name that loaders accept: transformers 5 saves Kimi Linear's
+    dense first-layer MLP as `layers.N.block_sparse_moe.{gate,up,down}_proj.weight` (originals: `mlp.`)."""
+    for proj in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
+        if name.endswith(".mlp." + proj) and ".layers." in name:
+            return [name[: -len("mlp." + proj)] + "block_sparse_moe." + proj]
+    return []
+
+
+def load_dtype(stored: str, expected: str) -> str:
+    """The dtype a float tensor stored as `stored` is read in, where the inventory expects `expected`:
+    never narrower than stored (an fp32 fine-tune stays fp32), widened to F32 where the model keeps F32
+    (A_log, dt_bias, conv weights, router bias), F64 narrowed to F32 (no graph computes in fp64)."""
+    if stored == expected or stored not in FLOAT_DTYPES or expected not in FLOAT_DTYPES:
+        return stored
+    if expected == "F32" or stored == "F64":
+        return "F32"
+    return stored
 
 
 @dataclass(frozen=True)
@@ -207,6 +231,14 @@ class CheckpointReader:
                     continue
                 self._tensors[t.name] = t
         self._check_index()
+        self._alias: dict[str, str] = {}  # inventory name -> the spelling this checkpoint stores it under
+        self._expected_dtype: dict[str, str] = {}
+        for spec in self.expected_specs():
+            self._expected_dtype[spec.name] = spec.dtype
+            if spec.name not in self._tensors:
+                found = [alt for alt in alternate_names(spec.name) if alt in self._tensors]
+                if found:
+                    self._alias[spec.name] = found[0]
 
     # ---- layout discovery ----
     def _discover(self) -> list[str]:
@@ -259,14 +291,36 @@ class CheckpointReader:
         return [t.name for t in sorted(self._tensors.values(), key=lambda t: (order[t.file], t.start))]
 
     def stored(self, name: str) -> StoredTensor:
-        """Header facts (file, dtype, shape, byte range) of one tensor; KeyError if absent."""
-        return self._tensors[name]
+        """Header facts (file, dtype, shape, byte range) of one tensor, by its inventory name or its stored
+        spelling; KeyError if absent."""
+        return self._tensors[self._alias.get(name, name)]
 
     def __contains__(self, name: str) -> bool:
-        return name in self._tensors
+        return self._alias.get(name, name) in self._tensors
 
     def nbytes(self, name: str) -> int:
-        return self._tensors[name].nbytes
+        return self.stored(name).nbytes
+
+    def load_dtype(self, name: str) -> str:
+        """The safetensors dtype `get(name)` returns (see the module function `load_dtype`)."""
+        stored = self.stored(name).dtype
+        return load_dtype(stored, self._expected_dtype.get(name, stored))
+
+    def dtype_report(self) -> dict[str, int]:
+        """What reading does to float tensors stored in another dtype than the model's checkpoints use:
+        '<stored> kept (expected <dtype>)' or '<stored> cast to <dtype> (expected <dtype>)' -> tensor count."""
+        out: dict[str, int] = {}
+        for name, expected in self._expected_dtype.items():
+            if name not in self:
+                continue
+            stored = self.stored(name).dtype
+            if stored == expected or stored not in FLOAT_DTYPES or expected not in FLOAT_DTYPES:
+                continue
+            got = load_dtype(stored, expected)
+            what = f"{stored} kept" if got == stored else f"{stored} cast to {got}"
+            key = f"{what} (expected {expected})"
+            out[key] = out.get(key, 0) + 1
+        return dict(sorted(out.items()))
 
     def expected_specs(self) -> list[TensorSpec]:
         """The language-model tensors the config implies (see `moe_export.graphs.weights`); computed once."""
@@ -275,10 +329,16 @@ class CheckpointReader:
         return self._specs
 
     def get(self, name: str) -> torch.Tensor:
-        """Load one tensor in its stored dtype (U8 for MXFP4 packed weights and scales)."""
-        stored = self._tensors[name]
+        """Load one tensor (by inventory name or stored spelling) in `load_dtype(name)`: its stored dtype
+        (U8 for MXFP4 packed weights and scales) unless a float cast is needed."""
+        stored = self.stored(name)
+        tensor = self._read(stored)
+        want = self.load_dtype(name)
+        return tensor if want == stored.dtype else tensor.to(_TORCH_FLOAT[want])
+
+    def _read(self, stored: StoredTensor) -> torch.Tensor:
         if stored.file in self._bad_files:
-            raise InputError(f"{self.path / stored.file}: cannot read tensor {name}: the file is truncated or corrupt")
+            raise InputError(f"{self.path / stored.file}: cannot read tensor {stored.name}: the file is truncated or corrupt")
         handle = self._handles.get(stored.file)
         if handle is None:
             from safetensors import safe_open
@@ -288,7 +348,7 @@ class CheckpointReader:
             except Exception as exc:  # safetensors raises SafetensorError (not exported) on bad files
                 raise InputError(f"{self.path / stored.file}: cannot open ({exc})") from None
             self._handles[stored.file] = handle
-        return handle.get_tensor(name)
+        return handle.get_tensor(stored.name)
 
     def release(self, file: str) -> None:
         """Close one shard's memory map (its tensors already returned stay valid: they are copies)."""
@@ -322,7 +382,7 @@ class CheckpointReader:
         else:
             skip_missing = set()
         for name, spec in specs.items():
-            stored = self._tensors.get(name)
+            stored = self._tensors.get(self._alias.get(name, name))
             if stored is None:
                 if name not in skip_missing:
                     problems.append(
@@ -333,10 +393,11 @@ class CheckpointReader:
                 problems.append(
                     Problem("shape", name, f"stored shape {list(stored.shape)}, expected {list(spec.shape)}", stored.file)
                 )
-            if stored.dtype != spec.dtype:
+            if stored.dtype != spec.dtype and not (stored.dtype in FLOAT_DTYPES and spec.dtype in FLOAT_DTYPES):
                 problems.append(Problem("dtype", name, f"stored {stored.dtype}, expected {spec.dtype}", stored.file))
+        aliased = set(self._alias.values())
         for name, stored in self._tensors.items():
-            if name not in specs and classify_tensor_name(name) != "vision":
+            if name not in specs and name not in aliased and classify_tensor_name(name) != "vision":
                 problems.append(Problem("unexpected", name, f"{stored.dtype}{list(stored.shape)} is not part of this model", stored.file))
         problems.extend(self._check_values(specs))
         return problems
@@ -349,7 +410,7 @@ class CheckpointReader:
         nh = self.config.kda_num_heads
         for name, spec in specs.items():
             stored = self._tensors.get(name)
-            if not name.endswith(".A_log") or stored is None or stored.shape != spec.shape or stored.dtype != spec.dtype:
+            if not name.endswith(".A_log") or stored is None or stored.shape != spec.shape or stored.dtype not in FLOAT_DTYPES:
                 continue
             if stored.file in self._bad_files:
                 continue

@@ -62,6 +62,10 @@ def plan(
         table.add_row("workspace reserve", f"{p.reserve_bytes / GIB:.3f}")
         table.add_row("memory per rank", f"{p.memory_bytes / GIB:.3f}")
         console.print(table)
+        d = p.to_dict()
+        fit = ", ".join(f"{n} x {int(length):,} tokens" for length, n in d["sequences_that_fit"].items())
+        console.print(f"cache per rank: {d['cache_tokens_per_rank']:,} tokens in blocks of {rec.limits.block_size} "
+                      f"({rec.limits.max_batch} sequence slots); at once: {fit}")
         console.print(("[green]" if p.fits else "[red]") + p.verdict())
     if not p.fits:
         if not as_json:
@@ -142,6 +146,26 @@ def generate(
         print(json.dumps({"tokens": tokens}))
     else:
         print(load_tokenizer(path).decode(tokens))
+
+
+@app.command()
+def chat(
+    engine: str = typer.Argument(..., help="engine directory built by `moe-export build`"),
+    effort: str = typer.Option("max", "--effort", help="thinking effort: low, high, max, none, or a number of reasoning tokens"),
+    max_tokens: int = typer.Option(1024, "--max-tokens", help="most tokens per answer"),
+    temperature: float | None = typer.Option(None, "--temperature", help="sampling temperature (0 = greedy)"),
+    top_p: float | None = typer.Option(None, "--top-p", help="nucleus sampling mass in (0, 1]"),
+    top_k: int | None = typer.Option(None, "--top-k", help="sample among the k most likely tokens"),
+    seed: int = typer.Option(0, "--seed", help="sampling seed"),
+    system: str | None = typer.Option(None, "--system", help="system prompt"),
+) -> None:
+    """A terminal conversation: streams answers (reasoning dimmed), keeps history with state reuse;
+    /effort low|high|max|none, /reset, /exit. Under `mpiexec -n WORLD`, rank 0 talks to the terminal."""
+    from moe_export.runtime.sampling import SamplingParams
+    from moe_export.runtime.terminal import chat_terminal
+
+    chat_terminal(engine, effort=effort, system=system,
+                  sampling=SamplingParams.from_flags(temperature, top_k, top_p, seed, max_tokens))
 
 
 @app.command()

@@ -114,8 +114,8 @@ def plan_rank_tensors(reader, cfg: ModelConfig, mapping: Mapping, allow_nonfinit
         if to_fp8:
             grid = tuple(-(-d // fp8.FP8_BLOCK) for d in shape)
             tensors += [OutTensor(spec.name, "F8_E4M3", shape), OutTensor(fp8_scale_name(spec.name), "F32", grid)]
-        else:
-            tensors.append(OutTensor(spec.name, spec.dtype, shape))
+        else:  # a float tensor stored in another dtype keeps it (or is widened): see checkpoint.load_dtype
+            tensors.append(OutTensor(spec.name, reader.load_dtype(spec.name), shape))
         jobs.append(Job(produce, [spec.name]))
     experts = list(mapping.local_experts(cfg.num_experts)) if cfg.num_experts else []
     d, i = cfg.expert_in_dim, cfg.moe_intermediate_size
@@ -222,5 +222,5 @@ def convert_rank(reader, cfg: ModelConfig, recipe, mapping: Mapping, out_path: P
         "mean_sqnr_db": sum(finite) / len(finite) if finite else None,
         "max_abs_err": max((e["max_abs_err"] for e in entries if e.get("max_abs_err") is not None), default=None),
     }
-    return {"tensors": entries, "summary": summary}
+    return {"tensors": entries, "summary": summary, "source_dtypes": reader.dtype_report()}
 

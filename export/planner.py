@@ -5,10 +5,16 @@ Byte accounting (per rank):
   - attention (KDA, MLA, indexer), dense and shared-expert weights: bf16 (2 B) or fp8 (1 B + one fp32
     scale per 128x128 block), tensor-parallel over the tp group; fp32 checkpoint tensors stay fp32;
   - embeddings and lm_head: bf16, vocab-parallel; router, latent projections, norms: replicated.
-Per-sequence state at max_seq_len: KDA recurrent state (H x K x V fp32 per layer) + short-conv windows
-(q, k, v: P x (W-1) per layer), MLA latent cache (kv_lora_rank + qk_rope_head_dim = 576 values per token
-per MLA layer, bf16 or fp8; one KV head, so replicated across attention tp) and the DSA indexer key cache
-(index_head_dim values per token per MLA layer).
+State, per rank: recurrent state per sequence slot (KDA state H x K x V fp32 per layer + short-conv windows
+q, k, v: P x (W-1) per layer) and paged caches per token (MLA latent kv_lora_rank + qk_rope_head_dim = 576
+values per MLA layer; one KV head, so replicated across attention tp; the DSA indexer keys, index_head_dim
+values per indexer layer), stored in the recipe's kv_cache dtype (fp32 4 B, bf16 2 B, fp8 1 B + one fp32
+scale per row).
+
+One arithmetic for pool sizes (`pool_sizes`), used by this planner, the engine loader (`engine_pool_sizes`)
+and the TensorRT optimization profile: memory left after weights and the workspace reserve, minus
+max_batch recurrent-state slots, divided by the bytes of one cache block (block_size tokens of every cache
+pool of the rank) = cache blocks per pool.
 Active parameters count the weights a token's forward pass multiplies with: every non-expert weight except
 the input embedding table (a lookup), plus the top-k routed experts of each MoE layer.
 """
@@ -26,6 +32,9 @@ from moe_export.graphs.weights import WEIGHT_CLASSES, all_tensor_specs
 from moe_export.recipes.schema import Recipe
 
 MXFP4_BITS_PER_WEIGHT = 4.25
+CACHE_VALUE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}  # per cached value, by quantization.kv_cache
+FP8_ROW_SCALE_BYTES = 4  # fp8 pools keep one fp32 scale per cached row
+REPORTED_SEQUENCE_LENGTHS = (65536, 1048576)  # `plan` reports how many sequences of these lengths fit
 FP8_BLOCK = 128
 GIB = 2**30
 
@@ -65,6 +74,40 @@ def _class_dtype_bytes(recipe: Recipe, weight_class: str, stored_dtype: str) -> 
     return 2.0
 
 
+@dataclass(frozen=True)
+class PoolSizes:
+    """State pools of one rank: `num_slots` recurrent-state slots and `num_blocks` cache blocks per pool."""
+
+    block_size: int  # tokens per cache block
+    num_slots: int
+    num_blocks: int
+    bytes_per_slot: int  # recurrent state of one sequence (all KDA layers of the rank)
+    bytes_per_token: int  # cache of one token (all MLA / indexer pools of the rank)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.block_size * self.bytes_per_token
+
+    @property
+    def cache_tokens(self) -> int:
+        """Tokens of cache the pools hold (all sequences together)."""
+        return self.num_blocks * self.block_size
+
+    def sequences_that_fit(self, length: int) -> int:
+        """Sequences of `length` tokens the pools hold at once (blocks, and one slot each)."""
+        blocks = -(-length // self.block_size)
+        return min(self.num_slots, self.num_blocks // blocks) if blocks else self.num_slots
+
+
+def pool_sizes(free_bytes: int, *, block_size: int, num_slots: int, bytes_per_slot: int, bytes_per_token: int) -> PoolSizes:
+    """The one pool-size arithmetic: `free_bytes` (memory after weights and workspace) pays for `num_slots`
+    recurrent-state slots first; what is left, divided by the bytes of one block, is the cache blocks."""
+    left = free_bytes - num_slots * bytes_per_slot
+    per_block = block_size * bytes_per_token
+    num_blocks = max(0, left) // per_block if per_block else 0
+    return PoolSizes(block_size, num_slots, int(num_blocks), bytes_per_slot, bytes_per_token)
+
+
 @dataclass
 class RankPlan:
     rank: int
@@ -73,6 +116,7 @@ class RankPlan:
     state_bytes_per_sequence: dict[str, int]
     free_bytes: int
     max_sequences: int
+    pools: PoolSizes
     overflow: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -83,6 +127,11 @@ class RankPlan:
             "state_bytes_per_sequence": self.state_bytes_per_sequence,
             "free_bytes": self.free_bytes,
             "max_sequences": self.max_sequences,
+            "block_size": self.pools.block_size,
+            "num_slots": self.pools.num_slots,
+            "num_blocks": self.pools.num_blocks,
+            "cache_tokens": self.pools.cache_tokens,
+            "sequences_that_fit": {str(n): self.pools.sequences_that_fit(n) for n in REPORTED_SEQUENCE_LENGTHS},
         }
 
 
@@ -96,15 +145,28 @@ class Plan:
     memory_bytes: int
     reserve_bytes: int
 
+    def pool_sizes(self) -> PoolSizes:
+        """The pools every rank allocates: the smallest rank's (ranks run in lockstep on the same block ids)."""
+        return min((r.pools for r in self.per_rank), key=lambda pools: pools.num_blocks)
+
     @property
     def fits(self) -> bool:
+        """Every rank's pools (max_batch slots, the blocks left) hold at least one sequence of max_seq_len."""
         return all(r.max_sequences >= 1 for r in self.per_rank)
 
     def verdict(self) -> str:
         worst = min(self.per_rank, key=lambda r: r.max_sequences)
         seq = self.recipe.limits.max_seq_len
+        need = worst.weight_bytes["total"] + self.reserve_bytes + worst.state_bytes_per_sequence["total"]
+        if not self.fits and need <= self.memory_bytes:
+            pools = worst.pools
+            return (
+                f"does not fit: rank {worst.rank}: after weights and reserve, max_batch={pools.num_slots} "
+                f"recurrent-state slots take {pools.num_slots * pools.bytes_per_slot / GIB:.2f} GiB and the cache "
+                f"pools hold {pools.cache_tokens} tokens, less than one sequence of {seq}: lower limits.max_batch "
+                f"or limits.max_seq_len, or store the cache in fp8"
+            )
         if not self.fits:
-            need = worst.weight_bytes["total"] + self.reserve_bytes + worst.state_bytes_per_sequence["total"]
             over = need - self.memory_bytes
             biggest = max(
                 (k for k in worst.weight_bytes if k != "total"), key=lambda k: worst.weight_bytes[k]
@@ -137,6 +199,9 @@ class Plan:
             "max_seq_len": self.recipe.limits.max_seq_len,
             "fits": self.fits,
             "verdict": self.verdict(),
+            "cache_tokens_per_rank": self.pool_sizes().cache_tokens,
+            "sequences_that_fit": {str(n): min(r.pools.sequences_that_fit(n) for r in self.per_rank)
+                                   for n in REPORTED_SEQUENCE_LENGTHS},
             "per_rank": [r.to_dict() for r in self.per_rank],
         }
 
@@ -160,20 +225,35 @@ def count_params(cfg: ModelConfig) -> tuple[int, int]:
     return total, active
 
 
+def recurrent_bytes_per_sequence(cfg: ModelConfig, recipe: Recipe, mapping: Mapping) -> dict[str, int]:
+    """Bytes of one recurrent-state slot on this rank: KDA state (fp32) and conv windows, by kind."""
+    act = 4 if recipe.target.gpu == "cpu" else 2
+    n_kda = len(cfg.kda_layers)
+    heads = cfg.kda_num_heads // mapping.attn_tp
+    return {
+        "kda_state": n_kda * heads * cfg.kda_head_dim * cfg.kda_head_dim * 4,
+        "conv_state": n_kda * 3 * heads * cfg.kda_head_dim * (cfg.conv_kernel_size - 1) * act,
+    }
+
+
+def cache_bytes_per_token(cfg: ModelConfig, recipe: Recipe) -> dict[str, int]:
+    """Bytes one cached token takes on a rank (every MLA layer's latent row, every indexer layer's key row)."""
+    kv = recipe.quantization.kv_cache
+    scale = FP8_ROW_SCALE_BYTES if kv == "fp8" else 0
+    value = CACHE_VALUE_BYTES[kv]
+    use_indexer = cfg.has_dsa and recipe.attention.indexer == "auto"
+    n_indexer = sum(1 for i in cfg.mla_layers if cfg.has_indexer(i)) if use_indexer else 0
+    return {
+        "mla_latent_cache": len(cfg.mla_layers) * (cfg.latent_cache_dim * value + scale),
+        "indexer_key_cache": n_indexer * (cfg.index_head_dim * value + scale) if n_indexer else 0,
+    }
+
+
 def state_bytes_per_sequence(cfg: ModelConfig, recipe: Recipe, mapping: Mapping) -> dict[str, int]:
     """Bytes one sequence of max_seq_len tokens keeps on this rank, by kind."""
     seq = recipe.limits.max_seq_len
-    act = 4 if recipe.target.gpu == "cpu" else 2
-    kv = 1 if recipe.quantization.kv_cache == "fp8" else act
-    n_kda, n_mla = len(cfg.kda_layers), len(cfg.mla_layers)
-    heads = cfg.kda_num_heads // mapping.attn_tp
-    kda_state = n_kda * heads * cfg.kda_head_dim * cfg.kda_head_dim * 4
-    conv = n_kda * 3 * heads * cfg.kda_head_dim * (cfg.conv_kernel_size - 1) * act
-    mla = n_mla * seq * cfg.latent_cache_dim * kv
-    use_indexer = cfg.has_dsa and recipe.attention.indexer == "auto"
-    n_indexer = sum(1 for i in cfg.mla_layers if cfg.has_indexer(i))
-    indexer = n_indexer * seq * cfg.index_head_dim * kv if use_indexer else 0
-    out = {"kda_state": kda_state, "conv_state": conv, "mla_latent_cache": mla, "indexer_key_cache": indexer}
+    out = dict(recurrent_bytes_per_sequence(cfg, recipe, mapping))
+    out.update({k: v * seq for k, v in cache_bytes_per_token(cfg, recipe).items()})
     out["total"] = sum(out.values())
     return out
 
@@ -204,7 +284,44 @@ def make_plan(recipe: Recipe, cfg: ModelConfig | None = None) -> Plan:
         weight_bytes["total"] = sum(weight_bytes.values())
         state = state_bytes_per_sequence(cfg, recipe, mapping)
         free = memory - reserve - weight_bytes["total"]
-        max_seqs = max(0, free // state["total"]) if state["total"] else (1 if free >= 0 else 0)
-        per_rank.append(RankPlan(rank, mapping.to_dict(), weight_bytes, state, int(free), int(max_seqs)))
+        pools = pool_sizes(free, block_size=recipe.limits.block_size, num_slots=recipe.limits.max_batch,
+                           bytes_per_slot=sum(recurrent_bytes_per_sequence(cfg, recipe, mapping).values()),
+                           bytes_per_token=sum(cache_bytes_per_token(cfg, recipe).values()))
+        max_seqs = pools.sequences_that_fit(recipe.limits.max_seq_len) if free >= 0 else 0
+        per_rank.append(RankPlan(rank, mapping.to_dict(), weight_bytes, state, int(free), int(max_seqs), pools))
     return Plan(recipe, cfg, total, active, per_rank, memory, reserve)
 
+
+def engine_pool_sizes(engine_config: dict, num_slots: int | None = None) -> PoolSizes:
+    """Pool sizes of a built engine (its config.json): the planner's arithmetic on the recipe it was built
+    from, the smallest over its ranks (ranks run in lockstep with the same block ids); `num_slots`
+    overrides the recipe's max_batch."""
+    recipe = Recipe.model_validate(engine_config["recipe"])
+    if num_slots is not None:
+        recipe = recipe.model_copy(update={"limits": recipe.limits.model_copy(update={"max_batch": num_slots})})
+    cfg = ModelConfig.from_hf_dict(engine_config["pretrained_config"], source="engine config.json")
+    return make_plan(recipe, cfg).pool_sizes()
+
+
+def reference_fp32_bytes(cfg: ModelConfig) -> int:
+    """Bytes of the fp32 PyTorch reference model's weights (`moe-export generate` on a checkpoint): every
+    parameter as fp32, MXFP4 experts decoded (4 B per logical weight)."""
+    return count_params(cfg)[0] * 4
+
+
+def available_memory_bytes() -> int:
+    """Memory the OS can give this process now without swapping (psutil's `available`)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def check_reference_fits(cfg: ModelConfig, where: str) -> None:
+    """InputError naming the memory needed when the fp32 reference model of `cfg` cannot be loaded here."""
+    need, have = reference_fp32_bytes(cfg), available_memory_bytes()
+    if need > have:
+        raise InputError(
+            f"{where}: the fp32 reference model of this {cfg.architecture} checkpoint needs {need / GIB:,.1f} GiB "
+            f"of memory for its weights, {have / GIB:,.1f} GiB are available; build an engine "
+            "(`moe-export build`) and generate with it instead"
+        )

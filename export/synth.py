@@ -97,6 +97,17 @@ def _tiny_k3_dsa() -> dict[str, Any]:
     return cfg
 
 
+def _tiny_dsa_grouped() -> dict[str, Any]:
+    """tiny-k3-dsa routed DeepSeek-V3.2 style: 16 experts in 4 groups, top-4 inside the best 2 groups
+    (num_expert_group 4, topk_group 2), SwiGLU experts on the hidden width (no latent MoE)."""
+    cfg = _tiny_k3_dsa()
+    text = cfg["text_config"]
+    for key in ("routed_expert_hidden_size", "latent_moe_use_norm", "activation_situ_beta", "activation_situ_linear_beta"):
+        text.pop(key, None)
+    text.update(hidden_act="silu", num_experts=16, num_experts_per_token=4, num_expert_group=4, topk_group=2)
+    return cfg
+
+
 def _tiny_kimi_linear() -> dict[str, Any]:
     """Kimi-Linear-48B-A3B's config at toy size (loads in transformers' KimiLinearForCausalLM)."""
     from moe_export.recipes import models_dir
@@ -127,6 +138,7 @@ PRESETS: dict[str, Callable[[], dict[str, Any]]] = {
     "tiny-k3": _tiny_k3,
     "tiny-k3-dsa": _tiny_k3_dsa,
     "tiny-kimi-linear": _tiny_kimi_linear,
+    "tiny-dsa-grouped": _tiny_dsa_grouped,
 }
 
 

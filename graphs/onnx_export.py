@@ -360,12 +360,34 @@ class RankGraph:
         y = g.linear(g.gated_act(gate, up, self.cfg, f"{name}.act"), f"{prefix}down_proj.weight", f"{name}.down_proj")
         return g.all_reduce(y, "tp", group_size, f"{name}.all_reduce")
 
+    def group_limit(self, choice: str, n: str) -> str:
+        """Group-limited routing (DeepSeek-V3): choice scores [T, E] -> the same with every expert outside the
+        topk_group groups of best top-2 sum set to -inf (E experts in num_expert_group equal groups)."""
+        g, cfg = self.g, self.cfg
+        groups, per = cfg.num_expert_group, cfg.num_experts // cfg.num_expert_group
+        grouped = g.op("Reshape", [choice, g.const([0, groups, per])], f"{n}.grouped")  # [T, G, E/G]
+        top2, _ = g.op("TopK", [grouped, g.const([2])], f"{n}.group_top2", 2, axis=-1)
+        group_score = g.op("ReduceSum", [top2, g.const([-1])], f"{n}.group_score", keepdims=0)  # [T, G]
+        _, kept = g.op("TopK", [group_score, g.const([cfg.topk_group])], f"{n}.group_topk", 2, axis=-1)
+        def filled(like: str, value: float, name: str) -> str:
+            return g.op("ConstantOfShape", [g.op("Shape", [like], f"{name}.shape")], name,
+                        value=helper.make_tensor("value", TensorProto.FLOAT, [1], [value]))
+
+        mask = g.op("ScatterElements", [filled(group_score, 0.0, f"{n}.zeros"), kept, filled(kept, 1.0, f"{n}.ones")],
+                    f"{n}.group_mask", axis=-1)  # [T, G]: 1 for the kept groups
+        keep = g.op("Cast", [g.op("Unsqueeze", [mask, g.const([-1])], f"{n}.group_mask3")], f"{n}.keep",
+                    to=TensorProto.BOOL)
+        masked = g.op("Where", [keep, grouped, g.const(float("-inf"), np.float32, "neg_inf")], f"{n}.masked")
+        return g.op("Reshape", [masked, g.const([0, cfg.num_experts])], f"{n}.choice_grouped")
+
     def moe(self, i: int, x: str) -> str:
         g, cfg, m = self.g, self.cfg, self.m
         p = layer_prefix(cfg, i) + "block_sparse_moe."
         n = f"layers.{i}.moe"
         scores = g.op("Sigmoid", [g.linear(x, f"{p}gate.weight", f"{n}.router")], f"{n}.scores")  # fp32 [T, E]
         choice = g.op("Add", [scores, g.weight(f"{p}gate.e_score_correction_bias")], f"{n}.choice")
+        if cfg.num_expert_group > 1:
+            choice = self.group_limit(choice, n)
         _, ids = g.op("TopK", [choice, g.const([cfg.num_experts_per_token])], f"{n}.topk", 2, axis=-1)
         w = g.op("GatherElements", [scores, ids], f"{n}.weights", axis=-1)
         if cfg.moe_renormalize:

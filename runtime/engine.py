@@ -28,6 +28,7 @@ from onnx import TensorProto
 
 from moe_export.export.errors import InputError
 from moe_export.export.mpi import mpi_world
+from moe_export.export.planner import engine_pool_sizes
 
 STATE_PREFIXES = ("kda_state.", "conv_state.", "mla_cache.", "index_cache.")
 RESET_ON_NEW_SEQUENCE = ("kda_state.", "conv_state.")  # recurrent state; caches are position-addressed
@@ -216,8 +217,9 @@ class RankRunner:
 class Engine:
     """A built engine directory, with the ranks this process runs (all of them, or its MPI rank).
 
-    num_slots: concurrent sequences (recurrent-state slots); num_blocks: cache blocks of `block_size`
-    tokens in each paged pool (default: enough for num_slots sequences of max_seq_len)."""
+    num_slots: concurrent sequences (recurrent-state slots, default the recipe's max_batch); num_blocks:
+    cache blocks of `block_size` tokens in each paged pool (default: the planner's `pool_sizes`, i.e.
+    the rank's memory left after weights, workspace and the slots, per block)."""
 
     def __init__(self, engine_dir: str | Path, *, num_slots: int | None = None, num_blocks: int | None = None,
                  threads: int | None = None):
@@ -233,7 +235,10 @@ class Engine:
         self.max_seq_len = int(limits.get("max_seq_len", 4096))
         self.max_num_tokens = int(limits.get("max_num_tokens", 8192))
         self.block_size = int(limits.get("block_size", DEFAULT_BLOCK_SIZE))
-        self.num_blocks = num_blocks or self.num_slots * -(-self.max_seq_len // self.block_size)
+        self.num_blocks = num_blocks or engine_pool_sizes(self.config, self.num_slots).num_blocks
+        if self.num_blocks < 1:
+            raise InputError(f"{self.dir}: no memory left for cache blocks with {self.num_slots} slots "
+                             "(see `moe-export plan`); pass fewer slots or num_blocks")
         mpi = mpi_world()
         if mpi is not None and mpi[1] > 1:
             rank, size = mpi
@@ -298,6 +303,10 @@ class Engine:
             if (used >= self.num_blocks).any():
                 raise InputError(f"sequence in slot {int(batch.slot_ids[n])}: block id {int(used.max())} out of "
                                  f"range: the engine has {self.num_blocks} blocks")
+        rows = batch.cache_rows(self.block_size)
+        if np.unique(rows).shape[0] != rows.shape[0]:
+            raise InputError("two tokens of the step would write the same cache row: block tables of the step's "
+                             "sequences overlap where they write")
 
     def _collective(self, step: dict, envs: dict[int, dict]) -> None:
         src, dst, group = step["input"], step["output"], step["group"]

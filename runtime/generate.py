@@ -152,9 +152,11 @@ def generate_command(path: str | Path, prompt_ids: str | None, prompt: str | Non
         finally:
             if engine.comm is not None:
                 engine.comm.broadcast(None)  # release the follower ranks, also after an error
+    from moe_export.export.planner import check_reference_fits
     from moe_export.graphs.model import KimiModel
 
     cfg = ModelConfig.from_pretrained(path)
+    check_reference_fits(cfg, str(path))  # before reading any weights
     ids = resolve_prompt(path, prompt_ids, prompt, cfg.vocab_size, sampling.max_tokens)
     engine = ReferenceEngine(KimiModel.from_checkpoint(path), max_seq_len=len(ids) + sampling.max_tokens)
     return generate_tokens(engine, ids, sampling, cfg.eos_token_ids)

@@ -83,7 +83,7 @@ class _Core:
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
         self.sched = Scheduler(llm.engine, eos_token_ids=llm.eos_token_ids, decode=llm.tokenizer.decode,
-                               sample_vocab=llm.tokenizer.vocab_size)
+                               keep_sessions=llm.reuse_sessions, sample_vocab=llm.tokenizer.vocab_size)
         self.tracked: dict[str, _Tracked] = {}
 
     def submit(self, tracked: _Tracked, processors: list[LogitsProcessor] | None) -> None:
@@ -144,10 +144,11 @@ class _Core:
 class LLM:
     """A built engine with its tokenizer and chat family; offline batch API (the vLLM shape).
 
-    default_effort: thinking tier when a chat request gives none (low | high | max | none)."""
+    default_effort: thinking tier when a chat request gives none (low | high | max | none).
+    reuse_sessions: keep finished turns' state for reuse by a continuing prompt (default on)."""
 
     def __init__(self, engine_dir: str | Path, *, default_effort: str = "max", num_slots: int | None = None,
-                 num_blocks: int | None = None, threads: int | None = None) -> None:
+                 num_blocks: int | None = None, threads: int | None = None, reuse_sessions: bool = True) -> None:
         from moe_export.runtime.engine import Engine
 
         self.engine = Engine(engine_dir, num_slots=num_slots, num_blocks=num_blocks, threads=threads)
@@ -157,6 +158,7 @@ class LLM:
         resolve_thinking(None, self.thinking_caps, default_effort)  # validates the default tier
         self.default_effort = default_effort
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(engine_eos_ids(self.engine)))
+        self.reuse_sessions = reuse_sessions
         self._ids = itertools.count()
         self._core = _Core(self) if self.engine.is_root else None
 
@@ -204,14 +206,20 @@ class LLM:
         for tr in tracked:
             core.submit(tr, processors)
         pending = {tr.request_id for tr in tracked}
-        while pending:
-            for delta in core.step():
-                if delta.request_id in pending:
-                    if delta.error:
-                        raise InputError(delta.error)
-                    if delta.finished:
-                        pending.discard(delta.request_id)
-                    yield delta
+        try:
+            while pending:
+                for delta in core.step():
+                    if delta.request_id in pending:
+                        if delta.error:
+                            raise InputError(delta.error)
+                        if delta.finished:
+                            pending.discard(delta.request_id)
+                        yield delta
+        finally:  # an error, or a consumer that stopped iterating: the rest must not hold slots and blocks
+            for rid in pending:
+                core.sched.abort(rid)
+            if pending:
+                core.step()  # drains the abort notices (no engine step: nothing else is queued)
 
     def _collect(self, tracked: list[_Tracked], processors=None) -> list[ChatOutput]:
         done = {d.request_id: d.output for d in self._run(tracked, processors) if d.finished}

@@ -247,7 +247,7 @@ def page_cache(
 @pytest.fixture(scope="session")
 def runtime_engine(tmp_path_factory: pytest.TempPathFactory):
     """(preset, tp, ep, world) -> engine directory built once per session from tiny-cpu.yaml with small
-    runtime limits (max_batch 6, max_seq_len 256, max_num_tokens 48, block_size 16, thinking caps 6/12/20)."""
+    runtime limits (max_batch 6, max_seq_len 1024, max_num_tokens 64, block_size 16, thinking caps 6/12/20, fp32 cache pools)."""
     import yaml
 
     from moe_export.export.build import build
@@ -266,8 +266,9 @@ def runtime_engine(tmp_path_factory: pytest.TempPathFactory):
             data["model"] = {"source": f"synthetic:{preset}"}
             data["target"]["gpus_per_node"] = world
             data["parallel"] = {"tp": tp, "ep": ep}
-            data["limits"] = {"max_batch": 6, "max_seq_len": 256, "max_num_tokens": 48, "block_size": 16}
+            data["limits"] = {"max_batch": 6, "max_seq_len": 1024, "max_num_tokens": 64, "block_size": 16}
             data["thinking"] = {"low": 6, "high": 12, "max": 20}
+            data["quantization"]["kv_cache"] = "fp32"  # exact parity with the fp32 reference (bf16 pools: test_engine_parity)
             path = root / f"{data['name']}.yaml"
             path.write_text(yaml.safe_dump(data))
             rec, _ = load_recipe(path)

@@ -408,3 +408,12 @@ def test_random_outputs_never_raise_or_leak(toks, family):
         if msg.tool_call_parse_failures == 0:
             for name in tok.special_tokens:
                 assert name not in (msg.content or "") and name not in (msg.reasoning_content or "")
+
+
+def test_developer_role_and_names():
+    msgs = [{"role": "developer", "content": "D", "name": "ops"}, {"role": "user", "content": "u", "name": "ann"}]
+    assert render(msgs, family="k2", thinking=False) == (
+        "<|im_system|>ops<|im_middle|>D<|im_end|><|im_user|>ann<|im_middle|>u<|im_end|><|im_assistant|>assistant<|im_middle|>")
+    assert render(msgs, family="k3", thinking=False) == (
+        k3_msg('role="system" name="ops"', "D") + k3_msg('role="user" name="ann"', "u")
+        + '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>')

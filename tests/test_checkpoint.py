@@ -145,10 +145,26 @@ def test_wrong_shape(ckpt, capsys):
 
 
 def test_wrong_dtype(ckpt, capsys):
-    name = LAYER1 + "self_attn.dt_bias"  # must stay F32
-    edit_shard(ckpt, name, lambda t: t.update({name: t[name].to(torch.bfloat16)}))
+    name = LAYER1 + "self_attn.dt_bias"  # a float tensor stored as integers is no float dtype's rounding
+    edit_shard(ckpt, name, lambda t: t.update({name: t[name].to(torch.int32)}))
     assert [(p.kind, p.name) for p in CheckpointReader(ckpt).validate()] == [("dtype", name)]
     assert_cli_error(capsys, ckpt, "dtype", name, "expected F32")
+
+
+def test_other_float_dtypes_are_accepted_and_reported(ckpt):
+    """Any float dtype is accepted: an F32 tensor stored BF16 is widened back to F32, a BF16 tensor stored
+    F32 or F16 keeps its precision; the reader reports what it did."""
+    fp32_name, bf16_name, f16_name, f64_name = (LAYER1 + "self_attn.dt_bias", LAYER1 + "self_attn.o_proj.weight",
+                                                LAYER1 + "input_layernorm.weight", LAYER1 + "post_attention_layernorm.weight")
+    for name, dtype in ((fp32_name, torch.bfloat16), (bf16_name, torch.float32), (f16_name, torch.float16),
+                        (f64_name, torch.float64)):
+        edit_shard(ckpt, name, lambda t, name=name, dtype=dtype: t.update({name: t[name].to(dtype)}))
+    reader = CheckpointReader(ckpt)
+    assert reader.validate() == []
+    assert reader.dtype_report() == {"BF16 cast to F32 (expected F32)": 1, "F16 kept (expected BF16)": 1,
+                                     "F32 kept (expected BF16)": 1, "F64 cast to F32 (expected BF16)": 1}
+    assert [reader.get(n).dtype for n in (fp32_name, bf16_name, f16_name, f64_name)] == [
+        torch.float32, torch.float32, torch.float16, torch.float32]
 
 
 def test_unsupported_stored_dtype(ckpt, capsys):
@@ -247,7 +263,7 @@ def test_all_problems_in_one_error(ckpt):
     missing = LAYER1 + "self_attn.b_proj.weight"
     edit_shard(ckpt, missing, lambda t: t.pop(missing))
     wrong = "model.layers.4.self_attn.dt_bias"
-    edit_shard(ckpt, wrong, lambda t: t.update({wrong: t[wrong].double()}))
+    edit_shard(ckpt, wrong, lambda t: t.update({wrong: t[wrong].to(torch.int64)}))
     gone = shard_of(ckpt, "model.norm.weight")
     gone.unlink()
     with pytest.raises(InputError) as exc:

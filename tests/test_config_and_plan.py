@@ -170,3 +170,37 @@ def test_dsa_shared_indexer_layers():
     t["index_topk_pattern"] = "FX"
     with pytest.raises(InputError, match="'index_topk_pattern' must give 'full' or 'shared'"):
         ModelConfig.from_hf_dict(raw)
+
+
+def test_one_pool_arithmetic_and_k3_sequences_that_fit():
+    """pool_sizes: memory after weights and reserve pays max_batch slots, the rest / bytes per block = blocks;
+    the plan reports cache tokens per rank and how many 64k / 1M sequences fit (K3 h100x64: bf16 cache,
+    576 latent values x 24 MLA layers x 2 B per token; h200x32: fp8 + a 4-byte scale per row)."""
+    from moe_export.export.planner import pool_sizes
+
+    pools = pool_sizes(10_000, block_size=4, num_slots=3, bytes_per_slot=1000, bytes_per_token=100)
+    assert (pools.num_blocks, pools.cache_tokens) == (17, 68)
+    assert pools.sequences_that_fit(16) == 3 and pools.sequences_that_fit(20) == 3 and pools.sequences_that_fit(30) == 2
+    assert pool_sizes(2_000, block_size=4, num_slots=3, bytes_per_slot=1000, bytes_per_token=100).num_blocks == 0
+    for recipe, per_token in (("h100x64.yaml", 24 * 576 * 2), ("h200x32.yaml", 24 * (576 + 4))):
+        rec, _ = load_recipe(recipe)
+        plan = make_plan(rec)
+        out = plan.to_dict()
+        worst = plan.pool_sizes()
+        assert worst.bytes_per_token == per_token
+        free = min(r.free_bytes for r in plan.per_rank)
+        assert worst.num_blocks == (free - rec.limits.max_batch * worst.bytes_per_slot) // (64 * per_token)
+        assert out["cache_tokens_per_rank"] == worst.num_blocks * 64
+        assert out["sequences_that_fit"]["1048576"] >= 1 and out["sequences_that_fit"]["65536"] >= 16
+        assert out["per_rank"][0]["num_blocks"] >= worst.num_blocks
+    res = run_cli("plan", "--recipe", "h200x32.yaml")
+    assert res.returncode == 0 and "cache per rank:" in res.stdout and "1,048,576 tokens" in res.stdout
+
+
+def test_too_many_slots_for_one_full_sequence_is_refused(tmp_path):
+    """h100x64 with 32 slots: weights fit, but the slots leave less than one 1M-token cache: exit 2, saying so."""
+    text = (models_dir().parent / "h100x64.yaml").read_text().replace("max_batch: 24", "max_batch: 32")
+    p = tmp_path / "slots.yaml"
+    p.write_text(text)
+    res = run_cli("plan", "--recipe", str(p))
+    assert res.returncode == 2 and "lower limits.max_batch" in res.stderr and "Traceback" not in res.stderr

@@ -2,8 +2,10 @@
 
 Engines are built through the real driver (convert -> graph -> ORT lowering) and run in ONNX Runtime
 with all ranks in process (collectives summed in lockstep) and, for the CLI contract, under
-`mpiexec -n 4`. Logits must match the fp32 reference within 1e-4 at every step, and greedy tokens
-must be identical.
+`mpiexec -n 4`. With fp32 cache pools, logits must match the fp32 reference within 1e-4 at every step,
+and greedy tokens must be identical; bf16 pools get the tolerance measured for them (see its test).
+The test engines use 4-token cache blocks and scattered block tables, so every sequence spans many
+blocks in no particular order.
 """
 
 from __future__ import annotations
@@ -27,13 +29,19 @@ from moe_export.runtime.engine import Engine, SequenceChunk, StepBatch
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 8, 300, 11, 12, 77, 1, 400]
 DECODE_STEPS = 8
-ATOL = 1e-4
+ATOL = 1e-4  # fp32 cache pools
+BF16_ATOL = 2e-2  # bf16 cache pools, measured in test_bf16_cache_pools_match_the_fp32_reference_within_measured_tolerance
+BLOCK_SIZE = 4
+
+
+def scattered_table(num_blocks: int, first: int = 0) -> list[int]:
+    """Distinct block ids (first + 7j + 3) mod 64 for j = 0..num_blocks-1: out of order, far apart."""
+    return [(first + 7 * j + 3) % 64 for j in range(num_blocks)]
 
 
 def chunk(slot: int, start: int, tokens: list[int], block_size: int, first_block: int = 0) -> SequenceChunk:
-    """A chunk whose block table is the consecutive blocks first_block, first_block + 1, ... it needs."""
-    blocks = -(-(start + len(tokens)) // block_size)
-    return SequenceChunk(slot, start, tokens, list(range(first_block, first_block + blocks)))
+    """A chunk with the scattered block table (`scattered_table`) covering its positions."""
+    return SequenceChunk(slot, start, tokens, scattered_table(-(-(start + len(tokens)) // block_size), first_block))
 
 
 def make_recipe(tmp: Path, preset: str, tp: int, ep: int, world: int, attention: str = "tp",
@@ -42,6 +50,7 @@ def make_recipe(tmp: Path, preset: str, tp: int, ep: int, world: int, attention:
     base = yaml.safe_load(Path(load_recipe("tiny-cpu.yaml")[1]).read_text())
     base["name"] = f"{preset}-tp{tp}-ep{ep}-w{world}-attn{attention}-kv{kv_cache}"
     base["quantization"]["kv_cache"] = kv_cache
+    base["limits"]["block_size"] = BLOCK_SIZE
     base["model"] = {"source": f"synthetic:{preset}"}
     base["target"]["gpus_per_node"] = world
     base["parallel"] = {"tp": tp, "ep": ep, "attention": attention}
@@ -73,24 +82,26 @@ def source_checkpoint(engine_dir: Path) -> Path:
     return next((engine_dir / ".cache").glob("source-*"))
 
 
-def compare_with_reference(engine_dir: Path) -> list[int]:
-    """Prefill + greedy decode with the engine and the reference side by side; returns the tokens."""
+def compare_with_reference(engine_dir: Path, atol: float = ATOL, prompt: list[int] = PROMPT, eng: Engine | None = None,
+                           slot: int = 1, first_block: int = 0) -> float:
+    """Prefill + greedy decode with the engine and the reference side by side; returns the largest logit error."""
     ref = KimiModel.from_checkpoint(source_checkpoint(engine_dir))
     cache = ref.new_cache(1)
-    eng = Engine(engine_dir, num_slots=2, threads=1)
+    eng = eng or Engine(engine_dir, num_slots=2, num_blocks=64, threads=1)
     bs = eng.block_size
-    eng.reset_slot(1)
-    ref_logits = ref.prefill(torch.tensor([PROMPT]), cache)[0, -1]
-    logits = eng.step(StepBatch.from_sequences([chunk(1, 0, PROMPT, bs)]))[0]
-    tokens = []
+    assert bs == BLOCK_SIZE
+    eng.reset_slot(slot)
+    ref_logits = ref.prefill(torch.tensor([prompt]), cache)[0, -1]
+    logits = eng.step(StepBatch.from_sequences([chunk(slot, 0, prompt, bs, first_block)]))[0]
+    worst = 0.0
     for step in range(DECODE_STEPS + 1):
-        np.testing.assert_allclose(logits, ref_logits.numpy(), atol=ATOL, rtol=0, err_msg=f"step {step}")
+        worst = max(worst, float(np.abs(logits - ref_logits.numpy()).max()))
+        np.testing.assert_allclose(logits, ref_logits.numpy(), atol=atol, rtol=0, err_msg=f"step {step}")
         token = int(ref_logits.argmax())
         assert int(np.argmax(logits)) == token, f"greedy token differs at step {step}"
-        tokens.append(token)
         ref_logits = ref.decode(torch.tensor([token]), cache)[0]
-        logits = eng.step(StepBatch.from_sequences([chunk(1, len(PROMPT) + step, [token], bs)]))[0]
-    return tokens
+        logits = eng.step(StepBatch.from_sequences([chunk(slot, len(prompt) + step, [token], bs, first_block)]))[0]
+    return worst
 
 
 @pytest.mark.parametrize("preset", ["tiny-k3", "tiny-k3-dsa", "tiny-kimi-linear"])
@@ -107,7 +118,7 @@ def test_other_layouts_match_reference(engines, tp, ep, world, attention):
 def test_packed_batch_of_prefill_and_decode(engines):
     """One step mixing a prefill chunk of one sequence with a decode token of another equals running them apart."""
     engine_dir = engines("tiny-k3-dsa", 2, 2, 4)
-    eng = Engine(engine_dir, num_slots=3, threads=1)
+    eng = Engine(engine_dir, num_slots=3, num_blocks=64, threads=1)
     bs = eng.block_size
     for s in range(3):
         eng.reset_slot(s)
@@ -117,7 +128,7 @@ def test_packed_batch_of_prefill_and_decode(engines):
     alone_b = eng.step(StepBatch.from_sequences([chunk(0, 0, b, bs)]))
     eng.reset_slot(0)
     eng.step(StepBatch.from_sequences([chunk(0, 0, a[:-1], bs)]))
-    mixed = eng.step(StepBatch.from_sequences([chunk(0, len(a) - 1, a[-1:], bs), chunk(2, 0, b, bs, first_block=1)]))
+    mixed = eng.step(StepBatch.from_sequences([chunk(0, len(a) - 1, a[-1:], bs), chunk(2, 0, b, bs, first_block=32)]))
     np.testing.assert_allclose(mixed[0], alone_a[0], atol=ATOL, rtol=0)
     np.testing.assert_allclose(mixed[1], alone_b[0], atol=ATOL, rtol=0)
 
@@ -131,7 +142,7 @@ def test_kimi_linear_engine_matches_transformers(engines):
         hf.eval()
         with torch.no_grad():
             want = hf(torch.tensor([PROMPT])).logits[0, -1].numpy()
-    eng = Engine(engine_dir, num_slots=1, threads=1)
+    eng = Engine(engine_dir, num_slots=1, num_blocks=64, threads=1)
     eng.reset_slot(0)
     got = eng.step(StepBatch.from_sequences([chunk(0, 0, PROMPT, eng.block_size)]))[0]
     np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
@@ -191,8 +202,54 @@ def test_fp8_dense_attention_shared_engine_matches_fp8_reference(tmp_path):
     assert any(t["fmt"] == "fp8_block128" for t in header["tensors"])
     ref = KimiModel.from_source(FP8RoundTrip(open_checkpoint(source_checkpoint(out)), fp8_weight_classes(rec)))
     cache = ref.new_cache(1)
-    eng = Engine(out, num_slots=1, threads=1)
+    eng = Engine(out, num_slots=1, num_blocks=64, threads=1)
     eng.reset_slot(0)
     want = ref.prefill(torch.tensor([PROMPT]), cache)[0, -1].numpy()
     got = eng.step(StepBatch.from_sequences([chunk(0, 0, PROMPT, eng.block_size)]))[0]
     np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+
+
+def test_blocks_freed_and_reused_by_another_sequence(engines):
+    """Sequence A fills blocks, ends; sequence B (another slot) gets the same blocks, stale rows and all, in
+    another order, and still matches the reference: nothing of A leaks into B."""
+    engine_dir = engines("tiny-k3-dsa", 2, 2, 4)
+    eng = Engine(engine_dir, num_slots=2, num_blocks=64, threads=1)
+    compare_with_reference(engine_dir, prompt=PROMPT, eng=eng, slot=0, first_block=0)
+    other = [(7 * t + 5) % 500 + 1 for t in range(19)]
+    used_by_a = set(scattered_table(-(-(len(PROMPT) + DECODE_STEPS) // BLOCK_SIZE)))
+    reused = set(scattered_table(-(-(len(other) + DECODE_STEPS) // BLOCK_SIZE), first=7))
+    assert len(used_by_a & reused) >= 3
+    compare_with_reference(engine_dir, prompt=other, eng=eng, slot=1, first_block=7)
+
+
+def test_pool_that_runs_out_is_a_clear_error_and_changes_nothing(engines):
+    """A block table too short for the positions written, a block id beyond the pool, two sequences writing
+    the same rows, a slot used twice: InputError naming the problem, and no pool or state is touched."""
+    from moe_export.export.errors import InputError
+
+    engine_dir = engines("tiny-k3-dsa", 2, 2, 4)
+    eng = Engine(engine_dir, num_slots=2, num_blocks=3, threads=1)  # 12 tokens of cache
+    eng.reset_slot(0)
+    eng.step(StepBatch.from_sequences([SequenceChunk(0, 0, PROMPT[:10], [2, 0, 1])]))
+    before = {r.rank: {k: v.copy() for k, v in r.pools.items()} for r in eng.ranks}
+    bad = {
+        "4 needed": [SequenceChunk(0, 10, PROMPT[10:], [2, 0, 1])],
+        "block id 3 out of range: the engine has 3 blocks": [SequenceChunk(0, 10, PROMPT[10:], [2, 0, 1, 3])],
+        "same cache row": [SequenceChunk(0, 10, PROMPT[10:12], [2, 0, 1]), SequenceChunk(1, 10, [4], [1, 1, 1])],
+        "each slot once": [SequenceChunk(0, 10, [3], [2, 0, 1]), SequenceChunk(0, 11, [4], [2, 0, 1])],
+    }
+    for message, chunks in bad.items():
+        with pytest.raises(InputError, match=message):
+            eng.step(StepBatch.from_sequences(chunks))
+    for r in eng.ranks:
+        for name, pool in r.pools.items():
+            assert np.array_equal(pool, before[r.rank][name], equal_nan=True), name
+
+
+def test_bf16_cache_pools_match_the_fp32_reference_within_measured_tolerance(engines):
+    """The default storage (bf16 pools, fp32 compute) vs the fp32 reference over prefill + 8 decode steps,
+    tp=2 ep=2, DSA (latent and indexer-key pools). Measured max |logit error| (bf16 pools, this prompt):
+    tiny-k3-dsa 8.9e-3, tiny-k3 3.8e-3, tiny-kimi-linear 3.0e-3; tolerance BF16_ATOL = 2e-2. Greedy tokens
+    stay identical (asserted)."""
+    worst = compare_with_reference(engines("tiny-k3-dsa", 2, 2, 4, kv_cache="bf16"), atol=BF16_ATOL)
+    assert worst > 1e-6, "bf16 storage should differ from fp32 at all: is the pool really bf16?"

@@ -18,7 +18,7 @@ from moe_export.export.build import build
 from moe_export.export.errors import InputError
 from moe_export.export.mpi import mpi_world
 from moe_export.recipes.schema import load_recipe
-from moe_export.runtime.engine import Engine, StepBatch, rank_folders
+from moe_export.runtime.engine import Engine, SequenceChunk, StepBatch, rank_folders
 
 WORLD = 12  # tp=2, ep=4: ranks 10 and 11 exist, so name order and number order differ
 
@@ -28,10 +28,10 @@ CHECK_OWN_MAPPING = """
 import json, sys
 import numpy as np
 from mpi4py import MPI
-from moe_export.runtime.engine import Engine, StepBatch
+from moe_export.runtime.engine import Engine, SequenceChunk, StepBatch
 rank = MPI.COMM_WORLD.Get_rank()
 try:
-    eng = Engine(sys.argv[1], num_slots=1, max_seq_len=32, threads=1)
+    eng = Engine(sys.argv[1], num_slots=1, num_blocks=8, threads=1)
     mine = eng.ranks[0]
     assert mine.mapping["rank"] == rank, f"MPI rank {rank} loaded the mapping of rank {mine.mapping['rank']}"
     assert mine.mapping["tp_rank"] == rank % 2 and mine.mapping["ep_rank"] == rank % 4, mine.mapping
@@ -39,7 +39,7 @@ except Exception as exc:  # one rank failing must not leave the others waiting i
     print(f"rank {rank}: {exc}", file=sys.stderr, flush=True)
     MPI.COMM_WORLD.Abort(1)
 eng.reset_slot(0)
-logits = eng.step(StepBatch.from_sequences([(0, 0, [5, 17, 99, 3])]))
+logits = eng.step(StepBatch.from_sequences([SequenceChunk(0, 0, [5, 17, 99, 3], [0])]))
 if rank == 0:
     np.save(sys.argv[2], logits)
 print(f"rank {rank} ok")
@@ -63,7 +63,7 @@ def engine12(tmp_path_factory) -> Path:
 def test_rank_folders_are_ordered_by_number(engine12):
     dirs = rank_folders(engine12)
     assert [d.name for d in dirs] == [f"rank{n}" for n in range(WORLD)]
-    eng = Engine(engine12, num_slots=1, max_seq_len=32, threads=1)
+    eng = Engine(engine12, num_slots=1, num_blocks=8, threads=1)
     assert [r.mapping["rank"] for r in eng.ranks] == list(range(WORLD))
 
 
@@ -83,9 +83,9 @@ def test_mpiexec_12_ranks_each_loads_its_own_mapping(engine12, tmp_path):
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert sorted(int(n) for n in re.findall(r"rank (\d+) ok", r.stdout)) == list(range(WORLD))
-    eng = Engine(engine12, num_slots=1, max_seq_len=32, threads=1)
+    eng = Engine(engine12, num_slots=1, num_blocks=8, threads=1)
     eng.reset_slot(0)
-    want = eng.step(StepBatch.from_sequences([(0, 0, [5, 17, 99, 3])]))
+    want = eng.step(StepBatch.from_sequences([SequenceChunk(0, 0, [5, 17, 99, 3], [0])]))
     np.testing.assert_allclose(np.load(out), want, atol=1e-5, rtol=0)
 
 

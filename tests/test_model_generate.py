@@ -130,3 +130,25 @@ def test_cli_generate_bad_input_exits_2(k3, capsys, args, message):
     rc, _, err = run_cli(capsys, "generate", str(k3[0]), *args, "--max-new-tokens", "2")
     assert rc == 2
     assert message in err
+
+
+def test_generate_refuses_a_checkpoint_too_large_for_memory(tmp_path, capsys):
+    """K3's config alone (no weights): refused up front, naming the fp32 memory it would need (~10 TiB)."""
+    from moe_export.export.planner import GIB, reference_fp32_bytes
+    from moe_export.graphs.config import shipped_model_config
+    from moe_export.recipes import models_dir
+
+    (tmp_path / "config.json").write_bytes((models_dir() / "kimi-k3.json").read_bytes())
+    need = reference_fp32_bytes(shipped_model_config("kimi-k3"))
+    assert 2.7e12 * 4 < need < 2.9e12 * 4  # 2.78 T parameters
+    code, out, err = run_cli(capsys, "generate", str(tmp_path), "--prompt-ids", "1,2", "--max-new-tokens", "1")
+    assert code == 2 and "Traceback" not in err
+    assert f"{need / GIB:,.1f} GiB" in err.replace("\n", "") and "moe-export build" in err.replace("\n", "")
+
+
+def test_generate_refuses_when_available_memory_is_short(k3, capsys, monkeypatch):
+    from moe_export.export import planner
+
+    monkeypatch.setattr(planner, "available_memory_bytes", lambda: 1 << 20)
+    code, _, err = run_cli(capsys, "generate", str(k3[0]), "--prompt-ids", "1,2", "--max-new-tokens", "1")
+    assert code == 2 and "0.0 GiB are available" in err.replace("\n", "")

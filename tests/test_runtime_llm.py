@@ -96,8 +96,49 @@ def test_async_streams_add_up_and_abort(llm):
             assert len(first.token_ids) + sum(len(d.token_ids) for d in rest) < 100
             assert engine.stats()["running"] == 0
             with pytest.raises(InputError, match="max_seq_len"):
-                await engine.generate([1] * 500)
+                await engine.generate([1] * 1024)
         finally:
             engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_chat_terminal(runtime_engine, capsys, monkeypatch):
+    """`moe-export chat`: streamed answers, /effort changes the cap, /reset clears, bad commands don't end it."""
+    import io
+
+    from conftest import run_cli
+
+    engine_dir = runtime_engine("tiny-k3", 2, 2, 4)
+    script = "Hello!\n/effort low\nAnd now?\n/effort lots\n/nope\n/reset\nAgain.\n/exit\nnever read\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO(script))
+    rc, out, err = run_cli(capsys, "chat", str(engine_dir), "--max-tokens", "30", "--effort", "high")
+    assert rc == 0, err
+    usage = [line for line in out.splitlines() if line.startswith("(prompt ")]
+    assert len(usage) == 3
+    assert "reasoning 12;" in usage[0] and "reasoning 6;" in usage[1] and "reasoning 6;" in usage[2]
+    assert "(thinking effort: low)" in out and "(conversation cleared)" in out
+    assert "(error: reasoning effort must be" in out and "(unknown command /nope" in out
+    prompts = [int(line.split()[1]) for line in usage]
+    assert prompts[1] > prompts[0] + 30 and prompts[2] < prompts[1]  # history kept, then cleared
+    rc, _, err = run_cli(capsys, "chat", str(engine_dir), "--effort", "medium")
+    assert rc == 2 and "reasoning effort must be" in err
+
+
+def test_chat_terminal_under_mpiexec(runtime_engine):
+    """`mpiexec -n 4 moe-export chat`: rank 0 reads the terminal, ranks 1-3 follow its steps, all exit."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    engine_dir = runtime_engine("tiny-k3", 2, 2, 4)
+    mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
+    cli = str(Path(sys.executable).parent / "moe-export")
+    r = subprocess.run([mpiexec, "-n", "4", cli, "chat", str(engine_dir), "--max-tokens", "12", "--effort", "low"],
+                       input="Hi!\nMore?\n/exit\n", capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    usage = [line for line in r.stdout.splitlines() if line.startswith("(prompt ")]
+    assert len(usage) == 2 and all("reasoning 6;" in line for line in usage), r.stdout

@@ -132,8 +132,8 @@ def test_stop_ids_stop_strings_and_bad_requests(engine):
     assert got["t"][0] == free[: i + 1] and last.finish_reason == "stop"
     assert decode(free[: i + 1])[last.stop_text_index:].startswith(stop)
 
-    with pytest.raises(InputError, match="max_seq_len is 256"):
-        sched.add(Request("long", [1] * 256))
+    with pytest.raises(InputError, match="max_seq_len is 1024"):
+        sched.add(Request("long", [1] * 1024))
     with pytest.raises(InputError, match="outside the vocabulary"):
         sched.add(Request("oov", [1, 10**7]))
     with pytest.raises(InputError, match="need a tokenizer"):

@@ -88,6 +88,9 @@ def test_chat_plain_and_stream_agree(oai):
     streamed_content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed_reasoning == reasoning and streamed_content == (msg.content or "")
     assert chunks[-1].usage.completion_tokens == 14 and chunks[-2].choices[0].finish_reason == "length"
+    with_logprobs = oai.chat.completions.create(model="m", messages=messages, max_completion_tokens=14, logprobs=True, **GREEDY)
+    entries = with_logprobs.choices[0].logprobs.content
+    assert len(entries) == 14 and all(e.logprob <= 0 for e in entries)
 
 
 @pytest.mark.parametrize("effort", ["low", "high", "max", "none"])
@@ -116,6 +119,12 @@ def test_tool_call_round_trip_keeps_reasoning_verbatim(server, oai):
          "tool_calls": [call.model_dump()]},
         {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "sunny"}'},
     ]
+    chunks = list(oai.chat.completions.create(model="m", messages=messages, tools=WEATHER, max_tokens=200, stream=True,
+                                              tool_choice={"type": "function", "function": {"name": "get_weather"}}, **GREEDY))
+    streamed_calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(tc.id, tc.function.name, tc.function.arguments) for tc in streamed_calls] == [
+        (call.id, call.function.name, call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
     second = oai.chat.completions.create(model="m", messages=turn2, tools=WEATHER, max_tokens=20, **GREEDY)
     assert second.choices[0].finish_reason in ("stop", "length")
     prompt2 = tokenize(server, messages=turn2, tools=WEATHER)
@@ -123,8 +132,6 @@ def test_tool_call_round_trip_keeps_reasoning_verbatim(server, oai):
     from moe_export.runtime.tokenizer import load_tokenizer
 
     assert contains(prompt2, load_tokenizer(server.settings.engine_dir).encode(reasoning))
-    # the follow-up continued the first turn's kept state (only new tokens prefilled)
-    assert second.usage.prompt_tokens_details.cached_tokens > 0
 
 
 def test_json_schema_response_format_validates(oai):
@@ -150,21 +157,21 @@ def test_completions_and_token_endpoints(server, oai):
 
 def test_anthropic_messages_thinking_tools_and_stream(claude):
     msg = claude.messages.create(model="m", max_tokens=16, messages=[{"role": "user", "content": "hello"}],
-                                 thinking={"type": "enabled", "budget_tokens": 5}, temperature=0)
+                                 thinking={"type": "enabled", "budget_tokens": 5}, extra_body=GREEDY)
     assert msg.type == "message" and msg.content[0].type == "thinking"
     assert msg.usage.output_tokens == 16 and msg.stop_reason == "max_tokens"
     with claude.messages.stream(model="m", max_tokens=16, messages=[{"role": "user", "content": "hello"}],
-                                thinking={"type": "enabled", "budget_tokens": 5}, temperature=0) as stream:
+                                thinking={"type": "enabled", "budget_tokens": 5}, extra_body=GREEDY) as stream:
         final = stream.get_final_message()
     assert [b.model_dump() for b in final.content] == [b.model_dump() for b in msg.content]
 
     tools = [{"name": "get_weather", "description": "forecast", "input_schema": WEATHER_PARAMS}]
     first = claude.messages.create(model="m", max_tokens=200, tools=tools, tool_choice={"type": "tool", "name": "get_weather"},
-                                   messages=[{"role": "user", "content": "Weather in Oslo?"}], temperature=0)
+                                   messages=[{"role": "user", "content": "Weather in Oslo?"}], extra_body=GREEDY)
     assert first.stop_reason == "tool_use"
     use = next(b for b in first.content if b.type == "tool_use")
     jsonschema.validate(use.input, WEATHER_PARAMS)
-    second = claude.messages.create(model="m", max_tokens=10, tools=tools, temperature=0, messages=[
+    second = claude.messages.create(model="m", max_tokens=10, tools=tools, extra_body=GREEDY, messages=[
         {"role": "user", "content": "Weather in Oslo?"},
         {"role": "assistant", "content": [b.model_dump() for b in first.content]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "snow"}]},
@@ -293,8 +300,10 @@ def test_kill9_restart_continues_chain_and_sigterm_drains(serve_engine, tmp_path
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY_A, max_retries=0)
     opts = {"max_output_tokens": 10, "temperature": 0}
     r1 = client.responses.create(model="m", input="First turn.", **opts)
-    stream = client.responses.create(model="m", input="Never finished.", stream=True, max_output_tokens=400, temperature=0)
-    next(iter(stream))  # mid-stream
+    stream = iter(client.responses.create(model="m", input="Never finished.", stream=True, max_output_tokens=800,
+                                          temperature=0, extra_body={"ignore_eos": True}))
+    for _, event in zip(range(8), stream):  # mid-stream: a few deltas in, hundreds of tokens to go
+        assert event.type != "response.completed"
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
     rows = sqlite3.connect(store).execute("SELECT id FROM responses").fetchall()
@@ -336,3 +345,79 @@ def test_mpiexec_4_ranks_serve_and_drain(tmp_path_factory, server):
     # same synthetic weights, other layout: the parity suite holds logits within 1e-4, so greedy text agrees
     assert four[0]["choices"][0]["message"] == one["choices"][0]["message"]
     assert code == 0
+
+
+@pytest.fixture(scope="module")
+def k2_server(tmp_path_factory):
+    srv = InProcessServer(build_serve_engine(tmp_path_factory.mktemp("serve-k2"), preset="tiny-kimi-linear"),
+                          default_effort="low")
+    yield srv
+    srv.stop()
+
+
+def test_k2_family_forced_tool_call_and_json(k2_server):
+    """tiny-kimi-linear speaks the K2 role-token format: the same requests work through its grammar."""
+    client = openai.OpenAI(base_url=f"{k2_server.url}/v1", api_key="unused", max_retries=0)
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Weather?"}], tools=WEATHER,
+                                       tool_choice="required", parallel_tool_calls=False, max_tokens=200, **GREEDY)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMS)
+    assert r.usage.completion_tokens_details.reasoning_tokens == SERVE_THINKING["low"]
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "JSON please"}], max_tokens=60,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+                                       reasoning_effort="none", **GREEDY)
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+def test_bodies_validate_against_the_sdks_own_models(server):
+    """Strict pydantic validation with the clients' own response types (the clients themselves parse leniently)."""
+    from anthropic.types import Message
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+    from openai.types.responses import Response
+
+    h = {"Authorization": f"Bearer {KEY_A}"}
+    chat = httpx.post(f"{server.url}/v1/chat/completions", headers=h, timeout=120, json={
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "temperature": 0,
+        "tools": WEATHER, "tool_choice": "required", "parallel_tool_calls": False}).json()
+    assert ChatCompletion.model_validate(chat).choices[0].message.tool_calls
+    completion = httpx.post(f"{server.url}/v1/completions", headers=h, timeout=120,
+                            json={"model": "m", "prompt": "a", "max_tokens": 3}).json()
+    Completion.model_validate(completion)
+    response = httpx.post(f"{server.url}/v1/responses", headers=h, timeout=120,
+                          json={"model": "m", "input": "hi", "max_output_tokens": 8, "temperature": 0}).json()
+    assert Response.model_validate(response).output[0].type == "reasoning"
+    message = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": KEY_A}, timeout=120, json={
+        "model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "temperature": 0}).json()
+    assert Message.model_validate(message).content[0].type == "thinking"
+
+
+def sse_data(url: str, headers: dict, body: dict) -> list[dict]:
+    with httpx.stream("POST", url, headers=headers, json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        lines = [line[5:].strip() for line in r.iter_lines() if line.startswith("data:")]
+    return [json.loads(d) for d in lines if d != "[DONE]"]
+
+
+def test_stream_events_validate_against_the_sdks_own_models(server):
+    from anthropic.types import RawMessageStreamEvent
+    from openai.types.chat import ChatCompletionChunk
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    h = {"Authorization": f"Bearer {KEY_A}"}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "temperature": 0,
+            "tools": WEATHER, "tool_choice": "required", "parallel_tool_calls": False}
+    for chunk in sse_data(f"{server.url}/v1/chat/completions", h, chat):
+        ChatCompletionChunk.model_validate(chunk)
+    events = sse_data(f"{server.url}/v1/responses", h, {"model": "m", "input": "hi", "max_output_tokens": 12,
+                                                        "temperature": 0, "reasoning": {"effort": "low"}})
+    kinds = [TypeAdapter(ResponseStreamEvent).validate_python(e).type for e in events]
+    assert kinds[0] == "response.created" and "response.reasoning_text.delta" in kinds
+    events = sse_data(f"{server.url}/v1/messages", {"x-api-key": KEY_A}, {
+        "model": "m", "max_tokens": 200, "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
+        "tools": [{"name": "get_weather", "input_schema": WEATHER_PARAMS}], "tool_choice": {"type": "any"}})
+    kinds = [TypeAdapter(RawMessageStreamEvent).validate_python(e).type for e in events]
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds

@@ -1,6 +1,6 @@
 """Server parts that need no engine: the SQLite response store, API -> chat message conversions, and
 grammar-constrained decoding over the synthetic Kimi tokenizers with random logits (the grammar, not the
-model, must make the output parse)."""
+model, must make the output parse; the runtime's own output parser reads it back)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moe_export.export.errors import InputError
+from moe_export.runtime.chat import parse_output
 from moe_export.runtime.server import convert
 from moe_export.runtime.server.store import ResponseStore, StoredResponse, key_scope
 from moe_export.runtime.server.structured import GrammarLogitsProcessor, GrammarVocab, structural_tag_for
@@ -135,12 +136,13 @@ def test_k3_forced_tool_call_always_parses(tokenizers, thinking, seed):
     assert proc.completed and not proc.failed and out[-1] in tok.eos_token_ids
     # every marker is its own special token, never spelled from text pieces
     assert tok.decode(out, skip_special_tokens=True).count("<|") == 0
-    text = tok.decode(out)
-    after = text.split("<|close|>response<|sep|>", 1)[1]
-    assert after.startswith('<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>')
-    args = dict(zip(("city", "days"), [text.split(f'key="{k}"')[1].split("<|sep|>", 1)[1].split("<|close|>")[0].strip()
-                                       for k in ("city", "days")]))
-    assert args["city"] in ("Paris", "Rome") and 1 <= int(args["days"]) <= 9
+    assert '<|open|>call tool="get_weather" index="1"<|sep|>' in tok.decode(out)
+    parsed = parse_output(tok, "k3", out, starts_in_reasoning=thinking)
+    assert parsed.tool_call_parse_failures == 0 and not parsed.content
+    (call,) = parsed.tool_calls
+    assert call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER[0]["function"]["parameters"])
+    assert bool(parsed.reasoning_content) == thinking
 
 
 @pytest.mark.parametrize("family", ["k3", "k2"])
@@ -151,9 +153,8 @@ def test_json_schema_response_format_validates(tokenizers, family, seed):
     tag = structural_tag_for(family, tools=None, tool_choice=None, response_format=fmt, thinking=False, starts_in_reasoning=False)
     out, proc = constrained_random_decode(tok, family, tag, seed=seed, forced_close=None)
     assert proc.completed and out[-1] in tok.eos_token_ids
-    text = tok.decode(out[:-1], skip_special_tokens=True)
-    body = text.removesuffix("responsemessage") if family == "k3" else text
-    jsonschema.validate(json.loads(body), ANSWER_SCHEMA)
+    parsed = parse_output(tok, family, out, starts_in_reasoning=False)
+    jsonschema.validate(json.loads(parsed.content), ANSWER_SCHEMA)
 
 
 def test_k2_required_tool_call_with_reasoning(tokenizers):
@@ -162,11 +163,11 @@ def test_k2_required_tool_call_with_reasoning(tokenizers):
                              starts_in_reasoning=True, parallel_tool_calls=False)
     out, proc = constrained_random_decode(tok, "k2", tag, seed=5, forced_close=[tok.encode_special("</think>")])
     assert proc.completed
-    text = tok.decode(out)
-    call = text.split("</think>", 1)[1]
-    assert call.startswith("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>")
-    args = json.loads(call.split("<|tool_call_argument_begin|>")[1].split("<|tool_call_end|>")[0])
-    jsonschema.validate(args, WEATHER[0]["function"]["parameters"])
+    assert "</think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:1" in tok.decode(out)
+    parsed = parse_output(tok, "k2", out, starts_in_reasoning=True)
+    (call,) = parsed.tool_calls
+    assert parsed.tool_call_parse_failures == 0 and call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER[0]["function"]["parameters"])
 
 
 def test_no_grammar_for_auto_tools_or_text():
@@ -175,3 +176,28 @@ def test_no_grammar_for_auto_tools_or_text():
     with pytest.raises(InputError, match="response_format.type"):
         structural_tag_for("k3", tools=None, tool_choice=None, response_format={"type": "xml"}, thinking=True,
                            starts_in_reasoning=True)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["serve", "/nonexistent/engine"], "not an engine directory"),
+    (["serve", ".", "--port", "0"], "--port"),
+    (["serve", ".", "--default-effort", "extreme"], "--default-effort"),
+    (["serve", ".", "--host", "example.com"], "--host"),
+])
+def test_serve_cli_bad_input_exits_2(capsys, tmp_path, monkeypatch, args, message):
+    """Bad arguments are refused before any engine is loaded."""
+    from conftest import run_cli
+
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(capsys, *args)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_serve_busy_port_is_a_clear_error():
+    from moe_export.runtime.server.launch import listening_socket
+
+    with listening_socket("127.0.0.1", 0) as taken:
+        taken.listen()
+        with pytest.raises(InputError, match=rf"cannot listen on 127.0.0.1:{taken.getsockname()[1]}"):
+            listening_socket("127.0.0.1", taken.getsockname()[1]).close()

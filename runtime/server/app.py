@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
@@ -83,9 +82,11 @@ class ServerSettings:
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """What the server needs from the engine's config.json: context limit, thinking caps, logits width."""
+    """What the server needs from the engine's config.json: context limit, sequence slots, thinking caps,
+    logits width."""
 
     max_seq_len: int
+    max_batch: int
     thinking_caps: dict
     vocab_size: int
 
@@ -94,7 +95,9 @@ class EngineInfo:
         cfg = json.loads((Path(engine_dir) / "config.json").read_text())
         pre = cfg.get("pretrained_config", {})
         text = pre.get("text_config", pre)
-        return cls(int(cfg["limits"]["max_seq_len"]), dict(cfg.get("thinking") or {}), int(text["vocab_size"]))
+        limits = cfg["limits"]
+        return cls(int(limits["max_seq_len"]), int(limits["max_batch"]), dict(cfg.get("thinking") or {}),
+                   int(text["vocab_size"]))
 
 
 def _key_digest(key: str) -> bytes:
@@ -134,10 +137,9 @@ def _error_body(path: str, status: int, message: str, param: str | None = None) 
                       "code": status}}
 
 
-def _validation_message(exc: RequestValidationError | ValidationError) -> tuple[str, str | None]:
+def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     first = exc.errors()[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    where = ".".join(loc) or "body"
+    where = ".".join(str(p) for p in first.get("loc", ())) or "body"
     return f"{where}: {first.get('msg', 'invalid value')}", where
 
 
@@ -174,11 +176,6 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
     @app.exception_handler(InputError)
     async def _input_error(request: Request, exc: InputError):
         return error_response(request, 400, str(exc))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError):
-        message, where = _validation_message(exc)
-        return error_response(request, 400, message, where)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -227,8 +224,12 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
             raise APIError(400, f"max tokens {max_tokens} is over the engine's context length {info.max_seq_len}",
                            "max_tokens")
 
+    in_flight = [0]  # generation requests accepted and not finished
+
     def check_queue() -> None:
-        waiting = llm.stats()["waiting"]
+        """429 when the requests beyond the engine's sequence slots would exceed --max-queue (counted here:
+        the scheduler learns of a request only when its thread picks it up)."""
+        waiting = max(in_flight[0] - info.max_batch, llm.stats()["waiting"])
         if waiting >= settings.max_queue:
             raise APIError(429, f"the request queue is full ({waiting} waiting, limit {settings.max_queue}); retry later")
 
@@ -269,7 +270,12 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
     async def timed(stream: AsyncIterator) -> AsyncIterator:
         """Await the first delta (errors surface now), then re-yield all deltas, recording TTFT / ITL."""
         start = time.perf_counter()
-        first = await stream.__anext__()
+        in_flight[0] += 1
+        try:
+            first = await stream.__anext__()
+        except BaseException:
+            in_flight[0] -= 1
+            raise
         metrics.ttft.observe(time.perf_counter() - start)
 
         async def deltas():
@@ -283,6 +289,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
                         last = now
                     yield delta
             finally:
+                in_flight[0] -= 1
                 await stream.aclose()  # a client that went away: the runtime aborts the request
 
         return deltas()
@@ -473,7 +480,8 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
         check_limits(messages, None, None)
         tool_choice = convert.responses_tool_choice(req.tool_choice, tools)
         effort = (req.reasoning or {}).get("effort")
-        sampling = sampling_params(req.temperature, req.top_p, None, None, req.max_output_tokens, None)
+        sampling = sampling_params(req.temperature, req.top_p, None, None, req.max_output_tokens, None,
+                                   ignore_eos=req.ignore_eos)
         response_id = convert.new_id("resp_")
         deltas, processor, tier = await run_chat(
             response_id, messages, sampling, tools=tools, tool_choice=tool_choice,

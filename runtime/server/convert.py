@@ -281,7 +281,7 @@ def responses_object(
         "metadata": req.metadata or {},
         "usage": None if usage is None else {
             "input_tokens": usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)},
+            "input_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0), "cache_write_tokens": 0},
             "output_tokens": usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": usage.get("reasoning_tokens", 0)},
             "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -57,15 +58,42 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
         LLM(engine_dir, default_effort=default_effort).run_follower()
         return
     import uvicorn
+    from sse_starlette.sse import AppStatus
 
     from moe_export.runtime.server.app import ServerSettings, create_app
+
+    AppStatus.disable_automatic_graceful_drain()  # SIGTERM drains: running streams finish, they are not cut
 
     settings = ServerSettings(
         engine_dir=Path(engine_dir), api_keys=api_keys, store_path=store or ":memory:",
         default_effort=default_effort, max_queue=max_queue,
     )
-    app = create_app(AsyncLLM(engine_dir, default_effort=default_effort), settings)  # shut down with the app
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=600)
+    sock = listening_socket(host, port)  # before loading: a busy port fails fast, with no engine loaded
+    llm = AsyncLLM(engine_dir, default_effort=default_effort)
+    try:
+        app = create_app(llm, settings)  # the app shuts the runtime down (and releases follower ranks) at exit
+    except BaseException:
+        llm.shutdown()
+        raise
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=600)
     server = uvicorn.Server(config)
     print(f"serving {settings.model_name} on http://{host}:{port} (store: {settings.store_path})", file=sys.stderr, flush=True)
-    server.run()
+    # uvicorn handles SIGTERM / SIGINT while it runs (stop accepting, drain, lifespan shutdown) and re-raises
+    # the signal afterwards to the handler that was there before: make that one a no-op, so a drained
+    # server exits 0 instead of dying by the signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run(sockets=[sock])
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket for uvicorn; InputError naming the address when it cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise InputError(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
+    return sock

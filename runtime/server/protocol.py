@@ -68,6 +68,7 @@ class ResponsesRequest(Lenient):
     top_p: float | None = Field(None, gt=0, le=1)
     parallel_tool_calls: bool = True
     metadata: dict[str, Any] | None = None
+    ignore_eos: bool = False
 
 
 class AnthropicMessagesRequest(Lenient):

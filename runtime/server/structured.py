@@ -2,9 +2,10 @@
 
 The grammar covers the whole assistant turn in the family's own output format, reasoning included: the
 model reasons freely (the thinking budget still closes the block), then the part after reasoning is
-constrained. K3 (XTML): a forced/required call is an empty response block then the tools block; a JSON
-format is the response block's body. K2: the tool-calls section, or the JSON answer after `</think>`.
-xgrammar's builtin Kimi structural tags give the call syntax and the K3 argument encoding.
+constrained. K3 (XTML): a forced/required call is an empty response block then the tools block, one
+argument element per parameter with string values exactly as the parser reads them (raw text); a JSON
+format is the response block's body. K2: xgrammar's builtin Kimi tag (tool-calls section with JSON
+arguments), or the JSON answer after `</think>`. The reasoning block is xgrammar's builtin one.
 
 The markers are special tokens: xgrammar matches them as text, so ordinary tokens that could spell one
 from pieces (any token containing a marker's first two characters, or ending with its first character)
@@ -59,7 +60,6 @@ class GrammarVocab:
             encoded.append(piece)
             if any(s in piece for s in starts) or any(piece.endswith(e) for e in ends):
                 self.spells_marker[i] = True
-        self.family = family
         self.vocab_size = vocab_size
         self.info = xgr.TokenizerInfo(encoded, xgr.VocabType.RAW, vocab_size=vocab_size,
                                       stop_token_ids=sorted(tokenizer.eos_token_ids))
@@ -84,6 +84,9 @@ def reasoning_mode(family: str, thinking: bool, starts_in_reasoning: bool) -> st
 
 
 def _tools_tag(family: str, tools: list[dict], tool_choice, mode: str, parallel: bool) -> st.StructuralTag:
+    index = "1" if isinstance(tool_choice, dict) or not parallel else CALL_INDEX_PATTERN
+    if family == "k3":
+        return _k3_tools_tag(tools, tool_choice, mode, parallel, index)
     choice = tool_choice if isinstance(tool_choice, str) else {"type": "function", "function": dict(tool_choice["function"])}
     try:
         tag = xgr.get_model_structural_tag(
@@ -92,20 +95,68 @@ def _tools_tag(family: str, tools: list[dict], tool_choice, mode: str, parallel:
         )
     except (ValueError, TypeError) as exc:
         raise InputError(f"tools: cannot build a tool-call grammar ({exc})") from None
-    tag = _bounded_call_index(tag, "1" if isinstance(tool_choice, dict) or not parallel else CALL_INDEX_PATTERN)
-    if family != "k3":
-        return tag
-    # K3: a forced call comes with an empty response block (no free text the model could ramble in).
-    elements = [
-        st.ConstStringFormat(value=(e.begin + e.end))
-        if isinstance(e, st.TagFormat) and e.end == K3_RESPONSE_END else e
-        for e in tag.format.elements
+    return _bounded_call_index(tag, index)
+
+
+def _k3_argument_value(key: str, schema: dict, where: str) -> tuple[str, object]:
+    """(XTML type attribute, value format) of one K3 argument element. Strings are raw text (exactly the
+    value: an enum or const is matched literally, a pattern as a regex, otherwise any text without
+    markers); other types are JSON values of their schema."""
+    kind = schema.get("type")
+    if kind == "string" or (kind is None and all(isinstance(v, str) for v in schema.get("enum", [None]))):
+        if "const" in schema:
+            return "string", st.ConstStringFormat(value=str(schema["const"]))
+        if schema.get("enum"):
+            return "string", st.OrFormat(elements=[st.ConstStringFormat(value=v) for v in schema["enum"]])
+        if schema.get("pattern"):
+            return "string", st.RegexFormat(pattern=schema["pattern"])
+        return "string", st.AnyTextFormat(excludes=list(K3_MARKERS))
+    xtml = {"integer": "number", "number": "number", "boolean": "boolean", "null": "null", "object": "object",
+            "array": "array"}.get(kind)
+    if xtml is None:
+        raise InputError(f"{where}: parameter {key!r} needs one JSON `type` for grammar-constrained calls, got {kind!r}")
+    return xtml, st.JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+
+
+def _k3_call_tag(tool: dict, index_pattern: str) -> st.TagFormat:
+    """`<|open|>call tool="NAME" index="I"<|sep|>` + one argument element per parameter (required ones
+    always, optional ones optionally, in schema order) + `<|close|>call<|sep|>`."""
+    fn = tool["function"]
+    where = f"tool {fn['name']!r}"
+    params = fn.get("parameters") or {"type": "object", "properties": {}}
+    if params.get("type", "object") != "object":
+        raise InputError(f"{where}: parameters must be an object schema for grammar-constrained calls")
+    required = set(params.get("required", []))
+    elements: list = [st.RegexFormat(pattern=index_pattern), st.ConstStringFormat(value='"<|sep|>')]
+    for key, schema in (params.get("properties") or {}).items():
+        kind, value = _k3_argument_value(key, schema if isinstance(schema, dict) else {}, where)
+        attr_key = key.replace("&", "&amp;").replace('"', "&quot;")
+        arg = st.TagFormat(begin=f'<|open|>argument key="{attr_key}" type="{kind}"<|sep|>', content=value,
+                           end="<|close|>argument<|sep|>")
+        elements.append(arg if key in required else st.OptionalFormat(content=arg))
+    return st.TagFormat(begin=f'<|open|>call tool="{fn["name"]}" index="', content=st.SequenceFormat(elements=elements),
+                        end="<|close|>call<|sep|>")
+
+
+def _k3_tools_tag(tools: list[dict], tool_choice, mode: str, parallel: bool, index: str) -> st.StructuralTag:
+    """K3 turn with a forced / required call: reasoning (when on), an empty response block (no free text an
+    untrained model could ramble in), the tools block, the message close."""
+    if isinstance(tool_choice, dict):
+        chosen = [t for t in tools if t["function"]["name"] == tool_choice["function"]["name"]]
+        calls = _k3_call_tag(chosen[0], index)
+    else:
+        calls = st.TagsWithSeparatorFormat(tags=[_k3_call_tag(t, index) for t in tools], separator="", at_least_one=True,
+                                           stop_after_first=not parallel)
+    response = K3_RESPONSE_END if mode == "disabled" else K3_RESPONSE_BEGIN + K3_RESPONSE_END
+    elements = _reasoning_prefix("k3", mode) + [
+        st.ConstStringFormat(value=response + "<|open|>tools<|sep|>"), calls,
+        st.ConstStringFormat(value="<|close|>tools<|sep|>" + K3_MESSAGE_END),
     ]
     return st.StructuralTag(format=st.SequenceFormat(elements=elements))
 
 
 def _bounded_call_index(tag: st.StructuralTag, pattern: str) -> st.StructuralTag:
-    """xgrammar writes a call index as `\\d+`, which an untrained model can extend forever: bound it (a
+    """xgrammar writes a K2 call index as `\\d+`, which an untrained model can extend forever: bound it (a
     single call is call 1)."""
 
     def walk(node):
@@ -170,8 +221,8 @@ def structural_tag_for(
 
 
 class GrammarLogitsProcessor:
-    """The runtime's LogitsProcessor for one request: (output ids so far, logits [vocab] fp32) -> logits with
-    every token the grammar forbids at -inf. Tokens the runtime forced (thinking budget) are fed to the
+    """The runtime's LogitsProcessor for one request: (output ids so far, logits [V] fp32, V the width the
+    runtime samples from) -> the same logits with every token the grammar forbids at -inf. Tokens the runtime forced (thinking budget) are fed to the
     matcher too; `failed` is set if the output ever left the grammar (then it stops constraining)."""
 
     def __init__(self, vocab: GrammarVocab, compiled: xgr.CompiledGrammar) -> None:
@@ -190,8 +241,10 @@ class GrammarLogitsProcessor:
             return logits
         self.matcher.fill_next_token_bitmask(self.bitmask)
         row = logits.view(1, -1)
-        xgr.apply_token_bitmask_inplace(row, self.bitmask)
-        row[0, self.vocab.spells_marker] = float("-inf")
+        width = min(row.shape[1], self.vocab.vocab_size)
+        xgr.apply_token_bitmask_inplace(row, self.bitmask, vocab_size=width)
+        row[0, :width][self.vocab.spells_marker[:width]] = float("-inf")
+        row[0, width:] = float("-inf")
         return logits
 
     @property

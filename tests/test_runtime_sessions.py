@@ -1,0 +1,162 @@
+"""Session state reuse: a follow-up turn continuing a kept sequence gives the same logits (1e-5) and tokens
+as a full re-prefill, for every preset and several layouts, and through chat turns with tool calls,
+tool results and budget-forced close markers; LRU eviction when slots run out."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moe_export.runtime.engine import Engine
+from moe_export.runtime.llm import LLM
+from moe_export.runtime.sampling import SamplingParams
+from moe_export.runtime.scheduler import Request, Scheduler
+
+ATOL = 1e-5
+TURN1 = [5, 17, 99, 3, 250, 42, 7, 8, 300, 11, 12, 77, 1, 400, 9, 9, 31, 64, 65, 66, 70]
+TOOL_RESULT = [201, 202, 203, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]
+
+
+class Recorder:
+    """Logits processor recording the logits of every sampled step."""
+
+    def __init__(self) -> None:
+        self.logits: list[torch.Tensor] = []
+
+    def __call__(self, _ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        self.logits.append(logits.clone())
+        return logits
+
+
+def run(sched: Scheduler, request_id: str, prompt: list[int], n: int) -> tuple[list[int], Recorder, int]:
+    rec = Recorder()
+    sched.add(Request(request_id, prompt, SamplingParams(max_tokens=n, ignore_eos=True), [rec]))
+    tokens, cached = [], 0
+    while sched.has_work:
+        for u in sched.step():
+            tokens += u.token_ids
+            cached = max(cached, u.cached_tokens)
+    return tokens, rec, cached
+
+
+def assert_same(a: Recorder, b: Recorder) -> None:
+    assert len(a.logits) == len(b.logits)
+    for k, (x, y) in enumerate(zip(a.logits, b.logits)):
+        np.testing.assert_allclose(x.numpy(), y.numpy(), atol=ATOL, rtol=0, err_msg=f"step {k}")
+
+
+@pytest.mark.parametrize("preset, tp, ep, world", [
+    ("tiny-k3", 2, 2, 4), ("tiny-k3-dsa", 2, 2, 4), ("tiny-kimi-linear", 2, 2, 4), ("tiny-k3", 1, 1, 1), ("tiny-k3", 1, 4, 4),
+])
+def test_follow_up_turns_with_reuse_equal_full_prefill(runtime_engine, preset, tp, ep, world):
+    """Three turns: each follow-up prompt = everything so far + new tokens (crossing block and chunk bounds)."""
+    eng = Engine(runtime_engine(preset, tp, ep, world), threads=1)
+    kept = Scheduler(eng)
+    out1, _, cached = run(kept, "t1", TURN1, 6)
+    assert cached == 0
+    prompt2 = TURN1 + out1 + TOOL_RESULT
+    out2, rec2, cached2 = run(kept, "t2", prompt2, 5)
+    assert cached2 == len(TURN1) + len(out1) - 1
+    prompt3 = prompt2 + out2 + TOOL_RESULT[:7]
+    out3, rec3, cached3 = run(kept, "t3", prompt3, 4)
+    assert cached3 == len(prompt2) + len(out2) - 1
+    assert kept.stats()["reuse_hits"] == 2
+
+    fresh = Scheduler(eng, keep_sessions=False)
+    full2, frec2, c2 = run(fresh, "f2", prompt2, 5)
+    full3, frec3, c3 = run(fresh, "f3", prompt3, 4)
+    assert c2 == c3 == 0 and fresh.stats()["reuse_hits"] == 0
+    assert (out2, out3) == (full2, full3)
+    assert_same(rec2, frec2)
+    assert_same(rec3, frec3)
+
+
+def test_no_reuse_without_an_exact_prefix_and_lru_eviction(runtime_engine):
+    eng = Engine(runtime_engine("tiny-k3", 2, 2, 4), num_slots=2, threads=1)
+    sched = Scheduler(eng)
+    out_a, _, _ = run(sched, "a", TURN1, 3)
+    out_b, _, _ = run(sched, "b", TOOL_RESULT, 3)
+    assert sched.stats()["kept_sessions"] == 2
+    # a changed token inside the history: a full prefill, equal to a fresh run
+    changed = TURN1[:5] + [6] + TURN1[6:] + out_a + [1, 2, 3]
+    got, rec, cached = run(sched, "c", changed, 3)
+    assert cached == 0
+    # "c" needed a slot: the least recently used session ("a") was evicted, "b" is still reusable
+    _, _, cached_b = run(sched, "b2", TOOL_RESULT + out_b + [4, 5], 2)
+    assert cached_b == len(TOOL_RESULT) + len(out_b) - 1
+    _, _, cached_a = run(sched, "a2", TURN1 + out_a + [4, 5], 2)
+    assert cached_a == 0
+    other = Engine(runtime_engine("tiny-k3", 2, 2, 4), num_slots=1, threads=1)  # its own state pools
+    want, frec, _ = run(Scheduler(other, keep_sessions=False), "fc", changed, 3)
+    assert got == want
+    assert_same(rec, frec)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+class Script:
+    """Logits processor steering output: reasoning tokens `long_reasoning` (longer than the cap, so the
+    budget must force the close marker), then, once the forced marker is out, the tokens `tail`."""
+
+    def __init__(self, long_reasoning: list[int], marker: list[int], tail: list[int]) -> None:
+        self.long_reasoning, self.marker, self.tail = long_reasoning, marker, tail
+
+    def __call__(self, ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        k, m = len(ids), len(self.marker)
+        ends = [i + m for i in range(len(ids) - m + 1) if ids[i:i + m] == self.marker]
+        target = self.tail[k - ends[0]] if ends else self.long_reasoning[k]
+        out = torch.full_like(logits, float("-inf"))
+        out[target] = 0.0
+        return out
+
+
+@pytest.mark.parametrize("preset", ["tiny-k3", "tiny-kimi-linear"])
+def test_chat_turns_with_tool_calls_and_forced_markers_reuse_state(runtime_engine, preset):
+    engine_dir = runtime_engine(preset, 2, 2, 4)
+    llm, fresh = LLM(engine_dir, threads=1), LLM(engine_dir, threads=1)
+    tok, family = llm.tokenizer, llm.family
+    history = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "Weather in Paris?"}]
+    cap = llm.thinking_caps["low"]
+    kw = {"family": family, "tools": TOOLS, "thinking": True, "thinking_effort": "low"}
+    from moe_export.runtime.chat import render_ids
+
+    prompt1 = render_ids(tok, history, **kw)
+    long_reasoning = tok.encode("1 2 3 4 5 6 7 8 9 1 2 3 4 5 6 7 8 9")
+    reasoning = tok.decode(long_reasoning[:cap])
+    assert tok.encode(reasoning) == long_reasoning[:cap]
+    call_id = "functions.get_weather:0"
+    want = {"role": "assistant", "reasoning_content": reasoning, "content": "Calling.",
+            "tool_calls": [{"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    full = render_ids(tok, history + [want], add_generation_prompt=False, **kw)
+    assert full[: len(prompt1)] == prompt1
+    turn = full[len(prompt1):]
+    if family == "k3":
+        marker = [tok.encode_special("<|close|>"), *tok.encode("think"), tok.encode_special("<|sep|>"),
+                  tok.encode_special("<|open|>"), *tok.encode("response"), tok.encode_special("<|sep|>")]
+    else:
+        marker = [tok.encode_special("</think>")]
+    assert turn[cap: cap + len(marker)] == marker
+    script = Script(long_reasoning, marker, turn[cap + len(marker):])
+
+    out1 = llm.chat([history], SamplingParams(max_tokens=len(turn) + 5), tools=TOOLS, reasoning_effort="low",
+                    logits_processors=[script])[0]
+    assert out1.output_ids == turn and out1.finish_reason == "tool_calls"
+    assert out1.usage["reasoning_tokens"] == cap and out1.reasoning_content == reasoning
+    assert [c["function"] for c in out1.tool_calls] == [want["tool_calls"][0]["function"]]
+    assistant = {"role": "assistant", "reasoning_content": out1.reasoning_content, "content": out1.content,
+                 "tool_calls": out1.tool_calls}
+    history2 = history + [assistant, {"role": "tool", "tool_call_id": out1.tool_calls[0]["id"], "content": "18 C, sunny"}]
+
+    rec, frec = Recorder(), Recorder()
+    params = SamplingParams(max_tokens=8)
+    out2 = llm.chat([history2], params, tools=TOOLS, reasoning_effort="low", logits_processors=[rec])[0]
+    assert out2.usage["cached_tokens"] == len(prompt1) + len(turn) - 1
+    ref = fresh.chat([history2], params, tools=TOOLS, reasoning_effort="low", logits_processors=[frec])[0]
+    assert ref.usage["cached_tokens"] == 0 and ref.prompt_ids == out2.prompt_ids
+    assert ref.output_ids == out2.output_ids
+    assert_same(rec, frec)
+    llm.shutdown()
+    fresh.shutdown()
