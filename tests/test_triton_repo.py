@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -221,3 +222,11 @@ def test_model_is_thread_safe_for_execute_from_several_threads(model, pb_utils):
     for r in requests:
         assert r.sender.done.wait(60)
         assert not any(resp.has_error() for resp in r.sender.responses)
+
+
+def test_follower_rank_entry_refuses_to_run_outside_mpiexec(engine):
+    """`python -m moe_export.runtime.triton_follower ENGINE` (ranks 1..W-1 of launch_NAME.sh --mpi) needs mpiexec."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_"))}
+    r = subprocess.run([sys.executable, "-m", "moe_export.runtime.triton_follower", str(engine)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "under mpiexec" in r.stderr
