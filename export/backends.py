@@ -157,5 +157,3 @@ def lower_for_onnxruntime(graph_path: Path, out_dir: Path) -> list[str]:
                                                sort_keys=True))
     written.append(ORT_PLAN)
     return written
-
-

@@ -39,6 +39,7 @@ import onnx
 from moe_export.export.atomic import atomic_path
 from moe_export.export.backends import Segment, _value_types, plan_segments, segment_model
 from moe_export.export.errors import InputError
+from moe_export.export.planner import make_plan
 from moe_export.plugins.registry import OP_FOLDERS
 
 PLAN_KEY = "trt_plan"
@@ -67,26 +68,18 @@ def register_plugins() -> None:
         importlib.import_module(f"moe_export.plugins.{folder}.tensorrt_plugin")
 
 
-def pool_limits(recipe) -> dict[str, int]:
-    """The pools the runtime allocates, from the planner's one arithmetic (`planner.make_plan(...).pool_sizes()`,
-    what `runtime.engine` and `runtime.tensorrt_engine` load): S slots, NB cache blocks of BS positions, and
-    B = blocks a sequence of max_seq_len needs (block-table width)."""
-    from moe_export.export.planner import make_plan
-
-    pools = make_plan(recipe).pool_sizes()
-    per_sequence = -(-recipe.limits.max_seq_len // pools.block_size)
-    return {"S": pools.num_slots, "BS": pools.block_size, "B": per_sequence, "NB": max(pools.num_blocks, 1)}
-
-
-def profile_range(name: str, axis: int, dim: str | int, limits, pools: dict[str, int]) -> tuple[int, int, int]:
+def profile_range(name: str, axis: int, dim: str | int, limits, pools) -> tuple[int, int, int]:
     """(min, opt, max) of one dimension of a segment input: a fixed size, or a symbolic name.
 
     T tokens of the step; N sequences (N_plus_1 = cu_seqlens); pools: S recurrent-state slots, NB cache blocks
-    of BS positions, B blocks per block table, with maxima the runtime's pool sizes (`pool_limits`) and small
-    opt values, so the build's tactic timing never allocates full-size pools."""
+    of BS positions, B blocks per block table, with maxima the runtime's pool sizes (`pools`, the planner's
+    `PoolSizes`: the same arithmetic as the planner and the engine loader) and small opt values, so the build's
+    tactic timing never allocates full-size pools."""
     if isinstance(dim, int):
         return dim, dim, dim
     tokens = limits.max_num_tokens
+    per_sequence = min(-(-limits.max_seq_len // pools.block_size), pools.num_blocks)
+    pools = {"S": pools.num_slots, "BS": pools.block_size, "B": per_sequence, "NB": pools.num_blocks}
     ranges = {
         "T": (1, min(tokens, 256), tokens),
         "N": (1, limits.max_batch, limits.max_batch),
@@ -131,8 +124,8 @@ def segment_input_dims(model: onnx.ModelProto, types: dict[str, onnx.TypeProto],
     return {i: dims_of(i) for s in steps if isinstance(s, Segment) for i in s.inputs}
 
 
-def _build_segment(trt, builder, logger, model: onnx.ModelProto, segment: Segment, types: dict, input_dims: dict,
-                   pools: dict[str, int], graph_dir: Path, recipe, timing_cache, prefer_aot: bool) -> bytes:  # fmt: skip
+def _build_segment(trt, builder, logger, model: onnx.ModelProto, segment: Segment, types, input_dims: dict,
+                   graph_dir: Path, recipe, timing_cache, prefer_aot: bool) -> bytes:  # fmt: skip
     """Serialized engine of one segment (its ONNX file is written next to the weights, parsed, removed)."""
     flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
     prefer = "PREFER_AOT_PYTHON_PLUGINS" if prefer_aot else "PREFER_JIT_PYTHON_PLUGINS"
@@ -151,6 +144,7 @@ def _build_segment(trt, builder, logger, model: onnx.ModelProto, segment: Segmen
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(recipe.workspace_reserve_gib * 2**30))
     config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
     config.set_timing_cache(timing_cache, ignore_mismatch=False)
+    pools = make_plan(recipe).pool_sizes()  # what the runtime allocates on every rank
     profile = builder.create_optimization_profile()
     for i in range(network.num_inputs):
         tensor = network.get_input(i)
@@ -176,7 +170,6 @@ def build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path, *, 
     model = onnx.load(str(graph_path), load_external_data=False)
     types = _value_types(model)
     input_dims = segment_input_dims(model, types, mapping)
-    pools = pool_limits(recipe)
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     cache_path = out_path.with_suffix(".timing_cache")
@@ -189,8 +182,8 @@ def build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path, *, 
             steps.append(step)
             continue
         name = f"segment.{step.index:03d}"
-        blob = _build_segment(trt, builder, logger, model, step, types, input_dims, pools, graph_path.parent,
-                              recipe, timing_cache, prefer_aot)
+        blob = _build_segment(trt, builder, logger, model, step, types, input_dims, graph_path.parent, recipe,
+                              timing_cache, prefer_aot)
         engines[name] = np.frombuffer(blob, dtype=np.uint8)
         steps.append({"segment": name, "inputs": step.inputs, "outputs": step.outputs})
     plan = {"steps": steps, "graph_outputs": [v.name for v in model.graph.output], "rank": mapping.rank}

@@ -350,6 +350,7 @@ class AsyncLLM:
                     return
         finally:
             if not finished:  # the consumer went away (e.g. a client disconnect): free the request's state now
+                self._queues.pop(rid, None)
                 self.abort(rid)
 
     def chat_stream(self, messages: list[dict], sampling: SamplingParams | None = None, *, tools=None,
