@@ -200,7 +200,7 @@ def test_one_pool_arithmetic_and_k3_sequences_that_fit():
 
 def test_too_many_slots_for_one_full_sequence_is_refused(tmp_path):
     """h100x64 with 32 slots: weights fit, but the slots leave less than one 1M-token cache: exit 2, saying so."""
-    text = (models_dir().parent / "h100x64.yaml").read_text().replace("max_batch: 4 ", "max_batch: 32 ")
+    text = (models_dir().parent / "h100x64.yaml").read_text().replace("max_batch: 24", "max_batch: 32")
     p = tmp_path / "slots.yaml"
     p.write_text(text)
     res = run_cli("plan", "--recipe", str(p))
