@@ -343,3 +343,16 @@ class Engine:
         for r in self.ranks:
             r.write_back(envs[r.rank], batch, rows)
         return envs[self.ranks[0].rank]["logits"]
+
+
+def open_engine(engine_dir: str | Path, **kwargs):
+    """The runner for an engine directory's backend (config.json `backend`): `Engine` (ONNX Runtime segments)
+    or `runtime.tensorrt_engine.TensorRTEngine` (TensorRT, import-guarded). kwargs: num_slots, num_blocks,
+    threads."""
+    cfg_path = Path(engine_dir) / "config.json"
+    if cfg_path.is_file() and json.loads(cfg_path.read_text()).get("backend") == "tensorrt":
+        from moe_export.runtime.tensorrt_engine import TensorRTEngine
+
+        return TensorRTEngine(engine_dir, **kwargs)
+    return Engine(engine_dir, **kwargs)
+

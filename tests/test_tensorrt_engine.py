@@ -39,3 +39,16 @@ def test_engine_needs_tensorrt_and_the_tensorrt_backend(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"backend": "tensorrt", "recipe": {"name": "k3"}}))
     with pytest.raises(InputError, match="needs the TensorRT Python package"):
         TensorRTEngine(tmp_path)
+
+
+def test_open_engine_picks_the_runner_of_the_built_backend(tmp_path):
+    """`LLM` and `moe-export generate` open engines through `open_engine`: a tensorrt build goes to the
+    TensorRT runner (here: its clear import error), anything else to the ONNX Runtime runner."""
+    from moe_export.runtime.engine import open_engine
+
+    (tmp_path / "config.json").write_text(json.dumps({"backend": "tensorrt", "recipe": {"name": "k3"}}))
+    with pytest.raises(InputError, match="needs the TensorRT Python package"):
+        open_engine(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"backend": "onnxruntime"}))
+    with pytest.raises(InputError, match="no rank"):
+        open_engine(tmp_path)
