@@ -8,6 +8,14 @@ greedy decoding at batch 1 and batch 8, in interleaved rounds (each method's bes
   - transformers: `KimiLinearForCausalLM.generate` (greedy, fp32, torch fallbacks; test extra).
 Prints the ratios `engine_vs_transformers_b1` / `_b8` (goal >= 2) and `engine_vs_reference_*`.
 
+State model (paged, in place), same model and batch (8 sequences decoding after a CONTEXT_LEN-token prompt):
+  - `decode_step_ratio_pool8x`: median decode-step time with 8x the slots and cache blocks the batch needs,
+    divided by the median with right-sized pools; steps interleaved between the two engines, equal counts
+    (goal <= 1.2: a step costs O(tokens + context used), not O(pool));
+  - `rss_per_cached_token`: growth of the process RSS per token written to the cache, on the second of two
+    equal cache fills into fresh blocks (the first also warms ORT's arenas; reported as `_first_fill`),
+    next to `cache_bytes_per_token` from the planner (what the pools should cost).
+
     python benchmarks/decode.py [--steps 32] [--rounds 3] [--max-seq-len 4096] [--json PATH]
 """
 
@@ -22,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import torch
 import yaml
 
@@ -31,6 +40,9 @@ from moe_export.recipes.schema import load_recipe
 from moe_export.runtime.engine import Engine, SequenceChunk, StepBatch
 
 PROMPT_LEN = 16
+CONTEXT_LEN = 448  # prompt tokens per sequence before the pool-size decode steps (tiny-cpu max_seq_len 512)
+POOL_BATCH = 8
+RSS_FILL_SEQUENCES = 48  # sequences of CONTEXT_LEN tokens per cache fill of the RSS measurement
 
 
 @contextlib.contextmanager
@@ -97,6 +109,53 @@ def engine_tps(engine: Engine, batch: int, steps: int) -> float:
     return batch * steps / (time.perf_counter() - start)
 
 
+def context_prompt(seq: int) -> list[int]:
+    return [(11 * seq + 5 * t) % 250 + 1 for t in range(CONTEXT_LEN)]
+
+
+def fill(engine: Engine, first_block: int, per_seq: int, sequences: int = POOL_BATCH) -> list[list[int]]:
+    """Prefill `sequences` sequences (slot s, blocks first_block + s*per_seq ..); returns their block tables."""
+    tables = [list(range(first_block + s * per_seq, first_block + (s + 1) * per_seq)) for s in range(sequences)]
+    for s in range(sequences):
+        engine.reset_slot(s)
+        engine.step(StepBatch.from_sequences([SequenceChunk(s, 0, context_prompt(s), tables[s])]))
+    return tables
+
+
+def decode_step_ratio_pool8x(out: Path, steps: int) -> float:
+    """Median decode-step time with 8x pools / with right-sized pools (interleaved, equal step counts)."""
+    per_seq = -(-(CONTEXT_LEN + steps) // 64)
+    right = Engine(out, num_slots=POOL_BATCH, num_blocks=POOL_BATCH * per_seq, threads=2)
+    big = Engine(out, num_slots=8 * POOL_BATCH, num_blocks=8 * POOL_BATCH * per_seq, threads=2)
+    assert right.block_size == big.block_size == 64
+    tables = {id(e): fill(e, 0, per_seq) for e in (right, big)}
+    times: dict[int, list[float]] = {id(right): [], id(big): []}
+    tokens = [1] * POOL_BATCH
+    for step in range(steps):
+        for eng in ((right, big) if step % 2 == 0 else (big, right)):
+            batch = StepBatch.from_sequences(
+                [SequenceChunk(s, CONTEXT_LEN + step, [tokens[s]], tables[id(eng)][s]) for s in range(POOL_BATCH)])
+            t0 = time.perf_counter()
+            eng.step(batch)
+            times[id(eng)].append(time.perf_counter() - t0)
+    median = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    return median[id(big)] / median[id(right)]
+
+
+def rss_per_cached_token(out: Path) -> tuple[float, float]:
+    """(second fill, first fill) RSS growth per cached token, pools sized for three fills."""
+    per_seq = -(-CONTEXT_LEN // 64)
+    n = RSS_FILL_SEQUENCES
+    engine = Engine(out, num_slots=n, num_blocks=3 * n * per_seq, threads=2)
+    proc = psutil.Process()
+    growth = []
+    for fill_index in range(2):
+        before = proc.memory_info().rss
+        fill(engine, fill_index * n * per_seq, per_seq, n)
+        growth.append((proc.memory_info().rss - before) / (n * CONTEXT_LEN))
+    return growth[1], growth[0]
+
+
 def reference_tps(model: KimiModel, batch: int, steps: int) -> float:
     cache = model.new_cache(batch)
     with torch.no_grad():
@@ -157,6 +216,11 @@ def main() -> None:
             figures[f"engine_vs_reference_b{batch}"] = (
                 figures[f"engine_tokens_per_s_b{batch}"] / figures[f"reference_tokens_per_s_b{batch}"]
             )
+        from moe_export.export.planner import engine_pool_sizes
+
+        figures["decode_step_ratio_pool8x"] = decode_step_ratio_pool8x(out, args.steps)
+        figures["rss_per_cached_token"], figures["rss_per_cached_token_first_fill"] = rss_per_cached_token(out)
+        figures["cache_bytes_per_token"] = engine_pool_sizes(engine.config).bytes_per_token
     for key, value in figures.items():
         print(f"{key:36s} {value:10.2f}")
     if args.json:

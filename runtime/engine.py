@@ -31,8 +31,7 @@ from moe_export.export.mpi import mpi_world
 from moe_export.export.planner import engine_pool_sizes
 
 STATE_PREFIXES = ("kda_state.", "conv_state.", "mla_cache.", "index_cache.")
-RESET_ON_NEW_SEQUENCE = ("kda_state.", "conv_state.")  # recurrent state; caches are position-addressed
-CACHE_PREFIXES = ("mla_cache.", "index_cache.")  # paged pools, written at the step's token rows
+RESET_ON_NEW_SEQUENCE = ("kda_state.", "conv_state.")  # recurrent state, by slot; the other pools are paged caches
 DEFAULT_BLOCK_SIZE = 64  # tokens per cache block when the engine's config.json does not say
 POOL_DTYPES = {TensorProto.FLOAT: np.float32, TensorProto.BFLOAT16: ml_dtypes.bfloat16}  # ONNX -> numpy
 
@@ -344,3 +343,16 @@ class Engine:
         for r in self.ranks:
             r.write_back(envs[r.rank], batch, rows)
         return envs[self.ranks[0].rank]["logits"]
+
+
+def open_engine(engine_dir: str | Path, **kwargs):
+    """The runner for an engine directory's backend (config.json `backend`): `Engine` (ONNX Runtime segments)
+    or `runtime.tensorrt_engine.TensorRTEngine` (TensorRT, import-guarded). kwargs: num_slots, num_blocks,
+    threads."""
+    cfg_path = Path(engine_dir) / "config.json"
+    if cfg_path.is_file() and json.loads(cfg_path.read_text()).get("backend") == "tensorrt":
+        from moe_export.runtime.tensorrt_engine import TensorRTEngine
+
+        return TensorRTEngine(engine_dir, **kwargs)
+    return Engine(engine_dir, **kwargs)
+

@@ -139,9 +139,9 @@ def generate_command(path: str | Path, prompt_ids: str | None, prompt: str | Non
 
     cfg_path = Path(path) / "config.json"
     if cfg_path.is_file() and "mapping" in json.loads(cfg_path.read_text()):
-        from moe_export.runtime.engine import Engine
+        from moe_export.runtime.engine import open_engine
 
-        engine = Engine(path, num_slots=1)
+        engine = open_engine(path, num_slots=1)
         if not engine.is_root:
             follow(engine)
             return None

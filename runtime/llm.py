@@ -149,9 +149,9 @@ class LLM:
 
     def __init__(self, engine_dir: str | Path, *, default_effort: str = "max", num_slots: int | None = None,
                  num_blocks: int | None = None, threads: int | None = None, reuse_sessions: bool = True) -> None:
-        from moe_export.runtime.engine import Engine
+        from moe_export.runtime.engine import open_engine
 
-        self.engine = Engine(engine_dir, num_slots=num_slots, num_blocks=num_blocks, threads=threads)
+        self.engine = open_engine(engine_dir, num_slots=num_slots, num_blocks=num_blocks, threads=threads)
         self.tokenizer = load_tokenizer(engine_dir)
         self.family = self.tokenizer.family
         self.thinking_caps: dict[str, int] = dict(self.engine.config.get("thinking", {}))
@@ -350,6 +350,7 @@ class AsyncLLM:
                     return
         finally:
             if not finished:  # the consumer went away (e.g. a client disconnect): free the request's state now
+                self._queues.pop(rid, None)
                 self.abort(rid)
 
     def chat_stream(self, messages: list[dict], sampling: SamplingParams | None = None, *, tools=None,

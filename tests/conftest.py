@@ -277,3 +277,17 @@ def runtime_engine(tmp_path_factory: pytest.TempPathFactory):
         return built[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def toks(tmp_path_factory) -> dict:
+    """family ("k3", "k2") -> the synthetic Kimi-format tokenizer of that family (vocab 4096)."""
+    from moe_export.runtime.tokenizer import load_tokenizer, write_synthetic_tokenizer
+
+    out = {}
+    for family in ("k3", "k2"):
+        d = tmp_path_factory.mktemp(family)
+        write_synthetic_tokenizer(d, family, 4096)
+        out[family] = load_tokenizer(d)
+    return out
+

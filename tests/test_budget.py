@@ -8,19 +8,8 @@ import pytest
 from moe_export.export.errors import InputError
 from moe_export.runtime.budget import ReasoningBudget, ThinkingPlan, resolve_thinking
 from moe_export.runtime.chat import OutputParser
-from moe_export.runtime.tokenizer import load_tokenizer, write_synthetic_tokenizer
 
 CAPS = {"low": 64, "high": 256, "max": 512}
-
-
-@pytest.fixture(scope="module")
-def toks(tmp_path_factory):
-    out = {}
-    for family in ("k3", "k2"):
-        d = tmp_path_factory.mktemp(family)
-        write_synthetic_tokenizer(d, family, 4096)
-        out[family] = load_tokenizer(d)
-    return out
 
 
 def test_resolve_thinking():

@@ -16,19 +16,8 @@ from moe_export.runtime.chat import (
     render,
     render_ids,
 )
-from moe_export.runtime.tokenizer import load_tokenizer, write_synthetic_tokenizer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Météo", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
-
-
-@pytest.fixture(scope="module")
-def toks(tmp_path_factory):
-    out = {}
-    for family in ("k3", "k2"):
-        d = tmp_path_factory.mktemp(family)
-        write_synthetic_tokenizer(d, family, 4096)
-        out[family] = load_tokenizer(d)
-    return out
 
 
 def call(cid, name, args):
