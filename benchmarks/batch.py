@@ -10,7 +10,7 @@ interleaved:
             before the rounds (start-up excluded), each request waiting for the previous answer.
 Prints documents/s of each (median over rounds) and `batch_speedup` = batch / serial (goal >= 3).
 
-    python benchmarks/batch.py [--docs 48] [--max-tokens 16] [--rounds 2] [--engine DIR] [--json PATH]
+    python benchmarks/batch.py [--docs 48] [--max-tokens 64] [--rounds 2] [--engine DIR] [--json PATH]
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def run_serial(client, base: str, prompts: list[str], max_tokens: int, effort: s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--docs", type=int, default=48)
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--effort", default="none", help="reasoning effort of every request (both sides)")
     parser.add_argument("--engine", type=Path, default=None, help="engine directory (default: build tiny-cpu)")

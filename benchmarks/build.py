@@ -1,7 +1,8 @@
 """Benchmark of `moe-export build`: wall time and peak memory per rank for two model sizes.
 
 Two synthetic K3-style checkpoints are written: `tiny-k3` and the same architecture with every width
-and the expert count multiplied by `--scale` (default 8: ~30x the bytes). Each is built with a
+and the expert count multiplied by `--scale` (default 8) and its layer pattern repeated `--layer-scale` times
+(default 4: 28 layers). Also reported: bytes of the checkpoint each process read / bytes its ranks need. Each is built with a
 4-rank CPU recipe (tp=2, ep=2, ONNX Runtime backend) under `mpiexec -n 4`, so each MPI process
 builds exactly one rank and its peak RSS is that rank's; `baseline` is the RSS after the imports,
 before the build. Two figures: `peak_rss` (ru_maxrss: includes the memory-mapped checkpoint pages the
@@ -44,6 +45,20 @@ done = threading.Event()
 def sample():
     while not done.wait(0.005):
         peak_anon[0] = max(peak_anon[0], rss_anon_kib())
+import moe_export.export.build as build_mod
+from moe_export.export import checkpoint
+from moe_export.export.convert import rank_source_bytes
+readers, hashed = [], [0]
+real_init, real_sha = checkpoint.CheckpointReader.__init__, build_mod.sha256_file
+def tracking_init(self, *a, **kw):
+    real_init(self, *a, **kw)
+    readers.append(self)
+def counting_sha(path):
+    if str(path).startswith(sys.argv[3]):  # a source file, not one of the build's outputs
+        hashed[0] += path.stat().st_size
+    return real_sha(path)
+checkpoint.CheckpointReader.__init__ = tracking_init
+build_mod.sha256_file = counting_sha
 comm = detect_comm()
 recipe = load_recipe(sys.argv[1])[0]
 baseline, baseline_anon = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, rss_anon_kib()
@@ -52,14 +67,18 @@ t0 = time.perf_counter()
 build(recipe, sys.argv[2], progress=False)
 seconds = time.perf_counter() - t0
 done.set()
-print(json.dumps({"process": comm.rank, "seconds": seconds, "baseline_kib": baseline, "peak_kib":
+mine = [n for n in range(recipe.target.world_size) if n % comm.size == comm.rank]
+needed = sum(rank_source_bytes(readers[0], readers[0].config, build_mod.rank_mapping(recipe, n)) for n in mine)
+open(f"{sys.argv[2]}.process{comm.rank}.json", "w").write(json.dumps({"process": comm.rank, "seconds": seconds, "read_bytes": sum(r.bytes_read for r in readers),
+                  "hash_bytes": hashed[0], "needed_bytes": needed, "baseline_kib": baseline, "peak_kib":
                   resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "baseline_anon_kib": baseline_anon,
-                  "peak_anon_kib": max(peak_anon[0], rss_anon_kib())}))
+                  "peak_anon_kib": max(peak_anon[0], rss_anon_kib())}))  # a file each: mpiexec mixes stdout lines
 """
 
 
-def scaled_hf_config(scale: int) -> dict:
-    """tiny-k3's HF config with widths, head counts and the expert count multiplied by `scale`."""
+def scaled_hf_config(scale: int, layer_scale: int) -> dict:
+    """tiny-k3's HF config with widths, head counts and the expert count multiplied by `scale`, and its
+    layer pattern (KDA / MLA) repeated `layer_scale` times."""
     from moe_export.export.synth import preset_hf_config
 
     cfg = preset_hf_config("tiny-k3")
@@ -67,17 +86,22 @@ def scaled_hf_config(scale: int) -> dict:
     for key in ("hidden_size", "intermediate_size", "moe_intermediate_size", "routed_expert_hidden_size",
                 "q_lora_rank", "kv_lora_rank", "num_attention_heads", "num_key_value_heads", "num_experts"):
         text[key] *= scale
-    text["linear_attn_config"]["num_heads"] *= scale
+    lac = text["linear_attn_config"]
+    lac["num_heads"] *= scale
+    n = text["num_hidden_layers"]
+    for key in ("kda_layers", "full_attn_layers"):
+        lac[key] = [layer + r * n for r in range(layer_scale) for layer in lac[key]]
+    text["num_hidden_layers"] = n * layer_scale
     return cfg
 
 
-def write_checkpoint(name: str, scale: int, out: Path) -> Path:
-    """A synthetic checkpoint (seed 0); scale 1 is the tiny-k3 preset itself."""
+def write_checkpoint(name: str, scale: int, layer_scale: int, out: Path) -> Path:
+    """A synthetic checkpoint (seed 0); scale 1, layer_scale 1 is the tiny-k3 preset itself."""
     from moe_export.export import synth
 
-    if scale != 1:
-        synth.PRESETS[name] = lambda: scaled_hf_config(scale)
-    return synth.write_synthetic_checkpoint(name if scale != 1 else "tiny-k3", out, seed=0)
+    if (scale, layer_scale) != (1, 1):
+        synth.PRESETS[name] = lambda: scaled_hf_config(scale, layer_scale)
+    return synth.write_synthetic_checkpoint(name if (scale, layer_scale) != (1, 1) else "tiny-k3", out, seed=0)
 
 
 def write_recipe(path: Path, source: Path) -> Path:
@@ -96,30 +120,32 @@ def write_recipe(path: Path, source: Path) -> Path:
 
 def build_once(recipe: Path, out: Path, use_mpi: bool) -> list[dict]:
     """Run the build in fresh processes; one JSON record per process."""
-    cmd = [sys.executable, "-c", CHILD, str(recipe), str(out)]
+    source = yaml.safe_load(recipe.read_text())["model"]["source"]
+    cmd = [sys.executable, "-c", CHILD, str(recipe), str(out), str(Path(source).resolve())]
     mpiexec = Path(sys.executable).parent / "mpiexec"
     if use_mpi:
         cmd = [str(mpiexec), "-n", str(WORLD), *cmd]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"build failed ({' '.join(cmd[:4])} ...):\n{proc.stderr[-4000:]}")
-    return sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
-                  key=lambda r: r["process"])
+    records = [json.loads(p.read_text()) for p in out.parent.glob(f"{out.name}.process*.json")]
+    return sorted(records, key=lambda r: r["process"])
 
 
-def run(scale: int = 8, use_mpi: bool | None = None) -> dict[str, float]:
+def run(scale: int = 8, layer_scale: int = 4, use_mpi: bool | None = None) -> dict[str, float]:
     """Figures for both sizes: checkpoint size, parameters, build seconds, peak / baseline RSS per rank."""
     from moe_export.export.planner import count_params
     from moe_export.graphs.config import ModelConfig
 
     if use_mpi is None:
         use_mpi = (Path(sys.executable).parent / "mpiexec").is_file()
-    figures: dict[str, float] = {"world_size": WORLD, "mpi": int(use_mpi), "scale": scale}
+    figures: dict[str, float] = {"world_size": WORLD, "mpi": int(use_mpi), "scale": scale, "layer_scale": layer_scale}
     work = Path(tempfile.mkdtemp(prefix="moe-export-bench-build-"))
     try:
-        for label, factor in (("small", 1), ("large", scale)):
+        for label, factor, layers in (("small", 1, 1), ("large", scale, layer_scale)):
             t0 = time.perf_counter()
-            ckpt = write_checkpoint(f"bench-k3-x{factor}", factor, work / f"ckpt-{label}")
+            ckpt = write_checkpoint(f"bench-k3-x{factor}-l{layers}", factor, layers, work / f"ckpt-{label}")
+            figures[f"{label}.layers"] = ModelConfig.from_pretrained(ckpt).num_layers
             figures[f"{label}.synth_s"] = round(time.perf_counter() - t0, 2)
             total, _ = count_params(ModelConfig.from_pretrained(ckpt))
             figures[f"{label}.params_m"] = round(total / 1e6, 2)
@@ -128,6 +154,13 @@ def run(scale: int = 8, use_mpi: bool | None = None) -> dict[str, float]:
             recipe = write_recipe(work / f"{label}.yaml", ckpt)
             records = build_once(recipe, work / f"engine-{label}", use_mpi)
             figures[f"{label}.build_s"] = round(max(r["seconds"] for r in records), 2)
+            # bytes of the checkpoint each process read (tensor data through the reader, plus the sha256 pass
+            # over the source files it hashes) over the bytes its ranks' weights come from; goal <= 1.05
+            for r in records:
+                who = f"rank{r['process']}" if use_mpi else "all_ranks"
+                figures[f"{label}.convert_read_over_needed.{who}"] = round(r["read_bytes"] / r["needed_bytes"], 3)
+                figures[f"{label}.read_over_needed.{who}"] = round(
+                    (r["read_bytes"] + r["hash_bytes"]) / r["needed_bytes"], 3)
             for r in records:
                 who = f"rank{r['process']}" if use_mpi else "all_ranks"
                 for key in ("peak", "baseline", "peak_anon", "baseline_anon"):
@@ -150,12 +183,13 @@ def run(scale: int = 8, use_mpi: bool | None = None) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=int, default=8, help="width / expert multiplier of the large model")
+    parser.add_argument("--layer-scale", type=int, default=4, help="layer-count multiplier of the large model")
     parser.add_argument("--no-mpi", action="store_true", help="build the ranks in one process")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = parser.parse_args()
     if args.scale < 2 or math.log2(args.scale) % 1:
         parser.error("--scale must be a power of two >= 2 (keeps every width a multiple of 32 and divisible by tp/ep)")
-    figures = run(args.scale, use_mpi=False if args.no_mpi else None)
+    figures = run(args.scale, args.layer_scale, use_mpi=False if args.no_mpi else None)
     text = json.dumps(figures, indent=2)
     print(text)
     if args.json:

@@ -132,7 +132,7 @@ def _lower_for_onnxruntime(graph_path: Path, out_dir: Path) -> list[str]:
 
 
 def _build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path) -> None:
-    from moe_export.export.backends import build_tensorrt_engine
+    from moe_export.export.tensorrt_build import build_tensorrt_engine
 
     build_tensorrt_engine(graph_path, recipe, mapping, out_path)
 

@@ -208,6 +208,7 @@ class CheckpointReader:
         self._index: dict[str, str] | None = None  # tensor name -> shard file, from the index
         self._bad_files: set[str] = set()  # shards whose header could not be parsed (or that are missing)
         self._handles: dict[str, object] = {}
+        self.bytes_read = 0  # tensor data bytes requested from the files so far (get / get_part)
         self._specs: list[TensorSpec] | None = None
         self.files = self._discover()
         per_file = Counter((self._index or {}).values())
@@ -336,7 +337,28 @@ class CheckpointReader:
         want = self.load_dtype(name)
         return tensor if want == stored.dtype else tensor.to(_TORCH_FLOAT[want])
 
+    def get_part(self, name: str, part: tuple[int, int, int] | None) -> torch.Tensor:
+        """`get(name)` restricted to indices start:stop of dimension dim (`part` = (dim, start, stop), None =
+        whole): only those bytes are read from the file (the tensor-parallel shard of one rank)."""
+        if part is None:
+            return self.get(name)
+        stored = self.stored(name)
+        dim, start, stop = part
+        view = self._handle(stored).get_slice(stored.name)  # reads only the selected bytes of the mmap
+        tensor = view[(slice(None),) * dim + (slice(start, stop),)]
+        numel = 1
+        for d in tensor.shape:
+            numel *= d
+        self.bytes_read += numel * SAFETENSORS_DTYPES[stored.dtype]
+        want = self.load_dtype(name)
+        return tensor if want == stored.dtype else tensor.to(_TORCH_FLOAT[want])
+
     def _read(self, stored: StoredTensor) -> torch.Tensor:
+        handle = self._handle(stored)
+        self.bytes_read += stored.nbytes
+        return handle.get_tensor(stored.name)
+
+    def _handle(self, stored: StoredTensor):
         if stored.file in self._bad_files:
             raise InputError(f"{self.path / stored.file}: cannot read tensor {stored.name}: the file is truncated or corrupt")
         handle = self._handles.get(stored.file)
@@ -348,7 +370,7 @@ class CheckpointReader:
             except Exception as exc:  # safetensors raises SafetensorError (not exported) on bad files
                 raise InputError(f"{self.path / stored.file}: cannot open ({exc})") from None
             self._handles[stored.file] = handle
-        return handle.get_tensor(stored.name)
+        return handle
 
     def release(self, file: str) -> None:
         """Close one shard's memory map (its tensors already returned stay valid: they are copies)."""

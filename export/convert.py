@@ -1,7 +1,7 @@
 """The convert stage: stream a checkpoint into one rank's `weights.safetensors`.
 
-Non-expert tensors keep their on-disk HF names and dtypes and are sliced for this rank
-(`graphs.sharding.shard_tensor`). Routed experts are stacked per MoE layer in the order of the
+Non-expert tensors keep their on-disk HF names and dtypes; each rank reads only its tensor-parallel slice
+of them (`graphs.sharding.shard_range`, safetensors slices of the memory map). Routed experts are stacked per MoE layer in the order of the
 rank's expert ids, gate and up fused (`w13`: I gate rows then I up rows), as MXFP4:
 
     <layer>.block_sparse_moe.experts.w13_packed [E_local, 2I, D/2] U8   w13_scale [E_local, 2I, D/32] U8
@@ -28,7 +28,7 @@ import torch
 
 from moe_export.export.errors import InputError
 from moe_export.graphs.config import ModelConfig
-from moe_export.graphs.sharding import Mapping, shard_tensor
+from moe_export.graphs.sharding import Mapping, shard_range, shard_tensor
 from moe_export.graphs.weights import TensorSpec, all_tensor_specs, expert_tensor_specs, layer_prefix
 from moe_export.quantize import fp8, transforms
 
@@ -99,10 +99,9 @@ def plan_rank_tensors(reader, cfg: ModelConfig, mapping: Mapping, allow_nonfinit
         to_fp8 = spec.weight_class in fp8_classes and spec.dtype == "BF16" and len(shape) == 2
 
         def produce(spec=spec, to_fp8=to_fp8) -> Iterator[tuple[str, int, torch.Tensor]]:
-            t = reader.get(spec.name)
-            if not allow_nonfinite and t.is_floating_point():
-                transforms.check_finite(spec.name, t)
-            shard = shard_tensor(spec, t, mapping)
+            shard = reader.get_part(spec.name, shard_range(spec, mapping))  # only this rank's slice is read
+            if not allow_nonfinite and shard.is_floating_point():
+                transforms.check_finite(spec.name, shard)
             if to_fp8:
                 q, scale_inv, report = transforms.quantize_fp8(spec.name, shard, allow_nonfinite)
                 reports.append(report)
@@ -142,6 +141,23 @@ def plan_rank_tensors(reader, cfg: ModelConfig, mapping: Mapping, allow_nonfinit
         sources = [s.name for e in experts for s in expert_tensor_specs(cfg, layer, e)]
         jobs.append(Job(produce_experts, sources))
     return tensors, jobs
+
+
+def rank_source_bytes(reader, cfg: ModelConfig, mapping: Mapping) -> int:
+    """Checkpoint bytes a rank's weights come from: its tensor-parallel slice of every non-expert tensor and
+    its whole routed experts (what a converter of that rank must read at least)."""
+    from moe_export.export.checkpoint import SAFETENSORS_DTYPES
+
+    total = 0
+    for spec in all_tensor_specs(cfg, include_experts=False):
+        part = shard_range(spec, mapping)
+        numel = spec.numel if part is None else spec.numel // spec.shape[part[0]] * (part[2] - part[1])
+        total += numel * SAFETENSORS_DTYPES[reader.stored(spec.name).dtype]
+    for layer in range(cfg.num_layers):
+        if cfg.is_moe(layer):
+            for e in mapping.local_experts(cfg.num_experts):
+                total += sum(reader.nbytes(s.name) for s in expert_tensor_specs(cfg, layer, e))
+    return total
 
 
 def storage_order(reader, jobs: list[Job]) -> Iterator[Job]:

@@ -2,9 +2,10 @@
 
 Byte accounting (per rank):
   - routed experts: MXFP4 = 4 bits per weight + one E8M0 byte per 32 weights = exactly 4.25 bits/weight;
-  - attention (KDA, MLA, indexer), dense and shared-expert weights: bf16 (2 B) or fp8 (1 B + one fp32
-    scale per 128x128 block), tensor-parallel over the tp group; fp32 checkpoint tensors stay fp32;
-  - embeddings and lm_head: bf16, vocab-parallel; router, latent projections, norms: replicated.
+  - attention (KDA, MLA, indexer), dense and shared-expert weights, embeddings and lm_head: what the engine
+    holds (`_class_dtype_bytes`): 2 B in GPU (bf16-compute) builds, 4 B in CPU (fp32-compute) builds, fp8
+    weights included (dequantized in the graph and folded); router, norm and fp32 checkpoint tensors 4 B.
+    Attention / dense / shared are tensor-parallel, embeddings and lm_head vocab-parallel, the rest replicated.
 State, per rank: recurrent state per sequence slot (KDA state H x K x V fp32 per layer + short-conv windows
 q, k, v: P x (W-1) per layer) and paged caches per token (MLA latent kv_lora_rank + qk_rope_head_dim = 576
 values per MLA layer; one KV head, so replicated across attention tp; the DSA indexer keys, index_head_dim
@@ -35,7 +36,6 @@ MXFP4_BITS_PER_WEIGHT = 4.25
 CACHE_VALUE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}  # per cached value, by quantization.kv_cache
 FP8_ROW_SCALE_BYTES = 4  # fp8 pools keep one fp32 scale per cached row
 REPORTED_SEQUENCE_LENGTHS = (65536, 1048576)  # `plan` reports how many sequences of these lengths fit
-FP8_BLOCK = 128
 GIB = 2**30
 
 
@@ -58,20 +58,16 @@ def resolve_model_config(recipe: Recipe) -> ModelConfig:
 
 
 def _class_dtype_bytes(recipe: Recipe, weight_class: str, stored_dtype: str) -> float:
-    """Bytes per weight for a non-expert class under the recipe's quantization choices."""
-    if stored_dtype == "F32":
+    """Bytes per weight the built engine holds for a non-expert class (what `graphs.onnx_export` makes of it).
+
+    The graph Casts a weight that is not stored in the type it is used in, and both ONNX Runtime and TensorRT
+    fold such a Cast into a converted copy: CPU builds compute in fp32, so bf16 and fp8 weights are held as
+    fp32 (4 B); GPU (TensorRT) builds compute in bf16, so bf16 weights stay 2 B and fp8 weights, dequantized by
+    Cast + Mul in the graph, are folded to bf16 (2 B; keeping them 1 B needs a DequantizeLinear-based graph).
+    fp32 stays fp32 where the model needs it: fp32 checkpoint tensors, router weights, norm weights."""
+    if stored_dtype == "F32" or weight_class in ("router", "norms", "attn_res"):
         return 4.0
-    q = recipe.quantization
-    choice = {
-        "kda": q.attention,
-        "mla": q.attention,
-        "indexer": q.attention,
-        "dense": q.dense,
-        "shared_experts": q.shared_experts,
-    }.get(weight_class, "bf16")
-    if choice == "fp8":
-        return 1.0 + 4.0 / (FP8_BLOCK * FP8_BLOCK)
-    return 2.0
+    return 2.0 if recipe.backend == "tensorrt" else 4.0
 
 
 @dataclass(frozen=True)

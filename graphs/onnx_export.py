@@ -17,12 +17,19 @@ One graph per rank handles a packed batch of N sequences (prefill chunks and dec
 
 S (slots), NB (blocks) and BS (block size) are symbolic; the runtime sizes the pools (see
 `moe_export.export.planner.pool_sizes`). No output is a whole pool, so a step costs O(tokens + context used).
+
+Compute dtype. CPU builds (backend onnxruntime) compute in fp32. GPU builds (backend tensorrt) compute in
+bf16: bf16 weights are used as stored (TensorRT folds a Cast of an initializer into a converted copy, so an
+fp32 graph would hold every weight in fp32), activations, GEMMs and collectives are bf16, and fp32 stays where
+the model needs it: router logits and scores, KDA gates (A_log, dt_bias, decay, beta) and recurrent state, conv
+taps, RMS / layer norm and attention-residual arithmetic, the plugins' fp32 inputs, caches and logits.
+
 Weights are initializers stored as external data inside the rank's `weights.safetensors` (the
 safetensors data section is raw little-endian bytes, so each initializer points at its byte range).
 
 Collectives are graph nodes `AllReduce` / `AllGather` in our domain with a `group` attribute
-("tp" or "ep"): TensorRT maps them to NCCL plugins; the ONNX Runtime backend splits the graph at
-them and the runtime calls MPI between the segments (see `moe_export.export.backends`).
+("tp" or "ep"): both backends split the graph at them and the runtime performs the collective between
+the segments (MPI on CPU, NCCL between TensorRT engines; see `moe_export.export.backends`).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from moe_export.export.errors import InputError
 from moe_export.graphs.config import ModelConfig
 from moe_export.graphs.sharding import Mapping
 from moe_export.graphs.weights import layer_prefix, lm_head_name, model_prefix
-from moe_export.plugins import DOMAIN, OPSET_VERSION, PLUGIN_VERSION
+from moe_export.plugins import DOMAIN, OPSET_VERSION, PLUGIN_NAMESPACE, PLUGIN_VERSION
 
 ONNX_OPSET = 21
 CACHE_STORAGE = {"fp32": TensorProto.FLOAT, "bf16": TensorProto.BFLOAT16}  # recipe kv_cache -> pool element type
@@ -47,6 +54,7 @@ MLA_LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm
 INDEXER_KNORM_EPS = 1e-6
 FP8_BLOCK = 128
 
+_TYPE_SUFFIX = {TensorProto.FLOAT: "f32", TensorProto.BFLOAT16: "bf16", TensorProto.FLOAT16: "f16"}
 _SAFETENSORS_TO_ONNX = {
     "BF16": TensorProto.BFLOAT16,
     "F16": TensorProto.FLOAT16,
@@ -75,7 +83,8 @@ def read_safetensors_index(path: Path) -> dict[str, tuple[str, list[int], int, i
 class GraphBuilder:
     """Accumulates nodes, initializers (external, from the weights file) and small constants."""
 
-    def __init__(self, weights_path: Path):
+    def __init__(self, weights_path: Path, compute_dtype: int = TensorProto.FLOAT):
+        self.act = compute_dtype  # element type of activations and of weights used as stored
         self.weights_file = weights_path.name
         self.index = read_safetensors_index(weights_path)
         self.nodes: list[onnx.NodeProto] = []
@@ -94,9 +103,11 @@ class GraphBuilder:
         return name
 
     # ---- values ----
-    def weight(self, name: str, as_float: bool = True) -> str:
-        """Initializer for stored tensor `name`; bf16/fp16 tensors are Cast to fp32 unless as_float=False."""
-        key = f"{name}|{as_float}"
+    def weight(self, name: str, as_float: bool = True, dtype: int | None = None) -> str:
+        """Initializer for stored tensor `name` as element type `dtype` (default: the compute dtype): float
+        tensors of another type are Cast (FP8 dequantized first); as_float=False keeps the stored bytes."""
+        target = self.act if dtype is None else dtype
+        key = f"{name}|{as_float}|{target}"
         if key in self._weights:
             return self._weights[key]
         if name not in self._weights:
@@ -109,11 +120,11 @@ class GraphBuilder:
             self.initializers.append(t)
             self._names.add(name)
             self._weights[name] = name
-        value = name
-        if as_float and self.index[name][0] in ("BF16", "F16"):
-            value = self.op("Cast", [name], f"{name}.f32", to=TensorProto.FLOAT)
-        elif as_float and self.index[name][0] == "F8_E4M3":
-            value = self.fp8_dequant(name)
+        value, stored = name, self.index[name][0]
+        if as_float and stored == "F8_E4M3":
+            value, stored = self.fp8_dequant(name), "F32"
+        if as_float and _SAFETENSORS_TO_ONNX[stored] != target:
+            value = self.op("Cast", [value], f"{name}.{_TYPE_SUFFIX[target]}", to=target)
         self._weights[key] = value
         return value
 
@@ -121,7 +132,7 @@ class GraphBuilder:
         """FP8 E4M3 weight [R, C] * its 128x128 block scales `<name>_scale_inv` [ceil(R/128), ceil(C/128)]
         -> fp32 [R, C] (scales repeated over each block, edge blocks cut to the weight's shape)."""
         rows, cols = self.index[name][1]
-        scale = self.weight(name + "_scale_inv")
+        scale = self.weight(name + "_scale_inv", dtype=TensorProto.FLOAT)
         gr, gc = self.index[name + "_scale_inv"][1]
         blocks = self.op("Expand", [self.reshape(scale, [gr, 1, gc, 1], f"{name}.scale4"),
                                     self.const([gr, FP8_BLOCK, gc, FP8_BLOCK])], f"{name}.scale_blocks")
@@ -138,6 +149,25 @@ class GraphBuilder:
             self._consts[key] = name
         return self._consts[key]
 
+    def const_act(self, value: float, hint: str) -> str:
+        """A scalar constant of the compute dtype."""
+        if self.act == TensorProto.FLOAT:
+            return self.const(value, np.float32, hint)
+        key = ("act", self.act, float(value))
+        if key not in self._consts:
+            name = self._unique(f"const.{hint}")
+            self.initializers.append(helper.make_tensor(name, self.act, [], [float(value)]))
+            self._consts[key] = name
+        return self._consts[key]
+
+    def to_f32(self, x: str, name: str) -> str:
+        """x (compute dtype) as fp32; no node when computing in fp32."""
+        return x if self.act == TensorProto.FLOAT else self.op("Cast", [x], f"{name}.f32", to=TensorProto.FLOAT)
+
+    def to_act(self, x: str, name: str) -> str:
+        """x (fp32) in the compute dtype; no node when computing in fp32."""
+        return x if self.act == TensorProto.FLOAT else self.op("Cast", [x], f"{name}.act", to=self.act)
+
     def op(self, op_type: str, inputs: list[str], name: str, n_out: int = 1, domain: str = "", **attrs):
         """Append a node named `name`; returns its output value name (or list for n_out > 1)."""
         name = self._unique(name)
@@ -146,19 +176,27 @@ class GraphBuilder:
         return outs[0] if n_out == 1 else outs
 
     def plugin(self, op_type: str, inputs: list[str], name: str, n_out: int = 1, **attrs):
-        return self.op(op_type, inputs, name, n_out, domain=DOMAIN, plugin_version=PLUGIN_VERSION, **attrs)
+        """A node in our domain with the attributes TensorRT's ONNX parser finds the plugin by."""
+        return self.op(op_type, inputs, name, n_out, domain=DOMAIN, plugin_version=PLUGIN_VERSION,
+                       plugin_namespace=PLUGIN_NAMESPACE, **attrs)
 
     # ---- building blocks ----
     def linear(self, x: str, w_name: str, name: str) -> str:
         """x [T, in] @ W^T for a stored [out, in] weight -> [T, out]."""
         return self.op("Gemm", [x, self.weight(w_name)], name, transB=1)
 
-    def rms_norm(self, x: str, w_name: str | None, eps: float, name: str) -> str:
-        """x * rsqrt(mean(x^2, -1) + eps) [* weight] over the last dim."""
+    def rms_norm(self, x: str, w_name: str | None, eps: float, name: str, f32_in: bool = False,
+                 f32_out: bool = False) -> str:  # fmt: skip
+        """x * rsqrt(mean(x^2, -1) + eps) [* weight] over the last dim, in fp32; in and out in the compute
+        dtype unless f32_in / f32_out."""
+        x = x if f32_in else self.to_f32(x, f"{name}.in")
         ms = self.op("ReduceMean", [self.op("Mul", [x, x], f"{name}.sq"), self.const([-1])], f"{name}.ms", keepdims=1)
         rs = self.op("Sqrt", [self.op("Add", [ms, self.const(eps, np.float32, "eps")], f"{name}.add")], f"{name}.rms")
         y = self.op("Div", [x, rs], f"{name}.normed")
-        return self.op("Mul", [y, self.weight(w_name)], name) if w_name else y
+        final = f32_out or self.act == TensorProto.FLOAT  # the Mul produces the result itself
+        if w_name:
+            y = self.op("Mul", [y, self.weight(w_name, dtype=TensorProto.FLOAT)], name if final else f"{name}.f32")
+        return y if f32_out else self.to_act(y, name)
 
     def sigmoid_mul(self, x: str, gate: str, name: str) -> str:
         return self.op("Mul", [x, self.op("Sigmoid", [gate], f"{name}.sigmoid")], name)
@@ -167,11 +205,11 @@ class GraphBuilder:
         """SwiGLU silu(gate) * up, or SiTU: beta*tanh(gate/beta)*sigmoid(gate) * lin*tanh(up/lin)."""
         if cfg.hidden_act == "silu":
             return self.op("Mul", [self.sigmoid_mul(gate, gate, f"{name}.silu"), up], name)
-        beta = self.const(cfg.situ_beta, np.float32, "situ_beta")
+        beta = self.const_act(cfg.situ_beta, "situ_beta")
         capped = self.op("Mul", [self.op("Tanh", [self.op("Div", [gate, beta], f"{name}.gdiv")], f"{name}.gtanh"), beta], f"{name}.gcap")
         a = self.sigmoid_mul(capped, gate, f"{name}.a")
         if cfg.situ_linear_beta is not None:
-            lin = self.const(cfg.situ_linear_beta, np.float32, "situ_linear_beta")
+            lin = self.const_act(cfg.situ_linear_beta, "situ_linear_beta")
             up = self.op("Mul", [self.op("Tanh", [self.op("Div", [up, lin], f"{name}.udiv")], f"{name}.utanh"), lin], f"{name}.ucap")
         return self.op("Mul", [a, up], name)
 
@@ -189,10 +227,10 @@ class RankGraph:
     """Emits one rank's decoder (gpt-fast style: one method per block, in forward order)."""
 
     def __init__(self, cfg: ModelConfig, mapping: Mapping, weights_path: Path, topk_override: int | None = None,
-                 use_indexer: bool = True, kv_cache: str = "fp32"):
+                 use_indexer: bool = True, kv_cache: str = "fp32", compute_dtype: int = TensorProto.FLOAT):
         self.cfg, self.m = cfg, mapping
         self.cache_type = cache_storage_type(kv_cache)
-        self.g = GraphBuilder(weights_path)
+        self.g = GraphBuilder(weights_path, compute_dtype)
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
         self.use_indexer = use_indexer and cfg.has_dsa
@@ -221,14 +259,14 @@ class RankGraph:
                               g.op("Less", [local, g.const(per)], "embed.lt")], "embed.inside")
         safe = g.op("Where", [inside, local, g.const(0)], "embed.safe_ids")
         rows = g.op("Gather", [table, safe], "embed.rows", axis=0)
-        mask = g.op("Unsqueeze", [g.op("Cast", [inside], "embed.mask", to=TensorProto.FLOAT), g.const([-1])], "embed.mask2")
+        mask = g.op("Unsqueeze", [g.op("Cast", [inside], "embed.mask", to=g.act), g.const([-1])], "embed.mask2")
         return g.all_reduce(g.op("Mul", [rows, mask], "embed.partial"), "tp", m.tp, "embed.all_reduce")
 
     def head(self, h: str) -> str:
         g, cfg, m = self.g, self.cfg, self.m
         normed = g.rms_norm(h, model_prefix(cfg) + "norm.weight", cfg.rms_norm_eps, "final_norm")
         name = model_prefix(cfg) + "embed_tokens.weight" if cfg.tie_word_embeddings else lm_head_name(cfg)
-        logits = g.linear(normed, name, "lm_head")
+        logits = g.to_f32(g.linear(normed, name, "lm_head"), "lm_head")
         return logits if m.tp == 1 else g.plugin("AllGather", [logits], "lm_head.all_gather", group="tp", axis=-1)
 
     # ---- attention residuals ----
@@ -236,13 +274,17 @@ class RankGraph:
         """Softmax mix over depth of [*snapshots, prefix]: keys RMS-normalized, values raw. [T, D]."""
         g = self.g
         cands = [g.op("Unsqueeze", [v, g.const([1])], f"{name}.cand{i}") for i, v in enumerate([*snaps, prefix])]
-        v = g.op("Concat", cands, f"{name}.stack", axis=1)  # [T, n, D]
-        k = g.rms_norm(v, None, self.cfg.rms_norm_eps, f"{name}.keys")
-        wvec = g.op("Mul", [g.weight(f"{which}_res_norm.weight"),
-                            g.reshape(g.weight(f"{which}_res_proj.weight"), [-1], f"{name}.proj")], f"{name}.w")
+        v = g.to_f32(g.op("Concat", cands, f"{name}.stack", axis=1), f"{name}.stack")  # [T, n, D] fp32
+        k = g.rms_norm(v, None, self.cfg.rms_norm_eps, f"{name}.keys", f32_in=True, f32_out=True)
+        wvec = g.op("Mul", [g.weight(f"{which}_res_norm.weight", dtype=TensorProto.FLOAT),
+                            g.reshape(g.weight(f"{which}_res_proj.weight", dtype=TensorProto.FLOAT), [-1],
+                                      f"{name}.proj")], f"{name}.w")  # fmt: skip
         score = g.op("ReduceSum", [g.op("Mul", [k, wvec], f"{name}.kw"), g.const([-1])], f"{name}.score", keepdims=0)
         p = g.op("Unsqueeze", [g.op("Softmax", [score], f"{name}.softmax", axis=-1), g.const([-1])], f"{name}.p")
-        return g.op("ReduceSum", [g.op("Mul", [p, v], f"{name}.pv"), g.const([1])], name, keepdims=0)
+        if g.act == TensorProto.FLOAT:
+            return g.op("ReduceSum", [g.op("Mul", [p, v], f"{name}.pv"), g.const([1])], name, keepdims=0)
+        mixed = g.op("ReduceSum", [g.op("Mul", [p, v], f"{name}.pv"), g.const([1])], f"{name}.f32", keepdims=0)
+        return g.to_act(mixed, name)
 
     # ---- KDA ----
     def kda(self, i: int, x: str, io: dict) -> str:
@@ -252,8 +294,8 @@ class RankGraph:
         hl, dh, w = self.kda_heads, cfg.kda_head_dim, cfg.conv_kernel_size
         p_l = hl * dh
         qkv = g.op("Concat", [g.linear(x, f"{a}{c}_proj.weight", f"{n}.{c}_proj") for c in "qkv"], f"{n}.qkv", axis=-1)
-        conv_w = g.op("Concat", [g.reshape(g.weight(f"{a}{c}_conv1d.weight"), [p_l, w], f"{n}.{c}_conv_w") for c in "qkv"],
-                      f"{n}.conv_w", axis=0)
+        conv_w = g.op("Concat", [g.reshape(g.weight(f"{a}{c}_conv1d.weight", dtype=TensorProto.FLOAT), [p_l, w],
+                                           f"{n}.{c}_conv_w") for c in "qkv"], f"{n}.conv_w", axis=0)  # fmt: skip
         # The step's sequences' windows / states only ([N, ...], addressed by local slots 0..N-1): the plugin
         # outputs are then the touched slots' new values, which the runtime writes back (O(tokens), not O(pool)).
         conv_in = g.op("Gather", [io["conv"], io["slots"]], f"{n}.conv_windows", axis=0)
@@ -261,11 +303,12 @@ class RankGraph:
         conv_y, conv_out = g.plugin("ShortConv", [qkv, conv_w, conv_in, io["cu"], io["local_slots"]], f"{n}.short_conv", 2)
         q, k, v = (g.reshape(g.slice_last(conv_y, j * p_l, (j + 1) * p_l, f"{n}.{c}_conv"), [-1, hl, dh], f"{n}.{c}")
                    for j, c in enumerate("qkv"))
-        u = g.op("Add", [g.linear(g.linear(x, f"{a}f_a_proj.weight", f"{n}.f_a"), f"{a}f_b_proj.weight", f"{n}.f_b"),
-                         g.weight(f"{a}dt_bias")], f"{n}.gate_in")
+        f_b = g.to_f32(g.linear(g.linear(x, f"{a}f_a_proj.weight", f"{n}.f_a"), f"{a}f_b_proj.weight", f"{n}.f_b"), f"{n}.f_b")
+        u = g.op("Add", [f_b, g.weight(f"{a}dt_bias", dtype=TensorProto.FLOAT)], f"{n}.gate_in")  # fp32 gates
         u = g.reshape(u, [-1, hl, dh], f"{n}.gate_in_heads")
         h0 = m.attn_tp_rank * hl
-        a_log = g.slice_last(g.reshape(g.weight(f"{a}A_log"), [-1], f"{n}.A_log_flat"), h0, h0 + hl, f"{n}.A_log_local")
+        a_log = g.slice_last(g.reshape(g.weight(f"{a}A_log", dtype=TensorProto.FLOAT), [-1], f"{n}.A_log_flat"), h0, h0 + hl,
+                             f"{n}.A_log_local")  # fmt: skip
         decay = g.reshape(g.op("Exp", [a_log], f"{n}.A"), [1, hl, 1], f"{n}.A_heads")
         if cfg.gate_lower_bound is not None:  # safe gate: lower_bound * sigmoid(A * u), in (lb, 0)
             s = g.op("Sigmoid", [g.op("Mul", [decay, u], f"{n}.Au")], f"{n}.gate_sigmoid")
@@ -273,7 +316,7 @@ class RankGraph:
         else:  # -A * softplus(u)
             sp = g.op("Softplus", [u], f"{n}.softplus")
             log_decay = g.op("Neg", [g.op("Mul", [decay, sp], f"{n}.A_sp")], f"{n}.g")
-        beta = g.op("Sigmoid", [g.linear(x, f"{a}b_proj.weight", f"{n}.b_proj")], f"{n}.beta")
+        beta = g.op("Sigmoid", [g.to_f32(g.linear(x, f"{a}b_proj.weight", f"{n}.b_proj"), f"{n}.b_proj")], f"{n}.beta")
         o, state_out = g.plugin("GatedDeltaScan", [q, k, v, log_decay, beta, state_in, io["cu"], io["local_slots"]],
                                 f"{n}.gated_delta_scan", 2, scale=float(dh**-0.5), use_qk_l2norm=1)
         if cfg.use_full_rank_gate:
@@ -310,7 +353,7 @@ class RankGraph:
         ckv = g.linear(x, f"{a}kv_a_proj_with_mqa.weight", f"{n}.kv_a")
         c = g.rms_norm(g.slice_last(ckv, 0, r, f"{n}.c"), f"{a}kv_a_layernorm.weight", MLA_LATENT_NORM_EPS, f"{n}.c_norm")
         entry = g.op("Concat", [c, g.slice_last(ckv, r, r + rope, f"{n}.k_pe")], f"{n}.cache_entry", axis=-1)
-        entry = io["mla_out"] = self.round_to_storage(entry, f"{n}.cache_rows")
+        entry = io["mla_out"] = self.round_to_storage(g.to_f32(entry, f"{n}.cache_entry"), f"{n}.cache_rows")
         # Dense layers pass an empty [0, 0] index tensor (the op's "dense causal" form), so the node always
         # has the six inputs TensorRT's plugin signature fixes.
         if self.use_indexer and cfg.has_indexer(i):
@@ -319,10 +362,10 @@ class RankGraph:
             indices = self.last_indices
         else:
             indices = g.const(np.zeros((0, 0)), np.int64, "dense")
-        attn_inputs = [q_full, io["mla"], entry, io["cu"], io["tables"], io["positions"], indices]
+        attn_inputs = [g.to_f32(q_full, f"{n}.q_lat"), io["mla"], entry, io["cu"], io["tables"], io["positions"], indices]
         o_lat = g.plugin("SparseMLAAttention", attn_inputs, f"{n}.attention",
                          scale=float((nope + rope) ** -0.5), kv_lora_rank=r)  # [T, H, r]
-        o_t = g.op("Transpose", [o_lat], f"{n}.o_latT", perm=[1, 0, 2])  # [H, T, r]
+        o_t = g.op("Transpose", [g.to_act(o_lat, f"{n}.attention")], f"{n}.o_latT", perm=[1, 0, 2])  # [H, T, r]
         o = g.op("MatMul", [o_t, g.op("Transpose", [w_vc], f"{n}.w_vcT", perm=[0, 2, 1])], f"{n}.v_up")  # [H, T, v]
         y = g.reshape(g.op("Transpose", [o], f"{n}.oT", perm=[1, 0, 2]), [-1, hl * vd], f"{n}.o_flat")
         if cfg.mla_use_output_gate:
@@ -335,12 +378,14 @@ class RankGraph:
         a = layer_prefix(cfg, i) + "self_attn.indexer."
         n = f"layers.{i}.indexer"
         hi, di = cfg.index_n_heads, cfg.index_head_dim
-        q = g.reshape(g.linear(q_latent, f"{a}wq_b.weight", f"{n}.wq_b"), [-1, hi, di], f"{n}.q")
-        k = g.op("LayerNormalization", [g.linear(x, f"{a}wk.weight", f"{n}.wk"), g.weight(f"{a}k_norm.weight"),
-                                        g.weight(f"{a}k_norm.bias")], f"{n}.k_norm", axis=-1, epsilon=INDEXER_KNORM_EPS)
+        q = g.reshape(g.to_f32(g.linear(q_latent, f"{a}wq_b.weight", f"{n}.wq_b"), f"{n}.wq_b"), [-1, hi, di], f"{n}.q")
+        k = g.op("LayerNormalization", [g.to_f32(g.linear(x, f"{a}wk.weight", f"{n}.wk"), f"{n}.wk"),
+                                        g.weight(f"{a}k_norm.weight", dtype=TensorProto.FLOAT),
+                                        g.weight(f"{a}k_norm.bias", dtype=TensorProto.FLOAT)],
+                 f"{n}.k_norm", axis=-1, epsilon=INDEXER_KNORM_EPS)  # fmt: skip
         k = io["index_out"] = self.round_to_storage(k, f"{n}.cache_rows")
         # score[t, s] = sum_h (w[t, h] * Hi^-0.5 * Di^-0.5) * relu(q[t, h] . k[s]); the op applies relu and sums.
-        weights = g.op("Mul", [g.linear(x, f"{a}weights_proj.weight", f"{n}.weights_proj"),
+        weights = g.op("Mul", [g.to_f32(g.linear(x, f"{a}weights_proj.weight", f"{n}.weights_proj"), f"{n}.weights_proj"),
                                g.const((hi**-0.5) * (di**-0.5), np.float32, "index_scale")], f"{n}.head_weights")
         return g.plugin("DSAIndexer", [q, weights, io["index"], k, io["cu"], io["tables"], io["positions"]], f"{n}.topk",
                         topk=int(self.topk))
@@ -384,8 +429,10 @@ class RankGraph:
         g, cfg, m = self.g, self.cfg, self.m
         p = layer_prefix(cfg, i) + "block_sparse_moe."
         n = f"layers.{i}.moe"
-        scores = g.op("Sigmoid", [g.linear(x, f"{p}gate.weight", f"{n}.router")], f"{n}.scores")  # fp32 [T, E]
-        choice = g.op("Add", [scores, g.weight(f"{p}gate.e_score_correction_bias")], f"{n}.choice")
+        router = g.op("Gemm", [g.to_f32(x, f"{n}.router_in"), g.weight(f"{p}gate.weight", dtype=TensorProto.FLOAT)],
+                      f"{n}.router", transB=1)  # fp32 logits  # fmt: skip
+        scores = g.op("Sigmoid", [router], f"{n}.scores")  # fp32 [T, E]
+        choice = g.op("Add", [scores, g.weight(f"{p}gate.e_score_correction_bias", dtype=TensorProto.FLOAT)], f"{n}.choice")
         if cfg.num_expert_group > 1:
             choice = self.group_limit(choice, n)
         _, ids = g.op("TopK", [choice, g.const([cfg.num_experts_per_token])], f"{n}.topk", 2, axis=-1)
@@ -399,14 +446,14 @@ class RankGraph:
         e = f"{p}experts."
         partial = g.plugin(
             "MoEMXFP4",
-            [z, ids, w] + [g.weight(e + t, as_float=False) for t in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")],
+            [g.to_f32(z, f"{n}.experts_in"), ids, w] + [g.weight(e + t, as_float=False) for t in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")],
             f"{n}.experts",
             expert_offset=m.local_experts(cfg.num_experts).start,
             activation=cfg.hidden_act,
             situ_beta=float(cfg.situ_beta or 0.0),
             situ_linear_beta=float(cfg.situ_linear_beta or 0.0),
         )
-        y = g.all_reduce(partial, "ep", m.ep, f"{n}.experts_all_reduce")  # latent-space reduce before the norm
+        y = g.all_reduce(g.to_act(partial, f"{n}.experts"), "ep", m.ep, f"{n}.experts_all_reduce")  # latent space
         if cfg.routed_expert_hidden_size:
             if cfg.latent_moe_use_norm:
                 y = g.rms_norm(y, f"{p}routed_expert_norm.weight", cfg.rms_norm_eps, f"{n}.latent_norm")
@@ -496,12 +543,17 @@ class RankGraph:
         return model
 
 
+def compute_dtype(recipe) -> int:
+    """ONNX element type the rank graph computes in: bf16 for GPU (TensorRT) builds, fp32 on CPU."""
+    return TensorProto.BFLOAT16 if recipe.backend == "tensorrt" else TensorProto.FLOAT
+
+
 def export_rank_graph(cfg: ModelConfig, recipe, mapping: Mapping, weights_path: Path, out_path: Path) -> dict:
     """Write this rank's decoder graph to `out_path` (initializers point into `weights_path` by file name,
     so both must live in the same folder). Returns a summary: op counts by type and plugin nodes."""
     use_indexer = recipe.attention.indexer == "auto"
     model = RankGraph(cfg, mapping, Path(weights_path), recipe.attention.sparse_topk, use_indexer,
-                      recipe.quantization.kv_cache).build()
+                      recipe.quantization.kv_cache, compute_dtype(recipe)).build()
     Path(out_path).write_bytes(model.SerializeToString(deterministic=True))
     return graph_summary(model)
 

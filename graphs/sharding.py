@@ -124,17 +124,28 @@ def split_kind(spec: TensorSpec) -> SplitKind:
     return "replicated"  # norms, attn_res, router, latent projections, indexer
 
 
-def shard_tensor(spec: TensorSpec, tensor: torch.Tensor, mapping: Mapping) -> torch.Tensor:
-    """This rank's slice of a (non-expert) checkpoint tensor, as a contiguous copy."""
+def shard_range(spec: TensorSpec, mapping: Mapping) -> tuple[int, int, int] | None:
+    """(dim, start, stop): the index range of `spec` this rank holds along one dimension (torch.chunk's
+    split), or None when the rank holds the whole tensor."""
     kind = split_kind(spec)
     if kind == "expert":
         raise ValueError(f"{spec.name}: routed expert tensors are selected whole, not sliced")
-    if kind == "replicated":
-        return tensor
     attention = spec.weight_class in ("kda", "mla")
     size, rank = (mapping.attn_tp, mapping.attn_tp_rank) if attention else (mapping.tp, mapping.tp_rank)
+    if kind == "replicated" or size == 1:
+        return None
     dim = 1 if kind == "row" else 0
-    return tensor.chunk(size, dim=dim)[rank].contiguous() if size > 1 else tensor
+    step = -(-spec.shape[dim] // size)
+    return dim, min(rank * step, spec.shape[dim]), min((rank + 1) * step, spec.shape[dim])
+
+
+def shard_tensor(spec: TensorSpec, tensor: torch.Tensor, mapping: Mapping) -> torch.Tensor:
+    """This rank's slice of a (non-expert) checkpoint tensor, as a contiguous copy."""
+    part = shard_range(spec, mapping)
+    if part is None:
+        return tensor
+    dim, start, stop = part
+    return tensor.narrow(dim, start, stop - start).contiguous()
 
 
 def rank_numel(spec: TensorSpec, mapping: Mapping, num_experts: int) -> int:

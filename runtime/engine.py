@@ -31,8 +31,7 @@ from moe_export.export.mpi import mpi_world
 from moe_export.export.planner import engine_pool_sizes
 
 STATE_PREFIXES = ("kda_state.", "conv_state.", "mla_cache.", "index_cache.")
-RESET_ON_NEW_SEQUENCE = ("kda_state.", "conv_state.")  # recurrent state; caches are position-addressed
-CACHE_PREFIXES = ("mla_cache.", "index_cache.")  # paged pools, written at the step's token rows
+RESET_ON_NEW_SEQUENCE = ("kda_state.", "conv_state.")  # recurrent state, by slot; the other pools are paged caches
 DEFAULT_BLOCK_SIZE = 64  # tokens per cache block when the engine's config.json does not say
 POOL_DTYPES = {TensorProto.FLOAT: np.float32, TensorProto.BFLOAT16: ml_dtypes.bfloat16}  # ONNX -> numpy
 

@@ -30,7 +30,9 @@ import triton_python_backend_utils as pb_utils
 
 OUTPUT_NAMES = ("text_output", "reasoning_content", "tool_calls", "usage", "finish_reason")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-TRITON_IGNORED_OPTIONS = ("n", "best_of", "logprobs", "presence_penalty", "frequency_penalty")
+# vLLM sampling parameters accepted only at their neutral value (clients and load tools send them)
+NEUTRAL_OPTIONS = {"n": (1,), "best_of": (1,), "logprobs": (False, 0), "presence_penalty": (0, 0.0),
+                   "frequency_penalty": (0, 0.0)}
 
 
 class BadRequest(Exception):
@@ -120,7 +122,11 @@ class TritonPythonModel:
         options = _json(request, "sampling_parameters") or {}
         from moe_export.runtime.request_options import parse_request_options
 
-        opts = parse_request_options(options, "sampling_parameters", ignored=TRITON_IGNORED_OPTIONS)
+        if isinstance(options, dict):
+            for key, neutral in NEUTRAL_OPTIONS.items():
+                if options.get(key) is not None and options[key] not in neutral:
+                    raise BadRequest(f"sampling_parameters: {key}={options[key]!r} is not supported (only {neutral[0]!r})")
+        opts = parse_request_options(options, "sampling_parameters", ignored=tuple(NEUTRAL_OPTIONS))
         if prompt is not None and opts.chat_kwargs:
             raise BadRequest(f"{', '.join(sorted(opts.chat_kwargs))} apply to chat requests (the messages input), not text_input")
         stream = _scalar(request, "stream")

@@ -191,7 +191,8 @@ def test_one_pool_arithmetic_and_k3_sequences_that_fit():
         free = min(r.free_bytes for r in plan.per_rank)
         assert worst.num_blocks == (free - rec.limits.max_batch * worst.bytes_per_slot) // (64 * per_token)
         assert out["cache_tokens_per_rank"] == worst.num_blocks * 64
-        assert out["sequences_that_fit"]["1048576"] >= 1 and out["sequences_that_fit"]["65536"] >= 16
+        assert out["sequences_that_fit"]["1048576"] >= 1
+        assert out["sequences_that_fit"]["65536"] == min(rec.limits.max_batch, worst.num_blocks // (65536 // 64))
         assert out["per_rank"][0]["num_blocks"] >= worst.num_blocks
     res = run_cli("plan", "--recipe", "h200x32.yaml")
     assert res.returncode == 0 and "cache per rank:" in res.stdout and "1,048,576 tokens" in res.stdout
@@ -199,7 +200,7 @@ def test_one_pool_arithmetic_and_k3_sequences_that_fit():
 
 def test_too_many_slots_for_one_full_sequence_is_refused(tmp_path):
     """h100x64 with 32 slots: weights fit, but the slots leave less than one 1M-token cache: exit 2, saying so."""
-    text = (models_dir().parent / "h100x64.yaml").read_text().replace("max_batch: 24", "max_batch: 32")
+    text = (models_dir().parent / "h100x64.yaml").read_text().replace("max_batch: 4 ", "max_batch: 32 ")
     p = tmp_path / "slots.yaml"
     p.write_text(text)
     res = run_cli("plan", "--recipe", str(p))

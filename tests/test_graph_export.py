@@ -60,6 +60,7 @@ def test_plugin_nodes_collectives_and_names(rank_graph):
         if node.domain == DOMAIN:
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
             assert attrs["plugin_version"] == b"1"
+            assert attrs["plugin_namespace"] == node.domain.encode()
     # the experts' partial sums are reduced over the ep group before the latent norm
     reduce_groups = [onnx.helper.get_attribute_value(a) for n in model.graph.node if n.op_type == "AllReduce"
                      for a in n.attribute if a.name == "group"]

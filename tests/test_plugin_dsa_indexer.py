@@ -222,7 +222,7 @@ def test_schema_checker_and_strict_shape_inference(with_function):
     out_type = inferred.graph.output[0].type.tensor_type
     assert out_type.elem_type == TensorProto.INT64
     assert [d.dim_param or d.dim_value for d in out_type.shape.dim] == ["T", 6]
-    assert {a.name for a in model.graph.node[0].attribute} == {"topk", "plugin_version"}
+    assert {a.name for a in model.graph.node[0].attribute} == {"topk", "plugin_version", "plugin_namespace"}
 
 
 @pytest.mark.parametrize("name", list(CASES))

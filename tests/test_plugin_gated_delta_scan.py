@@ -316,7 +316,7 @@ def test_make_node_attributes():
     node = onnx_schema.make_node(*onnx_schema.INPUTS, *onnx_schema.OUTPUTS, scale=0.5, use_qk_l2norm=True)
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     assert node.domain == DOMAIN and node.op_type == "GatedDeltaScan"
-    assert attrs == {"scale": 0.5, "use_qk_l2norm": 1, "plugin_version": b"1"}
+    assert attrs == {"scale": 0.5, "use_qk_l2norm": 1, "plugin_version": b"1", "plugin_namespace": b"moe_export"}
 
 
 ORT_CASES = {

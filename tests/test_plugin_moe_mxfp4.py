@@ -163,7 +163,7 @@ def test_schema_checker_and_strict_shape_inference(with_function):
     onnx.checker.check_model(inferred, full_check=True)
     assert [d.dim_param or d.dim_value for d in inferred.graph.output[0].type.tensor_type.shape.dim] == ["T", 64]
     names = {a.name for a in model.graph.node[0].attribute}
-    assert names == {"expert_offset", "activation", "situ_beta", "situ_linear_beta", "plugin_version"}
+    assert names == {"expert_offset", "activation", "situ_beta", "situ_linear_beta", "plugin_version", "plugin_namespace"}
     with pytest.raises(ValueError):
         onnx_schema.make_node(*"abcdefg", "y", expert_offset=0, activation="gelu")
 

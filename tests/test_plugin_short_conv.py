@@ -244,7 +244,7 @@ def test_schema_inference_gives_output_types():
 def test_make_node_attributes():
     node = onnx_schema.make_node(*onnx_schema.INPUTS, *onnx_schema.OUTPUTS)
     assert node.domain == DOMAIN and node.op_type == "ShortConv"
-    assert {a.name: helper.get_attribute_value(a) for a in node.attribute} == {"plugin_version": b"1"}
+    assert {a.name: helper.get_attribute_value(a) for a in node.attribute} == {"plugin_version": b"1", "plugin_namespace": b"moe_export"}
 
 
 def run_ort(model, args):

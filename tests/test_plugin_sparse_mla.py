@@ -267,7 +267,7 @@ def test_schema_checker_and_strict_shape_inference(mode, with_function):
     dims = inferred.graph.output[0].type.tensor_type.shape.dim
     assert [d.dim_param or d.dim_value for d in dims] == ["T", 3, 32]
     node = model.graph.node[0]
-    assert node.domain == DOMAIN and {a.name for a in node.attribute} == {"scale", "kv_lora_rank", "plugin_version"}
+    assert node.domain == DOMAIN and {a.name for a in node.attribute} == {"scale", "kv_lora_rank", "plugin_version", "plugin_namespace"}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -315,7 +315,7 @@ def test_bf16_pool_is_cast_after_the_gather(mode):
 def test_aot_compile_produces_ptx():
     """The kernel the TensorRT AOT plugin embeds compiles to sm_90 PTX for fp32 at K3's MLA widths (Dc 512,
     Dr 64), real compile on CPU, without tensorrt; its parameters start with the plugin's launch order: seven
-    input pointers, the int32 scalars N, BS, B, K, then the output pointer; a bf16 pool gives bf16 pointers."""
+    input pointers, the int32 scalars N, T, NB, BS, B, K, then the output pointer; a bf16 pool gives bf16 pointers."""
     import triton  # noqa: F401  (test extra: a missing oracle is a broken install, not a skip)
     from moe_export.plugins.sparse_mla_attention import triton_kernel
 
@@ -325,7 +325,7 @@ def test_aot_compile_produces_ptx():
     assert ".entry _sparse_mla_kernel(" in ptx and ".target sm_90" in ptx
     entry = ptx[ptx.index(".entry _sparse_mla_kernel(") :].split(")", 1)[0]
     kinds = [".u64 .ptr" if ".ptr" in line else line.split()[1] for line in entry.splitlines() if ".param" in line]
-    assert kinds[:12] == [".u64 .ptr"] * 7 + [".u32"] * 4 + [".u64 .ptr"]
+    assert kinds[:14] == [".u64 .ptr"] * 7 + [".u32"] * 6 + [".u64 .ptr"]
     assert kernel.metadata.num_warps * 32 > 0
     assert ".entry _sparse_mla_kernel(" in triton_kernel.aot_compile(16, 512, 64, 192**-0.5, 90, pool_dtype=torch.bfloat16).asm["ptx"]
     assert "tensorrt" not in sys.modules

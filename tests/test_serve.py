@@ -280,10 +280,10 @@ def test_full_queue_answers_429(server):
     server.settings.max_queue = 1
 
     async def flood():
-        async with httpx.AsyncClient(timeout=120) as client:
-            body = {"model": "m", "messages": [{"role": "user", "content": "go"}], "max_tokens": 30, "reasoning_effort": "none"}
+        async with httpx.AsyncClient(timeout=600) as client:
+            body = {"model": "m", "messages": [{"role": "user", "content": "go"}], "max_tokens": 20, "reasoning_effort": "none"}
             return await asyncio.gather(*(client.post(f"{server.url}/v1/chat/completions", json=body,
-                                                      headers={"Authorization": f"Bearer {KEY_A}"}) for _ in range(40)))
+                                                      headers={"Authorization": f"Bearer {KEY_A}"}) for _ in range(30)))
 
     try:
         codes = [r.status_code for r in asyncio.run(flood())]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -141,6 +142,7 @@ def test_three_concurrent_streams_a_cancelled_one_and_a_bad_one(model, pb_utils,
     from moe_export.runtime.llm import LLM
 
     params = {"max_tokens": 12, "ignore_eos": True, "temperature": 0.0}
+    max_seq_len = json.loads((Path(engine) / "config.json").read_text())["limits"]["max_seq_len"]
     prompts = ["hello there", "the quick brown fox", "numbers: 1 2 3"]
     streams = [make_request(pb_utils, model, f"s{i}", prompt=p, params=params) for i, p in enumerate(prompts)]
     chat = make_request(pb_utils, model, "chat", messages=[{"role": "user", "content": "hi"}],
@@ -149,7 +151,8 @@ def test_three_concurrent_streams_a_cancelled_one_and_a_bad_one(model, pb_utils,
     bad = [make_request(pb_utils, model, "bad-json", prompt="x", raw_inputs=[]),
            make_request(pb_utils, model, "bad-param", prompt="x", params={"max_tokens": 4, "beam_width": 3}),
            make_request(pb_utils, model, "both", prompt="x", messages=[{"role": "user", "content": "y"}]),
-           make_request(pb_utils, model, "too-long", prompt="z" * 400, params={"max_tokens": 4})]
+           make_request(pb_utils, model, "too-long", prompt="z" * (max_seq_len + 8), params={"max_tokens": 4}),
+           make_request(pb_utils, model, "n-two", prompt="x", params={"n": 2, "presence_penalty": 0.0})]
     bad[0]._inputs["sampling_parameters"] = pb_utils.Tensor("sampling_parameters", np.array([b"{not json"], dtype=np.object_))
 
     assert model.execute([*streams, chat, cancelled]) is None  # decoupled: execute returns at once
@@ -196,7 +199,8 @@ def test_three_concurrent_streams_a_cancelled_one_and_a_bad_one(model, pb_utils,
     assert "not valid JSON" in codes["bad-json"].message()
     assert "beam_width" in codes["bad-param"].message()
     assert "exactly one of" in codes["both"].message()
-    assert "400" in codes["too-long"].message() or "max_seq_len" in codes["too-long"].message()
+    assert "n=2" in codes["n-two"].message()
+    assert "max_seq_len" in codes["too-long"].message()
 
     # the model still serves after all that, and only the requested outputs come back
     again = make_request(pb_utils, model, "after", prompt="hello there", params=params, stream=False,
@@ -218,3 +222,11 @@ def test_model_is_thread_safe_for_execute_from_several_threads(model, pb_utils):
     for r in requests:
         assert r.sender.done.wait(60)
         assert not any(resp.has_error() for resp in r.sender.responses)
+
+
+def test_follower_rank_entry_refuses_to_run_outside_mpiexec(engine):
+    """`python -m moe_export.runtime.triton_follower ENGINE` (ranks 1..W-1 of launch_NAME.sh --mpi) needs mpiexec."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_"))}
+    r = subprocess.run([sys.executable, "-m", "moe_export.runtime.triton_follower", str(engine)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "under mpiexec" in r.stderr

@@ -6,17 +6,18 @@
         y = concat over the group's ranks (in rank order) along `axis`; that dim becomes unknown here
         (the group size is a property of the mapping, not of the graph).
 
-The ONNX Runtime backend splits graphs at these nodes and the runtime calls MPI (or sums in process);
-TensorRT maps them to NCCL plugins (`tensorrt_plugin.py`).
+Both backends split graphs at these nodes (`export/backends.py`, `export/tensorrt_build.py`): the runtime
+performs the collective between segments (MPI or in process on CPU, NCCL between TensorRT engines).
 """
 
 import onnx
 from onnx import defs, helper
 
 from .. import DOMAIN, OPSET_VERSION
-from ..sparse_mla_attention.onnx_schema import plugin_version_attribute, register_once
+from ..sparse_mla_attention.onnx_schema import plugin_lookup_attributes, register_once
 
 COLLECTIVE_OPS = ("AllReduce", "AllGather")
+_FLOATS = ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "fp32 on CPU, bf16 in GPU builds")
 
 
 def _same_type(ctx) -> None:
@@ -40,15 +41,15 @@ def schemas() -> list[defs.OpSchema]:
     group = attr("group", defs.OpSchema.AttrType.STRING, "process group: tp or ep")
     reduce = defs.OpSchema(
         "AllReduce", DOMAIN, OPSET_VERSION, "Elementwise sum over the ranks of a group.",
-        inputs=[p("x", "tensor(float)", "any shape")], outputs=[p("y", "tensor(float)", "same as x")],
+        inputs=[p("x", "T", "any shape")], outputs=[p("y", "T", "same as x")], type_constraints=[_FLOATS],
         attributes=[group, attr("reduce_op", helper.make_attribute("reduce_op", "sum"), "sum"),
-                    plugin_version_attribute()],
+                    *plugin_lookup_attributes()],
     )
     reduce.set_type_and_shape_inference_function(_same_type)
     gather = defs.OpSchema(
         "AllGather", DOMAIN, OPSET_VERSION, "Concatenation over the ranks of a group along `axis`.",
-        inputs=[p("x", "tensor(float)", "any shape")], outputs=[p("y", "tensor(float)", "x with axis grown")],
-        attributes=[group, attr("axis", defs.OpSchema.AttrType.INT, "concat axis"), plugin_version_attribute()],
+        inputs=[p("x", "T", "any shape")], outputs=[p("y", "T", "x with axis grown")], type_constraints=[_FLOATS],
+        attributes=[group, attr("axis", defs.OpSchema.AttrType.INT, "concat axis"), *plugin_lookup_attributes()],
     )
     gather.set_type_and_shape_inference_function(_gather_type)
     return [reduce, gather]

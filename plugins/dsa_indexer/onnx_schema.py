@@ -21,11 +21,11 @@ Node contract (semantics in `reference.py`):
 import onnx
 from onnx import defs, helper
 
-from .. import DOMAIN, OPSET_VERSION, PLUGIN_VERSION
+from .. import DOMAIN, OPSET_VERSION, PLUGIN_NAMESPACE, PLUGIN_VERSION
 from ..sparse_mla_attention.onnx_schema import (
     CACHE_TYPE_CONSTRAINT,
     input_dim,
-    plugin_version_attribute,
+    plugin_lookup_attributes,
     register_once,
     tensor_type,
 )
@@ -59,7 +59,7 @@ def schema() -> defs.OpSchema:
         type_constraints=[CACHE_TYPE_CONSTRAINT],
         attributes=[
             defs.OpSchema.Attribute("topk", defs.OpSchema.AttrType.INT, "positions selected per token"),
-            plugin_version_attribute(),
+            *plugin_lookup_attributes(),
         ],
     )
     s.set_type_and_shape_inference_function(_infer)
@@ -93,4 +93,5 @@ def make_node(
         domain=DOMAIN,
         topk=int(topk),
         plugin_version=PLUGIN_VERSION,
+        plugin_namespace=PLUGIN_NAMESPACE,
     )

@@ -1,12 +1,14 @@
 """TensorRT quickly-deployable plugin (QDP) for DSAIndexer: the Triton score kernel plus torch top-k selection.
 
-NOT EXERCISED HERE: TensorRT cannot be installed on this project's machines (the PyPI wheels fetch the real
-libraries from NVIDIA's index, unreachable here; the lent GPU image has no TensorRT either), so this file has
-never been imported or run. It follows the QDP API as read from TensorRT's public `tensorrt.plugin` sources.
+NOT RUN ON A GPU HERE: TensorRT's libraries cannot be installed on this project's machines. What runs here
+(`tests/test_tensorrt_plugins.py`): this module under TensorRT's real pure-Python `tensorrt.plugin` package
+(10.9 and 11.4 bindings wheels) over a stand-in of the compiled core: registration, creation from the
+parser's fields (`topk` arrives as one INT32), output type and shape.
 
-Importing this module registers `moe_export::DSAIndexer` (namespace = ONNX domain, name = op type, version
-"1"), which TensorRT's ONNX parser (>= 10.10) binds to the bare ONNX node. Nothing else in the package imports
-it. Only a JIT `impl` (Python callback) is provided, so engines need Python at runtime.
+Importing this module registers `moe_export::DSAIndexer` (name = op type, namespace = the node's
+`plugin_namespace` attribute, version "1"). Only a JIT `impl` (Python callback) is provided, so engines need
+Python at runtime. TensorRT may run the impl while timing tactics with garbage inputs: the index inputs are
+clamped first (`clamp_ragged_indices`), which also bounds the score buffer sized from `positions.max()`.
 
 Why there is no `aot_impl`: a QDP AOT implementation is one kernel launch whose only tensors are the plugin's
 inputs and outputs, but `triton_kernel.dsa_indexer_triton` is not one launch. It (1) reads `positions.max()`
@@ -24,6 +26,7 @@ import tensorrt.plugin as trtp
 import torch
 
 from .. import PLUGIN_NAMESPACE
+from ..tensorrt_common import Int32Field, as_torch, clamp_ragged_indices, scalar
 from .onnx_schema import OP_TYPE
 from .triton_kernel import dsa_indexer_triton
 
@@ -39,10 +42,10 @@ def _describe(
     cu_seqlens: trtp.TensorDesc,
     block_tables: trtp.TensorDesc,
     positions: trtp.TensorDesc,
-    topk: int,
+    topk: Int32Field,
 ) -> trtp.TensorDesc:
     """indices [T, topk] int64 from q_idx [T, Hi, Di]."""
-    return trtp.from_shape_expr((q_idx.shape_expr[0], topk), dtype=trt.int64)
+    return trtp.from_shape_expr((q_idx.shape_expr[0], scalar(topk)), dtype=trt.int64)
 
 
 @trtp.autotune(PLUGIN_ID)
@@ -70,13 +73,15 @@ def _run(
     cu_seqlens: trtp.Tensor,
     block_tables: trtp.Tensor,
     positions: trtp.Tensor,
-    topk: int,
+    topk: Int32Field,
     outputs: tuple[trtp.Tensor],
     stream: int,
 ) -> None:
-    """Run on TensorRT's stream and copy into the output buffer."""
-    args = [torch.as_tensor(t, device="cuda")
-            for t in (q_idx, weights, k_pool, k_new, cu_seqlens, block_tables, positions)]
-    out = torch.as_tensor(outputs[0], device="cuda")
+    """Run on TensorRT's stream (index inputs clamped into their buffers) and copy into the output buffer."""
+    q, w, pool, new, cu, tables, pos = (
+        as_torch(t) for t in (q_idx, weights, k_pool, k_new, cu_seqlens, block_tables, positions)
+    )
+    out = as_torch(outputs[0])
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-        out.copy_(dsa_indexer_triton(*args, topk=topk))
+        cu, tables, pos = clamp_ragged_indices(cu, tables, pos, pool.shape[0], pool.shape[1])
+        out.copy_(dsa_indexer_triton(q, w, pool, new, cu, tables, pos, topk=scalar(topk)))

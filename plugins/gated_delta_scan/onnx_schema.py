@@ -31,8 +31,8 @@ from __future__ import annotations
 import onnx
 from onnx import defs, helper
 
-from .. import DOMAIN, OPSET_VERSION, PLUGIN_VERSION
-from ..sparse_mla_attention.onnx_schema import plugin_version_attribute, register_once
+from .. import DOMAIN, OPSET_VERSION, PLUGIN_NAMESPACE, PLUGIN_VERSION
+from ..sparse_mla_attention.onnx_schema import plugin_lookup_attributes, register_once
 
 OP_TYPE = "GatedDeltaScan"
 INPUTS = ("q", "k", "v", "g", "beta", "state_pool", "cu_seqlens", "slot_ids")
@@ -70,7 +70,7 @@ def schema() -> defs.OpSchema:
             defs.OpSchema.Attribute(
                 "use_qk_l2norm", helper.make_attribute("use_qk_l2norm", 0), "1: l2-normalise q and k over K"
             ),
-            plugin_version_attribute(),
+            *plugin_lookup_attributes(),
         ],
     )
     s.set_type_and_shape_inference_function(_infer)
@@ -108,4 +108,5 @@ def make_node(
         scale=float(scale),
         use_qk_l2norm=int(bool(use_qk_l2norm)),
         plugin_version=PLUGIN_VERSION,
+        plugin_namespace=PLUGIN_NAMESPACE,
     )

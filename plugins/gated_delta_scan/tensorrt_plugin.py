@@ -1,30 +1,31 @@
 """TensorRT quickly-deployable plugin (QDP) for GatedDeltaScan, backed by the Triton kernel.
 
-NOT EXERCISED HERE: TensorRT cannot be installed on this project's machines (the PyPI wheels fetch the real
-libraries from NVIDIA's index, unreachable here; the lent GPU image has no TensorRT either), so this module
-has never been imported or run. It follows the QDP API as read from TensorRT's public ``tensorrt.plugin``
-sources and samples. What is tested elsewhere: the Triton kernel (interpreter, vs the reference, including
-the V-first in-place pool path used here) and that ``triton_kernel.aot_compile`` produces sm_90 PTX.
+NOT RUN ON A GPU HERE: TensorRT's libraries cannot be installed on this project's machines. What runs here
+(`tests/test_tensorrt_plugins.py`): this module under TensorRT's real pure-Python `tensorrt.plugin` package
+(10.9 and 11.4 bindings wheels) over a stand-in of the compiled core: registration, creation from the
+fields the ONNX parser makes of our node's attributes, output types / shapes / aliasing, and the `aot_impl`
+launch parameters with the real Triton PTX compile. The kernel itself is tested in the interpreter.
 
-Importing this module registers ``moe_export::GatedDeltaScan`` (namespace = ONNX domain, name = op type,
-version "1"); TensorRT's ONNX parser (>= 10.10) binds it to the bare ONNX node and passes the node
-attributes ``scale`` and ``use_qk_l2norm`` as plugin fields. Nothing else in the package imports it.
+Importing this module registers ``moe_export::GatedDeltaScan`` (name = op type, namespace = the node's
+``plugin_namespace`` attribute, version "1"); the parser passes the attributes ``scale`` (FLOAT32) and
+``use_qk_l2norm`` (INT32) as fields (see ``plugins/tensorrt_common.py`` for why they are 1-element arrays).
 
-- ``state_pool_out`` is declared *aliased* to ``state_pool`` (in place): the kernel reads each state tile
-  before writing it, and only the N addressed slots are touched.
+- ``state_pool_out`` is declared *aliased* to ``state_pool`` (in place; the builder enables
+  ``PreviewFeature.ALIASED_PLUGIN_IO_10_03``, without which the alias is ignored): the kernel reads each state
+  tile before writing it, and only the N addressed slots are touched.
 - ``impl`` (JIT, needs Python in the engine) launches the kernel on TensorRT's stream.
-- ``aot_impl`` compiles the same kernel to PTX for the build GPU. Kernel parameters are the 8 input
-  pointers then the 2 output pointers, no extra scalars; grid (cdiv(V, BV), H, N). Open risk: Triton >= 3.3
-  appends two scratch-pointer parameters (unused by this kernel: scratch sizes 0) that TensorRT does not pass.
+- ``aot_impl`` compiles the same kernel to PTX for the build GPU. Kernel parameters: the 8 input pointers,
+  the int32 extras T (tokens) and S (pool slots), the 2 output pointers; grid (cdiv(V, BV), H, N). The
+  builder chooses JIT or AOT (the plugin has both, so the network must say which). Open risk, checked by
+  ``benchmarks/gpu_check.sh`` on a GPU: Triton >= 3.3 appends scratch-pointer parameters TensorRT does not pass.
 """
-
-from __future__ import annotations
 
 import tensorrt as trt
 import tensorrt.plugin as trtp
 import torch
 
 from .. import PLUGIN_NAMESPACE
+from ..tensorrt_common import Float32Field, Int32Field, as_torch, scalar
 from .onnx_schema import OP_TYPE
 from .triton_kernel import aot_compile, block_sizes, launch
 
@@ -42,8 +43,8 @@ def _describe(
     state_pool: trtp.TensorDesc,
     cu_seqlens: trtp.TensorDesc,
     slot_ids: trtp.TensorDesc,
-    scale: float,
-    use_qk_l2norm: int,
+    scale: Float32Field,
+    use_qk_l2norm: Int32Field,
 ) -> tuple[trtp.TensorDesc, trtp.TensorDesc]:
     """o like v [T, H, V]; state_pool_out aliases state_pool [S, H, V, K] fp32."""
     return v.like(), state_pool.aliased()
@@ -78,19 +79,16 @@ def _run(
     state_pool: trtp.Tensor,
     cu_seqlens: trtp.Tensor,
     slot_ids: trtp.Tensor,
-    scale: float,
-    use_qk_l2norm: int,
+    scale: Float32Field,
+    use_qk_l2norm: Int32Field,
     outputs: tuple[trtp.Tensor, trtp.Tensor],
     stream: int,
 ) -> None:
     """Launch the Triton kernel on TensorRT's stream; the pool is updated in place (aliased output)."""
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-        tq, tk, tv, tg, tb, pool, cu, slots = (
-            torch.as_tensor(x, device="cuda") for x in (q, k, v, g, beta, state_pool, cu_seqlens, slot_ids)
-        )
-        o = torch.as_tensor(outputs[0], device="cuda")
-        pool_out = torch.as_tensor(outputs[1], device="cuda")
-        launch(tq, tk, tv, tg, tb, pool, cu, slots, o, pool_out, scale, bool(use_qk_l2norm), True)
+        tq, tk, tv, tg, tb, pool, cu, slots = (as_torch(x) for x in (q, k, v, g, beta, state_pool, cu_seqlens, slot_ids))
+        o, pool_out = as_torch(outputs[0]), as_torch(outputs[1])
+        launch(tq, tk, tv, tg, tb, pool, cu, slots, o, pool_out, scalar(scale), bool(scalar(use_qk_l2norm)), True)
 
 
 @trtp.aot_impl(PLUGIN_ID)
@@ -103,21 +101,24 @@ def _compile(
     state_pool: trtp.TensorDesc,
     cu_seqlens: trtp.TensorDesc,
     slot_ids: trtp.TensorDesc,
-    scale: float,
-    use_qk_l2norm: int,
+    scale: Float32Field,
+    use_qk_l2norm: Int32Field,
     outputs: tuple[trtp.TensorDesc, trtp.TensorDesc],
     tactic: int,
 ) -> tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymExprs]:
     """PTX of the kernel for the build GPU; H, K, V must be build-time constants (they are for K3: 96/128/128)."""
-    H = q.shape_expr[1].constant_value
-    K = q.shape_expr[2].constant_value
-    V = v.shape_expr[2].constant_value
+    H = q.shape_expr[1].constant_value()
+    K = q.shape_expr[2].constant_value()
+    V = v.shape_expr[2].constant_value()
     major, minor = torch.cuda.get_device_capability()
-    kernel = aot_compile(_TRITON_TYPE[q.dtype], H, K, V, scale, bool(use_qk_l2norm), True, major * 10 + minor)
+    kernel = aot_compile(
+        _TRITON_TYPE[q.dtype], H, K, V, scalar(scale), bool(scalar(use_qk_l2norm)), True, major * 10 + minor
+    )
     params = trtp.KernelLaunchParams()
     params.grid_x = -(-V // block_sizes(K, V)[1])
     params.grid_y = H
     params.grid_z = slot_ids.shape_expr[0]
     params.block_x = kernel.metadata.num_warps * 32
     params.shared_mem = kernel.metadata.shared
-    return kernel.metadata.name, kernel.asm["ptx"], params, trtp.SymIntExprs(0)
+    extra_args = trtp.SymIntExprs.from_tuple([trtp.SymInt32(q.shape_expr[0]), trtp.SymInt32(state_pool.shape_expr[0])])
+    return kernel.metadata.name, kernel.asm["ptx"], params, extra_args

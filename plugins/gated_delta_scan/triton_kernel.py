@@ -6,8 +6,11 @@ read from and written to a slot pool through ``slot_ids``; ``STATE_V_FIRST`` sel
 [S, H, V, K] (K3's V-first cache, used by the ONNX node / TensorRT plugin) or [S, H, K, V] (fla layout).
 State in and state out may be the same buffer (in-place): every program reads its tile before writing it.
 
-Kernel argument order is input pointers, then output pointers, then compile-time constants, as the
-TensorRT AOT plugin (``tensorrt_plugin``) requires. Tested on CPU tensors with ``TRITON_INTERPRET=1``.
+Kernel argument order is input pointers, the int32 scalars (token count T, pool slot count S), then output
+pointers, then compile-time constants, as the TensorRT AOT plugin (``tensorrt_plugin``) requires. Sequence
+bounds and slot ids are clamped to [0, T] and [0, S-1]: TensorRT runs plugins while timing tactics with
+unspecified input contents, which must not make the kernel read or write outside its buffers.
+Tested on CPU tensors with ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ def gated_delta_scan_kernel(
     state_in_ptr,
     cu_seqlens_ptr,
     slot_ids_ptr,
+    num_tokens,
+    num_slots,
     o_ptr,
     state_out_ptr,
     scale: tl.constexpr,
@@ -42,13 +47,14 @@ def gated_delta_scan_kernel(
     USE_L2NORM: tl.constexpr,
     STATE_V_FIRST: tl.constexpr,
 ):
-    """q, k, g [T, H, K]; v, o [T, H, V]; beta [T, H]; cu_seqlens [N+1]; slot_ids [N]; states fp32."""
+    """q, k, g [T, H, K]; v, o [T, H, V]; beta [T, H]; cu_seqlens [N+1]; slot_ids [N]; states fp32 [S, ...]."""
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
     i_n = tl.program_id(2)
-    bos = tl.load(cu_seqlens_ptr + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens_ptr + i_n + 1).to(tl.int64)
-    slot = tl.load(slot_ids_ptr + i_n).to(tl.int64)
+    T = num_tokens.to(tl.int64)
+    bos = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + i_n).to(tl.int64), 0), T)
+    eos = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + i_n + 1).to(tl.int64), bos), T)
+    slot = tl.minimum(tl.maximum(tl.load(slot_ids_ptr + i_n).to(tl.int64), 0), num_slots.to(tl.int64) - 1)
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
     mask_k = offs_k < K
@@ -87,12 +93,12 @@ def launch(q, k, v, g, beta, state_in, cu_seqlens, slot_ids, o, state_out, scale
     T, H, K = q.shape
     V = v.shape[-1]
     N = slot_ids.numel()
-    if N == 0:
+    if N == 0 or state_in.shape[0] == 0:
         return
     BK, BV = block_sizes(K, V)
     grid = (triton.cdiv(V, BV), H, N)
     gated_delta_scan_kernel[grid](
-        q, k, v, g, beta, state_in, cu_seqlens, slot_ids, o, state_out,
+        q, k, v, g, beta, state_in, cu_seqlens, slot_ids, T, state_in.shape[0], o, state_out,
         scale=float(scale), H=H, K=K, V=V, BK=BK, BV=BV,
         USE_L2NORM=bool(use_qk_l2norm), STATE_V_FIRST=bool(state_v_first), enable_fp_fusion=True,
     )  # fmt: skip
@@ -164,7 +170,8 @@ def aot_compile(
 
     act_dtype: Triton type of q, k, v, o ("fp32", "fp16" or "bf16"); g, beta and states are fp32.
     Returns Triton's CompiledKernel: ``asm["ptx"]``, ``metadata.name``, ``metadata.num_warps``,
-    ``metadata.shared``. Launch grid: (cdiv(V, BV), H, N) with ``BV = block_sizes(K, V)[1]``.
+    ``metadata.shared``. Parameters: the 8 input pointers, int32 num_tokens (T) and num_slots (S), the 2 output
+    pointers. Launch grid: (cdiv(V, BV), H, N) with ``BV = block_sizes(K, V)[1]``.
     """
     from triton.backends.compiler import GPUTarget
 
@@ -172,7 +179,8 @@ def aot_compile(
     act = f"*{act_dtype}"
     signature = dict(
         q_ptr=act, k_ptr=act, v_ptr=act, g_ptr="*fp32", beta_ptr="*fp32", state_in_ptr="*fp32",
-        cu_seqlens_ptr="*i64", slot_ids_ptr="*i64", o_ptr=act, state_out_ptr="*fp32",
+        cu_seqlens_ptr="*i64", slot_ids_ptr="*i64", num_tokens="i32", num_slots="i32", o_ptr=act,
+        state_out_ptr="*fp32",
     )  # fmt: skip
     constexprs = dict(
         scale=float(scale), H=H, K=K, V=V, BK=BK, BV=BV,

@@ -25,8 +25,8 @@ Node contract (semantics in `reference.py`):
 import onnx
 from onnx import defs, helper
 
-from .. import DOMAIN, OPSET_VERSION, PLUGIN_VERSION
-from ..sparse_mla_attention.onnx_schema import input_dim, plugin_version_attribute, register_once, tensor_type
+from .. import DOMAIN, OPSET_VERSION, PLUGIN_NAMESPACE, PLUGIN_VERSION
+from ..sparse_mla_attention.onnx_schema import input_dim, plugin_lookup_attributes, register_once, tensor_type
 
 OP_TYPE = "MoEMXFP4"
 
@@ -60,7 +60,7 @@ def schema() -> defs.OpSchema:
             attr("activation", kind.STRING, '"situ" or "silu"'),
             attr("situ_beta", kind.FLOAT, "SiTU beta"),
             attr("situ_linear_beta", kind.FLOAT, "SiTU linear beta"),
-            plugin_version_attribute(),
+            *plugin_lookup_attributes(),
         ],
     )
     s.set_type_and_shape_inference_function(_infer)
@@ -102,4 +102,5 @@ def make_node(
         situ_beta=float(situ_beta),
         situ_linear_beta=float(situ_linear_beta),
         plugin_version=PLUGIN_VERSION,
+        plugin_namespace=PLUGIN_NAMESPACE,
     )

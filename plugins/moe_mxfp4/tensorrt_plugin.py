@@ -1,13 +1,16 @@
 """TensorRT quickly-deployable plugin (QDP) for MoEMXFP4, backed by the Triton W4A16 grouped-GEMM kernels.
 
-NOT EXERCISED HERE: TensorRT cannot be installed on this project's machines (the PyPI wheels fetch the real
-libraries from NVIDIA's index, unreachable here; the lent GPU image has no TensorRT either), so this file has
-never been imported or run. It follows the QDP API as read from TensorRT's public `tensorrt.plugin` sources.
-Hopper has no FP4 math, so the weights stay packed in memory and are dequantized inside the kernel.
+NOT RUN ON A GPU HERE: TensorRT's libraries cannot be installed on this project's machines. What runs here
+(`tests/test_tensorrt_plugins.py`): this module under TensorRT's real pure-Python `tensorrt.plugin` package
+(10.9 and 11.4 bindings wheels) over a stand-in of the compiled core: registration, creation from the
+parser's fields (`expert_offset` one INT32, `activation` CHAR with the parser's NUL, the betas one FLOAT32
+each), output type and shape. Hopper has no FP4 math, so the weights stay packed in memory and are
+dequantized inside the kernel.
 
-Importing this module registers `moe_export::MoEMXFP4` (namespace = ONNX domain, name = op type, version
-"1"), which TensorRT's ONNX parser (>= 10.10) binds to the bare ONNX node. Nothing else in the package imports
-it. Only a JIT `impl` (Python callback) is provided, so engines need Python at runtime.
+Importing this module registers `moe_export::MoEMXFP4` (name = op type, namespace = the node's
+`plugin_namespace` attribute, version "1"). Only a JIT `impl` (Python callback) is provided, so engines need
+Python at runtime. Expert ids outside this rank's range are ignored by design, so the garbage inputs of
+TensorRT's tactic runs stay in bounds.
 
 Why there is no `aot_impl`: a QDP AOT implementation is one kernel launch whose only tensors are the plugin's
 inputs and outputs, but `triton_kernel.moe_mxfp4_triton` is host-side torch work plus two launches:
@@ -26,7 +29,9 @@ import tensorrt.plugin as trtp
 import torch
 
 from .. import PLUGIN_NAMESPACE
+from ..tensorrt_common import Float32Field, Int32Field, as_torch, scalar, text
 from .onnx_schema import OP_TYPE
+from .reference import ACTIVATIONS
 from .triton_kernel import moe_mxfp4_triton
 
 PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{OP_TYPE}"
@@ -41,12 +46,14 @@ def _describe(
     w13_scale: trtp.TensorDesc,
     w2_packed: trtp.TensorDesc,
     w2_scale: trtp.TensorDesc,
-    expert_offset: int,
+    expert_offset: Int32Field,
     activation: str,
-    situ_beta: float,
-    situ_linear_beta: float,
+    situ_beta: Float32Field,
+    situ_linear_beta: Float32Field,
 ) -> trtp.TensorDesc:
-    """y [T, D] fp32, the shape of x."""
+    """y [T, D] fp32, the shape of x; an unknown activation fails the build here, not at run time."""
+    if text(activation) not in ACTIVATIONS:
+        raise ValueError(f"{PLUGIN_ID}: activation must be one of {ACTIVATIONS}, got {text(activation)!r}")
     return trtp.from_shape_expr((x.shape_expr[0], x.shape_expr[1]), dtype=trt.float32)
 
 
@@ -74,25 +81,22 @@ def _run(
     w13_scale: trtp.Tensor,
     w2_packed: trtp.Tensor,
     w2_scale: trtp.Tensor,
-    expert_offset: int,
+    expert_offset: Int32Field,
     activation: str,
-    situ_beta: float,
-    situ_linear_beta: float,
+    situ_beta: Float32Field,
+    situ_linear_beta: Float32Field,
     outputs: tuple[trtp.Tensor],
     stream: int,
 ) -> None:
     """Run the Triton kernels on TensorRT's stream and copy into the output buffer."""
-    args = [
-        torch.as_tensor(t, device="cuda")
-        for t in (x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packed, w2_scale)
-    ]
-    out = torch.as_tensor(outputs[0], device="cuda")
+    args = [as_torch(t) for t in (x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packed, w2_scale)]
+    out = as_torch(outputs[0])
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
         y = moe_mxfp4_triton(
             *args,
-            expert_offset=expert_offset,
-            activation=activation,
-            situ_beta=situ_beta,
-            situ_linear_beta=situ_linear_beta,
+            expert_offset=scalar(expert_offset),
+            activation=text(activation),
+            situ_beta=scalar(situ_beta),
+            situ_linear_beta=scalar(situ_linear_beta),
         )
         out.copy_(y)

@@ -26,8 +26,8 @@ from __future__ import annotations
 import onnx
 from onnx import defs, helper
 
-from .. import DOMAIN, OPSET_VERSION, PLUGIN_VERSION
-from ..sparse_mla_attention.onnx_schema import plugin_version_attribute, register_once
+from .. import DOMAIN, OPSET_VERSION, PLUGIN_NAMESPACE, PLUGIN_VERSION
+from ..sparse_mla_attention.onnx_schema import plugin_lookup_attributes, register_once
 
 OP_TYPE = "ShortConv"
 INPUTS = ("x", "weight", "conv_pool", "cu_seqlens", "slot_ids")
@@ -57,7 +57,7 @@ def schema() -> defs.OpSchema:
         ],
         outputs=[p("y", "T1", "[T, C]"), p("conv_pool_out", "T2", "[S, C, W-1]")],
         type_constraints=[("T1", _FLOAT_TYPES, "activation type"), ("T2", _FLOAT_TYPES, "window pool type")],
-        attributes=[plugin_version_attribute()],
+        attributes=[*plugin_lookup_attributes()],
     )
     s.set_type_and_shape_inference_function(_infer)
     return s
@@ -80,4 +80,5 @@ def make_node(
         name=name,
         domain=DOMAIN,
         plugin_version=PLUGIN_VERSION,
+        plugin_namespace=PLUGIN_NAMESPACE,
     )

@@ -1,26 +1,26 @@
 """TensorRT quickly-deployable plugin (QDP) for ShortConv, backed by the Triton kernel.
 
-NOT EXERCISED HERE: TensorRT cannot be installed on this project's machines (the PyPI wheels fetch the real
-libraries from NVIDIA's index, unreachable here; the lent GPU image has no TensorRT either), so this module
-has never been imported or run. It follows the QDP API as read from TensorRT's public ``tensorrt.plugin``
-sources and samples. What is tested elsewhere: the Triton kernel (interpreter, vs the reference, including
-the in-place pool path used here) and that ``triton_kernel.aot_compile`` produces sm_90 PTX.
+NOT RUN ON A GPU HERE: TensorRT's libraries cannot be installed on this project's machines. What runs here
+(`tests/test_tensorrt_plugins.py`): this module under TensorRT's real pure-Python `tensorrt.plugin` package
+(10.9 and 11.4 bindings wheels) over a stand-in of the compiled core: registration, creation from the
+parser's fields, output types / shapes / aliasing, and the `aot_impl` launch parameters with the real Triton
+PTX compile. The kernel itself is tested in the interpreter.
 
-Importing this module registers ``moe_export::ShortConv`` (namespace = ONNX domain, name = op type, version
-"1"); TensorRT's ONNX parser (>= 10.10) binds it to the bare ONNX node. Nothing else in the package imports
-it. ``conv_pool_out`` is declared *aliased* to ``conv_pool`` (in place; only the N addressed slots are
-written). ``impl`` (JIT) launches the kernel on TensorRT's stream; ``aot_impl`` compiles the same kernel to
-PTX: parameters are the 5 input pointers then the 2 output pointers, no extra scalars, grid (cdiv(C, BC), N).
-Open risk: Triton >= 3.3 appends two scratch-pointer parameters (unused here) that TensorRT does not pass.
+Importing this module registers ``moe_export::ShortConv`` (name = op type, namespace = the node's
+``plugin_namespace`` attribute, version "1"). ``conv_pool_out`` is declared *aliased* to ``conv_pool`` (in
+place, only the N addressed slots are written; needs ``PreviewFeature.ALIASED_PLUGIN_IO_10_03``, which the
+builder enables). ``impl`` (JIT) launches the kernel on TensorRT's stream; ``aot_impl`` compiles the same
+kernel to PTX: parameters are the 5 input pointers, the int32 extras T (tokens) and S (pool slots), then the 2
+output pointers; grid (cdiv(C, BC), N). Open risk, checked by ``benchmarks/gpu_check.sh`` on a GPU: Triton
+>= 3.3 appends scratch-pointer parameters that TensorRT does not pass.
 """
-
-from __future__ import annotations
 
 import tensorrt as trt
 import tensorrt.plugin as trtp
 import torch
 
 from .. import PLUGIN_NAMESPACE
+from ..tensorrt_common import as_torch
 from .onnx_schema import OP_TYPE
 from .triton_kernel import aot_compile, block_sizes, launch
 
@@ -69,11 +69,8 @@ def _run(
 ) -> None:
     """Launch the Triton kernel on TensorRT's stream; the pool is updated in place (aliased output)."""
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-        tx, tw, pool, cu, slots = (
-            torch.as_tensor(t, device="cuda") for t in (x, weight, conv_pool, cu_seqlens, slot_ids)
-        )
-        y = torch.as_tensor(outputs[0], device="cuda")
-        pool_out = torch.as_tensor(outputs[1], device="cuda")
+        tx, tw, pool, cu, slots = (as_torch(t) for t in (x, weight, conv_pool, cu_seqlens, slot_ids))
+        y, pool_out = as_torch(outputs[0]), as_torch(outputs[1])
         launch(tx, tw, pool, cu, slots, y, pool_out)
 
 
@@ -88,8 +85,8 @@ def _compile(
     tactic: int,
 ) -> tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymExprs]:
     """PTX of the kernel for the build GPU; C and W must be build-time constants (weight is an initializer)."""
-    C = weight.shape_expr[0].constant_value
-    W = weight.shape_expr[1].constant_value
+    C = weight.shape_expr[0].constant_value()
+    W = weight.shape_expr[1].constant_value()
     major, minor = torch.cuda.get_device_capability()
     kernel = aot_compile(_TRITON_TYPE[x.dtype], _TRITON_TYPE[conv_pool.dtype], C, W, major * 10 + minor)
     params = trtp.KernelLaunchParams()
@@ -97,4 +94,5 @@ def _compile(
     params.grid_y = slot_ids.shape_expr[0]
     params.block_x = kernel.metadata.num_warps * 32
     params.shared_mem = kernel.metadata.shared
-    return kernel.metadata.name, kernel.asm["ptx"], params, trtp.SymIntExprs(0)
+    extra_args = trtp.SymIntExprs.from_tuple([trtp.SymInt32(x.shape_expr[0]), trtp.SymInt32(conv_pool.shape_expr[0])])
+    return kernel.metadata.name, kernel.asm["ptx"], params, extra_args

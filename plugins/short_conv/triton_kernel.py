@@ -26,6 +26,8 @@ def short_conv_kernel(
     state_in_ptr,
     cu_seqlens_ptr,
     slot_ids_ptr,
+    num_tokens,
+    num_slots,
     y_ptr,
     state_out_ptr,
     C: tl.constexpr,
@@ -34,12 +36,14 @@ def short_conv_kernel(
     BC: tl.constexpr,
     BW: tl.constexpr,
 ):
-    """x, y [T, C]; w [C, W] fp32; states [S, C, W-1]; cu_seqlens [N+1]; slot_ids [N]."""
+    """x, y [T, C]; w [C, W] fp32; states [S, C, W-1]; cu_seqlens [N+1]; slot_ids [N]. Sequence bounds are
+    clamped to [0, T] and slots to [0, S-1] (TensorRT times tactics on unspecified input contents)."""
     i_c = tl.program_id(0)
     i_n = tl.program_id(1)
-    bos = tl.load(cu_seqlens_ptr + i_n).to(tl.int64)
-    length = tl.load(cu_seqlens_ptr + i_n + 1).to(tl.int64) - bos
-    slot = tl.load(slot_ids_ptr + i_n).to(tl.int64)
+    T = num_tokens.to(tl.int64)
+    bos = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + i_n).to(tl.int64), 0), T)
+    length = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + i_n + 1).to(tl.int64), bos), T) - bos
+    slot = tl.minimum(tl.maximum(tl.load(slot_ids_ptr + i_n).to(tl.int64), 0), num_slots.to(tl.int64) - 1)
     offs_c = i_c * BC + tl.arange(0, BC)
     mask_c = offs_c < C
     state_row = (slot * C + offs_c) * (W - 1)  # [BC]
@@ -79,12 +83,12 @@ def launch(x, weight, state_in, cu_seqlens, slot_ids, y, state_out):
     """Run the kernel on packed contiguous tensors: x, y [T, C]; weight [C, W] fp32; states [S, C, W-1]."""
     C, W = weight.shape
     N = slot_ids.numel()
-    if N == 0:
+    if N == 0 or state_in.shape[0] == 0:
         return
     BT, BC, BW = block_sizes(C, W)
     grid = (triton.cdiv(C, BC), N)
     short_conv_kernel[grid](
-        x, weight, state_in, cu_seqlens, slot_ids, y, state_out, C=C, W=W, BT=BT, BC=BC, BW=BW,
+        x, weight, state_in, cu_seqlens, slot_ids, x.shape[0], state_in.shape[0], y, state_out, C=C, W=W, BT=BT, BC=BC, BW=BW,
         enable_fp_fusion=True,
     )  # fmt: skip
 
@@ -137,14 +141,16 @@ def aot_compile(act_dtype: str, pool_dtype: str, C: int, W: int, capability: int
     """Compile the kernel ahead of time for CUDA ``sm_<capability>`` (needs no GPU).
 
     act_dtype / pool_dtype: Triton types of x, y / of the pools ("fp32", "fp16" or "bf16").
-    Returns Triton's CompiledKernel; launch grid (cdiv(C, BC), N) with ``BC = block_sizes(C, W)[1]``.
+    Returns Triton's CompiledKernel. Parameters: the 5 input pointers, int32 num_tokens (T) and num_slots (S),
+    the 2 output pointers; launch grid (cdiv(C, BC), N) with ``BC = block_sizes(C, W)[1]``.
     """
     from triton.backends.compiler import GPUTarget
 
     BT, BC, BW = block_sizes(C, W)
     signature = dict(
         x_ptr=f"*{act_dtype}", w_ptr="*fp32", state_in_ptr=f"*{pool_dtype}", cu_seqlens_ptr="*i64",
-        slot_ids_ptr="*i64", y_ptr=f"*{act_dtype}", state_out_ptr=f"*{pool_dtype}",
+        slot_ids_ptr="*i64", num_tokens="i32", num_slots="i32", y_ptr=f"*{act_dtype}",
+        state_out_ptr=f"*{pool_dtype}",
     )  # fmt: skip
     constexprs = dict(C=C, W=W, BT=BT, BC=BC, BW=BW)
     signature.update({name: "constexpr" for name in constexprs})

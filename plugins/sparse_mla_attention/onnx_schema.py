@@ -26,7 +26,7 @@ It is idempotent (the registry is process-global). The helpers below are shared 
 import onnx
 from onnx import defs, helper
 
-from .. import DOMAIN, OPSET_VERSION, PLUGIN_VERSION
+from .. import DOMAIN, OPSET_VERSION, PLUGIN_NAMESPACE, PLUGIN_VERSION
 
 OP_TYPE = "SparseMLAAttention"
 CACHE_TYPE_CONSTRAINT = ("C", ["tensor(float)", "tensor(bfloat16)", "tensor(float16)"], "cache storage dtype")
@@ -38,11 +38,18 @@ def register_once(schema: defs.OpSchema) -> None:
         defs.register_schema(schema)
 
 
-def plugin_version_attribute() -> defs.OpSchema.Attribute:
-    """The optional `plugin_version` string attribute (default PLUGIN_VERSION) every plugin node carries."""
-    return defs.OpSchema.Attribute(
-        "plugin_version", helper.make_attribute("plugin_version", PLUGIN_VERSION), "TensorRT plugin version"
-    )
+def plugin_lookup_attributes() -> list[defs.OpSchema.Attribute]:
+    """The optional string attributes TensorRT's ONNX parser finds a plugin by (its name is the op type), which
+    every plugin node carries: `plugin_version` (default PLUGIN_VERSION) and `plugin_namespace` (default
+    PLUGIN_NAMESPACE; parsers before TensorRT 10.13 do not take the namespace from the node's domain)."""
+    return [
+        defs.OpSchema.Attribute(
+            "plugin_version", helper.make_attribute("plugin_version", PLUGIN_VERSION), "TensorRT plugin version"
+        ),
+        defs.OpSchema.Attribute(
+            "plugin_namespace", helper.make_attribute("plugin_namespace", PLUGIN_NAMESPACE), "TensorRT namespace"
+        ),
+    ]
 
 
 def input_dim(ctx, index: int, axis: int) -> onnx.TensorShapeProto.Dimension:
@@ -99,7 +106,7 @@ def schema() -> defs.OpSchema:
         attributes=[
             defs.OpSchema.Attribute("scale", defs.OpSchema.AttrType.FLOAT, "softmax scale"),
             defs.OpSchema.Attribute("kv_lora_rank", defs.OpSchema.AttrType.INT, "Dc"),
-            plugin_version_attribute(),
+            *plugin_lookup_attributes(),
         ],
     )
     s.set_type_and_shape_inference_function(_infer)
@@ -138,4 +145,5 @@ def make_node(
         scale=float(scale),
         kv_lora_rank=int(kv_lora_rank),
         plugin_version=PLUGIN_VERSION,
+        plugin_namespace=PLUGIN_NAMESPACE,
     )

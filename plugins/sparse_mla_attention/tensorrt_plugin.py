@@ -1,27 +1,25 @@
 """TensorRT quickly-deployable plugin (QDP) for SparseMLAAttention, backed by the Triton kernel.
 
-NOT EXERCISED HERE: TensorRT cannot be installed on this project's machines (the PyPI wheels fetch the real
-libraries from NVIDIA's index, unreachable here; the lent GPU image has no TensorRT either), so this file has
-never been imported or run. It follows the QDP API as read from TensorRT's public `tensorrt.plugin` sources and
-samples. What is tested elsewhere: the Triton kernel (interpreter, vs the reference, sparse / dense / K = 0,
-with the token -> sequence search and the block-table lookup done in the kernel) and that `triton_kernel.aot_compile` produces sm_90 PTX.
+NOT RUN ON A GPU HERE: TensorRT's libraries cannot be installed on this project's machines. What runs here
+(`tests/test_tensorrt_plugins.py`): this module under TensorRT's real pure-Python `tensorrt.plugin` package
+(10.9 and 11.4 bindings wheels) over a stand-in of the compiled core: registration, creation from the
+parser's fields, output types and shapes, and the `aot_impl` launch parameters and int32 extras with the real
+Triton PTX compile. The kernel itself is tested in the interpreter (sparse / dense / K = 0, paged pools, with
+the token -> sequence search and the block-table lookup done in the kernel).
 
-Importing this module registers `moe_export::SparseMLAAttention` (namespace = ONNX domain, name = op type,
-version "1"), which TensorRT's ONNX parser (>= 10.10) binds to the bare ONNX node. Nothing else in the package
-imports it.
-
+Importing this module registers `moe_export::SparseMLAAttention` (name = op type, namespace = the node's
+`plugin_namespace` attribute, version "1"); `scale` arrives as one FLOAT32, `kv_lora_rank` as one INT32.
 QDP input lists are fixed, so the plugin always has seven inputs: the TensorRT graph gives dense-causal layers an
-empty [T, 0] (or [0, 0]) int64 `topk_indices`, which the op defines as dense (see `reference.py`).
+empty [0, 0] int64 `topk_indices`, which the op defines as dense (see `reference.py`).
 
 - `impl` (JIT, needs Python in the engine) launches the kernel on TensorRT's stream.
 - `aot_impl` compiles the same kernel to PTX for the build GPU. Kernel parameters are the 7 input pointers,
-  then the int32 extra arguments N (= block_tables rows), BS (= pool block size), B (= block_tables columns),
-  K (= topk_indices columns; 0 makes the kernel dense and leaves `topk_indices` unread), then the output pointer (TensorRT's AOT sample puts the
-  extra scalars between input and output pointers); grid (T, cdiv(H, 16)). H and Dc+Dr must be build-time
-  constants. Open risks: Triton >= 3.3 appends two scratch-pointer parameters (unused by this kernel: scratch
-  sizes 0) that TensorRT does not pass; at Dc = 512 the kernel needs ~110 KiB of dynamic shared memory, more
-  than the 48 KiB a launch gets unless the kernel is opted in (`cuFuncSetAttribute`), which Triton's own
-  launcher does and TensorRT's AOT launcher is not known to do.
+  then the int32 extras N (= block_tables rows), T (= tokens), NB (= pool blocks), BS (= block size), B (=
+  block_tables columns), K (= topk_indices columns; 0 makes the kernel dense and leaves `topk_indices` unread),
+  then the output pointer; grid (T, cdiv(H, 16)). H and Dc+Dr must be build-time constants. Open risks,
+  checked by `benchmarks/gpu_check.sh` on a GPU: Triton >= 3.3 appends scratch-pointer parameters TensorRT
+  does not pass; at Dc = 512 the kernel needs ~110 KiB of dynamic shared memory, more than the 48 KiB a launch
+  gets unless the kernel is opted in (`cuFuncSetAttribute`), which TensorRT's AOT launcher is not known to do.
 """
 
 import tensorrt as trt
@@ -29,6 +27,7 @@ import tensorrt.plugin as trtp
 import torch
 
 from .. import PLUGIN_NAMESPACE
+from ..tensorrt_common import Float32Field, Int32Field, as_torch, scalar
 from .onnx_schema import OP_TYPE
 from .triton_kernel import aot_compile, sparse_mla_attention_triton
 
@@ -45,11 +44,12 @@ def _describe(
     block_tables: trtp.TensorDesc,
     positions: trtp.TensorDesc,
     topk_indices: trtp.TensorDesc,
-    scale: float,
-    kv_lora_rank: int,
+    scale: Float32Field,
+    kv_lora_rank: Int32Field,
 ) -> trtp.TensorDesc:
     """o_lat [T, H, kv_lora_rank] fp32 from q_lat [T, H, Dc+Dr]."""
-    return trtp.from_shape_expr((q_lat.shape_expr[0], q_lat.shape_expr[1], kv_lora_rank), dtype=trt.float32)
+    dims = (q_lat.shape_expr[0], q_lat.shape_expr[1], scalar(kv_lora_rank))
+    return trtp.from_shape_expr(dims, dtype=trt.float32)
 
 
 @trtp.autotune(PLUGIN_ID)
@@ -77,17 +77,16 @@ def _run(
     block_tables: trtp.Tensor,
     positions: trtp.Tensor,
     topk_indices: trtp.Tensor,
-    scale: float,
-    kv_lora_rank: int,
+    scale: Float32Field,
+    kv_lora_rank: Int32Field,
     outputs: tuple[trtp.Tensor],
     stream: int,
 ) -> None:
     """Run the Triton kernel on TensorRT's stream and copy into the output buffer."""
-    as_torch = [torch.as_tensor(t, device="cuda") for t in (q_lat, kv_pool, kv_new, cu_seqlens, block_tables, positions)]
-    indices = torch.as_tensor(topk_indices, device="cuda")
-    out = torch.as_tensor(outputs[0], device="cuda")
+    inputs = [as_torch(t) for t in (q_lat, kv_pool, kv_new, cu_seqlens, block_tables, positions, topk_indices)]
+    out = as_torch(outputs[0])
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-        result = sparse_mla_attention_triton(*as_torch, indices, scale=scale, kv_lora_rank=kv_lora_rank)
+        result = sparse_mla_attention_triton(*inputs, scale=scalar(scale), kv_lora_rank=scalar(kv_lora_rank))
         out.copy_(result)
 
 
@@ -100,17 +99,18 @@ def _compile(
     block_tables: trtp.TensorDesc,
     positions: trtp.TensorDesc,
     topk_indices: trtp.TensorDesc,
-    scale: float,
-    kv_lora_rank: int,
+    scale: Float32Field,
+    kv_lora_rank: Int32Field,
     outputs: tuple[trtp.TensorDesc],
     tactic: int,
 ) -> tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymExprs]:
     """PTX of the kernel for the build GPU; H and Dc+Dr must be build-time constants (K3: Dc+Dr = 512+64)."""
-    num_heads = q_lat.shape_expr[1].constant_value
-    rope_dim = q_lat.shape_expr[2].constant_value - kv_lora_rank
+    rank = scalar(kv_lora_rank)
+    num_heads = q_lat.shape_expr[1].constant_value()
+    rope_dim = q_lat.shape_expr[2].constant_value() - rank
     major, minor = torch.cuda.get_device_capability()
     pool_dtype = torch.bfloat16 if kv_pool.dtype == trt.bfloat16 else torch.float32
-    kernel = aot_compile(num_heads, kv_lora_rank, rope_dim, scale, major * 10 + minor, block_h=_BLOCK_H,
+    kernel = aot_compile(num_heads, rank, rope_dim, scalar(scale), major * 10 + minor, block_h=_BLOCK_H,
                          pool_dtype=pool_dtype)
     params = trtp.KernelLaunchParams()
     params.grid_x = q_lat.shape_expr[0]
@@ -118,7 +118,10 @@ def _compile(
     params.block_x = kernel.metadata.num_warps * 32
     params.shared_mem = kernel.metadata.shared
     extra_args = trtp.SymIntExprs.from_tuple(
-        [trtp.SymInt32(e) for e in (block_tables.shape_expr[0], kv_pool.shape_expr[1], block_tables.shape_expr[1],
-                                    topk_indices.shape_expr[1])]
+        [
+            trtp.SymInt32(e)
+            for e in (block_tables.shape_expr[0], q_lat.shape_expr[0], kv_pool.shape_expr[0], kv_pool.shape_expr[1],
+                      block_tables.shape_expr[1], topk_indices.shape_expr[1])
+        ]  # fmt: skip
     )
     return kernel.metadata.name, kernel.asm["ptx"], params, extra_args

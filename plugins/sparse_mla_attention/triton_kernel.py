@@ -11,6 +11,8 @@ fp32 inputs give fp32 results (TF32 would lose ~1e-3). Runs on CUDA tensors, or 
 
 All tensors are contiguous. Kernel parameters are the seven input pointers, the int32 scalars, then the output
 pointer, then compile-time constants: the order a TensorRT AOT plugin launch uses (`tensorrt_plugin`).
+Every index read from an input (sequence, first token, position, block id, new-row index) is clamped into its
+buffer: TensorRT runs plugins while timing tactics with unspecified input contents.
 """
 
 import torch
@@ -24,7 +26,7 @@ POOL_DTYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "
 @triton.jit
 def _sparse_mla_kernel(
     q_ptr, pool_ptr, new_ptr, cu_seqlens_ptr, block_tables_ptr, pos_ptr, idx_ptr,
-    num_seqs, block_size, table_width, num_idx,
+    num_seqs, num_tokens, num_blocks, block_size, table_width, num_idx,
     o_ptr,
     scale: tl.constexpr, H: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr,
     BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -46,9 +48,12 @@ def _sparse_mla_kernel(
         offs_n = start + tl.arange(0, _SEQ_BLOCK)
         ends = tl.load(cu_seqlens_ptr + 1 + offs_n, mask=offs_n < num_seqs, other=0)
         seq += tl.sum(((offs_n < num_seqs) & (ends <= t)).to(tl.int64), axis=0)
+    seq = tl.minimum(seq, num_seqs - 1)
     first = tl.load(cu_seqlens_ptr + seq).to(tl.int64)  # the sequence's first token in this step
-    chunk_start = tl.load(pos_ptr + first).to(tl.int64)  # its position: earlier positions are in the pool
-    pos = tl.load(pos_ptr + t).to(tl.int64)
+    first = tl.minimum(tl.maximum(first, 0), t)
+    chunk_start = tl.maximum(tl.load(pos_ptr + first).to(tl.int64), 0)  # earlier positions are in the pool
+    max_pos = table_width.to(tl.int64) * block_size - 1  # the last position the block table can address
+    pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t).to(tl.int64), 0), max_pos)
     table = block_tables_ptr + seq * table_width
 
     q_row = q_ptr + (t * H + offs_h[:, None]) * (DC + DR)
@@ -65,9 +70,10 @@ def _sparse_mla_kernel(
         idx = tl.load(idx_ptr + t * num_idx + offs_k, mask=offs_k < num_idx, other=-1)
         idx = tl.where(sparse, idx, offs_k)
         valid = (idx >= 0) & (idx <= pos)
-        own = valid & (idx >= chunk_start)
+        own = valid & (idx >= chunk_start) & (first + idx - chunk_start < num_tokens)
         past = valid & (idx < chunk_start)
         block = tl.load(table + idx // block_size, mask=past, other=0).to(tl.int64)
+        block = tl.minimum(tl.maximum(block, 0), num_blocks - 1)
         pool_rows = pool_ptr + (block * block_size + idx % block_size)[:, None] * (DC + DR)
         new_rows = new_ptr + (first + idx - chunk_start)[:, None] * (DC + DR)
         k_c = tl.load(pool_rows + offs_c[None, :], mask=past[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
@@ -121,13 +127,13 @@ def sparse_mla_attention_triton(
     out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=torch.float32, device=q.device)
     has_indices = topk_indices is not None and topk_indices.shape[1] > 0
     idx = topk_indices.to(torch.int64).contiguous() if has_indices else pos  # dense: idx is never read
-    if num_tokens == 0:
-        return out
+    if num_tokens == 0 or cu.numel() < 2 or pool.shape[0] == 0 or tables.shape[1] == 0:
+        return out.zero_()
     block_dc, block_dr = block_sizes(kv_lora_rank, dim - kv_lora_rank)
     grid = (num_tokens, triton.cdiv(num_heads, block_h))
     _sparse_mla_kernel[grid](
         q, pool, new, cu, tables, pos, idx,
-        cu.numel() - 1, pool.shape[1], tables.shape[1], idx.shape[1] if has_indices else 0,
+        cu.numel() - 1, num_tokens, pool.shape[0], pool.shape[1], tables.shape[1], idx.shape[1] if has_indices else 0,
         out,
         scale=float(scale), H=num_heads, DC=kv_lora_rank, DR=dim - kv_lora_rank,
         BLOCK_DC=block_dc, BLOCK_DR=block_dr, BLOCK_H=block_h, BLOCK_K=block_k, enable_fp_fusion=True,
@@ -150,7 +156,8 @@ def aot_compile(
 
     Returns Triton's CompiledKernel: ``asm["ptx"]``, ``metadata.name``, ``metadata.num_warps``,
     ``metadata.shared``. Parameters: q_lat, kv_pool, kv_new, cu_seqlens, block_tables, positions, topk_indices
-    pointers; int32 num_seqs (N), block_size (BS), table_width (B), num_idx (K, 0 = dense); o_lat pointer.
+    pointers; int32 num_seqs (N), num_tokens (T), num_blocks (NB), block_size (BS), table_width (B), num_idx (K,
+    0 = dense); o_lat pointer.
     Grid (T, cdiv(H, block_h)).
     """
     from triton.backends.compiler import GPUTarget
@@ -159,7 +166,8 @@ def aot_compile(
     pool_type = POOL_DTYPES[pool_dtype]
     signature = dict(
         q_ptr="*fp32", pool_ptr=pool_type, new_ptr="*fp32", cu_seqlens_ptr="*i64", block_tables_ptr="*i64",
-        pos_ptr="*i64", idx_ptr="*i64", num_seqs="i32", block_size="i32", table_width="i32", num_idx="i32",
+        pos_ptr="*i64", idx_ptr="*i64", num_seqs="i32", num_tokens="i32", num_blocks="i32", block_size="i32",
+        table_width="i32", num_idx="i32",
         o_ptr="*fp32",
     )  # fmt: skip
     constexprs = dict(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import jinja2
 
@@ -66,7 +67,7 @@ class DocJob:
             raise InputError("--task qa needs --question")
         if prompt_file is not None:
             try:
-                source = open(prompt_file, encoding="utf-8").read()
+                source = Path(prompt_file).read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as exc:
                 raise InputError(f"--prompt-file {prompt_file}: cannot read ({exc})") from None
         else:

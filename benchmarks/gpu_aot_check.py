@@ -1,0 +1,152 @@
+"""GPU check of the TensorRT AOT plugin kernels, launched the way TensorRT launches them (lent GPU only).
+
+TensorRT is not installable on the lent GPU image either, so this reproduces what TensorRT does with an
+`aot_impl`'s result using cuda-python (`cuda.bindings.driver`): load the PTX the plugin module returns
+(`cuModuleLoadData`), opt the kernel into more than 48 KiB of dynamic shared memory when it needs it
+(`cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)`), and `cuLaunchKernel` it with TensorRT's argument
+order: input pointers, the int32 extra arguments, output pointers, and nothing after them (no Triton scratch
+pointers). Each kernel's outputs are compared with the JIT launch (Triton's own launcher, the `impl` path)
+and with the fp32 PyTorch reference; launch errors are reported, not raised.
+
+Kernels (K3 shapes per tp-8 rank where it matters): GatedDeltaScan (bf16 q/k/v, H=12, K=V=128),
+ShortConv (bf16, C=3*12*128, W=4), SparseMLAAttention (fp32, H=12, Dc=512, Dr=64: ~110 KiB shared memory).
+`--json PATH` writes the outcome as one flat object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+from pathlib import Path
+
+import torch
+from cuda.bindings import driver
+
+from moe_export.plugins.gated_delta_scan import reference as gds_ref
+from moe_export.plugins.gated_delta_scan import triton_kernel as gds
+from moe_export.plugins.short_conv import reference as conv_ref
+from moe_export.plugins.short_conv import triton_kernel as conv
+from moe_export.plugins.sparse_mla_attention import reference as mla_ref
+from moe_export.plugins.sparse_mla_attention import triton_kernel as mla
+
+DEFAULT_SHARED_LIMIT = 48 * 1024
+
+
+def _check(result) -> object:
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"CUDA driver error {err}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+def launch_like_tensorrt(kernel, grid, inputs, extras, outputs) -> dict:
+    """cuModuleLoadData + cuLaunchKernel of a Triton CompiledKernel with TensorRT's parameters."""
+    module = _check(driver.cuModuleLoadData(kernel.asm["ptx"].encode() + b"\0"))
+    func = _check(driver.cuModuleGetFunction(module, kernel.metadata.name.encode()))
+    shared = int(kernel.metadata.shared)
+    if shared > DEFAULT_SHARED_LIMIT:
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        _check(driver.cuFuncSetAttribute(func, attr, shared))
+    values = [t.data_ptr() for t in inputs] + [int(e) for e in extras] + [t.data_ptr() for t in outputs]
+    kinds = [ctypes.c_void_p] * len(inputs) + [ctypes.c_int32] * len(extras) + [ctypes.c_void_p] * len(outputs)
+    stream = torch.cuda.current_stream().cuda_stream
+    block = kernel.metadata.num_warps * 32
+    _check(driver.cuLaunchKernel(func, *grid, block, 1, 1, shared, stream, (tuple(values), tuple(kinds)), 0))
+    torch.cuda.synchronize()
+    return {"shared_bytes": shared, "block": block, "grid": list(grid)}
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def _ragged(dev, lengths, num_slots):
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=dev)
+    slots = torch.randperm(num_slots, device=dev)[: len(lengths)]
+    return cu, slots
+
+
+def check_gated_delta_scan(fig: dict, capability: int) -> None:
+    dev, H, K, V, S = "cuda", 12, 128, 128, 8
+    cu, slots = _ragged(dev, [40, 1, 17, 6], S)
+    T = int(cu[-1])
+    q, k = (torch.randn(T, H, K, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(T, H, V, device=dev, dtype=torch.bfloat16)
+    g = -torch.rand(T, H, K, device=dev)
+    beta = torch.rand(T, H, device=dev)
+    pool0 = torch.randn(S, H, V, K, device=dev) * 0.1
+    kernel = gds.aot_compile("bf16", H, K, V, K**-0.5, True, True, capability)
+    o_aot, pool_aot = torch.empty_like(v), pool0.clone()
+    fig["gds_launch"] = launch_like_tensorrt(
+        kernel, (-(-V // gds.block_sizes(K, V)[1]), H, slots.numel()),
+        [q, k, v, g, beta, pool_aot, cu, slots], [T, S], [o_aot, pool_aot],
+    )  # fmt: skip
+    o_jit, pool_jit = gds.gated_delta_scan_pool(q, k, v, g, beta, pool0, cu, slots, K**-0.5, True)
+    o_ref, pool_ref = gds_ref.gated_delta_scan_node(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), pool0.cpu(),
+                                                    cu.cpu(), slots.cpu(), K**-0.5, True)  # fmt: skip
+    fig["gds_aot_vs_jit"] = max(_max_diff(o_aot, o_jit), _max_diff(pool_aot, pool_jit))
+    fig["gds_aot_vs_reference"] = max(_max_diff(o_aot.cpu(), o_ref), _max_diff(pool_aot.cpu(), pool_ref))
+
+
+def check_short_conv(fig: dict, capability: int) -> None:
+    dev, C, W, S = "cuda", 3 * 12 * 128, 4, 8
+    cu, slots = _ragged(dev, [40, 1, 17, 6], S)
+    T = int(cu[-1])
+    x = torch.randn(T, C, device=dev, dtype=torch.bfloat16)
+    weight = torch.randn(C, W, device=dev) * 0.5
+    pool0 = torch.randn(S, C, W - 1, device=dev)
+    kernel = conv.aot_compile("bf16", "fp32", C, W, capability)
+    y_aot, pool_aot = torch.empty_like(x), pool0.clone()
+    fig["conv_launch"] = launch_like_tensorrt(
+        kernel, (-(-C // conv.block_sizes(C, W)[1]), slots.numel(), 1), [x, weight, pool_aot, cu, slots], [T, S],
+        [y_aot, pool_aot],
+    )  # fmt: skip
+    y_jit, pool_jit = conv.short_conv_pool(x, weight, pool0, cu, slots)
+    y_ref, pool_ref = conv_ref.short_conv_node(x.cpu(), weight.cpu(), pool0.cpu(), cu.cpu(), slots.cpu())
+    fig["conv_aot_vs_jit"] = max(_max_diff(y_aot, y_jit), _max_diff(pool_aot, pool_jit))
+    fig["conv_aot_vs_reference"] = max(_max_diff(y_aot.cpu(), y_ref), _max_diff(pool_aot.cpu(), pool_ref))
+
+
+def check_sparse_mla(fig: dict, capability: int) -> None:
+    dev, H, DC, DR, S, L, K = "cuda", 12, 512, 64, 4, 4096, 256
+    cu, slots = _ragged(dev, [3, 1, 2], S)
+    T = int(cu[-1])
+    q = torch.randn(T, H, DC + DR, device=dev)
+    kv = torch.randn(S, L, DC + DR, device=dev)
+    pos = torch.randint(K, L, (T,), device=dev)
+    idx = torch.stack([torch.randperm(int(p) + 1, device=dev)[:K] for p in pos])
+    scale = 192**-0.5
+    kernel = mla.aot_compile(H, DC, DR, scale, capability, block_h=16)
+    out = torch.empty(T, H, DC, device=dev)
+    fig["mla_launch"] = launch_like_tensorrt(
+        kernel, (T, -(-H // 16), 1), [q, kv, cu, slots, pos, idx], [slots.numel(), S, L, K], [out]
+    )
+    jit = mla.sparse_mla_attention_triton(q, kv, cu, slots, pos, idx, scale=scale, kv_lora_rank=DC)
+    ref = mla_ref.sparse_mla_attention_reference(q.cpu(), kv.cpu(), cu.cpu(), slots.cpu(), pos.cpu(), idx.cpu(),
+                                                 scale=scale, kv_lora_rank=DC)  # fmt: skip
+    fig["mla_aot_vs_jit"] = _max_diff(out, jit)
+    fig["mla_aot_vs_reference"] = _max_diff(out.cpu(), ref)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    torch.cuda.init()
+    _check(driver.cuInit(0))
+    major, minor = torch.cuda.get_device_capability()
+    fig: dict = {"device": torch.cuda.get_device_name(), "capability": major * 10 + minor}
+    for check in (check_gated_delta_scan, check_short_conv, check_sparse_mla):
+        try:
+            check(fig, major * 10 + minor)
+        except Exception as exc:  # a failed launch is the finding: record it, run the other kernels
+            fig[f"{check.__name__}_error"] = repr(exc)
+        print(json.dumps(fig, sort_keys=True), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(fig, indent=2, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()

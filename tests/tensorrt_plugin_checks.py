@@ -1,0 +1,286 @@
+"""Our TensorRT plugin modules under TensorRT's real `tensorrt.plugin` (one version per process).
+
+Run by `test_tensorrt_plugins.py` in a subprocess per pinned TensorRT version (env MOE_EXPORT_TRT_VERSION),
+over the exported graphs of real tiny builds (env MOE_EXPORT_TRT_GRAPHS: model.onnx paths, os.pathsep-joined).
+The file name has no `test_` prefix so the main test run does not collect it. See `tensorrt_standin.py` for
+what is real and what is faked.
+
+Concrete shapes of the "tiny engine" (ENV): T tokens, N sequences, S state slots, NB cache blocks of BS
+positions, B blocks per block table. Dims ONNX shape inference leaves unnamed are, in our graphs, token dims
+(`Reshape(x, [-1, heads, dim])`) except `local_slots` = Range(0, N).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import tensorrt_standin as standin  # noqa: E402
+
+VERSION = os.environ.get("MOE_EXPORT_TRT_VERSION", "")
+GRAPHS = [Path(p) for p in os.environ.get("MOE_EXPORT_TRT_GRAPHS", "").split(os.pathsep) if p]
+ENV = {"T": 5, "N": 2, "N_plus_1": 3, "S": 3, "NB": 7, "BS": 4, "B": 3}
+EXPECTED = {  # op type -> (has JIT impl, has AOT impl, aliased input of each output)
+    "GatedDeltaScan": (True, True, [-1, 5]),
+    "ShortConv": (True, True, [-1, 2]),
+    "SparseMLAAttention": (True, True, [-1]),
+    "DSAIndexer": (True, False, [-1]),
+    "MoEMXFP4": (True, False, [-1]),
+}
+
+assert VERSION in standin.PINNED_WHEELS, f"MOE_EXPORT_TRT_VERSION={VERSION!r}: run via test_tensorrt_plugins.py"
+assert GRAPHS, "MOE_EXPORT_TRT_GRAPHS is empty: run via test_tensorrt_plugins.py"
+trt, trtp = standin.install(VERSION)
+
+from moe_export.export.backends import _value_types  # noqa: E402
+from moe_export.export.tensorrt_build import register_plugins  # noqa: E402
+from moe_export.plugins import DOMAIN  # noqa: E402
+from moe_export.plugins import tensorrt_common  # noqa: E402
+
+register_plugins()
+QDP = sys.modules["tensorrt.plugin._lib"].QDP_REGISTRY
+
+
+def plugin_nodes() -> list[tuple[str, onnx.NodeProto, dict]]:
+    """(graph label, node, value types) of every plugin node TensorRT sees (collectives are cut out)."""
+    out = []
+    for path in GRAPHS:
+        model = onnx.load(str(path), load_external_data=False)
+        types = _value_types(model)
+        for init in model.graph.initializer:  # weights feed plugins too (MoE experts, conv taps)
+            types[init.name] = onnx.helper.make_tensor_type_proto(init.data_type, list(init.dims))
+        for node in model.graph.node:
+            if node.domain == DOMAIN and node.op_type in EXPECTED:
+                out.append((path.parent.name, node, types))
+    return out
+
+
+NODES = plugin_nodes()
+
+
+def first_of_each() -> list:
+    seen, out = set(), []
+    for label, node, types in NODES:
+        dense = node.op_type == "SparseMLAAttention" and "dense" in node.input[6]
+        if (label, node.op_type, dense) not in seen:
+            seen.add((label, node.op_type, dense))
+            out.append(pytest.param(node, types, id=f"{label}-{node.op_type}{'-dense' if dense else ''}"))
+    return out
+
+
+def io_of(node, types):
+    """(input TensorRT types, input dims with names, output types, output shapes for ENV) from the graph."""
+
+    def dims(name):
+        shape = types[name].tensor_type.shape.dim
+        unnamed = "N" if name == "local_slots" else "T"  # Range(0, N) / Reshape(x, [-1, ...]) outputs
+        return [d.dim_value if d.HasField("dim_value") else (d.dim_param if d.dim_param in ENV else unnamed)
+                for d in shape]  # fmt: skip
+
+    in_types = [standin.ONNX_TO_TRT[types[i].tensor_type.elem_type] for i in node.input]
+    in_dims = [dims(i) for i in node.input]
+    out_types = [standin.ONNX_TO_TRT[types[o].tensor_type.elem_type] for o in node.output]
+    out_shapes = [[standin.symbolic(d).evaluate(ENV) for d in dims(o)] for o in node.output]
+    return in_types, in_dims, out_types, out_shapes
+
+
+def create(node, request=standin.QuickPluginCreationRequest.PREFER_JIT, phase=standin.TensorRTPhase.BUILD):
+    creator = standin.find_creator(node, namespace_from_domain=False)
+    fields, missing = standin.parser_fields(creator, node)
+    assert not missing, f"{node.name}: attributes the QDP registration declares but the node lacks: {missing}"
+    return creator, creator.create_plugin(node.op_type, DOMAIN, fields, phase,
+                                          standin.creation_request(node, request))  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------- registration
+def test_every_plugin_registered_with_its_implementations():
+    for op, (jit, aot, _) in EXPECTED.items():
+        definition = QDP[f"{DOMAIN}::{op}"]
+        assert (definition.impl_func is not None, definition.aot_impl_func is not None) == (jit, aot), op
+    assert {k for k in QDP if k.startswith(DOMAIN + "::")} == {f"{DOMAIN}::{op}" for op in EXPECTED}
+
+
+def test_graphs_hold_every_plugin_op():
+    assert {node.op_type for _, node, _ in NODES} == set(EXPECTED)
+
+
+# -------------------------------------------------------------- ONNX-level contract (every node)
+def test_every_node_found_and_carries_every_declared_field():
+    """Found through `plugin_namespace` (parsers before 10.13 ignore the domain) and carrying every field its
+    QDP registration declares, with no attribute of a plugin's own left undeclared."""
+    lookup_attrs = {"plugin_version", "plugin_namespace"}
+    for label, node, _ in NODES:
+        creator = standin.find_creator(node, namespace_from_domain=False)
+        assert creator is not None, f"{label}/{node.name}: no creator for {node.op_type} (plugin_namespace?)"
+        declared = {f.name for f in creator.field_names}
+        assert declared == set(QDP[f"{DOMAIN}::{node.op_type}"].input_attrs)
+        carried = {a.name for a in node.attribute}
+        assert declared <= carried, f"{label}/{node.name}: missing {declared - carried}"
+        assert carried - lookup_attrs <= declared, f"{label}/{node.name}: undeclared {carried - lookup_attrs - declared}"
+
+
+# ----------------------------------------------------------------------------- creation and build
+@pytest.mark.parametrize("node,types", first_of_each())
+def test_creation_types_shapes_formats_aliasing(node, types):
+    jit, aot, aliases = EXPECTED[node.op_type]
+    if jit and aot:  # both implementations: QDP refuses unless the network (or node) says which
+        with pytest.raises(ValueError, match="both AOT and JIT"):
+            create(node, standin.QuickPluginCreationRequest.UNKNOWN)
+    creator, plugin = create(node)
+    assert type(plugin).__name__ == "_TemplateJITPlugin"
+    for a in node.attribute:  # the values the impl will see, after the parser's encoding
+        if a.name in plugin.attrs:
+            got = plugin.attrs[a.name]
+            if a.type == onnx.AttributeProto.STRING:
+                assert tensorrt_common.text(got) == a.s.decode() and got.endswith("\0")
+            elif a.type == onnx.AttributeProto.INT:
+                assert tensorrt_common.scalar(got) == a.i and isinstance(tensorrt_common.scalar(got), int)
+            else:
+                assert tensorrt_common.scalar(got) == pytest.approx(a.f, rel=1e-7)
+    in_types, in_dims, out_types, out_shapes = io_of(node, types)
+    built = standin.build_phase(plugin, in_types, in_dims, ENV)
+    assert built["output_types"] == out_types
+    assert built["output_shapes"] == out_shapes  # the QDP shape function agrees with our ONNX schema
+    assert tuple(in_types + out_types) in built["combinations"]
+    assert built["aliases"] == aliases
+    # engine (de)serialization: the fields the JIT plugin stores recreate the same attributes at run time
+    stored = plugin.get_fields_to_serialize()
+    again = creator.create_plugin(node.op_type, DOMAIN, stored, standin.TensorRTPhase.RUNTIME,
+                                  standin.QuickPluginCreationRequest.STRICT_JIT)  # fmt: skip
+    assert sorted(again.attrs) == sorted(plugin.impl_attr_names)
+    for k in plugin.impl_attr_names:
+        assert np.array_equal(np.asarray(again.attrs[k]), np.asarray(plugin.attrs[k]))
+
+
+def _ptx_param_kinds(ptx: str, kernel: str) -> list[str]:
+    entry = ptx[ptx.index(f".entry {kernel}(") :].split(")", 1)[0]
+    return ["ptr" if ".ptr" in line else line.split()[1] for line in entry.splitlines() if ".param" in line]
+
+
+@pytest.mark.parametrize("node,types", [p for p in first_of_each() if EXPECTED[p.values[0].op_type][1]])
+def test_aot_launch_parameters_and_extra_args(node, types, monkeypatch):
+    """The AOT plugin's kernel (real Triton compile to PTX for sm_90; the build GPU's capability is the one
+    faked value), launch grid / block / shared memory and int32 extras, in TensorRT's argument order."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    _, plugin = create(node, standin.QuickPluginCreationRequest.PREFER_AOT)
+    assert type(plugin).__name__ == "_TemplateAOTPlugin"
+    in_types, in_dims, _, _ = io_of(node, types)
+    launch = standin.aot_launch(plugin, standin.build_phase(plugin, in_types, in_dims, ENV), ENV)
+    ptx = launch["ptx"].decode()
+    assert ".target sm_90" in ptx
+    kinds = _ptx_param_kinds(ptx, launch["kernel"])
+    n_in, n_out, n_extra = len(node.input), len(node.output), len(launch["extras"])
+    assert kinds[: n_in + n_extra + n_out] == ["ptr"] * n_in + [".u32"] * n_extra + ["ptr"] * n_out
+    assert all(dtype == standin.PluginArgDataType.INT32 for dtype, _ in launch["extras"])
+    extras = [v for _, v in launch["extras"]]
+    shape = {name: [standin.symbolic(d).evaluate(ENV) for d in dims] for name, dims in zip(node.input, in_dims)}
+    T, N = ENV["T"], ENV["N"]
+    if node.op_type == "GatedDeltaScan":
+        from moe_export.plugins.gated_delta_scan.triton_kernel import block_sizes
+
+        _, H, K = shape[node.input[0]]
+        V = shape[node.input[2]][2]
+        assert extras == [T, shape[node.input[5]][0]]  # tokens, state rows (the step's gathered states)
+        assert launch["grid"] == [-(-V // block_sizes(K, V)[1]), H, N]
+    elif node.op_type == "ShortConv":
+        from moe_export.plugins.short_conv.triton_kernel import block_sizes
+
+        C, W = shape[node.input[1]]
+        assert extras == [T, shape[node.input[2]][0]]  # tokens, window rows (the step's gathered windows)
+        assert launch["grid"] == [-(-C // block_sizes(C, W)[1]), N, 1]
+    else:
+        H = shape[node.input[0]][1]
+        assert extras == [N, T, ENV["NB"], ENV["BS"], ENV["B"], shape[node.input[6]][1]]
+        assert launch["grid"] == [T, -(-H // 16), 1]
+    assert launch["block"][0] % 32 == 0 and launch["block"][1:] == [1, 1]
+    assert launch["shared"] >= 0
+
+
+# ----------------------------------------------------------------------- buffers handed to impl
+def _tensor(dtype, shape, strides, ptr):
+    t = trtp.Tensor()
+    t.dtype, t.shape, t.strides, t.data_ptr = dtype, trtp.Shape(tuple(shape)), tuple(strides), ptr
+    t._stream = 7
+    return t
+
+
+def test_bf16_buffers_get_an_interface():
+    """QDP's own interface refuses BF16; ours views it as int16 (then torch views it back as bf16)."""
+    bf16 = _tensor(trt.bfloat16, (5, 2, 16), (32, 16, 1), 0x7000)
+    with pytest.raises(ValueError, match="not supported"):
+        bf16.__cuda_array_interface__  # noqa: B018
+    iface = tensorrt_common.cuda_array_interface(bf16)
+    assert iface["typestr"] == "<i2" and iface["shape"] == (5, 2, 16) and iface["strides"] == (64, 32, 2)
+    assert iface["data"] == (0x7000, False)
+    fp32 = _tensor(trt.float32, (3, 4), (4, 1), 0x9000)
+    ours, theirs = tensorrt_common.cuda_array_interface(fp32), fp32.__cuda_array_interface__
+    assert {k: ours[k] for k in ("shape", "typestr", "data", "strides")} == {
+        k: theirs[k] for k in ("shape", "typestr", "data", "strides")
+    }
+
+
+# -------------------------------------------- what this TensorRT version does with the naive forms
+def _register_scratch(source: str, name: str):
+    namespace = {}
+    code = textwrap.dedent(source).replace("NAME", f"scratch_{VERSION.replace('.', '_')}::{name}")
+    exec(compile(code, f"<scratch {name}>", "exec", dont_inherit=True), namespace)  # noqa: S102
+    return namespace
+
+
+def test_string_annotations_fail_registration():
+    """`from __future__ import annotations` (strings for annotations) breaks `register` on every version."""
+    with pytest.raises((TypeError, ValueError)):
+        _register_scratch(
+            """
+            from __future__ import annotations
+            import tensorrt.plugin as trtp
+
+            @trtp.register("NAME")
+            def _desc(x: trtp.TensorDesc, k: int) -> trtp.TensorDesc:
+                return x.like()
+            """,
+            "stringly",
+        )
+
+
+def test_builtin_numeric_fields_on_this_version():
+    """`int` / `float` plugin attributes from the parser's 1-element INT32 / FLOAT32 fields: TypeError under
+    NumPy >= 2 on 10.x-11.1 (hence our 1-element array attributes), fine on 11.2+; strings keep the NUL."""
+    _register_scratch(
+        """
+        import tensorrt.plugin as trtp
+
+        @trtp.register("NAME")
+        def _desc(x: trtp.TensorDesc, k: int, s: str) -> trtp.TensorDesc:
+            return x.like()
+
+        @trtp.impl("NAME")
+        def _run(x, k, s, outputs, stream):
+            pass
+        """,
+        "builtin",
+    )
+    ns = f"scratch_{VERSION.replace('.', '_')}"
+    creator = standin.get_plugin_registry().get_creator("builtin", "1", ns)
+    node = onnx.helper.make_node("builtin", ["x"], ["y"], k=3, s="silu")
+    fields, missing = standin.parser_fields(creator, node)
+    assert not missing
+
+    def make():
+        return creator.create_plugin("builtin", ns, fields, standin.TensorRTPhase.BUILD,
+                                     standin.QuickPluginCreationRequest.PREFER_JIT)  # fmt: skip
+
+    if tuple(int(x) for x in VERSION.split(".")) < (11, 2) and int(np.__version__.split(".")[0]) >= 2:
+        with pytest.raises(TypeError):
+            make()
+    else:
+        assert make().attrs == {"k": 3, "s": "silu\0"}
