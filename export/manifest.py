@@ -21,6 +21,7 @@ from typing import Any
 
 from moe_export.export.atomic import atomic_write_json, sha256_file
 from moe_export.export.errors import InputError
+from moe_export.export.stage_keys import library_versions
 
 MANIFEST = "manifest.json"
 CONFIG = "config.json"
@@ -38,13 +39,7 @@ def tool_version() -> str:
 
 def dependency_versions() -> dict[str, str]:
     """Versions of moe_export, the libraries that shape the artifacts, and Python."""
-    out = {"moe_export": tool_version(), "python": platform.python_version()}
-    for dist in DEPENDENCIES:
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            out[dist] = "not installed"
-    return out
+    return {"moe_export": tool_version(), "python": platform.python_version(), **library_versions(DEPENDENCIES)}
 
 
 def quantization_summary(reports: dict[int, dict]) -> dict[str, Any]:

@@ -55,6 +55,7 @@ def code_roots() -> dict[str, Path]:
 
 
 def library_versions(names: tuple[str, ...]) -> dict[str, str]:
+    """Installed version of each distribution in `names` ("not installed" when absent)."""
     out = {}
     for name in names:
         try:

@@ -340,20 +340,11 @@ class ModelConfig:
         cfg_path = p / "config.json" if p.is_dir() else p
         if not cfg_path.is_file():
             raise InputError(f"{cfg_path}: no config.json found")
-        try:
-            data = json.loads(cfg_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise InputError(f"{cfg_path}: not valid JSON ({exc})") from None
-        if not isinstance(data, dict):
-            raise InputError(f"{cfg_path}: expected a JSON object")
-        return cls.from_hf_dict(data, source=str(cfg_path), generation_config=read_generation_config(cfg_path.parent))
+        return cls.from_hf_dict(read_json_object(cfg_path), source=str(cfg_path), generation_config=read_generation_config(cfg_path.parent))
 
 
-def read_generation_config(folder: str | Path) -> dict[str, Any] | None:
-    """`generation_config.json` of a checkpoint or engine folder (None if absent); InputError if unreadable."""
-    path = Path(folder) / GENERATION_CONFIG
-    if not path.is_file():
-        return None
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`; InputError naming the file if it is not valid JSON or not an object."""
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -361,6 +352,14 @@ def read_generation_config(folder: str | Path) -> dict[str, Any] | None:
     if not isinstance(data, dict):
         raise InputError(f"{path}: expected a JSON object")
     return data
+
+
+def read_generation_config(folder: str | Path) -> dict[str, Any] | None:
+    """`generation_config.json` of a checkpoint or engine folder (None if absent); InputError if unreadable."""
+    path = Path(folder) / GENERATION_CONFIG
+    if not path.is_file():
+        return None
+    return read_json_object(path)
 
 
 def stop_token_ids(source: str, *values: Any) -> tuple[int, ...]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import re
 from abc import ABC, abstractmethod
 from functools import cached_property
@@ -25,6 +24,7 @@ from pathlib import Path
 
 from moe_export.export.atomic import atomic_write_bytes, atomic_write_json
 from moe_export.export.errors import InputError
+from moe_export.graphs.config import read_json_object
 
 TIKTOKEN_FILE = "tiktoken.model"
 TOKENIZER_JSON = "tokenizer.json"
@@ -270,11 +270,8 @@ def _read_config(directory: Path) -> dict:
     path = directory / TOKENIZER_CONFIG
     if not path.is_file():
         raise InputError(f"{directory}: {TIKTOKEN_FILE} needs {TOKENIZER_CONFIG} beside it (the special tokens)")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(config, dict) or not isinstance(config.get("added_tokens_decoder", {}), dict):
+    config = read_json_object(path)
+    if not isinstance(config.get("added_tokens_decoder", {}), dict):
         raise InputError(f"{path}: expected an object with an `added_tokens_decoder` object")
     return config
 
