@@ -16,6 +16,7 @@ and why, then aborts the MPI world, so no rank is left waiting in a collective.
 from __future__ import annotations
 
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -333,4 +334,5 @@ def stop_the_world(engine, exc: BaseException) -> None:
     rank = comm.world.Get_rank()
     print(f"moe-export: rank {rank} of {comm.world.Get_size()} failed, stopping all ranks: "
           f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    time.sleep(1.0)  # let the launcher forward that line before the abort tears its I/O down
     comm.world.Abort(1)
