@@ -221,13 +221,11 @@ def run_batch(engine_dir: str, input_path: str, output: str, *, concurrency: int
                 elapsed = max(time.perf_counter() - t0, 1e-9)
                 progress.update(task, advance=1, items_s=done["n"] / elapsed, tok_s=summary.completion_tokens / elapsed)
 
-            if not pending:
-                pass
-            elif ray_address is not None:
+            if pending and ray_address is not None:
                 from moe_export.runtime.batch.ray_runner import run_on_ray
 
                 run_on_ray(engine_dir, pending, doc_job, concurrency or 0, default_effort, ray_address, ray_actors, emit)
-            else:
+            elif pending:
                 asyncio.run(run_local(engine_dir, pending, doc_job, concurrency or 0, default_effort, emit))
     finally:
         log.close()
