@@ -140,13 +140,15 @@ def lower_for_onnxruntime(graph_path: Path, out_dir: Path) -> list[str]:
     graph_path, out_dir = Path(graph_path), Path(out_dir)
     model = onnx.load(str(graph_path), load_external_data=False)
     types = _value_types(model)
+    fp8_cache = any(v.name.startswith(("mla_cache.", "index_cache.")) and v.type.tensor_type.elem_type == TensorProto.UINT8
+                    for v in model.graph.input)  # uint8 pools hold fp8 rows
     plan: list[dict] = []
     written: list[str] = []
     for step in plan_segments(model):
         if isinstance(step, dict):
             plan.append(step)
             continue
-        funcs = [ort_function(op) for op in sorted({n.op_type for n in step.nodes if n.domain == DOMAIN})]
+        funcs = [ort_function(op, fp8_cache) for op in sorted({n.op_type for n in step.nodes if n.domain == DOMAIN})]
         name = f"ort_segment_{step.index:03d}.onnx"
         seg = segment_model(model, step, types, funcs)
         (out_dir / name).write_bytes(seg.SerializeToString(deterministic=True))

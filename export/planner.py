@@ -9,8 +9,8 @@ Byte accounting (per rank):
 State, per rank: recurrent state per sequence slot (KDA state H x K x V fp32 per layer + short-conv windows
 q, k, v: P x (W-1) per layer) and paged caches per token (MLA latent kv_lora_rank + qk_rope_head_dim = 576
 values per MLA layer; one KV head, so replicated across attention tp; the DSA indexer keys, index_head_dim
-values per indexer layer), stored in the recipe's kv_cache dtype (fp32 4 B, bf16 2 B, fp8 1 B + one fp32
-scale per row).
+values per indexer layer), stored in the recipe's kv_cache dtype (fp32 4 B, bf16 2 B, fp8 1 B + one E8M0
+scale byte per row, `moe_export.quantize.fp8_cache`).
 
 One arithmetic for pool sizes (`pool_sizes`), used by this planner, the engine loader (`engine_pool_sizes`)
 and the TensorRT optimization profile: memory left after weights and the workspace reserve, minus
@@ -30,11 +30,12 @@ from moe_export.export.errors import InputError
 from moe_export.graphs.config import ModelConfig, shipped_model_config
 from moe_export.graphs.sharding import Mapping, check_divisibility, rank_numel
 from moe_export.graphs.weights import WEIGHT_CLASSES, all_tensor_specs
+from moe_export.quantize import fp8_cache
 from moe_export.recipes.schema import Recipe
 
 MXFP4_BITS_PER_WEIGHT = 4.25
 CACHE_VALUE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}  # per cached value, by quantization.kv_cache
-FP8_ROW_SCALE_BYTES = 4  # fp8 pools keep one fp32 scale per cached row
+FP8_ROW_SCALE_BYTES = fp8_cache.SCALE_BYTES  # fp8 pools keep one E8M0 scale byte per cached row
 REPORTED_SEQUENCE_LENGTHS = (65536, 1048576)  # `plan` reports how many sequences of these lengths fit
 GIB = 2**30
 

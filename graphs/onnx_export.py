@@ -8,7 +8,8 @@ One graph per rank handles a packed batch of N sequences (prefill chunks and dec
            last_token_index [N] int64 (rows whose logits are wanted),
            per KDA layer i: kda_state.i [S, H_l, V, K] fp32 and conv_state.i [S, 3*P_l, W-1] fp32,
            per MLA layer i: the paged pools mla_cache.i [NB, BS, kv_lora+rope] and (DSA) index_cache.i
-           [NB, BS, Di], stored in the recipe's kv_cache dtype (`cache_storage_type`)
+           [NB, BS, Di], stored in the recipe's kv_cache dtype (`cache_storage_type`; fp8 pools are uint8
+           [NB, BS, D + 1]: E4M3 codes and a per-row E8M0 scale byte, see `moe_export.quantize.fp8_cache`)
   outputs  logits [N, vocab] fp32; per KDA layer the new state / conv windows of the step's N sequences
            (`kda_state.i.out` [N, H_l, V, K], `conv_state.i.out` [N, 3*P_l, W-1], row n = slot_ids[n]),
            which the runtime writes into its pools in place; per MLA layer the step's new cache rows
@@ -47,9 +48,12 @@ from moe_export.graphs.config import ModelConfig
 from moe_export.graphs.sharding import Mapping
 from moe_export.graphs.weights import layer_prefix, lm_head_name, model_prefix
 from moe_export.plugins import DOMAIN, OPSET_VERSION, PLUGIN_NAMESPACE, PLUGIN_VERSION
+from moe_export.quantize import fp8_cache
 
 ONNX_OPSET = 21
-CACHE_STORAGE = {"fp32": TensorProto.FLOAT, "bf16": TensorProto.BFLOAT16}  # recipe kv_cache -> pool element type
+# recipe kv_cache -> pool element type; fp8 pools are uint8 rows of E4M3 codes + one E8M0 scale byte
+# (`moe_export.quantize.fp8_cache`), so their last dim is D + 1
+CACHE_STORAGE = {"fp32": TensorProto.FLOAT, "bf16": TensorProto.BFLOAT16, "fp8": TensorProto.UINT8}
 MLA_LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm
 INDEXER_KNORM_EPS = 1e-6
 FP8_BLOCK = 128
@@ -239,6 +243,10 @@ class RankGraph:
         self.kda_heads = cfg.kda_num_heads // mapping.attn_tp
         self.mla_heads = cfg.num_heads // mapping.attn_tp
 
+    def row_bytes(self, dim: int) -> int:
+        """Last dim of a cache pool holding rows of `dim` values: dim, or dim + 1 (the scale byte) for fp8."""
+        return dim + fp8_cache.SCALE_BYTES if self.cache_type == TensorProto.UINT8 else dim
+
     def _input(self, name: str, elem: int, shape: list) -> str:
         self.inputs.append(helper.make_tensor_value_info(name, elem, shape))
         return name
@@ -391,11 +399,44 @@ class RankGraph:
                         topk=int(self.topk))
 
     def round_to_storage(self, rows: str, name: str) -> str:
-        """fp32 cache rows rounded to the pool's storage dtype (kept fp32: the runtime stores them exactly)."""
+        """fp32 cache rows [T, D] rounded to the pool's storage dtype (kept fp32: the runtime stores them exactly)."""
         if self.cache_type == TensorProto.FLOAT:
             return rows
+        if self.cache_type == TensorProto.UINT8:
+            return self.round_to_fp8_rows(rows, name)
         stored = self.g.op("Cast", [rows], f"{name}.stored", to=self.cache_type)
         return self.g.op("Cast", [stored], name, to=TensorProto.FLOAT)
+
+    def round_to_fp8_rows(self, rows: str, name: str) -> str:
+        """`fp8_cache.round_rows` in ONNX ops: rows [T, D] fp32 -> E4M3(rows / 2^e) * 2^e with the row exponent
+        e [T, 1] = the smallest integer in [-127, 127] with max|row| <= 448 * 2^e (Log's rounding corrected by one
+        exact step either way)."""
+        g = self.g
+
+        def f32(v: float) -> str:
+            return g.const(v, np.float32, "fp8_rows")
+
+        def pow2(e: str, tag: str) -> str:
+            return g.op("Pow", [f32(2.0), e], f"{name}.{tag}")
+
+        amax = g.op("ReduceMax", [g.op("Abs", [rows], f"{name}.abs"), g.const([-1])], f"{name}.amax", keepdims=1)
+        limit = f32(fp8_cache.E4M3_MAX)
+        e = g.op("Ceil", [g.op("Div", [g.op("Log", [g.op("Div", [amax, limit], f"{name}.over_max")], f"{name}.ln"),
+                                      f32(float(np.log(2.0)))], f"{name}.log2")], f"{name}.e_guess")
+        e = g.op("Clip", [e, f32(-127.0), f32(127.0)], f"{name}.e_clipped")
+        lower = g.op("Sub", [e, f32(1.0)], f"{name}.e_lower")
+        step_down = g.op("And", [g.op("Greater", [e, f32(-127.0)], f"{name}.above_min"),
+                                 g.op("LessOrEqual", [amax, g.op("Mul", [limit, pow2(lower, "lower_scale")], f"{name}.lower_max")],
+                                      f"{name}.fits_lower")], f"{name}.step_down")
+        e = g.op("Where", [step_down, lower, e], f"{name}.e_down")
+        higher = g.op("Add", [e, f32(1.0)], f"{name}.e_higher")
+        step_up = g.op("And", [g.op("Less", [e, f32(127.0)], f"{name}.below_max"),
+                               g.op("Greater", [amax, g.op("Mul", [limit, pow2(e, "scale_guess")], f"{name}.max_guess")],
+                                    f"{name}.overflows")], f"{name}.step_up")
+        e = g.op("Where", [step_up, higher, e], f"{name}.e")
+        scaled = g.op("Mul", [rows, pow2(g.op("Neg", [e], f"{name}.neg_e"), "inv_scale")], f"{name}.scaled")
+        codes = g.op("Cast", [scaled], f"{name}.codes", to=TensorProto.FLOAT8E4M3FN)
+        return g.op("Mul", [g.op("Cast", [codes], f"{name}.values", to=TensorProto.FLOAT), pow2(e, "scale")], name)
 
     # ---- FFNs ----
     def mlp(self, x: str, prefix: str, name: str, group_size: int) -> str:
@@ -488,9 +529,10 @@ class RankGraph:
                 io["state"] = self._input(f"kda_state.{i}", f32, ["S", hl, dh, dh])
                 io["conv"] = self._input(f"conv_state.{i}", f32, ["S", 3 * hl * dh, cfg.conv_kernel_size - 1])
             else:
-                io["mla"] = self._input(f"mla_cache.{i}", self.cache_type, ["NB", "BS", cfg.latent_cache_dim])
+                io["mla"] = self._input(f"mla_cache.{i}", self.cache_type, ["NB", "BS", self.row_bytes(cfg.latent_cache_dim)])
                 if self.use_indexer and cfg.has_indexer(i):
-                    io["index"] = self._input(f"index_cache.{i}", self.cache_type, ["NB", "BS", cfg.index_head_dim])
+                    io["index"] = self._input(f"index_cache.{i}", self.cache_type,
+                                              ["NB", "BS", self.row_bytes(cfg.index_head_dim)])
             attend = self.kda if cfg.is_kda(i) else self.mla
             if cfg.attn_res_block_size is None:
                 a = attend(i, g.rms_norm(h, lp + "input_layernorm.weight", eps, f"layers.{i}.input_norm"), io)
@@ -526,8 +568,8 @@ class RankGraph:
             dims = [d.dim_param or d.dim_value for d in src.type.tensor_type.shape.dim]
             if out_name.startswith(("kda_state.", "conv_state.")):
                 dims[0] = "N"  # the step's sequences only
-            else:
-                dims = ["T", dims[-1]]  # the step's new cache rows
+            else:  # the step's new cache rows, fp32 values
+                dims = ["T", self.cfg.latent_cache_dim if out_name.startswith("mla_cache.") else self.cfg.index_head_dim]
             self._output(value, out_name, f32, dims)
         graph = helper.make_graph(g.nodes, f"rank{self.m.rank}", self.inputs, self.outputs, g.initializers)
         model = helper.make_model(

@@ -27,6 +27,12 @@ def register_all_schemas() -> None:
         _module(op_type, "onnx_schema").register()
 
 
-def ort_function(op_type: str) -> onnx.FunctionProto:
-    """The ONNX Runtime body (a model-local function in standard ops) for `op_type`."""
+CACHE_OPS = ("SparseMLAAttention", "DSAIndexer")  # ops reading a paged cache pool
+
+
+def ort_function(op_type: str, fp8_cache: bool = False) -> onnx.FunctionProto:
+    """The ONNX Runtime body (a model-local function in standard ops) for `op_type`; `fp8_cache`: the cache ops'
+    body for uint8 fp8 pools (`moe_export.quantize.fp8_cache`)."""
+    if op_type in CACHE_OPS:
+        return _module(op_type, "ort").function_proto(fp8_pool=fp8_cache)
     return _module(op_type, "ort").function_proto()

@@ -9,7 +9,8 @@ State lives in pools owned by the runner and is updated in place at O(tokens) pe
   - recurrent state (KDA state fp32, conv windows): `num_slots` slots, a sequence occupies one; the
     graph returns the new state of the step's slots only, written back at `slot_ids`;
   - caches (MLA latent, DSA indexer keys): one paged pool per layer, [num_blocks, block_size, D] in the
-    recipe's kv_cache dtype (fp32 / bf16); a sequence owns the blocks of its block table; the graph reads
+    recipe's kv_cache dtype (fp32 / bf16, or fp8: uint8 rows of E4M3 codes + an E8M0 scale byte, see
+    `moe_export.quantize.fp8_cache`); a sequence owns the blocks of its block table; the graph reads
     earlier rows through the block tables and returns the step's new rows, written back at each token's
     physical row `block_tables[n, pos // block_size] * block_size + pos % block_size`.
 """
@@ -24,16 +25,19 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import onnx
+import torch
 from onnx import TensorProto
 
 from moe_export.export.errors import InputError
 from moe_export.export.mpi import mpi_world
 from moe_export.export.planner import engine_pool_sizes
+from moe_export.quantize import fp8_cache
 
 STATE_PREFIXES = ("kda_state.", "conv_state.", "mla_cache.", "index_cache.")
 RESET_ON_NEW_SEQUENCE = ("kda_state.", "conv_state.")  # recurrent state, by slot; the other pools are paged caches
 DEFAULT_BLOCK_SIZE = 64  # tokens per cache block when the engine's config.json does not say
-POOL_DTYPES = {TensorProto.FLOAT: np.float32, TensorProto.BFLOAT16: ml_dtypes.bfloat16}  # ONNX -> numpy
+POOL_DTYPES = {TensorProto.FLOAT: np.float32, TensorProto.BFLOAT16: ml_dtypes.bfloat16,
+               TensorProto.UINT8: np.uint8}  # ONNX -> numpy (uint8: fp8 rows with their scale byte)
 
 
 def rank_folders(engine_dir: Path) -> list[Path]:
@@ -182,7 +186,7 @@ class RankRunner:
                 pool = pools[vi.name] = np.zeros(dims, dtype=POOL_DTYPES[elem])
                 # numpy has no bf16 that ORT reads: feed the same memory as an OrtValue (no copy, so the
                 # in-place writes below are what the next step sees)
-                pool_feeds[vi.name] = pool if elem == TensorProto.FLOAT else \
+                pool_feeds[vi.name] = pool if elem != TensorProto.BFLOAT16 else \
                     ort.OrtValue.ortvalue_from_numpy_with_onnx_type(pool.view(np.uint16), elem)
         mapping = json.loads(meta["mapping"])
         return cls(int(mapping["rank"]), mapping, plan["steps"], sessions, pools, pool_feeds)
@@ -199,11 +203,14 @@ class RankRunner:
 
     def write_back(self, env: dict[str, np.ndarray], batch: StepBatch, cache_rows: np.ndarray) -> None:
         """Store the step's new state in place: the touched slots' recurrent state at `slot_ids`, the new
-        cache rows [T, D] (fp32, already rounded to the pool dtype) at their physical rows `cache_rows` [T]."""
+        cache rows [T, D] (fp32, already rounded to the pool dtype; fp8 rows are encoded with their scale byte)
+        at their physical rows `cache_rows` [T]."""
         for name, pool in self.pools.items():
             new = env[f"{name}.out"]
             if name.startswith(RESET_ON_NEW_SEQUENCE):
                 pool[batch.slot_ids] = new
+            elif pool.dtype == np.uint8:
+                pool.reshape(-1, pool.shape[-1])[cache_rows] = fp8_cache.encode_rows(torch.from_numpy(new)).numpy()
             else:
                 pool.reshape(-1, pool.shape[-1])[cache_rows] = new.astype(pool.dtype)
 

@@ -27,6 +27,7 @@ import numpy as np
 
 from moe_export.export.errors import InputError
 from moe_export.export.planner import engine_pool_sizes
+from moe_export.quantize import fp8_cache
 from moe_export.runtime.engine import DEFAULT_BLOCK_SIZE, RESET_ON_NEW_SEQUENCE, STATE_PREFIXES, StepBatch, mpi_world
 
 
@@ -153,6 +154,8 @@ class TensorRTEngine:
                 new = env[f"{name}.out"]
                 if name.startswith(RESET_ON_NEW_SEQUENCE):
                     pool[slots] = new.to(pool.dtype)
+                elif pool.dtype == self._torch.uint8:  # fp8 rows + scale byte
+                    pool.view(-1, pool.shape[-1])[rows] = fp8_cache.encode_rows(new)
                 else:
                     pool.view(-1, pool.shape[-1])[rows] = new.to(pool.dtype)
         self.stream.synchronize()
@@ -169,7 +172,7 @@ class TensorRTEngine:
 
         torch = self._torch
         return {TensorProto.FLOAT: torch.float32, TensorProto.BFLOAT16: torch.bfloat16,
-                TensorProto.FLOAT16: torch.float16}[elem]  # fmt: skip
+                TensorProto.FLOAT16: torch.float16, TensorProto.UINT8: torch.uint8}[elem]  # fmt: skip
 
     def _run_segment(self, step: dict, env: dict) -> None:
         engine, context = self._engines[step["segment"]], self._contexts[step["segment"]]

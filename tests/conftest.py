@@ -220,7 +220,8 @@ def page_cache(
     """A slot-addressed cache [S, L, D] (sequence n in slot slot_ids[n]) as the paged ops take it.
 
     Returns (pool [NB, block_size, D] in `dtype`, new rows [T, D] fp32 rounded to `dtype`, block_tables
-    [N, B]): each sequence gets distinct
+    [N, B]; `dtype` torch.uint8 means fp8 rows, a pool [NB, block_size, D + 1] of `fp8_cache.encode_rows`): each
+    sequence gets distinct
     blocks in shuffled order (plus spare blocks and a -1 padding column), its positions before the step's
     chunk are written to the pool, the step's own rows go to `new`. Every other pool row, including the
     pool rows at the step's own positions, is NaN, so an implementation reading the wrong place fails."""
@@ -241,6 +242,10 @@ def page_cache(
             pool[tables[n, p // block_size], p % block_size] = cache[slot_ids[n], p]
     slot_of_token = slot_ids[torch.searchsorted(cu_seqlens[1:].contiguous(), torch.arange(positions.shape[0]), right=True)]
     new = cache[slot_of_token, positions]
+    if dtype == torch.uint8:
+        from moe_export.quantize import fp8_cache
+
+        return fp8_cache.encode_rows(pool), fp8_cache.round_rows(new), tables
     return pool.to(dtype), new.to(dtype).float(), tables
 
 

@@ -175,14 +175,14 @@ def test_dsa_shared_indexer_layers():
 def test_one_pool_arithmetic_and_k3_sequences_that_fit():
     """pool_sizes: memory after weights and reserve pays max_batch slots, the rest / bytes per block = blocks;
     the plan reports cache tokens per rank and how many 64k / 1M sequences fit (K3 h100x64: bf16 cache,
-    576 latent values x 24 MLA layers x 2 B per token; h200x32: fp8 + a 4-byte scale per row)."""
+    576 latent values x 24 MLA layers x 2 B per token; h200x32: fp8, 1 B per value + a 1-byte scale per row)."""
     from moe_export.export.planner import pool_sizes
 
     pools = pool_sizes(10_000, block_size=4, num_slots=3, bytes_per_slot=1000, bytes_per_token=100)
     assert (pools.num_blocks, pools.cache_tokens) == (17, 68)
     assert pools.sequences_that_fit(16) == 3 and pools.sequences_that_fit(20) == 3 and pools.sequences_that_fit(30) == 2
     assert pool_sizes(2_000, block_size=4, num_slots=3, bytes_per_slot=1000, bytes_per_token=100).num_blocks == 0
-    for recipe, per_token in (("h100x64.yaml", 24 * 576 * 2), ("h200x32.yaml", 24 * (576 + 4))):
+    for recipe, per_token in (("h100x64.yaml", 24 * 576 * 2), ("h200x32.yaml", 24 * (576 + 1))):
         rec, _ = load_recipe(recipe)
         plan = make_plan(rec)
         out = plan.to_dict()

@@ -60,6 +60,7 @@ CASES = {
     "exact_ties": dict(slots=(1, 2), starts=(12, 0), lengths=(9, 7), S=3, integer=True),
     "block_size_1": dict(block_size=1),
     "bf16_pool": dict(dtype=torch.bfloat16),
+    "fp8_pool": dict(dtype=torch.uint8),  # uint8 rows: E4M3 codes + an E8M0 scale byte (quantize.fp8_cache)
 }
 
 
@@ -195,11 +196,12 @@ def onnx_model(case, topk, with_function=True):
     """Model with one DSAIndexer node (+ its function)."""
     onnx_schema.register()
     Hi, Di = case["q_idx"].shape[1:]
-    cache_type = TensorProto.BFLOAT16 if case["k_pool"].dtype == torch.bfloat16 else TensorProto.FLOAT
+    cache_type = {torch.float32: TensorProto.FLOAT, torch.bfloat16: TensorProto.BFLOAT16,
+                  torch.uint8: TensorProto.UINT8}[case["k_pool"].dtype]
     inputs = [
         helper.make_tensor_value_info("q_idx", TensorProto.FLOAT, ["T", Hi, Di]),
         helper.make_tensor_value_info("weights", TensorProto.FLOAT, ["T", Hi]),
-        helper.make_tensor_value_info("k_pool", cache_type, ["NB", "BS", Di]),
+        helper.make_tensor_value_info("k_pool", cache_type, ["NB", "BS", case["k_pool"].shape[-1]]),
         helper.make_tensor_value_info("k_new", TensorProto.FLOAT, ["T", Di]),
         helper.make_tensor_value_info("cu_seqlens", TensorProto.INT64, ["N1"]),
         helper.make_tensor_value_info("block_tables", TensorProto.INT64, ["N", "B"]),
@@ -209,7 +211,8 @@ def onnx_model(case, topk, with_function=True):
     out = helper.make_tensor_value_info("indices", TensorProto.INT64, ["T", topk])
     graph = helper.make_graph([node], "dsa", inputs, [out])
     opsets = [helper.make_opsetid("", ort.ONNX_OPSET), helper.make_opsetid(DOMAIN, OPSET_VERSION)]
-    return helper.make_model(graph, opset_imports=opsets, functions=[ort.function_proto()] if with_function else [])
+    functions = [ort.function_proto(fp8_pool=cache_type == TensorProto.UINT8)] if with_function else []
+    return helper.make_model(graph, opset_imports=opsets, functions=functions)
 
 
 @pytest.mark.parametrize("with_function", [False, True])

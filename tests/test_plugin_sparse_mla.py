@@ -17,6 +17,8 @@ from onnx import TensorProto, helper
 
 from moe_export.plugins import DOMAIN, OPSET_VERSION
 from moe_export.plugins.sparse_mla_attention import cpu, onnx_schema, ort, reference
+from moe_export.plugins.sparse_mla_attention import triton_kernel as smla_triton  # TRITON_INTERPRET=1 in triton_inner runs
+from moe_export.quantize import fp8_cache
 from conftest import load_fla_naive, page_cache, run_triton_inner_tests
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,7 +80,7 @@ def run_all(fn, case, mode):
     c = dict(case)
     idx = c.pop("topk_indices")
     idx = {"sparse": idx, "dense": None, "k0": idx[:, :0]}[mode]
-    return fn(**c, topk_indices=idx, scale=0.3, kv_lora_rank=case["kv_pool"].shape[-1] - 16)
+    return fn(**c, topk_indices=idx, scale=0.3, kv_lora_rank=case["kv_new"].shape[-1] - 16)
 
 
 # --------------------------------------------------------------------------------------- oracles
@@ -228,7 +230,7 @@ def test_cpu_chunking_and_all_invalid_rows(monkeypatch):
 # ------------------------------------------------------------------------------ ONNX + ORT path
 
 
-ONNX_CACHE_TYPES = {torch.float32: TensorProto.FLOAT, torch.bfloat16: TensorProto.BFLOAT16}
+ONNX_CACHE_TYPES = {torch.float32: TensorProto.FLOAT, torch.bfloat16: TensorProto.BFLOAT16, torch.uint8: TensorProto.UINT8}
 
 
 def onnx_model(case, mode, with_function=True):
@@ -239,7 +241,7 @@ def onnx_model(case, mode, with_function=True):
     names = ["q_lat", "kv_pool", "kv_new", "cu_seqlens", "block_tables", "positions"]
     inputs = [
         helper.make_tensor_value_info("q_lat", TensorProto.FLOAT, ["T", H, D]),
-        helper.make_tensor_value_info("kv_pool", cache_type, ["NB", "BS", D]),
+        helper.make_tensor_value_info("kv_pool", cache_type, ["NB", "BS", case["kv_pool"].shape[-1]]),
         helper.make_tensor_value_info("kv_new", TensorProto.FLOAT, ["T", D]),
         helper.make_tensor_value_info("cu_seqlens", TensorProto.INT64, ["N1"]),
         helper.make_tensor_value_info("block_tables", TensorProto.INT64, ["N", "B"]),
@@ -251,7 +253,8 @@ def onnx_model(case, mode, with_function=True):
     node = onnx_schema.make_node(*names, topk, "o_lat", scale=0.3, kv_lora_rank=D - 16)
     out = helper.make_tensor_value_info("o_lat", TensorProto.FLOAT, ["T", H, D - 16])
     graph = helper.make_graph([node], "smla", inputs, [out])
-    functions = [ort.function_proto(dense=mode == "dense")] if with_function else []
+    fp8_pool = cache_type == TensorProto.UINT8
+    functions = [ort.function_proto(dense=mode == "dense", fp8_pool=fp8_pool)] if with_function else []
     opsets = [helper.make_opsetid("", ort.ONNX_OPSET), helper.make_opsetid(DOMAIN, OPSET_VERSION)]
     return helper.make_model(graph, opset_imports=opsets, functions=functions)
 
@@ -309,6 +312,20 @@ def test_bf16_pool_is_cast_after_the_gather(mode):
     close(run_ort(case, mode), want)
 
 
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_fp8_pool_is_decoded_after_the_gather(mode):
+    """An fp8 pool (uint8 rows of E4M3 codes + an E8M0 scale byte; new rows fp32, rounded the same way): CPU and
+    ORT equal the reference on the decoded values; the pool's NaN rows (never read) stay unread."""
+    case = make_case(seed=12, dtype=torch.uint8)
+    assert case["kv_pool"].dtype == torch.uint8 and case["kv_pool"].shape[-1] == case["kv_new"].shape[-1] + 1
+    want = run_all(reference.sparse_mla_attention_reference, case, mode)
+    assert torch.isfinite(want).all()
+    close(run_all(cpu.sparse_mla_attention_cpu, case, mode), want)
+    close(run_ort(case, mode), want)
+    exact = dict(case, kv_pool=fp8_cache.decode_rows(case["kv_pool"]))  # the same values in an fp32 pool
+    close(want, run_all(reference.sparse_mla_attention_reference, exact, mode))
+
+
 # ------------------------------------------------------------------- triton AOT (TensorRT plugin)
 
 
@@ -327,7 +344,9 @@ def test_aot_compile_produces_ptx():
     kinds = [".u64 .ptr" if ".ptr" in line else line.split()[1] for line in entry.splitlines() if ".param" in line]
     assert kinds[:14] == [".u64 .ptr"] * 7 + [".u32"] * 6 + [".u64 .ptr"]
     assert kernel.metadata.num_warps * 32 > 0
-    assert ".entry _sparse_mla_kernel(" in triton_kernel.aot_compile(16, 512, 64, 192**-0.5, 90, pool_dtype=torch.bfloat16).asm["ptx"]
+    for pool_dtype in (torch.bfloat16, torch.uint8):
+        assert ".entry _sparse_mla_kernel(" in triton_kernel.aot_compile(16, 512, 64, 192**-0.5, 90,
+                                                                          pool_dtype=pool_dtype).asm["ptx"]
     assert "tensorrt" not in sys.modules
 
 
@@ -374,6 +393,41 @@ def test_inner_triton_bf16_pool(mode):
     case = make_case(seed=11, dtype=torch.bfloat16)
     close(run_all(triton_kernel.sparse_mla_attention_triton, case, mode),
           run_all(reference.sparse_mla_attention_reference, case, mode))
+
+
+@inner_triton
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_inner_triton_fp8_pool(mode):
+    """fp8 rows decoded in the kernel by bit arithmetic equal the reference's decode (torch's float8_e4m3fn)."""
+    from moe_export.plugins.sparse_mla_attention import triton_kernel
+
+    case = make_case(seed=13, dtype=torch.uint8)
+    close(run_all(triton_kernel.sparse_mla_attention_triton, case, mode),
+          run_all(reference.sparse_mla_attention_reference, case, mode))
+
+
+@inner_triton
+def test_inner_triton_fp8_decode_every_code_and_scale():
+    """The kernels' bit-arithmetic decode of every E4M3 code (NaN codes included) under every E8M0 scale byte equals
+    the lookup tables built from torch's float8_e4m3fn (`fp8_cache.code_table` / `scale_table`)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode(codes_ptr, scales_ptr, out_ptr):
+        rows = tl.arange(0, 256)
+        cols = tl.arange(0, 256)
+        codes = tl.load(codes_ptr + rows[:, None] * 256 + cols[None, :])
+        decoded = smla_triton.fp8_rows_to_f32(codes, tl.load(scales_ptr + rows))
+        tl.store(out_ptr + rows[:, None] * 256 + cols[None, :], decoded)
+
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = every[None, :].expand(256, 256).contiguous()  # row r: all codes, scale byte r
+    out = torch.empty(256, 256)
+    decode[(1,)](codes, every, out)
+    want = torch.from_numpy(fp8_cache.scale_table())[:, None] * torch.from_numpy(fp8_cache.code_table())[None, :]
+    assert torch.equal(out.isnan(), want.isnan())
+    assert torch.equal(out.nan_to_num(), want.nan_to_num())
 
 
 @inner_triton

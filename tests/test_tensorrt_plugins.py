@@ -1,8 +1,8 @@
 """TensorRT plugin modules under TensorRT's real `tensorrt.plugin` code, for each pinned TensorRT version.
 
 Builds three tiny rank graphs the way `moe-export build` does (tiny-k3: dense MLA; tiny-k3-dsa: DSA indexer +
-sparse MLA; both with KDA and MXFP4 experts, as the CPU backend exports them; and tiny-k3-dsa as a TensorRT
-build exports it, computing in bf16), then runs `tensorrt_plugin_checks.py` in a fresh process per
+sparse MLA; both with KDA and MXFP4 experts and bf16 cache pools, as the CPU backend exports them; and
+tiny-k3-dsa as a TensorRT build exports it, computing in bf16, with fp8 (uint8) cache pools), then runs `tensorrt_plugin_checks.py` in a fresh process per
 version (the QDP registry is process-global) over TensorRT 10.9's and 11.4's pure-Python plugin package,
 extracted from the bindings wheels the README's test command downloads into `.whl/`. A missing wheel fails
 here (never a skip). What is real and what is a stand-in: `tensorrt_standin.py`.
@@ -32,7 +32,8 @@ TESTS = Path(__file__).resolve().parent
 @pytest.fixture(scope="module")
 def tiny_graphs(tmp_path_factory) -> list[Path]:
     cpu, _ = load_recipe("tiny-cpu.yaml")
-    gpu = cpu.model_copy(update={"backend": "tensorrt"})
+    fp8_cache = cpu.quantization.model_copy(update={"kv_cache": "fp8"})
+    gpu = cpu.model_copy(update={"backend": "tensorrt", "quantization": fp8_cache})
     mapping = Mapping(4, 1, 2, 2)
     paths = []
     for preset, recipe in (("tiny-k3", cpu), ("tiny-k3-dsa", cpu), ("tiny-k3-dsa", gpu)):

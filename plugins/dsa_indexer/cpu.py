@@ -1,7 +1,7 @@
 """Fast CPU DSAIndexer (semantics in `reference.py`).
 
 Per sequence, its keys 0..(last position) are gathered once through the block table (the step's own keys from
-`k_new`; fp32 after the gather), then the chunk's queries score them with one matmul ([c*Hi, Di] x [Di, Lq]), relu,
+`k_new`; fp32 after the gather, fp8 pools decoded), then the chunk's queries score them with one matmul ([c*Hi, Di] x [Di, Lq]), relu,
 and a batched head-weighted sum ([c, 1, Hi] x [c, Hi, Lq]); non-causal positions get -inf; `select_topk` then
 picks the best `topk` with a stable descending sort (ties -> lower position), so the result is deterministic
 and identical to ONNX TopK. Chunks keep the [c, Hi, Lq] temporary near `_CHUNK_ELEMS` floats.

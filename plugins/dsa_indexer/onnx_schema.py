@@ -5,7 +5,8 @@ Node contract (semantics in `reference.py`):
     indices = DSAIndexer(q_idx, weights, k_pool, k_new, cu_seqlens, block_tables, positions)
     inputs   q_idx        [T, Hi, Di]   float   indexer queries (after wq_b and rope)
              weights      [T, Hi]       float   head weights, already scaled by Hi^-0.5 * Di^-0.5
-             k_pool       [NB, BS, Di]  C       paged indexer key pool (earlier steps), C = float, bf16, fp16
+             k_pool       [NB, BS, Di]  C       paged indexer key pool (earlier steps), C = float, bf16, fp16, or
+                                            uint8 [NB, BS, Di+1]: fp8 E4M3 rows + an E8M0 scale byte
              k_new        [T, Di]       float   this step's keys (after wk, k_norm, rope), rounded to C
              cu_seqlens   [N+1]         int64   cumulative query tokens per sequence
              block_tables [N, B]        int64   each sequence's pool blocks in order (-1 = unused)

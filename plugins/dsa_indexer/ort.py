@@ -2,7 +2,7 @@
 ONNX (opset 21) that ORT inlines; the TensorRT graph keeps the bare node.
 
 Body: token -> sequence, gather each token's keys at positions 0..B*BS-1 (B*BS = what the step's block tables
-cover; the step's own keys from `k_new`, earlier ones from the pool, fp32 after the gather) [T, L, Di], scores = weights @ relu(q_idx @ keys^T)
+cover; the step's own keys from `k_new`, earlier ones from the pool, fp32 after the gather or the fp8 decode) [T, L, Di], scores = weights @ relu(q_idx @ keys^T)
 ([T, 1, Hi] x [T, Hi, L]), positions beyond the token -> -inf, TopK(k = min(topk, L), largest, sorted; ONNX
 breaks ties towards the lower index, as the op does), -inf picks -> -1, Pad with -1 to `topk` columns.
 Memory T*L*(Di + Hi) with L the used context, never the pool: fine for small models.
@@ -16,8 +16,8 @@ from ..sparse_mla_attention.ort import ONNX_OPSET, FunctionBuilder
 from .onnx_schema import OP_TYPE
 
 
-def function_proto() -> onnx.FunctionProto:
-    """FunctionProto implementing DSAIndexer."""
+def function_proto(fp8_pool: bool = False) -> onnx.FunctionProto:
+    """FunctionProto implementing DSAIndexer (`fp8_pool`: for a uint8 fp8 key pool [NB, BS, Di + 1])."""
     b = FunctionBuilder("dsa")
     num_tokens = b.dim("q_idx", 0)
     max_len = b.op("Mul", b.dim("block_tables", 1), b.dim("k_pool", 1))
@@ -25,7 +25,7 @@ def function_proto() -> onnx.FunctionProto:
     span = b.op("Unsqueeze", b.op("Range", b.int_scalar(0), max_len, b.int_scalar(1)), b.ints([0]))  # [1, L]
     shape = b.op("Concat", b.op("Shape", "positions"), b.op("Unsqueeze", max_len, b.ints([0])), axis=0)
     span_t = b.op("Expand", span, shape)  # [T, L]
-    keys = b.context_rows("k_pool", "k_new", "cu_seqlens", "block_tables", "positions", seq, span_t)  # [T, L, Di]
+    keys = b.context_rows("k_pool", "k_new", "cu_seqlens", "block_tables", "positions", seq, span_t, fp8_pool)  # [T, L, Di]
     causal = b.op("LessOrEqual", span, b.op("Unsqueeze", "positions", b.ints([1])))
     keys = b.op("Where", b.op("Unsqueeze", causal, b.ints([2])), keys, b.float_scalar(0.0))
     per_head = b.op("Relu", b.op("MatMul", "q_idx", b.op("Transpose", keys, perm=[0, 2, 1])))  # [T, Hi, L]

@@ -59,9 +59,10 @@ def _formats(
     positions: trtp.TensorDesc,
     outputs: tuple[trtp.TensorDesc],
 ) -> list[trtp.AutoTuneCombination]:
-    """fp32 queries, weights and new keys, fp32 or bf16 key pool; int64 bookkeeping inputs and output."""
-    return [trtp.AutoTuneCombination("FP32, FP32, FP32, FP32, INT64, INT64, INT64, INT64"),
-            trtp.AutoTuneCombination("FP32, FP32, BF16, FP32, INT64, INT64, INT64, INT64")]
+    """fp32 queries, weights and new keys, fp32, bf16 or uint8 (fp8 rows + scale byte) key pool; int64
+    bookkeeping inputs and output."""
+    return [trtp.AutoTuneCombination(f"FP32, FP32, {pool}, FP32, INT64, INT64, INT64, INT64")
+            for pool in ("FP32", "BF16", "UINT8")]
 
 
 @trtp.impl(PLUGIN_ID)

@@ -3,9 +3,9 @@
 A Triton kernel writes the index scores [T, Lmax] (one program per token and BLOCK_N cache positions: the
 token's [Hi, Di] queries against a [BLOCK_N, Di] key tile, relu, head-weighted sum; positions beyond the
 token get -inf and blocks wholly beyond it skip the loads; keys of earlier steps are loaded from the paged pool
-through the sequence's block table, the step's own from `k_new`, and cast to fp32 after the load), then `cpu.select_topk` (torch, runs on the same
-device) takes the top-k with the op's tie rule. Lmax = max(positions) + 1. Dot products use
-`input_precision="ieee"` (fp32). Runs on CUDA tensors, or on CPU under TRITON_INTERPRET=1.
+through the sequence's block table, the step's own from `k_new`, and cast (fp8 pools: decoded) to fp32 after the
+load), then `cpu.select_topk` (torch, runs on the same device) takes the top-k with the op's tie rule.
+Lmax = max(positions) + 1. Dot products use `input_precision="ieee"` (fp32). Runs on CUDA tensors, or on CPU under TRITON_INTERPRET=1.
 """
 
 import torch
@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ..sparse_mla_attention.reference import token_sequences
+from ..sparse_mla_attention.triton_kernel import fp8_rows_to_f32
 from .cpu import select_topk
 
 
@@ -22,6 +23,7 @@ def _index_scores_kernel(
     num_heads, out_len, block_size, table_width,
     stride_qt, stride_qh, stride_wt, stride_ot,
     DI: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    POOL_FP8: tl.constexpr = False,
 ):
     t = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -44,9 +46,13 @@ def _index_scores_kernel(
         own = valid & (offs_n >= chunk_start)
         past = valid & (offs_n < chunk_start)
         block = tl.load(tables_ptr + seq * table_width + offs_n // block_size, mask=past, other=0)
-        pool_rows = pool_ptr + (block * block_size + offs_n % block_size)[:, None] * DI
+        pool_row = pool_ptr + (block * block_size + offs_n % block_size) * (DI + POOL_FP8)  # [BLOCK_N]
         new_rows = new_ptr + (first + offs_n - chunk_start)[:, None] * DI
-        k = tl.load(pool_rows + offs_d[None, :], mask=past[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        k = tl.load(pool_row[:, None] + offs_d[None, :], mask=past[:, None] & mask_d[None, :], other=0)
+        if POOL_FP8:
+            k = fp8_rows_to_f32(k, tl.load(pool_row + DI, mask=past, other=127))
+        else:
+            k = k.to(tl.float32)
         k += tl.load(new_rows + offs_d[None, :], mask=own[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
         s = tl.maximum(tl.dot(q, tl.trans(k), input_precision="ieee"), 0.0)  # [BLOCK_H, BLOCK_N]
         score = tl.sum(s * w[:, None], axis=0)
@@ -85,7 +91,7 @@ def dsa_index_scores_triton(
         num_heads, out_len, pool.shape[1], tables.shape[1],
         q.stride(0), q.stride(1), w.stride(0), out.stride(0),
         DI=dim, BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
-        BLOCK_N=block_n,
+        BLOCK_N=block_n, POOL_FP8=pool.dtype == torch.uint8,
     )  # fmt: skip
     return out
 
@@ -102,7 +108,8 @@ def dsa_indexer_triton(
     topk: int,
     block_n: int = 64,
 ) -> torch.Tensor:
-    """q_idx [T, Hi, Di], weights [T, Hi], k_pool [NB, BS, Di] (fp32 / bf16 / fp16), k_new [T, Di] fp32,
+    """q_idx [T, Hi, Di], weights [T, Hi], k_pool [NB, BS, Di] (fp32 / bf16 / fp16, or uint8 fp8 rows [NB, BS,
+    Di+1]), k_new [T, Di] fp32,
     cu_seqlens [N+1], block_tables [N, B], positions [T] -> indices [T, topk] int64."""
     scores = dsa_index_scores_triton(q_idx, weights, k_pool, k_new, cu_seqlens, block_tables, positions, block_n=block_n)
     return select_topk(scores, topk)

@@ -3,7 +3,7 @@
 Sparse path: gathers only the K selected latent rows per token through the block tables (cost independent of
 the context length and of the pool size) and runs two batched matmuls per token chunk. Dense path (no indices):
 per sequence, gathers its rows 0..(last position) once and runs one matmul of the chunk's queries against them
-with a causal mask. Rows are cast to fp32 after the gather. Chunks keep temporaries near `_CHUNK_ELEMS` floats.
+with a causal mask. Rows are cast (fp8 pools: decoded) to fp32 after the gather. Chunks keep temporaries near `_CHUNK_ELEMS` floats.
 """
 
 import torch

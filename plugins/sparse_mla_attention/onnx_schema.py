@@ -4,7 +4,8 @@ Node contract (semantics in `reference.py`):
 
     o_lat = SparseMLAAttention(q_lat, kv_pool, kv_new, cu_seqlens, block_tables, positions[, topk_indices])
     inputs   q_lat        [T, H, Dc+Dr]   float   absorbed queries [q_nope @ W_kc | q_pe]
-             kv_pool      [NB, BS, Dc+Dr] C       paged latent cache pool (earlier steps' rows), C = float, bf16, fp16
+             kv_pool      [NB, BS, Dc+Dr] C       paged latent cache pool (earlier steps' rows), C = float, bf16, fp16,
+                                                  or uint8 [NB, BS, Dc+Dr+1]: fp8 E4M3 rows + an E8M0 scale byte
              kv_new       [T, Dc+Dr]      float   this step's latent rows, rounded to C (the runtime writes them
                                                   to the pool after the step)
              cu_seqlens   [N+1]           int64   cumulative query tokens per sequence
@@ -29,7 +30,8 @@ from onnx import defs, helper
 from .. import DOMAIN, OPSET_VERSION, PLUGIN_NAMESPACE, PLUGIN_VERSION
 
 OP_TYPE = "SparseMLAAttention"
-CACHE_TYPE_CONSTRAINT = ("C", ["tensor(float)", "tensor(bfloat16)", "tensor(float16)"], "cache storage dtype")
+CACHE_TYPE_CONSTRAINT = ("C", ["tensor(float)", "tensor(bfloat16)", "tensor(float16)", "tensor(uint8)"],
+                         "cache storage dtype; uint8 = fp8 rows [.., D + 1] (moe_export.quantize.fp8_cache)")
 
 
 def register_once(schema: defs.OpSchema) -> None:

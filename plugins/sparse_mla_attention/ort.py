@@ -3,7 +3,8 @@ body is standard ONNX (opset 21); ORT inlines it. The TensorRT graph keeps the b
 
 Body: token -> sequence (compare token ids with cu_seqlens), then `context_rows`: the K indexed latent rows per
 token, the step's own positions gathered from `kv_new`, earlier ones with GatherND from the pool at (block of
-the sequence's block table, offset in block), cast to fp32 after the gather (cost O(T*K), not O(pool));
+the sequence's block table, offset in block), cast to fp32 after the gather (fp8 pools: decoded through two
+256-entry lookup tables, see `FunctionBuilder.fp8_rows`; cost O(T*K), not O(pool));
 scores = q_lat @ rows^T * scale, masked softmax (invalid = index < 0 or > position; a row with nothing valid
 gives zeros), o_lat = p @ rows[..., :Dc].
 
@@ -19,6 +20,8 @@ and sparse layers uses the sparse body and gives its dense layers an empty [T, 0
 
 import onnx
 from onnx import TensorProto, helper
+
+from moe_export.quantize import fp8_cache
 
 from .. import DOMAIN
 from .onnx_schema import OP_TYPE
@@ -82,9 +85,10 @@ class FunctionBuilder:
         return self.op("ReduceSum", self.op("Cast", passed, to=TensorProto.INT64), self.ints([1]), keepdims=0)
 
     def context_rows(self, pool: str, new: str, cu_seqlens: str, block_tables: str, positions: str, seq: str,
-                     idx: str) -> str:
+                     idx: str, fp8_pool: bool = False) -> str:
         """fp32 rows [T, K, D] at positions idx [T, K] (>= 0) of each token's sequence (seq [T]): the step's own
-        positions from `new` [T, D], earlier ones from `pool` [NB, BS, D] through the block tables [N, B]."""
+        positions from `new` [T, D], earlier ones from `pool` [NB, BS, D] through the block tables [N, B]
+        (`fp8_pool`: a uint8 pool [NB, BS, D + 1] of fp8 rows, decoded after the gather)."""
         first = self.op("Unsqueeze", self.op("Gather", cu_seqlens, seq), self.ints([1]))  # [T, 1]
         start = self.op("Gather", positions, first)  # [T, 1] chunk start position
         own = self.op("GreaterOrEqual", idx, start)
@@ -97,9 +101,21 @@ class FunctionBuilder:
         block = self.op("Max", self.op("GatherElements", tables, col, axis=1), self.int_scalar(0))  # [T, K]
         where = self.op("Concat", self.op("Unsqueeze", block, self.ints([2])),
                         self.op("Unsqueeze", self.op("Mod", idx, block_size), self.ints([2])), axis=2)  # [T, K, 2]
-        from_pool = self.op("Cast", self.op("GatherND", pool, where), to=TensorProto.FLOAT)
+        gathered = self.op("GatherND", pool, where)
+        from_pool = self.fp8_rows(gathered) if fp8_pool else self.op("Cast", gathered, to=TensorProto.FLOAT)
         from_new = self.op("Cast", self.op("Gather", new, new_row, axis=0), to=TensorProto.FLOAT)
         return self.op("Where", self.op("Unsqueeze", own, self.ints([2])), from_new, from_pool)
+
+    def fp8_rows(self, packed: str) -> str:
+        """fp32 rows [..., D] from uint8 fp8 rows [..., D + 1] (`moe_export.quantize.fp8_cache`): each E4M3 code
+        and the E8M0 scale byte looked up in 256-entry tables, multiplied."""
+        def lookup(table, part: str) -> str:
+            values = self.op("Constant", value=onnx.numpy_helper.from_array(table, "table"))
+            return self.op("Gather", values, self.op("Cast", part, to=TensorProto.INT32), axis=0)
+
+        codes = self.op("Slice", packed, self.ints([0]), self.ints([-1]), self.ints([-1]))
+        scale = self.op("Slice", packed, self.ints([-1]), self.ints([_INT64_MAX]), self.ints([-1]))
+        return self.op("Mul", lookup(fp8_cache.code_table(), codes), lookup(fp8_cache.scale_table(), scale))
 
     def masked_softmax(self, scores: str, valid: str, axis: int = -1) -> str:
         """Softmax of `scores` over `axis` where `valid` (broadcast); entries outside get 0, all-invalid rows 0."""
@@ -119,8 +135,9 @@ def _identity_graph(source: str, name: str) -> onnx.GraphProto:
     return helper.make_graph([helper.make_node("Identity", [source], [name])], name, [], [out])
 
 
-def function_proto(dense: bool = False) -> onnx.FunctionProto:
-    """FunctionProto for SparseMLAAttention; `dense=True` gives the body that ignores `topk_indices`."""
+def function_proto(dense: bool = False, fp8_pool: bool = False) -> onnx.FunctionProto:
+    """FunctionProto for SparseMLAAttention; `dense=True` gives the body that ignores `topk_indices`, `fp8_pool`
+    the body for a uint8 fp8 pool [NB, BS, Dc+Dr+1]."""
     b = FunctionBuilder("smla")
     q, pool, new, cu, tables, pos = "q_lat", "kv_pool", "kv_new", "cu_seqlens", "block_tables", "positions"
     num_tokens = b.dim(q, 0)
@@ -138,7 +155,7 @@ def function_proto(dense: bool = False) -> onnx.FunctionProto:
         idx = b.op("If", no_cols, then_branch=all_pos, else_branch=given)
     pos_col = b.op("Unsqueeze", pos, b.ints([1]))
     valid = b.op("And", b.op("GreaterOrEqual", idx, b.int_scalar(0)), b.op("LessOrEqual", idx, pos_col))
-    rows = b.context_rows(pool, new, cu, tables, pos, seq, b.op("Max", idx, b.int_scalar(0)))  # [T, K, Dc+Dr]
+    rows = b.context_rows(pool, new, cu, tables, pos, seq, b.op("Max", idx, b.int_scalar(0)), fp8_pool)  # [T, K, Dc+Dr]
     rows = b.op("Where", b.op("Unsqueeze", valid, b.ints([2])), rows, b.float_scalar(0.0))
     scores = b.op("MatMul", q, b.op("Transpose", rows, perm=[0, 2, 1]))  # [T, H, K]
     scores = b.op("Mul", scores, b.attr("scale", "float"))

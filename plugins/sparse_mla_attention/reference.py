@@ -3,8 +3,9 @@
 Layout shared by every implementation of this op (and by DSAIndexer):
 
 - The cache pool `kv_pool` [NB, BS, Dc+Dr] holds NB blocks of BS token rows `[c (Dc = kv_lora_rank) | k_pe (Dr)]`,
-  stored in any float dtype (fp32, bf16, fp16): rows are gathered first and cast to fp32 after, so the cost
-  follows the rows used, never the pool size. Sequence n's position p lives in block `block_tables[n, p // BS]`,
+  stored in any float dtype (fp32, bf16, fp16) or as fp8: a uint8 pool [NB, BS, Dc+Dr+1] of E4M3 codes and one
+  E8M0 scale byte per row (`moe_export.quantize.fp8_cache`). Rows are gathered first and cast (or decoded) to fp32
+  after, so the cost follows the rows used, never the pool size. Sequence n's position p lives in block `block_tables[n, p // BS]`,
   row `p % BS`; `block_tables` [N, B] lists each sequence's blocks in order (-1 = unused tail).
 - Query tokens of N sequences are packed along T: sequence n owns tokens `cu_seqlens[n] : cu_seqlens[n+1]`;
   `positions[t]` is the absolute position of token t in its sequence, consecutive within a sequence. Sequence
@@ -22,6 +23,8 @@ Layout shared by every implementation of this op (and by DSAIndexer):
 """
 
 import torch
+
+from moe_export.quantize import fp8_cache
 
 
 def token_sequences(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -42,7 +45,7 @@ def gather_context(
     """fp32 rows at positions `idx` [..., K] of sequences `seq` [...] (broadcast over K): from `kv_new` for the
     step's own positions, else through the block table from `kv_pool`. Positions outside 0..(chunk end) give
     an arbitrary row (callers mask them). Returns [..., K, D]."""
-    num_blocks, block_size, dim = kv_pool.shape
+    num_blocks, block_size, width = kv_pool.shape
     first = cu_seqlens[seq].unsqueeze(-1)  # [..., 1] first token of the sequence in the step
     start = positions[cu_seqlens[seq].clamp(max=positions.shape[0] - 1)].unsqueeze(-1)  # chunk start position
     own = idx >= start
@@ -50,10 +53,11 @@ def gather_context(
     block_col = (idx // block_size).clamp(0, block_tables.shape[1] - 1)
     block = block_tables[seq.unsqueeze(-1).expand_as(idx), block_col].clamp(0, num_blocks - 1)
     pool_row = block * block_size + idx.remainder(block_size)
-    from_pool = kv_pool.reshape(num_blocks * block_size, dim)[pool_row.reshape(-1)].float()
+    from_pool = kv_pool.reshape(num_blocks * block_size, width)[pool_row.reshape(-1)]
+    from_pool = fp8_cache.decode_rows(from_pool) if kv_pool.dtype == torch.uint8 else from_pool.float()
     from_new = kv_new[new_row.reshape(-1)].float()
     rows = torch.where(own.reshape(-1, 1), from_new, from_pool)
-    return rows.view(*idx.shape, dim)
+    return rows.view(*idx.shape, from_pool.shape[-1])
 
 
 def sparse_mla_attention_reference(

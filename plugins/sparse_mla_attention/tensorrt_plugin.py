@@ -63,9 +63,10 @@ def _formats(
     topk_indices: trtp.TensorDesc,
     outputs: tuple[trtp.TensorDesc],
 ) -> list[trtp.AutoTuneCombination]:
-    """fp32 activations and new rows, fp32 or bf16 cache pool, int64 index inputs, linear layout."""
-    return [trtp.AutoTuneCombination("FP32, FP32, FP32, INT64, INT64, INT64, INT64, FP32"),
-            trtp.AutoTuneCombination("FP32, BF16, FP32, INT64, INT64, INT64, INT64, FP32")]
+    """fp32 activations and new rows, fp32, bf16 or uint8 (fp8 rows + scale byte) cache pool, int64 index
+    inputs, linear layout."""
+    return [trtp.AutoTuneCombination(f"FP32, {pool}, FP32, INT64, INT64, INT64, INT64, FP32")
+            for pool in ("FP32", "BF16", "UINT8")]
 
 
 @trtp.impl(PLUGIN_ID)
@@ -109,7 +110,7 @@ def _compile(
     num_heads = q_lat.shape_expr[1].constant_value()
     rope_dim = q_lat.shape_expr[2].constant_value() - rank
     major, minor = torch.cuda.get_device_capability()
-    pool_dtype = torch.bfloat16 if kv_pool.dtype == trt.bfloat16 else torch.float32
+    pool_dtype = {trt.bfloat16: torch.bfloat16, trt.uint8: torch.uint8}.get(kv_pool.dtype, torch.float32)
     kernel = aot_compile(num_heads, rank, rope_dim, scalar(scale), major * 10 + minor, block_h=_BLOCK_H,
                          pool_dtype=pool_dtype)
     params = trtp.KernelLaunchParams()

@@ -4,7 +4,8 @@ One program per (query token, block of BLOCK_H heads). It finds its token's sequ
 `cu_seqlens` ends at or before the token (`reference.token_sequences`, done in the kernel so that a TensorRT
 launch needs nothing computed on the host), then walks the token's K indices (or, when there are none, positions
 0..pos) in blocks of BLOCK_K, loads those latent rows (the step's own positions from `kv_new`, earlier ones from
-the paged pool through the sequence's block table, cast to fp32 after the load), and keeps an online softmax
+the paged pool through the sequence's block table, cast to fp32 after the load; fp8 pools decoded by
+`fp8_rows_to_f32`), and keeps an online softmax
 (running max / sum) with an fp32 accumulator [BLOCK_H, Dc]. Dense vs sparse is decided at run time
 (`num_idx == 0` is dense), so one compiled kernel serves both. Dot products use `input_precision="ieee"` so
 fp32 inputs give fp32 results (TF32 would lose ~1e-3). Runs on CUDA tensors, or on CPU under TRITON_INTERPRET=1.
@@ -20,7 +21,25 @@ import triton
 import triton.language as tl
 
 _SEQ_BLOCK = tl.constexpr(64)  # cu_seqlens entries compared per step of the token -> sequence search
-POOL_DTYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}  # AOT pointer types
+# AOT pointer types; a uint8 pool holds fp8 rows + a scale byte (`moe_export.quantize.fp8_cache`)
+POOL_DTYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.uint8: "*u8"}
+
+
+@triton.jit
+def fp8_rows_to_f32(codes, scale_bytes):
+    """fp8 cache rows -> fp32: E4M3 codes [R, C] (uint8) x 2^(scale byte - 127) per row (scale_bytes [R] uint8),
+    by bit arithmetic (`moe_export.quantize.fp8_cache`); NaN codes (0x7F, 0xFF) and scale byte 255 give NaN."""
+    b = codes.to(tl.int32)
+    exponent = (b >> 3) & 0xF
+    mantissa = b & 0x7
+    normal = ((exponent + 120) << 23 | mantissa << 20).to(tl.float32, bitcast=True)  # (1 + m/8) 2^(e-7)
+    magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)  # subnormal: m 2^-9
+    value = tl.where(b >= 128, -magnitude, magnitude)
+    value = tl.where((b & 0x7F) == 0x7F, float("nan"), value)
+    s = scale_bytes.to(tl.int32)
+    scale = tl.where(s == 0, 5.877471754111438e-39, (s << 23).to(tl.float32, bitcast=True))  # 2^(s-127); 2^-127
+    scale = tl.where(s == 255, float("nan"), scale)
+    return value * scale[:, None]
 
 
 @triton.jit
@@ -30,10 +49,11 @@ def _sparse_mla_kernel(
     o_ptr,
     scale: tl.constexpr, H: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr,
     BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    POOL_FP8: tl.constexpr = False,
 ):
-    """q [T, H, DC+DR], pool [NB, block_size, DC+DR], new [T, DC+DR], cu_seqlens [num_seqs+1],
-    block_tables [num_seqs, table_width], pos [T], idx [T, num_idx] (num_idx = 0: dense causal; idx is then not
-    read) -> o [T, H, DC] fp32."""
+    """q [T, H, DC+DR], pool [NB, block_size, DC+DR] (POOL_FP8: uint8 [NB, block_size, DC+DR+1]), new [T, DC+DR],
+    cu_seqlens [num_seqs+1], block_tables [num_seqs, table_width], pos [T], idx [T, num_idx] (num_idx = 0: dense
+    causal; idx is then not read) -> o [T, H, DC] fp32."""
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_c = tl.arange(0, BLOCK_DC)
@@ -74,11 +94,19 @@ def _sparse_mla_kernel(
         past = valid & (idx < chunk_start)
         block = tl.load(table + idx // block_size, mask=past, other=0).to(tl.int64)
         block = tl.minimum(tl.maximum(block, 0), num_blocks - 1)
-        pool_rows = pool_ptr + (block * block_size + idx % block_size)[:, None] * (DC + DR)
+        pool_row = pool_ptr + (block * block_size + idx % block_size) * (DC + DR + POOL_FP8)  # [BLOCK_K]
+        pool_rows = pool_row[:, None]
         new_rows = new_ptr + (first + idx - chunk_start)[:, None] * (DC + DR)
-        k_c = tl.load(pool_rows + offs_c[None, :], mask=past[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+        k_c = tl.load(pool_rows + offs_c[None, :], mask=past[:, None] & mask_c[None, :], other=0)
+        k_r = tl.load(pool_rows + DC + offs_r[None, :], mask=past[:, None] & mask_r[None, :], other=0)
+        if POOL_FP8:
+            scale_bytes = tl.load(pool_row + DC + DR, mask=past, other=127)
+            k_c = fp8_rows_to_f32(k_c, scale_bytes)
+            k_r = fp8_rows_to_f32(k_r, scale_bytes)
+        else:
+            k_c = k_c.to(tl.float32)
+            k_r = k_r.to(tl.float32)
         k_c += tl.load(new_rows + offs_c[None, :], mask=own[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-        k_r = tl.load(pool_rows + DC + offs_r[None, :], mask=past[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
         k_r += tl.load(new_rows + DC + offs_r[None, :], mask=own[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
         s = tl.dot(q_c, tl.trans(k_c), input_precision="ieee")
         s += tl.dot(q_r, tl.trans(k_r), input_precision="ieee")
@@ -114,12 +142,14 @@ def sparse_mla_attention_triton(
     block_h: int = 16,
     block_k: int = 32,
 ) -> torch.Tensor:
-    """q_lat [T, H, Dc+Dr] fp32, kv_pool [NB, BS, Dc+Dr] (fp32 / bf16 / fp16), kv_new [T, Dc+Dr] fp32,
+    """q_lat [T, H, Dc+Dr] fp32, kv_pool [NB, BS, Dc+Dr] (fp32 / bf16 / fp16, or uint8 fp8 rows [NB, BS, Dc+Dr+1]),
+    kv_new [T, Dc+Dr] fp32,
     cu_seqlens [N+1], block_tables [N, B], positions [T], topk_indices [T, K] int64 or None (None or K = 0:
     dense causal) -> o_lat [T, H, Dc] fp32."""
     num_tokens, num_heads, dim = q_lat.shape
     q = q_lat.float().contiguous()
     pool = kv_pool.contiguous()
+    pool_fp8 = pool.dtype == torch.uint8
     new = kv_new.float().contiguous()
     cu = cu_seqlens.to(torch.int64).contiguous()
     tables = block_tables.to(torch.int64).contiguous()
@@ -136,7 +166,8 @@ def sparse_mla_attention_triton(
         cu.numel() - 1, num_tokens, pool.shape[0], pool.shape[1], tables.shape[1], idx.shape[1] if has_indices else 0,
         out,
         scale=float(scale), H=num_heads, DC=kv_lora_rank, DR=dim - kv_lora_rank,
-        BLOCK_DC=block_dc, BLOCK_DR=block_dr, BLOCK_H=block_h, BLOCK_K=block_k, enable_fp_fusion=True,
+        BLOCK_DC=block_dc, BLOCK_DR=block_dr, BLOCK_H=block_h, BLOCK_K=block_k, POOL_FP8=pool_fp8,
+        enable_fp_fusion=True,
     )  # fmt: skip
     return out
 
@@ -152,7 +183,7 @@ def aot_compile(
     pool_dtype: torch.dtype = torch.float32,
 ):
     """Compile the kernel ahead of time for CUDA ``sm_<capability>`` (needs no GPU); fp32 q, new rows and
-    output, the pool in `pool_dtype` (fp32, bf16 or fp16).
+    output, the pool in `pool_dtype` (fp32, bf16, fp16, or uint8: fp8 rows with their scale byte).
 
     Returns Triton's CompiledKernel: ``asm["ptx"]``, ``metadata.name``, ``metadata.num_warps``,
     ``metadata.shared``. Parameters: q_lat, kv_pool, kv_new, cu_seqlens, block_tables, positions, topk_indices
@@ -172,7 +203,7 @@ def aot_compile(
     )  # fmt: skip
     constexprs = dict(
         scale=float(scale), H=num_heads, DC=kv_lora_rank, DR=rope_dim,
-        BLOCK_DC=block_dc, BLOCK_DR=block_dr, BLOCK_H=block_h, BLOCK_K=block_k,
+        BLOCK_DC=block_dc, BLOCK_DR=block_dr, BLOCK_H=block_h, BLOCK_K=block_k, POOL_FP8=pool_dtype == torch.uint8,
     )  # fmt: skip
     signature.update({name: "constexpr" for name in constexprs})
     src = triton.compiler.ASTSource(fn=_sparse_mla_kernel, signature=signature, constexprs=constexprs)
