@@ -14,7 +14,10 @@ One graph per rank handles a packed batch of N sequences (prefill chunks and dec
            (`kda_state.i.out` [N, H_l, V, K], `conv_state.i.out` [N, 3*P_l, W-1], row n = slot_ids[n]),
            which the runtime writes into its pools in place; per MLA layer the step's new cache rows
            (`mla_cache.i.out` [T, kv_lora+rope], `index_cache.i.out` [T, Di], fp32 values already rounded to
-           the storage dtype), which the runtime writes at each token's block-table row.
+           the storage dtype), which the runtime writes at each token's block-table row. TensorRT builds
+           write the cache rows inside the engine instead: a `PagedCacheWrite` node per pool whose output
+           (`mla_cache.i.written`, `index_cache.i.written`, the pool's shape) is aliased to the pool input, so
+           the write is in place and the runtime binds that output to the pool's own buffer.
 
 S (slots), NB (blocks) and BS (block size) are symbolic; the runtime sizes the pools (see
 `moe_export.export.planner.pool_sizes`). No output is a whole pool, so a step costs O(tokens + context used).
@@ -54,6 +57,7 @@ ONNX_OPSET = 21
 # recipe kv_cache -> pool element type; fp8 pools are uint8 rows of E4M3 codes + one E8M0 scale byte
 # (`moe_export.quantize.fp8_cache`), so their last dim is D + 1
 CACHE_STORAGE = {"fp32": TensorProto.FLOAT, "bf16": TensorProto.BFLOAT16, "fp8": TensorProto.UINT8}
+WRITTEN_SUFFIX = ".written"  # graph output `<pool>.written`: a pool written in place (TensorRT, aliased)
 MLA_LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm
 INDEXER_KNORM_EPS = 1e-6
 FP8_BLOCK = 128
@@ -231,8 +235,10 @@ class RankGraph:
     """Emits one rank's decoder (gpt-fast style: one method per block, in forward order)."""
 
     def __init__(self, cfg: ModelConfig, mapping: Mapping, weights_path: Path, topk_override: int | None = None,
-                 use_indexer: bool = True, kv_cache: str = "fp32", compute_dtype: int = TensorProto.FLOAT):
+                 use_indexer: bool = True, kv_cache: str = "fp32", compute_dtype: int = TensorProto.FLOAT,
+                 caches_written_in_graph: bool = False):
         self.cfg, self.m = cfg, mapping
+        self.caches_written_in_graph = caches_written_in_graph  # TensorRT: PagedCacheWrite, aliased to the pool
         self.cache_type = cache_storage_type(kv_cache)
         self.g = GraphBuilder(weights_path, compute_dtype)
         self.inputs: list[onnx.ValueInfoProto] = []
@@ -398,6 +404,15 @@ class RankGraph:
         return g.plugin("DSAIndexer", [q, weights, io["index"], k, io["cu"], io["tables"], io["positions"]], f"{n}.topk",
                         topk=int(self.topk))
 
+    def write_cache_in_place(self, pool: str, rows: str, io: dict, name: str) -> None:
+        """PagedCacheWrite of the step's rounded rows into `pool`; its output, the graph output `<name>.written`,
+        is aliased to the pool on TensorRT (no copy: the node's own output is the graph output)."""
+        written = self.g.plugin("PagedCacheWrite", [pool, rows, io["cu"], io["tables"], io["positions"]],
+                                name + WRITTEN_SUFFIX)
+        src = next(v for v in self.inputs if v.name == pool)
+        self.outputs.append(helper.make_tensor_value_info(written, self.cache_type,
+                                                          [d.dim_param or d.dim_value for d in src.type.tensor_type.shape.dim]))
+
     def round_to_storage(self, rows: str, name: str) -> str:
         """fp32 cache rows [T, D] rounded to the pool's storage dtype (kept fp32: the runtime stores them exactly)."""
         if self.cache_type == TensorProto.FLOAT:
@@ -550,10 +565,14 @@ class RankGraph:
             x = g.rms_norm(mixed, lp + "post_attention_layernorm.weight", eps, f"layers.{i}.post_norm")
             f = self.moe(i, x) if cfg.is_moe(i) else self.mlp(x, lp + "mlp.", f"layers.{i}.mlp", self.m.tp)
             h = g.op("Add", [prefix, f], f"layers.{i}.mlp_residual")
-            for key, out_name in (("state_out", f"kda_state.{i}.out"), ("conv_out", f"conv_state.{i}.out"),
-                                  ("mla_out", f"mla_cache.{i}.out"), ("index_out", f"index_cache.{i}.out")):
+            for key, out_name in (("state_out", f"kda_state.{i}.out"), ("conv_out", f"conv_state.{i}.out")):
                 if key in io:
                     state_outputs.append((io[key], out_name))
+            for key, pool_key, pool in (("mla_out", "mla", f"mla_cache.{i}"), ("index_out", "index", f"index_cache.{i}")):
+                if key in io and self.caches_written_in_graph:
+                    self.write_cache_in_place(io[pool_key], io[key], io, pool)
+                elif key in io:
+                    state_outputs.append((io[key], f"{pool}.out"))
         def rows(value: str, name: str) -> str:  # the rows of each sequence's last token
             return g.op("Gather", [value, last], name, axis=0)
 
@@ -594,7 +613,8 @@ def export_rank_graph(cfg: ModelConfig, recipe, mapping: Mapping, weights_path: 
     so both must live in the same folder). Returns a summary: op counts by type and plugin nodes."""
     use_indexer = recipe.attention.indexer == "auto"
     model = RankGraph(cfg, mapping, Path(weights_path), recipe.attention.sparse_topk, use_indexer,
-                      recipe.quantization.kv_cache, compute_dtype(recipe)).build()
+                      recipe.quantization.kv_cache, compute_dtype(recipe),
+                      caches_written_in_graph=recipe.backend == "tensorrt").build()
     Path(out_path).write_bytes(model.SerializeToString(deterministic=True))
     return graph_summary(model)
 

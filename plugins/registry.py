@@ -11,6 +11,7 @@ OP_FOLDERS = {
     "ShortConv": "short_conv",
     "SparseMLAAttention": "sparse_mla_attention",
     "DSAIndexer": "dsa_indexer",
+    "PagedCacheWrite": "paged_cache_write",
     "MoEMXFP4": "moe_mxfp4",
     "AllReduce": "collectives",
     "AllGather": "collectives",

@@ -12,7 +12,8 @@ State lives in pools owned by the runner and is updated in place at O(tokens) pe
     recipe's kv_cache dtype (fp32 / bf16, or fp8: uint8 rows of E4M3 codes + an E8M0 scale byte, see
     `moe_export.quantize.fp8_cache`); a sequence owns the blocks of its block table; the graph reads
     earlier rows through the block tables and returns the step's new rows, written back at each token's
-    physical row `block_tables[n, pos // block_size] * block_size + pos % block_size`.
+    physical row `block_tables[n, pos // block_size] * block_size + pos % block_size` by the PagedCacheWrite CPU
+    kernel (`plugins/paged_cache_write/cpu.py`).
 """
 
 from __future__ import annotations
@@ -31,13 +32,20 @@ from onnx import TensorProto
 from moe_export.export.errors import InputError
 from moe_export.export.mpi import mpi_world
 from moe_export.export.planner import engine_pool_sizes
-from moe_export.quantize import fp8_cache
+from moe_export.plugins.paged_cache_write.cpu import cache_rows, paged_cache_write_
 
 STATE_PREFIXES = ("kda_state.", "conv_state.", "mla_cache.", "index_cache.")
 RESET_ON_NEW_SEQUENCE = ("kda_state.", "conv_state.")  # recurrent state, by slot; the other pools are paged caches
 DEFAULT_BLOCK_SIZE = 64  # tokens per cache block when the engine's config.json does not say
 POOL_DTYPES = {TensorProto.FLOAT: np.float32, TensorProto.BFLOAT16: ml_dtypes.bfloat16,
                TensorProto.UINT8: np.uint8}  # ONNX -> numpy (uint8: fp8 rows with their scale byte)
+
+
+def torch_view(pool: np.ndarray) -> torch.Tensor:
+    """The pool's memory as a torch tensor (no copy; bf16 through an int16 view)."""
+    if pool.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(pool.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(pool)
 
 
 def rank_folders(engine_dir: Path) -> list[Path]:
@@ -105,8 +113,8 @@ class StepBatch:
 
     def cache_rows(self, block_size: int) -> np.ndarray:
         """[T] int64 physical pool row of each token: its block-table block * block_size + offset in the block."""
-        seq = np.repeat(np.arange(self.num_sequences), np.diff(self.cu_seqlens))
-        return self.block_tables[seq, self.positions // block_size] * block_size + self.positions % block_size
+        return cache_rows(*(torch.from_numpy(a) for a in (self.cu_seqlens, self.block_tables, self.positions)),
+                          block_size).numpy()
 
     def feeds(self) -> dict[str, np.ndarray]:
         return {
@@ -201,18 +209,18 @@ class RankRunner:
             if name.startswith(RESET_ON_NEW_SEQUENCE):
                 pool[dst] = pool[src]
 
-    def write_back(self, env: dict[str, np.ndarray], batch: StepBatch, cache_rows: np.ndarray) -> None:
+    def write_back(self, env: dict[str, np.ndarray], batch: StepBatch) -> None:
         """Store the step's new state in place: the touched slots' recurrent state at `slot_ids`, the new
-        cache rows [T, D] (fp32, already rounded to the pool dtype; fp8 rows are encoded with their scale byte)
-        at their physical rows `cache_rows` [T]."""
+        cache rows [T, D] (fp32, already rounded to the pool dtype) at each token's block-table row with the
+        PagedCacheWrite CPU kernel (fp8 rows encoded with their scale byte)."""
+        feeds = {k: torch.from_numpy(v) for k, v in (("cu", batch.cu_seqlens), ("tables", batch.block_tables),
+                                                       ("positions", batch.positions))}  # fmt: skip
         for name, pool in self.pools.items():
             new = env[f"{name}.out"]
             if name.startswith(RESET_ON_NEW_SEQUENCE):
                 pool[batch.slot_ids] = new
-            elif pool.dtype == np.uint8:
-                pool.reshape(-1, pool.shape[-1])[cache_rows] = fp8_cache.encode_rows(torch.from_numpy(new)).numpy()
             else:
-                pool.reshape(-1, pool.shape[-1])[cache_rows] = new.astype(pool.dtype)
+                paged_cache_write_(torch_view(pool), torch.from_numpy(new), feeds["cu"], feeds["tables"], feeds["positions"])
 
     def run_segment(self, step: dict, env: dict[str, np.ndarray]) -> None:
         sess = self.sessions[step["segment"]]
@@ -346,9 +354,8 @@ class Engine:
                     r.run_segment(step, envs[r.rank])
             else:
                 self._collective(step, envs)
-        rows = batch.cache_rows(self.block_size)
         for r in self.ranks:
-            r.write_back(envs[r.rank], batch, rows)
+            r.write_back(envs[r.rank], batch)
         return envs[self.ranks[0].rank]["logits"]
 
 

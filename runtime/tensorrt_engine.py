@@ -12,9 +12,11 @@ ranks, as `graphs.sharding.Mapping` lays them out), on the same CUDA stream as t
 are torch CUDA tensors. The JIT plugins run in this process (their modules are imported before the engines
 are deserialized), so TensorRT calls back into Python for them.
 
-State pools are torch tensors owned here, sized and written back exactly as `runtime.engine` does for ONNX
-Runtime (recurrent state [S, ...] per KDA layer; paged MLA / indexer caches [NB, BS, D] in the recipe's cache
-dtype): the graph returns only the step's new state rows and cache rows, written in place after each step.
+State pools are torch tensors owned here, sized as `runtime.engine` does for ONNX Runtime (recurrent state
+[S, ...] per KDA layer; paged MLA / indexer caches [NB, BS, W] in the recipe's cache dtype). The graph returns
+the step's sequences' new recurrent state, written back at their slots after the step (O(tokens)); the cache
+rows are written inside the engine by `PagedCacheWrite` nodes, whose outputs `<pool>.written` are aliased to the
+pool inputs and bound here to the same buffers (in place, O(tokens)).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import numpy as np
 
 from moe_export.export.errors import InputError
 from moe_export.export.planner import engine_pool_sizes
-from moe_export.quantize import fp8_cache
+from moe_export.graphs.onnx_export import WRITTEN_SUFFIX
 from moe_export.runtime.engine import DEFAULT_BLOCK_SIZE, RESET_ON_NEW_SEQUENCE, STATE_PREFIXES, StepBatch, mpi_world
 
 
@@ -149,15 +151,10 @@ class TensorRTEngine:
                 else:
                     self._collective(step, env)
             slots = env["slot_ids"]
-            rows = torch.from_numpy(batch.cache_rows(self.block_size)).to(self.device)
-            for name, pool in self.pools.items():  # the step's new state and cache rows, written in place
-                new = env[f"{name}.out"]
+            for name, pool in self.pools.items():  # the touched slots' new recurrent state, written in place
                 if name.startswith(RESET_ON_NEW_SEQUENCE):
-                    pool[slots] = new.to(pool.dtype)
-                elif pool.dtype == self._torch.uint8:  # fp8 rows + scale byte
-                    pool.view(-1, pool.shape[-1])[rows] = fp8_cache.encode_rows(new)
-                else:
-                    pool.view(-1, pool.shape[-1])[rows] = new.to(pool.dtype)
+                    pool[slots] = env[f"{name}.out"].to(pool.dtype)
+            # cache rows were written inside the engines (PagedCacheWrite, output `<pool>.written` aliased to the pool)
         self.stream.synchronize()
         return env["logits"].float().cpu().numpy()
 
@@ -182,9 +179,12 @@ class TensorRTEngine:
             context.set_input_shape(name, tuple(value.shape))
             context.set_tensor_address(name, value.data_ptr())
         for name in step["outputs"]:
-            shape = tuple(context.get_tensor_shape(name))
-            env[name] = self._torch.empty(shape, dtype=self._torch_dtype(engine.get_tensor_dtype(name)),
-                                          device=self.device)  # fmt: skip
+            if name.endswith(WRITTEN_SUFFIX):  # aliased to its pool input: bound to the pool's own buffer
+                env[name] = self.pools[name[: -len(WRITTEN_SUFFIX)]]
+            else:
+                shape = tuple(context.get_tensor_shape(name))
+                env[name] = self._torch.empty(shape, dtype=self._torch_dtype(engine.get_tensor_dtype(name)),
+                                              device=self.device)  # fmt: skip
             context.set_tensor_address(name, env[name].data_ptr())
         if not context.execute_async_v3(self.stream.cuda_stream):
             raise RuntimeError(f"TensorRT failed to enqueue {step['segment']} (see the log above)")

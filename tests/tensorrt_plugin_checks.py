@@ -32,6 +32,7 @@ EXPECTED = {  # op type -> (has JIT impl, has AOT impl, aliased input of each ou
     "ShortConv": (True, True, [-1, 2]),
     "SparseMLAAttention": (True, True, [-1]),
     "DSAIndexer": (True, False, [-1]),
+    "PagedCacheWrite": (True, True, [0]),
     "MoEMXFP4": (True, False, [-1]),
 }
 
@@ -197,6 +198,9 @@ def test_aot_launch_parameters_and_extra_args(node, types, monkeypatch):
         C, W = shape[node.input[1]]
         assert extras == [T, shape[node.input[2]][0]]  # tokens, window rows (the step's gathered windows)
         assert launch["grid"] == [-(-C // block_sizes(C, W)[1]), N, 1]
+    elif node.op_type == "PagedCacheWrite":
+        assert extras == [N, T, ENV["NB"], ENV["BS"], ENV["B"]]
+        assert launch["grid"] == [T, 1, 1]
     else:
         H = shape[node.input[0]][1]
         assert extras == [N, T, ENV["NB"], ENV["BS"], ENV["B"], shape[node.input[6]][1]]

@@ -89,3 +89,26 @@ def test_gpu_graph_computes_in_bf16_with_fp32_where_needed(tiny_graphs):  # noqa
     for n in gpu.graph.node:
         if n.op_type == "GatedDeltaScan":
             assert [types.get(i) for i in n.input[:5]] == [16, 16, 16, 1, 1]
+
+
+def test_gpu_graph_writes_its_caches_in_place(tiny_graphs):  # noqa: F811
+    """TensorRT graphs write each cache pool inside the engine: one PagedCacheWrite per pool whose own output is the
+    graph output `<pool>.written` (pool shape and dtype, here fp8 uint8 rows; no Identity copy), emitted by the
+    segment that holds it so the runtime can bind it to the pool; no `<pool>.out` rows are returned. The CPU
+    graphs return the rows instead (the runtime writes them)."""
+    from moe_export.graphs.onnx_export import WRITTEN_SUFFIX
+
+    cpu, gpu = (onnx.load(str(p), load_external_data=False) for p in (tiny_graphs[1], tiny_graphs[2]))
+    pools = {v.name: v for v in gpu.graph.input if v.name.startswith(("mla_cache.", "index_cache."))}
+    assert any(n.startswith("index_cache.") for n in pools)
+    writes = {n.output[0]: n for n in gpu.graph.node if n.op_type == "PagedCacheWrite"}
+    assert set(writes) == {name + WRITTEN_SUFFIX for name in pools}
+    outputs = {o.name: o for o in gpu.graph.output}
+    for name, pool in pools.items():
+        assert writes[name + WRITTEN_SUFFIX].input[0] == name
+        assert outputs[name + WRITTEN_SUFFIX].type == pool.type and pool.type.tensor_type.elem_type == onnx.TensorProto.UINT8
+        assert name + ".out" not in outputs
+    segment_outputs = {o for s in plan_segments(gpu) if not isinstance(s, dict) for o in s.outputs}
+    assert {name + WRITTEN_SUFFIX for name in pools} <= segment_outputs
+    assert not any(n.op_type == "PagedCacheWrite" for n in cpu.graph.node)
+    assert {o.name for o in cpu.graph.output} >= {v.name + ".out" for v in cpu.graph.input if v.name.startswith("mla_cache.")}

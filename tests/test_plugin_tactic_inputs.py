@@ -2,7 +2,7 @@
 
 TensorRT may execute a plugin while it times tactics, with unspecified contents in every input: the
 kernels that index by `cu_seqlens`, `slot_ids` and `positions` (GatedDeltaScan, ShortConv,
-SparseMLAAttention, also launched by the AOT plugins) clamp them. Each case surrounds the buffers with
+SparseMLAAttention, PagedCacheWrite, also launched by the AOT plugins) clamp them. Each case surrounds the buffers with
 sentinel-filled guard regions (the tensors are views into larger buffers) and checks that nothing outside
 the addressed data changed and that every output is finite. Runs in the Triton interpreter (subprocess).
 """
@@ -95,3 +95,23 @@ def test_inner_triton_sparse_mla_garbage_indices(sparse):
     out = triton_kernel.sparse_mla_attention_triton(q, pool, new, cu, tables, pos, idx, scale=0.1, kv_lora_rank=DC)
     assert guards_intact(pool_buf) and guards_intact(new_buf)
     assert torch.isfinite(out).all()
+
+
+@inner_triton
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.uint8])
+def test_inner_triton_paged_cache_write_garbage_indices(pool_dtype):
+    """The one kernel that writes into a pool: garbage positions, tables and cu_seqlens keep every store inside the
+    pool (uint8: fp8 rows of D + 1 bytes)."""
+    from moe_export.plugins.paged_cache_write import triton_kernel
+
+    gen = torch.Generator().manual_seed(3)
+    T, D, NB, BS, B, N = 6, 24, 3, 4, 2, 3
+    width = D + (pool_dtype == torch.uint8)
+    buf = torch.full((NB * BS * width + 2 * GUARD,), 77, dtype=pool_dtype)
+    pool = buf[GUARD : GUARD + NB * BS * width].view(NB, BS, width)
+    new = torch.randn(T, D, generator=gen)
+    cu = garbage_indices(gen, N + 1, -1000, 1000)
+    tables = torch.randint(-500, 500, (N, B), generator=gen)
+    pos = garbage_indices(gen, T, -5000, 5000)
+    triton_kernel.paged_cache_write_triton(pool, new, cu, tables, pos)
+    assert (buf[:GUARD] == 77).all() and (buf[-GUARD:] == 77).all()

@@ -26,6 +26,18 @@ POOL_DTYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "
 
 
 @triton.jit
+def token_sequence(cu_seqlens_ptr, num_seqs, t):
+    """Sequence of packed token t (int64 scalar): the number of sequences ending at or before t
+    (`reference.token_sequences`, searchsorted(cu[1:], t, right=True)), clamped to num_seqs - 1."""
+    seq = tl.zeros([], tl.int64)
+    for start in range(0, num_seqs, _SEQ_BLOCK):
+        offs_n = start + tl.arange(0, _SEQ_BLOCK)
+        ends = tl.load(cu_seqlens_ptr + 1 + offs_n, mask=offs_n < num_seqs, other=0)
+        seq += tl.sum(((offs_n < num_seqs) & (ends <= t)).to(tl.int64), axis=0)
+    return tl.minimum(seq, num_seqs - 1)
+
+
+@triton.jit
 def fp8_rows_to_f32(codes, scale_bytes):
     """fp8 cache rows -> fp32: E4M3 codes [R, C] (uint8) x 2^(scale byte - 127) per row (scale_bytes [R] uint8),
     by bit arithmetic (`moe_export.quantize.fp8_cache`); NaN codes (0x7F, 0xFF) and scale byte 255 give NaN."""
@@ -62,13 +74,7 @@ def _sparse_mla_kernel(
     mask_c = offs_c < DC
     mask_r = offs_r < DR
 
-    # sequence of token t = number of sequences ending at or before t (searchsorted(cu[1:], t, right=True))
-    seq = tl.zeros([], tl.int64)
-    for start in range(0, num_seqs, _SEQ_BLOCK):
-        offs_n = start + tl.arange(0, _SEQ_BLOCK)
-        ends = tl.load(cu_seqlens_ptr + 1 + offs_n, mask=offs_n < num_seqs, other=0)
-        seq += tl.sum(((offs_n < num_seqs) & (ends <= t)).to(tl.int64), axis=0)
-    seq = tl.minimum(seq, num_seqs - 1)
+    seq = token_sequence(cu_seqlens_ptr, num_seqs, t)
     first = tl.load(cu_seqlens_ptr + seq).to(tl.int64)  # the sequence's first token in this step
     first = tl.minimum(tl.maximum(first, 0), t)
     chunk_start = tl.maximum(tl.load(pos_ptr + first).to(tl.int64), 0)  # earlier positions are in the pool
