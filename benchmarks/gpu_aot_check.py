@@ -9,7 +9,8 @@ pointers). Each kernel's outputs are compared with the JIT launch (Triton's own 
 and with the fp32 PyTorch reference; launch errors are reported, not raised.
 
 Kernels (K3 shapes per tp-8 rank where it matters): GatedDeltaScan (bf16 q/k/v, H=12, K=V=128),
-ShortConv (bf16, C=3*12*128, W=4), SparseMLAAttention (fp32, H=12, Dc=512, Dr=64: ~110 KiB shared memory).
+ShortConv (bf16, C=3*12*128, W=4), SparseMLAAttention (fp32, H=12, Dc=512, Dr=64: ~110 KiB shared memory),
+PagedCacheWrite (fp8 pool of 577-byte K3 latent rows; bit-exact against the JIT launch and the reference).
 `--json PATH` writes the outcome as one flat object.
 """
 
@@ -132,6 +133,28 @@ def check_sparse_mla(fig: dict, capability: int) -> None:
     fig["mla_aot_vs_reference"] = _max_diff(out.cpu(), ref)
 
 
+def check_paged_cache_write(fig: dict, capability: int) -> None:
+    """A prefill chunk and two decode tokens written into an fp8 pool of K3 latent rows (576 values + scale byte)."""
+    from moe_export.plugins.paged_cache_write import reference as write_ref
+    from moe_export.plugins.paged_cache_write import triton_kernel as write
+    from moe_export.quantize import fp8_cache
+
+    dev, D, BS, NB = "cuda", 576, 64, 64
+    cu = torch.tensor([0, 100, 101, 102], device=dev)
+    pos = torch.cat([torch.arange(0, 100), torch.tensor([700, 63])]).to(dev)
+    tables = torch.randperm(NB, device=dev)[:36].view(3, 12)
+    new = fp8_cache.round_rows(torch.randn(102, D, device=dev) * 3)
+    pool0 = torch.randint(0, 256, (NB, BS, D + 1), device=dev, dtype=torch.uint8)
+    kernel = write.aot_compile(D, capability, torch.uint8)
+    pool_aot = pool0.clone()
+    fig["write_launch"] = launch_like_tensorrt(kernel, (102, 1, 1), [pool_aot, new, cu, tables, pos],
+                                               [3, 102, NB, BS, 12], [pool_aot])  # fmt: skip
+    pool_jit = write.paged_cache_write_triton(pool0.clone(), new, cu, tables, pos)
+    ref = write_ref.paged_cache_write_reference(pool0.cpu(), new.cpu(), cu.cpu(), tables.cpu(), pos.cpu())
+    fig["write_aot_equals_jit"] = bool(torch.equal(pool_aot, pool_jit))
+    fig["write_aot_equals_reference"] = bool(torch.equal(pool_aot.cpu(), ref))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, default=None)
@@ -141,7 +164,7 @@ def main() -> None:
     _check(driver.cuInit(0))
     major, minor = torch.cuda.get_device_capability()
     fig: dict = {"device": torch.cuda.get_device_name(), "capability": major * 10 + minor}
-    for check in (check_gated_delta_scan, check_short_conv, check_sparse_mla):
+    for check in (check_gated_delta_scan, check_short_conv, check_sparse_mla, check_paged_cache_write):
         try:
             check(fig, major * 10 + minor)
         except Exception as exc:  # a failed launch is the finding: record it, run the other kernels
