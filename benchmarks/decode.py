@@ -14,7 +14,9 @@ State model (paged, in place), same model and batch (8 sequences decoding after 
     (goal <= 1.2: a step costs O(tokens + context used), not O(pool));
   - `rss_per_cached_token`: growth of the process RSS per token written to the cache, on the second of two
     equal cache fills into fresh blocks (the first also warms ORT's arenas; reported as `_first_fill`),
-    next to `cache_bytes_per_token` from the planner (what the pools should cost).
+    next to `cache_bytes_per_token` from the planner (what the pools should cost);
+  - `decode_step_ratio_fp8_vs_bf16`: the same decode steps with `kv_cache: fp8` pools over bf16 pools (the
+    cost of decoding fp8 rows after the gather), next to `cache_bytes_per_token_fp8`.
 
     python benchmarks/decode.py [--steps 32] [--rounds 3] [--max-seq-len 4096] [--json PATH]
 """
@@ -75,17 +77,18 @@ def bench_hf_config() -> dict:
     return cfg
 
 
-def build_engine(root: Path, max_seq_len: int) -> Path:
+def build_engine(root: Path, max_seq_len: int, kv_cache: str = "bf16") -> Path:
     from moe_export.export import synth
 
     synth.PRESETS[BENCH_PRESET] = bench_hf_config
     recipe = yaml.safe_load(load_recipe("tiny-cpu.yaml")[1].read_text())
-    recipe.update(name="decode-bench", model={"source": f"synthetic:{BENCH_PRESET}"}, parallel={"tp": 1, "ep": 1})
+    recipe.update(name=f"decode-bench-{kv_cache}", model={"source": f"synthetic:{BENCH_PRESET}"}, parallel={"tp": 1, "ep": 1})
+    recipe["quantization"]["kv_cache"] = kv_cache
     recipe["target"]["gpus_per_node"] = 1
     recipe["limits"].update(max_batch=8, max_seq_len=max_seq_len, max_num_tokens=512)
-    path = root / "decode-bench.yaml"
+    path = root / f"decode-bench-{kv_cache}.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    out = root / "engine"
+    out = root / f"engine-{kv_cache}"
     build(load_recipe(path)[0], out)
     return out
 
@@ -122,24 +125,34 @@ def fill(engine: Engine, first_block: int, per_seq: int, sequences: int = POOL_B
     return tables
 
 
-def decode_step_ratio_pool8x(out: Path, steps: int) -> float:
-    """Median decode-step time with 8x pools / with right-sized pools (interleaved, equal step counts)."""
+def median_step_ratio(base: Engine, other: Engine, steps: int) -> float:
+    """Median decode-step time of `other` / of `base`: POOL_BATCH sequences after a CONTEXT_LEN-token prompt, one
+    token each per step, steps interleaved between the two engines (equal counts)."""
     per_seq = -(-(CONTEXT_LEN + steps) // 64)
-    right = Engine(out, num_slots=POOL_BATCH, num_blocks=POOL_BATCH * per_seq, threads=2)
-    big = Engine(out, num_slots=8 * POOL_BATCH, num_blocks=8 * POOL_BATCH * per_seq, threads=2)
-    assert right.block_size == big.block_size == 64
-    tables = {id(e): fill(e, 0, per_seq) for e in (right, big)}
-    times: dict[int, list[float]] = {id(right): [], id(big): []}
+    assert base.block_size == other.block_size == 64
+    tables = {id(e): fill(e, 0, per_seq) for e in (base, other)}
+    times: dict[int, list[float]] = {id(base): [], id(other): []}
     tokens = [1] * POOL_BATCH
     for step in range(steps):
-        for eng in ((right, big) if step % 2 == 0 else (big, right)):
+        for eng in ((base, other) if step % 2 == 0 else (other, base)):
             batch = StepBatch.from_sequences(
                 [SequenceChunk(s, CONTEXT_LEN + step, [tokens[s]], tables[id(eng)][s]) for s in range(POOL_BATCH)])
             t0 = time.perf_counter()
             eng.step(batch)
             times[id(eng)].append(time.perf_counter() - t0)
     median = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-    return median[id(big)] / median[id(right)]
+    return median[id(other)] / median[id(base)]
+
+
+def right_sized(out: Path, steps: int, scale: int = 1) -> Engine:
+    """An engine whose pools hold `scale` x what POOL_BATCH sequences of CONTEXT_LEN + steps tokens need."""
+    per_seq = -(-(CONTEXT_LEN + steps) // 64)
+    return Engine(out, num_slots=scale * POOL_BATCH, num_blocks=scale * POOL_BATCH * per_seq, threads=2)
+
+
+def decode_step_ratio_pool8x(out: Path, steps: int) -> float:
+    """Median decode-step time with 8x pools / with right-sized pools (interleaved, equal step counts)."""
+    return median_step_ratio(right_sized(out, steps), right_sized(out, steps, 8), steps)
 
 
 def rss_per_cached_token(out: Path) -> tuple[float, float]:
@@ -221,6 +234,10 @@ def main() -> None:
         figures["decode_step_ratio_pool8x"] = decode_step_ratio_pool8x(out, args.steps)
         figures["rss_per_cached_token"], figures["rss_per_cached_token_first_fill"] = rss_per_cached_token(out)
         figures["cache_bytes_per_token"] = engine_pool_sizes(engine.config).bytes_per_token
+        fp8 = build_engine(Path(tmp), args.max_seq_len, "fp8")
+        figures["decode_step_ratio_fp8_vs_bf16"] = median_step_ratio(right_sized(out, args.steps),
+                                                                     right_sized(fp8, args.steps), args.steps)
+        figures["cache_bytes_per_token_fp8"] = engine_pool_sizes(json.loads((fp8 / "config.json").read_text())).bytes_per_token
     for key, value in figures.items():
         print(f"{key:36s} {value:10.2f}")
     if args.json:
