@@ -180,6 +180,27 @@ def test_ort_function_matches_reference(name, activation):
     close(got, reference.moe_mxfp4_reference(**case, expert_offset=offset, activation=activation))
 
 
+def test_ort_function_multiplies_only_the_chosen_experts():
+    """No local expert chosen: zeros; an unchosen expert with NaN scales (the body gathers the used experts only)
+    leaves y finite and equal to the reference; a repeated expert in a token's choices counts twice."""
+    import onnxruntime
+
+    case, offset = make_case(seed=7, T=4, k=2, E=5, num_global=16)
+    case["expert_ids"][:] = torch.tensor([[offset, offset + 2], [offset + 2, 15], [0, 1], [offset, offset]])
+    case["w13_scale"][1] = 255  # expert offset+1: nobody chose it
+    sess = onnxruntime.InferenceSession(onnx_model(case, offset, "situ").SerializeToString(),
+                                        providers=["CPUExecutionProvider"])  # fmt: skip
+
+    def run(c):
+        return torch.from_numpy(sess.run(None, {k: v.numpy() for k, v in c.items()})[0])
+
+    got = run(case)
+    assert torch.isfinite(got).all() and got[2].abs().max() == 0
+    close(got, reference.moe_mxfp4_reference(**case, expert_offset=offset, activation="situ"))
+    off_rank = dict(case, expert_ids=torch.full_like(case["expert_ids"], 15))
+    assert run(off_rank).abs().max() == 0
+
+
 # ------------------------------------------------------------- triton (interpreter, subprocess)
 
 

@@ -1,14 +1,15 @@
 """ONNX Runtime lowering of MoEMXFP4: a model-local FunctionProto (domain DOMAIN, same op type) in standard
 ONNX (opset 21) that ORT inlines; the TensorRT graph keeps the bare node.
 
-Body (dense over the E local experts; fine for small models, memory E*(3*I*D + T*(2I + D)) floats):
+Body (over the U local experts some token of the step chose; memory U*(3*I*D + T*(2I + D)) floats):
   dequantize: nibbles by BitwiseAnd 15 / BitShift right 4 on uint8, Gather from the 16-entry E2M1 table,
-  interleave (low = even), times Pow(2, s - 127) per 32 elements (s = 255 -> NaN);
-  h = x @ W13^T for every local expert [E, T, 2I]; the activation is computed both ways and chosen with
-  Where(Equal(activation, "silu")); out = act @ W2^T [E, T, D];
-  y = M @ out per token, with M[t, e] = Σ_j expert_weights[t, j] * (expert_ids[t, j] - expert_offset == e).
-Because every local expert is evaluated, a NaN scale byte (255) in an expert no token chose still turns y into
-NaN here (NaN * 0), where the other implementations never read that expert.
+  interleave (low = even), times Pow(2, s - 127) per 32 elements (s = 255 -> NaN); the weights are
+  initializers, so ONNX Runtime folds this at session load;
+  M[t, e] = Σ_j expert_weights[t, j] * (expert_ids[t, j] - expert_offset == e) [T, E]; the used experts
+  u = NonZero(any token chose e) [U] (a decode step of one token uses k of E);
+  h = x @ W13[u]^T [U, T, 2I]; the activation is computed both ways and chosen with
+  Where(Equal(activation, "silu")); out = act @ W2[u]^T [U, T, D]; y = M[:, u] @ out per token.
+An expert no token chose is never multiplied (a NaN scale byte there stays unread, as in the other kernels).
 """
 
 import onnx
@@ -42,9 +43,16 @@ def _dequantize(b: FunctionBuilder, packed: str, scale: str) -> str:
 def function_proto() -> onnx.FunctionProto:
     """FunctionProto implementing MoEMXFP4."""
     b = FunctionBuilder("moe")
-    w13 = _dequantize(b, "w13_packed", "w13_scale")  # [E, 2I, D]
-    w2 = _dequantize(b, "w2_packed", "w2_scale")  # [E, D, I]
-    h = b.op("MatMul", "x", b.op("Transpose", w13, perm=[0, 2, 1]))  # [E, T, 2I]
+    local = b.op("Sub", "expert_ids", b.attr("expert_offset", "int"))  # [T, k]
+    experts = b.op("Range", b.int_scalar(0), b.dim("w13_packed", 0), b.int_scalar(1))  # [E]
+    hit = b.op("Equal", b.op("Unsqueeze", local, b.ints([-1])), experts)  # [T, k, E]
+    weighted = b.op("Mul", b.op("Cast", hit, to=TensorProto.FLOAT), b.op("Unsqueeze", "expert_weights", b.ints([-1])))
+    mix = b.op("ReduceSum", weighted, b.ints([1]), keepdims=0)  # [T, E]
+    chosen = b.op("ReduceMax", b.op("Cast", hit, to=TensorProto.INT32), b.ints([0, 1]), keepdims=0)  # [E]
+    used = b.op("Squeeze", b.op("NonZero", chosen), b.ints([0]))  # [U] local experts some token chose
+    w13 = b.op("Gather", _dequantize(b, "w13_packed", "w13_scale"), used, axis=0)  # [U, 2I, D]
+    w2 = b.op("Gather", _dequantize(b, "w2_packed", "w2_scale"), used, axis=0)  # [U, D, I]
+    h = b.op("MatMul", "x", b.op("Transpose", w13, perm=[0, 2, 1]))  # [U, T, 2I]
     inter = b.op("Unsqueeze", b.op("Div", b.dim("w13_packed", 1), b.int_scalar(2)), b.ints([0]))
     gate = b.op("Slice", h, b.ints([0]), inter, b.ints([2]))
     up = b.op("Slice", h, inter, b.ints([2**62]), b.ints([2]))
@@ -54,14 +62,10 @@ def function_proto() -> onnx.FunctionProto:
     a = b.op("Mul", b.op("Mul", beta, b.op("Tanh", b.op("Div", gate, beta))), sig)
     situ = b.op("Mul", a, b.op("Mul", lin_beta, b.op("Tanh", b.op("Div", up, lin_beta))))
     silu_str = b.op("Constant", value=helper.make_tensor("silu", TensorProto.STRING, [], [b"silu"]))
-    act = b.op("Where", b.op("Equal", b.attr("activation", "string"), silu_str), silu, situ)  # [E, T, I]
-    out = b.op("MatMul", act, b.op("Transpose", w2, perm=[0, 2, 1]))  # [E, T, D]
-    local = b.op("Sub", "expert_ids", b.attr("expert_offset", "int"))  # [T, k]
-    experts = b.op("Range", b.int_scalar(0), b.dim("w13_packed", 0), b.int_scalar(1))  # [E]
-    hit = b.op("Cast", b.op("Equal", b.op("Unsqueeze", local, b.ints([-1])), experts), to=TensorProto.FLOAT)
-    weighted = b.op("Mul", hit, b.op("Unsqueeze", "expert_weights", b.ints([-1])))  # [T, k, E]
-    mix = b.op("ReduceSum", weighted, b.ints([1]), keepdims=0)  # [T, E]
-    y = b.op("MatMul", b.op("Unsqueeze", mix, b.ints([1])), b.op("Transpose", out, perm=[1, 0, 2]))  # [T, 1, D]
+    act = b.op("Where", b.op("Equal", b.attr("activation", "string"), silu_str), silu, situ)  # [U, T, I]
+    out = b.op("MatMul", act, b.op("Transpose", w2, perm=[0, 2, 1]))  # [U, T, D]
+    mix_used = b.op("Unsqueeze", b.op("Gather", mix, used, axis=1), b.ints([1]))  # [T, 1, U]
+    y = b.op("MatMul", mix_used, b.op("Transpose", out, perm=[1, 0, 2]))  # [T, 1, D]
     b.op("Squeeze", y, b.ints([1]), out="y")
     return helper.make_function(
         DOMAIN,
