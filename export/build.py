@@ -15,22 +15,31 @@ Layout of the engine directory OUT (TensorRT-LLM conventions):
 
 Bookkeeping (not artifacts): `.build/` holds each stage's outputs from when they are produced until
 they are published (moved into OUT), `.state/` one JSON record per finished stage, `.cache/` the
-synthesized source and the source hash cache.
+synthesized source (and TensorRT's timing caches).
 
 Stages and their content keys (`stage_keys`). A key is sha256 over the stage name, the recipe fields in
-`STAGE_FIELDS`, the source fingerprint (sha256 of every source file's content), the upstream stage keys,
-and the stage's code: its source files' sha256 and the versions of the libraries that shape its output
-(`STAGE_CODE`, `STAGE_LIBRARIES`). A stage whose record carries its current key and whose outputs are intact
-(same size, mtime and inode as recorded, staged in `.build/` or already published in OUT) is skipped:
+`STAGE_FIELDS`, what the stage depends on of the source, the upstream stages' identities, and the stage's
+code: its source files' sha256 and the versions of the libraries that shape its output (`STAGE_CODE`,
+`STAGE_LIBRARIES`). A stage whose record carries its current key and whose outputs are intact (same size,
+mtime and inode as recorded, staged in `.build/` or already published in OUT) is skipped:
 
-    convert/rankN  model source + quantization + parallel + target (gpu, world size) + rank mapping
-    graph/rankN    convert key + attention + limits
+    convert/rankN  source layout (config.json's sha256 + the shard headers' tensor table) + quantization +
+                   parallel + target (gpu, world size) + rank mapping; and the source bytes it read (below)
+    graph/rankN    convert identity (its key + the digest of the bytes it read) + attention + limits
     lower/rankN    graph key                             (backend onnxruntime)
     engine/rankN   graph key + limits + target + workspace_reserve_gib   (backend tensorrt)
-    config         the whole recipe + source + every convert key (the class map reads the weights) +
-                   generation_config.json's sha256 (its stop ids go into config.json)
+    config         the whole recipe + source layout + every convert identity (the class map reads the
+                   weights) + generation_config.json's sha256 (its stop ids go into config.json)
     license        the source LICENSE file's sha256
     tokenizer      the source tokenizer files' sha256
+
+Source bytes are hashed while they are converted, never in a pass of their own, so a fresh build reads
+each byte a rank needs once. Each convert record lists the slices the rank read, their sha256 and each
+shard's stamp (device, inode, size, mtime, ctime). A convert stage whose key is unchanged is up to date
+when every shard it read has its recorded stamp (nothing is read), or when the shards whose stamp moved
+still hold the recorded bytes (only the rank's slices of those shards are re-read and compared); the
+exact rule is in `export/source_reads.py`. An unchanged rebuild reads no tensor data (validation still
+reads K3's A_log padding).
 
 Crash safety. Every file is written under a temporary name in its final folder and renamed into
 place; a stage's record is written only after its outputs are in place. Stage outputs go to
@@ -57,7 +66,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import re
@@ -69,6 +77,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moe_export.export import source_reads
 from moe_export.export.atomic import (
     atomic_path,
     atomic_write_bytes,
@@ -81,7 +90,16 @@ from moe_export.export.atomic import (
 from moe_export.export.build_lock import OutputLock
 from moe_export.export.errors import InputError
 from moe_export.export.mpi import mpi_world
-from moe_export.export.stage_keys import STAGE_FIELDS, rank_mapping, rank_stage_names, stage_keys
+from moe_export.export.stage_keys import (
+    code_fingerprints,
+    convert_identity,
+    convert_key,
+    global_keys,
+    rank_keys,
+    rank_mapping,
+    rank_stage_names,
+    source_identity,
+)
 from moe_export.export.manifest import (
     CONFIG,
     ENGINE_FORMAT,
@@ -139,7 +157,8 @@ def _build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path) ->
 
 @dataclass(frozen=True)
 class Stages:
-    """The stage functions the driver calls (the defaults are the real ones)."""
+    """The stage functions the driver calls (the defaults are the real ones). `convert_rank` reads the
+    source only through the reader it is given: its reads are what identify the source bytes it used."""
 
     convert_rank: Callable[..., dict] = _convert_rank
     export_rank_graph: Callable[..., dict] = _export_rank_graph
@@ -242,6 +261,10 @@ class _Progress:
         if self._bars:
             self._bars.stop()
 
+    def note(self, msg: str) -> None:
+        """One line on stderr."""
+        self.console.print(self.prefix + msg, highlight=False, markup=False, soft_wrap=True)
+
     @contextlib.contextmanager
     def task(self, desc: str, watch: Path, total: int | None = None) -> Iterator[None]:
         """Track a stage by the size of the file (or folder) it is writing."""
@@ -283,26 +306,33 @@ def _size_of(path: Path) -> int:
 # ---- the source checkpoint ----
 @dataclass
 class Source:
-    """The checkpoint a build reads: where it is, what it is, and the sha256 of its files."""
+    """The checkpoint a build reads: where it is, what it is, and its identity (`stage_keys`)."""
 
     path: Path
     kind: str  # "checkpoint" or "synthetic"
     spec: str  # recipe model.source as given
     preset: str | None = None
     seed: int | None = None
-    files: dict[str, dict] = field(default_factory=dict)  # name -> {"size", "sha256"}
+    files: dict[str, int] = field(default_factory=dict)  # name -> bytes: config.json, the index, every shard
+    config_sha256: str = ""
+    layout_sha256: str = ""  # CheckpointReader.layout_digest()
+    reads: dict[int, str] = field(default_factory=dict)  # rank -> digest of the bytes its convert stage read
     license_file: str | None = None
     license_sha256: str | None = None
     tokenizer_files: dict[str, str] = field(default_factory=dict)  # name -> sha256, of TOKENIZER_FILES present
 
-    def fingerprint(self) -> str:
-        """Content identity of the source (location-independent)."""
-        ident = {"kind": self.kind, "preset": self.preset, "seed": self.seed,
-                 "files": {n: f["sha256"] for n, f in self.files.items()}}
-        return hashlib.sha256(canonical_json(ident)).hexdigest()
+    def identity(self) -> str:
+        """What is known of the source before its tensor data is read (location-independent)."""
+        return source_identity(self.config_sha256, self.layout_sha256)
 
     def manifest_entry(self) -> dict:
-        entry: dict[str, Any] = {"kind": self.kind, "files": self.files, "fingerprint": self.fingerprint()}
+        entry: dict[str, Any] = {
+            "kind": self.kind,
+            "files": {n: {"size": size} for n, size in self.files.items()},
+            "config_sha256": self.config_sha256,
+            "layout_sha256": self.layout_sha256,
+            "reads_sha256": {f"rank{n}": d for n, d in sorted(self.reads.items())},
+        }
         if self.kind == "synthetic":
             entry.update(preset=self.preset, seed=self.seed)
         else:
@@ -316,46 +346,6 @@ def _source_location(recipe: Recipe, out: Path) -> tuple[str, Path, str | None]:
         preset = src.split(":", 1)[1]
         return "synthetic", out / ".cache" / f"source-{preset}-seed{SYNTH_SEED}", preset
     return "checkpoint", Path(src).expanduser(), None
-
-
-def _source_files(reader) -> list[str]:
-    from moe_export.export.checkpoint import INDEX_FILE
-
-    names = [CONFIG] + ([INDEX_FILE] if (reader.path / INDEX_FILE).is_file() else [])
-    return names + [f for f in reader.files if f not in names]
-
-
-class _HashCache:
-    """sha256 of files keyed by (path, size, mtime, inode), so unchanged sources are hashed once."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-
-    def _entry(self, path: Path) -> Path:
-        return self.folder / (hashlib.sha256(str(path.resolve()).encode()).hexdigest() + ".json")
-
-    @staticmethod
-    def _stamp(path: Path) -> dict:
-        st = path.stat()
-        return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
-
-    def lookup(self, path: Path) -> str | None:
-        try:
-            rec = json.loads(self._entry(path).read_text())
-        except (OSError, ValueError):
-            return None
-        stamp = self._stamp(path)
-        return rec.get("sha256") if all(rec.get(k) == v for k, v in stamp.items()) else None
-
-    def get(self, path: Path) -> str:
-        cached = self.lookup(path)
-        if cached is not None:
-            return cached
-        stamp = self._stamp(path)
-        digest = sha256_file(path)
-        if self._stamp(path) == stamp:  # unchanged while hashing
-            atomic_write_json(self._entry(path), {**stamp, "sha256": digest})
-        return digest
 
 
 # ---- stage records ----
@@ -413,13 +403,17 @@ class _State:
     def write(self, name: str, obj: Any) -> None:
         atomic_write_json(self._path(name), obj)
 
-    def record(self, name: str, key: str, outputs: list[str], result: Any) -> dict:
+    def record(self, name: str, key: str, outputs: list[str], result: Any, source: dict | None = None) -> dict:
+        """Record a finished stage: its key, its outputs staged in .build, its result and (convert) what it
+        read of the source (`source_reads`)."""
         metas = {}
         for rel in outputs:
             path = self.build / rel
             st = path.stat()
             metas[rel] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino, "sha256": sha256_file(path)}
         rec = {"stage": name, "key": key, "outputs": metas, "result": result}
+        if source is not None:
+            rec["source"] = source
         self.write(name, rec)
         return rec
 
@@ -435,7 +429,8 @@ class _Ctx:
     expected_bytes: dict[int, int]
     reader: Any = None
     source: Source | None = None
-    keys: dict[str, str] = field(default_factory=dict)
+    code: dict[str, dict] = field(default_factory=dict)  # stage_keys.code_fingerprints()
+    keys: dict[str, str] = field(default_factory=dict)  # filled stage by stage: convert keys first
 
 
 def _check_plan(recipe: Recipe) -> dict[int, int]:
@@ -494,35 +489,30 @@ def _prepare(ctx: _Ctx) -> None:
 
 
 def _open_source(ctx: _Ctx) -> None:
-    from moe_export.export.checkpoint import open_checkpoint
+    """Open and validate the source, identify it from config.json and the shard headers (no tensor data is
+    read), and compute every convert key."""
+    from moe_export.export.checkpoint import INDEX_FILE, open_checkpoint
 
     kind, path, preset = _source_location(ctx.recipe, ctx.out)
     if kind == "checkpoint" and not path.is_dir():
         raise InputError(f"recipe {ctx.recipe.name}: model.source {str(path)!r} is not a checkpoint directory")
-    ctx.reader = open_checkpoint(path, validate=True)
-    ctx.source = Source(path, kind, ctx.recipe.model.source, preset, SYNTH_SEED if kind == "synthetic" else None)
+    ctx.reader = reader = open_checkpoint(path, validate=True)
+    src = ctx.source = Source(path, kind, ctx.recipe.model.source, preset, SYNTH_SEED if kind == "synthetic" else None)
+    names = [CONFIG] + ([INDEX_FILE] if (path / INDEX_FILE).is_file() else []) + reader.files
+    src.files = {name: (path / name).stat().st_size for name in names}
+    src.config_sha256, src.layout_sha256 = sha256_file(path / CONFIG), reader.layout_digest()
+    ctx.code = code_fingerprints()
+    ctx.keys = {f"convert/rank{n}": convert_key(ctx.recipe, src.identity(), n, ctx.code)
+                for n in range(ctx.recipe.target.world_size)}
 
 
-def _hash_share(ctx: _Ctx, comm) -> None:
-    """Hash the source files not in the cache, split across the MPI processes."""
-    cache = _HashCache(ctx.out / ".cache" / "sha256")
-    for i, name in enumerate(_source_files(ctx.reader)):
-        if i % comm.size == comm.rank:
-            cache.get(ctx.source.path / name)
-
-
-def _fingerprint(ctx: _Ctx) -> None:
-    cache = _HashCache(ctx.out / ".cache" / "sha256")
-    src = ctx.source
-    for name in _source_files(ctx.reader):
-        path = src.path / name
-        src.files[name] = {"size": path.stat().st_size, "sha256": cache.get(path)}
+def _identify_extras(src: Source) -> None:
+    """Process 0: the sha256 of the LICENSE and tokenizer files the global stages copy."""
     for name in LICENSE_NAMES:
         if (src.path / name).is_file():
             src.license_file, src.license_sha256 = name, sha256_file(src.path / name)
             break
     src.tokenizer_files = {n: sha256_file(src.path / n) for n in TOKENIZER_FILES if (src.path / n).is_file()}
-    ctx.keys = stage_keys(ctx.recipe, src.fingerprint(), src.license_sha256, src.tokenizer_files)
 
 
 DISK_FULL_ERRNOS = (errno.EFBIG, errno.ENOSPC, errno.EDQUOT)
@@ -550,20 +540,23 @@ def _stage_failed(what: str, exc: Exception) -> BuildError:
     return BuildError(f"{what} failed: {type(exc).__name__}: {exc}{hint}")
 
 
-def _run_convert(ctx: _Ctx, n: int, mapping: Mapping) -> tuple[list[str], Any]:
+def _run_convert(ctx: _Ctx, n: int, mapping: Mapping) -> tuple[list[str], Any, dict]:
+    """Convert with every source read hashed as it streams through; returns outputs, result and the
+    record of what was read (`source_reads`)."""
     rdir = ctx.state.build / f"rank{n}"
     with atomic_path(rdir / WEIGHTS) as tmp, ctx.progress.task(f"convert rank {n}", tmp, ctx.expected_bytes.get(n)):
-        report = ctx.stages.convert_rank(ctx.reader, ctx.reader.config, ctx.recipe, mapping, tmp)
+        report, source = source_reads.record_reads(
+            ctx.reader, lambda: ctx.stages.convert_rank(ctx.reader, ctx.reader.config, ctx.recipe, mapping, tmp))
     atomic_write_json(rdir / QUANT_REPORT, report)
-    return [f"rank{n}/{WEIGHTS}", f"rank{n}/{QUANT_REPORT}"], {"summary": report.get("summary")}
+    return [f"rank{n}/{WEIGHTS}", f"rank{n}/{QUANT_REPORT}"], {"summary": report.get("summary")}, source
 
 
-def _run_graph(ctx: _Ctx, n: int, mapping: Mapping) -> tuple[list[str], Any]:
+def _run_graph(ctx: _Ctx, n: int, mapping: Mapping) -> tuple[list[str], Any, None]:
     rdir = ctx.state.build / f"rank{n}"
     weights = ctx.state.output(f"convert/rank{n}", f"rank{n}/{WEIGHTS}")
     with atomic_path(rdir / GRAPH) as tmp, ctx.progress.task(f"graph rank {n}", tmp):
         summary = ctx.stages.export_rank_graph(ctx.reader.config, ctx.recipe, mapping, weights, tmp)
-    return [f"rank{n}/{GRAPH}"], summary
+    return [f"rank{n}/{GRAPH}"], summary, None
 
 
 @contextlib.contextmanager
@@ -587,7 +580,7 @@ def _move_into(src: Path, dst: Path) -> None:
     os.replace(src, dst)
 
 
-def _run_lower(ctx: _Ctx, n: int, mapping: Mapping) -> tuple[list[str], Any]:
+def _run_lower(ctx: _Ctx, n: int, mapping: Mapping) -> tuple[list[str], Any, None]:
     """Lower into a scratch folder that sees the weights under their name, then rename the files out."""
     rdir = ctx.state.build / f"rank{n}"
     graph = ctx.state.output(f"graph/rank{n}", f"rank{n}/{GRAPH}")
@@ -599,10 +592,10 @@ def _run_lower(ctx: _Ctx, n: int, mapping: Mapping) -> tuple[list[str], Any]:
             raise BuildError(f"lower rank {n}: the lowering reported unusable file names {bad}")
         for name in names:
             _move_into(tmp / name, rdir / name)
-    return [f"rank{n}/{x}" for x in sorted(names)], {"files": sorted(names)}
+    return [f"rank{n}/{x}" for x in sorted(names)], {"files": sorted(names)}, None
 
 
-def _run_engine(ctx: _Ctx, n: int, mapping: Mapping) -> tuple[list[str], Any]:
+def _run_engine(ctx: _Ctx, n: int, mapping: Mapping) -> tuple[list[str], Any, None]:
     """Build in a scratch folder that shows the graph with its weights next to it (one may be staged, the
     other published); TensorRT's timing cache is kept in .cache/tensorrt between builds."""
     rdir = ctx.state.build / f"rank{n}"
@@ -620,31 +613,63 @@ def _run_engine(ctx: _Ctx, n: int, mapping: Mapping) -> tuple[list[str], Any]:
             timing.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp / timing.name, timing)
         _move_into(tmp / name, rdir / name)
-    return [f"rank{n}/{name}"], None
+    return [f"rank{n}/{name}"], None, None
 
 
 RANK_RUNNERS = {"convert": _run_convert, "graph": _run_graph, "lower": _run_lower, "engine": _run_engine}
 
 
-def _build_ranks(ctx: _Ctx, ranks: list[int]) -> list[str]:
-    ran = []
+def _current_convert(ctx: _Ctx, n: int) -> dict | None:
+    """The record of convert/rank{n} if its key is current, its outputs are intact and the source still
+    holds the bytes it read (`source_reads.check`, which re-reads only shards whose stamp moved)."""
+    name = f"convert/rank{n}"
+    rec = ctx.state.current(name, ctx.keys[name])
+    if rec is None:
+        return None
+    source = source_reads.check(ctx.reader, rec.get("source"),
+                                lambda msg: ctx.progress.note(f"convert rank {n}: {msg}"))
+    if source is None:
+        return None
+    if source is not rec["source"]:
+        rec = {**rec, "source": source}
+        ctx.state.write(name, rec)
+    return rec
+
+
+def _run_stage(ctx: _Ctx, stage: str, n: int, mapping: Mapping) -> dict:
+    name = f"{stage}/rank{n}"
+    try:
+        outputs, result, source = RANK_RUNNERS[stage](ctx, n, mapping)
+    except (InputError, BuildError):
+        raise
+    except Exception as exc:
+        raise _stage_failed(f"{stage} of rank {n}", exc) from exc
+    return ctx.state.record(name, ctx.keys[name], outputs, result, source)
+
+
+def _build_ranks(ctx: _Ctx, ranks: list[int]) -> tuple[list[str], dict[str, str], dict[int, str]]:
+    """Bring every stage of `ranks` up to date. Returns the stages run, the keys of the ranks' graph and
+    backend stages (known once the convert stage is resolved) and each rank's reads digest."""
+    ran: list[str] = []
+    keys: dict[str, str] = {}
+    reads: dict[int, str] = {}
     for n in ranks:
         mapping = rank_mapping(ctx.recipe, n)
         (ctx.state.build / f"rank{n}").mkdir(parents=True, exist_ok=True)
-        for stage in rank_stage_names(ctx.recipe):
+        rec = _current_convert(ctx, n)
+        if rec is None:
+            rec = _run_stage(ctx, "convert", n, mapping)
+            ran.append(f"convert/rank{n}")
+        reads[n] = rec["source"]["digest"]
+        mine = rank_keys(ctx.recipe, n, convert_identity(rec["key"], reads[n]), ctx.code)
+        keys.update(mine)
+        ctx.keys.update(mine)
+        for stage in rank_stage_names(ctx.recipe)[1:]:
             name = f"{stage}/rank{n}"
-            key = ctx.keys[name]
-            if ctx.state.current(name, key):
-                continue
-            try:
-                outputs, result = RANK_RUNNERS[stage](ctx, n, mapping)
-            except (InputError, BuildError):
-                raise
-            except Exception as exc:
-                raise _stage_failed(f"{stage} of rank {n}", exc) from exc
-            ctx.state.record(name, key, outputs, result)
-            ran.append(name)
-    return ran
+            if not ctx.state.current(name, ctx.keys[name]):
+                _run_stage(ctx, stage, n, mapping)
+                ran.append(name)
+    return ran, keys, reads
 
 
 def weight_class_map(ctx: _Ctx) -> dict[str, str]:
@@ -800,6 +825,12 @@ def build_manifest(ctx: _Ctx, records: dict[str, dict]) -> dict:
 
 def _finish(ctx: _Ctx, result: BuildResult) -> None:
     """Process 0, after every rank is built: config, LICENSE and tokenizer, publish, manifest last."""
+    src = ctx.source
+    _identify_extras(src)
+    identities = [convert_identity(ctx.keys[f"convert/rank{n}"], src.reads[n])
+                  for n in range(ctx.recipe.target.world_size)]
+    ctx.keys.update(global_keys(ctx.recipe, src.identity(), identities, src.license_sha256, src.tokenizer_files,
+                                ctx.code))
     result.ran += _build_globals(ctx)
     records = {}
     for name in _stage_names(ctx.recipe):
@@ -844,12 +875,15 @@ def build(
     try:
         _collective(comm, lambda: _prepare(ctx) if comm.rank == 0 else None)
         _collective(comm, lambda: _open_source(ctx))
-        _collective(comm, lambda: _hash_share(ctx, comm))
-        _collective(comm, lambda: _fingerprint(ctx))
         mine = [n for n in range(recipe.target.world_size) if n % comm.size == comm.rank]
         with ctx.progress:
-            ran = _collective(comm, lambda: _build_ranks(ctx, mine))
-        result.ran = sorted((x for part in comm.allgather(ran) for x in part), key=_stage_names(recipe).index)
+            done = _collective(comm, lambda: _build_ranks(ctx, mine))
+        ran = []
+        for part_ran, part_keys, part_reads in comm.allgather(done):
+            ran += part_ran
+            ctx.keys.update(part_keys)
+            ctx.source.reads.update(part_reads)
+        result.ran = sorted(ran, key=_stage_names(recipe).index)
         _collective(comm, lambda: _finish(ctx, result) if comm.rank == 0 else None)
     finally:
         if ctx.reader is not None:

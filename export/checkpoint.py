@@ -4,11 +4,14 @@ A checkpoint directory holds `config.json` and either a single `model.safetensor
 `model.safetensors.index.json`. Every shard header is parsed here (without touching tensor data) so
 that dtypes, shapes and byte offsets can be checked against the file size and against the tensor
 inventory of `moe_export.graphs.weights`. Tensor data is read through `safetensors.safe_open`
-(memory-mapped), one tensor per call, in its stored dtype.
+(memory-mapped), one tensor (or one slice of a tensor) per call, in its stored dtype. Inside
+`CheckpointReader.read_log()` every read is also hashed as it is returned (sha256 of the stored bytes),
+which is how a build identifies the source bytes it converted without a separate hashing pass.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import struct
@@ -41,6 +44,8 @@ MAX_LISTED_PROBLEMS = 40
 # fp32 or fp16); see `load_dtype` for what the reader hands out.
 FLOAT_DTYPES = ("F64", "F32", "BF16", "F16")
 _TORCH_FLOAT = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+# A slice of a tensor: (dim, start, stop) = indices start:stop of dimension dim; None = the whole tensor.
+Part = tuple[int, int, int] | None
 
 
 def alternate_names(name: str) -> list[str]:
@@ -181,6 +186,11 @@ def read_safetensors_header(path: Path) -> tuple[list[StoredTensor], list[Proble
     return tensors, problems
 
 
+def _sha256(tensor: torch.Tensor) -> str:
+    """sha256 (hex) of a tensor's bytes in C order (its stored representation: little-endian)."""
+    return hashlib.sha256(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+
+
 def _refuse_pickle(root: Path) -> None:
     pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
@@ -208,7 +218,8 @@ class CheckpointReader:
         self._index: dict[str, str] | None = None  # tensor name -> shard file, from the index
         self._bad_files: set[str] = set()  # shards whose header could not be parsed (or that are missing)
         self._handles: dict[str, object] = {}
-        self.bytes_read = 0  # tensor data bytes requested from the files so far (get / get_part)
+        self.bytes_read = 0  # tensor data bytes read from the files so far (get, get_part, digest)
+        self._log: dict[tuple[str, str, Part], str] | None = None  # see read_log()
         self._specs: list[TensorSpec] | None = None
         self.files = self._discover()
         per_file = Counter((self._index or {}).values())
@@ -332,31 +343,58 @@ class CheckpointReader:
     def get(self, name: str) -> torch.Tensor:
         """Load one tensor (by inventory name or stored spelling) in `load_dtype(name)`: its stored dtype
         (U8 for MXFP4 packed weights and scales) unless a float cast is needed."""
-        stored = self.stored(name)
-        tensor = self._read(stored)
-        want = self.load_dtype(name)
-        return tensor if want == stored.dtype else tensor.to(_TORCH_FLOAT[want])
+        return self.get_part(name, None)
 
-    def get_part(self, name: str, part: tuple[int, int, int] | None) -> torch.Tensor:
+    def get_part(self, name: str, part: Part) -> torch.Tensor:
         """`get(name)` restricted to indices start:stop of dimension dim (`part` = (dim, start, stop), None =
         whole): only those bytes are read from the file (the tensor-parallel shard of one rank)."""
-        if part is None:
-            return self.get(name)
         stored = self.stored(name)
-        dim, start, stop = part
-        view = self._handle(stored).get_slice(stored.name)  # reads only the selected bytes of the mmap
-        tensor = view[(slice(None),) * dim + (slice(start, stop),)]
-        numel = 1
-        for d in tensor.shape:
-            numel *= d
-        self.bytes_read += numel * SAFETENSORS_DTYPES[stored.dtype]
+        tensor = self._read(stored, part)
         want = self.load_dtype(name)
         return tensor if want == stored.dtype else tensor.to(_TORCH_FLOAT[want])
 
-    def _read(self, stored: StoredTensor) -> torch.Tensor:
+    def digest(self, name: str, part: Part) -> str:
+        """sha256 (hex) of the stored bytes `get_part(name, part)` reads, before any cast (C order of the slice)."""
+        return _sha256(self._read(self.stored(name), part))
+
+    @contextlib.contextmanager
+    def read_log(self) -> Iterator[dict[tuple[str, str, Part], str]]:
+        """Log every read inside the block: {(shard file, stored name, part): sha256 hex of the bytes read}.
+
+        Every shard is (re)opened inside the block (open memory maps are closed first), so the bytes
+        logged are those of the files as they were when the block began or later, never of an earlier
+        version of a file replaced since (see `export.source_reads`)."""
+        if self._log is not None:
+            raise RuntimeError("read_log() blocks do not nest")
+        self.close()
+        self._log = {}
+        try:
+            yield self._log
+        finally:
+            self._log = None
+
+    def layout_digest(self) -> str:
+        """sha256 (hex) of the shard headers' tensor table: every tensor's name, file, dtype, shape and byte
+        range, by name. The checkpoint's structure without its tensor data (no data is read)."""
+        h = hashlib.sha256()
+        for name in sorted(self._tensors):
+            t = self._tensors[name]
+            h.update(f"{name}\0{t.file}\0{t.dtype}\0{list(t.shape)}\0{t.start}\0{t.end}\n".encode())
+        return h.hexdigest()
+
+    def _read(self, stored: StoredTensor, part: Part) -> torch.Tensor:
+        """The stored bytes of `stored` (or of its slice `part`) as a tensor of its stored dtype; counted,
+        and hashed inside `read_log()`."""
         handle = self._handle(stored)
-        self.bytes_read += stored.nbytes
-        return handle.get_tensor(stored.name)
+        if part is None:
+            tensor = handle.get_tensor(stored.name)
+        else:
+            dim, start, stop = part
+            tensor = handle.get_slice(stored.name)[(slice(None),) * dim + (slice(start, stop),)]  # reads the slice only
+        self.bytes_read += tensor.numel() * SAFETENSORS_DTYPES[stored.dtype]
+        if self._log is not None:
+            self._log[(stored.file, stored.name, None if part is None else tuple(part))] = _sha256(tensor)
+        return tensor
 
     def _handle(self, stored: StoredTensor):
         if stored.file in self._bad_files:

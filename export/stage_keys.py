@@ -1,9 +1,18 @@
 """Content keys of the build stages: what each stage's output depends on, hashed.
 
-A key is sha256 over the stage name, the recipe fields in `STAGE_FIELDS`, the source fingerprint, the
-upstream stage keys, and the stage's code: the sha256 of every source file in `STAGE_CODE` (so editing
-the converter, the exporter or a plugin reruns exactly the stages that run it) and the versions of the
-libraries in `STAGE_LIBRARIES` that shape its output. A stage whose key is unchanged is not rerun.
+A key is sha256 over the stage name, the recipe fields in `STAGE_FIELDS`, what the stage reads of the
+source, the upstream stages' identities, and the stage's code: the sha256 of every source file in
+`STAGE_CODE` (so editing the converter, the exporter or a plugin reruns exactly the stages that run it)
+and the versions of the libraries in `STAGE_LIBRARIES` that shape its output. A stage whose key is
+unchanged is not rerun.
+
+The source enters in two ways. `source_id` (`source_identity`) is cheap, known before anything is
+converted: config.json's sha256 and the shard headers' tensor table (`CheckpointReader.layout_digest`).
+The tensor bytes enter through the convert stage: its key covers `source_id`, and its identity
+(`convert_identity`) adds the digest of the bytes the rank read, hashed as they were converted
+(`export.source_reads`). The graph and backend stages of a rank are keyed by that identity, `config` by
+every rank's. So a rank's downstream keys are known only once its convert stage is resolved (run, or
+found up to date by `source_reads.check`).
 """
 
 from __future__ import annotations
@@ -83,9 +92,8 @@ def _pick(dump: dict, dotted: str) -> Any:
     return cur
 
 
-def _key(stage: str, fields: dict, source_fp: str, upstream: list[str], code: dict | None, extra: dict | None = None) -> str:
-    payload = {"stage": stage, "recipe": fields, "source": source_fp, "upstream": upstream, "code": code,
-               **(extra or {})}
+def _key(stage: str, fields: dict, upstream: list[str], code: dict | None, extra: dict | None = None) -> str:
+    payload = {"stage": stage, "recipe": fields, "upstream": upstream, "code": code, **(extra or {})}
     return hashlib.sha256(canonical_json(payload)).hexdigest()
 
 
@@ -98,28 +106,48 @@ def rank_stage_names(recipe: Recipe) -> tuple[str, ...]:
     return ("convert", "graph", "lower" if recipe.backend == "onnxruntime" else "engine")
 
 
-def stage_keys(
-    recipe: Recipe, source_fp: str, license_sha256: str | None, tokenizer_files: dict[str, str]
-) -> dict[str, str]:
-    """Every stage's content key: "convert/rank0", ..., "config", "license", "tokenizer"."""
-    dump = recipe.model_dump(mode="json")
+def source_identity(config_sha256: str, layout_sha256: str) -> str:
+    """The source as known before any tensor data is read: config.json and the shard headers' tensor table."""
+    return hashlib.sha256(canonical_json({"config": config_sha256, "layout": layout_sha256})).hexdigest()
+
+
+def code_fingerprints() -> dict[str, dict[str, Any]]:
+    """`code_fingerprint` of every stage in STAGE_CODE."""
     roots = code_roots()
-    code = {stage: code_fingerprint(stage, roots) for stage in STAGE_CODE}
+    return {stage: code_fingerprint(stage, roots) for stage in STAGE_CODE}
 
-    def fields(stage: str) -> dict:
-        return {f: _pick(dump, f) for f in STAGE_FIELDS[stage]}
 
-    keys: dict[str, str] = {}
+def _fields(recipe: Recipe, stage: str) -> dict:
+    dump = recipe.model_dump(mode="json")
+    return {f: _pick(dump, f) for f in STAGE_FIELDS[stage]}
+
+
+def convert_key(recipe: Recipe, source_id: str, rank: int, code: dict) -> str:
+    """Key of convert/rank{rank}: recipe fields, code, the rank's mapping and the source layout."""
+    return _key("convert", _fields(recipe, "convert"), [], code["convert"],
+                {"source": source_id, "mapping": rank_mapping(recipe, rank).to_dict()})
+
+
+def convert_identity(key: str, reads_digest: str) -> str:
+    """What a finished convert stage's output depends on: its key and the digest of the bytes it read."""
+    return hashlib.sha256(f"{key}\0{reads_digest}".encode()).hexdigest()
+
+
+def rank_keys(recipe: Recipe, rank: int, identity: str, code: dict) -> dict[str, str]:
+    """Keys of the graph and backend stages of `rank`, given its convert identity."""
     last = rank_stage_names(recipe)[-1]
-    for n in range(recipe.target.world_size):
-        conv = _key("convert", fields("convert"), source_fp, [], code["convert"],
-                    {"mapping": rank_mapping(recipe, n).to_dict()})
-        graph = _key("graph", fields("graph"), source_fp, [conv], code["graph"])
-        keys[f"convert/rank{n}"], keys[f"graph/rank{n}"] = conv, graph
-        keys[f"{last}/rank{n}"] = _key(last, fields(last), source_fp, [graph], code[last])
-    converts = [keys[f"convert/rank{n}"] for n in range(recipe.target.world_size)]
-    keys["config"] = _key("config", dump, source_fp, converts, code["config"],
-                          {"generation_config": tokenizer_files.get(GENERATION_CONFIG)})
-    keys["license"] = _key("license", {}, license_sha256 or "none", [], None)
-    keys["tokenizer"] = _key("tokenizer", {}, hashlib.sha256(canonical_json(tokenizer_files)).hexdigest(), [], None)
-    return keys
+    graph = _key("graph", _fields(recipe, "graph"), [identity], code["graph"])
+    return {f"graph/rank{rank}": graph, f"{last}/rank{rank}": _key(last, _fields(recipe, last), [graph], code[last])}
+
+
+def global_keys(recipe: Recipe, source_id: str, identities: list[str], license_sha256: str | None,
+                tokenizer_files: dict[str, str], code: dict) -> dict[str, str]:
+    """Keys of config (the whole recipe, config.json, every rank's convert identity: the class map reads the
+    weights, and generation_config.json: its stop ids), license and tokenizer."""
+    return {
+        "config": _key("config", recipe.model_dump(mode="json"), identities, code["config"],
+                       {"source": source_id, "generation_config": tokenizer_files.get(GENERATION_CONFIG)}),
+        "license": _key("license", {}, [], None, {"source": license_sha256 or "none"}),
+        "tokenizer": _key("tokenizer", {}, [], None,
+                          {"source": hashlib.sha256(canonical_json(tokenizer_files)).hexdigest()}),
+    }

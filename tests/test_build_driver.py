@@ -19,10 +19,19 @@ import torch
 import yaml
 from onnx import TensorProto, helper
 
-from moe_export.export.build import STAGE_FIELDS, BuildError, Stages, build, describe, stage_keys
+from moe_export.export import source_reads
+from moe_export.export.build import BuildError, Stages, build, describe
 from moe_export.export.checkpoint import read_safetensors_header
 from moe_export.export.errors import InputError
 from moe_export.export.manifest import artifact_files, verify_engine_dir
+from moe_export.export.stage_keys import (
+    STAGE_FIELDS,
+    code_fingerprints,
+    convert_identity,
+    convert_key,
+    global_keys,
+    rank_keys,
+)
 from moe_export.graphs.sharding import shard_tensor
 from moe_export.graphs.weights import global_tensor_specs, layer_tensor_specs
 from moe_export.plugins import DOMAIN
@@ -141,9 +150,17 @@ def assert_published_alone(out: Path) -> None:
     assert list((out / ".build").iterdir()) == []
 
 
+def settled(root: Path) -> Path:
+    """Wait until every file under `root` last changed more than `source_reads.RACY_NS` ago, so a build
+    trusts the stamps it records for them (a fresher file is verified by content at the next build)."""
+    newest = max(p.stat().st_ctime_ns for p in Path(root).rglob("*") if p.is_file())
+    time.sleep(max(0, newest + source_reads.RACY_NS - time.time_ns()) / 1e9 + 0.01)
+    return Path(root)
+
+
 @pytest.fixture(scope="module")
 def ckpt(synthetic_checkpoint) -> Path:
-    return Path(synthetic_checkpoint("tiny-k3"))
+    return settled(Path(synthetic_checkpoint("tiny-k3")))
 
 
 HELPER = """
@@ -171,6 +188,20 @@ def write_recipe(path: Path, data: dict) -> Path:
 
 
 # ---- keys ----
+def stage_keys(recipe: Recipe, source_id: str, license_sha256: str | None, tokenizer_files: dict[str, str],
+               reads: dict[int, str] | None = None) -> dict[str, str]:
+    """Every stage's key at once, given each rank's reads digest (default ""), composed as the build does."""
+    code = code_fingerprints()
+    keys: dict[str, str] = {}
+    identities = []
+    for n in range(recipe.target.world_size):
+        keys[f"convert/rank{n}"] = convert_key(recipe, source_id, n, code)
+        identities.append(convert_identity(keys[f"convert/rank{n}"], (reads or {}).get(n, "")))
+        keys.update(rank_keys(recipe, n, identities[-1], code))
+    keys.update(global_keys(recipe, source_id, identities, license_sha256, tokenizer_files, code))
+    return keys
+
+
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
@@ -202,6 +233,8 @@ def test_stage_keys_engine_and_source():
     assert {k for k in base if base[k] != licensed[k]} == {"license"}
     tokenized = stage_keys(trt, "src", None, {"tokenizer.json": "abc"})
     assert {k for k in base if base[k] != tokenized[k]} == {"tokenizer"}
+    read_other = stage_keys(trt, "src", None, {}, reads={1: "other bytes"})  # rank 1 read other tensor bytes
+    assert {k for k in base if base[k] != read_other[k]} == {"graph/rank1", "engine/rank1", "config"}
     assert set(STAGE_FIELDS) == {"convert", "graph", "lower", "engine"}
 
 
@@ -223,7 +256,10 @@ def test_synthetic_build_layout_manifest_and_noop_rerun(tmp_path, capsys):
     assert sorted(manifest["files"]) == files
     assert manifest["source"]["kind"] == "synthetic" and manifest["source"]["preset"] == "tiny-k3"
     assert manifest["source"]["seed"] == 0
-    assert all(len(f["sha256"]) == 64 for f in manifest["source"]["files"].values())
+    assert {"config.json", "model.safetensors.index.json"} <= set(manifest["source"]["files"])
+    assert all(f["size"] > 0 for f in manifest["source"]["files"].values())
+    assert len(manifest["source"]["config_sha256"]) == len(manifest["source"]["layout_sha256"]) == 64
+    assert sorted(manifest["source"]["reads_sha256"]) == [f"rank{n}" for n in range(4)]
     assert set(manifest["versions"]) == {"moe_export", "torch", "onnx", "onnxruntime", "numpy", "safetensors", "python"}
     assert manifest["recipe"]["sha256"] == recipe.fingerprint()
     assert manifest["license"]["file"] == "LICENSE"
@@ -321,20 +357,37 @@ def test_deleted_or_touched_outputs_are_repaired(ckpt, tmp_path):
     assert_published_alone(out)
 
 
-def test_touched_source_with_same_content_rebuilds_nothing(tmp_path, ckpt):
+def test_source_changes_rerun_only_the_ranks_that_read_them(tmp_path, ckpt):
+    """Touched shards are re-read and compared, not reconverted; a changed byte (same size, same header)
+    reruns the ranks that read it and what depends on them, even with the file's mtime restored."""
     src = tmp_path / "src"
     shutil.copytree(ckpt, src)
+    settled(src)
     out = tmp_path / "e"
-    build(tiny_recipe(src), out, stages=FAKE_STAGES, progress=False)
-    assert len(list((out / ".cache" / "sha256").iterdir())) >= 3
-    shard = sorted(src.glob("model-*.safetensors"))[0]
+    recipe = tiny_recipe(src)
+    build(recipe, out, stages=FAKE_STAGES, progress=False)
+    stamps = {n: json.loads((out / ".state" / f"convert-rank{n}.json").read_text())["source"]["files"] for n in range(4)}
+    assert all(e["stamp"] is not None for files in stamps.values() for e in files.values())
+    expert = next(name for files in stamps.values() for f in files.values() for name, _, _ in f["reads"]
+                  if ".experts.0." in name)  # fake_convert reads the experts of the first MoE layer
+    stored = {t.name: t for shard in src.glob("model-*.safetensors") for t in read_safetensors_header(shard)[0]}[expert]
+    shard = src / stored.file
     os.utime(shard, ns=(5, 5))
-    assert build(tiny_recipe(src), out, stages=FAKE_STAGES, progress=False).up_to_date
+    before = inodes(out)
+    assert build(recipe, out, stages=FAKE_STAGES, progress=False).up_to_date
+    assert inodes(out) == before
+    st = shard.stat()
     data = bytearray(shard.read_bytes())
-    data[-1] ^= 0x01  # same size, new content: a full rebuild
+    data[stored.start] ^= 0x01  # same size, same header, one byte of expert 0: held by ranks 0 and 2
     shard.write_bytes(bytes(data))
-    res = build(tiny_recipe(src), out, stages=FAKE_STAGES, progress=False)
-    assert "convert/rank0" in res.ran
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))  # mtime restored: the ctime still moved
+    res = build(recipe, out, stages=FAKE_STAGES, progress=False)
+    assert res.ran == [f"{s}/rank{n}" for n in (0, 2) for s in ("convert", "graph", "lower")] + ["config"]
+    after = inodes(out)
+    assert {k for k in before if before[k] != after[k]} == {
+        f"rank{n}/{f}" for n in (0, 2) for f in ("weights.safetensors", "quantization.json", "model.onnx",
+                                                 "ort_segment_000.onnx", "ort_plan.json")} | {"config.json"}
+    assert verify_engine_dir(out)["ok"]
 
 
 def test_source_without_license_is_noted(tmp_path, ckpt):

@@ -107,6 +107,39 @@ def test_header_parse_matches_safetensors(clean_kl):
     assert {t.name: list(t.shape) for t in tensors} == {k: list(v.shape) for k, v in loaded.items()}
 
 
+def test_read_log_hashes_exactly_the_bytes_returned(ckpt):
+    """Inside read_log() each read is logged with the sha256 of its stored bytes (slices: just the slice);
+    `digest` gives the same value, reads are counted, and the tensor table digest moves with the layout."""
+    import hashlib
+
+    def sha(t: torch.Tensor) -> str:
+        return hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest()
+
+    with open_checkpoint(ckpt) as reader:
+        name = next(n for n in reader.tensor_names() if n.endswith("embed_tokens.weight"))
+        file = reader.stored(name).file
+        whole = load_file(str(ckpt / file))[name]
+        reader.bytes_read = 0
+        with reader.read_log() as log:
+            assert torch.equal(reader.get_part(name, (0, 2, 5)), whole[2:5])
+            reader.get(name)
+            with pytest.raises(RuntimeError, match="do not nest"):
+                with reader.read_log():
+                    pass
+        assert log == {(file, name, (0, 2, 5)): sha(whole[2:5]), (file, name, None): sha(whole)}
+        assert reader.digest(name, (0, 2, 5)) == sha(whole[2:5])
+        assert reader.bytes_read == 2 * whole[2:5].numel() * 2 + whole.numel() * 2
+        reader.get(name)
+        assert len(log) == 2  # nothing is logged outside the block
+        layout = reader.layout_digest()
+    with open_checkpoint(ckpt) as again:
+        assert again.layout_digest() == layout
+    tensors = load_file(str(ckpt / file))
+    save_file(dict(reversed(list(tensors.items()))), str(ckpt / file))  # same tensors, other offsets
+    with open_checkpoint(ckpt) as moved:
+        assert moved.layout_digest() != layout
+
+
 def test_fingerprint_is_stable_and_covers_shards(clean_kl):
     fp = checkpoint_fingerprint(clean_kl)
     shards = set(index_of(clean_kl)["weight_map"].values())
