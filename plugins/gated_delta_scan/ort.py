@@ -4,14 +4,16 @@ body uses standard ONNX ops only (opset 21); ORT inlines it. The TensorRT graph 
 Body (exact fp32 recurrence, same order of operations as ``reference``):
   q, k <- Where(use_qk_l2norm, l2norm(x), x);  q <- q * scale
   states = Gather(state_pool, slot_ids)                              [N, H, V, K]
-  outer Loop over sequences n (carries the packed output so far, scans out the final states):
+  if every sequence has exactly one token (a decode step): the token update below over all N at once;
+  else an outer Loop over sequences n (carries the packed output so far, scans out the final states):
     slice q, k, v, g, beta to [cu_seqlens[n], cu_seqlens[n+1])
     inner Loop over its tokens (carries S [H, V, K], scans out o_t [H, V]):
       S = S * exp(g_t)[:, None, :];  d = beta_t * (v_t - sum_K S k_t);  S += d[:, :, None] k_t[:, None, :]
       o_t = sum_K S q_t
     o = Concat(o, Reshape(o_seq, [L, H, V]))   (the reshape makes an empty sequence a [0, H, V] block)
   state_pool_out = ScatterND(state_pool, slot_ids[:, None], final states)
-Cost: one ORT Loop iteration per token (~10 small kernels on [H, V, K]), fine for tests and small models.
+Cost: a decode step is ~10 batched kernels on [N, H, V, K]; otherwise one ORT Loop iteration per token (~10 small
+kernels on [H, V, K]), fine for tests and small models.
 """
 
 from __future__ import annotations
@@ -88,6 +90,21 @@ def _token_body(prefix: str) -> onnx.GraphProto:
     )
 
 
+def _one_token_each_body(prefix: str) -> onnx.GraphProto:
+    """If-branch for steps where every sequence has exactly one token (decode: token n is sequence n): the
+    token update of `_token_body` over all N at once, no Loop -> (o [N, H, V], final states [N, H, V, K])."""
+    b = _Nodes(prefix)
+    k_row = b.unsq("gds_k", [2])  # [N, H, 1, K]
+    decayed = b.op("Mul", "gds_states", b.unsq(b.op("Exp", "gds_g"), [2]))
+    kv = b.op("ReduceSum", b.op("Mul", decayed, k_row), b.const([3]), keepdims=0)  # [N, H, V]
+    d = b.op("Mul", b.op("Sub", "gds_v", kv), b.unsq("gds_beta", [2]))
+    S_new = b.op("Add", decayed, b.op("Mul", b.unsq(d, [3]), k_row), out=f"{prefix}S")
+    b.op("ReduceSum", b.op("Mul", S_new, b.unsq("gds_q", [2])), b.const([3]), keepdims=0, out=f"{prefix}o")
+    f32 = TensorProto.FLOAT
+    return helper.make_graph(b.nodes, f"{prefix}body", [],
+                             [helper.make_tensor_value_info(n, f32, None) for n in (f"{prefix}o", S_new)])  # fmt: skip
+
+
 def _sequence_body(prefix: str) -> onnx.GraphProto:
     """Outer Loop body: (n, cond, o_acc [?, H, V]) -> (cond, o_acc', S_final [H, V, K])."""
     b = _Nodes(prefix)
@@ -148,9 +165,17 @@ def function_proto() -> onnx.FunctionProto:
     o_empty = b.op("Slice", "gds_v", b.const([0]), b.const([0]), b.const([0]))  # [0, H, V]
     num_seqs = b.op("Squeeze", b.op("Shape", "slot_ids"), b.const([0]))
     o_all, finals = "gds_o_all", "gds_finals"
-    b.nodes.append(
-        helper.make_node("Loop", [num_seqs, "", o_empty], [o_all, finals], body=_sequence_body("gds_s_"))
-    )
+    diffs = b.op("Sub", b.op("Slice", "cu_seqlens", b.const([1]), b.const([2**62])),
+                 b.op("Slice", "cu_seqlens", b.const([0]), b.const([-1])))
+    one_each = b.op("Equal", b.op("ReduceMin", b.op("Cast", b.op("Equal", diffs, b.const(1)), to=TensorProto.INT32),
+                                  keepdims=0), b.const(1, TensorProto.INT32))  # fmt: skip
+    scan = helper.make_graph(
+        [helper.make_node("Loop", [num_seqs, "", o_empty], ["gds_scan_o", "gds_scan_finals"],
+                          body=_sequence_body("gds_s_"))],
+        "gds_scan", [], [helper.make_tensor_value_info(n, f32, None) for n in ("gds_scan_o", "gds_scan_finals")],
+    )  # fmt: skip
+    b.nodes.append(helper.make_node("If", [one_each], [o_all, finals], then_branch=_one_token_each_body("gds_d_"),
+                                    else_branch=scan))  # fmt: skip
     b.op("CastLike", o_all, "v", out="o")
     b.op("ScatterND", "state_pool", b.unsq("slot_ids", [1]), finals, out="state_pool_out")
     return helper.make_function(
