@@ -15,9 +15,10 @@ One graph per rank handles a packed batch of N sequences (prefill chunks and dec
            which the runtime writes into its pools in place; per MLA layer the step's new cache rows
            (`mla_cache.i.out` [T, kv_lora+rope], `index_cache.i.out` [T, Di], fp32 values already rounded to
            the storage dtype), which the runtime writes at each token's block-table row. TensorRT builds
-           write the cache rows inside the engine instead: a `PagedCacheWrite` node per pool whose output
-           (`mla_cache.i.written`, `index_cache.i.written`, the pool's shape) is aliased to the pool input, so
-           the write is in place and the runtime binds that output to the pool's own buffer.
+           update every pool inside the engine instead: GatedDeltaScan / ShortConv take the pools and the
+           slot ids, and a `PagedCacheWrite` node per cache pool stores the new rows; each pool's output
+           (`kda_state.i.written`, ..., `mla_cache.i.written`, the pool's shape) is aliased to the pool input,
+           so the update is in place and the runtime binds that output to the pool's own buffer.
 
 S (slots), NB (blocks) and BS (block size) are symbolic; the runtime sizes the pools (see
 `moe_export.export.planner.pool_sizes`). No output is a whole pool, so a step costs O(tokens + context used).
@@ -176,15 +177,20 @@ class GraphBuilder:
         """x (fp32) in the compute dtype; no node when computing in fp32."""
         return x if self.act == TensorProto.FLOAT else self.op("Cast", [x], f"{name}.act", to=self.act)
 
-    def op(self, op_type: str, inputs: list[str], name: str, n_out: int = 1, domain: str = "", **attrs):
-        """Append a node named `name`; returns its output value name (or list for n_out > 1)."""
+    def op(self, op_type: str, inputs: list[str], name: str, n_out: int = 1, domain: str = "",
+           out_names: dict[int, str] | None = None, **attrs):
+        """Append a node named `name`; returns its output value name (or list for n_out > 1). `out_names` names
+        chosen outputs by index (e.g. a graph output the node produces itself)."""
         name = self._unique(name)
         outs = [name] if n_out == 1 else [f"{name}.{i}" for i in range(n_out)]
+        for index, out in (out_names or {}).items():
+            outs[index] = out
         self.nodes.append(helper.make_node(op_type, inputs, outs, name=name, domain=domain, **attrs))
         return outs[0] if n_out == 1 else outs
 
     def plugin(self, op_type: str, inputs: list[str], name: str, n_out: int = 1, **attrs):
-        """A node in our domain with the attributes TensorRT's ONNX parser finds the plugin by."""
+        """A node in our domain with the attributes TensorRT's ONNX parser finds the plugin by (`out_names` as
+        for `op`)."""
         return self.op(op_type, inputs, name, n_out, domain=DOMAIN, plugin_version=PLUGIN_VERSION,
                        plugin_namespace=PLUGIN_NAMESPACE, **attrs)
 
@@ -236,9 +242,9 @@ class RankGraph:
 
     def __init__(self, cfg: ModelConfig, mapping: Mapping, weights_path: Path, topk_override: int | None = None,
                  use_indexer: bool = True, kv_cache: str = "fp32", compute_dtype: int = TensorProto.FLOAT,
-                 caches_written_in_graph: bool = False):
+                 state_in_place: bool = False):
         self.cfg, self.m = cfg, mapping
-        self.caches_written_in_graph = caches_written_in_graph  # TensorRT: PagedCacheWrite, aliased to the pool
+        self.state_in_place = state_in_place  # TensorRT: every pool updated by an aliased plugin output
         self.cache_type = cache_storage_type(kv_cache)
         self.g = GraphBuilder(weights_path, compute_dtype)
         self.inputs: list[onnx.ValueInfoProto] = []
@@ -310,11 +316,17 @@ class RankGraph:
         qkv = g.op("Concat", [g.linear(x, f"{a}{c}_proj.weight", f"{n}.{c}_proj") for c in "qkv"], f"{n}.qkv", axis=-1)
         conv_w = g.op("Concat", [g.reshape(g.weight(f"{a}{c}_conv1d.weight", dtype=TensorProto.FLOAT), [p_l, w],
                                            f"{n}.{c}_conv_w") for c in "qkv"], f"{n}.conv_w", axis=0)  # fmt: skip
-        # The step's sequences' windows / states only ([N, ...], addressed by local slots 0..N-1): the plugin
-        # outputs are then the touched slots' new values, which the runtime writes back (O(tokens), not O(pool)).
-        conv_in = g.op("Gather", [io["conv"], io["slots"]], f"{n}.conv_windows", axis=0)
-        state_in = g.op("Gather", [io["state"], io["slots"]], f"{n}.states", axis=0)
-        conv_y, conv_out = g.plugin("ShortConv", [qkv, conv_w, conv_in, io["cu"], io["local_slots"]], f"{n}.short_conv", 2)
+        if self.state_in_place:  # TensorRT: the plugins update the pools' slots in place (aliased outputs)
+            conv_in, state_in, slots = io["conv"], io["state"], io["slots"]
+            written = {1: f"conv_state.{i}{WRITTEN_SUFFIX}"}, {1: f"kda_state.{i}{WRITTEN_SUFFIX}"}
+        else:
+            # The step's sequences' windows / states only ([N, ...], addressed by local slots 0..N-1): the plugin
+            # outputs are then the touched slots' new values, which the runtime writes back (O(tokens), not O(pool)).
+            conv_in = g.op("Gather", [io["conv"], io["slots"]], f"{n}.conv_windows", axis=0)
+            state_in = g.op("Gather", [io["state"], io["slots"]], f"{n}.states", axis=0)
+            slots, written = io["local_slots"], ({}, {})
+        conv_y, conv_out = g.plugin("ShortConv", [qkv, conv_w, conv_in, io["cu"], slots], f"{n}.short_conv", 2,
+                                    out_names=written[0])
         q, k, v = (g.reshape(g.slice_last(conv_y, j * p_l, (j + 1) * p_l, f"{n}.{c}_conv"), [-1, hl, dh], f"{n}.{c}")
                    for j, c in enumerate("qkv"))
         f_b = g.to_f32(g.linear(g.linear(x, f"{a}f_a_proj.weight", f"{n}.f_a"), f"{a}f_b_proj.weight", f"{n}.f_b"), f"{n}.f_b")
@@ -331,8 +343,8 @@ class RankGraph:
             sp = g.op("Softplus", [u], f"{n}.softplus")
             log_decay = g.op("Neg", [g.op("Mul", [decay, sp], f"{n}.A_sp")], f"{n}.g")
         beta = g.op("Sigmoid", [g.to_f32(g.linear(x, f"{a}b_proj.weight", f"{n}.b_proj"), f"{n}.b_proj")], f"{n}.beta")
-        o, state_out = g.plugin("GatedDeltaScan", [q, k, v, log_decay, beta, state_in, io["cu"], io["local_slots"]],
-                                f"{n}.gated_delta_scan", 2, scale=float(dh**-0.5), use_qk_l2norm=1)
+        o, state_out = g.plugin("GatedDeltaScan", [q, k, v, log_decay, beta, state_in, io["cu"], slots],
+                                f"{n}.gated_delta_scan", 2, out_names=written[1], scale=float(dh**-0.5), use_qk_l2norm=1)
         if cfg.use_full_rank_gate:
             gate = g.linear(x, f"{a}g_proj.weight", f"{n}.g_proj")
         else:
@@ -405,12 +417,15 @@ class RankGraph:
                         topk=int(self.topk))
 
     def write_cache_in_place(self, pool: str, rows: str, io: dict, name: str) -> None:
-        """PagedCacheWrite of the step's rounded rows into `pool`; its output, the graph output `<name>.written`,
-        is aliased to the pool on TensorRT (no copy: the node's own output is the graph output)."""
-        written = self.g.plugin("PagedCacheWrite", [pool, rows, io["cu"], io["tables"], io["positions"]],
-                                name + WRITTEN_SUFFIX)
+        """PagedCacheWrite of the step's rounded rows into `pool` (aliased output `<name>.written`)."""
+        self.g.plugin("PagedCacheWrite", [pool, rows, io["cu"], io["tables"], io["positions"]], name + WRITTEN_SUFFIX)
+        self.pool_output(pool)
+
+    def pool_output(self, pool: str) -> None:
+        """Graph output `<pool>.written`, the pool's type and shape, produced by a plugin whose output is aliased to
+        the pool input on TensorRT (no Identity: the node's own output is the graph output, so nothing is copied)."""
         src = next(v for v in self.inputs if v.name == pool)
-        self.outputs.append(helper.make_tensor_value_info(written, self.cache_type,
+        self.outputs.append(helper.make_tensor_value_info(pool + WRITTEN_SUFFIX, src.type.tensor_type.elem_type,
                                                           [d.dim_param or d.dim_value for d in src.type.tensor_type.shape.dim]))
 
     def round_to_storage(self, rows: str, name: str) -> str:
@@ -565,11 +580,13 @@ class RankGraph:
             x = g.rms_norm(mixed, lp + "post_attention_layernorm.weight", eps, f"layers.{i}.post_norm")
             f = self.moe(i, x) if cfg.is_moe(i) else self.mlp(x, lp + "mlp.", f"layers.{i}.mlp", self.m.tp)
             h = g.op("Add", [prefix, f], f"layers.{i}.mlp_residual")
-            for key, out_name in (("state_out", f"kda_state.{i}.out"), ("conv_out", f"conv_state.{i}.out")):
-                if key in io:
-                    state_outputs.append((io[key], out_name))
+            for key, pool in (("state_out", f"kda_state.{i}"), ("conv_out", f"conv_state.{i}")):
+                if key in io and self.state_in_place:
+                    self.pool_output(pool)  # the plugin's aliased output, named `<pool>.written`
+                elif key in io:
+                    state_outputs.append((io[key], f"{pool}.out"))
             for key, pool_key, pool in (("mla_out", "mla", f"mla_cache.{i}"), ("index_out", "index", f"index_cache.{i}")):
-                if key in io and self.caches_written_in_graph:
+                if key in io and self.state_in_place:
                     self.write_cache_in_place(io[pool_key], io[key], io, pool)
                 elif key in io:
                     state_outputs.append((io[key], f"{pool}.out"))
@@ -614,7 +631,7 @@ def export_rank_graph(cfg: ModelConfig, recipe, mapping: Mapping, weights_path: 
     use_indexer = recipe.attention.indexer == "auto"
     model = RankGraph(cfg, mapping, Path(weights_path), recipe.attention.sparse_topk, use_indexer,
                       recipe.quantization.kv_cache, compute_dtype(recipe),
-                      caches_written_in_graph=recipe.backend == "tensorrt").build()
+                      state_in_place=recipe.backend == "tensorrt").build()
     Path(out_path).write_bytes(model.SerializeToString(deterministic=True))
     return graph_summary(model)
 

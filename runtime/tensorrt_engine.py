@@ -13,10 +13,10 @@ are torch CUDA tensors. The JIT plugins run in this process (their modules are i
 are deserialized), so TensorRT calls back into Python for them.
 
 State pools are torch tensors owned here, sized as `runtime.engine` does for ONNX Runtime (recurrent state
-[S, ...] per KDA layer; paged MLA / indexer caches [NB, BS, W] in the recipe's cache dtype). The graph returns
-the step's sequences' new recurrent state, written back at their slots after the step (O(tokens)); the cache
-rows are written inside the engine by `PagedCacheWrite` nodes, whose outputs `<pool>.written` are aliased to the
-pool inputs and bound here to the same buffers (in place, O(tokens)).
+[S, ...] per KDA layer; paged MLA / indexer caches [NB, BS, W] in the recipe's cache dtype). The engines update
+them in place: GatedDeltaScan / ShortConv rewrite the step's slots and `PagedCacheWrite` stores the step's cache
+rows, each through a plugin output `<pool>.written` aliased to the pool input, which this runner binds to the
+pool's own buffer (O(tokens) per step; nothing is written back after the step).
 """
 
 from __future__ import annotations
@@ -150,11 +150,7 @@ class TensorRTEngine:
                     self._run_segment(step, env)
                 else:
                     self._collective(step, env)
-            slots = env["slot_ids"]
-            for name, pool in self.pools.items():  # the touched slots' new recurrent state, written in place
-                if name.startswith(RESET_ON_NEW_SEQUENCE):
-                    pool[slots] = env[f"{name}.out"].to(pool.dtype)
-            # cache rows were written inside the engines (PagedCacheWrite, output `<pool>.written` aliased to the pool)
+            # every pool was updated inside the engines: plugin outputs `<pool>.written` aliased to the pools
         self.stream.synchronize()
         return env["logits"].float().cpu().numpy()
 

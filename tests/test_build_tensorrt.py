@@ -91,24 +91,33 @@ def test_gpu_graph_computes_in_bf16_with_fp32_where_needed(tiny_graphs):  # noqa
             assert [types.get(i) for i in n.input[:5]] == [16, 16, 16, 1, 1]
 
 
-def test_gpu_graph_writes_its_caches_in_place(tiny_graphs):  # noqa: F811
-    """TensorRT graphs write each cache pool inside the engine: one PagedCacheWrite per pool whose own output is the
-    graph output `<pool>.written` (pool shape and dtype, here fp8 uint8 rows; no Identity copy), emitted by the
-    segment that holds it so the runtime can bind it to the pool; no `<pool>.out` rows are returned. The CPU
-    graphs return the rows instead (the runtime writes them)."""
+def test_gpu_graph_updates_every_pool_in_place(tiny_graphs):  # noqa: F811
+    """TensorRT graphs update every state pool inside the engine: GatedDeltaScan / ShortConv take the pool itself
+    with the step's slot ids, one PagedCacheWrite per cache pool stores the new rows, and each pool's plugin output
+    (aliased to the pool on TensorRT) is itself the graph output `<pool>.written` (pool shape and dtype, caches
+    here fp8 uint8 rows; no Identity copy, no Gather of the slots), emitted by the segment that holds it so the
+    runtime can bind it to the pool; no `<pool>.out` is returned. CPU graphs return the step's state and rows."""
     from moe_export.graphs.onnx_export import WRITTEN_SUFFIX
 
     cpu, gpu = (onnx.load(str(p), load_external_data=False) for p in (tiny_graphs[1], tiny_graphs[2]))
-    pools = {v.name: v for v in gpu.graph.input if v.name.startswith(("mla_cache.", "index_cache."))}
-    assert any(n.startswith("index_cache.") for n in pools)
-    writes = {n.output[0]: n for n in gpu.graph.node if n.op_type == "PagedCacheWrite"}
-    assert set(writes) == {name + WRITTEN_SUFFIX for name in pools}
+    pools = {v.name: v for v in gpu.graph.input if v.name.startswith(("kda_state.", "conv_state.", "mla_cache.", "index_cache."))}
+    assert {n.split(".")[0] for n in pools} == {"kda_state", "conv_state", "mla_cache", "index_cache"}
+    producers = {o: n for n in gpu.graph.node for o in n.output}
     outputs = {o.name: o for o in gpu.graph.output}
+    expected_op = {"kda_state": ("GatedDeltaScan", 5), "conv_state": ("ShortConv", 2), "mla_cache": ("PagedCacheWrite", 0),
+                   "index_cache": ("PagedCacheWrite", 0)}  # op, input index of the pool (the aliased input)
     for name, pool in pools.items():
-        assert writes[name + WRITTEN_SUFFIX].input[0] == name
-        assert outputs[name + WRITTEN_SUFFIX].type == pool.type and pool.type.tensor_type.elem_type == onnx.TensorProto.UINT8
-        assert name + ".out" not in outputs
+        node = producers[name + WRITTEN_SUFFIX]
+        op, pool_input = expected_op[name.split(".")[0]]
+        assert node.op_type == op and node.input[pool_input] == name
+        assert outputs[name + WRITTEN_SUFFIX].type == pool.type and name + ".out" not in outputs
+        if op != "PagedCacheWrite":
+            assert node.input[-1] == "slot_ids"
+        else:
+            assert pool.type.tensor_type.elem_type == onnx.TensorProto.UINT8
+    assert not any(n.op_type == "Gather" and n.input[0] in pools for n in gpu.graph.node)
     segment_outputs = {o for s in plan_segments(gpu) if not isinstance(s, dict) for o in s.outputs}
     assert {name + WRITTEN_SUFFIX for name in pools} <= segment_outputs
     assert not any(n.op_type == "PagedCacheWrite" for n in cpu.graph.node)
-    assert {o.name for o in cpu.graph.output} >= {v.name + ".out" for v in cpu.graph.input if v.name.startswith("mla_cache.")}
+    cpu_pools = [v.name for v in cpu.graph.input if v.name.startswith(("kda_state.", "mla_cache."))]
+    assert cpu_pools and {o.name for o in cpu.graph.output} >= {name + ".out" for name in cpu_pools}
