@@ -31,7 +31,7 @@ from typing import Any
 
 from moe_export.export.errors import InputError
 from moe_export.runtime.budget import EFFORT_TIERS
-from moe_export.runtime.tokenizer import IncrementalDecoder, Tokenizer
+from moe_export.runtime.tokenizer import Tokenizer
 
 FAMILIES = ("k3", "k2")
 K2_DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
@@ -528,7 +528,7 @@ class OutputParser:
         self.tool_calls: list[dict] = []
         self.failures = 0
         self.failure_reasons: list[str] = []  # why each failed call did not parse (for logs)
-        self.run = IncrementalDecoder(tokenizer)
+        self.run = tokenizer.incremental_decoder()
         self.names = {i: n for n, i in tokenizer.special_tokens.items()}
         self.header: str | None = None  # K3: text of an open / close tag before its <|sep|>
         self.header_kind = ""
@@ -569,7 +569,7 @@ class OutputParser:
             elif self.header is not None:
                 self.header_ids.append(t)
             if name is None:
-                self._emit(self.run.push(t))
+                self._emit(self.run.push([t]))
                 continue
             self._emit(self.run.flush())
             if self.family == "k3":

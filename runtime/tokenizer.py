@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import codecs
 import re
 from abc import ABC, abstractmethod
 from functools import cached_property
@@ -104,6 +105,10 @@ class Tokenizer(ABC):
 
     @abstractmethod
     def _decode(self, ids: list[int]) -> str: ...
+
+    @abstractmethod
+    def incremental_decoder(self) -> IncrementalDecoder:
+        """A fresh streaming decoder (see `IncrementalDecoder`)."""
 
     @property
     def family(self) -> str | None:
@@ -194,6 +199,9 @@ class KimiTokenizer(Tokenizer):
     def _decode(self, ids: list[int]) -> str:
         return self._enc.decode(ids, errors="replace")
 
+    def incremental_decoder(self) -> IncrementalDecoder:
+        return _Utf8Decoder(self._enc.decode_bytes)
+
 
 class JsonTokenizer(Tokenizer):
     """A Hugging Face `tokenizer.json` tokenizer (checkpoints that are not Kimi's tiktoken format)."""
@@ -224,6 +232,9 @@ class JsonTokenizer(Tokenizer):
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 
+    def incremental_decoder(self) -> IncrementalDecoder:
+        return _StreamDecoder(self._tok)
+
 
 def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
     """`base64(token bytes) rank` per line -> {token bytes: rank}; InputError naming the bad line.
@@ -240,29 +251,61 @@ def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
     return ranks
 
 
-class IncrementalDecoder:
-    """Streaming detokenizer: `push(id)` returns the text the id completes. A token that ends inside a
-    UTF-8 character is held until the character completes (at most 4 tokens); a special token flushes
-    what is held and returns its name."""
+class IncrementalDecoder(ABC):
+    """Streaming detokenizer over one tokenizer: the pieces `push` returns, then `flush()`, join to exactly
+    `decode` of every id pushed (special tokens by name), at a cost per call that does not grow with the
+    output. Bytes of an unfinished UTF-8 character are held until it completes."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tok = tokenizer
-        self.pending: list[int] = []
+    @abstractmethod
+    def push(self, ids: list[int]) -> str:
+        """The text that `ids` complete."""
 
-    def push(self, token_id: int) -> str:
-        if self.tok.is_special(token_id):
-            return self.flush() + self.tok.decode([token_id])
-        self.pending.append(token_id)
-        text = self.tok.decode(self.pending)
-        if text.endswith("\ufffd") and len(self.pending) < 4:
-            return ""
-        self.pending = []
-        return text
+    @abstractmethod
+    def flush(self) -> str:
+        """The held rest (an unfinished character decodes as U+FFFD); the decoder then starts afresh."""
+
+
+class _Utf8Decoder(IncrementalDecoder):
+    """Byte-level tokenizers: token bytes through Python's incremental UTF-8 decoder (errors replaced), which
+    gives the same text as decoding all bytes at once."""
+
+    def __init__(self, token_bytes) -> None:
+        self._bytes = token_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, ids: list[int]) -> str:
+        return self._utf8.decode(self._bytes(ids)) if ids else ""
 
     def flush(self) -> str:
-        """Text of the held tokens (an incomplete character decodes as U+FFFD)."""
-        text = self.tok.decode(self.pending) if self.pending else ""
-        self.pending = []
+        return self._utf8.decode(b"", final=True)
+
+
+class _StreamDecoder(IncrementalDecoder):
+    """`tokenizer.json` tokenizers: the tokenizers library's own `DecodeStream`."""
+
+    def __init__(self, tok) -> None:
+        self._tok = tok
+        self._restart()
+
+    def _restart(self) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._stream = DecodeStream(skip_special_tokens=False)
+        self._held: list[int] = []  # ids pushed since the stream last returned text
+
+    def push(self, ids: list[int]) -> str:
+        pieces = []
+        for i in ids:
+            self._held.append(i)
+            piece = self._stream.step(self._tok, i)
+            if piece is not None:
+                pieces.append(piece)
+                self._held = []
+        return "".join(pieces)
+
+    def flush(self) -> str:
+        text = self._tok.decode(self._held, skip_special_tokens=False) if self._held else ""
+        self._restart()
         return text
 
 

@@ -156,15 +156,46 @@ def test_bad_files(tmp_path):
 
 
 def test_incremental_decoder(kimi):
-    from moe_export.runtime.tokenizer import IncrementalDecoder
-
     text = "a中🙂 b"
     ids = [b for b in text.encode()]  # one byte token per byte: characters split across tokens
     sep = kimi.encode_special("[EOS]")
-    dec = IncrementalDecoder(kimi)
-    pieces = [dec.push(i) for i in [*ids, sep, *"x".encode()]]
+    dec = kimi.incremental_decoder()
+    pieces = [dec.push([i]) for i in [*ids, sep, *"x".encode()]]
     assert "".join(pieces) + dec.flush() == text + "[EOS]x"
     assert all("\ufffd" not in p for p in pieces)
     assert pieces[1:4] == ["", "", "中"]
-    dec.push("中".encode()[0])
+    dec.push(["中".encode()[0]])
     assert dec.flush() == "\ufffd"
+
+
+def test_incremental_decoder_equals_whole_decode_on_random_ids(kimi):
+    """Any ids (invalid UTF-8, split characters, special tokens), pushed in any grouping: the pieces join to
+    exactly `decode` of all of them."""
+    import random
+
+    rng = random.Random(0)
+    pool = [*"é€🙂中".encode(), 0x80, 0xFF, 0xC3, *range(97, 100), *range(256, 262), kimi.encode_special("[EOS]")]
+    for _ in range(300):
+        ids = [rng.choice(pool) for _ in range(rng.randint(0, 24))]
+        dec, text, k = kimi.incremental_decoder(), "", 0
+        while k < len(ids):
+            n = rng.randint(1, 3)
+            text += dec.push(ids[k:k + n])
+            k += n
+        assert text + dec.flush() == kimi.decode(ids), ids
+
+
+def test_incremental_decoder_of_a_tokenizer_json(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<0xC3>": 0, "<0xA9>": 1, "a": 2, "▁b": 3}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    loaded = load_tokenizer(tmp_path)
+    ids = [2, 0, 1, 3, 0]
+    dec = loaded.incremental_decoder()
+    pieces = [dec.push([i]) for i in ids]
+    assert pieces[1] == "" and pieces[2] == "é"
+    assert "".join(pieces) + dec.flush() == loaded.decode(ids) == "aé b\ufffd"
