@@ -578,6 +578,14 @@ class OutputParser:
                 self._k2_special(name)
         return self.delta
 
+    def feed_text(self, text: str) -> ParsedDelta:
+        """Consume output text that is not a whole token: the start of a token the output was cut inside
+        (at a stop string), after whole tokens that ended a character."""
+        self.delta = ParsedDelta()
+        self._emit(self.run.flush())
+        self._emit(text)
+        return self.delta
+
     def finish(self) -> ParsedMessage:
         """End of output: flush, turn an unfinished tool call into content, return the message."""
         self.delta = ParsedDelta()

@@ -12,13 +12,20 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_export.export.errors import InputError
 from moe_export.runtime.budget import ReasoningBudget, resolve_thinking
-from moe_export.runtime.chat import OutputParser, ParsedMessage, prompt_starts_in_reasoning, render_ids
+from moe_export.runtime.chat import (
+    OutputParser,
+    ParsedDelta,
+    ParsedMessage,
+    prompt_starts_in_reasoning,
+    render_ids,
+)
 from moe_export.runtime.generate import engine_eos_ids
 from moe_export.runtime.sampling import LogitsProcessor, SamplingParams
 from moe_export.runtime.scheduler import Request, Scheduler, SequenceUpdate, follow
@@ -30,7 +37,8 @@ class ChatOutput:
     """A finished request. text: the raw decoded output (a final stop token left out, cut before a stop
     string); reasoning_content / content / tool_calls: the parsed message (chat requests; for plain
     generation content is the text). usage: prompt_tokens, completion_tokens, reasoning_tokens,
-    cached_tokens (prompt tokens whose state came from a kept session)."""
+    cached_tokens (prompt tokens whose state came from a kept session). stop_string: the request's stop
+    string the output ended at, if it did."""
 
     request_id: str
     prompt_ids: list[int]
@@ -43,6 +51,7 @@ class ChatOutput:
     usage: dict
     logprobs: list[float] | None
     tool_call_parse_failures: int = 0
+    stop_string: str | None = None
 
 
 GenerationOutput = ChatOutput
@@ -62,6 +71,78 @@ class StreamDelta:
     error: str | None = None  # set (with finished) when the runtime ended the request, e.g. a failing logits processor
 
 
+class _OutputText:
+    """One request's output turned into text step by step, each step costing O(its new tokens).
+
+    The raw text (special tokens by name) is streamed with a suffix that may begin one of the stop
+    strings held back. The chat parser is fed only tokens whose text has been streamed, so its reasoning /
+    content deltas never show a stop string or what follows it; when the output ends at a stop string, the
+    part of the token it begins in that precedes it reaches the parser as text."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...], parser: OutputParser | None) -> None:
+        self.tok, self.stops, self.parser = tokenizer, stops, parser
+        self.decoder = tokenizer.incremental_decoder()
+        self.pieces: list[str] = []
+        self.length = 0  # characters decoded so far
+        self.held = ""  # decoded text not streamed yet
+        self.sent = 0  # characters streamed
+        self.unparsed: deque[tuple[list[int], int]] = deque()  # (ids, end offset) of whole characters, not parsed yet
+        self.partial: list[int] = []  # ids of a character not complete yet
+        self.parsed_to = 0  # end offset of the text the parser has been fed
+
+    def step(self, ids: list[int], *, finished: bool, stop_token: bool, stop_index: int | None) -> tuple[str, ParsedDelta]:
+        """New text and parsed delta of `ids` (stop_token: the last id is a stop token, not text; stop_index:
+        where the stop string the output ended at starts in the text)."""
+        for t in ids[:-1] if stop_token else ids:
+            piece = self.decoder.push([t])
+            self.pieces.append(piece)
+            self.length += len(piece)
+            self.held += piece
+            self.partial.append(t)
+            if not self.decoder.holding:
+                self.unparsed.append((self.partial, self.length))
+                self.partial = []
+        if finished:
+            tail = self.decoder.flush()
+            self.pieces.append(tail)
+            self.length += len(tail)
+            self.held += tail
+            if self.partial:
+                self.unparsed.append((self.partial, self.length))
+            end = self.length if stop_index is None else stop_index
+        else:
+            end = self.length - max((k for s in self.stops for k in range(1, min(len(s), len(self.held) + 1))
+                                     if self.held.endswith(s[:k])), default=0)
+        cut = max(end - self.sent, 0)
+        text, self.held = self.held[:cut], self.held[cut:]
+        self.sent += cut
+        return text, self._parse(ids, finished, stop_token, stop_index)
+
+    def _parse(self, ids: list[int], finished: bool, stop_token: bool, stop_index: int | None) -> ParsedDelta:
+        delta = ParsedDelta()
+        if self.parser is None:
+            return delta
+
+        def add(d: ParsedDelta) -> None:
+            delta.reasoning += d.reasoning
+            delta.content += d.content
+
+        while self.unparsed and self.unparsed[0][1] <= self.sent:
+            group, self.parsed_to = self.unparsed.popleft()
+            add(self.parser.feed(group))
+        if finished:
+            cut = self.unparsed[0][0] if stop_index is not None and self.unparsed and self.parsed_to < stop_index else []
+            if cut and not any(self.tok.is_special(t) for t in cut):
+                add(self.parser.feed_text(self.text()[self.parsed_to: stop_index]))
+            if stop_token:
+                add(self.parser.feed(ids[-1:]))
+        return delta
+
+    def text(self) -> str:
+        """All text decoded so far (joined once, at the end)."""
+        return "".join(self.pieces)
+
+
 @dataclass
 class _Tracked:
     """Rank 0's output-side state of one request."""
@@ -73,8 +154,8 @@ class _Tracked:
     budget: ReasoningBudget | None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    text_sent: int = 0
     cached_tokens: int = 0
+    out: _OutputText | None = None
 
 
 class _Core:
@@ -88,6 +169,7 @@ class _Core:
 
     def submit(self, tracked: _Tracked, processors: list[LogitsProcessor] | None) -> None:
         self.sched.add(Request(tracked.request_id, tracked.prompt_ids, tracked.sampling, list(processors or ()), tracked.budget))
+        tracked.out = _OutputText(self.llm.tokenizer, tracked.sampling.stop, tracked.parser)
         self.tracked[tracked.request_id] = tracked
 
     def step(self) -> list[StreamDelta]:
@@ -98,34 +180,27 @@ class _Core:
         tr.output_ids += u.token_ids
         tr.logprobs += u.logprobs or []
         tr.cached_tokens = max(tr.cached_tokens, u.cached_tokens)
-        ids = tr.output_ids
-        if u.finished and u.finish_reason == "stop" and ids and u.stop_text_index is None:
-            ids = ids[:-1]  # the stop token is not text
-        full = self.llm.tokenizer.decode(ids)[: u.stop_text_index]
-        if u.finished:
-            visible = full
-        else:  # hold back an incomplete character and anything that may begin a stop string
-            visible = full.rstrip("\ufffd")
-            for s in tr.sampling.stop:
-                for k in range(min(len(s) - 1, len(visible)), 0, -1):
-                    if visible.endswith(s[:k]):
-                        visible = visible[:-k]
-                        break
-        delta = StreamDelta(u.request_id, list(u.token_ids), visible[tr.text_sent:] if len(visible) > tr.text_sent else "")
-        tr.text_sent = max(tr.text_sent, len(visible))
-        if tr.parser is not None:
-            parsed = tr.parser.feed(u.token_ids)
-            delta.reasoning, delta.content = parsed.reasoning, parsed.content
-        else:
-            delta.content = delta.text
+        stop_token = u.finished and u.finish_reason == "stop" and bool(u.token_ids) and u.stop_text_index is None
+        text, parsed = tr.out.step(u.token_ids, finished=u.finished, stop_token=stop_token, stop_index=u.stop_text_index)
+        delta = StreamDelta(u.request_id, list(u.token_ids), text, parsed.reasoning, parsed.content)
+        if tr.parser is None:
+            delta.content = text
         if u.finished:
             del self.tracked[u.request_id]
             delta.finished = True
-            delta.output = self._output(tr, full, u)
+            delta.output = self._output(tr, u)
+            if tr.parser is not None:  # what finish() released: a held character, an unfinished tool call
+                delta.reasoning += tr.parser.delta.reasoning
+                delta.content += tr.parser.delta.content
             delta.error = u.error and f"request {tr.request_id}: {u.error}"
         return delta
 
-    def _output(self, tr: _Tracked, text: str, u: SequenceUpdate) -> ChatOutput:
+    def _output(self, tr: _Tracked, u: SequenceUpdate) -> ChatOutput:
+        whole = tr.out.text()
+        text = whole[: u.stop_text_index]
+        stop_string = None
+        if u.stop_text_index is not None:
+            stop_string = next((s for s in tr.sampling.stop if whole.startswith(s, u.stop_text_index)), None)
         msg = tr.parser.finish() if tr.parser is not None else ParsedMessage(None, text or None)
         reason = u.finish_reason
         if reason == "stop" and msg.tool_calls:
@@ -138,7 +213,7 @@ class _Core:
         }
         return ChatOutput(tr.request_id, tr.prompt_ids, tr.output_ids, text, msg.reasoning_content, msg.content,
                           msg.tool_calls, reason, usage, tr.logprobs if tr.sampling.logprobs else None,
-                          msg.tool_call_parse_failures)
+                          msg.tool_call_parse_failures, stop_string)
 
 
 class LLM:

@@ -264,6 +264,11 @@ class IncrementalDecoder(ABC):
     def flush(self) -> str:
         """The held rest (an unfinished character decodes as U+FFFD); the decoder then starts afresh."""
 
+    @property
+    @abstractmethod
+    def holding(self) -> bool:
+        """Whether ids of an unfinished character are held (the text pushed so far ends inside one)."""
+
 
 class _Utf8Decoder(IncrementalDecoder):
     """Byte-level tokenizers: token bytes through Python's incremental UTF-8 decoder (errors replaced), which
@@ -278,6 +283,10 @@ class _Utf8Decoder(IncrementalDecoder):
 
     def flush(self) -> str:
         return self._utf8.decode(b"", final=True)
+
+    @property
+    def holding(self) -> bool:
+        return bool(self._utf8.getstate()[0])
 
 
 class _StreamDecoder(IncrementalDecoder):
@@ -307,6 +316,10 @@ class _StreamDecoder(IncrementalDecoder):
         text = self._tok.decode(self._held, skip_special_tokens=False) if self._held else ""
         self._restart()
         return text
+
+    @property
+    def holding(self) -> bool:
+        return bool(self._held)
 
 
 def _read_config(directory: Path) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from moe_export.export.errors import InputError
 from moe_export.runtime.chat import parse_output
@@ -142,3 +143,110 @@ def test_chat_terminal_under_mpiexec(runtime_engine):
     assert r.returncode == 0, r.stderr[-3000:]
     usage = [line for line in r.stdout.splitlines() if line.startswith("(prompt ")]
     assert len(usage) == 2 and all("reasoning 6;" in line for line in usage), r.stdout
+
+
+class Force:
+    """Logits processor writing `script` (one id per output position, forced budget markers included)."""
+
+    def __init__(self, script: list[int]) -> None:
+        self.script = script
+
+    def __call__(self, ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        out = torch.full_like(logits, float("-inf"))
+        out[self.script[len(ids)]] = 0.0
+        return out
+
+
+def _stream(llm, messages, script, **kwargs) -> tuple[list, object]:
+    """Run one chat (or, with messages None, a generation of `kwargs['prompt']`) streaming: (deltas, output)."""
+    async def main():
+        engine = AsyncLLM(llm)
+        try:
+            params = SamplingParams(max_tokens=kwargs.pop("max_tokens", len(script)), stop=kwargs.pop("stop", ()))
+            if messages is None:
+                stream = engine.generate_stream(kwargs.pop("prompt"), params, logits_processors=[Force(script)])
+            else:
+                stream = engine.chat_stream(messages, params, logits_processors=[Force(script)], **kwargs)
+            return [d async for d in stream]
+        finally:
+            engine.shutdown()
+
+    deltas = asyncio.run(main())
+    return deltas, deltas[-1].output
+
+
+def _joined(deltas) -> tuple[str, str, str]:
+    return "".join(d.text for d in deltas), "".join(d.reasoning for d in deltas), "".join(d.content for d in deltas)
+
+
+SPLIT_TEXT = "héllo wörld € 🙂 中文 with the end"
+
+
+def test_streamed_text_equals_whole_with_split_characters_and_costs_o_new_tokens(llm):
+    """Characters split across tokens: the deltas never show half a character, join to exactly the whole
+    decode, and decoding a step costs O(its tokens) (the old loop decoded the whole output every step)."""
+    tok = llm.tokenizer
+    script = list(SPLIT_TEXT.encode()) * 3  # byte tokens: every multi-byte character spans 2-4 tokens
+    seen: list[int] = []
+    whole_decode, stream_decode = tok._decode, tok._enc.decode_bytes
+
+    def count(fn):
+        def spy(ids, *a, **k):
+            seen.append(len(ids))
+            return fn(ids, *a, **k)
+        return spy
+
+    tok._decode, tok._enc.decode_bytes = count(whole_decode), count(stream_decode)
+    try:
+        deltas, out = _stream(llm, None, script, prompt="Hi")
+    finally:
+        del tok._decode, tok._enc.decode_bytes
+    assert out.output_ids == script and out.text == tok.decode(script) == SPLIT_TEXT * 3
+    assert "".join(d.text for d in deltas) == out.text and not any("\ufffd" in d.text for d in deltas)
+    assert sum(seen) <= 2 * len(script), f"{sum(seen)} token decodes for {len(script)} tokens"
+
+
+def test_chat_stream_equals_whole_output_and_ends_with_what_the_parser_held(llm):
+    tok = llm.tokenizer
+    # effort none: the output is content; it ends inside a 4-byte character: finish() releases U+FFFD
+    cut = list("ok 🙂".encode())[:-2]
+    deltas, out = _stream(llm, [{"role": "user", "content": "hi"}], cut, reasoning_effort="none")
+    assert out.content == "ok \ufffd" and _joined(deltas) == (out.text, "", out.content)
+    # an unfinished tool call becomes content at finish(): streamed in the last delta
+    if llm.family == "k3":
+        call = [tok.encode_special("<|open|>"), *tok.encode("tools"), tok.encode_special("<|sep|>"),
+                tok.encode_special("<|open|>"), *tok.encode('call tool="f" index="1"'), tok.encode_special("<|sep|>"),
+                *tok.encode("x")]
+    else:
+        call = [tok.encode_special("<|tool_calls_section_begin|>"), tok.encode_special("<|tool_call_begin|>"),
+                *tok.encode("functions.f:0"), tok.encode_special("<|tool_call_argument_begin|>"), *tok.encode('{"a"')]
+    script = list("done ".encode()) + call
+    deltas, out = _stream(llm, [{"role": "user", "content": "hi"}], script, reasoning_effort="none")
+    assert out.tool_call_parse_failures == 1 and out.content.startswith("done ") and len(out.content) > 5
+    assert _joined(deltas)[2] == out.content and "".join(d.content for d in deltas[:-1]) == "done "
+    # reasoning split across tokens and closed by the budget, then content
+    cap = llm.thinking_caps["low"]
+    marker = ([tok.encode_special("<|close|>"), *tok.encode("think"), tok.encode_special("<|sep|>"),
+               tok.encode_special("<|open|>"), *tok.encode("response"), tok.encode_special("<|sep|>")]
+              if llm.family == "k3" else [tok.encode_special("</think>")])
+    script = list("é€a".encode())[:cap] + marker + list(SPLIT_TEXT.encode())
+    deltas, out = _stream(llm, [{"role": "user", "content": "hi"}], script, reasoning_effort="low")
+    assert (out.reasoning_content, out.content) == ("é€a", SPLIT_TEXT)
+    assert _joined(deltas) == (out.text, out.reasoning_content, out.content)
+    assert not any("\ufffd" in d.reasoning + d.content for d in deltas)
+
+
+@pytest.mark.parametrize("stop, want", [("wör", "héllo "), ("h the", "héllo wörld € 🙂 中文 wit"), ("€ 🙂", "héllo wörld ")])
+def test_chat_stop_strings_cut_text_content_and_stream(llm, stop, want):
+    """The output stops at a stop string (also one beginning inside a merged token, "th"): text and content
+    end before it, streamed or whole, and the output names the stop string."""
+    tok = llm.tokenizer
+    script = tok.encode(SPLIT_TEXT)
+    assert tok.decode(script) == SPLIT_TEXT and any(len(tok.decode([t])) > 1 for t in script)
+    deltas, out = _stream(llm, [{"role": "user", "content": "hi"}], script, reasoning_effort="none",
+                          stop=("never-seen", stop))
+    assert out.finish_reason == "stop" and out.stop_string == stop
+    assert out.text == out.content == want
+    assert _joined(deltas) == (want, "", want)
+    deltas, out = _stream(llm, None, script, prompt="Hi", stop=(stop,))
+    assert out.text == "".join(d.text for d in deltas) == want and out.stop_string == stop

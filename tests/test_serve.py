@@ -179,6 +179,27 @@ def test_anthropic_messages_thinking_tools_and_stream(claude):
     assert second.stop_reason in ("end_turn", "max_tokens")
 
 
+def test_anthropic_stop_sequence(claude):
+    """A stop sequence ends the message before it: stop_reason "stop_sequence" and the matched string, whole
+    and streamed."""
+    base = {"model": "m", "max_tokens": 40, "messages": [{"role": "user", "content": "Count to ten."}],
+            "thinking": {"type": "disabled"}, "extra_body": GREEDY}
+    free = claude.messages.create(**base).content[0].text
+    # a character split across byte tokens, never part of a marker's name in the raw text
+    stop = next(c for c in free[3:] if not c.isascii() and c != "\ufffd")
+    want = free[: free.index(stop)]
+    assert len(want) >= 3
+    msg = claude.messages.create(**base, stop_sequences=["never seen", stop])
+    assert (msg.stop_reason, msg.stop_sequence) == ("stop_sequence", stop)
+    assert "".join(b.text for b in msg.content if b.type == "text") == want
+    with claude.messages.stream(**base, stop_sequences=["never seen", stop]) as stream:
+        streamed = stream.get_final_message()
+    assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", stop)
+    assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in msg.content]
+    plain = claude.messages.create(**{**base, "max_tokens": 3})
+    assert (plain.stop_reason, plain.stop_sequence) == ("max_tokens", None)
+
+
 def test_responses_chain_equals_stateless_history(server, oai):
     opts = {"reasoning": {"effort": "low"}, "max_output_tokens": 12, "temperature": 0}
     r1 = oai.responses.create(model="m", input="Plan a trip.", **opts)

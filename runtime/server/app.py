@@ -657,8 +657,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
                 yield event("content_block_delta", index=index,
                             delta={"type": "input_json_delta", "partial_json": call["function"]["arguments"]})
                 yield event("content_block_stop", index=index)
-            yield event("message_delta", delta={"stop_reason": convert.ANTHROPIC_STOP[out.finish_reason], "stop_sequence": None},
-                        usage=convert.anthropic_usage(out.usage))
+            yield event("message_delta", delta=convert.anthropic_stop(out), usage=convert.anthropic_usage(out.usage))
             yield event("message_stop")
 
         return sse(events())

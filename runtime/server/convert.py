@@ -424,6 +424,13 @@ def anthropic_usage(usage: dict) -> dict:
             "cache_read_input_tokens": usage.get("cached_tokens", 0), "cache_creation_input_tokens": 0}
 
 
+def anthropic_stop(out) -> dict:
+    """stop_reason and stop_sequence: "stop_sequence" and the matched string when a stop sequence ended it."""
+    if out.stop_string is not None:
+        return {"stop_reason": "stop_sequence", "stop_sequence": out.stop_string}
+    return {"stop_reason": ANTHROPIC_STOP[out.finish_reason], "stop_sequence": None}
+
+
 def anthropic_message(out, *, message_id: str, model: str) -> dict:
     return {
         "id": message_id,
@@ -431,7 +438,6 @@ def anthropic_message(out, *, message_id: str, model: str) -> dict:
         "role": "assistant",
         "model": model,
         "content": anthropic_content(out),
-        "stop_reason": ANTHROPIC_STOP[out.finish_reason],
-        "stop_sequence": None,
+        **anthropic_stop(out),
         "usage": anthropic_usage(out.usage),
     }
