@@ -12,7 +12,10 @@ cannot inject a control token). `render` joins them into a string; `render_ids` 
 
 History is rendered verbatim: every past assistant turn's reasoning and tool calls, never dropped or
 shortened. With thinking on, a turn without reasoning renders an empty think element, so a turn the
-runtime generated re-renders to exactly the tokens it was generated from (state reuse needs that).
+runtime generated re-renders to the text it was generated as. Its tokens may still differ (BPE encoding of
+the text need not be what the model sampled), so `render_ids` renders an assistant message that carries
+its generated tokens (`turn_ids`) as those tokens, after checking they spell the message's rendering:
+state reuse needs the exact tokens.
 
 Parsing works on token ids: markers are special tokens, so the parser knows a marker from text that
 merely looks like one. Streaming (`OutputParser.feed`) returns reasoning / content text deltas; a tag
@@ -92,11 +95,72 @@ def render(
 
 def render_ids(tokenizer: Tokenizer, messages: list[dict], *, family: str | None = None, **kwargs: Any) -> list[int]:
     """Token ids of `render(messages, **kwargs)`: markers as special tokens, text runs with special
-    tokens disallowed. `family` defaults to the tokenizer's."""
+    tokens disallowed. `family` defaults to the tokenizer's.
+
+    An assistant message may carry `turn_ids`, the tokens the model produced for it (generation prompt and
+    output; `ChatOutput.turn_ids`). When they spell the start of the message's rendering exactly (the same
+    markers in the same places, the same decoded text between them; the output may end inside a text, or
+    with one special token the format does not place there, such as [EOS]), the message is rendered as those
+    tokens followed by the encoding of the rest of its rendering: the same prompt, tokenized as the model wrote
+    it, so a kept session of that turn continues. Otherwise the message is encoded as usual."""
     family = family or tokenizer.family
     if family is None:
         raise InputError(f"{tokenizer.path}: the tokenizer has neither K3 nor K2 chat tokens; pass family=")
-    return segments_to_ids(tokenizer, render_segments(messages, family=family, **kwargs))
+    renderer = _render(messages, family=family, **kwargs)
+    ids: list[int] = []
+    done = 0
+    for i, start, stop in renderer.assistant_spans:
+        turn = messages[i].get("turn_ids")
+        if turn is None:
+            continue
+        ids += segments_to_ids(tokenizer, renderer.out[done:start])
+        ids += _with_turn_ids(tokenizer, renderer.out[start:stop], turn, f"messages[{i}]")
+        done = stop
+    return ids + segments_to_ids(tokenizer, renderer.out[done:])
+
+
+def _with_turn_ids(tokenizer: Tokenizer, segments: list[Segment], turn: Any, where: str) -> list[int]:
+    """One assistant message's ids: `turn` + the rest of `segments` when `turn` spells their start (or all
+    of it but a final special token, up to a marker), else the segments' own encoding."""
+    if not isinstance(turn, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in turn):
+        raise InputError(f"{where}.turn_ids must be a list of token ids")
+    rest = _rest_after(tokenizer, segments, turn, inside_text=True)
+    if rest is None and turn and tokenizer.is_special(turn[-1]):
+        turn = turn[:-1]
+        rest = _rest_after(tokenizer, segments, turn, inside_text=False)
+    return segments_to_ids(tokenizer, segments) if rest is None else turn + segments_to_ids(tokenizer, rest)
+
+
+def _rest_after(tokenizer: Tokenizer, segments: list[Segment], ids: list[int], *, inside_text: bool) -> list[Segment] | None:
+    """The segments left to render after `ids`, or None when `ids` do not spell the start of `segments`:
+    each special token must be the marker in its place, each run of text tokens must decode to the text
+    between markers (with inside_text, the last run may stop inside it)."""
+    items: list[Segment] = []  # markers, and adjacent text segments merged
+    for seg in segments:
+        if not seg.special and items and not items[-1].special:
+            items[-1] = Segment(items[-1].text + seg.text)
+        else:
+            items.append(seg)
+    k = i = 0
+    while i < len(ids):
+        if tokenizer.is_special(ids[i]):
+            if k == len(items) or not items[k].special or tokenizer.encode_special(items[k].text) != ids[i]:
+                return None
+            k, i = k + 1, i + 1
+            continue
+        j = i
+        while j < len(ids) and not tokenizer.is_special(ids[j]):
+            j += 1
+        if k == len(items) or items[k].special:
+            return None
+        text, want = tokenizer.decode(ids[i:j]), items[k].text
+        if text == want:
+            k, i = k + 1, j
+        elif inside_text and j == len(ids) and want.startswith(text):
+            return [Segment(want[len(text):]), *items[k + 1:]]
+        else:
+            return None
+    return items[k:]
 
 
 def segments_to_ids(tokenizer: Tokenizer, segments: list[Segment]) -> list[int]:
@@ -119,6 +183,15 @@ def prompt_starts_in_reasoning(family: str, thinking: bool) -> bool:
     return bool(thinking)
 
 
+def generation_prompt_ids(tokenizer: Tokenizer, family: str, thinking: bool) -> list[int]:
+    """Ids of the generation prompt (the end of every prompt rendered with add_generation_prompt): the start
+    of the assistant turn the model writes."""
+    _check_family(family)
+    renderer = _RENDERERS[family](thinking, False)
+    renderer.generation_prompt()
+    return segments_to_ids(tokenizer, renderer.out)
+
+
 def render_segments(
     messages: list[dict],
     *,
@@ -132,6 +205,16 @@ def render_segments(
     vision: bool = False,
 ) -> list[Segment]:
     """`render` as segments (see the module docstring)."""
+    return _render(
+        messages, family=family, tools=tools, thinking=thinking, thinking_effort=thinking_effort, tool_choice=tool_choice,
+        response_format=response_format, add_generation_prompt=add_generation_prompt, vision=vision,
+    ).out
+
+
+def _render(messages: list[dict], *, family: str, tools: list[dict] | None = None, thinking: bool = True,
+            thinking_effort: str | None = None, tool_choice: str | dict | None = None, response_format: dict | None = None,
+            add_generation_prompt: bool = True, vision: bool = False) -> _Renderer:
+    """The renderer after rendering `messages`: its segments and where each assistant message lies in them."""
     _check_family(family)
     if thinking_effort is not None and thinking_effort not in (*EFFORT_TIERS, "none"):
         raise InputError(f"thinking_effort must be one of {', '.join((*EFFORT_TIERS, 'none'))}, got {thinking_effort!r}")
@@ -143,7 +226,7 @@ def render_segments(
         raise InputError("tools must be a list of tool objects")
     choice = _tool_choice(tool_choice)
     fmt = _response_format(response_format)
-    renderer = _K3(thinking, vision) if family == "k3" else _K2(thinking, vision)
+    renderer = _RENDERERS[family](thinking, vision)
     renderer.preamble(tools or [], "max" if thinking_effort is None else thinking_effort, choice, fmt, messages)
     i = 0
     while i < len(messages):
@@ -158,13 +241,15 @@ def render_segments(
         if role in ("system", "developer", "user"):
             renderer.plain(messages[i], i, "system" if role == "developer" else role)
         elif role == "assistant":
+            start = len(renderer.out)
             renderer.assistant(messages[i], i)
+            renderer.assistant_spans.append((i, start, len(renderer.out)))
         else:
             raise InputError(f"messages[{i}].role must be system, developer, user, assistant or tool, got {role!r}")
         i += 1
     if add_generation_prompt:
         renderer.generation_prompt()
-    return renderer.out
+    return renderer
 
 
 def _check_family(family: str) -> None:
@@ -224,6 +309,7 @@ class _Renderer:
         self.thinking = thinking
         self.vision = vision
         self.out: list[Segment] = []
+        self.assistant_spans: list[tuple[int, int, int]] = []  # (message index, start, stop) in `out`
 
     def mark(self, name: str) -> None:
         self.out.append(Segment(name, special=True))
@@ -427,6 +513,9 @@ class _K2(_Renderer):
         self.message(IM_ASSISTANT, "assistant")
         if self.thinking:
             self.mark(THINK)
+
+
+_RENDERERS = {"k3": _K3, "k2": _K2}
 
 
 def _reasoning_of(msg: dict, where: str) -> str:

@@ -23,12 +23,14 @@ from moe_export.runtime.chat import (
     OutputParser,
     ParsedDelta,
     ParsedMessage,
+    generation_prompt_ids,
     prompt_starts_in_reasoning,
     render_ids,
 )
 from moe_export.runtime.generate import engine_eos_ids
 from moe_export.runtime.sampling import LogitsProcessor, SamplingParams
 from moe_export.runtime.scheduler import Request, Scheduler, SequenceUpdate, follow
+from moe_export.runtime.sessions import TurnMemory
 from moe_export.runtime.tokenizer import load_tokenizer
 
 
@@ -37,8 +39,9 @@ class ChatOutput:
     """A finished request. text: the raw decoded output (a final stop token left out, cut before a stop
     string); reasoning_content / content / tool_calls: the parsed message (chat requests; for plain
     generation content is the text). usage: prompt_tokens, completion_tokens, reasoning_tokens,
-    cached_tokens (prompt tokens whose state came from a kept session). stop_string: the request's stop
-    string the output ended at, if it did."""
+    cached_tokens (prompt tokens whose state came from a kept session). turn_ids (chats): the assistant
+    turn's tokens, generation prompt and output, which `message()` carries into the next turn. stop_string:
+    the request's stop string the output ended at, if it did."""
 
     request_id: str
     prompt_ids: list[int]
@@ -51,7 +54,17 @@ class ChatOutput:
     usage: dict
     logprobs: list[float] | None
     tool_call_parse_failures: int = 0
+    turn_ids: list[int] | None = None
     stop_string: str | None = None
+
+    def message(self) -> dict:
+        """The assistant message for the conversation's history (rendered as `turn_ids` next turn)."""
+        msg: dict = {"role": "assistant", "content": self.content or "", "reasoning_content": self.reasoning_content or ""}
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+        if self.turn_ids is not None:
+            msg["turn_ids"] = self.turn_ids
+        return msg
 
 
 GenerationOutput = ChatOutput
@@ -145,13 +158,15 @@ class _OutputText:
 
 @dataclass
 class _Tracked:
-    """Rank 0's output-side state of one request."""
+    """Rank 0's output-side state of one request. turn_start: prompt tokens that open the assistant turn
+    (the generation prompt; chats)."""
 
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams
     parser: OutputParser | None
     budget: ReasoningBudget | None
+    turn_start: int = 0
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     cached_tokens: int = 0
@@ -211,16 +226,21 @@ class _Core:
             "reasoning_tokens": tr.budget.reasoning_tokens if tr.budget is not None else 0,
             "cached_tokens": tr.cached_tokens,
         }
-        return ChatOutput(tr.request_id, tr.prompt_ids, tr.output_ids, text, msg.reasoning_content, msg.content,
-                          msg.tool_calls, reason, usage, tr.logprobs if tr.sampling.logprobs else None,
-                          msg.tool_call_parse_failures, stop_string)
+        turn_ids = tr.prompt_ids[len(tr.prompt_ids) - tr.turn_start:] + tr.output_ids if tr.parser is not None else None
+        out = ChatOutput(tr.request_id, tr.prompt_ids, tr.output_ids, text, msg.reasoning_content, msg.content,
+                         msg.tool_calls, reason, usage, tr.logprobs if tr.sampling.logprobs else None,
+                         msg.tool_call_parse_failures, turn_ids, stop_string)
+        if turn_ids is not None and self.llm.turns is not None and reason != "abort":
+            self.llm.turns.remember(out.message(), turn_ids)
+        return out
 
 
 class LLM:
     """A built engine with its tokenizer and chat family; offline batch API (the vLLM shape).
 
     default_effort: thinking tier when a chat request gives none (low | high | max | none).
-    reuse_sessions: keep finished turns' state for reuse by a continuing prompt (default on)."""
+    reuse_sessions: keep finished turns' state for reuse by a continuing prompt, and their tokens, so that a
+    turn sent back as text is rendered as generated and the prompt continues the kept state (default on)."""
 
     def __init__(self, engine_dir: str | Path, *, default_effort: str = "max", num_slots: int | None = None,
                  num_blocks: int | None = None, threads: int | None = None, reuse_sessions: bool = True) -> None:
@@ -234,6 +254,10 @@ class LLM:
         self.default_effort = default_effort
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(engine_eos_ids(self.engine)))
         self.reuse_sessions = reuse_sessions
+        # finished turns' tokens, as many as the cache pools hold, so turns sent back as text render as generated
+        self.turns = TurnMemory(self.engine.num_blocks * self.engine.block_size) if reuse_sessions else None
+        self._turn_start = {thinking: len(generation_prompt_ids(self.tokenizer, self.family, thinking))
+                            for thinking in (True, False)} if self.family else {}
         self._ids = itertools.count()
         self._core = _Core(self) if self.engine.is_root else None
 
@@ -256,18 +280,44 @@ class LLM:
                          request_id: str | None = None) -> _Tracked:
         return _Tracked(self._new_id(request_id), self._prompt_ids(prompt), sampling or SamplingParams(), None, None)
 
+    def render_chat(self, messages: list[dict], *, tools=None, reasoning_effort=None, tool_choice=None,
+                    response_format=None, add_generation_prompt: bool = True) -> list[int]:
+        """The prompt ids of a conversation as a chat request renders it: an assistant message that is a turn
+        this LLM generated (or that carries `turn_ids`) is rendered as the turn's tokens (`chat.render_ids`)."""
+        plan = resolve_thinking(reasoning_effort, self.thinking_caps, self.default_effort)
+        return self._render(messages, plan, tools, tool_choice, response_format, add_generation_prompt)
+
+    def _render(self, messages: list[dict], plan, tools, tool_choice, response_format, add_generation_prompt=True) -> list[int]:
+        if self.family is None:
+            raise InputError(f"{self.engine.dir}: the tokenizer has no K3 or K2 chat tokens: use generate()")
+        carried = []
+        if self.turns is not None and isinstance(messages, list):
+            carried = [m for m in messages if isinstance(m, dict) and m.get("role") == "assistant" and m.get("turn_ids") is not None]
+            messages = [self._recalled(m) for m in messages]
+        ids = render_ids(self.tokenizer, messages, family=self.family, tools=tools, thinking=plan.enabled,
+                         thinking_effort=plan.tier, tool_choice=tool_choice, response_format=response_format,
+                         add_generation_prompt=add_generation_prompt)
+        for m in carried:  # e.g. a stored Responses chain: the same turn sent back as text renders the same way
+            self.turns.remember(m, m["turn_ids"])
+        return ids
+
+    def _recalled(self, message):
+        """`message` with the turn_ids remembered for it, if it is an assistant message without any."""
+        if not isinstance(message, dict) or message.get("role") != "assistant" or message.get("turn_ids") is not None:
+            return message
+        ids = self.turns.recall(message)
+        return message if ids is None else {**message, "turn_ids": ids}
+
     def prepare_chat(self, messages: list[dict], sampling: SamplingParams | None = None, *, tools=None,
                      reasoning_effort=None, tool_choice=None, response_format=None, request_id: str | None = None) -> _Tracked:
         """Render a conversation and set up its budget and output parser."""
-        if self.family is None:
-            raise InputError(f"{self.engine.dir}: the tokenizer has no K3 or K2 chat tokens: use generate()")
         plan = resolve_thinking(reasoning_effort, self.thinking_caps, self.default_effort)
-        ids = render_ids(self.tokenizer, messages, family=self.family, tools=tools, thinking=plan.enabled,
-                         thinking_effort=plan.tier, tool_choice=tool_choice, response_format=response_format)
+        ids = self._render(messages, plan, tools, tool_choice, response_format)
         starts = prompt_starts_in_reasoning(self.family, plan.enabled)
         budget = ReasoningBudget(self.tokenizer, self.family, plan.cap if plan.enabled else None, starts_in_reasoning=starts)
         parser = OutputParser(self.tokenizer, self.family, starts_in_reasoning=starts, tools_declared=bool(tools))
-        return _Tracked(self._new_id(request_id), ids, sampling or SamplingParams(), parser, budget)
+        return _Tracked(self._new_id(request_id), ids, sampling or SamplingParams(), parser, budget,
+                        self._turn_start[plan.enabled])
 
     # ---- blocking API ---------------------------------------------------------------------------
 
@@ -436,6 +486,10 @@ class AsyncLLM:
         tracked = self.llm.prepare_chat(messages, sampling, tools=tools, reasoning_effort=reasoning_effort,
                                         tool_choice=tool_choice, response_format=response_format, request_id=request_id)
         return self._stream(tracked, logits_processors)
+
+    def render_chat(self, messages: list[dict], **kwargs) -> list[int]:
+        """`LLM.render_chat`: the prompt ids a chat request would run."""
+        return self.llm.render_chat(messages, **kwargs)
 
     def generate_stream(self, prompt: str | list[int], sampling: SamplingParams | None = None, *,
                         request_id: str | None = None, logits_processors: list[LogitsProcessor] | None = None

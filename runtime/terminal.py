@@ -1,7 +1,8 @@
 """`moe-export chat ENGINE`: a terminal conversation over the runtime.
 
 Streams each answer as it is generated (reasoning dimmed), keeps the history across turns (reasoning and
-tool calls verbatim, so the next turn continues the kept state instead of prefilling it again), and
+tool calls verbatim, each answer as the tokens generated, so the next turn continues the kept state instead
+of prefilling it again), and
 takes commands: `/effort low|high|max|none` (or a number of reasoning tokens), `/reset`, `/exit`.
 Under mpiexec rank 0 talks to the terminal and the other ranks follow its steps.
 """
@@ -81,9 +82,6 @@ def chat_terminal(engine_dir: str | Path, *, effort: str = "max", sampling: Samp
             console.print(f"\n(prompt {u['prompt_tokens']} tokens, {u['cached_tokens']} reused; reasoning "
                           f"{u['reasoning_tokens']}; completion {u['completion_tokens']}; {out.finish_reason})",
                           style="dim", markup=False)
-            message = {"role": "assistant", "content": out.content or "", "reasoning_content": out.reasoning_content or ""}
-            if out.tool_calls:
-                message["tool_calls"] = out.tool_calls
-            history.append(message)
+            history.append(out.message())
     finally:
         llm.shutdown()

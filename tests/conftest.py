@@ -165,6 +165,18 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if not item.get_closest_marker("triton_inner")]
 
 
+class TextOnly:
+    """Logits processor masking the special tokens other than `keep` (reserved ids included): a random-weight
+    model then writes text between markers, as a trained one does (a stray reserved token carries no text, so
+    no message can hold it). A thinking budget still forces its close marker."""
+
+    def __init__(self, tokenizer, keep: set[int]) -> None:
+        self.mask = torch.tensor([tokenizer.is_special(i) and i not in keep for i in range(tokenizer.vocab_size)])
+
+    def __call__(self, _ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        return logits.masked_fill(self.mask, float("-inf"))
+
+
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:
     """Run `moe-export ARGS` in process through the console entry point: (exit code, stdout, stderr)."""
     from moe_export.export.cli import main

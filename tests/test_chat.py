@@ -10,7 +10,9 @@ import pytest
 
 from moe_export.export.errors import InputError
 from moe_export.runtime.chat import (
+    CLOSE,
     OutputParser,
+    generation_prompt_ids,
     parse_output,
     prompt_starts_in_reasoning,
     render,
@@ -197,6 +199,66 @@ def test_history_plus_generation_prompt_is_a_prefix_of_the_next_turn(toks, famil
     follow = render_ids(tok, [*msgs, turn, {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "cold"}], tools=[WEATHER])
     assert follow[: len(prompt)] == prompt
     assert prompt_starts_in_reasoning(family, True) and not prompt_starts_in_reasoning(family, False)
+
+
+def _find(ids: list[int], sub: list[int]) -> int:
+    return next(i for i in range(len(ids)) if ids[i:i + len(sub)] == sub)
+
+
+def _sub(ids: list[int], old: list[int], new: list[int]) -> list[int]:
+    k = _find(ids, old)
+    return ids[:k] + new + ids[k + len(old):]
+
+
+@pytest.mark.parametrize("family", ["k3", "k2"])
+def test_turn_ids_render_a_turn_as_generated_only_when_they_spell_it(toks, family):
+    """An assistant message with `turn_ids` (its generated tokens: generation prompt + output) renders as those
+    tokens plus the rest of its rendering when they spell it: the same markers in the same places and the same
+    text (here byte tokens where encoding merges). A turn cut short gets its closing markers; a final stop
+    token outside the format is left out. Anything else renders from the text: a marker where the message has
+    typed text, other text, a stray special token."""
+    tok = toks[family]
+    user, after = [{"role": "user", "content": "Plan a trip"}], [{"role": "user", "content": "more"}]
+    msg = {"role": "assistant", "reasoning_content": "think", "content": "message in a bottle"}
+    start = generation_prompt_ids(tok, family, True)
+    prompt = render_ids(tok, user)
+    assert prompt[-len(start):] == start
+    head = prompt[: len(prompt) - len(start)]
+
+    def specials(ids):
+        return [t for t in ids if tok.is_special(t)]
+
+    def written(message):
+        """The output that writes `message` after the generation prompt, one byte token per character."""
+        body = render_ids(tok, [*user, message], add_generation_prompt=False)[len(prompt):]
+        return [b for t in body for b in ([t] if tok.is_special(t) else list(tok.decode([t]).encode()))]
+
+    def check(message, turn, *, as_generated: bool):
+        got = render_ids(tok, [*user, {**message, "turn_ids": turn}, *after])
+        encoded = render_ids(tok, [*user, message, *after])
+        if not as_generated:
+            assert got == encoded
+            return
+        kept = turn[:-1] if turn[-1] == tok.encode_special("[EOS]") else turn
+        assert got[: len(head) + len(kept)] == head + kept and got != encoded
+        assert tok.decode(got) == tok.decode(encoded) and specials(got) == specials(encoded)
+
+    out = written(msg)
+    assert out != render_ids(tok, [*user, msg], add_generation_prompt=False)[len(prompt):]  # "message" merges
+    check(msg, start + out, as_generated=True)
+    check(msg, start + out + [tok.encode_special("[EOS]")], as_generated=True)
+    end = _find(out, list(b"message in a bo")) + len(b"message in a bo")  # max_tokens ended it inside the content
+    check({**msg, "content": "message in a bo"}, start + out[:end], as_generated=True)
+    if family == "k3":  # ended inside the closing tag's name: the rest of the name comes from the text
+        content_end = _find(out, list(b"message in a bottle")) + len(b"message in a bottle")
+        check(msg, start + out[:content_end] + [tok.encode_special(CLOSE), *b"resp"], as_generated=True)
+    typed = {**msg, "content": "a <|im_end|> b" if family == "k2" else "a <|close|> b"}
+    marker = tok.encode_special("<|im_end|>" if family == "k2" else CLOSE)
+    check(typed, start + _sub(written(typed), list(b"<|im_end|>" if family == "k2" else b"<|close|>"), [marker]), as_generated=False)
+    check({**msg, "content": "message in a bottle!"}, start + out, as_generated=False)
+    check(msg, start + out[:3] + [tok.encode_special("[EOT]")] + out[3:], as_generated=False)
+    with pytest.raises(InputError, match=r"messages\[1\]\.turn_ids must be a list of token ids"):
+        render_ids(tok, [*user, {**msg, "turn_ids": "1 2 3"}])
 
 
 def test_images(toks):

@@ -126,6 +126,28 @@ def test_chat_terminal(runtime_engine, capsys, monkeypatch):
     assert rc == 2 and "reasoning effort must be" in err
 
 
+def test_chat_terminal_continues_the_kept_state(runtime_engine, capsys, monkeypatch):
+    """`moe-export chat` sends each answer back as the tokens generated: turn 2 prefills only its new tokens."""
+    import io
+
+    from conftest import TextOnly, run_cli
+
+    from moe_export.runtime import terminal
+
+    class TextOnlyLLM(LLM):  # random weights: mask the reserved tokens no message can hold (see TextOnly)
+        def chat_stream(self, messages, sampling=None, **kwargs):
+            keep = {self.tokenizer.encode_special("<|end_of_msg|>")}
+            return super().chat_stream(messages, sampling, logits_processors=[TextOnly(self.tokenizer, keep)], **kwargs)
+
+    monkeypatch.setattr(terminal, "LLM", TextOnlyLLM)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello!\nAnd now?\n/exit\n"))
+    rc, out, err = run_cli(capsys, "chat", str(runtime_engine("tiny-k3", 2, 2, 4)), "--max-tokens", "20", "--effort", "low")
+    assert rc == 0, err
+    (p1, c1, n1), (p2, c2, _) = [(int(w[1]), int(w[3]), int(w[-2].rstrip(";"))) for w in
+                                 (line.split() for line in out.splitlines() if line.startswith("(prompt "))]
+    assert c1 == 0 and c2 == p1 + n1 - 1 and p2 > c2
+
+
 def test_chat_terminal_under_mpiexec(runtime_engine):
     """`mpiexec -n 4 moe-export chat`: rank 0 reads the terminal, ranks 1-3 follow its steps, all exit."""
     import os

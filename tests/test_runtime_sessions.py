@@ -12,6 +12,7 @@ from moe_export.runtime.engine import Engine
 from moe_export.runtime.llm import LLM
 from moe_export.runtime.sampling import SamplingParams
 from moe_export.runtime.scheduler import Request, Scheduler
+from moe_export.runtime.sessions import TurnMemory
 
 ATOL = 1e-5
 TURN1 = [5, 17, 99, 3, 250, 42, 7, 8, 300, 11, 12, 77, 1, 400, 9, 9, 31, 64, 65, 66, 70]
@@ -93,6 +94,22 @@ def test_no_reuse_without_an_exact_prefix_and_lru_eviction(runtime_engine):
     assert_same(rec, frec)
 
 
+def test_turn_memory_keys_by_the_parsed_message_within_a_token_bound():
+    mem = TurnMemory(max_tokens=10)
+    a = {"role": "assistant", "content": "hi", "reasoning_content": None}
+    mem.remember(a, [1, 2, 3, 4])
+    assert mem.recall({**a, "reasoning_content": "", "turn_ids": [9]}) == [1, 2, 3, 4]  # None == "", turn_ids aside
+    assert mem.recall({**a, "content": "hi!"}) is None
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    mem.remember({**a, "tool_calls": calls}, [5] * 5)
+    assert mem.recall({**a, "tool_calls": calls}) == [5] * 5
+    assert mem.recall({**a, "tool_calls": [{**calls[0], "id": "c2"}]}) is None
+    assert mem.recall(a) == [1, 2, 3, 4]  # now the most recently used
+    mem.remember({**a, "content": "x"}, [7] * 4)  # 13 tokens > 10: the least recently used turn goes
+    assert mem.recall({**a, "tool_calls": calls}) is None and mem.recall(a) == [1, 2, 3, 4]
+    assert mem.recall({"role": "assistant", "content": [{"type": "image_url"}]}) is None
+
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 
@@ -160,3 +177,50 @@ def test_chat_turns_with_tool_calls_and_forced_markers_reuse_state(runtime_engin
     assert_same(rec, frec)
     llm.shutdown()
     fresh.shutdown()
+
+
+@pytest.mark.parametrize("preset", ["tiny-k3", "tiny-kimi-linear"])
+def test_turn_sent_back_as_text_continues_the_kept_state(runtime_engine, preset):
+    """A client sends the assistant's turn back as text (reasoning, content); encoding that text again gives
+    other tokens than the model sampled. The turn is rendered as its generated tokens, so turn 2 prefills only
+    its new tokens, with the logits and tokens of a full prefill of the same prompt, and the prompt is still
+    the chat format's (same text, same markers). An edited turn is rendered from its text."""
+    from conftest import TextOnly
+
+    from moe_export.runtime.chat import render_ids
+    from moe_export.runtime.tokenizer import END_OF_MESSAGE
+
+    llm = LLM(runtime_engine(preset, 2, 2, 4), threads=1)
+    tok = llm.tokenizer
+    text_only = TextOnly(tok, keep={tok.encode_special(END_OF_MESSAGE[llm.family])})
+    history = [{"role": "user", "content": "Plan a trip to Rome."}]
+
+    def chat(messages, *processors, max_tokens=8):
+        return llm.chat([messages], SamplingParams(max_tokens=max_tokens), reasoning_effort="low",
+                        logits_processors=[text_only, *processors])[0]
+
+    out1 = chat(history, max_tokens=24)
+    assert out1.usage["reasoning_tokens"] == llm.thinking_caps["low"] and out1.content
+    sent_back = {"role": "assistant", "content": out1.content, "reasoning_content": out1.reasoning_content}
+    history2 = history + [sent_back, {"role": "user", "content": "And then?"}]
+    kept = out1.prompt_ids + out1.output_ids[:-1]
+    encoded = render_ids(tok, history2, thinking=True, thinking_effort="low")
+    assert encoded[: len(kept)] != kept  # precondition: the reply's text does not re-encode to its tokens
+
+    rec, frec = Recorder(), Recorder()
+    out2 = chat(history2, rec)
+    assert out2.usage["cached_tokens"] == len(kept) and out2.prompt_ids[: len(kept)] == kept
+    assert tok.decode(out2.prompt_ids) == tok.decode(encoded)
+    assert [t for t in out2.prompt_ids if tok.is_special(t)] == [t for t in encoded if tok.is_special(t)]
+    again = chat(history2, frec)  # no kept sequence is a prefix now (turn 2's own is longer): a full prefill
+    assert again.usage["cached_tokens"] == 0 and again.prompt_ids == out2.prompt_ids
+    assert again.output_ids == out2.output_ids
+    assert_same(rec, frec)
+
+    out3 = chat(history2 + [again.message(), {"role": "user", "content": "Thanks."}])  # the Python API's own history
+    assert out3.usage["cached_tokens"] == len(again.prompt_ids) + len(again.output_ids) - 1
+    edited = history + [{**sent_back, "content": out1.content + "!"}, {"role": "user", "content": "And then?"}]
+    out4 = chat(edited)
+    assert out4.usage["cached_tokens"] == 0
+    assert out4.prompt_ids == render_ids(tok, edited, thinking=True, thinking_effort="low")
+    llm.shutdown()

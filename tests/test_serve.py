@@ -57,10 +57,6 @@ def tokenize(server, **body) -> list[int]:
     return r.json()["tokens"]
 
 
-def contains(seq: list[int], sub: list[int]) -> bool:
-    return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
-
-
 def test_models_health_and_metrics(server, oai):
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert [m.id for m in oai.models.list().data] == [server.settings.model_name]
@@ -131,7 +127,55 @@ def test_tool_call_round_trip_keeps_reasoning_verbatim(server, oai):
     assert second.usage.prompt_tokens == len(prompt2)  # /tokenize renders what the runtime rendered
     from moe_export.runtime.tokenizer import load_tokenizer
 
-    assert contains(prompt2, load_tokenizer(server.settings.engine_dir).encode(reasoning))
+    assert reasoning in load_tokenizer(server.settings.engine_dir).decode(prompt2)  # as generated: same text
+
+
+def test_follow_up_turn_sent_back_as_text_continues_the_kept_state(server, oai):
+    """An agent loop: turn 1 (reasoning + a forced tool call) comes back as text and re-encodes to other tokens
+    than the model sampled; the server renders it as the generated tokens (same text and markers), so turn 2
+    reuses the kept state, and equals a full re-prefill of the same prompt."""
+    from moe_export.runtime.chat import render_ids
+    from moe_export.runtime.tokenizer import load_tokenizer
+
+    forced = {"tools": WEATHER, "tool_choice": "required", "parallel_tool_calls": False, **GREEDY}
+    messages = [{"role": "user", "content": "Weather for my Oslo trip?"}]
+    first = oai.chat.completions.create(model="m", messages=messages, max_tokens=200, **forced)
+    msg = first.choices[0].message
+    (call,) = msg.tool_calls
+    turn2 = messages + [
+        {"role": "assistant", "content": msg.content, "reasoning_content": msg.model_extra["reasoning_content"],
+         "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "snow"},
+    ]
+    tok = load_tokenizer(server.settings.engine_dir)
+    served = tokenize(server, messages=turn2, tools=WEATHER, tool_choice="required")
+    encoded = render_ids(tok, turn2, tools=WEATHER, tool_choice="required", thinking_effort="low")
+    kept = first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    assert encoded[:kept] != served[:kept]  # precondition: the reply does not re-encode to its tokens
+    assert tok.decode(served) == tok.decode(encoded)
+    assert [t for t in served if tok.is_special(t)] == [t for t in encoded if tok.is_special(t)]
+
+    second = oai.chat.completions.create(model="m", messages=turn2, max_tokens=12, **forced)
+    assert second.usage.prompt_tokens == len(served)
+    assert second.usage.prompt_tokens_details.cached_tokens == kept
+    again = oai.chat.completions.create(model="m", messages=turn2, max_tokens=12, **forced)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0  # turn 2's kept sequence is longer: a full prefill
+    assert again.choices[0].message == second.choices[0].message and again.usage == second.usage.model_copy(
+        update={"prompt_tokens_details": again.usage.prompt_tokens_details})
+
+
+def test_responses_chain_continues_the_kept_state(server, oai):
+    """previous_response_id: the stored turn carries its generated tokens, and turn 2 reuses the kept state."""
+    tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER_PARAMS}]
+    forced = {"tools": tools, "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0}
+    r1 = oai.responses.create(model="m", input="Weather in Rome this week?", max_output_tokens=200, **forced)
+    call = next(i for i in r1.output if i.type == "function_call")
+    r2 = oai.responses.create(model="m", previous_response_id=r1.id, max_output_tokens=12, **forced,
+                              input=[{"type": "function_call_output", "call_id": call.call_id, "output": "rain"}])
+    assert r2.usage.input_tokens_details.cached_tokens == r1.usage.input_tokens + r1.usage.output_tokens - 1
+    stored = sqlite3.connect(server.settings.store_path).execute(
+        "SELECT output_message FROM responses WHERE id = ?", (r1.id,)).fetchone()[0]
+    assert len(json.loads(stored)["turn_ids"]) > r1.usage.output_tokens
 
 
 def test_json_schema_response_format_validates(oai):

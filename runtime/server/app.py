@@ -147,7 +147,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
     """The FastAPI app over a started AsyncLLM (`llm`). The app shuts the runtime down at exit."""
     info = info or EngineInfo.from_engine_dir(settings.engine_dir)
     from moe_export.runtime.budget import resolve_thinking
-    from moe_export.runtime.chat import prompt_starts_in_reasoning, render_ids
+    from moe_export.runtime.chat import prompt_starts_in_reasoning
     from moe_export.runtime.sampling import SamplingParams
 
     tokenizer, family = llm.tokenizer, llm.family
@@ -336,10 +336,9 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
             ids = tokenizer.encode(req.prompt)
         else:
             check_limits(req.messages, req.tools, None)
-            plan = resolve_thinking(req.reasoning_effort, info.thinking_caps, settings.default_effort)
-            ids = render_ids(
-                tokenizer, convert.chat_messages_from_openai(req.messages), family=family, tools=convert.openai_tools(req.tools),
-                thinking=plan.enabled, thinking_effort=plan.tier, add_generation_prompt=req.add_generation_prompt,
+            ids = llm.render_chat(
+                convert.chat_messages_from_openai(req.messages), tools=convert.openai_tools(req.tools),
+                reasoning_effort=req.reasoning_effort, add_generation_prompt=req.add_generation_prompt,
                 tool_choice=convert.normalize_tool_choice(req.tool_choice, req.tools), response_format=req.response_format,
             )
         metrics.requests.labels("/tokenize", "200").inc()
@@ -496,8 +495,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
                                            output=convert.responses_output_items(out), usage=out.usage, effort=effort_name)
             if req.store:
                 items = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
-                store.put(StoredResponse(response_id, req.previous_response_id, items, input_messages,
-                                         convert.assistant_message(out), obj), scope)
+                store.put(StoredResponse(response_id, req.previous_response_id, items, input_messages, out.message(), obj), scope)
             finish("/v1/responses", out, tier, processor)
             return obj
 

@@ -3,7 +3,9 @@
 Runtime chat message (what `moe_export.runtime.chat.render` takes): {"role": system|user|assistant|tool,
 "content": str, "name"?, "reasoning_content"? (assistant), "tool_calls"? (assistant, OpenAI shape with
 `arguments` a JSON string), "tool_call_id"? (tool)}. Reasoning and tool calls sent back by a client are
-kept verbatim: they are rendered into the next prompt exactly as the model produced them.
+kept verbatim: they are rendered into the next prompt exactly as the model produced them (and a turn the
+runtime generated, as its generated tokens). Only stored Responses turns carry `turn_ids`: messages built
+from a request never do.
 """
 
 from __future__ import annotations
@@ -229,14 +231,6 @@ def messages_from_responses_input(items: str | list[dict]) -> list[dict]:
         else:
             raise InputError(f"{where}.type: {kind!r} is not served (message, reasoning, function_call, function_call_output)")
     return out
-
-
-def assistant_message(out) -> dict:
-    """ChatOutput -> the assistant message stored in history (rendered back verbatim next turn)."""
-    msg: dict[str, Any] = {"role": "assistant", "content": out.content or "", "reasoning_content": out.reasoning_content or ""}
-    if out.tool_calls:
-        msg["tool_calls"] = out.tool_calls
-    return msg
 
 
 def responses_output_items(out) -> list[dict]:
