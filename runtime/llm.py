@@ -178,7 +178,7 @@ class _Core:
 
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
-        self.sched = Scheduler(llm.engine, eos_token_ids=llm.eos_token_ids, decode=llm.tokenizer.decode,
+        self.sched = Scheduler(llm.engine, eos_token_ids=llm.eos_token_ids, text_decoder=llm.tokenizer.incremental_decoder,
                                keep_sessions=llm.reuse_sessions, sample_vocab=llm.tokenizer.vocab_size)
         self.tracked: dict[str, _Tracked] = {}
 

@@ -28,6 +28,7 @@ from moe_export.runtime.blocks import BlockAllocator
 from moe_export.runtime.engine import SequenceChunk, StepBatch
 from moe_export.runtime.sampling import LogitsProcessor, RequestSampler, SamplingParams
 from moe_export.runtime.sessions import KeptSequence, SessionCache
+from moe_export.runtime.tokenizer import IncrementalDecoder
 
 
 @dataclass
@@ -67,6 +68,9 @@ class Sequence:
     num_computed: int = 0  # tokens whose state the engine holds (positions [0, num_computed))
     cached_tokens: int = 0  # prompt tokens taken from a kept session
     logprobs: list[float] = field(default_factory=list)
+    text: IncrementalDecoder | None = None  # requests with stop strings: the output's text, a step at a time
+    text_len: int = 0  # characters of output text decoded so far
+    text_tail: str = ""  # their last characters, as many as a stop string may have begun in
 
     @property
     def output_ids(self) -> list[int]:
@@ -76,16 +80,16 @@ class Sequence:
 class Scheduler:
     """Continuous batching on rank 0 of `engine` (an Engine, or anything with the same step interface).
 
-    eos_token_ids: the model's stop ids (ignored per request with `ignore_eos`). decode: output ids ->
-    text, for stop strings. keep_sessions: keep finished sequences' state for reuse. sample_vocab: sample
+    eos_token_ids: the model's stop ids (ignored per request with `ignore_eos`). text_decoder: makes an
+    `IncrementalDecoder` (output ids -> text, a step at a time), for stop strings. keep_sessions: keep finished sequences' state for reuse. sample_vocab: sample
     among ids below it only (the tokenizer's size when the model's vocabulary has padding rows)."""
 
-    def __init__(self, engine, *, eos_token_ids=(), decode=None, keep_sessions: bool = True,
+    def __init__(self, engine, *, eos_token_ids=(), text_decoder=None, keep_sessions: bool = True,
                  sample_vocab: int | None = None) -> None:
         self.engine = engine
         self.sample_vocab = sample_vocab
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.decode = decode
+        self.text_decoder = text_decoder
         self.keep_sessions = keep_sessions
         self.allocator = BlockAllocator(engine.num_blocks, engine.block_size)
         self.sessions = SessionCache()
@@ -113,11 +117,13 @@ class Scheduler:
             bad = [t for t in request.prompt_ids if not 0 <= int(t) < vocab]
             if bad:
                 raise InputError(f"request {request.request_id}: token ids {bad[:8]} are outside the vocabulary [0, {vocab})")
-        if request.sampling.stop and self.decode is None:
+        if request.sampling.stop and self.text_decoder is None:
             raise InputError(f"request {request.request_id}: stop strings need a tokenizer")
         if request.request_id in self._ids:
             raise InputError(f"request id {request.request_id!r} is already in use")
         seq = Sequence(request, [int(t) for t in request.prompt_ids], n, RequestSampler(request.sampling, request.logits_processors))
+        if request.sampling.stop:
+            seq.text = self.text_decoder()
         if self._blocks_for(seq) > self.allocator.num_blocks:
             raise InputError(f"request {request.request_id}: prompt + max_tokens needs {self._blocks_for(seq)} cache blocks; "
                              f"the engine has {self.allocator.num_blocks}")
@@ -271,11 +277,13 @@ class Scheduler:
         n_out = len(seq.tokens) - seq.prompt_len
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             update.finish_reason = "stop"
-        elif params.stop:
-            text = self.decode(seq.output_ids)
-            hits = [i for i in (text.find(s) for s in params.stop) if i >= 0]
+        elif params.stop:  # only the new text and what a stop string may have begun in before it: O(1) a step
+            window = seq.text_tail + seq.text.push([token])
+            hits = [i for i in (window.find(s) for s in params.stop) if i >= 0]
             if hits:
-                update.finish_reason, update.stop_text_index = "stop", min(hits)
+                update.finish_reason, update.stop_text_index = "stop", seq.text_len - len(seq.text_tail) + min(hits)
+            seq.text_len += len(window) - len(seq.text_tail)
+            seq.text_tail = window[max(len(window) - max(len(s) for s in params.stop) + 1, 0):]
         if update.finish_reason is None and (n_out >= params.max_tokens or len(seq.tokens) >= self.engine.max_seq_len):
             update.finish_reason = "length"
         if update.finish_reason is not None:

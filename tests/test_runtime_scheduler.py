@@ -18,6 +18,7 @@ from moe_export.runtime.engine import Engine
 from moe_export.runtime.generate import generate_tokens
 from moe_export.runtime.sampling import SamplingParams
 from moe_export.runtime.scheduler import Request, Scheduler
+from moe_export.runtime.tokenizer import IncrementalDecoder
 
 PROMPTS = [
     [5, 17, 99, 3, 250, 42, 7, 8, 300, 11, 12, 77, 1, 400, 9, 9, 31, 64, 65, 66, 70, 71, 72, 73, 80, 81],
@@ -121,15 +122,21 @@ def test_stop_ids_stop_strings_and_bad_requests(engine):
     got = run_all(Scheduler(engine), [Request("s", PROMPTS[3], SamplingParams(max_tokens=12, stop_token_ids=(free[i],)))])
     assert got["s"][0] == free[: i + 1] and got["s"][1][-1].finish_reason == "stop"
 
-    def decode(ids):
-        return "".join(f"<{t}>" for t in ids)
+    class Tags(IncrementalDecoder):  # each id as "<id>"
+        def push(self, ids):
+            return "".join(f"<{t}>" for t in ids)
+
+        def flush(self):
+            return ""
+
+        holding = False
 
     stop = f"{free[i - 1]}><{free[i]}"
-    sched = Scheduler(engine, decode=decode)
-    got = run_all(sched, [Request("t", PROMPTS[3], SamplingParams(max_tokens=12, stop=(stop,)))])
+    sched = Scheduler(engine, text_decoder=Tags)
+    got = run_all(sched, [Request("t", PROMPTS[3], SamplingParams(max_tokens=12, stop=("never", stop)))])
     last = got["t"][1][-1]
     assert got["t"][0] == free[: i + 1] and last.finish_reason == "stop"
-    assert decode(free[: i + 1])[last.stop_text_index:].startswith(stop)
+    assert Tags().push(free[: i + 1]).find(stop) == last.stop_text_index
 
     with pytest.raises(InputError, match="max_seq_len is 1024"):
         sched.add(Request("long", [1] * 1024))
