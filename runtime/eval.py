@@ -183,8 +183,7 @@ async def run_task(llm, task: EvalTask, tier: str) -> dict:
             result["final_content"] = out.content
             if not (out.tool_calls and task.tool_results is not None and result["rounds"] < task.max_rounds):
                 break
-            messages.append({"role": "assistant", "content": out.content, "reasoning_content": out.reasoning_content,
-                             "tool_calls": out.tool_calls})
+            messages.append(out.message())  # as generated: the next round continues the kept state
             for call in out.tool_calls:
                 name = call["function"]["name"]
                 messages.append({"role": "tool", "tool_call_id": call["id"], "name": name,

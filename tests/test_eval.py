@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 import pytest
 
 from conftest import run_cli
 from moe_export.export.errors import InputError
 from moe_export.runtime.eval import EvalTask, check_answer, load_tasks, run_task
+from moe_export.runtime.llm import ChatOutput
 
 
 def call(name: str, args: dict, idx: int = 0) -> dict:
@@ -61,7 +61,7 @@ class ScriptedChat:
         self.seen.append(([dict(m) for m in messages], reasoning_effort))
         content, calls = self.replies.pop(0)
         usage = {"prompt_tokens": 10, "completion_tokens": 5, "reasoning_tokens": 2, "cached_tokens": 0}
-        return SimpleNamespace(content=content, reasoning_content="r", tool_calls=calls, usage=usage)
+        return ChatOutput("r", [], [], "", "r", content, calls, "tool_calls" if calls else "stop", usage, None)
 
 
 def test_multi_round_tool_loop_feeds_scripted_results_in_call_order():
