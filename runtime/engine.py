@@ -179,6 +179,11 @@ class RankRunner:
         opts.log_severity_level = 3
         # Many small sessions share two cores: spinning worker threads would starve each other.
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # No per-session arena: an arena keeps its high-water mark after each run, and a rank has one session
+        # per segment, so every attention segment would hold its largest step's [T, context, D] temporaries
+        # for good (4 ranks x 3 MLA layers of tiny-k3: 7.5 GB after a 2,000-token prefill). Freed to malloc,
+        # the temporaries of one op at a time are live.
+        opts.enable_cpu_mem_arena = False
         sessions = {}
         for step in plan["steps"]:
             if "segment" in step:
