@@ -31,7 +31,8 @@ from onnx import TensorProto
 
 from moe_export.export.errors import InputError
 from moe_export.export.mpi import mpi_world
-from moe_export.export.planner import engine_pool_sizes
+from moe_export.export.planner import GIB, engine_pool_sizes
+from moe_export.graphs.config import ModelConfig
 from moe_export.plugins.paged_cache_write.cpu import cache_rows, paged_cache_write_
 
 STATE_PREFIXES = ("kda_state.", "conv_state.", "mla_cache.", "index_cache.")
@@ -46,6 +47,24 @@ def torch_view(pool: np.ndarray) -> torch.Tensor:
     if pool.dtype == ml_dtypes.bfloat16:
         return torch.from_numpy(pool.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(pool)
+
+
+# Peak RSS per (step token, attended position) pair of the ONNX Runtime bodies of SparseMLAAttention (dense) and
+# DSAIndexer, which gather every attended latent row for every token: fp32 row copies, int64 index tensors and the
+# allocator's fragmentation. Measured per step on tiny-k3 builds: 2.0-2.9 KB with 40-value rows, 4.8-5.8 KB with 232.
+PAIR_BYTES_PER_VALUE = 16
+PAIR_BYTES_FIXED = 2560
+
+
+def step_pair_budget(engine_config: dict) -> int | None:
+    """(step token, attended position) pairs whose attention temporaries fit in the recipe's per-rank workspace
+    reserve: bytes / (PAIR_BYTES_PER_VALUE x latent row width + PAIR_BYTES_FIXED); None for a model without MLA
+    layers. A step attends every token to B x block_size positions, B = its longest block table."""
+    cfg = ModelConfig.from_hf_dict(engine_config["pretrained_config"], source="engine config.json")
+    if not cfg.mla_layers:
+        return None
+    reserve = float(engine_config["recipe"].get("workspace_reserve_gib", 0)) * GIB
+    return int(reserve // (PAIR_BYTES_PER_VALUE * cfg.latent_cache_dim + PAIR_BYTES_FIXED))
 
 
 def rank_folders(engine_dir: Path) -> list[Path]:
@@ -238,10 +257,12 @@ class Engine:
 
     num_slots: concurrent sequences (recurrent-state slots, default the recipe's max_batch); num_blocks:
     cache blocks of `block_size` tokens in each paged pool (default: the planner's `pool_sizes`, i.e.
-    the rank's memory left after weights, workspace and the slots, per block)."""
+    the rank's memory left after weights, workspace and the slots, per block); max_step_pairs: most (step token,
+    attended position) pairs the scheduler packs into one step (default `step_pair_budget`: the attention
+    temporaries fit in the recipe's workspace reserve)."""
 
     def __init__(self, engine_dir: str | Path, *, num_slots: int | None = None, num_blocks: int | None = None,
-                 threads: int | None = None):
+                 threads: int | None = None, max_step_pairs: int | None = None):
         self.dir = Path(engine_dir)
         cfg_path = self.dir / "config.json"
         if not cfg_path.is_file():
@@ -255,6 +276,9 @@ class Engine:
         self.max_num_tokens = int(limits.get("max_num_tokens", 8192))
         self.block_size = int(limits.get("block_size", DEFAULT_BLOCK_SIZE))
         self.num_blocks = num_blocks or engine_pool_sizes(self.config, self.num_slots).num_blocks
+        if max_step_pairs is not None and max_step_pairs < 1:
+            raise InputError(f"max_step_pairs must be at least 1, got {max_step_pairs}")
+        self.max_step_pairs = max_step_pairs or step_pair_budget(self.config)
         if self.num_blocks < 1:
             raise InputError(f"{self.dir}: no memory left for cache blocks with {self.num_slots} slots "
                              "(see `moe-export plan`); pass fewer slots or num_blocks")

@@ -1,11 +1,14 @@
 """Iteration-level continuous batching over an engine's `step` (the runtime's one generation loop).
 
 Each `step()` packs the decode token of every running sequence, then prefill chunks of sequences
-still reading their prompt and of newly admitted ones, up to the engine's `max_num_tokens`; finished
-sequences leave and waiting ones join between steps. A request is admitted when a recurrent-state
-slot and the cache blocks for its prompt plus `max_tokens` are free (kept sessions are evicted, least
-recently used first, to make room); otherwise it waits, in arrival order. Aborting frees its slot and
-blocks at once.
+still reading their prompt and of newly admitted ones, up to the engine's `max_num_tokens` and, where the
+engine sets `max_step_pairs`, up to that many (step token, attended position) pairs: every token of a step
+attends to the positions of the step's longest block table, so a long prompt's chunks shrink as its
+context grows (a step always holds at least one token; a sequence admitted when the step is full starts
+in the next). Finished sequences leave and waiting ones join between steps. A request is admitted when a
+recurrent-state slot and the cache blocks for its prompt plus `max_tokens` are free (kept sessions are
+evicted, least recently used first, to make room); otherwise it waits, in arrival order. Aborting frees
+its slot and blocks at once.
 
 Multi-rank (under mpiexec): rank 0 runs this scheduler and broadcasts every step's plan (slot resets,
 chunks with tokens, positions, slots, block tables); the sampled tokens travel in the next plan.
@@ -215,30 +218,52 @@ class Scheduler:
 
     # ---- one iteration --------------------------------------------------------------------------
 
+    def _chunk_len(self, seq: Sequence, step_tokens: int, step_blocks: int) -> int:
+        """How many of `seq`'s pending tokens join a step already holding `step_tokens` tokens whose longest
+        block table has `step_blocks` blocks: within max_num_tokens and max_step_pairs (at least 1 in an empty step)."""
+        n = min(len(seq.tokens) - seq.num_computed, self.engine.max_num_tokens - step_tokens)
+        max_pairs = self.engine.max_step_pairs
+        if max_pairs is None or n <= 0:
+            return max(n, 0)
+
+        def pairs(k: int) -> int:
+            blocks = max(step_blocks, self.allocator.blocks_needed(seq.num_computed + k))
+            return (step_tokens + k) * blocks * self.allocator.block_size
+
+        lo, hi = 0, n  # pairs() grows with k: the largest k in [0, n] within the budget
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if pairs(mid) <= max_pairs else (lo, mid - 1)
+        return lo if lo > 0 or step_tokens > 0 else 1
+
     def _plan(self) -> tuple[list[int], list[Sequence], list[SequenceChunk]]:
-        budget = self.engine.max_num_tokens
         resets: list[int] = []
         scheduled: list[Sequence] = []
         chunks: list[SequenceChunk] = []
+        step_tokens = step_blocks = 0
 
-        def add_chunk(seq: Sequence) -> None:
-            nonlocal budget
-            pending = seq.tokens[seq.num_computed: seq.num_computed + budget]
-            chunks.append(SequenceChunk(seq.slot, seq.num_computed, pending,
-                                        seq.blocks[: self.allocator.blocks_needed(seq.num_computed + len(pending))]))
+        def add_chunk(seq: Sequence) -> bool:
+            """Schedule `seq`'s next chunk; False when no token of it fits in this step."""
+            nonlocal step_tokens, step_blocks
+            n = self._chunk_len(seq, step_tokens, step_blocks)
+            if n == 0:
+                return False
+            table = seq.blocks[: self.allocator.blocks_needed(seq.num_computed + n)]
+            chunks.append(SequenceChunk(seq.slot, seq.num_computed, seq.tokens[seq.num_computed: seq.num_computed + n], table))
             scheduled.append(seq)
-            budget -= len(pending)
+            step_tokens, step_blocks = step_tokens + n, max(step_blocks, len(table))
+            return True
 
         decoding = [s for s in self.running if len(s.tokens) - s.num_computed == 1]
         prefilling = [s for s in self.running if len(s.tokens) - s.num_computed > 1]
         for seq in decoding + prefilling:
-            if budget <= 0:
-                break
-            add_chunk(seq)
-        while self.waiting and budget > 0 and self._try_admit(self.waiting[0], resets):
+            if not add_chunk(seq):
+                return resets, scheduled, chunks
+        while self.waiting and step_tokens < self.engine.max_num_tokens and self._try_admit(self.waiting[0], resets):
             seq = self.waiting.popleft()
             self.running.append(seq)
-            add_chunk(seq)
+            if not add_chunk(seq):
+                break
         return resets, scheduled, chunks
 
     def step(self) -> list[SequenceUpdate]:

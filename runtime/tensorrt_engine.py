@@ -96,6 +96,7 @@ class TensorRTEngine:
                              f"{limits['max_batch']} state slots (rebuild with a larger limits.max_batch)")
         self.max_seq_len = int(limits["max_seq_len"])
         self.max_num_tokens = int(limits["max_num_tokens"])
+        self.max_step_pairs = None  # the plugins stream over the context (online softmax): no [T, context] rows
         self.block_size = int(limits.get("block_size", DEFAULT_BLOCK_SIZE))
         self.num_blocks = num_blocks or engine_pool_sizes(self.config, self.num_slots).num_blocks
         world = mpi_world() or (0, 1)

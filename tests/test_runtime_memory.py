@@ -1,5 +1,6 @@
-"""Engine memory over a long prefill: what a step allocates is released when it ends (in a fresh process,
-so RSS is this engine's alone; glibc's free pages are trimmed before each reading)."""
+"""Engine memory over a long prefill: what a step allocates is released when it ends, and a step's peak follows
+the scheduler's (token, attended position) pair budget. Measured in a fresh process, so RSS is this engine's alone;
+glibc's free pages are trimmed before each reading."""
 
 from __future__ import annotations
 
@@ -9,28 +10,44 @@ import sys
 
 import pytest
 
+from moe_export.runtime.engine import PAIR_BYTES_FIXED, PAIR_BYTES_PER_VALUE
+
 PROBE = r"""
-import ctypes, json, sys
-import psutil
+import ctypes, json, re, sys
 from moe_export.runtime.engine import Engine
 from moe_export.runtime.sampling import SamplingParams
 from moe_export.runtime.scheduler import Request, Scheduler
 
-eng = Engine(sys.argv[1], num_slots=1, threads=1)
+
+def status(key):
+    return int(re.search(key + r":\s+(\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+
+
+eng = Engine(sys.argv[1], num_slots=1, threads=1, max_step_pairs=int(sys.argv[3]) or None)
 sched = Scheduler(eng, keep_sessions=False)
-sched.add(Request("long", [1 + i % 500 for i in range(int(sys.argv[2]))], SamplingParams(max_tokens=1, ignore_eos=True)))
-libc, proc, rss = ctypes.CDLL("libc.so.6"), psutil.Process(), []
+one = SamplingParams(max_tokens=1, ignore_eos=True)
+sched.add(Request("warm-up", [1, 2, 3], one))
 while sched.has_work:
     sched.step()
-    libc.malloc_trim(0)
-    rss.append(proc.memory_info().rss)
-print(json.dumps(rss))
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc_trim(0)
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset the peak (VmHWM) to the current RSS
+start = status("VmRSS")
+sched.add(Request("long", [1 + i % 500 for i in range(int(sys.argv[2]))], one))
+held = []
+while sched.has_work:
+    sched.step()
+    libc.malloc_trim(0)  # hand freed heap pages back: RSS shows what is still held
+    held.append(status("VmRSS") - start)
+print(json.dumps({"held": held, "peak": status("VmHWM") - start}))
 """
 
 
-def probe_rss(engine_dir, prompt_len: int) -> list[int]:
-    """RSS (bytes) after each scheduler step of one `prompt_len`-token prompt, in a fresh process."""
-    out = subprocess.run([sys.executable, "-c", PROBE, str(engine_dir), str(prompt_len)],
+def probe(engine_dir, prompt_len: int, max_step_pairs: int | None = None) -> dict:
+    """In a fresh process, after a warm-up request: one `prompt_len`-token prompt through the scheduler.
+    -> {"held": RSS growth after each step, "peak": peak RSS growth} (bytes)."""
+    out = subprocess.run([sys.executable, "-c", PROBE, str(engine_dir), str(prompt_len), str(max_step_pairs or 0)],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -41,7 +58,18 @@ def test_long_prefill_steps_hold_no_memory_after_they_end(runtime_engine):
     """1,000 prompt tokens in 16 chunks of 64 (tiny-k3, 4 ranks in process: 12 MLA segment sessions). Each chunk's
     attention temporaries grow with its context (up to 64 x 1,024 positions x 40 fp32 values, ~50-70 MB live per op);
     with per-session ORT arenas every MLA session kept its high-water mark and RSS grew ~800 MB over the steps."""
-    rss = probe_rss(runtime_engine("tiny-k3", 2, 2, 4), 1000)
-    assert len(rss) == 16
-    held = rss[-1] - rss[1]
-    assert held < 48e6, f"RSS grew {held / 1e6:.0f} MB from the 2nd to the last chunk: {[round(r / 1e6) for r in rss]}"
+    held = probe(runtime_engine("tiny-k3", 2, 2, 4), 1000)["held"]
+    assert len(held) == 16
+    assert held[-1] - held[1] < 48e6, f"RSS grew from the 2nd to the last chunk: {[round(h / 1e6) for h in held]} MB"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")
+def test_long_prompt_peak_follows_the_step_pair_budget(runtime_engine):
+    """1,000 prompt tokens with 1,024 tokens per step allowed (tiny-k3, world 1): in one step the dense attention
+    body holds ~1,000 x 1,008 pairs x ~2 KB; under a budget of 65,536 (token, attended position) pairs the
+    chunks shrink with the context and the peak stays within the budget's bytes (`step_pair_budget`'s estimate)."""
+    pairs = 65536
+    got = probe(runtime_engine("tiny-k3", 1, 1, 1, max_num_tokens=1024), 1000, pairs)
+    budget_bytes = pairs * (PAIR_BYTES_PER_VALUE * 40 + PAIR_BYTES_FIXED)
+    assert got["peak"] < budget_bytes, f"peak {got['peak'] / 1e6:.0f} MB, budget {budget_bytes / 1e6:.0f} MB"
+    assert len(got["held"]) == 9  # 256 tokens at first, 54 at the end; one step without the budget

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -182,6 +183,48 @@ def test_logits_processors(engine):
     assert got["plain"][0] == free
     last = got["broken"][1][-1]
     assert last.finish_reason == "abort" and "grammar exploded" in last.error
+
+
+def test_prefill_chunked_under_a_pair_budget_equals_one_step(runtime_engine):
+    """A 200-token prompt and its follow-up turn (kept state + 100 tokens) prefilled in chunks that keep (step tokens)
+    x (attended positions) within 4,096 pairs, in steps shared with other requests' decode tokens, give every
+    request the logits of one-step prefills run alone within 1e-5 (4 ranks, fp32 pools, 16-token blocks)."""
+    engine_dir = runtime_engine("tiny-k3", 2, 2, 4, max_num_tokens=512)
+    assert Engine(engine_dir, threads=1).max_step_pairs == 2**28 // (16 * 40 + 2560)  # tiny-cpu's workspace / B per pair
+    whole = Engine(engine_dir, threads=1, max_step_pairs=2**40)
+    chunked = Engine(engine_dir, threads=1, max_step_pairs=4096)
+    shapes = []  # (tokens, attended positions, sequences) of each chunked step
+    run_step = chunked.step
+
+    def step(batch):
+        shapes.append((batch.input_ids.shape[0], batch.block_tables.shape[1] * chunked.block_size, batch.num_sequences))
+        return run_step(batch)
+
+    chunked.step = step
+    turn1 = [1 + (7 * i) % 500 for i in range(200)]
+    params = {"a1": SamplingParams(max_tokens=4, ignore_eos=True), "a2": SamplingParams(max_tokens=4, ignore_eos=True),
+              "bg1": SamplingParams(max_tokens=30, ignore_eos=True), "bg2": SamplingParams(max_tokens=30, ignore_eos=True)}
+
+    def request(rid, prompt, logits):
+        return Request(rid, prompt, params[rid], [lambda _ids, x: logits.setdefault(rid, []).append(x.clone()) or x])
+
+    got: dict[str, list] = {}
+    sched = Scheduler(chunked)
+    out1 = run_all(sched, [request("bg1", PROMPTS[0], got)], join_late={1: [request("a1", turn1, got)]})
+    turn2 = turn1 + out1["a1"][0] + [3 + (11 * i) % 500 for i in range(100)]
+    out2 = run_all(sched, [request("bg2", PROMPTS[4], got)], join_late={1: [request("a2", turn2, got)]})
+    assert out2["a2"][1][0].cached_tokens == len(turn1) + 3
+    assert all(t * span <= 4096 for t, span, _ in shapes)
+    assert sum(1 for t, _, n in shapes if n == 2 and t > 2) >= 10, shapes  # prefill chunks beside a decode token
+    assert min(t for t, _, n in shapes if n == 2 and t > 2) < 16, shapes  # chunks shrink as the context grows
+
+    want: dict[str, list] = {}
+    for rid, prompt in (("a1", turn1), ("a2", turn2), ("bg1", PROMPTS[0]), ("bg2", PROMPTS[4])):
+        run_all(Scheduler(whole, keep_sessions=False), [request(rid, prompt, want)])
+    for rid in want:
+        assert len(got[rid]) == len(want[rid]) == params[rid].max_tokens, rid
+        for k, (x, y) in enumerate(zip(got[rid], want[rid])):
+            np.testing.assert_allclose(x.numpy(), y.numpy(), atol=1e-5, rtol=0, err_msg=f"{rid} token {k}")
 
 
 def mpiexec() -> str:
