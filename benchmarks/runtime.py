@@ -12,6 +12,7 @@ public `LLM` API, in interleaved rounds with equal repetitions:
   reuse_ttft_speedup    time to first token of a follow-up turn after HISTORY tokens of history:
                         with state reuse (the previous turn's kept state continues) / with a full
                         re-prefill (a second 2-slot LLM with reuse off, the same prompt). Goal >= 5.
+  peak_rss_gib          the process's peak resident memory over the run (the three LLMs together).
 
     python benchmarks/runtime.py [--rounds 3] [--history 2000] [--tokens 32] [--quick] [--json PATH]
 """
@@ -22,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import statistics
 import tempfile
 import time
@@ -116,6 +118,7 @@ def main() -> None:
         "tokens_per_request": args.tokens,
         "rounds": args.rounds,
         "loadavg_1min": os.getloadavg()[0],
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # Linux: KiB; 3 LLMs in process
     }
     for key, value in figures.items():
         print(f"{key:28s} {value:10.3f}")
