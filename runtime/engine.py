@@ -50,10 +50,12 @@ def torch_view(pool: np.ndarray) -> torch.Tensor:
 
 
 # Peak RSS per (step token, attended position) pair of the ONNX Runtime bodies of SparseMLAAttention (dense) and
-# DSAIndexer, which gather every attended latent row for every token: fp32 row copies, int64 index tensors and the
-# allocator's fragmentation. Measured per step on tiny-k3 builds: 2.0-2.9 KB with 40-value rows, 4.8-5.8 KB with 232.
-PAIR_BYTES_PER_VALUE = 16
-PAIR_BYTES_FIXED = 2560
+# DSAIndexer, which gather every attended latent row for every token. Live at once: ~5 fp32 copies of the row plus
+# int64 index tensors (~1.0 KB per pair with 40-value rows, ~4.8 KB with 232, when each temporary is above glibc's
+# 32 MB mmap threshold); temporaries below it come from the heap, whose fragmentation held up to ~2.5x that within
+# a step (measured on tiny-k3 builds, fp32 / bf16 / fp8 pools: up to 2.6 KB with 40 values, 15 KB with 232).
+PAIR_BYTES_PER_VALUE = 64
+PAIR_BYTES_FIXED = 2048
 
 
 def step_pair_budget(engine_config: dict) -> int | None:
