@@ -48,6 +48,7 @@ CASES = {
     "prefill": dict(T=40, k=2, E=4, num_global=8, offset=2),
     "all_experts_local": dict(T=9, k=3, E=6, num_global=6, offset=0),
     "wide_dims": dict(T=5, k=2, D=96, I=160, E=3, num_global=6, offset=3),
+    "one_token_few_of_many": dict(T=1, k=2, E=16, num_global=16, offset=0),  # the ORT body's gathered branch
 }
 
 
@@ -180,13 +181,15 @@ def test_ort_function_matches_reference(name, activation):
     close(got, reference.moe_mxfp4_reference(**case, expert_offset=offset, activation=activation))
 
 
-def test_ort_function_multiplies_only_the_chosen_experts():
-    """No local expert chosen: zeros; an unchosen expert with NaN scales (the body gathers the used experts only)
-    leaves y finite and equal to the reference; a repeated expert in a token's choices counts twice."""
+@pytest.mark.parametrize("num_local", [5, 16])
+def test_ort_function_multiplies_only_the_chosen_experts(num_local):
+    """No local expert chosen: zeros; an unchosen expert with NaN scales leaves y finite and equal to the
+    reference, both when the body gathers the 2 chosen experts (16 local) and when it multiplies all of them
+    (5 local: 3 x 2 >= 5); a repeated expert in a token's choices counts twice."""
     import onnxruntime
 
-    case, offset = make_case(seed=7, T=4, k=2, E=5, num_global=16)
-    case["expert_ids"][:] = torch.tensor([[offset, offset + 2], [offset + 2, 15], [0, 1], [offset, offset]])
+    case, offset = make_case(seed=7, T=4, k=2, E=num_local, num_global=32, offset=4)
+    case["expert_ids"][:] = torch.tensor([[offset, offset + 2], [offset + 2, 31], [0, 1], [offset, offset]])
     case["w13_scale"][1] = 255  # expert offset+1: nobody chose it
     sess = onnxruntime.InferenceSession(onnx_model(case, offset, "situ").SerializeToString(),
                                         providers=["CPUExecutionProvider"])  # fmt: skip
@@ -197,7 +200,7 @@ def test_ort_function_multiplies_only_the_chosen_experts():
     got = run(case)
     assert torch.isfinite(got).all() and got[2].abs().max() == 0
     close(got, reference.moe_mxfp4_reference(**case, expert_offset=offset, activation="situ"))
-    off_rank = dict(case, expert_ids=torch.full_like(case["expert_ids"], 15))
+    off_rank = dict(case, expert_ids=torch.full_like(case["expert_ids"], 31))
     assert run(off_rank).abs().max() == 0
 
 
