@@ -26,6 +26,7 @@ from .. import DOMAIN, OPSET_VERSION, PLUGIN_NAMESPACE, PLUGIN_VERSION
 from ..sparse_mla_attention.onnx_schema import (
     CACHE_TYPE_CONSTRAINT,
     input_dim,
+    paged_cache_inputs,
     plugin_lookup_attributes,
     register_once,
     tensor_type,
@@ -52,9 +53,7 @@ def schema() -> defs.OpSchema:
             p("weights", "tensor(float)", "[T, Hi]"),
             p("k_pool", "C", "[NB, BS, Di]"),
             p("k_new", "tensor(float)", "[T, Di]"),
-            p("cu_seqlens", "tensor(int64)", "[N+1]"),
-            p("block_tables", "tensor(int64)", "[N, B]"),
-            p("positions", "tensor(int64)", "[T]"),
+            *paged_cache_inputs(),
         ],
         outputs=[p("indices", "tensor(int64)", "[T, topk]")],
         type_constraints=[CACHE_TYPE_CONSTRAINT],

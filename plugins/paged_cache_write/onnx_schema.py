@@ -22,7 +22,12 @@ import onnx
 from onnx import defs, helper
 
 from .. import DOMAIN, OPSET_VERSION, PLUGIN_NAMESPACE, PLUGIN_VERSION
-from ..sparse_mla_attention.onnx_schema import CACHE_TYPE_CONSTRAINT, plugin_lookup_attributes, register_once
+from ..sparse_mla_attention.onnx_schema import (
+    CACHE_TYPE_CONSTRAINT,
+    paged_cache_inputs,
+    plugin_lookup_attributes,
+    register_once,
+)
 
 OP_TYPE = "PagedCacheWrite"
 
@@ -44,9 +49,7 @@ def schema() -> defs.OpSchema:
         inputs=[
             p("pool", "C", "[NB, BS, W]"),
             p("new_rows", "tensor(float)", "[T, D]"),
-            p("cu_seqlens", "tensor(int64)", "[N+1]"),
-            p("block_tables", "tensor(int64)", "[N, B]"),
-            p("positions", "tensor(int64)", "[T]"),
+            *paged_cache_inputs(),
         ],
         outputs=[p("pool_out", "C", "[NB, BS, W], aliases pool on TensorRT")],
         type_constraints=[CACHE_TYPE_CONSTRAINT],

@@ -54,6 +54,14 @@ def plugin_lookup_attributes() -> list[defs.OpSchema.Attribute]:
     ]
 
 
+def paged_cache_inputs() -> list[defs.OpSchema.FormalParameter]:
+    """The formal inputs every op reading or writing a paged cache takes after its own: cu_seqlens [N+1],
+    block_tables [N, B], positions [T] (int64; layout in `reference.py`)."""
+    p = defs.OpSchema.FormalParameter
+    return [p("cu_seqlens", "tensor(int64)", "[N+1]"), p("block_tables", "tensor(int64)", "[N, B]"),
+            p("positions", "tensor(int64)", "[T]")]
+
+
 def input_dim(ctx, index: int, axis: int) -> onnx.TensorShapeProto.Dimension:
     """Dimension `axis` of input `index` as a TensorShapeProto.Dimension (empty if unknown)."""
     dim = onnx.TensorShapeProto.Dimension()
@@ -98,9 +106,7 @@ def schema() -> defs.OpSchema:
             p("q_lat", "tensor(float)", "[T, H, Dc+Dr]"),
             p("kv_pool", "C", "[NB, BS, Dc+Dr]"),
             p("kv_new", "tensor(float)", "[T, Dc+Dr]"),
-            p("cu_seqlens", "tensor(int64)", "[N+1]"),
-            p("block_tables", "tensor(int64)", "[N, B]"),
-            p("positions", "tensor(int64)", "[T]"),
+            *paged_cache_inputs(),
             p("topk_indices", "tensor(int64)", "[T, K], -1 = padding", param_option=opt),
         ],
         outputs=[p("o_lat", "tensor(float)", "[T, H, Dc]")],
