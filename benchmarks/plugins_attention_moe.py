@@ -1,10 +1,11 @@
 """Benchmark of the CPU sparse MLA attention, DSA indexer and MXFP4 MoE paths, on 2 threads.
 
 sparse_mla_attention: one decode token, H = 16 heads, latent row 512 + 64 (K3), top-k = 2048 at context
-n = 8k, 16k, 64k (one cache of 64k rows; the token sits at position n-1), vs the dense absorbed MLA over the
-same cache (the op without indices). Figures: seconds per call, `sparse_speedup_64k` (dense / sparse at 64k)
+n = 8k, 16k, 64k (the sequence's first n rows of one 64k cache, paged into a bf16 pool of 64-row blocks in shuffled
+order with its block table, as the engine stores them; the token sits at position n-1), vs the dense absorbed MLA
+over the same cache (the op without indices). Figures: seconds per call, `sparse_speedup_64k` (dense / sparse at 64k)
 and `sparse_time_ratio_64k_over_8k` (sparse at 64k / sparse at 8k).
-dsa_indexer: one decode token at n = 64k, 64 heads x 128 (DeepSeek-V3.2 sizes), top-2048.
+dsa_indexer: one decode token at n = 64k, 64 heads x 128 (DeepSeek-V3.2 sizes), top-2048, keys paged the same way.
 moe_mxfp4: a decode step of 4 tokens x top-16 over 256 experts, this rank holding 32 (EP = 8), experts scaled
 down from K3's latent 3584 x 3072 to D = 1024, I = 768 (quick: 512 x 384), random MXFP4 bytes, SiTU; the op's
 grouped, tiled path vs dequantizing only the local experts the step uses (about 7 of 32) with
@@ -32,6 +33,7 @@ from moe_export.quantize import mxfp4
 THREADS = 2
 CONTEXTS = (8192, 16384, 65536)
 HEADS, LATENT, ROPE, TOPK = 16, 512, 64, 2048
+BLOCK = 64  # cache block size (the recipe default)
 
 
 def _interleaved_best(calls: dict, rounds: int) -> tuple[dict, dict]:
@@ -47,18 +49,29 @@ def _interleaved_best(calls: dict, rounds: int) -> tuple[dict, dict]:
     return best, outputs
 
 
+def paged(rows: torch.Tensor, position: int) -> dict:
+    """One sequence's cache rows [L, D] as the paged ops take them for a decode token at `position`: a bf16 pool
+    (the recipe's default storage) of BLOCK-row blocks in shuffled order, the block table, and the token's own
+    row as the step's new row (fp32, rounded to bf16)."""
+    blocks = rows.shape[0] // BLOCK
+    order = torch.randperm(blocks, generator=torch.Generator().manual_seed(3))
+    pool = torch.empty(blocks, BLOCK, rows.shape[1], dtype=torch.bfloat16)
+    pool[order] = rows.view(blocks, BLOCK, -1).to(torch.bfloat16)
+    return dict(pool=pool, new=rows[position : position + 1].bfloat16().float(), cu_seqlens=torch.tensor([0, 1]),
+                block_tables=order[None], positions=torch.tensor([position]))
+
+
 def bench_sparse_mla(rounds: int) -> dict:
     """Sparse (top-2048) vs dense decode of one token at every context n."""
     gen = torch.Generator().manual_seed(0)
-    cache = torch.randn(1, max(CONTEXTS), LATENT + ROPE, generator=gen)
+    cache = torch.randn(max(CONTEXTS), LATENT + ROPE, generator=gen)
     q = torch.randn(1, HEADS, LATENT + ROPE, generator=gen)
-    seq = dict(cu_seqlens=torch.tensor([0, 1]), slot_ids=torch.tensor([0]))
     calls = {}
     for n in CONTEXTS:
-        pos = torch.tensor([n - 1])
         idx = torch.randperm(n, generator=gen)[:TOPK][None]
-        kw = dict(positions=pos, scale=192**-0.5, kv_lora_rank=LATENT)
-        attend = functools.partial(sparse_mla_attention_cpu, q, cache, **seq, **kw)
+        c = paged(cache[:n], n - 1)
+        attend = functools.partial(sparse_mla_attention_cpu, q, c["pool"], c["new"], c["cu_seqlens"], c["block_tables"],
+                                   c["positions"], scale=192**-0.5, kv_lora_rank=LATENT)  # fmt: skip
         calls[f"sparse_mla_decode_s_{n // 1024}k"] = functools.partial(attend, topk_indices=idx)
         calls[f"dense_mla_decode_s_{n // 1024}k"] = attend
     figures, outputs = _interleaved_best(calls, rounds)
@@ -72,14 +85,10 @@ def bench_indexer(rounds: int) -> dict:
     """Indexer decode of one token over a 64k key cache."""
     gen = torch.Generator().manual_seed(1)
     n, heads, dim = max(CONTEXTS), 64, 128
-    args = dict(
-        q_idx=torch.randn(1, heads, dim, generator=gen),
-        weights=torch.rand(1, heads, generator=gen),
-        k_cache=torch.randn(1, n, dim, generator=gen),
-        cu_seqlens=torch.tensor([0, 1]),
-        slot_ids=torch.tensor([0]),
-        positions=torch.tensor([n - 1]),
-    )
+    c = paged(torch.randn(n, dim, generator=gen), n - 1)
+    args = dict(q_idx=torch.randn(1, heads, dim, generator=gen), weights=torch.rand(1, heads, generator=gen),
+                k_pool=c["pool"], k_new=c["new"], cu_seqlens=c["cu_seqlens"], block_tables=c["block_tables"],
+                positions=c["positions"])  # fmt: skip
     calls = {"dsa_indexer_decode_s_64k": lambda: dsa_indexer_cpu(**args, topk=TOPK)}
     times, outputs = _interleaved_best(calls, rounds)
     assert (outputs["dsa_indexer_decode_s_64k"] >= 0).all()

@@ -2,7 +2,7 @@
 Reference, fast CPU, Triton, ONNX schema, ORT function, TensorRT plugin; `tensorrt_plugin` is not imported
 here (it needs `tensorrt`)."""
 
-from .cpu import dequantize_rows, group_by_expert, moe_mxfp4_cpu
+from .cpu import group_by_expert, moe_mxfp4_cpu
 from .reference import gated_activation, moe_mxfp4_reference
 
-__all__ = ["dequantize_rows", "gated_activation", "group_by_expert", "moe_mxfp4_cpu", "moe_mxfp4_reference"]
+__all__ = ["gated_activation", "group_by_expert", "moe_mxfp4_cpu", "moe_mxfp4_reference"]

@@ -3,40 +3,20 @@
 The (token, choice) pairs routed to this rank are grouped by expert; only the G experts that received tokens
 are touched. Their tokens are laid out as [G, m, D] (m = most pairs of one expert; padding rows have weight 0)
 and the G experts are processed together, tile by tile: a tile is the same rows of all G experts, about
-`_TILE_ELEMS` weights, dequantized (one gather per byte from a 256-entry table of value pairs, times the block
-scale) and consumed at once by a batched matmul, so no full fp32 copy of an expert is ever written and the
+`_TILE_ELEMS` weights, dequantized (`quantize.mxfp4.decode`: one gather per byte from a 256-entry table of value
+pairs, times the block scale) and consumed at once by a batched matmul, so no full fp32 copy of an expert is ever written and the
 number of torch ops (each a parallel region) depends on the weight volume, not on G. Gate and up tiles cover
 the same rows, so the activation is applied tile by tile. Results, scaled by the routing weights before the
 down projection, are index-added into y.
 """
 
-import functools
-
 import torch
 
 from moe_export.quantize import mxfp4
-from moe_export.quantize.mx_common import BLOCK_SIZE, e8m0_to_float
 
 from .reference import ACTIVATIONS, gated_activation
 
 _TILE_ELEMS = 1 << 18
-
-
-@functools.cache
-def _pair_bits() -> torch.Tensor:
-    """[256] int64: the E2M1 values of a byte's (low, high) nibbles as two adjacent fp32 bit patterns, so one
-    1-D gather per byte yields both elements (4x faster than gathering rows of a [256, 2] table)."""
-    vals = torch.tensor(mxfp4.E2M1_VALUES, dtype=torch.float32)
-    byte = torch.arange(256)
-    return torch.stack([vals[byte & 0xF], vals[byte >> 4]], dim=-1).view(torch.int64).view(-1)
-
-
-def dequantize_rows(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """MXFP4 rows: packed [..., C/2] u8, scales [..., C/32] u8 -> [..., C] fp32."""
-    lead, half = packed.shape[:-1], packed.shape[-1]
-    vals = _pair_bits().index_select(0, packed.reshape(-1).to(torch.int32)).view(torch.float32)
-    vals = vals.view(*lead, half * 2 // BLOCK_SIZE, BLOCK_SIZE)
-    return (vals * e8m0_to_float(scales).unsqueeze(-1)).view(*lead, half * 2)
 
 
 def group_by_expert(expert_ids: torch.Tensor, expert_offset: int, num_local: int):
@@ -97,8 +77,8 @@ def moe_mxfp4_cpu(
     for r0 in range(0, inter, rows):
         r1 = min(inter, r0 + rows)
         u0, u1 = inter + r0, inter + r1
-        gate_w = dequantize_rows(w13_packed[experts, r0:r1], w13_scale[experts, r0:r1])  # [G, r, D]
-        up_w = dequantize_rows(w13_packed[experts, u0:u1], w13_scale[experts, u0:u1])
+        gate_w = mxfp4.decode(w13_packed[experts, r0:r1], w13_scale[experts, r0:r1])  # [G, r, D]
+        up_w = mxfp4.decode(w13_packed[experts, u0:u1], w13_scale[experts, u0:u1])
         gate = torch.bmm(xg, gate_w.transpose(1, 2))
         up = torch.bmm(xg, up_w.transpose(1, 2))
         act[:, :, r0:r1] = gated_activation(gate, up, activation, situ_beta, situ_linear_beta)
@@ -108,7 +88,7 @@ def moe_mxfp4_cpu(
     rows = max(1, _TILE_ELEMS // (groups * inter))
     for d0 in range(0, dim, rows):
         d1 = min(dim, d0 + rows)
-        down_w = dequantize_rows(w2_packed[experts, d0:d1], w2_scale[experts, d0:d1])  # [G, r, I]
+        down_w = mxfp4.decode(w2_packed[experts, d0:d1], w2_scale[experts, d0:d1])  # [G, r, I]
         out[:, :, d0:d1] = torch.bmm(act, down_w.transpose(1, 2))
     y.index_add_(0, tokens.view(-1), out.view(-1, dim))
     return y[:num_tokens]
