@@ -33,7 +33,7 @@ import yaml
 
 from moe_export.export.build import build
 from moe_export.recipes.schema import load_recipe
-from moe_export.runtime.llm import LLM
+from moe_export.runtime.entrypoints.llm import LLM
 from moe_export.runtime.sampling import SamplingParams
 
 BATCH = 16

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moe_export.export.errors import InputError
-from moe_export.runtime.budget import EFFORT_TIERS
+from moe_export.runtime.core.budget import EFFORT_TIERS
 from moe_export.runtime.tokenizer import Tokenizer
 
 FAMILIES = ("k3", "k2")

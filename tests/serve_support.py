@@ -57,8 +57,8 @@ class InProcessServer:
     def __init__(self, engine_dir: Path, **settings) -> None:
         import uvicorn
 
-        from moe_export.runtime.llm import AsyncLLM
-        from moe_export.runtime.server.app import ServerSettings, create_app
+        from moe_export.runtime.entrypoints.llm import AsyncLLM
+        from moe_export.runtime.entrypoints.server.app import ServerSettings, create_app
 
         self.settings = ServerSettings(engine_dir=engine_dir, **settings)
         self.app = create_app(AsyncLLM(engine_dir, default_effort=self.settings.default_effort), self.settings)

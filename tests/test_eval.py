@@ -10,8 +10,8 @@ import pytest
 
 from conftest import run_cli
 from moe_export.export.errors import InputError
-from moe_export.runtime.eval import EvalTask, check_answer, load_tasks, run_task
-from moe_export.runtime.llm import ChatOutput
+from moe_export.runtime.entrypoints.eval import EvalTask, check_answer, load_tasks, run_task
+from moe_export.runtime.entrypoints.llm import ChatOutput
 
 
 def call(name: str, args: dict, idx: int = 0) -> dict:

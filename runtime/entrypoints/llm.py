@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_export.export.errors import InputError
-from moe_export.runtime.budget import ReasoningBudget, resolve_thinking
+from moe_export.runtime.core.budget import ReasoningBudget, resolve_thinking
 from moe_export.runtime.chat import (
     OutputParser,
     ParsedDelta,
@@ -27,10 +27,10 @@ from moe_export.runtime.chat import (
     prompt_starts_in_reasoning,
     render_ids,
 )
-from moe_export.runtime.generate import engine_eos_ids
+from moe_export.runtime.core.scheduler import Request, Scheduler, SequenceUpdate, follow
+from moe_export.runtime.core.sessions import TurnMemory
+from moe_export.runtime.entrypoints.generate import engine_eos_ids
 from moe_export.runtime.sampling import LogitsProcessor, SamplingParams
-from moe_export.runtime.scheduler import Request, Scheduler, SequenceUpdate, follow
-from moe_export.runtime.sessions import TurnMemory
 from moe_export.runtime.tokenizer import load_tokenizer
 
 

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from moe_export.export.errors import InputError
-from moe_export.runtime.blocks import BlockAllocator
-from moe_export.runtime.engine import SequenceChunk, StepBatch
+from moe_export.runtime.core.blocks import BlockAllocator
+from moe_export.runtime.core.sessions import KeptSequence, SessionCache
+from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
 from moe_export.runtime.sampling import LogitsProcessor, RequestSampler, SamplingParams
-from moe_export.runtime.sessions import KeptSequence, SessionCache
 from moe_export.runtime.tokenizer import IncrementalDecoder
 
 
