@@ -59,8 +59,11 @@ K2_SPECIAL_NAMES = {
 }
 K3_SPECIAL_NAMES = {
     0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>", 9: "[EOT]",
-    18: "<|kimi_image_placeholder|>", 254: "[UNK]", 255: "[PAD]",
+    18: "<|media_begin|>", 19: "<|media_content|>", 20: "<|media_end|>", 21: "<|media_pad|>", 254: "[UNK]", 255: "[PAD]",
 }
+# K3's `<|kimi_image_placeholder|>` (config.json `image_placeholder`) is not a token: the renderer's marker for an
+# image part, expanded into the media tokens above (`moe_export.runtime.images.image_token_ids`); offset 21
+# (`<|media_pad|>`, 163605) is config.json's `media_placeholder_token_id`, the rows that take image embeddings.
 FAMILY_SPECIAL_NAMES = {"k2": K2_SPECIAL_NAMES, "k3": K3_SPECIAL_NAMES}
 # The token that ends a chat message: the generation stop token of each family.
 END_OF_MESSAGE = {"k2": "<|im_end|>", "k3": "<|end_of_msg|>"}
