@@ -38,9 +38,9 @@ from PIL import Image, UnidentifiedImageError
 
 from moe_export.export.errors import InputError
 from moe_export.graphs.config import read_json_object
+from moe_export.runtime.formats.markers import MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD
 
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
-MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_PAD, MEDIA_END = "<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>"
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")  # what image parts may carry
 MAX_IMAGE_BYTES = 32 * 2**20
 MAX_IMAGE_PIXELS = 64 * 2**20  # larger decoded images are refused (decompression bombs)
