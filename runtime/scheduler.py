@@ -336,12 +336,13 @@ class Scheduler:
             self.engine.comm.broadcast(None)
 
 
-def run_plan(engine, plan: dict) -> np.ndarray:
-    """Apply a step plan on this rank: reset new sequences' slots, then one engine step."""
+def run_plan(engine, plan: dict) -> np.ndarray | None:
+    """Apply a step plan on this rank: reset new sequences' slots, then one engine step (a plan without chunks:
+    an idle step of a dp-layout group, see `runtime.wide_ep`)."""
     for slot in plan["resets"]:
         engine.reset_slot(slot)
     chunks = [SequenceChunk(slot, start, list(tokens), list(table)) for slot, start, tokens, table in plan["chunks"]]
-    return engine.step(StepBatch.from_sequences(chunks))
+    return engine.step(StepBatch.from_sequences(chunks) if chunks else None)
 
 
 def follow(engine) -> int:
