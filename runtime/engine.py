@@ -409,7 +409,7 @@ class Engine:
     def _traffic_kind(step: dict) -> str:
         """Traffic key of a collective step: the routed experts' exchange (`moe_*`) or the tp group's own."""
         if step["collective"] in ("MoEDispatch", "MoECombine"):
-            return "moe_all_to_all"
+            return all_to_all.KIND
         if step["group"] == "ep":
             return "moe_all_reduce"
         return "moe_all_gather" if step["output"].endswith(".token_all_gather") else f"tp_{step['collective']}"

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 ID_WIRE_DTYPE = np.int32  # expert ids travel as int32 (E < 2^31), weights as fp32
+KIND = "moe_all_to_all"  # `Traffic` key of both ops
 
 
 @dataclass
@@ -103,7 +104,8 @@ def reference_dispatch(xs: list[np.ndarray], ids: list[np.ndarray], weights: lis
         out.append((np.concatenate(parts_x), np.concatenate(parts_i), np.concatenate(parts_w), layout))
     if traffic is not None:
         for src, (x, i) in enumerate(zip(xs, ids)):
-            traffic[src].add("all_to_all", wire_bytes(src, plans[src][1], dispatch_row_bytes(x, i.shape[1])))
+            traffic[src].add(KIND, wire_bytes(src, plans[src][1], dispatch_row_bytes(x, i.shape[1]))
+                             + (ep - 1) * plans[src][1].itemsize)  # the counts go first
             traffic[src].moe_tokens += x.shape[0]
     return out
 
@@ -124,7 +126,7 @@ def reference_combine(ys: list[np.ndarray], layouts: list[DispatchLayout], num_t
         out.append(total)
     if traffic is not None:
         for dst, y in enumerate(ys):
-            traffic[dst].add("all_to_all", wire_bytes(dst, layouts[dst].recv_counts, y.shape[1] * y.dtype.itemsize))
+            traffic[dst].add(KIND, wire_bytes(dst, layouts[dst].recv_counts, y.shape[1] * y.dtype.itemsize))
     return out
 
 
@@ -156,8 +158,8 @@ def mpi_dispatch(comm, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, num_
     recv_ids = _alltoallv(comm, ids[rows].astype(ID_WIRE_DTYPE), send_counts, recv_counts).astype(np.int64)
     recv_w = _alltoallv(comm, weights[rows].astype(np.float32), send_counts, recv_counts)
     if traffic is not None:
-        traffic.add("all_to_all", wire_bytes(rank, send_counts, dispatch_row_bytes(x, ids.shape[1]))
-                    + (ep - 1) * send_counts.itemsize)
+        traffic.add(KIND, wire_bytes(rank, send_counts, dispatch_row_bytes(x, ids.shape[1]))
+                    + (ep - 1) * send_counts.itemsize)  # the counts go first
         traffic.moe_tokens += x.shape[0]
     return recv_x, recv_ids, recv_w, DispatchLayout(rows, send_counts, recv_counts)
 
@@ -169,7 +171,7 @@ def mpi_combine(comm, y: np.ndarray, layout: DispatchLayout, num_tokens: int,
     out = np.zeros((num_tokens, y.shape[1]), dtype=y.dtype)
     np.add.at(out, layout.send_rows, back)
     if traffic is not None:
-        traffic.add("all_to_all", wire_bytes(comm.Get_rank(), layout.recv_counts, y.shape[1] * y.dtype.itemsize))
+        traffic.add(KIND, wire_bytes(comm.Get_rank(), layout.recv_counts, y.shape[1] * y.dtype.itemsize))
     return out
 
 
