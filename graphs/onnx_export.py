@@ -114,16 +114,23 @@ class GraphBuilder:
         return name
 
     # ---- values ----
-    def weight(self, name: str, as_float: bool = True, dtype: int | None = None) -> str:
+    def weight(self, name: str, as_float: bool = True, dtype: int | None = None, byte_view: int | None = None) -> str:
         """Initializer for stored tensor `name` as element type `dtype` (default: the compute dtype): float
-        tensors of another type are Cast (FP8 dequantized first); as_float=False keeps the stored bytes."""
+        tensors of another type are Cast (FP8 dequantized first); as_float=False keeps the stored bytes, and
+        `byte_view` (with as_float=False) declares a one-byte tensor as that one-byte element type over the same
+        bytes (no conversion, no copy)."""
         target = self.act if dtype is None else dtype
         key = f"{name}|{as_float}|{target}"
         if key in self._weights:
             return self._weights[key]
         if name not in self._weights:
             dtype, shape, offset, length = self.index[name]
-            t = TensorProto(name=name, data_type=_SAFETENSORS_TO_ONNX[dtype], dims=shape)
+            elem = _SAFETENSORS_TO_ONNX[dtype]
+            if byte_view is not None:
+                if as_float or elem != TensorProto.UINT8 or byte_view not in (TensorProto.INT8, TensorProto.UINT8):
+                    raise ValueError(f"{name}: a byte view is a uint8 tensor read as int8 or uint8")
+                elem = byte_view
+            t = TensorProto(name=name, data_type=elem, dims=shape)
             t.data_location = TensorProto.EXTERNAL
             for k, v in (("location", self.weights_file), ("offset", str(offset)), ("length", str(length))):
                 entry = t.external_data.add()
@@ -247,6 +254,10 @@ class RankGraph:
                  state_in_place: bool = False):
         self.cfg, self.m = cfg, mapping
         self.state_in_place = state_in_place  # TensorRT: every pool updated by an aliased plugin output
+        # MXFP4 bytes (and their E8M0 scales) as the MoE plugin receives them: uint8 for ONNX Runtime; int8 views of
+        # the same bytes for TensorRT, whose ONNX parser would widen uint8 initializers to int32
+        # (export/tensorrt_contracts.py: PARSER_UINT8_WEIGHTS_BECOME_INT32)
+        self.mxfp4_type = TensorProto.INT8 if state_in_place else TensorProto.UINT8
         self.cache_type = cache_storage_type(kv_cache)
         self.g = GraphBuilder(weights_path, compute_dtype)
         self.inputs: list[onnx.ValueInfoProto] = []
@@ -535,7 +546,8 @@ class RankGraph:
                                           num_experts=cfg.num_experts)
         partial = g.plugin(
             "MoEMXFP4",
-            [g.to_f32(z, f"{n}.experts_in"), ids, w] + [g.weight(e + t, as_float=False) for t in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")],
+            [g.to_f32(z, f"{n}.experts_in"), ids, w] + [g.weight(e + t, as_float=False, byte_view=self.mxfp4_type)
+                                                        for t in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")],
             f"{n}.experts",
             expert_offset=m.local_experts(cfg.num_experts).start,
             activation=cfg.hidden_act,
