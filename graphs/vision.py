@@ -169,12 +169,13 @@ def vision_tensor_specs(vc: VisionConfig) -> list[TensorSpec]:
     return specs
 
 
-def activation_bytes(vc: VisionConfig, patches: int, act_bytes: int = 4) -> int:
-    """Peak activation bytes of one tower call over `patches` patches of one image (the worst case: attention
-    scores of all heads over the whole image, plus the widest row buffers)."""
-    scores = vc.num_heads * patches * patches * act_bytes
-    rows = patches * (3 * vc.qkv_hidden_size + vc.intermediate_size + 4 * vc.hidden_size) * act_bytes
-    return scores + rows
+def tower_activation_bytes(vc: VisionConfig, rows: int, act_bytes: int, scores_of: int = 0) -> int:
+    """Peak activation bytes of one tower call over `rows` patches: the widest live row buffers (residual,
+    qkv, MLP hidden, merged and projected rows) plus, when attention materializes its scores, one image of
+    `scores_of` patches' scores over all heads."""
+    per_row = 2 * vc.hidden_size + 3 * vc.qkv_hidden_size + vc.intermediate_size + vc.merged_dim // 4 * 2
+    per_row += vc.text_hidden_size // 4
+    return rows * per_row * act_bytes + vc.num_heads * scores_of * scores_of * act_bytes
 
 
 # ------------------------------------------------------------------------------------------ geometry
