@@ -39,7 +39,7 @@ def dp_recipe(tmp: Path, preset: str, tp: int, world: int, attention: str = "dp"
     data["model"] = {"source": f"synthetic:{preset}"}
     data["target"]["gpus_per_node"] = world
     data["parallel"] = {"tp": tp, "ep": world, "attention": attention}
-    data["limits"] = {"max_batch": 6, "max_seq_len": 1024, "max_num_tokens": 64, "block_size": 16}
+    data["limits"].update({"max_batch": 6, "max_seq_len": 1024, "max_num_tokens": 64, "block_size": 16})
     data["quantization"]["kv_cache"] = "fp32"
     path = tmp / f"{data['name']}.yaml"
     path.write_text(yaml.safe_dump(data))
