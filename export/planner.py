@@ -243,7 +243,7 @@ def recurrent_bytes_per_sequence(cfg: ModelConfig, recipe: Recipe, mapping: Mapp
     """Bytes of one recurrent-state slot on this rank: KDA state (fp32) and conv windows, by kind."""
     act = 4 if recipe.target.gpu == "cpu" else 2
     n_kda = len(cfg.kda_layers)
-    heads = cfg.kda_num_heads // mapping.attn_tp
+    heads = cfg.kda_num_heads // mapping.tp
     return {
         "kda_state": n_kda * heads * cfg.kda_head_dim * cfg.kda_head_dim * 4,
         "conv_state": n_kda * 3 * heads * cfg.kda_head_dim * (cfg.conv_kernel_size - 1) * act,
@@ -275,8 +275,7 @@ def state_bytes_per_sequence(cfg: ModelConfig, recipe: Recipe, mapping: Mapping)
 def make_plan(recipe: Recipe, cfg: ModelConfig | None = None) -> Plan:
     cfg = cfg or resolve_model_config(recipe)
     tp, ep = recipe.parallel.tp, recipe.parallel.ep
-    attention_tp = recipe.parallel.attention == "tp"
-    check_divisibility(cfg, tp, ep, attention_tp)
+    check_divisibility(cfg, tp, ep)
     total, active = count_params(cfg)
     memory = recipe.memory_bytes
     reserve = int(recipe.workspace_reserve_gib * GIB)
@@ -288,7 +287,7 @@ def make_plan(recipe: Recipe, cfg: ModelConfig | None = None) -> Plan:
     vision_act = vision_activation_bytes(cfg, recipe)
     per_rank = []
     for rank in range(world):
-        mapping = Mapping(world, rank, tp, ep, attention_tp)
+        mapping = Mapping(world, rank, tp, ep, recipe.parallel.attention)
         by_class = {c: 0.0 for c in WEIGHT_CLASSES}
         for spec in specs:
             n = rank_numel(spec, mapping, cfg.num_experts)

@@ -53,7 +53,8 @@ class ParallelSection(_Strict):
     tp: int = Field(default=1, ge=1, description="tensor parallel size for attention, dense and shared FFNs")
     ep: int = Field(default=1, ge=1, description="expert parallel size: routed experts split in ep slices")
     attention: Literal["tp", "dp"] = Field(
-        default="tp", description="attention tensor-parallel within a tp group, or data-parallel (replicated)"
+        default="tp", description="tp: every rank runs the same batch, expert partial sums all-reduced; dp: "
+        "world/tp attention groups with their own requests (tp inside each), ep = world, all-to-all expert dispatch"
     )
 
 
@@ -124,6 +125,9 @@ class Recipe(_Strict):
                 raise ValueError(
                     f"parallel.{key}={val} must divide the world size nodes*gpus_per_node={world}"
                 )
+        if self.parallel.attention == "dp" and self.parallel.ep != world:
+            raise ValueError(f"parallel.attention=dp spreads the experts over every rank: parallel.ep="
+                             f"{self.parallel.ep} must equal the world size nodes*gpus_per_node={world}")
         return self
 
     @property
