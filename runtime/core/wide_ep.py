@@ -28,7 +28,6 @@ from collections import OrderedDict
 from moe_export.export.errors import InputError
 from moe_export.runtime.core.scheduler import Request, Scheduler, SequenceUpdate, follow, stop_the_world
 
-IDLE_PLAN = {"resets": [], "chunks": []}
 PLACEMENT_HISTORY = 4096  # finished requests' prompts remembered for placing follow-up turns
 
 
@@ -39,12 +38,12 @@ class LockstepScheduler(Scheduler):
         self._ran = False
         updates = super().step()
         if not self._ran:
-            self._execute(IDLE_PLAN)
+            self._execute([], [], None)
         return updates
 
-    def _execute(self, plan: dict):
+    def _execute(self, resets, chunks, sampling):
         self._ran = True
-        return super()._execute(plan)
+        return super()._execute(resets, chunks, sampling)
 
     @property
     def load(self) -> int:

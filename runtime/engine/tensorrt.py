@@ -33,6 +33,7 @@ from moe_export.export.planner import engine_pool_sizes
 from moe_export.graphs.onnx_export import WRITTEN_SUFFIX
 from moe_export.runtime.engine.batch import (DEFAULT_BLOCK_SIZE, RESET_ON_NEW_SEQUENCE, STATE_PREFIXES, StepBatch,
                                             check_slot, check_step_batch)
+from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
 
 
 def read_engine_file(path: Path) -> tuple[dict, dict[str, bytes]]:
@@ -139,6 +140,22 @@ class TensorRTEngine:
 
     def step(self, batch: StepBatch) -> np.ndarray:
         """Run one packed step on this rank; returns logits [N, vocab] fp32 (every rank)."""
+        logits = self._forward(batch)
+        self.stream.synchronize()
+        return logits.float().cpu().numpy()
+
+    def sample(self, batch: StepBatch, sampling: SamplingBatch | None) -> SampledTokens | None:
+        """One step, then the batched sampler on the GPU, on the engines' stream: the logits stay on the device,
+        only the chosen ids (and asked-for logprobs) are copied back. None on follower ranks."""
+        logits = self._forward(batch)
+        if sampling is None:
+            self.stream.synchronize()
+            return None
+        with self._torch.cuda.stream(self.stream):
+            return sample(logits, sampling)
+
+    def _forward(self, batch: StepBatch):
+        """Enqueue one packed step on `self.stream`; the logits [N, vocab] as a device tensor (not synchronized)."""
         check_step_batch(self, batch)
         torch = self._torch
         env = {k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device) for k, v in batch.feeds().items()}
@@ -150,8 +167,7 @@ class TensorRTEngine:
                 else:
                     self._collective(step, env)
             # every pool was updated inside the engines: plugin outputs `<pool>.written` aliased to the pools
-        self.stream.synchronize()
-        return env["logits"].float().cpu().numpy()
+        return env["logits"]
 
     # ---- internals ----
     def _torch_dtype(self, dtype):

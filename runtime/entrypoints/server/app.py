@@ -36,7 +36,6 @@ from moe_export.runtime.entrypoints.server.protocol import (
     ResponsesRequest,
     TokenizeRequest,
 )
-from moe_export.runtime.core.structured import GrammarLogitsProcessor, GrammarVocab, structural_tag_for
 from moe_export.runtime.entrypoints.server.store import ResponseStore, StoredResponse, key_scope
 
 log = logging.getLogger("moe_export.serve")
@@ -146,7 +145,6 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
 def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) -> FastAPI:
     """The FastAPI app over a started AsyncLLM (`llm`). The app shuts the runtime down at exit."""
     info = info or EngineInfo.from_engine_dir(settings.engine_dir)
-    from moe_export.runtime.chat import prompt_starts_in_reasoning
     from moe_export.runtime.core.budget import resolve_thinking
     from moe_export.runtime.sampling import SamplingParams
 
@@ -154,7 +152,6 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
     store = ResponseStore(settings.store_path)
     metrics = ServerMetrics(llm.stats)
     key_digests = [_key_digest(k) for k in settings.api_keys]
-    grammar_vocab: list[GrammarVocab] = []  # built on the first constrained request
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -237,35 +234,22 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         return SamplingParams(
             temperature=1.0 if temperature is None else float(temperature), top_p=1.0 if top_p is None else float(top_p),
-            top_k=max(int(top_k or 0), 0), seed=int(seed or 0), max_tokens=int(max_tokens or settings.default_max_tokens),
+            top_k=max(int(top_k or 0), 0), seed=None if seed is None else int(seed), max_tokens=int(max_tokens or settings.default_max_tokens),
             stop=stops, logprobs=bool(logprobs), ignore_eos=ignore_eos,
         )
 
-    def grammar_for(tools, tool_choice, response_format, thinking: bool, parallel: bool):
-        tag = structural_tag_for(
-            family, tools=tools, tool_choice=tool_choice, response_format=response_format, thinking=thinking,
-            starts_in_reasoning=prompt_starts_in_reasoning(family, thinking), parallel_tool_calls=parallel,
-        )
-        if tag is None:
-            return None
-        if not grammar_vocab:
-            grammar_vocab.append(GrammarVocab(tokenizer, family, info.vocab_size))
-        vocab = grammar_vocab[0]
-        return GrammarLogitsProcessor(vocab, vocab.compile(tag))
-
     async def run_chat(request_id: str, messages: list[dict], sampling: SamplingParams, *, tools, tool_choice,
-                       response_format, effort, parallel: bool) -> tuple[AsyncIterator, object, str]:
-        """Start a chat generation: (delta iterator whose first delta has already arrived, grammar
-        processor or None, tier). Bad requests raise here, before any response byte is sent."""
+                       response_format, effort, parallel: bool) -> tuple[AsyncIterator, str]:
+        """Start a chat generation: (delta iterator whose first delta has already arrived, tier). The engine
+        core enforces a forced tool call or JSON format. Bad requests raise here, before any response byte is sent."""
         plan = resolve_thinking(effort, info.thinking_caps, settings.default_effort)
-        processor = grammar_for(tools, tool_choice, response_format, plan.enabled, parallel)
         check_queue()
         stream = llm.chat_stream(
             messages, sampling, tools=tools, reasoning_effort=effort, tool_choice=tool_choice,
-            response_format=response_format, logits_processors=[processor] if processor else None, request_id=request_id,
+            response_format=response_format, parallel_tool_calls=parallel, request_id=request_id,
         )
         metrics.requests_by_tier.labels(plan.tier).inc()
-        return await timed(stream), processor, plan.tier
+        return await timed(stream), plan.tier
 
     async def timed(stream: AsyncIterator) -> AsyncIterator:
         """Await the first delta (errors surface now), then re-yield all deltas, recording TTFT / ITL."""
@@ -301,10 +285,10 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
                 out = delta.output
         return out
 
-    def finish(route: str, out, tier: str, processor) -> None:
+    def finish(route: str, out, tier: str) -> None:
         metrics.requests.labels(route, "200").inc()
         metrics.record_output(out, tier)
-        if processor is not None and not processor.completed:
+        if out.grammar_completed is False:
             metrics.structured_failures.inc()
 
     def sse(events: AsyncIterator[dict]) -> EventSourceResponse:
@@ -367,14 +351,14 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
         sampling = sampling_params(req.temperature, req.top_p, req.top_k, req.seed, max_tokens, req.stop, req.logprobs,
                                    req.ignore_eos)
         request_id = convert.new_id("chatcmpl-")
-        deltas, processor, tier = await run_chat(
+        deltas, tier = await run_chat(
             request_id, messages, sampling, tools=tools, tool_choice=tool_choice, response_format=req.response_format,
             effort=req.reasoning_effort, parallel=req.parallel_tool_calls,
         )
         model = req.model or settings.model_name
         if not req.stream:
             out = await final_output(deltas)
-            finish("/v1/chat/completions", out, tier, processor)
+            finish("/v1/chat/completions", out, tier)
             pieces = [tokenizer.decode([t]) for t in out.output_ids] if req.logprobs else None
             return convert.chat_completion_response(out, request_id=request_id, model=model, logprob_pieces=pieces)
         include_usage = bool((req.stream_options or {}).get("include_usage"))
@@ -399,7 +383,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
                     yield chunk({"content": d.content})
                 if d.finished:
                     out = d.output
-            finish("/v1/chat/completions", out, tier, processor)
+            finish("/v1/chat/completions", out, tier)
             if out.tool_calls:
                 yield chunk({"tool_calls": [{"index": i, **call} for i, call in enumerate(out.tool_calls)]})
             yield chunk({}, out.finish_reason)
@@ -441,7 +425,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
 
         if not req.stream:
             out = await final_output(deltas)
-            finish("/v1/completions", out, "none", None)
+            finish("/v1/completions", out, "none")
             return body(echo + out.text, out.finish_reason, convert.openai_usage(out.usage))
         include_usage = bool((req.stream_options or {}).get("include_usage"))
 
@@ -453,7 +437,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
                     yield {"data": json.dumps(body(d.text, None))}
                 if d.finished:
                     out = d.output
-                    finish("/v1/completions", out, "none", None)
+                    finish("/v1/completions", out, "none")
                     yield {"data": json.dumps(body("", out.finish_reason,
                                                    convert.openai_usage(out.usage) if include_usage else None))}
             yield {"data": "[DONE]"}
@@ -482,7 +466,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
         sampling = sampling_params(req.temperature, req.top_p, None, None, req.max_output_tokens, None,
                                    ignore_eos=req.ignore_eos)
         response_id = convert.new_id("resp_")
-        deltas, processor, tier = await run_chat(
+        deltas, tier = await run_chat(
             response_id, messages, sampling, tools=tools, tool_choice=tool_choice,
             response_format=convert.response_format_from_text(req.text), effort=effort, parallel=req.parallel_tool_calls,
         )
@@ -496,7 +480,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
             if req.store:
                 items = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
                 store.put(StoredResponse(response_id, req.previous_response_id, items, input_messages, out.message(), obj), scope)
-            finish("/v1/responses", out, tier, processor)
+            finish("/v1/responses", out, tier)
             return obj
 
         if not req.stream:
@@ -607,14 +591,14 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
         parallel = not (req.tool_choice or {}).get("disable_parallel_tool_use", False)
         sampling = sampling_params(req.temperature, req.top_p, req.top_k, None, req.max_tokens, req.stop_sequences)
         message_id = convert.new_id("msg_")
-        deltas, processor, tier = await run_chat(
+        deltas, tier = await run_chat(
             message_id, messages, sampling, tools=tools, tool_choice=tool_choice, response_format=None,
             effort=convert.anthropic_effort(req.thinking), parallel=parallel,
         )
         model = req.model or settings.model_name
         if not req.stream:
             out = await final_output(deltas)
-            finish("/v1/messages", out, tier, processor)
+            finish("/v1/messages", out, tier)
             return convert.anthropic_message(out, message_id=message_id, model=model)
 
         async def events():
@@ -647,7 +631,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
                 yield event("content_block_delta", index=index, delta={"type": "signature_delta", "signature": ""})
             if open_kind is not None:
                 yield event("content_block_stop", index=index)
-            finish("/v1/messages", out, tier, processor)
+            finish("/v1/messages", out, tier)
             for call in out.tool_calls or []:
                 index += 1
                 yield event("content_block_start", index=index,
