@@ -204,6 +204,9 @@ def test_mpiexec_8_ranks_dp_layout_matches_single_rank_reference(dp_engine, pres
     routed = sum(len(p) + spec["max_tokens"] - 1 for spec in ROUNDS for p in spec["prompts"])
     assert got["moe_tokens"] == routed * moe_layers  # every token routed once per MoE layer, by one rank
     assert np.sum(got["expert_tokens"]) == routed * moe_layers * ref.cfg.num_experts_per_token
+    load = np.asarray(got["expert_tokens"])  # rank 0's stats() sums the groups' counts step by step: the same load
+    assert got["stats_expert_load"]["routed"] == load.sum()
+    np.testing.assert_allclose(got["stats_expert_load"]["max_over_mean"], load.max(1) / load.mean(1), rtol=1e-3)
     assert "moe_all_reduce" not in got["sent_bytes"] and got["sent_bytes"]["moe_all_to_all"] > 0
 
 
