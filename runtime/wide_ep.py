@@ -166,8 +166,7 @@ class GroupedScheduler:
 
     def shutdown(self) -> None:
         """Release every rank: the leaders (and through them their groups), then group 0's followers."""
-        self.leaders.bcast(None, root=0)
-        self.local.shutdown()
+        release_ranks(self.engine)
 
 
 def expert_load_summary(tokens: np.ndarray) -> dict:
@@ -215,6 +214,14 @@ def is_grouped(engine) -> bool:
 def open_scheduler(engine, **scheduler_kwargs):
     """Rank 0's scheduler: `GroupedScheduler` for a dp-layout engine under mpiexec, else a `Scheduler`."""
     return GroupedScheduler(engine, **scheduler_kwargs) if is_grouped(engine) else Scheduler(engine, **scheduler_kwargs)
+
+
+def release_ranks(engine) -> None:
+    """World rank 0: let every other rank leave `run_rank` (the leaders, which release their groups, then
+    group 0's followers; without groups, the followers)."""
+    if is_grouped(engine):
+        engine.comm.leaders.bcast(None, root=0)
+    engine.comm.broadcast(None)
 
 
 def run_rank(engine, budget_factory=None, **scheduler_kwargs) -> int:
