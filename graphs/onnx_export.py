@@ -33,8 +33,9 @@ Weights are initializers stored as external data inside the rank's `weights.safe
 safetensors data section is raw little-endian bytes, so each initializer points at its byte range).
 
 Collectives are graph nodes `AllReduce` / `AllGather` in our domain with a `group` attribute
-("tp" or "ep"): both backends split the graph at them and the runtime performs the collective between
-the segments (MPI on CPU, NCCL between TensorRT engines; see `moe_export.export.backends`).
+("tp" or "ep"): the ONNX Runtime backend splits the graph at them and the runtime performs the collective
+between the segments (`moe_export.export.backends`); TensorRT engines keep them inside as NCCL plugins
+(`moe_export.plugins.collectives.tensorrt_plugin`).
 """
 
 from __future__ import annotations
@@ -298,7 +299,8 @@ class RankGraph:
         normed = g.rms_norm(h, model_prefix(cfg) + "norm.weight", cfg.rms_norm_eps, "final_norm")
         name = model_prefix(cfg) + "embed_tokens.weight" if cfg.tie_word_embeddings else lm_head_name(cfg)
         logits = g.to_f32(g.linear(normed, name, "lm_head"), "lm_head")
-        return logits if m.tp == 1 else g.plugin("AllGather", [logits], "lm_head.all_gather", group="tp", axis=-1)
+        return logits if m.tp == 1 else g.plugin("AllGather", [logits], "lm_head.all_gather", group="tp", axis=-1,
+                                                   group_size=m.tp)
 
     # ---- attention residuals ----
     def attn_res(self, prefix: str, snaps: list[str], which: str, name: str) -> str:

@@ -79,6 +79,13 @@ class LimitsSection(_Strict):
     block_size: int = Field(default=64, ge=1, le=4096, description="tokens per paged cache block (MLA latent, DSA keys)")
 
 
+class TensorRTSection(_Strict):
+    """Builder options of the TensorRT backend."""
+
+    prefer_aot: bool = Field(default=False, description="plugins with both implementations use their AOT kernel "
+                             "(no Python in the engine for them) instead of the JIT one")
+
+
 class ThinkingSection(_Strict):
     """Reasoning-token caps for the low / high / max thinking budgets."""
 
@@ -103,6 +110,7 @@ class Recipe(_Strict):
     limits: LimitsSection = LimitsSection()
     thinking: ThinkingSection = ThinkingSection()
     backend: Literal["onnxruntime", "tensorrt"] = "onnxruntime"
+    tensorrt: TensorRTSection = TensorRTSection()
     workspace_reserve_gib: float = Field(default=8.0, ge=0, description="per-rank memory kept for activations/workspace")
     output: str = Field(default="out/engine", description="output directory (relative to the working directory)")
 

@@ -2,12 +2,13 @@
 
     y = AllReduce(x)   attributes: group ("tp" | "ep"), reduce_op ("sum"), plugin_version
         y has x's type and shape; every rank of the group gets the elementwise sum.
-    y = AllGather(x)   attributes: group ("tp" | "ep"), axis (int), plugin_version
-        y = concat over the group's ranks (in rank order) along `axis`; that dim becomes unknown here
-        (the group size is a property of the mapping, not of the graph).
+    y = AllGather(x)   attributes: group ("tp" | "ep"), axis (int), group_size (int), plugin_version
+        y = concat over the group's ranks (in rank order) along `axis`: that dim is group_size times x's
+        (shape inference leaves it unknown; TensorRT's plugin computes it from group_size).
 
-Both backends split graphs at these nodes (`export/backends.py`, `export/tensorrt_build.py`): the runtime
-performs the collective between segments (MPI or in process on CPU, NCCL between TensorRT engines).
+The ONNX Runtime backend splits graphs at these nodes (`export/backends.py`) and the runtime performs the
+collective between segments (MPI or in process); the TensorRT backend keeps them inside one engine per rank as
+plugins that run NCCL (`tensorrt_plugin.py`, `nccl.py`).
 """
 
 import onnx
@@ -49,7 +50,8 @@ def schemas() -> list[defs.OpSchema]:
     gather = defs.OpSchema(
         "AllGather", DOMAIN, OPSET_VERSION, "Concatenation over the ranks of a group along `axis`.",
         inputs=[p("x", "T", "any shape")], outputs=[p("y", "T", "x with axis grown")], type_constraints=[_FLOATS],
-        attributes=[group, attr("axis", defs.OpSchema.AttrType.INT, "concat axis"), *plugin_lookup_attributes()],
+        attributes=[group, attr("axis", defs.OpSchema.AttrType.INT, "concat axis"),
+                    attr("group_size", defs.OpSchema.AttrType.INT, "ranks in the group"), *plugin_lookup_attributes()],
     )
     gather.set_type_and_shape_inference_function(_gather_type)
     return [reduce, gather]
