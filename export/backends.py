@@ -5,13 +5,15 @@ ORT C headers here, so each plugin ships its ONNX Runtime kernel as a model-loca
 standard ops (`plugins/<op>/ort.py`), which ORT inlines. Collectives cannot live inside an ORT
 graph, so the graph is split at every `AllReduce` / `AllGather` node into segments; the runtime
 runs a segment, performs the collective with MPI (or in process), and feeds the next segment.
-The TensorRT backend (`tensorrt_build.py`) cuts the same exported `model.onnx` into the same segments,
-keeping the bare plugin nodes (TensorRT's plugin lookup: op type = plugin name, `plugin_namespace`).
+The TensorRT backend (`tensorrt_build.py`) does not cut: it builds the whole exported `model.onnx` into one
+engine per rank, its collectives inside as NCCL plugins (`plugins/collectives/tensorrt_plugin.py`).
 
     rank{N}/model.onnx             the exported graph (TensorRT input)
     rank{N}/ort_segment_000.onnx   segments, each referencing rank{N}/weights.safetensors
     rank{N}/ort_plan.json          [{"segment": file, "inputs": [...], "outputs": [...]},
                                     {"collective": op, "group": g, "input": x, "output": y, "axis": a}, ...]
+                                   (MoEDispatch / MoECombine steps also list all "inputs" / "outputs" in
+                                   node order, and the dispatch its "num_experts")
 """
 
 from __future__ import annotations
@@ -93,15 +95,17 @@ def plan_segments(model: onnx.ModelProto) -> list[Segment | dict]:
             for node in item:
                 later.update(i for i in node.input if i)
         else:
-            later.add(item.input[0])
+            later.update(i for i in item.input if i)
     consumers_after.reverse()
 
     plan: list[Segment | dict] = []
     for (kind, item), needed_later in zip(steps, consumers_after):
         if kind == "collective":
             entry = {"collective": item.op_type, "input": item.input[0], "output": item.output[0]}
+            if len(item.input) > 1 or len(item.output) > 1:  # MoEDispatch / MoECombine: every value in order
+                entry.update(inputs=list(item.input), outputs=list(item.output))
             for a in item.attribute:
-                if a.name in ("group", "axis"):
+                if a.name in ("group", "axis", "num_experts"):
                     entry[a.name] = helper.get_attribute_value(a)
                     if isinstance(entry[a.name], bytes):
                         entry[a.name] = entry[a.name].decode()

@@ -14,7 +14,14 @@ OPEN = "<|open|>"
 CLOSE = "<|close|>"
 SEP = "<|sep|>"
 END_OF_MSG = "<|end_of_msg|>"
+# An image part renders as IMAGE, a marker that is not a token: it is expanded into MEDIA_BEGIN "image WxH"
+# MEDIA_CONTENT, one MEDIA_PAD per merged patch, MEDIA_END (`moe_export.runtime.images.image_token_ids`).
+# MEDIA_PAD's id is config.json's `media_placeholder_token_id` (163605): the rows that take image embeddings.
 IMAGE = "<|kimi_image_placeholder|>"
+MEDIA_BEGIN = "<|media_begin|>"
+MEDIA_CONTENT = "<|media_content|>"
+MEDIA_END = "<|media_end|>"
+MEDIA_PAD = "<|media_pad|>"
 
 # K2 / Kimi Linear (role tokens).
 IM_SYSTEM = "<|im_system|>"
@@ -46,6 +53,7 @@ K2_SPECIAL_NAMES = {
     254: "[UNK]", 255: "[PAD]",
 }
 K3_SPECIAL_NAMES = {
-    0: "[BOS]", 1: "[EOS]", 2: END_OF_MSG, 3: OPEN, 4: CLOSE, 5: SEP, 9: "[EOT]", 18: IMAGE, 254: "[UNK]", 255: "[PAD]",
+    0: "[BOS]", 1: "[EOS]", 2: END_OF_MSG, 3: OPEN, 4: CLOSE, 5: SEP, 9: "[EOT]",
+    18: MEDIA_BEGIN, 19: MEDIA_CONTENT, 20: MEDIA_END, 21: MEDIA_PAD, 254: "[UNK]", 255: "[PAD]",
 }
 FAMILY_SPECIAL_NAMES = {"k2": K2_SPECIAL_NAMES, "k3": K3_SPECIAL_NAMES}
