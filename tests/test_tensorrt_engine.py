@@ -13,8 +13,8 @@ from safetensors.numpy import save_file
 
 from moe_export.export.errors import InputError
 from moe_export.export.tensorrt_build import ENGINE_KEY, read_engine_file
-from moe_export.runtime.engine import StepBatch
-from moe_export.runtime.tensorrt_engine import TensorRTEngine, bind, check_shape, runner_pool_sizes
+from moe_export.runtime.engine.batch import StepBatch
+from moe_export.runtime.engine.tensorrt import TensorRTEngine, bind, check_shape, runner_pool_sizes
 
 META = {
     "rank": 0, "inputs": ["input_ids", "kda_state.0", "mla_cache.1"], "outputs": ["logits", "kda_state.0.written"],
@@ -174,8 +174,8 @@ class StepContext(FakeContext):
 
 
 def test_one_stream_for_every_copy_reset_and_enqueue():
-    """Issue 18, defect 5: step inputs, slot resets and copies ran on the legacy default stream while engines ran
-    on another stream. Now everything of a rank goes on its one stream and the host waits once per step."""
+    """Issue 18, defect 5: step inputs and slot resets ran on the legacy default stream while engines ran on
+    another stream. Now everything of a rank goes on its one stream and the host waits once per step."""
     stream = FakeStream()
     engine = object.__new__(TensorRTEngine)
     engine._torch, engine.stream, engine.device = FakeTorch, stream, "cuda:0"
@@ -184,9 +184,10 @@ def test_one_stream_for_every_copy_reset_and_enqueue():
     engine._context = StepContext()
     engine._engine = type("E", (), {"get_tensor_dtype": lambda self, n: "f32"})()
     engine._torch_dtype = lambda dtype: dtype
+    engine.num_slots, engine.num_blocks, engine.block_size = 8, 9000, 64
+    engine.max_num_tokens, engine.max_seq_len = 8192, 4096
     RECORD.clear()
     engine.reset_slot(3)
-    engine.copy_slot(1, 2)
     batch = StepBatch(input_ids=np.array([5], np.int64), positions=np.array([0], np.int64),
                       cu_seqlens=np.array([0, 1], np.int64), slot_ids=np.array([0], np.int64),
                       block_tables=np.zeros((1, 1), np.int64))  # fmt: skip

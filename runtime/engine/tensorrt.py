@@ -15,7 +15,7 @@ As TensorRT-LLM runs its engines:
   - Memory: the execution context is created with ExecutionContextAllocationStrategy.USER_MANAGED and given
     one activation buffer of the engine's `device_memory_size_v2` (contract USER_MANAGED_DEVICE_MEMORY), the
     size the planner set aside (the build refused anything larger). State pools are torch tensors owned here.
-  - Stream: one CUDA stream per rank for everything: pool allocation, slot resets and copies, the step's
+  - Stream: one CUDA stream per rank for everything: pool allocation, slot resets, the step's
     host-to-device inputs, the enqueue (the plugins and the NCCL collectives run on it) and the logits copy
     back; the host waits once per step, for the logits.
   - Profiles: pools are sized within the engine's optimization profile (num_slots <= its S max, cache blocks
@@ -36,9 +36,10 @@ from pathlib import Path
 import numpy as np
 
 from moe_export.export.errors import InputError
+from moe_export.export.mpi import mpi_world
 from moe_export.export.tensorrt_build import read_engine_file
 from moe_export.graphs.onnx_export import WRITTEN_SUFFIX
-from moe_export.runtime.engine import RESET_ON_NEW_SEQUENCE, STATE_PREFIXES, StepBatch, mpi_world
+from moe_export.runtime.engine.batch import RESET_ON_NEW_SEQUENCE, STATE_PREFIXES, StepBatch, check_slot, check_step_batch
 
 
 def pool_shapes(graph_path: Path, sizes: dict[str, int]) -> dict[str, tuple[list[int], int]]:
@@ -162,20 +163,15 @@ class TensorRTEngine:
         return self.rank == 0
 
     def reset_slot(self, slot: int) -> None:
+        check_slot(self, slot)
         with self._torch.cuda.stream(self.stream):
             for name, pool in self.pools.items():
                 if name.startswith(RESET_ON_NEW_SEQUENCE):
                     pool[slot].zero_()
 
-    def copy_slot(self, src: int, dst: int) -> None:
-        """Copy a slot's recurrent state (the caches are shared through block tables)."""
-        with self._torch.cuda.stream(self.stream):
-            for name, pool in self.pools.items():
-                if name.startswith(RESET_ON_NEW_SEQUENCE):
-                    pool[dst].copy_(pool[src])
-
     def step(self, batch: StepBatch) -> np.ndarray:
         """Run one packed step on this rank; returns logits [N, vocab] fp32 (every rank)."""
+        check_step_batch(self, batch)
         torch = self._torch
         with torch.cuda.stream(self.stream):
             inputs = {k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device, non_blocking=True)
