@@ -7,7 +7,7 @@ to time tactics, and ranks build independently, so a collective then would hang;
 PLUGIN_RUNS_WHILE_BUILDING, TensorRT-LLM `isBuilding()`). At run time the runner registers one `Communicator`
 per group (`set_communicators`) before it deserializes the engine; the plugins look theirs up by name and run
 NCCL on TensorRT's stream. The communicators are torch.distributed NCCL groups whose rendezvous comes from MPI
-(rank 0's address is broadcast over MPI.COMM_WORLD; `runtime/tensorrt_engine.py`).
+(rank 0's address is broadcast over MPI.COMM_WORLD; `runtime/engine/tensorrt.py`).
 
 Other collectives (all-to-all dispatch / combine for wide EP) follow the same pattern: a QDP plugin with a
 `group` field, a no-op while building, a method here that runs on the given stream.
@@ -50,7 +50,7 @@ def set_communicators(communicators: dict[str, Communicator]) -> None:
 
 def communicator(group: str) -> Communicator:
     """The communicator of `group`; a RuntimeError when the runner registered none (an engine run outside
-    `runtime/tensorrt_engine.py`, or a world of 1 built with collectives)."""
+    `runtime/engine/tensorrt.py`, or a world of 1 built with collectives)."""
     if group not in _communicators:
         raise RuntimeError(f"collective plugin: no communicator for group {group!r} (registered: "
                            f"{sorted(_communicators)}); engines with collectives run under the TensorRT runner")
