@@ -66,6 +66,18 @@ def plan(
         fit = ", ".join(f"{n} x {int(length):,} tokens" for length, n in d["sequences_that_fit"].items())
         console.print(f"cache per rank: {d['cache_tokens_per_rank']:,} tokens in blocks of {rec.limits.block_size} "
                       f"({rec.limits.max_batch} sequence slots); at once: {fit}")
+        layouts = Table(title=f"decode step per GPU, {rec.limits.max_batch} tokens per attention group "
+                              f"(MoE bytes per MoE layer; attention token x heads per layer)")
+        for col in ("layout", "groups", "tokens served / GPU", "MoE bytes sent", "of which between nodes",
+                    "MoE bytes / served token", "attention token x heads"):
+            layouts.add_column(col, justify="right")
+        for name, lay in d["layouts"].items():
+            chosen = " (recipe)" if name == rec.parallel.attention else ""
+            layouts.add_row(f"{name}{chosen}", str(lay["groups"]), f"{lay['tokens_per_gpu']:.2f}",
+                            f"{lay['moe_bytes']['total'] / 2**20:.2f} MiB",
+                            f"{lay['moe_bytes']['inter_node'] / 2**20:.2f} MiB",
+                            f"{lay['moe_bytes_per_token'] / 2**10:.1f} KiB", f"{lay['attention_token_heads']:,}")
+        console.print(layouts)
         console.print(("[green]" if p.fits else "[red]") + p.verdict())
     if not p.fits:
         if not as_json:
@@ -133,9 +145,9 @@ def generate(
     Greedy unless a sampling flag is given."""
     import json
 
-    from moe_export.runtime.tokenizer import load_tokenizer
-    from moe_export.runtime.generate import generate_command
+    from moe_export.runtime.entrypoints.generate import generate_command
     from moe_export.runtime.sampling import SamplingParams
+    from moe_export.runtime.tokenizer import load_tokenizer
 
     if max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
@@ -161,8 +173,8 @@ def chat(
 ) -> None:
     """A terminal conversation: streams answers (reasoning dimmed), keeps history with state reuse;
     /effort low|high|max|none, /reset, /exit. Under `mpiexec -n WORLD`, rank 0 talks to the terminal."""
+    from moe_export.runtime.entrypoints.terminal import chat_terminal
     from moe_export.runtime.sampling import SamplingParams
-    from moe_export.runtime.terminal import chat_terminal
 
     chat_terminal(engine, effort=effort, system=system,
                   sampling=SamplingParams.from_flags(temperature, top_k, top_p, seed, max_tokens))
@@ -230,7 +242,7 @@ def triton_repo(
 ) -> None:
     """Write a Triton Inference Server model (Python backend, decoupled, vLLM-backend tensor names) hosting
     the runtime on ENGINE, plus launch_NAME.sh (in process, or --mpi: one process per rank)."""
-    from moe_export.runtime.triton_repo import write_triton_repo
+    from moe_export.runtime.entrypoints.triton.repo import write_triton_repo
 
     path = write_triton_repo(engine, out, model_name, default_effort)
     console.print(f"wrote Triton model {model_name} to {path} (launch: {path.parent / f'launch_{model_name}.sh'})",
@@ -255,8 +267,8 @@ def batch(
     ray_actors: int = typer.Option(2, "--ray-actors", help="Ray: engine replicas (one per actor)"),
 ) -> None:
     """Offline batch inference through the runtime's continuous batching; resumable; exit 1 if any item failed."""
-    from moe_export.runtime.batch.doc_tasks import DocJob
-    from moe_export.runtime.batch.runner import render_summary, run_batch
+    from moe_export.runtime.entrypoints.batch.doc_tasks import DocJob
+    from moe_export.runtime.entrypoints.batch.runner import render_summary, run_batch
 
     doc_job = None
     if task is not None or prompt_file is not None:
@@ -273,14 +285,14 @@ def batch(
 @app.command("eval")
 def eval_(
     engine: str = typer.Argument(..., help="engine directory written by `build`"),
-    tasks: str = typer.Option(..., "--tasks", help="tasks JSONL (see moe_export.runtime.eval)"),
+    tasks: str = typer.Option(..., "--tasks", help="tasks JSONL (see moe_export.runtime.entrypoints.eval)"),
     tiers: str = typer.Option("low,high,max", "--tiers", help="comma-separated thinking tiers (low, high, max, none)"),
     out: str = typer.Option(..., "--out", help="report folder: report.json and tiers.png"),
 ) -> None:
     """Run checkable tasks through the chat path at each thinking tier; pass rate, rounds, tokens, latency."""
     from rich.table import Table
 
-    from moe_export.runtime.eval import run_eval
+    from moe_export.runtime.entrypoints.eval import run_eval
 
     report = run_eval(engine, tasks, tiers, out)
     table = Table(title=f"eval ({out}/report.json)")
@@ -304,7 +316,7 @@ def serve(
 ) -> None:
     """OpenAI- and Anthropic-compatible HTTP server (rank 0; other ranks follow under `mpiexec -n WORLD`).
     Ready when GET /health answers 200; SIGTERM drains running requests and exits 0."""
-    from moe_export.runtime.server.launch import resolve_api_keys, serve as run_server
+    from moe_export.runtime.entrypoints.server.launch import resolve_api_keys, serve as run_server
 
     run_server(engine, host=host, port=port, api_keys=resolve_api_keys(api_key), store=store,
                default_effort=default_effort, max_queue=max_queue)
