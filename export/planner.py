@@ -26,7 +26,7 @@ pool of the rank) = cache blocks per pool.
 Vision (K3): the tower and projector weights are replicated on every rank (class "vision", never quantized), and
 one tower call's activations (`vision_activation_bytes`: a request's `limits.max_images_per_request` images at the
 patch limit, spread over the attention group) must fit in the workspace reserve (the tower runs before the
-prefill that uses it).
+prefill that uses it); without `limits.max_image_patches` the patch limit is the largest that fits.
 Active parameters count the weights a token's forward pass multiplies with: every non-expert weight except
 the input embedding table (a lookup), plus the top-k routed experts of each MoE layer.
 """
@@ -414,27 +414,39 @@ def make_plan(recipe: Recipe, cfg: ModelConfig | None = None) -> Plan:
     return Plan(recipe, cfg, total, active, per_rank, memory, reserve)
 
 
-def image_patch_limit(recipe: Recipe) -> int:
-    """Patches one image may take: the recipe's `limits.max_image_patches`, else K3's in_patch_limit."""
+def image_patch_limit(cfg: ModelConfig, recipe: Recipe) -> int:
+    """Patches one image may take: the recipe's `limits.max_image_patches` (at most the checkpoint processor's
+    in_patch_limit, K3: 65536), or when it is null the largest count whose tower activations
+    (`vision_activation_bytes`) fit in the workspace reserve (at least 4, one merged token)."""
     from moe_export.runtime.images import K3_MEDIA_PROC
 
-    limit = K3_MEDIA_PROC["in_patch_limit"]
-    return min(limit, recipe.limits.max_image_patches or limit)
+    ceiling = K3_MEDIA_PROC["in_patch_limit"]
+    if recipe.limits.max_image_patches is not None:
+        return min(ceiling, recipe.limits.max_image_patches)
+    reserve = recipe.workspace_reserve_gib * GIB
+    lo, hi = 4, ceiling
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if _tower_bytes(cfg, recipe, mid) <= reserve else (lo, mid - 1)
+    return lo
 
 
-def vision_activation_bytes(cfg: ModelConfig, recipe: Recipe) -> int:
-    """Activation memory the tower needs on a rank: one call over a request's images at the patch limit, spread
-    over the attention group (each rank encodes ceil(images / group) of them, one at a time per attention).
-    CPU graphs materialize each image's attention scores; GPU builds are counted without them (flash attention)."""
+def _tower_bytes(cfg: ModelConfig, recipe: Recipe, patches: int) -> int:
     vc = vision_config(cfg)
     images = recipe.limits.max_images_per_request
     if vc is None or images == 0:
         return 0
-    per_rank = -(-images // recipe.parallel.tp)  # an attention group is tp ranks in both layouts
+    group = recipe.parallel.tp  # an attention group is tp ranks in both layouts
     cpu = recipe.backend != "tensorrt"
-    patches = image_patch_limit(recipe)
-    rows = tower_activation_bytes(vc, patches * per_rank, 4 if cpu else 2, scores_of=patches if cpu else 0)
-    return rows
+    return tower_activation_bytes(vc, patches * -(-images // group), 4 if cpu else 2, scores_of=patches if cpu else 0)
+
+
+def vision_activation_bytes(cfg: ModelConfig, recipe: Recipe) -> int:
+    """Activation memory the tower needs on a rank: one call over a request's images at the patch limit
+    (`image_patch_limit`), spread over the attention group (each rank encodes ceil(images / group) of them;
+    attention one image at a time). CPU graphs materialize each image's attention scores; GPU builds are counted
+    without them (flash attention)."""
+    return _tower_bytes(cfg, recipe, image_patch_limit(cfg, recipe))
 
 
 def engine_pool_sizes(engine_config: dict, num_slots: int | None = None) -> PoolSizes:

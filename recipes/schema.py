@@ -80,7 +80,8 @@ class LimitsSection(_Strict):
     block_size: int = Field(default=64, ge=1, le=4096, description="tokens per paged cache block (MLA latent, DSA keys)")
     max_images_per_request: int = Field(default=4, ge=0, description="image parts one request may carry (K3)")
     max_image_patches: int | None = Field(
-        default=None, ge=4, description="patch limit per image; lowers the checkpoint's in_patch_limit (K3: 65536)")
+        default=None, ge=4, description="patch limit per image, lowering the checkpoint's in_patch_limit (K3: 65536); "
+        "null: the largest whose tower activations fit in the workspace reserve")
 
 
 class VisionSection(_Strict):
