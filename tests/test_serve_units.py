@@ -13,9 +13,9 @@ import torch
 
 from moe_export.export.errors import InputError
 from moe_export.runtime.chat import parse_output
-from moe_export.runtime.server import convert
-from moe_export.runtime.server.store import ResponseStore, StoredResponse, key_scope
-from moe_export.runtime.server.structured import GrammarLogitsProcessor, GrammarVocab, structural_tag_for
+from moe_export.runtime.core.structured import GrammarLogitsProcessor, GrammarVocab, structural_tag_for
+from moe_export.runtime.entrypoints.server import convert
+from moe_export.runtime.entrypoints.server.store import ResponseStore, StoredResponse, key_scope
 from moe_export.runtime.tokenizer import load_tokenizer, write_synthetic_tokenizer
 
 
@@ -195,7 +195,7 @@ def test_serve_cli_bad_input_exits_2(capsys, tmp_path, monkeypatch, args, messag
 
 
 def test_serve_busy_port_is_a_clear_error():
-    from moe_export.runtime.server.launch import listening_socket
+    from moe_export.runtime.entrypoints.server.launch import listening_socket
 
     with listening_socket("127.0.0.1", 0) as taken:
         taken.listen()

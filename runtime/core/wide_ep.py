@@ -29,7 +29,7 @@ from collections import OrderedDict
 import numpy as np
 
 from moe_export.export.errors import InputError
-from moe_export.runtime.scheduler import Request, Scheduler, SequenceUpdate, follow, stop_the_world
+from moe_export.runtime.core.scheduler import Request, Scheduler, SequenceUpdate, follow, stop_the_world
 
 IDLE_PLAN = {"resets": [], "chunks": []}
 PLACEMENT_HISTORY = 4096  # finished requests' prompts remembered for placing follow-up turns

@@ -47,8 +47,8 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
           store: str | None = None, default_effort: str = "max", max_queue: int = 256) -> None:
     """Run the server until SIGTERM / SIGINT (blocks). Under mpiexec, ranks > 0 run the follower loop."""
     check_serve_args(engine_dir, host, port, store, default_effort, max_queue)
-    from moe_export.runtime.engine import mpi_world
-    from moe_export.runtime.llm import LLM, AsyncLLM
+    from moe_export.export.mpi import mpi_world
+    from moe_export.runtime.entrypoints.llm import LLM, AsyncLLM
 
     world = mpi_world()
     if world is not None and world[0] != 0:
@@ -60,7 +60,7 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
     import uvicorn
     from sse_starlette.sse import AppStatus
 
-    from moe_export.runtime.server.app import ServerSettings, create_app
+    from moe_export.runtime.entrypoints.server.app import ServerSettings, create_app
 
     AppStatus.disable_automatic_graceful_drain()  # SIGTERM drains: running streams finish, they are not cut
 
