@@ -36,7 +36,8 @@ def serve_engine(tmp_path_factory):
 @pytest.fixture(scope="session")
 def server(serve_engine, tmp_path_factory):
     srv = InProcessServer(serve_engine, api_keys=(KEY_A, KEY_B), store_path=str(tmp_path_factory.mktemp("store") / "h.sqlite"),
-                          default_effort="low", max_body_bytes=256 << 10, max_messages=64, max_tools=8)
+                          default_effort="low", max_body_bytes=256 << 10, max_messages=64, max_tools=8,
+                          served_model_names=("m", "m-alias"))
     yield srv
     srv.stop()
 
@@ -59,7 +60,15 @@ def tokenize(server, **body) -> list[int]:
 
 def test_models_health_and_metrics(server, oai):
     assert httpx.get(f"{server.url}/health").status_code == 200
-    assert [m.id for m in oai.models.list().data] == [server.settings.model_name]
+    assert [m.id for m in oai.models.list().data] == ["m", "m-alias"] and server.settings.model_name == "m"
+    assert oai.models.retrieve("m-alias").id == "m-alias"
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("gpt-4o")
+    with pytest.raises(openai.NotFoundError, match="does not exist"):  # vLLM's answer to an unknown model
+        oai.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert oai.chat.completions.create(model="m-alias", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=2).model == "m-alias"
+    assert httpx.get(f"{server.url}/version").json()["version"]
     oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3, **GREEDY)
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("moe_export_requests_total", "moe_export_time_to_first_token_seconds_bucket", "moe_export_queue_depth",
@@ -360,7 +369,7 @@ def test_full_queue_answers_429(server):
 @pytest.mark.slow
 def test_kill9_restart_continues_chain_and_sigterm_drains(serve_engine, tmp_path):
     store = tmp_path / "history.sqlite"
-    args = [str(serve_engine), "--store", str(store), "--default-effort", "low"]
+    args = [str(serve_engine), "--store", str(store), "--default-effort", "low", "--served-model-name", "m"]
     proc, url = start_cli_server(args, env={"MOE_EXPORT_API_KEY": KEY_A})
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY_A, max_retries=0)
     opts = {"max_output_tokens": 10, "temperature": 0}
@@ -398,7 +407,7 @@ def test_kill9_restart_continues_chain_and_sigterm_drains(serve_engine, tmp_path
 @pytest.mark.slow
 def test_mpiexec_4_ranks_serve_and_drain(tmp_path_factory, server):
     engine4 = build_serve_engine(tmp_path_factory.mktemp("serve-engine-4"), tp=2, ep=2, world=4)
-    proc, url = start_cli_server([str(engine4), "--default-effort", "low"], mpiexec_ranks=4)
+    proc, url = start_cli_server([str(engine4), "--default-effort", "low", "--served-model-name", "m"], mpiexec_ranks=4)
     try:
         body = {"model": "m", "messages": [{"role": "user", "content": "Tell me about Paris."}], "max_tokens": 12, "temperature": 0}
         four = [httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json() for _ in range(2)]
@@ -415,7 +424,7 @@ def test_mpiexec_4_ranks_serve_and_drain(tmp_path_factory, server):
 @pytest.fixture(scope="module")
 def k2_server(tmp_path_factory):
     srv = InProcessServer(build_serve_engine(tmp_path_factory.mktemp("serve-k2"), preset="tiny-kimi-linear"),
-                          default_effort="low")
+                          default_effort="low", served_model_names=("m",))
     yield srv
     srv.stop()
 
