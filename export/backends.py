@@ -12,6 +12,8 @@ keeping the bare plugin nodes (TensorRT's plugin lookup: op type = plugin name, 
     rank{N}/ort_segment_000.onnx   segments, each referencing rank{N}/weights.safetensors
     rank{N}/ort_plan.json          [{"segment": file, "inputs": [...], "outputs": [...]},
                                     {"collective": op, "group": g, "input": x, "output": y, "axis": a}, ...]
+                                   (MoEDispatch / MoECombine steps also list all "inputs" / "outputs" in
+                                   node order, and the dispatch its "num_experts")
 """
 
 from __future__ import annotations
@@ -93,15 +95,17 @@ def plan_segments(model: onnx.ModelProto) -> list[Segment | dict]:
             for node in item:
                 later.update(i for i in node.input if i)
         else:
-            later.add(item.input[0])
+            later.update(i for i in item.input if i)
     consumers_after.reverse()
 
     plan: list[Segment | dict] = []
     for (kind, item), needed_later in zip(steps, consumers_after):
         if kind == "collective":
             entry = {"collective": item.op_type, "input": item.input[0], "output": item.output[0]}
+            if len(item.input) > 1 or len(item.output) > 1:  # MoEDispatch / MoECombine: every value in order
+                entry.update(inputs=list(item.input), outputs=list(item.output))
             for a in item.attribute:
-                if a.name in ("group", "axis"):
+                if a.name in ("group", "axis", "num_experts"):
                     entry[a.name] = helper.get_attribute_value(a)
                     if isinstance(entry[a.name], bytes):
                         entry[a.name] = entry[a.name].decode()

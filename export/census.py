@@ -73,7 +73,27 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
             "layers": layer_summary(cfg),
             "problems": [p.to_dict() for p in problems],
             "source_dtypes": reader.dtype_report(),
+            "vision": vision_summary(cfg, reader.path),
         }
+
+
+def vision_summary(cfg: ModelConfig, folder: Path) -> dict[str, Any] | None:
+    """K3's tower (vision_config) and the image processor settings the checkpoint ships; None without a tower."""
+    from moe_export.graphs.vision import vision_config
+    from moe_export.runtime.images import PREPROCESSOR_CONFIG, ImageProcessor
+
+    vc = vision_config(cfg)
+    if vc is None:
+        return None
+    proc = ImageProcessor.from_folder(folder)
+    return {
+        "layers": vc.num_layers, "hidden": vc.hidden_size, "heads": vc.num_heads, "head_dim": vc.head_dim,
+        "mlp": vc.intermediate_size, "patch_size": vc.patch_size,
+        "pos_emb": [vc.pos_emb_height, vc.pos_emb_width], "interpolation": vc.interpolation_mode,
+        "projector": [vc.merged_dim, vc.merged_dim, vc.text_hidden_size], "params": vc.params(),
+        "processor_file": (folder / PREPROCESSOR_CONFIG).is_file(), "processor": proc.cfg,
+        "max_tokens_per_image": proc.max_tokens,
+    }
 
 
 def _human_bytes(n: int) -> str:
@@ -132,6 +152,20 @@ def render_checkpoint_report(report: dict[str, Any], console) -> None:
     if lay["dsa_index_topk"]:
         console.print(f"  DSA indexer: top-{lay['dsa_index_topk']} on the MLA layers", highlight=False)
 
+    vis = report.get("vision")
+    if vis:
+        pc = vis["processor"]
+        console.print(
+            f"  vision tower: {vis['layers']} x {vis['hidden']} ({vis['heads']} heads of {vis['head_dim']}, MLP "
+            f"{vis['mlp']}), {vis['patch_size']} px patches, position table {vis['pos_emb'][0]}x{vis['pos_emb'][1]} "
+            f"({vis['interpolation']}), projector {vis['projector'][0]} -> {vis['projector'][2]}; "
+            f"{vis['params']:,} parameters (bf16, not quantized)", highlight=False)
+        console.print(
+            f"  images: in_patch_limit {pc['in_patch_limit']} (<= {vis['max_tokens_per_image']} tokens), "
+            f"{pc['patch_limit_on_one_side']} patches per side, mean {pc['image_mean']} std {pc['image_std']}, "
+            f"transparent background {(pc.get('transparent_bg_config') or {}).get('pattern', 'none')} "
+            f"({pc.get('transparent_bg_fill_stage', 'before_resize')})"
+            + ("" if vis["processor_file"] else " [K3 defaults: no preprocessor_config.json]"), highlight=False)
     for what, count in report["source_dtypes"].items():
         console.print(f"  float dtype: {count} tensor(s) stored {what}", highlight=False)
     n = len(report["problems"])

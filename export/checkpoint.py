@@ -340,6 +340,14 @@ class CheckpointReader:
             self._specs = all_tensor_specs(self.config)
         return self._specs
 
+    def vision_specs(self) -> list[TensorSpec]:
+        """K3's vision tower and projector tensors its `vision_config` implies (bf16, never quantized); empty
+        for a text-only config."""
+        from moe_export.graphs.vision import vision_config, vision_tensor_specs
+
+        vc = vision_config(self.config)
+        return vision_tensor_specs(vc) if vc is not None else []
+
     def get(self, name: str) -> torch.Tensor:
         """Load one tensor (by inventory name or stored spelling) in `load_dtype(name)`: its stored dtype
         (U8 for MXFP4 packed weights and scales) unless a float cast is needed."""
@@ -432,7 +440,7 @@ class CheckpointReader:
         """Every problem: unreadable files, index disagreements, and tensors missing, unexpected, or of
         the wrong shape or dtype against the config's inventory; K3's A_log padding must be zero."""
         problems = list(self._problems)
-        specs = {s.name: s for s in self.expected_specs()}
+        specs = {s.name: s for s in self.expected_specs() + self.vision_specs()}
         # A name the index lists was already reported (or sits in an unreadable shard). With a corrupt
         # index or an unreadable lone model.safetensors every tensor would be "missing": report the file only.
         if self._index is not None:

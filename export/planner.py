@@ -16,6 +16,10 @@ One arithmetic for pool sizes (`pool_sizes`), used by this planner, the engine l
 and the TensorRT optimization profile: memory left after weights and the workspace reserve, minus
 max_batch recurrent-state slots, divided by the bytes of one cache block (block_size tokens of every cache
 pool of the rank) = cache blocks per pool.
+Vision (K3): the tower and projector weights are replicated on every rank (class "vision", never quantized), and
+one tower call's activations (`vision_activation_bytes`: a request's `limits.max_images_per_request` images at the
+patch limit, spread over the attention group) must fit in the workspace reserve (the tower runs before the
+prefill that uses it).
 Active parameters count the weights a token's forward pass multiplies with: every non-expert weight except
 the input embedding table (a lookup), plus the top-k routed experts of each MoE layer.
 """
@@ -29,6 +33,7 @@ from pathlib import Path
 from moe_export.export.errors import InputError
 from moe_export.graphs.config import ModelConfig, shipped_model_config
 from moe_export.graphs.sharding import Mapping, check_divisibility, rank_numel
+from moe_export.graphs.vision import tower_activation_bytes, vision_config, vision_tensor_specs
 from moe_export.graphs.weights import WEIGHT_CLASSES, all_tensor_specs
 from moe_export.quantize import fp8_cache
 from moe_export.recipes.schema import Recipe
@@ -115,6 +120,7 @@ class RankPlan:
     max_sequences: int
     pools: PoolSizes
     overflow: dict[str, int] = field(default_factory=dict)
+    vision_activation_bytes: int = 0
 
     def to_dict(self) -> dict:
         return {
@@ -123,6 +129,7 @@ class RankPlan:
             "weight_bytes": self.weight_bytes,
             "state_bytes_per_sequence": self.state_bytes_per_sequence,
             "free_bytes": self.free_bytes,
+            "vision_activation_bytes": self.vision_activation_bytes,
             "max_sequences": self.max_sequences,
             "block_size": self.pools.block_size,
             "num_slots": self.pools.num_slots,
@@ -148,13 +155,23 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        """Every rank's pools (max_batch slots, the blocks left) hold at least one sequence of max_seq_len."""
-        return all(r.max_sequences >= 1 for r in self.per_rank)
+        """Every rank's pools (max_batch slots, the blocks left) hold at least one sequence of max_seq_len, and
+        the vision tower's activations fit in the workspace reserve."""
+        return (all(r.max_sequences >= 1 for r in self.per_rank)
+                and all(r.vision_activation_bytes <= self.reserve_bytes for r in self.per_rank))
 
     def verdict(self) -> str:
         worst = min(self.per_rank, key=lambda r: r.max_sequences)
         seq = self.recipe.limits.max_seq_len
         need = worst.weight_bytes["total"] + self.reserve_bytes + worst.state_bytes_per_sequence["total"]
+        vision = max(r.vision_activation_bytes for r in self.per_rank)
+        if vision > self.reserve_bytes:
+            return (
+                f"does not fit: one vision tower call ({self.recipe.limits.max_images_per_request} image(s) per "
+                f"request at the patch limit) needs {vision / GIB:.2f} GiB of activations, more than the workspace "
+                f"reserve of {self.reserve_bytes / GIB:.2f} GiB: lower limits.max_image_patches or "
+                f"limits.max_images_per_request, or raise workspace_reserve_gib"
+            )
         if not self.fits and need <= self.memory_bytes:
             pools = worst.pools
             return (
@@ -226,7 +243,7 @@ def recurrent_bytes_per_sequence(cfg: ModelConfig, recipe: Recipe, mapping: Mapp
     """Bytes of one recurrent-state slot on this rank: KDA state (fp32) and conv windows, by kind."""
     act = 4 if recipe.target.gpu == "cpu" else 2
     n_kda = len(cfg.kda_layers)
-    heads = cfg.kda_num_heads // mapping.attn_tp
+    heads = cfg.kda_num_heads // mapping.tp
     return {
         "kda_state": n_kda * heads * cfg.kda_head_dim * cfg.kda_head_dim * 4,
         "conv_state": n_kda * 3 * heads * cfg.kda_head_dim * (cfg.conv_kernel_size - 1) * act,
@@ -258,17 +275,19 @@ def state_bytes_per_sequence(cfg: ModelConfig, recipe: Recipe, mapping: Mapping)
 def make_plan(recipe: Recipe, cfg: ModelConfig | None = None) -> Plan:
     cfg = cfg or resolve_model_config(recipe)
     tp, ep = recipe.parallel.tp, recipe.parallel.ep
-    attention_tp = recipe.parallel.attention == "tp"
-    check_divisibility(cfg, tp, ep, attention_tp)
+    check_divisibility(cfg, tp, ep)
     total, active = count_params(cfg)
     memory = recipe.memory_bytes
     reserve = int(recipe.workspace_reserve_gib * GIB)
     world = recipe.target.world_size
     specs = all_tensor_specs(cfg, include_experts=False)
     moe_layers = [i for i in range(cfg.num_layers) if cfg.is_moe(i)]
+    vc = vision_config(cfg)
+    vision_specs = vision_tensor_specs(vc) if vc is not None else []
+    vision_act = vision_activation_bytes(cfg, recipe)
     per_rank = []
     for rank in range(world):
-        mapping = Mapping(world, rank, tp, ep, attention_tp)
+        mapping = Mapping(world, rank, tp, ep, recipe.parallel.attention)
         by_class = {c: 0.0 for c in WEIGHT_CLASSES}
         for spec in specs:
             n = rank_numel(spec, mapping, cfg.num_experts)
@@ -277,6 +296,8 @@ def make_plan(recipe: Recipe, cfg: ModelConfig | None = None) -> Plan:
             local = len(mapping.local_experts(cfg.num_experts))
             per_expert = 3 * cfg.expert_in_dim * cfg.moe_intermediate_size
             by_class["routed_experts"] = len(moe_layers) * local * per_expert * MXFP4_BITS_PER_WEIGHT / 8
+        for spec in vision_specs:  # the tower is replicated on every rank, never quantized
+            by_class["vision"] += spec.numel * _class_dtype_bytes(recipe, "vision", spec.dtype)
         weight_bytes = {c: int(math.ceil(v)) for c, v in by_class.items() if v}
         weight_bytes["total"] = sum(weight_bytes.values())
         state = state_bytes_per_sequence(cfg, recipe, mapping)
@@ -285,8 +306,33 @@ def make_plan(recipe: Recipe, cfg: ModelConfig | None = None) -> Plan:
                            bytes_per_slot=sum(recurrent_bytes_per_sequence(cfg, recipe, mapping).values()),
                            bytes_per_token=sum(cache_bytes_per_token(cfg, recipe).values()))
         max_seqs = pools.sequences_that_fit(recipe.limits.max_seq_len) if free >= 0 else 0
-        per_rank.append(RankPlan(rank, mapping.to_dict(), weight_bytes, state, int(free), int(max_seqs), pools))
+        per_rank.append(RankPlan(rank, mapping.to_dict(), weight_bytes, state, int(free), int(max_seqs), pools,
+                                 vision_activation_bytes=vision_act))
     return Plan(recipe, cfg, total, active, per_rank, memory, reserve)
+
+
+def image_patch_limit(recipe: Recipe) -> int:
+    """Patches one image may take: the recipe's `limits.max_image_patches`, else K3's in_patch_limit."""
+    from moe_export.runtime.images import K3_MEDIA_PROC
+
+    limit = K3_MEDIA_PROC["in_patch_limit"]
+    return min(limit, recipe.limits.max_image_patches or limit)
+
+
+def vision_activation_bytes(cfg: ModelConfig, recipe: Recipe) -> int:
+    """Activation memory the tower needs on a rank: one call over a request's images at the patch limit, spread
+    over the attention group (each rank encodes ceil(images / group) of them, one at a time per attention).
+    CPU graphs materialize each image's attention scores; GPU builds are counted without them (flash attention)."""
+    vc = vision_config(cfg)
+    images = recipe.limits.max_images_per_request
+    if vc is None or images == 0:
+        return 0
+    group = recipe.parallel.tp if recipe.parallel.attention == "tp" else 1
+    per_rank = -(-images // group)
+    cpu = recipe.backend != "tensorrt"
+    patches = image_patch_limit(recipe)
+    rows = tower_activation_bytes(vc, patches * per_rank, 4 if cpu else 2, scores_of=patches if cpu else 0)
+    return rows
 
 
 def engine_pool_sizes(engine_config: dict, num_slots: int | None = None) -> PoolSizes:

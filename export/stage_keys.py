@@ -99,7 +99,7 @@ def _key(stage: str, fields: dict, upstream: list[str], code: dict | None, extra
 
 def rank_mapping(recipe: Recipe, rank: int) -> Mapping:
     p = recipe.parallel
-    return Mapping(recipe.target.world_size, rank, p.tp, p.ep, p.attention == "tp")
+    return Mapping(recipe.target.world_size, rank, p.tp, p.ep, p.attention)
 
 
 def rank_stage_names(recipe: Recipe) -> tuple[str, ...]:

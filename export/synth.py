@@ -30,8 +30,10 @@ import torch
 from moe_export.export.checkpoint import INDEX_FILE
 from moe_export.export.errors import InputError
 from moe_export.graphs.config import ModelConfig
+from moe_export.graphs.vision import vision_config, vision_tensor_specs
 from moe_export.graphs.weights import TensorSpec, all_tensor_specs
 from moe_export.quantize.mxfp4 import decode, encode
+from moe_export.runtime.images import K3_MEDIA_PROC, MEDIA_PAD, PREPROCESSOR_CONFIG
 from moe_export.runtime.tokenizer import END_OF_MESSAGE, synthetic_special_ids, synthetic_vocab_size, write_synthetic_tokenizer
 
 TORCH_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "U8": torch.uint8}
@@ -55,13 +57,19 @@ def tokenizer_family(cfg: ModelConfig) -> str:
     return "k3" if cfg.model_type == "kimi_k3" else "k2"
 
 
+# The tiny tower: K3's layout (real names, 2-D RoPE, RMSNorm, 2x2 merge, patchmergerv2) at toy widths, with an
+# 8x8 position table so most images resize it.
+TINY_TOWER = {"init_pos_emb_height": 8, "init_pos_emb_width": 8, "vt_hidden_size": 32, "vt_num_hidden_layers": 2,
+              "vt_num_attention_heads": 2, "qkv_hidden_size": 32, "vt_intermediate_size": 64, "mm_hidden_size": 32}
+
+
 def _tiny_k3() -> dict[str, Any]:
     """K3's composite config at toy size: 7 layers (1-based MLA layers 4, 6, 7), 8 experts top-2."""
     from moe_export.recipes import models_dir
 
     cfg = json.loads((models_dir() / "kimi-k3.json").read_text())
     ids = _token_ids("k3")
-    cfg.update(ids, media_placeholder_token_id=synthetic_special_ids("k3")["<|kimi_image_placeholder|>"])
+    cfg.update(ids, media_placeholder_token_id=synthetic_special_ids("k3")[MEDIA_PAD])
     text = cfg["text_config"]
     text.update(
         ids,
@@ -84,6 +92,7 @@ def _tiny_k3() -> dict[str, Any]:
         attn_res_block_size=3,
     )
     text["linear_attn_config"].update(num_heads=4, head_dim=16, full_attn_layers=[4, 6, 7], kda_layers=[1, 2, 3, 5])
+    cfg["vision_config"].update(TINY_TOWER, text_hidden_size=text["hidden_size"])
     return cfg
 
 
@@ -155,17 +164,9 @@ def preset_config(preset: str) -> ModelConfig:
 
 
 def vision_specs(cfg: ModelConfig) -> list[TensorSpec]:
-    """A stand-in for K3's vision tower and projector (K3 checkpoints ship them; the text model ignores
-    them): vision width 8, 2x2-merged width 32, projected to hidden. Empty for non-K3 models."""
-    if cfg.model_type != "kimi_k3":
-        return []
-    h, vd, merged = cfg.hidden_size, 8, 32
-    return [
-        TensorSpec("mm_projector.proj.0.weight", (merged, merged), "BF16", "vision"),
-        TensorSpec("mm_projector.proj.2.weight", (h, merged), "BF16", "vision"),
-        TensorSpec("mm_projector.post_norm.weight", (h,), "BF16", "vision"),
-        TensorSpec("vision_tower.final_layernorm.weight", (vd,), "BF16", "vision"),
-    ]
+    """K3's vision tower and projector tensors (real names and layout, `graphs.vision`); empty without one."""
+    vc = vision_config(cfg)
+    return vision_tensor_specs(vc) if vc is not None else []
 
 
 def synthetic_specs(cfg: ModelConfig) -> list[TensorSpec]:
@@ -243,7 +244,7 @@ def synth_tensor(cfg: ModelConfig, spec: TensorSpec, seed: int) -> torch.Tensor:
         x = dt + torch.log(-torch.expm1(-dt))
     elif name.endswith("e_score_correction_bias"):
         x = 0.02 * torch.randn(shape, generator=gen)
-    elif name.endswith("norm.weight"):  # every RMSNorm / LayerNorm scale
+    elif name.endswith(("norm.weight", "norm0.weight", "norm1.weight")):  # every RMSNorm / LayerNorm scale
         x = _uniform(shape, 0.9, 1.1, gen)
     elif name.endswith("norm.bias"):
         x = 0.05 * torch.randn(shape, generator=gen)
@@ -293,6 +294,8 @@ def _write_files(tmp: Path, preset: str, hf: dict[str, Any], cfg: ModelConfig, s
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     write_synthetic_tokenizer(tmp, tokenizer_family(cfg), cfg.max_position_embeddings)
+    if vision_config(cfg) is not None:  # K3's image processor settings, as the checkpoint ships them
+        (tmp / PREPROCESSOR_CONFIG).write_text(json.dumps({"media_proc_cfg": K3_MEDIA_PROC}, indent=2, sort_keys=True) + "\n")
     (tmp / "LICENSE").write_text(LICENSE_TEXT.format(preset=preset, seed=seed))
 
 

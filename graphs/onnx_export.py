@@ -34,7 +34,9 @@ safetensors data section is raw little-endian bytes, so each initializer points 
 
 Collectives are graph nodes `AllReduce` / `AllGather` in our domain with a `group` attribute
 ("tp" or "ep"): both backends split the graph at them and the runtime performs the collective between
-the segments (MPI on CPU, NCCL between TensorRT engines; see `moe_export.export.backends`).
+the segments (MPI on CPU, NCCL between TensorRT engines; see `moe_export.export.backends`). In the `dp`
+layout (`graphs/sharding.py`) each MoE layer dispatches its tokens with `MoEDispatch` and sums the experts'
+results with `MoECombine` (all-to-all, `plugins/collectives/all_to_all.py`) instead of an ep all-reduce.
 """
 
 from __future__ import annotations
@@ -112,16 +114,23 @@ class GraphBuilder:
         return name
 
     # ---- values ----
-    def weight(self, name: str, as_float: bool = True, dtype: int | None = None) -> str:
+    def weight(self, name: str, as_float: bool = True, dtype: int | None = None, byte_view: int | None = None) -> str:
         """Initializer for stored tensor `name` as element type `dtype` (default: the compute dtype): float
-        tensors of another type are Cast (FP8 dequantized first); as_float=False keeps the stored bytes."""
+        tensors of another type are Cast (FP8 dequantized first); as_float=False keeps the stored bytes, and
+        `byte_view` (with as_float=False) declares a one-byte tensor as that one-byte element type over the same
+        bytes (no conversion, no copy)."""
         target = self.act if dtype is None else dtype
         key = f"{name}|{as_float}|{target}"
         if key in self._weights:
             return self._weights[key]
         if name not in self._weights:
             dtype, shape, offset, length = self.index[name]
-            t = TensorProto(name=name, data_type=_SAFETENSORS_TO_ONNX[dtype], dims=shape)
+            elem = _SAFETENSORS_TO_ONNX[dtype]
+            if byte_view is not None:
+                if as_float or elem != TensorProto.UINT8 or byte_view not in (TensorProto.INT8, TensorProto.UINT8):
+                    raise ValueError(f"{name}: a byte view is a uint8 tensor read as int8 or uint8")
+                elem = byte_view
+            t = TensorProto(name=name, data_type=elem, dims=shape)
             t.data_location = TensorProto.EXTERNAL
             for k, v in (("location", self.weights_file), ("offset", str(offset)), ("length", str(length))):
                 entry = t.external_data.add()
@@ -245,6 +254,10 @@ class RankGraph:
                  state_in_place: bool = False):
         self.cfg, self.m = cfg, mapping
         self.state_in_place = state_in_place  # TensorRT: every pool updated by an aliased plugin output
+        # MXFP4 bytes (and their E8M0 scales) as the MoE plugin receives them: uint8 for ONNX Runtime; int8 views of
+        # the same bytes for TensorRT, whose ONNX parser would widen uint8 initializers to int32
+        # (export/tensorrt_contracts.py: PARSER_UINT8_WEIGHTS_BECOME_INT32)
+        self.mxfp4_type = TensorProto.INT8 if state_in_place else TensorProto.UINT8
         self.cache_type = cache_storage_type(kv_cache)
         self.g = GraphBuilder(weights_path, compute_dtype)
         self.inputs: list[onnx.ValueInfoProto] = []
@@ -252,8 +265,8 @@ class RankGraph:
         self.use_indexer = use_indexer and cfg.has_dsa
         self.topk = topk_override or cfg.index_topk
         self.last_indices: str | None = None  # the latest full DSA layer's top-k indices value
-        self.kda_heads = cfg.kda_num_heads // mapping.attn_tp
-        self.mla_heads = cfg.num_heads // mapping.attn_tp
+        self.kda_heads = cfg.kda_num_heads // mapping.tp
+        self.mla_heads = cfg.num_heads // mapping.tp
 
     def row_bytes(self, dim: int) -> int:
         """Last dim of a cache pool holding rows of `dim` values: dim, or dim + 1 (the scale byte) for fp8."""
@@ -332,7 +345,7 @@ class RankGraph:
         f_b = g.to_f32(g.linear(g.linear(x, f"{a}f_a_proj.weight", f"{n}.f_a"), f"{a}f_b_proj.weight", f"{n}.f_b"), f"{n}.f_b")
         u = g.op("Add", [f_b, g.weight(f"{a}dt_bias", dtype=TensorProto.FLOAT)], f"{n}.gate_in")  # fp32 gates
         u = g.reshape(u, [-1, hl, dh], f"{n}.gate_in_heads")
-        h0 = m.attn_tp_rank * hl
+        h0 = m.tp_rank * hl
         a_log = g.slice_last(g.reshape(g.weight(f"{a}A_log", dtype=TensorProto.FLOAT), [-1], f"{n}.A_log_flat"), h0, h0 + hl,
                              f"{n}.A_log_local")  # fmt: skip
         decay = g.reshape(g.op("Exp", [a_log], f"{n}.A"), [1, hl, 1], f"{n}.A_heads")
@@ -353,7 +366,7 @@ class RankGraph:
         normed = g.rms_norm(o, f"{a}o_norm.weight", cfg.rms_norm_eps, f"{n}.o_norm")
         y = g.reshape(g.sigmoid_mul(normed, gate, f"{n}.gated"), [-1, p_l], f"{n}.o_flat")
         io["conv_out"], io["state_out"] = conv_out, state_out
-        return g.all_reduce(g.linear(y, f"{a}o_proj.weight", f"{n}.o_proj"), "tp", m.attn_tp, f"{n}.all_reduce")
+        return g.all_reduce(g.linear(y, f"{a}o_proj.weight", f"{n}.o_proj"), "tp", m.tp, f"{n}.all_reduce")
 
     # ---- MLA (NoPE, absorbed over the latent cache) + DSA ----
     def mla(self, i: int, x: str, io: dict) -> str:
@@ -396,7 +409,7 @@ class RankGraph:
         y = g.reshape(g.op("Transpose", [o], f"{n}.oT", perm=[1, 0, 2]), [-1, hl * vd], f"{n}.o_flat")
         if cfg.mla_use_output_gate:
             y = g.sigmoid_mul(y, g.linear(x, f"{a}g_proj.weight", f"{n}.g_proj"), f"{n}.gated")
-        return g.all_reduce(g.linear(y, f"{a}o_proj.weight", f"{n}.o_proj"), "tp", m.attn_tp, f"{n}.all_reduce")
+        return g.all_reduce(g.linear(y, f"{a}o_proj.weight", f"{n}.o_proj"), "tp", m.tp, f"{n}.all_reduce")
 
     def indexer(self, i: int, x: str, q_latent: str, io: dict) -> str:
         """DSA lightning indexer: writes this step's keys, returns top-k indices [T, topk] (-1 padded)."""
@@ -496,10 +509,23 @@ class RankGraph:
         masked = g.op("Where", [keep, grouped, g.const(float("-inf"), np.float32, "neg_inf")], f"{n}.masked")
         return g.op("Reshape", [masked, g.const([0, cfg.num_experts])], f"{n}.choice_grouped")
 
+    def token_share(self, x: str, name: str) -> str:
+        """This rank's rows of x [T, D] in the dp layout: rows r*c .. min((r+1)*c, T) of its tp group's tokens,
+        r = tp_rank, c = ceil(T / tp) (the tp ranks' shares in rank order are the T rows once)."""
+        g, m = self.g, self.m
+        rows = g.op("Shape", [x], f"{name}.shape", end=1)  # [1]
+        share = g.op("Div", [g.op("Add", [rows, g.const([m.tp - 1])], f"{name}.rows_up"), g.const([m.tp])], f"{name}.share")
+        start = g.op("Min", [g.op("Mul", [share, g.const([m.tp_rank])], f"{name}.start_raw"), rows], f"{name}.start")
+        end = g.op("Min", [g.op("Add", [start, share], f"{name}.end_raw"), rows], f"{name}.end")
+        return g.op("Slice", [x, start, end, g.const([0])], name)
+
     def moe(self, i: int, x: str) -> str:
         g, cfg, m = self.g, self.cfg, self.m
         p = layer_prefix(cfg, i) + "block_sparse_moe."
         n = f"layers.{i}.moe"
+        tokens = x
+        if m.all_to_all and m.tp > 1:  # each tp rank routes and dispatches its share of the group's tokens
+            x = self.token_share(x, f"{n}.token_share")
         router = g.to_f32(g.linear(x, f"{p}gate.weight", f"{n}.router"), f"{n}.router")  # fp32-accumulated logits
         scores = g.op("Sigmoid", [router], f"{n}.scores")  # fp32 [T, E]
         choice = g.op("Add", [scores, g.weight(f"{p}gate.e_score_correction_bias", dtype=TensorProto.FLOAT)], f"{n}.choice")
@@ -514,22 +540,33 @@ class RankGraph:
             w = g.op("Mul", [w, g.const(cfg.routed_scaling_factor, np.float32, "routed_scale")], f"{n}.wscaled")
         z = g.linear(x, f"{p}routed_expert_down_proj.weight", f"{n}.latent_down") if cfg.routed_expert_hidden_size else x
         e = f"{p}experts."
+        if m.all_to_all:  # the tokens go to their experts' ranks; the expert op sees the rows it received
+            dispatched = z
+            z, ids, w, *layout = g.plugin("MoEDispatch", [z, ids, w], f"{n}.dispatch", 6, group="ep",
+                                          num_experts=cfg.num_experts)
         partial = g.plugin(
             "MoEMXFP4",
-            [g.to_f32(z, f"{n}.experts_in"), ids, w] + [g.weight(e + t, as_float=False) for t in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")],
+            [g.to_f32(z, f"{n}.experts_in"), ids, w] + [g.weight(e + t, as_float=False, byte_view=self.mxfp4_type)
+                                                        for t in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")],
             f"{n}.experts",
             expert_offset=m.local_experts(cfg.num_experts).start,
             activation=cfg.hidden_act,
             situ_beta=float(cfg.situ_beta or 0.0),
             situ_linear_beta=float(cfg.situ_linear_beta or 0.0),
         )
-        y = g.all_reduce(g.to_act(partial, f"{n}.experts"), "ep", m.ep, f"{n}.experts_all_reduce")  # latent space
+        if m.all_to_all:  # back to the tokens' ranks, summed per token (latent space)
+            y = g.plugin("MoECombine", [g.to_act(partial, f"{n}.experts"), *layout, dispatched], f"{n}.combine",
+                         group="ep")
+            if m.tp > 1:
+                y = g.plugin("AllGather", [y], f"{n}.token_all_gather", group="tp", axis=0)
+        else:
+            y = g.all_reduce(g.to_act(partial, f"{n}.experts"), "ep", m.ep, f"{n}.experts_all_reduce")  # latent space
         if cfg.routed_expert_hidden_size:
             if cfg.latent_moe_use_norm:
                 y = g.rms_norm(y, f"{p}routed_expert_norm.weight", cfg.rms_norm_eps, f"{n}.latent_norm")
             y = g.linear(y, f"{p}routed_expert_up_proj.weight", f"{n}.latent_up")
         if cfg.num_shared_experts:
-            y = g.op("Add", [y, self.mlp(x, f"{p}shared_experts.", f"{n}.shared", m.tp)], f"{n}.out")
+            y = g.op("Add", [y, self.mlp(tokens, f"{p}shared_experts.", f"{n}.shared", m.tp)], f"{n}.out")
         return y
 
     # ---- the decoder ----

@@ -2,9 +2,16 @@
 
 Mapping (TensorRT-LLM users know it): `world_size` ranks; attention, dense and shared FFNs are
 tensor-parallel inside groups of `tp` consecutive ranks; routed experts are split into `ep`
-contiguous slices of whole experts, one per rank of each group of `ep` consecutive ranks, and the
-experts' partial sums are all-reduced over that group in the latent space (before
-`routed_expert_norm`, as K3 requires). Embedding and lm_head are vocab-parallel over the tp group.
+contiguous slices of whole experts, one per rank of each group of `ep` consecutive ranks. Embedding and
+lm_head are vocab-parallel over the tp group. Two layouts (recipe `parallel.attention`):
+
+  tp  every rank runs the same batch; routing is replicated and the experts' partial sums are
+      all-reduced over the ep group in the latent space (before `routed_expert_norm`, as K3 requires).
+  dp  the world is `dp = world_size / tp` attention groups (the tp groups), each with its own requests;
+      experts are spread over all ranks (ep = world_size). Each rank routes its share of its group's
+      tokens (rows tp_rank*c .. of the step's T, c = ceil(T / tp)) and an all-to-all sends each token only
+      to the ranks holding its chosen experts (`MoEDispatch`), which return their weighted partial sums
+      (`MoECombine`, still in the latent space); an all-gather over the tp group reassembles the rows.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ class Mapping:
     rank: int
     tp: int
     ep: int
-    attention_tp: bool = True  # False: attention replicated (data-parallel attention)
+    attention: Literal["tp", "dp"] = "tp"  # dp: data-parallel attention groups, all-to-all expert dispatch
 
     def __post_init__(self) -> None:
         for name, val in (("tp", self.tp), ("ep", self.ep)):
@@ -37,6 +44,25 @@ class Mapping:
                 raise InputError(f"mapping: {name}={val} must divide world_size={self.world_size}")
         if not 0 <= self.rank < self.world_size:
             raise InputError(f"mapping: rank {self.rank} outside 0..{self.world_size - 1}")
+        if self.attention not in ("tp", "dp"):
+            raise InputError(f"mapping: attention must be tp or dp, got {self.attention!r}")
+        if self.attention == "dp" and self.ep != self.world_size:
+            raise InputError(f"mapping: data-parallel attention spreads the experts over every rank: ep={self.ep} "
+                             f"must equal world_size={self.world_size}")
+
+    @property
+    def all_to_all(self) -> bool:
+        """MoE tokens are dispatched to their experts' ranks (dp layout), not routed on every rank and all-reduced."""
+        return self.attention == "dp"
+
+    @property
+    def dp(self) -> int:
+        """Attention groups with their own requests: world_size / tp in the dp layout, else 1."""
+        return self.world_size // self.tp if self.all_to_all else 1
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp if self.all_to_all else 0
 
     @property
     def tp_rank(self) -> int:
@@ -56,14 +82,6 @@ class Mapping:
         start = self.rank - self.ep_rank
         return tuple(range(start, start + self.ep))
 
-    @property
-    def attn_tp(self) -> int:
-        return self.tp if self.attention_tp else 1
-
-    @property
-    def attn_tp_rank(self) -> int:
-        return self.tp_rank if self.attention_tp else 0
-
     def local_experts(self, num_experts: int) -> range:
         """Global ids of the routed experts this rank holds (a contiguous slice)."""
         per = num_experts // self.ep
@@ -77,17 +95,18 @@ class Mapping:
             "tp_rank": self.tp_rank,
             "ep_size": self.ep,
             "ep_rank": self.ep_rank,
-            "attention_tp": self.attention_tp,
+            "attention": self.attention,
+            "dp_size": self.dp,
+            "dp_rank": self.dp_rank,
         }
 
 
-def check_divisibility(cfg: ModelConfig, tp: int, ep: int, attention_tp: bool = True) -> None:
+def check_divisibility(cfg: ModelConfig, tp: int, ep: int) -> None:
     """Refuse a parallel layout the model cannot be split into, naming the dimension."""
     problems = []
-    atp = tp if attention_tp else 1
     checks = [
-        ("num_attention_heads", cfg.num_heads, atp),
-        ("linear_attn_config.num_heads", cfg.kda_num_heads, atp),
+        ("num_attention_heads", cfg.num_heads, tp),
+        ("linear_attn_config.num_heads", cfg.kda_num_heads, tp),
         ("intermediate_size", cfg.intermediate_size, tp),
         ("vocab_size", cfg.vocab_size, tp),
     ]
@@ -130,8 +149,7 @@ def shard_range(spec: TensorSpec, mapping: Mapping) -> tuple[int, int, int] | No
     kind = split_kind(spec)
     if kind == "expert":
         raise ValueError(f"{spec.name}: routed expert tensors are selected whole, not sliced")
-    attention = spec.weight_class in ("kda", "mla")
-    size, rank = (mapping.attn_tp, mapping.attn_tp_rank) if attention else (mapping.tp, mapping.tp_rank)
+    size, rank = mapping.tp, mapping.tp_rank
     if kind == "replicated" or size == 1:
         return None
     dim = 1 if kind == "row" else 0
@@ -163,5 +181,4 @@ def rank_numel(spec: TensorSpec, mapping: Mapping, num_experts: int) -> int:
     kind = split_kind(spec)
     if kind == "replicated":
         return spec.numel
-    attention = spec.weight_class in ("kda", "mla")
-    return spec.numel // (mapping.attn_tp if attention else mapping.tp)
+    return spec.numel // mapping.tp

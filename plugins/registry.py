@@ -15,6 +15,8 @@ OP_FOLDERS = {
     "MoEMXFP4": "moe_mxfp4",
     "AllReduce": "collectives",
     "AllGather": "collectives",
+    "MoEDispatch": "collectives",
+    "MoECombine": "collectives",
 }
 
 

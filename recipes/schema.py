@@ -53,7 +53,8 @@ class ParallelSection(_Strict):
     tp: int = Field(default=1, ge=1, description="tensor parallel size for attention, dense and shared FFNs")
     ep: int = Field(default=1, ge=1, description="expert parallel size: routed experts split in ep slices")
     attention: Literal["tp", "dp"] = Field(
-        default="tp", description="attention tensor-parallel within a tp group, or data-parallel (replicated)"
+        default="tp", description="tp: every rank runs the same batch, expert partial sums all-reduced; dp: "
+        "world/tp attention groups with their own requests (tp inside each), ep = world, all-to-all expert dispatch"
     )
 
 
@@ -77,6 +78,15 @@ class LimitsSection(_Strict):
     max_seq_len: int = Field(default=4096, ge=1, le=MAX_SEQ_LEN_LIMIT)
     max_num_tokens: int = Field(default=8192, ge=1, description="tokens per engine step (prefill chunks + decode)")
     block_size: int = Field(default=64, ge=1, le=4096, description="tokens per paged cache block (MLA latent, DSA keys)")
+    max_images_per_request: int = Field(default=4, ge=0, description="image parts one request may carry (K3)")
+    max_image_patches: int | None = Field(
+        default=None, ge=4, description="patch limit per image; lowers the checkpoint's in_patch_limit (K3: 65536)")
+
+
+class VisionSection(_Strict):
+    rms_norm_eps: Literal["float32", "bfloat16"] = Field(
+        default="float32", description="the tower's eps-less RMSNorm: float32's epsilon (current PyTorch) or "
+        "bfloat16's (2^-7, PyTorch before PR #142848)")
 
 
 class ThinkingSection(_Strict):
@@ -102,6 +112,7 @@ class Recipe(_Strict):
     attention: AttentionSection = AttentionSection()
     limits: LimitsSection = LimitsSection()
     thinking: ThinkingSection = ThinkingSection()
+    vision: VisionSection = VisionSection()
     backend: Literal["onnxruntime", "tensorrt"] = "onnxruntime"
     workspace_reserve_gib: float = Field(default=8.0, ge=0, description="per-rank memory kept for activations/workspace")
     output: str = Field(default="out/engine", description="output directory (relative to the working directory)")
@@ -114,6 +125,9 @@ class Recipe(_Strict):
                 raise ValueError(
                     f"parallel.{key}={val} must divide the world size nodes*gpus_per_node={world}"
                 )
+        if self.parallel.attention == "dp" and self.parallel.ep != world:
+            raise ValueError(f"parallel.attention=dp spreads the experts over every rank: parallel.ep="
+                             f"{self.parallel.ep} must equal the world size nodes*gpus_per_node={world}")
         return self
 
     @property

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_export.export.errors import InputError
+from moe_export.runtime.formats.markers import CALLS_BEGIN, CLOSE, END_THINK, FAMILIES, OPEN, SEP, THINK
 from moe_export.runtime.tokenizer import Tokenizer
 
 EFFORT_TIERS = ("low", "high", "max")
@@ -62,7 +63,7 @@ class ReasoningBudget:
     Call `observe(token_id)` on every emitted token, forced ones included."""
 
     def __init__(self, tokenizer: Tokenizer, family: str, cap: int | None, *, starts_in_reasoning: bool) -> None:
-        if family not in ("k3", "k2"):
+        if family not in FAMILIES:
             raise InputError(f"chat family must be k3 or k2, got {family!r}")
         if cap is not None and cap < 0:
             raise InputError(f"reasoning cap must be >= 0, got {cap}")
@@ -75,11 +76,11 @@ class ReasoningBudget:
         self._tag: list[int] | None = None  # K3: tokens of the tag being written, from its <|open|> / <|close|>
         self._tag_in_reasoning = False
         if family == "k3":
-            self._open, self._close, self._sep = (tokenizer.encode_special(m) for m in ("<|open|>", "<|close|>", "<|sep|>"))
+            self._open, self._close, self._sep = (tokenizer.encode_special(m) for m in (OPEN, CLOSE, SEP))
             self._after_close = [self._open, *tokenizer.encode("response"), self._sep]
         else:
             self._think, self._end_think, self._calls_begin = (
-                tokenizer.encode_special(m) for m in ("<think>", "</think>", "<|tool_calls_section_begin|>")
+                tokenizer.encode_special(m) for m in (THINK, END_THINK, CALLS_BEGIN)
             )
 
     @property

@@ -5,6 +5,9 @@ collectives. Two ways to run a world of R ranks:
   - under `mpiexec -n R`: this process is one rank, collectives go through MPI (mpi4py);
   - in one process (no mpiexec): every rank is loaded here and run in lockstep, collectives are
     computed in process (same sums, same order), which is handy for tests and small models.
+In the `dp` layout (`graphs/sharding.py`) each attention group runs its own batch: under mpiexec `step(batch)`
+is this rank's group's step and `step(None)` an idle one (the group joins the MoE all-to-alls with zero tokens
+and computes what the others send its experts); in one process `step_groups` takes one batch (or None) per group.
 State lives in pools owned by the runner and is updated in place at O(tokens) per step:
   - recurrent state (KDA state fp32, conv windows): `num_slots` slots, a sequence occupies one; the
     graph returns the new state of the step's slots only, written back at `slot_ids`;
@@ -33,6 +36,7 @@ from moe_export.export.errors import InputError
 from moe_export.export.mpi import mpi_world
 from moe_export.export.planner import GIB, engine_pool_sizes
 from moe_export.graphs.config import ModelConfig
+from moe_export.plugins.collectives import all_to_all
 from moe_export.plugins.paged_cache_write.cpu import cache_rows, paged_cache_write_
 
 STATE_PREFIXES = ("kda_state.", "conv_state.", "mla_cache.", "index_cache.")
@@ -149,14 +153,19 @@ class StepBatch:
 
 
 class MPICommunicator:
-    """Collectives over MPI sub-communicators of the tp and ep groups (groups of consecutive ranks)."""
+    """Collectives over MPI sub-communicators of the tp and ep groups (groups of consecutive ranks). In the dp
+    layout `broadcast` reaches this rank's attention group (its tp group, from the group's first rank), and
+    `leaders` joins the groups' first ranks (world rank 0 first; None on the other ranks)."""
 
-    def __init__(self, tp: int, ep: int):
+    def __init__(self, tp: int, ep: int, dp_layout: bool = False):
         from mpi4py import MPI
 
         self.world = MPI.COMM_WORLD
         rank = self.world.Get_rank()
         self.groups = {"tp": self.world.Split(rank // tp, rank), "ep": self.world.Split(rank // ep, rank)}
+        self.dp_layout = dp_layout
+        leaders = self.world.Split(0 if dp_layout and rank % tp == 0 else MPI.UNDEFINED, rank)
+        self.leaders = None if leaders == MPI.COMM_NULL else leaders
 
     def all_reduce(self, x: np.ndarray, group: str) -> np.ndarray:
         from mpi4py import MPI
@@ -170,7 +179,7 @@ class MPICommunicator:
         return np.concatenate(parts, axis=axis)
 
     def broadcast(self, obj):
-        return self.world.bcast(obj, root=0)
+        return (self.groups["tp"] if self.dp_layout else self.world).bcast(obj, root=0)
 
 
 @dataclass
@@ -183,6 +192,15 @@ class RankRunner:
     sessions: dict[str, object]
     pools: dict[str, np.ndarray] = field(default_factory=dict)
     pool_feeds: dict[str, object] = field(default_factory=dict)  # what ORT is fed: the array, or a bf16 view of it
+    traffic: all_to_all.Traffic = field(default_factory=all_to_all.Traffic)
+
+    def __post_init__(self) -> None:
+        # segments fed by a MoEDispatch only (the expert op on the received rows; idle ranks run them too) ->
+        # the dispatch's received rows value
+        self.expert_segments: dict[str, str] = {}
+        for prev, step in zip(self.steps, self.steps[1:]):
+            if prev.get("collective") == "MoEDispatch" and "segment" in step and set(step["inputs"]) <= set(prev["outputs"]):
+                self.expert_segments[step["segment"]] = prev["outputs"][0]
 
     @classmethod
     def load(cls, rank_dir: Path, num_slots: int, num_blocks: int, block_size: int, threads: int) -> RankRunner:
@@ -248,6 +266,14 @@ class RankRunner:
             else:
                 paged_cache_write_(torch_view(pool), torch.from_numpy(new), feeds["cu"], feeds["tables"], feeds["positions"])
 
+    def run_experts(self, step: dict, env: dict[str, np.ndarray]) -> None:
+        """An expert segment; with no rows received its outputs are empty [0, D] (nothing to run)."""
+        recv_x = env[self.expert_segments[step["segment"]]]
+        if recv_x.shape[0]:
+            self.run_segment(step, env)
+        else:
+            env.update({o: np.zeros((0, recv_x.shape[1]), dtype=recv_x.dtype) for o in step["outputs"]})
+
     def run_segment(self, step: dict, env: dict[str, np.ndarray]) -> None:
         sess = self.sessions[step["segment"]]
         outs = sess.run(step["outputs"], {name: env[name] for name in step["inputs"]})
@@ -300,12 +326,38 @@ class Engine:
                 raise InputError(f"{rank_dirs[r]}: its graph holds the mapping of rank {runner.rank}, not rank {r}")
         m = self.ranks[0].mapping
         self.tp, self.ep = int(m["tp_size"]), int(m["ep_size"])
-        self.comm = MPICommunicator(self.tp, self.ep) if len(local) == 1 and self.world_size > 1 else None
+        self.dp_layout = m.get("attention") == "dp"
+        self.dp = int(m.get("dp_size", 1))  # attention groups with their own batches (dp layout)
+        self.comm = MPICommunicator(self.tp, self.ep, self.dp_layout) if len(local) == 1 and self.world_size > 1 else None
         self.model_config: dict = self.config.get("pretrained_config", {})
+        cfg = ModelConfig.from_hf_dict(self.model_config, source="engine config.json")
+        self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_token
+        self.moe_dim = cfg.routed_expert_hidden_size or cfg.hidden_size  # rows the MoE collectives carry
+        dispatches = [s["outputs"][0] for s in self.ranks[0].steps if s.get("collective") == "MoEDispatch"]
+        self._moe_layer = {name: k for k, name in enumerate(dispatches)}
+        # tokens routed to each expert (rows of this process's ranks' dispatches), per MoE layer: the last step's
+        # and the running total (dp layout: the runtime sees the routing at the dispatch)
+        self.step_expert_tokens = np.zeros((len(dispatches), self.num_experts), dtype=np.int64)
+        self.expert_tokens = np.zeros_like(self.step_expert_tokens)
 
     @property
     def is_root(self) -> bool:
         return self.comm is None or self.comm.world.Get_rank() == 0
+
+    @property
+    def group(self) -> int:
+        """This process's attention group (dp layout under mpiexec; 0 otherwise)."""
+        return self.ranks[0].rank // self.tp if self.dp_layout and self.comm is not None else 0
+
+    @property
+    def traffic(self) -> all_to_all.Traffic:
+        """Bytes this process's ranks sent to other ranks, by collective, and the MoE tokens they routed."""
+        total = all_to_all.Traffic()
+        for r in self.ranks:
+            for kind, n in r.traffic.sent_bytes.items():
+                total.add(kind, n)
+            total.moe_tokens += r.traffic.moe_tokens
+        return total
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
@@ -353,11 +405,37 @@ class Engine:
             raise InputError("two tokens of the step would write the same cache row: block tables of the step's "
                              "sequences overlap where they write")
 
-    def _collective(self, step: dict, envs: dict[int, dict]) -> None:
+    @staticmethod
+    def _traffic_kind(step: dict) -> str:
+        """Traffic key of a collective step: the routed experts' exchange (`moe_*`) or the tp group's own."""
+        if step["collective"] in ("MoEDispatch", "MoECombine"):
+            return all_to_all.KIND
+        if step["group"] == "ep":
+            return "moe_all_reduce"
+        return "moe_all_gather" if step["output"].endswith(".token_all_gather") else f"tp_{step['collective']}"
+
+    def _count(self, rank: int, step: dict, x: np.ndarray, size: int) -> None:
+        kind, nbytes = self._traffic_kind(step), x.nbytes
+        runner = next(r for r in self.ranks if r.rank == rank)
+        if step["collective"] == "AllReduce":
+            runner.traffic.add(kind, all_to_all.all_reduce_ring_bytes(nbytes, size))
+            if kind == "moe_all_reduce":  # every rank of the group holds the same T tokens: a 1/size share each
+                runner.traffic.moe_tokens += x.shape[0] / size
+        else:
+            runner.traffic.add(kind, (size - 1) * nbytes)
+
+    def _collective(self, step: dict, envs: dict[int, dict], active: dict[int, bool]) -> None:
+        if step["collective"] in ("MoEDispatch", "MoECombine"):
+            self._all_to_all(step, envs, active)
+            return
         src, dst, group = step["input"], step["output"], step["group"]
         size = self.tp if group == "tp" else self.ep
         if self.comm is not None:
-            env = envs[self.ranks[0].rank]
+            rank = self.ranks[0].rank
+            if not active[rank]:  # dp layout: an idle group's tp collectives are skipped by all its ranks
+                return
+            env = envs[rank]
+            self._count(rank, step, env[src], size)
             if step["collective"] == "AllReduce":
                 env[dst] = self.comm.all_reduce(env[src], group)
             else:
@@ -365,6 +443,10 @@ class Engine:
             return
         for start in range(0, self.world_size, size):
             members = range(start, start + size)
+            if not active[members[0]]:
+                continue
+            for r in members:
+                self._count(r, step, envs[r][src], size)
             if step["collective"] == "AllReduce":
                 total = envs[members[0]][src].copy()
                 for r in members[1:]:
@@ -374,20 +456,91 @@ class Engine:
             for r in members:
                 envs[r][dst] = total
 
-    def step(self, batch: StepBatch) -> np.ndarray:
-        """Run one packed step; updates the state pools and returns logits [N, vocab] (fp32)."""
-        self.check_batch(batch)
-        feeds = batch.feeds()
-        envs = {r.rank: {**feeds, **r.pool_feeds} for r in self.ranks}
+    def _all_to_all(self, step: dict, envs: dict[int, dict], active: dict[int, bool]) -> None:
+        """MoEDispatch / MoECombine over the ep group (= the world in the dp layout); idle ranks send nothing."""
+        ins, outs = step["inputs"], step["outputs"]
+        if step["collective"] == "MoEDispatch":
+            def inputs(r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                if active[r]:
+                    return tuple(envs[r][name] for name in ins)
+                return (np.zeros((0, self.moe_dim), np.float32), np.zeros((0, self.top_k), np.int64),
+                        np.zeros((0, self.top_k), np.float32))
+
+            layer = self._moe_layer[outs[0]]
+            for r in envs:
+                self.step_expert_tokens[layer] += np.bincount(inputs(r)[1].ravel(), minlength=self.num_experts)
+            if self.comm is not None:
+                rank = self.ranks[0].rank
+                results = {rank: all_to_all.mpi_dispatch(self.comm.groups["ep"], *inputs(rank), self.num_experts,
+                                                         self.ranks[0].traffic)}
+            else:
+                order = sorted(envs)
+                done = all_to_all.reference_dispatch(*zip(*(inputs(r) for r in order)), self.num_experts,
+                                                     [r.traffic for r in self.ranks])
+                results = dict(zip(order, done))
+            for r, (recv_x, recv_ids, recv_w, lay) in results.items():
+                envs[r].update(zip(outs, (recv_x, recv_ids, recv_w, lay.send_rows, lay.send_counts, lay.recv_counts)))
+            return
+
+        def layout(r: int) -> all_to_all.DispatchLayout:
+            return all_to_all.DispatchLayout(*(envs[r][name] for name in ins[1:4]))
+
+        def num_tokens(r: int) -> int:
+            return envs[r][ins[4]].shape[0] if active[r] else 0
+
+        if self.comm is not None:
+            rank = self.ranks[0].rank
+            envs[rank][outs[0]] = all_to_all.mpi_combine(self.comm.groups["ep"], envs[rank][ins[0]], layout(rank),
+                                                         num_tokens(rank), self.ranks[0].traffic)
+            return
+        order = sorted(envs)
+        combined = all_to_all.reference_combine([envs[r][ins[0]] for r in order], [layout(r) for r in order],
+                                                [num_tokens(r) for r in order], [r.traffic for r in self.ranks])
+        for r, y in zip(order, combined):
+            envs[r][outs[0]] = y
+
+    def _run(self, batches: dict[int, StepBatch | None]) -> dict[int, dict]:
+        """One lockstep step of this process's ranks, each with its group's batch (None: idle); their envs."""
+        for b in {id(b): b for b in batches.values() if b is not None}.values():
+            self.check_batch(b)
+        active = {r: b is not None for r, b in batches.items()}
+        envs = {r.rank: {**batches[r.rank].feeds(), **r.pool_feeds} if active[r.rank] else {} for r in self.ranks}
+        self.step_expert_tokens[:] = 0
         for step in self.ranks[0].steps:
             if "segment" in step:
                 for r in self.ranks:
-                    r.run_segment(step, envs[r.rank])
+                    if step["segment"] in r.expert_segments:
+                        r.run_experts(step, envs[r.rank])
+                    elif active[r.rank]:
+                        r.run_segment(step, envs[r.rank])
             else:
-                self._collective(step, envs)
+                self._collective(step, envs, active)
+        self.expert_tokens += self.step_expert_tokens
         for r in self.ranks:
-            r.write_back(envs[r.rank], batch)
-        return envs[self.ranks[0].rank]["logits"]
+            if active[r.rank]:
+                r.write_back(envs[r.rank], batches[r.rank])
+        return envs
+
+    def step(self, batch: StepBatch | None) -> np.ndarray | None:
+        """Run one packed step; updates the state pools and returns logits [N, vocab] (fp32). dp layout: `batch`
+        is this process's group's step (group 0 in one process, the others idle); None: an idle step, -> None."""
+        if batch is None and not self.dp_layout:
+            raise InputError("an idle step (no batch) exists only in the dp layout, where groups join the MoE "
+                             "all-to-alls without tokens")
+        if self.comm is None and self.dp_layout:
+            return self.step_groups([batch] + [None] * (self.dp - 1))[0]
+        envs = self._run({r.rank: batch for r in self.ranks})
+        return None if batch is None else envs[self.ranks[0].rank]["logits"]
+
+    def step_groups(self, batches: list[StepBatch | None]) -> list[np.ndarray | None]:
+        """dp layout in one process: one step of every attention group at once (None: that group idles);
+        each group's logits [N_g, vocab] (None for an idle group)."""
+        if self.comm is not None or not self.dp_layout:
+            raise InputError("step_groups runs every attention group of a dp-layout engine in one process")
+        if len(batches) != self.dp:
+            raise InputError(f"the engine has {self.dp} attention groups, got {len(batches)} batches")
+        envs = self._run({r.rank: batches[r.rank // self.tp] for r in self.ranks})
+        return [None if b is None else envs[g * self.tp]["logits"] for g, b in enumerate(batches)]
 
 
 def open_engine(engine_dir: str | Path, **kwargs):

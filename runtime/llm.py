@@ -4,7 +4,8 @@ asyncio-facing streams), over a built engine directory.
 Both render chats with the engine's tokenizer family, apply the thinking budget of the request's effort
 (`ReasoningBudget`: forced close markers, `reasoning_tokens` in usage), parse the output into reasoning,
 content and tool calls, and keep finished turns' state for reuse by the next turn (exact token prefix).
-Under mpiexec, rank 0 holds the API and other ranks call `run_follower()`.
+Under mpiexec, rank 0 holds the API and other ranks call `run_follower()`; with a dp-layout engine rank 0 spreads
+the requests over the attention groups (`runtime.wide_ep`) and returns the outputs in prompt order as usual.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from moe_export.runtime.chat import (
 )
 from moe_export.runtime.generate import engine_eos_ids
 from moe_export.runtime.sampling import LogitsProcessor, SamplingParams
-from moe_export.runtime.scheduler import Request, Scheduler, SequenceUpdate, follow
+from moe_export.runtime.scheduler import Request, SequenceUpdate
 from moe_export.runtime.sessions import TurnMemory
 from moe_export.runtime.tokenizer import load_tokenizer
+from moe_export.runtime.wide_ep import open_scheduler, run_rank
 
 
 @dataclass
@@ -178,8 +180,7 @@ class _Core:
 
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
-        self.sched = Scheduler(llm.engine, eos_token_ids=llm.eos_token_ids, text_decoder=llm.tokenizer.incremental_decoder,
-                               keep_sessions=llm.reuse_sessions, sample_vocab=llm.tokenizer.vocab_size)
+        self.sched = open_scheduler(llm.engine, **llm.scheduler_kwargs())
         self.tracked: dict[str, _Tracked] = {}
 
     def submit(self, tracked: _Tracked, processors: list[LogitsProcessor] | None) -> None:
@@ -371,11 +372,21 @@ class LLM:
     def stats(self) -> dict:
         return self._root().sched.stats()
 
+    def scheduler_kwargs(self) -> dict:
+        """How this LLM's schedulers are set up (rank 0's, and in the dp layout every group leader's)."""
+        return {"eos_token_ids": self.eos_token_ids, "text_decoder": self.tokenizer.incremental_decoder,
+                "keep_sessions": self.reuse_sessions, "sample_vocab": self.tokenizer.vocab_size}
+
+    def _budget(self, spec: tuple) -> ReasoningBudget:
+        family, cap, starts = spec
+        return ReasoningBudget(self.tokenizer, family, cap, starts_in_reasoning=starts)
+
     def run_follower(self) -> None:
-        """Non-root ranks under mpiexec: execute rank 0's steps until it shuts down."""
+        """Non-root ranks under mpiexec: execute rank 0's steps until it shuts down (dp layout: a group's first
+        rank schedules the requests rank 0 sends its group, the others follow it; `runtime.wide_ep`)."""
         if self.engine.is_root:
             raise InputError("run_follower() is for non-root ranks; rank 0 serves requests")
-        follow(self.engine)
+        run_rank(self.engine, budget_factory=self._budget, **self.scheduler_kwargs())
 
     def shutdown(self) -> None:
         """Rank 0: release the follower ranks (multi-rank); the LLM takes no requests afterwards."""

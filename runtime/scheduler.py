@@ -106,6 +106,11 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """Queue a request; InputError if it can never run (empty or too long prompt, unknown ids, duplicate id)."""
+        self.waiting.append(self.check(request))
+        self._ids.add(request.request_id)
+
+    def check(self, request: Request) -> Sequence:
+        """The sequence of a request this scheduler could run (not queued); InputError if it can never run."""
         n = len(request.prompt_ids)
         if n == 0:
             raise InputError(f"request {request.request_id}: the prompt must contain at least one token")
@@ -130,8 +135,7 @@ class Scheduler:
         if self._blocks_for(seq) > self.allocator.num_blocks:
             raise InputError(f"request {request.request_id}: prompt + max_tokens needs {self._blocks_for(seq)} cache blocks; "
                              f"the engine has {self.allocator.num_blocks}")
-        self._ids.add(request.request_id)
-        self.waiting.append(seq)
+        return seq
 
     @property
     def vocab_size(self) -> int | None:
@@ -336,12 +340,13 @@ class Scheduler:
             self.engine.comm.broadcast(None)
 
 
-def run_plan(engine, plan: dict) -> np.ndarray:
-    """Apply a step plan on this rank: reset new sequences' slots, then one engine step."""
+def run_plan(engine, plan: dict) -> np.ndarray | None:
+    """Apply a step plan on this rank: reset new sequences' slots, then one engine step (a plan without chunks:
+    an idle step of a dp-layout group, see `runtime.wide_ep`)."""
     for slot in plan["resets"]:
         engine.reset_slot(slot)
     chunks = [SequenceChunk(slot, start, list(tokens), list(table)) for slot, start, tokens, table in plan["chunks"]]
-    return engine.step(StepBatch.from_sequences(chunks))
+    return engine.step(StepBatch.from_sequences(chunks) if chunks else None)
 
 
 def follow(engine) -> int:

@@ -26,6 +26,7 @@ from pathlib import Path
 from moe_export.export.atomic import atomic_write_bytes, atomic_write_json
 from moe_export.export.errors import InputError
 from moe_export.graphs.config import read_json_object
+from moe_export.runtime.formats.markers import END_OF_MESSAGE, FAMILY_MARKERS, FAMILY_SPECIAL_NAMES
 
 TIKTOKEN_FILE = "tiktoken.model"
 TOKENIZER_JSON = "tokenizer.json"
@@ -49,22 +50,6 @@ NUM_RESERVED_SPECIAL = 256
 MAX_ENCODE_CHARS = 400_000
 MAX_RUN_CHARS = 25_000
 
-# Special-token names by offset from the first special id (K2: 163584). K3 reuses the range with new names
-# for the structural tokens; only names known from public sources are listed.
-K2_SPECIAL_NAMES = {
-    0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>", 9: "[EOT]",
-    10: "<|im_system|>", 11: "<|tool_calls_section_begin|>", 12: "<|tool_calls_section_end|>",
-    13: "<|tool_call_begin|>", 14: "<|tool_call_argument_begin|>", 15: "<|tool_call_end|>",
-    17: "<|im_middle|>", 22: "<think>", 23: "</think>", 254: "[UNK]", 255: "[PAD]",
-}
-K3_SPECIAL_NAMES = {
-    0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>", 9: "[EOT]",
-    18: "<|kimi_image_placeholder|>", 254: "[UNK]", 255: "[PAD]",
-}
-FAMILY_SPECIAL_NAMES = {"k2": K2_SPECIAL_NAMES, "k3": K3_SPECIAL_NAMES}
-# The token that ends a chat message: the generation stop token of each family.
-END_OF_MESSAGE = {"k2": "<|im_end|>", "k3": "<|end_of_msg|>"}
-FAMILY_MARKERS = {"k3": ("<|open|>", "<|close|>", "<|sep|>"), "k2": ("<|im_user|>", "<|im_assistant|>", "<|im_middle|>")}
 # BPE merges of the synthetic tokenizer (ranks 256.. in this order; each is two earlier tokens).
 SYNTHETIC_MERGES = (
     b"th", b"in", b"ink", b"think", b"er", b"an", b"on", b"re", b"es", b" t", b"ag", b"ss", b"me",

@@ -29,7 +29,7 @@ def build_serve_engine(root: Path, preset: str = "tiny-k3", tp: int = 1, ep: int
     data["model"] = {"source": f"synthetic:{preset}"}
     data["target"]["gpus_per_node"] = world
     data["parallel"] = {"tp": tp, "ep": ep}
-    data["limits"] = dict(SERVE_LIMITS)
+    data["limits"] = {**data["limits"], **SERVE_LIMITS}  # keeps tiny-cpu's other limits (image patches)
     data["thinking"] = dict(SERVE_THINKING)
     path = root / f"{data['name']}.yaml"
     path.write_text(yaml.safe_dump(data))

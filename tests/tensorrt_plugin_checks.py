@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import tensorrt_standin as standin  # noqa: E402
 
 VERSION = os.environ.get("MOE_EXPORT_TRT_VERSION", "")
-GRAPHS = [Path(p) for p in os.environ.get("MOE_EXPORT_TRT_GRAPHS", "").split(os.pathsep) if p]
+# the graphs TensorRT parses: those exported for backend tensorrt (folder `<preset>-tensorrt<n>`)
+GRAPHS = [Path(p) for p in os.environ.get("MOE_EXPORT_TRT_GRAPHS", "").split(os.pathsep) if "-tensorrt" in p]
 ENV = {"T": 5, "N": 2, "N_plus_1": 3, "S": 3, "NB": 7, "BS": 4, "B": 3}
 EXPECTED = {  # op type -> (has JIT impl, has AOT impl, aliased input of each output)
     "GatedDeltaScan": (True, True, [-1, 5]),
@@ -50,13 +51,15 @@ QDP = sys.modules["tensorrt.plugin._lib"].QDP_REGISTRY
 
 
 def plugin_nodes() -> list[tuple[str, onnx.NodeProto, dict]]:
-    """(graph label, node, value types) of every plugin node TensorRT sees (collectives are cut out)."""
+    """(graph label, node, value types) of every plugin node TensorRT sees; value types include the
+    initializers (weights feed plugins too: MoE experts, conv taps), listed under "__initializers__"."""
     out = []
     for path in GRAPHS:
         model = onnx.load(str(path), load_external_data=False)
         types = _value_types(model)
-        for init in model.graph.initializer:  # weights feed plugins too (MoE experts, conv taps)
+        for init in model.graph.initializer:
             types[init.name] = onnx.helper.make_tensor_type_proto(init.data_type, list(init.dims))
+        types["__initializers__"] = {init.name for init in model.graph.initializer}
         for node in model.graph.node:
             if node.domain == DOMAIN and node.op_type in EXPECTED:
                 out.append((path.parent.name, node, types))
@@ -85,7 +88,7 @@ def io_of(node, types):
         return [d.dim_value if d.HasField("dim_value") else (d.dim_param if d.dim_param in ENV else unnamed)
                 for d in shape]  # fmt: skip
 
-    in_types = [standin.ONNX_TO_TRT[types[i].tensor_type.elem_type] for i in node.input]
+    in_types = standin.parsed_input_types(node, types, types["__initializers__"])
     in_dims = [dims(i) for i in node.input]
     out_types = [standin.ONNX_TO_TRT[types[o].tensor_type.elem_type] for o in node.output]
     out_shapes = [[standin.symbolic(d).evaluate(ENV) for d in dims(o)] for o in node.output]
@@ -149,7 +152,7 @@ def test_creation_types_shapes_formats_aliasing(node, types):
     built = standin.build_phase(plugin, in_types, in_dims, ENV)
     assert built["output_types"] == out_types
     assert built["output_shapes"] == out_shapes  # the QDP shape function agrees with our ONNX schema
-    assert tuple(in_types + out_types) in built["combinations"]
+    standin.require_supported(node, in_types, out_types, built)  # after the parser's weight conversion
     assert built["aliases"] == aliases
     # engine (de)serialization: the fields the JIT plugin stores recreate the same attributes at run time
     stored = plugin.get_fields_to_serialize()
@@ -207,6 +210,25 @@ def test_aot_launch_parameters_and_extra_args(node, types, monkeypatch):
         assert launch["grid"] == [T, -(-H // 16), 1]
     assert launch["block"][0] % 32 == 0 and launch["block"][1:] == [1, 1]
     assert launch["shared"] >= 0
+
+
+def test_parser_refuses_a_uint8_weight_feeding_a_plugin():
+    """Issue 18, defect 1: MXFP4 experts as uint8 initializers would be widened to INT32 by the ONNX parser
+    (contract PARSER_UINT8_WEIGHTS_BECOME_INT32) and match no combination; our TensorRT graphs pass int8 views."""
+    label, node, types = next((x for x in NODES if x[1].op_type == "MoEMXFP4"), (None, None, None))
+    parsed = standin.parsed_input_types(node, types, types["__initializers__"])
+    weights = [t for name, t in zip(node.input, parsed) if name in types["__initializers__"]]
+    assert weights and all(t in (trt.int8, trt.uint8) for t in weights)  # uint8 would have become INT32
+    as_uint8 = dict(types)
+    for name in node.input[3:]:
+        as_uint8[name] = onnx.helper.make_tensor_type_proto(onnx.TensorProto.UINT8, [1])
+    widened = standin.parsed_input_types(node, as_uint8, types["__initializers__"])
+    assert widened[3:] == [trt.int32] * 4
+    _, plugin = create(node)
+    in_types, in_dims, out_types, _ = io_of(node, types)
+    built = standin.build_phase(plugin, in_types, in_dims, ENV)
+    with pytest.raises(standin.ParserRefusal, match="PARSER_UINT8_WEIGHTS_BECOME_INT32"):
+        standin.require_supported(node, widened, out_types, built)
 
 
 # ----------------------------------------------------------------------- buffers handed to impl

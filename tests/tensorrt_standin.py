@@ -387,6 +387,35 @@ ONNX_TO_TRT = {1: DataType.FLOAT, 10: DataType.HALF, 16: DataType.BF16, 7: DataT
                2: DataType.UINT8, 3: DataType.INT8, 9: DataType.BOOL}  # fmt: skip
 
 
+class ParserRefusal(ValueError):
+    """What TensorRT's ONNX parser / builder would refuse (the message names the contract)."""
+
+
+def parsed_input_types(node, value_types: dict, initializers: set[str]) -> list[DataType]:
+    """The TensorRT types of `node`'s inputs as the ONNX parser makes them: network values keep their ONNX type,
+    initializers go through the parser's weight conversion (contract PARSER_UINT8_WEIGHTS_BECOME_INT32: a uint8
+    initializer becomes INT32, one word per byte)."""
+    from moe_export.export.tensorrt_contracts import parser_weight_type
+
+    out = []
+    for name in node.input:
+        elem = value_types[name].tensor_type.elem_type
+        out.append(ONNX_TO_TRT[parser_weight_type(elem) if name in initializers else elem])
+    return out
+
+
+def require_supported(node, in_types: list[DataType], out_types: list[DataType], built: dict) -> None:
+    """The builder's format negotiation: the node's parsed types must be one of the plugin's combinations, else
+    no engine (a uint8 initializer, widened to INT32 by the parser, matches nothing a plugin declares)."""
+    combo = tuple(in_types + out_types)
+    if combo not in built["combinations"]:
+        widened = [node.input[i] for i, t in enumerate(in_types) if t == DataType.INT32]
+        why = (f"; initializers widened to INT32 by the parser (PARSER_UINT8_WEIGHTS_BECOME_INT32): {widened}"
+               if widened else "")
+        raise ParserRefusal(f"{node.name}: no format combination of {node.op_type} accepts "
+                            f"{[t.value for t in combo]}{why}")
+
+
 def parser_fields(creator, node) -> tuple[PluginFieldCollection, list[str]]:
     """The fields TensorRT's ONNX parser builds for `node` from the creator's declared field names: each
     declared name present as a node attribute, typed by the ONNX attribute type (onnx-tensorrt `loadFields`):

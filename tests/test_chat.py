@@ -10,7 +10,6 @@ import pytest
 
 from moe_export.export.errors import InputError
 from moe_export.runtime.chat import (
-    CLOSE,
     OutputParser,
     generation_prompt_ids,
     parse_output,
@@ -18,6 +17,7 @@ from moe_export.runtime.chat import (
     render,
     render_ids,
 )
+from moe_export.runtime.formats.markers import CLOSE
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Météo", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 

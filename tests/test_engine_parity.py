@@ -111,9 +111,10 @@ def test_tp2_ep2_engine_matches_reference(engines, preset):
     compare_with_reference(engines(preset, 2, 2, 4))
 
 
-@pytest.mark.parametrize("tp, ep, world, attention", [(1, 1, 1, "tp"), (1, 4, 4, "tp"), (2, 2, 4, "dp")])
+@pytest.mark.parametrize("tp, ep, world, attention", [(1, 1, 1, "tp"), (1, 4, 4, "tp"), (2, 4, 4, "dp"), (1, 4, 4, "dp")])
 def test_other_layouts_match_reference(engines, tp, ep, world, attention):
-    """World 1, experts over 4 ranks, and data-parallel (replicated) attention with tp=2 FFNs."""
+    """World 1, experts over 4 ranks, and the dp layout (tp 2 x dp 2 and tp 1 x dp 4, all-to-all experts over 4
+    ranks; the sequence runs in group 0, the other groups idle through every step)."""
     compare_with_reference(engines("tiny-k3", tp, ep, world, attention))
 
 

@@ -1,9 +1,9 @@
 """TensorRT plugin modules under TensorRT's real `tensorrt.plugin` code, for each pinned TensorRT version.
 
-Builds three tiny rank graphs the way `moe-export build` does (tiny-k3: dense MLA; tiny-k3-dsa: DSA indexer +
-sparse MLA; both with KDA and MXFP4 experts and bf16 cache pools, as the CPU backend exports them; and
-tiny-k3-dsa as a TensorRT build exports it, computing in bf16, with fp8 (uint8) cache pools), then runs `tensorrt_plugin_checks.py` in a fresh process per
-version (the QDP registry is process-global) over TensorRT 10.9's and 11.4's pure-Python plugin package,
+Builds four tiny rank graphs the way `moe-export build` does (tiny-k3: dense MLA; tiny-k3-dsa: DSA indexer +
+sparse MLA; both with KDA and MXFP4 experts, as the CPU backend exports them with bf16 cache pools and as a
+TensorRT build exports them, computing in bf16, with fp8 (uint8) cache pools), then runs
+`tensorrt_plugin_checks.py` over the TensorRT graphs in a fresh process per version (the QDP registry is process-global) over TensorRT 10.9's and 11.4's pure-Python plugin package,
 extracted from the bindings wheels the README's test command downloads into `.whl/`. A missing wheel fails
 here (never a skip). What is real and what is a stand-in: `tensorrt_standin.py`.
 """
@@ -36,7 +36,7 @@ def tiny_graphs(tmp_path_factory) -> list[Path]:
     gpu = cpu.model_copy(update={"backend": "tensorrt", "quantization": fp8_cache})
     mapping = Mapping(4, 1, 2, 2)
     paths = []
-    for preset, recipe in (("tiny-k3", cpu), ("tiny-k3-dsa", cpu), ("tiny-k3-dsa", gpu)):
+    for preset, recipe in (("tiny-k3", cpu), ("tiny-k3-dsa", cpu), ("tiny-k3-dsa", gpu), ("tiny-k3", gpu)):
         root = tmp_path_factory.mktemp(f"{preset}-{recipe.backend}")
         reader = open_checkpoint(write_synthetic_checkpoint(preset, root / "ckpt", 0))
         convert_rank(reader, reader.config, recipe, mapping, root / "weights.safetensors")

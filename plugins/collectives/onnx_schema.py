@@ -5,6 +5,16 @@
     y = AllGather(x)   attributes: group ("tp" | "ep"), axis (int), plugin_version
         y = concat over the group's ranks (in rank order) along `axis`; that dim becomes unknown here
         (the group size is a property of the mapping, not of the graph).
+    recv_x, recv_ids, recv_w, send_rows, send_counts, recv_counts = MoEDispatch(x, expert_ids, expert_weights)
+        attributes: group ("ep"), num_experts (int, global), plugin_version. The `dp` layout's all-to-all
+        dispatch (`all_to_all.py`): x [T, D] T, expert_ids [T, K] int64 (global), expert_weights [T, K] fp32 ->
+        recv_x [R, D] T, recv_ids [R, K] int64, recv_w [R, K] fp32 (rows from each source rank, in rank order),
+        send_rows [S] int64 (token index of each row sent, by destination rank), send_counts / recv_counts [ep]
+        int64 (rows sent to / received from each rank). R and S are data-dependent.
+    y = MoECombine(partial, send_rows, send_counts, recv_counts, x)
+        attributes: group ("ep"), plugin_version. partial [R, D] T (the experts' weighted sums of the received
+        rows) goes back to the rows' sources and is summed per token: y [T, D] T, T = x's rows (x: the
+        dispatched tokens, only its shape is read).
 
 Both backends split graphs at these nodes (`export/backends.py`, `export/tensorrt_build.py`): the runtime
 performs the collective between segments (MPI or in process on CPU, NCCL between TensorRT engines).
@@ -16,7 +26,7 @@ from onnx import defs, helper
 from .. import DOMAIN, OPSET_VERSION
 from ..sparse_mla_attention.onnx_schema import plugin_lookup_attributes, register_once
 
-COLLECTIVE_OPS = ("AllReduce", "AllGather")
+COLLECTIVE_OPS = ("AllReduce", "AllGather", "MoEDispatch", "MoECombine")
 _FLOATS = ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "fp32 on CPU, bf16 in GPU builds")
 
 
@@ -32,6 +42,28 @@ def _gather_type(ctx) -> None:
     dims = out.tensor_type.shape.dim
     if len(dims):
         dims[axis % len(dims)].Clear()
+    ctx.set_output_type(0, out)
+
+
+def _dispatch_types(ctx) -> None:
+    x = ctx.get_input_type(0)
+    for index, (elem, rank) in enumerate([(None, 2), (onnx.TensorProto.INT64, 2), (onnx.TensorProto.FLOAT, 2),
+                                          (onnx.TensorProto.INT64, 1), (onnx.TensorProto.INT64, 1),
+                                          (onnx.TensorProto.INT64, 1)]):
+        out = onnx.TypeProto()
+        out.tensor_type.elem_type = x.tensor_type.elem_type if elem is None else elem
+        for _ in range(rank):
+            out.tensor_type.shape.dim.add()
+        ctx.set_output_type(index, out)
+
+
+def _combine_type(ctx) -> None:
+    out = onnx.TypeProto()
+    out.CopyFrom(ctx.get_input_type(0))
+    rows = ctx.get_input_type(4).tensor_type.shape.dim
+    dims = out.tensor_type.shape.dim
+    if len(dims) == 2 and len(rows):
+        dims[0].CopyFrom(rows[0])
     ctx.set_output_type(0, out)
 
 
@@ -52,10 +84,31 @@ def schemas() -> list[defs.OpSchema]:
         attributes=[group, attr("axis", defs.OpSchema.AttrType.INT, "concat axis"), *plugin_lookup_attributes()],
     )
     gather.set_type_and_shape_inference_function(_gather_type)
-    return [reduce, gather]
+    i64 = ("I", ["tensor(int64)"], "int64 ids, rows and counts")
+    f32 = ("W", ["tensor(float)"], "fp32 routing weights")
+    dispatch = defs.OpSchema(
+        "MoEDispatch", DOMAIN, OPSET_VERSION, "All-to-all: each token to the ranks of its top-k experts.",
+        inputs=[p("x", "T", "[T, D] tokens"), p("expert_ids", "I", "[T, K] global ids"),
+                p("expert_weights", "W", "[T, K] routing weights")],
+        outputs=[p("recv_x", "T", "[R, D]"), p("recv_ids", "I", "[R, K]"), p("recv_w", "W", "[R, K]"),
+                 p("send_rows", "I", "[S]"), p("send_counts", "I", "[ep]"), p("recv_counts", "I", "[ep]")],
+        type_constraints=[_FLOATS, i64, f32],
+        attributes=[group, attr("num_experts", defs.OpSchema.AttrType.INT, "global routed experts"),
+                    *plugin_lookup_attributes()],
+    )
+    dispatch.set_type_and_shape_inference_function(_dispatch_types)
+    combine = defs.OpSchema(
+        "MoECombine", DOMAIN, OPSET_VERSION, "All-to-all back: partial sums to their tokens, summed per token.",
+        inputs=[p("partial", "T", "[R, D]"), p("send_rows", "I", "[S]"), p("send_counts", "I", "[ep]"),
+                p("recv_counts", "I", "[ep]"), p("x", "T", "[T, D] the dispatched tokens (shape only)")],
+        outputs=[p("y", "T", "[T, D]")], type_constraints=[_FLOATS, i64],
+        attributes=[group, *plugin_lookup_attributes()],
+    )
+    combine.set_type_and_shape_inference_function(_combine_type)
+    return [reduce, gather, dispatch, combine]
 
 
 def register() -> None:
-    """Register both schemas (idempotent)."""
+    """Register the collectives' schemas (idempotent)."""
     for s in schemas():
         register_once(s)

@@ -6,10 +6,12 @@ Node contract (semantics in `reference.py`):
     inputs   x               [T, D]            float   expert input (K3: the latent, D = 3584)
              expert_ids      [T, k]            int64   global expert ids chosen per token
              expert_weights  [T, k]            float   routing weights
-             w13_packed      [E, 2I, D/2]      uint8   MXFP4 gate rows (0..I-1) then up rows (I..2I-1)
-             w13_scale       [E, 2I, D/32]     uint8   E8M0 scales
-             w2_packed       [E, D, I/2]       uint8   MXFP4 down projection
-             w2_scale        [E, D, I/32]      uint8   E8M0 scales
+             w13_packed      [E, 2I, D/2]      bytes   MXFP4 gate rows (0..I-1) then up rows (I..2I-1)
+             w13_scale       [E, 2I, D/32]     bytes   E8M0 scales
+             w2_packed       [E, D, I/2]       bytes   MXFP4 down projection
+             w2_scale        [E, D, I/32]      bytes   E8M0 scales
+    bytes: uint8, or int8 over the same bytes (TensorRT graphs: its ONNX parser widens uint8 initializers to
+    int32, see export/tensorrt_contracts.py); all four share one type.
     output   y               [T, D]            float   weighted sum over the choices held by this rank
     attributes  expert_offset (int, required): global id of local expert 0 (this rank holds E experts)
                 activation (string, required): "situ" or "silu"
@@ -49,12 +51,13 @@ def schema() -> defs.OpSchema:
             p("x", "tensor(float)", "[T, D]"),
             p("expert_ids", "tensor(int64)", "[T, k] global expert ids"),
             p("expert_weights", "tensor(float)", "[T, k]"),
-            p("w13_packed", "tensor(uint8)", "[E, 2I, D/2]"),
-            p("w13_scale", "tensor(uint8)", "[E, 2I, D/32]"),
-            p("w2_packed", "tensor(uint8)", "[E, D, I/2]"),
-            p("w2_scale", "tensor(uint8)", "[E, D, I/32]"),
+            p("w13_packed", "B", "[E, 2I, D/2]"),
+            p("w13_scale", "B", "[E, 2I, D/32]"),
+            p("w2_packed", "B", "[E, D, I/2]"),
+            p("w2_scale", "B", "[E, D, I/32]"),
         ],
         outputs=[p("y", "tensor(float)", "[T, D]")],
+        type_constraints=[("B", ["tensor(uint8)", "tensor(int8)"], "MXFP4 bytes: uint8, or int8 views (TensorRT)")],
         attributes=[
             attr("expert_offset", kind.INT, "global id of local expert 0"),
             attr("activation", kind.STRING, '"situ" or "silu"'),

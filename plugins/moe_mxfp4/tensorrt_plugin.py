@@ -12,16 +12,20 @@ Importing this module registers `moe_export::MoEMXFP4` (name = op type, namespac
 Python at runtime. Expert ids outside this rank's range are ignored by design, so the garbage inputs of
 TensorRT's tactic runs stay in bounds.
 
+MXFP4 bytes arrive as INT8: TensorRT graphs declare the experts' uint8 bytes as int8 views of the same bytes,
+because the ONNX parser widens uint8 initializers to int32 (`export/tensorrt_contracts.py`:
+PARSER_UINT8_WEIGHTS_BECOME_INT32, ADD_CONSTANT_NO_UINT8); the impl views them back as uint8 (no copy). The
+engine holds them at 4.25 bits per weight, as the planner counts.
+
+No host synchronization in `impl` (the pair layout is sized from shapes, `triton_kernel.padded_expert_blocks`)
+and bounded scratch (tokens in chunks, `triton_kernel.scratch_bytes`), so the launches can be captured in a
+CUDA graph. The result is written straight into TensorRT's output buffer.
+
 Why there is no `aot_impl`: a QDP AOT implementation is one kernel launch whose only tensors are the plugin's
-inputs and outputs, but `triton_kernel.moe_mxfp4_triton` is host-side torch work plus two launches:
-`padded_expert_blocks` sorts the (token, choice) pairs routed to this rank by local expert and pads each
-expert's run to a multiple of BLOCK_M (argsort, unique_consecutive, and a data-dependent number of M-blocks read
-back to size the grid); the up kernel writes an intermediate activation buffer [P_pad, I]; the down kernel
-writes a [T*k, D] buffer that torch zero-fills beforehand and sums over the k choices afterwards. An AOT
-version needs a fused single-launch MoE kernel: expert grouping done in the kernel (each program finds the
-pairs of its expert from `expert_ids`, e.g. by a per-expert scan or a persistent grid over experts, so the grid
-depends only on shapes), the up-projection activation kept on chip between the two GEMMs, and the k routed
-contributions of a token reduced without a host-side buffer and sum (deterministically, not by float atomics).
+inputs and outputs, but `triton_kernel.moe_mxfp4_triton` is host-side torch work (sorting the pairs by expert on
+the device) plus two launches with intermediate buffers. An AOT version needs a fused single-launch MoE kernel
+(expert grouping in the kernel, the up-projection activation kept on chip, the k routed contributions reduced
+in the kernel, deterministically).
 """
 
 import tensorrt as trt
@@ -68,8 +72,9 @@ def _formats(
     w2_scale: trtp.TensorDesc,
     outputs: tuple[trtp.TensorDesc],
 ) -> list[trtp.AutoTuneCombination]:
-    """fp32 activations, int64 ids, fp32 routing weights, uint8 MXFP4 bytes, fp32 output; linear layout."""
-    return [trtp.AutoTuneCombination("FP32, INT64, FP32, UINT8, UINT8, UINT8, UINT8, FP32")]
+    """fp32 activations, int64 ids, fp32 routing weights, MXFP4 bytes as INT8 (views of the uint8 bytes), fp32
+    output; linear layout."""
+    return [trtp.AutoTuneCombination("FP32, INT64, FP32, INT8, INT8, INT8, INT8, FP32")]
 
 
 @trtp.impl(PLUGIN_ID)
@@ -88,15 +93,15 @@ def _run(
     outputs: tuple[trtp.Tensor],
     stream: int,
 ) -> None:
-    """Run the Triton kernels on TensorRT's stream and copy into the output buffer."""
-    args = [as_torch(t) for t in (x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packed, w2_scale)]
-    out = as_torch(outputs[0])
+    """Run the Triton kernels on TensorRT's stream, writing into the output buffer (no host synchronization)."""
+    x_t, ids, w = (as_torch(t) for t in (x, expert_ids, expert_weights))
+    weights = [as_torch(t).view(torch.uint8) for t in (w13_packed, w13_scale, w2_packed, w2_scale)]
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-        y = moe_mxfp4_triton(
-            *args,
+        moe_mxfp4_triton(
+            x_t, ids, w, *weights,
             expert_offset=scalar(expert_offset),
             activation=text(activation),
             situ_beta=scalar(situ_beta),
             situ_linear_beta=scalar(situ_linear_beta),
-        )
-        out.copy_(y)
+            out=as_torch(outputs[0]),
+        )  # fmt: skip

@@ -1,7 +1,11 @@
 """Triton MoEMXFP4 (semantics in `reference.py`): W4A16 grouped GEMM with MXFP4 dequantized in the kernel.
 
-Host side (torch, any device): the (token, choice) pairs routed to this rank are sorted by local expert and
-each expert's run is padded to a multiple of BLOCK_M (padding = -1), so every M-block has one expert.
+Host side (torch, any device, no host synchronization): the (token, choice) pairs routed to this rank are
+sorted by local expert and each expert's run is padded to a multiple of BLOCK_M (padding = -1), so every M-block
+has one expert. Every size is computed from shapes only (the pair layout has the static capacity
+`pair_capacity`, blocks past the used ones are marked -1 and exit at once), so nothing is read back to the host
+and the launches can be captured in a CUDA graph. Tokens run in chunks of at most `chunk_tokens`, which bounds
+the scratch (`scratch_bytes`) at any step size.
 Kernel 1, grid (M-blocks, I/BLOCK_N): gathers the block's token rows of x, and for its expert's gate rows n and
 up rows I+n accumulates x @ W^T over the input dim, BLOCK_KP bytes (2*BLOCK_KP elements) per step: each byte
 gives an even-column value (low nibble) and an odd-column value (high nibble), so the step is
@@ -16,8 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .cpu import group_by_expert, rank_in_group
 from .reference import ACTIVATIONS
+
+DEFAULT_SCRATCH_BUDGET = 256 * 2**20  # bytes of chunk scratch (partial sums + activations) per call
 
 
 @triton.jit
@@ -60,6 +65,8 @@ def _moe_up_kernel(
     ACT_SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
+    if tl.load(block_expert_ptr + pid_m) < 0:  # past the used blocks (static grid)
+        return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_kp = tl.arange(0, BLOCK_KP)
@@ -102,6 +109,8 @@ def _moe_down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
+    if tl.load(block_expert_ptr + pid_m) < 0:  # past the used blocks (static grid)
+        return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_kp = tl.arange(0, BLOCK_KP)
@@ -129,18 +138,50 @@ def _moe_down_kernel(
     tl.store(out_ptr + out_rows[:, None] * stride_ot + offs_n[None, :], acc, mask=valid_m[:, None] & mask_n[None, :])
 
 
+def pair_capacity(num_pairs: int, num_local: int, block_m: int) -> int:
+    """Rows of the padded pair layout for `num_pairs` (token, choice) pairs: each of at most min(num_local,
+    num_pairs) present experts pads its run by at most block_m - 1, rounded up to whole blocks."""
+    return -(-(num_pairs + min(num_local, num_pairs) * (block_m - 1)) // block_m) * block_m
+
+
 def padded_expert_blocks(expert_ids: torch.Tensor, expert_offset: int, num_local: int, block_m: int):
-    """Pair layout for the kernels: (pair_rows [P_pad] int64 flat pair index or -1, block_expert [P_pad/block_m]
-    int32 local expert of each M-block); each present expert's pairs are contiguous and padded to block_m."""
-    pairs, experts, counts = group_by_expert(expert_ids, expert_offset, num_local)
+    """Pair layout for the kernels, sizes from shapes only (no host synchronization): (pair_rows [C] int64 flat pair
+    index or -1, block_expert [C/block_m] int32 local expert of each M-block, -1 past the used blocks), C =
+    `pair_capacity`; each present expert's pairs are contiguous, in pair order, and padded to block_m."""
     device = expert_ids.device
-    padded = (counts + block_m - 1) // block_m * block_m
-    run_start = torch.cumsum(padded, 0) - padded  # padded start of each expert's run
-    dest = torch.repeat_interleave(run_start, counts) + rank_in_group(counts)
-    pair_rows = torch.full((int(padded.sum()),), -1, dtype=torch.int64, device=device)
-    pair_rows[dest] = pairs
-    block_expert = torch.repeat_interleave(experts, padded // block_m).to(torch.int32)
-    return pair_rows, block_expert
+    num_pairs = expert_ids.numel()
+    capacity = pair_capacity(num_pairs, num_local, block_m)
+    local = expert_ids.reshape(-1).to(torch.int64) - expert_offset
+    key = torch.where((local >= 0) & (local < num_local), local, num_local)  # off-rank pairs sort last
+    key_sorted, order = torch.sort(key, stable=True)
+    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts[:num_local] + block_m - 1) // block_m * block_m
+    run_end = torch.cumsum(padded, 0)
+    first = torch.cumsum(counts, 0) - counts  # first sorted position of each expert
+    rank = torch.arange(num_pairs, device=device) - first[key_sorted]
+    start = torch.cat([run_end.new_zeros(1), run_end])  # padded run start; [num_local] = end of all runs
+    dest = torch.where(key_sorted < num_local, start[key_sorted] + rank, capacity)  # off-rank: the spill row
+    pair_rows = torch.full((capacity + 1,), -1, dtype=torch.int64, device=device)
+    pair_rows.scatter_(0, dest, order)
+    block_start = torch.arange(0, capacity, block_m, device=device)
+    expert = torch.searchsorted(run_end, block_start, right=True)
+    block_expert = torch.where(expert < num_local, expert, -1).to(torch.int32)
+    return pair_rows[:capacity], block_expert
+
+
+def chunk_tokens(top_k: int, dim: int, inter: int, budget_bytes: int) -> int:
+    """Tokens per chunk so that one chunk's scratch fits `budget_bytes` (at least one token)."""
+    per_token = 4 * top_k * (dim + inter)  # fp32 partial sums [k, D] and activations [k, I] per token
+    return max(1, budget_bytes // per_token)
+
+
+def scratch_bytes(num_tokens: int, top_k: int, dim: int, inter: int, num_local: int, *, block_m: int = 16,
+                  budget_bytes: int) -> int:
+    """Device scratch one MoEMXFP4 call takes (largest chunk): partial sums [Tc*k, D] fp32, activations [C, I]
+    fp32, pair layout [C] int64 + [C/block_m] int32, C = pair_capacity(Tc*k)."""
+    tc = min(num_tokens, chunk_tokens(top_k, dim, inter, budget_bytes))
+    cap = pair_capacity(tc * top_k, num_local, block_m)
+    return 4 * tc * top_k * dim + 4 * cap * inter + 8 * cap + 4 * (cap // block_m)
 
 
 def moe_mxfp4_triton(
@@ -159,33 +200,41 @@ def moe_mxfp4_triton(
     block_m: int = 16,
     block_n: int = 32,
     block_kp: int = 16,
+    budget_bytes: int = DEFAULT_SCRATCH_BUDGET,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, D] fp32/bf16, expert_ids [T, k], expert_weights [T, k], weights as in `reference.py` -> y [T, D] fp32.
-    D and I must be multiples of 32 (MXFP4 blocks)."""
+    """x [T, D] fp32/bf16, expert_ids [T, k], expert_weights [T, k], weights as in `reference.py` -> y [T, D] fp32
+    (written into `out` when given). D and I must be multiples of 32 (MXFP4 blocks)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     num_tokens, top_k = expert_ids.shape
     num_local, two_inter, _ = w13_packed.shape
     inter = two_inter // 2
     dim = x.shape[1]
-    xf = x.float().contiguous()
     w13p, w13s, w2p, w2s = (t.contiguous() for t in (w13_packed, w13_scale, w2_packed, w2_scale))
-    route_w = expert_weights.float().contiguous().view(-1)
-    out = torch.zeros(num_tokens * top_k, dim, dtype=torch.float32, device=xf.device)
-    pair_rows, block_expert = padded_expert_blocks(expert_ids, expert_offset, num_local, block_m)
-    num_blocks = block_expert.numel()
-    if num_blocks:
-        act = torch.empty(pair_rows.numel(), inter, dtype=torch.float32, device=xf.device)
-        _moe_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
-            xf, pair_rows, block_expert, w13p, w13s, act,
-            dim, inter, top_k, float(situ_beta), float(situ_linear_beta),
-            xf.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), act.stride(0),
-            ACT_SILU=activation == "silu", BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KP=block_kp,
-        )  # fmt: skip
-        _moe_down_kernel[(num_blocks, triton.cdiv(dim, block_n))](
-            act, pair_rows, block_expert, route_w, w2p, w2s, out,
-            dim, inter,
-            act.stride(0), w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1), out.stride(0),
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KP=block_kp,
-        )  # fmt: skip
-    return out.view(num_tokens, top_k, dim).sum(1)
+    y = torch.empty(num_tokens, dim, dtype=torch.float32, device=x.device) if out is None else out
+    step = chunk_tokens(top_k, dim, inter, budget_bytes)
+    for t0 in range(0, num_tokens, step):
+        t1 = min(num_tokens, t0 + step)
+        xf = x[t0:t1].float().contiguous()
+        ids = expert_ids[t0:t1]
+        route_w = expert_weights[t0:t1].float().contiguous().view(-1)
+        partial = torch.zeros((t1 - t0) * top_k, dim, dtype=torch.float32, device=x.device)
+        pair_rows, block_expert = padded_expert_blocks(ids, expert_offset, num_local, block_m)
+        num_blocks = block_expert.numel()
+        if num_blocks:
+            act = torch.empty(pair_rows.numel(), inter, dtype=torch.float32, device=x.device)
+            _moe_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
+                xf, pair_rows, block_expert, w13p, w13s, act,
+                dim, inter, top_k, float(situ_beta), float(situ_linear_beta),
+                xf.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), act.stride(0),
+                ACT_SILU=activation == "silu", BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KP=block_kp,
+            )  # fmt: skip
+            _moe_down_kernel[(num_blocks, triton.cdiv(dim, block_n))](
+                act, pair_rows, block_expert, route_w, w2p, w2s, partial,
+                dim, inter,
+                act.stride(0), w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1), partial.stride(0),
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KP=block_kp,
+            )  # fmt: skip
+        torch.sum(partial.view(t1 - t0, top_k, dim), 1, out=y[t0:t1])
+    return y

@@ -32,15 +32,15 @@ from jsonschema import validators as schema_validators
 from xgrammar import structural_tag as st
 
 from moe_export.export.errors import InputError
-
-K3_MARKERS = ("<|open|>", "<|close|>", "<|sep|>")
-K2_MARKERS = (
-    "<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-    "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+from moe_export.runtime.formats.markers import (
+    CALL_ARGS, CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, CLOSE, END_THINK, OPEN, SEP, THINK,
 )
+
+K3_MARKERS = (OPEN, CLOSE, SEP)
+K2_MARKERS = (THINK, END_THINK, CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_ARGS, CALL_END)
 FAMILY_MARKERS = {"k3": K3_MARKERS, "k2": K2_MARKERS}
 XGRAMMAR_MODEL = {"k3": "kimi_k3", "k2": "kimi"}
-K3_RESPONSE_BEGIN, K3_RESPONSE_END, K3_MESSAGE_END = "<|open|>response<|sep|>", "<|close|>response<|sep|>", "<|close|>message<|sep|>"
+K3_RESPONSE_BEGIN, K3_RESPONSE_END, K3_MESSAGE_END = f"{OPEN}response{SEP}", f"{CLOSE}response{SEP}", f"{CLOSE}message{SEP}"
 CALL_INDEX_PATTERN = "[1-9][0-9]?"  # K2 / K3 call index: 1-based position of the call
 JSON_MAX_WHITESPACE = 1  # consecutive whitespace characters allowed inside constrained JSON / arguments
 # a raw-text (K3 string argument) character: anything but C0 controls other than tab, newline, carriage return
@@ -282,8 +282,8 @@ def _k3_argument(key: str, schema, root: dict, where: str):
         else:
             value = st.JSONSchemaFormat(json_schema={**(subs[0] if len(subs) == 1 else {"anyOf": subs}), **defs},
                                         max_whitespace_cnt=JSON_MAX_WHITESPACE)
-        tags.append(st.TagFormat(begin=f'<|open|>argument key="{attr_key}" type="{kind}"<|sep|>', content=value,
-                                 end="<|close|>argument<|sep|>"))
+        tags.append(st.TagFormat(begin=f'{OPEN}argument key="{attr_key}" type="{kind}"{SEP}', content=value,
+                                 end=f"{CLOSE}argument{SEP}"))
     return tags[0] if len(tags) == 1 else st.OrFormat(elements=tags)
 
 
@@ -294,12 +294,12 @@ def _k3_call_tag(tool: dict, index_pattern: str) -> st.TagFormat:
     where = f"tool {fn['name']!r}"
     params = fn.get("parameters") or {"type": "object", "properties": {}}
     required = set(params.get("required", []))
-    elements: list = [st.RegexFormat(pattern=index_pattern), st.ConstStringFormat(value='"<|sep|>')]
+    elements: list = [st.RegexFormat(pattern=index_pattern), st.ConstStringFormat(value='"' + SEP)]
     for key, schema in (params.get("properties") or {}).items():
         arg = _k3_argument(key, schema, params, where)
         elements.append(arg if key in required else st.OptionalFormat(content=arg))
-    return st.TagFormat(begin=f'<|open|>call tool="{fn["name"]}" index="', content=st.SequenceFormat(elements=elements),
-                        end="<|close|>call<|sep|>")
+    return st.TagFormat(begin=f'{OPEN}call tool="{fn["name"]}" index="', content=st.SequenceFormat(elements=elements),
+                        end=f"{CLOSE}call{SEP}")
 
 
 def _k3_tools_tag(tools: list[dict], tool_choice, mode: str, parallel: bool, index: str) -> st.StructuralTag:
@@ -313,8 +313,8 @@ def _k3_tools_tag(tools: list[dict], tool_choice, mode: str, parallel: bool, ind
                                            stop_after_first=not parallel)
     response = K3_RESPONSE_END if mode == "disabled" else K3_RESPONSE_BEGIN + K3_RESPONSE_END
     elements = _reasoning_prefix("k3", mode) + [
-        st.ConstStringFormat(value=response + "<|open|>tools<|sep|>"), calls,
-        st.ConstStringFormat(value="<|close|>tools<|sep|>" + K3_MESSAGE_END),
+        st.ConstStringFormat(value=response + f"{OPEN}tools{SEP}"), calls,
+        st.ConstStringFormat(value=f"{CLOSE}tools{SEP}" + K3_MESSAGE_END),
     ]
     return st.StructuralTag(format=st.SequenceFormat(elements=elements))
 

@@ -1,0 +1,2 @@
+"""Kimi chat formats, one module per family (`k3`, `k2`), the special-token table (`markers`), what they
+share (`common`) and the output parser (`parsing`). The public API is `moe_export.runtime.chat`."""

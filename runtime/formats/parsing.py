@@ -1,0 +1,337 @@
+"""Parsing model output back into an assistant message, whole or streaming, for both Kimi families.
+
+Parsing works on token ids: markers are special tokens, so the parser knows a marker from text that
+merely looks like one. Streaming (`OutputParser.feed`) returns reasoning / content text deltas; a tag
+header (`<|open|>think` before its `<|sep|>`) and an incomplete UTF-8 character are held back until
+complete; no marker ever reaches content. Tool calls are returned by `finish()` in OpenAI shape
+(`arguments` a JSON string). A tool call that does not parse becomes content (its decoded tokens, as the
+model wrote them) and is counted in `tool_call_parse_failures`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from moe_export.runtime.formats.common import argument_text, check_family, unescape
+from moe_export.runtime.formats.markers import (
+    CALL_ARGS, CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, CLOSE, END_THINK, IM_END, OPEN, SEP, THINK,
+)
+
+if TYPE_CHECKING:
+    from moe_export.runtime.tokenizer import Tokenizer
+
+@dataclass
+class ParsedDelta:
+    """New text of one `feed` call, by channel."""
+
+    reasoning: str = ""
+    content: str = ""
+
+
+@dataclass
+class ParsedMessage:
+    """A whole parsed assistant output (OpenAI fields; None where empty)."""
+
+    reasoning_content: str | None
+    content: str | None
+    tool_calls: list[dict] = field(default_factory=list)
+    tool_call_parse_failures: int = 0
+
+
+@dataclass
+class _Call:
+    """A tool call being read: its raw tokens (for the failure path) and parsed parts."""
+
+    ids: list[int] = field(default_factory=list)
+    name: str | None = None
+    call_id: str | None = None
+    args: dict | None = None  # K3 argument elements read so far
+    json_text: str | None = None  # K3 json block text (None: no block)
+    json_done: bool = False
+    arg_key: str | None = None
+    arg_type: str | None = None
+    arg_text: str = ""
+    header: str = ""  # K2: the call id text before the argument marker
+    error: str | None = None
+
+
+class OutputParser:
+    """Streaming parser of one assistant output (token ids after the generation prompt).
+
+    feed(ids) -> ParsedDelta of new reasoning / content text; finish() -> ParsedMessage. After finish(),
+    `delta` holds the text finish() itself added (an unfinished tool call, a held-back character): stream
+    it as the last delta."""
+
+    def __init__(self, tokenizer: Tokenizer, family: str, *, starts_in_reasoning: bool, tools_declared: bool = True) -> None:
+        check_family(family)
+        self.tok = tokenizer
+        self.family = family
+        self.tools_declared = tools_declared
+        self.channel = "reasoning" if starts_in_reasoning else "content"  # | "tools"
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+        self.tool_calls: list[dict] = []
+        self.failures = 0
+        self.failure_reasons: list[str] = []  # why each failed call did not parse (for logs)
+        self.run = tokenizer.incremental_decoder()
+        self.names = {i: n for n, i in tokenizer.special_tokens.items()}
+        self.header: str | None = None  # K3: text of an open / close tag before its <|sep|>
+        self.header_kind = ""
+        self.header_ids: list[int] = []  # K3: the tag's tokens so far
+        self.call: _Call | None = None
+        self.delta = ParsedDelta()
+
+    # -- output channels
+    def _emit(self, text: str) -> None:
+        if not text:
+            return
+        if self.header is not None:
+            self.header += text
+        elif self.call is not None:
+            self._call_text(text)
+        elif self.channel == "reasoning":
+            self.reasoning.append(text)
+            self.delta.reasoning += text
+        elif self.channel == "content":
+            self.content.append(text)
+            self.delta.content += text
+        # text between calls inside a tool section is dropped (it is not part of any message field)
+
+    def _emit_content(self, text: str) -> None:
+        self.content.append(text)
+        self.delta.content += text
+
+    def feed(self, token_ids: list[int]) -> ParsedDelta:
+        """Consume new output tokens; return the reasoning / content text they complete."""
+        self.delta = ParsedDelta()
+        for t in token_ids:
+            t = int(t)
+            if self.call is not None:
+                self.call.ids.append(t)
+            name = self.names.get(t)
+            if self.family == "k3" and name in (OPEN, CLOSE):
+                self.header_ids = [t]
+            elif self.header is not None:
+                self.header_ids.append(t)
+            if name is None:
+                self._emit(self.run.push([t]))
+                continue
+            self._emit(self.run.flush())
+            if self.family == "k3":
+                self._k3_special(name)
+            else:
+                self._k2_special(name)
+        return self.delta
+
+    def feed_text(self, text: str) -> ParsedDelta:
+        """Consume output text that is not a whole token: the start of a token the output was cut inside
+        (at a stop string), after whole tokens that ended a character."""
+        self.delta = ParsedDelta()
+        self._emit(self.run.flush())
+        self._emit(text)
+        return self.delta
+
+    def finish(self) -> ParsedMessage:
+        """End of output: flush, turn an unfinished tool call into content, return the message."""
+        self.delta = ParsedDelta()
+        self._emit(self.run.flush())
+        self.header = None  # an unfinished tag header is a marker fragment: never content
+        if self.call is not None:
+            self._fail(self.call, "the output ended inside the call")
+            self.call = None
+        reasoning = "".join(self.reasoning)
+        content = "".join(self.content)
+        return ParsedMessage(
+            reasoning_content=reasoning or None,
+            content=content or None,
+            tool_calls=self.tool_calls,
+            tool_call_parse_failures=self.failures,
+        )
+
+    # -- K3
+    def _k3_special(self, name: str) -> None:
+        if name in (OPEN, CLOSE):
+            if self.header is not None:  # a tag header cut short by another tag: drop the fragment
+                self._tag_error("a tag header was not closed with <|sep|>")
+            self.header, self.header_kind = "", name
+        elif name == SEP:
+            if self.header is None:
+                return
+            header, kind = self.header, self.header_kind
+            self.header = None
+            self._k3_tag(kind == OPEN, header)
+        # other specials (<|end_of_msg|>, [EOS], reserved ...) carry no text
+
+    def _tag_error(self, reason: str) -> None:
+        self.header = None
+        if self.call is not None:
+            self.call.error = self.call.error or reason
+
+    def _k3_tag(self, is_open: bool, header: str) -> None:
+        name, attrs = _parse_header(header)
+        call = self.call
+        if call is not None:
+            self._k3_call_tag(call, is_open, name, attrs)
+            return
+        if is_open and name == "think":
+            self.channel = "reasoning"
+        elif is_open and name == "response":
+            self.channel = "content"
+        elif is_open and name == "tools":
+            self.channel = "tools"
+        elif is_open and name == "call" and self.channel == "tools":
+            self.call = _Call(ids=list(self.header_ids), name=attrs.get("tool") if attrs else None)
+            if not self.call.name:
+                self.call.error = "the call has no tool attribute"
+        elif not is_open and name in ("think", "response", "tools"):
+            self.channel = "content"
+        # any other tag (message wrappers, unknown names) is structure, not text
+
+    def _k3_call_tag(self, call: _Call, is_open: bool, name: str | None, attrs: dict | None) -> None:
+        if attrs is None:
+            call.error = call.error or "a tag header does not parse"
+        elif is_open and name == "argument" and call.arg_key is None and call.json_text is None:
+            if "key" not in attrs or attrs.get("type") not in ("string", "number", "boolean", "null", "object", "array"):
+                call.error = call.error or f"argument tag without key / valid type: {attrs}"
+            call.arg_key, call.arg_type, call.arg_text = attrs.get("key", ""), attrs.get("type"), ""
+        elif not is_open and name == "argument" and call.arg_key is not None:
+            self._finish_argument(call)
+        elif is_open and name == "json" and call.arg_key is None and call.args is None and call.json_text is None:
+            call.json_text = ""
+        elif not is_open and name == "json" and call.json_text is not None and not call.json_done:
+            call.json_done = True
+        elif not is_open and name == "call":
+            self.call = None
+            self._finish_call(call)
+        else:
+            call.error = call.error or f"unexpected tag {name!r} inside a call"
+
+    def _finish_argument(self, call: _Call) -> None:
+        key, kind, text = call.arg_key, call.arg_type, call.arg_text
+        call.arg_key = None
+        if call.error:
+            return
+        if kind == "string":
+            value: Any = text
+        else:
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as exc:
+                call.error = f"argument {key!r} of type {kind} is not JSON ({exc})"
+                return
+            if argument_text(value)[0] != kind:
+                call.error = f"argument {key!r}: {text!r} is not a {kind}"
+                return
+        if call.args is None:
+            call.args = {}
+        call.args[key] = value
+
+    def _call_text(self, text: str) -> None:
+        call = self.call
+        if call.arg_key is not None:
+            call.arg_text += text
+        elif call.json_text is not None and not call.json_done:
+            call.json_text += text
+        elif self.family == "k2":
+            call.header += text
+        elif text.strip():
+            call.error = call.error or f"text {text[:40]!r} outside the call's argument elements"
+
+    def _finish_call(self, call: _Call) -> None:
+        value: Any = call.args or {}
+        if self.family == "k3" and call.json_text is not None and not call.error:
+            try:
+                value = json.loads(call.json_text)
+            except json.JSONDecodeError as exc:
+                call.error = f"json block is not JSON ({exc})"
+            if not call.json_done:
+                call.error = "json block not closed"
+        if call.error or not self.tools_declared:
+            self._fail(call, call.error or "no tools were declared")
+            return
+        if self.family == "k3":
+            arguments = json.dumps(value, ensure_ascii=False)
+            call_id = f"functions.{call.name}:{len(self.tool_calls)}"
+        else:
+            arguments, call_id = call.arg_text.strip(), call.call_id
+        self.tool_calls.append({"id": call_id, "type": "function", "function": {"name": call.name, "arguments": arguments}})
+
+    def _fail(self, call: _Call, reason: str) -> None:
+        """An unparseable call: its tokens, decoded as the model wrote them, become content."""
+        self.failures += 1
+        self.failure_reasons.append(reason)
+        self._emit_content(self.tok.decode(call.ids))
+
+    # -- K2
+    def _k2_special(self, name: str) -> None:
+        call = self.call
+        if call is not None:
+            if name == CALL_ARGS and call.arg_key is None:
+                call.call_id = call.header.strip()
+                call.name = _k2_function_name(call.call_id)
+                if call.name is None:
+                    call.error = f"call id {call.call_id!r} is not functions.NAME:INDEX"
+                call.arg_key, call.arg_text = "", ""
+            elif name == CALL_END:
+                self.call = None
+                if call.arg_key is None:
+                    call.error = call.error or "no argument marker"
+                else:
+                    try:
+                        json.loads(call.arg_text)
+                    except json.JSONDecodeError as exc:
+                        call.error = call.error or f"arguments are not JSON ({exc})"
+                self._finish_call(call)
+            else:
+                call.error = call.error or f"unexpected {name} inside a call"
+                if name in (CALL_BEGIN, CALLS_END, IM_END):  # the call is over: the marker belongs outside it
+                    call.ids.pop()
+                    self.call = None
+                    self._finish_call(call)
+                    self._k2_special(name)
+            return
+        if name == THINK:
+            self.channel = "reasoning"
+        elif name == END_THINK:
+            self.channel = "content"
+        elif name == CALLS_BEGIN:
+            self.channel = "tools"
+        elif name == CALLS_END:
+            self.channel = "content"
+        elif name == CALL_BEGIN and self.channel == "tools":
+            self.call = _Call(ids=[self.tok.encode_special(CALL_BEGIN)])
+        # other specials carry no text
+
+
+def _k2_function_name(call_id: str) -> str | None:
+    """NAME of a K2 call id `functions.NAME:INDEX` (the part between the last '.' and the ':')."""
+    m = re.fullmatch(r"(?:[^:\s]*\.)?([^.:\s]+):\d+", call_id)
+    return m.group(1) if m else None
+
+
+_ATTR_RE = re.compile(r'\s+([A-Za-z_][\w\-]*)="([^"]*)"')
+
+
+def _parse_header(header: str) -> tuple[str | None, dict | None]:
+    """`name key="value" ...` -> (name, {key: value}); (name, None) if the attributes do not parse."""
+    m = re.match(r"([A-Za-z_][\w\-]*)", header)
+    if not m:
+        return None, None
+    attrs: dict[str, str] = {}
+    pos = m.end()
+    for a in _ATTR_RE.finditer(header, pos):
+        if a.start() != pos:
+            return m.group(1), None
+        attrs[a.group(1)] = unescape(a.group(2))
+        pos = a.end()
+    return (m.group(1), attrs) if header[pos:].strip() == "" else (m.group(1), None)
+
+
+def parse_output(tokenizer: Tokenizer, family: str, token_ids: list[int], *, starts_in_reasoning: bool, tools_declared: bool = True) -> ParsedMessage:
+    """Parse a whole assistant output (the ids after the generation prompt)."""
+    parser = OutputParser(tokenizer, family, starts_in_reasoning=starts_in_reasoning, tools_declared=tools_declared)
+    parser.feed(token_ids)
+    return parser.finish()

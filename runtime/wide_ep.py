@@ -1,0 +1,207 @@
+"""Data-parallel attention groups at run time (the `dp` layout of `graphs/sharding.py`) under mpiexec.
+
+Roles. World rank 0 holds the API (`LLM`, `AsyncLLM`, `moe-export serve`) and is the first rank of group 0.
+The first rank of every attention group (its leader) runs a `LockstepScheduler` over the group's requests
+and broadcasts each step's plan inside the group; the group's other ranks follow those plans
+(`scheduler.follow`: in the dp layout the engine's broadcast reaches the group only).
+
+One world step:
+  1. rank 0 sends every leader its new requests and aborts (a broadcast over the leaders);
+  2. every leader runs one step of its scheduler, an idle one when its group has nothing to run: every rank
+     runs exactly one engine step per world step, so every MoE all-to-all has every rank in it (an idle group
+     sends no tokens and computes what the others send its experts), and a group that finishes early holds
+     nobody up: it keeps joining with zero tokens;
+  3. the leaders' updates (sampled tokens, finishes) and loads come back to rank 0 (a gather over the leaders).
+
+Placement (rank 0). A request whose prompt continues the prompt of a request that finished in group g
+(a conversation's follow-up turn) goes to g, which keeps that turn's state; otherwise it goes to the group
+with the fewest requests waiting or running. Requests with logits processors that cannot be pickled stay
+in group 0 (rank 0 runs them itself). A leader rebuilds a request's thinking budget from its spec with
+its own tokenizer; rank 0 replays the group's tokens into its own copy, so usage counts reasoning tokens.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections import OrderedDict
+
+from moe_export.export.errors import InputError
+from moe_export.runtime.scheduler import Request, Scheduler, SequenceUpdate, follow, stop_the_world
+
+IDLE_PLAN = {"resets": [], "chunks": []}
+PLACEMENT_HISTORY = 4096  # finished requests' prompts remembered for placing follow-up turns
+
+
+class LockstepScheduler(Scheduler):
+    """A group's scheduler: every `step()` runs exactly one engine step, an idle one when nothing is runnable."""
+
+    def step(self) -> list[SequenceUpdate]:
+        self._ran = False
+        updates = super().step()
+        if not self._ran:
+            self._execute(IDLE_PLAN)
+        return updates
+
+    def _execute(self, plan: dict):
+        self._ran = True
+        return super()._execute(plan)
+
+    @property
+    def load(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+
+def budget_spec(budget) -> tuple | None:
+    """What a leader needs to rebuild a request's fresh `ReasoningBudget`: (family, cap, starts_in_reasoning)."""
+    return None if budget is None else (budget.family, budget.cap, budget.in_reasoning)
+
+
+def _picklable(obj) -> bool:
+    try:
+        pickle.dumps(obj)
+    except Exception:  # any object pickle refuses (lambdas, locks, open files, ...)
+        return False
+    return True
+
+
+class GroupedScheduler:
+    """Rank 0's scheduler over every attention group (the `Scheduler` interface the LLM front ends use):
+    group 0 runs here, the others on their leaders; each `step()` is one world step."""
+
+    def __init__(self, engine, **scheduler_kwargs) -> None:
+        self.engine = engine
+        self.local = LockstepScheduler(engine, **scheduler_kwargs)
+        self.leaders = engine.comm.leaders
+        self.groups = engine.dp
+        self.loads = [0] * self.groups
+        self.remote_work = [False] * self.groups
+        self.outbox: list[dict] = [{"add": [], "abort": []} for _ in range(self.groups)]
+        self.placed: dict[str, tuple[int, tuple[int, ...], object]] = {}  # request id -> (group, prompt, budget)
+        self.history: OrderedDict[tuple[int, ...], int] = OrderedDict()  # finished prompts -> their group
+
+    def place(self, request: Request) -> int:
+        """The group for a request: the one holding its conversation's state, else the least loaded."""
+        if request.logits_processors and not _picklable(request.logits_processors):
+            return 0
+        prompt = tuple(request.prompt_ids)
+        held = [(len(p), g) for p, g in self.history.items() if len(p) <= len(prompt) and prompt[: len(p)] == p]
+        if held:
+            return max(held)[1]
+        return min(range(self.groups), key=lambda g: (self.loads[g], g))
+
+    def add(self, request: Request) -> None:
+        self.local.check(request)
+        if request.request_id in self.placed:
+            raise InputError(f"request id {request.request_id!r} is already in use")
+        group = self.place(request)
+        if group == 0:
+            self.local.add(request)
+        else:
+            self.outbox[group]["add"].append((request.request_id, list(request.prompt_ids), request.sampling,
+                                              list(request.logits_processors), budget_spec(request.budget)))
+        self.loads[group] += 1
+        self.placed[request.request_id] = (group, tuple(request.prompt_ids), request.budget)
+
+    def abort(self, request_id: str) -> bool:
+        if request_id not in self.placed:
+            return False
+        group = self.placed[request_id][0]
+        if group == 0:
+            return self.local.abort(request_id)
+        self.outbox[group]["abort"].append(request_id)
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return (self.local.has_work or any(self.remote_work)
+                or any(box["add"] or box["abort"] for box in self.outbox))
+
+    def group_of(self, request_id: str) -> int | None:
+        entry = self.placed.get(request_id)
+        return None if entry is None else entry[0]
+
+    def step(self) -> list[SequenceUpdate]:
+        """One world step: requests out to the leaders, one engine step everywhere, updates back."""
+        control, self.outbox = self.outbox, [{"add": [], "abort": []} for _ in range(self.groups)]
+        try:
+            self.leaders.bcast(control, root=0)
+            updates = self.local.step()
+            reports = self.leaders.gather(None, root=0)
+        except BaseException as exc:
+            stop_the_world(self.engine, exc)
+            raise
+        self.loads[0] = self.local.load
+        for group, (group_updates, work, load) in enumerate(reports[1:], start=1):
+            self.remote_work[group], self.loads[group] = work, load
+            for u in group_updates:
+                budget = self.placed[u.request_id][2] if u.request_id in self.placed else None
+                for token in u.token_ids if budget is not None else ():
+                    budget.observe(token)
+            updates.extend(group_updates)
+        for u in updates:
+            if u.finished and u.request_id in self.placed:
+                group, prompt, _ = self.placed.pop(u.request_id)
+                if u.finish_reason != "abort":
+                    self.history[prompt] = group
+                    self.history.move_to_end(prompt)
+                    while len(self.history) > PLACEMENT_HISTORY:
+                        self.history.popitem(last=False)
+        return updates
+
+    def stats(self) -> dict:
+        out = self.local.stats()
+        out["group_loads"] = list(self.loads)
+        out["groups"] = self.groups
+        return out
+
+    def shutdown(self) -> None:
+        """Release every rank: the leaders (and through them their groups), then group 0's followers."""
+        self.leaders.bcast(None, root=0)
+        self.local.shutdown()
+
+
+def lead_group(engine, budget_factory=None, **scheduler_kwargs) -> int:
+    """A group leader other than world rank 0: run its group's requests in world steps until rank 0 shuts
+    down; returns the number of steps run. `budget_factory(spec)` rebuilds a request's thinking budget."""
+    sched = LockstepScheduler(engine, **scheduler_kwargs)
+    leaders, steps = engine.comm.leaders, 0
+    while True:
+        try:
+            control = leaders.bcast(None, root=0)
+            if control is None:
+                sched.shutdown()
+                return steps
+            mine = control[engine.group]
+            rejected = []
+            for rid, prompt, sampling, processors, spec in mine["add"]:
+                budget = budget_factory(spec) if spec is not None and budget_factory is not None else None
+                try:
+                    sched.add(Request(rid, prompt, sampling, processors, budget))
+                except InputError as exc:  # rank 0 checked it with the same limits; kept as a safety net
+                    rejected.append(SequenceUpdate(rid, [], None, True, "abort", error=str(exc)))
+            for rid in mine["abort"]:
+                sched.abort(rid)
+            updates = rejected + sched.step()
+            leaders.gather((updates, sched.has_work, sched.load), root=0)
+        except BaseException as exc:
+            stop_the_world(engine, exc)
+            raise
+        steps += 1
+
+
+def is_grouped(engine) -> bool:
+    """A dp-layout engine under mpiexec: its attention groups run their own requests."""
+    return bool(getattr(engine, "dp_layout", False)) and getattr(engine, "comm", None) is not None
+
+
+def open_scheduler(engine, **scheduler_kwargs):
+    """Rank 0's scheduler: `GroupedScheduler` for a dp-layout engine under mpiexec, else a `Scheduler`."""
+    return GroupedScheduler(engine, **scheduler_kwargs) if is_grouped(engine) else Scheduler(engine, **scheduler_kwargs)
+
+
+def run_rank(engine, budget_factory=None, **scheduler_kwargs) -> int:
+    """A rank other than world rank 0: lead its group (dp layout, first rank of a group) or follow its
+    leader's plans, until rank 0 shuts down; returns the number of steps run."""
+    if is_grouped(engine) and engine.comm.leaders is not None:
+        return lead_group(engine, budget_factory, **scheduler_kwargs)
+    return follow(engine)

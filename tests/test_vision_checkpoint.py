@@ -1,0 +1,72 @@
+"""K3's tower in the checkpoint tools: validation of the vision tensors, `inspect`, and the planner's vision terms."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from moe_export.export.census import inspect_checkpoint
+from moe_export.export.checkpoint import CheckpointReader
+from moe_export.export.planner import make_plan, vision_activation_bytes
+from moe_export.export.synth import preset_config, write_synthetic_checkpoint
+from moe_export.graphs.vision import vision_config, vision_tensor_specs
+from moe_export.recipes.schema import load_recipe
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_synthetic_checkpoint("tiny-k3", tmp_path_factory.mktemp("vis") / "ck")
+
+
+def test_inspect_reports_tower_and_processor(ckpt):
+    rep = inspect_checkpoint(ckpt)
+    vis = rep["vision"]
+    assert vis["layers"] == 2 and vis["heads"] == 2 and vis["params"] == 62048 and vis["processor_file"]
+    assert vis["processor"]["in_patch_limit"] == 65536 and vis["max_tokens_per_image"] == 16384
+    assert rep["classes"]["vision"]["tensors"] == len(vision_tensor_specs(vision_config(preset_config("tiny-k3"))))
+    assert not rep["problems"]
+
+
+def test_a_wrong_vision_tensor_is_a_problem(ckpt, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    name = "vision_tower.encoder.blocks.1.wo.weight"
+    shard = bad / index["weight_map"][name]
+    with safe_open(shard, "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors[name] = tensors[name][:, :8].contiguous()
+    save_file(tensors, shard)
+    problems = CheckpointReader(bad).validate()
+    assert [(p.kind, p.name) for p in problems] == [("shape", name)]
+
+
+def _recipe(tmp_path, text: str):
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    return load_recipe(path)[0]
+
+
+def test_planner_counts_tower_weights_and_activations(tmp_path):
+    base = """name: t
+model: {source: synthetic:tiny-k3}
+target: {gpu: cpu, nodes: 1, gpus_per_node: 2, memory_gib: 2}
+parallel: {tp: 2, ep: 2}
+workspace_reserve_gib: 0.25
+"""
+    r = _recipe(tmp_path, base + "limits: {max_images_per_request: 3, max_image_patches: 1024}\n")
+    plan = make_plan(r)
+    vc = vision_config(preset_config("tiny-k3"))
+    assert plan.per_rank[0].weight_bytes["vision"] == vc.params() * 4  # replicated, fp32 on CPU
+    # 2 of the 3 images per rank (tp 2), 1024 patches each; CPU graphs hold one image's scores (2 heads)
+    per_row = 2 * 32 + 3 * 32 + 64 + 128 // 4 * 2 + 64 // 4
+    assert plan.per_rank[0].vision_activation_bytes == 2 * 1024 * per_row * 4 + 2 * 1024 * 1024 * 4
+    assert plan.fits
+    too_big = make_plan(_recipe(tmp_path, base + "limits: {max_images_per_request: 1}\n"))  # 65536 patches
+    assert not too_big.fits and "vision tower call" in too_big.verdict()
+    assert vision_activation_bytes(preset_config("tiny-k3"), _recipe(tmp_path, base + "limits: {max_images_per_request: 0}\n")) == 0

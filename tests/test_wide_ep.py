@@ -1,0 +1,207 @@
+"""Wide expert parallelism (the dp layout): all-to-all dispatch / combine against the all-reduce formulation,
+the mapping, per-group engine steps against the PyTorch reference, and `mpiexec -n 8` runs of the LLM API
+(groups scheduled by their leaders, requests spread by rank 0) against the single-rank reference's greedy tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from moe_export.export.build import build
+from moe_export.export.errors import InputError
+from moe_export.graphs.model import KimiModel
+from moe_export.graphs.sharding import Mapping
+from moe_export.plugins.collectives import all_to_all
+from moe_export.recipes.schema import load_recipe
+from moe_export.runtime.engine import Engine, SequenceChunk, StepBatch
+from moe_export.runtime.generate import ReferenceEngine, generate_tokens
+from moe_export.runtime.sampling import SamplingParams
+from moe_export.runtime.tokenizer import load_tokenizer
+
+HERE = Path(__file__).parent
+ATOL = 1e-4  # fp32 cache pools, as test_engine_parity
+
+
+def dp_recipe(tmp: Path, preset: str, tp: int, world: int, attention: str = "dp") -> Path:
+    """tiny-cpu with `preset`, experts over all `world` ranks, fp32 pools, 16-token blocks."""
+    data = yaml.safe_load(Path(load_recipe("tiny-cpu.yaml")[1]).read_text())
+    data["name"] = f"wide-{preset}-tp{tp}-w{world}-{attention}"
+    data["model"] = {"source": f"synthetic:{preset}"}
+    data["target"]["gpus_per_node"] = world
+    data["parallel"] = {"tp": tp, "ep": world, "attention": attention}
+    data["limits"].update({"max_batch": 6, "max_seq_len": 1024, "max_num_tokens": 64, "block_size": 16})
+    data["quantization"]["kv_cache"] = "fp32"
+    path = tmp / f"{data['name']}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def dp_engine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wide-ep")
+    built: dict[tuple, Path] = {}
+
+    def get(preset: str, tp: int, world: int, attention: str = "dp") -> Path:
+        key = (preset, tp, world, attention)
+        if key not in built:
+            rec, _ = load_recipe(dp_recipe(root, *key))
+            build(rec, root / rec.name)
+            built[key] = root / rec.name
+        return built[key]
+
+    return get
+
+
+def source_checkpoint(engine_dir: Path) -> Path:
+    return next((engine_dir / ".cache").glob("source-*"))
+
+
+# ---- all-to-all ops ---------------------------------------------------------------------------------------
+
+
+def experts_of_rank(x: np.ndarray, ids: np.ndarray, w: np.ndarray, mats: np.ndarray, rank: int, per: int) -> np.ndarray:
+    """A rank's weighted expert partial sums (MoEMXFP4's contract with tanh(W_e x) experts): Σ_j [e_j on rank]
+    w_j tanh(W_e x)."""
+    y = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if e // per == rank:
+                y[t] += w[t, j] * np.tanh(mats[e] @ x[t])
+    return y
+
+
+def test_dispatch_expert_combine_equals_the_all_reduce_of_partial_sums():
+    """Each rank's tokens (some ranks idle) through dispatch -> its experts -> combine equal, per token, the sum
+    over ranks of every rank's partial sums on those tokens (the tp layout's all-reduce)."""
+    rng = np.random.default_rng(0)
+    ep, num_experts, k, dim = 4, 8, 3, 5
+    per = num_experts // ep
+    mats = rng.standard_normal((num_experts, dim, dim)).astype(np.float32)
+    counts = [3, 0, 5, 1]
+    xs = [rng.standard_normal((n, dim)).astype(np.float32) for n in counts]
+    ids = [np.stack([rng.choice(num_experts, k, replace=False) for _ in range(n)]) if n else np.zeros((0, k), np.int64)
+           for n in counts]
+    ws = [rng.random((n, k)).astype(np.float32) for n in counts]
+    traffic = [all_to_all.Traffic() for _ in range(ep)]
+    received = all_to_all.reference_dispatch(xs, ids, ws, num_experts, traffic)
+    ys = [experts_of_rank(rx, ri, rw, mats, r, per) for r, (rx, ri, rw, _) in enumerate(received)]
+    out = all_to_all.reference_combine(ys, [lay for *_, lay in received], counts, traffic)
+    for r in range(ep):
+        want = sum(experts_of_rank(xs[r], ids[r], ws[r], mats, d, per) for d in range(ep))
+        np.testing.assert_allclose(out[r], want, rtol=1e-6, atol=1e-6)
+        # each token reaches each rank of its experts once: rows sent = distinct destination ranks per token
+        assert received[r][3].send_rows.shape[0] == sum(len({e // per for e in row}) for row in ids[r].tolist())
+    assert sum(t.moe_tokens for t in traffic) == sum(counts)
+    assert traffic[1].sent_bytes[all_to_all.KIND] > 0  # the idle rank still returns its experts' results
+
+
+def test_send_plan_orders_rows_by_destination_then_token():
+    ids = np.array([[7, 0], [2, 3], [6, 7]])  # 8 experts on 4 ranks: ranks (3, 0), (1, 1), (3, 3)
+    rows, counts = all_to_all.send_plan(ids, 8, 4)
+    assert rows.tolist() == [0, 1, 0, 2] and counts.tolist() == [1, 1, 0, 2]
+
+
+def test_mapping_dp_layout():
+    m = Mapping(8, 5, 2, 8, "dp")
+    assert (m.dp, m.dp_rank, m.tp_group, m.all_to_all) == (4, 2, (4, 5), True)
+    assert Mapping(8, 5, 2, 8).dp == 1
+    with pytest.raises(InputError, match="ep=4 must equal world_size=8"):
+        Mapping(8, 0, 2, 4, "dp")
+
+
+def test_recipe_dp_needs_experts_over_every_rank(tmp_path):
+    path = dp_recipe(tmp_path, "tiny-k3", 2, 4)
+    data = yaml.safe_load(path.read_text())
+    data["parallel"]["ep"] = 2
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(Exception, match="parallel.ep=2 must equal the world size"):
+        load_recipe(path)
+
+
+# ---- engine: per-group batches in one process ---------------------------------------------------------------
+
+
+def test_groups_step_their_own_sequences_and_idle_groups_join(dp_engine):
+    """tp 2 x dp 2 (world 4, experts over 4 ranks) in one process: group 0 prefills and decodes one prompt
+    while group 1 idles for three steps, then prefills another prompt of a different length and both decode;
+    each group's logits match the reference at every step."""
+    engine_dir = dp_engine("tiny-k3", 2, 4)
+    ref = KimiModel.from_checkpoint(source_checkpoint(engine_dir))
+    eng = Engine(engine_dir, num_slots=2, num_blocks=32, threads=1)
+    assert (eng.dp, eng.dp_layout) == (2, True)
+    prompts = [[5, 17, 99, 3, 250, 42, 7, 8, 300, 11, 12, 77, 1, 400], [60, 61, 62, 63, 64]]
+    caches = [ref.new_cache(1), ref.new_cache(1)]
+    pos = [0, 0]
+    pending: list[list[int] | None] = [prompts[0], None]
+    tables = [list(range(0, 8)), list(range(8, 16))]  # blocks of 16 tokens; both groups use slot 0
+    eng.reset_slot(0)
+    for step in range(8):
+        if step == 3:
+            pending[1] = prompts[1]
+        batches = [None if p is None else StepBatch.from_sequences([SequenceChunk(0, pos[g], p, tables[g])])
+                   for g, p in enumerate(pending)]
+        out = eng.step_groups(batches)
+        for g, p in enumerate(pending):
+            if p is None:
+                assert out[g] is None
+                continue
+            want = (ref.prefill(torch.tensor([p]), caches[g])[0, -1] if pos[g] == 0
+                    else ref.decode(torch.tensor([p[0]]), caches[g])[0])
+            np.testing.assert_allclose(out[g][0], want.numpy(), atol=ATOL, rtol=0, err_msg=f"group {g} step {step}")
+            pos[g] += len(p)
+            pending[g] = [int(want.argmax())]
+    assert eng.expert_tokens.sum() == eng.top_k * (len(prompts[0]) + 7 + len(prompts[1]) + 4) * eng.expert_tokens.shape[0]
+
+
+# ---- mpiexec -n 8: the LLM API over attention groups --------------------------------------------------------
+
+ROUNDS = [
+    {"prompts": [[5, 17, 99, 3, 250, 42, 7, 8, 300, 11, 12, 77, 1, 400], [5, 17, 99], [60, 61, 62, 63, 64, 65, 66]],
+     "max_tokens": 6},
+    # after round 1 group 3 has been idle all along; [60..66, 1, 2] continues round 1's third prompt (group 2)
+    {"prompts": [[60, 61, 62, 63, 64, 65, 66, 1, 2], [1, 2], list(range(3, 23)), [7], [100, 200]], "max_tokens": 4},
+]
+
+
+def run_mpi(engine_dir: Path, world: int) -> dict:
+    mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
+    r = subprocess.run([mpiexec, "-n", str(world), sys.executable, str(HERE / "mpi_wide_ep_run.py"), str(engine_dir),
+                        json.dumps(ROUNDS)], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset, tp", [("tiny-k3", 2), ("tiny-k3", 1), ("tiny-kimi-linear", 2), ("tiny-kimi-linear", 1)])
+def test_mpiexec_8_ranks_dp_layout_matches_single_rank_reference(dp_engine, preset, tp):
+    """`mpiexec -n 8` (tp 2 x dp 4 or tp 1 x dp 8, experts over 8 ranks): rank 0's generate() spreads the requests
+    over the groups (least loaded; a follow-up to its group), each request's greedy tokens equal the reference's."""
+    engine_dir = dp_engine(preset, tp, 8)
+    got = run_mpi(engine_dir, 8)
+    ref = KimiModel.from_checkpoint(source_checkpoint(engine_dir))
+    vocab = load_tokenizer(engine_dir).vocab_size  # the LLM samples among the tokenizer's ids
+    for r, spec in enumerate(ROUNDS):
+        for i, prompt in enumerate(spec["prompts"]):
+            params = SamplingParams(max_tokens=spec["max_tokens"], ignore_eos=True)
+            want = generate_tokens(ReferenceEngine(ref, max_seq_len=64), prompt, params, sample_vocab=vocab)
+            assert got["rounds"][r][i] == want, f"round {r} request {i}"
+    first, second = got["groups"]
+    assert first == [0, 1, 2]  # least loaded, lowest group first; group 3 idles through round 1
+    assert second[0] == first[2]  # the follow-up goes to the group holding the conversation
+    assert len(set(second)) == min(8 // tp, 4)  # five requests over the groups
+    moe_layers = len(got["expert_tokens"])
+    routed = sum(len(p) + spec["max_tokens"] - 1 for spec in ROUNDS for p in spec["prompts"])
+    assert got["moe_tokens"] == routed * moe_layers  # every token routed once per MoE layer, by one rank
+    assert np.sum(got["expert_tokens"]) == routed * moe_layers * ref.cfg.num_experts_per_token
+    assert "moe_all_reduce" not in got["sent_bytes"] and got["sent_bytes"]["moe_all_to_all"] > 0
