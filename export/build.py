@@ -9,6 +9,8 @@ Layout of the engine directory OUT (TensorRT-LLM conventions):
     OUT/rank{N}/model.onnx              the rank's graph; initializers point into weights.safetensors
     OUT/rank{N}/ort_segment_*.onnx ...  ONNX Runtime backend: segments (+ plan) from the lowering
     OUT/rank{N}/rank{N}.engine          TensorRT backend: the serialized engine
+    OUT/vision.safetensors, vision.onnx K3's vision tower + projector (bf16 tensors as stored) and its graph,
+                                        one copy every rank loads (`graphs.vision_export`)
     OUT/LICENSE                         the source checkpoint's license, copied
     OUT/tiktoken.model ...              the source checkpoint's tokenizer files (`TOKENIZER_FILES`), copied
     OUT/manifest.json                   written last: every file's size + sha256, versions, hashes, keys
@@ -31,7 +33,8 @@ mtime and inode as recorded, staged in `.build/` or already published in OUT) is
     config         the whole recipe + source layout + every convert identity (the class map reads the
                    weights) + generation_config.json's sha256 (its stop ids go into config.json)
     license        the source LICENSE file's sha256
-    tokenizer      the source tokenizer files' sha256
+    tokenizer      the source tokenizer files' sha256 (preprocessor_config.json included)
+    vision         the recipe's vision section + source layout + each tower shard's (size, mtime_ns)  (K3)
 
 Source bytes are hashed while they are converted, never in a pass of their own, so a fresh build reads
 each byte a rank needs once. Each convert record lists the slices the rank read, their sha256 and each
@@ -95,6 +98,7 @@ from moe_export.export.stage_keys import (
     convert_identity,
     convert_key,
     global_keys,
+    vision_key,
     rank_keys,
     rank_mapping,
     rank_stage_names,
@@ -122,7 +126,7 @@ LICENSE_NAMES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "LICENCE", "license", "
 # Files copied verbatim from the source next to the engine (the "tokenizer" stage): what a runtime needs
 # besides the weights (tokenizer, chat template, and the generation config with its stop ids).
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", GENERATION_CONFIG)
+                   "chat_template.jinja", GENERATION_CONFIG, "preprocessor_config.json")
 SYNTH_SEED = 0
 SYNTH_TEMP_RE = re.compile(r"^\..+\.(synth|old)-\d+$")
 
@@ -453,6 +457,12 @@ def _check_backend(recipe: Recipe, stages: Stages) -> None:
             f"recipe {recipe.name}: backend 'tensorrt' needs the TensorRT Python package, which is not installed; "
             "build on a GPU machine with TensorRT >= 10.9, or use backend: onnxruntime"
         )
+    if recipe.backend == "tensorrt" and recipe.parallel.attention == "dp":
+        raise InputError(
+            f"recipe {recipe.name}: parallel.attention dp needs the MoE all-to-all (MoEDispatch / MoECombine) on "
+            "NCCL, which the TensorRT runner does not run yet (README, Parallelism); build with parallel.attention: "
+            "tp, or use backend: onnxruntime"
+        )
 
 
 def _check_output(out: Path) -> None:
@@ -751,6 +761,43 @@ def _build_globals(ctx: _Ctx) -> list[str]:
     return ran
 
 
+def _run_vision(ctx: _Ctx) -> list[str]:
+    """K3's tower + projector: `vision.safetensors` (the checkpoint's bf16 tensors) and `vision.onnx`, once per
+    engine (every rank loads the same replicated tower). Nothing for a model without a tower."""
+    from moe_export.graphs.vision import VISION_NORM_EPS, vision_config
+    from moe_export.graphs.vision_export import VISION_GRAPH, VISION_WEIGHTS, export_vision_graph, write_vision_weights
+
+    vc = vision_config(ctx.reader.config)
+    if vc is None or ctx.state.current("vision", ctx.keys["vision"]):
+        return []
+    try:
+        with atomic_path(ctx.state.build / VISION_WEIGHTS) as tmp:
+            write_vision_weights(ctx.reader, vc, tmp)
+        with _scratch(ctx.state.build, "vision", {VISION_WEIGHTS: ctx.state.build / VISION_WEIGHTS}) as tmp:
+            summary = export_vision_graph(vc, tmp / VISION_WEIGHTS, tmp / VISION_GRAPH,
+                                          VISION_NORM_EPS[ctx.recipe.vision.rms_norm_eps])
+            _move_into(tmp / VISION_GRAPH, ctx.state.build / VISION_GRAPH)
+    except (InputError, BuildError):
+        raise
+    except Exception as exc:
+        raise _stage_failed("vision", exc) from exc
+    ctx.state.record("vision", ctx.keys["vision"], [VISION_WEIGHTS, VISION_GRAPH], summary)
+    return ["vision"]
+
+
+def _vision_stamps(ctx: _Ctx) -> dict[str, list[int]] | None:
+    """(size, mtime_ns) of each shard holding tower tensors; None without a tower."""
+    specs = ctx.reader.vision_specs()
+    if not specs:
+        return None
+    files = sorted({ctx.reader.stored(s.name).file for s in specs if s.name in ctx.reader})
+    stamps = {}
+    for f in files:
+        st = (ctx.reader.path / f).stat()
+        stamps[f] = [st.st_size, st.st_mtime_ns]
+    return stamps
+
+
 def _stage_names(recipe: Recipe) -> list[str]:
     names = [f"{s}/rank{n}" for n in range(recipe.target.world_size) for s in rank_stage_names(recipe)]
     return names + ["config", "license", "tokenizer"]
@@ -831,9 +878,14 @@ def _finish(ctx: _Ctx, result: BuildResult) -> None:
                   for n in range(ctx.recipe.target.world_size)]
     ctx.keys.update(global_keys(ctx.recipe, src.identity(), identities, src.license_sha256, src.tokenizer_files,
                                 ctx.code))
-    result.ran += _build_globals(ctx)
+    stamps = _vision_stamps(ctx)
+    names = _stage_names(ctx.recipe)
+    if stamps is not None:
+        ctx.keys["vision"] = vision_key(ctx.recipe, src.identity(), stamps, ctx.code)
+        names.append("vision")
+    result.ran += _build_globals(ctx) + _run_vision(ctx)
     records = {}
-    for name in _stage_names(ctx.recipe):
+    for name in names:
         rec = ctx.state.current(name, ctx.keys[name])
         if rec is None:
             raise BuildError(f"stage {name} has no current record after the build (was .build/ modified meanwhile?)")

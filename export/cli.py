@@ -66,6 +66,18 @@ def plan(
         fit = ", ".join(f"{n} x {int(length):,} tokens" for length, n in d["sequences_that_fit"].items())
         console.print(f"cache per rank: {d['cache_tokens_per_rank']:,} tokens in blocks of {rec.limits.block_size} "
                       f"({rec.limits.max_batch} sequence slots); at once: {fit}")
+        layouts = Table(title=f"decode step per GPU, {rec.limits.max_batch} tokens per attention group "
+                              f"(MoE bytes per MoE layer; attention token x heads per layer)")
+        for col in ("layout", "groups", "tokens served / GPU", "MoE bytes sent", "of which between nodes",
+                    "MoE bytes / served token", "attention token x heads"):
+            layouts.add_column(col, justify="right")
+        for name, lay in d["layouts"].items():
+            chosen = " (recipe)" if name == rec.parallel.attention else ""
+            layouts.add_row(f"{name}{chosen}", str(lay["groups"]), f"{lay['tokens_per_gpu']:.2f}",
+                            f"{lay['moe_bytes']['total'] / 2**20:.2f} MiB",
+                            f"{lay['moe_bytes']['inter_node'] / 2**20:.2f} MiB",
+                            f"{lay['moe_bytes_per_token'] / 2**10:.1f} KiB", f"{lay['attention_token_heads']:,}")
+        console.print(layouts)
         console.print(("[green]" if p.fits else "[red]") + p.verdict())
     if not p.fits:
         if not as_json:

@@ -217,7 +217,18 @@ class Plan:
             "sequences_that_fit": {str(n): min(r.pools.sequences_that_fit(n) for r in self.per_rank)
                                    for n in REPORTED_SEQUENCE_LENGTHS},
             "per_rank": [r.to_dict() for r in self.per_rank],
+            "attention": self.recipe.parallel.attention,
+            "layouts": self.layouts(),
         }
+
+    def layouts(self) -> dict[str, dict]:
+        """Decode-step MoE bytes per GPU per MoE layer and attention work per GPU of the tp and dp layouts, at
+        max_batch tokens per attention group (`export/traffic.py`)."""
+        from moe_export.export.traffic import plan_layouts
+
+        t = self.recipe.target
+        return plan_layouts(self.config, t.world_size, self.recipe.parallel.tp, t.gpus_per_node,
+                            self.recipe.limits.max_batch)
 
 
 def count_params(cfg: ModelConfig) -> tuple[int, int]:
@@ -327,8 +338,7 @@ def vision_activation_bytes(cfg: ModelConfig, recipe: Recipe) -> int:
     images = recipe.limits.max_images_per_request
     if vc is None or images == 0:
         return 0
-    group = recipe.parallel.tp if recipe.parallel.attention == "tp" else 1
-    per_rank = -(-images // group)
+    per_rank = -(-images // recipe.parallel.tp)  # an attention group is tp ranks in both layouts
     cpu = recipe.backend != "tensorrt"
     patches = image_patch_limit(recipe)
     rows = tower_activation_bytes(vc, patches * per_rank, 4 if cpu else 2, scores_of=patches if cpu else 0)

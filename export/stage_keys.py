@@ -34,6 +34,7 @@ STAGE_FIELDS: dict[str, tuple[str, ...]] = {
     "graph": ("attention", "limits"),
     "lower": (),
     "engine": ("limits", "target", "workspace_reserve_gib"),
+    "vision": ("vision",),
 }
 _MODEL_CODE = (("graphs", "config.py"), ("graphs", "sharding.py"), ("graphs", "weights.py"))
 # Source files each stage runs, as (subpackage of moe_export, glob inside it).
@@ -43,6 +44,7 @@ STAGE_CODE: dict[str, tuple[tuple[str, str], ...]] = {
     "lower": (("export", "backends.py"), ("plugins", "*.py"), ("plugins", "*/onnx_schema.py"), ("plugins", "*/ort.py")),
     "engine": (("export", "backends.py"), ("plugins", "**/*.py")),
     "config": (("export", "build.py"), ("export", "manifest.py"), *_MODEL_CODE),
+    "vision": (("graphs", "vision.py"), ("graphs", "vision_export.py"), ("graphs", "onnx_export.py"), *_MODEL_CODE),
 }
 # Distributions whose version shapes each stage's output.
 STAGE_LIBRARIES: dict[str, tuple[str, ...]] = {
@@ -51,6 +53,7 @@ STAGE_LIBRARIES: dict[str, tuple[str, ...]] = {
     "lower": ("onnx", "onnxruntime", "onnx-ir", "numpy"),
     "engine": ("onnx", "tensorrt", "numpy"),
     "config": ("safetensors",),
+    "vision": ("onnx", "torch", "safetensors", "numpy"),
 }
 
 
@@ -138,6 +141,12 @@ def rank_keys(recipe: Recipe, rank: int, identity: str, code: dict) -> dict[str,
     last = rank_stage_names(recipe)[-1]
     graph = _key("graph", _fields(recipe, "graph"), [identity], code["graph"])
     return {f"graph/rank{rank}": graph, f"{last}/rank{rank}": _key(last, _fields(recipe, last), [graph], code[last])}
+
+
+def vision_key(recipe: Recipe, source_id: str, vision_stamps: dict[str, list[int]], code: dict) -> str:
+    """Key of the vision stage (K3's tower graph): the recipe's vision section, config.json and the shard
+    headers (`source_id`), and the (size, mtime_ns) stamp of each shard holding tower tensors."""
+    return _key("vision", _fields(recipe, "vision"), [], code["vision"], {"source": source_id, "shards": vision_stamps})
 
 
 def global_keys(recipe: Recipe, source_id: str, identities: list[str], license_sha256: str | None,

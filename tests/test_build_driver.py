@@ -40,7 +40,7 @@ from moe_export.recipes.schema import Recipe
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
-TOKENIZER = ["tiktoken.model", "tokenizer_config.json"]  # what synth writes
+TOKENIZER = ["tiktoken.model", "tokenizer_config.json", "preprocessor_config.json"]  # what synth writes (K3)
 
 
 # ---- stand-in stages: small, deterministic, and shaped like the real ones ----
@@ -235,7 +235,7 @@ def test_stage_keys_engine_and_source():
     assert {k for k in base if base[k] != tokenized[k]} == {"tokenizer"}
     read_other = stage_keys(trt, "src", None, {}, reads={1: "other bytes"})  # rank 1 read other tensor bytes
     assert {k for k in base if base[k] != read_other[k]} == {"graph/rank1", "engine/rank1", "config"}
-    assert set(STAGE_FIELDS) == {"convert", "graph", "lower", "engine"}
+    assert set(STAGE_FIELDS) == {"convert", "graph", "lower", "engine", "vision"}
 
 
 # ---- builds ----
@@ -244,12 +244,12 @@ def test_synthetic_build_layout_manifest_and_noop_rerun(tmp_path, capsys):
     recipe = tiny_recipe("synthetic:tiny-k3")
     res = build(recipe, out, stages=FAKE_STAGES, progress=False)
     assert res.ran == [f"{s}/rank{n}" for n in range(4) for s in ("convert", "graph", "lower")] + [
-        "config", "license", "tokenizer"]
+        "config", "license", "tokenizer", "vision"]
     files = artifact_files(out)
     for n in range(4):
         for name in ("weights.safetensors", "quantization.json", "model.onnx", "ort_segment_000.onnx", "ort_plan.json"):
             assert f"rank{n}/{name}" in files
-    assert {"config.json", "LICENSE", *TOKENIZER} <= set(files)
+    assert {"config.json", "LICENSE", *TOKENIZER, "vision.onnx", "vision.safetensors"} <= set(files)
     assert_published_alone(out)
     assert (out / ".cache" / "source-tiny-k3-seed0" / "config.json").is_file()
     manifest = json.loads((out / "manifest.json").read_text())
@@ -264,7 +264,7 @@ def test_synthetic_build_layout_manifest_and_noop_rerun(tmp_path, capsys):
     assert manifest["recipe"]["sha256"] == recipe.fingerprint()
     assert manifest["license"]["file"] == "LICENSE"
     assert manifest["quantization"]["min_sqnr_db"] is not None
-    assert set(manifest["stages"]) == set(stage_keys(recipe, "x", None, {}))
+    assert set(manifest["stages"]) == set(stage_keys(recipe, "x", None, {})) | {"vision"}
     assert str(tmp_path) not in (out / "manifest.json").read_text()
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["mapping"] == {"world_size": 4, "tp_size": 2, "ep_size": 2, "attention": "tp"}
@@ -304,7 +304,7 @@ def test_quantization_change_rebuilds_convert_graph_lowering(ckpt, tmp_path):
     res = build(tiny_recipe(ckpt, **{"quantization.dense": "fp8"}), out, stages=FAKE_STAGES, progress=False)
     assert res.ran == [f"{s}/rank{n}" for n in range(4) for s in ("convert", "graph", "lower")] + ["config"]
     after = inodes(out)
-    assert {k for k in before if before[k] != after[k]} == set(before) - {"LICENSE", *TOKENIZER}
+    assert {k for k in before if before[k] != after[k]} == set(before) - {"LICENSE", *TOKENIZER, "vision.onnx", "vision.safetensors"}
     assert verify_engine_dir(out)["ok"]
     assert_published_alone(out)
 
@@ -414,7 +414,7 @@ def test_tokenizer_files_are_copied_and_follow_the_source(tmp_path, ckpt):
     (src / "tiktoken.model").unlink()
     res = build(tiny_recipe(src), out, stages=FAKE_STAGES, progress=False)
     assert res.ran == ["tokenizer"] and res.removed == ["tiktoken.model"]
-    assert res.published == ["chat_template.jinja", "tokenizer_config.json"]
+    assert res.published == ["chat_template.jinja", "preprocessor_config.json", "tokenizer_config.json"]
     assert (out / "chat_template.jinja").read_text() == "{{ messages }}"
     assert verify_engine_dir(out)["ok"]
     assert_published_alone(out)

@@ -205,3 +205,44 @@ def test_mpiexec_8_ranks_dp_layout_matches_single_rank_reference(dp_engine, pres
     assert got["moe_tokens"] == routed * moe_layers  # every token routed once per MoE layer, by one rank
     assert np.sum(got["expert_tokens"]) == routed * moe_layers * ref.cfg.num_experts_per_token
     assert "moe_all_reduce" not in got["sent_bytes"] and got["sent_bytes"]["moe_all_to_all"] > 0
+
+
+# ---- plan: per-layout bytes and attention work --------------------------------------------------------------
+
+
+def test_expected_destinations_matches_enumeration():
+    from itertools import combinations
+
+    from moe_export.export.traffic import expected_destinations
+
+    for experts, k, ep in ((8, 3, 4), (12, 2, 6), (6, 6, 3)):
+        per = experts // ep
+        choices = list(combinations(range(experts), k))
+        exact = sum(len({e // per for e in c}) for c in choices) / len(choices)
+        assert expected_destinations(experts, k, ep) == pytest.approx(exact, rel=1e-12)
+
+
+@pytest.mark.parametrize("recipe, world", [("h100x64.yaml", 64), ("h200x32.yaml", 32)])
+def test_plan_shows_both_layouts_and_the_recipes_choose_dp(recipe, world):
+    from moe_export.export.planner import make_plan
+
+    rec, _ = load_recipe(recipe)
+    assert rec.parallel.attention == "dp" and rec.parallel.ep == world
+    layouts = make_plan(rec).to_dict()["layouts"]
+    tp, dp = layouts["tp"], layouts["dp"]
+    batch, d = rec.limits.max_batch, 3584  # K3's latent MoE width, bf16 on GPU
+    assert tp["moe_bytes"]["all_reduce"] == pytest.approx(2 * (world - 1) / world * batch * d * 2)
+    assert dp["groups"] == world // 8 and dp["tokens_per_gpu"] == pytest.approx(batch / 8)
+    assert dp["attention_token_heads"] == tp["attention_token_heads"] == batch * 96 // 8
+    # the dp layout serves world/tp times the tokens with the same attention work per GPU, and sends fewer MoE
+    # bytes per served token: the reason the recipes choose it
+    assert dp["tokens_per_gpu"] == pytest.approx(tp["tokens_per_gpu"] * world / 8)
+    assert dp["moe_bytes_per_token"] < 0.6 * tp["moe_bytes_per_token"]  # 0.28x (h100x64), 0.52x (h200x32)
+
+
+def test_tensorrt_build_of_a_dp_recipe_is_refused_up_front(tmp_path):
+    from moe_export.export.build import Stages, _check_backend
+
+    rec, _ = load_recipe("h100x64.yaml")
+    with pytest.raises(InputError, match="parallel.attention dp needs the MoE all-to-all"):
+        _check_backend(rec, Stages(build_tensorrt_engine=lambda *a: None))
