@@ -98,7 +98,7 @@ def main() -> None:
     import httpx
     import jinja2
 
-    from moe_export.runtime.batch.doc_tasks import TASK_TEMPLATES
+    from moe_export.runtime.entrypoints.batch.doc_tasks import TASK_TEMPLATES
 
     with tempfile.TemporaryDirectory(prefix="batch-bench-") as tmp:
         root = Path(tmp)

@@ -39,7 +39,8 @@ import yaml
 from moe_export.export.build import build
 from moe_export.graphs.model import KimiModel
 from moe_export.recipes.schema import load_recipe
-from moe_export.runtime.engine import Engine, SequenceChunk, StepBatch
+from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
+from moe_export.runtime.engine.ort import Engine
 
 PROMPT_LEN = 16
 CONTEXT_LEN = 448  # prompt tokens per sequence before the pool-size decode steps (tiny-cpu max_seq_len 512)

@@ -33,7 +33,7 @@ import yaml
 
 from moe_export.export.build import build
 from moe_export.recipes.schema import load_recipe
-from moe_export.runtime.llm import LLM
+from moe_export.runtime.entrypoints.llm import LLM
 from moe_export.runtime.sampling import SamplingParams
 
 BATCH = 16
@@ -45,7 +45,7 @@ BLOCK = 64
 def build_engine(root: Path, name: str, max_seq_len: int) -> Path:
     recipe = yaml.safe_load(load_recipe("tiny-cpu.yaml")[1].read_text())
     recipe["name"] = name
-    recipe["limits"] = {"max_batch": BATCH, "max_seq_len": max_seq_len, "max_num_tokens": 256, "block_size": BLOCK}
+    recipe["limits"].update({"max_batch": BATCH, "max_seq_len": max_seq_len, "max_num_tokens": 256, "block_size": BLOCK})
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe))
     out = root / name

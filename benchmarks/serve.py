@@ -76,7 +76,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run(tokens: int, rounds: int) -> dict:
-    from moe_export.runtime.llm import LLM
+    from moe_export.runtime.entrypoints.llm import LLM
 
     with tempfile.TemporaryDirectory() as tmp:
         engine = build_serve_engine(Path(tmp))

@@ -145,9 +145,9 @@ def generate(
     Greedy unless a sampling flag is given."""
     import json
 
-    from moe_export.runtime.tokenizer import load_tokenizer
-    from moe_export.runtime.generate import generate_command
+    from moe_export.runtime.entrypoints.generate import generate_command
     from moe_export.runtime.sampling import SamplingParams
+    from moe_export.runtime.tokenizer import load_tokenizer
 
     if max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
@@ -173,8 +173,8 @@ def chat(
 ) -> None:
     """A terminal conversation: streams answers (reasoning dimmed), keeps history with state reuse;
     /effort low|high|max|none, /reset, /exit. Under `mpiexec -n WORLD`, rank 0 talks to the terminal."""
+    from moe_export.runtime.entrypoints.terminal import chat_terminal
     from moe_export.runtime.sampling import SamplingParams
-    from moe_export.runtime.terminal import chat_terminal
 
     chat_terminal(engine, effort=effort, system=system,
                   sampling=SamplingParams.from_flags(temperature, top_k, top_p, seed, max_tokens))
@@ -242,7 +242,7 @@ def triton_repo(
 ) -> None:
     """Write a Triton Inference Server model (Python backend, decoupled, vLLM-backend tensor names) hosting
     the runtime on ENGINE, plus launch_NAME.sh (in process, or --mpi: one process per rank)."""
-    from moe_export.runtime.triton_repo import write_triton_repo
+    from moe_export.runtime.entrypoints.triton.repo import write_triton_repo
 
     path = write_triton_repo(engine, out, model_name, default_effort)
     console.print(f"wrote Triton model {model_name} to {path} (launch: {path.parent / f'launch_{model_name}.sh'})",
@@ -267,8 +267,8 @@ def batch(
     ray_actors: int = typer.Option(2, "--ray-actors", help="Ray: engine replicas (one per actor)"),
 ) -> None:
     """Offline batch inference through the runtime's continuous batching; resumable; exit 1 if any item failed."""
-    from moe_export.runtime.batch.doc_tasks import DocJob
-    from moe_export.runtime.batch.runner import render_summary, run_batch
+    from moe_export.runtime.entrypoints.batch.doc_tasks import DocJob
+    from moe_export.runtime.entrypoints.batch.runner import render_summary, run_batch
 
     doc_job = None
     if task is not None or prompt_file is not None:
@@ -285,14 +285,14 @@ def batch(
 @app.command("eval")
 def eval_(
     engine: str = typer.Argument(..., help="engine directory written by `build`"),
-    tasks: str = typer.Option(..., "--tasks", help="tasks JSONL (see moe_export.runtime.eval)"),
+    tasks: str = typer.Option(..., "--tasks", help="tasks JSONL (see moe_export.runtime.entrypoints.eval)"),
     tiers: str = typer.Option("low,high,max", "--tiers", help="comma-separated thinking tiers (low, high, max, none)"),
     out: str = typer.Option(..., "--out", help="report folder: report.json and tiers.png"),
 ) -> None:
     """Run checkable tasks through the chat path at each thinking tier; pass rate, rounds, tokens, latency."""
     from rich.table import Table
 
-    from moe_export.runtime.eval import run_eval
+    from moe_export.runtime.entrypoints.eval import run_eval
 
     report = run_eval(engine, tasks, tiers, out)
     table = Table(title=f"eval ({out}/report.json)")
@@ -317,7 +317,7 @@ def serve(
 ) -> None:
     """OpenAI- and Anthropic-compatible HTTP server (rank 0; other ranks follow under `mpiexec -n WORLD`).
     Ready when GET /health answers 200; SIGTERM drains running requests and exits 0."""
-    from moe_export.runtime.server.launch import resolve_api_keys, serve as run_server
+    from moe_export.runtime.entrypoints.server.launch import resolve_api_keys, serve as run_server
 
     run_server(engine, host=host, port=port, api_keys=resolve_api_keys(api_key), store=store,
                default_effort=default_effort, max_queue=max_queue, served_model_names=tuple(served_model_name or ()))

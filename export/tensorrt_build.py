@@ -2,7 +2,7 @@
 
 Collectives. The graph is cut at its `AllReduce` / `AllGather` nodes exactly as for ONNX Runtime
 (`backends.plan_segments`); each segment becomes a TensorRT engine and the runtime performs the collective
-between segments with NCCL (`runtime/tensorrt_engine.py`). Chosen over a collective inside the engine because
+between segments with NCCL (`runtime/engine/tensorrt.py`). Chosen over a collective inside the engine because
 (1) TensorRT's native `IDistCollectiveLayer` needs 10.16+, gathers only along dimension 0 (the vocab-parallel
 logits gather along the last one) and takes its NCCL communicator on the execution context, and a Python
 NCCL plugin would run during the build's tactic timing, hanging unless every rank builds in lockstep;

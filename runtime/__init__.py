@@ -1,9 +1,12 @@
-"""moe_export.runtime: engine runner, scheduler, sessions, the LLM / AsyncLLM API, chat formats, server.
+"""moe_export.runtime: model runners (`engine`), the engine core (`core`: scheduler, blocks, sessions, budgets,
+structured decoding), entry points (`entrypoints`: LLM / AsyncLLM, generate, terminal chat, eval, server,
+Triton, batch), sampling parameters, tokenizer and chat formats.
 
 `from moe_export.runtime import LLM, AsyncLLM, SamplingParams` (imported on first use, so that importing
 a submodule such as runtime.engine stays light)."""
 
-_LAZY = {"LLM": "moe_export.runtime.llm", "AsyncLLM": "moe_export.runtime.llm", "SamplingParams": "moe_export.runtime.sampling"}
+_LAZY = {"LLM": "moe_export.runtime.entrypoints.llm", "AsyncLLM": "moe_export.runtime.entrypoints.llm",
+         "SamplingParams": "moe_export.runtime.sampling"}
 
 
 def __getattr__(name: str):

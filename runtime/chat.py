@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from moe_export.export.errors import InputError
-from moe_export.runtime.budget import EFFORT_TIERS
+from moe_export.runtime.core.budget import EFFORT_TIERS
 from moe_export.runtime.formats.common import Renderer, Segment, check_family, response_format_of, tool_choice_of
 from moe_export.runtime.formats.k2 import K2Renderer
 from moe_export.runtime.formats.k3 import K3Renderer

@@ -284,7 +284,7 @@ def runtime_engine(tmp_path_factory: pytest.TempPathFactory):
             data["model"] = {"source": f"synthetic:{preset}"}
             data["target"]["gpus_per_node"] = world
             data["parallel"] = {"tp": tp, "ep": ep}
-            data["limits"] = {"max_batch": 6, "max_seq_len": 1024, "max_num_tokens": max_num_tokens, "block_size": 16}
+            data["limits"].update({"max_batch": 6, "max_seq_len": 1024, "max_num_tokens": max_num_tokens, "block_size": 16})
             data["thinking"] = {"low": 6, "high": 12, "max": 20}
             data["quantization"]["kv_cache"] = "fp32"  # exact parity with the fp32 reference (bf16 pools: test_engine_parity)
             path = root / f"{data['name']}.yaml"

@@ -11,9 +11,9 @@ import json
 import os
 import sys
 
-from moe_export.runtime.engine import Engine
+from moe_export.runtime.core.scheduler import Request, Scheduler, follow
+from moe_export.runtime.engine.ort import Engine
 from moe_export.runtime.sampling import SamplingParams
-from moe_export.runtime.scheduler import Request, Scheduler, follow
 
 
 def main() -> None:

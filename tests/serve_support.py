@@ -29,7 +29,7 @@ def build_serve_engine(root: Path, preset: str = "tiny-k3", tp: int = 1, ep: int
     data["model"] = {"source": f"synthetic:{preset}"}
     data["target"]["gpus_per_node"] = world
     data["parallel"] = {"tp": tp, "ep": ep}
-    data["limits"] = {**data["limits"], **SERVE_LIMITS}  # keeps tiny-cpu's other limits (image patches)
+    data["limits"].update(SERVE_LIMITS)
     data["thinking"] = dict(SERVE_THINKING)
     path = root / f"{data['name']}.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -57,8 +57,8 @@ class InProcessServer:
     def __init__(self, engine_dir: Path, **settings) -> None:
         import uvicorn
 
-        from moe_export.runtime.llm import AsyncLLM
-        from moe_export.runtime.server.app import ServerSettings, create_app
+        from moe_export.runtime.entrypoints.llm import AsyncLLM
+        from moe_export.runtime.entrypoints.server.app import ServerSettings, create_app
 
         self.settings = ServerSettings(engine_dir=engine_dir, **settings)
         self.llm = AsyncLLM(engine_dir, default_effort=self.settings.default_effort)

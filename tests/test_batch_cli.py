@@ -33,7 +33,7 @@ def engine(tmp_path_factory):
     data = yaml.safe_load(load_recipe("tiny-cpu.yaml")[1].read_text())
     data.update(name="batch-tiny", parallel={"tp": 1, "ep": 1})
     data["target"]["gpus_per_node"] = 1
-    data["limits"] = {**data["limits"], "max_batch": 16, "max_seq_len": 512, "max_num_tokens": 512}
+    data["limits"].update({"max_batch": 16, "max_seq_len": 512, "max_num_tokens": 512})
     (root / "batch.yaml").write_text(yaml.safe_dump(data))
     build(load_recipe(root / "batch.yaml")[0], root / "engine")
     return root / "engine"

@@ -9,10 +9,10 @@ import os
 import pytest
 
 from moe_export.export.errors import InputError
-from moe_export.runtime.batch.chunking import chunk_text
-from moe_export.runtime.batch.documents import read_documents
-from moe_export.runtime.batch.openai_batch import parse_input_line
-from moe_export.runtime.batch.output import ResultLog
+from moe_export.runtime.entrypoints.batch.chunking import chunk_text
+from moe_export.runtime.entrypoints.batch.documents import read_documents
+from moe_export.runtime.entrypoints.batch.openai_batch import parse_input_line
+from moe_export.runtime.entrypoints.batch.output import ResultLog
 
 
 def byte_count(text: str) -> int:

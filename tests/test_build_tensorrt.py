@@ -31,7 +31,7 @@ def test_every_segment_input_has_profile_dims(tiny_graphs):  # noqa: F811
                 assert 1 <= low <= opt <= high or low == opt == high
         pools = [v for n, v in dims.items() if n.startswith(("mla_cache.", "index_cache."))]
         assert pools and all(v[:2] == ["NB", "BS"] for v in pools)
-    # pools follow the planner's pool sizes (what runtime.engine.Engine allocates), tactic timing uses small opt shapes
+    # pools follow the planner's pool sizes (what runtime.engine.ort.Engine allocates), tactic timing uses small opt shapes
     per_sequence = -(-limits.max_seq_len // limits.block_size)
     assert sizes.num_blocks >= per_sequence and sizes.num_slots == limits.max_batch
     assert profile_range("kda_state.0", 0, "S", limits, sizes) == (1, 4, limits.max_batch)

@@ -25,7 +25,8 @@ import yaml
 from moe_export.export.build import build
 from moe_export.graphs.model import KimiModel
 from moe_export.recipes.schema import load_recipe
-from moe_export.runtime.engine import Engine, SequenceChunk, StepBatch
+from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
+from moe_export.runtime.engine.ort import Engine
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 8, 300, 11, 12, 77, 1, 400]
 DECODE_STEPS = 8

@@ -18,7 +18,8 @@ from moe_export.export.build import build
 from moe_export.export.errors import InputError
 from moe_export.export.mpi import mpi_world
 from moe_export.recipes.schema import load_recipe
-from moe_export.runtime.engine import Engine, SequenceChunk, StepBatch, rank_folders
+from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
+from moe_export.runtime.engine.ort import Engine, rank_folders
 
 WORLD = 12  # tp=2, ep=4: ranks 10 and 11 exist, so name order and number order differ
 
@@ -28,7 +29,8 @@ CHECK_OWN_MAPPING = """
 import json, sys
 import numpy as np
 from mpi4py import MPI
-from moe_export.runtime.engine import Engine, SequenceChunk, StepBatch
+from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
+from moe_export.runtime.engine.ort import Engine
 rank = MPI.COMM_WORLD.Get_rank()
 try:
     eng = Engine(sys.argv[1], num_slots=1, num_blocks=8, threads=1)
@@ -104,8 +106,8 @@ def test_pmix_launch_is_detected_by_build_and_engine():
     from them, so the detection sees only PMIX_RANK."""
     code = ("import os; from mpi4py import MPI; "
             "os.environ['PMIX_RANK'] = os.environ.pop('PMI_RANK'); del os.environ['PMI_SIZE']; "
-            "from moe_export.export import build, mpi; from moe_export.runtime import engine; "
-            "assert build.mpi_world is mpi.mpi_world and engine.mpi_world is mpi.mpi_world; "
+            "from moe_export.export import build, mpi; from moe_export.runtime.engine import ort; "
+            "assert build.mpi_world is mpi.mpi_world and ort.mpi_world is mpi.mpi_world; "
             "c = build.detect_comm(); print(mpi.mpi_world(), c.rank, c.size)")
     r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]

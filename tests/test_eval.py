@@ -10,8 +10,8 @@ import pytest
 
 from conftest import run_cli
 from moe_export.export.errors import InputError
-from moe_export.runtime.eval import EvalTask, check_answer, load_tasks, run_task
-from moe_export.runtime.llm import ChatOutput
+from moe_export.runtime.entrypoints.eval import EvalTask, check_answer, load_tasks, run_task
+from moe_export.runtime.entrypoints.llm import ChatOutput
 
 
 def call(name: str, args: dict, idx: int = 0) -> dict:
@@ -97,7 +97,7 @@ def engine(tmp_path_factory):
     data = yaml.safe_load(load_recipe("tiny-cpu.yaml")[1].read_text())
     data.update(name="eval-tiny", parallel={"tp": 1, "ep": 1}, thinking=THINKING_CAPS)
     data["target"]["gpus_per_node"] = 1
-    data["limits"] = {"max_batch": 8, "max_seq_len": 1024, "max_num_tokens": 256}
+    data["limits"].update({"max_batch": 8, "max_seq_len": 1024, "max_num_tokens": 256})
     (root / "eval.yaml").write_text(yaml.safe_dump(data))
     build(load_recipe(root / "eval.yaml")[0], root / "engine")
     return root / "engine"

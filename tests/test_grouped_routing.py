@@ -15,7 +15,8 @@ from moe_export.export.checkpoint import open_checkpoint
 from moe_export.graphs import model as M
 from moe_export.graphs.model import KimiModel
 from moe_export.recipes.schema import load_recipe
-from moe_export.runtime.engine import Engine, SequenceChunk, StepBatch
+from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
+from moe_export.runtime.engine.ort import Engine
 
 PRESET = "tiny-dsa-grouped"
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 8, 300, 11, 12, 77, 1, 400]

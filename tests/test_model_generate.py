@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from moe_export.export.errors import InputError
-from moe_export.runtime.tokenizer import load_tokenizer
-from moe_export.runtime.generate import ReferenceEngine, generate_tokens, reference_generate
 from moe_export.graphs.model import KimiModel
+from moe_export.runtime.entrypoints.generate import ReferenceEngine, generate_tokens, reference_generate
 from moe_export.runtime.sampling import Sampler, SamplingParams, filter_logits
+from moe_export.runtime.tokenizer import load_tokenizer
 from conftest import run_cli
 
 

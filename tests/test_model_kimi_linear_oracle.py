@@ -8,7 +8,7 @@ from conftest import import_hf
 
 from moe_export.export.checkpoint import CheckpointReader
 from moe_export.graphs import model as M
-from moe_export.runtime.generate import reference_generate
+from moe_export.runtime.entrypoints.generate import reference_generate
 
 PROMPT = [17, 250, 3, 99, 42, 7, 128, 64, 200, 5, 31, 77, 1, 180, 255, 12, 90, 143, 8, 60]
 

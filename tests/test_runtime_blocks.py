@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_export.runtime.blocks import BlockAllocator, PoolExhausted
+from moe_export.runtime.core.blocks import BlockAllocator, PoolExhausted
 
 
 def test_allocate_free_and_refcounts():

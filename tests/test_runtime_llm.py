@@ -10,8 +10,8 @@ import torch
 
 from moe_export.export.errors import InputError
 from moe_export.runtime.chat import parse_output
-from moe_export.runtime.generate import generate_tokens
-from moe_export.runtime.llm import LLM, AsyncLLM
+from moe_export.runtime.entrypoints.generate import generate_tokens
+from moe_export.runtime.entrypoints.llm import LLM, AsyncLLM
 from moe_export.runtime.sampling import SamplingParams
 
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
@@ -132,7 +132,7 @@ def test_chat_terminal_continues_the_kept_state(runtime_engine, capsys, monkeypa
 
     from conftest import TextOnly, run_cli
 
-    from moe_export.runtime import terminal
+    from moe_export.runtime.entrypoints import terminal
 
     class TextOnlyLLM(LLM):  # random weights: mask the reserved tokens no message can hold (see TextOnly)
         def chat_stream(self, messages, sampling=None, **kwargs):

@@ -10,13 +10,13 @@ import sys
 
 import pytest
 
-from moe_export.runtime.engine import PAIR_BYTES_FIXED, PAIR_BYTES_PER_VALUE
+from moe_export.runtime.engine.ort import PAIR_BYTES_FIXED, PAIR_BYTES_PER_VALUE
 
 PROBE = r"""
 import ctypes, json, re, sys
-from moe_export.runtime.engine import Engine
+from moe_export.runtime.core.scheduler import Request, Scheduler
+from moe_export.runtime.engine.ort import Engine
 from moe_export.runtime.sampling import SamplingParams
-from moe_export.runtime.scheduler import Request, Scheduler
 
 
 def status(key):

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from moe_export.export.errors import InputError
-from moe_export.runtime.engine import Engine
-from moe_export.runtime.generate import generate_tokens
+from moe_export.runtime.core.scheduler import Request, Scheduler
+from moe_export.runtime.engine.ort import Engine
+from moe_export.runtime.entrypoints.generate import generate_tokens
 from moe_export.runtime.sampling import SamplingParams
-from moe_export.runtime.scheduler import Request, Scheduler
 from moe_export.runtime.tokenizer import IncrementalDecoder
 
 PROMPTS = [

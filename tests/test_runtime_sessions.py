@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from moe_export.runtime.engine import Engine
-from moe_export.runtime.llm import LLM
+from moe_export.runtime.core.scheduler import Request, Scheduler
+from moe_export.runtime.core.sessions import TurnMemory
+from moe_export.runtime.engine.ort import Engine
+from moe_export.runtime.entrypoints.llm import LLM
 from moe_export.runtime.sampling import SamplingParams
-from moe_export.runtime.scheduler import Request, Scheduler
-from moe_export.runtime.sessions import TurnMemory
 
 ATOL = 1e-5
 TURN1 = [5, 17, 99, 3, 250, 42, 7, 8, 300, 11, 12, 77, 1, 400, 9, 9, 31, 64, 65, 66, 70]

@@ -13,9 +13,9 @@ import torch
 
 from moe_export.export.errors import InputError
 from moe_export.runtime.chat import parse_output
-from moe_export.runtime.server import convert
-from moe_export.runtime.server.store import MissingResponse, ResponseStore, StoredResponse, key_scope
-from moe_export.runtime.server.structured import GrammarLogitsProcessor, GrammarVocab, structural_tag_for
+from moe_export.runtime.core.structured import GrammarLogitsProcessor, GrammarVocab, structural_tag_for
+from moe_export.runtime.entrypoints.server import convert
+from moe_export.runtime.entrypoints.server.store import MissingResponse, ResponseStore, StoredResponse, key_scope
 from moe_export.runtime.tokenizer import load_tokenizer, write_synthetic_tokenizer
 
 
@@ -198,7 +198,7 @@ def tempting_bias(tok, width: int) -> torch.Tensor:
 
 def only_markers_and_eos(tok, family, ids) -> bool:
     """Every special token in `ids` is one of the family's markers or an eos id."""
-    from moe_export.runtime.server.structured import FAMILY_MARKERS
+    from moe_export.runtime.core.structured import FAMILY_MARKERS
 
     allowed = {tok.token_to_id(m) for m in FAMILY_MARKERS[family]} | set(tok.eos_token_ids)
     return all(t in allowed for t in ids if tok.is_special(t))
@@ -311,7 +311,7 @@ def test_serve_cli_bad_input_exits_2(capsys, tmp_path, monkeypatch, args, messag
 
 
 def test_serve_busy_port_is_a_clear_error():
-    from moe_export.runtime.server.launch import listening_socket
+    from moe_export.runtime.entrypoints.server.launch import listening_socket
 
     with listening_socket("127.0.0.1", 0) as taken:
         taken.listen()

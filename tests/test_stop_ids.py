@@ -14,7 +14,7 @@ from moe_export.export.build import build
 from moe_export.graphs.config import ModelConfig
 from moe_export.graphs.model import KimiModel
 from moe_export.recipes.schema import load_recipe
-from moe_export.runtime.generate import reference_generate
+from moe_export.runtime.entrypoints.generate import reference_generate
 
 PROMPT = [5, 17, 99, 3, 250, 42]
 

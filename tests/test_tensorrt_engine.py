@@ -11,7 +11,7 @@ from safetensors.numpy import save_file
 
 from moe_export.export.errors import InputError
 from moe_export.export.tensorrt_build import PLAN_KEY
-from moe_export.runtime.tensorrt_engine import TensorRTEngine, read_engine_file
+from moe_export.runtime.engine.tensorrt import TensorRTEngine, read_engine_file
 
 
 def test_engine_file_round_trip_and_errors(tmp_path):

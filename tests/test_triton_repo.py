@@ -36,7 +36,7 @@ def engine(runtime_engine):
 @pytest.fixture(scope="module")
 def repo(engine, tmp_path_factory):
     out = tmp_path_factory.mktemp("triton") / "repo"
-    from moe_export.runtime.triton_repo import write_triton_repo
+    from moe_export.runtime.entrypoints.triton.repo import write_triton_repo
 
     write_triton_repo(engine, out, "kimi", default_effort="low")
     return out
@@ -61,7 +61,7 @@ def test_config_pbtxt_is_a_valid_decoupled_python_model(repo, engine):
     assert cfg.parameters["default_effort"].string_value == "low"
     assert (repo / "kimi" / "1" / "model.py").read_text().startswith('"""Triton Inference Server Python-backend')
     script = (repo / "launch_kimi.sh").read_text()
-    assert "mpiexec -n 1 tritonserver" in script and "-m moe_export.runtime.triton_follower" in script
+    assert "mpiexec -n 1 tritonserver" in script and "-m moe_export.runtime.entrypoints.triton.follower" in script
     assert "WORLD=1\n" in script and (repo / "launch_kimi.sh").stat().st_mode & 0o111
     assert subprocess.run(["bash", "-n", str(repo / "launch_kimi.sh")]).returncode == 0
 
@@ -139,7 +139,7 @@ def text_of(response, name="text_output") -> str:
 
 
 def test_three_concurrent_streams_a_cancelled_one_and_a_bad_one(model, pb_utils, engine):
-    from moe_export.runtime.llm import LLM
+    from moe_export.runtime.entrypoints.llm import LLM
 
     params = {"max_tokens": 12, "ignore_eos": True, "temperature": 0.0}
     max_seq_len = json.loads((Path(engine) / "config.json").read_text())["limits"]["max_seq_len"]
@@ -225,8 +225,8 @@ def test_model_is_thread_safe_for_execute_from_several_threads(model, pb_utils):
 
 
 def test_follower_rank_entry_refuses_to_run_outside_mpiexec(engine):
-    """`python -m moe_export.runtime.triton_follower ENGINE` (ranks 1..W-1 of launch_NAME.sh --mpi) needs mpiexec."""
+    """`python -m moe_export.runtime.entrypoints.triton.follower ENGINE` (ranks 1..W-1 of launch_NAME.sh --mpi) needs mpiexec."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_"))}
-    r = subprocess.run([sys.executable, "-m", "moe_export.runtime.triton_follower", str(engine)], env=env,
+    r = subprocess.run([sys.executable, "-m", "moe_export.runtime.entrypoints.triton.follower", str(engine)], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "under mpiexec" in r.stderr

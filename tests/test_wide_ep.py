@@ -22,8 +22,9 @@ from moe_export.graphs.model import KimiModel
 from moe_export.graphs.sharding import Mapping
 from moe_export.plugins.collectives import all_to_all
 from moe_export.recipes.schema import load_recipe
-from moe_export.runtime.engine import Engine, SequenceChunk, StepBatch
-from moe_export.runtime.generate import ReferenceEngine, generate_tokens
+from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
+from moe_export.runtime.engine.ort import Engine
+from moe_export.runtime.entrypoints.generate import ReferenceEngine, generate_tokens
 from moe_export.runtime.sampling import SamplingParams
 from moe_export.runtime.tokenizer import load_tokenizer
 

@@ -1,5 +1,5 @@
 """Fast CPU PagedCacheWrite (semantics in `reference.py`), in place: one gather of the tokens' physical rows and
-one indexed store, O(tokens). This is the ONNX Runtime engine's write-back (`runtime/engine.py`): ORT cannot alias
+one indexed store, O(tokens). This is the ONNX Runtime engine's write-back (`runtime/engine/ort.py`): ORT cannot alias
 a graph output to an input, so its graphs return the new rows and the runtime stores them with this function."""
 
 import torch

@@ -7,7 +7,7 @@ storage (the graph rounds them and attends over the rounded values in the same s
 the pool dtype, or for a uint8 pool [NB, BS, D + 1] as fp8 rows with their scale byte
 (`moe_export.quantize.fp8_cache.encode_rows`). Every other pool row is left as it was.
 
-Tokens of one step write distinct rows (the runtime checks it before the step: `runtime.engine.check_batch`).
+Tokens of one step write distinct rows (the runtime checks it before the step: `runtime.engine.batch.check_step_batch`).
 """
 
 import torch

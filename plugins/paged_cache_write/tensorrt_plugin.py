@@ -11,7 +11,7 @@ Importing this module registers `moe_export::PagedCacheWrite` (name = op type, n
 
 - `pool_out` is declared *aliased* to `pool` (the builder enables `PreviewFeature.ALIASED_PLUGIN_IO_10_03`): the
   step's rows are written into the runtime's pool in place, O(tokens); the runtime binds the segment output
-  `<pool>.written` to the pool's own buffer (`runtime/tensorrt_engine.py`).
+  `<pool>.written` to the pool's own buffer (`runtime/engine/tensorrt.py`).
 - `impl` (JIT) launches the kernel on TensorRT's stream; `aot_impl` compiles it to PTX for the build GPU:
   parameters the 5 input pointers, the int32 extras N, T, NB, BS, B, then the output pointer; grid (T,); the
   row width D must be a build-time constant.

@@ -12,7 +12,7 @@ ranks, as `graphs.sharding.Mapping` lays them out), on the same CUDA stream as t
 are torch CUDA tensors. The JIT plugins run in this process (their modules are imported before the engines
 are deserialized), so TensorRT calls back into Python for them.
 
-State pools are torch tensors owned here, sized as `runtime.engine` does for ONNX Runtime (recurrent state
+State pools are torch tensors owned here, sized as `runtime.engine.ort` does for ONNX Runtime (recurrent state
 [S, ...] per KDA layer; paged MLA / indexer caches [NB, BS, W] in the recipe's cache dtype). The engines update
 them in place: GatedDeltaScan / ShortConv rewrite the step's slots and `PagedCacheWrite` stores the step's cache
 rows, each through a plugin output `<pool>.written` aliased to the pool input, which this runner binds to the
@@ -28,9 +28,11 @@ from pathlib import Path
 import numpy as np
 
 from moe_export.export.errors import InputError
+from moe_export.export.mpi import mpi_world
 from moe_export.export.planner import engine_pool_sizes
 from moe_export.graphs.onnx_export import WRITTEN_SUFFIX
-from moe_export.runtime.engine import DEFAULT_BLOCK_SIZE, RESET_ON_NEW_SEQUENCE, STATE_PREFIXES, StepBatch, mpi_world
+from moe_export.runtime.engine.batch import (DEFAULT_BLOCK_SIZE, RESET_ON_NEW_SEQUENCE, STATE_PREFIXES, StepBatch,
+                                            check_slot, check_step_batch)
 
 
 def read_engine_file(path: Path) -> tuple[dict, dict[str, bytes]]:
@@ -130,18 +132,14 @@ class TensorRTEngine:
         return self.rank == 0
 
     def reset_slot(self, slot: int) -> None:
+        check_slot(self, slot)
         for name, pool in self.pools.items():
             if name.startswith(RESET_ON_NEW_SEQUENCE):
                 pool[slot].zero_()
 
-    def copy_slot(self, src: int, dst: int) -> None:
-        """Copy a slot's recurrent state (the caches are shared through block tables)."""
-        for name, pool in self.pools.items():
-            if name.startswith(RESET_ON_NEW_SEQUENCE):
-                pool[dst].copy_(pool[src])
-
     def step(self, batch: StepBatch) -> np.ndarray:
         """Run one packed step on this rank; returns logits [N, vocab] fp32 (every rank)."""
+        check_step_batch(self, batch)
         torch = self._torch
         env = {k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device) for k, v in batch.feeds().items()}
         env.update(self.pools)

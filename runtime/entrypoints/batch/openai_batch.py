@@ -60,7 +60,7 @@ class ServedEndpoints:
     def __init__(self, allm, engine_dir: str | Path, default_effort: str | None, concurrency: int) -> None:
         import httpx
 
-        from moe_export.runtime.server.app import ServerSettings, create_app
+        from moe_export.runtime.entrypoints.server.app import ServerSettings, create_app
 
         settings = ServerSettings(Path(engine_dir), default_effort=default_effort or "max",
                                   max_queue=max(256, 2 * concurrency), model_name="moe-export",

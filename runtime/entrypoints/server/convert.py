@@ -16,7 +16,7 @@ import uuid
 from typing import Any
 
 from moe_export.export.errors import InputError
-from moe_export.runtime.server.structured import check_tool_parameters
+from moe_export.runtime.core.structured import check_tool_parameters
 
 
 def new_id(prefix: str) -> str:

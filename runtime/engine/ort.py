@@ -37,11 +37,10 @@ from moe_export.export.mpi import mpi_world
 from moe_export.export.planner import GIB, engine_pool_sizes
 from moe_export.graphs.config import ModelConfig
 from moe_export.plugins.collectives import all_to_all
-from moe_export.plugins.paged_cache_write.cpu import cache_rows, paged_cache_write_
+from moe_export.plugins.paged_cache_write.cpu import paged_cache_write_
+from moe_export.runtime.engine.batch import (DEFAULT_BLOCK_SIZE, RESET_ON_NEW_SEQUENCE, STATE_PREFIXES, StepBatch,
+                                            check_slot, check_step_batch)
 
-STATE_PREFIXES = ("kda_state.", "conv_state.", "mla_cache.", "index_cache.")
-RESET_ON_NEW_SEQUENCE = ("kda_state.", "conv_state.")  # recurrent state, by slot; the other pools are paged caches
-DEFAULT_BLOCK_SIZE = 64  # tokens per cache block when the engine's config.json does not say
 POOL_DTYPES = {TensorProto.FLOAT: np.float32, TensorProto.BFLOAT16: ml_dtypes.bfloat16,
                TensorProto.UINT8: np.uint8}  # ONNX -> numpy (uint8: fp8 rows with their scale byte)
 
@@ -84,72 +83,6 @@ def rank_folders(engine_dir: Path) -> list[Path]:
         raise InputError(f"{engine_dir}: rank folders {[f'rank{n}' for n in missing[:8]]} are missing "
                          f"(found {len(found)} of rank0..rank{max(found)})")
     return [found[n] for n in range(len(found))]
-
-
-@dataclass
-class SequenceChunk:
-    """One sequence's tokens in a step.
-
-    slot: recurrent-state slot (KDA state + conv windows) of the sequence; start: absolute position of
-    tokens[0]; tokens: the new token ids (at least one); block_table: physical cache block ids covering
-    positions [0, start + len(tokens)) in order (block j holds positions j*block_size .. (j+1)*block_size-1).
-    """
-
-    slot: int
-    start: int
-    tokens: list[int]
-    block_table: list[int]
-
-
-@dataclass
-class StepBatch:
-    """One engine step over N sequences: tokens [T] packed in sequence order."""
-
-    input_ids: np.ndarray  # [T] int64
-    positions: np.ndarray  # [T] int64
-    cu_seqlens: np.ndarray  # [N+1] int64
-    slot_ids: np.ndarray  # [N] int64
-    block_tables: np.ndarray  # [N, B] int64, B = longest table in the step, rows padded with -1
-
-    @classmethod
-    def from_sequences(cls, chunks: list[SequenceChunk]) -> StepBatch:
-        """Pack `chunks` (each with at least one token) into one step."""
-        if not chunks:
-            raise InputError("a step needs at least one sequence chunk")
-        ids, pos, cu = [], [], [0]
-        for c in chunks:
-            if not isinstance(c, SequenceChunk):
-                raise InputError(f"StepBatch.from_sequences takes SequenceChunk items, got {type(c).__name__}")
-            if not c.tokens:
-                raise InputError(f"sequence chunk of slot {c.slot} has no tokens")
-            ids.extend(c.tokens)
-            pos.extend(range(c.start, c.start + len(c.tokens)))
-            cu.append(cu[-1] + len(c.tokens))
-        width = max(len(c.block_table) for c in chunks)
-        tables = np.full((len(chunks), max(width, 1)), -1, dtype=np.int64)
-        for n, c in enumerate(chunks):
-            tables[n, : len(c.block_table)] = c.block_table
-        ids, pos, cu = (np.asarray(v, dtype=np.int64) for v in (ids, pos, cu))
-        return cls(ids, pos, cu, np.asarray([c.slot for c in chunks], dtype=np.int64), tables)
-
-    @property
-    def num_sequences(self) -> int:
-        return int(self.slot_ids.shape[0])
-
-    def cache_rows(self, block_size: int) -> np.ndarray:
-        """[T] int64 physical pool row of each token: its block-table block * block_size + offset in the block."""
-        return cache_rows(*(torch.from_numpy(a) for a in (self.cu_seqlens, self.block_tables, self.positions)),
-                          block_size).numpy()
-
-    def feeds(self) -> dict[str, np.ndarray]:
-        return {
-            "input_ids": self.input_ids,
-            "positions": self.positions,
-            "cu_seqlens": self.cu_seqlens,
-            "slot_ids": self.slot_ids,
-            "block_tables": self.block_tables,
-            "last_token_index": self.cu_seqlens[1:] - 1,
-        }
 
 
 class MPICommunicator:
@@ -248,10 +181,6 @@ class RankRunner:
             if name.startswith(RESET_ON_NEW_SEQUENCE):
                 pool[slot] = 0.0
 
-    def copy_slot(self, src: int, dst: int) -> None:
-        for name, pool in self.pools.items():
-            if name.startswith(RESET_ON_NEW_SEQUENCE):
-                pool[dst] = pool[src]
 
     def write_back(self, env: dict[str, np.ndarray], batch: StepBatch) -> None:
         """Store the step's new state in place: the touched slots' recurrent state at `slot_ids`, the new
@@ -359,51 +288,11 @@ class Engine:
             total.moe_tokens += r.traffic.moe_tokens
         return total
 
-    def _check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.num_slots:
-            raise InputError(f"slot {slot} out of range: the engine has {self.num_slots} slots")
-
     def reset_slot(self, slot: int) -> None:
         """Start a new sequence in `slot`: zero its recurrent state."""
-        self._check_slot(slot)
+        check_slot(self, slot)
         for r in self.ranks:
             r.reset_slot(slot)
-
-    def copy_slot(self, src: int, dst: int) -> None:
-        """Copy `src`'s recurrent state (KDA state, conv windows) into `dst` (fork a kept session)."""
-        self._check_slot(src)
-        self._check_slot(dst)
-        for r in self.ranks:
-            r.copy_slot(src, dst)
-
-    def check_batch(self, batch: StepBatch) -> None:
-        """Clear errors for a step the pools cannot hold: slot, position or block id out of range, block
-        table too short for the positions written, more tokens than max_num_tokens."""
-        if batch.input_ids.shape[0] > self.max_num_tokens:
-            raise InputError(f"step has {batch.input_ids.shape[0]} tokens; the engine's max_num_tokens is "
-                             f"{self.max_num_tokens}")
-        if np.unique(batch.slot_ids).shape[0] != batch.num_sequences:
-            raise InputError(f"a step may hold each slot once, got slots {batch.slot_ids.tolist()}")
-        for n in range(batch.num_sequences):
-            self._check_slot(int(batch.slot_ids[n]))
-            end = int(batch.positions[batch.cu_seqlens[n + 1] - 1]) + 1
-            if end > self.max_seq_len:
-                raise InputError(f"sequence in slot {int(batch.slot_ids[n])} reaches {end} tokens; the engine's "
-                                 f"max_seq_len is {self.max_seq_len}")
-            table = batch.block_tables[n]
-            need = -(-end // self.block_size)
-            used = table[:need]
-            if used.shape[0] < need or (used < 0).any():
-                raise InputError(f"sequence in slot {int(batch.slot_ids[n])}: block table covers "
-                                 f"{int((table >= 0).sum())} blocks, {need} needed for {end} tokens "
-                                 f"(block_size {self.block_size})")
-            if (used >= self.num_blocks).any():
-                raise InputError(f"sequence in slot {int(batch.slot_ids[n])}: block id {int(used.max())} out of "
-                                 f"range: the engine has {self.num_blocks} blocks")
-        rows = batch.cache_rows(self.block_size)
-        if np.unique(rows).shape[0] != rows.shape[0]:
-            raise InputError("two tokens of the step would write the same cache row: block tables of the step's "
-                             "sequences overlap where they write")
 
     @staticmethod
     def _traffic_kind(step: dict) -> str:
@@ -502,7 +391,7 @@ class Engine:
     def _run(self, batches: dict[int, StepBatch | None]) -> dict[int, dict]:
         """One lockstep step of this process's ranks, each with its group's batch (None: idle); their envs."""
         for b in {id(b): b for b in batches.values() if b is not None}.values():
-            self.check_batch(b)
+            check_step_batch(self, b)
         active = {r: b is not None for r, b in batches.items()}
         envs = {r.rank: {**batches[r.rank].feeds(), **r.pool_feeds} if active[r.rank] else {} for r in self.ranks}
         self.step_expert_tokens[:] = 0
@@ -541,16 +430,4 @@ class Engine:
             raise InputError(f"the engine has {self.dp} attention groups, got {len(batches)} batches")
         envs = self._run({r.rank: batches[r.rank // self.tp] for r in self.ranks})
         return [None if b is None else envs[g * self.tp]["logits"] for g, b in enumerate(batches)]
-
-
-def open_engine(engine_dir: str | Path, **kwargs):
-    """The runner for an engine directory's backend (config.json `backend`): `Engine` (ONNX Runtime segments)
-    or `runtime.tensorrt_engine.TensorRTEngine` (TensorRT, import-guarded). kwargs: num_slots, num_blocks,
-    threads."""
-    cfg_path = Path(engine_dir) / "config.json"
-    if cfg_path.is_file() and json.loads(cfg_path.read_text()).get("backend") == "tensorrt":
-        from moe_export.runtime.tensorrt_engine import TensorRTEngine
-
-        return TensorRTEngine(engine_dir, **kwargs)
-    return Engine(engine_dir, **kwargs)
 

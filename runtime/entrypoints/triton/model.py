@@ -77,7 +77,7 @@ class TritonPythonModel:
     """One model instance: one AsyncLLM on one engine, all requests of the instance batched together."""
 
     def initialize(self, args: dict) -> None:
-        from moe_export.runtime.llm import AsyncLLM
+        from moe_export.runtime.entrypoints.llm import AsyncLLM
 
         self.model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
@@ -120,7 +120,7 @@ class TritonPythonModel:
         if messages is not None and not (isinstance(messages, list) and all(isinstance(m, dict) for m in messages)):
             raise BadRequest("input messages must be a JSON list of message objects")
         options = _json(request, "sampling_parameters") or {}
-        from moe_export.runtime.request_options import parse_request_options
+        from moe_export.runtime.entrypoints.triton.request_options import parse_request_options
 
         if isinstance(options, dict):
             for key, neutral in NEUTRAL_OPTIONS.items():

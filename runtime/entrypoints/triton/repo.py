@@ -4,14 +4,14 @@ Layout written (the whole NAME folder is built under a temporary name and rename
     REPO/NAME/config.pbtxt   Python backend, decoupled (streaming), dynamic batcher off (the runtime batches),
                              the tensor names of Triton's vLLM backend plus messages / reasoning_content /
                              tool_calls / usage / finish_reason, parameters engine_dir and default_effort
-    REPO/NAME/1/model.py     runtime/triton_model.py verbatim: hosts an AsyncLLM on the engine
+    REPO/NAME/1/model.py     runtime/entrypoints/triton/model.py verbatim: hosts an AsyncLLM on the engine
     REPO/launch_NAME.sh      starts tritonserver; for a multi-rank engine under mpiexec (see below)
 
 Multi-rank engines. A single-host world runs in process (the default: the model's Engine loads every rank
 and runs them in lockstep). To give each rank its own process, the launch script starts the world under
 MPICH's mpiexec as one MPMD job: rank 0 runs `tritonserver`, whose Python-backend stub (a child process
 that inherits the PMI environment) creates the runtime as the world's leader; ranks 1..W-1 run
-`python -m moe_export.runtime.triton_follower ENGINE`, following the leader's step plans until it shuts
+`python -m moe_export.runtime.entrypoints.triton.follower ENGINE`, following the leader's step plans until it shuts
 down. The model's instance count must stay 1 in that mode (one leader per world).
 """
 
@@ -84,7 +84,7 @@ if [[ "${{1:-}}" == "--mpi" ]]; then
   shift
   if (( WORLD == 1 )); then exec tritonserver --model-repository "$REPO" "$@"; fi
   exec mpiexec -n 1 tritonserver --model-repository "$REPO" "$@" \\
-    : -n $((WORLD - 1)) "$PYTHON" -m moe_export.runtime.triton_follower "$ENGINE"
+    : -n $((WORLD - 1)) "$PYTHON" -m moe_export.runtime.entrypoints.triton.follower "$ENGINE"
 fi
 exec tritonserver --model-repository "$REPO" "$@"
 """
@@ -94,7 +94,7 @@ def write_triton_repo(engine_dir: str | Path, out: str | Path, model_name: str =
                       default_effort: str = "max") -> Path:
     """Write REPO/NAME (config.pbtxt, 1/model.py) and REPO/launch_NAME.sh; returns REPO/NAME.
     An existing REPO/NAME is replaced whole; other models in REPO are left alone."""
-    from moe_export.runtime.budget import EFFORT_TIERS
+    from moe_export.runtime.core.budget import EFFORT_TIERS
 
     engine = Path(engine_dir).resolve()
     cfg_path = engine / "config.json"
@@ -118,7 +118,7 @@ def write_triton_repo(engine_dir: str | Path, out: str | Path, model_name: str =
     try:
         (staging / "1").mkdir(parents=True)
         (staging / "config.pbtxt").write_text(render_config_pbtxt(model_name, engine, default_effort))
-        shutil.copyfile(Path(__file__).with_name("triton_model.py"), staging / "1" / "model.py")
+        shutil.copyfile(Path(__file__).with_name("model.py"), staging / "1" / "model.py")
         for path in (staging / "config.pbtxt", staging / "1" / "model.py"):
             fsync_path(path)
         if final.exists():

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from moe_export.export.errors import InputError
-from moe_export.runtime.blocks import BlockAllocator
-from moe_export.runtime.engine import SequenceChunk, StepBatch
+from moe_export.runtime.core.blocks import BlockAllocator
+from moe_export.runtime.core.sessions import KeptSequence, SessionCache
+from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
 from moe_export.runtime.sampling import LogitsProcessor, RequestSampler, SamplingParams
-from moe_export.runtime.sessions import KeptSequence, SessionCache
 from moe_export.runtime.tokenizer import IncrementalDecoder
 
 
@@ -342,7 +342,7 @@ class Scheduler:
 
 def run_plan(engine, plan: dict) -> np.ndarray | None:
     """Apply a step plan on this rank: reset new sequences' slots, then one engine step (a plan without chunks:
-    an idle step of a dp-layout group, see `runtime.wide_ep`)."""
+    an idle step of a dp-layout group, see `runtime.core.wide_ep`)."""
     for slot in plan["resets"]:
         engine.reset_slot(slot)
     chunks = [SequenceChunk(slot, start, list(tokens), list(table)) for slot, start, tokens, table in plan["chunks"]]

@@ -26,7 +26,7 @@ import pickle
 from collections import OrderedDict
 
 from moe_export.export.errors import InputError
-from moe_export.runtime.scheduler import Request, Scheduler, SequenceUpdate, follow, stop_the_world
+from moe_export.runtime.core.scheduler import Request, Scheduler, SequenceUpdate, follow, stop_the_world
 
 IDLE_PLAN = {"resets": [], "chunks": []}
 PLACEMENT_HISTORY = 4096  # finished requests' prompts remembered for placing follow-up turns

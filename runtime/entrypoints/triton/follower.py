@@ -1,5 +1,5 @@
-"""A non-leader rank of a Triton deployment started under mpiexec (see runtime/triton_repo.py):
-`python -m moe_export.runtime.triton_follower ENGINE` loads this rank of the engine and follows the
+"""A non-leader rank of a Triton deployment started under mpiexec (see `repo`):
+`python -m moe_export.runtime.entrypoints.triton.follower ENGINE` loads this rank of the engine and follows the
 leader's (the Triton model on rank 0) step plans until the leader shuts down."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import sys
 
 def main(argv: list[str]) -> int:
     from moe_export.export.errors import InputError
-    from moe_export.runtime.engine import mpi_world
-    from moe_export.runtime.llm import LLM
+    from moe_export.export.mpi import mpi_world
+    from moe_export.runtime.entrypoints.llm import LLM
 
     if len(argv) != 1:
-        print("usage: python -m moe_export.runtime.triton_follower ENGINE_DIR", file=sys.stderr)
+        print("usage: python -m moe_export.runtime.entrypoints.triton.follower ENGINE_DIR", file=sys.stderr)
         return 2
     world = mpi_world()
     if world is None or world[0] == 0:

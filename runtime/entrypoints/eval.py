@@ -213,7 +213,7 @@ def summarize_tier(results: list[dict]) -> dict:
 
 
 async def run_eval_async(engine_dir: str, tasks: list[EvalTask], tiers: list[str]) -> dict:
-    from moe_export.runtime.llm import AsyncLLM
+    from moe_export.runtime.entrypoints.llm import AsyncLLM
 
     llm = AsyncLLM(engine_dir)
     try:
@@ -228,7 +228,7 @@ async def run_eval_async(engine_dir: str, tasks: list[EvalTask], tiers: list[str
 
 
 def parse_tiers(text: str) -> list[str]:
-    from moe_export.runtime.budget import EFFORT_TIERS
+    from moe_export.runtime.core.budget import EFFORT_TIERS
 
     tiers = [t.strip() for t in text.split(",") if t.strip()]
     allowed = (*EFFORT_TIERS, "none")

@@ -22,7 +22,7 @@ class ReplicaWorker:
     """A Ray Data actor: one engine replica, and its own event loop driving the replica's AsyncLLM."""
 
     def __init__(self, engine_dir: str, doc_job, concurrency: int, default_effort: str | None) -> None:
-        from moe_export.runtime.batch.runner import start_llm
+        from moe_export.runtime.entrypoints.batch.replica import start_llm
 
         self.loop = asyncio.new_event_loop()
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import jinja2
 
 from moe_export.export.errors import InputError
-from moe_export.runtime.batch.chunking import chunk_text
+from moe_export.runtime.entrypoints.batch.chunking import chunk_text
 
 TASK_TEMPLATES = {
     "summarize": "Summarize the following document in a few sentences.\n\n{{ document }}",

@@ -1,57 +1,17 @@
 """`moe-export generate`: token-level generation through the runtime's scheduler (the one generation
 loop), on a built engine (in process, or one rank per process under mpiexec) or on the fp32 PyTorch
-reference model of a checkpoint, which `ReferenceEngine` puts behind the same step interface.
+reference model of a checkpoint, which `runtime.engine.reference.ReferenceEngine` puts behind the same step
+interface.
 """
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from moe_export.export.errors import InputError
-from moe_export.runtime.engine import StepBatch
+from moe_export.runtime.core.scheduler import Request, Scheduler, follow
+from moe_export.runtime.engine.reference import ReferenceEngine
 from moe_export.runtime.sampling import SamplingParams
-from moe_export.runtime.scheduler import Request, Scheduler, follow
-
-
-class ReferenceEngine:
-    """The reference KimiModel behind the Engine step interface: one ModelCache per slot. Block tables
-    are accepted and unused (each slot's reference cache grows with its sequence)."""
-
-    world_size = 1
-    comm = None
-    is_root = True
-    max_step_pairs = None  # the reference's attention holds [T, context] scores only
-
-    def __init__(self, model, *, num_slots: int = 1, max_seq_len: int = 4096, max_num_tokens: int = 8192,
-                 block_size: int = 64) -> None:
-        self.model = model
-        self.num_slots, self.max_seq_len, self.max_num_tokens, self.block_size = num_slots, max_seq_len, max_num_tokens, block_size
-        self.num_blocks = num_slots * -(-max_seq_len // block_size)
-        self.model_config = {"vocab_size": model.cfg.vocab_size}
-        self.config: dict = {}
-        self.caches = [model.new_cache(1) for _ in range(num_slots)]
-
-    def reset_slot(self, slot: int) -> None:
-        self.caches[slot] = self.model.new_cache(1)
-
-    def copy_slot(self, src: int, dst: int) -> None:
-        self.caches[dst] = copy.deepcopy(self.caches[src])
-
-    def step(self, batch: StepBatch) -> np.ndarray:
-        """logits [N, vocab] fp32 of each sequence's last token; each chunk continues its slot's cache."""
-        rows = []
-        for n, slot in enumerate(batch.slot_ids.tolist()):
-            lo, hi = int(batch.cu_seqlens[n]), int(batch.cu_seqlens[n + 1])
-            cache = self.caches[slot]
-            if int(batch.positions[lo]) != cache.length:
-                raise ValueError(f"slot {slot} holds {cache.length} tokens; the chunk starts at {int(batch.positions[lo])}")
-            ids = torch.from_numpy(batch.input_ids[lo:hi]).long()[None]
-            rows.append(self.model(ids, cache)[0, -1])
-        return torch.stack(rows).numpy()
 
 
 def model_eos_ids(model_config: dict) -> list[int]:

@@ -50,8 +50,8 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
     check_serve_args(engine_dir, host, port, store, default_effort, max_queue)
     if any(not name.strip() for name in served_model_names):
         raise InputError("--served-model-name must not be empty")
-    from moe_export.runtime.engine import mpi_world
-    from moe_export.runtime.llm import LLM, AsyncLLM
+    from moe_export.export.mpi import mpi_world
+    from moe_export.runtime.entrypoints.llm import LLM, AsyncLLM
 
     world = mpi_world()
     if world is not None and world[0] != 0:
@@ -63,7 +63,7 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
     import uvicorn
     from sse_starlette.sse import AppStatus
 
-    from moe_export.runtime.server.app import ServerSettings, create_app
+    from moe_export.runtime.entrypoints.server.app import ServerSettings, create_app
 
     AppStatus.disable_automatic_graceful_drain()  # SIGTERM drains: running streams finish, they are not cut
 

@@ -5,7 +5,7 @@ Both render chats with the engine's tokenizer family, apply the thinking budget 
 (`ReasoningBudget`: forced close markers, `reasoning_tokens` in usage), parse the output into reasoning,
 content and tool calls, and keep finished turns' state for reuse by the next turn (exact token prefix).
 Under mpiexec, rank 0 holds the API and other ranks call `run_follower()`; with a dp-layout engine rank 0 spreads
-the requests over the attention groups (`runtime.wide_ep`) and returns the outputs in prompt order as usual.
+the requests over the attention groups (`runtime.core.wide_ep`) and returns the outputs in prompt order as usual.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_export.export.errors import InputError
-from moe_export.runtime.budget import ReasoningBudget, resolve_thinking
+from moe_export.runtime.core.budget import ReasoningBudget, resolve_thinking
 from moe_export.runtime.chat import (
     OutputParser,
     ParsedDelta,
@@ -28,12 +28,12 @@ from moe_export.runtime.chat import (
     prompt_starts_in_reasoning,
     render_ids,
 )
-from moe_export.runtime.generate import engine_eos_ids
+from moe_export.runtime.core.scheduler import Request, SequenceUpdate
+from moe_export.runtime.core.sessions import TurnMemory
+from moe_export.runtime.entrypoints.generate import engine_eos_ids
 from moe_export.runtime.sampling import LogitsProcessor, SamplingParams
-from moe_export.runtime.scheduler import Request, SequenceUpdate
-from moe_export.runtime.sessions import TurnMemory
 from moe_export.runtime.tokenizer import load_tokenizer
-from moe_export.runtime.wide_ep import open_scheduler, run_rank
+from moe_export.runtime.core.wide_ep import open_scheduler, run_rank
 
 
 @dataclass
@@ -383,7 +383,7 @@ class LLM:
 
     def run_follower(self) -> None:
         """Non-root ranks under mpiexec: execute rank 0's steps until it shuts down (dp layout: a group's first
-        rank schedules the requests rank 0 sends its group, the others follow it; `runtime.wide_ep`)."""
+        rank schedules the requests rank 0 sends its group, the others follow it; `runtime.core.wide_ep`)."""
         if self.engine.is_root:
             raise InputError("run_follower() is for non-root ranks; rank 0 serves requests")
         run_rank(self.engine, budget_factory=self._budget, **self.scheduler_kwargs())

@@ -16,8 +16,8 @@ from typing import TextIO
 from rich.console import Console
 
 from moe_export.export.errors import InputError
-from moe_export.runtime.budget import resolve_thinking
-from moe_export.runtime.llm import LLM
+from moe_export.runtime.core.budget import resolve_thinking
+from moe_export.runtime.entrypoints.llm import LLM
 from moe_export.runtime.sampling import SamplingParams
 
 HELP = "commands: /effort low|high|max|none|TOKENS, /reset (forget the conversation), /exit"

@@ -29,9 +29,9 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moe_export.export.errors import InputError
-from moe_export.runtime.server import convert
-from moe_export.runtime.server.metrics import ServerMetrics
-from moe_export.runtime.server.protocol import (
+from moe_export.runtime.entrypoints.server import convert
+from moe_export.runtime.entrypoints.server.metrics import ServerMetrics
+from moe_export.runtime.entrypoints.server.protocol import (
     AnthropicCountTokensRequest,
     AnthropicMessagesRequest,
     ChatCompletionRequest,
@@ -40,8 +40,8 @@ from moe_export.runtime.server.protocol import (
     ResponsesRequest,
     TokenizeRequest,
 )
-from moe_export.runtime.server.store import MissingResponse, ResponseStore, StoredResponse, key_scope
-from moe_export.runtime.server.structured import GrammarLogitsProcessor, GrammarVocab, structural_tag_for
+from moe_export.runtime.core.structured import GrammarLogitsProcessor, GrammarVocab, structural_tag_for
+from moe_export.runtime.entrypoints.server.store import MissingResponse, ResponseStore, StoredResponse, key_scope
 
 log = logging.getLogger("moe_export.serve")
 
@@ -166,8 +166,8 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
 def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) -> FastAPI:
     """The FastAPI app over a started AsyncLLM (`llm`). The app shuts the runtime down at exit."""
     info = info or EngineInfo.from_engine_dir(settings.engine_dir)
-    from moe_export.runtime.budget import resolve_thinking
     from moe_export.runtime.chat import prompt_starts_in_reasoning
+    from moe_export.runtime.core.budget import resolve_thinking
     from moe_export.runtime.sampling import SamplingParams
 
     tokenizer, family = llm.tokenizer, llm.family

@@ -1,0 +1,21 @@
+"""Model runners: one step over a packed batch of sequences on a built engine (`ort.Engine`: ONNX Runtime
+segments, CPU; `tensorrt.TensorRTEngine`: TensorRT engines, one GPU per rank) or on the fp32 PyTorch reference
+model (`reference.ReferenceEngine`). Their common input and its validation live in `batch`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def open_engine(engine_dir: str | Path, **kwargs):
+    """The runner for an engine directory's backend (config.json `backend`): `ort.Engine` (ONNX Runtime
+    segments) or `tensorrt.TensorRTEngine` (TensorRT, import-guarded). kwargs: num_slots, num_blocks, threads."""
+    cfg_path = Path(engine_dir) / "config.json"
+    if cfg_path.is_file() and json.loads(cfg_path.read_text()).get("backend") == "tensorrt":
+        from moe_export.runtime.engine.tensorrt import TensorRTEngine
+
+        return TensorRTEngine(engine_dir, **kwargs)
+    from moe_export.runtime.engine.ort import Engine
+
+    return Engine(engine_dir, **kwargs)

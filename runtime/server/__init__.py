@@ -1,1 +1,0 @@
-"""moe_export.runtime.server: the OpenAI- and Anthropic-compatible HTTP server (`moe-export serve`)."""
