@@ -62,6 +62,19 @@ def plan(
         table.add_row("workspace reserve", f"{p.reserve_bytes / GIB:.3f}")
         table.add_row("memory per rank", f"{p.memory_bytes / GIB:.3f}")
         console.print(table)
+        worst = min(p.per_rank, key=lambda r: r.max_sequences)
+        gpu = Table(title=f"per-GPU memory (GiB), rank {worst.rank} (the tightest)")
+        gpu.add_column("part")
+        gpu.add_column("GiB", justify="right")
+        labels = {"weights": "weights", "state_slots": f"recurrent-state pools ({worst.pools.num_slots} slots)",
+                  "cache_blocks": f"cache pools ({worst.pools.num_blocks:,} blocks)",
+                  "activations": "engine activations (one buffer per rank)",
+                  "plugin_workspaces": "plugin workspaces", "reserve": "reserve (CUDA context, NCCL, cuBLAS)",
+                  "total": "total", "capacity": "GPU memory"}  # fmt: skip
+        for part, b in worst.memory.items():
+            label = f"  {part.split('.', 1)[1]}" if part.startswith("workspace.") else labels[part]
+            gpu.add_row(label, f"{b / GIB:.3f}")
+        console.print(gpu)
         d = p.to_dict()
         fit = ", ".join(f"{n} x {int(length):,} tokens" for length, n in d["sequences_that_fit"].items())
         console.print(f"cache per rank: {d['cache_tokens_per_rank']:,} tokens in blocks of {rec.limits.block_size} "

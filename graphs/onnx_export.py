@@ -33,10 +33,11 @@ Weights are initializers stored as external data inside the rank's `weights.safe
 safetensors data section is raw little-endian bytes, so each initializer points at its byte range).
 
 Collectives are graph nodes `AllReduce` / `AllGather` in our domain with a `group` attribute
-("tp" or "ep"): both backends split the graph at them and the runtime performs the collective between
-the segments (MPI on CPU, NCCL between TensorRT engines; see `moe_export.export.backends`). In the `dp`
-layout (`graphs/sharding.py`) each MoE layer dispatches its tokens with `MoEDispatch` and sums the experts'
-results with `MoECombine` (all-to-all, `plugins/collectives/all_to_all.py`) instead of an ep all-reduce.
+("tp" or "ep"): the ONNX Runtime backend splits the graph at them and the runtime performs the collective
+between the segments (`moe_export.export.backends`); TensorRT engines keep them inside as NCCL plugins
+(`moe_export.plugins.collectives.tensorrt_plugin`). In the `dp` layout (`graphs/sharding.py`) each MoE layer
+dispatches its tokens with `MoEDispatch` and sums the experts' results with `MoECombine` (all-to-all,
+`plugins/collectives/all_to_all.py`) instead of an ep all-reduce.
 """
 
 from __future__ import annotations
@@ -300,7 +301,8 @@ class RankGraph:
         normed = g.rms_norm(h, model_prefix(cfg) + "norm.weight", cfg.rms_norm_eps, "final_norm")
         name = model_prefix(cfg) + "embed_tokens.weight" if cfg.tie_word_embeddings else lm_head_name(cfg)
         logits = g.to_f32(g.linear(normed, name, "lm_head"), "lm_head")
-        return logits if m.tp == 1 else g.plugin("AllGather", [logits], "lm_head.all_gather", group="tp", axis=-1)
+        return logits if m.tp == 1 else g.plugin("AllGather", [logits], "lm_head.all_gather", group="tp", axis=-1,
+                                                   group_size=m.tp)
 
     # ---- attention residuals ----
     def attn_res(self, prefix: str, snaps: list[str], which: str, name: str) -> str:
@@ -558,7 +560,7 @@ class RankGraph:
             y = g.plugin("MoECombine", [g.to_act(partial, f"{n}.experts"), *layout, dispatched], f"{n}.combine",
                          group="ep")
             if m.tp > 1:
-                y = g.plugin("AllGather", [y], f"{n}.token_all_gather", group="tp", axis=0)
+                y = g.plugin("AllGather", [y], f"{n}.token_all_gather", group="tp", axis=0, group_size=m.tp)
         else:
             y = g.all_reduce(g.to_act(partial, f"{n}.experts"), "ep", m.ep, f"{n}.experts_all_reduce")  # latent space
         if cfg.routed_expert_hidden_size:

@@ -35,6 +35,8 @@ EXPECTED = {  # op type -> (has JIT impl, has AOT impl, aliased input of each ou
     "DSAIndexer": (True, False, [-1]),
     "PagedCacheWrite": (True, True, [0]),
     "MoEMXFP4": (True, False, [-1]),
+    "AllReduce": (True, False, [-1]),
+    "AllGather": (True, False, [-1]),
 }
 
 assert VERSION in standin.PINNED_WHEELS, f"MOE_EXPORT_TRT_VERSION={VERSION!r}: run via test_tensorrt_plugins.py"
@@ -91,6 +93,11 @@ def io_of(node, types):
     in_types = standin.parsed_input_types(node, types, types["__initializers__"])
     in_dims = [dims(i) for i in node.input]
     out_types = [standin.ONNX_TO_TRT[types[o].tensor_type.elem_type] for o in node.output]
+    if node.op_type == "AllGather":  # the gathered dim is unnamed in ONNX: group_size times the input's
+        attrs = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
+        shape = [standin.symbolic(d).evaluate(ENV) for d in in_dims[0]]
+        shape[attrs["axis"] % len(shape)] *= attrs["group_size"]
+        return in_types, in_dims, out_types, [shape]
     out_shapes = [[standin.symbolic(d).evaluate(ENV) for d in dims(o)] for o in node.output]
     return in_types, in_dims, out_types, out_shapes
 
@@ -210,6 +217,27 @@ def test_aot_launch_parameters_and_extra_args(node, types, monkeypatch):
         assert launch["grid"] == [T, -(-H // 16), 1]
     assert launch["block"][0] % 32 == 0 and launch["block"][1:] == [1, 1]
     assert launch["shared"] >= 0
+
+
+def test_collectives_are_in_engine_plugins_that_do_nothing_while_building():
+    """Issue 18, defect 9: one engine per rank with its collectives inside as plugins (TensorRT-LLM's pattern):
+    while the engine is built the impl returns at once (contract PLUGIN_RUNS_WHILE_BUILDING); at run time it
+    needs the communicator its `group` field names, registered by the runner."""
+    from moe_export.plugins.collectives import nccl
+
+    reduce = QDP[f"{DOMAIN}::AllReduce"].impl_func
+    gather = QDP[f"{DOMAIN}::AllGather"].impl_func
+    x = _tensor(trt.bfloat16, (5, 16), (16, 1), 0x7000)
+    out = _tensor(trt.bfloat16, (5, 16), (16, 1), 0x8000)
+    nccl.set_communicators({})
+    with nccl.building():
+        assert reduce(x, "tp\0", "sum\0", [out], stream=7) is None
+        assert gather(x, "tp\0", np.array([-1], np.int32), np.array([2], np.int32), [out], stream=7) is None
+    assert not nccl.is_building()
+    with pytest.raises(RuntimeError, match="no communicator for group 'ep'"):
+        reduce(x, "ep\0", "sum\0", [out], stream=7)
+    groups = {n.op_type: {a.name for a in n.attribute} for _, n, _ in NODES if n.op_type in ("AllReduce", "AllGather")}
+    assert groups["AllReduce"] >= {"group", "reduce_op"} and groups["AllGather"] >= {"group", "axis", "group_size"}
 
 
 def test_parser_refuses_a_uint8_weight_feeding_a_plugin():
