@@ -326,13 +326,14 @@ def serve(
     store: str | None = typer.Option(None, "--store", help="SQLite file for stored Responses history (default: in memory)"),
     default_effort: str = typer.Option("max", "--default-effort", help="thinking tier when a request names none: low, high, max or none"),
     max_queue: int = typer.Option(256, "--max-queue", help="waiting requests before new ones get 429"),
+    served_model_name: list[str] = typer.Option(None, "--served-model-name", help="model name(s) requests may give (repeatable; the first is reported); others get 404. Default: the engine folder's name"),
 ) -> None:
     """OpenAI- and Anthropic-compatible HTTP server (rank 0; other ranks follow under `mpiexec -n WORLD`).
     Ready when GET /health answers 200; SIGTERM drains running requests and exits 0."""
     from moe_export.runtime.entrypoints.server.launch import resolve_api_keys, serve as run_server
 
     run_server(engine, host=host, port=port, api_keys=resolve_api_keys(api_key), store=store,
-               default_effort=default_effort, max_queue=max_queue)
+               default_effort=default_effort, max_queue=max_queue, served_model_names=tuple(served_model_name or ()))
 
 
 def main() -> None:

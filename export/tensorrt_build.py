@@ -9,7 +9,8 @@ segments (`export/backends.py`). The vocab gather stays where it is cheapest: af
 the lm_head, [N, V/tp] per rank.
 
 Placement. The build runs on the GPU of its local rank (`export.mpi.local_rank` -> device), so ranks of one
-node under mpiexec build on their own GPUs; `recipe.tensorrt.prefer_aot` picks AOT or JIT plugins.
+node under mpiexec build on their own GPUs; `recipe.tensorrt.prefer_aot` picks AOT or JIT plugins, and the AOT
+kernels are cubins for the recipe's GPU (`plugins/tensorrt_target.py`; PTX only as a fallback).
 
 Memory. The build refuses a recipe whose per-GPU total (weights, pools for max_batch sequences with at least
 one max_seq_len, activation memory, plugin workspaces, reserve; `export/planner.py`) does not fit, before
@@ -49,6 +50,7 @@ from moe_export.export.atomic import atomic_path
 from moe_export.export.errors import InputError
 from moe_export.export.planner import GIB, make_plan
 from moe_export.plugins.registry import OP_FOLDERS
+from moe_export.plugins.tensorrt_target import GPU_CAPABILITY, set_target_capability
 
 ENGINE_KEY = "trt_engine"
 ENGINE_TENSOR = "engine"
@@ -166,6 +168,7 @@ def build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path, *, 
     memory = check_fits(recipe, mapping.rank)
     prefer_aot = recipe.tensorrt.prefer_aot if prefer_aot is None else prefer_aot
     register_plugins()
+    set_target_capability(GPU_CAPABILITY.get(recipe.target.gpu))  # AOT kernels: cubin for the target GPU
     select_device()
     graph_path, out_path = Path(graph_path), Path(out_path)
     model = onnx.load(str(graph_path), load_external_data=False)

@@ -205,6 +205,9 @@ def test_mpiexec_8_ranks_dp_layout_matches_single_rank_reference(dp_engine, pres
     routed = sum(len(p) + spec["max_tokens"] - 1 for spec in ROUNDS for p in spec["prompts"])
     assert got["moe_tokens"] == routed * moe_layers  # every token routed once per MoE layer, by one rank
     assert np.sum(got["expert_tokens"]) == routed * moe_layers * ref.cfg.num_experts_per_token
+    load = np.asarray(got["expert_tokens"])  # rank 0's stats() sums the groups' counts step by step: the same load
+    assert got["stats_expert_load"]["routed"] == load.sum()
+    np.testing.assert_allclose(got["stats_expert_load"]["max_over_mean"], load.max(1) / load.mean(1), rtol=1e-3)
     assert "moe_all_reduce" not in got["sent_bytes"] and got["sent_bytes"]["moe_all_to_all"] > 0
 
 
@@ -247,3 +250,36 @@ def test_tensorrt_build_of_a_dp_recipe_is_refused_up_front(tmp_path):
     rec, _ = load_recipe("h100x64.yaml")
     with pytest.raises(InputError, match="parallel.attention dp needs the MoE all-to-all"):
         _check_backend(rec, Stages(build_tensorrt_engine=lambda *a: None))
+
+
+@pytest.mark.slow
+def test_mpiexec_8_ranks_serve_spreads_chats_over_groups(dp_engine):
+    """`mpiexec -n 8 moe-export serve` on a tp 2 x dp 4 engine: concurrent chat completions (spread over the groups)
+    answer as the same engine in one process does (group 0, the others idle), and the server drains on SIGTERM."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from serve_support import start_cli_server, stop_process
+
+    from moe_export.runtime import LLM
+
+    engine_dir = dp_engine("tiny-k3", 2, 8)
+    questions = ["Tell me about Paris.", "Hi!", "What is two plus two, in words?", "Name a colour."]
+    proc, url = start_cli_server([str(engine_dir), "--default-effort", "low"], mpiexec_ranks=8)
+    try:
+        def ask(q: str) -> dict:
+            body = {"model": "m", "messages": [{"role": "user", "content": q}], "max_tokens": 10, "temperature": 0}
+            return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).json()
+
+        with ThreadPoolExecutor(len(questions)) as pool:
+            served = list(pool.map(ask, questions))
+    finally:
+        code = stop_process(proc)
+    llm = LLM(engine_dir, default_effort="low", threads=1)
+    local = llm.chat([[{"role": "user", "content": q}] for q in questions], SamplingParams(max_tokens=10))
+    for s, want in zip(served, local):
+        assert s["usage"]["completion_tokens"] == len(want.output_ids)
+        message = s["choices"][0]["message"]
+        assert (message["content"] or "", message.get("reasoning_content") or "") == \
+            (want.content or "", want.reasoning_content or "")
+    assert code == 0
