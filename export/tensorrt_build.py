@@ -53,6 +53,7 @@ from moe_export.plugins.registry import OP_FOLDERS
 from moe_export.plugins.tensorrt_target import GPU_CAPABILITY, set_target_capability
 
 ENGINE_KEY = "trt_engine"
+DECODE_PAD_SLOTS = 1  # the runner's decode CUDA graphs pad batches onto one spare recurrent-state slot
 ENGINE_TENSOR = "engine"
 MIN_TENSORRT = (10, 9)
 TENSORRT_PLUGIN_FOLDERS = sorted(set(OP_FOLDERS.values()))  # collectives included: inside the engine
@@ -95,8 +96,9 @@ def profile_range(name: str, axis: int, dim: str | int, limits, pools) -> tuple[
 
     T tokens of the step; N sequences (N_plus_1 = cu_seqlens); pools: S recurrent-state slots, NB cache blocks
     of BS positions, B blocks per block table, with maxima the runtime's pool sizes (`pools`, the planner's
-    `PoolSizes`: the same arithmetic as the planner and the engine loader) and small opt values, so the build's
-    tactic timing never allocates full-size pools."""
+    `PoolSizes`: the same arithmetic as the planner and the engine loader; S one more, the padding slot of the
+    runner's decode CUDA graphs) and small opt values, so the build's tactic timing never allocates full-size
+    pools."""
     if isinstance(dim, int):
         return dim, dim, dim
     tokens = limits.max_num_tokens
@@ -106,7 +108,7 @@ def profile_range(name: str, axis: int, dim: str | int, limits, pools) -> tuple[
         "T": (1, min(tokens, 256), tokens),
         "N": (1, limits.max_batch, limits.max_batch),
         "N_plus_1": (2, limits.max_batch + 1, limits.max_batch + 1),
-        "S": (1, min(pools["S"], 4), pools["S"]),
+        "S": (1, min(pools["S"], 4), pools["S"] + DECODE_PAD_SLOTS),
         "BS": (pools["BS"], pools["BS"], pools["BS"]),
         "B": (1, min(pools["B"], 64), pools["B"]),
         "NB": (1, min(pools["NB"], 256), pools["NB"]),
