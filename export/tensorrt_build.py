@@ -9,7 +9,8 @@ segments (`export/backends.py`). The vocab gather stays where it is cheapest: af
 the lm_head, [N, V/tp] per rank.
 
 Placement. The build runs on the GPU of its local rank (`export.mpi.local_rank` -> device), so ranks of one
-node under mpiexec build on their own GPUs; `recipe.tensorrt.prefer_aot` picks AOT or JIT plugins.
+node under mpiexec build on their own GPUs; `recipe.tensorrt.prefer_aot` picks AOT or JIT plugins, and the AOT
+kernels are cubins for the recipe's GPU (`plugins/tensorrt_target.py`; PTX only as a fallback).
 
 Memory. The build refuses a recipe whose per-GPU total (weights, pools for max_batch sequences with at least
 one max_seq_len, activation memory, plugin workspaces, reserve; `export/planner.py`) does not fit, before
@@ -49,8 +50,10 @@ from moe_export.export.atomic import atomic_path
 from moe_export.export.errors import InputError
 from moe_export.export.planner import GIB, make_plan
 from moe_export.plugins.registry import OP_FOLDERS
+from moe_export.plugins.tensorrt_target import GPU_CAPABILITY, set_target_capability
 
 ENGINE_KEY = "trt_engine"
+DECODE_PAD_SLOTS = 1  # the runner's decode CUDA graphs pad batches onto one spare recurrent-state slot
 ENGINE_TENSOR = "engine"
 MIN_TENSORRT = (10, 9)
 TENSORRT_PLUGIN_FOLDERS = sorted(set(OP_FOLDERS.values()))  # collectives included: inside the engine
@@ -93,8 +96,9 @@ def profile_range(name: str, axis: int, dim: str | int, limits, pools) -> tuple[
 
     T tokens of the step; N sequences (N_plus_1 = cu_seqlens); pools: S recurrent-state slots, NB cache blocks
     of BS positions, B blocks per block table, with maxima the runtime's pool sizes (`pools`, the planner's
-    `PoolSizes`: the same arithmetic as the planner and the engine loader) and small opt values, so the build's
-    tactic timing never allocates full-size pools."""
+    `PoolSizes`: the same arithmetic as the planner and the engine loader; S one more, the padding slot of the
+    runner's decode CUDA graphs) and small opt values, so the build's tactic timing never allocates full-size
+    pools."""
     if isinstance(dim, int):
         return dim, dim, dim
     tokens = limits.max_num_tokens
@@ -104,7 +108,7 @@ def profile_range(name: str, axis: int, dim: str | int, limits, pools) -> tuple[
         "T": (1, min(tokens, 256), tokens),
         "N": (1, limits.max_batch, limits.max_batch),
         "N_plus_1": (2, limits.max_batch + 1, limits.max_batch + 1),
-        "S": (1, min(pools["S"], 4), pools["S"]),
+        "S": (1, min(pools["S"], 4), pools["S"] + DECODE_PAD_SLOTS),
         "BS": (pools["BS"], pools["BS"], pools["BS"]),
         "B": (1, min(pools["B"], 64), pools["B"]),
         "NB": (1, min(pools["NB"], 256), pools["NB"]),
@@ -166,6 +170,7 @@ def build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path, *, 
     memory = check_fits(recipe, mapping.rank)
     prefer_aot = recipe.tensorrt.prefer_aot if prefer_aot is None else prefer_aot
     register_plugins()
+    set_target_capability(GPU_CAPABILITY.get(recipe.target.gpu))  # AOT kernels: cubin for the target GPU
     select_device()
     graph_path, out_path = Path(graph_path), Path(out_path)
     model = onnx.load(str(graph_path), load_external_data=False)

@@ -33,7 +33,7 @@ def test_every_engine_input_has_profile_dims(tiny_graphs):  # noqa: F811
         assert pools and all(p[2][:2] == [sizes.num_blocks, limits.block_size] for p in pools.values())
     per_sequence = -(-limits.max_seq_len // limits.block_size)
     assert sizes.num_blocks >= per_sequence and sizes.num_slots == limits.max_batch
-    assert profile_range("kda_state.0", 0, "S", limits, sizes) == (1, 4, limits.max_batch)
+    assert profile_range("kda_state.0", 0, "S", limits, sizes) == (1, 4, limits.max_batch + 1)  # + padding slot
     assert profile_range("mla_cache.3", 0, "NB", limits, sizes) == (1, 256, sizes.num_blocks)
     assert profile_range("mla_cache.3", 1, "BS", limits, sizes) == (limits.block_size,) * 3
     assert profile_range("block_tables", 1, "B", limits, sizes) == (1, 64, per_sequence)

@@ -143,11 +143,14 @@ def test_tool_call_round_trip_keeps_reasoning_verbatim(server, oai):
 def test_follow_up_turn_sent_back_as_text_continues_the_kept_state(server, oai):
     """An agent loop: turn 1 (reasoning + a forced tool call) comes back as text and re-encodes to other tokens
     than the model sampled; the server renders it as the generated tokens (same text and markers), so turn 2
-    reuses the kept state, and equals a full re-prefill of the same prompt."""
+    reuses the kept state, and equals a full re-prefill of the same prompt. (The call is forced by name: K3
+    renders no message for that, while `required` adds one after the conversation, which the next prompt
+    moves, so nothing would be reused.)"""
     from moe_export.runtime.chat import render_ids
     from moe_export.runtime.tokenizer import load_tokenizer
 
-    forced = {"tools": WEATHER, "tool_choice": "required", "parallel_tool_calls": False, **GREEDY}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    forced = {"tools": WEATHER, "tool_choice": named, "parallel_tool_calls": False, **GREEDY}
     messages = [{"role": "user", "content": "Weather for my Oslo trip?"}]
     first = oai.chat.completions.create(model="m", messages=messages, max_tokens=200, **forced)
     msg = first.choices[0].message
@@ -158,8 +161,8 @@ def test_follow_up_turn_sent_back_as_text_continues_the_kept_state(server, oai):
         {"role": "tool", "tool_call_id": call.id, "content": "snow"},
     ]
     tok = load_tokenizer(server.settings.engine_dir)
-    served = tokenize(server, messages=turn2, tools=WEATHER, tool_choice="required")
-    encoded = render_ids(tok, turn2, tools=WEATHER, tool_choice="required", thinking_effort="low")
+    served = tokenize(server, messages=turn2, tools=WEATHER, tool_choice=named)
+    encoded = render_ids(tok, turn2, tools=WEATHER, tool_choice=named, thinking_effort="low")
     kept = first.usage.prompt_tokens + first.usage.completion_tokens - 1
     assert encoded[:kept] != served[:kept]  # precondition: the reply does not re-encode to its tokens
     assert tok.decode(served) == tok.decode(encoded)
@@ -177,7 +180,8 @@ def test_follow_up_turn_sent_back_as_text_continues_the_kept_state(server, oai):
 def test_responses_chain_continues_the_kept_state(server, oai):
     """previous_response_id: the stored turn carries its generated tokens, and turn 2 reuses the kept state."""
     tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER_PARAMS}]
-    forced = {"tools": tools, "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0}
+    forced = {"tools": tools, "tool_choice": {"type": "function", "name": "get_weather"}, "parallel_tool_calls": False,
+              "temperature": 0}  # named, not `required`: K3's tool-choice message would follow the conversation
     r1 = oai.responses.create(model="m", input="Weather in Rome this week?", max_output_tokens=200, **forced)
     call = next(i for i in r1.output if i.type == "function_call")
     r2 = oai.responses.create(model="m", previous_response_id=r1.id, max_output_tokens=12, **forced,
@@ -256,14 +260,14 @@ def test_anthropic_stop_sequence(claude):
 
 def test_responses_chain_equals_stateless_history(server, oai):
     opts = {"reasoning": {"effort": "low"}, "max_output_tokens": 12, "temperature": 0}
-    r1 = oai.responses.create(model="m", input="Plan a holiday.", **opts)
+    r1 = oai.responses.create(model="m", input="Plan a trip to Rome.", **opts)
     assert r1.status == "incomplete" and [i.type for i in r1.output][0] == "reasoning"
     r2 = oai.responses.create(model="m", input="And then?", previous_response_id=r1.id, **opts)
     items1 = [i.model_dump(exclude_none=True) for i in r1.output]
     stateless = oai.responses.create(model="m", store=False, input=[
-        {"role": "user", "content": "Plan a holiday."}, *items1, {"role": "user", "content": "And then?"}], **opts)
+        {"role": "user", "content": "Plan a trip to Rome."}, *items1, {"role": "user", "content": "And then?"}], **opts)
     dropped = oai.responses.create(model="m", store=False, input=[
-        {"role": "user", "content": "Plan a holiday."}, *[i for i in items1 if i["type"] != "reasoning"],
+        {"role": "user", "content": "Plan a trip to Rome."}, *[i for i in items1 if i["type"] != "reasoning"],
         {"role": "user", "content": "And then?"}], **opts)
     assert [i.model_dump(exclude={"id"}) for i in r2.output] == [i.model_dump(exclude={"id"}) for i in stateless.output]
     assert r2.usage.input_tokens == stateless.usage.input_tokens != dropped.usage.input_tokens
@@ -513,9 +517,11 @@ def test_json_schema_with_strings_parses_for_every_seed(oai, effort):
     """Sampled (not greedy) json_schema output with free strings: every seed parses strictly and validates,
     and what parses is the content the client receives."""
     fmt = {"type": "json_schema", "json_schema": {"name": "note", "schema": NOTE_SCHEMA}}
+    # max_tokens fits the 1024-token context: K3's response-format message (schema included) and thinking-effort
+    # message make the prompt ~810 synthetic (mostly one-byte) tokens
     for seed in range(6):
         r = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "A note, as JSON."}], seed=seed,
-                                        temperature=1.0, max_tokens=400, reasoning_effort=effort, response_format=fmt)
+                                        temperature=1.0, max_tokens=200, reasoning_effort=effort, response_format=fmt)
         assert r.choices[0].finish_reason == "stop", (seed, r.choices[0].message.content)
         jsonschema.validate(json.loads(r.choices[0].message.content), NOTE_SCHEMA)
 

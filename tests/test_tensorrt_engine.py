@@ -14,7 +14,8 @@ from safetensors.numpy import save_file
 from moe_export.export.errors import InputError
 from moe_export.export.tensorrt_build import ENGINE_KEY, read_engine_file
 from moe_export.runtime.engine.batch import StepBatch
-from moe_export.runtime.engine.tensorrt import TensorRTEngine, bind, check_shape, runner_pool_sizes
+from moe_export.runtime.engine.tensorrt import (TensorRTEngine, bind, check_shape, decode_buckets, is_decode,
+                                                pad_decode_feeds, runner_pool_sizes)
 
 META = {
     "rank": 0, "inputs": ["input_ids", "kda_state.0", "mla_cache.1"], "outputs": ["logits", "kda_state.0.written"],
@@ -129,10 +130,12 @@ class FakeTensor:
     def zero_(self):
         return self._op("zero")
 
-    def copy_(self, other):
+    def copy_(self, other, **kwargs):
         return self._op("copy")
 
     def __getitem__(self, i):
+        if isinstance(i, slice):
+            return FakeTensor(self.shape, self.data[i] if self.data.ndim else self.data)
         return FakeTensor(self.shape[1:])
 
     def data_ptr(self):
@@ -142,10 +145,17 @@ class FakeTensor:
         return self.data
 
 
+class FakeGraph:
+    def replay(self):
+        RECORD.append(("replay", CURRENT["stream"]))
+
+
 class FakeTorch:
     float32 = "f32"
 
     class cuda:  # noqa: N801
+        CUDAGraph = FakeGraph
+
         @staticmethod
         @contextlib.contextmanager
         def stream(s):
@@ -154,6 +164,14 @@ class FakeTorch:
                 yield
             finally:
                 CURRENT["stream"] = before
+
+        @staticmethod
+        @contextlib.contextmanager
+        def graph(g, stream=None):
+            RECORD.append(("capture_begin", stream))
+            with FakeTorch.cuda.stream(stream):
+                yield
+            RECORD.append(("capture_end", stream))
 
     @staticmethod
     def from_numpy(a):
@@ -186,6 +204,7 @@ def test_one_stream_for_every_copy_reset_and_enqueue():
     engine._torch_dtype = lambda dtype: dtype
     engine.num_slots, engine.num_blocks, engine.block_size = 8, 9000, 64
     engine.max_num_tokens, engine.max_seq_len = 8192, 4096
+    engine._buckets = []  # the eager path (the profile leaves no padding slot for decode graphs)
     RECORD.clear()
     engine.reset_slot(3)
     batch = StepBatch(input_ids=np.array([5], np.int64), positions=np.array([0], np.int64),
@@ -196,6 +215,63 @@ def test_one_stream_for_every_copy_reset_and_enqueue():
     assert ops and all(r[1] is stream for r in ops), ops  # nothing on the default stream (None)
     assert ("enqueue", stream, FakeStream.cuda_stream) in RECORD
     assert [r[0] for r in RECORD].count("synchronize") == 1 and RECORD[-1][0] == "synchronize"
+
+
+def test_decode_buckets_and_padding():
+    """Issue 18, defect 8 (CUDA graphs): decode steps are padded to a batch-size bucket onto the spare slot, with
+    -1 table rows (no cache row written) and their own logits rows; real rows keep their place."""
+    assert decode_buckets(24) == [1, 2, 4, 8, 16, 24] and decode_buckets(1) == [1] and decode_buckets(8)[-1] == 8
+    batch = StepBatch(input_ids=np.array([5, 6, 7]), positions=np.array([9, 0, 130]), cu_seqlens=np.array([0, 1, 2, 3]),
+                      slot_ids=np.array([4, 0, 2]), block_tables=np.array([[3, -1, -1], [1, -1, -1], [0, 2, 5]]))  # fmt: skip
+    assert is_decode(batch)
+    feeds = pad_decode_feeds(batch, 4, pad_slot=8, table_width=6)
+    assert feeds["input_ids"].tolist() == [5, 6, 7, 0] and feeds["positions"].tolist() == [9, 0, 130, 0]
+    assert feeds["slot_ids"].tolist() == [4, 0, 2, 8] and feeds["cu_seqlens"].tolist() == [0, 1, 2, 3, 4]
+    assert feeds["last_token_index"].tolist() == [0, 1, 2, 3]
+    assert feeds["block_tables"].shape == (4, 6) and (feeds["block_tables"][3] == -1).all()
+    assert feeds["block_tables"][2].tolist() == [0, 2, 5, -1, -1, -1]
+    with pytest.raises(ValueError, match="does not fit bucket 2"):
+        pad_decode_feeds(batch, 2, 8, 6)
+    prefill = StepBatch(np.array([1, 2]), np.array([0, 1]), np.array([0, 2]), np.array([0]), np.array([[0]]))
+    assert not is_decode(prefill)
+
+
+class GraphContext(StepContext):
+    def set_device_memory(self, ptr, size):
+        RECORD.append(("device_memory", ptr, size))
+
+
+def test_decode_steps_replay_a_cuda_graph_per_bucket():
+    """The first decode step of a bucket runs eagerly, then is captured on the rank's stream; the next one
+    replays it. The bucket's context shares the rank's one activation buffer."""
+    stream = FakeStream()
+    engine = object.__new__(TensorRTEngine)
+    engine._torch, engine.stream, engine.device = FakeTorch, stream, "cuda:0"
+    profile = {**META["profile"], "kda_state.0": [[1, 2, 4, 4], [4, 2, 4, 4], [9, 2, 4, 4]],
+               "block_tables": [[1, 1], [1, 64], [8, 16]], "positions": [[1], [1], [8192]],
+               "cu_seqlens": [[2], [9], [9]], "slot_ids": [[1], [8], [8]], "last_token_index": [[1], [8], [8]]}  # fmt: skip
+    engine.meta = {**META, "profile": profile}
+    engine.pools = {"kda_state.0": FakeTensor((9, 2, 4, 4))}
+    engine._engine = type("E", (), {"get_tensor_dtype": lambda self, n: "f32",
+                                    "create_execution_context": lambda self, strategy: GraphContext()})()  # fmt: skip
+    engine._trt = type("T", (), {"ExecutionContextAllocationStrategy": type("S", (), {"USER_MANAGED": 2})})
+    engine._torch_dtype = lambda dtype: dtype
+    engine._activations, engine._activation_size = FakeTensor((1,)), 4096
+    engine.num_slots, engine.num_blocks, engine.block_size = 8, 9000, 64
+    engine.max_num_tokens, engine.max_seq_len = 8192, 4096
+    engine._pad_slot, engine._graphs, engine._buckets = 8, {}, decode_buckets(8)
+    batch = StepBatch(np.array([5, 6, 7]), np.array([3, 4, 5]), np.array([0, 1, 2, 3]), np.array([0, 1, 2]),
+                      np.array([[0], [1], [2]]))  # fmt: skip
+    RECORD.clear()
+    engine.step(batch)
+    kinds = [r[0] for r in RECORD]
+    assert ("device_memory", 0x2000, 4096) in RECORD  # the shared activation buffer
+    assert kinds.count("enqueue") == 2 and kinds.index("capture_begin") < len(kinds) - kinds[::-1].index("enqueue")
+    RECORD.clear()
+    engine.step(batch)
+    assert [r[0] for r in RECORD].count("replay") == 1 and "enqueue" not in [r[0] for r in RECORD]
+    assert all(r[1] is stream for r in RECORD if r[0] not in ("synchronize", "device_memory"))
+    assert list(engine._graphs) == [4]
 
 
 def test_engine_needs_tensorrt_and_the_tensorrt_backend(tmp_path):

@@ -21,6 +21,14 @@ As TensorRT-LLM runs its engines:
   - Profiles: pools are sized within the engine's optimization profile (num_slots <= its S max, cache blocks
     = the build's NB max unless fewer are asked), and every step's input shape is checked against the profile
     before TensorRT sees it (contract PROFILE_BOUNDS).
+  - CUDA graphs: decode steps (one token per sequence) run through a CUDA graph per batch-size bucket
+    (`decode_buckets`: powers of two up to max_batch). Each bucket has its own execution context sharing the
+    rank's one activation buffer (they never run concurrently: one stream), static input buffers and a fixed
+    block-table width (the profile's max); the batch is padded to the bucket with rows on a spare slot
+    (`pad_decode_feeds`; the profile admits max_batch + 1 slots) whose table rows are -1, so they write no cache
+    row. A bucket's first step runs eagerly (the JIT plugins compile their kernels), then is captured; later
+    steps copy their inputs into the static buffers and replay. Possible because no plugin synchronizes with
+    the host inside its enqueue. Prefill and mixed steps run eagerly on the main context.
 State pools ([S, ...] per KDA layer, paged [NB, BS, W] caches in the recipe's cache dtype) are still network
 inputs that the plugins update through outputs aliased to them (`<pool>.written`, bound to the pool's own
 buffer); TensorRT may insert copies for aliased plugin I/O (contract ALIASED_PLUGIN_IO_MAY_COPY): see the
@@ -67,8 +75,9 @@ def runner_pool_sizes(meta: dict, max_batch: int, num_slots: int | None, num_blo
     would give more blocks than the profile admits); either above the profile is an InputError."""
     slots = num_slots or max_batch
     s_max = profile_max(meta, "kda_state.")
-    if slots > max_batch or (s_max is not None and slots > s_max):
-        raise InputError(f"num_slots={slots}: the engine's profile allows at most {s_max or max_batch} state slots "
+    limit = max_batch if s_max is None else min(max_batch, s_max)
+    if slots > limit:
+        raise InputError(f"num_slots={slots}: the engine allows at most {limit} state slots "
                          "(rebuild with a larger limits.max_batch)")
     nb_max = profile_max(meta, ("mla_cache.", "index_cache."))
     blocks = num_blocks or nb_max or 0
@@ -98,6 +107,41 @@ def bind(context, meta: dict, inputs: dict, outputs: dict) -> None:
         if not context.set_tensor_address(name, value.data_ptr()):
             raise RuntimeError(f"TensorRT refused the address of {name} (not a tensor of this engine, or not "
                                "256-byte aligned)")
+
+
+def decode_buckets(max_batch: int) -> list[int]:
+    """Batch sizes a decode CUDA graph is captured for: powers of two below max_batch, and max_batch."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
+def is_decode(batch: StepBatch) -> bool:
+    """Every sequence of the step contributes exactly one token."""
+    return int(batch.input_ids.shape[0]) == batch.num_sequences
+
+
+def pad_decode_feeds(batch: StepBatch, bucket: int, pad_slot: int, table_width: int) -> dict[str, np.ndarray]:
+    """A decode step's inputs padded to `bucket` sequences and `table_width` table columns: pad rows have one
+    token at position 0 on `pad_slot`, block-table rows of -1 (no cache row written, none read) and their own
+    logits row; real rows keep their order, so logits[:N] are the step's."""
+    n, width = batch.num_sequences, batch.block_tables.shape[1]
+    if n > bucket or width > table_width:
+        raise ValueError(f"decode step of {n} sequences x {width} table columns does not fit bucket {bucket} x "
+                         f"{table_width}")
+    ids = np.zeros(bucket, np.int64)
+    ids[:n] = batch.input_ids
+    pos = np.zeros(bucket, np.int64)
+    pos[:n] = batch.positions
+    slots = np.full(bucket, pad_slot, np.int64)
+    slots[:n] = batch.slot_ids
+    tables = np.full((bucket, table_width), -1, np.int64)
+    tables[:n, :width] = batch.block_tables
+    rows = np.arange(bucket + 1, dtype=np.int64)
+    return {"input_ids": ids, "positions": pos, "cu_seqlens": rows, "slot_ids": slots, "block_tables": tables,
+            "last_token_index": rows[:-1]}  # fmt: skip
 
 
 class TensorRTEngine:
@@ -147,14 +191,21 @@ class TensorRTEngine:
         if self._context is None:
             raise RuntimeError("TensorRT could not create an execution context")
         size = int(self._engine.device_memory_size_v2)
+        s_max = profile_max(self.meta, "kda_state.")
+        # decode CUDA graphs pad batches onto one spare slot (the build's profile admits max_batch + 1 slots)
+        self._pad_slot = self.num_slots if s_max is None or s_max > self.num_slots else None
+        self._graphs: dict[int, _DecodeGraph] = {}
+        self._buckets = decode_buckets(self.num_slots) if self._pad_slot is not None else []
         with torch.cuda.stream(self.stream):
             self._activations = torch.empty(max(size, 1), dtype=torch.uint8, device=self.device)  # one per rank
-            sizes = {"S": self.num_slots, "NB": self.num_blocks, "BS": self.block_size}
+            slots = self.num_slots + (self._pad_slot is not None)
+            sizes = {"S": slots, "NB": self.num_blocks, "BS": self.block_size}
             self.pools = {
                 name: torch.zeros(shape, dtype=self._torch_dtype_onnx(elem), device=self.device)
                 for name, (shape, elem) in pool_shapes(rank_dir / "model.onnx", sizes).items()
             }
         self._context.set_device_memory(self._activations.data_ptr(), size)
+        self._activation_size = size
         self.stream.synchronize()
 
     # ---- Engine interface ----
@@ -172,6 +223,8 @@ class TensorRTEngine:
     def step(self, batch: StepBatch) -> np.ndarray:
         """Run one packed step on this rank; returns logits [N, vocab] fp32 (every rank)."""
         check_step_batch(self, batch)
+        if is_decode(batch) and self._buckets and batch.num_sequences <= self._buckets[-1]:
+            return self._decode_graph_step(batch)
         torch = self._torch
         with torch.cuda.stream(self.stream):
             inputs = {k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device, non_blocking=True)
@@ -196,6 +249,54 @@ class TensorRTEngine:
         return logits.numpy()
 
     # ---- internals ----
+    def _decode_graph_step(self, batch: StepBatch) -> np.ndarray:
+        """A decode step through its bucket's CUDA graph (captured after the bucket's first, eager, step)."""
+        torch = self._torch
+        n = batch.num_sequences
+        bucket = next(b for b in self._buckets if b >= n)
+        graph = self._graphs.get(bucket) or self._new_graph(bucket)
+        feeds = pad_decode_feeds(batch, bucket, self._pad_slot, graph.table_width)
+        with torch.cuda.stream(self.stream):
+            for name, buf in graph.inputs.items():
+                buf.copy_(torch.from_numpy(feeds[name]), non_blocking=True)
+            for name, pool in self.pools.items():
+                if name.startswith(RESET_ON_NEW_SEQUENCE):
+                    pool[self._pad_slot].zero_()  # padding rows start from a clean state every step
+            if graph.cuda_graph is None:  # first step of the bucket: run it, then capture it
+                if not graph.context.execute_async_v3(self.stream.cuda_stream):
+                    raise RuntimeError("TensorRT failed to enqueue the step (see the log above)")
+                cuda_graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(cuda_graph, stream=self.stream):
+                    if not graph.context.execute_async_v3(self.stream.cuda_stream):
+                        raise RuntimeError("TensorRT failed to enqueue the step while capturing a CUDA graph")
+                graph.cuda_graph = cuda_graph
+            else:
+                graph.cuda_graph.replay()
+            logits = graph.logits[:n].float().to("cpu", non_blocking=True)
+        self.stream.synchronize()
+        return logits.numpy()
+
+    def _new_graph(self, bucket: int) -> _DecodeGraph:
+        """The bucket's context (sharing the activation buffer), static inputs and outputs, bound once."""
+        torch, trt = self._torch, self._trt
+        context = self._engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+        if context is None:
+            raise RuntimeError("TensorRT could not create an execution context")
+        context.set_device_memory(self._activations.data_ptr(), self._activation_size)
+        width = self.meta["profile"]["block_tables"][2][1] if "block_tables" in self.meta["profile"] else 1
+        feeds = pad_decode_feeds(_empty_decode(), bucket, self._pad_slot, width)
+        with torch.cuda.stream(self.stream):
+            inputs = {k: torch.from_numpy(v).to(self.device) for k, v in feeds.items() if k in self.meta["profile"]}
+            outputs = {n: self.pools[n[: -len(WRITTEN_SUFFIX)]] for n in self.meta["outputs"] if n.endswith(WRITTEN_SUFFIX)}
+            bind(context, self.meta, {**inputs, **self.pools}, outputs)
+            shape = tuple(context.get_tensor_shape("logits"))
+            logits = torch.empty(shape, dtype=self._torch_dtype(self._engine.get_tensor_dtype("logits")),
+                                 device=self.device)  # fmt: skip
+            if not context.set_tensor_address("logits", logits.data_ptr()):
+                raise RuntimeError("TensorRT refused the address of output logits")
+        graph = self._graphs[bucket] = _DecodeGraph(context, inputs, logits, width)
+        return graph
+
     def _torch_dtype(self, dtype):
         trt, torch = self._trt, self._torch
         return {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
@@ -207,6 +308,20 @@ class TensorRTEngine:
         torch = self._torch
         return {TensorProto.FLOAT: torch.float32, TensorProto.BFLOAT16: torch.bfloat16,
                 TensorProto.FLOAT16: torch.float16, TensorProto.UINT8: torch.uint8}[elem]  # fmt: skip
+
+
+def _empty_decode() -> StepBatch:
+    """A decode step of no sequence (the static buffers of a bucket start as all padding)."""
+    empty = np.zeros(0, np.int64)
+    return StepBatch(empty, empty, np.zeros(1, np.int64), empty, np.zeros((0, 1), np.int64))
+
+
+class _DecodeGraph:
+    """One batch-size bucket: its execution context, static input buffers, logits buffer, captured graph."""
+
+    def __init__(self, context, inputs: dict, logits, table_width: int):
+        self.context, self.inputs, self.logits, self.table_width = context, inputs, logits, table_width
+        self.cuda_graph = None
 
 
 class _NcclGroups:
