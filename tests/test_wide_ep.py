@@ -227,6 +227,9 @@ def test_mpiexec_8_ranks_dp_layout_matches_single_rank_reference(dp_engine, pres
     load = np.asarray(got["expert_tokens"])  # rank 0's stats() sums the groups' counts step by step: the same load
     assert got["stats_expert_load"]["routed"] == load.sum()
     np.testing.assert_allclose(got["stats_expert_load"]["max_over_mean"], load.max(1) / load.mean(1), rtol=1e-3)
+    stats = got["stats"]  # every group's scheduler, summed
+    assert stats["groups"] == 8 // tp and stats["blocks_total"] == stats["groups"] * got["blocks_per_rank"]
+    assert stats["running"] == stats["waiting"] == 0
     assert "moe_all_reduce" not in got["sent_bytes"] and got["sent_bytes"]["moe_all_to_all"] > 0
 
 
