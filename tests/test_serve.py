@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 
-from serve_support import SERVE_THINKING, InProcessServer, build_serve_engine, start_cli_server, stop_process
+from serve_support import SERVE_LIMITS, SERVE_THINKING, InProcessServer, build_serve_engine, start_cli_server, stop_process
 
 KEY_A, KEY_B = "key-a-0123456789", "key-b-9876543210"
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
@@ -143,11 +143,14 @@ def test_tool_call_round_trip_keeps_reasoning_verbatim(server, oai):
 def test_follow_up_turn_sent_back_as_text_continues_the_kept_state(server, oai):
     """An agent loop: turn 1 (reasoning + a forced tool call) comes back as text and re-encodes to other tokens
     than the model sampled; the server renders it as the generated tokens (same text and markers), so turn 2
-    reuses the kept state, and equals a full re-prefill of the same prompt."""
+    reuses the kept state, and equals a full re-prefill of the same prompt. (The call is forced by name: K3
+    renders no message for that, while `required` adds one after the conversation, which the next prompt
+    moves, so nothing would be reused.)"""
     from moe_export.runtime.chat import render_ids
     from moe_export.runtime.tokenizer import load_tokenizer
 
-    forced = {"tools": WEATHER, "tool_choice": "required", "parallel_tool_calls": False, **GREEDY}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    forced = {"tools": WEATHER, "tool_choice": named, "parallel_tool_calls": False, **GREEDY}
     messages = [{"role": "user", "content": "Weather for my Oslo trip?"}]
     first = oai.chat.completions.create(model="m", messages=messages, max_tokens=200, **forced)
     msg = first.choices[0].message
@@ -158,8 +161,8 @@ def test_follow_up_turn_sent_back_as_text_continues_the_kept_state(server, oai):
         {"role": "tool", "tool_call_id": call.id, "content": "snow"},
     ]
     tok = load_tokenizer(server.settings.engine_dir)
-    served = tokenize(server, messages=turn2, tools=WEATHER, tool_choice="required")
-    encoded = render_ids(tok, turn2, tools=WEATHER, tool_choice="required", thinking_effort="low")
+    served = tokenize(server, messages=turn2, tools=WEATHER, tool_choice=named)
+    encoded = render_ids(tok, turn2, tools=WEATHER, tool_choice=named, thinking_effort="low")
     kept = first.usage.prompt_tokens + first.usage.completion_tokens - 1
     assert encoded[:kept] != served[:kept]  # precondition: the reply does not re-encode to its tokens
     assert tok.decode(served) == tok.decode(encoded)
@@ -177,7 +180,8 @@ def test_follow_up_turn_sent_back_as_text_continues_the_kept_state(server, oai):
 def test_responses_chain_continues_the_kept_state(server, oai):
     """previous_response_id: the stored turn carries its generated tokens, and turn 2 reuses the kept state."""
     tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER_PARAMS}]
-    forced = {"tools": tools, "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0}
+    forced = {"tools": tools, "tool_choice": {"type": "function", "name": "get_weather"}, "parallel_tool_calls": False,
+              "temperature": 0}  # named, not `required`: K3's tool-choice message would follow the conversation
     r1 = oai.responses.create(model="m", input="Weather in Rome this week?", max_output_tokens=200, **forced)
     call = next(i for i in r1.output if i.type == "function_call")
     r2 = oai.responses.create(model="m", previous_response_id=r1.id, max_output_tokens=12, **forced,
@@ -256,14 +260,14 @@ def test_anthropic_stop_sequence(claude):
 
 def test_responses_chain_equals_stateless_history(server, oai):
     opts = {"reasoning": {"effort": "low"}, "max_output_tokens": 12, "temperature": 0}
-    r1 = oai.responses.create(model="m", input="Plan a trip.", **opts)
+    r1 = oai.responses.create(model="m", input="Plan a trip to Rome.", **opts)
     assert r1.status == "incomplete" and [i.type for i in r1.output][0] == "reasoning"
     r2 = oai.responses.create(model="m", input="And then?", previous_response_id=r1.id, **opts)
     items1 = [i.model_dump(exclude_none=True) for i in r1.output]
     stateless = oai.responses.create(model="m", store=False, input=[
-        {"role": "user", "content": "Plan a trip."}, *items1, {"role": "user", "content": "And then?"}], **opts)
+        {"role": "user", "content": "Plan a trip to Rome."}, *items1, {"role": "user", "content": "And then?"}], **opts)
     dropped = oai.responses.create(model="m", store=False, input=[
-        {"role": "user", "content": "Plan a trip."}, *[i for i in items1 if i["type"] != "reasoning"],
+        {"role": "user", "content": "Plan a trip to Rome."}, *[i for i in items1 if i["type"] != "reasoning"],
         {"role": "user", "content": "And then?"}], **opts)
     assert [i.model_dump(exclude={"id"}) for i in r2.output] == [i.model_dump(exclude={"id"}) for i in stateless.output]
     assert r2.usage.input_tokens == stateless.usage.input_tokens != dropped.usage.input_tokens
@@ -338,10 +342,10 @@ def test_auth_limits_and_error_shapes(server, serve_engine):
     r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "tools": WEATHER * 9}, headers=good)
     assert r.status_code == 400 and "limit of 8" in r.json()["error"]["message"]
     r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "max_tokens": 5000}, headers=good)
-    assert r.status_code == 400 and "1024" in r.json()["error"]["message"]
-    long_prompt = {**chat, "messages": [{"role": "user", "content": "word " * 300}]}
+    assert r.status_code == 400 and "2048" in r.json()["error"]["message"]
+    long_prompt = {**chat, "messages": [{"role": "user", "content": "word " * 1200}]}
     r = httpx.post(f"{url}/v1/chat/completions", json=long_prompt, headers=good)
-    assert r.status_code == 400 and "1024" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and "2048" in r.json()["error"]["message"], r.text
     r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "reasoning_effort": "extreme"}, headers=good)
     assert r.status_code == 400 and "effort" in r.json()["error"]["message"]
     r = httpx.get(f"{url}/v1/responses/resp_nope", headers=good)
@@ -375,7 +379,7 @@ def test_kill9_restart_continues_chain_and_sigterm_drains(serve_engine, tmp_path
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY_A, max_retries=0)
     opts = {"max_output_tokens": 10, "temperature": 0}
     r1 = client.responses.create(model="m", input="First turn.", **opts)
-    stream = iter(client.responses.create(model="m", input="Never finished.", stream=True, max_output_tokens=800,
+    stream = iter(client.responses.create(model="m", input="Never finished.", stream=True, max_output_tokens=700,
                                           temperature=0, extra_body={"ignore_eos": True}))
     for _, event in zip(range(8), stream):  # mid-stream: a few deltas in, hundreds of tokens to go
         assert event.type != "response.completed"
@@ -513,9 +517,11 @@ def test_json_schema_with_strings_parses_for_every_seed(oai, effort):
     """Sampled (not greedy) json_schema output with free strings: every seed parses strictly and validates,
     and what parses is the content the client receives."""
     fmt = {"type": "json_schema", "json_schema": {"name": "note", "schema": NOTE_SCHEMA}}
+    # max_tokens fits the 1024-token context: K3's response-format message (schema included) and thinking-effort
+    # message make the prompt ~810 synthetic (mostly one-byte) tokens
     for seed in range(6):
         r = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "A note, as JSON."}], seed=seed,
-                                        temperature=1.0, max_tokens=400, reasoning_effort=effort, response_format=fmt)
+                                        temperature=1.0, max_tokens=200, reasoning_effort=effort, response_format=fmt)
         assert r.choices[0].finish_reason == "stop", (seed, r.choices[0].message.content)
         jsonschema.validate(json.loads(r.choices[0].message.content), NOTE_SCHEMA)
 
@@ -546,7 +552,7 @@ def test_bad_schemas_and_tools_are_400_and_valid_ones_work(oai):
 def test_pydantic_function_tools_with_optional_and_nested_models(oai):
     """openai.pydantic_function_tool schemas (Optional -> anyOf with null, a nested model -> $ref into $defs)
     for a forced K3 call: accepted, and the arguments validate against the model (small models: the tool
-    declaration alone is ~770 of the test engine's 1024 tokens)."""
+    declaration alone is ~770 tokens)."""
     from pydantic import BaseModel, Field
 
     class P(BaseModel):
@@ -691,12 +697,14 @@ def test_anthropic_input_tokens_count_tokens_and_budget_check(claude):
 def test_prompt_plus_max_tokens_beyond_the_context_is_400(server, oai):
     prompt = "Once upon a time " * 60
     n = len(tokenize(server, prompt=prompt))
-    assert n < 1024
-    with pytest.raises(openai.BadRequestError, match="maximum context length is 1024"):
-        oai.completions.create(model="m", prompt=prompt, max_tokens=1024 - n + 1)
-    assert oai.completions.create(model="m", prompt=prompt, max_tokens=1024 - n, **GREEDY).usage.total_tokens <= 1024
+    context = SERVE_LIMITS["max_seq_len"]
+    assert n < context
+    with pytest.raises(openai.BadRequestError, match=f"maximum context length is {context}"):
+        oai.completions.create(model="m", prompt=prompt, max_tokens=context - n + 1)
+    exact = oai.completions.create(model="m", prompt=prompt, max_tokens=context - n, extra_body={"ignore_eos": True}, **GREEDY)
+    assert exact.usage.total_tokens == context
     messages = [{"role": "user", "content": prompt}]
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
-        oai.chat.completions.create(model="m", messages=messages, max_tokens=1024 - n + 1)
+        oai.chat.completions.create(model="m", messages=messages, max_tokens=context - n + 1)
     r = oai.chat.completions.create(model="m", messages=messages, reasoning_effort="none", **GREEDY)  # default: what fits
-    assert r.usage.total_tokens <= 1024
+    assert r.usage.total_tokens <= context

@@ -10,7 +10,8 @@ NCCL on TensorRT's stream. The communicators are torch.distributed NCCL groups w
 (rank 0's address is broadcast over MPI.COMM_WORLD; `runtime/engine/tensorrt.py`).
 
 Other collectives (all-to-all dispatch / combine for wide EP) follow the same pattern: a QDP plugin with a
-`group` field, a no-op while building, a method here that runs on the given stream.
+`group` field, a no-op while building, a method here that runs on the given stream. The wide-EP methods exist
+(`Communicator.moe_dispatch` / `moe_combine`, tested over gloo); their plugins do not yet (README, Parallelism).
 
 No tensorrt import here: the communicators and the switch are tested on CPU with torch.distributed's gloo.
 """
@@ -87,3 +88,15 @@ class Communicator:
         parts = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
         self._dist.all_gather(list(parts.unbind(0)), x.contiguous(), group=self.group)
         out.copy_(concat_gathered(parts, axis))
+
+    def moe_dispatch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int):
+        """MoEDispatch over this group (`all_to_all.torch_dispatch`): recv_x, recv_ids, recv_w, layout."""
+        from .all_to_all import torch_dispatch
+
+        return torch_dispatch(self.group, x, ids, weights, num_experts)
+
+    def moe_combine(self, y: torch.Tensor, layout, num_tokens: int) -> torch.Tensor:
+        """MoECombine over this group (`all_to_all.torch_combine`): [num_tokens, D]."""
+        from .all_to_all import torch_combine
+
+        return torch_combine(self.group, y, layout, num_tokens)

@@ -11,8 +11,8 @@ One world step:
      runs exactly one engine step per world step, so every MoE all-to-all has every rank in it (an idle group
      sends no tokens and computes what the others send its experts), and a group that finishes early holds
      nobody up: it keeps joining with zero tokens;
-  3. the leaders' updates (sampled tokens, finishes), loads and their groups' per-expert token counts of the step
-     come back to rank 0 (a gather over the leaders); `stats()["expert_load"]` sums them.
+  3. the leaders' updates (sampled tokens, finishes), scheduler stats and their groups' per-expert token counts of
+     the step come back to rank 0 (a gather over the leaders); rank 0's `stats()` sums them over the groups.
 
 Placement (rank 0). A request whose prompt continues the prompt of a request that finished in group g
 (a conversation's follow-up turn) goes to g, which keeps that turn's state; otherwise it goes to the group
@@ -77,6 +77,7 @@ class GroupedScheduler:
         self.leaders = engine.comm.leaders
         self.groups = engine.dp
         self.loads = [0] * self.groups
+        self.group_stats: list[dict] = [{} for _ in range(self.groups)]  # the leaders' latest scheduler stats
         self.remote_work = [False] * self.groups
         self.outbox: list[dict] = [{"add": [], "abort": []} for _ in range(self.groups)]
         self.placed: dict[str, tuple[int, tuple[int, ...], object]] = {}  # request id -> (group, prompt, budget)
@@ -138,8 +139,9 @@ class GroupedScheduler:
             raise
         self.loads[0] = self.local.load
         self.step_expert_tokens = self.engine.group_step_expert_tokens.copy()
-        for group, (group_updates, work, load, experts) in enumerate(reports[1:], start=1):
-            self.remote_work[group], self.loads[group] = work, load
+        for group, (group_updates, work, stats, experts) in enumerate(reports[1:], start=1):
+            self.remote_work[group], self.group_stats[group] = work, stats
+            self.loads[group] = stats["waiting"] + stats["running"]
             self.step_expert_tokens += experts
             for u in group_updates:
                 budget = self.placed[u.request_id][2] if u.request_id in self.placed else None
@@ -159,6 +161,9 @@ class GroupedScheduler:
 
     def stats(self) -> dict:
         out = self.local.stats()
+        for stats in self.group_stats[1:]:  # every group's queue, slots, blocks and reuse, summed
+            for key, value in stats.items():
+                out[key] = out.get(key, 0) + value
         out["group_loads"] = list(self.loads)
         out["groups"] = self.groups
         out["expert_load"] = expert_load_summary(self.expert_tokens)
@@ -199,7 +204,7 @@ def lead_group(engine, budget_factory=None, **scheduler_kwargs) -> int:
             for rid in mine["abort"]:
                 sched.abort(rid)
             updates = rejected + sched.step()
-            leaders.gather((updates, sched.has_work, sched.load, engine.group_step_expert_tokens), root=0)
+            leaders.gather((updates, sched.has_work, sched.stats(), engine.group_step_expert_tokens), root=0)
         except BaseException as exc:
             stop_the_world(engine, exc)
             raise
