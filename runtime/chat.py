@@ -79,6 +79,7 @@ def render_ids(tokenizer: Tokenizer, messages: list[dict], *, family: str | None
     family = family or tokenizer.family
     if family is None:
         raise InputError(f"{tokenizer.path}: the tokenizer has neither K3 nor K2 chat tokens; pass family=")
+    images = kwargs.pop("images", None)  # runtime.images.PromptImages: the image parts' media tokens
     renderer = _render(messages, family=family, **kwargs)
     ids: list[int] = []
     done = 0
@@ -86,10 +87,10 @@ def render_ids(tokenizer: Tokenizer, messages: list[dict], *, family: str | None
         turn = messages[i].get("turn_ids")
         if turn is None:
             continue
-        ids += segments_to_ids(tokenizer, renderer.out[done:start])
+        ids += segments_to_ids(tokenizer, renderer.out[done:start], images)
         ids += _with_turn_ids(tokenizer, renderer.out[start:stop], turn, f"messages[{i}]")
         done = stop
-    return ids + segments_to_ids(tokenizer, renderer.out[done:])
+    return ids + segments_to_ids(tokenizer, renderer.out[done:], images)
 
 
 def _with_turn_ids(tokenizer: Tokenizer, segments: list[Segment], turn: Any, where: str) -> list[int]:
@@ -136,14 +137,18 @@ def _rest_after(tokenizer: Tokenizer, segments: list[Segment], ids: list[int], *
     return items[k:]
 
 
-def segments_to_ids(tokenizer: Tokenizer, segments: list[Segment]) -> list[int]:
-    """Tokenize segments: each marker alone, each maximal run of adjacent text as one string."""
+def segments_to_ids(tokenizer: Tokenizer, segments: list[Segment], images=None) -> list[int]:
+    """Tokenize segments: each marker alone, each maximal run of adjacent text as one string. `images`
+    (`runtime.images.PromptImages`) expands each image marker into its media tokens."""
     ids: list[int] = []
     run: list[str] = []
     for seg in segments:
         if seg.special:
             ids += tokenizer.encode("".join(run))
             run = []
+            if seg.source is not None and images is not None:
+                ids += images.expand(seg.source)
+                continue
             ids.append(tokenizer.encode_special(seg.text))
         else:
             run.append(seg.text)

@@ -282,3 +282,52 @@ def image_token_ids(tokenizer, width: int, height: int, num_tokens: int) -> list
     return ([tokenizer.encode_special(MEDIA_BEGIN)] + tokenizer.encode(f"image {width}x{height}")
             + [tokenizer.encode_special(MEDIA_CONTENT)] + [tokenizer.encode_special(MEDIA_PAD)] * num_tokens
             + [tokenizer.encode_special(MEDIA_END)])
+
+
+IMAGE_PART_TYPES = ("image", "image_url", "input_image")
+
+
+def image_part_bytes(part: dict, where: str) -> bytes:
+    """The encoded image of a content part: OpenAI `image_url` ({"url": data URL} or the URL string),
+    Responses `input_image` (`image_url`), Anthropic `image` ({"source": {"type": "base64", "data": ...}})."""
+    kind = part.get("type")
+    if kind == "image" and isinstance(part.get("source"), dict):
+        src = part["source"]
+        if src.get("type") != "base64" or not isinstance(src.get("data"), str):
+            raise InputError(f"{where}.source: only base64 image sources are accepted")
+        media = src.get("media_type", "image/png")
+        return data_url_bytes(f"data:{media};base64,{src['data']}", f"{where}.source")
+    url = part.get("image_url")
+    if isinstance(url, dict):
+        url = url.get("url")
+    if not isinstance(url, str):
+        raise InputError(f"{where}: an image part needs image_url.url (a data:image/...;base64 URL)")
+    return data_url_bytes(url, f"{where}.image_url")
+
+
+class PromptImages:
+    """The image parts of a conversation, decoded and preprocessed, keyed by their place
+    ("messages[i].content[k]"); `expand(where)` gives a part's media tokens and records the order in which the
+    prompt holds them (`order`: the images of the prompt's `<|media_pad|>` runs, in order)."""
+
+    def __init__(self, tokenizer, processor: ImageProcessor, messages: list, max_images: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.parts: dict[str, PreparedImage] = {}
+        self.order: list[PreparedImage] = []
+        for i, msg in enumerate(messages if isinstance(messages, list) else []):
+            content = msg.get("content") if isinstance(msg, dict) else None
+            if not isinstance(content, list):
+                continue
+            for k, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                    where = f"messages[{i}].content[{k}]"
+                    if max_images is not None and len(self.parts) >= max_images:
+                        raise InputError(f"{where}: too many images: the engine takes at most {max_images} per request "
+                                         "(limits.max_images_per_request)")
+                    self.parts[where] = processor.preprocess_bytes(image_part_bytes(part, where), where)
+
+    def expand(self, where: str) -> list[int]:
+        image = self.parts[where]
+        self.order.append(image)
+        plan = image.plan
+        return image_token_ids(self.tokenizer, plan.width, plan.height, plan.num_tokens)

@@ -4,7 +4,7 @@ renderer base class (message bodies with text and image parts, tool-result group
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from moe_export.export.errors import InputError
@@ -19,6 +19,7 @@ class Segment:
 
     text: str
     special: bool = False
+    source: str | None = field(default=None, compare=False)  # an image marker's content part ("messages[0].content[1]")
 
 
 def check_family(family: str) -> None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from moe_export.runtime.formats.common import Renderer, argument_text, arguments_value, call_name, escape, reasoning_of, sorted_json, tool_calls_of
+from moe_export.runtime.formats.common import (
+    Renderer, Segment, argument_text, arguments_value, call_name, escape, reasoning_of, sorted_json, tool_calls_of,
+)
 from moe_export.runtime.formats.markers import CLOSE, END_OF_MSG, IMAGE, OPEN, SEP
 
 TOOL_DECLARE_HEADER = "# Tools\n\nYou can call the following tools. Their definitions, in JSON:\n"
@@ -20,7 +22,7 @@ class K3Renderer(Renderer):
     """K3 XTML."""
 
     def image(self, where: str) -> None:
-        self.mark(IMAGE)
+        self.out.append(Segment(IMAGE, special=True, source=where))
 
     def open_tag(self, name: str, *attrs: tuple[str, Any]) -> None:
         self.mark(OPEN)
