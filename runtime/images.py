@@ -100,17 +100,28 @@ def navit_plan(width: int, height: int, patch_size: int, merge: int, limit: int,
                       (factor - new_h % factor) % factor, patch_size)
 
 
-@dataclass(frozen=True)
+@dataclass
 class PreparedImage:
-    """One preprocessed image: pixel_values [patches, 3, p, p] fp32, its plan, and its content hash."""
+    """One image of a request: its plan (tokens known from the size alone), its content hash, and its
+    pixel_values [patches, 3, p, p] fp32, computed from the decoded image on first use (an image whose
+    embeddings are cached is never resized)."""
 
-    pixel_values: np.ndarray
     plan: ResizePlan
     digest: str
+    image: Image.Image | None = None
+    processor: ImageProcessor | None = None
+    pixels: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.plan.num_tokens
+
+    @property
+    def pixel_values(self) -> np.ndarray:
+        if self.pixels is None:
+            self.pixels = self.processor.pixel_values(self.image, self.plan)
+            self.image = None
+        return self.pixels
 
 
 @dataclass
@@ -203,20 +214,25 @@ class ImageProcessor:
         arr = np.asarray(image.convert("RGB"))
         return np.pad(arr, ((0, plan.pad_height), (0, plan.pad_width), (0, 0)))
 
-    def preprocess(self, image: Image.Image, digest: str = "") -> PreparedImage:
-        """One image -> PreparedImage (pixel_values in (gh, gw, C, p, p) patch order)."""
-        plan = self.plan(*image.size)
+    def pixel_values(self, image: Image.Image, plan: ResizePlan) -> np.ndarray:
+        """The normalized patches [gh*gw, 3, p, p] fp32 of `image`, in (gh, gw, C, p, p) order."""
         x = (self.pixels(image, plan) / 255.0).astype(np.float32)
         x -= np.asarray(self.cfg["image_mean"], dtype=np.float32)
         x *= 1.0 / np.asarray(self.cfg["image_std"], dtype=np.float32)
         p = self.patch_size
         _, gh, gw = plan.grid
-        patches = x.reshape(gh, p, gw, p, 3).transpose(0, 2, 4, 1, 3).reshape(gh * gw, 3, p, p)
-        return PreparedImage(np.ascontiguousarray(patches), plan, digest)
+        return np.ascontiguousarray(x.reshape(gh, p, gw, p, 3).transpose(0, 2, 4, 1, 3).reshape(gh * gw, 3, p, p))
 
-    def preprocess_bytes(self, data: bytes, where: str) -> PreparedImage:
-        """Decode and preprocess an encoded image; the digest is sha256 of the bytes and this config."""
-        return self.preprocess(decode_image(data, where), image_digest(data, self.cfg))
+    def preprocess(self, image: Image.Image, digest: str = "") -> PreparedImage:
+        """One image -> PreparedImage with its pixel values computed now."""
+        plan = self.plan(*image.size)
+        return PreparedImage(plan, digest, pixels=self.pixel_values(image, plan))
+
+    def prepare_bytes(self, data: bytes, where: str) -> PreparedImage:
+        """Decode an encoded image (InputError naming `where` if it cannot be) and plan it; its pixel values are
+        computed when the tower needs them. The digest is sha256 of the bytes and this config."""
+        image = decode_image(data, where)
+        return PreparedImage(self.plan(*image.size), image_digest(data, self.cfg), image, self)
 
 
 def background(h: int, w: int, bg_cfg: dict[str, Any]) -> np.ndarray:
@@ -324,10 +340,23 @@ class PromptImages:
                     if max_images is not None and len(self.parts) >= max_images:
                         raise InputError(f"{where}: too many images: the engine takes at most {max_images} per request "
                                          "(limits.max_images_per_request)")
-                    self.parts[where] = processor.preprocess_bytes(image_part_bytes(part, where), where)
+                    self.parts[where] = processor.prepare_bytes(image_part_bytes(part, where), where)
 
     def expand(self, where: str) -> list[int]:
         image = self.parts[where]
         self.order.append(image)
         plan = image.plan
         return image_token_ids(self.tokenizer, plan.width, plan.height, plan.num_tokens)
+
+
+def image_file_part(path: str) -> dict:
+    """An OpenAI `image_url` part (a base64 data URL) for an image file; InputError if it is not a readable
+    PNG / JPEG / WebP / GIF."""
+    if not path:
+        raise InputError("/image needs a file path")
+    try:
+        data = Path(path).expanduser().read_bytes()
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    fmt = decode_image(data, path).format.lower()
+    return {"type": "image_url", "image_url": {"url": f"data:image/{fmt};base64,{base64.b64encode(data).decode()}"}}

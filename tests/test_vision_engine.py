@@ -181,3 +181,49 @@ def test_image_chat_under_mpiexec(runtime_engine):
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got == {"prompt_ids": inproc.prompt_ids, "output_ids": inproc.output_ids}
+
+
+def test_terminal_image_command(runtime_engine, tmp_path, capsys):
+    from moe_export.runtime.entrypoints.terminal import chat_terminal
+
+    path = tmp_path / "p.png"
+    picture(4, 60, 90, alpha=True).save(path)
+    lines = f"/image {tmp_path / 'missing.png'}\n/image {path}\nWhat is it?\n/exit\n"
+    chat_terminal(runtime_engine("tiny-k3", 1, 1, 1), effort="none", sampling=SamplingParams(temperature=0, max_tokens=3),
+                  stdin=io.StringIO(lines))
+    out = capsys.readouterr().out
+    assert "missing.png: cannot read" in out and "attached to your next message" in out
+    prompt = int(next(line for line in out.splitlines() if line.startswith("(prompt ")).split()[1])
+    assert prompt > 12  # 90x60 -> 12 image tokens plus the message
+
+
+def test_server_image_parts(tmp_path):
+    import anthropic
+    import openai
+
+    from serve_support import InProcessServer, build_serve_engine
+
+    server = InProcessServer(build_serve_engine(tmp_path))
+    try:
+        url = data_url(picture(5, 60, 90))
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+        parts = [{"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": {"url": url}}]
+        r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": parts}], max_tokens=3,
+                                           temperature=0, reasoning_effort="none")
+        text_only = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "What is it?"}],
+                                                   max_tokens=3, temperature=0, reasoning_effort="none")
+        assert r.usage.prompt_tokens - text_only.usage.prompt_tokens >= 12 + 3  # pads, media markers, "image 90x60"
+        resp = client.responses.create(model="m", max_output_tokens=3, input=[{"role": "user", "content": [
+            {"type": "input_text", "text": "What is it?"}, {"type": "input_image", "image_url": url}]}])
+        assert resp.usage.input_tokens > text_only.usage.prompt_tokens + 12
+        b64 = url.split(",", 1)[1]
+        msg = anthropic.Anthropic(base_url=server.url, api_key="x").messages.create(
+            model="m", max_tokens=3, messages=[{"role": "user", "content": [
+                {"type": "text", "text": "What is it?"},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}}]}])
+        assert msg.usage.input_tokens > text_only.usage.prompt_tokens
+        bad = [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+        with pytest.raises(openai.BadRequestError, match=r"content\[1\]: not a readable image"):
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": bad}], max_tokens=3)
+    finally:
+        server.stop()

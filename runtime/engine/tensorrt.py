@@ -90,6 +90,10 @@ class TensorRTEngine:
             raise InputError("the TensorRT runtime needs a CUDA device")
         limits = self.config["limits"]
         self.model_config: dict = self.config.get("pretrained_config", {})
+        # a K3 text graph takes image rows; this runner has no tower (image parts are refused), so it feeds none
+        text = self.model_config.get("text_config", self.model_config)
+        self._no_images = ({"image_rows": np.zeros(0, np.int64), "image_embeds": np.zeros((0, text["hidden_size"]), np.float32)}
+                           if "vision_config" in self.model_config else {})
         self.world_size = int(self.config["mapping"]["world_size"])
         self.tp, self.ep = int(self.config["mapping"]["tp_size"]), int(self.config["mapping"]["ep_size"])
         self.num_slots = num_slots or int(limits["max_batch"])
@@ -141,7 +145,8 @@ class TensorRTEngine:
         """Run one packed step on this rank; returns logits [N, vocab] fp32 (every rank)."""
         check_step_batch(self, batch)
         torch = self._torch
-        env = {k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device) for k, v in batch.feeds().items()}
+        env = {k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device)
+               for k, v in {**self._no_images, **batch.feeds()}.items()}
         env.update(self.pools)
         with torch.cuda.stream(self.stream):
             for step in self.steps:
