@@ -35,10 +35,11 @@ Weights are initializers stored as external data inside the rank's `weights.safe
 safetensors data section is raw little-endian bytes, so each initializer points at its byte range).
 
 Collectives are graph nodes `AllReduce` / `AllGather` in our domain with a `group` attribute
-("tp" or "ep"): both backends split the graph at them and the runtime performs the collective between
-the segments (MPI on CPU, NCCL between TensorRT engines; see `moe_export.export.backends`). In the `dp`
-layout (`graphs/sharding.py`) each MoE layer dispatches its tokens with `MoEDispatch` and sums the experts'
-results with `MoECombine` (all-to-all, `plugins/collectives/all_to_all.py`) instead of an ep all-reduce.
+("tp" or "ep"): the ONNX Runtime backend splits the graph at them and the runtime performs the collective
+between the segments (`moe_export.export.backends`); TensorRT engines keep them inside as NCCL plugins
+(`moe_export.plugins.collectives.tensorrt_plugin`). In the `dp` layout (`graphs/sharding.py`) each MoE layer
+dispatches its tokens with `MoEDispatch` and sums the experts' results with `MoECombine` (all-to-all,
+`plugins/collectives/all_to_all.py`) instead of an ep all-reduce.
 """
 
 from __future__ import annotations
@@ -312,7 +313,8 @@ class RankGraph:
         normed = g.rms_norm(h, model_prefix(cfg) + "norm.weight", cfg.rms_norm_eps, "final_norm")
         name = model_prefix(cfg) + "embed_tokens.weight" if cfg.tie_word_embeddings else lm_head_name(cfg)
         logits = g.to_f32(g.linear(normed, name, "lm_head"), "lm_head")
-        return logits if m.tp == 1 else g.plugin("AllGather", [logits], "lm_head.all_gather", group="tp", axis=-1)
+        return logits if m.tp == 1 else g.plugin("AllGather", [logits], "lm_head.all_gather", group="tp", axis=-1,
+                                                   group_size=m.tp)
 
     # ---- attention residuals ----
     def attn_res(self, prefix: str, snaps: list[str], which: str, name: str) -> str:
@@ -521,15 +523,27 @@ class RankGraph:
         masked = g.op("Where", [keep, grouped, g.const(float("-inf"), np.float32, "neg_inf")], f"{n}.masked")
         return g.op("Reshape", [masked, g.const([0, cfg.num_experts])], f"{n}.choice_grouped")
 
-    def token_share(self, x: str, name: str) -> str:
+    def token_share(self, x: str, name: str) -> tuple[str, str, str]:
         """This rank's rows of x [T, D] in the dp layout: rows r*c .. min((r+1)*c, T) of its tp group's tokens,
-        r = tp_rank, c = ceil(T / tp) (the tp ranks' shares in rank order are the T rows once)."""
+        r = tp_rank, c = ceil(T / tp) (the tp ranks' shares in rank order are the T rows once). Returns the share
+        and, for `gather_shares`, T [1] and the rows it lacks to c [1] (only the last ranks lack rows)."""
         g, m = self.g, self.m
         rows = g.op("Shape", [x], f"{name}.shape", end=1)  # [1]
         share = g.op("Div", [g.op("Add", [rows, g.const([m.tp - 1])], f"{name}.rows_up"), g.const([m.tp])], f"{name}.share")
         start = g.op("Min", [g.op("Mul", [share, g.const([m.tp_rank])], f"{name}.start_raw"), rows], f"{name}.start")
         end = g.op("Min", [g.op("Add", [start, share], f"{name}.end_raw"), rows], f"{name}.end")
-        return g.op("Slice", [x, start, end, g.const([0])], name)
+        short = g.op("Sub", [share, g.op("Sub", [end, start], f"{name}.taken")], f"{name}.short")
+        return g.op("Slice", [x, start, end, g.const([0])], name), rows, short
+
+    def gather_shares(self, y: str, rows: str, short: str, name: str) -> str:
+        """The tp group's shares y [rows taken, D] back as [T, D]: each padded with zero rows to c (at most tp - 1
+        rows in all, so every rank gathers an equal block, the static shape TensorRT's AllGather needs), gathered
+        in rank order (the padding lands after the T real rows) and cut to T."""
+        g, m = self.g, self.m
+        pads = g.op("Concat", [g.const([0, 0]), short, g.const([0])], f"{name}.pads", axis=0)
+        padded = g.op("Pad", [y, pads], f"{name}.padded")
+        gathered = g.plugin("AllGather", [padded], name, group="tp", axis=0, group_size=m.tp)
+        return g.op("Slice", [gathered, g.const([0]), rows, g.const([0])], f"{name}.rows")
 
     def moe(self, i: int, x: str) -> str:
         g, cfg, m = self.g, self.cfg, self.m
@@ -537,7 +551,7 @@ class RankGraph:
         n = f"layers.{i}.moe"
         tokens = x
         if m.all_to_all and m.tp > 1:  # each tp rank routes and dispatches its share of the group's tokens
-            x = self.token_share(x, f"{n}.token_share")
+            x, rows, short = self.token_share(x, f"{n}.token_share")
         router = g.to_f32(g.linear(x, f"{p}gate.weight", f"{n}.router"), f"{n}.router")  # fp32-accumulated logits
         scores = g.op("Sigmoid", [router], f"{n}.scores")  # fp32 [T, E]
         choice = g.op("Add", [scores, g.weight(f"{p}gate.e_score_correction_bias", dtype=TensorProto.FLOAT)], f"{n}.choice")
@@ -570,7 +584,7 @@ class RankGraph:
             y = g.plugin("MoECombine", [g.to_act(partial, f"{n}.experts"), *layout, dispatched], f"{n}.combine",
                          group="ep")
             if m.tp > 1:
-                y = g.plugin("AllGather", [y], f"{n}.token_all_gather", group="tp", axis=0)
+                y = self.gather_shares(y, rows, short, f"{n}.token_all_gather")
         else:
             y = g.all_reduce(g.to_act(partial, f"{n}.experts"), "ep", m.ep, f"{n}.experts_all_reduce")  # latent space
         if cfg.routed_expert_hidden_size:

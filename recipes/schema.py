@@ -90,6 +90,13 @@ class VisionSection(_Strict):
         "bfloat16's (2^-7, PyTorch before PR #142848)")
 
 
+class TensorRTSection(_Strict):
+    """Builder options of the TensorRT backend."""
+
+    prefer_aot: bool = Field(default=False, description="plugins with both implementations use their AOT kernel "
+                             "(no Python in the engine for them) instead of the JIT one")
+
+
 class ThinkingSection(_Strict):
     """Reasoning-token caps for the low / high / max thinking budgets."""
 
@@ -115,6 +122,7 @@ class Recipe(_Strict):
     thinking: ThinkingSection = ThinkingSection()
     vision: VisionSection = VisionSection()
     backend: Literal["onnxruntime", "tensorrt"] = "onnxruntime"
+    tensorrt: TensorRTSection = TensorRTSection()
     workspace_reserve_gib: float = Field(default=8.0, ge=0, description="per-rank memory kept for activations/workspace")
     output: str = Field(default="out/engine", description="output directory (relative to the working directory)")
 

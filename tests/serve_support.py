@@ -61,7 +61,8 @@ class InProcessServer:
         from moe_export.runtime.entrypoints.server.app import ServerSettings, create_app
 
         self.settings = ServerSettings(engine_dir=engine_dir, **settings)
-        self.app = create_app(AsyncLLM(engine_dir, default_effort=self.settings.default_effort), self.settings)
+        self.llm = AsyncLLM(engine_dir, default_effort=self.settings.default_effort)
+        self.app = create_app(self.llm, self.settings)
         self.sock = loopback_socket()
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"

@@ -106,6 +106,25 @@ def test_dispatch_expert_combine_equals_the_all_reduce_of_partial_sums():
     assert traffic[1].sent_bytes[all_to_all.KIND] > 0  # the idle rank still returns its experts' results
 
 
+def test_mpi_and_torch_distributed_all_to_all_match_the_reference():
+    """`mpiexec -n 4`: the MPI implementation (ONNX Runtime path) and torch.distributed's (the TensorRT path's
+    `nccl.Communicator`, here over gloo) give the reference's combined sums, rank 1 idle."""
+    mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
+    r = subprocess.run([mpiexec, "-n", "4", sys.executable, str(HERE / "mpi_all_to_all_run.py")], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["mpi_max_err"] == 0.0 and got["torch_max_err"] == 0.0 and got["shapes_match"]
+    assert got["rows_received"][1] > 0  # the idle rank's experts still get the others' tokens
+
+
+def test_torch_send_plan_matches_numpy():
+    ids = np.array([[7, 0], [2, 3], [6, 7]])
+    rows, counts = all_to_all.torch_send_plan(torch.from_numpy(ids), 8, 4)
+    want_rows, want_counts = all_to_all.send_plan(ids, 8, 4)
+    assert rows.tolist() == want_rows.tolist() and counts.tolist() == want_counts.tolist()
+
+
 def test_send_plan_orders_rows_by_destination_then_token():
     ids = np.array([[7, 0], [2, 3], [6, 7]])  # 8 experts on 4 ranks: ranks (3, 0), (1, 1), (3, 3)
     rows, counts = all_to_all.send_plan(ids, 8, 4)
@@ -200,11 +219,17 @@ def test_mpiexec_8_ranks_dp_layout_matches_single_rank_reference(dp_engine, pres
     first, second = got["groups"]
     assert first == [0, 1, 2]  # least loaded, lowest group first; group 3 idles through round 1
     assert second[0] == first[2]  # the follow-up goes to the group holding the conversation
-    assert len(set(second)) == min(8 // tp, 4)  # five requests over the groups
+    assert len(set(second)) == min(8 // tp, len(second))  # five requests over the groups
     moe_layers = len(got["expert_tokens"])
     routed = sum(len(p) + spec["max_tokens"] - 1 for spec in ROUNDS for p in spec["prompts"])
     assert got["moe_tokens"] == routed * moe_layers  # every token routed once per MoE layer, by one rank
     assert np.sum(got["expert_tokens"]) == routed * moe_layers * ref.cfg.num_experts_per_token
+    load = np.asarray(got["expert_tokens"])  # rank 0's stats() sums the groups' counts step by step: the same load
+    assert got["stats_expert_load"]["routed"] == load.sum()
+    np.testing.assert_allclose(got["stats_expert_load"]["max_over_mean"], load.max(1) / load.mean(1), rtol=1e-3)
+    stats = got["stats"]  # every group's scheduler, summed
+    assert stats["groups"] == 8 // tp and stats["blocks_total"] == stats["groups"] * got["blocks_per_rank"]
+    assert stats["running"] == stats["waiting"] == 0
     assert "moe_all_reduce" not in got["sent_bytes"] and got["sent_bytes"]["moe_all_to_all"] > 0
 
 
@@ -247,3 +272,36 @@ def test_tensorrt_build_of_a_dp_recipe_is_refused_up_front(tmp_path):
     rec, _ = load_recipe("h100x64.yaml")
     with pytest.raises(InputError, match="parallel.attention dp needs the MoE all-to-all"):
         _check_backend(rec, Stages(build_tensorrt_engine=lambda *a: None))
+
+
+@pytest.mark.slow
+def test_mpiexec_8_ranks_serve_spreads_chats_over_groups(dp_engine):
+    """`mpiexec -n 8 moe-export serve` on a tp 2 x dp 4 engine: concurrent chat completions (spread over the groups)
+    answer as the same engine in one process does (group 0, the others idle), and the server drains on SIGTERM."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from serve_support import start_cli_server, stop_process
+
+    from moe_export.runtime import LLM
+
+    engine_dir = dp_engine("tiny-k3", 2, 8)
+    questions = ["Tell me about Paris.", "Hi!", "What is two plus two, in words?", "Name a colour."]
+    proc, url = start_cli_server([str(engine_dir), "--default-effort", "low"], mpiexec_ranks=8)
+    try:
+        def ask(q: str) -> dict:
+            body = {"model": "m", "messages": [{"role": "user", "content": q}], "max_tokens": 10, "temperature": 0}
+            return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).json()
+
+        with ThreadPoolExecutor(len(questions)) as pool:
+            served = list(pool.map(ask, questions))
+    finally:
+        code = stop_process(proc)
+    llm = LLM(engine_dir, default_effort="low", threads=1)
+    local = llm.chat([[{"role": "user", "content": q}] for q in questions], SamplingParams(max_tokens=10))
+    for s, want in zip(served, local):
+        assert s["usage"]["completion_tokens"] == len(want.output_ids)
+        message = s["choices"][0]["message"]
+        assert (message["content"] or "", message.get("reasoning_content") or "") == \
+            (want.content or "", want.reasoning_content or "")
+    assert code == 0

@@ -115,6 +115,14 @@ class MPICommunicator:
     def broadcast(self, obj):
         return (self.groups["tp"] if self.dp_layout else self.world).bcast(obj, root=0)
 
+    def group_sum(self, x: np.ndarray) -> np.ndarray:
+        """x summed over this rank's tp group, on the group's first rank (the others get their own x back)."""
+        from mpi4py import MPI
+
+        out = np.empty_like(x)
+        self.groups["tp"].Reduce(np.ascontiguousarray(x), out, op=MPI.SUM, root=0)
+        return out if self.groups["tp"].Get_rank() == 0 else x
+
 
 @dataclass
 class RankRunner:
@@ -273,9 +281,11 @@ class Engine:
         dispatches = [s["outputs"][0] for s in self.ranks[0].steps if s.get("collective") == "MoEDispatch"]
         self._moe_layer = {name: k for k, name in enumerate(dispatches)}
         # tokens routed to each expert (rows of this process's ranks' dispatches), per MoE layer: the last step's
-        # and the running total (dp layout: the runtime sees the routing at the dispatch)
+        # and the running total (dp layout: the runtime sees the routing at the dispatch); group_step_expert_tokens:
+        # the last step's of this rank's whole attention group (on its first rank, under mpiexec)
         self.step_expert_tokens = np.zeros((len(dispatches), self.num_experts), dtype=np.int64)
         self.expert_tokens = np.zeros_like(self.step_expert_tokens)
+        self.group_step_expert_tokens = self.step_expert_tokens
 
     @property
     def is_root(self) -> bool:
@@ -413,6 +423,8 @@ class Engine:
             else:
                 self._collective(step, envs, active)
         self.expert_tokens += self.step_expert_tokens
+        grouped = self.comm is not None and self.dp_layout and self.tp > 1
+        self.group_step_expert_tokens = self.comm.group_sum(self.step_expert_tokens) if grouped else self.step_expert_tokens
         for r in self.ranks:
             if active[r.rank]:
                 r.write_back(envs[r.rank], batches[r.rank])
