@@ -207,23 +207,24 @@ def test_server_image_parts(tmp_path):
     try:
         url = data_url(picture(5, 60, 90))
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+        model = client.models.list().data[0].id
         parts = [{"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": {"url": url}}]
-        r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": parts}], max_tokens=3,
+        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": parts}], max_tokens=3,
                                            temperature=0, reasoning_effort="none")
-        text_only = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "What is it?"}],
+        text_only = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "What is it?"}],
                                                    max_tokens=3, temperature=0, reasoning_effort="none")
         assert r.usage.prompt_tokens - text_only.usage.prompt_tokens >= 12 + 3  # pads, media markers, "image 90x60"
-        resp = client.responses.create(model="m", max_output_tokens=3, input=[{"role": "user", "content": [
+        resp = client.responses.create(model=model, max_output_tokens=3, input=[{"role": "user", "content": [
             {"type": "input_text", "text": "What is it?"}, {"type": "input_image", "image_url": url}]}])
         assert resp.usage.input_tokens > text_only.usage.prompt_tokens + 12
         b64 = url.split(",", 1)[1]
         msg = anthropic.Anthropic(base_url=server.url, api_key="x").messages.create(
-            model="m", max_tokens=3, messages=[{"role": "user", "content": [
+            model=model, max_tokens=3, messages=[{"role": "user", "content": [
                 {"type": "text", "text": "What is it?"},
                 {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}}]}])
         assert msg.usage.input_tokens > text_only.usage.prompt_tokens
         bad = [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
         with pytest.raises(openai.BadRequestError, match=r"content\[1\]: not a readable image"):
-            client.chat.completions.create(model="m", messages=[{"role": "user", "content": bad}], max_tokens=3)
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": bad}], max_tokens=3)
     finally:
         server.stop()
