@@ -165,10 +165,6 @@ class TensorRTEngine:
             raise InputError("the TensorRT runtime needs a CUDA device")
         limits = self.config["limits"]
         self.model_config: dict = self.config.get("pretrained_config", {})
-        # a K3 text graph takes image rows; this runner has no tower (image parts are refused), so it feeds none
-        text = self.model_config.get("text_config", self.model_config)
-        self._no_images = ({"image_rows": np.zeros(0, np.int64), "image_embeds": np.zeros((0, text["hidden_size"]), np.float32)}
-                           if "vision_config" in self.model_config else {})
         self.world_size = int(self.config["mapping"]["world_size"])
         self.tp, self.ep = int(self.config["mapping"]["tp_size"]), int(self.config["mapping"]["ep_size"])
         world = mpi_world() or (0, 1)
@@ -224,6 +220,16 @@ class TensorRTEngine:
                 if name.startswith(RESET_ON_NEW_SEQUENCE):
                     pool[slot].zero_()
 
+    def _feeds(self, batch: StepBatch) -> dict[str, np.ndarray]:
+        """The batch's inputs; a K3 text graph's image rows are empty (this runner has no tower: image parts
+        are refused before they reach it)."""
+        feeds = batch.feeds()
+        profile = self.meta["profile"]
+        if "image_rows" in profile and "image_rows" not in feeds:
+            width = profile["image_embeds"][0][1]
+            feeds.update(image_rows=np.zeros(0, np.int64), image_embeds=np.zeros((0, width), np.float32))
+        return feeds
+
     def step(self, batch: StepBatch) -> np.ndarray:
         """Run one packed step on this rank; returns logits [N, vocab] fp32 (every rank)."""
         check_step_batch(self, batch)
@@ -232,7 +238,7 @@ class TensorRTEngine:
         torch = self._torch
         with torch.cuda.stream(self.stream):
             inputs = {k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device, non_blocking=True)
-                      for k, v in {**self._no_images, **batch.feeds()}.items() if k in self.meta["profile"]}  # fmt: skip
+                      for k, v in self._feeds(batch).items() if k in self.meta["profile"]}  # fmt: skip
             inputs.update(self.pools)
             outputs = {}
             for name in self.meta["outputs"]:
