@@ -118,7 +118,8 @@ def inspect(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Census of a checkpoint by weight class, its layer kinds, and every problem found (exit 2 if any).
-    For an engine directory: ranks, mapping, graph ops and plugin nodes, weights by class, manifest status."""
+    For an engine directory: ranks, mapping, graph ops and plugin nodes, weights by class, the chat format, manifest
+    status."""
     import json
 
     from moe_export.export.census import inspect_checkpoint, render_checkpoint_report

@@ -255,8 +255,9 @@ class RankGraph:
 
     def __init__(self, cfg: ModelConfig, mapping: Mapping, weights_path: Path, topk_override: int | None = None,
                  use_indexer: bool = True, kv_cache: str = "fp32", compute_dtype: int = TensorProto.FLOAT,
-                 state_in_place: bool = False):
+                 state_in_place: bool = False, max_num_tokens: int | None = None):
         self.cfg, self.m = cfg, mapping
+        self.max_num_tokens = max_num_tokens  # TensorRT: sizes the MoE plugin's workspace output
         self.state_in_place = state_in_place  # TensorRT: every pool updated by an aliased plugin output
         # MXFP4 bytes (and their E8M0 scales) as the MoE plugin receives them: uint8 for ONNX Runtime; int8 views of
         # the same bytes for TensorRT, whose ONNX parser would widen uint8 initializers to int32
@@ -570,6 +571,14 @@ class RankGraph:
             dispatched = z
             z, ids, w, *layout = g.plugin("MoEDispatch", [z, ids, w], f"{n}.dispatch", 6, group="ep",
                                           num_experts=cfg.num_experts)
+        workspace = {}
+        if self.state_in_place:  # TensorRT: the plugin's scratch is its second output, in the engine's memory
+            from moe_export.plugins.moe_mxfp4.triton_kernel import workspace_bytes
+
+            local = len(m.local_experts(cfg.num_experts))
+            rows = self.max_num_tokens * (m.ep if m.all_to_all else 1)  # dp: tokens received from every rank
+            workspace = dict(n_out=2, scratch_bytes=workspace_bytes(rows, cfg.num_experts_per_token, cfg.expert_in_dim,
+                                                                    cfg.moe_intermediate_size, local))
         partial = g.plugin(
             "MoEMXFP4",
             [g.to_f32(z, f"{n}.experts_in"), ids, w] + [g.weight(e + t, as_float=False, byte_view=self.mxfp4_type)
@@ -579,7 +588,10 @@ class RankGraph:
             activation=cfg.hidden_act,
             situ_beta=float(cfg.situ_beta or 0.0),
             situ_linear_beta=float(cfg.situ_linear_beta or 0.0),
+            **workspace,
         )
+        if workspace:
+            partial = partial[0]  # output 1, the workspace, is only written and read by the plugin itself
         if m.all_to_all:  # back to the tokens' ranks, summed per token (latent space)
             y = g.plugin("MoECombine", [g.to_act(partial, f"{n}.experts"), *layout, dispatched], f"{n}.combine",
                          group="ep")
@@ -696,7 +708,7 @@ def export_rank_graph(cfg: ModelConfig, recipe, mapping: Mapping, weights_path: 
     use_indexer = recipe.attention.indexer == "auto"
     model = RankGraph(cfg, mapping, Path(weights_path), recipe.attention.sparse_topk, use_indexer,
                       recipe.quantization.kv_cache, compute_dtype(recipe),
-                      state_in_place=recipe.backend == "tensorrt").build()
+                      state_in_place=recipe.backend == "tensorrt", max_num_tokens=recipe.limits.max_num_tokens).build()
     Path(out_path).write_bytes(model.SerializeToString(deterministic=True))
     return graph_summary(model)
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import httpx
 import yaml
 
-SERVE_LIMITS = {"max_batch": 16, "max_seq_len": 1024, "max_num_tokens": 256, "block_size": 16}
+SERVE_LIMITS = {"max_batch": 16, "max_seq_len": 2048, "max_num_tokens": 256, "block_size": 16}
 SERVE_THINKING = {"low": 4, "high": 8, "max": 12}
 
 
 def build_serve_engine(root: Path, preset: str = "tiny-k3", tp: int = 1, ep: int = 1, world: int = 1) -> Path:
-    """Engine directory from tiny-cpu.yaml with serving limits (16 sequences, 1024 context) and small caps."""
+    """Engine directory from tiny-cpu.yaml with serving limits (16 sequences, 2048 context) and small caps."""
     from moe_export.export.build import build
     from moe_export.recipes.schema import load_recipe
 

@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 
-from serve_support import SERVE_THINKING, InProcessServer, build_serve_engine, start_cli_server, stop_process
+from serve_support import SERVE_LIMITS, SERVE_THINKING, InProcessServer, build_serve_engine, start_cli_server, stop_process
 
 KEY_A, KEY_B = "key-a-0123456789", "key-b-9876543210"
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
@@ -342,10 +342,10 @@ def test_auth_limits_and_error_shapes(server, serve_engine):
     r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "tools": WEATHER * 9}, headers=good)
     assert r.status_code == 400 and "limit of 8" in r.json()["error"]["message"]
     r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "max_tokens": 5000}, headers=good)
-    assert r.status_code == 400 and "1024" in r.json()["error"]["message"]
-    long_prompt = {**chat, "messages": [{"role": "user", "content": "word " * 300}]}
+    assert r.status_code == 400 and "2048" in r.json()["error"]["message"]
+    long_prompt = {**chat, "messages": [{"role": "user", "content": "word " * 1200}]}
     r = httpx.post(f"{url}/v1/chat/completions", json=long_prompt, headers=good)
-    assert r.status_code == 400 and "1024" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and "2048" in r.json()["error"]["message"], r.text
     r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "reasoning_effort": "extreme"}, headers=good)
     assert r.status_code == 400 and "effort" in r.json()["error"]["message"]
     r = httpx.get(f"{url}/v1/responses/resp_nope", headers=good)
@@ -552,7 +552,7 @@ def test_bad_schemas_and_tools_are_400_and_valid_ones_work(oai):
 def test_pydantic_function_tools_with_optional_and_nested_models(oai):
     """openai.pydantic_function_tool schemas (Optional -> anyOf with null, a nested model -> $ref into $defs)
     for a forced K3 call: accepted, and the arguments validate against the model (small models: the tool
-    declaration alone is ~770 of the test engine's 1024 tokens)."""
+    declaration alone is ~770 tokens)."""
     from pydantic import BaseModel, Field
 
     class P(BaseModel):
@@ -697,12 +697,14 @@ def test_anthropic_input_tokens_count_tokens_and_budget_check(claude):
 def test_prompt_plus_max_tokens_beyond_the_context_is_400(server, oai):
     prompt = "Once upon a time " * 60
     n = len(tokenize(server, prompt=prompt))
-    assert n < 1024
-    with pytest.raises(openai.BadRequestError, match="maximum context length is 1024"):
-        oai.completions.create(model="m", prompt=prompt, max_tokens=1024 - n + 1)
-    assert oai.completions.create(model="m", prompt=prompt, max_tokens=1024 - n, **GREEDY).usage.total_tokens <= 1024
+    context = SERVE_LIMITS["max_seq_len"]
+    assert n < context
+    with pytest.raises(openai.BadRequestError, match=f"maximum context length is {context}"):
+        oai.completions.create(model="m", prompt=prompt, max_tokens=context - n + 1)
+    exact = oai.completions.create(model="m", prompt=prompt, max_tokens=context - n, extra_body={"ignore_eos": True}, **GREEDY)
+    assert exact.usage.total_tokens == context
     messages = [{"role": "user", "content": prompt}]
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
-        oai.chat.completions.create(model="m", messages=messages, max_tokens=1024 - n + 1)
+        oai.chat.completions.create(model="m", messages=messages, max_tokens=context - n + 1)
     r = oai.chat.completions.create(model="m", messages=messages, reasoning_effort="none", **GREEDY)  # default: what fits
-    assert r.usage.total_tokens <= 1024
+    assert r.usage.total_tokens <= context
