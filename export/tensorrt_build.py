@@ -95,7 +95,7 @@ def select_device() -> int:
 def profile_range(name: str, axis: int, dim: str | int, limits, pools) -> tuple[int, int, int]:
     """(min, opt, max) of one dimension of an engine input: a fixed size, or a symbolic name.
 
-    T tokens of the step; N sequences (N_plus_1 = cu_seqlens); pools: S recurrent-state slots, NB cache blocks
+    T tokens of the step (M of them image rows); N sequences (N_plus_1 = cu_seqlens); pools: S recurrent-state slots, NB cache blocks
     of BS positions, B blocks per block table, with maxima the runtime's pool sizes (`pools`, the planner's
     `PoolSizes`: the same arithmetic as the planner and the engine loader; S one more, the padding slot of the
     runner's decode CUDA graphs) and small opt values, so the build's tactic timing never allocates full-size
@@ -107,6 +107,7 @@ def profile_range(name: str, axis: int, dim: str | int, limits, pools) -> tuple[
     pools = {"S": pools.num_slots, "BS": pools.block_size, "B": per_sequence, "NB": pools.num_blocks}
     ranges = {
         "T": (1, min(tokens, 256), tokens),
+        "M": (0, min(tokens, 64), tokens),  # the step's image rows (K3 with a vision tower), at most its tokens
         "N": (1, limits.max_batch, limits.max_batch),
         "N_plus_1": (2, limits.max_batch + 1, limits.max_batch + 1),
         "S": (1, min(pools["S"], 4), pools["S"] + DECODE_PAD_SLOTS),

@@ -3,6 +3,8 @@
 One graph per rank handles a packed batch of N sequences (prefill chunks and decode tokens mixed):
 
   inputs   input_ids [T] int64, positions [T] int64 (absolute position of each token in its sequence),
+           (K3 with a vision tower) image_rows [M] int64 and image_embeds [M, hidden] fp32: image embeddings that
+           replace those rows' input embeddings before layer 0 (`graphs.vision_export` computes them),
            cu_seqlens [N+1] int64, slot_ids [N] int64 (recurrent-state slot of each sequence),
            block_tables [N, B] int64 (each sequence's cache blocks in order, -1 padded),
            last_token_index [N] int64 (rows whose logits are wanted),
@@ -53,6 +55,7 @@ from onnx import TensorProto, helper
 from moe_export.export.errors import InputError
 from moe_export.graphs.config import ModelConfig
 from moe_export.graphs.sharding import Mapping
+from moe_export.graphs.vision import vision_config
 from moe_export.graphs.weights import layer_prefix, lm_head_name, model_prefix
 from moe_export.plugins import DOMAIN, OPSET_VERSION, PLUGIN_NAMESPACE, PLUGIN_VERSION
 from moe_export.quantize import fp8_cache
@@ -269,6 +272,7 @@ class RankGraph:
         self.last_indices: str | None = None  # the latest full DSA layer's top-k indices value
         self.kda_heads = cfg.kda_num_heads // mapping.tp
         self.mla_heads = cfg.num_heads // mapping.tp
+        self.has_vision = vision_config(cfg) is not None  # K3 with a tower: image rows spliced in (`splice_images`)
 
     def row_bytes(self, dim: int) -> int:
         """Last dim of a cache pool holding rows of `dim` values: dim, or dim + 1 (the scale byte) for fp8."""
@@ -281,6 +285,14 @@ class RankGraph:
     def _output(self, value: str, name: str, elem: int, shape: list) -> None:
         self.g.op("Identity", [value], name)  # node named like the output, producing it
         self.outputs.append(helper.make_tensor_value_info(name, elem, shape))
+
+    def splice_images(self, h: str) -> str:
+        """Inputs image_rows [M] int64 and image_embeds [M, hidden] fp32 (the vision tower's output for the step's
+        `<|media_pad|>` tokens): the embeddings replace those rows of the input embeddings before layer 0."""
+        g = self.g
+        rows = self._input("image_rows", TensorProto.INT64, ["M"])
+        embeds = g.to_act(self._input("image_embeds", TensorProto.FLOAT, ["M", self.cfg.hidden_size]), "image_embeds")
+        return g.op("ScatterND", [h, g.op("Unsqueeze", [rows, g.const([-1])], "image_rows.idx"), embeds], "embed.images")
 
     # ---- embeddings / head (vocab-parallel) ----
     def embed(self, ids: str) -> str:
@@ -611,6 +623,8 @@ class RankGraph:
         num_seqs = g.op("Squeeze", [g.op("Shape", [io_common["slots"]], "num_seqs.shape"), g.const([0])], "num_seqs")
         io_common["local_slots"] = g.op("Range", [g.const(0), num_seqs, g.const(1)], "local_slots")  # [N] 0..N-1
         h = self.embed(ids)
+        if self.has_vision:
+            h = self.splice_images(h)
         snaps: list[str] = []
         state_outputs = []
         eps = cfg.rms_norm_eps

@@ -220,6 +220,16 @@ class TensorRTEngine:
                 if name.startswith(RESET_ON_NEW_SEQUENCE):
                     pool[slot].zero_()
 
+    def _feeds(self, batch: StepBatch) -> dict[str, np.ndarray]:
+        """The batch's inputs; a K3 text graph's image rows are empty (this runner has no tower: image parts
+        are refused before they reach it)."""
+        feeds = batch.feeds()
+        profile = self.meta["profile"]
+        if "image_rows" in profile and "image_rows" not in feeds:
+            width = profile["image_embeds"][0][1]
+            feeds.update(image_rows=np.zeros(0, np.int64), image_embeds=np.zeros((0, width), np.float32))
+        return feeds
+
     def step(self, batch: StepBatch) -> np.ndarray:
         """Run one packed step on this rank; returns logits [N, vocab] fp32 (every rank)."""
         check_step_batch(self, batch)
@@ -228,7 +238,7 @@ class TensorRTEngine:
         torch = self._torch
         with torch.cuda.stream(self.stream):
             inputs = {k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device, non_blocking=True)
-                      for k, v in batch.feeds().items() if k in self.meta["profile"]}  # fmt: skip
+                      for k, v in self._feeds(batch).items() if k in self.meta["profile"]}  # fmt: skip
             inputs.update(self.pools)
             outputs = {}
             for name in self.meta["outputs"]:
