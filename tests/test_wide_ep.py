@@ -314,3 +314,18 @@ def test_mpiexec_8_ranks_serve_spreads_chats_over_groups(dp_engine):
         assert (message["content"] or "", message.get("reasoning_content") or "") == \
             (want.content or "", want.reasoning_content or "")
     assert code == 0
+
+
+def test_placement_follow_ups_least_loaded_and_processors_in_group_0():
+    from collections import OrderedDict
+
+    from moe_export.runtime.core.scheduler import Request
+    from moe_export.runtime.core.wide_ep import GroupedScheduler
+
+    sched = GroupedScheduler.__new__(GroupedScheduler)  # placement reads only loads and history
+    sched.groups, sched.loads = 4, [2, 0, 1, 0]
+    sched.history = OrderedDict({(1, 2, 3): 2, (1, 2): 3})
+    assert sched.place(Request("a", [9, 9])) == 1  # least loaded, lowest group first
+    assert sched.place(Request("b", [1, 2, 3, 4])) == 2  # the longest finished prompt it continues
+    assert sched.place(Request("c", [1, 2, 7])) == 3
+    assert sched.place(Request("d", [1, 2, 3, 4], logits_processors=[lambda ids, logits: logits])) == 0
