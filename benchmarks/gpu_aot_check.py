@@ -1,8 +1,9 @@
 """GPU check of the TensorRT AOT plugin kernels, launched the way TensorRT launches them (lent GPU only).
 
 TensorRT is not installable on the lent GPU image either, so this reproduces what TensorRT does with an
-`aot_impl`'s result using cuda-python (`cuda.bindings.driver`): load the PTX the plugin module returns
-(`cuModuleLoadData`), opt the kernel into more than 48 KiB of dynamic shared memory when it needs it
+`aot_impl`'s result using cuda-python (`cuda.bindings.driver`): load the code the plugin module returns (the
+cubin for the GPU, `plugins.tensorrt_common.aot_kernel_code`; PTX if there is none) with `cuModuleLoadData`,
+opt the kernel into more than 48 KiB of dynamic shared memory when it needs it
 (`cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)`), and `cuLaunchKernel` it with TensorRT's argument
 order: input pointers, the int32 extra arguments, output pointers, and nothing after them (no Triton scratch
 pointers). Each kernel's outputs are compared with the JIT launch (Triton's own launcher, the `impl` path)
@@ -43,7 +44,8 @@ def _check(result) -> object:
 
 def launch_like_tensorrt(kernel, grid, inputs, extras, outputs) -> dict:
     """cuModuleLoadData + cuLaunchKernel of a Triton CompiledKernel with TensorRT's parameters."""
-    module = _check(driver.cuModuleLoadData(kernel.asm["ptx"].encode() + b"\0"))
+    code = kernel.asm.get("cubin") or kernel.asm["ptx"].encode() + b"\0"  # what aot_impl hands TensorRT
+    module = _check(driver.cuModuleLoadData(code))
     func = _check(driver.cuModuleGetFunction(module, kernel.metadata.name.encode()))
     shared = int(kernel.metadata.shared)
     if shared > DEFAULT_SHARED_LIMIT:

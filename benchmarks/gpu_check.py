@@ -6,7 +6,9 @@ Prints, with CUDA-event timings (triton.testing.do_bench, median):
   - moe_mxfp4: our W4A16 Triton MoE vs a bf16 per-expert GEMM loop at K3 decode shapes for one EP rank
     (14 local experts, D=3584 latent, I=3072, 64 tokens, 4 local picks each; goal >= 2x);
   - sparse_mla_attention: top-2048 sparse vs dense causal at 128k cached tokens (8 decode queries,
-    12 heads = 96 / tp 8, 576-wide latent rows).
+    12 heads = 96 / tp 8, 576-wide latent rows, paged bf16 pool);
+  - no host synchronization: the MoE and DSA indexer plugin bodies under torch's sync debug mode "error",
+    captured into a CUDA graph and replayed (equal to the eager result).
 `--json PATH` writes the figures as one flat object.
 """
 
@@ -76,18 +78,63 @@ def check_moe(fig: dict) -> None:
 
 
 def check_sparse(fig: dict) -> None:
-    L, T, H, topk = 131072, 8, 12, 2048
+    L, T, H, topk, bs = 131072, 8, 12, 2048, 64
     dev = "cuda"
-    cache = torch.randn(1, L, 576, device=dev)
+    pool = torch.randn(L // bs, bs, 576, device=dev).bfloat16()  # paged bf16 latent cache, blocks in order
+    new = torch.randn(T, 576, device=dev)
     q = torch.randn(T, H, 576, device=dev)
     cu = torch.tensor([0, T], device=dev)
-    slots = torch.zeros(1, dtype=torch.int64, device=dev)
+    tables = torch.arange(L // bs, device=dev).view(1, -1)
     pos = torch.arange(L - T, L, device=dev)
     idx = torch.stack([torch.randperm(L - T, device=dev)[:topk] for _ in range(T)])
     kw = dict(scale=192**-0.5, kv_lora_rank=512)
-    fig["sparse_128k_ms"] = do_bench(lambda: sparse_mla_attention_triton(q, cache, cu, slots, pos, idx, **kw))
-    fig["dense_128k_ms"] = do_bench(lambda: sparse_mla_attention_triton(q, cache, cu, slots, pos, None, **kw))
+    fig["sparse_128k_ms"] = do_bench(lambda: sparse_mla_attention_triton(q, pool, new, cu, tables, pos, idx, **kw))
+    fig["dense_128k_ms"] = do_bench(lambda: sparse_mla_attention_triton(q, pool, new, cu, tables, pos, None, **kw))
     fig["sparse_speedup_128k"] = fig["dense_128k_ms"] / fig["sparse_128k_ms"]
+
+
+def check_no_host_sync(fig: dict) -> None:
+    """Issue 18, defect 8: the MoE and DSA indexer plugin bodies run with torch's sync debug mode set to error
+    (any device-to-host wait raises) and are captured into a CUDA graph and replayed, equal to the eager run."""
+    from moe_export.plugins.dsa_indexer.triton_kernel import dsa_indexer_triton
+
+    dev = "cuda"
+    E, D, I, T, k = 14, 3584, 3072, 16, 4
+    w13p = torch.randint(0, 255, (E, 2 * I, D // 2), dtype=torch.uint8, device=dev)
+    w13s = torch.full((E, 2 * I, D // 32), 120, dtype=torch.uint8, device=dev)
+    w2p = torch.randint(0, 255, (E, D, I // 2), dtype=torch.uint8, device=dev)
+    w2s = torch.full((E, D, I // 32), 120, dtype=torch.uint8, device=dev)
+    x = torch.randn(T, D, device=dev)
+    ids = torch.randint(0, 2 * E, (T, k), device=dev)
+    wts = torch.rand(T, k, device=dev)
+    moe = lambda: moe_mxfp4_triton(x, ids, wts, w13p, w13s, w2p, w2s, expert_offset=0)  # noqa: E731
+    Ti, Hi, Di, bs, blocks = 4, 64, 128, 64, 64
+    q_idx = torch.randn(Ti, Hi, Di, device=dev)
+    w_idx = torch.randn(Ti, Hi, device=dev)
+    k_pool = torch.randn(blocks, bs, Di, device=dev)
+    k_new = torch.randn(Ti, Di, device=dev)
+    cu = torch.tensor([0, Ti], device=dev)
+    tables = torch.arange(blocks, device=dev).view(1, -1)
+    pos = torch.arange(blocks * bs - Ti, blocks * bs, device=dev)
+    indexer = lambda: dsa_indexer_triton(q_idx, w_idx, k_pool, k_new, cu, tables, pos, topk=256)  # noqa: E731
+    for name, fn in (("moe", moe), ("indexer", indexer)):
+        try:
+            want = fn().clone()  # warm-up (Triton compiles outside the checked region)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                fn()
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+                    got = fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            graph.replay()
+            torch.cuda.synchronize()
+            fig[f"{name}_no_host_sync_graph_replay_equal"] = bool(torch.equal(got, want))
+        except Exception as exc:  # report, keep the other figures
+            fig[f"{name}_no_host_sync_error"] = repr(exc)
 
 
 def main() -> None:
@@ -95,7 +142,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     fig: dict = {"device": torch.cuda.get_device_name()}
-    for check in (check_kda, check_moe, check_sparse):
+    for check in (check_kda, check_moe, check_sparse, check_no_host_sync):
         check(fig)
         print(json.dumps(fig, sort_keys=True), flush=True)
     if args.json:

@@ -5,8 +5,8 @@ ORT C headers here, so each plugin ships its ONNX Runtime kernel as a model-loca
 standard ops (`plugins/<op>/ort.py`), which ORT inlines. Collectives cannot live inside an ORT
 graph, so the graph is split at every `AllReduce` / `AllGather` node into segments; the runtime
 runs a segment, performs the collective with MPI (or in process), and feeds the next segment.
-The TensorRT backend (`tensorrt_build.py`) cuts the same exported `model.onnx` into the same segments,
-keeping the bare plugin nodes (TensorRT's plugin lookup: op type = plugin name, `plugin_namespace`).
+The TensorRT backend (`tensorrt_build.py`) does not cut: it builds the whole exported `model.onnx` into one
+engine per rank, its collectives inside as NCCL plugins (`plugins/collectives/tensorrt_plugin.py`).
 
     rank{N}/model.onnx             the exported graph (TensorRT input)
     rank{N}/ort_segment_000.onnx   segments, each referencing rank{N}/weights.safetensors

@@ -62,6 +62,19 @@ def plan(
         table.add_row("workspace reserve", f"{p.reserve_bytes / GIB:.3f}")
         table.add_row("memory per rank", f"{p.memory_bytes / GIB:.3f}")
         console.print(table)
+        worst = min(p.per_rank, key=lambda r: r.max_sequences)
+        gpu = Table(title=f"per-GPU memory (GiB), rank {worst.rank} (the tightest)")
+        gpu.add_column("part")
+        gpu.add_column("GiB", justify="right")
+        labels = {"weights": "weights", "state_slots": f"recurrent-state pools ({worst.pools.num_slots} slots)",
+                  "cache_blocks": f"cache pools ({worst.pools.num_blocks:,} blocks)",
+                  "activations": "engine activations (one buffer per rank)",
+                  "plugin_workspaces": "plugin workspaces", "reserve": "reserve (CUDA context, NCCL, cuBLAS)",
+                  "total": "total", "capacity": "GPU memory"}  # fmt: skip
+        for part, b in worst.memory.items():
+            label = f"  {part.split('.', 1)[1]}" if part.startswith("workspace.") else labels[part]
+            gpu.add_row(label, f"{b / GIB:.3f}")
+        console.print(gpu)
         d = p.to_dict()
         fit = ", ".join(f"{n} x {int(length):,} tokens" for length, n in d["sequences_that_fit"].items())
         console.print(f"cache per rank: {d['cache_tokens_per_rank']:,} tokens in blocks of {rec.limits.block_size} "
@@ -105,7 +118,8 @@ def inspect(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Census of a checkpoint by weight class, its layer kinds, and every problem found (exit 2 if any).
-    For an engine directory: ranks, mapping, graph ops and plugin nodes, weights by class, manifest status."""
+    For an engine directory: ranks, mapping, graph ops and plugin nodes, weights by class, the chat format, manifest
+    status."""
     import json
 
     from moe_export.export.census import inspect_checkpoint, render_checkpoint_report
@@ -313,13 +327,14 @@ def serve(
     store: str | None = typer.Option(None, "--store", help="SQLite file for stored Responses history (default: in memory)"),
     default_effort: str = typer.Option("max", "--default-effort", help="thinking tier when a request names none: low, high, max or none"),
     max_queue: int = typer.Option(256, "--max-queue", help="waiting requests before new ones get 429"),
+    served_model_name: list[str] = typer.Option(None, "--served-model-name", help="model name(s) requests may give (repeatable; the first is reported); others get 404. Default: the engine folder's name"),
 ) -> None:
     """OpenAI- and Anthropic-compatible HTTP server (rank 0; other ranks follow under `mpiexec -n WORLD`).
     Ready when GET /health answers 200; SIGTERM drains running requests and exits 0."""
     from moe_export.runtime.entrypoints.server.launch import resolve_api_keys, serve as run_server
 
     run_server(engine, host=host, port=port, api_keys=resolve_api_keys(api_key), store=store,
-               default_effort=default_effort, max_queue=max_queue)
+               default_effort=default_effort, max_queue=max_queue, served_model_names=tuple(served_model_name or ()))
 
 
 def main() -> None:

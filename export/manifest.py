@@ -236,8 +236,21 @@ def inspect_engine(path: str | Path) -> dict[str, Any]:
         "mapping": cfg.get("mapping"),
         "num_ranks": len(ranks),
         "ranks": ranks,
+        "chat_format": _chat_format(root),
         "manifest": manifest,
     }
+
+
+def _chat_format(root: Path) -> str:
+    """Which renderer the runtime uses for this engine's chats (`moe_export.runtime.chat.renderer_name`)."""
+    from moe_export.runtime.chat import renderer_name
+    from moe_export.runtime.tokenizer import load_tokenizer
+
+    try:
+        tok = load_tokenizer(root)
+    except InputError as exc:
+        return f"none ({exc})"
+    return renderer_name(tok.family, tok.chat_template)
 
 
 def _human_bytes(n: float) -> str:
@@ -259,6 +272,7 @@ def render_engine_report(report: dict[str, Any], console) -> None:
         highlight=False,
         soft_wrap=True,
     )
+    console.print(f"chat format: {report.get('chat_format')}", highlight=False, soft_wrap=True)
     table = Table(title="weights by class, per rank")
     table.add_column("weight class")
     table.add_column("tensors", justify="right")

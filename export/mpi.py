@@ -5,6 +5,10 @@ Launchers announce a process's place in the world through environment variables:
   - Open MPI (mpirun / prterun):                  OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE;
   - PMIx launchers (srun --mpi=pmix, prterun):    PMIX_RANK (no size variable: asked from MPI).
 Nothing imports mpi4py unless one of them is set, so a plain run never initializes MPI.
+
+The rank on its node (`local_rank`, which picks the GPU: local rank -> device) comes from MPI_LOCALRANKID (Hydra),
+OMPI_COMM_WORLD_LOCAL_RANK (Open MPI), PMIX_LOCAL_RANK (PMIx) or SLURM_LOCALID (srun), else from MPI itself
+(the rank within COMM_WORLD split by shared memory).
 """
 
 from __future__ import annotations
@@ -36,3 +40,30 @@ def mpi_world(environ: Mapping[str, str] | None = None) -> tuple[int, int] | Non
 
             return rank, MPI.COMM_WORLD.Get_size()
     return None
+
+
+LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "PMIX_LOCAL_RANK", "SLURM_LOCALID")
+
+
+def local_rank(environ: Mapping[str, str] | None = None) -> int:
+    """This process's rank among the processes of its node (0 when no MPI launcher started it)."""
+    env = os.environ if environ is None else environ
+    for var in LOCAL_RANK_VARS:
+        if var in env:
+            return int(env[var])
+    if mpi_world(env) is None:
+        return 0
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+
+
+def device_for_local_rank(local: int, device_count: int) -> int:
+    """The GPU a rank uses: one GPU per local rank. More local ranks than visible GPUs is an error (two ranks on
+    one GPU would each size their pools for the whole GPU)."""
+    if device_count < 1:
+        raise RuntimeError("no CUDA device is visible to this process")
+    if local >= device_count:
+        raise RuntimeError(f"local rank {local} but only {device_count} CUDA device(s) visible: start at most "
+                           f"{device_count} ranks per node (or fix CUDA_VISIBLE_DEVICES)")
+    return local

@@ -12,14 +12,21 @@ values per MLA layer; one KV head, so replicated across attention tp; the DSA in
 values per indexer layer), stored in the recipe's kv_cache dtype (fp32 4 B, bf16 2 B, fp8 1 B + one E8M0
 scale byte per row, `moe_export.quantize.fp8_cache`).
 
+Engine memory, per rank (TensorRT builds; `RankPlan.memory`): the engine's activation memory (one buffer per
+rank, given to its execution context with setDeviceMemoryV2; `activation_bytes`, an upper estimate from the
+graph's widest per-token tensors at max_num_tokens that the build checks against TensorRT's own
+device_memory_size_v2) and the plugins' scratch (`plugin_workspace_bytes`: MoE chunk buffers, DSA indexer
+chunked top-k, the vocab all-gather). ONNX Runtime builds keep their temporaries within the reserve
+(`workspace_reserve_gib`, which on GPUs covers the CUDA context, cuBLAS/NCCL buffers and allocator slack).
+
 One arithmetic for pool sizes (`pool_sizes`), used by this planner, the engine loader (`engine_pool_sizes`)
-and the TensorRT optimization profile: memory left after weights and the workspace reserve, minus
+and the TensorRT optimization profile: memory left after weights, engine memory and the reserve, minus
 max_batch recurrent-state slots, divided by the bytes of one cache block (block_size tokens of every cache
 pool of the rank) = cache blocks per pool.
 Vision (K3): the tower and projector weights are replicated on every rank (class "vision", never quantized), and
 one tower call's activations (`vision_activation_bytes`: a request's `limits.max_images_per_request` images at the
 patch limit, spread over the attention group) must fit in the workspace reserve (the tower runs before the
-prefill that uses it).
+prefill that uses it); without `limits.max_image_patches` the patch limit is the largest that fits.
 Active parameters count the weights a token's forward pass multiplies with: every non-expert weight except
 the input embedding table (a lookup), plus the top-k routed experts of each MoE layer.
 """
@@ -119,6 +126,7 @@ class RankPlan:
     free_bytes: int
     max_sequences: int
     pools: PoolSizes
+    memory: dict[str, int] = field(default_factory=dict)  # the GPU's budget by part (`memory_view`)
     overflow: dict[str, int] = field(default_factory=dict)
     vision_activation_bytes: int = 0
 
@@ -136,6 +144,7 @@ class RankPlan:
             "num_blocks": self.pools.num_blocks,
             "cache_tokens": self.pools.cache_tokens,
             "sequences_that_fit": {str(n): self.pools.sequences_that_fit(n) for n in REPORTED_SEQUENCE_LENGTHS},
+            "memory": self.memory,
         }
 
 
@@ -163,7 +172,8 @@ class Plan:
     def verdict(self) -> str:
         worst = min(self.per_rank, key=lambda r: r.max_sequences)
         seq = self.recipe.limits.max_seq_len
-        need = worst.weight_bytes["total"] + self.reserve_bytes + worst.state_bytes_per_sequence["total"]
+        engine = worst.memory.get("activations", 0) + worst.memory.get("plugin_workspaces", 0)
+        need = worst.weight_bytes["total"] + engine + self.reserve_bytes + worst.state_bytes_per_sequence["total"]
         vision = max(r.vision_activation_bytes for r in self.per_rank)
         if vision > self.reserve_bytes:
             return (
@@ -175,7 +185,7 @@ class Plan:
         if not self.fits and need <= self.memory_bytes:
             pools = worst.pools
             return (
-                f"does not fit: rank {worst.rank}: after weights and reserve, max_batch={pools.num_slots} "
+                f"does not fit: rank {worst.rank}: after weights, engine memory and reserve, max_batch={pools.num_slots} "
                 f"recurrent-state slots take {pools.num_slots * pools.bytes_per_slot / GIB:.2f} GiB and the cache "
                 f"pools hold {pools.cache_tokens} tokens, less than one sequence of {seq}: lower limits.max_batch "
                 f"or limits.max_seq_len, or store the cache in fp8"
@@ -188,7 +198,8 @@ class Plan:
             return (
                 f"does not fit: rank {worst.rank} needs {need / GIB:.2f} GiB (weights "
                 f"{worst.weight_bytes['total'] / GIB:.2f} GiB, largest class {biggest} "
-                f"{worst.weight_bytes[biggest] / GIB:.2f} GiB; reserve {self.reserve_bytes / GIB:.2f} GiB; one "
+                f"{worst.weight_bytes[biggest] / GIB:.2f} GiB; engine activations and plugin workspaces "
+                f"{engine / GIB:.2f} GiB; reserve {self.reserve_bytes / GIB:.2f} GiB; one "
                 f"sequence of {seq} tokens {worst.state_bytes_per_sequence['total'] / GIB:.2f} GiB) but has "
                 f"{self.memory_bytes / GIB:.2f} GiB: over by {over / GIB:.2f} GiB"
             )
@@ -283,6 +294,84 @@ def state_bytes_per_sequence(cfg: ModelConfig, recipe: Recipe, mapping: Mapping)
     return out
 
 
+ACTIVATION_DTYPE_BYTES = 2  # GPU builds compute in bf16 (graphs/onnx_export.py: compute_dtype)
+
+
+def activation_bytes(cfg: ModelConfig, recipe: Recipe, mapping: Mapping) -> int:
+    """Upper estimate of a TensorRT engine's activation memory (device_memory_size_v2) at max_num_tokens.
+
+    TensorRT reuses activation memory between layers, so the peak is about one layer's live tensors plus what
+    crosses layers. Per token: the residual stream and its two pre-norm copies (3 x hidden, bf16); with
+    attention residuals, the stacked snapshots and their normalized keys ((snapshots + 1) x hidden x 2, fp32);
+    and the widest layer, each tensor counted once: MLA (q_a, q heads, absorbed q and latent output fp32,
+    v_up), KDA (q/k/v projections and conv output bf16, gates and state-side fp32), MoE (router scores, choice
+    and top-k fp32 over all experts; expert input and output fp32; shared / dense MLP up, gate, act bf16)."""
+    t, d, a = recipe.limits.max_num_tokens, cfg.hidden_size, ACTIVATION_DTYPE_BYTES
+    per_token = 3 * d * a
+    if cfg.attn_res_block_size:
+        snapshots = -(-cfg.num_layers // cfg.attn_res_block_size)
+        per_token += 2 * (snapshots + 1) * d * 4
+    heads = cfg.num_heads // mapping.tp
+    mla = 0
+    if cfg.mla_layers:
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        mla = ((cfg.q_lora_rank or 0) * a + heads * qk * a + heads * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+               + heads * cfg.kv_lora_rank * 4 + heads * cfg.v_head_dim * a + cfg.latent_cache_dim * 4)
+        if cfg.has_dsa:
+            mla += (cfg.index_n_heads or 0) * (cfg.index_head_dim or 0) * 4 + (cfg.index_head_dim or 0) * 4
+    kda = 0
+    if cfg.kda_layers:
+        width = (cfg.kda_num_heads // mapping.tp) * cfg.kda_head_dim
+        kda = 2 * 3 * width * a + 4 * width * 4
+    ffn = 2 * (cfg.intermediate_size // mapping.tp) * a + d * a
+    if cfg.num_experts:
+        shared = 2 * cfg.num_shared_experts * cfg.moe_intermediate_size // mapping.tp * a
+        ffn = max(ffn, 3 * cfg.num_experts * 4 + 2 * cfg.expert_in_dim * 4 + shared + d * a)
+    per_token += max(mla, kda) + ffn
+    return int(t * per_token)
+
+
+def plugin_workspace_bytes(cfg: ModelConfig, recipe: Recipe, mapping: Mapping) -> dict[str, int]:
+    """Scratch the TensorRT plugins take per call at max_num_tokens (one call at a time on the rank's stream):
+    MoEMXFP4 (chunked partial sums and activations, a declared plugin output in the engine's device memory, plus
+    the pair layout), DSAIndexer (chunked scores and top-k merge over the tables' capacity), and the vocab
+    all-gather's receive buffer."""
+    from moe_export.plugins.dsa_indexer import triton_kernel as indexer
+    from moe_export.plugins.moe_mxfp4 import triton_kernel as moe
+
+    t = recipe.limits.max_num_tokens
+    out = {}
+    if cfg.num_experts:
+        local = len(mapping.local_experts(cfg.num_experts))
+        out["moe_mxfp4"] = moe.scratch_bytes(t, cfg.num_experts_per_token, cfg.expert_in_dim,
+                                             cfg.moe_intermediate_size, local,
+                                             budget_bytes=moe.DEFAULT_SCRATCH_BUDGET)  # fmt: skip
+    if cfg.has_dsa and recipe.attention.indexer == "auto":
+        topk = recipe.attention.sparse_topk or cfg.index_topk
+        out["dsa_indexer"] = indexer.scratch_bytes(t, recipe.limits.max_seq_len, topk)
+    if mapping.tp > 1:
+        out["all_gather"] = recipe.limits.max_batch * cfg.vocab_size * 4
+    return out
+
+
+def memory_view(weights: int, pools: PoolSizes, activations: int, workspaces: dict[str, int], reserve: int,
+                capacity: int) -> dict[str, int]:  # fmt: skip
+    """One GPU's memory by part (bytes): weights, recurrent-state slots, cache blocks, engine activations, each
+    plugin's workspace, the reserve; `total` and the GPU's `capacity`."""
+    view = {
+        "weights": weights,
+        "state_slots": pools.num_slots * pools.bytes_per_slot,
+        "cache_blocks": pools.num_blocks * pools.bytes_per_block,
+        "activations": activations,
+        **{f"workspace.{k}": v for k, v in workspaces.items()},
+        "plugin_workspaces": sum(workspaces.values()),
+        "reserve": reserve,
+    }
+    view["total"] = sum(v for k, v in view.items() if not k.startswith("workspace."))
+    view["capacity"] = capacity
+    return view
+
+
 def make_plan(recipe: Recipe, cfg: ModelConfig | None = None) -> Plan:
     cfg = cfg or resolve_model_config(recipe)
     tp, ep = recipe.parallel.tp, recipe.parallel.ep
@@ -312,37 +401,53 @@ def make_plan(recipe: Recipe, cfg: ModelConfig | None = None) -> Plan:
         weight_bytes = {c: int(math.ceil(v)) for c, v in by_class.items() if v}
         weight_bytes["total"] = sum(weight_bytes.values())
         state = state_bytes_per_sequence(cfg, recipe, mapping)
-        free = memory - reserve - weight_bytes["total"]
+        gpu_engine = recipe.backend == "tensorrt"
+        activations = activation_bytes(cfg, recipe, mapping) if gpu_engine else 0
+        workspaces = plugin_workspace_bytes(cfg, recipe, mapping) if gpu_engine else {}
+        free = memory - reserve - weight_bytes["total"] - activations - sum(workspaces.values())
         pools = pool_sizes(free, block_size=recipe.limits.block_size, num_slots=recipe.limits.max_batch,
                            bytes_per_slot=sum(recurrent_bytes_per_sequence(cfg, recipe, mapping).values()),
                            bytes_per_token=sum(cache_bytes_per_token(cfg, recipe).values()))
         max_seqs = pools.sequences_that_fit(recipe.limits.max_seq_len) if free >= 0 else 0
-        per_rank.append(RankPlan(rank, mapping.to_dict(), weight_bytes, state, int(free), int(max_seqs), pools,
+        view = memory_view(weight_bytes["total"], pools, activations, workspaces, reserve, memory)
+        per_rank.append(RankPlan(rank, mapping.to_dict(), weight_bytes, state, int(free), int(max_seqs), pools, view,
                                  vision_activation_bytes=vision_act))
     return Plan(recipe, cfg, total, active, per_rank, memory, reserve)
 
 
-def image_patch_limit(recipe: Recipe) -> int:
-    """Patches one image may take: the recipe's `limits.max_image_patches`, else K3's in_patch_limit."""
+def image_patch_limit(cfg: ModelConfig, recipe: Recipe) -> int:
+    """Patches one image may take: the recipe's `limits.max_image_patches` (at most the checkpoint processor's
+    in_patch_limit, K3: 65536), or when it is null the largest count whose tower activations
+    (`vision_activation_bytes`) fit in the workspace reserve (at least 4, one merged token)."""
     from moe_export.runtime.images import K3_MEDIA_PROC
 
-    limit = K3_MEDIA_PROC["in_patch_limit"]
-    return min(limit, recipe.limits.max_image_patches or limit)
+    ceiling = K3_MEDIA_PROC["in_patch_limit"]
+    if recipe.limits.max_image_patches is not None:
+        return min(ceiling, recipe.limits.max_image_patches)
+    reserve = recipe.workspace_reserve_gib * GIB
+    lo, hi = 4, ceiling
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if _tower_bytes(cfg, recipe, mid) <= reserve else (lo, mid - 1)
+    return lo
 
 
-def vision_activation_bytes(cfg: ModelConfig, recipe: Recipe) -> int:
-    """Activation memory the tower needs on a rank: one call over a request's images at the patch limit, spread
-    over the attention group (each rank encodes ceil(images / group) of them, one at a time per attention).
-    CPU graphs materialize each image's attention scores; GPU builds are counted without them (flash attention)."""
+def _tower_bytes(cfg: ModelConfig, recipe: Recipe, patches: int) -> int:
     vc = vision_config(cfg)
     images = recipe.limits.max_images_per_request
     if vc is None or images == 0:
         return 0
-    per_rank = -(-images // recipe.parallel.tp)  # an attention group is tp ranks in both layouts
+    group = recipe.parallel.tp  # an attention group is tp ranks in both layouts
     cpu = recipe.backend != "tensorrt"
-    patches = image_patch_limit(recipe)
-    rows = tower_activation_bytes(vc, patches * per_rank, 4 if cpu else 2, scores_of=patches if cpu else 0)
-    return rows
+    return tower_activation_bytes(vc, patches * -(-images // group), 4 if cpu else 2, scores_of=patches if cpu else 0)
+
+
+def vision_activation_bytes(cfg: ModelConfig, recipe: Recipe) -> int:
+    """Activation memory the tower needs on a rank: one call over a request's images at the patch limit
+    (`image_patch_limit`), spread over the attention group (each rank encodes ceil(images / group) of them;
+    attention one image at a time). CPU graphs materialize each image's attention scores; GPU builds are counted
+    without them (flash attention)."""
+    return _tower_bytes(cfg, recipe, image_patch_limit(cfg, recipe))
 
 
 def engine_pool_sizes(engine_config: dict, num_slots: int | None = None) -> PoolSizes:

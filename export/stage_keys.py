@@ -33,16 +33,17 @@ STAGE_FIELDS: dict[str, tuple[str, ...]] = {
     "convert": ("quantization", "parallel", "target.gpu", "target.nodes", "target.gpus_per_node"),
     "graph": ("attention", "limits"),
     "lower": (),
-    "engine": ("limits", "target", "workspace_reserve_gib"),
+    "engine": ("limits", "target", "workspace_reserve_gib", "tensorrt"),
     "vision": ("vision",),
 }
 _MODEL_CODE = (("graphs", "config.py"), ("graphs", "sharding.py"), ("graphs", "weights.py"))
 # Source files each stage runs, as (subpackage of moe_export, glob inside it).
 STAGE_CODE: dict[str, tuple[tuple[str, str], ...]] = {
     "convert": (("export", "convert.py"), ("export", "checkpoint.py"), ("quantize", "*.py"), *_MODEL_CODE),
-    "graph": (("graphs", "onnx_export.py"), ("plugins", "*.py"), ("plugins", "*/onnx_schema.py"), *_MODEL_CODE),
+    "graph": (("graphs", "onnx_export.py"), ("graphs", "vision.py"), ("plugins", "*.py"), ("plugins", "*/onnx_schema.py"),
+              *_MODEL_CODE),
     "lower": (("export", "backends.py"), ("plugins", "*.py"), ("plugins", "*/onnx_schema.py"), ("plugins", "*/ort.py")),
-    "engine": (("export", "backends.py"), ("plugins", "**/*.py")),
+    "engine": (("export", "tensorrt_*.py"), ("export", "planner.py"), ("plugins", "**/*.py")),
     "config": (("export", "build.py"), ("export", "manifest.py"), *_MODEL_CODE),
     "vision": (("graphs", "vision.py"), ("graphs", "vision_export.py"), ("graphs", "onnx_export.py"), *_MODEL_CODE),
 }

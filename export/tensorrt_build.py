@@ -1,27 +1,38 @@
-"""TensorRT backend: one engine per segment of a rank's exported graph, packed into `rank{N}.engine`.
+"""TensorRT backend: one engine per rank, its collectives inside as plugins, packed into `rank{N}.engine`.
 
-Collectives. The graph is cut at its `AllReduce` / `AllGather` nodes exactly as for ONNX Runtime
-(`backends.plan_segments`); each segment becomes a TensorRT engine and the runtime performs the collective
-between segments with NCCL (`runtime/engine/tensorrt.py`). Chosen over a collective inside the engine because
-(1) TensorRT's native `IDistCollectiveLayer` needs 10.16+, gathers only along dimension 0 (the vocab-parallel
-logits gather along the last one) and takes its NCCL communicator on the execution context, and a Python
-NCCL plugin would run during the build's tactic timing, hanging unless every rank builds in lockstep;
-(2) this way ranks build independently, the plan is the one the CPU backend runs and tests, and the
-collectives need no Python inside an engine. The price: one enqueue per segment (two to three per layer).
+Layout (as TensorRT-LLM builds engines). Each rank's exported `model.onnx` is parsed whole into one network:
+the `AllReduce` / `AllGather` nodes become plugins (`plugins/collectives/tensorrt_plugin.py`) that do nothing
+while the engine is being built (`plugins.collectives.nccl.building()` around `build_serialized_network`;
+contract PLUGIN_RUNS_WHILE_BUILDING) and run NCCL at execution with the communicator the runner registers
+(from MPI). So ranks build independently, a step is one enqueue, and the ONNX Runtime backend keeps its
+segments (`export/backends.py`). The vocab gather stays where it is cheapest: after the last-token rows and
+the lm_head, [N, V/tp] per rank.
 
-File. `rank{N}.engine` is a safetensors file (safetensors only, never pickle): one uint8 tensor per segment
-engine (`segment.000`, ...) holding TensorRT's serialized engine, and in the metadata `trt_plan` (JSON: the
-steps as in `ort_plan.json`, segments named by their tensor) and `tensorrt_version`.
+Placement. The build runs on the GPU of its local rank (`export.mpi.local_rank` -> device), so ranks of one
+node under mpiexec build on their own GPUs; `recipe.tensorrt.prefer_aot` picks AOT or JIT plugins, and the AOT
+kernels are cubins for the recipe's GPU (`plugins/tensorrt_target.py`; PTX only as a fallback).
+
+Memory. The build refuses a recipe whose per-GPU total (weights, pools for max_batch sequences with at least
+one max_seq_len, activation memory, plugin workspaces, reserve; `export/planner.py`) does not fit, before
+parsing; after the build it reads the engine's real activation memory (`device_memory_size_v2`, contract
+USER_MANAGED_DEVICE_MEMORY; it includes the MoE plugin's workspace output) and refuses an engine that needs more
+than the planner set aside for it. The
+builder's workspace limit is that budget too.
+
+File. `rank{N}.engine` is a safetensors file (safetensors only, never pickle): one uint8 tensor `engine`
+holding TensorRT's serialized engine, and in the metadata `trt_engine` (JSON: rank, input and output names, the
+optimization profile [min, opt, max] of every input, the pool sizes the profile allows, the engine's device
+memory and layer count, prefer_aot) and `tensorrt_version`.
 
 Builder settings, each for a reason:
   - STRONGLY_TYPED network: the graph's own types decide precision (no implicit fp16/int8).
   - PREFER_JIT_PYTHON_PLUGINS (default) or PREFER_AOT_PYTHON_PLUGINS: GatedDeltaScan, ShortConv and
     SparseMLAAttention define both implementations, and QDP refuses to choose.
-  - PreviewFeature.ALIASED_PLUGIN_IO_10_03: without it TensorRT ignores the in-place (aliased) pool outputs
-    of GatedDeltaScan / ShortConv and hands fresh buffers in which only the addressed slots are written.
-  - one optimization profile per segment from the recipe's limits (`profile_range`): token and sequence
-    dims from 1 to their maxima, pool dims (slots S, cache blocks NB, table width B) from 1 to the runtime's
-    pool sizes with small opt values, so the build never allocates full-size pools while timing tactics.
+  - PreviewFeature.ALIASED_PLUGIN_IO_10_03: the state pools are still network inputs updated through aliased
+    plugin outputs (contract ALIASED_PLUGIN_IO_MAY_COPY: TensorRT may copy them; see the README).
+  - one optimization profile from the recipe's limits (`profile_range`): token and sequence dims from 1 to
+    their maxima, pool dims (slots S, cache blocks NB, table width B) from 1 to the planner's pool sizes with
+    small opt values, so tactic timing never allocates full-size pools.
 Supported: TensorRT 10.9+ (AOT plugins, network preference flags), any NumPy (see plugins/tensorrt_common.py).
 NOT RUN HERE: TensorRT's libraries are not installable on this project's machines; what is checked on CPU is
 listed in the README's backend section.
@@ -37,14 +48,16 @@ import numpy as np
 import onnx
 
 from moe_export.export.atomic import atomic_path
-from moe_export.export.backends import Segment, _value_types, plan_segments, segment_model
 from moe_export.export.errors import InputError
-from moe_export.export.planner import make_plan
+from moe_export.export.planner import GIB, make_plan
 from moe_export.plugins.registry import OP_FOLDERS
+from moe_export.plugins.tensorrt_target import GPU_CAPABILITY, set_target_capability
 
-PLAN_KEY = "trt_plan"
+ENGINE_KEY = "trt_engine"
+DECODE_PAD_SLOTS = 1  # the runner's decode CUDA graphs pad batches onto one spare recurrent-state slot
+ENGINE_TENSOR = "engine"
 MIN_TENSORRT = (10, 9)
-TENSORRT_PLUGIN_FOLDERS = sorted(set(OP_FOLDERS.values()) - {"collectives"})  # collectives: between engines
+TENSORRT_PLUGIN_FOLDERS = sorted(set(OP_FOLDERS.values()))  # collectives included: inside the engine
 
 
 def import_tensorrt(recipe_name: str):
@@ -63,18 +76,30 @@ def import_tensorrt(recipe_name: str):
 
 
 def register_plugins() -> None:
-    """Import every plugin folder's `tensorrt_plugin` module (each registers its QDP plugin on import)."""
+    """Import every plugin folder's `tensorrt_plugin` module (each registers its QDP plugins on import)."""
     for folder in TENSORRT_PLUGIN_FOLDERS:
         importlib.import_module(f"moe_export.plugins.{folder}.tensorrt_plugin")
 
 
-def profile_range(name: str, axis: int, dim: str | int, limits, pools) -> tuple[int, int, int]:
-    """(min, opt, max) of one dimension of a segment input: a fixed size, or a symbolic name.
+def select_device() -> int:
+    """Make this rank's GPU (local rank -> device) the current CUDA device; returns its index."""
+    import torch
 
-    T tokens of the step; N sequences (N_plus_1 = cu_seqlens); pools: S recurrent-state slots, NB cache blocks
+    from moe_export.export.mpi import device_for_local_rank, local_rank
+
+    index = device_for_local_rank(local_rank(), torch.cuda.device_count())
+    torch.cuda.set_device(index)
+    return index
+
+
+def profile_range(name: str, axis: int, dim: str | int, limits, pools) -> tuple[int, int, int]:
+    """(min, opt, max) of one dimension of an engine input: a fixed size, or a symbolic name.
+
+    T tokens of the step (M of them image rows); N sequences (N_plus_1 = cu_seqlens); pools: S recurrent-state slots, NB cache blocks
     of BS positions, B blocks per block table, with maxima the runtime's pool sizes (`pools`, the planner's
-    `PoolSizes`: the same arithmetic as the planner and the engine loader) and small opt values, so the build's
-    tactic timing never allocates full-size pools."""
+    `PoolSizes`: the same arithmetic as the planner and the engine loader; S one more, the padding slot of the
+    runner's decode CUDA graphs) and small opt values, so the build's tactic timing never allocates full-size
+    pools."""
     if isinstance(dim, int):
         return dim, dim, dim
     tokens = limits.max_num_tokens
@@ -82,113 +107,154 @@ def profile_range(name: str, axis: int, dim: str | int, limits, pools) -> tuple[
     pools = {"S": pools.num_slots, "BS": pools.block_size, "B": per_sequence, "NB": pools.num_blocks}
     ranges = {
         "T": (1, min(tokens, 256), tokens),
+        "M": (0, min(tokens, 64), tokens),  # the step's image rows (K3 with a vision tower), at most its tokens
         "N": (1, limits.max_batch, limits.max_batch),
         "N_plus_1": (2, limits.max_batch + 1, limits.max_batch + 1),
-        "S": (1, min(pools["S"], 4), pools["S"]),
+        "S": (1, min(pools["S"], 4), pools["S"] + DECODE_PAD_SLOTS),
         "BS": (pools["BS"], pools["BS"], pools["BS"]),
         "B": (1, min(pools["B"], 64), pools["B"]),
         "NB": (1, min(pools["NB"], 256), pools["NB"]),
     }
     if dim not in ranges:
-        raise InputError(f"segment input {name!r} axis {axis}: unknown symbolic dimension {dim!r}")
+        raise InputError(f"engine input {name!r} axis {axis}: unknown symbolic dimension {dim!r}")
     return ranges[dim]
 
 
-def segment_input_dims(model: onnx.ModelProto, types: dict[str, onnx.TypeProto], mapping) -> dict[str, list]:
-    """Dimensions (int or symbolic name) of every value that crosses a segment boundary.
-
-    ONNX shape inference leaves some dims unnamed: a collective's gathered axis (recovered from its input and
-    the group size), `local_slots` = Range(0, N), and the token dim of `Reshape(x, [-1, heads, dim])` outputs
-    (in our graphs every other unnamed leading dim counts tokens, so axis 0 reads as T)."""
-    steps = plan_segments(model)
-    gathered = {s["output"]: s for s in steps if isinstance(s, dict)}
-
-    def dims_of(name: str) -> list:
-        out = []
-        for axis, d in enumerate(types[name].tensor_type.shape.dim):
+def graph_input_dims(model: onnx.ModelProto) -> dict[str, list]:
+    """Dimensions (int or symbolic name) of every input of a rank graph (every dynamic dim is named)."""
+    out = {}
+    for vi in model.graph.input:
+        dims = []
+        for axis, d in enumerate(vi.type.tensor_type.shape.dim):
             if d.HasField("dim_value"):
-                out.append(d.dim_value)
-            elif d.dim_param and not d.dim_param.startswith("unk__"):
-                out.append(d.dim_param)
-            elif name in gathered and gathered[name]["collective"] == "AllGather":
-                step = gathered[name]
-                src = dims_of(step["input"])
-                size = mapping.tp if step["group"] == "tp" else mapping.ep
-                out.append(src[axis] * size if axis % len(src) == step["axis"] % len(src) else src[axis])
-            elif axis == 0:
-                out.append("N" if name == "local_slots" else "T")
+                dims.append(d.dim_value)
+            elif d.dim_param:
+                dims.append(d.dim_param)
             else:
-                raise InputError(f"value {name!r} axis {axis}: dimension unknown after shape inference")
-        return out
+                raise InputError(f"graph input {vi.name!r} axis {axis}: unnamed dynamic dimension")
+        out[vi.name] = dims
+    return out
 
-    return {i: dims_of(i) for s in steps if isinstance(s, Segment) for i in s.inputs}
 
-
-def _build_segment(trt, builder, logger, model: onnx.ModelProto, segment: Segment, types, input_dims: dict,
-                   graph_dir: Path, recipe, timing_cache, prefer_aot: bool) -> bytes:  # fmt: skip
-    """Serialized engine of one segment (its ONNX file is written next to the weights, parsed, removed)."""
-    flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
-    prefer = "PREFER_AOT_PYTHON_PLUGINS" if prefer_aot else "PREFER_JIT_PYTHON_PLUGINS"
-    flags |= 1 << int(getattr(trt.NetworkDefinitionCreationFlag, prefer))
-    network = builder.create_network(flags)
-    parser = trt.OnnxParser(network, logger)
-    onnx_path = graph_dir / f".trt_segment_{segment.index:03d}.onnx"
-    onnx_path.write_bytes(segment_model(model, segment, types).SerializeToString(deterministic=True))
-    try:
-        if not parser.parse_from_file(str(onnx_path)):
-            errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-            raise InputError(f"{onnx_path.name}: TensorRT could not parse segment {segment.index}: {errors}")
-    finally:
-        onnx_path.unlink()
-    config = builder.create_builder_config()
-    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(recipe.workspace_reserve_gib * 2**30))
-    config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
-    config.set_timing_cache(timing_cache, ignore_mismatch=False)
+def engine_profile(model: onnx.ModelProto, recipe) -> dict[str, list[list[int]]]:
+    """{input: [min dims, opt dims, max dims]} of the engine's one optimization profile."""
     pools = make_plan(recipe).pool_sizes()  # what the runtime allocates on every rank
-    profile = builder.create_optimization_profile()
-    for i in range(network.num_inputs):
-        tensor = network.get_input(i)
-        dims = input_dims[tensor.name]
-        ranges = [profile_range(tensor.name, axis, d, recipe.limits, pools) for axis, d in enumerate(dims)]
-        profile.set_shape(tensor.name, *([r[j] for r in ranges] for j in range(3)))
-    config.add_optimization_profile(profile)
-    engine = builder.build_serialized_network(network, config)
-    if engine is None:
-        raise InputError(f"segment {segment.index}: TensorRT engine build failed (see the log above)")
-    return bytes(engine)
+    profile = {}
+    for name, dims in graph_input_dims(model).items():
+        ranges = [profile_range(name, axis, d, recipe.limits, pools) for axis, d in enumerate(dims)]
+        profile[name] = [[r[j] for r in ranges] for j in range(3)]
+    return profile
 
 
-def build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path, *, prefer_aot: bool = False) -> None:
+def check_fits(recipe, rank: int) -> dict:
+    """The planner's per-GPU memory of `rank`; an InputError when the recipe does not fit (weights, pools for
+    one max_seq_len sequence and max_batch slots, activations, plugin workspaces and reserve)."""
+    plan = make_plan(recipe)
+    if not plan.fits:
+        raise InputError(f"recipe {recipe.name}: {plan.verdict()}")
+    return plan.per_rank[rank].memory
+
+
+def _checked(ok, what: str) -> None:
+    if not ok:
+        raise InputError(f"TensorRT: {what} failed (see the TensorRT log above)")
+
+
+def build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path, *, prefer_aot: bool | None = None) -> None:
     """Build `rank{N}.engine` (see the module docstring) from the exported graph next to its weights.
 
     A timing cache `<out_path stem>.timing_cache` beside out_path is read if present and rewritten."""
     from safetensors.numpy import save_file
 
+    from moe_export.plugins.collectives.nccl import building
+
     trt = import_tensorrt(recipe.name)
+    memory = check_fits(recipe, mapping.rank)
+    prefer_aot = recipe.tensorrt.prefer_aot if prefer_aot is None else prefer_aot
     register_plugins()
+    set_target_capability(GPU_CAPABILITY.get(recipe.target.gpu))  # AOT kernels: cubin for the target GPU
+    select_device()
     graph_path, out_path = Path(graph_path), Path(out_path)
     model = onnx.load(str(graph_path), load_external_data=False)
-    types = _value_types(model)
-    input_dims = segment_input_dims(model, types, mapping)
+    profile_dims = engine_profile(model, recipe)
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
+    flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    prefer = "PREFER_AOT_PYTHON_PLUGINS" if prefer_aot else "PREFER_JIT_PYTHON_PLUGINS"
+    flags |= 1 << int(getattr(trt.NetworkDefinitionCreationFlag, prefer))
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(graph_path)):  # external weights resolve next to the graph
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise InputError(f"{graph_path}: TensorRT could not parse rank {mapping.rank}'s graph: {errors}")
+    config = builder.create_builder_config()
+    budget = memory["activations"] + memory["plugin_workspaces"]
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(budget))
+    config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
     cache_path = out_path.with_suffix(".timing_cache")
-    probe = builder.create_builder_config()
-    timing_cache = probe.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
-    engines: dict[str, np.ndarray] = {}
-    steps: list[dict] = []
-    for step in plan_segments(model):
-        if isinstance(step, dict):
-            steps.append(step)
-            continue
-        name = f"segment.{step.index:03d}"
-        blob = _build_segment(trt, builder, logger, model, step, types, input_dims, graph_path.parent, recipe,
-                              timing_cache, prefer_aot)
-        engines[name] = np.frombuffer(blob, dtype=np.uint8)
-        steps.append({"segment": name, "inputs": step.inputs, "outputs": step.outputs})
-    plan = {"steps": steps, "graph_outputs": [v.name for v in model.graph.output], "rank": mapping.rank}
-    metadata = {PLAN_KEY: json.dumps(plan, sort_keys=True), "tensorrt_version": trt.__version__}
+    timing_cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
+    _checked(config.set_timing_cache(timing_cache, ignore_mismatch=False), "set_timing_cache")
+    profile = builder.create_optimization_profile()
+    for i in range(network.num_inputs):
+        name = network.get_input(i).name
+        profile.set_shape(name, *profile_dims[name])
+    _checked(config.add_optimization_profile(profile) >= 0, "add_optimization_profile")
+    with building():  # the collective plugins return at once while TensorRT times tactics
+        blob = builder.build_serialized_network(network, config)
+    _checked(blob is not None, f"building rank {mapping.rank}'s engine")
+    blob = bytes(blob)
+    engine = trt.Runtime(logger).deserialize_cuda_engine(blob)
+    _checked(engine is not None, "deserializing the engine just built")
+    device_memory = int(engine.device_memory_size_v2)
+    planned = memory["activations"] + memory.get("workspace.moe_mxfp4", 0)  # the MoE workspace is an engine tensor
+    if device_memory > planned:
+        raise InputError(
+            f"recipe {recipe.name}: rank {mapping.rank}'s engine needs {device_memory / GIB:.2f} GiB of activation "
+            f"memory, the plan set aside {planned / GIB:.2f} GiB: lower limits.max_num_tokens"
+        )
+    meta = {
+        "rank": mapping.rank,
+        "inputs": [network.get_input(i).name for i in range(network.num_inputs)],
+        "outputs": [network.get_output(i).name for i in range(network.num_outputs)],
+        "profile": profile_dims,
+        "device_memory_bytes": device_memory,
+        "num_layers": int(engine.num_layers),
+        "prefer_aot": bool(prefer_aot),
+    }
+    metadata = {ENGINE_KEY: json.dumps(meta, sort_keys=True), "tensorrt_version": trt.__version__}
     with atomic_path(out_path) as tmp:
-        save_file(engines, str(tmp), metadata=metadata)
+        save_file({ENGINE_TENSOR: np.frombuffer(blob, dtype=np.uint8)}, str(tmp), metadata=metadata)
     with atomic_path(cache_path) as tmp:
         tmp.write_bytes(bytes(timing_cache.serialize()))
+
+
+def read_engine_file(path: Path) -> tuple[dict, bytes]:
+    """(metadata `trt_engine`, serialized TensorRT engine) of a `rank{N}.engine` safetensors file."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: missing (was this engine built with backend tensorrt?)")
+    with safe_open(str(path), framework="numpy") as f:
+        meta = f.metadata() or {}
+        if ENGINE_KEY not in meta:
+            raise InputError(f"{path}: not a moe-export TensorRT engine file (no {ENGINE_KEY} metadata; engines "
+                             "built before one-engine-per-rank must be rebuilt)")
+        if ENGINE_TENSOR not in f.keys():
+            raise InputError(f"{path}: no {ENGINE_TENSOR!r} tensor")
+        return json.loads(meta[ENGINE_KEY]), f.get_tensor(ENGINE_TENSOR).tobytes()
+
+
+def describe_engine(path: Path) -> dict:
+    """What a built engine holds (needs TensorRT and the GPU): its layers (TensorRT's engine inspector, JSON),
+    device memory and I/O, next to what the build recorded."""
+    meta, blob = read_engine_file(path)
+    trt = import_tensorrt(str(path))
+    register_plugins()
+    select_device()
+    engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(blob)
+    _checked(engine is not None, f"deserializing {path}")
+    inspector = engine.create_engine_inspector()
+    layers = json.loads(inspector.get_engine_information(trt.LayerInformationFormat.JSON))
+    return {"recorded": meta, "device_memory_bytes": int(engine.device_memory_size_v2),
+            "num_layers": int(engine.num_layers), "layers": layers.get("Layers", layers)}  # fmt: skip

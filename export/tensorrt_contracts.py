@@ -68,7 +68,10 @@ CONTRACTS = {c.name: c for c in (
        """createExecutionContext(kUSER_MANAGED) allocates no activation memory; the user supplies it with
        setDeviceMemoryV2(ptr, size), size at least ICudaEngine::getDeviceMemorySizeV2() (the maximum over all
        profiles); the memory is in use from enqueueV3 until the work completes, so contexts that never run
-       concurrently (one stream) may share one buffer.""",
+       concurrently (one stream) may share one buffer. Python names assumed: ICudaEngine.device_memory_size_v2,
+       create_execution_context(ExecutionContextAllocationStrategy.USER_MANAGED) (both in the 11.4 Python API
+       docs) and IExecutionContext.set_device_memory(ptr, size) as the binding of setDeviceMemoryV2 (not
+       confirmed from a published source here: the README's TensorRT-machine command exercises it).""",
        "TensorRT include/NvInferRuntime.h:3075-3090, :2931, :3190-3200, :4060-4082"),
     _c("QDP_NO_WORKSPACE",
        """Quickly-deployable (QDP) plugins get no TensorRT workspace: the JIT enqueue hands `impl` only inputs,

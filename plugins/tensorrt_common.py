@@ -14,6 +14,11 @@ through an int16 view) and every plugin wraps its buffers with it.
 
 Tactic runs. TensorRT may execute a plugin while timing tactics with unspecified input contents; the Triton
 kernels clamp their index inputs themselves, host-side code (DSAIndexer) calls `clamp_ragged_indices` first.
+
+AOT kernels (`aot_kernel_code`): the cubin for the target architecture (`tensorrt_target`), PTX only as the
+fallback, with the dynamic shared memory the kernel needs declared in its launch parameters; a kernel needing more
+than the 48 KiB a launch gets without an opt-in is refused with a clear message (contract
+AOT_SHARED_MEMORY_OPT_IN_UNKNOWN): such plugins run their JIT implementation (recipe tensorrt.prefer_aot: false).
 """
 
 import numpy as np
@@ -35,6 +40,22 @@ _TYPESTR = {
     trt.uint8: ("|u1", 1),
     trt.bool: ("|b1", 1),
 }
+
+
+def aot_kernel_code(kernel, plugin_id: str) -> bytes | str:
+    """The code an `aot_impl` hands TensorRT for a compiled Triton kernel: its cubin (PTX if it has none);
+    ValueError when the kernel needs more dynamic shared memory than a launch gets without opting in."""
+    from moe_export.export.tensorrt_contracts import DEFAULT_DYNAMIC_SHARED_MEMORY
+
+    shared = int(kernel.metadata.shared)
+    if shared > DEFAULT_DYNAMIC_SHARED_MEMORY:
+        raise ValueError(
+            f"{plugin_id}: the AOT kernel needs {shared} B of dynamic shared memory, above the "
+            f"{DEFAULT_DYNAMIC_SHARED_MEMORY} B a launch gets without an opt-in, and TensorRT's AOT launcher is not "
+            "known to opt in (contract AOT_SHARED_MEMORY_OPT_IN_UNKNOWN): build with recipe tensorrt.prefer_aot: false "
+            "(the JIT launch opts in)"
+        )
+    return kernel.asm.get("cubin") or kernel.asm["ptx"]
 
 
 def scalar(field: np.ndarray) -> int | float:

@@ -80,13 +80,21 @@ class LimitsSection(_Strict):
     block_size: int = Field(default=64, ge=1, le=4096, description="tokens per paged cache block (MLA latent, DSA keys)")
     max_images_per_request: int = Field(default=4, ge=0, description="image parts one request may carry (K3)")
     max_image_patches: int | None = Field(
-        default=None, ge=4, description="patch limit per image; lowers the checkpoint's in_patch_limit (K3: 65536)")
+        default=None, ge=4, description="patch limit per image, lowering the checkpoint's in_patch_limit (K3: 65536); "
+        "null: the largest whose tower activations fit in the workspace reserve")
 
 
 class VisionSection(_Strict):
     rms_norm_eps: Literal["float32", "bfloat16"] = Field(
         default="float32", description="the tower's eps-less RMSNorm: float32's epsilon (current PyTorch) or "
         "bfloat16's (2^-7, PyTorch before PR #142848)")
+
+
+class TensorRTSection(_Strict):
+    """Builder options of the TensorRT backend."""
+
+    prefer_aot: bool = Field(default=False, description="plugins with both implementations use their AOT kernel "
+                             "(no Python in the engine for them) instead of the JIT one")
 
 
 class ThinkingSection(_Strict):
@@ -114,6 +122,7 @@ class Recipe(_Strict):
     thinking: ThinkingSection = ThinkingSection()
     vision: VisionSection = VisionSection()
     backend: Literal["onnxruntime", "tensorrt"] = "onnxruntime"
+    tensorrt: TensorRTSection = TensorRTSection()
     workspace_reserve_gib: float = Field(default=8.0, ge=0, description="per-rank memory kept for activations/workspace")
     output: str = Field(default="out/engine", description="output directory (relative to the working directory)")
 

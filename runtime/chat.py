@@ -1,10 +1,12 @@
 """The chat API: render a conversation to a prompt (text or token ids) and parse the model's output back
-into a message. The formats themselves live in `runtime/formats/` (one module per family, the marker table,
-the output parser); this module picks the renderer and turns segments into token ids.
+into a message. The formats live in `runtime/formats/`; this module picks the renderer and turns segments
+into token ids.
 
-Two families (sources: `runtime/formats/markers.py`):
-  "k3"  XTML (`runtime/formats/k3.py`).
-  "k2"  role tokens, K2 and Kimi Linear (`runtime/formats/k2.py`).
+Which renderer (`renderer_name` says it in words, `moe-export inspect ENGINE` prints it):
+  - the checkpoint's own Jinja chat template when it ships one (`chat_template.jinja`, or `chat_template` in
+    `tokenizer_config.json`; carried into the engine directory by the build): `runtime/formats/template.py`;
+  - else the built-in renderer of the tokenizer's family: "k3" (`runtime/formats/k3.py`, the vendor's
+    `encoding_k3.py`; K3 ships Python, not Jinja) or "k2" (`runtime/formats/k2.py`, K2-Thinking's template).
 
 A rendered prompt is a list of `Segment`s: structural markers (special tokens, encoded one by one) and
 text (encoded as ordinary text with special tokens disallowed, so a user typing `<|open|>` or `</think>`
@@ -13,7 +15,9 @@ cannot inject a control token). `render` joins them into a string; `render_ids` 
 A turn the runtime generated re-renders to the text it was generated as, but its tokens may differ (BPE
 encoding of the text need not be what the model sampled), so `render_ids` renders an assistant message that
 carries its generated tokens (`turn_ids`) as those tokens, after checking they spell the message's
-rendering: state reuse needs the exact tokens.
+rendering: state reuse needs the exact tokens. A rendering that changed since the turn was generated (K2
+drops past reasoning once a later plain answer exists) no longer matches, and the message renders from
+its text.
 """
 
 from __future__ import annotations
@@ -21,21 +25,21 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from moe_export.export.errors import InputError
-from moe_export.runtime.core.budget import EFFORT_TIERS
-from moe_export.runtime.formats.common import Renderer, Segment, check_family, response_format_of, tool_choice_of
-from moe_export.runtime.formats.k2 import K2Renderer
-from moe_export.runtime.formats.k3 import K3Renderer
+from moe_export.runtime.formats import k2, k3
+from moe_export.runtime.formats.common import Rendered, Segment
+from moe_export.runtime.formats.markers import FAMILIES
 from moe_export.runtime.formats.parsing import OutputParser, ParsedDelta, ParsedMessage, parse_output
+from moe_export.runtime.formats.template import ChatTemplate
 
 if TYPE_CHECKING:
     from moe_export.runtime.tokenizer import Tokenizer
 
 __all__ = [
-    "OutputParser", "ParsedDelta", "ParsedMessage", "Segment", "generation_prompt_ids", "parse_output",
-    "prompt_starts_in_reasoning", "render", "render_ids", "render_segments", "segments_to_ids",
+    "ChatTemplate", "OutputParser", "ParsedDelta", "ParsedMessage", "Segment", "generation_prompt_ids", "parse_output",
+    "prompt_starts_in_reasoning", "render", "render_ids", "render_segments", "renderer_name", "segments_to_ids",
 ]
 
-_RENDERERS = {"k3": K3Renderer, "k2": K2Renderer}
+EFFORTS = (*k3.EFFORTS, "none")
 
 
 def render(
@@ -49,47 +53,96 @@ def render(
     response_format: dict | None = None,
     add_generation_prompt: bool = True,
     vision: bool = False,
+    chat_template: ChatTemplate | None = None,
 ) -> str:
-    """The prompt text of `messages` (OpenAI chat shape) in `family`'s format.
+    """The prompt text of `messages` (OpenAI chat shape): with `chat_template`, that template's; else the
+    built-in renderer of `family`.
 
-    thinking_effort: "low" | "high" | "max" (K3's thinking-effort message; default max when thinking is
-    on) or "none" (= thinking off). tool_choice: "auto" | "none" | "required" | {"type": "function",
-    "function": {"name": ...}}. response_format: {"type": "text" | "json_object" | "json_schema", ...}.
-    The thinking-effort / tool-choice / response-format system messages are K3's; K2 has none (its
-    tool choice and response format are left to constrained decoding). vision: the engine has a vision
-    graph (K3: image parts render as `<|kimi_image_placeholder|>`); without one image parts are an InputError."""
-    segments = render_segments(
-        messages, family=family, tools=tools, thinking=thinking, thinking_effort=thinking_effort,
-        tool_choice=tool_choice, response_format=response_format, add_generation_prompt=add_generation_prompt,
-        vision=vision,
+    thinking: K3's thinking mode (the think channel, the thinking-effort message, the generation prompt).
+    thinking_effort: "low" | "high" | "max" (K3's thinking-effort message; default max) or "none" (= thinking
+    off). tool_choice ("required" / "none") and response_format ({"type": "json_object"} or {"type":
+    "json_schema", "json_schema": {"schema": ...}}) add K3's internal system messages. K2's template has none
+    of these (thinking, effort, tool choice and response format are left to the budget and constrained
+    decoding), and a checkpoint template is given messages, tools and add_generation_prompt only. vision: the
+    engine has a vision graph (K3: an image part renders as `<|kimi_image_placeholder|>`); without one image
+    parts are an InputError."""
+    return _render(
+        messages, family=family, tools=tools, thinking=thinking, thinking_effort=thinking_effort, tool_choice=tool_choice,
+        response_format=response_format, add_generation_prompt=add_generation_prompt, vision=vision,
+        chat_template=chat_template,
+    ).text
+
+
+def render_segments(messages: list[dict], **kwargs: Any) -> list[Segment]:
+    """`render` as segments (see the module docstring)."""
+    return _render(messages, **kwargs).segments
+
+
+def renderer_name(family: str | None, chat_template: ChatTemplate | None) -> str:
+    """Which renderer serves an engine, in words."""
+    if chat_template is not None:
+        return f"checkpoint chat template ({chat_template.origin})"
+    if family == "k3":
+        return "built-in K3 (encoding_k3.py build_chat_segments)"
+    if family == "k2":
+        return "built-in K2 (Kimi-K2-Thinking chat template)"
+    return "none (the tokenizer has no Kimi chat tokens and the checkpoint no chat template)"
+
+
+def _render(messages: list[dict], *, family: str = "k3", tools: list[dict] | None = None, thinking: bool = True,
+            thinking_effort: str | None = None, tool_choice: Any = None, response_format: Any = None,
+            add_generation_prompt: bool = True, vision: bool = False, chat_template: ChatTemplate | None = None,
+            special_tokens: tuple[str, ...] = ()) -> Rendered:
+    if thinking_effort == "none":
+        thinking, thinking_effort = False, None
+    if family == "k3" and chat_template is None:
+        k3.check_effort(thinking_effort)
+    elif thinking_effort is not None and thinking_effort not in EFFORTS:
+        raise InputError(f"thinking_effort must be one of {', '.join(EFFORTS)}, got {thinking_effort!r}")
+    if chat_template is not None:
+        return chat_template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, special_tokens=special_tokens)
+    check_family(family)
+    if family == "k2":
+        return k2.render_k2(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+    return k3.render_k3(
+        messages, tools=tools, thinking=thinking, thinking_effort=thinking_effort, tool_choice=tool_choice,
+        response_format=response_format, add_generation_prompt=add_generation_prompt, vision=vision,
     )
-    return "".join(s.text for s in segments)
+
+
+def check_family(family: str) -> None:
+    if family not in FAMILIES:
+        raise InputError(f"chat family must be one of {', '.join(FAMILIES)}, got {family!r}")
 
 
 def render_ids(tokenizer: Tokenizer, messages: list[dict], *, family: str | None = None, **kwargs: Any) -> list[int]:
-    """Token ids of `render(messages, **kwargs)`: markers as special tokens, text runs with special
-    tokens disallowed. `family` defaults to the tokenizer's.
+    """Token ids of `render(messages, **kwargs)` with the tokenizer's checkpoint chat template if it has one,
+    else the built-in renderer of `family` (default: the tokenizer's): markers as special tokens, each text
+    segment encoded alone with special tokens disallowed.
 
     An assistant message may carry `turn_ids`, the tokens the model produced for it (generation prompt and
     output; `ChatOutput.turn_ids`). When they spell the start of the message's rendering exactly (the same
     markers in the same places, the same decoded text between them; the output may end inside a text, or
     with one special token the format does not place there, such as [EOS]), the message is rendered as those
     tokens followed by the encoding of the rest of its rendering: the same prompt, tokenized as the model wrote
-    it, so a kept session of that turn continues. Otherwise the message is encoded as usual."""
+    it, so a kept session of that turn continues. Otherwise the message is encoded as usual. (Built-in
+    renderers only: a checkpoint template's output has no message boundaries.)"""
     family = family or tokenizer.family
-    if family is None:
-        raise InputError(f"{tokenizer.path}: the tokenizer has neither K3 nor K2 chat tokens; pass family=")
-    renderer = _render(messages, family=family, **kwargs)
+    images = kwargs.pop("images", None)  # runtime.images.PromptImages: the image parts' media tokens
+    template = kwargs.pop("chat_template", None) or tokenizer.chat_template
+    if family is None and template is None:
+        raise InputError(f"{tokenizer.path}: the tokenizer has neither K3 nor K2 chat tokens nor a chat template; pass family=")
+    rendered = _render(messages, family=family, chat_template=template, special_tokens=tuple(tokenizer.special_tokens), **kwargs)
     ids: list[int] = []
     done = 0
-    for i, start, stop in renderer.assistant_spans:
+    for i, start, stop in rendered.assistant_spans:
         turn = messages[i].get("turn_ids")
         if turn is None:
             continue
-        ids += segments_to_ids(tokenizer, renderer.out[done:start])
-        ids += _with_turn_ids(tokenizer, renderer.out[start:stop], turn, f"messages[{i}]")
+        ids += segments_to_ids(tokenizer, rendered.segments[done:start], images)
+        ids += _with_turn_ids(tokenizer, rendered.segments[start:stop], turn, f"messages[{i}]")
         done = stop
-    return ids + segments_to_ids(tokenizer, renderer.out[done:])
+    return ids + segments_to_ids(tokenizer, rendered.segments[done:], images)
 
 
 def _with_turn_ids(tokenizer: Tokenizer, segments: list[Segment], turn: Any, where: str) -> list[int]:
@@ -107,119 +160,74 @@ def _with_turn_ids(tokenizer: Tokenizer, segments: list[Segment], turn: Any, whe
 def _rest_after(tokenizer: Tokenizer, segments: list[Segment], ids: list[int], *, inside_text: bool) -> list[Segment] | None:
     """The segments left to render after `ids`, or None when `ids` do not spell the start of `segments`:
     each special token must be the marker in its place, each run of text tokens must decode to the text
-    between markers (with inside_text, the last run may stop inside it)."""
-    items: list[Segment] = []  # markers, and adjacent text segments merged
-    for seg in segments:
-        if not seg.special and items and not items[-1].special:
-            items[-1] = Segment(items[-1].text + seg.text)
+    between markers (with inside_text, the last run may stop inside it; the rest keeps the segments' cuts)."""
+    items: list[tuple[Segment, int]] = []  # markers, and adjacent text segments merged; index of the first
+    for n, seg in enumerate(segments):
+        if not seg.special and items and not items[-1][0].special:
+            items[-1] = (Segment(items[-1][0].text + seg.text), items[-1][1])
         else:
-            items.append(seg)
+            items.append((seg, n))
     k = i = 0
     while i < len(ids):
         if tokenizer.is_special(ids[i]):
-            if k == len(items) or not items[k].special or tokenizer.encode_special(items[k].text) != ids[i]:
+            if k == len(items) or not items[k][0].special or tokenizer.encode_special(items[k][0].text) != ids[i]:
                 return None
             k, i = k + 1, i + 1
             continue
         j = i
         while j < len(ids) and not tokenizer.is_special(ids[j]):
             j += 1
-        if k == len(items) or items[k].special:
+        if k == len(items) or items[k][0].special:
             return None
-        text, want = tokenizer.decode(ids[i:j]), items[k].text
+        text, want = tokenizer.decode(ids[i:j]), items[k][0].text
         if text == want:
             k, i = k + 1, j
         elif inside_text and j == len(ids) and want.startswith(text):
-            return [Segment(want[len(text):]), *items[k + 1:]]
+            n, skip = items[k][1], len(text)
+            while skip >= len(segments[n].text):
+                skip -= len(segments[n].text)
+                n += 1
+            return [Segment(segments[n].text[skip:]), *segments[n + 1:]]
         else:
             return None
-    return items[k:]
+    return segments[items[k][1]:] if k < len(items) else []
 
 
-def segments_to_ids(tokenizer: Tokenizer, segments: list[Segment]) -> list[int]:
-    """Tokenize segments: each marker alone, each maximal run of adjacent text as one string."""
+def segments_to_ids(tokenizer: Tokenizer, segments: list[Segment], images=None) -> list[int]:
+    """Tokenize segments: each marker as its special token, each text segment alone as ordinary text. `images`
+    (`runtime.images.PromptImages`) expands each image marker into its media tokens."""
     ids: list[int] = []
-    run: list[str] = []
     for seg in segments:
-        if seg.special:
-            ids += tokenizer.encode("".join(run))
-            run = []
+        if seg.special and seg.source is not None and images is not None:
+            ids += images.expand(seg.source)
+        elif seg.special:
             ids.append(tokenizer.encode_special(seg.text))
         else:
-            run.append(seg.text)
-    return ids + tokenizer.encode("".join(run))
+            ids += tokenizer.encode(seg.text)
+    return ids
 
 
 def prompt_starts_in_reasoning(family: str, thinking: bool) -> bool:
-    """Whether the generation prompt opened the think block (K3 `<|open|>think<|sep|>`, K2 `<think>`)."""
+    """Whether the generation prompt opened the think block: K3's `<|open|>think<|sep|>` with thinking on;
+    never K2's (K2-Thinking's generation prompt is `<|im_assistant|>assistant<|im_middle|>`; the model writes
+    `<think>` itself)."""
     check_family(family)
-    return bool(thinking)
+    return family == "k3" and bool(thinking)
 
 
 def generation_prompt_ids(tokenizer: Tokenizer, family: str, thinking: bool) -> list[int]:
     """Ids of the generation prompt (the end of every prompt rendered with add_generation_prompt): the start
-    of the assistant turn the model writes."""
+    of the assistant turn the model writes. For a checkpoint template: what rendering with the generation
+    prompt adds to a one-message conversation."""
+    template = tokenizer.chat_template
+    if template is not None:
+        probe = [{"role": "user", "content": "Hi"}]
+        specials = tuple(tokenizer.special_tokens)
+        without = segments_to_ids(tokenizer, template.render(probe, add_generation_prompt=False, special_tokens=specials).segments)
+        with_prompt = segments_to_ids(tokenizer, template.render(probe, add_generation_prompt=True, special_tokens=specials).segments)
+        if with_prompt[:len(without)] != without:
+            raise InputError(f"{template.origin}: the generation prompt does not extend the conversation's rendering")
+        return with_prompt[len(without):]
     check_family(family)
-    renderer = _RENDERERS[family](thinking, False)
-    renderer.generation_prompt()
-    return segments_to_ids(tokenizer, renderer.out)
-
-
-def render_segments(
-    messages: list[dict],
-    *,
-    family: str = "k3",
-    tools: list[dict] | None = None,
-    thinking: bool = True,
-    thinking_effort: str | None = None,
-    tool_choice: str | dict | None = None,
-    response_format: dict | None = None,
-    add_generation_prompt: bool = True,
-    vision: bool = False,
-) -> list[Segment]:
-    """`render` as segments (see the module docstring)."""
-    return _render(
-        messages, family=family, tools=tools, thinking=thinking, thinking_effort=thinking_effort, tool_choice=tool_choice,
-        response_format=response_format, add_generation_prompt=add_generation_prompt, vision=vision,
-    ).out
-
-
-def _render(messages: list[dict], *, family: str, tools: list[dict] | None = None, thinking: bool = True,
-            thinking_effort: str | None = None, tool_choice: str | dict | None = None, response_format: dict | None = None,
-            add_generation_prompt: bool = True, vision: bool = False) -> Renderer:
-    """The renderer after rendering `messages`: its segments and where each assistant message lies in them."""
-    check_family(family)
-    if thinking_effort is not None and thinking_effort not in (*EFFORT_TIERS, "none"):
-        raise InputError(f"thinking_effort must be one of {', '.join((*EFFORT_TIERS, 'none'))}, got {thinking_effort!r}")
-    if thinking_effort == "none":
-        thinking = False
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        raise InputError("messages must be a list of objects")
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise InputError("tools must be a list of tool objects")
-    choice = tool_choice_of(tool_choice)
-    fmt = response_format_of(response_format)
-    renderer = _RENDERERS[family](thinking, vision)
-    renderer.preamble(tools or [], "max" if thinking_effort is None else thinking_effort, choice, fmt, messages)
-    i = 0
-    while i < len(messages):
-        role = messages[i].get("role")
-        if role == "tool":
-            j = i
-            while j < len(messages) and messages[j].get("role") == "tool":
-                j += 1
-            renderer.tool_results(messages, i, j)
-            i = j
-            continue
-        if role in ("system", "developer", "user"):
-            renderer.plain(messages[i], i, "system" if role == "developer" else role)
-        elif role == "assistant":
-            start = len(renderer.out)
-            renderer.assistant(messages[i], i)
-            renderer.assistant_spans.append((i, start, len(renderer.out)))
-        else:
-            raise InputError(f"messages[{i}].role must be system, developer, user, assistant or tool, got {role!r}")
-        i += 1
-    if add_generation_prompt:
-        renderer.generation_prompt()
-    return renderer
+    segments = k3.generation_prompt_segments(thinking) if family == "k3" else k2.generation_prompt_segments()
+    return segments_to_ids(tokenizer, segments)

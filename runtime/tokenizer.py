@@ -3,8 +3,10 @@
 Kimi checkpoints (K2, Kimi Linear, K3) ship `tiktoken.model` (one `base64(token bytes) rank` per line)
 and `tokenizer_config.json` (`added_tokens_decoder`: id -> {content, special}). We build a
 `tiktoken.Encoding` from them with Kimi's pre-tokenizer pattern; the 256 special ids follow the last BPE
-rank, named from `added_tokens_decoder`, unnamed ones `<|reserved_token_{id}|>`. The checkpoint's
-`tokenization_kimi.py` is never executed.
+rank (258 when the config names either of the two more that Kimi Linear's tokenizer code adds), named from
+`added_tokens_decoder`, unnamed ones `<|reserved_token_{id}|>`. The checkpoint's `tokenization_kimi.py` is
+never executed. A checkpoint chat template beside the tokenizer is loaded with it (`chat_template`, see
+`runtime/formats/template.py`).
 
 `encode(text)` treats every special-token string as ordinary text, so user, tool and document text can
 never inject a control token; structural markers are encoded one by one with `encode_special(name)`.
@@ -27,6 +29,7 @@ from moe_export.export.atomic import atomic_write_bytes, atomic_write_json
 from moe_export.export.errors import InputError
 from moe_export.graphs.config import read_json_object
 from moe_export.runtime.formats.markers import END_OF_MESSAGE, FAMILY_MARKERS, FAMILY_SPECIAL_NAMES
+from moe_export.runtime.formats.template import ChatTemplate, load_chat_template
 
 TIKTOKEN_FILE = "tiktoken.model"
 TOKENIZER_JSON = "tokenizer.json"
@@ -46,7 +49,9 @@ KIMI_PATTERN = "|".join(
     ]
 )
 NUM_RESERVED_SPECIAL = 256
-# Long inputs are encoded in pieces so the regex never sees a huge run (as Kimi's tokenizer does).
+MAX_RESERVED_SPECIAL = 258  # Kimi Linear's tokenization_kimi.py builds 256 + 2 special ids
+# Long inputs are encoded in pieces so the regex never sees a huge run (as Kimi's tokenizer does): cut every
+# MAX_ENCODE_CHARS characters, then each piece wherever a whitespace or non-whitespace run passes MAX_RUN_CHARS.
 MAX_ENCODE_CHARS = 400_000
 MAX_RUN_CHARS = 25_000
 
@@ -77,6 +82,7 @@ class Tokenizer(ABC):
     path: Path
     _specials: dict[str, int]
     eos_token_ids: set[int]
+    chat_template: ChatTemplate | None = None  # the checkpoint's own chat template, if it ships one
 
     @property
     @abstractmethod
@@ -124,8 +130,14 @@ class Tokenizer(ABC):
         return self._specials[token]
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text` as ordinary text: special-token strings in it are encoded as text."""
-        return [t for piece in split_long_runs(text) if piece for t in self._encode_text(piece)]
+        """Token ids of `text` as ordinary text: special-token strings in it are encoded as text. Cut every
+        MAX_ENCODE_CHARS characters first, then at long runs, as Kimi's tokenizer code does."""
+        return [
+            t
+            for start in range(0, len(text), MAX_ENCODE_CHARS)
+            for piece in split_long_runs(text[start:start + MAX_ENCODE_CHARS])
+            for t in self._encode_text(piece)
+        ]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids` (invalid UTF-8 replaced); special tokens by name unless skipped."""
@@ -157,23 +169,25 @@ class KimiTokenizer(Tokenizer):
         named: dict[int, str] = {}
         for key, entry in config.get("added_tokens_decoder", {}).items():
             tid = int(key)
-            if not base <= tid < base + NUM_RESERVED_SPECIAL:
+            if not base <= tid < base + MAX_RESERVED_SPECIAL:
                 raise InputError(
                     f"{directory / TOKENIZER_CONFIG}: added token {entry.get('content')!r} has id {tid}, outside the "
-                    f"special range [{base}, {base + NUM_RESERVED_SPECIAL}) after the {base} BPE ranks"
+                    f"special range [{base}, {base + MAX_RESERVED_SPECIAL}) after the {base} BPE ranks"
                 )
             named[tid] = entry["content"]
-        self._specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(base, base + NUM_RESERVED_SPECIAL)}
+        self._num_special = MAX_RESERVED_SPECIAL if any(t >= base + NUM_RESERVED_SPECIAL for t in named) else NUM_RESERVED_SPECIAL
+        self._specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(base, base + self._num_special)}
         self._num_base = base
         self._ranks = ranks
         self._enc = tiktoken.Encoding(
             name=f"kimi:{directory}", pat_str=KIMI_PATTERN, mergeable_ranks=ranks, special_tokens=self._specials
         )
         self.eos_token_ids = _eos_ids(config, self._specials, self.family)
+        self.chat_template = load_chat_template(directory, config, sort_tools=True)
 
     @property
     def vocab_size(self) -> int:
-        return self._num_base + NUM_RESERVED_SPECIAL
+        return self._num_base + self._num_special
 
     def _token_to_id(self, token: str) -> int | None:
         return self._ranks.get(token.encode())
@@ -203,6 +217,7 @@ class JsonTokenizer(Tokenizer):
         self._specials = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
         config = _read_config(directory) if (directory / TOKENIZER_CONFIG).is_file() else {}
         self.eos_token_ids = _eos_ids(config, self._specials, self.family)
+        self.chat_template = load_chat_template(directory, config, sort_tools=False)
 
     @property
     def vocab_size(self) -> int:

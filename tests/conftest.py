@@ -177,6 +177,22 @@ class TextOnly:
         return logits.masked_fill(self.mask, float("-inf"))
 
 
+class OpensThink:
+    """Logits processor for K2-family engines: the first output token is `<think>`, as K2-Thinking opens every
+    answer (its generation prompt does not; a random-weight model never would). Nothing for K3, whose
+    generation prompt opens the think element."""
+
+    def __init__(self, tokenizer, family: str) -> None:
+        self.think = tokenizer.encode_special("<think>") if family == "k2" else None
+
+    def __call__(self, ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        if self.think is None or ids:
+            return logits
+        out = torch.full_like(logits, float("-inf"))
+        out[self.think] = 0.0
+        return out
+
+
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:
     """Run `moe-export ARGS` in process through the console entry point: (exit code, stdout, stderr)."""
     from moe_export.export.cli import main

@@ -15,12 +15,12 @@ from pathlib import Path
 import httpx
 import yaml
 
-SERVE_LIMITS = {"max_batch": 16, "max_seq_len": 1024, "max_num_tokens": 256, "block_size": 16}
+SERVE_LIMITS = {"max_batch": 16, "max_seq_len": 2048, "max_num_tokens": 256, "block_size": 16}
 SERVE_THINKING = {"low": 4, "high": 8, "max": 12}
 
 
 def build_serve_engine(root: Path, preset: str = "tiny-k3", tp: int = 1, ep: int = 1, world: int = 1) -> Path:
-    """Engine directory from tiny-cpu.yaml with serving limits (16 sequences, 1024 context) and small caps."""
+    """Engine directory from tiny-cpu.yaml with serving limits (16 sequences, 2048 context) and small caps."""
     from moe_export.export.build import build
     from moe_export.recipes.schema import load_recipe
 
@@ -61,7 +61,8 @@ class InProcessServer:
         from moe_export.runtime.entrypoints.server.app import ServerSettings, create_app
 
         self.settings = ServerSettings(engine_dir=engine_dir, **settings)
-        self.app = create_app(AsyncLLM(engine_dir, default_effort=self.settings.default_effort), self.settings)
+        self.llm = AsyncLLM(engine_dir, default_effort=self.settings.default_effort)
+        self.app = create_app(self.llm, self.settings)
         self.sock = loopback_socket()
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"

@@ -34,7 +34,9 @@ EXPECTED = {  # op type -> (has JIT impl, has AOT impl, aliased input of each ou
     "SparseMLAAttention": (True, True, [-1]),
     "DSAIndexer": (True, False, [-1]),
     "PagedCacheWrite": (True, True, [0]),
-    "MoEMXFP4": (True, False, [-1]),
+    "MoEMXFP4": (True, False, [-1, -1]),
+    "AllReduce": (True, False, [-1]),
+    "AllGather": (True, False, [-1]),
 }
 
 assert VERSION in standin.PINNED_WHEELS, f"MOE_EXPORT_TRT_VERSION={VERSION!r}: run via test_tensorrt_plugins.py"
@@ -45,6 +47,7 @@ from moe_export.export.backends import _value_types  # noqa: E402
 from moe_export.export.tensorrt_build import register_plugins  # noqa: E402
 from moe_export.plugins import DOMAIN  # noqa: E402
 from moe_export.plugins import tensorrt_common  # noqa: E402
+from moe_export.plugins.registry import OP_FOLDERS  # noqa: E402
 
 register_plugins()
 QDP = sys.modules["tensorrt.plugin._lib"].QDP_REGISTRY
@@ -91,6 +94,11 @@ def io_of(node, types):
     in_types = standin.parsed_input_types(node, types, types["__initializers__"])
     in_dims = [dims(i) for i in node.input]
     out_types = [standin.ONNX_TO_TRT[types[o].tensor_type.elem_type] for o in node.output]
+    if node.op_type == "AllGather":  # the gathered dim is unnamed in ONNX: group_size times the input's
+        attrs = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
+        shape = [standin.symbolic(d).evaluate(ENV) for d in in_dims[0]]
+        shape[attrs["axis"] % len(shape)] *= attrs["group_size"]
+        return in_types, in_dims, out_types, [shape]
     out_shapes = [[standin.symbolic(d).evaluate(ENV) for d in dims(o)] for o in node.output]
     return in_types, in_dims, out_types, out_shapes
 
@@ -175,11 +183,19 @@ def test_aot_launch_parameters_and_extra_args(node, types, monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    module = sys.modules[f"moe_export.plugins.{OP_FOLDERS[node.op_type]}.tensorrt_plugin"]
+    compiled = []
+    real = module.aot_kernel_code
+    monkeypatch.setattr(module, "aot_kernel_code", lambda kernel, pid: compiled.append(kernel) or real(kernel, pid))
     _, plugin = create(node, standin.QuickPluginCreationRequest.PREFER_AOT)
     assert type(plugin).__name__ == "_TemplateAOTPlugin"
     in_types, in_dims, _, _ = io_of(node, types)
     launch = standin.aot_launch(plugin, standin.build_phase(plugin, in_types, in_dims, ENV), ENV)
-    ptx = launch["ptx"].decode()
+    # issue 18, defect 7: a cubin for the target architecture (ELF, EM_CUDA = 190), no driver JIT of PTX
+    code = launch["ptx"]
+    assert isinstance(code, bytes) and code[:4] == b"\x7fELF" and int.from_bytes(code[18:20], "little") == 190
+    assert code == compiled[-1].asm["cubin"] and launch["shared"] == compiled[-1].metadata.shared
+    ptx = compiled[-1].asm["ptx"]
     assert ".target sm_90" in ptx
     kinds = _ptx_param_kinds(ptx, launch["kernel"])
     n_in, n_out, n_extra = len(node.input), len(node.output), len(launch["extras"])
@@ -210,6 +226,41 @@ def test_aot_launch_parameters_and_extra_args(node, types, monkeypatch):
         assert launch["grid"] == [T, -(-H // 16), 1]
     assert launch["block"][0] % 32 == 0 and launch["block"][1:] == [1, 1]
     assert launch["shared"] >= 0
+
+
+def test_collectives_are_in_engine_plugins_that_do_nothing_while_building():
+    """Issue 18, defect 9: one engine per rank with its collectives inside as plugins (TensorRT-LLM's pattern):
+    while the engine is built the impl returns at once (contract PLUGIN_RUNS_WHILE_BUILDING); at run time it
+    needs the communicator its `group` field names, registered by the runner."""
+    from moe_export.plugins.collectives import nccl
+
+    reduce = QDP[f"{DOMAIN}::AllReduce"].impl_func
+    gather = QDP[f"{DOMAIN}::AllGather"].impl_func
+    x = _tensor(trt.bfloat16, (5, 16), (16, 1), 0x7000)
+    out = _tensor(trt.bfloat16, (5, 16), (16, 1), 0x8000)
+    nccl.set_communicators({})
+    with nccl.building():
+        assert reduce(x, "tp\0", "sum\0", [out], stream=7) is None
+        assert gather(x, "tp\0", np.array([-1], np.int32), np.array([2], np.int32), [out], stream=7) is None
+    assert not nccl.is_building()
+    with pytest.raises(RuntimeError, match="no communicator for group 'ep'"):
+        reduce(x, "ep\0", "sum\0", [out], stream=7)
+    groups = {n.op_type: {a.name for a in n.attribute} for _, n, _ in NODES if n.op_type in ("AllReduce", "AllGather")}
+    assert groups["AllReduce"] >= {"group", "reduce_op"} and groups["AllGather"] >= {"group", "axis", "group_size"}
+
+
+def test_aot_kernel_above_48_kib_of_shared_memory_is_refused():
+    """Issue 18, defect 7: SparseMLA needs ~110 KiB of dynamic shared memory at K3 widths; nothing shows TensorRT's
+    AOT launcher opting a kernel in (contract AOT_SHARED_MEMORY_OPT_IN_UNKNOWN), so such a kernel is refused with
+    the way out (the JIT launch), never launched without its shared memory. Cubin preferred, PTX the fallback."""
+    from types import SimpleNamespace
+
+    big = SimpleNamespace(metadata=SimpleNamespace(shared=110 * 1024), asm={"ptx": "ptx", "cubin": b"elf"})
+    with pytest.raises(ValueError, match="prefer_aot: false"):
+        tensorrt_common.aot_kernel_code(big, "x::SparseMLAAttention")
+    fits = SimpleNamespace(metadata=SimpleNamespace(shared=48 * 1024), asm={"ptx": "ptx", "cubin": b"elf"})
+    assert tensorrt_common.aot_kernel_code(fits, "x") == b"elf"
+    assert tensorrt_common.aot_kernel_code(SimpleNamespace(metadata=fits.metadata, asm={"ptx": "ptx"}), "x") == "ptx"
 
 
 def test_parser_refuses_a_uint8_weight_feeding_a_plugin():

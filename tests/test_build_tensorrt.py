@@ -1,40 +1,39 @@
-"""TensorRT builder parts that run without TensorRT: segments, profile dimensions, the import guard."""
+"""TensorRT builder parts that run without TensorRT: the one-engine-per-rank build driven against a recording
+stand-in of TensorRT's builder API, profile dimensions, placement, the import guard, the GPU graph."""
 
 from __future__ import annotations
 
 import importlib.util
+import sys
+import types
 
 import onnx
 import pytest
 
-from moe_export.export.backends import _value_types, plan_segments
+from moe_export.export import tensorrt_build
 from moe_export.export.errors import InputError
 from moe_export.export.planner import make_plan
-from moe_export.export.tensorrt_build import build_tensorrt_engine, profile_range, segment_input_dims
+from moe_export.export.tensorrt_build import build_tensorrt_engine, engine_profile, profile_range, read_engine_file
 from moe_export.graphs.sharding import Mapping
 from moe_export.recipes.schema import load_recipe
 
-from test_tensorrt_plugins import tiny_graphs  # noqa: F401  (module fixture: two real tiny rank graphs)
+from test_tensorrt_plugins import tiny_graphs  # noqa: F401  (module fixture: real tiny rank graphs)
 
 
-def test_every_segment_input_has_profile_dims(tiny_graphs):  # noqa: F811
+def test_every_engine_input_has_profile_dims(tiny_graphs):  # noqa: F811
     recipe, _ = load_recipe("h100x64.yaml")
     limits, sizes = recipe.limits, make_plan(recipe).pool_sizes()
-    for path in tiny_graphs:
+    for path in tiny_graphs[2:]:  # the graphs exported for backend tensorrt
         model = onnx.load(str(path), load_external_data=False)
-        dims = segment_input_dims(model, _value_types(model), Mapping(4, 1, 2, 2))
-        segments = [s for s in plan_segments(model) if not isinstance(s, dict)]
-        assert set(dims) == {i for s in segments for i in s.inputs}
-        for name, value_dims in dims.items():
-            for axis, d in enumerate(value_dims):
-                low, opt, high = profile_range(name, axis, d, limits, sizes)
-                assert 1 <= low <= opt <= high or low == opt == high
-        pools = [v for n, v in dims.items() if n.startswith(("mla_cache.", "index_cache."))]
-        assert pools and all(v[:2] == ["NB", "BS"] for v in pools)
-    # pools follow the planner's pool sizes (what runtime.engine.ort.Engine allocates), tactic timing uses small opt shapes
+        profile = engine_profile(model, recipe)
+        assert set(profile) == {v.name for v in model.graph.input}
+        for low, opt, high in profile.values():
+            assert all(lo <= op <= hi for lo, op, hi in zip(low, opt, high))
+        pools = {n: p for n, p in profile.items() if n.startswith(("mla_cache.", "index_cache."))}
+        assert pools and all(p[2][:2] == [sizes.num_blocks, limits.block_size] for p in pools.values())
     per_sequence = -(-limits.max_seq_len // limits.block_size)
     assert sizes.num_blocks >= per_sequence and sizes.num_slots == limits.max_batch
-    assert profile_range("kda_state.0", 0, "S", limits, sizes) == (1, 4, limits.max_batch)
+    assert profile_range("kda_state.0", 0, "S", limits, sizes) == (1, 4, limits.max_batch + 1)  # + padding slot
     assert profile_range("mla_cache.3", 0, "NB", limits, sizes) == (1, 256, sizes.num_blocks)
     assert profile_range("mla_cache.3", 1, "BS", limits, sizes) == (limits.block_size,) * 3
     assert profile_range("block_tables", 1, "B", limits, sizes) == (1, 64, per_sequence)
@@ -43,19 +42,180 @@ def test_every_segment_input_has_profile_dims(tiny_graphs):  # noqa: F811
         profile_range("x", 0, "Q", limits, sizes)
 
 
-def test_gathered_logits_width_recovered(tiny_graphs):  # noqa: F811
-    model = onnx.load(str(tiny_graphs[0]), load_external_data=False)
-    dims = segment_input_dims(model, _value_types(model), Mapping(4, 1, 2, 2))
-    vocab = next(d.dim_value for o in model.graph.output if o.name == "logits" for d in o.type.tensor_type.shape.dim[1:])
-    assert dims["lm_head.all_gather"] == ["N", vocab]
-
-
 def test_builder_without_tensorrt_is_a_clear_error(tmp_path):
     assert importlib.util.find_spec("tensorrt") is None
     recipe, _ = load_recipe("h100x64.yaml")
     with pytest.raises(InputError, match="needs the TensorRT Python package"):
         build_tensorrt_engine(tmp_path / "model.onnx", recipe, Mapping(64, 0, 8, 64), tmp_path / "rank0.engine")
     assert not any(tmp_path.iterdir())
+
+
+# ------------------------------------------------ the build against a recording stand-in of TensorRT's API
+def fake_tensorrt(log: list, device_memory: int):
+    """The builder API calls `build_tensorrt_engine` makes, recorded; `build_serialized_network` notes whether
+    the collective plugins were in their build-time no-op state."""
+    from moe_export.plugins.collectives import nccl
+
+    class Obj:
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+    class Network:
+        def __init__(self, flags):
+            log.append(("network_flags", flags))
+            self.names = []
+
+        @property
+        def num_inputs(self):
+            return len(self.names)
+
+        def get_input(self, i):
+            return Obj(name=self.names[i])
+
+        num_outputs = 1
+
+        def get_output(self, i):
+            return Obj(name="logits")
+
+    class Parser:
+        def __init__(self, network, logger):
+            self.network, self.num_errors = network, 0
+
+        def parse_from_file(self, path):
+            log.append(("parse", path))
+            model = onnx.load(path, load_external_data=False)
+            self.network.names = [v.name for v in model.graph.input]
+            return True
+
+    class Config:
+        def set_memory_pool_limit(self, pool, size):
+            log.append(("workspace", size))
+
+        def set_preview_feature(self, feature, on):
+            pass
+
+        def create_timing_cache(self, blob):
+            return Obj(serialize=lambda: b"cache")
+
+        def set_timing_cache(self, cache, ignore_mismatch):
+            return True
+
+        def add_optimization_profile(self, profile):
+            log.append(("profile", profile.shapes))
+            return 0
+
+    class Profile:
+        def __init__(self):
+            self.shapes = {}
+
+        def set_shape(self, name, low, opt, high):
+            self.shapes[name] = (low, opt, high)
+
+    class Builder:
+        def __init__(self, logger):
+            pass
+
+        def create_network(self, flags):
+            return Network(flags)
+
+        def create_builder_config(self):
+            return Config()
+
+        def create_optimization_profile(self):
+            return Profile()
+
+        def build_serialized_network(self, network, config):
+            log.append(("build", nccl.is_building()))
+            return b"engine-bytes"
+
+    class Runtime:
+        def __init__(self, logger):
+            pass
+
+        def deserialize_cuda_engine(self, blob):
+            return Obj(device_memory_size_v2=device_memory, num_layers=42)
+
+    trt = types.ModuleType("tensorrt")
+    trt.__version__ = "10.9.0.34"
+    trt.Logger = type("Logger", (), {"WARNING": 2, "__init__": lambda self, s=2: None})
+    trt.Builder, trt.OnnxParser, trt.Runtime = Builder, Parser, Runtime
+    trt.NetworkDefinitionCreationFlag = Obj(STRONGLY_TYPED=0, PREFER_JIT_PYTHON_PLUGINS=4, PREFER_AOT_PYTHON_PLUGINS=5)
+    trt.MemoryPoolType = Obj(WORKSPACE=0)
+    trt.PreviewFeature = Obj(ALIASED_PLUGIN_IO_10_03=1)
+    return trt
+
+
+@pytest.mark.parametrize("prefer_aot", [False, True])
+def test_one_engine_per_rank_built_with_collectives_idle(tiny_graphs, tmp_path, monkeypatch, prefer_aot):  # noqa: F811
+    """Issue 18, defects 2, 3 and 9: the whole rank graph is one network (collective nodes included), built on
+    the rank's GPU with the collective plugins in their no-op build state, AOT or JIT from the recipe; the
+    engine's device memory is checked against the plan and recorded."""
+    gpu_path = tiny_graphs[2]
+    recipe, _ = load_recipe("tiny-cpu.yaml")
+    recipe = recipe.model_copy(update={"backend": "tensorrt", "target": recipe.target.model_copy(
+        update={"gpu": "h100", "memory_gib": 4.0}), "tensorrt": recipe.tensorrt.model_copy(update={"prefer_aot": prefer_aot})})  # fmt: skip
+    log: list = []
+    view = make_plan(recipe).per_rank[1].memory
+    budget = view["activations"] + view["workspace.moe_mxfp4"]  # the MoE workspace is an engine output
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt(log, device_memory=budget))
+    monkeypatch.setattr(tensorrt_build, "register_plugins", lambda: log.append(("plugins",)))
+    monkeypatch.setattr(tensorrt_build, "select_device", lambda: log.append(("device",)) or 0)
+    out = tmp_path / "rank1.engine"
+    build_tensorrt_engine(gpu_path, recipe, Mapping(4, 1, 2, 2), out)
+    kinds = [e[0] for e in log]
+    assert kinds.count("parse") == 1 and log[kinds.index("parse")][1] == str(gpu_path)  # the whole graph, once
+    assert kinds.index("device") < kinds.index("build")
+    assert ("build", True) in log  # collectives idle while TensorRT builds (and times tactics)
+    flags = next(e[1] for e in log if e[0] == "network_flags")
+    assert flags == (1 << 0) | (1 << (5 if prefer_aot else 4))
+    meta, blob = read_engine_file(out)
+    assert blob == b"engine-bytes" and meta["prefer_aot"] is prefer_aot and meta["device_memory_bytes"] == budget
+    graph = onnx.load(str(gpu_path), load_external_data=False)
+    assert set(meta["profile"]) == {v.name for v in graph.graph.input}
+    assert {n.op_type for n in graph.graph.node} >= {"AllReduce", "AllGather"}  # inside the engine
+    # an engine needing more activation memory than the plan set aside is refused
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt(log, device_memory=budget + 1))
+    with pytest.raises(InputError, match="activation memory"):
+        build_tensorrt_engine(gpu_path, recipe, Mapping(4, 1, 2, 2), tmp_path / "again.engine")
+    # a recipe that does not fit is refused before anything is parsed
+    small = recipe.model_copy(update={"target": recipe.target.model_copy(update={"memory_gib": 0.05})})
+    log.clear()
+    with pytest.raises(InputError, match="does not fit"):
+        build_tensorrt_engine(gpu_path, small, Mapping(4, 1, 2, 2), tmp_path / "small.engine")
+    assert not [e for e in log if e[0] == "parse"]
+
+
+def test_prefer_aot_reachable_from_a_recipe(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("name: r\nmodel:\n  source: synthetic:tiny-k3\ntarget:\n  gpu: h100\n  nodes: 1\n  gpus_per_node: 1\n"
+                 "backend: tensorrt\ntensorrt:\n  prefer_aot: true\n")
+    recipe, _ = load_recipe(p)
+    assert recipe.tensorrt.prefer_aot is True
+    p.write_text(p.read_text().replace("prefer_aot: true", "prefer_jit: true"))
+    with pytest.raises(InputError, match="tensorrt.prefer_jit"):
+        load_recipe(p)
+
+
+def test_local_rank_picks_the_gpu():
+    """Issue 18, defect 2: under mpiexec every local rank built and ran on GPU 0."""
+    import subprocess
+    import sys
+
+    from moe_export.export.mpi import device_for_local_rank, local_rank
+
+    assert local_rank({}) == 0
+    assert local_rank({"PMI_RANK": "5", "MPI_LOCALRANKID": "1"}) == 1
+    assert local_rank({"OMPI_COMM_WORLD_RANK": "9", "OMPI_COMM_WORLD_LOCAL_RANK": "3"}) == 3
+    assert local_rank({"SLURM_LOCALID": "2"}) == 2
+    assert [device_for_local_rank(r, 8) for r in range(8)] == list(range(8))
+    with pytest.raises(RuntimeError, match="only 8 CUDA device"):
+        device_for_local_rank(8, 8)
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        device_for_local_rank(0, 0)
+    code = "from moe_export.export.mpi import local_rank; print(local_rank())"
+    res = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert sorted(res.stdout.split()) == ["0", "1"]
 
 
 def test_gpu_graph_computes_in_bf16_with_fp32_where_needed(tiny_graphs):  # noqa: F811
@@ -70,8 +230,8 @@ def test_gpu_graph_computes_in_bf16_with_fp32_where_needed(tiny_graphs):  # noqa
     onnx.checker.check_model(str(gpu_path), full_check=True)
     gpu = onnx.load(str(gpu_path), load_external_data=False)
     inferred = onnx.shape_inference.infer_shapes(gpu, check_type=True, strict_mode=True)
-    types = {v.name: v.type.tensor_type.elem_type for v in [*inferred.graph.value_info, *inferred.graph.output]}
-    assert types["logits"] == onnx.TensorProto.FLOAT
+    types_ = {v.name: v.type.tensor_type.elem_type for v in [*inferred.graph.value_info, *inferred.graph.output]}
+    assert types_["logits"] == onnx.TensorProto.FLOAT
 
     def cast_weights(model):
         inits = {t.name: t for t in model.graph.initializer}
@@ -83,20 +243,27 @@ def test_gpu_graph_computes_in_bf16_with_fp32_where_needed(tiny_graphs):  # noqa
     cpu_casts = cast_weights(onnx.load(str(cpu_path), load_external_data=False))
     bf16 = [t.name for t in gpu.graph.initializer if t.data_type == onnx.TensorProto.BFLOAT16 and t.dims]
     assert set(bf16) <= set(cpu_casts) and len(bf16) > len(gpu_casts)
+    # MXFP4 experts: int8 views of the uint8 bytes (the parser would widen uint8 to int32), never expanded
+    experts = [t for t in gpu.graph.initializer if ".experts." in t.name]
+    assert experts and all(t.data_type == onnx.TensorProto.INT8 for t in experts)
+    cpu = onnx.load(str(cpu_path), load_external_data=False)
+    cpu_experts = {t.name: t for t in cpu.graph.initializer if ".experts." in t.name}
+    assert all(cpu_experts[t.name].data_type == onnx.TensorProto.UINT8 and list(cpu_experts[t.name].dims) == list(t.dims)
+               and cpu_experts[t.name].external_data == t.external_data for t in experts)  # fmt: skip
     # activations between layers and the collectives are bf16; gates, state and plugin fp32 inputs stay fp32
     reduces = [n for n in gpu.graph.node if n.op_type == "AllReduce"]
-    assert reduces and all(types[n.output[0]] == onnx.TensorProto.BFLOAT16 for n in reduces)
+    assert reduces and all(types_[n.output[0]] == onnx.TensorProto.BFLOAT16 for n in reduces)
     for n in gpu.graph.node:
         if n.op_type == "GatedDeltaScan":
-            assert [types.get(i) for i in n.input[:5]] == [16, 16, 16, 1, 1]
+            assert [types_.get(i) for i in n.input[:5]] == [16, 16, 16, 1, 1]
 
 
 def test_gpu_graph_updates_every_pool_in_place(tiny_graphs):  # noqa: F811
     """TensorRT graphs update every state pool inside the engine: GatedDeltaScan / ShortConv take the pool itself
     with the step's slot ids, one PagedCacheWrite per cache pool stores the new rows, and each pool's plugin output
     (aliased to the pool on TensorRT) is itself the graph output `<pool>.written` (pool shape and dtype, caches
-    here fp8 uint8 rows; no Identity copy, no Gather of the slots), emitted by the segment that holds it so the
-    runtime can bind it to the pool; no `<pool>.out` is returned. CPU graphs return the step's state and rows."""
+    here fp8 uint8 rows; no Identity copy, no Gather of the slots); no `<pool>.out` is returned. CPU graphs return
+    the step's state and rows."""
     from moe_export.graphs.onnx_export import WRITTEN_SUFFIX
 
     cpu, gpu = (onnx.load(str(p), load_external_data=False) for p in (tiny_graphs[1], tiny_graphs[2]))
@@ -116,8 +283,6 @@ def test_gpu_graph_updates_every_pool_in_place(tiny_graphs):  # noqa: F811
         else:
             assert pool.type.tensor_type.elem_type == onnx.TensorProto.UINT8
     assert not any(n.op_type == "Gather" and n.input[0] in pools for n in gpu.graph.node)
-    segment_outputs = {o for s in plan_segments(gpu) if not isinstance(s, dict) for o in s.outputs}
-    assert {name + WRITTEN_SUFFIX for name in pools} <= segment_outputs
     assert not any(n.op_type == "PagedCacheWrite" for n in cpu.graph.node)
     cpu_pools = [v.name for v in cpu.graph.input if v.name.startswith(("kda_state.", "mla_cache."))]
     assert cpu_pools and {o.name for o in cpu.graph.output} >= {name + ".out" for name in cpu_pools}

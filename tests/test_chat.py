@@ -1,6 +1,5 @@
-"""Chat formats: K3 XTML and K2 role-token rendering (hand-derived from shared/reference/kimi-chat-format.md:
-no official K3 renderer exists and no Kimi template ships in an installed package), token-level safety,
-output parsing whole and streaming, render -> parse round trips."""
+"""Chat formats beyond the vendor conformance corpus (tests/test_chat_conformance.py): token-level safety, turn_ids,
+images, refused requests, output parsing whole and streaming, render -> parse round trips."""
 
 from __future__ import annotations
 
@@ -32,31 +31,6 @@ def k3_msg(attrs, body):
     return f"<|open|>message {attrs}<|sep|>{body}<|close|>message<|sep|><|end_of_msg|>"
 
 
-def test_k3_conversation_exact():
-    msgs = [
-        {"role": "system", "content": "Be brief.", "name": "ops"},
-        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
-        {"role": "assistant", "reasoning_content": "greet", "content": "Hello!"},
-        {"role": "user", "content": "Bye"},
-    ]
-    expected = (
-        k3_msg('role="system" type="thinking-effort"', "Thinking effort: high.")
-        + k3_msg('role="system" name="ops"', "Be brief.")
-        + k3_msg('role="user"', "Hi there")
-        + k3_msg('role="assistant"', "<|open|>think<|sep|>greet<|close|>think<|sep|><|open|>response<|sep|>Hello!<|close|>response<|sep|>")
-        + k3_msg('role="user"', "Bye")
-        + '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
-    )
-    assert render(msgs, family="k3", thinking_effort="high") == expected
-    # thinking off: no effort message, the response channel is opened directly, past reasoning still kept
-    off = render(msgs, family="k3", thinking=False)
-    assert off.endswith('<|open|>message role="assistant"<|sep|><|open|>response<|sep|>')
-    assert "thinking-effort" not in off and "<|open|>think<|sep|>greet<|close|>think<|sep|>" in off
-    assert render(msgs, family="k3", thinking_effort="none") == off
-    assert render(msgs, family="k3") == render(msgs, family="k3", thinking_effort="max")
-    assert not render(msgs, family="k3", add_generation_prompt=False).endswith("<|sep|>")
-
-
 def test_k3_empty_reasoning_renders_empty_think_element():
     text = render([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], family="k3", add_generation_prompt=False)
     assert "<|open|>think<|sep|><|close|>think<|sep|><|open|>response<|sep|>a<|close|>response<|sep|>" in text
@@ -64,69 +38,8 @@ def test_k3_empty_reasoning_renders_empty_think_element():
     assert "think" not in off
 
 
-def test_k3_tools_and_system_messages_exact():
-    schema = {"type": "object", "required": ["b", "a"], "properties": {"b": {"type": "string"}, "a": {"type": "number"}}}
-    text = render(
-        [{"role": "user", "content": "x"}], family="k3", tools=[WEATHER], thinking_effort="low",
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
-    )
-    tools_json = '[{"function": {"description": "Météo", "name": "get_weather", "parameters": {"properties": {"city": {"type": "string"}}, "type": "object"}}, "type": "function"}]'
-    schema_json = '{"properties": {"a": {"type": "number"}, "b": {"type": "string"}}, "required": ["b", "a"], "type": "object"}'
-    assert text == (
-        k3_msg('role="system" type="tool-declare"', "# Tools\n\nYou can call the following tools. Their definitions, in JSON:\n```json\n" + tools_json + "\n```")
-        + k3_msg('role="system" type="thinking-effort"', "Thinking effort: low.")
-        + k3_msg('role="system" type="tool-choice"', "You must call the tool `get_weather` in this turn.")
-        + k3_msg('role="system" type="response-format"', "Respond with one JSON value that matches this JSON schema, and nothing else:\n```json\n" + schema_json + "\n```")
-        + k3_msg('role="user"', "x")
-        + '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
-    )
-    assert 'type="tool-choice"<|sep|>You must call at least one' in render([], tools=[WEATHER], tool_choice="required")
-    assert 'type="tool-choice"<|sep|>Do not call any tool' in render([], tools=[WEATHER], tool_choice="none")
-    assert "tool-choice" not in render([], tools=[WEATHER], tool_choice="auto")
-    assert 'type="response-format"<|sep|>Respond with one JSON object and nothing else.' in render([], response_format={"type": "json_object"})
-    assert "response-format" not in render([], response_format={"type": "text"})
-
-
-def test_k3_tool_calls_and_results_exact():
-    args = {"q": 'a "b" & c', "n": 2.5, "ok": False, "none": None, "obj": {"k": [1]}, "arr": ["x"]}
-    msgs = [
-        {"role": "user", "content": "go"},
-        {"role": "assistant", "reasoning_content": "r", "content": "", "tool_calls": [call("c1", "search", args), call("c2", "echo", "[1, 2]")]},
-        {"role": "tool", "tool_call_id": "c2", "content": "two"},
-        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "o"}, {"type": "text", "text": "ne"}]},
-    ]
-    body = (
-        "<|open|>think<|sep|>r<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>"
-        '<|open|>call tool="search" index="1"<|sep|>'
-        '<|open|>argument key="q" type="string"<|sep|>a "b" & c<|close|>argument<|sep|>'
-        '<|open|>argument key="n" type="number"<|sep|>2.5<|close|>argument<|sep|>'
-        '<|open|>argument key="ok" type="boolean"<|sep|>false<|close|>argument<|sep|>'
-        '<|open|>argument key="none" type="null"<|sep|>null<|close|>argument<|sep|>'
-        '<|open|>argument key="obj" type="object"<|sep|>{"k": [1]}<|close|>argument<|sep|>'
-        '<|open|>argument key="arr" type="array"<|sep|>["x"]<|close|>argument<|sep|>'
-        "<|close|>call<|sep|>"
-        '<|open|>call tool="echo" index="2"<|sep|><|open|>json type="object"<|sep|>[1, 2]<|close|>json<|sep|><|close|>call<|sep|>'
-        "<|close|>tools<|sep|>"
-    )
-    expected = (
-        k3_msg('role="system" type="thinking-effort"', "Thinking effort: max.")
-        + k3_msg('role="user"', "go")
-        + k3_msg('role="assistant"', body)
-        # results reordered to call order, indexed by the call they answer
-        + k3_msg('role="tool" tool="search" index="1"', "one")
-        + k3_msg('role="tool" tool="echo" index="2"', "two")
-    )
-    assert render(msgs, family="k3", add_generation_prompt=False) == expected
-    # ids that do not all resolve: the results keep their own order and positions
-    msgs[2]["tool_call_id"] = "unknown"
-    text = render(msgs, family="k3", add_generation_prompt=False)
-    assert text.endswith(k3_msg('role="tool" tool="" index="1"', "two") + k3_msg('role="tool" tool="" index="2"', "one"))
-    # attribute values are escaped
-    assert 'key="a&amp;&quot;b"' in render([{"role": "assistant", "content": "", "tool_calls": [call("c", "f", {'a&"b': 1})]}])
-
-
-def test_every_past_turn_is_rendered_verbatim():
+def test_every_turn_of_an_agent_loop_is_rendered_verbatim():
+    """Reasoning and calls of the running agent loop (no plain answer since) are kept in both families."""
     msgs = [{"role": "user", "content": "start"}]
     for k in range(3):
         msgs.append({"role": "assistant", "reasoning_content": f"reasoning {k} " * 50, "content": f"c{k}", "tool_calls": [call(f"functions.f:{k}", "f", {"k": k})]})
@@ -142,32 +55,6 @@ def test_every_past_turn_is_rendered_verbatim():
 
 
 # ------------------------------------------------------------------------------------------ K2 render
-
-def test_k2_conversation_exact():
-    msgs = [
-        {"role": "user", "content": "weather?", "name": "ann"},
-        {"role": "assistant", "reasoning_content": "need tool", "content": "checking", "tool_calls": [
-            call("functions.get_weather:0", "get_weather", '{"city": "Paris"}'), call("functions.get_weather:1", "get_weather", '{"city": "Rome"}')]},
-        {"role": "tool", "tool_call_id": "functions.get_weather:1", "content": "rain"},
-        {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sun"},
-    ]
-    tools_json = json.dumps([WEATHER], ensure_ascii=False, separators=(",", ":"))
-    expected = (
-        f"<|im_system|>tool_declare<|im_middle|>{tools_json}<|im_end|>"
-        "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
-        "<|im_user|>ann<|im_middle|>weather?<|im_end|>"
-        "<|im_assistant|>assistant<|im_middle|><think>need tool</think>checking<|tool_calls_section_begin|>"
-        '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
-        '<|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>{"city": "Rome"}<|tool_call_end|>'
-        "<|tool_calls_section_end|><|im_end|>"
-        "<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\nsun<|im_end|>"
-        "<|im_system|>tool<|im_middle|>## Return of functions.get_weather:1\nrain<|im_end|>"
-        "<|im_assistant|>assistant<|im_middle|><think>"
-    )
-    assert render(msgs, family="k2", tools=[WEATHER]) == expected
-    sys_first = render([{"role": "system", "content": "S"}, {"role": "user", "content": "u"}], family="k2", thinking=False)
-    assert sys_first == "<|im_system|>system<|im_middle|>S<|im_end|><|im_user|>user<|im_middle|>u<|im_end|><|im_assistant|>assistant<|im_middle|>"
-
 
 # ------------------------------------------------------------------------------------------ ids / safety
 
@@ -198,7 +85,8 @@ def test_history_plus_generation_prompt_is_a_prefix_of_the_next_turn(toks, famil
     turn = {"role": "assistant", "reasoning_content": "think first", "content": "Let me check.", "tool_calls": [call("functions.get_weather:0", "get_weather", {"city": "Oslo"})]}
     follow = render_ids(tok, [*msgs, turn, {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "cold"}], tools=[WEATHER])
     assert follow[: len(prompt)] == prompt
-    assert prompt_starts_in_reasoning(family, True) and not prompt_starts_in_reasoning(family, False)
+    # K3's generation prompt opens the think element with thinking on; K2's never opens <think>
+    assert prompt_starts_in_reasoning(family, True) == (family == "k3") and not prompt_starts_in_reasoning(family, False)
 
 
 def _find(ids: list[int], sub: list[int]) -> int:
@@ -268,7 +156,7 @@ def test_images(toks):
     with pytest.raises(InputError, match="no vision graph"):
         render_ids(toks["k2"], msgs)
     assert 'role="user"<|sep|>look<|kimi_image_placeholder|><|close|>' in render(msgs, family="k3", vision=True)
-    with pytest.raises(InputError, match="images are not supported"):
+    with pytest.raises(InputError, match="no vision graph"):  # no K2 engine has a vision graph
         render(msgs, family="k2", vision=True)
 
 
@@ -277,15 +165,14 @@ def test_images(toks):
     [
         ({"messages": [{"role": "robot", "content": "x"}]}, r"messages\[0\].role must be"),
         ({"messages": ["hi"]}, "list of objects"),
-        ({"messages": [], "thinking_effort": "medium"}, "thinking_effort must be one of low, high, max, none"),
-        ({"messages": [], "tool_choice": "sometimes"}, "tool_choice must be"),
-        ({"messages": [], "response_format": {"type": "yaml"}}, "response_format.type"),
-        ({"messages": [], "response_format": {"type": "json_schema", "json_schema": {}}}, "schema must be"),
+        ({"messages": [], "thinking_effort": "medium"}, "Kimi K3 supports thinking_effort values: high, low, max"),
+        ({"messages": [], "thinking_effort": "medium", "family": "k2"}, "thinking_effort must be one of low, high, max, none"),
         ({"messages": [], "family": "k9"}, "chat family must be one of k3, k2"),
-        ({"messages": [{"role": "assistant", "tool_calls": [call("c", "f", "{bad")]}]}, r"messages\[0\].tool_calls\[0\].function.arguments is not valid JSON"),
-        ({"messages": [{"role": "assistant", "tool_calls": [{"function": {}}]}]}, r"tool_calls\[0\].function.name"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"function": {}}]}]}, r"tool_calls\[0\]: Kimi K3 tool calls require a function name"),
+        ({"messages": [{"role": "assistant", "tool_calls": [call("c", "f", "[1]")]}]}, "must be a JSON object"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}], "family": "k2"}, r"function.arguments is required"),
+        ({"messages": [{"content": "x"}]}, r"messages\[0\] has no role"),
         ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, r"content\[0\] must be a text part"),
-        ({"messages": [{"role": "tool", "content": "r"}], "family": "k2"}, r"messages\[0\].tool_call_id is required"),
     ],
 )
 def test_bad_requests(kwargs, match):
@@ -300,7 +187,7 @@ ROUND_TRIP = [
     {"role": "assistant", "reasoning_content": "Weigh options:\n1. a\n2. b 中文 🙂", "content": "Here is the plan <|open|> </think>.",
      "tool_calls": [
          call("functions.get_weather:0", "get_weather", {"city": "Zürich", "days": 3, "metric": True, "extra": None, "where": {"lat": 47.4, "tags": ["a"]}}),
-         call("functions.lookup:1", "lookup", [1, "two", {"three": 3}]),
+         call("functions.lookup:1", "lookup", {"items": [1, "two", {"three": 3}]}),
          call("functions.ping:2", "ping", {}),
      ]},
     {"role": "assistant", "reasoning_content": "short", "content": "Just text."},
@@ -328,8 +215,11 @@ def stream(tok, family, ids, starts_in_reasoning=True, chunk=1):
 def test_round_trip(toks, family, message):
     tok = toks[family]
     ids = output_ids(tok, family, message)
-    parsed = parse_output(tok, family, ids, starts_in_reasoning=True)
-    assert parsed.reasoning_content == message["reasoning_content"]
+    starts = prompt_starts_in_reasoning(family, True)
+    parsed = parse_output(tok, family, ids, starts_in_reasoning=starts)
+    # K2 drops the reasoning of the last assistant message without tool calls (here the message itself)
+    dropped = family == "k2" and not message.get("tool_calls")
+    assert parsed.reasoning_content == (None if dropped else message["reasoning_content"])
     assert parsed.content == message["content"]
     assert parsed.tool_call_parse_failures == 0
     got = parsed.tool_calls
@@ -347,11 +237,11 @@ def test_round_trip(toks, family, message):
     assert output_ids(tok, family, again) == ids
     # streaming, token by token and in chunks, gives the same text and no marker ever shows
     for chunk in (1, 3, 7):
-        deltas, final = stream(tok, family, ids, chunk=chunk)
+        deltas, final = stream(tok, family, ids, starts_in_reasoning=starts, chunk=chunk)
         assert "".join(d.reasoning for d in deltas) == (parsed.reasoning_content or "")
         assert "".join(d.content for d in deltas) == (parsed.content or "")
         assert final == parsed
-    deltas, _ = stream(tok, family, ids)
+    deltas, _ = stream(tok, family, ids, starts_in_reasoning=starts)
     for d in deltas:
         for marker in ("<|close|>", "<|sep|>", "<|end_of_msg|>", "<|im_end|>", "<|tool_call", "think<|", "response"):
             assert marker not in d.content and marker not in d.reasoning
@@ -413,7 +303,7 @@ def test_unparseable_tool_call_becomes_content_and_is_counted(toks, family):
             ids = [s("<|tool_call_begin|>"), *tok.encode(cid), s("<|tool_call_argument_begin|>"), *tok.encode(args)]
             return ids + ([s("<|tool_call_end|>")] if close else [])
         begin = [s("<|tool_calls_section_begin|>")]
-        good, bad = call_ids("functions.f:0", '{"a": 7}'), call_ids("functions.f:1", '{"a": seven}')
+        good, bad = call_ids("functions.f:0", '{"a": 7}'), call_ids("f 1", '{"a": 7}')  # not functions.NAME:INDEX
         unfinished = call_ids("functions.g:2", '{"a": "x"}', close=False)
     head = tok.encode("ok ")
     parser = OutputParser(tok, family, starts_in_reasoning=False)
@@ -454,8 +344,8 @@ def test_random_outputs_never_raise_or_leak(toks, family):
         deltas.append(parser.delta)
         assert "".join(d.reasoning for d in deltas) == (msg.reasoning_content or "")
         assert "".join(d.content for d in deltas) == (msg.content or "")
-        for c in msg.tool_calls:
-            json.loads(c["function"]["arguments"])
+        for c in msg.tool_calls:  # K3's json block carries its text as written; the rest is JSON
+            assert isinstance(c["function"]["arguments"], str)
         if msg.tool_call_parse_failures == 0:
             for name in tok.special_tokens:
                 assert name not in (msg.content or "") and name not in (msg.reasoning_content or "")
@@ -463,8 +353,11 @@ def test_random_outputs_never_raise_or_leak(toks, family):
 
 def test_developer_role_and_names():
     msgs = [{"role": "developer", "content": "D", "name": "ops"}, {"role": "user", "content": "u", "name": "ann"}]
+    # K2's template: a first message that is not `system` gets the default system prompt; NAME replaces the role
     assert render(msgs, family="k2", thinking=False) == (
+        "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
         "<|im_system|>ops<|im_middle|>D<|im_end|><|im_user|>ann<|im_middle|>u<|im_end|><|im_assistant|>assistant<|im_middle|>")
+    # K3: a developer message renders as a system message (the vendor's renderer would drop it)
     assert render(msgs, family="k3", thinking=False) == (
         k3_msg('role="system" name="ops"', "D") + k3_msg('role="user" name="ann"', "u")
         + '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>')

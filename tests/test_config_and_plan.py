@@ -58,8 +58,8 @@ def test_k3_plan_numbers():
     r0 = plan.per_rank[0]
     # 14 experts x 92 layers x 33,030,144 weights at exactly 4.25 bits
     assert r0.weight_bytes["routed_experts"] == 14 * 92 * 33_030_144 * 17 // 32
-    # MLA latent cache: 576 bf16 values per token per MLA layer
-    assert r0.state_bytes_per_sequence["mla_latent_cache"] == 24 * 1048576 * 576 * 2
+    # MLA latent cache: 576 fp8 values + one E8M0 scale byte per token per MLA layer
+    assert r0.state_bytes_per_sequence["mla_latent_cache"] == 24 * 1048576 * (576 + 1)
     assert r0.state_bytes_per_sequence["kda_state"] == 69 * (96 // 8) * 128 * 128 * 4
 
 
@@ -174,15 +174,15 @@ def test_dsa_shared_indexer_layers():
 
 def test_one_pool_arithmetic_and_k3_sequences_that_fit():
     """pool_sizes: memory after weights and reserve pays max_batch slots, the rest / bytes per block = blocks;
-    the plan reports cache tokens per rank and how many 64k / 1M sequences fit (K3 h100x64: bf16 cache,
-    576 latent values x 24 MLA layers x 2 B per token; h200x32: fp8, 1 B per value + a 1-byte scale per row)."""
+    the plan reports cache tokens per rank and how many 64k / 1M sequences fit (K3 on h100x64 and h200x32: fp8
+    cache, 576 latent values x 24 MLA layers, 1 B per value + a 1-byte scale per row)."""
     from moe_export.export.planner import pool_sizes
 
     pools = pool_sizes(10_000, block_size=4, num_slots=3, bytes_per_slot=1000, bytes_per_token=100)
     assert (pools.num_blocks, pools.cache_tokens) == (17, 68)
     assert pools.sequences_that_fit(16) == 3 and pools.sequences_that_fit(20) == 3 and pools.sequences_that_fit(30) == 2
     assert pool_sizes(2_000, block_size=4, num_slots=3, bytes_per_slot=1000, bytes_per_token=100).num_blocks == 0
-    for recipe, per_token in (("h100x64.yaml", 24 * 576 * 2), ("h200x32.yaml", 24 * (576 + 1))):
+    for recipe, per_token in (("h100x64.yaml", 24 * (576 + 1)), ("h200x32.yaml", 24 * (576 + 1))):
         rec, _ = load_recipe(recipe)
         plan = make_plan(rec)
         out = plan.to_dict()
@@ -199,9 +199,36 @@ def test_one_pool_arithmetic_and_k3_sequences_that_fit():
 
 
 def test_too_many_slots_for_one_full_sequence_is_refused(tmp_path):
-    """h100x64 with 32 slots: weights fit, but the slots leave less than one 1M-token cache: exit 2, saying so."""
-    text = (models_dir().parent / "h100x64.yaml").read_text().replace("max_batch: 24", "max_batch: 32")
+    """h100x64 with 96 slots: weights fit, but the slots leave less than one 1M-token cache: exit 2, saying so."""
+    text = (models_dir().parent / "h100x64.yaml").read_text().replace("max_batch: 24", "max_batch: 96")
+    assert "max_batch: 96" in text
     p = tmp_path / "slots.yaml"
     p.write_text(text)
     res = run_cli("plan", "--recipe", str(p))
     assert res.returncode == 2 and "lower limits.max_batch" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_plan_memory_view_per_gpu_and_build_refusal(tmp_path):
+    """Issue 18: the plan shows weights, pools, engine activation memory and plugin workspaces per GPU, and the
+    TensorRT build refuses a recipe whose total does not fit (h100x64 with bf16 cache pools: the 1M-token
+    sequence no longer fits once ~10 GiB of activations are counted)."""
+    from moe_export.export.planner import GIB
+    from moe_export.export.tensorrt_build import check_fits
+
+    rec, _ = load_recipe("h100x64.yaml")
+    plan = make_plan(rec)
+    view = plan.per_rank[0].memory
+    assert {"weights", "state_slots", "cache_blocks", "activations", "plugin_workspaces", "reserve"} <= set(view)
+    parts = ("weights", "state_slots", "cache_blocks", "activations", "plugin_workspaces", "reserve")
+    assert view["total"] == sum(view[k] for k in parts) and view["capacity"] == 80 * GIB
+    assert 0 <= view["capacity"] - view["total"] < plan.pool_sizes().bytes_per_block + 64 * 2**20
+    assert 5 * GIB < view["activations"] < 20 * GIB and view["workspace.moe_mxfp4"] > 0
+    assert view["plugin_workspaces"] == sum(v for k, v in view.items() if k.startswith("workspace."))
+    assert check_fits(rec, 0) == view
+    cpu = make_plan(rec.model_copy(update={"backend": "onnxruntime"})).per_rank[0].memory
+    assert cpu["activations"] == 0 and cpu["plugin_workspaces"] == 0  # ORT temporaries live in the reserve
+    bf16 = rec.model_copy(update={"quantization": rec.quantization.model_copy(update={"kv_cache": "bf16"})})
+    with pytest.raises(InputError, match="does not fit"):
+        check_fits(bf16, 0)
+    res = run_cli("plan", "--recipe", "h100x64.yaml")
+    assert res.returncode == 0 and "engine activations" in res.stdout and "moe_mxfp4" in res.stdout

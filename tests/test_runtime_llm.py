@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from moe_export.export.errors import InputError
-from moe_export.runtime.chat import parse_output
+from conftest import OpensThink
+
+from moe_export.runtime.chat import parse_output, prompt_starts_in_reasoning
 from moe_export.runtime.entrypoints.generate import generate_tokens
 from moe_export.runtime.entrypoints.llm import LLM, AsyncLLM
 from moe_export.runtime.sampling import SamplingParams
@@ -38,17 +40,22 @@ def test_generate_batch_equals_alone(llm):
 
 @pytest.mark.parametrize("effort, cap", [("low", 6), ("high", 12), ("max", 20), (3, 3)])
 def test_each_tier_cap_holds_exactly(llm, effort, cap):
-    out = llm.chat([CONVERSATION], SamplingParams(max_tokens=40), reasoning_effort=effort)[0]
-    assert out.usage["reasoning_tokens"] == cap
-    # the forced close marker follows the first `cap` output tokens, and the parse agrees with a whole parse
     tok = llm.tokenizer
+    out = llm.chat([CONVERSATION], SamplingParams(max_tokens=40), reasoning_effort=effort,
+                   logits_processors=[OpensThink(tok, llm.family)])[0]
+    assert out.usage["reasoning_tokens"] == cap
+    # the forced close marker follows the first `cap` reasoning tokens (K2: after the model's own <think>), and
+    # the parse agrees with a whole parse
     if llm.family == "k3":
+        start = 0
         marker = [tok.encode_special("<|close|>"), *tok.encode("think"), tok.encode_special("<|sep|>"),
                   tok.encode_special("<|open|>"), *tok.encode("response"), tok.encode_special("<|sep|>")]
     else:
+        start = 1
         marker = [tok.encode_special("</think>")]
-    assert out.output_ids[cap: cap + len(marker)] == marker
-    whole = parse_output(tok, llm.family, out.output_ids, starts_in_reasoning=True, tools_declared=False)
+    assert out.output_ids[start + cap: start + cap + len(marker)] == marker
+    whole = parse_output(tok, llm.family, out.output_ids, starts_in_reasoning=prompt_starts_in_reasoning(llm.family, True),
+                         tools_declared=False)
     assert (out.reasoning_content, out.content) == (whole.reasoning_content, whole.content)
 
 
@@ -76,7 +83,8 @@ def test_async_streams_add_up_and_abort(llm):
                 return deltas
 
             params = SamplingParams(max_tokens=30, ignore_eos=True)
-            streams = [engine.chat_stream(CONVERSATION, params, reasoning_effort="low", request_id="a"),
+            streams = [engine.chat_stream(CONVERSATION, params, reasoning_effort="low", request_id="a",
+                                          logits_processors=[OpensThink(llm.tokenizer, llm.family)]),
                        engine.generate_stream("Once upon a time", SamplingParams(max_tokens=9, ignore_eos=True), request_id="b")]
             a, b = await asyncio.gather(*(consume(s) for s in streams))
             for deltas in (a, b):
@@ -111,7 +119,7 @@ def test_chat_terminal(runtime_engine, capsys, monkeypatch):
     from conftest import run_cli
 
     engine_dir = runtime_engine("tiny-k3", 2, 2, 4)
-    script = "Hello!\n/effort low\nAnd now?\n/effort lots\n/nope\n/reset\nAgain.\n/exit\nnever read\n"
+    script = "Hello.\n/effort low\nAnd now?\n/effort lots\n/nope\n/reset\nAgain.\n/exit\nnever read\n"
     monkeypatch.setattr("sys.stdin", io.StringIO(script))
     rc, out, err = run_cli(capsys, "chat", str(engine_dir), "--max-tokens", "30", "--effort", "high")
     assert rc == 0, err
@@ -252,7 +260,8 @@ def test_chat_stream_equals_whole_output_and_ends_with_what_the_parser_held(llm)
     marker = ([tok.encode_special("<|close|>"), *tok.encode("think"), tok.encode_special("<|sep|>"),
                tok.encode_special("<|open|>"), *tok.encode("response"), tok.encode_special("<|sep|>")]
               if llm.family == "k3" else [tok.encode_special("</think>")])
-    script = list("é€a".encode())[:cap] + marker + list(SPLIT_TEXT.encode())
+    opens = [] if llm.family == "k3" else [tok.encode_special("<think>")]  # K2-Thinking opens reasoning itself
+    script = opens + list("é€a".encode())[:cap] + marker + list(SPLIT_TEXT.encode())
     deltas, out = _stream(llm, [{"role": "user", "content": "hi"}], script, reasoning_effort="low")
     assert (out.reasoning_content, out.content) == ("é€a", SPLIT_TEXT)
     assert _joined(deltas) == (out.text, out.reasoning_content, out.content)

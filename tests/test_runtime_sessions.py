@@ -151,12 +151,15 @@ def test_chat_turns_with_tool_calls_and_forced_markers_reuse_state(runtime_engin
     assert full[: len(prompt1)] == prompt1
     turn = full[len(prompt1):]
     if family == "k3":
+        opens = []
         marker = [tok.encode_special("<|close|>"), *tok.encode("think"), tok.encode_special("<|sep|>"),
                   tok.encode_special("<|open|>"), *tok.encode("response"), tok.encode_special("<|sep|>")]
-    else:
+    else:  # K2-Thinking's generation prompt does not open reasoning: the model writes <think> first
+        opens = [tok.encode_special("<think>")]
         marker = [tok.encode_special("</think>")]
-    assert turn[cap: cap + len(marker)] == marker
-    script = Script(long_reasoning, marker, turn[cap + len(marker):])
+    start = len(opens)
+    assert turn[:start] == opens and turn[start + cap: start + cap + len(marker)] == marker
+    script = Script(opens + long_reasoning, marker, turn[start + cap + len(marker):])
 
     out1 = llm.chat([history], SamplingParams(max_tokens=len(turn) + 5), tools=TOOLS, reasoning_effort="low",
                     logits_processors=[script])[0]
@@ -179,12 +182,13 @@ def test_chat_turns_with_tool_calls_and_forced_markers_reuse_state(runtime_engin
     fresh.shutdown()
 
 
-@pytest.mark.parametrize("preset", ["tiny-k3", "tiny-kimi-linear"])
+@pytest.mark.parametrize("preset", ["tiny-k3"])
 def test_turn_sent_back_as_text_continues_the_kept_state(runtime_engine, preset):
     """A client sends the assistant's turn back as text (reasoning, content); encoding that text again gives
     other tokens than the model sampled. The turn is rendered as its generated tokens, so turn 2 prefills only
     its new tokens, with the logits and tokens of a full prefill of the same prompt, and the prompt is still
-    the chat format's (same text, same markers). An edited turn is rendered from its text."""
+    the chat format's (same text, same markers). An edited turn is rendered from its text. (K3 keeps every
+    turn's reasoning with thinking on; K2's changing history: the next test.)"""
     from conftest import TextOnly
 
     from moe_export.runtime.chat import render_ids
@@ -224,3 +228,37 @@ def test_turn_sent_back_as_text_continues_the_kept_state(runtime_engine, preset)
     assert out4.usage["cached_tokens"] == 0
     assert out4.prompt_ids == render_ids(tok, edited, thinking=True, thinking_effort="low")
     llm.shutdown()
+
+
+def test_k2_dropped_reasoning_is_not_reused_as_unchanged(runtime_engine):
+    """K2-Thinking renders a plain answer's reasoning as `<think></think>` once it is history, so the tokens the
+    turn was generated with are no longer a prefix of the next prompt: the kept state must not be reused. Turn 2
+    equals a full prefill (same prompt, tokens and logits) and its prompt is the format's (reasoning dropped).
+    The agent loop (turns with tool calls keep their reasoning) reuses: the tool-call test above."""
+    from conftest import OpensThink, TextOnly
+
+    from moe_export.runtime.chat import render_ids
+    from moe_export.runtime.tokenizer import END_OF_MESSAGE
+
+    engine_dir = runtime_engine("tiny-kimi-linear", 2, 2, 4)
+    llm, fresh = LLM(engine_dir, threads=1), LLM(engine_dir, threads=1)
+    tok = llm.tokenizer
+    steer = [TextOnly(tok, keep={tok.encode_special(END_OF_MESSAGE["k2"])}), OpensThink(tok, "k2")]
+    history = [{"role": "user", "content": "Plan a trip to Rome."}]
+    out1 = llm.chat([history], SamplingParams(max_tokens=24), reasoning_effort="low", logits_processors=steer)[0]
+    assert out1.reasoning_content and out1.usage["reasoning_tokens"] == llm.thinking_caps["low"]
+    history2 = history + [out1.message(), {"role": "user", "content": "And then?"}]
+    prompt2 = render_ids(tok, history2)
+    kept = out1.prompt_ids + out1.output_ids[:-1]
+    assert prompt2[: len(kept)] != kept and out1.reasoning_content not in tok.decode(prompt2)
+    assert "<think></think>" in tok.decode(prompt2)
+
+    rec, frec = Recorder(), Recorder()
+    params = SamplingParams(max_tokens=8)
+    out2 = llm.chat([history2], params, reasoning_effort="low", logits_processors=[*steer, rec])[0]
+    ref = fresh.chat([history2], params, reasoning_effort="low", logits_processors=[*steer, frec])[0]
+    assert out2.usage["cached_tokens"] == 0 and out2.prompt_ids == ref.prompt_ids == prompt2
+    assert out2.output_ids == ref.output_ids
+    assert_same(rec, frec)
+    llm.shutdown()
+    fresh.shutdown()

@@ -11,6 +11,7 @@ import asyncio
 import json
 import signal
 import sqlite3
+import time
 
 import anthropic
 import httpx
@@ -18,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 
-from serve_support import SERVE_THINKING, InProcessServer, build_serve_engine, start_cli_server, stop_process
+from serve_support import SERVE_LIMITS, SERVE_THINKING, InProcessServer, build_serve_engine, start_cli_server, stop_process
 
 KEY_A, KEY_B = "key-a-0123456789", "key-b-9876543210"
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
@@ -36,7 +37,8 @@ def serve_engine(tmp_path_factory):
 @pytest.fixture(scope="session")
 def server(serve_engine, tmp_path_factory):
     srv = InProcessServer(serve_engine, api_keys=(KEY_A, KEY_B), store_path=str(tmp_path_factory.mktemp("store") / "h.sqlite"),
-                          default_effort="low", max_body_bytes=256 << 10, max_messages=64, max_tools=8)
+                          default_effort="low", max_body_bytes=256 << 10, max_messages=64, max_tools=8,
+                          served_model_names=("m", "m-alias"))
     yield srv
     srv.stop()
 
@@ -59,7 +61,15 @@ def tokenize(server, **body) -> list[int]:
 
 def test_models_health_and_metrics(server, oai):
     assert httpx.get(f"{server.url}/health").status_code == 200
-    assert [m.id for m in oai.models.list().data] == [server.settings.model_name]
+    assert [m.id for m in oai.models.list().data] == ["m", "m-alias"] and server.settings.model_name == "m"
+    assert oai.models.retrieve("m-alias").id == "m-alias"
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("gpt-4o")
+    with pytest.raises(openai.NotFoundError, match="does not exist"):  # vLLM's answer to an unknown model
+        oai.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert oai.chat.completions.create(model="m-alias", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=2).model == "m-alias"
+    assert httpx.get(f"{server.url}/version").json()["version"]
     oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3, **GREEDY)
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("moe_export_requests_total", "moe_export_time_to_first_token_seconds_bucket", "moe_export_queue_depth",
@@ -133,11 +143,14 @@ def test_tool_call_round_trip_keeps_reasoning_verbatim(server, oai):
 def test_follow_up_turn_sent_back_as_text_continues_the_kept_state(server, oai):
     """An agent loop: turn 1 (reasoning + a forced tool call) comes back as text and re-encodes to other tokens
     than the model sampled; the server renders it as the generated tokens (same text and markers), so turn 2
-    reuses the kept state, and equals a full re-prefill of the same prompt."""
+    reuses the kept state, and equals a full re-prefill of the same prompt. (The call is forced by name: K3
+    renders no message for that, while `required` adds one after the conversation, which the next prompt
+    moves, so nothing would be reused.)"""
     from moe_export.runtime.chat import render_ids
     from moe_export.runtime.tokenizer import load_tokenizer
 
-    forced = {"tools": WEATHER, "tool_choice": "required", "parallel_tool_calls": False, **GREEDY}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    forced = {"tools": WEATHER, "tool_choice": named, "parallel_tool_calls": False, **GREEDY}
     messages = [{"role": "user", "content": "Weather for my Oslo trip?"}]
     first = oai.chat.completions.create(model="m", messages=messages, max_tokens=200, **forced)
     msg = first.choices[0].message
@@ -148,8 +161,8 @@ def test_follow_up_turn_sent_back_as_text_continues_the_kept_state(server, oai):
         {"role": "tool", "tool_call_id": call.id, "content": "snow"},
     ]
     tok = load_tokenizer(server.settings.engine_dir)
-    served = tokenize(server, messages=turn2, tools=WEATHER, tool_choice="required")
-    encoded = render_ids(tok, turn2, tools=WEATHER, tool_choice="required", thinking_effort="low")
+    served = tokenize(server, messages=turn2, tools=WEATHER, tool_choice=named)
+    encoded = render_ids(tok, turn2, tools=WEATHER, tool_choice=named, thinking_effort="low")
     kept = first.usage.prompt_tokens + first.usage.completion_tokens - 1
     assert encoded[:kept] != served[:kept]  # precondition: the reply does not re-encode to its tokens
     assert tok.decode(served) == tok.decode(encoded)
@@ -167,7 +180,8 @@ def test_follow_up_turn_sent_back_as_text_continues_the_kept_state(server, oai):
 def test_responses_chain_continues_the_kept_state(server, oai):
     """previous_response_id: the stored turn carries its generated tokens, and turn 2 reuses the kept state."""
     tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER_PARAMS}]
-    forced = {"tools": tools, "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0}
+    forced = {"tools": tools, "tool_choice": {"type": "function", "name": "get_weather"}, "parallel_tool_calls": False,
+              "temperature": 0}  # named, not `required`: K3's tool-choice message would follow the conversation
     r1 = oai.responses.create(model="m", input="Weather in Rome this week?", max_output_tokens=200, **forced)
     call = next(i for i in r1.output if i.type == "function_call")
     r2 = oai.responses.create(model="m", previous_response_id=r1.id, max_output_tokens=12, **forced,
@@ -246,14 +260,14 @@ def test_anthropic_stop_sequence(claude):
 
 def test_responses_chain_equals_stateless_history(server, oai):
     opts = {"reasoning": {"effort": "low"}, "max_output_tokens": 12, "temperature": 0}
-    r1 = oai.responses.create(model="m", input="Plan a trip.", **opts)
+    r1 = oai.responses.create(model="m", input="Plan a trip to Rome.", **opts)
     assert r1.status == "incomplete" and [i.type for i in r1.output][0] == "reasoning"
     r2 = oai.responses.create(model="m", input="And then?", previous_response_id=r1.id, **opts)
     items1 = [i.model_dump(exclude_none=True) for i in r1.output]
     stateless = oai.responses.create(model="m", store=False, input=[
-        {"role": "user", "content": "Plan a trip."}, *items1, {"role": "user", "content": "And then?"}], **opts)
+        {"role": "user", "content": "Plan a trip to Rome."}, *items1, {"role": "user", "content": "And then?"}], **opts)
     dropped = oai.responses.create(model="m", store=False, input=[
-        {"role": "user", "content": "Plan a trip."}, *[i for i in items1 if i["type"] != "reasoning"],
+        {"role": "user", "content": "Plan a trip to Rome."}, *[i for i in items1 if i["type"] != "reasoning"],
         {"role": "user", "content": "And then?"}], **opts)
     assert [i.model_dump(exclude={"id"}) for i in r2.output] == [i.model_dump(exclude={"id"}) for i in stateless.output]
     assert r2.usage.input_tokens == stateless.usage.input_tokens != dropped.usage.input_tokens
@@ -328,10 +342,10 @@ def test_auth_limits_and_error_shapes(server, serve_engine):
     r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "tools": WEATHER * 9}, headers=good)
     assert r.status_code == 400 and "limit of 8" in r.json()["error"]["message"]
     r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "max_tokens": 5000}, headers=good)
-    assert r.status_code == 400 and "1024" in r.json()["error"]["message"]
-    long_prompt = {**chat, "messages": [{"role": "user", "content": "word " * 300}]}
+    assert r.status_code == 400 and "2048" in r.json()["error"]["message"]
+    long_prompt = {**chat, "messages": [{"role": "user", "content": "word " * 1200}]}
     r = httpx.post(f"{url}/v1/chat/completions", json=long_prompt, headers=good)
-    assert r.status_code == 400 and "1024" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and "2048" in r.json()["error"]["message"], r.text
     r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "reasoning_effort": "extreme"}, headers=good)
     assert r.status_code == 400 and "effort" in r.json()["error"]["message"]
     r = httpx.get(f"{url}/v1/responses/resp_nope", headers=good)
@@ -360,12 +374,12 @@ def test_full_queue_answers_429(server):
 @pytest.mark.slow
 def test_kill9_restart_continues_chain_and_sigterm_drains(serve_engine, tmp_path):
     store = tmp_path / "history.sqlite"
-    args = [str(serve_engine), "--store", str(store), "--default-effort", "low"]
+    args = [str(serve_engine), "--store", str(store), "--default-effort", "low", "--served-model-name", "m"]
     proc, url = start_cli_server(args, env={"MOE_EXPORT_API_KEY": KEY_A})
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY_A, max_retries=0)
     opts = {"max_output_tokens": 10, "temperature": 0}
     r1 = client.responses.create(model="m", input="First turn.", **opts)
-    stream = iter(client.responses.create(model="m", input="Never finished.", stream=True, max_output_tokens=800,
+    stream = iter(client.responses.create(model="m", input="Never finished.", stream=True, max_output_tokens=700,
                                           temperature=0, extra_body={"ignore_eos": True}))
     for _, event in zip(range(8), stream):  # mid-stream: a few deltas in, hundreds of tokens to go
         assert event.type != "response.completed"
@@ -398,7 +412,7 @@ def test_kill9_restart_continues_chain_and_sigterm_drains(serve_engine, tmp_path
 @pytest.mark.slow
 def test_mpiexec_4_ranks_serve_and_drain(tmp_path_factory, server):
     engine4 = build_serve_engine(tmp_path_factory.mktemp("serve-engine-4"), tp=2, ep=2, world=4)
-    proc, url = start_cli_server([str(engine4), "--default-effort", "low"], mpiexec_ranks=4)
+    proc, url = start_cli_server([str(engine4), "--default-effort", "low", "--served-model-name", "m"], mpiexec_ranks=4)
     try:
         body = {"model": "m", "messages": [{"role": "user", "content": "Tell me about Paris."}], "max_tokens": 12, "temperature": 0}
         four = [httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json() for _ in range(2)]
@@ -415,7 +429,7 @@ def test_mpiexec_4_ranks_serve_and_drain(tmp_path_factory, server):
 @pytest.fixture(scope="module")
 def k2_server(tmp_path_factory):
     srv = InProcessServer(build_serve_engine(tmp_path_factory.mktemp("serve-k2"), preset="tiny-kimi-linear"),
-                          default_effort="low")
+                          default_effort="low", served_model_names=("m",))
     yield srv
     srv.stop()
 
@@ -486,3 +500,211 @@ def test_stream_events_validate_against_the_sdks_own_models(server):
         "tools": [{"name": "get_weather", "input_schema": WEATHER_PARAMS}], "tool_choice": {"type": "any"}})
     kinds = [TypeAdapter(RawMessageStreamEvent).validate_python(e).type for e in events]
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds
+
+
+# --- issue 21: what real clients found ----------------------------------------------------------------
+
+# string lengths are bounded so that a random-weight model ends its strings (the grammar's job is what they hold)
+NOTE_SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 24}, "mood": {"enum": ["good", "bad"]},
+                                                "tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
+                                                         "maxItems": 3},
+                                                "score": {"type": ["integer", "null"], "maximum": 999}},
+               "required": ["title", "mood", "tags", "score"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("effort", ["none", "low"])
+def test_json_schema_with_strings_parses_for_every_seed(oai, effort):
+    """Sampled (not greedy) json_schema output with free strings: every seed parses strictly and validates,
+    and what parses is the content the client receives."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "note", "schema": NOTE_SCHEMA}}
+    # max_tokens fits the 1024-token context: K3's response-format message (schema included) and thinking-effort
+    # message make the prompt ~810 synthetic (mostly one-byte) tokens
+    for seed in range(6):
+        r = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "A note, as JSON."}], seed=seed,
+                                        temperature=1.0, max_tokens=200, reasoning_effort=effort, response_format=fmt)
+        assert r.choices[0].finish_reason == "stop", (seed, r.choices[0].message.content)
+        jsonschema.validate(json.loads(r.choices[0].message.content), NOTE_SCHEMA)
+
+
+def test_bad_schemas_and_tools_are_400_and_valid_ones_work(oai):
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200}
+    bad = [{"type": "objekt"}, {"type": "object", "properties": {"a": {"$ref": "#/$defs/Nowhere"}}},
+           {"type": "string", "pattern": "(("}]
+    for schema in bad:
+        with pytest.raises(openai.BadRequestError):
+            oai.chat.completions.create(**chat, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+        with pytest.raises(openai.BadRequestError):
+            oai.responses.create(model="m", input="hi", text={"format": {"type": "json_schema", "name": "x", "schema": schema}})
+        tool = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": schema}}}}]
+        with pytest.raises(openai.BadRequestError):
+            oai.chat.completions.create(**chat, tools=tool, tool_choice="required")
+    with pytest.raises(openai.BadRequestError):
+        oai.responses.create(model="m", input="hi", text={"format": {"type": "xml"}})
+    with pytest.raises(openai.BadRequestError, match="parameters"):  # not a JSON schema, even with tool_choice auto
+        oai.chat.completions.create(**chat, tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}])
+    nullable = [{"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "properties": {"text": {"type": ["string", "null"], "maxLength": 5}}, "required": ["text"]}}}]
+    r = oai.chat.completions.create(**chat, tools=nullable, tool_choice="required", reasoning_effort="none", temperature=1, seed=3)
+    for call in r.choices[0].message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), nullable[0]["function"]["parameters"])
+
+
+def test_pydantic_function_tools_with_optional_and_nested_models(oai):
+    """openai.pydantic_function_tool schemas (Optional -> anyOf with null, a nested model -> $ref into $defs)
+    for a forced K3 call: accepted, and the arguments validate against the model (small models: the tool
+    declaration alone is ~770 tokens)."""
+    from pydantic import BaseModel, Field
+
+    class P(BaseModel):
+        c: str = Field(max_length=3)
+        d: int | None = Field(le=9)
+
+    class T(BaseModel):
+        w: int | None = Field(le=9)
+        p: P
+
+    tool = openai.pydantic_function_tool(T)
+    assert "$ref" in json.dumps(tool) and "anyOf" in json.dumps(tool)
+    for seed in range(3):
+        r = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "Plan."}], tools=[tool],
+                                        tool_choice={"type": "function", "function": {"name": "T"}}, seed=seed,
+                                        temperature=1, max_tokens=250, reasoning_effort="none")
+        assert r.choices[0].finish_reason == "tool_calls"
+        (call,) = r.choices[0].message.tool_calls
+        T.model_validate_json(call.function.arguments)
+
+
+def test_completions_lists_of_prompts_token_ids_and_n(oai):
+    single = [oai.completions.create(model="m", prompt=p, max_tokens=5, **GREEDY).choices[0].text for p in ("Once", "Twice")]
+    both = oai.completions.create(model="m", prompt=["Once", "Twice"], max_tokens=5, **GREEDY)
+    assert [c.index for c in both.choices] == [0, 1] and [c.text for c in both.choices] == single
+    assert both.usage.completion_tokens == 10
+    ids = oai.completions.create(model="m", prompt=[[5, 6, 7], [8, 9]], max_tokens=4, **GREEDY)
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
+    streamed = {0: "", 1: ""}
+    for chunk in oai.completions.create(model="m", prompt=["Once", "Twice"], max_tokens=5, stream=True, **GREEDY):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert [streamed[0], streamed[1]] == single
+    n = oai.completions.create(model="m", prompt="Once", max_tokens=8, n=3, temperature=1, seed=11)
+    assert [c.index for c in n.choices] == [0, 1, 2] and len({c.text for c in n.choices}) > 1
+    chats = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=6,
+                                        reasoning_effort="none", temperature=1)
+    assert [c.index for c in chats.choices] == [0, 1] and chats.usage.completion_tokens == 12
+    streamed_n = {0: "", 1: ""}
+    for chunk in oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=6,
+                                             reasoning_effort="none", stream=True, **GREEDY):
+        for c in chunk.choices:
+            streamed_n[c.index] += c.delta.content or ""
+    assert streamed_n[0] == streamed_n[1]
+
+
+def test_completions_text_has_no_special_token_names(server, oai):
+    """A random-weight engine samples reserved special tokens: a completion's text is the output decoded
+    without them (vLLM's skip_special_tokens), whole and streamed."""
+    from moe_export.runtime.sampling import SamplingParams
+
+    tok = server.llm.tokenizer
+    ids = tokenize(server, prompt="Once upon a time")
+    with_specials = 0
+    for seed in range(4):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=64, ignore_eos=True)
+        out = asyncio.run(server.llm.generate(ids, params))
+        with_specials += any(tok.is_special(t) for t in out.output_ids)
+        body = {"model": "m", "prompt": ids, "max_tokens": 64, "temperature": 1, "seed": seed, "extra_body": {"ignore_eos": True}}
+        whole = oai.completions.create(**body).choices[0].text
+        runs, run = [], []  # the output's text between special tokens (a special token is a text boundary)
+        for t in out.output_ids:
+            if tok.is_special(t):
+                runs.append(run)
+                run = []
+            else:
+                run.append(t)
+        assert whole == "".join(tok.decode(r) for r in [*runs, run])
+        assert "".join(c.choices[0].text for c in oai.completions.create(**body, stream=True) if c.choices) == whole
+    assert with_specials  # the check above could fail
+
+
+def test_unseeded_requests_differ_and_seeded_ones_repeat(oai, claude):
+    body = {"model": "m", "messages": [{"role": "user", "content": "Surprise me."}], "max_tokens": 24,
+            "reasoning_effort": "none", "temperature": 1}
+    unseeded = {oai.chat.completions.create(**body).choices[0].message.content for _ in range(3)}
+    assert len(unseeded) > 1
+    seeded = {oai.chat.completions.create(**body, seed=7).choices[0].message.content for _ in range(2)}
+    assert len(seeded) == 1
+    responses = {oai.responses.create(model="m", input="Surprise me.", max_output_tokens=24, temperature=1, store=False,
+                                      reasoning={"effort": "none"}).output_text for _ in range(3)}
+    assert len(responses) > 1
+    messages = {claude.messages.create(model="m", max_tokens=24, messages=[{"role": "user", "content": "Surprise me."}],
+                                       thinking={"type": "disabled"}).content[0].text for _ in range(3)}
+    assert len(messages) > 1
+
+
+@pytest.mark.parametrize("effort, tier", [("minimal", "low"), ("medium", "high")])
+def test_openai_effort_names_map_onto_the_tiers(oai, effort, tier):
+    r = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "Think."}], reasoning_effort=effort,
+                                    max_tokens=40, **GREEDY)
+    assert r.usage.completion_tokens_details.reasoning_tokens == SERVE_THINKING[tier]
+    resp = oai.responses.create(model="m", input="Think.", reasoning={"effort": effort}, max_output_tokens=40, **GREEDY)
+    assert resp.usage.output_tokens_details.reasoning_tokens == SERVE_THINKING[tier]
+
+
+def running_sequences(server) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith("moe_export_running_sequences ")))
+
+
+def test_non_streaming_client_that_disconnects_aborts_its_sequence(server):
+    body = {"model": "m", "messages": [{"role": "user", "content": "Go on forever."}], "max_tokens": 900,
+            "reasoning_effort": "none", "ignore_eos": True, **GREEDY}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"}, timeout=1.5)
+    deadline = time.monotonic() + 5
+    while running_sequences(server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert running_sequences(server) == 0  # 900 tokens take far longer: it was aborted, not finished
+
+
+def test_responses_deleted_ancestor_is_named_and_input_items_listed(oai):
+    opts = {"max_output_tokens": 6, "temperature": 0, "reasoning": {"effort": "none"}}
+    r1 = oai.responses.create(model="m", input="One.", **opts)
+    r2 = oai.responses.create(model="m", input=[{"role": "user", "content": "Two."}], previous_response_id=r1.id, **opts)
+    items = oai.responses.input_items.list(r2.id)
+    assert [i.type for i in items.data] == ["message"] and items.data[0].content[0].text == "Two."
+    assert [i.content[0].text for i in oai.responses.input_items.list(r1.id, order="asc").data] == ["One."]
+    oai.responses.delete(r1.id)
+    with pytest.raises(openai.NotFoundError) as gone:
+        oai.responses.create(model="m", input="Three.", previous_response_id=r2.id, **opts)
+    assert r1.id in str(gone.value) and "ancestor" in str(gone.value)
+
+
+def test_anthropic_input_tokens_count_tokens_and_budget_check(claude):
+    messages = [{"role": "user", "content": "Count me."}]
+    counted = claude.messages.count_tokens(model="m", messages=messages, system="be brief", thinking={"type": "disabled"})
+    whole = claude.messages.create(model="m", max_tokens=4, messages=messages, system="be brief",
+                                   thinking={"type": "disabled"}, extra_body=GREEDY)
+    assert counted.input_tokens == whole.usage.input_tokens > 0
+    with claude.messages.stream(model="m", max_tokens=4, messages=messages, system="be brief",
+                                thinking={"type": "disabled"}, extra_body=GREEDY) as stream:
+        start = next(e for e in stream if e.type == "message_start")
+        assert start.message.usage.input_tokens == counted.input_tokens
+    with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
+        claude.messages.create(model="m", max_tokens=8, messages=messages, thinking={"type": "enabled", "budget_tokens": 8})
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.create(model="claude-x", max_tokens=8, messages=messages)
+
+
+def test_prompt_plus_max_tokens_beyond_the_context_is_400(server, oai):
+    prompt = "Once upon a time " * 60
+    n = len(tokenize(server, prompt=prompt))
+    context = SERVE_LIMITS["max_seq_len"]
+    assert n < context
+    with pytest.raises(openai.BadRequestError, match=f"maximum context length is {context}"):
+        oai.completions.create(model="m", prompt=prompt, max_tokens=context - n + 1)
+    exact = oai.completions.create(model="m", prompt=prompt, max_tokens=context - n, extra_body={"ignore_eos": True}, **GREEDY)
+    assert exact.usage.total_tokens == context
+    messages = [{"role": "user", "content": prompt}]
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        oai.chat.completions.create(model="m", messages=messages, max_tokens=context - n + 1)
+    r = oai.chat.completions.create(model="m", messages=messages, reasoning_effort="none", **GREEDY)  # default: what fits
+    assert r.usage.total_tokens <= context

@@ -15,7 +15,7 @@ from moe_export.export.errors import InputError
 from moe_export.runtime.chat import parse_output
 from moe_export.runtime.core.structured import GrammarLogitsProcessor, GrammarVocab, structural_tag_for
 from moe_export.runtime.entrypoints.server import convert
-from moe_export.runtime.entrypoints.server.store import ResponseStore, StoredResponse, key_scope
+from moe_export.runtime.entrypoints.server.store import MissingResponse, ResponseStore, StoredResponse, key_scope
 from moe_export.runtime.tokenizer import load_tokenizer, write_synthetic_tokenizer
 
 
@@ -30,12 +30,16 @@ def test_store_chain_scope_and_reopen(tmp_path):
     store.close()
     reopened = ResponseStore(path)  # a new process would see exactly this
     assert reopened.history("resp_2", a) == [user1, asst1, user2, {"role": "assistant", "content": "ok"}]
-    assert reopened.get("resp_2", b) is None and reopened.history("resp_2", b) is None
+    assert reopened.get("resp_2", b) is None
+    with pytest.raises(MissingResponse):
+        reopened.history("resp_2", b)
     assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     with pytest.raises(sqlite3.IntegrityError):  # one row per id; a failed insert leaves the store as it was
         reopened.put(StoredResponse("resp_1", None, [], [], {}, {}), a)
     assert reopened.delete("resp_1", b) is False and reopened.delete("resp_1", a) is True
-    assert reopened.history("resp_2", a) is None  # an ancestor is gone: the chain is incomplete
+    with pytest.raises(MissingResponse) as gone:  # an ancestor is gone: the chain is incomplete, and it is named
+        reopened.history("resp_2", a)
+    assert gone.value.response_id == "resp_1"
 
 
 def test_responses_items_become_one_assistant_message_with_reasoning_and_calls():
@@ -102,9 +106,10 @@ def tokenizers(tmp_path_factory):
 VOCABS: dict[str, GrammarVocab] = {}
 
 
-def constrained_random_decode(tok, family, tag, *, seed: int, forced_close: list[int] | None, steps: int = 300):
-    """Greedy decode over random logits through the grammar; `forced_close` is injected after 12 tokens
-    unless the model already began it (as the thinking budget does). Returns (output ids, processor)."""
+def constrained_random_decode(tok, family, tag, *, seed: int, forced_close: list[int] | None, steps: int = 300,
+                              bias: torch.Tensor | None = None):
+    """Greedy decode over random logits (+ `bias`) through the grammar; `forced_close` is injected after 12
+    tokens unless the model already began it (as the thinking budget does). Returns (output ids, processor)."""
     if family not in VOCABS:
         VOCABS[family] = GrammarVocab(tok, family, tok.vocab_size + 8)
     vocab = VOCABS[family]
@@ -114,7 +119,10 @@ def constrained_random_decode(tok, family, tag, *, seed: int, forced_close: list
     for step in range(steps):
         if forced_close and step == 12 and forced_close[0] not in out:
             out.extend(forced_close)
-        t = int(proc(out, torch.randn(vocab.vocab_size, generator=gen)).argmax())
+        logits = torch.randn(vocab.vocab_size, generator=gen)
+        if bias is not None:
+            logits += bias
+        t = int(proc(out, logits).argmax())
         out.append(t)
         if t in tok.eos_token_ids:
             break
@@ -168,6 +176,114 @@ def test_k2_required_tool_call_with_reasoning(tokenizers):
     (call,) = parsed.tool_calls
     assert parsed.tool_call_parse_failures == 0 and call["function"]["name"] == "get_weather"
     jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER[0]["function"]["parameters"])
+
+
+NOTE_SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string"}, "tag": {"type": "string", "maxLength": 6},
+    "kind": {"enum": ["a", "b"]}, "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+    "inner": {"type": "object", "properties": {"x": {"type": ["integer", "null"]}}, "required": ["x"]}},
+    "required": ["title", "tag", "kind", "tags", "inner"], "additionalProperties": False}
+
+
+def tempting_bias(tok, width: int) -> torch.Tensor:
+    """+3 on every special token, every token holding a control character or a quote: what a model that
+    wants to break the JSON would favour (the quote also ends strings in reasonable time)."""
+    bias = torch.zeros(width)
+    for i in range(tok.vocab_size):
+        text = tok.decode([i])
+        if tok.is_special(i) or '"' in text or any(ord(c) < 32 for c in text):
+            bias[i] = 3.0
+    return bias
+
+
+def only_markers_and_eos(tok, family, ids) -> bool:
+    """Every special token in `ids` is one of the family's markers or an eos id."""
+    from moe_export.runtime.core.structured import FAMILY_MARKERS
+
+    allowed = {tok.token_to_id(m) for m in FAMILY_MARKERS[family]} | set(tok.eos_token_ids)
+    return all(t in allowed for t in ids if tok.is_special(t))
+
+
+@pytest.mark.parametrize("family, thinking", [("k3", True), ("k3", False), ("k2", False)])
+@pytest.mark.parametrize("seed", range(6))
+def test_json_with_free_strings_parses_strictly_and_is_what_the_client_gets(tokenizers, family, thinking, seed):
+    """Random logits favour every special token and every control character inside strings: the grammar
+    must still give strict JSON (json.loads rejects raw control characters) that validates, with no special
+    token but the markers, and the parsed content must be exactly the constrained JSON text."""
+    tok = tokenizers[family]
+    fmt = {"type": "json_schema", "json_schema": {"name": "note", "schema": NOTE_SCHEMA}}
+    tag = structural_tag_for(family, tools=None, tool_choice=None, response_format=fmt, thinking=thinking,
+                             starts_in_reasoning=thinking)
+    bias = tempting_bias(tok, tok.vocab_size + 8)
+    out, proc = constrained_random_decode(tok, family, tag, seed=seed, forced_close=k3_close_think(tok) if thinking else None,
+                                          bias=bias, steps=2000)
+    assert proc.completed and out[-1] in tok.eos_token_ids and only_markers_and_eos(tok, family, out)
+    parsed = parse_output(tok, family, out, starts_in_reasoning=thinking)
+    value = json.loads(parsed.content)  # strict: no raw control characters
+    jsonschema.validate(value, NOTE_SCHEMA)
+    assert parsed.content in tok.decode(out)
+
+
+def test_k3_tool_arguments_honour_max_length_and_optional_and_nested_pydantic_models(tokenizers):
+    """Schemas as the openai client's pydantic_function_tool writes them: Optional[int] (anyOf with null), a
+    nested model ($ref into $defs), a list field, a maxLength string."""
+    import openai
+    from pydantic import BaseModel, Field
+
+    class Address(BaseModel):
+        city: str = Field(max_length=5)
+        zip: int | None = None
+
+    class Lookup(BaseModel):
+        name: str = Field(max_length=4)
+        age: int | None
+        address: Address
+        tags: list[str]
+
+    tool = openai.pydantic_function_tool(Lookup)
+    params = tool["function"]["parameters"]
+    assert "$defs" in params and "anyOf" in json.dumps(params)
+    tok = tokenizers["k3"]
+    tag = structural_tag_for("k3", tools=[tool], tool_choice="required", response_format=None, thinking=False,
+                             starts_in_reasoning=False)
+    bias = tempting_bias(tok, tok.vocab_size + 8)
+    for seed in range(4):
+        out, proc = constrained_random_decode(tok, "k3", tag, seed=seed, forced_close=None, steps=2000, bias=bias)
+        assert proc.completed and only_markers_and_eos(tok, "k3", out)
+        parsed = parse_output(tok, "k3", out, starts_in_reasoning=False)
+        assert parsed.tool_calls and parsed.tool_call_parse_failures == 0
+        for call in parsed.tool_calls:
+            args = json.loads(call["function"]["arguments"])
+            jsonschema.validate(args, params)
+            Lookup.model_validate(args)
+    nullable = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"note": {"type": ["string", "null"], "maxLength": 3}}, "required": ["note"]}}}]
+    tag = structural_tag_for("k3", tools=nullable, tool_choice="required", response_format=None, thinking=False,
+                             starts_in_reasoning=False, parallel_tool_calls=False)
+    seen = set()
+    for seed in range(8):
+        out, proc = constrained_random_decode(tok, "k3", tag, seed=seed, forced_close=None)
+        (call,) = parse_output(tok, "k3", out, starts_in_reasoning=False).tool_calls
+        note = json.loads(call["function"]["arguments"])["note"]
+        assert note is None or len(note) <= 3
+        seen.add(type(note))
+    assert seen == {str, type(None)}
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "objekt"}, "not a valid JSON schema"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}}, "Missing"),
+    ({"type": "string", "pattern": "(("}, "not a valid JSON schema"),
+    ("a string", "JSON schema"),
+])
+def test_bad_schemas_are_input_errors(tokenizers, schema, message):
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": schema}}}}]
+    vocab = VOCABS.setdefault("k3", GrammarVocab(tokenizers["k3"], "k3", tokenizers["k3"].vocab_size + 8))
+    for kwargs in ({"tools": None, "tool_choice": None, "response_format": fmt},
+                   {"tools": tools, "tool_choice": "required", "response_format": None}):
+        with pytest.raises(InputError, match=message):
+            vocab.compile(structural_tag_for("k3", thinking=False, starts_in_reasoning=False, **kwargs))
 
 
 def test_no_grammar_for_auto_tools_or_text():

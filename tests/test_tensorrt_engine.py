@@ -1,8 +1,10 @@
-"""The TensorRT runtime's CPU-checkable parts: the engine file's plan and segments, the import guard.
-(Execution needs TensorRT and a GPU; nothing here runs an engine.)"""
+"""The TensorRT runtime's CPU-checkable parts: the engine file, pool sizes within the profile, return-value checks,
+one stream per rank, the import guard. (Execution needs TensorRT and a GPU; the context and torch.cuda are
+stand-ins here, recording what the runner asks of them.)"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
@@ -10,26 +12,266 @@ import pytest
 from safetensors.numpy import save_file
 
 from moe_export.export.errors import InputError
-from moe_export.export.tensorrt_build import PLAN_KEY
-from moe_export.runtime.engine.tensorrt import TensorRTEngine, read_engine_file
+from moe_export.export.tensorrt_build import ENGINE_KEY, read_engine_file
+from moe_export.runtime.engine.batch import StepBatch
+from moe_export.runtime.engine.tensorrt import (TensorRTEngine, bind, check_shape, decode_buckets, is_decode,
+                                                pad_decode_feeds, runner_pool_sizes)
+
+META = {
+    "rank": 0, "inputs": ["input_ids", "kda_state.0", "mla_cache.1"], "outputs": ["logits", "kda_state.0.written"],
+    "profile": {"input_ids": [[1], [256], [8192]], "kda_state.0": [[1, 2, 4, 4], [4, 2, 4, 4], [8, 2, 4, 4]],
+                "mla_cache.1": [[1, 64, 576], [256, 64, 576], [9000, 64, 576]]},
+}  # fmt: skip
 
 
 def test_engine_file_round_trip_and_errors(tmp_path):
-    plan = {"steps": [{"segment": "segment.000", "inputs": ["input_ids"], "outputs": ["h"]},
-                      {"collective": "AllReduce", "input": "h", "output": "h2", "group": "tp"},
-                      {"segment": "segment.001", "inputs": ["h2"], "outputs": ["logits"]}],
-            "graph_outputs": ["logits"], "rank": 0}  # fmt: skip
-    blobs = {"segment.000": np.frombuffer(b"engine-zero", np.uint8), "segment.001": np.frombuffer(b"one", np.uint8)}
     path = tmp_path / "rank0.engine"
-    save_file(blobs, str(path), metadata={PLAN_KEY: json.dumps(plan)})
-    got_plan, got_blobs = read_engine_file(path)
-    assert got_plan == plan and got_blobs == {"segment.000": b"engine-zero", "segment.001": b"one"}
-    save_file({"segment.000": blobs["segment.000"]}, str(path), metadata={PLAN_KEY: json.dumps(plan)})
-    with pytest.raises(InputError, match="segment.001"):
+    save_file({"engine": np.frombuffer(b"serialized", np.uint8)}, str(path), metadata={ENGINE_KEY: json.dumps(META)})
+    meta, blob = read_engine_file(path)
+    assert meta == META and blob == b"serialized"
+    save_file({"other": np.zeros(1, np.uint8)}, str(path), metadata={ENGINE_KEY: json.dumps(META)})
+    with pytest.raises(InputError, match="no 'engine' tensor"):
         read_engine_file(path)
-    save_file(blobs, str(path))
+    save_file({"engine": np.zeros(1, np.uint8)}, str(path))
     with pytest.raises(InputError, match="not a moe-export TensorRT engine"):
         read_engine_file(path)
+
+
+def test_pools_stay_within_the_build_profile():
+    """Issue 18, defect 6: a runner opened with fewer slots than max_batch used to recompute the cache blocks from
+    the memory the missing slots free (more than the profile's NB max); now blocks come from the profile."""
+    from moe_export.export.planner import engine_pool_sizes
+    from moe_export.recipes.schema import load_recipe
+
+    assert runner_pool_sizes(META, 8, None, None) == (8, 9000)
+    assert runner_pool_sizes(META, 8, 2, None) == (2, 9000)  # not more blocks for fewer slots
+    assert runner_pool_sizes(META, 8, None, 100) == (8, 100)
+    with pytest.raises(InputError, match="at most 8 state slots"):
+        runner_pool_sizes(META, 8, 9, None)
+    with pytest.raises(InputError, match="at most 9000 cache blocks"):
+        runner_pool_sizes(META, 8, None, 9001)
+    # what the old rule would have allocated for a 2-slot runner of a real recipe: beyond the build's profile
+    recipe, _ = load_recipe("tiny-cpu.yaml")
+    from moe_export.export.synth import preset_config
+
+    cfg = preset_config("tiny-k3")
+    config = {"recipe": recipe.model_dump(mode="json"), "pretrained_config": cfg.raw}
+    assert engine_pool_sizes(config, 2).num_blocks > engine_pool_sizes(config).num_blocks
+
+
+class FakeContext:
+    """Records calls; refuses what `refuse` names (TensorRT returns False, never raises)."""
+
+    def __init__(self, refuse=()):
+        self.refuse, self.calls = set(refuse), []
+
+    def set_input_shape(self, name, shape):
+        self.calls.append(("shape", name, shape))
+        return ("shape", name) not in self.refuse
+
+    def set_tensor_address(self, name, ptr):
+        self.calls.append(("address", name, ptr))
+        return ("address", name) not in self.refuse
+
+
+class Buf:
+    def __init__(self, shape, ptr=0x1000):
+        self.shape, self.ptr = shape, ptr
+
+    def data_ptr(self):
+        return self.ptr
+
+
+def test_every_return_value_is_checked():
+    """Issue 18, defect 6: set_input_shape / set_tensor_address report refusal by returning False."""
+    inputs = {"input_ids": Buf((5,)), "kda_state.0": Buf((8, 2, 4, 4))}
+    ctx = FakeContext()
+    bind(ctx, META, inputs, {"logits": Buf((1, 10))})
+    assert [c[:2] for c in ctx.calls] == [("shape", "input_ids"), ("shape", "kda_state.0"), ("address", "input_ids"),
+                                          ("address", "kda_state.0"), ("address", "logits")]  # fmt: skip
+    with pytest.raises(RuntimeError, match="refused input shape"):
+        bind(FakeContext({("shape", "kda_state.0")}), META, inputs, {})
+    with pytest.raises(RuntimeError, match="refused the address of logits"):
+        bind(FakeContext({("address", "logits")}), META, inputs, {"logits": Buf((1, 10))})
+    with pytest.raises(InputError, match="outside the engine's profile"):
+        check_shape(META, "input_ids", (9000,))
+    with pytest.raises(InputError, match="outside the engine's profile"):
+        check_shape(META, "kda_state.0", (9, 2, 4, 4))
+
+
+# ------------------------------------------------------------------ one stream (torch.cuda stand-in)
+class FakeStream:
+    cuda_stream = 0xC0FFEE
+
+    def synchronize(self):
+        RECORD.append(("synchronize", None))
+
+
+RECORD: list = []
+CURRENT = {"stream": None}
+
+
+class FakeTensor:
+    def __init__(self, shape, data=None):
+        self.shape = tuple(shape)
+        self.data = np.zeros(self.shape, np.float32) if data is None else data
+        RECORD.append(("alloc", CURRENT["stream"]))
+
+    def _op(self, what):
+        RECORD.append((what, CURRENT["stream"]))
+        return self
+
+    def to(self, *a, **k):
+        return FakeTensor(self.shape, self.data)._op("copy")
+
+    def float(self):
+        return self
+
+    def zero_(self):
+        return self._op("zero")
+
+    def copy_(self, other, **kwargs):
+        return self._op("copy")
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return FakeTensor(self.shape, self.data[i] if self.data.ndim else self.data)
+        return FakeTensor(self.shape[1:])
+
+    def data_ptr(self):
+        return 0x2000
+
+    def numpy(self):
+        return self.data
+
+
+class FakeGraph:
+    def replay(self):
+        RECORD.append(("replay", CURRENT["stream"]))
+
+
+class FakeTorch:
+    float32 = "f32"
+
+    class cuda:  # noqa: N801
+        CUDAGraph = FakeGraph
+
+        @staticmethod
+        @contextlib.contextmanager
+        def stream(s):
+            before, CURRENT["stream"] = CURRENT["stream"], s
+            try:
+                yield
+            finally:
+                CURRENT["stream"] = before
+
+        @staticmethod
+        @contextlib.contextmanager
+        def graph(g, stream=None):
+            RECORD.append(("capture_begin", stream))
+            with FakeTorch.cuda.stream(stream):
+                yield
+            RECORD.append(("capture_end", stream))
+
+    @staticmethod
+    def from_numpy(a):
+        return FakeTensor(a.shape, a)
+
+    @staticmethod
+    def empty(shape, dtype=None, device=None):
+        return FakeTensor(shape)
+
+
+class StepContext(FakeContext):
+    def get_tensor_shape(self, name):
+        return (1, 10)
+
+    def execute_async_v3(self, handle):
+        RECORD.append(("enqueue", CURRENT["stream"], handle))
+        return True
+
+
+def test_one_stream_for_every_copy_reset_and_enqueue():
+    """Issue 18, defect 5: step inputs and slot resets ran on the legacy default stream while engines ran on
+    another stream. Now everything of a rank goes on its one stream and the host waits once per step."""
+    stream = FakeStream()
+    engine = object.__new__(TensorRTEngine)
+    engine._torch, engine.stream, engine.device = FakeTorch, stream, "cuda:0"
+    engine.meta = {**META, "profile": {**META["profile"], "positions": [[1], [1], [8192]]}}
+    engine.pools = {"kda_state.0": FakeTensor((8, 2, 4, 4))}
+    engine._context = StepContext()
+    engine._engine = type("E", (), {"get_tensor_dtype": lambda self, n: "f32"})()
+    engine._torch_dtype = lambda dtype: dtype
+    engine.num_slots, engine.num_blocks, engine.block_size = 8, 9000, 64
+    engine.max_num_tokens, engine.max_seq_len = 8192, 4096
+    engine._buckets = []  # the eager path (the profile leaves no padding slot for decode graphs)
+    RECORD.clear()
+    engine.reset_slot(3)
+    batch = StepBatch(input_ids=np.array([5], np.int64), positions=np.array([0], np.int64),
+                      cu_seqlens=np.array([0, 1], np.int64), slot_ids=np.array([0], np.int64),
+                      block_tables=np.zeros((1, 1), np.int64))  # fmt: skip
+    engine.step(batch)
+    ops = [r for r in RECORD if r[0] != "synchronize"]
+    assert ops and all(r[1] is stream for r in ops), ops  # nothing on the default stream (None)
+    assert ("enqueue", stream, FakeStream.cuda_stream) in RECORD
+    assert [r[0] for r in RECORD].count("synchronize") == 1 and RECORD[-1][0] == "synchronize"
+
+
+def test_decode_buckets_and_padding():
+    """Issue 18, defect 8 (CUDA graphs): decode steps are padded to a batch-size bucket onto the spare slot, with
+    -1 table rows (no cache row written) and their own logits rows; real rows keep their place."""
+    assert decode_buckets(24) == [1, 2, 4, 8, 16, 24] and decode_buckets(1) == [1] and decode_buckets(8)[-1] == 8
+    batch = StepBatch(input_ids=np.array([5, 6, 7]), positions=np.array([9, 0, 130]), cu_seqlens=np.array([0, 1, 2, 3]),
+                      slot_ids=np.array([4, 0, 2]), block_tables=np.array([[3, -1, -1], [1, -1, -1], [0, 2, 5]]))  # fmt: skip
+    assert is_decode(batch)
+    feeds = pad_decode_feeds(batch, 4, pad_slot=8, table_width=6)
+    assert feeds["input_ids"].tolist() == [5, 6, 7, 0] and feeds["positions"].tolist() == [9, 0, 130, 0]
+    assert feeds["slot_ids"].tolist() == [4, 0, 2, 8] and feeds["cu_seqlens"].tolist() == [0, 1, 2, 3, 4]
+    assert feeds["last_token_index"].tolist() == [0, 1, 2, 3]
+    assert feeds["block_tables"].shape == (4, 6) and (feeds["block_tables"][3] == -1).all()
+    assert feeds["block_tables"][2].tolist() == [0, 2, 5, -1, -1, -1]
+    with pytest.raises(ValueError, match="does not fit bucket 2"):
+        pad_decode_feeds(batch, 2, 8, 6)
+    prefill = StepBatch(np.array([1, 2]), np.array([0, 1]), np.array([0, 2]), np.array([0]), np.array([[0]]))
+    assert not is_decode(prefill)
+
+
+class GraphContext(StepContext):
+    def set_device_memory(self, ptr, size):
+        RECORD.append(("device_memory", ptr, size))
+
+
+def test_decode_steps_replay_a_cuda_graph_per_bucket():
+    """The first decode step of a bucket runs eagerly, then is captured on the rank's stream; the next one
+    replays it. The bucket's context shares the rank's one activation buffer."""
+    stream = FakeStream()
+    engine = object.__new__(TensorRTEngine)
+    engine._torch, engine.stream, engine.device = FakeTorch, stream, "cuda:0"
+    profile = {**META["profile"], "kda_state.0": [[1, 2, 4, 4], [4, 2, 4, 4], [9, 2, 4, 4]],
+               "block_tables": [[1, 1], [1, 64], [8, 16]], "positions": [[1], [1], [8192]],
+               "cu_seqlens": [[2], [9], [9]], "slot_ids": [[1], [8], [8]], "last_token_index": [[1], [8], [8]]}  # fmt: skip
+    engine.meta = {**META, "profile": profile}
+    engine.pools = {"kda_state.0": FakeTensor((9, 2, 4, 4))}
+    engine._engine = type("E", (), {"get_tensor_dtype": lambda self, n: "f32",
+                                    "create_execution_context": lambda self, strategy: GraphContext()})()  # fmt: skip
+    engine._trt = type("T", (), {"ExecutionContextAllocationStrategy": type("S", (), {"USER_MANAGED": 2})})
+    engine._torch_dtype = lambda dtype: dtype
+    engine._activations, engine._activation_size = FakeTensor((1,)), 4096
+    engine.num_slots, engine.num_blocks, engine.block_size = 8, 9000, 64
+    engine.max_num_tokens, engine.max_seq_len = 8192, 4096
+    engine._pad_slot, engine._graphs, engine._buckets = 8, {}, decode_buckets(8)
+    batch = StepBatch(np.array([5, 6, 7]), np.array([3, 4, 5]), np.array([0, 1, 2, 3]), np.array([0, 1, 2]),
+                      np.array([[0], [1], [2]]))  # fmt: skip
+    RECORD.clear()
+    engine.step(batch)
+    kinds = [r[0] for r in RECORD]
+    assert ("device_memory", 0x2000, 4096) in RECORD  # the shared activation buffer
+    assert kinds.count("enqueue") == 2 and kinds.index("capture_begin") < len(kinds) - kinds[::-1].index("enqueue")
+    RECORD.clear()
+    engine.step(batch)
+    assert [r[0] for r in RECORD].count("replay") == 1 and "enqueue" not in [r[0] for r in RECORD]
+    assert all(r[1] is stream for r in RECORD if r[0] not in ("synchronize", "device_memory"))
+    assert list(engine._graphs) == [4]
 
 
 def test_engine_needs_tensorrt_and_the_tensorrt_backend(tmp_path):

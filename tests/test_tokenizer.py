@@ -115,6 +115,33 @@ def test_long_input_is_pieced(kimi):
     assert kimi.decode(ids) == text
 
 
+def test_inputs_are_cut_every_400k_characters_before_the_run_split(kimi):
+    """As Kimi's tokenization code: text[i:i + 400_000] for each i, then runs over 25,000 characters cut. The
+    leading space moves the 25,000-character run cuts off the 400,000 boundary, so the two orders differ."""
+    text = " x" + "think" * 100_000
+    ids = kimi.encode(text)
+    assert ids == kimi.encode(text[:400_000]) + kimi.encode(text[400_000:])
+    assert ids != [t for piece in split_long_runs(text) for t in kimi.encode(piece)]
+    assert kimi.decode(ids) == text
+
+
+def test_kimi_linear_258_special_ids(tmp_path):
+    """Kimi Linear's tokenization_kimi.py builds 256 + 2 special ids: accepted when the config names them."""
+    write_synthetic_tokenizer(tmp_path, "k2", 1024)
+    base = 256 + len(SYNTHETIC_MERGES)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["added_tokens_decoder"][str(base + 257)] = {"content": "<|extra_257|>", "special": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = load_tokenizer(tmp_path)
+    assert tok.vocab_size == base + 258
+    assert tok.encode_special("<|extra_257|>") == base + 257 and tok.token_to_id(f"<|reserved_token_{base + 256}|>") == base + 256
+    assert tok.decode([base + 257]) == "<|extra_257|>"
+    cfg["added_tokens_decoder"][str(base + 258)] = {"content": "<|too_far|>", "special": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InputError, match=r"outside the special range \[%d, %d\)" % (base, base + 258)):
+        load_tokenizer(tmp_path)
+
+
 def test_tokenizer_json_checkpoint(tmp_path):
     """Other checkpoints: a Hugging Face tokenizer.json, with its special tokens kept as text in `encode`."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers

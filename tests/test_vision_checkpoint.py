@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from moe_export.export.census import inspect_checkpoint
 from moe_export.export.checkpoint import CheckpointReader
-from moe_export.export.planner import make_plan, vision_activation_bytes
+from moe_export.export.planner import image_patch_limit, make_plan, vision_activation_bytes
 from moe_export.export.synth import preset_config, write_synthetic_checkpoint
 from moe_export.graphs.vision import vision_config, vision_tensor_specs
 from moe_export.recipes.schema import load_recipe
@@ -67,6 +67,13 @@ workspace_reserve_gib: 0.25
     per_row = 2 * 32 + 3 * 32 + 64 + 128 // 4 * 2 + 64 // 4
     assert plan.per_rank[0].vision_activation_bytes == 2 * 1024 * per_row * 4 + 2 * 1024 * 1024 * 4
     assert plan.fits
-    too_big = make_plan(_recipe(tmp_path, base + "limits: {max_images_per_request: 1}\n"))  # 65536 patches
+    too_big = make_plan(_recipe(tmp_path, base + "limits: {max_images_per_request: 1, max_image_patches: 65536}\n"))
     assert not too_big.fits and "vision tower call" in too_big.verdict()
+    # without max_image_patches: the largest patch count whose activations fit in the reserve
+    auto = _recipe(tmp_path, base + "limits: {max_images_per_request: 1}\n")
+    limit = image_patch_limit(preset_config("tiny-k3"), auto)
+    reserve = 0.25 * 2**30
+    one = 2 * 32 + 3 * 32 + 64 + 128 // 4 * 2 + 64 // 4
+    assert limit * one * 4 + 2 * limit * limit * 4 <= reserve < (limit + 1) * one * 4 + 2 * (limit + 1) ** 2 * 4
+    assert make_plan(auto).fits
     assert vision_activation_bytes(preset_config("tiny-k3"), _recipe(tmp_path, base + "limits: {max_images_per_request: 0}\n")) == 0

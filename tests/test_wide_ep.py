@@ -106,6 +106,25 @@ def test_dispatch_expert_combine_equals_the_all_reduce_of_partial_sums():
     assert traffic[1].sent_bytes[all_to_all.KIND] > 0  # the idle rank still returns its experts' results
 
 
+def test_mpi_and_torch_distributed_all_to_all_match_the_reference():
+    """`mpiexec -n 4`: the MPI implementation (ONNX Runtime path) and torch.distributed's (the TensorRT path's
+    `nccl.Communicator`, here over gloo) give the reference's combined sums, rank 1 idle."""
+    mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
+    r = subprocess.run([mpiexec, "-n", "4", sys.executable, str(HERE / "mpi_all_to_all_run.py")], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["mpi_max_err"] == 0.0 and got["torch_max_err"] == 0.0 and got["shapes_match"]
+    assert got["rows_received"][1] > 0  # the idle rank's experts still get the others' tokens
+
+
+def test_torch_send_plan_matches_numpy():
+    ids = np.array([[7, 0], [2, 3], [6, 7]])
+    rows, counts = all_to_all.torch_send_plan(torch.from_numpy(ids), 8, 4)
+    want_rows, want_counts = all_to_all.send_plan(ids, 8, 4)
+    assert rows.tolist() == want_rows.tolist() and counts.tolist() == want_counts.tolist()
+
+
 def test_send_plan_orders_rows_by_destination_then_token():
     ids = np.array([[7, 0], [2, 3], [6, 7]])  # 8 experts on 4 ranks: ranks (3, 0), (1, 1), (3, 3)
     rows, counts = all_to_all.send_plan(ids, 8, 4)
@@ -174,10 +193,10 @@ ROUNDS = [
 ]
 
 
-def run_mpi(engine_dir: Path, world: int) -> dict:
+def run_mpi(engine_dir: Path, world: int, *extra: str) -> dict:
     mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
     r = subprocess.run([mpiexec, "-n", str(world), sys.executable, str(HERE / "mpi_wide_ep_run.py"), str(engine_dir),
-                        json.dumps(ROUNDS)], capture_output=True, text=True, timeout=600,
+                        json.dumps(ROUNDS), *extra], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -189,7 +208,8 @@ def test_mpiexec_8_ranks_dp_layout_matches_single_rank_reference(dp_engine, pres
     """`mpiexec -n 8` (tp 2 x dp 4 or tp 1 x dp 8, experts over 8 ranks): rank 0's generate() spreads the requests
     over the groups (least loaded; a follow-up to its group), each request's greedy tokens equal the reference's."""
     engine_dir = dp_engine(preset, tp, 8)
-    got = run_mpi(engine_dir, 8)
+    abort = (preset, tp) == ("tiny-k3", 2)  # one layout also runs the AsyncLLM abort phase
+    got = run_mpi(engine_dir, 8, *(["abort"] if abort else []))
     ref = KimiModel.from_checkpoint(source_checkpoint(engine_dir))
     vocab = load_tokenizer(engine_dir).vocab_size  # the LLM samples among the tokenizer's ids
     for r, spec in enumerate(ROUNDS):
@@ -200,11 +220,25 @@ def test_mpiexec_8_ranks_dp_layout_matches_single_rank_reference(dp_engine, pres
     first, second = got["groups"]
     assert first == [0, 1, 2]  # least loaded, lowest group first; group 3 idles through round 1
     assert second[0] == first[2]  # the follow-up goes to the group holding the conversation
-    assert len(set(second)) == min(8 // tp, 4)  # five requests over the groups
+    assert len(set(second)) == min(8 // tp, len(second))  # five requests over the groups
     moe_layers = len(got["expert_tokens"])
     routed = sum(len(p) + spec["max_tokens"] - 1 for spec in ROUNDS for p in spec["prompts"])
-    assert got["moe_tokens"] == routed * moe_layers  # every token routed once per MoE layer, by one rank
-    assert np.sum(got["expert_tokens"]) == routed * moe_layers * ref.cfg.num_experts_per_token
+    load = np.asarray(got["expert_tokens"])  # every rank's own dispatches, gathered at the end
+    if not abort:  # (the abort phase routes a number of tokens that depends on when the abort lands)
+        assert got["moe_tokens"] == routed * moe_layers  # every token routed once per MoE layer, by one rank
+        assert load.sum() == routed * moe_layers * ref.cfg.num_experts_per_token
+        # rank 0's stats() sums the groups' counts step by step: the same load
+        np.testing.assert_allclose(got["stats_expert_load"]["max_over_mean"], load.max(1) / load.mean(1), rtol=1e-3)
+    assert got["stats_expert_load"]["routed"] == routed * moe_layers * ref.cfg.num_experts_per_token
+    stats = got["stats"]  # every group's scheduler, summed
+    assert stats["groups"] == 8 // tp and stats["blocks_total"] == stats["groups"] * got["blocks_per_rank"]
+    assert stats["running"] == stats["waiting"] == 0
+    if abort:  # streams in groups 0, 1, 2; group 1's dropped after one token, its slot freed, the others whole
+        aborted = got["aborted"]
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        for key, prompt in (("a", [11, 12, 13]), ("c", [31, 32, 33])):
+            assert aborted[key] == generate_tokens(ReferenceEngine(ref, max_seq_len=64), prompt, params, sample_vocab=vocab)
+        assert len(aborted["b"]) == 1 and aborted["groups"] == [0, 2] and aborted["after"] == 0
     assert "moe_all_reduce" not in got["sent_bytes"] and got["sent_bytes"]["moe_all_to_all"] > 0
 
 
@@ -247,3 +281,71 @@ def test_tensorrt_build_of_a_dp_recipe_is_refused_up_front(tmp_path):
     rec, _ = load_recipe("h100x64.yaml")
     with pytest.raises(InputError, match="parallel.attention dp needs the MoE all-to-all"):
         _check_backend(rec, Stages(build_tensorrt_engine=lambda *a: None))
+
+
+@pytest.mark.slow
+def test_mpiexec_8_ranks_serve_spreads_chats_over_groups(dp_engine):
+    """`mpiexec -n 8 moe-export serve` on a tp 2 x dp 4 engine: concurrent chat completions (spread over the groups)
+    answer as the same engine in one process does (group 0, the others idle), and the server drains on SIGTERM."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from serve_support import start_cli_server, stop_process
+
+    from moe_export.runtime import LLM
+
+    engine_dir = dp_engine("tiny-k3", 2, 8)
+    questions = ["Tell me about Paris.", "Hi!", "What is two plus two, in words?", "Name a colour."]
+    proc, url = start_cli_server([str(engine_dir), "--default-effort", "low"], mpiexec_ranks=8)
+    try:
+        def ask(q: str) -> dict:
+            body = {"model": "m", "messages": [{"role": "user", "content": q}], "max_tokens": 10, "temperature": 0}
+            return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).json()
+
+        with ThreadPoolExecutor(len(questions)) as pool:
+            served = list(pool.map(ask, questions))
+    finally:
+        code = stop_process(proc)
+    llm = LLM(engine_dir, default_effort="low", threads=1)
+    local = llm.chat([[{"role": "user", "content": q}] for q in questions], SamplingParams(max_tokens=10))
+    for s, want in zip(served, local):
+        assert s["usage"]["completion_tokens"] == len(want.output_ids)
+        message = s["choices"][0]["message"]
+        assert (message["content"] or "", message.get("reasoning_content") or "") == \
+            (want.content or "", want.reasoning_content or "")
+    assert code == 0
+
+
+def test_placement_follow_ups_least_loaded_and_processors_in_group_0():
+    from collections import OrderedDict
+
+    from moe_export.runtime.core.scheduler import Request
+    from moe_export.runtime.core.wide_ep import GroupedScheduler
+
+    sched = GroupedScheduler.__new__(GroupedScheduler)  # placement reads only loads and history
+    sched.groups, sched.loads = 4, [2, 0, 1, 0]
+    sched.history = OrderedDict({(1, 2, 3): 2, (1, 2): 3})
+    assert sched.place(Request("a", [9, 9])) == 1  # least loaded, lowest group first
+    assert sched.place(Request("b", [1, 2, 3, 4])) == 2  # the longest finished prompt it continues
+    assert sched.place(Request("c", [1, 2, 7])) == 3
+    assert sched.place(Request("d", [1, 2, 3, 4], logits_processors=[lambda ids, logits: logits])) == 0
+
+
+@pytest.mark.slow
+def test_mpiexec_8_ranks_image_chat_in_another_group(dp_engine):
+    """An image chat placed in group 1 (group 0 holds a text chat): the images travel to group 1's leader, its
+    tower runs there, and both chats answer as the same engine in one process does."""
+    from test_vision_engine import GREEDY, THREE
+
+    from moe_export.runtime import LLM
+
+    engine_dir = dp_engine("tiny-k3", 2, 8)
+    chats = [[{"role": "user", "content": "Hi!"}], THREE]
+    mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
+    r = subprocess.run([mpiexec, "-n", "8", sys.executable, str(HERE / "mpi_wide_ep_vision_run.py"), str(engine_dir),
+                        json.dumps(chats), str(GREEDY.max_tokens)], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])["outputs"]
+    local = LLM(engine_dir, threads=1).chat(chats, GREEDY, reasoning_effort="none")
+    assert got == [o.output_ids for o in local]

@@ -179,3 +179,56 @@ def all_reduce_ring_bytes(nbytes: int, group_size: int) -> int:
     """Bytes each rank sends in a ring all-reduce of `nbytes` over `group_size` ranks (NCCL's ring):
     2 (n - 1) / n of the payload."""
     return 0 if group_size == 1 else 2 * (group_size - 1) * nbytes // group_size
+
+
+# ---- torch.distributed (the NCCL communicator of the TensorRT path, `nccl.Communicator`; gloo on CPU) -----------
+
+
+def torch_send_plan(ids, num_experts: int, ep: int):
+    """`send_plan` on torch tensors (on the ids' device): (send_rows [S] int64, send_counts [ep] int64)."""
+    import torch
+
+    num_tokens = ids.shape[0]
+    goes = torch.zeros((ep, num_tokens), dtype=torch.bool, device=ids.device)
+    if num_tokens:
+        goes[ids // (num_experts // ep), torch.arange(num_tokens, device=ids.device)[:, None]] = True
+    dest, rows = torch.nonzero(goes, as_tuple=True)  # row-major: by destination, then token
+    return rows, torch.bincount(dest, minlength=ep)
+
+
+def torch_dispatch(group, x, ids, weights, num_experts: int):
+    """`mpi_dispatch` over a torch.distributed group: counts first (all_to_all_single of ep int64), then rows,
+    int32 ids and fp32 weights with split sizes. The split sizes are host lists, so the counts are read back
+    once per dispatch (one device sync; a fixed-size low-latency buffer would avoid it at the price of padding).
+    -> recv_x, recv_ids (int64), recv_w, DispatchLayout of tensors."""
+    import torch
+    import torch.distributed as dist
+
+    ep = dist.get_world_size(group)
+    rows, send_counts = torch_send_plan(ids, num_experts, ep)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    out_splits, in_splits = recv_counts.tolist(), send_counts.tolist()
+
+    def exchange(t):
+        out = torch.empty((sum(out_splits), *t.shape[1:]), dtype=t.dtype, device=t.device)
+        dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    recv_x = exchange(x[rows])
+    recv_ids = exchange(ids[rows].to(torch.int32)).to(torch.int64)
+    recv_w = exchange(weights[rows].to(torch.float32))
+    return recv_x, recv_ids, recv_w, DispatchLayout(rows, send_counts, recv_counts)
+
+
+def torch_combine(group, y, layout: DispatchLayout, num_tokens: int):
+    """`mpi_combine` over a torch.distributed group: the received rows' partial sums back to their sources,
+    added per token at `send_rows`."""
+    import torch
+    import torch.distributed as dist
+
+    in_splits, out_splits = layout.recv_counts.tolist(), layout.send_counts.tolist()
+    back = torch.empty((sum(out_splits), y.shape[1]), dtype=y.dtype, device=y.device)
+    dist.all_to_all_single(back, y.contiguous(), out_splits, in_splits, group=group)
+    out = torch.zeros((num_tokens, y.shape[1]), dtype=y.dtype, device=y.device)
+    return out.index_add_(0, layout.send_rows, back)

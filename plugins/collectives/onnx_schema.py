@@ -2,9 +2,9 @@
 
     y = AllReduce(x)   attributes: group ("tp" | "ep"), reduce_op ("sum"), plugin_version
         y has x's type and shape; every rank of the group gets the elementwise sum.
-    y = AllGather(x)   attributes: group ("tp" | "ep"), axis (int), plugin_version
-        y = concat over the group's ranks (in rank order) along `axis`; that dim becomes unknown here
-        (the group size is a property of the mapping, not of the graph).
+    y = AllGather(x)   attributes: group ("tp" | "ep"), axis (int), group_size (int), plugin_version
+        y = concat over the group's ranks (in rank order) along `axis`: that dim is group_size times x's
+        (shape inference leaves it unknown; TensorRT's plugin computes it from group_size).
     recv_x, recv_ids, recv_w, send_rows, send_counts, recv_counts = MoEDispatch(x, expert_ids, expert_weights)
         attributes: group ("ep"), num_experts (int, global), plugin_version. The `dp` layout's all-to-all
         dispatch (`all_to_all.py`): x [T, D] T, expert_ids [T, K] int64 (global), expert_weights [T, K] fp32 ->
@@ -16,8 +16,9 @@
         rows) goes back to the rows' sources and is summed per token: y [T, D] T, T = x's rows (x: the
         dispatched tokens, only its shape is read).
 
-Both backends split graphs at these nodes (`export/backends.py`, `export/tensorrt_build.py`): the runtime
-performs the collective between segments (MPI or in process on CPU, NCCL between TensorRT engines).
+The ONNX Runtime backend splits graphs at these nodes (`export/backends.py`) and the runtime performs the
+collective between segments (MPI or in process); the TensorRT backend keeps them inside one engine per rank as
+plugins that run NCCL (`tensorrt_plugin.py`, `nccl.py`).
 """
 
 import onnx
@@ -81,7 +82,8 @@ def schemas() -> list[defs.OpSchema]:
     gather = defs.OpSchema(
         "AllGather", DOMAIN, OPSET_VERSION, "Concatenation over the ranks of a group along `axis`.",
         inputs=[p("x", "T", "any shape")], outputs=[p("y", "T", "x with axis grown")], type_constraints=[_FLOATS],
-        attributes=[group, attr("axis", defs.OpSchema.AttrType.INT, "concat axis"), *plugin_lookup_attributes()],
+        attributes=[group, attr("axis", defs.OpSchema.AttrType.INT, "concat axis"),
+                    attr("group_size", defs.OpSchema.AttrType.INT, "ranks in the group"), *plugin_lookup_attributes()],
     )
     gather.set_type_and_shape_inference_function(_gather_type)
     i64 = ("I", ["tensor(int64)"], "int64 ids, rows and counts")

@@ -8,17 +8,18 @@ parser's fields (`topk` arrives as one INT32), output type and shape.
 Importing this module registers `moe_export::DSAIndexer` (name = op type, namespace = the node's
 `plugin_namespace` attribute, version "1"). Only a JIT `impl` (Python callback) is provided, so engines need
 Python at runtime. TensorRT may run the impl while timing tactics with garbage inputs: the index inputs are
-clamped first (`clamp_ragged_indices`), which also bounds the score buffer sized from `positions.max()`.
+clamped first (`clamp_ragged_indices`, on the device).
+
+No host synchronization and bounded scratch: candidates span the block table's capacity (from shapes), and
+scores are made and reduced in chunks of tokens x positions (`triton_kernel.chunked_topk`, scratch
+`triton_kernel.scratch_bytes`, near 256 MiB whatever the context length); the indices are written straight
+into TensorRT's output buffer.
 
 Why there is no `aot_impl`: a QDP AOT implementation is one kernel launch whose only tensors are the plugin's
-inputs and outputs, but `triton_kernel.dsa_indexer_triton` is not one launch. It (1) reads `positions.max()`
-back to the host to size an intermediate score buffer [T, max(positions)+1], (2) launches the score kernel
-into that buffer, and (3) selects the top-k in torch (`cpu.select_topk`: a stable descending sort of every
-score row, ties to the lower position, -inf -> -1 padding). The Triton kernel alone writes scores, not the
-[T, topk] indices the op outputs. An AOT version needs a device top-k kernel: one program per token that
-computes its scores over cache positions 0..pos itself and keeps the `topk` best (topk = 2048 for DeepSeek-V3.2)
-with the same tie rule, e.g. a radix / threshold select over the row held in shared memory or recomputed per
-pass, writing the indices directly, so that scores never need a buffer outside the kernel.
+inputs and outputs; the chunked score kernel plus the torch top-k merge is several. An AOT version needs a
+device top-k kernel: one program per token computing its scores over positions 0..pos and keeping the `topk`
+best (2048 for DeepSeek-V3.2) with the same tie rule, e.g. a radix / threshold select over the row held in
+shared memory or recomputed per pass.
 """
 
 import tensorrt as trt
@@ -78,11 +79,11 @@ def _run(
     outputs: tuple[trtp.Tensor],
     stream: int,
 ) -> None:
-    """Run on TensorRT's stream (index inputs clamped into their buffers) and copy into the output buffer."""
+    """Run on TensorRT's stream (index inputs clamped on the device), writing into the output buffer."""
     q, w, pool, new, cu, tables, pos = (
         as_torch(t) for t in (q_idx, weights, k_pool, k_new, cu_seqlens, block_tables, positions)
     )
     out = as_torch(outputs[0])
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
         cu, tables, pos = clamp_ragged_indices(cu, tables, pos, pool.shape[0], pool.shape[1])
-        out.copy_(dsa_indexer_triton(q, w, pool, new, cu, tables, pos, topk=scalar(topk)))
+        dsa_indexer_triton(q, w, pool, new, cu, tables, pos, topk=scalar(topk), out=out)

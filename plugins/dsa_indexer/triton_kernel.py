@@ -4,8 +4,14 @@ A Triton kernel writes the index scores [T, Lmax] (one program per token and BLO
 token's [Hi, Di] queries against a [BLOCK_N, Di] key tile, relu, head-weighted sum; positions beyond the
 token get -inf and blocks wholly beyond it skip the loads; keys of earlier steps are loaded from the paged pool
 through the sequence's block table, the step's own from `k_new`, and cast (fp8 pools: decoded) to fp32 after the
-load), then `cpu.select_topk` (torch, runs on the same device) takes the top-k with the op's tie rule.
-Lmax = max(positions) + 1. Dot products use `input_precision="ieee"` (fp32). Runs on CUDA tensors, or on CPU under TRITON_INTERPRET=1.
+load), then the top-k is taken with the op's tie rule (`cpu.select_topk`'s: best first, ties to the lower position).
+Dot products use `input_precision="ieee"` (fp32). Runs on CUDA tensors, or on CPU under TRITON_INTERPRET=1.
+
+`dsa_indexer_triton` bounds its memory and never synchronizes with the host: the candidate positions span the
+block table's capacity (B * BS, from shapes; not max(positions), which would be read back), and scores are made
+and reduced in chunks of tokens x positions (`chunked_topk`: a running top-k merged chunk by chunk, ties to the
+lower position as in `select_topk`), so scratch stays near `budget_bytes` (`scratch_bytes`) at any context
+length instead of [T, max_pos + 1] fp32 plus a full sort (64 GiB at T = 16,384 and 1M positions).
 """
 
 import torch
@@ -14,23 +20,23 @@ import triton.language as tl
 
 from ..sparse_mla_attention.reference import token_sequences
 from ..sparse_mla_attention.triton_kernel import fp8_rows_to_f32
-from .cpu import select_topk
 
 
 @triton.jit
 def _index_scores_kernel(
     q_ptr, w_ptr, pool_ptr, new_ptr, seq_ptr, cu_ptr, tables_ptr, pos_ptr, out_ptr,
-    num_heads, out_len, block_size, table_width,
+    num_heads, out_len, block_size, table_width, t0, col0,
     stride_qt, stride_qh, stride_wt, stride_ot,
     DI: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     POOL_FP8: tl.constexpr = False,
 ):
-    t = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t = t0 + tl.program_id(0)  # token; the output row is program_id(0), positions col0 + column
+    offs_c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = col0 + offs_c
     pos = tl.load(pos_ptr + t)
     valid = offs_n <= pos
     score = tl.zeros([BLOCK_N], tl.float32)
-    if tl.program_id(1) * BLOCK_N <= pos:
+    if col0 + tl.program_id(1) * BLOCK_N <= pos:
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
         mask_h = offs_h < num_heads
@@ -57,42 +63,52 @@ def _index_scores_kernel(
         s = tl.maximum(tl.dot(q, tl.trans(k), input_precision="ieee"), 0.0)  # [BLOCK_H, BLOCK_N]
         score = tl.sum(s * w[:, None], axis=0)
     score = tl.where(valid, score, float("-inf"))
-    tl.store(out_ptr + t * stride_ot + offs_n, score, mask=offs_n < out_len)
+    tl.store(out_ptr + tl.program_id(0) * stride_ot + offs_c, score, mask=offs_c < out_len)
 
 
-def dsa_index_scores_triton(
-    q_idx: torch.Tensor,
-    weights: torch.Tensor,
-    k_pool: torch.Tensor,
-    k_new: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    block_tables: torch.Tensor,
-    positions: torch.Tensor,
-    *,
-    block_n: int = 64,
-) -> torch.Tensor:
-    """Index scores [T, max(positions)+1] fp32 (-inf beyond each token's position)."""
-    num_tokens, num_heads, dim = q_idx.shape
-    q = q_idx.float().contiguous()
-    w = weights.float().contiguous()
-    pool = k_pool.contiguous()
-    new = k_new.float().contiguous()
-    cu = cu_seqlens.to(torch.int64).contiguous()
-    tables = block_tables.to(torch.int64).contiguous()
-    seqs = token_sequences(cu, num_tokens).contiguous()
-    pos = positions.to(torch.int64).contiguous()
-    out_len = int(pos.max()) + 1 if num_tokens else 0
-    out = torch.empty(num_tokens, out_len, dtype=torch.float32, device=q.device)
-    if num_tokens == 0:
-        return out
-    grid = (num_tokens, triton.cdiv(out_len, block_n))
-    _index_scores_kernel[grid](
-        q, w, pool, new, seqs, cu, tables, pos, out,
-        num_heads, out_len, pool.shape[1], tables.shape[1],
-        q.stride(0), q.stride(1), w.stride(0), out.stride(0),
-        DI=dim, BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
-        BLOCK_N=block_n, POOL_FP8=pool.dtype == torch.uint8,
-    )  # fmt: skip
+DEFAULT_SCRATCH_BUDGET = 256 * 2**20  # bytes of score and merge scratch per call
+MAX_CHUNK_POSITIONS = 65536
+
+
+def chunk_shape(num_tokens: int, length: int, topk: int, budget_bytes: int, block_n: int = 64) -> tuple[int, int]:
+    """(tokens, positions) per chunk: positions a multiple of block_n, at most `length` rounded up and at most
+    MAX_CHUNK_POSITIONS; tokens as many as keep the chunk's scratch (`scratch_bytes`) within the budget."""
+    lc = min(-(-max(length, 1) // block_n) * block_n, MAX_CHUNK_POSITIONS)
+    per_token = 4 * lc + 12 * topk + 20 * (topk + lc)
+    return max(1, min(num_tokens, budget_bytes // per_token)), lc
+
+
+def scratch_bytes(num_tokens: int, length: int, topk: int, budget_bytes: int = DEFAULT_SCRATCH_BUDGET) -> int:
+    """Device scratch of one call: scores [tc, lc] fp32, running best [tc, topk] (fp32 + int64) and the merge's
+    [tc, topk + lc] values, order and indices."""
+    tc, lc = chunk_shape(num_tokens, length, topk, budget_bytes)
+    return 4 * tc * lc + 12 * tc * topk + 20 * tc * (topk + lc)
+
+
+def topk_merge(best_vals: torch.Tensor, best_idx: torch.Tensor, scores: torch.Tensor, col0: int):
+    """Merge a chunk of scores [t, c] for positions col0.. into the running best (values desc, ties to the lower
+    position: the running best holds lower positions and the sort is stable)."""
+    cols = torch.arange(col0, col0 + scores.shape[1], device=scores.device).expand_as(scores)
+    vals = torch.cat([best_vals, scores], dim=1)
+    idx = torch.cat([best_idx, cols], dim=1)
+    vals, order = torch.sort(vals, dim=1, descending=True, stable=True)
+    k = best_vals.shape[1]
+    return vals[:, :k].contiguous(), torch.gather(idx, 1, order[:, :k])
+
+
+def chunked_topk(score_chunk, num_tokens: int, length: int, topk: int, chunk: tuple[int, int], device,
+                 out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """[T, topk] int64 best positions (-1 where fewer candidates) over positions 0..length-1, the scores made
+    by `score_chunk(t0, t1, c0, c1)` -> [t1-t0, c1-c0] fp32 (-inf = not a candidate), chunk by chunk."""
+    tc, lc = chunk
+    out = torch.empty((num_tokens, topk), dtype=torch.int64, device=device) if out is None else out
+    for t0 in range(0, num_tokens, tc):
+        t1 = min(num_tokens, t0 + tc)
+        vals = torch.full((t1 - t0, topk), float("-inf"), dtype=torch.float32, device=device)
+        idx = torch.full((t1 - t0, topk), -1, dtype=torch.int64, device=device)
+        for c0 in range(0, length, lc):
+            vals, idx = topk_merge(vals, idx, score_chunk(t0, t1, c0, min(length, c0 + lc)), c0)
+        out[t0:t1] = torch.where(torch.isneginf(vals), -1, idx)
     return out
 
 
@@ -107,9 +123,35 @@ def dsa_indexer_triton(
     *,
     topk: int,
     block_n: int = 64,
+    budget_bytes: int = DEFAULT_SCRATCH_BUDGET,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q_idx [T, Hi, Di], weights [T, Hi], k_pool [NB, BS, Di] (fp32 / bf16 / fp16, or uint8 fp8 rows [NB, BS,
-    Di+1]), k_new [T, Di] fp32,
-    cu_seqlens [N+1], block_tables [N, B], positions [T] -> indices [T, topk] int64."""
-    scores = dsa_index_scores_triton(q_idx, weights, k_pool, k_new, cu_seqlens, block_tables, positions, block_n=block_n)
-    return select_topk(scores, topk)
+    Di+1]), k_new [T, Di] fp32, cu_seqlens [N+1], block_tables [N, B], positions [T] -> indices [T, topk] int64
+    (written into `out` when given). Candidates: positions 0..B*BS-1 (the tables' capacity); scores in chunks
+    (`chunked_topk`), no host synchronization."""
+    num_tokens, num_heads, dim = q_idx.shape
+    q = q_idx.float().contiguous()
+    w = weights.float().contiguous()
+    pool = k_pool.contiguous()
+    new = k_new.float().contiguous()
+    cu = cu_seqlens.to(torch.int64).contiguous()
+    tables = block_tables.to(torch.int64).contiguous()
+    seqs = token_sequences(cu, num_tokens).contiguous()
+    pos = positions.to(torch.int64).contiguous()
+    length = tables.shape[1] * pool.shape[1]
+    chunk = chunk_shape(num_tokens, length, topk, budget_bytes, block_n)
+    scores = torch.empty(chunk, dtype=torch.float32, device=q.device)
+    meta = dict(DI=dim, BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
+                BLOCK_N=block_n, POOL_FP8=pool.dtype == torch.uint8)  # fmt: skip
+
+    def score_chunk(t0: int, t1: int, c0: int, c1: int) -> torch.Tensor:
+        view = scores[: t1 - t0, : c1 - c0]
+        _index_scores_kernel[(t1 - t0, triton.cdiv(c1 - c0, block_n))](
+            q, w, pool, new, seqs, cu, tables, pos, view,
+            num_heads, c1 - c0, pool.shape[1], tables.shape[1], t0, c0,
+            q.stride(0), q.stride(1), w.stride(0), view.stride(0), **meta,
+        )  # fmt: skip
+        return view
+
+    return chunked_topk(score_chunk, num_tokens, length, topk, chunk, q.device, out=out)

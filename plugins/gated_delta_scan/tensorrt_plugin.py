@@ -4,7 +4,7 @@ NOT RUN ON A GPU HERE: TensorRT's libraries cannot be installed on this project'
 (`tests/test_tensorrt_plugins.py`): this module under TensorRT's real pure-Python `tensorrt.plugin` package
 (10.9 and 11.4 bindings wheels) over a stand-in of the compiled core: registration, creation from the
 fields the ONNX parser makes of our node's attributes, output types / shapes / aliasing, and the `aot_impl`
-launch parameters with the real Triton PTX compile. The kernel itself is tested in the interpreter.
+launch parameters with the real Triton compile (cubin and PTX for sm_90). The kernel itself is tested in the interpreter.
 
 Importing this module registers ``moe_export::GatedDeltaScan`` (name = op type, namespace = the node's
 ``plugin_namespace`` attribute, version "1"); the parser passes the attributes ``scale`` (FLOAT32) and
@@ -14,7 +14,7 @@ Importing this module registers ``moe_export::GatedDeltaScan`` (name = op type, 
   ``PreviewFeature.ALIASED_PLUGIN_IO_10_03``, without which the alias is ignored): the kernel reads each state
   tile before writing it, and only the N addressed slots are touched.
 - ``impl`` (JIT, needs Python in the engine) launches the kernel on TensorRT's stream.
-- ``aot_impl`` compiles the same kernel to PTX for the build GPU. Kernel parameters: the 8 input pointers,
+- ``aot_impl`` compiles the same kernel for the target GPU (its cubin, PTX as fallback). Kernel parameters: the 8 input pointers,
   the int32 extras T (tokens) and S (pool slots), the 2 output pointers; grid (cdiv(V, BV), H, N). The
   builder chooses JIT or AOT (the plugin has both, so the network must say which). Open risk, checked by
   ``benchmarks/gpu_check.sh`` on a GPU: Triton >= 3.3 appends scratch-pointer parameters TensorRT does not pass.
@@ -25,7 +25,8 @@ import tensorrt.plugin as trtp
 import torch
 
 from .. import PLUGIN_NAMESPACE
-from ..tensorrt_common import Float32Field, Int32Field, as_torch, scalar
+from ..tensorrt_common import Float32Field, Int32Field, aot_kernel_code, as_torch, scalar
+from ..tensorrt_target import target_capability
 from .onnx_schema import OP_TYPE
 from .triton_kernel import aot_compile, block_sizes, launch
 
@@ -106,13 +107,12 @@ def _compile(
     outputs: tuple[trtp.TensorDesc, trtp.TensorDesc],
     tactic: int,
 ) -> tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymExprs]:
-    """PTX of the kernel for the build GPU; H, K, V must be build-time constants (they are for K3: 96/128/128)."""
+    """The kernel's cubin for the target GPU (PTX as fallback); H, K, V must be build-time constants (they are for K3: 96/128/128)."""
     H = q.shape_expr[1].constant_value()
     K = q.shape_expr[2].constant_value()
     V = v.shape_expr[2].constant_value()
-    major, minor = torch.cuda.get_device_capability()
     kernel = aot_compile(
-        _TRITON_TYPE[q.dtype], H, K, V, scalar(scale), bool(scalar(use_qk_l2norm)), True, major * 10 + minor
+        _TRITON_TYPE[q.dtype], H, K, V, scalar(scale), bool(scalar(use_qk_l2norm)), True, target_capability()
     )
     params = trtp.KernelLaunchParams()
     params.grid_x = -(-V // block_sizes(K, V)[1])
@@ -121,4 +121,4 @@ def _compile(
     params.block_x = kernel.metadata.num_warps * 32
     params.shared_mem = kernel.metadata.shared
     extra_args = trtp.SymIntExprs.from_tuple([trtp.SymInt32(q.shape_expr[0]), trtp.SymInt32(state_pool.shape_expr[0])])
-    return kernel.metadata.name, kernel.asm["ptx"], params, extra_args
+    return kernel.metadata.name, aot_kernel_code(kernel, PLUGIN_ID), params, extra_args

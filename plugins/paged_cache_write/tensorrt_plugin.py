@@ -3,7 +3,7 @@
 NOT RUN ON A GPU HERE: TensorRT's libraries cannot be installed on this project's machines. What runs here
 (`tests/test_tensorrt_plugins.py`): this module under TensorRT's real pure-Python `tensorrt.plugin` package
 (10.9 and 11.4 bindings wheels) over a stand-in of the compiled core: registration, creation from the parser's
-fields, output type, shape and aliasing, and the `aot_impl` launch parameters with the real Triton PTX compile.
+fields, output type, shape and aliasing, and the `aot_impl` launch parameters with the real Triton compile (cubin and PTX for sm_90).
 The kernel itself is tested in the interpreter.
 
 Importing this module registers `moe_export::PagedCacheWrite` (name = op type, namespace = the node's
@@ -12,7 +12,7 @@ Importing this module registers `moe_export::PagedCacheWrite` (name = op type, n
 - `pool_out` is declared *aliased* to `pool` (the builder enables `PreviewFeature.ALIASED_PLUGIN_IO_10_03`): the
   step's rows are written into the runtime's pool in place, O(tokens); the runtime binds the segment output
   `<pool>.written` to the pool's own buffer (`runtime/engine/tensorrt.py`).
-- `impl` (JIT) launches the kernel on TensorRT's stream; `aot_impl` compiles it to PTX for the build GPU:
+- `impl` (JIT) launches the kernel on TensorRT's stream; `aot_impl` compiles it for the target GPU (its cubin, PTX as fallback):
   parameters the 5 input pointers, the int32 extras N, T, NB, BS, B, then the output pointer; grid (T,); the
   row width D must be a build-time constant.
 """
@@ -22,7 +22,8 @@ import tensorrt.plugin as trtp
 import torch
 
 from .. import PLUGIN_NAMESPACE
-from ..tensorrt_common import as_torch, clamp_ragged_indices
+from ..tensorrt_common import aot_kernel_code, as_torch, clamp_ragged_indices
+from ..tensorrt_target import target_capability
 from .onnx_schema import OP_TYPE
 from .triton_kernel import aot_compile, paged_cache_write_triton
 
@@ -84,9 +85,8 @@ def _compile(
     outputs: tuple[trtp.TensorDesc],
     tactic: int,
 ) -> tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymExprs]:
-    """PTX of the kernel for the build GPU; one program per token."""
-    major, minor = torch.cuda.get_device_capability()
-    kernel = aot_compile(new_rows.shape_expr[1].constant_value(), major * 10 + minor,
+    """The kernel's cubin for the target GPU (PTX as fallback); one program per token."""
+    kernel = aot_compile(new_rows.shape_expr[1].constant_value(), target_capability(),
                          _POOL_TYPES.get(pool.dtype, torch.float32))  # fmt: skip
     params = trtp.KernelLaunchParams()
     params.grid_x = new_rows.shape_expr[0]
@@ -96,4 +96,4 @@ def _compile(
         [trtp.SymInt32(e) for e in (block_tables.shape_expr[0], new_rows.shape_expr[0], pool.shape_expr[0],
                                     pool.shape_expr[1], block_tables.shape_expr[1])]
     )  # fmt: skip
-    return kernel.metadata.name, kernel.asm["ptx"], params, extra_args
+    return kernel.metadata.name, aot_kernel_code(kernel, PLUGIN_ID), params, extra_args

@@ -4,13 +4,13 @@ NOT RUN ON A GPU HERE: TensorRT's libraries cannot be installed on this project'
 (`tests/test_tensorrt_plugins.py`): this module under TensorRT's real pure-Python `tensorrt.plugin` package
 (10.9 and 11.4 bindings wheels) over a stand-in of the compiled core: registration, creation from the
 parser's fields, output types / shapes / aliasing, and the `aot_impl` launch parameters with the real Triton
-PTX compile. The kernel itself is tested in the interpreter.
+compile (cubin and PTX for sm_90). The kernel itself is tested in the interpreter.
 
 Importing this module registers ``moe_export::ShortConv`` (name = op type, namespace = the node's
 ``plugin_namespace`` attribute, version "1"). ``conv_pool_out`` is declared *aliased* to ``conv_pool`` (in
 place, only the N addressed slots are written; needs ``PreviewFeature.ALIASED_PLUGIN_IO_10_03``, which the
 builder enables). ``impl`` (JIT) launches the kernel on TensorRT's stream; ``aot_impl`` compiles the same
-kernel to PTX: parameters are the 5 input pointers, the int32 extras T (tokens) and S (pool slots), then the 2
+kernel for the target GPU (its cubin, PTX as fallback): parameters are the 5 input pointers, the int32 extras T (tokens) and S (pool slots), then the 2
 output pointers; grid (cdiv(C, BC), N). Open risk, checked by ``benchmarks/gpu_check.sh`` on a GPU: Triton
 >= 3.3 appends scratch-pointer parameters that TensorRT does not pass.
 """
@@ -20,7 +20,8 @@ import tensorrt.plugin as trtp
 import torch
 
 from .. import PLUGIN_NAMESPACE
-from ..tensorrt_common import as_torch
+from ..tensorrt_common import aot_kernel_code, as_torch
+from ..tensorrt_target import target_capability
 from .onnx_schema import OP_TYPE
 from .triton_kernel import aot_compile, block_sizes, launch
 
@@ -84,15 +85,14 @@ def _compile(
     outputs: tuple[trtp.TensorDesc, trtp.TensorDesc],
     tactic: int,
 ) -> tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymExprs]:
-    """PTX of the kernel for the build GPU; C and W must be build-time constants (weight is an initializer)."""
+    """The kernel's cubin for the target GPU (PTX as fallback); C and W must be build-time constants (weight is an initializer)."""
     C = weight.shape_expr[0].constant_value()
     W = weight.shape_expr[1].constant_value()
-    major, minor = torch.cuda.get_device_capability()
-    kernel = aot_compile(_TRITON_TYPE[x.dtype], _TRITON_TYPE[conv_pool.dtype], C, W, major * 10 + minor)
+    kernel = aot_compile(_TRITON_TYPE[x.dtype], _TRITON_TYPE[conv_pool.dtype], C, W, target_capability())
     params = trtp.KernelLaunchParams()
     params.grid_x = -(-C // block_sizes(C, W)[1])
     params.grid_y = slot_ids.shape_expr[0]
     params.block_x = kernel.metadata.num_warps * 32
     params.shared_mem = kernel.metadata.shared
     extra_args = trtp.SymIntExprs.from_tuple([trtp.SymInt32(x.shape_expr[0]), trtp.SymInt32(conv_pool.shape_expr[0])])
-    return kernel.metadata.name, kernel.asm["ptx"], params, extra_args
+    return kernel.metadata.name, aot_kernel_code(kernel, PLUGIN_ID), params, extra_args

@@ -4,7 +4,7 @@ NOT RUN ON A GPU HERE: TensorRT's libraries cannot be installed on this project'
 (`tests/test_tensorrt_plugins.py`): this module under TensorRT's real pure-Python `tensorrt.plugin` package
 (10.9 and 11.4 bindings wheels) over a stand-in of the compiled core: registration, creation from the
 parser's fields, output types and shapes, and the `aot_impl` launch parameters and int32 extras with the real
-Triton PTX compile. The kernel itself is tested in the interpreter (sparse / dense / K = 0, paged pools, with
+Triton compile (cubin and PTX for sm_90). The kernel itself is tested in the interpreter (sparse / dense / K = 0, paged pools, with
 the token -> sequence search and the block-table lookup done in the kernel).
 
 Importing this module registers `moe_export::SparseMLAAttention` (name = op type, namespace = the node's
@@ -13,13 +13,16 @@ QDP input lists are fixed, so the plugin always has seven inputs: the TensorRT g
 empty [0, 0] int64 `topk_indices`, which the op defines as dense (see `reference.py`).
 
 - `impl` (JIT, needs Python in the engine) launches the kernel on TensorRT's stream.
-- `aot_impl` compiles the same kernel to PTX for the build GPU. Kernel parameters are the 7 input pointers,
-  then the int32 extras N (= block_tables rows), T (= tokens), NB (= pool blocks), BS (= block size), B (=
-  block_tables columns), K (= topk_indices columns; 0 makes the kernel dense and leaves `topk_indices` unread),
-  then the output pointer; grid (T, cdiv(H, 16)). H and Dc+Dr must be build-time constants. Open risks,
-  checked by `benchmarks/gpu_check.sh` on a GPU: Triton >= 3.3 appends scratch-pointer parameters TensorRT
-  does not pass; at Dc = 512 the kernel needs ~110 KiB of dynamic shared memory, more than the 48 KiB a launch
-  gets unless the kernel is opted in (`cuFuncSetAttribute`), which TensorRT's AOT launcher is not known to do.
+- `aot_impl` compiles the same kernel for the target GPU and hands TensorRT its cubin (PTX as fallback;
+  `tensorrt_common.aot_kernel_code`). Kernel parameters are the 7 input pointers, then the int32 extras N
+  (= block_tables rows), T (= tokens), NB (= pool blocks), BS (= block size), B (= block_tables columns), K
+  (= topk_indices columns; 0 makes the kernel dense and leaves `topk_indices` unread), then the output pointer;
+  grid (T, cdiv(H, 16)), the kernel's dynamic shared memory declared. H and Dc+Dr must be build-time constants.
+  At Dc = 512 the kernel needs ~110 KiB of dynamic shared memory, more than a launch gets without an opt-in,
+  which TensorRT's AOT launcher is not known to do: the AOT build is refused there with a clear message
+  (contract AOT_SHARED_MEMORY_OPT_IN_UNKNOWN) and K3 engines use the JIT launch (tensorrt.prefer_aot: false).
+  Open risk, checked by `benchmarks/gpu_check.sh` on a GPU: Triton >= 3.3 appends scratch-pointer parameters
+  TensorRT does not pass.
 """
 
 import tensorrt as trt
@@ -27,7 +30,8 @@ import tensorrt.plugin as trtp
 import torch
 
 from .. import PLUGIN_NAMESPACE
-from ..tensorrt_common import Float32Field, Int32Field, as_torch, scalar
+from ..tensorrt_common import Float32Field, Int32Field, aot_kernel_code, as_torch, scalar
+from ..tensorrt_target import target_capability
 from .onnx_schema import OP_TYPE
 from .triton_kernel import aot_compile, sparse_mla_attention_triton
 
@@ -105,13 +109,12 @@ def _compile(
     outputs: tuple[trtp.TensorDesc],
     tactic: int,
 ) -> tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymExprs]:
-    """PTX of the kernel for the build GPU; H and Dc+Dr must be build-time constants (K3: Dc+Dr = 512+64)."""
+    """The kernel's cubin for the target GPU (PTX as fallback); H and Dc+Dr must be build-time constants (K3: Dc+Dr = 512+64)."""
     rank = scalar(kv_lora_rank)
     num_heads = q_lat.shape_expr[1].constant_value()
     rope_dim = q_lat.shape_expr[2].constant_value() - rank
-    major, minor = torch.cuda.get_device_capability()
     pool_dtype = {trt.bfloat16: torch.bfloat16, trt.uint8: torch.uint8}.get(kv_pool.dtype, torch.float32)
-    kernel = aot_compile(num_heads, rank, rope_dim, scalar(scale), major * 10 + minor, block_h=_BLOCK_H,
+    kernel = aot_compile(num_heads, rank, rope_dim, scalar(scale), target_capability(), block_h=_BLOCK_H,
                          pool_dtype=pool_dtype)
     params = trtp.KernelLaunchParams()
     params.grid_x = q_lat.shape_expr[0]
@@ -125,4 +128,4 @@ def _compile(
                       block_tables.shape_expr[1], topk_indices.shape_expr[1])
         ]  # fmt: skip
     )
-    return kernel.metadata.name, kernel.asm["ptx"], params, extra_args
+    return kernel.metadata.name, aot_kernel_code(kernel, PLUGIN_ID), params, extra_args

@@ -7,18 +7,28 @@ argument element per parameter with string values exactly as the parser reads th
 format is the response block's body. K2: xgrammar's builtin Kimi tag (tool-calls section with JSON
 arguments), or the JSON answer after `</think>`. The reasoning block is xgrammar's builtin one.
 
-The markers are special tokens: xgrammar matches them as text, so ordinary tokens that could spell one
-from pieces (any token containing a marker's first two characters, or ending with its first character)
-are also masked; a marker is then always emitted as its own token and the output parses by token id.
+The markers are special tokens, and xgrammar matches text. Each marker is shown to xgrammar as one control
+character of its own (its stand-in: U+0001, U+0002, ...) that no ordinary token spells (the few byte
+tokens that hold one are never allowed while constrained) and that JSON strings and raw-text arguments
+exclude: a marker can only be emitted as its own token, where the grammar places one, never inside a JSON
+string or an argument. Every other special token (reserved ids, end-of-message markers) is never allowed
+while constrained; the stop tokens only where the grammar ends. JSON is compiled from xgrammar's own
+schema conversion with one correction: strings with a length bound or pattern would admit raw control
+characters, which no JSON parser accepts; they are excluded as in xgrammar's unbounded strings.
+Schemas are checked with `jsonschema` first, so a bad schema is a 400 naming the field.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 from functools import lru_cache
 
 import torch
 import xgrammar as xgr
+from jsonschema import exceptions as schema_exceptions
+from jsonschema import validators as schema_validators
 from xgrammar import structural_tag as st
 
 from moe_export.export.errors import InputError
@@ -33,10 +43,55 @@ XGRAMMAR_MODEL = {"k3": "kimi_k3", "k2": "kimi"}
 K3_RESPONSE_BEGIN, K3_RESPONSE_END, K3_MESSAGE_END = f"{OPEN}response{SEP}", f"{CLOSE}response{SEP}", f"{CLOSE}message{SEP}"
 CALL_INDEX_PATTERN = "[1-9][0-9]?"  # K2 / K3 call index: 1-based position of the call
 JSON_MAX_WHITESPACE = 1  # consecutive whitespace characters allowed inside constrained JSON / arguments
+# a raw-text (K3 string argument) character: anything but C0 controls other than tab, newline, carriage return
+# (the marker stand-ins are C0 controls, so an argument never holds a marker)
+RAW_TEXT_CHAR = r"[^\x00-\x08\x0b\x0c\x0e-\x1f]"
+# xgrammar's character class for a JSON string with a length bound or pattern admits raw control characters
+# (its unbounded strings use the strict class): the strict class replaces it
+_LOOSE_JSON_CHAR, _STRICT_JSON_CHAR = r'[^\"\\\r\n]', r'[^\0-\x1f\"\\]'
+XTML_KIND = {"string": "string", "integer": "number", "number": "number", "boolean": "boolean", "null": "null",
+             "object": "object", "array": "array"}
+
+
+def check_json_schema(schema, where: str) -> None:
+    """InputError naming `where` unless `schema` is a valid JSON schema (its own meta-schema, regex patterns
+    included)."""
+    if not isinstance(schema, (dict, bool)):
+        raise InputError(f"{where}: must be a JSON schema (an object), got {type(schema).__name__}")
+    cls = schema_validators.validator_for(schema, default=schema_validators.Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except schema_exceptions.SchemaError as exc:
+        at = "/".join(str(p) for p in exc.absolute_path)
+        raise InputError(f"{where}: not a valid JSON schema: {exc.message}" + (f" (at {at})" if at else "")) from None
+
+
+def check_tool_parameters(parameters, where: str) -> None:
+    """A tool's `parameters` / `input_schema`: a valid JSON schema of an object."""
+    check_json_schema(parameters, where)
+    if isinstance(parameters, bool) or parameters.get("type", "object") != "object":
+        raise InputError(f"{where}: must be a JSON schema of type object")
+
+
+def _xgrammar_error(exc: Exception) -> str:
+    """xgrammar's message without its timestamp / source location prefix."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", text)
+
+
+def json_grammar(schema) -> str:
+    """EBNF of a JSON schema (xgrammar's conversion, strict string characters); InputError if it cannot be built."""
+    try:
+        ebnf = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=True,
+                                                max_whitespace_cnt=JSON_MAX_WHITESPACE, strict_mode=True))
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise InputError(f"cannot build a grammar for the JSON schema ({_xgrammar_error(exc)})") from None
+    return ebnf.replace(_LOOSE_JSON_CHAR, _STRICT_JSON_CHAR)
 
 
 class GrammarVocab:
-    """The tokenizer as xgrammar sees it, plus the mask of ordinary tokens that could spell a marker.
+    """The tokenizer as xgrammar sees it: ordinary tokens as their text, each marker as its stand-in
+    character, every other special token (and every ordinary token holding a stand-in) as never allowed.
 
     vocab_size: the model's logits width (>= the tokenizer's); ids past the tokenizer are never allowed."""
 
@@ -44,37 +99,62 @@ class GrammarVocab:
         if family not in FAMILY_MARKERS:
             raise InputError(f"structured output needs a Kimi chat family (k3 or k2), this engine's is {family!r}")
         markers = FAMILY_MARKERS[family]
-        marker_ids = {tokenizer.token_to_id(m) for m in markers}
-        if None in marker_ids:
+        marker_ids = {m: tokenizer.token_to_id(m) for m in markers}
+        if None in marker_ids.values():
             raise InputError(f"the tokenizer lacks the {family} markers {markers} needed for structured output")
+        self.markers = markers
+        self.stand_in = {m: chr(1 + i) for i, m in enumerate(markers)}
+        stand_in_of_id = {marker_ids[m]: self.stand_in[m].encode() for m in markers}
+        stand_in_bytes = tuple(c.encode() for c in self.stand_in.values())
         encoded: list[bytes] = []
-        self.spells_marker = torch.zeros(vocab_size, dtype=torch.bool)
-        starts = {m[:2].encode() for m in markers}
-        ends = {m[:1].encode() for m in markers}
         for i in range(tokenizer.vocab_size):
+            if i in stand_in_of_id:
+                encoded.append(stand_in_of_id[i])
+                continue
             text = tokenizer.decode([i])
             if tokenizer.decode([i], skip_special_tokens=True) == "" and text:
-                encoded.append(text.encode() if i in marker_ids else b"")  # other specials: never emitted here
+                encoded.append(b"")  # another special token: xgrammar never allows an empty token
                 continue
             piece = text.encode()
-            encoded.append(piece)
-            if any(s in piece for s in starts) or any(piece.endswith(e) for e in ends):
-                self.spells_marker[i] = True
+            encoded.append(b"" if any(c in piece for c in stand_in_bytes) else piece)
         self.vocab_size = vocab_size
-        self.bitmask_width = xgr.get_bitmask_shape(1, vocab_size)[1]
-        self.allowed_words = pack_bits(~self.spells_marker, self.bitmask_width)  # AND-ed into every grammar mask
         self.info = xgr.TokenizerInfo(encoded, xgr.VocabType.RAW, vocab_size=vocab_size,
                                       stop_token_ids=sorted(tokenizer.eos_token_ids))
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
         self._lock = threading.Lock()
         self._compile = lru_cache(maxsize=256)(self._compile_uncached)
 
+    def lower(self, tag: st.StructuralTag) -> str:
+        """The structural tag as xgrammar compiles it for this vocabulary (JSON text): JSON schemas as strict
+        EBNF, markers as their stand-ins, and free text (reasoning) excluding every marker."""
+        markers = list(self.markers)
+
+        def walk(node):
+            if isinstance(node, dict):
+                if node.get("type") == "json_schema":
+                    return {"type": "grammar", "grammar": json_grammar(node["json_schema"])}
+                if node.get("type") == "any_text":
+                    return {**node, "excludes": list(dict.fromkeys([*node.get("excludes", []), *markers]))}
+                return {k: walk(v) for k, v in node.items()}
+            if isinstance(node, list):
+                return [walk(v) for v in node]
+            return node
+
+        text = json.dumps(walk(tag.model_dump()))
+        for marker, char in self.stand_in.items():
+            text = text.replace(marker, json.dumps(char)[1:-1])
+        return text
+
     def _compile_uncached(self, tag_json: str) -> xgr.CompiledGrammar:
-        return self.compiler.compile_structural_tag(tag_json)
+        try:
+            return self.compiler.compile_structural_tag(tag_json)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise InputError(f"cannot build the output grammar ({_xgrammar_error(exc)})") from None
 
     def compile(self, tag: st.StructuralTag) -> xgr.CompiledGrammar:
+        lowered = self.lower(tag)
         with self._lock:
-            return self._compile(tag.model_dump_json())
+            return self._compile(lowered)
 
 
 def reasoning_mode(family: str, thinking: bool, starts_in_reasoning: bool) -> str:
@@ -87,6 +167,9 @@ def reasoning_mode(family: str, thinking: bool, starts_in_reasoning: bool) -> st
 
 def _tools_tag(family: str, tools: list[dict], tool_choice, mode: str, parallel: bool) -> st.StructuralTag:
     index = "1" if isinstance(tool_choice, dict) or not parallel else CALL_INDEX_PATTERN
+    for t in tools:
+        fn = t["function"]
+        check_tool_parameters(fn.get("parameters") or {"type": "object"}, f"tool {fn['name']!r} parameters")
     if family == "k3":
         return _k3_tools_tag(tools, tool_choice, mode, parallel, index)
     choice = tool_choice if isinstance(tool_choice, str) else {"type": "function", "function": dict(tool_choice["function"])}
@@ -100,24 +183,108 @@ def _tools_tag(family: str, tools: list[dict], tool_choice, mode: str, parallel:
     return _bounded_call_index(tag, index)
 
 
-def _k3_argument_value(key: str, schema: dict, where: str) -> tuple[str, object]:
-    """(XTML type attribute, value format) of one K3 argument element. Strings are raw text (exactly the
-    value: an enum or const is matched literally, a pattern as a regex, otherwise any text without
-    markers); other types are JSON values of their schema."""
-    kind = schema.get("type")
-    if kind == "string" or (kind is None and all(isinstance(v, str) for v in schema.get("enum", [None]))):
-        if "const" in schema:
-            return "string", st.ConstStringFormat(value=str(schema["const"]))
-        if schema.get("enum"):
-            return "string", st.OrFormat(elements=[st.ConstStringFormat(value=v) for v in schema["enum"]])
-        if schema.get("pattern"):
-            return "string", st.RegexFormat(pattern=schema["pattern"])
-        return "string", st.AnyTextFormat(excludes=list(K3_MARKERS))
-    xtml = {"integer": "number", "number": "number", "boolean": "boolean", "null": "null", "object": "object",
-            "array": "array"}.get(kind)
-    if xtml is None:
-        raise InputError(f"{where}: parameter {key!r} needs one JSON `type` for grammar-constrained calls, got {kind!r}")
-    return xtml, st.JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+def _json_type(value) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if value is None:
+        return "null"
+    return "object" if isinstance(value, dict) else "array"
+
+
+def _resolve(schema, root: dict, where: str):
+    """`schema` with a top-level local `$ref` replaced by its target (sibling keywords kept)."""
+    seen: set[str] = set()
+    while isinstance(schema, dict) and "$ref" in schema:
+        ref = schema["$ref"]
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise InputError(f"{where}: $ref {ref!r} is not a reference inside the schema (#/$defs/...)")
+        if ref in seen:
+            raise InputError(f"{where}: $ref {ref!r} refers to itself")
+        seen.add(ref)
+        target = root
+        for part in [p for p in ref[1:].split("/") if p]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or part not in target:
+                raise InputError(f"{where}: $ref {ref!r} does not resolve inside the schema")
+            target = target[part]
+        schema = {**target, **{k: v for k, v in schema.items() if k != "$ref"}} if isinstance(target, dict) else target
+    return schema
+
+
+def _alternatives(schema, root: dict, where: str) -> list[tuple[str, dict]]:
+    """A parameter's schema split into (JSON type, schema of that type) alternatives: type lists, anyOf /
+    oneOf branches, untyped enums / consts and untyped schemas (any value) become one alternative per type."""
+    schema = _resolve(schema, root, where)
+    if schema is False:
+        raise InputError(f"{where}: the schema `false` admits no value")
+    if schema is True:
+        schema = {}
+    branches = schema.get("anyOf") or schema.get("oneOf")
+    if branches:
+        base = {k: v for k, v in schema.items() if k not in ("anyOf", "oneOf")}
+        return [alt for b in branches
+                for alt in _alternatives({**base, **_resolve(b, root, where)} if isinstance(b, dict) else b, root, where)]
+    if "const" in schema:
+        types = [_json_type(schema["const"])]
+    elif "enum" in schema:
+        types = list(dict.fromkeys(_json_type(v) for v in schema["enum"]))
+    elif isinstance(schema.get("type"), str):
+        types = [schema["type"]]
+    elif isinstance(schema.get("type"), list):
+        types = list(schema["type"])
+    else:
+        types = list(XTML_KIND)
+    out = []
+    for t in types:
+        if t not in XTML_KIND:
+            raise InputError(f"{where}: unknown JSON type {t!r}")
+        sub = {**schema, "type": t}
+        if "enum" in schema:
+            sub["enum"] = [v for v in schema["enum"] if _json_type(v) == t or (t == "number" and _json_type(v) == "integer")]
+        out.append((t, sub))
+    return out
+
+
+def _raw_string_format(schema: dict):
+    """A K3 string argument (raw text, exactly the value): const / enum literally, a pattern as a regex, else
+    characters within minLength..maxLength."""
+    if "const" in schema:
+        return st.ConstStringFormat(value=str(schema["const"]))
+    if schema.get("enum"):
+        return st.OrFormat(elements=[st.ConstStringFormat(value=v) for v in schema["enum"]])
+    if schema.get("pattern"):
+        return st.RegexFormat(pattern=schema["pattern"])
+    low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+    if high is None:
+        return st.RegexFormat(pattern=f"{RAW_TEXT_CHAR}*" if low == 0 else f"{RAW_TEXT_CHAR}{{{low},}}")
+    return st.RegexFormat(pattern=f"{RAW_TEXT_CHAR}{{{low},{int(high)}}}")
+
+
+def _k3_argument(key: str, schema, root: dict, where: str):
+    """One K3 argument element (or a choice of them, one per XTML type the schema admits). Strings are raw
+    text; other types are JSON values of their schema (with the root's definitions, so nested $refs resolve)."""
+    defs = {k: root[k] for k in ("$defs", "definitions") if k in root}
+    by_kind: dict[str, list[dict]] = {}
+    for json_type, sub in _alternatives(schema, root, f"{where} parameter {key!r}"):
+        by_kind.setdefault(XTML_KIND[json_type], []).append(sub)
+    attr_key = key.replace("&", "&amp;").replace('"', "&quot;")
+    tags = []
+    for kind, subs in by_kind.items():
+        if kind == "string":
+            formats = [_raw_string_format(s) for s in subs]
+            value = formats[0] if len(formats) == 1 else st.OrFormat(elements=formats)
+        else:
+            value = st.JSONSchemaFormat(json_schema={**(subs[0] if len(subs) == 1 else {"anyOf": subs}), **defs},
+                                        max_whitespace_cnt=JSON_MAX_WHITESPACE)
+        tags.append(st.TagFormat(begin=f'{OPEN}argument key="{attr_key}" type="{kind}"{SEP}', content=value,
+                                 end=f"{CLOSE}argument{SEP}"))
+    return tags[0] if len(tags) == 1 else st.OrFormat(elements=tags)
 
 
 def _k3_call_tag(tool: dict, index_pattern: str) -> st.TagFormat:
@@ -126,15 +293,10 @@ def _k3_call_tag(tool: dict, index_pattern: str) -> st.TagFormat:
     fn = tool["function"]
     where = f"tool {fn['name']!r}"
     params = fn.get("parameters") or {"type": "object", "properties": {}}
-    if params.get("type", "object") != "object":
-        raise InputError(f"{where}: parameters must be an object schema for grammar-constrained calls")
     required = set(params.get("required", []))
     elements: list = [st.RegexFormat(pattern=index_pattern), st.ConstStringFormat(value='"' + SEP)]
     for key, schema in (params.get("properties") or {}).items():
-        kind, value = _k3_argument_value(key, schema if isinstance(schema, dict) else {}, where)
-        attr_key = key.replace("&", "&amp;").replace('"', "&quot;")
-        arg = st.TagFormat(begin=f'{OPEN}argument key="{attr_key}" type="{kind}"{SEP}', content=value,
-                           end=f"{CLOSE}argument{SEP}")
+        arg = _k3_argument(key, schema, params, where)
         elements.append(arg if key in required else st.OptionalFormat(content=arg))
     return st.TagFormat(begin=f'{OPEN}call tool="{fn["name"]}" index="', content=st.SequenceFormat(elements=elements),
                         end=f"{CLOSE}call{SEP}")
@@ -202,8 +364,7 @@ def json_schema_of(response_format: dict | None) -> dict | bool | None:
     if kind == "json_schema":
         spec = response_format.get("json_schema") or {}
         schema = spec.get("schema")
-        if not isinstance(schema, (dict, bool)):
-            raise InputError("response_format.json_schema.schema: a JSON schema object is required")
+        check_json_schema(schema, "response_format.json_schema.schema")
         return schema
     raise InputError(f"response_format.type: must be text, json_object or json_schema, got {kind!r}")
 
@@ -232,15 +393,14 @@ def pack_bits(allowed: torch.Tensor, words: int) -> torch.Tensor:
 
 class GrammarLogitsProcessor:
     """One request's grammar as the engine core uses it: `fill_bitmask(output ids so far, int32 row)` writes
-    the tokens the grammar allows next (ordinary tokens that could spell a marker, and ids past the model's
-    width, never) and the runner applies every constrained row's mask in one batched pass. Tokens the runtime
-    forced (thinking budget) are fed to the matcher too; `failed` is set if the output ever left the grammar
-    (then it stops constraining). Called as a LogitsProcessor ((output ids, logits [V]) -> logits) it applies
-    the same mask to one row."""
+    the tokens the grammar allows next, and the runner applies every constrained row's mask in one batched
+    pass (the runtime samples ids below the tokenizer's size only). Tokens the runtime forced (thinking budget)
+    are fed to the matcher too; `failed` is set if the output ever left the grammar (then it stops
+    constraining). Called as a LogitsProcessor ((output ids, logits [V]) -> logits) it masks one row."""
 
     def __init__(self, vocab: GrammarVocab, compiled: xgr.CompiledGrammar) -> None:
         self.vocab = vocab
-        self.bitmask_width = vocab.bitmask_width
+        self.bitmask_width = xgr.get_bitmask_shape(1, vocab.vocab_size)[1]
         self.matcher = xgr.GrammarMatcher(compiled)
         self.consumed = 0
         self.failed = False
@@ -255,18 +415,18 @@ class GrammarLogitsProcessor:
         if self.failed or self.matcher.is_terminated():
             return False
         self.matcher.fill_next_token_bitmask(row.view(1, -1))
-        row &= self.vocab.allowed_words
         return True
 
     def __call__(self, output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
         row = torch.empty(self.bitmask_width, dtype=torch.int32)
         if self.fill_bitmask(output_ids, row):
-            xgr.apply_token_bitmask_inplace(logits.view(1, -1), row.view(1, -1),
-                                            vocab_size=min(logits.shape[0], self.vocab.vocab_size))
-            logits[self.vocab.vocab_size:] = float("-inf")
+            width = min(logits.shape[0], self.vocab.vocab_size)
+            xgr.apply_token_bitmask_inplace(logits.view(1, -1), row.view(1, -1), vocab_size=width)
+            logits[width:] = float("-inf")
         return logits
 
     @property
     def completed(self) -> bool:
         """The output is a complete sentence of the grammar."""
         return not self.failed and (self.matcher.is_terminated() or self.matcher.is_completed())
+

@@ -11,23 +11,27 @@ One world step:
      runs exactly one engine step per world step, so every MoE all-to-all has every rank in it (an idle group
      sends no tokens and computes what the others send its experts), and a group that finishes early holds
      nobody up: it keeps joining with zero tokens;
-  3. the leaders' updates (sampled tokens, finishes) and loads come back to rank 0 (a gather over the leaders).
+  3. the leaders' updates (sampled tokens, finishes), scheduler stats and their groups' per-expert token counts of
+     the step come back to rank 0 (a gather over the leaders); rank 0's `stats()` sums them over the groups.
 
 Placement (rank 0). A request whose prompt continues the prompt of a request that finished in group g
 (a conversation's follow-up turn) goes to g, which keeps that turn's state; otherwise it goes to the group
-with the fewest requests waiting or running. Requests with logits processors that cannot be pickled stay
-in group 0 (rank 0 runs them itself). A leader rebuilds a request's thinking budget from its spec with
+with the fewest requests waiting or running. Requests with logits processors stay in group 0: rank 0 runs
+them itself, so the processor objects the caller holds are the ones that saw the output (the server reads a
+grammar processor's state when the request ends). A leader rebuilds a request's thinking budget from its spec with
 its own tokenizer; rank 0 replays the group's tokens into its own copy, so usage counts reasoning tokens.
 """
 
 from __future__ import annotations
 
-import pickle
 from collections import OrderedDict
+
+import numpy as np
 
 from moe_export.export.errors import InputError
 from moe_export.runtime.core.scheduler import Request, Scheduler, SequenceUpdate, follow, stop_the_world
 
+IDLE_PLAN = {"resets": [], "chunks": []}
 PLACEMENT_HISTORY = 4096  # finished requests' prompts remembered for placing follow-up turns
 
 
@@ -38,12 +42,13 @@ class LockstepScheduler(Scheduler):
         self._ran = False
         updates = super().step()
         if not self._ran:
-            self._execute([], [], None)
+            self._execute(IDLE_PLAN)
         return updates
 
-    def _execute(self, resets, chunks, sampling):
-        self._ran = True
-        return super()._execute(resets, chunks, sampling)
+    def _execute(self, plan: dict, chunks=None, sampling=None):
+        if "vision" not in plan:  # a tower call is the group's own business (no collective across groups)
+            self._ran = True
+        return super()._execute(plan, chunks, sampling)
 
     @property
     def load(self) -> int:
@@ -53,14 +58,6 @@ class LockstepScheduler(Scheduler):
 def budget_spec(budget) -> tuple | None:
     """What a leader needs to rebuild a request's fresh `ReasoningBudget`: (family, cap, starts_in_reasoning)."""
     return None if budget is None else (budget.family, budget.cap, budget.in_reasoning)
-
-
-def _picklable(obj) -> bool:
-    try:
-        pickle.dumps(obj)
-    except Exception:  # any object pickle refuses (lambdas, locks, open files, ...)
-        return False
-    return True
 
 
 class GroupedScheduler:
@@ -73,14 +70,18 @@ class GroupedScheduler:
         self.leaders = engine.comm.leaders
         self.groups = engine.dp
         self.loads = [0] * self.groups
+        self.group_stats: list[dict] = [{} for _ in range(self.groups)]  # the leaders' latest scheduler stats
         self.remote_work = [False] * self.groups
         self.outbox: list[dict] = [{"add": [], "abort": []} for _ in range(self.groups)]
         self.placed: dict[str, tuple[int, tuple[int, ...], object]] = {}  # request id -> (group, prompt, budget)
         self.history: OrderedDict[tuple[int, ...], int] = OrderedDict()  # finished prompts -> their group
+        # tokens routed to each expert per MoE layer over the world: the last world step's and the running total
+        self.step_expert_tokens = np.zeros_like(engine.expert_tokens)
+        self.expert_tokens = np.zeros_like(engine.expert_tokens)
 
     def place(self, request: Request) -> int:
         """The group for a request: the one holding its conversation's state, else the least loaded."""
-        if request.logits_processors and not _picklable(request.logits_processors):
+        if request.logits_processors:
             return 0
         prompt = tuple(request.prompt_ids)
         held = [(len(p), g) for p, g in self.history.items() if len(p) <= len(prompt) and prompt[: len(p)] == p]
@@ -97,7 +98,7 @@ class GroupedScheduler:
             self.local.add(request)
         else:
             self.outbox[group]["add"].append((request.request_id, list(request.prompt_ids), request.sampling,
-                                              list(request.logits_processors), budget_spec(request.budget)))
+                                              budget_spec(request.budget), list(request.images)))
         self.loads[group] += 1
         self.placed[request.request_id] = (group, tuple(request.prompt_ids), request.budget)
 
@@ -130,13 +131,17 @@ class GroupedScheduler:
             stop_the_world(self.engine, exc)
             raise
         self.loads[0] = self.local.load
-        for group, (group_updates, work, load) in enumerate(reports[1:], start=1):
-            self.remote_work[group], self.loads[group] = work, load
+        self.step_expert_tokens = self.engine.group_step_expert_tokens.copy()
+        for group, (group_updates, work, stats, experts) in enumerate(reports[1:], start=1):
+            self.remote_work[group], self.group_stats[group] = work, stats
+            self.loads[group] = stats["waiting"] + stats["running"]
+            self.step_expert_tokens += experts
             for u in group_updates:
                 budget = self.placed[u.request_id][2] if u.request_id in self.placed else None
                 for token in u.token_ids if budget is not None else ():
                     budget.observe(token)
             updates.extend(group_updates)
+        self.expert_tokens += self.step_expert_tokens
         for u in updates:
             if u.finished and u.request_id in self.placed:
                 group, prompt, _ = self.placed.pop(u.request_id)
@@ -149,14 +154,25 @@ class GroupedScheduler:
 
     def stats(self) -> dict:
         out = self.local.stats()
+        for stats in self.group_stats[1:]:  # every group's queue, slots, blocks and reuse, summed
+            for key, value in stats.items():
+                out[key] = out.get(key, 0) + value
         out["group_loads"] = list(self.loads)
         out["groups"] = self.groups
+        out["expert_load"] = expert_load_summary(self.expert_tokens)
         return out
 
     def shutdown(self) -> None:
         """Release every rank: the leaders (and through them their groups), then group 0's followers."""
-        self.leaders.bcast(None, root=0)
-        self.local.shutdown()
+        release_ranks(self.engine)
+
+
+def expert_load_summary(tokens: np.ndarray) -> dict:
+    """Routed tokens (top-k choices) so far and, per MoE layer, the busiest expert's count over the mean: the
+    imbalance a redundant-expert placement (EPLB) would even out."""
+    mean = tokens.mean(axis=1) if tokens.size else np.zeros(0)
+    ratio = np.divide(tokens.max(axis=1, initial=0), mean, out=np.zeros_like(mean, dtype=float), where=mean > 0)
+    return {"routed": int(tokens.sum()), "max_over_mean": [round(float(v), 4) for v in ratio]}
 
 
 def lead_group(engine, budget_factory=None, **scheduler_kwargs) -> int:
@@ -172,16 +188,16 @@ def lead_group(engine, budget_factory=None, **scheduler_kwargs) -> int:
                 return steps
             mine = control[engine.group]
             rejected = []
-            for rid, prompt, sampling, processors, spec in mine["add"]:
+            for rid, prompt, sampling, spec, images in mine["add"]:
                 budget = budget_factory(spec) if spec is not None and budget_factory is not None else None
                 try:
-                    sched.add(Request(rid, prompt, sampling, processors, budget))
+                    sched.add(Request(rid, prompt, sampling, [], budget, images))
                 except InputError as exc:  # rank 0 checked it with the same limits; kept as a safety net
                     rejected.append(SequenceUpdate(rid, [], None, True, "abort", error=str(exc)))
             for rid in mine["abort"]:
                 sched.abort(rid)
             updates = rejected + sched.step()
-            leaders.gather((updates, sched.has_work, sched.load), root=0)
+            leaders.gather((updates, sched.has_work, sched.stats(), engine.group_step_expert_tokens), root=0)
         except BaseException as exc:
             stop_the_world(engine, exc)
             raise
@@ -196,6 +212,14 @@ def is_grouped(engine) -> bool:
 def open_scheduler(engine, **scheduler_kwargs):
     """Rank 0's scheduler: `GroupedScheduler` for a dp-layout engine under mpiexec, else a `Scheduler`."""
     return GroupedScheduler(engine, **scheduler_kwargs) if is_grouped(engine) else Scheduler(engine, **scheduler_kwargs)
+
+
+def release_ranks(engine) -> None:
+    """World rank 0: let every other rank leave `run_rank` (the leaders, which release their groups, then
+    group 0's followers; without groups, the followers)."""
+    if is_grouped(engine):
+        engine.comm.leaders.bcast(None, root=0)
+    engine.comm.broadcast(None)
 
 
 def run_rank(engine, budget_factory=None, **scheduler_kwargs) -> int:

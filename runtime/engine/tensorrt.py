@@ -1,22 +1,38 @@
 """TensorRT execution of a built engine directory (backend: tensorrt), behind the runtime's `Engine` interface.
 
 NOT RUN ANYWHERE YET: no machine of this project has TensorRT (the lent GPU image has none either). Written
-against TensorRT's public Python runtime API (>= 10.9): `Runtime.deserialize_cuda_engine`,
-`ICudaEngine.create_execution_context`, `set_input_shape`, `get_tensor_shape`, `set_tensor_address`,
-`execute_async_v3`. What is checked on CPU: the import guard and the plan read from `rank{N}.engine`.
+against TensorRT's public Python runtime API (>= 10.9); every TensorRT call's return value is checked (contract
+SET_INPUT_SHAPE_RETURNS_BOOL, `export/tensorrt_contracts.py`). What is checked on CPU: the engine file, the
+profile and pool-size rules, the return-value checks and the stream discipline (with stand-ins of the context
+and of torch.cuda), the import guard.
 
-One process per GPU under `mpiexec -n world_size` (rank from the MPI launcher, GPU = rank % visible GPUs).
-`rank{N}.engine` (see `export/tensorrt_build.py`) holds one TensorRT engine per segment and the plan; the
-collectives between segments run on torch.distributed's NCCL process groups (tp / ep groups of consecutive
-ranks, as `graphs.sharding.Mapping` lays them out), on the same CUDA stream as the engines. Device buffers
-are torch CUDA tensors. The JIT plugins run in this process (their modules are imported before the engines
-are deserialized), so TensorRT calls back into Python for them.
-
-State pools are torch tensors owned here, sized as `runtime.engine.ort` does for ONNX Runtime (recurrent state
-[S, ...] per KDA layer; paged MLA / indexer caches [NB, BS, W] in the recipe's cache dtype). The engines update
-them in place: GatedDeltaScan / ShortConv rewrite the step's slots and `PagedCacheWrite` stores the step's cache
-rows, each through a plugin output `<pool>.written` aliased to the pool input, which this runner binds to the
-pool's own buffer (O(tokens) per step; nothing is written back after the step).
+As TensorRT-LLM runs its engines:
+  - Placement: one process per GPU under `mpiexec -n world_size`; the local rank picks the GPU
+    (`export.mpi.local_rank` -> device), at build and here.
+  - One engine per rank (`rank{N}.engine`, see `export/tensorrt_build.py`) with its collectives inside as
+    plugins; this runner registers the NCCL communicators they use (`plugins.collectives.nccl`: tp and ep
+    groups of consecutive ranks, rendezvous from MPI) before deserializing it. A step is one enqueue.
+  - Memory: the execution context is created with ExecutionContextAllocationStrategy.USER_MANAGED and given
+    one activation buffer of the engine's `device_memory_size_v2` (contract USER_MANAGED_DEVICE_MEMORY), the
+    size the planner set aside (the build refused anything larger). State pools are torch tensors owned here.
+  - Stream: one CUDA stream per rank for everything: pool allocation, slot resets, the step's
+    host-to-device inputs, the enqueue (the plugins and the NCCL collectives run on it) and the logits copy
+    back; the host waits once per step, for the logits.
+  - Profiles: pools are sized within the engine's optimization profile (num_slots <= its S max, cache blocks
+    = the build's NB max unless fewer are asked), and every step's input shape is checked against the profile
+    before TensorRT sees it (contract PROFILE_BOUNDS).
+  - CUDA graphs: decode steps (one token per sequence) run through a CUDA graph per batch-size bucket
+    (`decode_buckets`: powers of two up to max_batch). Each bucket has its own execution context sharing the
+    rank's one activation buffer (they never run concurrently: one stream), static input buffers and a fixed
+    block-table width (the profile's max); the batch is padded to the bucket with rows on a spare slot
+    (`pad_decode_feeds`; the profile admits max_batch + 1 slots) whose table rows are -1, so they write no cache
+    row. A bucket's first step runs eagerly (the JIT plugins compile their kernels), then is captured; later
+    steps copy their inputs into the static buffers and replay. Possible because no plugin synchronizes with
+    the host inside its enqueue. Prefill and mixed steps run eagerly on the main context.
+State pools ([S, ...] per KDA layer, paged [NB, BS, W] caches in the recipe's cache dtype) are still network
+inputs that the plugins update through outputs aliased to them (`<pool>.written`, bound to the pool's own
+buffer); TensorRT may insert copies for aliased plugin I/O (contract ALIASED_PLUGIN_IO_MAY_COPY): see the
+README for what is not done.
 """
 
 from __future__ import annotations
@@ -29,31 +45,10 @@ import numpy as np
 
 from moe_export.export.errors import InputError
 from moe_export.export.mpi import mpi_world
-from moe_export.export.planner import engine_pool_sizes
+from moe_export.export.tensorrt_build import read_engine_file
 from moe_export.graphs.onnx_export import WRITTEN_SUFFIX
-from moe_export.runtime.engine.batch import (DEFAULT_BLOCK_SIZE, RESET_ON_NEW_SEQUENCE, STATE_PREFIXES, StepBatch,
-                                            check_slot, check_step_batch)
+from moe_export.runtime.engine.batch import RESET_ON_NEW_SEQUENCE, STATE_PREFIXES, StepBatch, check_slot, check_step_batch
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
-
-
-def read_engine_file(path: Path) -> tuple[dict, dict[str, bytes]]:
-    """(plan, {segment name: serialized TensorRT engine}) from a `rank{N}.engine` safetensors file."""
-    from safetensors import safe_open
-
-    from moe_export.export.tensorrt_build import PLAN_KEY
-
-    if not path.is_file():
-        raise InputError(f"{path}: missing (was this engine built with backend tensorrt?)")
-    with safe_open(str(path), framework="numpy") as f:
-        meta = f.metadata() or {}
-        if PLAN_KEY not in meta:
-            raise InputError(f"{path}: not a moe-export TensorRT engine file (no {PLAN_KEY} metadata)")
-        plan = json.loads(meta[PLAN_KEY])
-        blobs = {name: f.get_tensor(name).tobytes() for name in f.keys()}
-    missing = [s["segment"] for s in plan["steps"] if "segment" in s and s["segment"] not in blobs]
-    if missing:
-        raise InputError(f"{path}: plan names segments the file lacks: {missing}")
-    return plan, blobs
 
 
 def pool_shapes(graph_path: Path, sizes: dict[str, int]) -> dict[str, tuple[list[int], int]]:
@@ -69,8 +64,89 @@ def pool_shapes(graph_path: Path, sizes: dict[str, int]) -> dict[str, tuple[list
     return out
 
 
+def profile_max(meta: dict, prefix: str, axis: int = 0) -> int | None:
+    """Max of dim `axis` over the profile of the engine inputs named `prefix*` (None when there is none)."""
+    highs = [dims[2][axis] for name, dims in meta["profile"].items() if name.startswith(prefix)]
+    return min(highs) if highs else None
+
+
+def runner_pool_sizes(meta: dict, max_batch: int, num_slots: int | None, num_blocks: int | None) -> tuple[int, int]:
+    """(slots, cache blocks) the runner allocates, within the engine's profile: slots default to max_batch,
+    blocks to the profile's NB max (the build's pool sizes: never recomputed from a smaller slot count, which
+    would give more blocks than the profile admits); either above the profile is an InputError."""
+    slots = num_slots or max_batch
+    s_max = profile_max(meta, "kda_state.")
+    limit = max_batch if s_max is None else min(max_batch, s_max)
+    if slots > limit:
+        raise InputError(f"num_slots={slots}: the engine allows at most {limit} state slots "
+                         "(rebuild with a larger limits.max_batch)")
+    nb_max = profile_max(meta, ("mla_cache.", "index_cache."))
+    blocks = num_blocks or nb_max or 0
+    if nb_max is not None and blocks > nb_max:
+        raise InputError(f"num_blocks={blocks}: the engine's profile allows at most {nb_max} cache blocks")
+    return slots, blocks
+
+
+def check_shape(meta: dict, name: str, shape: tuple[int, ...]) -> None:
+    """InputError when `shape` of input `name` lies outside the engine's optimization profile."""
+    low, _, high = meta["profile"][name]
+    bad = [(axis, d, lo, hi) for axis, (d, lo, hi) in enumerate(zip(shape, low, high)) if not lo <= d <= hi]
+    if len(shape) != len(low) or bad:
+        raise InputError(f"input {name} shape {list(shape)} is outside the engine's profile {low}..{high} "
+                         f"(axis, value, min, max: {bad}); the step exceeds the built limits")
+
+
+def bind(context, meta: dict, inputs: dict, outputs: dict) -> None:
+    """Set every input's shape and every tensor's address on `context` (tensors with .shape and .data_ptr()),
+    checking each return value (TensorRT reports refusal by returning False, it never raises)."""
+    for name, value in inputs.items():
+        shape = tuple(int(d) for d in value.shape)
+        check_shape(meta, name, shape)
+        if not context.set_input_shape(name, shape):
+            raise RuntimeError(f"TensorRT refused input shape {list(shape)} for {name}")
+    for name, value in {**inputs, **outputs}.items():
+        if not context.set_tensor_address(name, value.data_ptr()):
+            raise RuntimeError(f"TensorRT refused the address of {name} (not a tensor of this engine, or not "
+                               "256-byte aligned)")
+
+
+def decode_buckets(max_batch: int) -> list[int]:
+    """Batch sizes a decode CUDA graph is captured for: powers of two below max_batch, and max_batch."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
+def is_decode(batch: StepBatch) -> bool:
+    """Every sequence of the step contributes exactly one token."""
+    return int(batch.input_ids.shape[0]) == batch.num_sequences
+
+
+def pad_decode_feeds(batch: StepBatch, bucket: int, pad_slot: int, table_width: int) -> dict[str, np.ndarray]:
+    """A decode step's inputs padded to `bucket` sequences and `table_width` table columns: pad rows have one
+    token at position 0 on `pad_slot`, block-table rows of -1 (no cache row written, none read) and their own
+    logits row; real rows keep their order, so logits[:N] are the step's."""
+    n, width = batch.num_sequences, batch.block_tables.shape[1]
+    if n > bucket or width > table_width:
+        raise ValueError(f"decode step of {n} sequences x {width} table columns does not fit bucket {bucket} x "
+                         f"{table_width}")
+    ids = np.zeros(bucket, np.int64)
+    ids[:n] = batch.input_ids
+    pos = np.zeros(bucket, np.int64)
+    pos[:n] = batch.positions
+    slots = np.full(bucket, pad_slot, np.int64)
+    slots[:n] = batch.slot_ids
+    tables = np.full((bucket, table_width), -1, np.int64)
+    tables[:n, :width] = batch.block_tables
+    rows = np.arange(bucket + 1, dtype=np.int64)
+    return {"input_ids": ids, "positions": pos, "cu_seqlens": rows, "slot_ids": slots, "block_tables": tables,
+            "last_token_index": rows[:-1]}  # fmt: skip
+
+
 class TensorRTEngine:
-    """The `Engine` interface (RUNTIME_API.md section 1) over TensorRT engines, one rank per process."""
+    """The `Engine` interface (RUNTIME_API.md section 1) over one TensorRT engine per rank, one rank per process."""
 
     def __init__(self, engine_dir: str | Path, *, num_slots: int | None = None, num_blocks: int | None = None,
                  threads: int | None = None):  # fmt: skip
@@ -81,11 +157,10 @@ class TensorRTEngine:
         self.config = json.loads(cfg_path.read_text())
         if self.config.get("backend") != "tensorrt":
             raise InputError(f"{self.dir}: built for backend {self.config.get('backend')!r}, not tensorrt")
-        from moe_export.export.tensorrt_build import import_tensorrt, register_plugins
+        from moe_export.export.tensorrt_build import import_tensorrt, register_plugins, select_device
 
         trt = import_tensorrt(self.config.get("recipe", {}).get("name", str(self.dir)))
         import torch
-        import torch.distributed as dist
 
         if not torch.cuda.is_available():
             raise InputError("the TensorRT runtime needs a CUDA device")
@@ -93,39 +168,46 @@ class TensorRTEngine:
         self.model_config: dict = self.config.get("pretrained_config", {})
         self.world_size = int(self.config["mapping"]["world_size"])
         self.tp, self.ep = int(self.config["mapping"]["tp_size"]), int(self.config["mapping"]["ep_size"])
-        self.num_slots = num_slots or int(limits["max_batch"])
-        if self.num_slots > int(limits["max_batch"]):
-            raise InputError(f"num_slots={self.num_slots}: the engines' profiles allow at most max_batch="
-                             f"{limits['max_batch']} state slots (rebuild with a larger limits.max_batch)")
-        self.max_seq_len = int(limits["max_seq_len"])
-        self.max_num_tokens = int(limits["max_num_tokens"])
-        self.max_step_pairs = None  # the plugins stream over the context (online softmax): no [T, context] rows
-        self.block_size = int(limits.get("block_size", DEFAULT_BLOCK_SIZE))
-        self.num_blocks = num_blocks or engine_pool_sizes(self.config, self.num_slots).num_blocks
         world = mpi_world() or (0, 1)
         if world[1] != self.world_size:
             raise InputError(f"{self.dir}: engine has {self.world_size} ranks; run it under mpiexec -n {self.world_size}")
         self.rank = world[0]
-        torch.cuda.set_device(self.rank % torch.cuda.device_count())
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        self.comm = _NcclGroups(self.rank, self.world_size, self.tp, self.ep) if self.world_size > 1 else None
-        self.stream = torch.cuda.Stream()
-
         rank_dir = self.dir / f"rank{self.rank}"
-        plan, blobs = read_engine_file(rank_dir / f"rank{self.rank}.engine")
-        self.steps = plan["steps"]
-        register_plugins()  # the JIT plugins' Python callbacks must exist before deserialization
+        self.meta, blob = read_engine_file(rank_dir / f"rank{self.rank}.engine")
+        self.num_slots, self.num_blocks = runner_pool_sizes(self.meta, int(limits["max_batch"]), num_slots, num_blocks)
+        self.max_seq_len = int(limits["max_seq_len"])
+        self.max_num_tokens = int(limits["max_num_tokens"])
+        self.max_step_pairs = None  # the plugins stream over the context (online softmax): no [T, context] rows
+        self.block_size = int(limits["block_size"])
+        self.device = torch.device("cuda", select_device())  # local rank -> GPU
+        self.stream = torch.cuda.Stream(self.device)  # every copy, reset and enqueue of this rank
+        self._trt, self._torch = trt, torch
+        register_plugins()  # the plugins' Python callbacks must exist before deserialization
+        self.comm = _NcclGroups(self.rank, self.world_size, self.tp, self.ep) if self.world_size > 1 else None
         self._runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-        self._engines = {name: self._runtime.deserialize_cuda_engine(blob) for name, blob in blobs.items()}
-        if any(e is None for e in self._engines.values()):
-            raise InputError(f"{rank_dir}: TensorRT could not deserialize an engine (version or GPU mismatch?)")
-        self._contexts = {name: e.create_execution_context() for name, e in self._engines.items()}
-        self._trt, self._torch, self._dist = trt, torch, dist
-        sizes = {"S": self.num_slots, "NB": self.num_blocks, "BS": self.block_size}
-        self.pools = {
-            name: torch.zeros(shape, dtype=self._torch_dtype_onnx(elem), device=self.device)
-            for name, (shape, elem) in pool_shapes(rank_dir / "model.onnx", sizes).items()
-        }
+        self._engine = self._runtime.deserialize_cuda_engine(blob)
+        if self._engine is None:
+            raise InputError(f"{rank_dir}: TensorRT could not deserialize the engine (version or GPU mismatch?)")
+        self._context = self._engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+        if self._context is None:
+            raise RuntimeError("TensorRT could not create an execution context")
+        size = int(self._engine.device_memory_size_v2)
+        s_max = profile_max(self.meta, "kda_state.")
+        # decode CUDA graphs pad batches onto one spare slot (the build's profile admits max_batch + 1 slots)
+        self._pad_slot = self.num_slots if s_max is None or s_max > self.num_slots else None
+        self._graphs: dict[int, _DecodeGraph] = {}
+        self._buckets = decode_buckets(self.num_slots) if self._pad_slot is not None else []
+        with torch.cuda.stream(self.stream):
+            self._activations = torch.empty(max(size, 1), dtype=torch.uint8, device=self.device)  # one per rank
+            slots = self.num_slots + (self._pad_slot is not None)
+            sizes = {"S": slots, "NB": self.num_blocks, "BS": self.block_size}
+            self.pools = {
+                name: torch.zeros(shape, dtype=self._torch_dtype_onnx(elem), device=self.device)
+                for name, (shape, elem) in pool_shapes(rank_dir / "model.onnx", sizes).items()
+            }
+        self._context.set_device_memory(self._activations.data_ptr(), size)
+        self._activation_size = size
+        self.stream.synchronize()
 
     # ---- Engine interface ----
     @property
@@ -134,42 +216,116 @@ class TensorRTEngine:
 
     def reset_slot(self, slot: int) -> None:
         check_slot(self, slot)
-        for name, pool in self.pools.items():
-            if name.startswith(RESET_ON_NEW_SEQUENCE):
-                pool[slot].zero_()
+        with self._torch.cuda.stream(self.stream):
+            for name, pool in self.pools.items():
+                if name.startswith(RESET_ON_NEW_SEQUENCE):
+                    pool[slot].zero_()
+
+    def _feeds(self, batch: StepBatch) -> dict[str, np.ndarray]:
+        """The batch's inputs; a K3 text graph's image rows are empty (this runner has no tower: image parts
+        are refused before they reach it)."""
+        return self._with_images(batch.feeds())
+
+    def _with_images(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """`feeds` with empty image rows where the graph has them (see `_feeds`)."""
+        profile = self.meta["profile"]
+        if "image_rows" in profile and "image_rows" not in feeds:
+            width = profile["image_embeds"][0][1]
+            feeds.update(image_rows=np.zeros(0, np.int64), image_embeds=np.zeros((0, width), np.float32))
+        return feeds
 
     def step(self, batch: StepBatch) -> np.ndarray:
         """Run one packed step on this rank; returns logits [N, vocab] fp32 (every rank)."""
-        logits = self._forward(batch)
-        self.stream.synchronize()
-        return logits.float().cpu().numpy()
+        with self._torch.cuda.stream(self.stream):
+            logits = self._forward(batch).float().to("cpu", non_blocking=True)
+        self.stream.synchronize()  # the one wait of a step: the host needs the logits
+        return logits.numpy()
 
     def sample(self, batch: StepBatch, sampling: SamplingBatch | None) -> SampledTokens | None:
-        """One step, then the batched sampler on the GPU, on the engines' stream: the logits stay on the device,
-        only the chosen ids (and asked-for logprobs) are copied back. None on follower ranks."""
-        logits = self._forward(batch)
-        if sampling is None:
-            self.stream.synchronize()
-            return None
+        """One step, then the batched sampler on the GPU on the step's stream: the logits stay on the device,
+        only the chosen ids (and asked-for logprobs) are copied back (the wait of the step). None on
+        follower ranks, which wait for the step only."""
         with self._torch.cuda.stream(self.stream):
-            return sample(logits, sampling)
+            logits = self._forward(batch)
+            if sampling is not None:
+                return sample(logits, sampling)
+        self.stream.synchronize()
+        return None
 
     def _forward(self, batch: StepBatch):
-        """Enqueue one packed step on `self.stream`; the logits [N, vocab] as a device tensor (not synchronized)."""
+        """Enqueue one packed step on `self.stream`: its logits [N, vocab] on the device (not waited for)."""
         check_step_batch(self, batch)
+        if is_decode(batch) and self._buckets and batch.num_sequences <= self._buckets[-1]:
+            return self._decode_graph_step(batch)
         torch = self._torch
-        env = {k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device) for k, v in batch.feeds().items()}
-        env.update(self.pools)
         with torch.cuda.stream(self.stream):
-            for step in self.steps:
-                if "segment" in step:
-                    self._run_segment(step, env)
-                else:
-                    self._collective(step, env)
-            # every pool was updated inside the engines: plugin outputs `<pool>.written` aliased to the pools
-        return env["logits"]
+            inputs = {k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device, non_blocking=True)
+                      for k, v in self._feeds(batch).items() if k in self.meta["profile"]}  # fmt: skip
+            inputs.update(self.pools)
+            outputs = {}
+            for name in self.meta["outputs"]:
+                if name.endswith(WRITTEN_SUFFIX):  # aliased to its pool input: bound to the pool's own buffer
+                    outputs[name] = self.pools[name[: -len(WRITTEN_SUFFIX)]]
+            bind(self._context, self.meta, inputs, outputs)
+            for name in self.meta["outputs"]:
+                if name not in outputs:
+                    shape = tuple(self._context.get_tensor_shape(name))
+                    dtype = self._torch_dtype(self._engine.get_tensor_dtype(name))
+                    outputs[name] = torch.empty(shape, dtype=dtype, device=self.device)
+                    if not self._context.set_tensor_address(name, outputs[name].data_ptr()):
+                        raise RuntimeError(f"TensorRT refused the address of output {name}")
+            if not self._context.execute_async_v3(self.stream.cuda_stream):
+                raise RuntimeError("TensorRT failed to enqueue the step (see the log above)")
+        return outputs["logits"]
 
     # ---- internals ----
+    def _decode_graph_step(self, batch: StepBatch):
+        """A decode step through its bucket's CUDA graph (captured after the bucket's first, eager, step): the
+        logits rows of the step on the device (not waited for)."""
+        torch = self._torch
+        n = batch.num_sequences
+        bucket = next(b for b in self._buckets if b >= n)
+        graph = self._graphs.get(bucket) or self._new_graph(bucket)
+        feeds = self._with_images(pad_decode_feeds(batch, bucket, self._pad_slot, graph.table_width))
+        with torch.cuda.stream(self.stream):
+            for name, buf in graph.inputs.items():
+                buf.copy_(torch.from_numpy(feeds[name]), non_blocking=True)
+            for name, pool in self.pools.items():
+                if name.startswith(RESET_ON_NEW_SEQUENCE):
+                    pool[self._pad_slot].zero_()  # padding rows start from a clean state every step
+            if graph.cuda_graph is None:  # first step of the bucket: run it, then capture it
+                if not graph.context.execute_async_v3(self.stream.cuda_stream):
+                    raise RuntimeError("TensorRT failed to enqueue the step (see the log above)")
+                cuda_graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(cuda_graph, stream=self.stream):
+                    if not graph.context.execute_async_v3(self.stream.cuda_stream):
+                        raise RuntimeError("TensorRT failed to enqueue the step while capturing a CUDA graph")
+                graph.cuda_graph = cuda_graph
+            else:
+                graph.cuda_graph.replay()
+        return graph.logits[:n]
+
+    def _new_graph(self, bucket: int) -> _DecodeGraph:
+        """The bucket's context (sharing the activation buffer), static inputs and outputs, bound once."""
+        torch, trt = self._torch, self._trt
+        context = self._engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+        if context is None:
+            raise RuntimeError("TensorRT could not create an execution context")
+        context.set_device_memory(self._activations.data_ptr(), self._activation_size)
+        width = self.meta["profile"]["block_tables"][2][1] if "block_tables" in self.meta["profile"] else 1
+        feeds = self._with_images(pad_decode_feeds(_empty_decode(), bucket, self._pad_slot, width))
+        with torch.cuda.stream(self.stream):
+            inputs = {k: torch.from_numpy(v).to(self.device) for k, v in feeds.items() if k in self.meta["profile"]}
+            outputs = {n: self.pools[n[: -len(WRITTEN_SUFFIX)]] for n in self.meta["outputs"] if n.endswith(WRITTEN_SUFFIX)}
+            bind(context, self.meta, {**inputs, **self.pools}, outputs)
+            shape = tuple(context.get_tensor_shape("logits"))
+            logits = torch.empty(shape, dtype=self._torch_dtype(self._engine.get_tensor_dtype("logits")),
+                                 device=self.device)  # fmt: skip
+            if not context.set_tensor_address("logits", logits.data_ptr()):
+                raise RuntimeError("TensorRT refused the address of output logits")
+        graph = self._graphs[bucket] = _DecodeGraph(context, inputs, logits, width)
+        return graph
+
     def _torch_dtype(self, dtype):
         trt, torch = self._trt, self._torch
         return {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
@@ -182,49 +338,33 @@ class TensorRTEngine:
         return {TensorProto.FLOAT: torch.float32, TensorProto.BFLOAT16: torch.bfloat16,
                 TensorProto.FLOAT16: torch.float16, TensorProto.UINT8: torch.uint8}[elem]  # fmt: skip
 
-    def _run_segment(self, step: dict, env: dict) -> None:
-        engine, context = self._engines[step["segment"]], self._contexts[step["segment"]]
-        for name in step["inputs"]:
-            value = env[name].contiguous()
-            env[name] = value
-            context.set_input_shape(name, tuple(value.shape))
-            context.set_tensor_address(name, value.data_ptr())
-        for name in step["outputs"]:
-            if name.endswith(WRITTEN_SUFFIX):  # aliased to its pool input: bound to the pool's own buffer
-                env[name] = self.pools[name[: -len(WRITTEN_SUFFIX)]]
-            else:
-                shape = tuple(context.get_tensor_shape(name))
-                env[name] = self._torch.empty(shape, dtype=self._torch_dtype(engine.get_tensor_dtype(name)),
-                                              device=self.device)  # fmt: skip
-            context.set_tensor_address(name, env[name].data_ptr())
-        if not context.execute_async_v3(self.stream.cuda_stream):
-            raise RuntimeError(f"TensorRT failed to enqueue {step['segment']} (see the log above)")
 
-    def _collective(self, step: dict, env: dict) -> None:
-        src = env[step["input"]]
-        if self.comm is None:
-            env[step["output"]] = src
-            return
-        group = self.comm.groups[step["group"]]
-        if step["collective"] == "AllReduce":
-            out = src.clone()
-            self._dist.all_reduce(out, group=group)
-        else:
-            parts = [self._torch.empty_like(src) for _ in range(self._dist.get_world_size(group))]
-            self._dist.all_gather(parts, src.contiguous(), group=group)
-            out = self._torch.cat(parts, dim=step["axis"])
-        env[step["output"]] = out
+def _empty_decode() -> StepBatch:
+    """A decode step of no sequence (the static buffers of a bucket start as all padding)."""
+    empty = np.zeros(0, np.int64)
+    return StepBatch(empty, empty, np.zeros(1, np.int64), empty, np.zeros((0, 1), np.int64))
+
+
+class _DecodeGraph:
+    """One batch-size bucket: its execution context, static input buffers, logits buffer, captured graph."""
+
+    def __init__(self, context, inputs: dict, logits, table_width: int):
+        self.context, self.inputs, self.logits, self.table_width = context, inputs, logits, table_width
+        self.cuda_graph = None
 
 
 class _NcclGroups:
     """torch.distributed NCCL world plus the tp and ep groups (consecutive ranks), set up from MPI's launch:
-    rank 0's host and a free port are broadcast over MPI (or MASTER_ADDR / MASTER_PORT if set)."""
+    rank 0's host and a free port are broadcast over MPI (or MASTER_ADDR / MASTER_PORT if set). Registers a
+    communicator per group for the engine's collective plugins."""
 
     def __init__(self, rank: int, world_size: int, tp: int, ep: int):
         import socket
 
         import torch.distributed as dist
         from mpi4py import MPI
+
+        from moe_export.plugins.collectives.nccl import Communicator, set_communicators
 
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if not (addr and port):
@@ -239,7 +379,8 @@ class _NcclGroups:
             for start in range(0, world_size, size):
                 group = dist.new_group(list(range(start, start + size)))  # every rank creates every group
                 if start <= rank < start + size:
-                    self.groups[name] = group
+                    self.groups[name] = Communicator(group, size)
+        set_communicators(self.groups)
         self.world = MPI.COMM_WORLD
 
     def broadcast(self, obj):

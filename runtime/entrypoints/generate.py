@@ -10,7 +10,7 @@ import dataclasses
 from pathlib import Path
 
 from moe_export.export.errors import InputError
-from moe_export.runtime.core.scheduler import Request, Scheduler, follow
+from moe_export.runtime.core.scheduler import Request
 from moe_export.runtime.engine.reference import ReferenceEngine
 from moe_export.runtime.sampling import SamplingParams
 
@@ -34,7 +34,9 @@ def engine_eos_ids(engine) -> list[int]:
 def generate_tokens(engine, prompt_ids: list[int], sampling: SamplingParams | None = None,
                     eos_token_ids=(), sample_vocab: int | None = None) -> list[int]:
     """New token ids of one prompt (rank 0 of `engine`), through the scheduler; the stop token is included."""
-    sched = Scheduler(engine, eos_token_ids=eos_token_ids, keep_sessions=False, sample_vocab=sample_vocab)
+    from moe_export.runtime.core.wide_ep import open_scheduler
+
+    sched = open_scheduler(engine, eos_token_ids=eos_token_ids, keep_sessions=False, sample_vocab=sample_vocab)
     sched.add(Request("generate", list(prompt_ids), sampling or SamplingParams()))
     out: list[int] = []
     while sched.has_work:
@@ -101,11 +103,12 @@ def generate_command(path: str | Path, prompt_ids: str | None, prompt: str | Non
 
     cfg_path = Path(path) / "config.json"
     if cfg_path.is_file() and "mapping" in json.loads(cfg_path.read_text()):
+        from moe_export.runtime.core.wide_ep import release_ranks, run_rank
         from moe_export.runtime.engine import open_engine
 
         engine = open_engine(path, num_slots=1)
         if not engine.is_root:
-            follow(engine)
+            run_rank(engine, keep_sessions=False)  # dp layout: a group leader runs its (empty) group's steps
             return None
         try:
             cfg = ModelConfig.from_hf_dict(engine.model_config, source=f"{path}/config.json")
@@ -113,7 +116,7 @@ def generate_command(path: str | Path, prompt_ids: str | None, prompt: str | Non
             return generate_tokens(engine, ids, sampling, engine_eos_ids(engine))
         finally:
             if engine.comm is not None:
-                engine.comm.broadcast(None)  # release the follower ranks, also after an error
+                release_ranks(engine)  # also after an error
     from moe_export.export.planner import check_reference_fits
     from moe_export.graphs.model import KimiModel
 

@@ -1,84 +1,135 @@
-"""K2 / Kimi Linear role-token chat format: `<|im_user|>user<|im_middle|>...<|im_end|>`, reasoning in
-`<think>...</think>`, tool calls in `<|tool_calls_section_begin|>...` sections."""
+"""K2 / Kimi Linear role-token chat format, as K2-Thinking's chat template renders it.
+
+Specification: the vendor's `chat_template.jinja` of moonshotai/Kimi-K2-Thinking (public copy: ggml-org/llama.cpp
+`models/templates/moonshotai-Kimi-K2-Thinking.jinja`, whose `tools | tojson()` is the vendor's
+`tools | tojson(separators=(',', ':'))` there), rendered as transformers' `apply_chat_template` renders it:
+keys whose value is None dropped from each message, `reasoning_content` filled from `thinking` / `reasoning`,
+and the tools deep-sorted by key first (as the vendor's `tokenization_kimi.py` does).
+
+  [<|im_system|>tool_declare<|im_middle|>TOOLS<|im_end|>]           tools as compact JSON
+  [<|im_system|>system<|im_middle|>You are Kimi, ...<|im_end|>]     when the first message is not a system one
+  <|im_user|>NAME<|im_middle|>CONTENT<|im_end|>                      NAME: the message's `name`, else its role;
+  <|im_assistant|>NAME<|im_middle|><think>R</think>CONTENT[CALLS]<|im_end|>   other roles use <|im_system|>
+  <|im_system|>NAME<|im_middle|>## Return of ID\\nCONTENT<|im_end|>   tool results, in the order given
+  <|im_assistant|>assistant<|im_middle|>                             generation prompt (no <think>)
+
+Past reasoning is dropped (`<think></think>`) for every message up to the last assistant message without tool
+calls, and kept after it (the running agent loop). Calls:
+`<|tool_calls_section_begin|>` + per call `<|tool_call_begin|>ID<|tool_call_argument_begin|>ARGS<|tool_call_end|>`
++ `<|tool_calls_section_end|>` (ARGS: the arguments string as given, or an object as JSON).
+The text between two markers is one segment (tokenizing the rendered string splits it at the markers only).
+"""
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from moe_export.export.errors import InputError
-from moe_export.runtime.formats.common import Renderer, call_name, reasoning_of, tool_calls_of
+from moe_export.runtime.formats.common import Rendered, Segment, check_messages, check_tools, compact_json, content_parts, deep_sorted
 from moe_export.runtime.formats.markers import (
     CALL_ARGS, CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, END_THINK, IM_ASSISTANT, IM_END, IM_MIDDLE, IM_SYSTEM, IM_USER, THINK,
 )
 
-K2_DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
+DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' aliases, first wins
 
 
-class K2Renderer(Renderer):
-    """K2 / Kimi Linear role tokens."""
+class _Writer:
+    def __init__(self) -> None:
+        self.out = Rendered()
 
-    def __init__(self, thinking: bool, vision: bool) -> None:
-        super().__init__(thinking, vision)
-        self.call_counter = 0  # K2 call ids are functions.NAME:IDX, IDX counting calls in the conversation
+    def mark(self, name: str) -> None:
+        self.out.segments.append(Segment(name, special=True))
 
-    def message(self, start: str, header: str) -> None:
-        self.mark(start)
-        self.text(header)
+    def text(self, text: Any) -> None:
+        text = str(text)
+        if not text:
+            return
+        segs = self.out.segments
+        if segs and not segs[-1].special:
+            segs[-1] = Segment(segs[-1].text + text)
+        else:
+            segs.append(Segment(text))
+
+    def header(self, role: str, name: Any) -> None:
+        self.mark(IM_USER if role == "user" else IM_ASSISTANT if role == "assistant" else IM_SYSTEM)
+        self.text(name)
         self.mark(IM_MIDDLE)
 
-    def preamble(self, tools: list[dict], effort: str, choice: str | None, fmt: dict | None, messages: list[dict]) -> None:
-        if tools:
-            self.message(IM_SYSTEM, "tool_declare")
-            self.text(json.dumps(tools, ensure_ascii=False, separators=(",", ":")))
-            self.mark(IM_END)
-        if not messages or messages[0].get("role") not in ("system", "developer"):
-            self.message(IM_SYSTEM, "system")
-            self.text(K2_DEFAULT_SYSTEM)
-            self.mark(IM_END)
+    def content(self, content: Any, where: str) -> None:
+        for part in content_parts(content, where, vision=False):
+            self.text(part)
 
-    def plain(self, msg: dict, i: int, role: str) -> None:
-        self.message(IM_SYSTEM if role == "system" else IM_USER, msg.get("name") or role)
-        self.body(msg.get("content"), f"messages[{i}]")
-        self.mark(IM_END)
 
-    def assistant(self, msg: dict, i: int) -> None:
+def _normalized(msg: dict) -> dict:
+    """The message as transformers hands it to the template: None values dropped, reasoning aliased."""
+    msg = {k: v for k, v in msg.items() if v is not None}
+    reasoning = next((msg[k] for k in REASONING_FIELDS if k in msg), None)
+    return msg if reasoning is None else {**msg, "reasoning_content": reasoning}
+
+
+def _calls(w: _Writer, calls: Any, where: str) -> None:
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+        raise InputError(f"{where}.tool_calls must be a list of tool-call objects")
+    w.mark(CALLS_BEGIN)
+    for k, call in enumerate(calls):
+        fn = call.get("function")
+        if not isinstance(fn, dict) or "arguments" not in fn:
+            raise InputError(f"{where}.tool_calls[{k}].function.arguments is required")
+        args = fn["arguments"]
+        w.mark(CALL_BEGIN)
+        w.text(call.get("id", ""))
+        w.mark(CALL_ARGS)
+        w.text(args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+        w.mark(CALL_END)
+    w.mark(CALLS_END)
+
+
+def render_k2(messages: list[dict], *, tools: list[dict] | None = None, add_generation_prompt: bool = True) -> Rendered:
+    """K2 segments of a conversation (OpenAI chat shape), exactly as the K2-Thinking template renders it."""
+    check_messages(messages)
+    check_tools(tools)
+    msgs = [_normalized(m) for m in messages]
+    for i, m in enumerate(msgs):
+        if "role" not in m:
+            raise InputError(f"messages[{i}] has no role")
+    last_plain = max((i for i, m in enumerate(msgs) if m["role"] == "assistant" and not m.get("tool_calls")), default=-1)
+    w = _Writer()
+    if tools:
+        w.header("system", "tool_declare")
+        w.text(compact_json(deep_sorted(tools)))
+        w.mark(IM_END)
+    if not msgs or msgs[0]["role"] != "system":
+        w.header("system", "system")
+        w.text(DEFAULT_SYSTEM)
+        w.mark(IM_END)
+    for i, m in enumerate(msgs):
         where = f"messages[{i}]"
-        self.message(IM_ASSISTANT, msg.get("name") or "assistant")
-        reasoning = reasoning_of(msg, where)
-        if self.thinking or reasoning:
-            self.mark(THINK)
-            self.text(reasoning)
-            self.mark(END_THINK)
-        self.body(msg.get("content"), where)
-        calls = tool_calls_of(msg, where)
-        if calls:
-            self.mark(CALLS_BEGIN)
-            for k, call in enumerate(calls):
-                cw = f"{where}.tool_calls[{k}]"
-                name = call_name(call, cw)
-                call_id = call.get("id") or f"functions.{name}:{self.call_counter}"
-                self.call_counter += 1
-                args = (call.get("function") or {}).get("arguments", "{}")
-                if not isinstance(args, str):
-                    args = json.dumps(args, ensure_ascii=False)
-                self.mark(CALL_BEGIN)
-                self.text(call_id)
-                self.mark(CALL_ARGS)
-                self.text(args)
-                self.mark(CALL_END)
-            self.mark(CALLS_END)
-        self.mark(IM_END)
+        start = len(w.out.segments)
+        w.header(m["role"], m.get("name") or m["role"])
+        if m["role"] == "assistant":
+            w.mark(THINK)
+            if i > last_plain:
+                w.text(m.get("reasoning_content", ""))
+            w.mark(END_THINK)
+            w.content(m.get("content"), where)
+            if m.get("tool_calls"):
+                _calls(w, m["tool_calls"], where)
+        elif m["role"] == "tool":
+            w.text(f"## Return of {m.get('tool_call_id', '')}\n")
+            w.content(m.get("content"), where)
+        else:
+            w.content(m.get("content"), where)
+        w.mark(IM_END)
+        if m["role"] == "assistant":
+            w.out.assistant_spans.append((i, start, len(w.out.segments)))
+    if add_generation_prompt:
+        w.header("assistant", "assistant")
+    return w.out
 
-    def tool_result(self, msg: dict, i: int, index: int, name: str | None) -> None:
-        call_id = msg.get("tool_call_id")
-        if not isinstance(call_id, str) or not call_id:
-            raise InputError(f"messages[{i}].tool_call_id is required for tool results (K2 format: '## Return of ID')")
-        self.message(IM_SYSTEM, "tool")
-        self.text(f"## Return of {call_id}\n")
-        self.body(msg.get("content"), f"messages[{i}]")
-        self.mark(IM_END)
 
-    def generation_prompt(self) -> None:
-        self.message(IM_ASSISTANT, "assistant")
-        if self.thinking:
-            self.mark(THINK)
+def generation_prompt_segments() -> list[Segment]:
+    w = _Writer()
+    w.header("assistant", "assistant")
+    return w.out.segments

@@ -15,9 +15,10 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from moe_export.runtime.formats.common import argument_text, check_family, unescape
+from moe_export.export.errors import InputError
+from moe_export.runtime.formats.k3 import unescape, xtml_type
 from moe_export.runtime.formats.markers import (
-    CALL_ARGS, CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, CLOSE, END_THINK, IM_END, OPEN, SEP, THINK,
+    CALL_ARGS, CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, CLOSE, END_THINK, FAMILIES, IM_END, OPEN, SEP, THINK,
 )
 
 if TYPE_CHECKING:
@@ -66,7 +67,8 @@ class OutputParser:
     it as the last delta."""
 
     def __init__(self, tokenizer: Tokenizer, family: str, *, starts_in_reasoning: bool, tools_declared: bool = True) -> None:
-        check_family(family)
+        if family not in FAMILIES:
+            raise InputError(f"chat family must be one of {', '.join(FAMILIES)}, got {family!r}")
         self.tok = tokenizer
         self.family = family
         self.tools_declared = tools_declared
@@ -222,7 +224,7 @@ class OutputParser:
             except json.JSONDecodeError as exc:
                 call.error = f"argument {key!r} of type {kind} is not JSON ({exc})"
                 return
-            if argument_text(value)[0] != kind:
+            if xtml_type(value) != kind:
                 call.error = f"argument {key!r}: {text!r} is not a {kind}"
                 return
         if call.args is None:
@@ -241,22 +243,18 @@ class OutputParser:
             call.error = call.error or f"text {text[:40]!r} outside the call's argument elements"
 
     def _finish_call(self, call: _Call) -> None:
-        value: Any = call.args or {}
-        if self.family == "k3" and call.json_text is not None and not call.error:
-            try:
-                value = json.loads(call.json_text)
-            except json.JSONDecodeError as exc:
-                call.error = f"json block is not JSON ({exc})"
-            if not call.json_done:
-                call.error = "json block not closed"
+        if self.family == "k3" and call.json_text is not None and not call.json_done:
+            call.error = call.error or "json block not closed"
         if call.error or not self.tools_declared:
             self._fail(call, call.error or "no tools were declared")
             return
         if self.family == "k3":
-            arguments = json.dumps(value, ensure_ascii=False)
+            # a json block carries the arguments text as written (K3 renders arguments that are not a JSON
+            # object string that way); argument elements are re-serialised as a JSON object
+            arguments = call.json_text if call.json_text is not None else json.dumps(call.args or {}, ensure_ascii=False)
             call_id = f"functions.{call.name}:{len(self.tool_calls)}"
         else:
-            arguments, call_id = call.arg_text.strip(), call.call_id
+            arguments, call_id = call.arg_text, call.call_id
         self.tool_calls.append({"id": call_id, "type": "function", "function": {"name": call.name, "arguments": arguments}})
 
     def _fail(self, call: _Call, reason: str) -> None:
@@ -277,13 +275,8 @@ class OutputParser:
                 call.arg_key, call.arg_text = "", ""
             elif name == CALL_END:
                 self.call = None
-                if call.arg_key is None:
+                if call.arg_key is None:  # the arguments are kept as written (K2 renders them verbatim)
                     call.error = call.error or "no argument marker"
-                else:
-                    try:
-                        json.loads(call.arg_text)
-                    except json.JSONDecodeError as exc:
-                        call.error = call.error or f"arguments are not JSON ({exc})"
                 self._finish_call(call)
             else:
                 call.error = call.error or f"unexpected {name} inside a call"

@@ -63,7 +63,8 @@ class ServedEndpoints:
         from moe_export.runtime.entrypoints.server.app import ServerSettings, create_app
 
         settings = ServerSettings(Path(engine_dir), default_effort=default_effort or "max",
-                                  max_queue=max(256, 2 * concurrency), model_name="moe-export")
+                                  max_queue=max(256, 2 * concurrency), model_name="moe-export",
+                                  accept_any_model=True)
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(allm, settings)),
                                         base_url="http://moe-export-batch", timeout=None)
 

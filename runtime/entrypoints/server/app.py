@@ -8,13 +8,16 @@ shape on OpenAI routes and Anthropic's on /v1/messages; no handler ever returns 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
 import logging
+import re
+import secrets
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +32,7 @@ from moe_export.export.errors import InputError
 from moe_export.runtime.entrypoints.server import convert
 from moe_export.runtime.entrypoints.server.metrics import ServerMetrics
 from moe_export.runtime.entrypoints.server.protocol import (
+    AnthropicCountTokensRequest,
     AnthropicMessagesRequest,
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,7 +40,7 @@ from moe_export.runtime.entrypoints.server.protocol import (
     ResponsesRequest,
     TokenizeRequest,
 )
-from moe_export.runtime.entrypoints.server.store import ResponseStore, StoredResponse, key_scope
+from moe_export.runtime.entrypoints.server.store import MissingResponse, ResponseStore, StoredResponse, key_scope
 
 log = logging.getLogger("moe_export.serve")
 
@@ -46,6 +50,14 @@ OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                          405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error",
                          500: "api_error", 503: "overloaded_error"}
+
+
+MAX_CHOICES = 64  # most sequences one completions request may start (prompts x n)
+DISCONNECT_POLL_S = 0.1  # how often a whole (non-streamed) answer checks that its client is still there
+
+
+class ClientGone(Exception):
+    """The client of a whole (non-streamed) answer disconnected; its request was aborted."""
 
 
 class APIError(Exception):
@@ -72,11 +84,19 @@ class ServerSettings:
     max_tools: int = 128
     default_max_tokens: int = 1024
     model_name: str = field(default="")
+    served_model_names: tuple[str, ...] = ()
+    accept_any_model: bool = False
 
     def __post_init__(self) -> None:
+        """model_name: the name reported (the first served name); served_model_names: the names a request's
+        `model` may give (404 for others, as vLLM; none given: the model name). accept_any_model: skip that
+        check (in-process batch, whose input lines name models of other services)."""
         self.engine_dir = Path(self.engine_dir)
+        self.served_model_names = tuple(self.served_model_names)
         if not self.model_name:
-            self.model_name = self.engine_dir.resolve().name
+            self.model_name = self.served_model_names[0] if self.served_model_names else self.engine_dir.resolve().name
+        if not self.served_model_names:
+            self.served_model_names = (self.model_name,)
 
 
 @dataclass(frozen=True)
@@ -178,6 +198,11 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
     async def _http_error(request: Request, exc: StarletteHTTPException):
         return error_response(request, exc.status_code, str(exc.detail))
 
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, exc: ClientGone):
+        metrics.requests.labels(_route_of(request), "499").inc()
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         log.exception("internal error on %s", request.url.path)
@@ -230,26 +255,62 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
         if waiting >= settings.max_queue:
             raise APIError(429, f"the request queue is full ({waiting} waiting, limit {settings.max_queue}); retry later")
 
-    def sampling_params(temperature, top_p, top_k, seed, max_tokens, stop, logprobs=False, ignore_eos=False) -> SamplingParams:
+    def check_model(model: str | None) -> str:
+        """The model name to report; 404 for a name this server does not serve (vLLM's answer)."""
+        if model is None or settings.accept_any_model:
+            return model or settings.model_name
+        if model not in settings.served_model_names:
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
+        return model
+
+    def fit_max_tokens(prompt_tokens: int, requested: int | None, param: str) -> int:
+        """The generation length: the request's (400 when prompt + it exceed the context, as vLLM), else the
+        server's default within the context left."""
+        room = info.max_seq_len - prompt_tokens
+        if requested is not None and requested > room or room < 1:
+            asked = f"{prompt_tokens + (requested or 0)} tokens ({prompt_tokens} in the prompt, {requested or 0} in the completion)"
+            raise APIError(400, f"This model's maximum context length is {info.max_seq_len} tokens. However, you requested "
+                                f"{asked}. Please reduce the length of the prompt or completion.", param)
+        return requested if requested is not None else min(settings.default_max_tokens, room)
+
+    def sampling_params(temperature, top_p, top_k, seed, max_tokens: int, stop, logprobs=False, ignore_eos=False) -> SamplingParams:
+        """No seed: a fresh random one per request (identical unseeded requests differ, as in vLLM / OpenAI)."""
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         return SamplingParams(
             temperature=1.0 if temperature is None else float(temperature), top_p=1.0 if top_p is None else float(top_p),
-            top_k=max(int(top_k or 0), 0), seed=None if seed is None else int(seed), max_tokens=int(max_tokens or settings.default_max_tokens),
+            top_k=max(int(top_k or 0), 0), seed=secrets.randbits(63) if seed is None else int(seed), max_tokens=max_tokens,
             stop=stops, logprobs=bool(logprobs), ignore_eos=ignore_eos,
         )
 
-    async def run_chat(request_id: str, messages: list[dict], sampling: SamplingParams, *, tools, tool_choice,
-                       response_format, effort, parallel: bool) -> tuple[AsyncIterator, str]:
-        """Start a chat generation: (delta iterator whose first delta has already arrived, tier). The engine
-        core enforces a forced tool call or JSON format. Bad requests raise here, before any response byte is sent."""
+    @dataclass
+    class ChatRun:
+        """A started chat generation: deltas (the first already arrived), thinking tier, prompt length (the
+        engine core enforces a forced tool call or JSON format)."""
+
+        deltas: AsyncIterator
+        tier: str
+        prompt_tokens: int
+
+    def prompt_length(messages: list[dict], *, tools, tool_choice, response_format, effort) -> int:
+        """Tokens of the rendered conversation (what the runtime will prefill)."""
+        return len(llm.render_chat(messages, tools=tools, reasoning_effort=effort, tool_choice=tool_choice,
+                                   response_format=response_format))
+
+    async def run_chat(request_id: str, messages: list[dict], sampling: dict, *, max_tokens: int | None, tools, tool_choice,
+                       response_format, effort, parallel: bool, max_tokens_param: str = "max_tokens") -> ChatRun:
+        """Start a chat generation (`sampling`: sampling_params' arguments but max_tokens). Bad requests raise
+        here, before any response byte is sent."""
         plan = resolve_thinking(effort, info.thinking_caps, settings.default_effort)
+        prompt_tokens = prompt_length(messages, tools=tools, tool_choice=tool_choice, response_format=response_format,
+                                      effort=effort)
+        params = sampling_params(**sampling, max_tokens=fit_max_tokens(prompt_tokens, max_tokens, max_tokens_param))
         check_queue()
         stream = llm.chat_stream(
-            messages, sampling, tools=tools, reasoning_effort=effort, tool_choice=tool_choice,
+            messages, params, tools=tools, reasoning_effort=effort, tool_choice=tool_choice,
             response_format=response_format, parallel_tool_calls=parallel, request_id=request_id,
         )
         metrics.requests_by_tier.labels(plan.tier).inc()
-        return await timed(stream), plan.tier
+        return ChatRun(await timed(stream), plan.tier, prompt_tokens)
 
     async def timed(stream: AsyncIterator) -> AsyncIterator:
         """Await the first delta (errors surface now), then re-yield all deltas, recording TTFT / ITL."""
@@ -278,12 +339,68 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
 
         return deltas()
 
-    async def final_output(deltas: AsyncIterator):
-        out = None
-        async for delta in deltas:
-            if delta.finished:
-                out = delta.output
-        return out
+    async def final_outputs(streams: list[AsyncIterator], request: Request) -> list:
+        """The finished outputs of whole (non-streamed) answers, in order (n choices, a list of prompts). A
+        client that disconnects meanwhile aborts them in the runtime at once (as a streamed one does) and
+        gets nothing (ClientGone)."""
+        outs: list = [None] * len(streams)
+
+        async def drain():
+            async for i, d in merged(streams):
+                if d.finished:
+                    outs[i] = d.output
+
+        task = asyncio.ensure_future(drain())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    task.result()
+                    return outs
+                if await request.is_disconnected():
+                    raise ClientGone
+        finally:
+            if not task.done():
+                task.cancel()
+                with suppress(asyncio.CancelledError):
+                    await task
+            for stream in streams:
+                await stream.aclose()  # the runtime aborts what has not finished
+
+    async def final_output(deltas: AsyncIterator, request: Request):
+        return (await final_outputs([deltas], request))[0]
+
+    async def merged(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+        """(stream index, delta) of several delta streams as they arrive; closing it closes them all."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: AsyncIterator) -> None:
+            try:
+                async for d in stream:
+                    await queue.put((i, d, None))
+            except Exception as exc:  # handed to the consumer
+                await queue.put((i, None, exc))
+            else:
+                await queue.put((i, None, None))
+
+        tasks = [asyncio.ensure_future(pump(i, st)) for i, st in enumerate(streams)]
+        try:
+            open_streams = len(streams)
+            while open_streams:
+                i, d, exc = await queue.get()
+                if exc is not None:
+                    raise exc
+                if d is None:
+                    open_streams -= 1
+                    continue
+                yield i, d
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t, stream in zip(tasks, streams):
+                with suppress(asyncio.CancelledError):
+                    await t
+                await stream.aclose()
 
     def finish(route: str, out, tier: str) -> None:
         metrics.requests.labels(route, "200").inc()
@@ -303,17 +420,39 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
     async def prometheus_metrics():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "moe-export", "root": str(settings.engine_dir),
+                "max_model_len": info.max_seq_len}
+
     @app.get("/v1/models")
     async def models(request: Request):
         authorize(request)
         metrics.requests.labels("/v1/models", "200").inc()
-        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
-                                            "owned_by": "moe-export", "max_model_len": info.max_seq_len}]}
+        return {"object": "list", "data": [model_card(n) for n in settings.served_model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        authorize(request)
+        if model_id not in settings.served_model_names:
+            raise APIError(404, f"The model `{model_id}` does not exist.", "model")
+        metrics.requests.labels("/v1/models/{id}", "200").inc()
+        return model_card(model_id)
+
+    @app.get("/version")
+    async def version():
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as package_version
+
+        try:
+            return {"version": package_version("moe-export")}
+        except PackageNotFoundError:
+            return {"version": "unknown"}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
         authorize(request)
         req = await parse(request, TokenizeRequest)
+        check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of `prompt` or `messages`")
         if req.prompt is not None:
@@ -322,7 +461,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
             check_limits(req.messages, req.tools, None)
             ids = llm.render_chat(
                 convert.chat_messages_from_openai(req.messages), tools=convert.openai_tools(req.tools),
-                reasoning_effort=req.reasoning_effort, add_generation_prompt=req.add_generation_prompt,
+                reasoning_effort=convert.openai_effort(req.reasoning_effort), add_generation_prompt=req.add_generation_prompt,
                 tool_choice=convert.normalize_tool_choice(req.tool_choice, req.tools), response_format=req.response_format,
             )
         metrics.requests.labels("/tokenize", "200").inc()
@@ -332,6 +471,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
     async def detokenize(request: Request):
         authorize(request)
         req = await parse(request, DetokenizeRequest)
+        check_model(req.model)
         bad = [t for t in req.tokens if not 0 <= t < tokenizer.vocab_size]
         if bad:
             raise APIError(400, f"tokens: ids {bad[:5]} are outside the vocabulary [0, {tokenizer.vocab_size})", "tokens")
@@ -343,52 +483,68 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
     async def chat_completions(request: Request):
         authorize(request)
         req = await parse(request, ChatCompletionRequest)
+        model = check_model(req.model)
         max_tokens = req.max_completion_tokens or req.max_tokens
         check_limits(req.messages, req.tools, max_tokens)
+        if req.logprobs and req.top_logprobs:
+            raise APIError(400, "top_logprobs: alternatives per token are not reported by this server (0 only)", "top_logprobs")
         messages = convert.chat_messages_from_openai(req.messages)
         tools = convert.openai_tools(req.tools)
         tool_choice = convert.normalize_tool_choice(req.tool_choice, tools)
-        sampling = sampling_params(req.temperature, req.top_p, req.top_k, req.seed, max_tokens, req.stop, req.logprobs,
-                                   req.ignore_eos)
+        effort = convert.openai_effort(req.reasoning_effort)
         request_id = convert.new_id("chatcmpl-")
-        deltas, tier = await run_chat(
-            request_id, messages, sampling, tools=tools, tool_choice=tool_choice, response_format=req.response_format,
-            effort=req.reasoning_effort, parallel=req.parallel_tool_calls,
-        )
-        model = req.model or settings.model_name
+        runs = []
+        try:
+            for i in range(req.n):  # n choices: n sequences, each seeded apart (seed + i when a seed is given)
+                sampling = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                seed=None if req.seed is None else req.seed + i, stop=req.stop, logprobs=req.logprobs,
+                                ignore_eos=req.ignore_eos)
+                runs.append(await run_chat(
+                    request_id if req.n == 1 else f"{request_id}-{i}", messages, sampling, max_tokens=max_tokens,
+                    tools=tools, tool_choice=tool_choice, response_format=req.response_format, effort=effort,
+                    parallel=req.parallel_tool_calls,
+                    max_tokens_param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
+                ))
+        except BaseException:
+            for run in runs:
+                await run.deltas.aclose()
+            raise
         if not req.stream:
-            out = await final_output(deltas)
-            finish("/v1/chat/completions", out, tier)
-            pieces = [tokenizer.decode([t]) for t in out.output_ids] if req.logprobs else None
-            return convert.chat_completion_response(out, request_id=request_id, model=model, logprob_pieces=pieces)
+            outs = await final_outputs([r.deltas for r in runs], request)
+            for run, out in zip(runs, outs):
+                finish("/v1/chat/completions", out, run.tier)
+            pieces = [[tokenizer.decode([t]) for t in out.output_ids] for out in outs] if req.logprobs else None
+            return convert.chat_completion_response(outs, request_id=request_id, model=model, logprob_pieces=pieces)
         include_usage = bool((req.stream_options or {}).get("include_usage"))
 
         async def events():
             created = int(time.time())
 
-            def chunk(delta: dict, finish_reason=None, usage=None, choices=True) -> dict:
+            def chunk(index: int, delta: dict, finish_reason=None, usage=None, choices=True) -> dict:
                 body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
+                        "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
                         if choices else []}
                 if usage is not None:
                     body["usage"] = usage
                 return {"data": json.dumps(body)}
 
-            yield chunk({"role": "assistant", "content": ""})
-            out = None
-            async for d in deltas:
+            for i in range(len(runs)):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            outs = []
+            async for i, d in merged([r.deltas for r in runs]):
                 if d.reasoning:
-                    yield chunk({"reasoning_content": d.reasoning})
+                    yield chunk(i, {"reasoning_content": d.reasoning})
                 if d.content:
-                    yield chunk({"content": d.content})
+                    yield chunk(i, {"content": d.content})
                 if d.finished:
                     out = d.output
-            finish("/v1/chat/completions", out, tier)
-            if out.tool_calls:
-                yield chunk({"tool_calls": [{"index": i, **call} for i, call in enumerate(out.tool_calls)]})
-            yield chunk({}, out.finish_reason)
+                    outs.append(out)
+                    finish("/v1/chat/completions", out, runs[i].tier)
+                    if out.tool_calls:
+                        yield chunk(i, {"tool_calls": [{"index": k, **call} for k, call in enumerate(out.tool_calls)]})
+                    yield chunk(i, {}, out.finish_reason)
             if include_usage:
-                yield chunk({}, usage=convert.openai_usage(out.usage), choices=False)
+                yield chunk(0, {}, usage=convert.openai_usage(convert.summed_usage(outs)), choices=False)
             yield {"data": "[DONE]"}
 
         return sse(events())
@@ -398,80 +554,129 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
     async def completions(request: Request):
         authorize(request)
         req = await parse(request, CompletionRequest)
+        model = check_model(req.model)
         check_limits(None, None, req.max_tokens)
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise APIError(400, "prompt: one prompt per request (n=1)", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, list):
-            bad = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]
-            if bad or not prompt:
-                raise APIError(400, f"prompt: token ids must be a non-empty list in [0, {tokenizer.vocab_size})", "prompt")
-        sampling = sampling_params(req.temperature, req.top_p, req.top_k, req.seed, req.max_tokens, req.stop,
-                                   req.logprobs is not None, req.ignore_eos)
+        if req.logprobs:
+            raise APIError(400, "logprobs: this server reports no per-token alternatives on /v1/completions", "logprobs")
+        prompts = completion_prompts(req.prompt)
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise APIError(400, f"prompt: {len(prompts)} prompts x n={req.n} is over the limit of {MAX_CHOICES} choices", "prompt")
         request_id = convert.new_id("cmpl-")
-        check_queue()
-        deltas = await timed(llm.generate_stream(prompt, sampling, request_id=request_id))
-        model = req.model or settings.model_name
-        echo = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) if req.echo else ""
+        streams = []
+        try:
+            for p_index, ids in enumerate(prompts):
+                max_tokens = fit_max_tokens(len(ids), req.max_tokens, "max_tokens")
+                for j in range(req.n):  # choice index p_index * n + j, as vLLM orders them
+                    k = p_index * req.n + j
+                    sampling = sampling_params(req.temperature, req.top_p, req.top_k, None if req.seed is None else req.seed + j,
+                                               max_tokens, req.stop, False, req.ignore_eos)
+                    check_queue()
+                    streams.append(await timed(llm.generate_stream(
+                        ids, sampling, request_id=request_id if len(prompts) * req.n == 1 else f"{request_id}-{k}")))
+        except BaseException:
+            for stream in streams:
+                await stream.aclose()
+            raise
+        echoes = [tokenizer.decode(ids) if req.echo else "" for ids in prompts for _ in range(req.n)]
 
-        def body(text: str, finish_reason, usage=None) -> dict:
+        def body(choices: list[dict], usage=None) -> dict:
             b = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-                 "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
+                 "choices": choices}
             if usage is not None:
                 b["usage"] = usage
             return b
 
+        def choice(i: int, text: str, finish_reason) -> dict:
+            return {"index": i, "text": text, "finish_reason": finish_reason, "logprobs": None}
+
         if not req.stream:
-            out = await final_output(deltas)
-            finish("/v1/completions", out, "none")
-            return body(echo + out.text, out.finish_reason, convert.openai_usage(out.usage))
+            outs = await final_outputs(streams, request)
+            for out in outs:
+                finish("/v1/completions", out, "none")
+            return body([choice(i, echoes[i] + visible_text(out.text), out.finish_reason) for i, out in enumerate(outs)],
+                        convert.openai_usage(convert.summed_usage(outs)))
         include_usage = bool((req.stream_options or {}).get("include_usage"))
 
         async def events():
-            if echo:
-                yield {"data": json.dumps(body(echo, None))}
-            async for d in deltas:
-                if d.text:
-                    yield {"data": json.dumps(body(d.text, None))}
+            for i, echo in enumerate(echoes):
+                if echo:
+                    yield {"data": json.dumps(body([choice(i, echo, None)]))}
+            outs = []
+            async for i, d in merged(streams):
+                text = visible_text(d.text)
+                if text:
+                    yield {"data": json.dumps(body([choice(i, text, None)]))}
                 if d.finished:
-                    out = d.output
-                    finish("/v1/completions", out, "none")
-                    yield {"data": json.dumps(body("", out.finish_reason,
-                                                   convert.openai_usage(out.usage) if include_usage else None))}
+                    outs.append(d.output)
+                    finish("/v1/completions", d.output, "none")
+                    yield {"data": json.dumps(body([choice(i, "", d.output.finish_reason)]))}
+            if include_usage:
+                yield {"data": json.dumps(body([], convert.openai_usage(convert.summed_usage(outs))))}
             yield {"data": "[DONE]"}
 
         return sse(events())
+
+    def completion_prompts(prompt) -> list[list[int]]:
+        """A completions `prompt` (a string, a list of strings, a token-id list or a list of them) as token-id
+        lists, one per prompt."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError(400, "prompt: give a string, a list of strings, a list of token ids or a list of them", "prompt")
+        out = []
+        for i, p in enumerate(prompt):
+            ids = tokenizer.encode(p) if isinstance(p, str) else list(p)
+            where = "prompt" if len(prompt) == 1 else f"prompt[{i}]"
+            if not ids:
+                raise APIError(400, f"{where}: the prompt is empty", "prompt")
+            bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
+            if bad:
+                raise APIError(400, f"{where}: token ids {bad[:5]} are outside the vocabulary [0, {tokenizer.vocab_size})", "prompt")
+            out.append(ids)
+        return out
+
+    special_names = re.compile("|".join(re.escape(n) for n in sorted(tokenizer.special_tokens, key=len, reverse=True)))
+
+    def visible_text(text: str) -> str:
+        """Completion text without special-token names (vLLM's skip_special_tokens default): a sampled reserved
+        or marker token is not text."""
+        return special_names.sub("", text) if text and tokenizer.special_tokens else text
 
     # --- responses ----------------------------------------------------------------------------------
     @app.post("/v1/responses")
     async def responses(request: Request):
         scope = authorize(request)
         req = await parse(request, ResponsesRequest)
+        model = check_model(req.model)
         tools = convert.responses_tools(req.tools)
         check_limits(req.input if isinstance(req.input, list) else None, tools, req.max_output_tokens)
         history: list[dict] = []
         if req.previous_response_id:
-            found = store.history(req.previous_response_id, scope)
-            if found is None:
-                raise APIError(404, f"previous_response_id {req.previous_response_id!r} not found", "previous_response_id")
-            history = found
+            try:
+                history = store.history(req.previous_response_id, scope)
+            except MissingResponse as gone:
+                what = (f"previous_response_id {gone.response_id!r} not found" if gone.response_id == req.previous_response_id
+                        else f"previous_response_id {req.previous_response_id!r}: its ancestor {gone.response_id!r} "
+                             "was deleted, so the conversation cannot be rebuilt")
+                raise APIError(404, what, "previous_response_id") from None
         input_messages = convert.messages_from_responses_input(req.input)
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         messages = system + history + input_messages
         check_limits(messages, None, None)
         tool_choice = convert.responses_tool_choice(req.tool_choice, tools)
-        effort = (req.reasoning or {}).get("effort")
-        sampling = sampling_params(req.temperature, req.top_p, None, None, req.max_output_tokens, None,
-                                   ignore_eos=req.ignore_eos)
+        effort = convert.openai_effort((req.reasoning or {}).get("effort"))
+        sampling = dict(temperature=req.temperature, top_p=req.top_p, top_k=None, seed=None, stop=None,
+                        ignore_eos=req.ignore_eos)
         response_id = convert.new_id("resp_")
-        deltas, tier = await run_chat(
-            response_id, messages, sampling, tools=tools, tool_choice=tool_choice,
+        run = await run_chat(
+            response_id, messages, sampling, max_tokens=req.max_output_tokens, tools=tools, tool_choice=tool_choice,
             response_format=convert.response_format_from_text(req.text), effort=effort, parallel=req.parallel_tool_calls,
+            max_tokens_param="max_output_tokens",
         )
-        model = req.model or settings.model_name
-        effort_name = effort if isinstance(effort, str) else tier
+        deltas, tier = run.deltas, run.tier
+        effort_name = (req.reasoning or {}).get("effort") if isinstance(effort, str) else tier
 
         def complete(out) -> dict:
             status = "incomplete" if out.finish_reason == "length" else "completed"
@@ -484,7 +689,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
             return obj
 
         if not req.stream:
-            return complete(await final_output(deltas))
+            return complete(await final_output(deltas, request))
 
         async def events():
             seq = 0
@@ -571,6 +776,22 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
         metrics.requests.labels("/v1/responses/{id}", "200").inc()
         return rec.response
 
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, request: Request):
+        scope = authorize(request)
+        rec = store.get(response_id, scope)
+        if rec is None:
+            raise APIError(404, f"response {response_id!r} not found")
+        items = convert.responses_input_items(rec.input_items, response_id)
+        order = request.query_params.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"order: must be asc or desc, got {order!r}", "order")
+        if order == "desc":
+            items = items[::-1]
+        metrics.requests.labels("/v1/responses/{id}/input_items", "200").inc()
+        return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+                "last_id": items[-1]["id"] if items else None, "has_more": False}
+
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, request: Request):
         scope = authorize(request)
@@ -580,24 +801,43 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     # --- anthropic messages -------------------------------------------------------------------------
+    def anthropic_chat(req) -> tuple[list[dict], list | None, object, object]:
+        """(messages, tools, tool_choice, effort) of a Messages or count_tokens body."""
+        messages = convert.messages_from_anthropic(req.system, req.messages)
+        tools = convert.anthropic_tools(req.tools)
+        return messages, tools, convert.anthropic_tool_choice(req.tool_choice, tools), convert.anthropic_effort(req.thinking)
+
+    @app.post("/v1/messages/count_tokens")
+    async def anthropic_count_tokens(request: Request):
+        authorize(request)
+        req = await parse(request, AnthropicCountTokensRequest)
+        check_model(req.model)
+        check_limits(req.messages, req.tools, None)
+        messages, tools, tool_choice, effort = anthropic_chat(req)
+        count = prompt_length(messages, tools=tools, tool_choice=tool_choice, response_format=None, effort=effort)
+        metrics.requests.labels("/v1/messages/count_tokens", "200").inc()
+        return {"input_tokens": count}
+
     @app.post("/v1/messages")
     async def anthropic_messages(request: Request):
         authorize(request)
         req = await parse(request, AnthropicMessagesRequest)
+        model = check_model(req.model)
         check_limits(req.messages, req.tools, req.max_tokens)
-        messages = convert.messages_from_anthropic(req.system, req.messages)
-        tools = convert.anthropic_tools(req.tools)
-        tool_choice = convert.anthropic_tool_choice(req.tool_choice, tools)
+        messages, tools, tool_choice, effort = anthropic_chat(req)
+        if isinstance(effort, int) and effort >= req.max_tokens:
+            raise APIError(400, f"max_tokens must be greater than thinking.budget_tokens ({req.max_tokens} <= {effort})",
+                           "max_tokens")
         parallel = not (req.tool_choice or {}).get("disable_parallel_tool_use", False)
-        sampling = sampling_params(req.temperature, req.top_p, req.top_k, None, req.max_tokens, req.stop_sequences)
+        sampling = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=None, stop=req.stop_sequences)
         message_id = convert.new_id("msg_")
-        deltas, tier = await run_chat(
-            message_id, messages, sampling, tools=tools, tool_choice=tool_choice, response_format=None,
-            effort=convert.anthropic_effort(req.thinking), parallel=parallel,
+        run = await run_chat(
+            message_id, messages, sampling, max_tokens=req.max_tokens, tools=tools, tool_choice=tool_choice,
+            response_format=None, effort=effort, parallel=parallel,
         )
-        model = req.model or settings.model_name
+        deltas, tier = run.deltas, run.tier
         if not req.stream:
-            out = await final_output(deltas)
+            out = await final_output(deltas, request)
             finish("/v1/messages", out, tier)
             return convert.anthropic_message(out, message_id=message_id, model=model)
 
@@ -608,7 +848,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
             yield event("message_start", message={
                 "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
                 "stop_reason": None, "stop_sequence": None,
-                "usage": {"input_tokens": 0, "output_tokens": 0}})
+                "usage": {"input_tokens": run.prompt_tokens, "output_tokens": 0}})
             index, open_kind, out = -1, None, None
             async for d in deltas:
                 for kind, text in (("thinking", d.reasoning), ("text", d.content)):

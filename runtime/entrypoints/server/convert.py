@@ -16,6 +16,7 @@ import uuid
 from typing import Any
 
 from moe_export.export.errors import InputError
+from moe_export.runtime.core.structured import check_tool_parameters
 
 
 def new_id(prefix: str) -> str:
@@ -34,7 +35,9 @@ def _text_of(content: Any, where: str, text_types: tuple[str, ...]) -> str | lis
     for p in content:
         if not isinstance(p, dict) or "type" not in p:
             raise InputError(f"{where}: every content part must be an object with a `type`")
-    return content
+    # a Responses `input_image` part is an image_url part (`runtime.images` reads either shape)
+    return [{"type": "image_url", "image_url": {"url": p.get("image_url")}} if p["type"] == "input_image" else p
+            for p in content]
 
 
 def _arguments_string(arguments: Any, where: str) -> str:
@@ -95,6 +98,8 @@ def openai_tools(tools: list[dict] | None) -> list[dict] | None:
     for i, t in enumerate(tools):
         if t.get("type") != "function" or not isinstance(t.get("function"), dict) or not t["function"].get("name"):
             raise InputError(f"tools[{i}]: must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}")
+        if t["function"].get("parameters") is not None:
+            check_tool_parameters(t["function"]["parameters"], f"tools[{i}].function.parameters")
     return tools
 
 
@@ -116,22 +121,47 @@ def normalize_tool_choice(tool_choice: Any, tools: list[dict] | None, field: str
     return {"type": "function", "function": {"name": name}}
 
 
-def chat_completion_response(out, *, request_id: str, model: str, logprob_pieces: list[str] | None) -> dict:
-    """ChatOutput -> chat.completion object (logprob_pieces: the decoded output tokens when logprobs were asked)."""
-    message: dict[str, Any] = {"role": "assistant", "content": out.content, "reasoning_content": out.reasoning_content}
-    if out.tool_calls:
-        message["tool_calls"] = out.tool_calls
-    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": out.finish_reason, "logprobs": None}
-    if logprob_pieces is not None and out.logprobs is not None:
-        choice["logprobs"] = chat_logprobs(logprob_pieces, out.logprobs)
+def chat_completion_response(outs: list, *, request_id: str, model: str, logprob_pieces: list[list[str]] | None) -> dict:
+    """ChatOutputs (one per choice) -> chat.completion object (logprob_pieces: each choice's decoded output
+    tokens when logprobs were asked)."""
+    choices = []
+    for i, out in enumerate(outs):
+        message: dict[str, Any] = {"role": "assistant", "content": out.content, "reasoning_content": out.reasoning_content}
+        if out.tool_calls:
+            message["tool_calls"] = out.tool_calls
+        choice: dict[str, Any] = {"index": i, "message": message, "finish_reason": out.finish_reason, "logprobs": None}
+        if logprob_pieces is not None and out.logprobs is not None:
+            choice["logprobs"] = chat_logprobs(logprob_pieces[i], out.logprobs)
+        choices.append(choice)
     return {
         "id": request_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
-        "usage": openai_usage(out.usage),
+        "choices": choices,
+        "usage": openai_usage(summed_usage(outs)),
     }
+
+
+def summed_usage(outs: list) -> dict:
+    """Usage of several outputs of one request (n choices, several prompts): the prompt counted once per
+    distinct prompt, completions summed."""
+    prompts = {tuple(o.prompt_ids): o.usage for o in outs}
+    return {
+        "prompt_tokens": sum(u["prompt_tokens"] for u in prompts.values()),
+        "completion_tokens": sum(o.usage["completion_tokens"] for o in outs),
+        "reasoning_tokens": sum(o.usage.get("reasoning_tokens", 0) for o in outs),
+        "cached_tokens": sum(u.get("cached_tokens", 0) for u in prompts.values()),
+    }
+
+
+OPENAI_EFFORTS = {"minimal": "low", "medium": "high", "xhigh": "max"}
+
+
+def openai_effort(effort):
+    """OpenAI's reasoning efforts onto the model's tiers (low / high / max, none, or a token count): minimal ->
+    low, medium -> high, xhigh -> max (the nearest tier at or above); the others pass through."""
+    return OPENAI_EFFORTS.get(effort, effort) if isinstance(effort, str) else effort
 
 
 def chat_logprobs(pieces: list[str], logprobs: list[float]) -> dict:
@@ -164,6 +194,7 @@ def responses_tools(tools: list[dict] | None) -> list[dict] | None:
         if t.get("description"):
             fn["description"] = t["description"]
         if t.get("parameters") is not None:
+            check_tool_parameters(t["parameters"], f"tools[{i}].parameters")
             fn["parameters"] = t["parameters"]
         out.append({"type": "function", "function": fn})
     return out
@@ -230,6 +261,22 @@ def messages_from_responses_input(items: str | list[dict]) -> list[dict]:
             out.append({"role": role, "content": _text_of(item.get("content"), where, ("input_text", "text"))})
         else:
             raise InputError(f"{where}.type: {kind!r} is not served (message, reasoning, function_call, function_call_output)")
+    return out
+
+
+def responses_input_items(items: list, response_id: str) -> list[dict]:
+    """A stored turn's input items as the Responses API lists them (input_items): each with an id, message
+    content as parts (a string becomes one input_text part), status completed."""
+    out = []
+    for i, item in enumerate(items):
+        item = dict(item)
+        kind = item.setdefault("type", "message")
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
+        item.setdefault("id", f"{'msg' if kind == 'message' else 'item'}_{response_id.removeprefix('resp_')}_{i}")
+        item.setdefault("status", "completed")
+        out.append(item)
     return out
 
 
@@ -362,6 +409,7 @@ def anthropic_tools(tools: list[dict] | None) -> list[dict] | None:
         if not t.get("name") or t.get("type", "custom") not in ("custom",):
             raise InputError(f"tools[{i}]: only client tools ({{'name': ..., 'input_schema': ...}}) are served")
         fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object"}}
+        check_tool_parameters(fn["parameters"], f"tools[{i}].input_schema")
         if t.get("description"):
             fn["description"] = t["description"]
         out.append({"type": "function", "function": fn})

@@ -44,9 +44,12 @@ def check_serve_args(engine_dir: str, host: str, port: int, store: str | None, d
 
 
 def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_keys: tuple[str, ...] = (),
-          store: str | None = None, default_effort: str = "max", max_queue: int = 256) -> None:
+          store: str | None = None, default_effort: str = "max", max_queue: int = 256,
+          served_model_names: tuple[str, ...] = ()) -> None:
     """Run the server until SIGTERM / SIGINT (blocks). Under mpiexec, ranks > 0 run the follower loop."""
     check_serve_args(engine_dir, host, port, store, default_effort, max_queue)
+    if any(not name.strip() for name in served_model_names):
+        raise InputError("--served-model-name must not be empty")
     from moe_export.export.mpi import mpi_world
     from moe_export.runtime.entrypoints.llm import LLM, AsyncLLM
 
@@ -66,7 +69,7 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
 
     settings = ServerSettings(
         engine_dir=Path(engine_dir), api_keys=api_keys, store_path=store or ":memory:",
-        default_effort=default_effort, max_queue=max_queue,
+        default_effort=default_effort, max_queue=max_queue, served_model_names=served_model_names,
     )
     sock = listening_socket(host, port)  # before loading: a busy port fails fast, with no engine loaded
     llm = AsyncLLM(engine_dir, default_effort=default_effort)

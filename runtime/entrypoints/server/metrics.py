@@ -30,6 +30,14 @@ class RuntimeStatsCollector:
                                   value=s["reuse_hits"])
         yield CounterMetricFamily("moe_export_state_reuse_tokens", "prompt tokens not prefilled thanks to state reuse",
                                   value=s["reuse_tokens"])
+        if "expert_load" in s:  # dp layout: routed expert load over the world (`runtime.wide_ep`)
+            load = s["expert_load"]
+            yield CounterMetricFamily("moe_export_expert_routed_tokens", "top-k expert choices routed", value=load["routed"])
+            imbalance = GaugeMetricFamily("moe_export_expert_load_max_over_mean",
+                                          "busiest expert's routed tokens over the mean, per MoE layer", labels=["layer"])
+            for layer, value in enumerate(load["max_over_mean"]):
+                imbalance.add_metric([str(layer)], value)
+            yield imbalance
 
 
 class ServerMetrics:

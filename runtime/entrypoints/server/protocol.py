@@ -9,6 +9,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 
+MAX_N = 16  # most choices (n) per request
+
+
 class Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -28,7 +31,8 @@ class ChatCompletionRequest(Lenient):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
     logprobs: bool = False
-    n: int = Field(1, ge=1, le=1)
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     parallel_tool_calls: bool = True
@@ -37,15 +41,15 @@ class ChatCompletionRequest(Lenient):
 
 class CompletionRequest(Lenient):
     model: str | None = None
-    prompt: str | list[int] | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     seed: int | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
-    logprobs: int | None = None
-    n: int = Field(1, ge=1, le=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+    n: int = Field(1, ge=1, le=MAX_N)
     echo: bool = False
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -85,6 +89,15 @@ class AnthropicMessagesRequest(Lenient):
     top_k: int | None = Field(None, ge=0)
     stream: bool = False
     metadata: dict[str, Any] | None = None
+
+
+class AnthropicCountTokensRequest(Lenient):
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
 
 
 class TokenizeRequest(Lenient):

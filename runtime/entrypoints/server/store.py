@@ -37,6 +37,14 @@ def key_scope(api_key: str | None) -> str:
     return hashlib.sha256(api_key.encode()).hexdigest() if api_key else ""
 
 
+class MissingResponse(LookupError):
+    """A response of a chain is not in the store (never stored, deleted, or another key's)."""
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(response_id)
+        self.response_id = response_id
+
+
 @dataclass
 class StoredResponse:
     """One stored turn. input_messages: this turn's new chat messages (history excluded); output_message:
@@ -101,15 +109,16 @@ class ResponseStore:
             cur = self._db.execute("DELETE FROM responses WHERE id = ? AND key_scope = ?", (response_id, scope))
         return cur.rowcount > 0
 
-    def history(self, response_id: str, scope: str) -> list[dict] | None:
+    def history(self, response_id: str, scope: str) -> list[dict]:
         """The chat messages of the whole chain ending at `response_id` (oldest first: each turn's input
-        messages, then its assistant message), or None if the response or any ancestor is missing."""
+        messages, then its assistant message, which carries the turn's token ids); MissingResponse naming
+        the first response of the chain that is missing (the response itself or a deleted ancestor)."""
         turns: list[StoredResponse] = []
         next_id: str | None = response_id
         while next_id is not None:
             rec = self.get(next_id, scope)
             if rec is None:
-                return None
+                raise MissingResponse(next_id)
             turns.append(rec)
             next_id = rec.parent_id
         messages: list[dict] = []

@@ -1,0 +1,105 @@
+"""The one check for a machine with TensorRT (>= 10.9) and at least 2 GPUs; it has never run (no such machine here).
+
+    python benchmarks/tensorrt_check.py --out /tmp/trt_check            (world 1 builds, runs, compares;
+                                                                        then starts the world-2 part itself)
+
+1. Builds the tiny synthetic K3 (tiny-k3, fp32 cache for exact comparison) four times: backend onnxruntime and
+   backend tensorrt, each at world 1 (tp=1, ep=1) and world 2 (tp=2, ep=2): the TensorRT builds exercise the
+   ONNX parser on our graphs (int8 MXFP4 views, plugin fields), the QDP plugins at build time, one engine per
+   rank with the collective plugins idle while building, and the device-memory check against the plan.
+2. Prints each TensorRT engine's layers (TensorRT's engine inspector) and device memory (`describe_engine`).
+3. Runs a prompt (prefill) and 8 greedy decode steps through the ONNX Runtime and the TensorRT engine of each
+   world size and prints the largest logit difference per step (bf16 compute on TensorRT: expect ~1e-2, and
+   the same greedy tokens). World 2 runs under `mpiexec -n 2` (one GPU per rank, NCCL inside the engines).
+Exit status 1 if a build fails, an engine cannot run, or the greedy tokens differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+PROMPT = [11, 42, 7, 99, 3, 250, 17, 64, 5, 300, 21, 8, 77, 140]
+STEPS = 8
+
+
+def recipe(out: Path, backend: str, world: int) -> Path:
+    from moe_export.recipes.schema import load_recipe
+
+    base = yaml.safe_load(Path(load_recipe("tiny-cpu.yaml")[1]).read_text())
+    base.update(name=f"check-{backend}-w{world}", backend=backend, output=str(out / f"{backend}-w{world}"))
+    base["quantization"]["kv_cache"] = "fp32"
+    base["target"].update(gpus_per_node=world, gpu="h100" if backend == "tensorrt" else "cpu")
+    if backend == "tensorrt":
+        base["target"]["memory_gib"] = 8
+    base["parallel"] = {"tp": world, "ep": world, "attention": "tp"}
+    path = out / f"{base['name']}.yaml"
+    path.write_text(yaml.safe_dump(base))
+    return path
+
+
+def run_steps(engine_dir: Path) -> tuple[list[np.ndarray], list[int]]:
+    """Prefill PROMPT then STEPS greedy decode steps: (logits of each step, greedy tokens)."""
+    from moe_export.runtime.engine import open_engine
+    from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
+
+    eng = open_engine(engine_dir)
+    bs = eng.block_size
+    table = list(range(-(-(len(PROMPT) + STEPS) // bs)))
+    logits = [eng.step(StepBatch.from_sequences([SequenceChunk(0, 0, PROMPT, table)]))[0]]
+    tokens = [int(np.argmax(logits[-1]))]
+    for i in range(STEPS - 1):
+        out = eng.step(StepBatch.from_sequences([SequenceChunk(0, len(PROMPT) + i, [tokens[-1]], table)]))[0]
+        logits.append(out)
+        tokens.append(int(np.argmax(out)))
+    return logits, tokens
+
+
+def compare(world: int, out: Path) -> bool:
+    ort_logits, ort_tokens = run_steps(out / f"onnxruntime-w{world}")
+    trt_logits, trt_tokens = run_steps(out / f"tensorrt-w{world}")
+    if int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))) != 0:
+        return True
+    diffs = [float(np.abs(a - b).max()) for a, b in zip(ort_logits, trt_logits)]
+    print(json.dumps({"world": world, "max_abs_logit_diff_per_step": diffs, "ort_tokens": ort_tokens,
+                      "trt_tokens": trt_tokens, "same_tokens": ort_tokens == trt_tokens}))  # fmt: skip
+    return ort_tokens == trt_tokens
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--world2-run", action="store_true", help="(internal) the mpiexec -n 2 part")
+    args = ap.parse_args()
+    out = args.out
+    if args.world2_run:
+        return 0 if compare(2, out) else 1
+    out.mkdir(parents=True, exist_ok=True)
+    from moe_export.export import build as driver
+    from moe_export.export.tensorrt_build import describe_engine
+    from moe_export.recipes.schema import load_recipe
+
+    for world in (1, 2):
+        for backend in ("onnxruntime", "tensorrt"):
+            rec, _ = load_recipe(recipe(out, backend, world))
+            driver.build(rec, out / f"{backend}-w{world}")
+        for rank in range(world):
+            info = describe_engine(out / f"tensorrt-w{world}" / f"rank{rank}" / f"rank{rank}.engine")
+            names = [layer.get("Name", str(layer)) if isinstance(layer, dict) else str(layer) for layer in info["layers"]]
+            print(f"world {world} rank {rank}: {info['num_layers']} layers, device memory "
+                  f"{info['device_memory_bytes'] / 2**20:.1f} MiB (recorded {info['recorded']['device_memory_bytes']})")
+            print("  " + "\n  ".join(names))
+    ok = compare(1, out)
+    res = subprocess.run(["mpiexec", "-n", "2", sys.executable, __file__, "--out", str(out), "--world2-run"])
+    return 0 if ok and res.returncode == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
