@@ -321,3 +321,33 @@ def test_llm_chat_enforces_a_forced_tool_call_and_a_json_schema(llm):
     (out,) = llm.chat([CONVERSATION], greedy, reasoning_effort="low", response_format=fmt)
     assert out.grammar_completed and out.finish_reason == "stop"
     jsonschema.validate(json.loads(out.content), ANSWER_SCHEMA)
+
+
+def test_an_engine_failure_is_an_internal_error_not_bad_input(runtime_engine):
+    """A failing step ends every open stream with InternalError (APIs: 500), and later requests get it too."""
+    from moe_export.export.errors import InternalError
+    from moe_export.runtime.engine import open_engine
+
+    class FailingRunner:  # the real runner, whose steps fail
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def sample(self, batch, sampling):
+            raise RuntimeError("device lost")
+
+    engine_dir = runtime_engine("tiny-k3", 2, 2, 4)
+    allm = AsyncLLM(LLM(engine_dir, runner=FailingRunner(open_engine(engine_dir, threads=1))))
+
+    async def run():
+        return await allm.generate("hi", SamplingParams(max_tokens=2))
+
+    try:
+        for _ in range(2):
+            with pytest.raises(InternalError, match="device lost") as exc:
+                asyncio.run(run())
+            assert not isinstance(exc.value, InputError)
+    finally:
+        allm.shutdown()

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moe_export.export.errors import InputError
+from moe_export.export.errors import InputError, InternalError
 from moe_export.runtime.core.budget import ReasoningBudget, resolve_thinking
 from moe_export.runtime.core.structured import GrammarLogitsProcessor, GrammarVocab, structural_tag_for
 from moe_export.runtime.chat import (
@@ -461,10 +461,12 @@ class AsyncLLM:
                 command()
             try:
                 deltas = self._core.step() if self._core.sched.has_work else []
-            except BaseException as exc:  # the engine failed: every open stream ends with this error
-                self._failure = exc
+            except BaseException as exc:  # the engine failed: every open stream ends with an internal error
+                failure = exc if isinstance(exc, InternalError) else InternalError(f"the engine failed: {type(exc).__name__}: {exc}")
+                failure.__cause__ = exc
+                self._failure = failure
                 for rid in list(self._queues):
-                    self._push(rid, exc)
+                    self._push(rid, failure)
                 return
             for d in deltas:
                 self._push(d.request_id, d)
@@ -482,8 +484,10 @@ class AsyncLLM:
 
     def _command(self, fn) -> None:
         with self._cv:
-            if self._closing or self._failure is not None:
-                raise InputError("the engine is shut down" if self._failure is None else f"the engine failed: {self._failure}")
+            if self._failure is not None:
+                raise self._failure
+            if self._closing:
+                raise InputError("the engine is shut down")
             self._commands.append(fn)
             self._cv.notify()
 

@@ -16,6 +16,7 @@ import logging
 import re
 import secrets
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
@@ -205,8 +206,9 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
-        log.exception("internal error on %s", request.url.path)
-        return error_response(request, 500, f"internal error ({type(exc).__name__}); see the server log")
+        error_id = uuid.uuid4().hex
+        log.exception("internal error %s on %s", error_id, request.url.path)
+        return error_response(request, 500, f"internal error ({type(exc).__name__}, error id {error_id}); see the server log")
 
     # --- helpers ------------------------------------------------------------------------------------
     def authorize(request: Request) -> str:
