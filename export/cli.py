@@ -292,8 +292,9 @@ def batch(
     summary = run_batch(engine, input_path, output, concurrency=concurrency, doc_job=doc_job, ray_address=ray_address,
                         ray_actors=ray_actors, max_file_bytes=max_file_bytes, console=err_console)
     render_summary(summary, err_console)
-    if summary.failed:
-        err_console.print(f"{summary.failed} item(s) failed: see the error lines in {output}", highlight=False)
+    if summary.failed or summary.failed_earlier:
+        err_console.print(f"{summary.failed + summary.failed_earlier} item(s) failed ({summary.failed_earlier} in earlier "
+                          f"runs): see the error lines in {output}", highlight=False)
         raise typer.Exit(1)
 
 
