@@ -333,8 +333,9 @@ def activation_bytes(cfg: ModelConfig, recipe: Recipe, mapping: Mapping) -> int:
 
 def plugin_workspace_bytes(cfg: ModelConfig, recipe: Recipe, mapping: Mapping) -> dict[str, int]:
     """Scratch the TensorRT plugins take per call at max_num_tokens (one call at a time on the rank's stream):
-    MoEMXFP4 (chunked partial sums, activations, pair layout), DSAIndexer (chunked scores and top-k merge over
-    the tables' capacity), and the vocab all-gather's receive buffer."""
+    MoEMXFP4 (chunked partial sums and activations, a declared plugin output in the engine's device memory, plus
+    the pair layout), DSAIndexer (chunked scores and top-k merge over the tables' capacity), and the vocab
+    all-gather's receive buffer."""
     from moe_export.plugins.dsa_indexer import triton_kernel as indexer
     from moe_export.plugins.moe_mxfp4 import triton_kernel as moe
 

@@ -40,7 +40,8 @@ _MODEL_CODE = (("graphs", "config.py"), ("graphs", "sharding.py"), ("graphs", "w
 # Source files each stage runs, as (subpackage of moe_export, glob inside it).
 STAGE_CODE: dict[str, tuple[tuple[str, str], ...]] = {
     "convert": (("export", "convert.py"), ("export", "checkpoint.py"), ("quantize", "*.py"), *_MODEL_CODE),
-    "graph": (("graphs", "onnx_export.py"), ("plugins", "*.py"), ("plugins", "*/onnx_schema.py"), *_MODEL_CODE),
+    "graph": (("graphs", "onnx_export.py"), ("graphs", "vision.py"), ("plugins", "*.py"), ("plugins", "*/onnx_schema.py"),
+              *_MODEL_CODE),
     "lower": (("export", "backends.py"), ("plugins", "*.py"), ("plugins", "*/onnx_schema.py"), ("plugins", "*/ort.py")),
     "engine": (("export", "tensorrt_*.py"), ("export", "planner.py"), ("plugins", "**/*.py")),
     "config": (("export", "build.py"), ("export", "manifest.py"), *_MODEL_CODE),

@@ -15,7 +15,8 @@ kernels are cubins for the recipe's GPU (`plugins/tensorrt_target.py`; PTX only 
 Memory. The build refuses a recipe whose per-GPU total (weights, pools for max_batch sequences with at least
 one max_seq_len, activation memory, plugin workspaces, reserve; `export/planner.py`) does not fit, before
 parsing; after the build it reads the engine's real activation memory (`device_memory_size_v2`, contract
-USER_MANAGED_DEVICE_MEMORY) and refuses an engine that needs more than the planner set aside for it. The
+USER_MANAGED_DEVICE_MEMORY; it includes the MoE plugin's workspace output) and refuses an engine that needs more
+than the planner set aside for it. The
 builder's workspace limit is that budget too.
 
 File. `rank{N}.engine` is a safetensors file (safetensors only, never pickle): one uint8 tensor `engine`
@@ -94,7 +95,7 @@ def select_device() -> int:
 def profile_range(name: str, axis: int, dim: str | int, limits, pools) -> tuple[int, int, int]:
     """(min, opt, max) of one dimension of an engine input: a fixed size, or a symbolic name.
 
-    T tokens of the step; N sequences (N_plus_1 = cu_seqlens); pools: S recurrent-state slots, NB cache blocks
+    T tokens of the step (M of them image rows); N sequences (N_plus_1 = cu_seqlens); pools: S recurrent-state slots, NB cache blocks
     of BS positions, B blocks per block table, with maxima the runtime's pool sizes (`pools`, the planner's
     `PoolSizes`: the same arithmetic as the planner and the engine loader; S one more, the padding slot of the
     runner's decode CUDA graphs) and small opt values, so the build's tactic timing never allocates full-size
@@ -106,6 +107,7 @@ def profile_range(name: str, axis: int, dim: str | int, limits, pools) -> tuple[
     pools = {"S": pools.num_slots, "BS": pools.block_size, "B": per_sequence, "NB": pools.num_blocks}
     ranges = {
         "T": (1, min(tokens, 256), tokens),
+        "M": (0, min(tokens, 64), tokens),  # the step's image rows (K3 with a vision tower), at most its tokens
         "N": (1, limits.max_batch, limits.max_batch),
         "N_plus_1": (2, limits.max_batch + 1, limits.max_batch + 1),
         "S": (1, min(pools["S"], 4), pools["S"] + DECODE_PAD_SLOTS),
@@ -204,10 +206,11 @@ def build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path, *, 
     engine = trt.Runtime(logger).deserialize_cuda_engine(blob)
     _checked(engine is not None, "deserializing the engine just built")
     device_memory = int(engine.device_memory_size_v2)
-    if device_memory > memory["activations"]:
+    planned = memory["activations"] + memory.get("workspace.moe_mxfp4", 0)  # the MoE workspace is an engine tensor
+    if device_memory > planned:
         raise InputError(
             f"recipe {recipe.name}: rank {mapping.rank}'s engine needs {device_memory / GIB:.2f} GiB of activation "
-            f"memory, the plan set aside {memory['activations'] / GIB:.2f} GiB: lower limits.max_num_tokens"
+            f"memory, the plan set aside {planned / GIB:.2f} GiB: lower limits.max_num_tokens"
         )
     meta = {
         "rank": mapping.rank,

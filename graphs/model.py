@@ -662,14 +662,20 @@ class KimiModel:
         return new_cache(self.cfg, batch, self.dtype)
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor, cache: ModelCache | None = None) -> torch.Tensor:
-        """ids [B, T] int64 -> logits [B, T, V] fp32. Without a cache, a fresh one is used (full forward)."""
+    def forward(self, ids: torch.Tensor, cache: ModelCache | None = None, image_embeds: torch.Tensor | None = None,
+                image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """ids [B, T] int64 -> logits [B, T, V] fp32. Without a cache, a fresh one is used (full forward).
+        image_embeds [M, D] replace the input embeddings where image_mask [B, T] is set (K3's `<|media_pad|>`
+        rows, row-major), as the public ports' masked scatter does."""
         if ids.dim() != 2:
             raise ValueError(f"ids must be [B, T], got shape {tuple(ids.shape)}")
         if cache is None:
             cache = self.new_cache(ids.shape[0])
         w = self.weights
         h = w.embed[ids]
+        if image_embeds is not None:
+            h = h.clone()
+            h[image_mask] = image_embeds.to(h.dtype)
         snapshots: list[torch.Tensor] = []
         for i, layer in enumerate(w.layers):
             h = decoder_layer(i, h, snapshots, layer, self.cfg, cache.layers[i])

@@ -3,6 +3,8 @@
 One graph per rank handles a packed batch of N sequences (prefill chunks and decode tokens mixed):
 
   inputs   input_ids [T] int64, positions [T] int64 (absolute position of each token in its sequence),
+           (K3 with a vision tower) image_rows [M] int64 and image_embeds [M, hidden] fp32: image embeddings that
+           replace those rows' input embeddings before layer 0 (`graphs.vision_export` computes them),
            cu_seqlens [N+1] int64, slot_ids [N] int64 (recurrent-state slot of each sequence),
            block_tables [N, B] int64 (each sequence's cache blocks in order, -1 padded),
            last_token_index [N] int64 (rows whose logits are wanted),
@@ -53,6 +55,7 @@ from onnx import TensorProto, helper
 from moe_export.export.errors import InputError
 from moe_export.graphs.config import ModelConfig
 from moe_export.graphs.sharding import Mapping
+from moe_export.graphs.vision import vision_config
 from moe_export.graphs.weights import layer_prefix, lm_head_name, model_prefix
 from moe_export.plugins import DOMAIN, OPSET_VERSION, PLUGIN_NAMESPACE, PLUGIN_VERSION
 from moe_export.quantize import fp8_cache
@@ -252,8 +255,9 @@ class RankGraph:
 
     def __init__(self, cfg: ModelConfig, mapping: Mapping, weights_path: Path, topk_override: int | None = None,
                  use_indexer: bool = True, kv_cache: str = "fp32", compute_dtype: int = TensorProto.FLOAT,
-                 state_in_place: bool = False):
+                 state_in_place: bool = False, max_num_tokens: int | None = None):
         self.cfg, self.m = cfg, mapping
+        self.max_num_tokens = max_num_tokens  # TensorRT: sizes the MoE plugin's workspace output
         self.state_in_place = state_in_place  # TensorRT: every pool updated by an aliased plugin output
         # MXFP4 bytes (and their E8M0 scales) as the MoE plugin receives them: uint8 for ONNX Runtime; int8 views of
         # the same bytes for TensorRT, whose ONNX parser would widen uint8 initializers to int32
@@ -268,6 +272,7 @@ class RankGraph:
         self.last_indices: str | None = None  # the latest full DSA layer's top-k indices value
         self.kda_heads = cfg.kda_num_heads // mapping.tp
         self.mla_heads = cfg.num_heads // mapping.tp
+        self.has_vision = vision_config(cfg) is not None  # K3 with a tower: image rows spliced in (`splice_images`)
 
     def row_bytes(self, dim: int) -> int:
         """Last dim of a cache pool holding rows of `dim` values: dim, or dim + 1 (the scale byte) for fp8."""
@@ -280,6 +285,14 @@ class RankGraph:
     def _output(self, value: str, name: str, elem: int, shape: list) -> None:
         self.g.op("Identity", [value], name)  # node named like the output, producing it
         self.outputs.append(helper.make_tensor_value_info(name, elem, shape))
+
+    def splice_images(self, h: str) -> str:
+        """Inputs image_rows [M] int64 and image_embeds [M, hidden] fp32 (the vision tower's output for the step's
+        `<|media_pad|>` tokens): the embeddings replace those rows of the input embeddings before layer 0."""
+        g = self.g
+        rows = self._input("image_rows", TensorProto.INT64, ["M"])
+        embeds = g.to_act(self._input("image_embeds", TensorProto.FLOAT, ["M", self.cfg.hidden_size]), "image_embeds")
+        return g.op("ScatterND", [h, g.op("Unsqueeze", [rows, g.const([-1])], "image_rows.idx"), embeds], "embed.images")
 
     # ---- embeddings / head (vocab-parallel) ----
     def embed(self, ids: str) -> str:
@@ -558,6 +571,14 @@ class RankGraph:
             dispatched = z
             z, ids, w, *layout = g.plugin("MoEDispatch", [z, ids, w], f"{n}.dispatch", 6, group="ep",
                                           num_experts=cfg.num_experts)
+        workspace = {}
+        if self.state_in_place:  # TensorRT: the plugin's scratch is its second output, in the engine's memory
+            from moe_export.plugins.moe_mxfp4.triton_kernel import workspace_bytes
+
+            local = len(m.local_experts(cfg.num_experts))
+            rows = self.max_num_tokens * (m.ep if m.all_to_all else 1)  # dp: tokens received from every rank
+            workspace = dict(n_out=2, scratch_bytes=workspace_bytes(rows, cfg.num_experts_per_token, cfg.expert_in_dim,
+                                                                    cfg.moe_intermediate_size, local))
         partial = g.plugin(
             "MoEMXFP4",
             [g.to_f32(z, f"{n}.experts_in"), ids, w] + [g.weight(e + t, as_float=False, byte_view=self.mxfp4_type)
@@ -567,7 +588,10 @@ class RankGraph:
             activation=cfg.hidden_act,
             situ_beta=float(cfg.situ_beta or 0.0),
             situ_linear_beta=float(cfg.situ_linear_beta or 0.0),
+            **workspace,
         )
+        if workspace:
+            partial = partial[0]  # output 1, the workspace, is only written and read by the plugin itself
         if m.all_to_all:  # back to the tokens' ranks, summed per token (latent space)
             y = g.plugin("MoECombine", [g.to_act(partial, f"{n}.experts"), *layout, dispatched], f"{n}.combine",
                          group="ep")
@@ -599,6 +623,8 @@ class RankGraph:
         num_seqs = g.op("Squeeze", [g.op("Shape", [io_common["slots"]], "num_seqs.shape"), g.const([0])], "num_seqs")
         io_common["local_slots"] = g.op("Range", [g.const(0), num_seqs, g.const(1)], "local_slots")  # [N] 0..N-1
         h = self.embed(ids)
+        if self.has_vision:
+            h = self.splice_images(h)
         snaps: list[str] = []
         state_outputs = []
         eps = cfg.rms_norm_eps
@@ -682,7 +708,7 @@ def export_rank_graph(cfg: ModelConfig, recipe, mapping: Mapping, weights_path: 
     use_indexer = recipe.attention.indexer == "auto"
     model = RankGraph(cfg, mapping, Path(weights_path), recipe.attention.sparse_topk, use_indexer,
                       recipe.quantization.kv_cache, compute_dtype(recipe),
-                      state_in_place=recipe.backend == "tensorrt").build()
+                      state_in_place=recipe.backend == "tensorrt", max_num_tokens=recipe.limits.max_num_tokens).build()
     Path(out_path).write_bytes(model.SerializeToString(deterministic=True))
     return graph_summary(model)
 

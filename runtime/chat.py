@@ -128,6 +128,7 @@ def render_ids(tokenizer: Tokenizer, messages: list[dict], *, family: str | None
     it, so a kept session of that turn continues. Otherwise the message is encoded as usual. (Built-in
     renderers only: a checkpoint template's output has no message boundaries.)"""
     family = family or tokenizer.family
+    images = kwargs.pop("images", None)  # runtime.images.PromptImages: the image parts' media tokens
     template = kwargs.pop("chat_template", None) or tokenizer.chat_template
     if family is None and template is None:
         raise InputError(f"{tokenizer.path}: the tokenizer has neither K3 nor K2 chat tokens nor a chat template; pass family=")
@@ -138,10 +139,10 @@ def render_ids(tokenizer: Tokenizer, messages: list[dict], *, family: str | None
         turn = messages[i].get("turn_ids")
         if turn is None:
             continue
-        ids += segments_to_ids(tokenizer, rendered.segments[done:start])
+        ids += segments_to_ids(tokenizer, rendered.segments[done:start], images)
         ids += _with_turn_ids(tokenizer, rendered.segments[start:stop], turn, f"messages[{i}]")
         done = stop
-    return ids + segments_to_ids(tokenizer, rendered.segments[done:])
+    return ids + segments_to_ids(tokenizer, rendered.segments[done:], images)
 
 
 def _with_turn_ids(tokenizer: Tokenizer, segments: list[Segment], turn: Any, where: str) -> list[int]:
@@ -192,11 +193,14 @@ def _rest_after(tokenizer: Tokenizer, segments: list[Segment], ids: list[int], *
     return segments[items[k][1]:] if k < len(items) else []
 
 
-def segments_to_ids(tokenizer: Tokenizer, segments: list[Segment]) -> list[int]:
-    """Tokenize segments: each marker as its special token, each text segment alone as ordinary text."""
+def segments_to_ids(tokenizer: Tokenizer, segments: list[Segment], images=None) -> list[int]:
+    """Tokenize segments: each marker as its special token, each text segment alone as ordinary text. `images`
+    (`runtime.images.PromptImages`) expands each image marker into its media tokens."""
     ids: list[int] = []
     for seg in segments:
-        if seg.special:
+        if seg.special and seg.source is not None and images is not None:
+            ids += images.expand(seg.source)
+        elif seg.special:
             ids.append(tokenizer.encode_special(seg.text))
         else:
             ids += tokenizer.encode(seg.text)

@@ -100,17 +100,28 @@ def navit_plan(width: int, height: int, patch_size: int, merge: int, limit: int,
                       (factor - new_h % factor) % factor, patch_size)
 
 
-@dataclass(frozen=True)
+@dataclass
 class PreparedImage:
-    """One preprocessed image: pixel_values [patches, 3, p, p] fp32, its plan, and its content hash."""
+    """One image of a request: its plan (tokens known from the size alone), its content hash, and its
+    pixel_values [patches, 3, p, p] fp32, computed from the decoded image on first use (an image whose
+    embeddings are cached is never resized)."""
 
-    pixel_values: np.ndarray
     plan: ResizePlan
     digest: str
+    image: Image.Image | None = None
+    processor: ImageProcessor | None = None
+    pixels: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.plan.num_tokens
+
+    @property
+    def pixel_values(self) -> np.ndarray:
+        if self.pixels is None:
+            self.pixels = self.processor.pixel_values(self.image, self.plan)
+            self.image = None
+        return self.pixels
 
 
 @dataclass
@@ -203,20 +214,25 @@ class ImageProcessor:
         arr = np.asarray(image.convert("RGB"))
         return np.pad(arr, ((0, plan.pad_height), (0, plan.pad_width), (0, 0)))
 
-    def preprocess(self, image: Image.Image, digest: str = "") -> PreparedImage:
-        """One image -> PreparedImage (pixel_values in (gh, gw, C, p, p) patch order)."""
-        plan = self.plan(*image.size)
+    def pixel_values(self, image: Image.Image, plan: ResizePlan) -> np.ndarray:
+        """The normalized patches [gh*gw, 3, p, p] fp32 of `image`, in (gh, gw, C, p, p) order."""
         x = (self.pixels(image, plan) / 255.0).astype(np.float32)
         x -= np.asarray(self.cfg["image_mean"], dtype=np.float32)
         x *= 1.0 / np.asarray(self.cfg["image_std"], dtype=np.float32)
         p = self.patch_size
         _, gh, gw = plan.grid
-        patches = x.reshape(gh, p, gw, p, 3).transpose(0, 2, 4, 1, 3).reshape(gh * gw, 3, p, p)
-        return PreparedImage(np.ascontiguousarray(patches), plan, digest)
+        return np.ascontiguousarray(x.reshape(gh, p, gw, p, 3).transpose(0, 2, 4, 1, 3).reshape(gh * gw, 3, p, p))
 
-    def preprocess_bytes(self, data: bytes, where: str) -> PreparedImage:
-        """Decode and preprocess an encoded image; the digest is sha256 of the bytes and this config."""
-        return self.preprocess(decode_image(data, where), image_digest(data, self.cfg))
+    def preprocess(self, image: Image.Image, digest: str = "") -> PreparedImage:
+        """One image -> PreparedImage with its pixel values computed now."""
+        plan = self.plan(*image.size)
+        return PreparedImage(plan, digest, pixels=self.pixel_values(image, plan))
+
+    def prepare_bytes(self, data: bytes, where: str) -> PreparedImage:
+        """Decode an encoded image (InputError naming `where` if it cannot be) and plan it; its pixel values are
+        computed when the tower needs them. The digest is sha256 of the bytes and this config."""
+        image = decode_image(data, where)
+        return PreparedImage(self.plan(*image.size), image_digest(data, self.cfg), image, self)
 
 
 def background(h: int, w: int, bg_cfg: dict[str, Any]) -> np.ndarray:
@@ -282,3 +298,65 @@ def image_token_ids(tokenizer, width: int, height: int, num_tokens: int) -> list
     return ([tokenizer.encode_special(MEDIA_BEGIN)] + tokenizer.encode(f"image {width}x{height}")
             + [tokenizer.encode_special(MEDIA_CONTENT)] + [tokenizer.encode_special(MEDIA_PAD)] * num_tokens
             + [tokenizer.encode_special(MEDIA_END)])
+
+
+IMAGE_PART_TYPES = ("image", "image_url", "input_image")
+
+
+def image_part_bytes(part: dict, where: str) -> bytes:
+    """The encoded image of a content part: OpenAI `image_url` ({"url": data URL} or the URL string),
+    Responses `input_image` (`image_url`), Anthropic `image` ({"source": {"type": "base64", "data": ...}})."""
+    kind = part.get("type")
+    if kind == "image" and isinstance(part.get("source"), dict):
+        src = part["source"]
+        if src.get("type") != "base64" or not isinstance(src.get("data"), str):
+            raise InputError(f"{where}.source: only base64 image sources are accepted")
+        media = src.get("media_type", "image/png")
+        return data_url_bytes(f"data:{media};base64,{src['data']}", f"{where}.source")
+    url = part.get("image_url")
+    if isinstance(url, dict):
+        url = url.get("url")
+    if not isinstance(url, str):
+        raise InputError(f"{where}: an image part needs image_url.url (a data:image/...;base64 URL)")
+    return data_url_bytes(url, f"{where}.image_url")
+
+
+class PromptImages:
+    """The image parts of a conversation, decoded and preprocessed, keyed by their place
+    ("messages[i].content[k]"); `expand(where)` gives a part's media tokens and records the order in which the
+    prompt holds them (`order`: the images of the prompt's `<|media_pad|>` runs, in order)."""
+
+    def __init__(self, tokenizer, processor: ImageProcessor, messages: list, max_images: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.parts: dict[str, PreparedImage] = {}
+        self.order: list[PreparedImage] = []
+        for i, msg in enumerate(messages if isinstance(messages, list) else []):
+            content = msg.get("content") if isinstance(msg, dict) else None
+            if not isinstance(content, list):
+                continue
+            for k, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                    where = f"messages[{i}].content[{k}]"
+                    if max_images is not None and len(self.parts) >= max_images:
+                        raise InputError(f"{where}: too many images: the engine takes at most {max_images} per request "
+                                         "(limits.max_images_per_request)")
+                    self.parts[where] = processor.prepare_bytes(image_part_bytes(part, where), where)
+
+    def expand(self, where: str) -> list[int]:
+        image = self.parts[where]
+        self.order.append(image)
+        plan = image.plan
+        return image_token_ids(self.tokenizer, plan.width, plan.height, plan.num_tokens)
+
+
+def image_file_part(path: str) -> dict:
+    """An OpenAI `image_url` part (a base64 data URL) for an image file; InputError if it is not a readable
+    PNG / JPEG / WebP / GIF."""
+    if not path:
+        raise InputError("/image needs a file path")
+    try:
+        data = Path(path).expanduser().read_bytes()
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    fmt = decode_image(data, path).format.lower()
+    return {"type": "image_url", "image_url": {"url": f"data:image/{fmt};base64,{base64.b64encode(data).decode()}"}}

@@ -34,7 +34,7 @@ EXPECTED = {  # op type -> (has JIT impl, has AOT impl, aliased input of each ou
     "SparseMLAAttention": (True, True, [-1]),
     "DSAIndexer": (True, False, [-1]),
     "PagedCacheWrite": (True, True, [0]),
-    "MoEMXFP4": (True, False, [-1]),
+    "MoEMXFP4": (True, False, [-1, -1]),
     "AllReduce": (True, False, [-1]),
     "AllGather": (True, False, [-1]),
 }

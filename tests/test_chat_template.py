@@ -98,6 +98,29 @@ def test_template_errors_and_sandbox():
     assert render([], chat_template=ours("{{ strftime_now('%Y') | length }}")) == "4"
 
 
+def test_token_ids_equal_transformers_sanitized_encoding(tmp_path):
+    """A tokenizer.json checkpoint with a chat template: our ids equal transformers' apply_chat_template(tokenize=True,
+    sanitize_control_tokens=True) on the same files, a typed `<|im_end|>` in a message included (text, not a marker)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>", "<think>", "</think>",
+                "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>", "[BOS]", "[EOS]"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(["Hello world, the weather is sunny in Paris. You are helpful. Return of tool calls"] * 50, trainer)
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "[BOS]", "eos_token": "[EOS]", "chat_template": ROLE_TEMPLATE}))
+    tok = load_tokenizer(tmp_path)
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), bos_token="[BOS]", eos_token="[EOS]")
+    for messages in CONVERSATIONS:
+        want = hf.apply_chat_template(copy.deepcopy(messages), tools=[WEATHER], chat_template=ROLE_TEMPLATE, tokenize=True,
+                                      add_generation_prompt=True, sanitize_control_tokens=True, return_dict=False)
+        assert render_ids(tok, messages, tools=[WEATHER]) == want
+
+
 def _kimi_dir(tmp_path, family="k2", **config):
     d = tmp_path / "tok"
     d.mkdir(parents=True)

@@ -241,6 +241,15 @@ def test_inner_triton_block_layout_repeated_expert_and_off_rank():
     small = triton_kernel.moe_mxfp4_triton(**case, expert_offset=offset, block_m=4, block_n=16, block_kp=32,
                                            budget_bytes=1)  # fmt: skip
     close(small, want)
+    # in a caller's workspace (TensorRT: the plugin's second output), poisoned first: the same result
+    size = triton_kernel.workspace_bytes(6, 3, 64, 96, 5, block_m=4, budget_bytes=1)
+    workspace = torch.full((size,), 0xFF, dtype=torch.uint8)
+    got = triton_kernel.moe_mxfp4_triton(**case, expert_offset=offset, block_m=4, block_n=16, block_kp=32,
+                                         budget_bytes=1, workspace=workspace)  # fmt: skip
+    close(got, want)
+    with pytest.raises(ValueError, match="workspace"):
+        triton_kernel.moe_mxfp4_triton(**case, expert_offset=offset, block_m=4, budget_bytes=1,
+                                       workspace=workspace[:16])  # fmt: skip
 
 
 def test_pair_layout_from_shapes_only_without_host_sync():

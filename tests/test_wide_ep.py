@@ -193,10 +193,10 @@ ROUNDS = [
 ]
 
 
-def run_mpi(engine_dir: Path, world: int) -> dict:
+def run_mpi(engine_dir: Path, world: int, *extra: str) -> dict:
     mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
     r = subprocess.run([mpiexec, "-n", str(world), sys.executable, str(HERE / "mpi_wide_ep_run.py"), str(engine_dir),
-                        json.dumps(ROUNDS)], capture_output=True, text=True, timeout=600,
+                        json.dumps(ROUNDS), *extra], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -208,7 +208,8 @@ def test_mpiexec_8_ranks_dp_layout_matches_single_rank_reference(dp_engine, pres
     """`mpiexec -n 8` (tp 2 x dp 4 or tp 1 x dp 8, experts over 8 ranks): rank 0's generate() spreads the requests
     over the groups (least loaded; a follow-up to its group), each request's greedy tokens equal the reference's."""
     engine_dir = dp_engine(preset, tp, 8)
-    got = run_mpi(engine_dir, 8)
+    abort = (preset, tp) == ("tiny-k3", 2)  # one layout also runs the AsyncLLM abort phase
+    got = run_mpi(engine_dir, 8, *(["abort"] if abort else []))
     ref = KimiModel.from_checkpoint(source_checkpoint(engine_dir))
     vocab = load_tokenizer(engine_dir).vocab_size  # the LLM samples among the tokenizer's ids
     for r, spec in enumerate(ROUNDS):
@@ -222,14 +223,22 @@ def test_mpiexec_8_ranks_dp_layout_matches_single_rank_reference(dp_engine, pres
     assert len(set(second)) == min(8 // tp, len(second))  # five requests over the groups
     moe_layers = len(got["expert_tokens"])
     routed = sum(len(p) + spec["max_tokens"] - 1 for spec in ROUNDS for p in spec["prompts"])
-    assert got["moe_tokens"] == routed * moe_layers  # every token routed once per MoE layer, by one rank
-    assert np.sum(got["expert_tokens"]) == routed * moe_layers * ref.cfg.num_experts_per_token
-    load = np.asarray(got["expert_tokens"])  # rank 0's stats() sums the groups' counts step by step: the same load
-    assert got["stats_expert_load"]["routed"] == load.sum()
-    np.testing.assert_allclose(got["stats_expert_load"]["max_over_mean"], load.max(1) / load.mean(1), rtol=1e-3)
+    load = np.asarray(got["expert_tokens"])  # every rank's own dispatches, gathered at the end
+    if not abort:  # (the abort phase routes a number of tokens that depends on when the abort lands)
+        assert got["moe_tokens"] == routed * moe_layers  # every token routed once per MoE layer, by one rank
+        assert load.sum() == routed * moe_layers * ref.cfg.num_experts_per_token
+        # rank 0's stats() sums the groups' counts step by step: the same load
+        np.testing.assert_allclose(got["stats_expert_load"]["max_over_mean"], load.max(1) / load.mean(1), rtol=1e-3)
+    assert got["stats_expert_load"]["routed"] == routed * moe_layers * ref.cfg.num_experts_per_token
     stats = got["stats"]  # every group's scheduler, summed
     assert stats["groups"] == 8 // tp and stats["blocks_total"] == stats["groups"] * got["blocks_per_rank"]
     assert stats["running"] == stats["waiting"] == 0
+    if abort:  # streams in groups 0, 1, 2; group 1's dropped after one token, its slot freed, the others whole
+        aborted = got["aborted"]
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        for key, prompt in (("a", [11, 12, 13]), ("c", [31, 32, 33])):
+            assert aborted[key] == generate_tokens(ReferenceEngine(ref, max_seq_len=64), prompt, params, sample_vocab=vocab)
+        assert len(aborted["b"]) == 1 and aborted["groups"] == [0, 2] and aborted["after"] == 0
     assert "moe_all_reduce" not in got["sent_bytes"] and got["sent_bytes"]["moe_all_to_all"] > 0
 
 
@@ -305,3 +314,18 @@ def test_mpiexec_8_ranks_serve_spreads_chats_over_groups(dp_engine):
         assert (message["content"] or "", message.get("reasoning_content") or "") == \
             (want.content or "", want.reasoning_content or "")
     assert code == 0
+
+
+def test_placement_follow_ups_least_loaded_and_processors_in_group_0():
+    from collections import OrderedDict
+
+    from moe_export.runtime.core.scheduler import Request
+    from moe_export.runtime.core.wide_ep import GroupedScheduler
+
+    sched = GroupedScheduler.__new__(GroupedScheduler)  # placement reads only loads and history
+    sched.groups, sched.loads = 4, [2, 0, 1, 0]
+    sched.history = OrderedDict({(1, 2, 3): 2, (1, 2): 3})
+    assert sched.place(Request("a", [9, 9])) == 1  # least loaded, lowest group first
+    assert sched.place(Request("b", [1, 2, 3, 4])) == 2  # the longest finished prompt it continues
+    assert sched.place(Request("c", [1, 2, 7])) == 3
+    assert sched.place(Request("d", [1, 2, 3, 4], logits_processors=[lambda ids, logits: logits])) == 0

@@ -13,12 +13,16 @@ Node contract (semantics in `reference.py`):
     bytes: uint8, or int8 over the same bytes (TensorRT graphs: its ONNX parser widens uint8 initializers to
     int32, see export/tensorrt_contracts.py); all four share one type.
     output   y               [T, D]            float   weighted sum over the choices held by this rank
+             scratch         [scratch_bytes]   int8    (TensorRT graphs only) the plugin's workspace: a declared
+                                                       output so that it lives in the engine's device memory
     attributes  expert_offset (int, required): global id of local expert 0 (this rank holds E experts)
                 activation (string, required): "situ" or "silu"
                 situ_beta (float, required): SiTU beta (4.0 for K3; ignored by "silu")
                 situ_linear_beta (float, required): SiTU up clamp (25.0 for K3; ignored by "silu")
+                scratch_bytes (int, default 0): size of the scratch output (TensorRT graphs)
                 plugin_version (string, default "1"): TensorRT plugin version
-    All attributes are required because TensorRT QDP attributes cannot have defaults.
+    The others are required because TensorRT QDP attributes cannot have defaults (TensorRT graphs always
+    carry scratch_bytes).
 
 `register()` installs the schema with a Python type-and-shape inference function (see
 `sparse_mla_attention/onnx_schema.py`), idempotently.
@@ -35,6 +39,9 @@ OP_TYPE = "MoEMXFP4"
 
 def _infer(ctx) -> None:
     ctx.set_output_type(0, tensor_type(onnx.TensorProto.FLOAT, [input_dim(ctx, 0, 0), input_dim(ctx, 0, 1)]))
+    if ctx.get_num_outputs() > 1:  # TensorRT graphs: the workspace output, `scratch_bytes` int8
+        size = helper.get_attribute_value(ctx.get_attribute("scratch_bytes"))
+        ctx.set_output_type(1, tensor_type(onnx.TensorProto.INT8, [size]))
 
 
 def schema() -> defs.OpSchema:
@@ -56,13 +63,17 @@ def schema() -> defs.OpSchema:
             p("w2_packed", "B", "[E, D, I/2]"),
             p("w2_scale", "B", "[E, D, I/32]"),
         ],
-        outputs=[p("y", "tensor(float)", "[T, D]")],
+        outputs=[p("y", "tensor(float)", "[T, D]"),
+                 p("scratch", "tensor(int8)", "[scratch_bytes] workspace (TensorRT graphs; never read)",
+                   param_option=defs.OpSchema.FormalParameterOption.Optional)],
         type_constraints=[("B", ["tensor(uint8)", "tensor(int8)"], "MXFP4 bytes: uint8, or int8 views (TensorRT)")],
         attributes=[
             attr("expert_offset", kind.INT, "global id of local expert 0"),
             attr("activation", kind.STRING, '"situ" or "silu"'),
             attr("situ_beta", kind.FLOAT, "SiTU beta"),
             attr("situ_linear_beta", kind.FLOAT, "SiTU linear beta"),
+            attr("scratch_bytes", helper.make_attribute("scratch_bytes", 0),
+                 "bytes of the workspace output (TensorRT graphs; ONNX Runtime graphs have no such output)"),
             *plugin_lookup_attributes(),
         ],
     )

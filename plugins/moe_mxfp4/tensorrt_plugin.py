@@ -18,8 +18,12 @@ PARSER_UINT8_WEIGHTS_BECOME_INT32, ADD_CONSTANT_NO_UINT8); the impl views them b
 engine holds them at 4.25 bits per weight, as the planner counts.
 
 No host synchronization in `impl` (the pair layout is sized from shapes, `triton_kernel.padded_expert_blocks`)
-and bounded scratch (tokens in chunks, `triton_kernel.scratch_bytes`), so the launches can be captured in a
-CUDA graph. The result is written straight into TensorRT's output buffer.
+and bounded scratch (tokens in chunks), so the launches can be captured in a CUDA graph. The result is written
+straight into TensorRT's output buffer. QDP plugins get no TensorRT workspace (contract QDP_NO_WORKSPACE), so the
+chunk's partial sums and activations live in a second, declared output `scratch` [scratch_bytes] int8
+(`triton_kernel.workspace_bytes` at the recipe's max_num_tokens, set by the graph exporter): TensorRT places it in
+the engine's device memory like any activation, reused between layers; only the small pair layout comes from
+torch's caching allocator.
 
 Why there is no `aot_impl`: a QDP AOT implementation is one kernel launch whose only tensors are the plugin's
 inputs and outputs, but `triton_kernel.moe_mxfp4_triton` is host-side torch work (sorting the pairs by expert on
@@ -54,11 +58,14 @@ def _describe(
     activation: str,
     situ_beta: Float32Field,
     situ_linear_beta: Float32Field,
-) -> trtp.TensorDesc:
-    """y [T, D] fp32, the shape of x; an unknown activation fails the build here, not at run time."""
+    scratch_bytes: Int32Field,
+) -> tuple[trtp.TensorDesc, trtp.TensorDesc]:
+    """y [T, D] fp32, the shape of x, and the workspace [scratch_bytes] int8; an unknown activation fails the
+    build here, not at run time."""
     if text(activation) not in ACTIVATIONS:
         raise ValueError(f"{PLUGIN_ID}: activation must be one of {ACTIVATIONS}, got {text(activation)!r}")
-    return trtp.from_shape_expr((x.shape_expr[0], x.shape_expr[1]), dtype=trt.float32)
+    return (trtp.from_shape_expr((x.shape_expr[0], x.shape_expr[1]), dtype=trt.float32),
+            trtp.from_shape_expr((scalar(scratch_bytes),), dtype=trt.int8))  # fmt: skip
 
 
 @trtp.autotune(PLUGIN_ID)
@@ -70,11 +77,11 @@ def _formats(
     w13_scale: trtp.TensorDesc,
     w2_packed: trtp.TensorDesc,
     w2_scale: trtp.TensorDesc,
-    outputs: tuple[trtp.TensorDesc],
+    outputs: tuple[trtp.TensorDesc, trtp.TensorDesc],
 ) -> list[trtp.AutoTuneCombination]:
     """fp32 activations, int64 ids, fp32 routing weights, MXFP4 bytes as INT8 (views of the uint8 bytes), fp32
-    output; linear layout."""
-    return [trtp.AutoTuneCombination("FP32, INT64, FP32, INT8, INT8, INT8, INT8, FP32")]
+    output, INT8 workspace; linear layout."""
+    return [trtp.AutoTuneCombination("FP32, INT64, FP32, INT8, INT8, INT8, INT8, FP32, INT8")]
 
 
 @trtp.impl(PLUGIN_ID)
@@ -90,10 +97,12 @@ def _run(
     activation: str,
     situ_beta: Float32Field,
     situ_linear_beta: Float32Field,
-    outputs: tuple[trtp.Tensor],
+    scratch_bytes: Int32Field,
+    outputs: tuple[trtp.Tensor, trtp.Tensor],
     stream: int,
 ) -> None:
-    """Run the Triton kernels on TensorRT's stream, writing into the output buffer (no host synchronization)."""
+    """Run the Triton kernels on TensorRT's stream, writing into the output buffer, with the partial sums and
+    activations in the workspace output (no host synchronization)."""
     x_t, ids, w = (as_torch(t) for t in (x, expert_ids, expert_weights))
     weights = [as_torch(t).view(torch.uint8) for t in (w13_packed, w13_scale, w2_packed, w2_scale)]
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
@@ -104,4 +113,5 @@ def _run(
             situ_beta=scalar(situ_beta),
             situ_linear_beta=scalar(situ_linear_beta),
             out=as_torch(outputs[0]),
+            workspace=as_torch(outputs[1]).view(torch.uint8),
         )  # fmt: skip

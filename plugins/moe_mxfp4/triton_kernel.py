@@ -175,13 +175,42 @@ def chunk_tokens(top_k: int, dim: int, inter: int, budget_bytes: int) -> int:
     return max(1, budget_bytes // per_token)
 
 
-def scratch_bytes(num_tokens: int, top_k: int, dim: int, inter: int, num_local: int, *, block_m: int = 16,
-                  budget_bytes: int) -> int:
-    """Device scratch one MoEMXFP4 call takes (largest chunk): partial sums [Tc*k, D] fp32, activations [C, I]
-    fp32, pair layout [C] int64 + [C/block_m] int32, C = pair_capacity(Tc*k)."""
+def _aligned(n: int) -> int:
+    return -(-n // 256) * 256
+
+
+def workspace_bytes(num_tokens: int, top_k: int, dim: int, inter: int, num_local: int, *, block_m: int = 16,
+                    budget_bytes: int = 256 * 2**20) -> int:
+    """Bytes of the caller-provided workspace (`moe_mxfp4_triton(workspace=...)`) for steps of up to
+    `num_tokens`: the largest chunk's partial sums [Tc*k, D] fp32 and activations [C, I] fp32, 256-byte aligned
+    (TensorRT engines declare it as the plugin's second output, so it lives in the engine's device memory)."""
     tc = min(num_tokens, chunk_tokens(top_k, dim, inter, budget_bytes))
     cap = pair_capacity(tc * top_k, num_local, block_m)
-    return 4 * tc * top_k * dim + 4 * cap * inter + 8 * cap + 4 * (cap // block_m)
+    return _aligned(4 * tc * top_k * dim) + _aligned(4 * cap * inter)
+
+
+def scratch_bytes(num_tokens: int, top_k: int, dim: int, inter: int, num_local: int, *, block_m: int = 16,
+                  budget_bytes: int) -> int:
+    """Device scratch one MoEMXFP4 call takes (largest chunk): the workspace (partial sums, activations) and the
+    pair layout [C] int64 + [C/block_m] int32, C = pair_capacity(Tc*k)."""
+    tc = min(num_tokens, chunk_tokens(top_k, dim, inter, budget_bytes))
+    cap = pair_capacity(tc * top_k, num_local, block_m)
+    ws = workspace_bytes(num_tokens, top_k, dim, inter, num_local, block_m=block_m, budget_bytes=budget_bytes)
+    return ws + 8 * cap + 4 * (cap // block_m)
+
+
+def _buffers(workspace: torch.Tensor | None, pairs: int, dim: int, rows: int, inter: int, device):
+    """(partial [pairs, D] fp32, act [rows, I] fp32): views into `workspace` (uint8), or fresh tensors."""
+    if workspace is None:
+        return (torch.empty(pairs, dim, dtype=torch.float32, device=device),
+                torch.empty(rows, inter, dtype=torch.float32, device=device))  # fmt: skip
+    first = _aligned(4 * pairs * dim)
+    need = first + 4 * rows * inter
+    if workspace.numel() < need:
+        raise ValueError(f"MoE workspace of {workspace.numel()} bytes, {need} needed")
+    partial = workspace[: 4 * pairs * dim].view(torch.float32).view(pairs, dim)
+    act = workspace[first : first + 4 * rows * inter].view(torch.float32).view(rows, inter)
+    return partial, act
 
 
 def moe_mxfp4_triton(
@@ -202,9 +231,11 @@ def moe_mxfp4_triton(
     block_kp: int = 16,
     budget_bytes: int = DEFAULT_SCRATCH_BUDGET,
     out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, D] fp32/bf16, expert_ids [T, k], expert_weights [T, k], weights as in `reference.py` -> y [T, D] fp32
-    (written into `out` when given). D and I must be multiples of 32 (MXFP4 blocks)."""
+    (written into `out` when given). D and I must be multiples of 32 (MXFP4 blocks). `workspace`: uint8 device
+    buffer of at least `workspace_bytes(T, ...)` holding the partial sums and activations (else allocated)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     num_tokens, top_k = expert_ids.shape
@@ -219,11 +250,11 @@ def moe_mxfp4_triton(
         xf = x[t0:t1].float().contiguous()
         ids = expert_ids[t0:t1]
         route_w = expert_weights[t0:t1].float().contiguous().view(-1)
-        partial = torch.zeros((t1 - t0) * top_k, dim, dtype=torch.float32, device=x.device)
         pair_rows, block_expert = padded_expert_blocks(ids, expert_offset, num_local, block_m)
         num_blocks = block_expert.numel()
+        partial, act = _buffers(workspace, (t1 - t0) * top_k, dim, pair_rows.numel(), inter, x.device)
+        partial.zero_()  # pairs routed to other ranks contribute zeros
         if num_blocks:
-            act = torch.empty(pair_rows.numel(), inter, dtype=torch.float32, device=x.device)
             _moe_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
                 xf, pair_rows, block_expert, w13p, w13s, act,
                 dim, inter, top_k, float(situ_beta), float(situ_linear_beta),

@@ -44,6 +44,7 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
     budget: object | None = None
+    images: list = field(default_factory=list)  # runtime.images.PreparedImage of each `<|media_pad|>` run, in order
 
 
 @dataclass
@@ -74,6 +75,15 @@ class Sequence:
     text: IncrementalDecoder | None = None  # requests with stop strings: the output's text, a step at a time
     text_len: int = 0  # characters of output text decoded so far
     text_tail: str = ""  # their last characters, as many as a stop string may have begun in
+    pad_positions: np.ndarray | None = None  # prompt positions of the image rows (`<|media_pad|>`), in order
+    image_embeds: np.ndarray | None = None  # [len(pad_positions), hidden] once the tower has run
+    key_prefix: tuple[int, ...] = ()  # the prompt with each image's pads replaced by a key of its content
+
+    def session_key(self, n: int) -> tuple[int, ...]:
+        """The first n tokens as a session key: an image's `<|media_pad|>` rows stand for its content hash, so a
+        kept session is reused only by a prompt with the same images."""
+        k = len(self.key_prefix)
+        return self.key_prefix[:n] + tuple(self.tokens[k:n]) if k else tuple(self.tokens[:n])
 
     @property
     def output_ids(self) -> list[int]:
@@ -130,12 +140,53 @@ class Scheduler:
         if request.request_id in self._ids:
             raise InputError(f"request id {request.request_id!r} is already in use")
         seq = Sequence(request, [int(t) for t in request.prompt_ids], n, RequestSampler(request.sampling, request.logits_processors))
+        if request.images:
+            self._check_images(seq)
         if request.sampling.stop:
             seq.text = self.text_decoder()
         if self._blocks_for(seq) > self.allocator.num_blocks:
             raise InputError(f"request {request.request_id}: prompt + max_tokens needs {self._blocks_for(seq)} cache blocks; "
                              f"the engine has {self.allocator.num_blocks}")
         return seq
+
+    def _check_images(self, seq: Sequence) -> None:
+        """An image request: the engine has a tower, and the prompt's `<|media_pad|>` runs match the images."""
+        req = seq.request
+        if getattr(self.engine, "vision", None) is None:
+            raise InputError(f"request {req.request_id}: this engine has no vision tower (text only); "
+                             "image input needs a K3 engine built with its vision_config")
+        ids = np.asarray(seq.tokens)
+        pads = np.flatnonzero(ids == self.engine.media_pad_id)
+        want = sum(im.num_tokens for im in req.images)
+        if len(pads) != want:
+            raise InputError(f"request {req.request_id}: the prompt holds {len(pads)} <|media_pad|> tokens, its "
+                             f"{len(req.images)} image(s) need {want}")
+        seq.pad_positions = pads
+        key = ids.tolist()
+        start = 0
+        for im in req.images:  # one stand-in id per image, negative so it never equals a token id
+            stand_in = -1 - int(im.digest[:15] or "0", 16)
+            for p in pads[start:start + im.num_tokens]:
+                key[p] = stand_in
+            start += im.num_tokens
+        seq.key_prefix = tuple(key)
+
+    def _encode_images(self) -> None:
+        """Run the tower for waiting requests whose images have no embeddings yet (cache hits first, the rest in
+        one packed call)."""
+        pending = [s for s in self.waiting if s.request.images and s.image_embeds is None]
+        if not pending:
+            return
+        vision = self.engine.vision
+        images = [im for s in pending for im in s.request.images]
+        found, missing = vision.lookup(images)
+        if missing:
+            out = self._execute({"vision": [[im.pixel_values, list(im.plan.grid)] for im in missing]})
+            for im, emb in zip(missing, out):
+                found[im.digest] = emb
+                vision.store(im.digest, emb)
+        for s in pending:
+            s.image_embeds = np.concatenate([found[im.digest] for im in s.request.images])
 
     @property
     def vocab_size(self) -> int | None:
@@ -183,7 +234,7 @@ class Scheduler:
     def _try_admit(self, seq: Sequence, resets: list[int]) -> bool:
         """Give `seq` a slot and its blocks (reusing a kept session when one is a prefix); False: must wait."""
         need = self._blocks_for(seq)
-        kept = self.sessions.take_longest_prefix(seq.tokens) if self.keep_sessions else None
+        kept = self.sessions.take_longest_prefix(list(seq.session_key(len(seq.tokens)))) if self.keep_sessions else None
         have = len(kept.blocks) if kept else 0
         while (self.allocator.free_blocks < need - have or (kept is None and not self.free_slots)) and len(self.sessions):
             self._release_kept(self.sessions.evict_lru())
@@ -212,7 +263,7 @@ class Scheduler:
         if keep and self.keep_sessions and seq.num_computed > 0:
             used = self.allocator.blocks_needed(seq.num_computed)
             self.allocator.decref(seq.blocks[used:])
-            replaced = self.sessions.keep(KeptSequence(tuple(seq.tokens[: seq.num_computed]), seq.slot, seq.blocks[:used]))
+            replaced = self.sessions.keep(KeptSequence(seq.session_key(seq.num_computed), seq.slot, seq.blocks[:used]))
             if replaced is not None:
                 self._release_kept(replaced)
         else:
@@ -253,7 +304,12 @@ class Scheduler:
             if n == 0:
                 return False
             table = seq.blocks[: self.allocator.blocks_needed(seq.num_computed + n)]
-            chunks.append(SequenceChunk(seq.slot, seq.num_computed, seq.tokens[seq.num_computed: seq.num_computed + n], table))
+            chunk = SequenceChunk(seq.slot, seq.num_computed, seq.tokens[seq.num_computed: seq.num_computed + n], table)
+            if seq.pad_positions is not None:  # the chunk's image rows and their embeddings
+                lo, hi = np.searchsorted(seq.pad_positions, [seq.num_computed, seq.num_computed + n])
+                chunk.image_rows = (seq.pad_positions[lo:hi] - seq.num_computed).tolist()
+                chunk.image_embeds = seq.image_embeds[lo:hi]
+            chunks.append(chunk)
             scheduled.append(seq)
             step_tokens, step_blocks = step_tokens + n, max(step_blocks, len(table))
             return True
@@ -273,12 +329,14 @@ class Scheduler:
     def step(self) -> list[SequenceUpdate]:
         """Run one engine step (if anything is runnable); returns the updates it produced."""
         updates, self._aborted = self._aborted, []
+        self._encode_images()
         resets, scheduled, chunks = self._plan()
         if not chunks:
             if self.waiting and not self.running and not updates:
                 raise RuntimeError("the scheduler cannot admit any waiting request although nothing runs")
             return updates
-        logits = self._execute({"resets": resets, "chunks": [[c.slot, c.start, c.tokens, c.block_table] for c in chunks]})
+        logits = self._execute({"resets": resets, "chunks": [[c.slot, c.start, c.tokens, c.block_table, c.image_rows,
+                                                              c.image_embeds] for c in chunks]})
         for row, (seq, chunk) in enumerate(zip(scheduled, chunks)):
             seq.num_computed += len(chunk.tokens)
             if seq.num_computed < len(seq.tokens):
@@ -343,10 +401,13 @@ class Scheduler:
 def run_plan(engine, plan: dict) -> np.ndarray | None:
     """Apply a step plan on this rank: reset new sequences' slots, then one engine step (a plan without chunks:
     an idle step of a dp-layout group, see `runtime.core.wide_ep`)."""
+    if "vision" in plan:  # a tower call (`Scheduler._encode_images`): the images' embeddings
+        return engine.encode_images(plan["vision"])
     for slot in plan["resets"]:
         engine.reset_slot(slot)
-    chunks = [SequenceChunk(slot, start, list(tokens), list(table)) for slot, start, tokens, table in plan["chunks"]]
-    return engine.step(StepBatch.from_sequences(chunks) if chunks else None)
+    chunks = [SequenceChunk(c[0], c[1], list(c[2]), list(c[3]), *c[4:]) for c in plan["chunks"]]
+    width = getattr(engine, "image_width", None)
+    return engine.step(StepBatch.from_sequences(chunks, width) if chunks else None)
 
 
 def follow(engine) -> int:

@@ -3,7 +3,7 @@ of a step against a runner's limits (every runner calls `check_step_batch` befor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -29,21 +29,28 @@ class SequenceChunk:
     start: int
     tokens: list[int]
     block_table: list[int]
+    image_rows: list[int] = field(default_factory=list)  # indices into `tokens` that take image embeddings
+    image_embeds: np.ndarray | None = None  # [len(image_rows), hidden] fp32, in that order
 
 
 @dataclass
 class StepBatch:
-    """One engine step over N sequences: tokens [T] packed in sequence order."""
+    """One engine step over N sequences: tokens [T] packed in sequence order; with a vision tower, the rows of
+    the step's `<|media_pad|>` tokens (`image_rows` [M]) and the image embeddings that replace their input
+    embeddings (`image_embeds` [M, hidden])."""
 
     input_ids: np.ndarray  # [T] int64
     positions: np.ndarray  # [T] int64
     cu_seqlens: np.ndarray  # [N+1] int64
     slot_ids: np.ndarray  # [N] int64
     block_tables: np.ndarray  # [N, B] int64, B = longest table in the step, rows padded with -1
+    image_rows: np.ndarray | None = None  # [M] int64
+    image_embeds: np.ndarray | None = None  # [M, hidden] fp32
 
     @classmethod
-    def from_sequences(cls, chunks: list[SequenceChunk]) -> StepBatch:
-        """Pack `chunks` (each with at least one token) into one step."""
+    def from_sequences(cls, chunks: list[SequenceChunk], image_width: int | None = None) -> StepBatch:
+        """Pack `chunks` (each with at least one token) into one step; `image_width` (the hidden size of an
+        engine with a vision tower) adds the image inputs, empty when no chunk has image rows."""
         if not chunks:
             raise InputError("a step needs at least one sequence chunk")
         ids, pos, cu = [], [], [0]
@@ -60,7 +67,19 @@ class StepBatch:
         for n, c in enumerate(chunks):
             tables[n, : len(c.block_table)] = c.block_table
         ids, pos, cu = (np.asarray(v, dtype=np.int64) for v in (ids, pos, cu))
-        return cls(ids, pos, cu, np.asarray([c.slot for c in chunks], dtype=np.int64), tables)
+        batch = cls(ids, pos, cu, np.asarray([c.slot for c in chunks], dtype=np.int64), tables)
+        if any(c.image_rows for c in chunks) and image_width is None:
+            raise InputError("image embeddings in a step of an engine without a vision tower")
+        if image_width is not None:
+            rows = [cu[n] + r for n, c in enumerate(chunks) for r in c.image_rows]
+            embeds = [c.image_embeds for c in chunks if c.image_rows]
+            batch.image_rows = np.asarray(rows, dtype=np.int64)
+            batch.image_embeds = (np.concatenate(embeds).astype(np.float32) if embeds
+                                  else np.zeros((0, image_width), dtype=np.float32))
+            if batch.image_embeds.shape != (len(rows), image_width):
+                raise InputError(f"image embeddings of shape {batch.image_embeds.shape} for {len(rows)} image rows "
+                                 f"of width {image_width}")
+        return batch
 
     @property
     def num_sequences(self) -> int:
@@ -72,7 +91,7 @@ class StepBatch:
                           block_size).numpy()
 
     def feeds(self) -> dict[str, np.ndarray]:
-        return {
+        out = {
             "input_ids": self.input_ids,
             "positions": self.positions,
             "cu_seqlens": self.cu_seqlens,
@@ -80,6 +99,9 @@ class StepBatch:
             "block_tables": self.block_tables,
             "last_token_index": self.cu_seqlens[1:] - 1,
         }
+        if self.image_rows is not None:
+            out.update(image_rows=self.image_rows, image_embeds=self.image_embeds)
+        return out
 
 
 def check_slot(runner, slot: int) -> None:

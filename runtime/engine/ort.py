@@ -36,6 +36,7 @@ from moe_export.export.errors import InputError
 from moe_export.export.mpi import mpi_world
 from moe_export.export.planner import GIB, engine_pool_sizes
 from moe_export.graphs.config import ModelConfig
+from moe_export.graphs.vision_export import VISION_GRAPH
 from moe_export.plugins.collectives import all_to_all
 from moe_export.plugins.paged_cache_write.cpu import paged_cache_write_
 from moe_export.runtime.engine.batch import (DEFAULT_BLOCK_SIZE, RESET_ON_NEW_SEQUENCE, STATE_PREFIXES, StepBatch,
@@ -270,6 +271,13 @@ class Engine:
         cfg = ModelConfig.from_hf_dict(self.model_config, source="engine config.json")
         self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_token
         self.moe_dim = cfg.routed_expert_hidden_size or cfg.hidden_size  # rows the MoE collectives carry
+        self.vision = None  # K3's tower (`engine.vision`), when the engine has one
+        if (self.dir / VISION_GRAPH).is_file():
+            from moe_export.runtime.engine.vision import VisionEncoder
+
+            self.vision = VisionEncoder(self.dir, self.config, per_proc_threads)
+        self.image_width = cfg.hidden_size if self.vision is not None else None
+        self.media_pad_id = self.model_config.get("media_placeholder_token_id")
         dispatches = [s["outputs"][0] for s in self.ranks[0].steps if s.get("collective") == "MoEDispatch"]
         self._moe_layer = {name: k for k, name in enumerate(dispatches)}
         # tokens routed to each expert (rows of this process's ranks' dispatches), per MoE layer: the last step's
@@ -403,7 +411,7 @@ class Engine:
         for b in {id(b): b for b in batches.values() if b is not None}.values():
             check_step_batch(self, b)
         active = {r: b is not None for r, b in batches.items()}
-        envs = {r.rank: {**batches[r.rank].feeds(), **r.pool_feeds} if active[r.rank] else {} for r in self.ranks}
+        envs = {r.rank: {**self._feeds(batches[r.rank]), **r.pool_feeds} if active[r.rank] else {} for r in self.ranks}
         self.step_expert_tokens[:] = 0
         for step in self.ranks[0].steps:
             if "segment" in step:
@@ -421,6 +429,29 @@ class Engine:
             if active[r.rank]:
                 r.write_back(envs[r.rank], batches[r.rank])
         return envs
+
+    def _feeds(self, batch: StepBatch) -> dict[str, np.ndarray]:
+        """The batch's graph inputs; with a vision tower, no image rows when the batch carries none."""
+        feeds = batch.feeds()
+        if self.image_width is not None and "image_rows" not in feeds:
+            feeds.update(image_rows=np.zeros(0, dtype=np.int64), image_embeds=np.zeros((0, self.image_width), np.float32))
+        return feeds
+
+    def encode_images(self, items: list) -> list[np.ndarray]:
+        """Tower embeddings of images given as (pixel_values, grid). Under mpiexec every rank of an attention
+        group that received the call encodes images i with i mod tp == its group rank, and the group's first
+        rank gathers them all (world rank 0 returns them; the others' results are not used)."""
+        if self.vision is None:
+            raise InputError(f"{self.dir}: this engine has no vision tower (text only)")
+        if self.comm is None or self.tp == 1:
+            return self.vision.run(items)
+        group = self.comm.groups["tp"]
+        me = group.Get_rank()
+        mine = self.vision.run([it for i, it in enumerate(items) if i % self.tp == me])
+        parts = group.gather(mine, root=0)
+        if parts is None:
+            return []
+        return [parts[i % self.tp][i // self.tp] for i in range(len(items))]
 
     def step(self, batch: StepBatch | None) -> np.ndarray | None:
         """Run one packed step; updates the state pools and returns logits [N, vocab] (fp32). dp layout: `batch`

@@ -31,6 +31,7 @@ from moe_export.runtime.chat import (
 from moe_export.runtime.core.scheduler import Request, SequenceUpdate
 from moe_export.runtime.core.sessions import TurnMemory
 from moe_export.runtime.entrypoints.generate import engine_eos_ids
+from moe_export.runtime.images import PromptImages
 from moe_export.runtime.sampling import LogitsProcessor, SamplingParams
 from moe_export.runtime.tokenizer import load_tokenizer
 from moe_export.runtime.core.wide_ep import open_scheduler, run_rank
@@ -173,6 +174,7 @@ class _Tracked:
     logprobs: list[float] = field(default_factory=list)
     cached_tokens: int = 0
     out: _OutputText | None = None
+    images: list = field(default_factory=list)  # runtime.images.PreparedImage of the prompt's images, in order
 
 
 class _Core:
@@ -184,7 +186,8 @@ class _Core:
         self.tracked: dict[str, _Tracked] = {}
 
     def submit(self, tracked: _Tracked, processors: list[LogitsProcessor] | None) -> None:
-        self.sched.add(Request(tracked.request_id, tracked.prompt_ids, tracked.sampling, list(processors or ()), tracked.budget))
+        self.sched.add(Request(tracked.request_id, tracked.prompt_ids, tracked.sampling, list(processors or ()), tracked.budget,
+                               tracked.images))
         tracked.out = _OutputText(self.llm.tokenizer, tracked.sampling.stop, tracked.parser)
         self.tracked[tracked.request_id] = tracked
 
@@ -288,16 +291,20 @@ class LLM:
         plan = resolve_thinking(reasoning_effort, self.thinking_caps, self.default_effort)
         return self._render(messages, plan, tools, tool_choice, response_format, add_generation_prompt)
 
-    def _render(self, messages: list[dict], plan, tools, tool_choice, response_format, add_generation_prompt=True) -> list[int]:
+    def _render(self, messages: list[dict], plan, tools, tool_choice, response_format, add_generation_prompt=True,
+                images=None) -> list[int]:
         if self.family is None:
             raise InputError(f"{self.engine.dir}: the tokenizer has no K3 or K2 chat tokens: use generate()")
+        vision = getattr(self.engine, "vision", None)
+        if vision is not None and images is None:  # image parts become their media tokens (`runtime.images`)
+            images = PromptImages(self.tokenizer, vision.processor, messages, vision.max_images)
         carried = []
         if self.turns is not None and isinstance(messages, list):
             carried = [m for m in messages if isinstance(m, dict) and m.get("role") == "assistant" and m.get("turn_ids") is not None]
             messages = [self._recalled(m) for m in messages]
         ids = render_ids(self.tokenizer, messages, family=self.family, tools=tools, thinking=plan.enabled,
                          thinking_effort=plan.tier, tool_choice=tool_choice, response_format=response_format,
-                         add_generation_prompt=add_generation_prompt)
+                         add_generation_prompt=add_generation_prompt, vision=vision is not None, images=images)
         for m in carried:  # e.g. a stored Responses chain: the same turn sent back as text renders the same way
             self.turns.remember(m, m["turn_ids"])
         return ids
@@ -313,12 +320,14 @@ class LLM:
                      reasoning_effort=None, tool_choice=None, response_format=None, request_id: str | None = None) -> _Tracked:
         """Render a conversation and set up its budget and output parser."""
         plan = resolve_thinking(reasoning_effort, self.thinking_caps, self.default_effort)
-        ids = self._render(messages, plan, tools, tool_choice, response_format)
+        vision = getattr(self.engine, "vision", None)
+        images = PromptImages(self.tokenizer, vision.processor, messages, vision.max_images) if vision else None
+        ids = self._render(messages, plan, tools, tool_choice, response_format, images=images)
         starts = prompt_starts_in_reasoning(self.family, plan.enabled)
         budget = ReasoningBudget(self.tokenizer, self.family, plan.cap if plan.enabled else None, starts_in_reasoning=starts)
         parser = OutputParser(self.tokenizer, self.family, starts_in_reasoning=starts, tools_declared=bool(tools))
         return _Tracked(self._new_id(request_id), ids, sampling or SamplingParams(), parser, budget,
-                        self._turn_start[plan.enabled])
+                        self._turn_start[plan.enabled], images=images.order if images else [])
 
     # ---- blocking API ---------------------------------------------------------------------------
 

@@ -3,7 +3,8 @@
 Streams each answer as it is generated (reasoning dimmed), keeps the history across turns (reasoning and
 tool calls verbatim, each answer as the tokens generated, so the next turn continues the kept state instead
 of prefilling it again), and
-takes commands: `/effort low|high|max|none` (or a number of reasoning tokens), `/reset`, `/exit`.
+takes commands: `/effort low|high|max|none` (or a number of reasoning tokens), `/image PATH` (attach an image to the
+next message; engines with a vision tower), `/reset`, `/exit`.
 Under mpiexec rank 0 talks to the terminal and the other ranks follow its steps.
 """
 
@@ -18,9 +19,10 @@ from rich.console import Console
 from moe_export.export.errors import InputError
 from moe_export.runtime.core.budget import resolve_thinking
 from moe_export.runtime.entrypoints.llm import LLM
+from moe_export.runtime.images import image_file_part
 from moe_export.runtime.sampling import SamplingParams
 
-HELP = "commands: /effort low|high|max|none|TOKENS, /reset (forget the conversation), /exit"
+HELP = "commands: /effort low|high|max|none|TOKENS, /image PATH (attach to the next message), /reset (forget the conversation), /exit"
 
 
 def chat_terminal(engine_dir: str | Path, *, effort: str = "max", sampling: SamplingParams | None = None,
@@ -36,6 +38,7 @@ def chat_terminal(engine_dir: str | Path, *, effort: str = "max", sampling: Samp
         resolve_thinking(effort, llm.thinking_caps, "max")
         start = [{"role": "system", "content": system}] if system else []
         history = list(start)
+        images: list[dict] = []  # image parts attached to the next message
         console.print(f"moe-export chat ({llm.family or 'no chat format'}, effort {effort}). {HELP}", style="dim", markup=False)
         while True:
             console.print("> ", end="", style="bold", markup=False)
@@ -50,7 +53,7 @@ def chat_terminal(engine_dir: str | Path, *, effort: str = "max", sampling: Samp
                 if cmd in ("/exit", "/quit"):
                     break
                 if cmd == "/reset":
-                    history = list(start)
+                    history, images = list(start), []
                     console.print("(conversation cleared)", style="dim", markup=False)
                 elif cmd == "/effort":
                     try:
@@ -60,10 +63,19 @@ def chat_terminal(engine_dir: str | Path, *, effort: str = "max", sampling: Samp
                         continue
                     effort = arg.strip()
                     console.print(f"(thinking effort: {effort})", style="dim", markup=False)
+                elif cmd == "/image":
+                    try:
+                        images.append(image_file_part(arg.strip()))
+                    except InputError as exc:
+                        console.print(f"(error: {exc})", style="red", markup=False)
+                        continue
+                    console.print(f"(image {arg.strip()} attached to your next message)", style="dim", markup=False)
                 else:
                     console.print(f"(unknown command {cmd}; {HELP})", style="red", markup=False)
                 continue
-            history.append({"role": "user", "content": line})
+            content = [{"type": "text", "text": line}, *images] if images else line
+            history.append({"role": "user", "content": content})
+            images = []
             out = None
             try:
                 for delta in llm.chat_stream(history, sampling, reasoning_effort=effort):

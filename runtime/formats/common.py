@@ -20,6 +20,7 @@ class Segment:
 
     text: str
     special: bool = False
+    source: str | None = field(default=None, compare=False)  # an image marker's content part ("messages[0].content[1]")
 
 
 @dataclass

@@ -200,9 +200,9 @@ class _Writer:
         self.message([("role", "system"), ("type", "tool-declare")], lambda: self.text(template.format(compact_json(tools))))
 
     def content(self, content: Any, where: str) -> None:
-        for part in content_parts(content, where, vision=self.vision):
-            if part is None:
-                self.mark(IMAGE)
+        for k, part in enumerate(content_parts(content, where, vision=self.vision)):
+            if part is None:  # an image part (content is a list: part k is content[k])
+                self.out.segments.append(Segment(IMAGE, special=True, source=f"{where}.content[{k}]"))
             else:
                 self.text(part)
 

@@ -35,7 +35,9 @@ def _text_of(content: Any, where: str, text_types: tuple[str, ...]) -> str | lis
     for p in content:
         if not isinstance(p, dict) or "type" not in p:
             raise InputError(f"{where}: every content part must be an object with a `type`")
-    return content
+    # a Responses `input_image` part is an image_url part (`runtime.images` reads either shape)
+    return [{"type": "image_url", "image_url": {"url": p.get("image_url")}} if p["type"] == "input_image" else p
+            for p in content]
 
 
 def _arguments_string(arguments: Any, where: str) -> str:

@@ -1,0 +1,143 @@
+"""Vision: image preprocessing + tower throughput, and the embedding cache's time-to-first-token gain.
+
+  preprocess / tower    images/s and merged tokens/s at 448x448 and 1920x1080 (random RGB PNGs): Pillow
+                        preprocessing (`runtime.images`), and the tower + projector graph under ONNX Runtime
+                        (`graphs.vision_export`, one image per call), for the tiny-k3 tower (2 x 32, 2 heads) and a
+                        mid-size tower (MID: 6 x 512, 8 heads of 64, MLP 2048, projector to 1024; random weights).
+                        The patch limit is the checkpoint's (65536), so 1920x1080 runs at its full 78 x 138 grid.
+  vision_cache_ttft_speedup  time to first token of a one-image chat (1920x1080 PNG, the tiny-cpu engine: tiny-k3
+                        on 4 ranks in process, its recipe's patch limit) with the image's embeddings not cached
+                        (a fresh LLM each time: decode, resize, tower, prefill) / cached (the same LLM again: decode
+                        and prefill only); session reuse off in both, so the prefill is the same. Goal >= 3.
+
+    python benchmarks/vision.py [--rounds 3] [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+
+from moe_export.graphs.vision import VISION_NORM_EPS, VisionConfig, vision_tensor_specs
+from moe_export.graphs.vision_export import export_vision_graph, tower_inputs
+from moe_export.runtime.images import ImageProcessor
+
+SIZES = {"448x448": (448, 448), "1920x1080": (1920, 1080)}
+TINY = VisionConfig(14, 8, 8, 4, "bilinear", 32, 2, 2, 32, 64, (2, 2), 32, 1e-5, 64)
+MID = VisionConfig(14, 64, 64, 4, "bilinear", 512, 6, 8, 512, 2048, (2, 2), 512, 1e-5, 1024)
+
+
+def png(w: int, h: int, seed: int = 0) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def write_tower(vc: VisionConfig, root: Path) -> None:
+    """The tower graph of `vc` in `root`, over random weights (fan-in scaled, norms ~1)."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for s in vision_tensor_specs(vc):
+        t = torch.randn(s.shape, generator=gen)
+        t = 1 + 0.1 * t if len(s.shape) == 1 else t / max(1, int(np.prod(s.shape[1:]))) ** 0.5
+        tensors[s.name] = t.to(torch.bfloat16)
+    save_file(tensors, str(root / "vision.safetensors"))
+    export_vision_graph(vc, root / "vision.safetensors", root / "vision.onnx", VISION_NORM_EPS["float32"])
+
+
+def timed(fn, rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def throughput(rounds: int, quick: bool) -> dict:
+    proc = ImageProcessor()
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        towers = {"tiny": TINY} if quick else {"tiny": TINY, "mid": MID}
+        for name, (w, h) in SIZES.items():
+            data = png(w, h)
+            prep = proc.prepare_bytes(data, name)
+            tokens = prep.num_tokens
+            sec = timed(lambda: proc.prepare_bytes(data, name).pixel_values, rounds)
+            out[f"preprocess_{name}"] = {"images_per_s": 1 / sec, "merged_tokens_per_s": tokens / sec, "tokens": tokens}
+            for tname, vc in towers.items():
+                folder = Path(tmp) / tname
+                folder.mkdir(exist_ok=True)
+                if not (folder / "vision.onnx").is_file():
+                    write_tower(vc, folder)
+                opts = ort.SessionOptions()
+                opts.enable_cpu_mem_arena = False
+                sess = ort.InferenceSession(str(folder / "vision.onnx"), opts, providers=["CPUExecutionProvider"])
+                feeds = tower_inputs(vc, prep.pixel_values, [prep.plan.grid])
+                sess.run(None, feeds)  # warm-up
+                sec = timed(lambda: sess.run(None, feeds), rounds)
+                out[f"tower_{tname}_{name}"] = {"images_per_s": 1 / sec, "merged_tokens_per_s": tokens / sec,
+                                                "tokens": tokens, "params": vc.params()}
+    return out
+
+
+def cache_ttft(rounds: int) -> dict:
+    from moe_export.export.build import build
+    from moe_export.recipes.schema import load_recipe
+    from moe_export.runtime import LLM, SamplingParams
+
+    url = "data:image/png;base64," + base64.b64encode(png(1920, 1080, seed=1)).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+    one = SamplingParams(temperature=0, max_tokens=1)
+    with tempfile.TemporaryDirectory() as tmp:
+        recipe = load_recipe("tiny-cpu.yaml")[0]
+        build(recipe, Path(tmp) / "engine", progress=False)
+        engine = Path(tmp) / "engine"
+        hot_llm = LLM(engine, reuse_sessions=False)
+        hot_llm.chat([messages], one, reasoning_effort="none")  # fills the embedding cache
+        cold, hot = [], []
+        for _ in range(rounds):
+            llm = LLM(engine, reuse_sessions=False)
+            t0 = time.perf_counter()
+            out = llm.chat([messages], one, reasoning_effort="none")[0]
+            cold.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            hot_llm.chat([messages], one, reasoning_effort="none")
+            hot.append(time.perf_counter() - t0)
+        tokens = out.prompt_ids.count(llm.engine.media_pad_id)
+    return {"ttft_cold_s": statistics.median(cold), "ttft_hot_s": statistics.median(hot), "image_tokens": tokens,
+            "prompt_tokens": len(out.prompt_ids), "vision_cache_ttft_speedup": statistics.median(cold) / statistics.median(hot)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="tiny tower only")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    results = {"throughput": throughput(args.rounds, args.quick), "cache": cache_ttft(args.rounds)}
+    for key, row in results["throughput"].items():
+        print(f"{key:28s} {row['images_per_s']:9.2f} images/s {row['merged_tokens_per_s']:11.0f} merged tokens/s")
+    c = results["cache"]
+    print(f"TTFT one 1920x1080 image ({c['image_tokens']} image tokens, {c['prompt_tokens']} prompt tokens): "
+          f"cold {c['ttft_cold_s'] * 1e3:.0f} ms, cached {c['ttft_hot_s'] * 1e3:.0f} ms, "
+          f"vision_cache_ttft_speedup {c['vision_cache_ttft_speedup']:.2f} (goal >= 3)")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""The engine's vision tower: ONNX Runtime over `vision.onnx`, an embedding cache by content hash, and the image
+processor the engine ships (`preprocessor_config.json`, with the planner's patch limit `image_patch_limit`).
+
+The tower is replicated: under mpiexec the images of a call are spread over the ranks of rank 0's attention
+group (image i on group rank i mod tp, data-parallel as vLLM / SGLang run the ViT when its heads do not divide
+tp) and the embeddings gathered on rank 0; in one process one session encodes them all. The cache keeps the
+projected embeddings of recent images (LRU, bounded in bytes) keyed by `PreparedImage.digest` (sha256 of the
+encoded bytes and the processor config), so an image sent again costs no tower call.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+from moe_export.export.errors import InputError
+from moe_export.export.planner import image_patch_limit
+from moe_export.graphs.config import ModelConfig
+from moe_export.graphs.vision import vision_config
+from moe_export.graphs.vision_export import VISION_GRAPH, tower_inputs
+from moe_export.recipes.schema import Recipe
+from moe_export.runtime.images import ImageProcessor, PreparedImage
+
+DEFAULT_CACHE_BYTES = 256 * 2**20
+
+
+class VisionEncoder:
+    def __init__(self, engine_dir: Path, config: dict, threads: int, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        import onnxruntime as ort
+
+        cfg = ModelConfig.from_hf_dict(config["pretrained_config"], source="engine config.json")
+        self.vc = vision_config(cfg)
+        if self.vc is None:
+            raise InputError(f"{engine_dir}: {VISION_GRAPH} present but config.json has no vision_config")
+        recipe = Recipe.model_validate(config["recipe"])
+        self.processor = ImageProcessor.from_folder(engine_dir).with_patch_limit(image_patch_limit(cfg, recipe))
+        self.max_images = recipe.limits.max_images_per_request
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        opts.log_severity_level = 3
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        opts.enable_cpu_mem_arena = False
+        self.session = ort.InferenceSession(str(engine_dir / VISION_GRAPH), opts, providers=["CPUExecutionProvider"])
+        self.cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self.cache_bytes, self.max_cache_bytes = 0, cache_bytes
+        self.hits = self.misses = 0
+
+    def run(self, items: list[tuple[np.ndarray, tuple[int, int, int]]]) -> list[np.ndarray]:
+        """One tower call over images given as (pixel_values [patches, 3, p, p], grid): their embeddings."""
+        if not items:
+            return []
+        feeds = tower_inputs(self.vc, np.concatenate([pv for pv, _ in items]), [tuple(g) for _, g in items])
+        out = self.session.run(["image_embeds"], feeds)[0]
+        sizes = [(h // 2) * (w // 2) for _, (_, h, w) in items]
+        return np.split(out, np.cumsum(sizes)[:-1])
+
+    def lookup(self, images: list[PreparedImage]) -> tuple[dict[str, np.ndarray], list[PreparedImage]]:
+        """Cached embeddings by digest, and the distinct images still to encode."""
+        found, missing = {}, {}
+        for im in images:
+            if im.digest in self.cache:
+                self.cache.move_to_end(im.digest)
+                found[im.digest] = self.cache[im.digest]
+                self.hits += 1
+            elif im.digest not in missing:
+                missing[im.digest] = im
+                self.misses += 1
+        return found, list(missing.values())
+
+    def store(self, digest: str, embeds: np.ndarray) -> None:
+        if not digest or embeds.nbytes > self.max_cache_bytes:
+            return
+        self.cache[digest] = embeds
+        self.cache_bytes += embeds.nbytes
+        while self.cache_bytes > self.max_cache_bytes:
+            self.cache_bytes -= self.cache.popitem(last=False)[1].nbytes
+
+    def stats(self) -> dict:
+        return {"cached_images": len(self.cache), "cache_bytes": self.cache_bytes, "hits": self.hits, "misses": self.misses}
