@@ -46,7 +46,8 @@ class LockstepScheduler(Scheduler):
         return updates
 
     def _execute(self, plan: dict):
-        self._ran = True
+        if "vision" not in plan:  # a tower call is the group's own business (no collective across groups)
+            self._ran = True
         return super()._execute(plan)
 
     @property
@@ -97,7 +98,7 @@ class GroupedScheduler:
             self.local.add(request)
         else:
             self.outbox[group]["add"].append((request.request_id, list(request.prompt_ids), request.sampling,
-                                              budget_spec(request.budget)))
+                                              budget_spec(request.budget), list(request.images)))
         self.loads[group] += 1
         self.placed[request.request_id] = (group, tuple(request.prompt_ids), request.budget)
 
@@ -187,10 +188,10 @@ def lead_group(engine, budget_factory=None, **scheduler_kwargs) -> int:
                 return steps
             mine = control[engine.group]
             rejected = []
-            for rid, prompt, sampling, spec in mine["add"]:
+            for rid, prompt, sampling, spec, images in mine["add"]:
                 budget = budget_factory(spec) if spec is not None and budget_factory is not None else None
                 try:
-                    sched.add(Request(rid, prompt, sampling, [], budget))
+                    sched.add(Request(rid, prompt, sampling, [], budget, images))
                 except InputError as exc:  # rank 0 checked it with the same limits; kept as a safety net
                     rejected.append(SequenceUpdate(rid, [], None, True, "abort", error=str(exc)))
             for rid in mine["abort"]:
