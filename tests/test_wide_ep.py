@@ -296,7 +296,8 @@ def test_mpiexec_8_ranks_serve_spreads_chats_over_groups(dp_engine):
 
     engine_dir = dp_engine("tiny-k3", 2, 8)
     questions = ["Tell me about Paris.", "Hi!", "What is two plus two, in words?", "Name a colour."]
-    proc, url = start_cli_server([str(engine_dir), "--default-effort", "low"], mpiexec_ranks=8)
+    proc, url = start_cli_server([str(engine_dir), "--default-effort", "low", "--served-model-name", "m"],
+                                 mpiexec_ranks=8)
     try:
         def ask(q: str) -> dict:
             body = {"model": "m", "messages": [{"role": "user", "content": q}], "max_tokens": 10, "temperature": 0}
