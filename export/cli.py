@@ -253,12 +253,13 @@ def triton_repo(
     out: str = typer.Option(..., "--out", help="Triton model repository folder (created if absent)"),
     model_name: str = typer.Option("moe-export", "--model-name", help="model folder / name in the repository"),
     default_effort: str = typer.Option("max", "--default-effort", help="thinking tier when a request names none"),
+    engine_path: str | None = typer.Option(None, "--engine-path", help="the engine folder as Triton will see it (e.g. its path in a container); default: relative to the model folder"),
 ) -> None:
     """Write a Triton Inference Server model (Python backend, decoupled, vLLM-backend tensor names) hosting
     the runtime on ENGINE, plus launch_NAME.sh (in process, or --mpi: one process per rank)."""
     from moe_export.runtime.entrypoints.triton.repo import write_triton_repo
 
-    path = write_triton_repo(engine, out, model_name, default_effort)
+    path = write_triton_repo(engine, out, model_name, default_effort, engine_path)
     console.print(f"wrote Triton model {model_name} to {path} (launch: {path.parent / f'launch_{model_name}.sh'})",
                   highlight=False, markup=False)
 
@@ -291,8 +292,9 @@ def batch(
     summary = run_batch(engine, input_path, output, concurrency=concurrency, doc_job=doc_job, ray_address=ray_address,
                         ray_actors=ray_actors, max_file_bytes=max_file_bytes, console=err_console)
     render_summary(summary, err_console)
-    if summary.failed:
-        err_console.print(f"{summary.failed} item(s) failed: see the error lines in {output}", highlight=False)
+    if summary.failed or summary.failed_earlier:
+        err_console.print(f"{summary.failed + summary.failed_earlier} item(s) failed ({summary.failed_earlier} in earlier "
+                          f"runs): see the error lines in {output}", highlight=False)
         raise typer.Exit(1)
 
 

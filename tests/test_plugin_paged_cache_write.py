@@ -129,6 +129,21 @@ def test_inner_triton_matches_reference(name, dtype):
 
 
 @inner_triton
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_inner_triton_minus_one_table_entry_writes_nothing(dtype):
+    """A token whose block-table entry is -1 (the padding rows of the TensorRT runner's decode CUDA graphs)
+    writes no row; the others are written as usual."""
+    pool, new, cu, tables, positions = make_case(seed=5, dtype=DTYPES[dtype], **CASES[list(CASES)[0]])
+    first = int(cu[1])  # the first sequence's tokens get no block
+    want = reference.paged_cache_write_reference(pool.clone(), new[first:], cu[1:] - first, tables[1:],
+                                                 positions[first:])  # fmt: skip
+    tables = tables.clone()
+    tables[0] = -1
+    got = write_triton.paged_cache_write_triton(pool, new, cu, tables, positions)
+    assert same(got, want)
+
+
+@inner_triton
 def test_inner_triton_e4m3_rounding_matches_torch():
     """The kernel's bit-arithmetic E4M3 rounding equals torch's float8_e4m3fn conversion (round to nearest even)
     on random values over the whole range, every code, and every midpoint between neighbouring codes (the ties)."""

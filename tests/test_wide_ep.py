@@ -314,3 +314,38 @@ def test_mpiexec_8_ranks_serve_spreads_chats_over_groups(dp_engine):
         assert (message["content"] or "", message.get("reasoning_content") or "") == \
             (want.content or "", want.reasoning_content or "")
     assert code == 0
+
+
+def test_placement_follow_ups_least_loaded_and_processors_in_group_0():
+    from collections import OrderedDict
+
+    from moe_export.runtime.core.scheduler import Request
+    from moe_export.runtime.core.wide_ep import GroupedScheduler
+
+    sched = GroupedScheduler.__new__(GroupedScheduler)  # placement reads only loads and history
+    sched.groups, sched.loads = 4, [2, 0, 1, 0]
+    sched.history = OrderedDict({(1, 2, 3): 2, (1, 2): 3})
+    assert sched.place(Request("a", [9, 9])) == 1  # least loaded, lowest group first
+    assert sched.place(Request("b", [1, 2, 3, 4])) == 2  # the longest finished prompt it continues
+    assert sched.place(Request("c", [1, 2, 7])) == 3
+    assert sched.place(Request("d", [1, 2, 3, 4], logits_processors=[lambda ids, logits: logits])) == 0
+
+
+@pytest.mark.slow
+def test_mpiexec_8_ranks_image_chat_in_another_group(dp_engine):
+    """An image chat placed in group 1 (group 0 holds a text chat): the images travel to group 1's leader, its
+    tower runs there, and both chats answer as the same engine in one process does."""
+    from test_vision_engine import GREEDY, THREE
+
+    from moe_export.runtime import LLM
+
+    engine_dir = dp_engine("tiny-k3", 2, 8)
+    chats = [[{"role": "user", "content": "Hi!"}], THREE]
+    mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
+    r = subprocess.run([mpiexec, "-n", "8", sys.executable, str(HERE / "mpi_wide_ep_vision_run.py"), str(engine_dir),
+                        json.dumps(chats), str(GREEDY.max_tokens)], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])["outputs"]
+    local = LLM(engine_dir, threads=1).chat(chats, GREEDY, reasoning_effort="none")
+    assert got == [o.output_ids for o in local]

@@ -39,16 +39,18 @@ def _paged_cache_write_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, POOL_FP8: tl.constexpr,
 ):
     """pool [NB, block_size, D (+1 if POOL_FP8)], new [T, D] fp32, cu_seqlens [num_seqs+1], block_tables
-    [num_seqs, table_width], pos [T] -> out (the pool, or a copy of it) with row t stored at its block-table row."""
+    [num_seqs, table_width], pos [T] -> out (the pool, or a copy of it) with row t stored at its block-table row
+    (none for a token whose table entry is -1)."""
     t = tl.program_id(0).to(tl.int64)
     seq = token_sequence(cu_seqlens_ptr, num_seqs, t)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     pos = tl.minimum(tl.maximum(pos, 0), table_width.to(tl.int64) * block_size - 1)
     block = tl.load(block_tables_ptr + seq * table_width + pos // block_size).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    used = (offs.to(tl.int64) * 0 + block) >= 0  # -1: no block (decode-graph padding rows): nothing is written
     block = tl.minimum(tl.maximum(block, 0), num_blocks - 1)
     row = out_ptr + (block * block_size + pos % block_size) * (D + POOL_FP8)
-    offs = tl.arange(0, BLOCK_D)
-    mask = offs < D
+    mask = (offs < D) & used
     x = tl.load(new_ptr + t * D + offs, mask=mask, other=0.0)
     if POOL_FP8:
         amax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=0)
@@ -60,7 +62,8 @@ def _paged_cache_write_kernel(
         inverse = tl.where(e == 127, 5.877471754111438e-39, ((127 - e) << 23).to(tl.float32, bitcast=True))  # 2^-e
         codes = f32_to_e4m3(x * inverse)
         tl.store(row + offs, codes.to(tl.uint8), mask=mask)
-        tl.store(row + D, tl.where(biased == 255, 255, e + 127).to(tl.uint8))
+        scale = tl.zeros([BLOCK_D], tl.int32) + tl.where(biased == 255, 255, e + 127)  # the scale byte, masked
+        tl.store(row + D + offs, scale.to(tl.uint8), mask=(offs == 0) & used)
     else:
         tl.store(row + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -16,14 +16,14 @@ One world step:
 
 Placement (rank 0). A request whose prompt continues the prompt of a request that finished in group g
 (a conversation's follow-up turn) goes to g, which keeps that turn's state; otherwise it goes to the group
-with the fewest requests waiting or running. Requests with logits processors that cannot be pickled stay
-in group 0 (rank 0 runs them itself). A leader rebuilds a request's thinking budget from its spec with
+with the fewest requests waiting or running. Requests with logits processors stay in group 0: rank 0 runs
+them itself, so the processor objects the caller holds are the ones that saw the output (the server reads a
+grammar processor's state when the request ends). A leader rebuilds a request's thinking budget from its spec with
 its own tokenizer; rank 0 replays the group's tokens into its own copy, so usage counts reasoning tokens.
 """
 
 from __future__ import annotations
 
-import pickle
 from collections import OrderedDict
 
 import numpy as np
@@ -46,7 +46,8 @@ class LockstepScheduler(Scheduler):
         return updates
 
     def _execute(self, plan: dict):
-        self._ran = True
+        if "vision" not in plan:  # a tower call is the group's own business (no collective across groups)
+            self._ran = True
         return super()._execute(plan)
 
     @property
@@ -57,14 +58,6 @@ class LockstepScheduler(Scheduler):
 def budget_spec(budget) -> tuple | None:
     """What a leader needs to rebuild a request's fresh `ReasoningBudget`: (family, cap, starts_in_reasoning)."""
     return None if budget is None else (budget.family, budget.cap, budget.in_reasoning)
-
-
-def _picklable(obj) -> bool:
-    try:
-        pickle.dumps(obj)
-    except Exception:  # any object pickle refuses (lambdas, locks, open files, ...)
-        return False
-    return True
 
 
 class GroupedScheduler:
@@ -88,7 +81,7 @@ class GroupedScheduler:
 
     def place(self, request: Request) -> int:
         """The group for a request: the one holding its conversation's state, else the least loaded."""
-        if request.logits_processors and not _picklable(request.logits_processors):
+        if request.logits_processors:
             return 0
         prompt = tuple(request.prompt_ids)
         held = [(len(p), g) for p, g in self.history.items() if len(p) <= len(prompt) and prompt[: len(p)] == p]
@@ -105,7 +98,7 @@ class GroupedScheduler:
             self.local.add(request)
         else:
             self.outbox[group]["add"].append((request.request_id, list(request.prompt_ids), request.sampling,
-                                              list(request.logits_processors), budget_spec(request.budget)))
+                                              budget_spec(request.budget), list(request.images)))
         self.loads[group] += 1
         self.placed[request.request_id] = (group, tuple(request.prompt_ids), request.budget)
 
@@ -195,10 +188,10 @@ def lead_group(engine, budget_factory=None, **scheduler_kwargs) -> int:
                 return steps
             mine = control[engine.group]
             rejected = []
-            for rid, prompt, sampling, processors, spec in mine["add"]:
+            for rid, prompt, sampling, spec, images in mine["add"]:
                 budget = budget_factory(spec) if spec is not None and budget_factory is not None else None
                 try:
-                    sched.add(Request(rid, prompt, sampling, processors, budget))
+                    sched.add(Request(rid, prompt, sampling, [], budget, images))
                 except InputError as exc:  # rank 0 checked it with the same limits; kept as a safety net
                     rejected.append(SequenceUpdate(rid, [], None, True, "abort", error=str(exc)))
             for rid in mine["abort"]:

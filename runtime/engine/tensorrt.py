@@ -223,7 +223,10 @@ class TensorRTEngine:
     def _feeds(self, batch: StepBatch) -> dict[str, np.ndarray]:
         """The batch's inputs; a K3 text graph's image rows are empty (this runner has no tower: image parts
         are refused before they reach it)."""
-        feeds = batch.feeds()
+        return self._with_images(batch.feeds())
+
+    def _with_images(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """`feeds` with empty image rows where the graph has them (see `_feeds`)."""
         profile = self.meta["profile"]
         if "image_rows" in profile and "image_rows" not in feeds:
             width = profile["image_embeds"][0][1]
@@ -265,7 +268,7 @@ class TensorRTEngine:
         n = batch.num_sequences
         bucket = next(b for b in self._buckets if b >= n)
         graph = self._graphs.get(bucket) or self._new_graph(bucket)
-        feeds = pad_decode_feeds(batch, bucket, self._pad_slot, graph.table_width)
+        feeds = self._with_images(pad_decode_feeds(batch, bucket, self._pad_slot, graph.table_width))
         with torch.cuda.stream(self.stream):
             for name, buf in graph.inputs.items():
                 buf.copy_(torch.from_numpy(feeds[name]), non_blocking=True)
@@ -294,7 +297,7 @@ class TensorRTEngine:
             raise RuntimeError("TensorRT could not create an execution context")
         context.set_device_memory(self._activations.data_ptr(), self._activation_size)
         width = self.meta["profile"]["block_tables"][2][1] if "block_tables" in self.meta["profile"] else 1
-        feeds = pad_decode_feeds(_empty_decode(), bucket, self._pad_slot, width)
+        feeds = self._with_images(pad_decode_feeds(_empty_decode(), bucket, self._pad_slot, width))
         with torch.cuda.stream(self.stream):
             inputs = {k: torch.from_numpy(v).to(self.device) for k, v in feeds.items() if k in self.meta["profile"]}
             outputs = {n: self.pools[n[: -len(WRITTEN_SUFFIX)]] for n in self.meta["outputs"] if n.endswith(WRITTEN_SUFFIX)}

@@ -23,16 +23,46 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
+import secrets
 import threading
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+ENGINE_ENV = "MOE_EXPORT_ENGINE_DIR"  # the engine folder where Triton runs; overrides config.pbtxt's engine_dir
 OUTPUT_NAMES = ("text_output", "reasoning_content", "tool_calls", "usage", "finish_reason")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # vLLM sampling parameters accepted only at their neutral value (clients and load tools send them)
 NEUTRAL_OPTIONS = {"n": (1,), "best_of": (1,), "logprobs": (False, 0), "presence_penalty": (0, 0.0),
-                   "frequency_penalty": (0, 0.0)}
+                   "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "min_tokens": (0,),
+                   "skip_special_tokens": (True,)}
+# The vLLM backend's sample client (and its OpenAI frontend) send every sampling_parameters value as a string
+# ("temperature": "0.1"); the backend converts them by key, and so does this model.
+FLOAT_KEYS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+INT_KEYS = ("top_k", "max_tokens", "min_tokens", "seed", "n", "best_of", "logprobs")
+BOOL_KEYS = ("ignore_eos", "skip_special_tokens")
+
+
+def _typed_options(options: dict) -> dict:
+    """`options` with the vLLM backend's string values converted to the type of their key (BadRequest naming
+    the key when one does not convert)."""
+    out = dict(options)
+    for key, value in options.items():
+        if not isinstance(value, str):
+            continue
+        try:
+            if key in FLOAT_KEYS:
+                out[key] = float(value)
+            elif key in INT_KEYS:
+                out[key] = int(value)
+            elif key in BOOL_KEYS:
+                if value.strip().lower() not in ("true", "false"):
+                    raise ValueError(value)
+                out[key] = value.strip().lower() == "true"
+        except ValueError:
+            raise BadRequest(f"sampling_parameters: {key}={value!r} is not a valid value for {key}") from None
+    return out
 
 
 class BadRequest(Exception):
@@ -85,7 +115,7 @@ class TritonPythonModel:
                 f"{self.model_config['name']}: set model_transaction_policy {{ decoupled: true }} (responses stream)"
             )
         params = {k: v["string_value"] for k, v in self.model_config.get("parameters", {}).items()}
-        engine_dir = params["engine_dir"]
+        engine_dir = os.environ.get(ENGINE_ENV) or os.path.join(args["model_repository"], params["engine_dir"])
         default_effort = params.get("default_effort", "max")
         self.ids = itertools.count()
         self.loop = asyncio.new_event_loop()
@@ -123,6 +153,9 @@ class TritonPythonModel:
         from moe_export.runtime.entrypoints.triton.request_options import parse_request_options
 
         if isinstance(options, dict):
+            options = _typed_options(options)
+            if options.get("seed") is None:  # unseeded requests differ (vLLM draws a random seed too)
+                options["seed"] = secrets.randbits(63)
             for key, neutral in NEUTRAL_OPTIONS.items():
                 if options.get(key) is not None and options[key] not in neutral:
                     raise BadRequest(f"sampling_parameters: {key}={options[key]!r} is not supported (only {neutral[0]!r})")
