@@ -184,13 +184,15 @@ def chat(
     top_k: int | None = typer.Option(None, "--top-k", help="sample among the k most likely tokens"),
     seed: int = typer.Option(0, "--seed", help="sampling seed"),
     system: str | None = typer.Option(None, "--system", help="system prompt"),
+    history: str | None = typer.Option(None, "--history", help="input history file (default: $XDG_STATE_HOME/moe-export/chat_history)"),
 ) -> None:
-    """A terminal conversation: streams answers (reasoning dimmed), keeps history with state reuse;
-    /effort low|high|max|none, /reset, /exit. Under `mpiexec -n WORLD`, rank 0 talks to the terminal."""
+    """A terminal conversation: streams answers (reasoning dimmed), keeps history with state reuse; a line
+    editor with history, Ctrl-C cancels an answer; /effort low|high|max|none, /reset, /help, /exit. Under
+    `mpiexec -n WORLD`, rank 0 talks to the terminal."""
     from moe_export.runtime.entrypoints.terminal import chat_terminal
     from moe_export.runtime.sampling import SamplingParams
 
-    chat_terminal(engine, effort=effort, system=system,
+    chat_terminal(engine, effort=effort, system=system, history_path=history,
                   sampling=SamplingParams.from_flags(temperature, top_k, top_p, seed, max_tokens))
 
 
