@@ -184,13 +184,15 @@ def chat(
     top_k: int | None = typer.Option(None, "--top-k", help="sample among the k most likely tokens"),
     seed: int | None = typer.Option(None, "--seed", help="sampling seed (none: a random one)"),
     system: str | None = typer.Option(None, "--system", help="system prompt"),
+    history: str | None = typer.Option(None, "--history", help="input history file (default: $XDG_STATE_HOME/moe-export/chat_history)"),
 ) -> None:
-    """A terminal conversation: streams answers (reasoning dimmed), keeps history with state reuse;
-    /effort low|high|max|none, /reset, /exit. Under `mpiexec -n WORLD`, rank 0 talks to the terminal."""
+    """A terminal conversation: streams answers (reasoning dimmed), keeps history with state reuse; a line
+    editor with history, Ctrl-C cancels an answer; /effort low|high|max|none, /reset, /help, /exit. Under
+    `mpiexec -n WORLD`, rank 0 talks to the terminal."""
     from moe_export.runtime.entrypoints.terminal import chat_terminal
     from moe_export.runtime.sampling import SamplingParams
 
-    chat_terminal(engine, effort=effort, system=system,
+    chat_terminal(engine, effort=effort, system=system, history_path=history,
                   sampling=SamplingParams.from_flags(temperature, top_k, top_p, seed, max_tokens))
 
 
@@ -253,12 +255,13 @@ def triton_repo(
     out: str = typer.Option(..., "--out", help="Triton model repository folder (created if absent)"),
     model_name: str = typer.Option("moe-export", "--model-name", help="model folder / name in the repository"),
     default_effort: str = typer.Option("max", "--default-effort", help="thinking tier when a request names none"),
+    engine_path: str | None = typer.Option(None, "--engine-path", help="the engine folder as Triton will see it (e.g. its path in a container); default: relative to the model folder"),
 ) -> None:
     """Write a Triton Inference Server model (Python backend, decoupled, vLLM-backend tensor names) hosting
     the runtime on ENGINE, plus launch_NAME.sh (in process, or --mpi: one process per rank)."""
     from moe_export.runtime.entrypoints.triton.repo import write_triton_repo
 
-    path = write_triton_repo(engine, out, model_name, default_effort)
+    path = write_triton_repo(engine, out, model_name, default_effort, engine_path)
     console.print(f"wrote Triton model {model_name} to {path} (launch: {path.parent / f'launch_{model_name}.sh'})",
                   highlight=False, markup=False)
 
@@ -291,8 +294,9 @@ def batch(
     summary = run_batch(engine, input_path, output, concurrency=concurrency, doc_job=doc_job, ray_address=ray_address,
                         ray_actors=ray_actors, max_file_bytes=max_file_bytes, console=err_console)
     render_summary(summary, err_console)
-    if summary.failed:
-        err_console.print(f"{summary.failed} item(s) failed: see the error lines in {output}", highlight=False)
+    if summary.failed or summary.failed_earlier:
+        err_console.print(f"{summary.failed + summary.failed_earlier} item(s) failed ({summary.failed_earlier} in earlier "
+                          f"runs): see the error lines in {output}", highlight=False)
         raise typer.Exit(1)
 
 
@@ -328,13 +332,15 @@ def serve(
     default_effort: str = typer.Option("max", "--default-effort", help="thinking tier when a request names none: low, high, max or none"),
     max_queue: int = typer.Option(256, "--max-queue", help="waiting requests before new ones get 429"),
     served_model_name: list[str] = typer.Option(None, "--served-model-name", help="model name(s) requests may give (repeatable; the first is reported); others get 404. Default: the engine folder's name"),
+    allow_image_urls: bool = typer.Option(False, "--allow-image-urls", help="K3 engines: fetch http(s) image URLs (32 MiB, 10 s limits); default: data URLs only"),
 ) -> None:
     """OpenAI- and Anthropic-compatible HTTP server (rank 0; other ranks follow under `mpiexec -n WORLD`).
     Ready when GET /health answers 200; SIGTERM drains running requests and exits 0."""
     from moe_export.runtime.entrypoints.server.launch import resolve_api_keys, serve as run_server
 
     run_server(engine, host=host, port=port, api_keys=resolve_api_keys(api_key), store=store,
-               default_effort=default_effort, max_queue=max_queue, served_model_names=tuple(served_model_name or ()))
+               default_effort=default_effort, max_queue=max_queue, served_model_names=tuple(served_model_name or ()),
+               allow_image_urls=allow_image_urls)
 
 
 def main() -> None:

@@ -334,8 +334,8 @@ def activation_bytes(cfg: ModelConfig, recipe: Recipe, mapping: Mapping) -> int:
 def plugin_workspace_bytes(cfg: ModelConfig, recipe: Recipe, mapping: Mapping) -> dict[str, int]:
     """Scratch the TensorRT plugins take per call at max_num_tokens (one call at a time on the rank's stream):
     MoEMXFP4 (chunked partial sums and activations, a declared plugin output in the engine's device memory, plus
-    the pair layout), DSAIndexer (chunked scores and top-k merge over the tables' capacity), and the vocab
-    all-gather's receive buffer."""
+    the pair layout), DSAIndexer (chunked scores and top-k merge over the tables' capacity, a declared plugin
+    output too), and the vocab all-gather's receive buffer."""
     from moe_export.plugins.dsa_indexer import triton_kernel as indexer
     from moe_export.plugins.moe_mxfp4 import triton_kernel as moe
 
@@ -348,7 +348,8 @@ def plugin_workspace_bytes(cfg: ModelConfig, recipe: Recipe, mapping: Mapping) -
                                              budget_bytes=moe.DEFAULT_SCRATCH_BUDGET)  # fmt: skip
     if cfg.has_dsa and recipe.attention.indexer == "auto":
         topk = recipe.attention.sparse_topk or cfg.index_topk
-        out["dsa_indexer"] = indexer.scratch_bytes(t, recipe.limits.max_seq_len, topk)
+        length = -(-recipe.limits.max_seq_len // recipe.limits.block_size) * recipe.limits.block_size
+        out["dsa_indexer"] = indexer.scratch_bytes(t, length, topk)  # chunk buffers: a plugin output
     if mapping.tp > 1:
         out["all_gather"] = recipe.limits.max_batch * cfg.vocab_size * 4
     return out

@@ -15,7 +15,7 @@ kernels are cubins for the recipe's GPU (`plugins/tensorrt_target.py`; PTX only 
 Memory. The build refuses a recipe whose per-GPU total (weights, pools for max_batch sequences with at least
 one max_seq_len, activation memory, plugin workspaces, reserve; `export/planner.py`) does not fit, before
 parsing; after the build it reads the engine's real activation memory (`device_memory_size_v2`, contract
-USER_MANAGED_DEVICE_MEMORY; it includes the MoE plugin's workspace output) and refuses an engine that needs more
+USER_MANAGED_DEVICE_MEMORY; it includes the MoE and indexer plugins' workspace outputs) and refuses an engine that needs more
 than the planner set aside for it. The
 builder's workspace limit is that budget too.
 
@@ -206,7 +206,8 @@ def build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path, *, 
     engine = trt.Runtime(logger).deserialize_cuda_engine(blob)
     _checked(engine is not None, "deserializing the engine just built")
     device_memory = int(engine.device_memory_size_v2)
-    planned = memory["activations"] + memory.get("workspace.moe_mxfp4", 0)  # the MoE workspace is an engine tensor
+    # the MoE and indexer workspaces are plugin outputs, so inside the engine's device memory
+    planned = memory["activations"] + memory.get("workspace.moe_mxfp4", 0) + memory.get("workspace.dsa_indexer", 0)
     if device_memory > planned:
         raise InputError(
             f"recipe {recipe.name}: rank {mapping.rank}'s engine needs {device_memory / GIB:.2f} GiB of activation "

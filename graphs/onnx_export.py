@@ -255,9 +255,9 @@ class RankGraph:
 
     def __init__(self, cfg: ModelConfig, mapping: Mapping, weights_path: Path, topk_override: int | None = None,
                  use_indexer: bool = True, kv_cache: str = "fp32", compute_dtype: int = TensorProto.FLOAT,
-                 state_in_place: bool = False, max_num_tokens: int | None = None):
+                 state_in_place: bool = False, limits=None):
         self.cfg, self.m = cfg, mapping
-        self.max_num_tokens = max_num_tokens  # TensorRT: sizes the MoE plugin's workspace output
+        self.limits = limits  # TensorRT: the recipe's limits size the MoE / indexer plugins' workspace outputs
         self.state_in_place = state_in_place  # TensorRT: every pool updated by an aliased plugin output
         # MXFP4 bytes (and their E8M0 scales) as the MoE plugin receives them: uint8 for ONNX Runtime; int8 views of
         # the same bytes for TensorRT, whose ONNX parser would widen uint8 initializers to int32
@@ -441,8 +441,16 @@ class RankGraph:
         # score[t, s] = sum_h (w[t, h] * Hi^-0.5 * Di^-0.5) * relu(q[t, h] . k[s]); the op applies relu and sums.
         weights = g.op("Mul", [g.to_f32(g.linear(x, f"{a}weights_proj.weight", f"{n}.weights_proj"), f"{n}.weights_proj"),
                                g.const((hi**-0.5) * (di**-0.5), np.float32, "index_scale")], f"{n}.head_weights")
-        return g.plugin("DSAIndexer", [q, weights, io["index"], k, io["cu"], io["tables"], io["positions"]], f"{n}.topk",
-                        topk=int(self.topk))
+        inputs = [q, weights, io["index"], k, io["cu"], io["tables"], io["positions"]]
+        if not self.state_in_place:
+            return g.plugin("DSAIndexer", inputs, f"{n}.topk", topk=int(self.topk))
+        # TensorRT: the chunk buffers are the plugin's second output, in the engine's device memory
+        from moe_export.plugins.dsa_indexer.triton_kernel import workspace_bytes
+
+        limits = self.limits
+        length = -(-limits.max_seq_len // limits.block_size) * limits.block_size  # the tables' capacity
+        size = workspace_bytes(limits.max_num_tokens, length, int(self.topk))
+        return g.plugin("DSAIndexer", inputs, f"{n}.topk", 2, topk=int(self.topk), scratch_bytes=size)[0]
 
     def write_cache_in_place(self, pool: str, rows: str, io: dict, name: str) -> None:
         """PagedCacheWrite of the step's rounded rows into `pool` (aliased output `<name>.written`)."""
@@ -576,7 +584,7 @@ class RankGraph:
             from moe_export.plugins.moe_mxfp4.triton_kernel import workspace_bytes
 
             local = len(m.local_experts(cfg.num_experts))
-            rows = self.max_num_tokens * (m.ep if m.all_to_all else 1)  # dp: tokens received from every rank
+            rows = self.limits.max_num_tokens * (m.ep if m.all_to_all else 1)  # dp: tokens from every rank
             workspace = dict(n_out=2, scratch_bytes=workspace_bytes(rows, cfg.num_experts_per_token, cfg.expert_in_dim,
                                                                     cfg.moe_intermediate_size, local))
         partial = g.plugin(
@@ -708,7 +716,7 @@ def export_rank_graph(cfg: ModelConfig, recipe, mapping: Mapping, weights_path: 
     use_indexer = recipe.attention.indexer == "auto"
     model = RankGraph(cfg, mapping, Path(weights_path), recipe.attention.sparse_topk, use_indexer,
                       recipe.quantization.kv_cache, compute_dtype(recipe),
-                      state_in_place=recipe.backend == "tensorrt", max_num_tokens=recipe.limits.max_num_tokens).build()
+                      state_in_place=recipe.backend == "tensorrt", limits=recipe.limits).build()
     Path(out_path).write_bytes(model.SerializeToString(deterministic=True))
     return graph_summary(model)
 

@@ -303,9 +303,32 @@ def image_token_ids(tokenizer, width: int, height: int, num_tokens: int) -> list
 IMAGE_PART_TYPES = ("image", "image_url", "input_image")
 
 
-def image_part_bytes(part: dict, where: str) -> bytes:
+URL_FETCH_TIMEOUT_S = 10.0
+
+
+def fetch_image_url(url: str, where: str, max_bytes: int = MAX_IMAGE_BYTES, timeout: float = URL_FETCH_TIMEOUT_S) -> bytes:
+    """GET an http(s) image URL, at most `max_bytes` bytes within `timeout` seconds (connect and each read);
+    InputError naming `where` on any failure."""
+    import httpx
+
+    try:
+        with httpx.stream("GET", url, timeout=timeout, follow_redirects=True) as r:
+            if r.status_code != 200:
+                raise InputError(f"{where}: fetching {url} answered HTTP {r.status_code}")
+            data = bytearray()
+            for chunk in r.iter_bytes():
+                data += chunk
+                if len(data) > max_bytes:
+                    raise InputError(f"{where}: the image at {url} is larger than {max_bytes} bytes")
+            return bytes(data)
+    except httpx.HTTPError as exc:
+        raise InputError(f"{where}: fetching {url} failed ({type(exc).__name__}: {exc})") from None
+
+
+def image_part_bytes(part: dict, where: str, allow_urls: bool = False) -> bytes:
     """The encoded image of a content part: OpenAI `image_url` ({"url": data URL} or the URL string),
-    Responses `input_image` (`image_url`), Anthropic `image` ({"source": {"type": "base64", "data": ...}})."""
+    Responses `input_image` (`image_url`), Anthropic `image` ({"source": {"type": "base64", "data": ...}});
+    http(s) URLs are fetched only with `allow_urls`."""
     kind = part.get("type")
     if kind == "image" and isinstance(part.get("source"), dict):
         src = part["source"]
@@ -318,6 +341,11 @@ def image_part_bytes(part: dict, where: str) -> bytes:
         url = url.get("url")
     if not isinstance(url, str):
         raise InputError(f"{where}: an image part needs image_url.url (a data:image/...;base64 URL)")
+    if url.startswith(("http://", "https://")):
+        if not allow_urls:
+            raise InputError(f"{where}.image_url: http(s) image URLs are off (the server's --allow-image-urls turns "
+                             "them on); send the image as a data:image/...;base64 URL")
+        return fetch_image_url(url, f"{where}.image_url")
     return data_url_bytes(url, f"{where}.image_url")
 
 
@@ -326,7 +354,8 @@ class PromptImages:
     ("messages[i].content[k]"); `expand(where)` gives a part's media tokens and records the order in which the
     prompt holds them (`order`: the images of the prompt's `<|media_pad|>` runs, in order)."""
 
-    def __init__(self, tokenizer, processor: ImageProcessor, messages: list, max_images: int | None = None) -> None:
+    def __init__(self, tokenizer, processor: ImageProcessor, messages: list, max_images: int | None = None,
+                 allow_urls: bool = False) -> None:
         self.tokenizer = tokenizer
         self.parts: dict[str, PreparedImage] = {}
         self.order: list[PreparedImage] = []
@@ -340,7 +369,7 @@ class PromptImages:
                     if max_images is not None and len(self.parts) >= max_images:
                         raise InputError(f"{where}: too many images: the engine takes at most {max_images} per request "
                                          "(limits.max_images_per_request)")
-                    self.parts[where] = processor.prepare_bytes(image_part_bytes(part, where), where)
+                    self.parts[where] = processor.prepare_bytes(image_part_bytes(part, where, allow_urls), where)
 
     def expand(self, where: str) -> list[int]:
         image = self.parts[where]

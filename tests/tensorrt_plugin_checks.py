@@ -32,7 +32,7 @@ EXPECTED = {  # op type -> (has JIT impl, has AOT impl, aliased input of each ou
     "GatedDeltaScan": (True, True, [-1, 5]),
     "ShortConv": (True, True, [-1, 2]),
     "SparseMLAAttention": (True, True, [-1]),
-    "DSAIndexer": (True, False, [-1]),
+    "DSAIndexer": (True, False, [-1, -1]),
     "PagedCacheWrite": (True, True, [0]),
     "MoEMXFP4": (True, False, [-1, -1]),
     "AllReduce": (True, False, [-1]),

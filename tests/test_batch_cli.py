@@ -5,6 +5,7 @@ once, bad ones reported), templates and tasks, and the same job on a local Ray w
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
+from test_batch_inputs import write_pdf
 
 GOOD_DOCS = 200
 MOE_EXPORT = str(Path(sys.executable).parent / "moe-export")
@@ -95,9 +97,9 @@ def test_openai_batch_file_outputs_and_resume(engine, tmp_path, capsys):
     assert long_line["error"]["code"] == "invalid_request_error" and "2000" in long_line["error"]["message"]
     assert all(r["id"].startswith("batch_req_") for r in records)
 
-    size = out.stat().st_size  # rerun: everything is already done, nothing is appended, nothing failed now
+    size = out.stat().st_size  # rerun: everything is already done, nothing is appended, but the job has failed items
     code, _, err = run_cli(capsys, "batch", str(engine), "--input", str(src), "--output", str(out))
-    assert code == 0 and out.stat().st_size == size
+    assert code == 1 and out.stat().st_size == size and f"{len(failed)} item(s) failed ({len(failed)} in earlier runs)" in " ".join(err.split())
 
 
 def make_collection(root: Path) -> tuple[set[str], dict[str, str]]:
@@ -119,6 +121,10 @@ def make_collection(root: Path) -> tuple[set[str], dict[str, str]]:
             good.add(name)
     (root / "chunked.txt").write_text(" ".join(f"word{i}" for i in range(70)))  # 2-4 chunks of ~300 tokens
     good.add("chunked.txt")
+    write_pdf(root / "damaged.pdf", "A damaged but readable report")
+    pdf = (root / "damaged.pdf").read_bytes()
+    (root / "damaged.pdf").write_bytes(re.sub(rb"startxref\s+\d+", b"startxref\n999", pdf))  # pypdf warns, repairs
+    good.add("damaged.pdf")
     bad = {"empty.txt": "empty_document", "binary.txt": "binary_file", "latin1.md": "undecodable",
            "huge.txt": "over_long", "overlong.txt": "over_long"}
     (root / "empty.txt").write_text("")
@@ -154,6 +160,7 @@ def test_document_collection_killed_and_resumed_processes_each_document_once(eng
     done = subprocess.run(batch_command(engine, docs, out), env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 1, done.stderr[-2000:]  # the bad files failed
     assert "batch summary" in done.stderr and "Traceback" not in done.stderr
+    assert "startxref" not in done.stderr  # pypdf's warnings stay with the document's line
     records = read_lines(out)
     counts = Counter(r["custom_id"] for r in records)
     assert set(counts) == good | set(bad)
@@ -162,6 +169,7 @@ def test_document_collection_killed_and_resumed_processes_each_document_once(eng
     for name in good:
         assert by_id[name]["error"] is None and by_id[name]["response"]["status_code"] == 200, by_id[name]
         assert by_id[name]["content_hash"].startswith("sha256:")
+    assert any("startxref" in w for w in by_id["damaged.pdf"]["warnings"])
     for name, code in bad.items():
         assert by_id[name]["response"] is None and by_id[name]["error"]["code"] == code, by_id[name]
     assert "--max-chunks" in by_id["overlong.txt"]["error"]["message"]
@@ -169,11 +177,12 @@ def test_document_collection_killed_and_resumed_processes_each_document_once(eng
     assert 2 <= chunked["chunks"] <= 4 and len(chunked["chunk_outputs"]) == chunked["chunks"]
     assert chunked["usage"]["requests"] > chunked["chunks"]  # the partial summaries were summarized again
 
-    code, _, _ = run_cli(capsys, *batch_command(engine, docs, out)[1:])
-    assert code == 0 and len(read_lines(out)) == len(records)  # nothing left to do
+    code, _, err = run_cli(capsys, *batch_command(engine, docs, out)[1:])
+    assert len(read_lines(out)) == len(records)  # nothing left to do, but the output holds failed items: exit 1
+    assert code == 1 and f"{len(bad)} item(s) failed ({len(bad)} in earlier runs)" in " ".join(err.split())
     (docs / "doc000.txt").write_text("Document 0 was edited.")  # changed content: done again
     code, _, _ = run_cli(capsys, *batch_command(engine, docs, out)[1:])
-    assert code == 0 and [r["custom_id"] for r in read_lines(out)[len(records):]] == ["doc000.txt"]
+    assert code == 1 and [r["custom_id"] for r in read_lines(out)[len(records):]] == ["doc000.txt"]
 
 
 def test_prompt_template_tasks_and_bad_options(engine, tmp_path, capsys):

@@ -97,7 +97,20 @@ def test_documents_extracted_and_bad_ones_refused(tmp_path):
     assert docs["huge.txt"].error_code == "over_long" and "--max-file-bytes" in docs["huge.txt"].error_message
     assert docs["broken.pdf"].error_code == "undecodable"
     assert "ignored.csv" not in docs
+
     assert docs["a.txt"].content_hash.startswith("sha256:") and docs["a.txt"].key.startswith("a.txt@sha256:")
+
+def test_damaged_pdf_warnings_are_kept_with_the_document_not_printed(tmp_path, capfd):
+    import re
+
+    write_pdf(tmp_path / "ok.pdf", "Damaged but readable")
+    data = (tmp_path / "ok.pdf").read_bytes()
+    (tmp_path / "ok.pdf").write_bytes(re.sub(rb"startxref\s+\d+", b"startxref\n999", data))  # pypdf repairs it, warning
+    (doc,) = read_documents(tmp_path, max_file_bytes=200_000)
+    assert doc.error_code is None and doc.text.strip() == "Damaged but readable"
+    assert any("startxref" in w for w in doc.warnings)
+    out, err = capfd.readouterr()
+    assert "startxref" not in out + err
 
 
 def test_result_log_truncates_a_cut_line_and_remembers_done_keys(tmp_path):

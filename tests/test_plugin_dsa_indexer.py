@@ -279,6 +279,11 @@ def test_inner_triton_small_chunks_match_reference():
     for topk in (1, 6):
         got = triton_kernel.dsa_indexer_triton(**case, topk=topk, block_n=16, budget_bytes=2000)
         assert torch.equal(got, reference.dsa_indexer_reference(**case, topk=topk))
+        length = case["block_tables"].shape[1] * case["k_pool"].shape[1]
+        size = triton_kernel.workspace_bytes(case["q_idx"].shape[0], length, topk, budget_bytes=2000)
+        workspace = torch.full((size,), 0xFF, dtype=torch.uint8)
+        got = triton_kernel.dsa_indexer_triton(**case, topk=topk, block_n=16, budget_bytes=2000, workspace=workspace)
+        assert torch.equal(got, reference.dsa_indexer_reference(**case, topk=topk))
 
 
 def test_chunked_topk_matches_one_sort_without_host_sync():
@@ -296,9 +301,19 @@ def test_chunked_topk_matches_one_sort_without_host_sync():
         want = cpu.select_topk(scores, topk)
         for chunk in ((3, 16), (11, 70), (1, 7)):
             with no_host_sync():
-                got = triton_kernel.chunked_topk(lambda t0, t1, c0, c1: scores[t0:t1, c0:c1], 11, 70, topk, chunk,
+                got = triton_kernel.chunked_topk(lambda t0, t1, c0, c1, buf: scores[t0:t1, c0:c1], 11, 70, topk, chunk,
                                                  scores.device)  # fmt: skip
             assert torch.equal(got, want), (topk, chunk)
+    # every buffer in a caller's workspace (TensorRT: the plugin's second output), poisoned first
+    tc, lc = 3, 16
+    per_token = 4 * lc + 12 * 5 + 24 * (5 + lc)
+    workspace = torch.full((tc * per_token + 8 * lc + 7 * 256,), 0xFF, dtype=torch.uint8)
+    with no_host_sync():
+        got = triton_kernel.chunked_topk(lambda t0, t1, c0, c1, buf: scores[t0:t1, c0:c1], 11, 70, 5, (tc, lc),
+                                         scores.device, workspace=workspace)  # fmt: skip
+    assert torch.equal(got, cpu.select_topk(scores, 5))
+    with pytest.raises(ValueError, match="too small"):
+        triton_kernel.chunked_topk(lambda *a: None, 11, 70, 5, (tc, lc), scores.device, workspace=workspace[:100])
 
 
 def test_indexer_scratch_bounded_at_long_context():

@@ -57,7 +57,11 @@ def test_config_pbtxt_is_a_valid_decoupled_python_model(repo, engine):
     assert all(i.optional for i in cfg.input)
     assert outputs["text_output"].data_type == string and list(outputs["text_output"].dims) == [-1]
     assert {"reasoning_content", "tool_calls", "usage"} <= set(outputs)
-    assert cfg.parameters["engine_dir"].string_value == str(Path(engine).resolve())
+    # movable: the engine relative to the model folder, the instance placed by the model (no KIND_CPU)
+    written = cfg.parameters["engine_dir"].string_value
+    assert not Path(written).is_absolute() and (repo / "kimi" / written).resolve() == Path(engine).resolve()
+    (group,) = cfg.instance_group
+    assert group.kind == model_config_pb2.ModelInstanceGroup.Kind.Value("KIND_MODEL")
     assert cfg.parameters["default_effort"].string_value == "low"
     assert (repo / "kimi" / "1" / "model.py").read_text().startswith('"""Triton Inference Server Python-backend')
     script = (repo / "launch_kimi.sh").read_text()
@@ -80,6 +84,11 @@ def test_cli_writes_repo_and_rejects_bad_input(engine, tmp_path, capsys):
     code, out, _ = run_cli(capsys, "triton-repo", str(engine), "--out", str(tmp_path / "r"), "--model-name", "m1")
     assert code == 0 and (tmp_path / "r" / "m1" / "1" / "model.py").is_file()
     parse_config((tmp_path / "r" / "m1" / "config.pbtxt").read_text())
+    code, _, _ = run_cli(capsys, "triton-repo", str(engine), "--out", str(tmp_path / "c"), "--model-name", "m2",
+                         "--engine-path", "/models/engine")  # the engine's path inside a container
+    assert code == 0
+    assert parse_config((tmp_path / "c" / "m2" / "config.pbtxt").read_text()).parameters["engine_dir"].string_value == "/models/engine"
+    assert 'ENGINE="/models/engine"' in (tmp_path / "c" / "launch_m2.sh").read_text()
     code, _, err = run_cli(capsys, "triton-repo", str(tmp_path), "--out", str(tmp_path / "r2"))
     assert code == 2 and "not an engine directory" in err and "Traceback" not in err
     code, _, err = run_cli(capsys, "triton-repo", str(engine), "--out", str(tmp_path / "r"), "--model-name", "bad/name")
@@ -212,6 +221,25 @@ def test_three_concurrent_streams_a_cancelled_one_and_a_bad_one(model, pb_utils,
     assert text_of(resp) == "hello there" + expected[0].text  # exclude_input_in_output defaults to false
 
 
+def test_vllm_backend_client_string_parameters(model, pb_utils):
+    """The vLLM backend's sample client sends every sampling parameter as a string (its model converts them by
+    key): accepted here the same way; neutral penalties pass, others and unconvertible values are refused."""
+    typed = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
+    strings = {"temperature": "0", "top_p": "0.95", "max_tokens": "6", "ignore_eos": "true", "repetition_penalty": "1.0"}
+    reqs = [make_request(pb_utils, model, f"v{i}", prompt="hello there", params=p, stream=False)
+            for i, p in enumerate((typed, {**typed, "top_p": 0.95}, strings))]
+    bad = [make_request(pb_utils, model, "rp", prompt="x", params={"repetition_penalty": "1.2"}),
+           make_request(pb_utils, model, "warm", prompt="x", params={"temperature": "warm"})]
+    model.execute([*reqs, *bad])
+    for r in [*reqs, *bad]:
+        assert r.sender.done.wait(60)
+    texts = [text_of(r.sender.responses[-1]) for r in reqs]
+    assert not any(r.sender.responses[-1].has_error() for r in reqs) and texts[0] == texts[1] == texts[2]
+    errors = {r.request_id(): r.sender.responses[-1].error() for r in bad}
+    assert all(e is not None and e.code() == pb_utils.TritonError.INVALID_ARG for e in errors.values())
+    assert "repetition_penalty" in errors["rp"].message() and "temperature" in errors["warm"].message()
+
+
 def test_model_is_thread_safe_for_execute_from_several_threads(model, pb_utils):
     requests = [make_request(pb_utils, model, f"t{i}", prompt=f"thread {i}", params={"max_tokens": 3}) for i in range(4)]
     threads = [threading.Thread(target=model.execute, args=([r],)) for r in requests]
@@ -258,3 +286,34 @@ def test_model_enforces_a_forced_tool_call_and_a_json_schema(model, pb_utils):
     (final,) = fmt.sender.responses
     assert not final.has_error()
     jsonschema.validate(json.loads(text_of(final)), schema)  # a chat's text_output is its content
+
+
+def test_images_input(model, pb_utils, engine):
+    """`images` (encoded bytes) join the last user message of `messages`; a bad image or images without
+    messages are INVALID_ARG."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (60, 90, 3), dtype=np.uint8)).save(buf, "PNG")
+    png = buf.getvalue()
+    params = {"max_tokens": 3, "temperature": 0, "reasoning_effort": "none"}
+    msgs = [{"role": "user", "content": "What is it?"}]
+
+    def images(*blobs):
+        return [pb_utils.Tensor("images", np.array(list(blobs), dtype=np.object_))]
+
+    reqs = [make_request(pb_utils, model, "img", messages=msgs, params=params, stream=False, raw_inputs=images(png)),
+            make_request(pb_utils, model, "txt", messages=msgs, params=params, stream=False),
+            make_request(pb_utils, model, "bad", messages=msgs, params=params, stream=False, raw_inputs=images(b"junk")),
+            make_request(pb_utils, model, "no-chat", prompt="x", params=params, stream=False, raw_inputs=images(png))]
+    model.execute(reqs)
+    for r in reqs:
+        assert r.sender.done.wait(120)
+    usage = {r.request_id(): json.loads(text_of(r.sender.responses[-1], "usage")) for r in reqs[:2]}
+    assert usage["img"]["prompt_tokens"] >= usage["txt"]["prompt_tokens"] + 12  # 90x60: 12 image rows + markers
+    errors = {r.request_id(): r.sender.responses[-1].error() for r in reqs[2:]}
+    assert all(e is not None and e.code() == pb_utils.TritonError.INVALID_ARG for e in errors.values())
+    assert "content[1]: not a readable image" in errors["bad"].message()
+    assert "goes with the messages input" in errors["no-chat"].message()

@@ -161,7 +161,7 @@ def test_refusals(runtime_engine):
     with pytest.raises(InputError, match=r"messages\[0\]\.content\[1\]: not a readable image"):
         llm.chat([bad], GREEDY)
     url = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]
-    with pytest.raises(InputError, match=r"content\[0\]\.image_url: only data:image"):
+    with pytest.raises(InputError, match=r"content\[0\]\.image_url: http\(s\) image URLs are off"):
         llm.chat([url], GREEDY)
     many = chat(*[picture(k, 28, 28) for k in range(llm.engine.vision.max_images + 1)])
     with pytest.raises(InputError, match="too many images"):
@@ -228,3 +228,35 @@ def test_server_image_parts(tmp_path):
             client.chat.completions.create(model=model, messages=[{"role": "user", "content": bad}], max_tokens=3)
     finally:
         server.stop()
+
+
+def test_image_urls_when_allowed(runtime_engine, tmp_path):
+    import functools
+    import http.server
+    import threading
+
+    from moe_export.runtime.images import MAX_IMAGE_BYTES
+
+    picture(6, 60, 90).save(tmp_path / "a.png")
+    (tmp_path / "big.png").write_bytes(b"\0" * (MAX_IMAGE_BYTES + 1))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        def ask(url):
+            return [{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": url}}]}]
+
+        engine = runtime_engine("tiny-k3", 1, 1, 1)
+        llm = LLM(engine, allow_image_urls=True)
+        by_url = llm.chat([ask(base + "/a.png")], GREEDY, reasoning_effort="none")[0]
+        inline = llm.chat([ask(data_url(Image.open(tmp_path / "a.png")))], GREEDY, reasoning_effort="none")[0]
+        assert by_url.prompt_ids == inline.prompt_ids and by_url.output_ids == inline.output_ids
+        with pytest.raises(InputError, match="answered HTTP 404"):
+            llm.chat([ask(base + "/missing.png")], GREEDY)
+        with pytest.raises(InputError, match="larger than"):
+            llm.chat([ask(base + "/big.png")], GREEDY)
+        with pytest.raises(InputError, match="URLs are off"):
+            LLM(engine).chat([ask(base + "/a.png")], GREEDY)
+    finally:
+        server.shutdown()

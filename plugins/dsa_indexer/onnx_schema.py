@@ -38,6 +38,9 @@ OP_TYPE = "DSAIndexer"
 def _infer(ctx) -> None:
     topk = helper.get_attribute_value(ctx.get_attribute("topk"))
     ctx.set_output_type(0, tensor_type(onnx.TensorProto.INT64, [input_dim(ctx, 0, 0), int(topk)]))
+    if ctx.get_num_outputs() > 1:  # TensorRT graphs: the workspace output, `scratch_bytes` int8
+        size = helper.get_attribute_value(ctx.get_attribute("scratch_bytes"))
+        ctx.set_output_type(1, tensor_type(onnx.TensorProto.INT8, [size]))
 
 
 def schema() -> defs.OpSchema:
@@ -55,10 +58,14 @@ def schema() -> defs.OpSchema:
             p("k_new", "tensor(float)", "[T, Di]"),
             *paged_cache_inputs(),
         ],
-        outputs=[p("indices", "tensor(int64)", "[T, topk]")],
+        outputs=[p("indices", "tensor(int64)", "[T, topk]"),
+                 p("scratch", "tensor(int8)", "[scratch_bytes] workspace (TensorRT graphs; never read)",
+                   param_option=defs.OpSchema.FormalParameterOption.Optional)],
         type_constraints=[CACHE_TYPE_CONSTRAINT],
         attributes=[
             defs.OpSchema.Attribute("topk", defs.OpSchema.AttrType.INT, "positions selected per token"),
+            defs.OpSchema.Attribute("scratch_bytes", helper.make_attribute("scratch_bytes", 0),
+                                    "bytes of the workspace output (TensorRT graphs only)"),
             *plugin_lookup_attributes(),
         ],
     )

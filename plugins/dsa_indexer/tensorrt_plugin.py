@@ -11,9 +11,11 @@ Python at runtime. TensorRT may run the impl while timing tactics with garbage i
 clamped first (`clamp_ragged_indices`, on the device).
 
 No host synchronization and bounded scratch: candidates span the block table's capacity (from shapes), and
-scores are made and reduced in chunks of tokens x positions (`triton_kernel.chunked_topk`, scratch
-`triton_kernel.scratch_bytes`, near 256 MiB whatever the context length); the indices are written straight
-into TensorRT's output buffer.
+scores are made and reduced in chunks of tokens x positions (`triton_kernel.chunked_topk`, near 256 MiB whatever
+the context length); the indices are written straight into TensorRT's output buffer, and every chunk buffer lives
+in the plugin's second output `scratch` [scratch_bytes] int8 (`triton_kernel.workspace_bytes` at the recipe's
+limits, set by the graph exporter), so TensorRT places it in the engine's device memory (QDP plugins get no
+workspace: contract QDP_NO_WORKSPACE).
 
 Why there is no `aot_impl`: a QDP AOT implementation is one kernel launch whose only tensors are the plugin's
 inputs and outputs; the chunked score kernel plus the torch top-k merge is several. An AOT version needs a
@@ -44,9 +46,11 @@ def _describe(
     block_tables: trtp.TensorDesc,
     positions: trtp.TensorDesc,
     topk: Int32Field,
-) -> trtp.TensorDesc:
-    """indices [T, topk] int64 from q_idx [T, Hi, Di]."""
-    return trtp.from_shape_expr((q_idx.shape_expr[0], scalar(topk)), dtype=trt.int64)
+    scratch_bytes: Int32Field,
+) -> tuple[trtp.TensorDesc, trtp.TensorDesc]:
+    """indices [T, topk] int64 from q_idx [T, Hi, Di], and the workspace [scratch_bytes] int8."""
+    return (trtp.from_shape_expr((q_idx.shape_expr[0], scalar(topk)), dtype=trt.int64),
+            trtp.from_shape_expr((scalar(scratch_bytes),), dtype=trt.int8))  # fmt: skip
 
 
 @trtp.autotune(PLUGIN_ID)
@@ -58,11 +62,11 @@ def _formats(
     cu_seqlens: trtp.TensorDesc,
     block_tables: trtp.TensorDesc,
     positions: trtp.TensorDesc,
-    outputs: tuple[trtp.TensorDesc],
+    outputs: tuple[trtp.TensorDesc, trtp.TensorDesc],
 ) -> list[trtp.AutoTuneCombination]:
     """fp32 queries, weights and new keys, fp32, bf16 or uint8 (fp8 rows + scale byte) key pool; int64
-    bookkeeping inputs and output."""
-    return [trtp.AutoTuneCombination(f"FP32, FP32, {pool}, FP32, INT64, INT64, INT64, INT64")
+    bookkeeping inputs and output; int8 workspace."""
+    return [trtp.AutoTuneCombination(f"FP32, FP32, {pool}, FP32, INT64, INT64, INT64, INT64, INT8")
             for pool in ("FP32", "BF16", "UINT8")]
 
 
@@ -76,7 +80,8 @@ def _run(
     block_tables: trtp.Tensor,
     positions: trtp.Tensor,
     topk: Int32Field,
-    outputs: tuple[trtp.Tensor],
+    scratch_bytes: Int32Field,
+    outputs: tuple[trtp.Tensor, trtp.Tensor],
     stream: int,
 ) -> None:
     """Run on TensorRT's stream (index inputs clamped on the device), writing into the output buffer."""
@@ -86,4 +91,5 @@ def _run(
     out = as_torch(outputs[0])
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
         cu, tables, pos = clamp_ragged_indices(cu, tables, pos, pool.shape[0], pool.shape[1])
-        dsa_indexer_triton(q, w, pool, new, cu, tables, pos, topk=scalar(topk), out=out)
+        dsa_indexer_triton(q, w, pool, new, cu, tables, pos, topk=scalar(topk), out=out,
+                           workspace=as_torch(outputs[1]).view(torch.uint8))

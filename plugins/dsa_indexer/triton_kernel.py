@@ -72,43 +72,80 @@ MAX_CHUNK_POSITIONS = 65536
 
 def chunk_shape(num_tokens: int, length: int, topk: int, budget_bytes: int, block_n: int = 64) -> tuple[int, int]:
     """(tokens, positions) per chunk: positions a multiple of block_n, at most `length` rounded up and at most
-    MAX_CHUNK_POSITIONS; tokens as many as keep the chunk's scratch (`scratch_bytes`) within the budget."""
+    MAX_CHUNK_POSITIONS; tokens as many as keep the chunk's buffers (`workspace_bytes`) within the budget."""
     lc = min(-(-max(length, 1) // block_n) * block_n, MAX_CHUNK_POSITIONS)
-    per_token = 4 * lc + 12 * topk + 20 * (topk + lc)
-    return max(1, min(num_tokens, budget_bytes // per_token)), lc
+    return max(1, min(num_tokens, budget_bytes // _per_token_bytes(lc, topk))), lc
+
+
+def _per_token_bytes(lc: int, topk: int) -> int:
+    # scores fp32 [lc]; running best fp32 + int64 [topk]; merge input and sorted output, fp32 + int64 [topk + lc]
+    return 4 * lc + 12 * topk + 24 * (topk + lc)
+
+
+def workspace_bytes(num_tokens: int, length: int, topk: int, budget_bytes: int = DEFAULT_SCRATCH_BUDGET) -> int:
+    """Bytes of the caller-provided workspace (`dsa_indexer_triton(workspace=...)`) for steps of up to
+    `num_tokens` tokens over `length` candidate positions (TensorRT engines declare it as the plugin's second
+    output, so it lives in the engine's device memory), plus the column ids of one chunk."""
+    tc, lc = chunk_shape(num_tokens, length, topk, budget_bytes)
+    return tc * _per_token_bytes(lc, topk) + 8 * lc + 7 * 256  # 7 buffers, each 256-byte aligned
 
 
 def scratch_bytes(num_tokens: int, length: int, topk: int, budget_bytes: int = DEFAULT_SCRATCH_BUDGET) -> int:
-    """Device scratch of one call: scores [tc, lc] fp32, running best [tc, topk] (fp32 + int64) and the merge's
-    [tc, topk + lc] values, order and indices."""
-    tc, lc = chunk_shape(num_tokens, length, topk, budget_bytes)
-    return 4 * tc * lc + 12 * tc * topk + 20 * tc * (topk + lc)
+    """Device scratch of one call (the workspace; only a [tc, topk] bool mask per chunk comes from torch)."""
+    tc, _ = chunk_shape(num_tokens, length, topk, budget_bytes)
+    return workspace_bytes(num_tokens, length, topk, budget_bytes) + tc * topk
 
 
-def topk_merge(best_vals: torch.Tensor, best_idx: torch.Tensor, scores: torch.Tensor, col0: int):
-    """Merge a chunk of scores [t, c] for positions col0.. into the running best (values desc, ties to the lower
-    position: the running best holds lower positions and the sort is stable)."""
-    cols = torch.arange(col0, col0 + scores.shape[1], device=scores.device).expand_as(scores)
-    vals = torch.cat([best_vals, scores], dim=1)
-    idx = torch.cat([best_idx, cols], dim=1)
-    vals, order = torch.sort(vals, dim=1, descending=True, stable=True)
-    k = best_vals.shape[1]
-    return vals[:, :k].contiguous(), torch.gather(idx, 1, order[:, :k])
+class _Buffers:
+    """The chunk buffers, carved from a uint8 workspace (or allocated when none is given)."""
+
+    def __init__(self, workspace: torch.Tensor | None, tc: int, lc: int, topk: int, device):
+        sizes = {"scores": (4, tc * lc), "vals": (4, tc * topk), "idx": (8, tc * topk), "cat_v": (4, tc * (topk + lc)),
+                 "cat_i": (8, tc * (topk + lc)), "sort_v": (4, tc * (topk + lc)), "sort_o": (8, tc * (topk + lc)),
+                 "cols": (8, lc)}  # fmt: skip
+        dtypes = {4: torch.float32, 8: torch.int64}
+        offset = 0
+        for name, (width, count) in sizes.items():
+            if workspace is None:
+                buf = torch.empty(count, dtype=dtypes[width], device=device)
+            else:
+                if workspace.numel() < offset + width * count:
+                    raise ValueError(f"DSAIndexer workspace of {workspace.numel()} bytes is too small")
+                buf = workspace[offset : offset + width * count].view(dtypes[width])
+                offset += -(-(width * count) // 256) * 256
+            setattr(self, name, buf)
 
 
 def chunked_topk(score_chunk, num_tokens: int, length: int, topk: int, chunk: tuple[int, int], device,
-                 out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                 out: torch.Tensor | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """[T, topk] int64 best positions (-1 where fewer candidates) over positions 0..length-1, the scores made
-    by `score_chunk(t0, t1, c0, c1)` -> [t1-t0, c1-c0] fp32 (-inf = not a candidate), chunk by chunk."""
+    by `score_chunk(t0, t1, c0, c1, buffer)` -> [t1-t0, c1-c0] fp32 (-inf = not a candidate; `buffer` is a flat
+    fp32 buffer it may write them into), chunk by chunk: a running top-k merged with each chunk by one stable
+    descending sort (the running best holds the lower positions, so ties go to the lower position). Every
+    buffer comes from `workspace` when given."""
     tc, lc = chunk
+    bufs = _Buffers(workspace, tc, lc, topk, device)
     out = torch.empty((num_tokens, topk), dtype=torch.int64, device=device) if out is None else out
     for t0 in range(0, num_tokens, tc):
         t1 = min(num_tokens, t0 + tc)
-        vals = torch.full((t1 - t0, topk), float("-inf"), dtype=torch.float32, device=device)
-        idx = torch.full((t1 - t0, topk), -1, dtype=torch.int64, device=device)
+        n = t1 - t0
+        vals = bufs.vals[: n * topk].view(n, topk).fill_(float("-inf"))
+        idx = bufs.idx[: n * topk].view(n, topk).fill_(-1)
         for c0 in range(0, length, lc):
-            vals, idx = topk_merge(vals, idx, score_chunk(t0, t1, c0, min(length, c0 + lc)), c0)
-        out[t0:t1] = torch.where(torch.isneginf(vals), -1, idx)
+            c1 = min(length, c0 + lc)
+            width = topk + c1 - c0
+            scores = score_chunk(t0, t1, c0, c1, bufs.scores)
+            cols = torch.arange(c0, c1, device=device, out=bufs.cols[: c1 - c0])
+            cat_v = bufs.cat_v[: n * width].view(n, width)
+            cat_i = bufs.cat_i[: n * width].view(n, width)
+            torch.cat([vals, scores], dim=1, out=cat_v)
+            torch.cat([idx, cols.expand(n, c1 - c0)], dim=1, out=cat_i)
+            sort_v = bufs.sort_v[: n * width].view(n, width)
+            sort_o = bufs.sort_o[: n * width].view(n, width)
+            torch.sort(cat_v, dim=1, descending=True, stable=True, out=(sort_v, sort_o))
+            vals.copy_(sort_v[:, :topk])
+            torch.gather(cat_i, 1, sort_o[:, :topk], out=idx)
+        out[t0:t1].copy_(idx).masked_fill_(torch.isneginf(vals), -1)
     return out
 
 
@@ -125,11 +162,12 @@ def dsa_indexer_triton(
     block_n: int = 64,
     budget_bytes: int = DEFAULT_SCRATCH_BUDGET,
     out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q_idx [T, Hi, Di], weights [T, Hi], k_pool [NB, BS, Di] (fp32 / bf16 / fp16, or uint8 fp8 rows [NB, BS,
     Di+1]), k_new [T, Di] fp32, cu_seqlens [N+1], block_tables [N, B], positions [T] -> indices [T, topk] int64
     (written into `out` when given). Candidates: positions 0..B*BS-1 (the tables' capacity); scores in chunks
-    (`chunked_topk`), no host synchronization."""
+    (`chunked_topk`), no host synchronization; `workspace` (uint8, `workspace_bytes`) holds every chunk buffer."""
     num_tokens, num_heads, dim = q_idx.shape
     q = q_idx.float().contiguous()
     w = weights.float().contiguous()
@@ -141,12 +179,11 @@ def dsa_indexer_triton(
     pos = positions.to(torch.int64).contiguous()
     length = tables.shape[1] * pool.shape[1]
     chunk = chunk_shape(num_tokens, length, topk, budget_bytes, block_n)
-    scores = torch.empty(chunk, dtype=torch.float32, device=q.device)
     meta = dict(DI=dim, BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
                 BLOCK_N=block_n, POOL_FP8=pool.dtype == torch.uint8)  # fmt: skip
 
-    def score_chunk(t0: int, t1: int, c0: int, c1: int) -> torch.Tensor:
-        view = scores[: t1 - t0, : c1 - c0]
+    def score_chunk(t0: int, t1: int, c0: int, c1: int, buffer: torch.Tensor) -> torch.Tensor:
+        view = buffer[: (t1 - t0) * (c1 - c0)].view(t1 - t0, c1 - c0)
         _index_scores_kernel[(t1 - t0, triton.cdiv(c1 - c0, block_n))](
             q, w, pool, new, seqs, cu, tables, pos, view,
             num_heads, c1 - c0, pool.shape[1], tables.shape[1], t0, c0,
@@ -154,4 +191,4 @@ def dsa_indexer_triton(
         )  # fmt: skip
         return view
 
-    return chunked_topk(score_chunk, num_tokens, length, topk, chunk, q.device, out=out)
+    return chunked_topk(score_chunk, num_tokens, length, topk, chunk, q.device, out=out, workspace=workspace)

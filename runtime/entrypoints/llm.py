@@ -253,11 +253,12 @@ class LLM:
 
     default_effort: thinking tier when a chat request gives none (low | high | max | none).
     reuse_sessions: keep finished turns' state for reuse by a continuing prompt, and their tokens, so that a
-    turn sent back as text is rendered as generated and the prompt continues the kept state (default on)."""
+    turn sent back as text is rendered as generated and the prompt continues the kept state (default on).
+    allow_image_urls: image parts may be http(s) URLs, fetched with a size and time limit (default: data URLs only)."""
 
     def __init__(self, engine_dir: str | Path, *, default_effort: str = "max", num_slots: int | None = None,
                  num_blocks: int | None = None, threads: int | None = None, reuse_sessions: bool = True,
-                 runner=None) -> None:
+                 allow_image_urls: bool = False, runner=None) -> None:
         from moe_export.runtime.engine import open_engine
 
         # runner: a ModelRunner to drive instead of the engine directory's own (which then provides the tokenizer)
@@ -269,6 +270,7 @@ class LLM:
         self.default_effort = default_effort
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(engine_eos_ids(self.engine)))
         self.reuse_sessions = reuse_sessions
+        self.allow_image_urls = allow_image_urls  # fetch http(s) image parts (`runtime.images.fetch_image_url`)
         # finished turns' tokens, as many as the cache pools hold, so turns sent back as text render as generated
         self.turns = TurnMemory(self.engine.num_blocks * self.engine.block_size) if reuse_sessions else None
         self._turn_start = {thinking: len(generation_prompt_ids(self.tokenizer, self.family, thinking))
@@ -311,7 +313,7 @@ class LLM:
             raise InputError(f"{self.engine.dir}: the tokenizer has no K3 or K2 chat tokens: use generate()")
         vision = getattr(self.engine, "vision", None)
         if vision is not None and images is None:  # image parts become their media tokens (`runtime.images`)
-            images = PromptImages(self.tokenizer, vision.processor, messages, vision.max_images)
+            images = PromptImages(self.tokenizer, vision.processor, messages, vision.max_images, self.allow_image_urls)
         carried = []
         if self.turns is not None and isinstance(messages, list):
             carried = [m for m in messages if isinstance(m, dict) and m.get("role") == "assistant" and m.get("turn_ids") is not None]
@@ -338,7 +340,7 @@ class LLM:
         way for every entry point (LLM.chat, AsyncLLM, the server, Triton, batch)."""
         plan = resolve_thinking(reasoning_effort, self.thinking_caps, self.default_effort)
         vision = getattr(self.engine, "vision", None)
-        images = PromptImages(self.tokenizer, vision.processor, messages, vision.max_images) if vision else None
+        images = PromptImages(self.tokenizer, vision.processor, messages, vision.max_images, self.allow_image_urls) if vision else None
         ids = self._render(messages, plan, tools, tool_choice, response_format, images=images)
         starts = prompt_starts_in_reasoning(self.family, plan.enabled)
         budget = ReasoningBudget(self.tokenizer, self.family, plan.cap if plan.enabled else None, starts_in_reasoning=starts)

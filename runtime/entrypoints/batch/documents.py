@@ -2,7 +2,8 @@
 
 Supported: .txt .md (UTF-8 text), .html/.htm (inscriptis: layout-aware HTML-to-text, scripts and styles
 dropped), .pdf (pypdf, text of every page), .jsonl (one document per line: {"text": ..., "id": optional}).
-A file is refused, as an error item, when it is empty or has no text, is binary (NUL bytes), is not
+pypdf's warnings about a damaged but readable PDF are not printed: they are the document's `warnings`
+(kept in its output line). A file is refused, as an error item, when it is empty or has no text, is binary (NUL bytes), is not
 valid UTF-8, is larger than `max_file_bytes`, or (a .jsonl line) is not a JSON object with a string text.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,7 @@ class Document:
     content_hash: str = ""  # "sha256:HEX" of the source bytes (of the record's line for .jsonl)
     error_code: str | None = None
     error_message: str | None = None
+    warnings: tuple[str, ...] = ()  # what the extractor reported about a damaged but readable file
 
     @property
     def key(self) -> str:
@@ -56,11 +59,32 @@ def _text_document(custom_id: str, text: str, digest: str) -> Document:
     return Document(custom_id, text=text, content_hash=digest)
 
 
-def _pdf_text(path: Path) -> str:
+class _Collected(logging.Handler):
+    """Log records of one extraction, kept as messages instead of printed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _pdf_text(path: Path) -> tuple[str, tuple[str, ...]]:
+    """(text of every page, pypdf's warnings while reading it)."""
     from pypdf import PdfReader
 
-    reader = PdfReader(str(path))
-    return "\n\n".join((page.extract_text() or "") for page in reader.pages)
+    logger = logging.getLogger("pypdf")
+    collected = _Collected()
+    logger.addHandler(collected)
+    propagate, logger.propagate = logger.propagate, False
+    try:
+        reader = PdfReader(str(path))
+        text = "\n\n".join((page.extract_text() or "") for page in reader.pages)
+    finally:
+        logger.removeHandler(collected)
+        logger.propagate = propagate
+    return text, tuple(dict.fromkeys(collected.messages))
 
 
 def read_documents(folder: Path, max_file_bytes: int) -> Iterator[Document]:
@@ -81,7 +105,10 @@ def read_documents(folder: Path, max_file_bytes: int) -> Iterator[Document]:
         suffix = path.suffix.lower()
         if suffix == ".pdf":
             try:
-                yield _text_document(rel, _pdf_text(path), digest)
+                text, warnings = _pdf_text(path)
+                doc = _text_document(rel, text, digest)
+                doc.warnings = warnings
+                yield doc
             except (PdfReadError, ValueError, KeyError, OSError) as exc:
                 yield Document(rel, content_hash=digest, error_code="undecodable",
                                error_message=f"{rel}: unreadable PDF ({type(exc).__name__}: {exc})")

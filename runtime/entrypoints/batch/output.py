@@ -29,6 +29,7 @@ class ResultLog:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.done: set[str] = set()
+        self.failed: set[str] = set()  # keys of the error lines among them
         self.repaired_bytes = 0
         if self.path.exists():
             self._load_and_repair()
@@ -49,6 +50,8 @@ class ResultLog:
             try:
                 record = json.loads(line)
                 self.done.add(record_key(record))
+                if record.get("error") is not None:
+                    self.failed.add(record_key(record))
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise InputError(f"{self.path} line {line_no}: not a batch output record; choose another --output") from None
 
@@ -59,6 +62,8 @@ class ResultLog:
             view = view[os.write(self.fd, view):]
         os.fsync(self.fd)
         self.done.add(record_key(record))
+        if record.get("error") is not None:
+            self.failed.add(record_key(record))
 
     def close(self) -> None:
         os.close(self.fd)

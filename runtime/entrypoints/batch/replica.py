@@ -17,6 +17,8 @@ def ok_record(item: dict, body: dict, request_id: str | None = None) -> dict:
               "error": None}
     if item.get("content_hash"):
         record["content_hash"] = item["content_hash"]
+    if item.get("warnings"):
+        record["warnings"] = item["warnings"]  # the extractor's remarks on a damaged but readable document
     return record
 
 

@@ -25,11 +25,13 @@ from moe_export.runtime.entrypoints.batch.replica import error_record, start_llm
 
 @dataclass
 class BatchSummary:
-    """Counts of this run (skipped = already in the output from an earlier run)."""
+    """Counts of this run (skipped = already in the output from an earlier run; failed_earlier = those of them
+    that are error lines: the job still has failed items, so the exit code says so)."""
 
     ok: int = 0
     failed: int = 0
     skipped: int = 0
+    failed_earlier: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
     seconds: float = 0.0
@@ -46,18 +48,21 @@ class BatchSummary:
             self.errors[record["error"]["code"]] = self.errors.get(record["error"]["code"], 0) + 1
 
 
-def collect_items(input_path: Path, log: ResultLog, max_file_bytes: int) -> tuple[list[dict], list[dict], int]:
-    """(pending items, error records of refused inputs, count already done). Items are plain dicts:
-    {"kind": "openai", custom_id, url, body} or {"kind": "doc", custom_id, content_hash, text}."""
-    pending, refused, skipped = [], [], 0
+def collect_items(input_path: Path, log: ResultLog, max_file_bytes: int) -> tuple[list[dict], list[dict], list[str]]:
+    """(pending items, error records of refused inputs, keys already done). Items are plain dicts:
+    {"kind": "openai", custom_id, url, body} or {"kind": "doc", custom_id, content_hash, text, warnings?}."""
+    pending, refused, skipped = [], [], []
     if input_path.is_dir():
         for doc in read_documents(input_path, max_file_bytes):
             if doc.key in log.done:
-                skipped += 1
+                skipped.append(doc.key)
             elif doc.error_code:
                 refused.append(error_record(doc.custom_id, doc.error_code, doc.error_message, doc.content_hash))
             else:
-                pending.append({"kind": "doc", "custom_id": doc.custom_id, "content_hash": doc.content_hash, "text": doc.text})
+                item = {"kind": "doc", "custom_id": doc.custom_id, "content_hash": doc.content_hash, "text": doc.text}
+                if doc.warnings:
+                    item["warnings"] = list(doc.warnings)
+                pending.append(item)
         return pending, refused, skipped
     if not input_path.is_file():
         raise InputError(f"--input {input_path}: no such file or folder")
@@ -77,10 +82,10 @@ def collect_items(input_path: Path, log: ResultLog, max_file_bytes: int) -> tupl
             if custom_id not in log.done:
                 refused.append(error_record(custom_id, "bad_record", str(exc)))
             else:
-                skipped += 1
+                skipped.append(custom_id)
             continue
         if item["custom_id"] in log.done:
-            skipped += 1
+            skipped.append(item["custom_id"])
         elif item["custom_id"] in seen:
             refused.append(error_record(item["custom_id"], "duplicate_custom_id",
                                         f"input line {line_no}: custom_id {item['custom_id']} already used above"))
@@ -129,7 +134,9 @@ def run_batch(engine_dir: str, input_path: str, output: str, *, concurrency: int
     summary = BatchSummary()
     start = time.perf_counter()
     try:
-        pending, refused, summary.skipped = collect_items(src, log, max_file_bytes)
+        pending, refused, skipped = collect_items(src, log, max_file_bytes)
+        summary.skipped = len(skipped)
+        summary.failed_earlier = len(set(skipped) & log.failed)
         for record in refused:
             log.append(record)
             summary.add(record)
@@ -168,6 +175,7 @@ def render_summary(summary: BatchSummary, console) -> None:
     table.add_column("value", justify="right")
     rate = (summary.ok + summary.failed) / summary.seconds if summary.seconds else 0.0
     for name, value in (("succeeded", summary.ok), ("failed", summary.failed), ("skipped (already done)", summary.skipped),
+                        ("of them failed (earlier runs)", summary.failed_earlier),
                         ("prompt tokens", summary.prompt_tokens), ("completion tokens", summary.completion_tokens),
                         ("seconds", f"{summary.seconds:.1f}"), ("items/s", f"{rate:.2f}"),
                         ("completion tok/s", f"{summary.completion_tokens / summary.seconds if summary.seconds else 0:.1f}")):

@@ -13,7 +13,8 @@ Tensors (the names of Triton's vLLM backend, so its OpenAI-compatible frontend a
   inputs  text_input (BYTES [1], raw prompt), messages (BYTES [1], JSON list of chat messages; instead of
           text_input), stream (BOOL [1]), sampling_parameters (BYTES [1], JSON object: temperature, top_p,
           top_k, seed, max_tokens, stop, stop_token_ids, ignore_eos, reasoning_effort, tools, tool_choice,
-          response_format), exclude_input_in_output (BOOL [1])
+          response_format), exclude_input_in_output (BOOL [1]), images (BYTES [-1], encoded images appended to the
+          last user message of `messages`; K3 engines with a vision tower)
   outputs text_output (BYTES [-1]), reasoning_content, tool_calls (JSON), usage (JSON), finish_reason
 Only requested outputs are sent (all of them when the client names none).
 """
@@ -21,18 +22,64 @@ Only requested outputs are sent (all of them when the client names none).
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 import json
+import os
+import secrets
 import threading
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+ENGINE_ENV = "MOE_EXPORT_ENGINE_DIR"  # the engine folder where Triton runs; overrides config.pbtxt's engine_dir
 OUTPUT_NAMES = ("text_output", "reasoning_content", "tool_calls", "usage", "finish_reason")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # vLLM sampling parameters accepted only at their neutral value (clients and load tools send them)
 NEUTRAL_OPTIONS = {"n": (1,), "best_of": (1,), "logprobs": (False, 0), "presence_penalty": (0, 0.0),
-                   "frequency_penalty": (0, 0.0)}
+                   "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "min_tokens": (0,),
+                   "skip_special_tokens": (True,)}
+# The vLLM backend's sample client (and its OpenAI frontend) send every sampling_parameters value as a string
+# ("temperature": "0.1"); the backend converts them by key, and so does this model.
+FLOAT_KEYS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+INT_KEYS = ("top_k", "max_tokens", "min_tokens", "seed", "n", "best_of", "logprobs")
+BOOL_KEYS = ("ignore_eos", "skip_special_tokens")
+
+
+def _typed_options(options: dict) -> dict:
+    """`options` with the vLLM backend's string values converted to the type of their key (BadRequest naming
+    the key when one does not convert)."""
+    out = dict(options)
+    for key, value in options.items():
+        if not isinstance(value, str):
+            continue
+        try:
+            if key in FLOAT_KEYS:
+                out[key] = float(value)
+            elif key in INT_KEYS:
+                out[key] = int(value)
+            elif key in BOOL_KEYS:
+                if value.strip().lower() not in ("true", "false"):
+                    raise ValueError(value)
+                out[key] = value.strip().lower() == "true"
+        except ValueError:
+            raise BadRequest(f"sampling_parameters: {key}={value!r} is not a valid value for {key}") from None
+    return out
+
+
+def _with_images(messages: list[dict], images: list[bytes]) -> list[dict]:
+    """`messages` with each encoded image appended, in order, to the last user message as an image_url part (a
+    base64 data URL; the runtime decodes it and refuses what it cannot read, naming the part)."""
+    users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+    if not users:
+        raise BadRequest("input images needs a user message in messages to attach them to")
+    last = dict(messages[users[-1]])
+    content = last.get("content")
+    parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+    parts += [{"type": "image_url", "image_url": {"url": "data:image/*;base64," + base64.b64encode(b).decode()}}
+              for b in images]
+    last["content"] = parts
+    return [last if i == users[-1] else m for i, m in enumerate(messages)]
 
 
 class BadRequest(Exception):
@@ -85,7 +132,7 @@ class TritonPythonModel:
                 f"{self.model_config['name']}: set model_transaction_policy {{ decoupled: true }} (responses stream)"
             )
         params = {k: v["string_value"] for k, v in self.model_config.get("parameters", {}).items()}
-        engine_dir = params["engine_dir"]
+        engine_dir = os.environ.get(ENGINE_ENV) or os.path.join(args["model_repository"], params["engine_dir"])
         default_effort = params.get("default_effort", "max")
         self.ids = itertools.count()
         self.loop = asyncio.new_event_loop()
@@ -119,10 +166,18 @@ class TritonPythonModel:
             raise BadRequest("give exactly one of the inputs text_input (a prompt) and messages (JSON chat messages)")
         if messages is not None and not (isinstance(messages, list) and all(isinstance(m, dict) for m in messages)):
             raise BadRequest("input messages must be a JSON list of message objects")
+        images = pb_utils.get_input_tensor_by_name(request, "images")
+        if images is not None:
+            if messages is None:
+                raise BadRequest("input images goes with the messages input (a chat), not text_input")
+            messages = _with_images(messages, [bytes(b) for b in np.asarray(images.as_numpy()).reshape(-1)])
         options = _json(request, "sampling_parameters") or {}
         from moe_export.runtime.entrypoints.triton.request_options import parse_request_options
 
         if isinstance(options, dict):
+            options = _typed_options(options)
+            if options.get("seed") is None:  # unseeded requests differ (vLLM draws a random seed too)
+                options["seed"] = secrets.randbits(63)
             for key, neutral in NEUTRAL_OPTIONS.items():
                 if options.get(key) is not None and options[key] not in neutral:
                     raise BadRequest(f"sampling_parameters: {key}={options[key]!r} is not supported (only {neutral[0]!r})")

@@ -31,6 +31,7 @@ MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 INPUTS = (
     ("text_input", "TYPE_STRING", "[ 1 ]", True),
     ("messages", "TYPE_STRING", "[ 1 ]", True),
+    ("images", "TYPE_STRING", "[ -1 ]", True),  # encoded images (PNG / JPEG / WebP / GIF bytes), K3 engines
     ("stream", "TYPE_BOOL", "[ 1 ]", True),
     ("sampling_parameters", "TYPE_STRING", "[ 1 ]", True),
     ("exclude_input_in_output", "TYPE_BOOL", "[ 1 ]", True),
@@ -49,8 +50,11 @@ def _quote(text: str) -> str:
     return json.dumps(text)
 
 
-def render_config_pbtxt(model_name: str, engine_dir: Path, default_effort: str = "max", instances: int = 1) -> str:
-    """The model's config.pbtxt (protobuf text format of Triton's ModelConfig)."""
+def render_config_pbtxt(model_name: str, engine_dir: str, default_effort: str = "max", instances: int = 1) -> str:
+    """The model's config.pbtxt (protobuf text format of Triton's ModelConfig). engine_dir: as written (a path
+    relative to the model folder, or absolute as seen where Triton runs). The instance kind is KIND_MODEL: the
+    runtime places itself (CPU engines on the host, GPU engines on their devices), so the same repository
+    serves in a container or on GPUs."""
     lines = [
         f"name: {_quote(model_name)}",
         'backend: "python"',
@@ -62,13 +66,13 @@ def render_config_pbtxt(model_name: str, engine_dir: Path, default_effort: str =
         lines.append(f"input {{ name: {_quote(name)} data_type: {dtype} dims: {dims} optional: {str(optional).lower()} }}")
     for name, dtype, dims in OUTPUTS:
         lines.append(f"output {{ name: {_quote(name)} data_type: {dtype} dims: {dims} }}")
-    lines.append(f"instance_group [ {{ count: {instances} kind: KIND_CPU }} ]")
-    for key, value in (("engine_dir", str(engine_dir)), ("default_effort", default_effort)):
+    lines.append(f"instance_group [ {{ count: {instances} kind: KIND_MODEL }} ]")
+    for key, value in (("engine_dir", engine_dir), ("default_effort", default_effort)):
         lines.append(f"parameters {{ key: {_quote(key)} value: {{ string_value: {_quote(value)} }} }}")
     return "\n".join(lines) + "\n"
 
 
-def render_launch_script(model_name: str, engine_dir: Path, world_size: int) -> str:
+def render_launch_script(model_name: str, engine_dir: str, world_size: int) -> str:
     """Bash script starting Triton on this repository, in process or (--mpi) as an MPMD mpiexec world."""
     return f"""#!/usr/bin/env bash
 # Start Triton Inference Server on this repository (model {model_name}, engine {engine_dir}, {world_size} rank(s)).
@@ -77,7 +81,10 @@ def render_launch_script(model_name: str, engine_dir: Path, world_size: int) -> 
 #                                                          ranks 1..{world_size - 1} follow its step plans
 set -euo pipefail
 REPO="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
-ENGINE={_quote(str(engine_dir))}
+ENGINE={_quote(engine_dir)}
+if [[ "$ENGINE" != /* ]]; then ENGINE="$REPO/{model_name}/$ENGINE"; fi  # relative to the model folder
+ENGINE="${{MOE_EXPORT_ENGINE_DIR:-$ENGINE}}"
+export MOE_EXPORT_ENGINE_DIR="$ENGINE"
 WORLD={world_size}
 PYTHON="${{PYTHON:-python3}}"
 if [[ "${{1:-}}" == "--mpi" ]]; then
@@ -91,7 +98,7 @@ exec tritonserver --model-repository "$REPO" "$@"
 
 
 def write_triton_repo(engine_dir: str | Path, out: str | Path, model_name: str = "moe-export",
-                      default_effort: str = "max") -> Path:
+                      default_effort: str = "max", engine_path: str | None = None) -> Path:
     """Write REPO/NAME (config.pbtxt, 1/model.py) and REPO/launch_NAME.sh; returns REPO/NAME.
     An existing REPO/NAME is replaced whole; other models in REPO are left alone."""
     from moe_export.runtime.core.budget import EFFORT_TIERS
@@ -113,11 +120,16 @@ def write_triton_repo(engine_dir: str | Path, out: str | Path, model_name: str =
         raise InputError(f"{out}: exists and is not a folder")
     repo.mkdir(parents=True, exist_ok=True)
     final = repo / model_name
+    # the engine as config.pbtxt names it: given (e.g. its path inside a container), else relative to the model
+    # folder, so the repository and the engine move together (MOE_EXPORT_ENGINE_DIR overrides both at run time)
+    written = engine_path if engine_path is not None else os.path.relpath(engine, final.resolve())
+    if not written:
+        raise InputError("--engine-path must not be empty")
     staging = repo / f".{model_name}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
         (staging / "1").mkdir(parents=True)
-        (staging / "config.pbtxt").write_text(render_config_pbtxt(model_name, engine, default_effort))
+        (staging / "config.pbtxt").write_text(render_config_pbtxt(model_name, written, default_effort))
         shutil.copyfile(Path(__file__).with_name("model.py"), staging / "1" / "model.py")
         for path in (staging / "config.pbtxt", staging / "1" / "model.py"):
             fsync_path(path)
@@ -130,7 +142,7 @@ def write_triton_repo(engine_dir: str | Path, out: str | Path, model_name: str =
             os.replace(staging, final)
         launch = repo / f"launch_{model_name}.sh"
         tmp = repo / f".{launch.name}.tmp-{os.getpid()}"
-        tmp.write_text(render_launch_script(model_name, engine, world_size))
+        tmp.write_text(render_launch_script(model_name, written, world_size))
         tmp.chmod(0o755)
         os.replace(tmp, launch)
         fsync_path(repo)
