@@ -708,3 +708,19 @@ def test_prompt_plus_max_tokens_beyond_the_context_is_400(server, oai):
         oai.chat.completions.create(model="m", messages=messages, max_tokens=context - n + 1)
     r = oai.chat.completions.create(model="m", messages=messages, reasoning_effort="none", **GREEDY)  # default: what fits
     assert r.usage.total_tokens <= context
+
+
+def test_sampling_controls_the_sampler_lacks_are_refused_not_ignored(oai):
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for extra in ({"presence_penalty": 0.5}, {"frequency_penalty": 1.0}, {"logit_bias": {"5": 10}},
+                  {"extra_body": {"min_p": 0.1}}, {"extra_body": {"repetition_penalty": 1.2}}, {"extra_body": {"min_tokens": 3}}):
+        with pytest.raises(openai.BadRequestError, match="not supported"):
+            oai.chat.completions.create(**chat, **extra)
+        with pytest.raises(openai.BadRequestError, match="not supported"):
+            oai.completions.create(model="m", prompt="hi", max_tokens=2, **extra)
+    neutral = oai.chat.completions.create(**chat, presence_penalty=0, frequency_penalty=0, **GREEDY)
+    assert neutral.choices[0].finish_reason in ("length", "stop")
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(**chat, logprobs=True, top_logprobs=50)  # OpenAI's maximum is 20
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        list(oai.chat.completions.create(**chat, logprobs=True, stream=True))
