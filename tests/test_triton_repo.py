@@ -258,3 +258,34 @@ def test_follower_rank_entry_refuses_to_run_outside_mpiexec(engine):
     r = subprocess.run([sys.executable, "-m", "moe_export.runtime.entrypoints.triton.follower", str(engine)], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "under mpiexec" in r.stderr
+
+
+def test_images_input(model, pb_utils, engine):
+    """`images` (encoded bytes) join the last user message of `messages`; a bad image or images without
+    messages are INVALID_ARG."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (60, 90, 3), dtype=np.uint8)).save(buf, "PNG")
+    png = buf.getvalue()
+    params = {"max_tokens": 3, "temperature": 0, "reasoning_effort": "none"}
+    msgs = [{"role": "user", "content": "What is it?"}]
+
+    def images(*blobs):
+        return [pb_utils.Tensor("images", np.array(list(blobs), dtype=np.object_))]
+
+    reqs = [make_request(pb_utils, model, "img", messages=msgs, params=params, stream=False, raw_inputs=images(png)),
+            make_request(pb_utils, model, "txt", messages=msgs, params=params, stream=False),
+            make_request(pb_utils, model, "bad", messages=msgs, params=params, stream=False, raw_inputs=images(b"junk")),
+            make_request(pb_utils, model, "no-chat", prompt="x", params=params, stream=False, raw_inputs=images(png))]
+    model.execute(reqs)
+    for r in reqs:
+        assert r.sender.done.wait(120)
+    usage = {r.request_id(): json.loads(text_of(r.sender.responses[-1], "usage")) for r in reqs[:2]}
+    assert usage["img"]["prompt_tokens"] >= usage["txt"]["prompt_tokens"] + 12  # 90x60: 12 image rows + markers
+    errors = {r.request_id(): r.sender.responses[-1].error() for r in reqs[2:]}
+    assert all(e is not None and e.code() == pb_utils.TritonError.INVALID_ARG for e in errors.values())
+    assert "content[1]: not a readable image" in errors["bad"].message()
+    assert "goes with the messages input" in errors["no-chat"].message()

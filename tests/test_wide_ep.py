@@ -151,11 +151,12 @@ def test_recipe_dp_needs_experts_over_every_rank(tmp_path):
 # ---- engine: per-group batches in one process ---------------------------------------------------------------
 
 
-def test_groups_step_their_own_sequences_and_idle_groups_join(dp_engine):
+@pytest.mark.parametrize("preset", ["tiny-k3", "tiny-k3-dsa", "tiny-kimi-linear"])
+def test_groups_step_their_own_sequences_and_idle_groups_join(dp_engine, preset):
     """tp 2 x dp 2 (world 4, experts over 4 ranks) in one process: group 0 prefills and decodes one prompt
     while group 1 idles for three steps, then prefills another prompt of a different length and both decode;
     each group's logits match the reference at every step."""
-    engine_dir = dp_engine("tiny-k3", 2, 4)
+    engine_dir = dp_engine(preset, 2, 4)
     ref = KimiModel.from_checkpoint(source_checkpoint(engine_dir))
     eng = Engine(engine_dir, num_slots=2, num_blocks=32, threads=1)
     assert (eng.dp, eng.dp_layout) == (2, True)
@@ -296,7 +297,8 @@ def test_mpiexec_8_ranks_serve_spreads_chats_over_groups(dp_engine):
 
     engine_dir = dp_engine("tiny-k3", 2, 8)
     questions = ["Tell me about Paris.", "Hi!", "What is two plus two, in words?", "Name a colour."]
-    proc, url = start_cli_server([str(engine_dir), "--default-effort", "low"], mpiexec_ranks=8)
+    proc, url = start_cli_server([str(engine_dir), "--default-effort", "low", "--served-model-name", "m"],
+                                 mpiexec_ranks=8)
     try:
         def ask(q: str) -> dict:
             body = {"model": "m", "messages": [{"role": "user", "content": q}], "max_tokens": 10, "temperature": 0}

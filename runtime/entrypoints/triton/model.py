@@ -13,7 +13,8 @@ Tensors (the names of Triton's vLLM backend, so its OpenAI-compatible frontend a
   inputs  text_input (BYTES [1], raw prompt), messages (BYTES [1], JSON list of chat messages; instead of
           text_input), stream (BOOL [1]), sampling_parameters (BYTES [1], JSON object: temperature, top_p,
           top_k, seed, max_tokens, stop, stop_token_ids, ignore_eos, reasoning_effort, tools, tool_choice,
-          response_format), exclude_input_in_output (BOOL [1])
+          response_format), exclude_input_in_output (BOOL [1]), images (BYTES [-1], encoded images appended to the
+          last user message of `messages`; K3 engines with a vision tower)
   outputs text_output (BYTES [-1]), reasoning_content, tool_calls (JSON), usage (JSON), finish_reason
 Only requested outputs are sent (all of them when the client names none).
 """
@@ -21,6 +22,7 @@ Only requested outputs are sent (all of them when the client names none).
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 import json
 import os
@@ -63,6 +65,21 @@ def _typed_options(options: dict) -> dict:
         except ValueError:
             raise BadRequest(f"sampling_parameters: {key}={value!r} is not a valid value for {key}") from None
     return out
+
+
+def _with_images(messages: list[dict], images: list[bytes]) -> list[dict]:
+    """`messages` with each encoded image appended, in order, to the last user message as an image_url part (a
+    base64 data URL; the runtime decodes it and refuses what it cannot read, naming the part)."""
+    users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+    if not users:
+        raise BadRequest("input images needs a user message in messages to attach them to")
+    last = dict(messages[users[-1]])
+    content = last.get("content")
+    parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+    parts += [{"type": "image_url", "image_url": {"url": "data:image/*;base64," + base64.b64encode(b).decode()}}
+              for b in images]
+    last["content"] = parts
+    return [last if i == users[-1] else m for i, m in enumerate(messages)]
 
 
 class BadRequest(Exception):
@@ -149,6 +166,11 @@ class TritonPythonModel:
             raise BadRequest("give exactly one of the inputs text_input (a prompt) and messages (JSON chat messages)")
         if messages is not None and not (isinstance(messages, list) and all(isinstance(m, dict) for m in messages)):
             raise BadRequest("input messages must be a JSON list of message objects")
+        images = pb_utils.get_input_tensor_by_name(request, "images")
+        if images is not None:
+            if messages is None:
+                raise BadRequest("input images goes with the messages input (a chat), not text_input")
+            messages = _with_images(messages, [bytes(b) for b in np.asarray(images.as_numpy()).reshape(-1)])
         options = _json(request, "sampling_parameters") or {}
         from moe_export.runtime.entrypoints.triton.request_options import parse_request_options
 

@@ -31,6 +31,7 @@ MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 INPUTS = (
     ("text_input", "TYPE_STRING", "[ 1 ]", True),
     ("messages", "TYPE_STRING", "[ 1 ]", True),
+    ("images", "TYPE_STRING", "[ -1 ]", True),  # encoded images (PNG / JPEG / WebP / GIF bytes), K3 engines
     ("stream", "TYPE_BOOL", "[ 1 ]", True),
     ("sampling_parameters", "TYPE_STRING", "[ 1 ]", True),
     ("exclude_input_in_output", "TYPE_BOOL", "[ 1 ]", True),
