@@ -167,19 +167,26 @@ def _rest_after(tokenizer: Tokenizer, segments: list[Segment], ids: list[int], *
             items[-1] = (Segment(items[-1][0].text + seg.text), items[-1][1])
         else:
             items.append((seg, n))
+    # special tokens that are neither a marker of this rendering nor an end token carry no text (a sampled
+    # reserved token): inside a text run they belong to it, as the output parser read them
+    markers = {tokenizer.encode_special(seg.text) for seg in segments if seg.special} | set(tokenizer.eos_token_ids)
+
+    def textless(n: int) -> bool:
+        return tokenizer.is_special(ids[n]) and ids[n] not in markers
+
     k = i = 0
     while i < len(ids):
-        if tokenizer.is_special(ids[i]):
+        if tokenizer.is_special(ids[i]) and not textless(i):
             if k == len(items) or not items[k][0].special or tokenizer.encode_special(items[k][0].text) != ids[i]:
                 return None
             k, i = k + 1, i + 1
             continue
         j = i
-        while j < len(ids) and not tokenizer.is_special(ids[j]):
+        while j < len(ids) and (not tokenizer.is_special(ids[j]) or textless(j)):
             j += 1
         if k == len(items) or items[k][0].special:
             return None
-        text, want = tokenizer.decode(ids[i:j]), items[k][0].text
+        text, want = tokenizer.decode(ids[i:j], skip_special_tokens=True), items[k][0].text
         if text == want:
             k, i = k + 1, j
         elif inside_text and j == len(ids) and want.startswith(text):

@@ -144,7 +144,12 @@ def test_turn_ids_render_a_turn_as_generated_only_when_they_spell_it(toks, famil
     marker = tok.encode_special("<|im_end|>" if family == "k2" else CLOSE)
     check(typed, start + _sub(written(typed), list(b"<|im_end|>" if family == "k2" else b"<|close|>"), [marker]), as_generated=False)
     check({**msg, "content": "message in a bottle!"}, start + out, as_generated=False)
-    check(msg, start + out[:3] + [tok.encode_special("[EOT]")] + out[3:], as_generated=False)
+    # a special token that carries no text inside the text (a sampled reserved / end-of-turn id the parser read
+    # no text from) keeps the turn as generated: a stored chain continues from the model's exact tokens
+    stray = start + out[:3] + [tok.encode_special("[EOT]")] + out[3:]
+    got = render_ids(tok, [*user, {**msg, "turn_ids": stray}, *after])
+    assert got[: len(head) + len(stray)] == head + stray
+    assert tok.decode(got, skip_special_tokens=True) == tok.decode(render_ids(tok, [*user, msg, *after]), skip_special_tokens=True)
     with pytest.raises(InputError, match=r"messages\[1\]\.turn_ids must be a list of token ids"):
         render_ids(tok, [*user, {**msg, "turn_ids": "1 2 3"}])
 

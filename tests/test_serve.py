@@ -708,3 +708,48 @@ def test_prompt_plus_max_tokens_beyond_the_context_is_400(server, oai):
         oai.chat.completions.create(model="m", messages=messages, max_tokens=context - n + 1)
     r = oai.chat.completions.create(model="m", messages=messages, reasoning_effort="none", **GREEDY)  # default: what fits
     assert r.usage.total_tokens <= context
+
+
+def test_sampling_controls_the_sampler_lacks_are_refused_not_ignored(oai):
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for extra in ({"presence_penalty": 0.5}, {"frequency_penalty": 1.0}, {"logit_bias": {"5": 10}},
+                  {"extra_body": {"min_p": 0.1}}, {"extra_body": {"repetition_penalty": 1.2}}, {"extra_body": {"min_tokens": 3}}):
+        with pytest.raises(openai.BadRequestError, match="not supported"):
+            oai.chat.completions.create(**chat, **extra)
+        with pytest.raises(openai.BadRequestError, match="not supported"):
+            oai.completions.create(model="m", prompt="hi", max_tokens=2, **extra)
+    neutral = oai.chat.completions.create(**chat, presence_penalty=0, frequency_penalty=0, **GREEDY)
+    assert neutral.choices[0].finish_reason in ("length", "stop")
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(**chat, logprobs=True, top_logprobs=50)  # OpenAI's maximum is 20
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        list(oai.chat.completions.create(**chat, logprobs=True, stream=True))
+
+
+def test_responses_chain_is_exact_across_a_restart(serve_engine, tmp_path):
+    """A stored turn is continued as the tokens the model produced, even when it sampled special tokens that
+    carry no text (a random-weight model's reserved ids): the same prompt before and after a restart, and
+    before it the kept state is reused."""
+    from moe_export.runtime.tokenizer import load_tokenizer
+
+    store = str(tmp_path / "h.sqlite")
+    opts = {"max_output_tokens": 40, "temperature": 0, "reasoning": {"effort": "low"}}
+    first = InProcessServer(serve_engine, store_path=store, served_model_names=("m",), default_effort="low")
+    try:
+        oai = openai.OpenAI(base_url=f"{first.url}/v1", api_key="x", max_retries=0)
+        r1 = oai.responses.create(model="m", input="Plan my week.", **opts)
+        before = oai.responses.create(model="m", input="More.", previous_response_id=r1.id, store=False, **opts)
+    finally:
+        first.stop()
+    turn = json.loads(sqlite3.connect(store).execute("SELECT output_message FROM responses").fetchone()[0])["turn_ids"]
+    tok = load_tokenizer(serve_engine)
+    assert any(tok.decode([t]).startswith("<|reserved") for t in turn)  # the case the check must cover
+    assert before.usage.input_tokens_details.cached_tokens == r1.usage.input_tokens + r1.usage.output_tokens - 1
+    second = InProcessServer(serve_engine, store_path=store, served_model_names=("m",), default_effort="low")
+    try:
+        oai = openai.OpenAI(base_url=f"{second.url}/v1", api_key="x", max_retries=0)
+        after = oai.responses.create(model="m", input="More.", previous_response_id=r1.id, store=False, **opts)
+    finally:
+        second.stop()
+    assert after.usage.input_tokens == before.usage.input_tokens
+    assert [i.model_dump(exclude={"id"}) for i in after.output] == [i.model_dump(exclude={"id"}) for i in before.output]

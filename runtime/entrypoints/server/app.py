@@ -257,6 +257,12 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
         if waiting >= settings.max_queue:
             raise APIError(429, f"the request queue is full ({waiting} waiting, limit {settings.max_queue}); retry later")
 
+    def check_sampler_support(req) -> None:
+        """400 for sampling controls the runtime's sampler lacks (never silently ignored)."""
+        bad = req.unsupported()
+        if bad:
+            raise APIError(400, f"{', '.join(bad)}: not supported by this server's sampler (only the neutral value)", bad[0])
+
     def check_model(model: str | None) -> str:
         """The model name to report; 404 for a name this server does not serve (vLLM's answer)."""
         if model is None or settings.accept_any_model:
@@ -488,8 +494,11 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
         model = check_model(req.model)
         max_tokens = req.max_completion_tokens or req.max_tokens
         check_limits(req.messages, req.tools, max_tokens)
+        check_sampler_support(req)
         if req.logprobs and req.top_logprobs:
             raise APIError(400, "top_logprobs: alternatives per token are not reported by this server (0 only)", "top_logprobs")
+        if req.logprobs and req.stream:
+            raise APIError(400, "logprobs: reported on whole answers only by this server (ask without stream)", "logprobs")
         messages = convert.chat_messages_from_openai(req.messages)
         tools = convert.openai_tools(req.tools)
         tool_choice = convert.normalize_tool_choice(req.tool_choice, tools)
@@ -558,6 +567,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
         req = await parse(request, CompletionRequest)
         model = check_model(req.model)
         check_limits(None, None, req.max_tokens)
+        check_sampler_support(req)
         if req.logprobs:
             raise APIError(400, "logprobs: this server reports no per-token alternatives on /v1/completions", "logprobs")
         prompts = completion_prompts(req.prompt)

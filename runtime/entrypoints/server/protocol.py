@@ -16,7 +16,25 @@ class Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class ChatCompletionRequest(Lenient):
+class Penalties(Lenient):
+    """Sampling controls the runtime's sampler does not implement yet: accepted at their neutral values only
+    (the server refuses others with a 400 rather than ignore them)."""
+
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    min_tokens: int | None = Field(None, ge=0)
+    logit_bias: dict[str, float] | None = None
+
+    def unsupported(self) -> list[str]:
+        """The fields set to something other than their neutral value."""
+        neutral = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0, "min_tokens": 0}
+        bad = [k for k, v in neutral.items() if getattr(self, k) not in (None, v)]
+        return bad + (["logit_bias"] if self.logit_bias else [])
+
+
+class ChatCompletionRequest(Penalties):
     model: str | None = None
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
@@ -39,7 +57,7 @@ class ChatCompletionRequest(Lenient):
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
 
 
-class CompletionRequest(Lenient):
+class CompletionRequest(Penalties):
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(None, ge=1)
