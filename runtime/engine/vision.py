@@ -77,5 +77,9 @@ class VisionEncoder:
         while self.cache_bytes > self.max_cache_bytes:
             self.cache_bytes -= self.cache.popitem(last=False)[1].nbytes
 
+    def clear_cache(self) -> None:
+        self.cache.clear()
+        self.cache_bytes = 0
+
     def stats(self) -> dict:
         return {"cached_images": len(self.cache), "cache_bytes": self.cache_bytes, "hits": self.hits, "misses": self.misses}
