@@ -710,18 +710,30 @@ def test_prompt_plus_max_tokens_beyond_the_context_is_400(server, oai):
     assert r.usage.total_tokens <= context
 
 
-def test_sampling_controls_the_sampler_lacks_are_refused_not_ignored(oai):
-    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    for extra in ({"presence_penalty": 0.5}, {"frequency_penalty": 1.0}, {"logit_bias": {"5": 10}},
-                  {"extra_body": {"min_p": 0.1}}, {"extra_body": {"repetition_penalty": 1.2}}, {"extra_body": {"min_tokens": 3}}):
-        with pytest.raises(openai.BadRequestError, match="not supported"):
-            oai.chat.completions.create(**chat, **extra)
-        with pytest.raises(openai.BadRequestError, match="not supported"):
-            oai.completions.create(model="m", prompt="hi", max_tokens=2, **extra)
-    neutral = oai.chat.completions.create(**chat, presence_penalty=0, frequency_penalty=0, **GREEDY)
-    assert neutral.choices[0].finish_reason in ("length", "stop")
+def test_sampling_controls_reach_the_sampler(server, oai):
+    """logit_bias, penalties, min_tokens and top_logprobs through the openai client: each changes what comes
+    back (none is ignored), and bad values are 400s."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "reasoning_effort": "none",
+            **GREEDY}
+    tok = server.llm.tokenizer
+    target = tok.encode("zebra")[0]
+    biased = oai.completions.create(model="m", prompt="Once", max_tokens=5, logit_bias={str(target): 100}, **GREEDY)
+    assert biased.choices[0].text == tok.decode([target]) * 5
+    plain = oai.completions.create(model="m", prompt="Once", max_tokens=12, **GREEDY).choices[0].text
+    penalised = oai.completions.create(model="m", prompt="Once", max_tokens=12, frequency_penalty=2.0, presence_penalty=2.0,
+                                       extra_body={"repetition_penalty": 1.5}, **GREEDY).choices[0].text
+    assert penalised != plain
+    r = oai.chat.completions.create(**chat, logprobs=True, top_logprobs=3)
+    for entry in r.choices[0].logprobs.content:
+        alts = entry.top_logprobs
+        assert len(alts) == 3 and alts[0].logprob >= alts[1].logprob >= alts[2].logprob
+        assert abs(alts[0].logprob - entry.logprob) < 1e-4  # greedy: the chosen token is the most likely one
     with pytest.raises(openai.BadRequestError):
         oai.chat.completions.create(**chat, logprobs=True, top_logprobs=50)  # OpenAI's maximum is 20
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        oai.chat.completions.create(**chat, logit_bias={"99999999": 5})
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(**chat, presence_penalty=3)
     with pytest.raises(openai.BadRequestError, match="stream"):
         list(oai.chat.completions.create(**chat, logprobs=True, stream=True))
 

@@ -223,18 +223,24 @@ def test_three_concurrent_streams_a_cancelled_one_and_a_bad_one(model, pb_utils,
 
 def test_vllm_backend_client_string_parameters(model, pb_utils):
     """The vLLM backend's sample client sends every sampling parameter as a string (its model converts them by
-    key): accepted here the same way; neutral penalties pass, others and unconvertible values are refused."""
+    key): accepted here the same way (penalties included); bad and unconvertible values are refused by name."""
     typed = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
     strings = {"temperature": "0", "top_p": "0.95", "max_tokens": "6", "ignore_eos": "true", "repetition_penalty": "1.0"}
     reqs = [make_request(pb_utils, model, f"v{i}", prompt="hello there", params=p, stream=False)
             for i, p in enumerate((typed, {**typed, "top_p": 0.95}, strings))]
-    bad = [make_request(pb_utils, model, "rp", prompt="x", params={"repetition_penalty": "1.2"}),
+    bad = [make_request(pb_utils, model, "rp", prompt="x", params={"repetition_penalty": "-1"}),
            make_request(pb_utils, model, "warm", prompt="x", params={"temperature": "warm"})]
     model.execute([*reqs, *bad])
     for r in [*reqs, *bad]:
         assert r.sender.done.wait(60)
     texts = [text_of(r.sender.responses[-1]) for r in reqs]
     assert not any(r.sender.responses[-1].has_error() for r in reqs) and texts[0] == texts[1] == texts[2]
+    penalised = make_request(pb_utils, model, "pen", prompt="hello there", stream=False,
+                             params={**strings, "max_tokens": "12", "frequency_penalty": "2.0", "repetition_penalty": "1.5"})
+    same = make_request(pb_utils, model, "same", prompt="hello there", stream=False, params={**strings, "max_tokens": "12"})
+    model.execute([penalised, same])
+    assert penalised.sender.done.wait(60) and same.sender.done.wait(60)
+    assert text_of(penalised.sender.responses[-1]) != text_of(same.sender.responses[-1])  # the penalties reached the sampler
     errors = {r.request_id(): r.sender.responses[-1].error() for r in bad}
     assert all(e is not None and e.code() == pb_utils.TritonError.INVALID_ARG for e in errors.values())
     assert "repetition_penalty" in errors["rp"].message() and "temperature" in errors["warm"].message()

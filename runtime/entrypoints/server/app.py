@@ -14,7 +14,6 @@ import hmac
 import json
 import logging
 import re
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -257,11 +256,13 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
         if waiting >= settings.max_queue:
             raise APIError(429, f"the request queue is full ({waiting} waiting, limit {settings.max_queue}); retry later")
 
-    def check_sampler_support(req) -> None:
-        """400 for sampling controls the runtime's sampler lacks (never silently ignored)."""
-        bad = req.unsupported()
-        if bad:
-            raise APIError(400, f"{', '.join(bad)}: not supported by this server's sampler (only the neutral value)", bad[0])
+    def sampler_extras(req) -> dict:
+        """The request's penalties, min_p, min_tokens and logit_bias for SamplingParams (token ids checked)."""
+        extras = req.sampler_fields()
+        for key in extras.get("logit_bias") or {}:
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) < tokenizer.vocab_size:
+                raise APIError(400, f"logit_bias: {key!r} is not a token id in [0, {tokenizer.vocab_size})", "logit_bias")
+        return extras
 
     def check_model(model: str | None) -> str:
         """The model name to report; 404 for a name this server does not serve (vLLM's answer)."""
@@ -281,14 +282,22 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
                                 f"{asked}. Please reduce the length of the prompt or completion.", param)
         return requested if requested is not None else min(settings.default_max_tokens, room)
 
-    def sampling_params(temperature, top_p, top_k, seed, max_tokens: int, stop, logprobs=False, ignore_eos=False) -> SamplingParams:
-        """No seed: a fresh random one per request (identical unseeded requests differ, as in vLLM / OpenAI)."""
+    def sampling_params(temperature, top_p, top_k, seed, max_tokens: int, stop, logprobs=False, ignore_eos=False,
+                        top_logprobs: int = 0, extras: dict | None = None) -> SamplingParams:
+        """No seed: the sampler draws a random one (identical unseeded requests differ, as in vLLM / OpenAI).
+        extras: penalties, min_p, min_tokens, logit_bias (`sampler_extras`)."""
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        return SamplingParams(
-            temperature=1.0 if temperature is None else float(temperature), top_p=1.0 if top_p is None else float(top_p),
-            top_k=max(int(top_k or 0), 0), seed=secrets.randbits(63) if seed is None else int(seed), max_tokens=max_tokens,
-            stop=stops, logprobs=bool(logprobs), ignore_eos=ignore_eos,
-        )
+        extras = dict(extras or {})
+        if extras.get("min_tokens", 0) > max_tokens:
+            raise APIError(400, f"min_tokens {extras['min_tokens']} is over max_tokens {max_tokens}", "min_tokens")
+        try:
+            return SamplingParams(
+                temperature=1.0 if temperature is None else float(temperature), top_p=1.0 if top_p is None else float(top_p),
+                top_k=max(int(top_k or 0), 0), seed=None if seed is None else int(seed), max_tokens=max_tokens,
+                stop=stops, logprobs=bool(logprobs), ignore_eos=ignore_eos, top_logprobs=int(top_logprobs or 0), **extras,
+            )
+        except InputError as exc:
+            raise APIError(400, str(exc)) from None
 
     @dataclass
     class ChatRun:
@@ -494,9 +503,9 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
         model = check_model(req.model)
         max_tokens = req.max_completion_tokens or req.max_tokens
         check_limits(req.messages, req.tools, max_tokens)
-        check_sampler_support(req)
-        if req.logprobs and req.top_logprobs:
-            raise APIError(400, "top_logprobs: alternatives per token are not reported by this server (0 only)", "top_logprobs")
+        extras = sampler_extras(req)
+        if req.top_logprobs and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         if req.logprobs and req.stream:
             raise APIError(400, "logprobs: reported on whole answers only by this server (ask without stream)", "logprobs")
         messages = convert.chat_messages_from_openai(req.messages)
@@ -509,7 +518,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
             for i in range(req.n):  # n choices: n sequences, each seeded apart (seed + i when a seed is given)
                 sampling = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                 seed=None if req.seed is None else req.seed + i, stop=req.stop, logprobs=req.logprobs,
-                                ignore_eos=req.ignore_eos)
+                                ignore_eos=req.ignore_eos, top_logprobs=req.top_logprobs or 0, extras=extras)
                 runs.append(await run_chat(
                     request_id if req.n == 1 else f"{request_id}-{i}", messages, sampling, max_tokens=max_tokens,
                     tools=tools, tool_choice=tool_choice, response_format=req.response_format, effort=effort,
@@ -525,7 +534,8 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
             for run, out in zip(runs, outs):
                 finish("/v1/chat/completions", out, run.tier)
             pieces = [[tokenizer.decode([t]) for t in out.output_ids] for out in outs] if req.logprobs else None
-            return convert.chat_completion_response(outs, request_id=request_id, model=model, logprob_pieces=pieces)
+            return convert.chat_completion_response(outs, request_id=request_id, model=model, logprob_pieces=pieces,
+                                                    decode=lambda t: tokenizer.decode([t]))
         include_usage = bool((req.stream_options or {}).get("include_usage"))
 
         async def events():
@@ -567,7 +577,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
         req = await parse(request, CompletionRequest)
         model = check_model(req.model)
         check_limits(None, None, req.max_tokens)
-        check_sampler_support(req)
+        extras = sampler_extras(req)
         if req.logprobs:
             raise APIError(400, "logprobs: this server reports no per-token alternatives on /v1/completions", "logprobs")
         prompts = completion_prompts(req.prompt)
@@ -581,7 +591,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
                 for j in range(req.n):  # choice index p_index * n + j, as vLLM orders them
                     k = p_index * req.n + j
                     sampling = sampling_params(req.temperature, req.top_p, req.top_k, None if req.seed is None else req.seed + j,
-                                               max_tokens, req.stop, False, req.ignore_eos)
+                                               max_tokens, req.stop, False, req.ignore_eos, extras=extras)
                     check_queue()
                     streams.append(await timed(llm.generate_stream(
                         ids, sampling, request_id=request_id if len(prompts) * req.n == 1 else f"{request_id}-{k}")))

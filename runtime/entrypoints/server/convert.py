@@ -121,7 +121,8 @@ def normalize_tool_choice(tool_choice: Any, tools: list[dict] | None, field: str
     return {"type": "function", "function": {"name": name}}
 
 
-def chat_completion_response(outs: list, *, request_id: str, model: str, logprob_pieces: list[list[str]] | None) -> dict:
+def chat_completion_response(outs: list, *, request_id: str, model: str, logprob_pieces: list[list[str]] | None,
+                             decode=None) -> dict:
     """ChatOutputs (one per choice) -> chat.completion object (logprob_pieces: each choice's decoded output
     tokens when logprobs were asked)."""
     choices = []
@@ -131,7 +132,7 @@ def chat_completion_response(outs: list, *, request_id: str, model: str, logprob
             message["tool_calls"] = out.tool_calls
         choice: dict[str, Any] = {"index": i, "message": message, "finish_reason": out.finish_reason, "logprobs": None}
         if logprob_pieces is not None and out.logprobs is not None:
-            choice["logprobs"] = chat_logprobs(logprob_pieces[i], out.logprobs)
+            choice["logprobs"] = chat_logprobs(logprob_pieces[i], out.logprobs, out.top_logprobs, decode)
         choices.append(choice)
     return {
         "id": request_id,
@@ -164,9 +165,16 @@ def openai_effort(effort):
     return OPENAI_EFFORTS.get(effort, effort) if isinstance(effort, str) else effort
 
 
-def chat_logprobs(pieces: list[str], logprobs: list[float]) -> dict:
-    return {"content": [{"token": t, "logprob": float(lp), "bytes": list(t.encode()), "top_logprobs": []}
-                        for t, lp in zip(pieces, logprobs)]}
+def chat_logprobs(pieces: list[str], logprobs: list[float], top: list | None = None, decode=None) -> dict:
+    """OpenAI's logprobs.content: each output token with its logprob and its most likely alternatives
+    (`top`: per token, (token id, logprob) pairs; `decode`: token id -> text)."""
+    top = top or [[] for _ in pieces]
+
+    def entry(text: str, lp: float) -> dict:
+        return {"token": text, "logprob": float(lp), "bytes": list(text.encode())}
+
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(decode(i), alt) for i, alt in alts]}
+                        for t, lp, alts in zip(pieces, logprobs, top)]}
 
 
 def openai_usage(usage: dict) -> dict:

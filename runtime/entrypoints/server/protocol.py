@@ -17,8 +17,7 @@ class Lenient(BaseModel):
 
 
 class Penalties(Lenient):
-    """Sampling controls the runtime's sampler does not implement yet: accepted at their neutral values only
-    (the server refuses others with a 400 rather than ignore them)."""
+    """vLLM's / OpenAI's extra sampling controls, passed to the runtime's sampler."""
 
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -27,11 +26,10 @@ class Penalties(Lenient):
     min_tokens: int | None = Field(None, ge=0)
     logit_bias: dict[str, float] | None = None
 
-    def unsupported(self) -> list[str]:
-        """The fields set to something other than their neutral value."""
-        neutral = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0, "min_tokens": 0}
-        bad = [k for k, v in neutral.items() if getattr(self, k) not in (None, v)]
-        return bad + (["logit_bias"] if self.logit_bias else [])
+    def sampler_fields(self) -> dict:
+        """The controls the request sets, as SamplingParams keyword arguments."""
+        names = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
 
 class ChatCompletionRequest(Penalties):

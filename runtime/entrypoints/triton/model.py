@@ -36,9 +36,7 @@ ENGINE_ENV = "MOE_EXPORT_ENGINE_DIR"  # the engine folder where Triton runs; ove
 OUTPUT_NAMES = ("text_output", "reasoning_content", "tool_calls", "usage", "finish_reason")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # vLLM sampling parameters accepted only at their neutral value (clients and load tools send them)
-NEUTRAL_OPTIONS = {"n": (1,), "best_of": (1,), "logprobs": (False, 0), "presence_penalty": (0, 0.0),
-                   "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "min_tokens": (0,),
-                   "skip_special_tokens": (True,)}
+NEUTRAL_OPTIONS = {"n": (1,), "best_of": (1,), "logprobs": (False, 0), "skip_special_tokens": (True,)}
 # The vLLM backend's sample client (and its OpenAI frontend) send every sampling_parameters value as a string
 # ("temperature": "0.1"); the backend converts them by key, and so does this model.
 FLOAT_KEYS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")

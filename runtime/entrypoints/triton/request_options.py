@@ -18,7 +18,13 @@ SAMPLING_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "ignore_eos": ("ignore_eos", (bool,)),
     "stop_token_ids": ("stop_token_ids", (list,)),
     "stop": ("stop", (str, list)),
+    "presence_penalty": ("presence_penalty", (int, float)),
+    "frequency_penalty": ("frequency_penalty", (int, float)),
+    "repetition_penalty": ("repetition_penalty", (int, float)),
+    "min_p": ("min_p", (int, float)),
+    "min_tokens": ("min_tokens", (int,)),
 }
+FLOAT_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
 CHAT_KEYS = ("reasoning_effort", "tools", "tool_choice", "response_format")
 
 
@@ -61,7 +67,7 @@ def parse_request_options(options: dict[str, Any], where: str, *, ignored: tuple
             value = tuple(value)
         elif key == "max_tokens" and value < 1:
             raise InputError(f"{where}: max_tokens must be >= 1, got {value}")
-        kwargs[name] = float(value) if name in ("temperature", "top_p") else value
+        kwargs[name] = float(value) if name in FLOAT_FIELDS else value
     chat = {k: options[k] for k in CHAT_KEYS if options.get(k) is not None}
     if "reasoning_effort" in chat and not isinstance(chat["reasoning_effort"], (str, int)):
         raise InputError(f"{where}: reasoning_effort must be low, high, max, none or a token count")
