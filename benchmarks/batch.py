@@ -107,7 +107,8 @@ def main() -> None:
         template = jinja2.Environment(undefined=jinja2.StrictUndefined).from_string(TASK_TEMPLATES["summarize"])
         prompts = [template.render(document=t, path="", chunk_index=0, num_chunks=1, question="") for t in texts]
         port = free_port()
-        server = subprocess.Popen([MOE_EXPORT, "serve", str(engine), "--port", str(port), "--default-effort", args.effort],
+        server = subprocess.Popen([MOE_EXPORT, "serve", str(engine), "--port", str(port), "--default-effort", args.effort,
+                                   "--served-model-name", "moe-export"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
         base = f"http://127.0.0.1:{port}"
         try:

@@ -7,10 +7,14 @@ subprocess on loopback, and measures in interleaved rounds (equal repetitions):
     tokens/s, and p50 / p99 time to first token (first streamed delta);
   - in-process runtime at 16 sequences: `LLM.chat` on the same 16 conversations in one call (the baseline
     a user would run without HTTP).
-Prints `serve_speedup_16` (aggregate tokens/s at 16 clients / at 1, goal >= 4) and `serve_overhead_16`
-(server tokens/s at 16 / in-process tokens/s at 16, goal >= 0.85).
+  - structured output: seeded, sampled (temperature 1) json_schema requests over 5 schemas (strings,
+    enums, nested objects, arrays, optional / nullable fields), 16 in flight: the fraction whose content
+    parses (strict JSON) and validates against its schema. String lengths are bounded so that a random-weight
+    model ends them; what the grammar must guarantee is that whatever it writes parses.
+Prints `serve_speedup_16` (aggregate tokens/s at 16 clients / at 1, goal >= 4), `serve_overhead_16`
+(server tokens/s at 16 / in-process tokens/s at 16, goal >= 0.85) and `structured_valid_rate` (goal 1.0).
 
-    python benchmarks/serve.py [--tokens 32] [--rounds 2] [--json PATH]
+    python benchmarks/serve.py [--tokens 32] [--rounds 2] [--structured 100] [--json PATH]
 """
 
 from __future__ import annotations
@@ -30,6 +34,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from serve_support import build_serve_engine, start_cli_server, stop_process  # noqa: E402
 
 CLIENTS = (1, 4, 16)
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "note": {"type": "string", "maxLength": 20}},
+     "required": ["name", "note"], "additionalProperties": False},
+    {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}, "size": {"type": "string", "enum": ["S", "M", "L"]},
+                                      "count": {"type": "integer", "minimum": 0, "maximum": 99}},
+     "required": ["colour", "size", "count"], "additionalProperties": False},
+    {"type": "object", "properties": {"city": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 10}, "location": {"type": "object", "properties": {
+            "lat": {"type": "number", "minimum": -90, "maximum": 90}, "lon": {"type": "number", "minimum": -180, "maximum": 180}},
+            "required": ["lat", "lon"], "additionalProperties": False}}, "required": ["name", "location"],
+        "additionalProperties": False}}, "required": ["city"], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 4},
+                                      "scores": {"type": "array", "items": {"type": "integer", "maximum": 9}, "minItems": 1,
+                                                 "maxItems": 3}},
+     "required": ["tags", "scores"], "additionalProperties": False},
+    {"type": "object", "properties": {"title": {"type": "string", "maxLength": 16}, "subtitle": {"type": ["string", "null"], "maxLength": 8},
+                                      "year": {"anyOf": [{"type": "integer", "maximum": 2100}, {"type": "null"}]},
+                                      "draft": {"type": "boolean"}},
+     "required": ["title", "year"], "additionalProperties": False},
+]
 
 
 def conversation(i: int) -> list[dict]:
@@ -60,6 +84,31 @@ async def client_round(url: str, clients: int, tokens: int) -> tuple[float, list
     return sum(g for g, _ in results) / elapsed, [t for _, t in results]
 
 
+async def structured_round(url: str, requests: int) -> float:
+    """Fraction of seeded json_schema answers that parse strictly and validate."""
+    import jsonschema
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600) as client:
+        gate = asyncio.Semaphore(16)
+
+        async def one(i: int) -> bool:
+            schema = SCHEMAS[i % len(SCHEMAS)]
+            async with gate:
+                r = await client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": f"Answer {i} as JSON."}], max_tokens=300,
+                    temperature=1.0, seed=i, reasoning_effort="none",
+                    response_format={"type": "json_schema", "json_schema": {"name": f"s{i % len(SCHEMAS)}", "schema": schema}})
+            try:
+                jsonschema.validate(json.loads(r.choices[0].message.content or ""), schema)
+            except (json.JSONDecodeError, jsonschema.ValidationError):
+                return False
+            return True
+
+        results = await asyncio.gather(*(one(i) for i in range(requests)))
+    return sum(results) / len(results)
+
+
 def in_process_round(llm, tokens: int) -> float:
     from moe_export.runtime.sampling import SamplingParams
 
@@ -75,13 +124,13 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def run(tokens: int, rounds: int) -> dict:
+def run(tokens: int, rounds: int, structured: int) -> dict:
     from moe_export.runtime.entrypoints.llm import LLM
 
     with tempfile.TemporaryDirectory() as tmp:
         engine = build_serve_engine(Path(tmp))
         llm = LLM(engine, default_effort="none")
-        proc, url = start_cli_server([str(engine), "--default-effort", "none"])
+        proc, url = start_cli_server([str(engine), "--default-effort", "none", "--served-model-name", "m"])
         try:
             asyncio.run(client_round(url, 1, 4))  # warm-up (first request compiles nothing, but pages in)
             in_process_round(llm, 4)
@@ -94,6 +143,7 @@ def run(tokens: int, rounds: int) -> dict:
                     rates[n].append(rate)
                     ttfts[n].extend(firsts)
                 local.append(in_process_round(llm, tokens))
+            valid = asyncio.run(structured_round(url, structured)) if structured else None
         finally:
             stop_process(proc)
             llm.shutdown()
@@ -106,6 +156,9 @@ def run(tokens: int, rounds: int) -> dict:
     result["loadavg_1min"] = os.getloadavg()[0]
     result["serve_speedup_16"] = result["serve_tokens_per_s_16"] / result["serve_tokens_per_s_1"]
     result["serve_overhead_16"] = result["serve_tokens_per_s_16"] / result["in_process_tokens_per_s_16"]
+    if valid is not None:
+        result["structured_requests"] = structured
+        result["structured_valid_rate"] = valid
     return result
 
 
@@ -113,15 +166,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=32, help="generated tokens per request")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (medians are reported)")
+    parser.add_argument("--structured", type=int, default=100, help="json_schema requests for structured_valid_rate (0: skip)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     args = parser.parse_args()
-    result = run(args.tokens, args.rounds)
+    result = run(args.tokens, args.rounds, args.structured)
     for key, value in result.items():
         print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
     print(f"serve_speedup_16 {result['serve_speedup_16']:.2f}x (goal >= 4): "
           f"{'met' if result['serve_speedup_16'] >= 4 else 'NOT met'}")
     print(f"serve_overhead_16 {result['serve_overhead_16']:.2f} (goal >= 0.85): "
           f"{'met' if result['serve_overhead_16'] >= 0.85 else 'NOT met'}")
+    if "structured_valid_rate" in result:
+        print(f"structured_valid_rate {result['structured_valid_rate']:.3f} (goal 1.0): "
+              f"{'met' if result['structured_valid_rate'] == 1.0 else 'NOT met'}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

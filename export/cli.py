@@ -151,7 +151,7 @@ def generate(
     temperature: float | None = typer.Option(None, "--temperature", help="sampling temperature (0 = greedy)"),
     top_p: float | None = typer.Option(None, "--top-p", help="nucleus sampling mass in (0, 1]"),
     top_k: int | None = typer.Option(None, "--top-k", help="sample among the k most likely tokens"),
-    seed: int = typer.Option(0, "--seed", help="sampling seed"),
+    seed: int | None = typer.Option(None, "--seed", help="sampling seed (none: a random one)"),
     as_json: bool = typer.Option(False, "--json", help='print {"tokens": [...]} (the new tokens only)'),
 ) -> None:
     """Generate with an engine directory (all ranks in process, or one rank per process under
@@ -182,7 +182,7 @@ def chat(
     temperature: float | None = typer.Option(None, "--temperature", help="sampling temperature (0 = greedy)"),
     top_p: float | None = typer.Option(None, "--top-p", help="nucleus sampling mass in (0, 1]"),
     top_k: int | None = typer.Option(None, "--top-k", help="sample among the k most likely tokens"),
-    seed: int = typer.Option(0, "--seed", help="sampling seed"),
+    seed: int | None = typer.Option(None, "--seed", help="sampling seed (none: a random one)"),
     system: str | None = typer.Option(None, "--system", help="system prompt"),
     history: str | None = typer.Option(None, "--history", help="input history file (default: $XDG_STATE_HOME/moe-export/chat_history)"),
 ) -> None:

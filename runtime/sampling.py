@@ -1,7 +1,6 @@
-"""Per-request sampling: parameters, logits processors, and a seeded sampler.
-
-Greedy, or temperature -> top-k -> top-p with one seeded torch.Generator per request, so a request
-draws the same tokens whether it runs alone or in a batch.
+"""Per-request sampling parameters and the logits processor type. The tokens are chosen inside the model
+runner, for the whole batch at once (`runtime.engine.sampler`); the engine core turns these parameters into
+the runner's per-row tensors.
 """
 
 from __future__ import annotations
@@ -14,31 +13,48 @@ import torch
 
 from moe_export.export.errors import InputError
 
+MAX_TOP_LOGPROBS = 20
+
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
-"""(output token ids so far, logits [vocab] fp32) -> logits [vocab]; applied on rank 0 before sampling
-(grammar-constrained decoding plugs in here)."""
+"""(output token ids so far, logits [vocab] fp32) -> logits [vocab]; applied to the request's row on rank 0
+before sampling (a grammar is applied as a batched bitmask instead: `runtime.core.structured`)."""
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """One request's sampling settings.
 
-    temperature 0 means greedy (argmax; top_k / top_p ignored); top_k 0 and top_p 1.0 disable those filters.
-    max_tokens: most tokens generated (the stop token included). stop: strings that end generation (the
-    text is cut before the first one; the tokens stay in output_ids). stop_token_ids: extra ids that end
-    generation besides the model's eos ids (those are ignored when `ignore_eos`). logprobs: report the
-    log-probability of every chosen token (fp32 log-softmax of the processed logits, before temperature).
+    temperature 0 means greedy (argmax; top_k / top_p / min_p ignored); top_k 0, top_p 1.0 and min_p 0 disable
+    those filters (kept: the top_k most likely tokens, then the smallest set of most likely ones holding top_p
+    of that mass, then those at least min_p times as likely as the most likely one). seed: the request's
+    draws are a function of the seed and the token's index alone (the same alone or in any batch); None
+    draws a random seed. max_tokens: most tokens generated (the stop token included); min_tokens: the eos /
+    stop ids are banned before that many. stop: strings that end generation (the text is cut before the
+    first one; the tokens stay in output_ids). stop_token_ids: extra ids that end generation besides the
+    model's eos ids (those are ignored when `ignore_eos`). logprobs: report the log-probability of every
+    chosen token (fp32 log-softmax of the processed logits, before temperature), and top_logprobs (0..20) of
+    the most likely alternatives. repetition_penalty (> 0; 1 off) divides the positive logits of every
+    token seen in the prompt or output and multiplies the negative ones; presence_penalty and
+    frequency_penalty subtract from the logits of output tokens once, and once per occurrence (OpenAI's
+    semantics); logit_bias: {token id: value added to its logit}.
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    seed: int = 0
+    seed: int | None = None
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -47,19 +63,40 @@ class SamplingParams:
             raise InputError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise InputError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise InputError(f"seed must be an integer or None, got {self.seed!r}")
         if self.max_tokens < 1:
             raise InputError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InputError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InputError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InputError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise InputError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
             raise InputError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise InputError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            bias = tuple(sorted((int(t), float(v)) for t, v in bias))
+        except (TypeError, ValueError):
+            raise InputError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
+        if any(t < 0 or not math.isfinite(v) for t, v in bias):
+            raise InputError("logit_bias: token ids must be >= 0 and biases finite numbers")
+        object.__setattr__(self, "logit_bias", bias)
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @classmethod
     def from_flags(
-        cls, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-        max_tokens: int = 256,
+        cls, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+        seed: int | None = None, max_tokens: int = 256,
     ) -> SamplingParams:
         """Command-line semantics: greedy unless a sampling flag is given; top-k / top-p alone sample at temperature 1."""
         if temperature is None:
@@ -70,64 +107,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [B, V] -> temperature-scaled fp32 logits with tokens outside top-k / top-p set to -inf.
-
-    top-k keeps every token tied with the k-th largest; top-p keeps the smallest prefix of the sorted
-    distribution whose probability reaches top_p (always at least the most likely token)."""
-    x = logits.float() / params.temperature
-    if 0 < params.top_k < x.shape[-1]:
-        kth = x.topk(params.top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if params.top_p < 1:
-        sorted_x, order = x.sort(dim=-1, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        before = probs.cumsum(-1) - probs  # mass of the strictly more likely tokens
-        drop_sorted = before >= params.top_p
-        x = x.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
-    return x
-
-
-class Sampler:
-    """Stateful sampler: one seeded generator, so a run with the same seed draws the same tokens."""
-
-    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
-        self.params = params
-        self.generator = torch.Generator(device=device).manual_seed(params.seed)
-
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [B, V] -> token ids [B] int64."""
-        if self.params.greedy:
-            return logits.argmax(dim=-1)
-        probs = torch.softmax(filter_logits(logits, self.params), dim=-1)
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
-
-
-class RequestSampler:
-    """One request's next-token choice: logits processors, then its seeded Sampler; logprob on request."""
-
-    def __init__(self, params: SamplingParams, processors: list[LogitsProcessor] | None = None) -> None:
-        self.params = params
-        self.processors = list(processors or ())
-        self.sampler = Sampler(params)
-
-    def process(self, output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
-        """logits [V] fp32 -> logits [V] after every processor, in order."""
-        for proc in self.processors:
-            logits = proc(output_ids, logits)
-            if not isinstance(logits, torch.Tensor) or logits.dim() != 1:
-                raise InputError("a logits processor must return a 1-D tensor of logits [vocab]")
-        return logits
-
-    def choose(self, output_ids: list[int], logits: torch.Tensor, forced: int | None = None) -> tuple[int, float | None]:
-        """(token id, its logprob or None) for logits [V]; `forced` (a budget's close marker) skips sampling."""
-        logits = self.process(output_ids, logits.float())
-        if forced is not None:
-            token = forced
-        else:
-            token = int(self.sampler(logits[None])[0])
-            if not math.isfinite(float(logits[token])):
-                raise InputError("the logits processors masked every token: nothing can be sampled")
-        logprob = float(torch.log_softmax(logits, dim=-1)[token]) if self.params.logprobs else None
-        return token, logprob
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0

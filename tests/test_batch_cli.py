@@ -244,3 +244,32 @@ def test_ray_data_two_actors_same_results_as_local(engine, tmp_path):
             assert got[key]["response"]["body"]["output"] == record["response"]["body"]["output"]
         else:
             assert got[key]["error"]["code"] == record["error"]["code"]
+
+
+def test_batch_enforces_a_forced_tool_call_and_a_json_schema(runtime_engine, tmp_path, capsys):
+    """Random weights: the engine core's grammar makes a forced call and a JSON schema valid in batch output (on
+    the shared runtime engine: 1,024-token sequences hold the tool declaration and the call)."""
+    engine = runtime_engine("tiny-k3", 2, 2, 4)
+    import jsonschema
+
+    params = {"type": "object", "properties": {"c": {"type": "string", "enum": ["P", "O"]}}, "required": ["c"],
+              "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "w", "parameters": params}}]
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+              "additionalProperties": False}
+    msgs = [{"role": "user", "content": "Weather?"}]
+    lines = [{"custom_id": "tool", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": msgs, "tools": tools, "max_tokens": 120, "reasoning_effort": "none", "temperature": 0,
+                       "tool_choice": {"type": "function", "function": {"name": "w"}}}},
+             {"custom_id": "json", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": msgs, "max_tokens": 120, "reasoning_effort": "none", "temperature": 0,
+                       "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}}]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    code, _, err = run_cli(capsys, "batch", str(engine), "--input", str(src), "--output", str(out))
+    assert code == 0, err
+    got = {r["custom_id"]: r["response"]["body"]["choices"][0] for r in read_lines(out)}
+    (call,) = got["tool"]["message"]["tool_calls"]
+    assert call["function"]["name"] == "w" and got["tool"]["finish_reason"] == "tool_calls"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), params)
+    jsonschema.validate(json.loads(got["json"]["message"]["content"]), schema)

@@ -282,3 +282,72 @@ def test_chat_stop_strings_cut_text_content_and_stream(llm, stop, want):
     assert _joined(deltas) == (want, "", want)
     deltas, out = _stream(llm, None, script, prompt="Hi", stop=(stop,))
     assert out.text == "".join(d.text for d in deltas) == want and out.stop_string == stop
+
+
+def test_seeded_sampling_same_alone_and_in_a_batch_unseeded_differs(llm):
+    """A seeded request draws the same tokens alone and among others (the sampler's randomness is a function of
+    the seed and the token's index); without a seed two runs differ."""
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=11, max_tokens=8, ignore_eos=True)
+    alone = llm.generate(["Hello there"], seeded)[0].output_ids
+    batched = llm.generate(["Something else entirely", "Hello there", [5, 17, 99]], seeded)
+    assert batched[1].output_ids == alone
+    unseeded = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    runs = [llm.generate(["Hello there"], unseeded)[0].output_ids for _ in range(2)]
+    assert runs[0] != runs[1]
+
+
+WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                                                   "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                  "required": ["city", "days"], "additionalProperties": False}
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "forecast", "parameters": WEATHER_PARAMS}}]
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["answer"],
+                 "additionalProperties": False}
+
+
+def test_llm_chat_enforces_a_forced_tool_call_and_a_json_schema(llm):
+    """Random weights: only the engine core's grammar can make these outputs valid (LLM.chat, no server)."""
+    import json
+
+    import jsonschema
+
+    greedy = SamplingParams(max_tokens=200)
+    (call,) = llm.chat([CONVERSATION], greedy, tools=WEATHER, reasoning_effort="low",
+                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert call.finish_reason == "tool_calls" and call.grammar_completed
+    (tc,) = call.tool_calls
+    assert tc["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(tc["function"]["arguments"]), WEATHER_PARAMS)
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER_SCHEMA}}
+    (out,) = llm.chat([CONVERSATION], greedy, reasoning_effort="low", response_format=fmt)
+    assert out.grammar_completed and out.finish_reason == "stop"
+    jsonschema.validate(json.loads(out.content), ANSWER_SCHEMA)
+
+
+def test_an_engine_failure_is_an_internal_error_not_bad_input(runtime_engine):
+    """A failing step ends every open stream with InternalError (APIs: 500), and later requests get it too."""
+    from moe_export.export.errors import InternalError
+    from moe_export.runtime.engine import open_engine
+
+    class FailingRunner:  # the real runner, whose steps fail
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def sample(self, batch, sampling):
+            raise RuntimeError("device lost")
+
+    engine_dir = runtime_engine("tiny-k3", 2, 2, 4)
+    allm = AsyncLLM(LLM(engine_dir, runner=FailingRunner(open_engine(engine_dir, threads=1))))
+
+    async def run():
+        return await allm.generate("hi", SamplingParams(max_tokens=2))
+
+    try:
+        for _ in range(2):
+            with pytest.raises(InternalError, match="device lost") as exc:
+                asyncio.run(run())
+            assert not isinstance(exc.value, InputError)
+    finally:
+        allm.shutdown()

@@ -260,6 +260,34 @@ def test_follower_rank_entry_refuses_to_run_outside_mpiexec(engine):
     assert r.returncode == 2 and "under mpiexec" in r.stderr
 
 
+def test_model_enforces_a_forced_tool_call_and_a_json_schema(model, pb_utils):
+    """Random weights: the engine core's grammar makes a forced call and a JSON schema valid through Triton."""
+    import jsonschema
+
+    params = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}}, "required": ["city"],
+              "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+              "additionalProperties": False}
+    msgs = [{"role": "user", "content": "Weather?"}]
+    common = {"max_tokens": 120, "reasoning_effort": "none", "temperature": 0}
+    tool = make_request(pb_utils, model, "tool", messages=msgs, stream=False,
+                        params={**common, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    fmt = make_request(pb_utils, model, "json", messages=msgs, stream=False,
+                       params={**common, "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}})
+    assert model.execute([tool, fmt]) is None
+    for request in (tool, fmt):
+        assert request.sender.done.wait(120), request.request_id()
+    (final,) = tool.sender.responses
+    assert not final.has_error()
+    (call,) = json.loads(text_of(final, "tool_calls"))
+    assert call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), params)
+    (final,) = fmt.sender.responses
+    assert not final.has_error()
+    jsonschema.validate(json.loads(text_of(final)), schema)  # a chat's text_output is its content
+
+
 def test_images_input(model, pb_utils, engine):
     """`images` (encoded bytes) join the last user message of `messages`; a bad image or images without
     messages are INVALID_ARG."""

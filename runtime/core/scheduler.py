@@ -18,6 +18,7 @@ and why, then aborts the MPI world, so no rank is left waiting in a collective.
 
 from __future__ import annotations
 
+import secrets
 import sys
 import time
 from collections import deque
@@ -30,7 +31,8 @@ from moe_export.export.errors import InputError
 from moe_export.runtime.core.blocks import BlockAllocator
 from moe_export.runtime.core.sessions import KeptSequence, SessionCache
 from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
-from moe_export.runtime.sampling import LogitsProcessor, RequestSampler, SamplingParams
+from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch
+from moe_export.runtime.sampling import LogitsProcessor, SamplingParams
 from moe_export.runtime.tokenizer import IncrementalDecoder
 
 
@@ -59,6 +61,7 @@ class SequenceUpdate:
     stop_text_index: int | None = None  # where a stop string starts in the decoded output text
     error: str | None = None  # why a request was aborted by the runtime (e.g. a failing logits processor)
     cached_tokens: int = 0  # prompt tokens whose state came from a kept session
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (id, logprob) of the most likely
 
 
 @dataclass
@@ -66,12 +69,11 @@ class Sequence:
     request: Request
     tokens: list[int]  # prompt + output
     prompt_len: int
-    sampler: RequestSampler
+    seed: int  # the request's seed, or a random one drawn at admission
     slot: int = -1
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose state the engine holds (positions [0, num_computed))
     cached_tokens: int = 0  # prompt tokens taken from a kept session
-    logprobs: list[float] = field(default_factory=list)
     text: IncrementalDecoder | None = None  # requests with stop strings: the output's text, a step at a time
     text_len: int = 0  # characters of output text decoded so far
     text_tail: str = ""  # their last characters, as many as a stop string may have begun in
@@ -139,7 +141,8 @@ class Scheduler:
             raise InputError(f"request {request.request_id}: stop strings need a tokenizer")
         if request.request_id in self._ids:
             raise InputError(f"request id {request.request_id!r} is already in use")
-        seq = Sequence(request, [int(t) for t in request.prompt_ids], n, RequestSampler(request.sampling, request.logits_processors))
+        seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(62)
+        seq = Sequence(request, [int(t) for t in request.prompt_ids], n, seed)
         if request.images:
             self._check_images(seq)
         if request.sampling.stop:
@@ -335,32 +338,108 @@ class Scheduler:
             if self.waiting and not self.running and not updates:
                 raise RuntimeError("the scheduler cannot admit any waiting request although nothing runs")
             return updates
-        logits = self._execute({"resets": resets, "chunks": [[c.slot, c.start, c.tokens, c.block_table, c.image_rows,
-                                                              c.image_embeds] for c in chunks]})
-        for row, (seq, chunk) in enumerate(zip(scheduled, chunks)):
+        rows = [n for n, (seq, chunk) in enumerate(zip(scheduled, chunks))
+                if seq.num_computed + len(chunk.tokens) >= len(seq.tokens)]  # the others are mid-prompt: no token yet
+        sampling = self._sampling_batch([scheduled[n] for n in rows], rows) if rows else None
+        plan = {"resets": resets}
+        if self.engine.comm is not None:  # one process hands the chunks over as they are
+            plan["chunks"] = [[c.slot, c.start, c.tokens, c.block_table, c.image_rows, c.image_embeds] for c in chunks]
+        out = self._execute(plan, chunks, sampling)
+        for seq, chunk in zip(scheduled, chunks):
             seq.num_computed += len(chunk.tokens)
-            if seq.num_computed < len(seq.tokens):
-                continue  # a prefill chunk short of the prompt's end: no token yet
-            updates.append(self._sample(seq, logits[row]))
+        for j, n in enumerate(rows):
+            updates.append(self._take(scheduled[n], out, j))
         return updates
 
-    def _sample(self, seq: Sequence, logits_row: np.ndarray) -> SequenceUpdate:
+    def _sampling_batch(self, seqs: list[Sequence], rows: list[int]) -> SamplingBatch:
+        """The runner's per-row tensors for the sequences that get a token this step (rows: their index in
+        the step). Grammar processors (with `fill_bitmask`) become rows of one bitmask, other logits
+        processors per-row callables, a budget's forced token a forced id."""
+        params = [seq.request.sampling for seq in seqs]
+        forced = [-1] * len(seqs)
+        processors, grammar_rows, grammars = [], [], []
+        for j, seq in enumerate(seqs):
+            budget = seq.request.budget
+            token = budget.forced_token() if budget is not None else None
+            if token is not None:
+                forced[j] = token
+            for proc in seq.request.logits_processors:
+                if hasattr(proc, "fill_bitmask"):
+                    grammar_rows.append(j)
+                    grammars.append((seq, proc))
+                else:
+                    processors.append((j, lambda logits, proc=proc, seq=seq: proc(seq.output_ids, logits)))
+        sb = SamplingBatch(
+            rows=torch.tensor(rows, dtype=torch.long),
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
+            seed=torch.tensor([seq.seed for seq in seqs], dtype=torch.long),
+            counter=torch.tensor([len(seq.tokens) - seq.prompt_len for seq in seqs], dtype=torch.long),
+            forced=torch.tensor(forced, dtype=torch.long),
+            logprobs=torch.tensor([p.top_logprobs if p.logprobs else -1 for p in params], dtype=torch.long),
+            vocab=self.sample_vocab, processors=processors,
+        )
+        if grammars:
+            width = grammars[0][1].bitmask_width
+            bitmask = torch.empty((len(grammars), width), dtype=torch.int32)
+            keep = [g for g, (seq, proc) in enumerate(grammars) if proc.fill_bitmask(seq.output_ids, bitmask[g])]
+            if keep:
+                sb.bitmask = bitmask[keep]
+                sb.bitmask_rows = torch.tensor([grammar_rows[g] for g in keep], dtype=torch.long)
+        penalized = [j for j, p in enumerate(params) if p.penalized]
+        if penalized:
+            self._penalties(sb, seqs, params, penalized)
+        bias = [(j, t, v) for j, p in enumerate(params) for t, v in p.logit_bias]
+        if bias:
+            r, t, v = zip(*bias)
+            sb.logit_bias = (torch.tensor(r), torch.tensor(t), torch.tensor(v, dtype=torch.float32))
+        banned = [(j, t) for j, (seq, p) in enumerate(zip(seqs, params)) if len(seq.tokens) - seq.prompt_len < p.min_tokens
+                  for t in sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))]
+        if banned:
+            r, t = zip(*banned)
+            sb.banned = (torch.tensor(r), torch.tensor(t))
+        return sb
+
+    @staticmethod
+    def _penalties(sb: SamplingBatch, seqs: list[Sequence], params: list[SamplingParams], rows: list[int]) -> None:
+        """Repetition (prompt and output tokens) and presence / frequency (output token counts) penalties."""
+        sb.penalty_rows = torch.tensor(rows)
+        sb.repetition = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
+        sb.presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
+        sb.frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)
+        seen_r, seen_t, out_r, out_t, out_c = [], [], [], [], []
+        for j in rows:
+            seq = seqs[j]
+            if params[j].repetition_penalty != 1:
+                ids = np.unique(np.asarray(seq.tokens, dtype=np.int64))
+                seen_r.append(np.full(ids.shape, j)), seen_t.append(ids)
+            if params[j].presence_penalty != 0 or params[j].frequency_penalty != 0:
+                ids, counts = np.unique(np.asarray(seq.output_ids, dtype=np.int64), return_counts=True)
+                out_r.append(np.full(ids.shape, j)), out_t.append(ids), out_c.append(counts)
+        if seen_r:
+            sb.seen = (torch.from_numpy(np.concatenate(seen_r)), torch.from_numpy(np.concatenate(seen_t)))
+        if out_r and sum(len(t) for t in out_t):
+            sb.output_counts = (torch.from_numpy(np.concatenate(out_r)), torch.from_numpy(np.concatenate(out_t)),
+                                torch.from_numpy(np.concatenate(out_c)).float())
+
+    def _take(self, seq: Sequence, out: SampledTokens, j: int) -> SequenceUpdate:
+        """Apply row j of the step's sampled tokens to `seq`: stop checks, budget, the update."""
         req, params = seq.request, seq.request.sampling
-        budget = req.budget
-        try:
-            forced = budget.forced_token() if budget is not None else None
-            token, logprob = seq.sampler.choose(seq.output_ids, torch.from_numpy(np.asarray(logits_row)[: self.sample_vocab]), forced)
-        except Exception as exc:  # a failing request-supplied logits processor ends that request only
+        if j in out.errors:  # a failing request-supplied logits processor, or nothing allowed: that request ends
             self.running.remove(seq)
             self._release(seq, keep=False)
-            return SequenceUpdate(req.request_id, [], None, True, "abort", error=f"{type(exc).__name__}: {exc}")
+            return SequenceUpdate(req.request_id, [], None, True, "abort", error=out.errors[j])
+        token = int(out.ids[j])
+        logprob = out.logprobs[j]
         seq.tokens.append(token)
+        budget = req.budget
         if budget is not None:
             budget.observe(token)
-        if logprob is not None:
-            seq.logprobs.append(logprob)
         update = SequenceUpdate(req.request_id, [token], [logprob] if logprob is not None else None,
-                                cached_tokens=seq.cached_tokens)
+                                cached_tokens=seq.cached_tokens,
+                                top_logprobs=[out.top_logprobs[j]] if params.logprobs else None)
         n_out = len(seq.tokens) - seq.prompt_len
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             update.finish_reason = "stop"
@@ -381,13 +460,14 @@ class Scheduler:
 
     # ---- lockstep execution ---------------------------------------------------------------------
 
-    def _execute(self, plan: dict) -> np.ndarray:
-        """Broadcast `plan` (multi-rank) and run it on this rank: logits [N, vocab]."""
+    def _execute(self, plan: dict, chunks: list[SequenceChunk] | None = None, sampling: SamplingBatch | None = None):
+        """Broadcast `plan` (multi-rank) and run it on this rank (`run_plan`): the step's sampled tokens, or a
+        tower call's embeddings."""
         comm = self.engine.comm
         try:
             if comm is not None:
                 comm.broadcast(plan)
-            return run_plan(self.engine, plan)
+            return run_plan(self.engine, plan, chunks, sampling)
         except BaseException as exc:
             stop_the_world(self.engine, exc)
             raise
@@ -398,16 +478,19 @@ class Scheduler:
             self.engine.comm.broadcast(None)
 
 
-def run_plan(engine, plan: dict) -> np.ndarray | None:
-    """Apply a step plan on this rank: reset new sequences' slots, then one engine step (a plan without chunks:
-    an idle step of a dp-layout group, see `runtime.core.wide_ep`)."""
-    if "vision" in plan:  # a tower call (`Scheduler._encode_images`): the images' embeddings
+def run_plan(engine, plan: dict, chunks: list[SequenceChunk] | None = None, sampling: SamplingBatch | None = None):
+    """Apply a step plan on this rank: reset new sequences' slots, then one runner step choosing the tokens of
+    `sampling` (rank 0; None on followers) -> SampledTokens or None; a plan without chunks is an idle step of a
+    dp-layout group (see `runtime.core.wide_ep`); a tower call (`Scheduler._encode_images`) -> the images'
+    embeddings. `chunks`: the plan's chunks as objects (one process: the plan does not carry them)."""
+    if "vision" in plan:
         return engine.encode_images(plan["vision"])
     for slot in plan["resets"]:
         engine.reset_slot(slot)
-    chunks = [SequenceChunk(c[0], c[1], list(c[2]), list(c[3]), *c[4:]) for c in plan["chunks"]]
+    if chunks is None:
+        chunks = [SequenceChunk(c[0], c[1], list(c[2]), list(c[3]), *c[4:]) for c in plan["chunks"]]
     width = getattr(engine, "image_width", None)
-    return engine.step(StepBatch.from_sequences(chunks, width) if chunks else None)
+    return engine.sample(StepBatch.from_sequences(chunks, width) if chunks else None, sampling)
 
 
 def follow(engine) -> int:

@@ -383,30 +383,46 @@ def structural_tag_for(
     return _json_tag(family, schema, mode)
 
 
+def pack_bits(allowed: torch.Tensor, words: int) -> torch.Tensor:
+    """bool [V] -> int32 [words] in xgrammar's bitmask layout (bit j of word i: token 32 i + j; past V: 0)."""
+    bits = torch.zeros(words * 32, dtype=torch.int64)
+    bits[: allowed.shape[0]] = allowed.long()
+    packed = (bits.view(words, 32) << torch.arange(32)).sum(dim=1)
+    return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+
+
 class GrammarLogitsProcessor:
-    """The runtime's LogitsProcessor for one request: (output ids so far, logits [V] fp32, V the width the
-    runtime samples from) -> the same logits with every token the grammar forbids at -inf. Tokens the runtime forced (thinking budget) are fed to the
-    matcher too; `failed` is set if the output ever left the grammar (then it stops constraining)."""
+    """One request's grammar as the engine core uses it: `fill_bitmask(output ids so far, int32 row)` writes
+    the tokens the grammar allows next, and the runner applies every constrained row's mask in one batched
+    pass (the runtime samples ids below the tokenizer's size only). Tokens the runtime forced (thinking budget)
+    are fed to the matcher too; `failed` is set if the output ever left the grammar (then it stops
+    constraining). Called as a LogitsProcessor ((output ids, logits [V]) -> logits) it masks one row."""
 
     def __init__(self, vocab: GrammarVocab, compiled: xgr.CompiledGrammar) -> None:
         self.vocab = vocab
+        self.bitmask_width = xgr.get_bitmask_shape(1, vocab.vocab_size)[1]
         self.matcher = xgr.GrammarMatcher(compiled)
-        self.bitmask = xgr.allocate_token_bitmask(1, vocab.vocab_size)
         self.consumed = 0
         self.failed = False
 
-    def __call__(self, output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+    def fill_bitmask(self, output_ids: list[int], row: torch.Tensor) -> bool:
+        """Advance over the new output ids and write the next token's mask into `row` [bitmask_width] int32;
+        False (row untouched) when the grammar no longer constrains (completed, or the output left it)."""
         for token in output_ids[self.consumed:]:
             if not self.failed and not self.matcher.is_terminated() and not self.matcher.accept_token(token):
                 self.failed = True
         self.consumed = len(output_ids)
         if self.failed or self.matcher.is_terminated():
-            return logits
-        self.matcher.fill_next_token_bitmask(self.bitmask)
-        row = logits.view(1, -1)
-        width = min(row.shape[1], self.vocab.vocab_size)
-        xgr.apply_token_bitmask_inplace(row, self.bitmask, vocab_size=width)
-        row[0, width:] = float("-inf")
+            return False
+        self.matcher.fill_next_token_bitmask(row.view(1, -1))
+        return True
+
+    def __call__(self, output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        row = torch.empty(self.bitmask_width, dtype=torch.int32)
+        if self.fill_bitmask(output_ids, row):
+            width = min(logits.shape[0], self.vocab.vocab_size)
+            xgr.apply_token_bitmask_inplace(logits.view(1, -1), row.view(1, -1), vocab_size=width)
+            logits[width:] = float("-inf")
         return logits
 
     @property

@@ -45,10 +45,10 @@ class LockstepScheduler(Scheduler):
             self._execute(IDLE_PLAN)
         return updates
 
-    def _execute(self, plan: dict):
+    def _execute(self, plan: dict, chunks=None, sampling=None):
         if "vision" not in plan:  # a tower call is the group's own business (no collective across groups)
             self._ran = True
-        return super()._execute(plan)
+        return super()._execute(plan, chunks, sampling)
 
     @property
     def load(self) -> int:

@@ -41,6 +41,7 @@ from moe_export.plugins.collectives import all_to_all
 from moe_export.plugins.paged_cache_write.cpu import paged_cache_write_
 from moe_export.runtime.engine.batch import (DEFAULT_BLOCK_SIZE, RESET_ON_NEW_SEQUENCE, STATE_PREFIXES, StepBatch,
                                             check_slot, check_step_batch)
+from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
 
 POOL_DTYPES = {TensorProto.FLOAT: np.float32, TensorProto.BFLOAT16: ml_dtypes.bfloat16,
                TensorProto.UINT8: np.uint8}  # ONNX -> numpy (uint8: fp8 rows with their scale byte)
@@ -463,6 +464,11 @@ class Engine:
             return self.step_groups([batch] + [None] * (self.dp - 1))[0]
         envs = self._run({r.rank: batch for r in self.ranks})
         return None if batch is None else envs[self.ranks[0].rank]["logits"]
+
+    def sample(self, batch: StepBatch | None, sampling: SamplingBatch | None) -> SampledTokens | None:
+        """`ModelRunner.sample`: one step, then the batched sampler on the logits (CPU torch, no copy)."""
+        logits = self.step(batch)
+        return None if sampling is None or logits is None else sample(torch.from_numpy(logits), sampling)
 
     def step_groups(self, batches: list[StepBatch | None]) -> list[np.ndarray | None]:
         """dp layout in one process: one step of every attention group at once (None: that group idles);

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from moe_export.runtime.engine.batch import StepBatch, check_slot, check_step_batch
+from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
 
 
 class ReferenceEngine:
@@ -43,3 +44,8 @@ class ReferenceEngine:
             ids = torch.from_numpy(batch.input_ids[lo:hi]).long()[None]
             rows.append(self.model(ids, cache)[0, -1])
         return torch.stack(rows).numpy()
+
+    def sample(self, batch: StepBatch | None, sampling: SamplingBatch | None) -> SampledTokens | None:
+        """`ModelRunner.sample`: one step, then the batched sampler on the logits."""
+        logits = self.step(batch)
+        return None if sampling is None else sample(torch.from_numpy(logits), sampling)

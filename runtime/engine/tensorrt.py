@@ -48,6 +48,7 @@ from moe_export.export.mpi import mpi_world
 from moe_export.export.tensorrt_build import read_engine_file
 from moe_export.graphs.onnx_export import WRITTEN_SUFFIX
 from moe_export.runtime.engine.batch import RESET_ON_NEW_SEQUENCE, STATE_PREFIXES, StepBatch, check_slot, check_step_batch
+from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
 
 
 def pool_shapes(graph_path: Path, sizes: dict[str, int]) -> dict[str, tuple[list[int], int]]:
@@ -235,6 +236,24 @@ class TensorRTEngine:
 
     def step(self, batch: StepBatch) -> np.ndarray:
         """Run one packed step on this rank; returns logits [N, vocab] fp32 (every rank)."""
+        with self._torch.cuda.stream(self.stream):
+            logits = self._forward(batch).float().to("cpu", non_blocking=True)
+        self.stream.synchronize()  # the one wait of a step: the host needs the logits
+        return logits.numpy()
+
+    def sample(self, batch: StepBatch, sampling: SamplingBatch | None) -> SampledTokens | None:
+        """One step, then the batched sampler on the GPU on the step's stream: the logits stay on the device,
+        only the chosen ids (and asked-for logprobs) are copied back (the wait of the step). None on
+        follower ranks, which wait for the step only."""
+        with self._torch.cuda.stream(self.stream):
+            logits = self._forward(batch)
+            if sampling is not None:
+                return sample(logits, sampling)
+        self.stream.synchronize()
+        return None
+
+    def _forward(self, batch: StepBatch):
+        """Enqueue one packed step on `self.stream`: its logits [N, vocab] on the device (not waited for)."""
         check_step_batch(self, batch)
         if is_decode(batch) and self._buckets and batch.num_sequences <= self._buckets[-1]:
             return self._decode_graph_step(batch)
@@ -257,13 +276,12 @@ class TensorRTEngine:
                         raise RuntimeError(f"TensorRT refused the address of output {name}")
             if not self._context.execute_async_v3(self.stream.cuda_stream):
                 raise RuntimeError("TensorRT failed to enqueue the step (see the log above)")
-            logits = outputs["logits"].float().to("cpu", non_blocking=True)
-        self.stream.synchronize()  # the one wait of a step: the host needs the logits
-        return logits.numpy()
+        return outputs["logits"]
 
     # ---- internals ----
-    def _decode_graph_step(self, batch: StepBatch) -> np.ndarray:
-        """A decode step through its bucket's CUDA graph (captured after the bucket's first, eager, step)."""
+    def _decode_graph_step(self, batch: StepBatch):
+        """A decode step through its bucket's CUDA graph (captured after the bucket's first, eager, step): the
+        logits rows of the step on the device (not waited for)."""
         torch = self._torch
         n = batch.num_sequences
         bucket = next(b for b in self._buckets if b >= n)
@@ -285,9 +303,7 @@ class TensorRTEngine:
                 graph.cuda_graph = cuda_graph
             else:
                 graph.cuda_graph.replay()
-            logits = graph.logits[:n].float().to("cpu", non_blocking=True)
-        self.stream.synchronize()
-        return logits.numpy()
+        return graph.logits[:n]
 
     def _new_graph(self, bucket: int) -> _DecodeGraph:
         """The bucket's context (sharing the activation buffer), static inputs and outputs, bound once."""

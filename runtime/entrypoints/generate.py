@@ -6,6 +6,7 @@ interface.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from moe_export.export.errors import InputError
@@ -53,7 +54,7 @@ def reference_generate(model, prompt_ids: list[int], max_new_tokens: int, sampli
     if max_new_tokens < 1:
         return []
     base = sampling or SamplingParams()
-    params = SamplingParams(base.temperature, base.top_k, base.top_p, base.seed, max_new_tokens, ignore_eos=not stop_at_eos)
+    params = dataclasses.replace(base, max_tokens=max_new_tokens, ignore_eos=not stop_at_eos)
     eos = list(model.cfg.eos_token_ids)
     engine = ReferenceEngine(model, max_seq_len=len(prompt_ids) + max_new_tokens)
     return generate_tokens(engine, prompt_ids, params, eos)

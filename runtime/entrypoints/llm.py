@@ -18,8 +18,9 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moe_export.export.errors import InputError
+from moe_export.export.errors import InputError, InternalError
 from moe_export.runtime.core.budget import ReasoningBudget, resolve_thinking
+from moe_export.runtime.core.structured import GrammarLogitsProcessor, GrammarVocab, structural_tag_for
 from moe_export.runtime.chat import (
     OutputParser,
     ParsedDelta,
@@ -59,6 +60,8 @@ class ChatOutput:
     tool_call_parse_failures: int = 0
     turn_ids: list[int] | None = None
     stop_string: str | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per output token, when logprobs were asked
+    grammar_completed: bool | None = None  # a forced tool call / JSON format: the output is a whole sentence of it
 
     def message(self) -> dict:
         """The assistant message for the conversation's history (rendered as `turn_ids` next turn)."""
@@ -172,9 +175,11 @@ class _Tracked:
     turn_start: int = 0
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     cached_tokens: int = 0
     out: _OutputText | None = None
     images: list = field(default_factory=list)  # runtime.images.PreparedImage of the prompt's images, in order
+    grammar: GrammarLogitsProcessor | None = None  # tool_choice / response_format enforced, whatever the entry point
 
 
 class _Core:
@@ -186,7 +191,8 @@ class _Core:
         self.tracked: dict[str, _Tracked] = {}
 
     def submit(self, tracked: _Tracked, processors: list[LogitsProcessor] | None) -> None:
-        self.sched.add(Request(tracked.request_id, tracked.prompt_ids, tracked.sampling, list(processors or ()), tracked.budget,
+        processors = list(processors or ()) + ([tracked.grammar] if tracked.grammar is not None else [])
+        self.sched.add(Request(tracked.request_id, tracked.prompt_ids, tracked.sampling, processors, tracked.budget,
                                tracked.images))
         tracked.out = _OutputText(self.llm.tokenizer, tracked.sampling.stop, tracked.parser)
         self.tracked[tracked.request_id] = tracked
@@ -198,6 +204,7 @@ class _Core:
         tr = self.tracked[u.request_id]
         tr.output_ids += u.token_ids
         tr.logprobs += u.logprobs or []
+        tr.top_logprobs += u.top_logprobs or []
         tr.cached_tokens = max(tr.cached_tokens, u.cached_tokens)
         stop_token = u.finished and u.finish_reason == "stop" and bool(u.token_ids) and u.stop_text_index is None
         text, parsed = tr.out.step(u.token_ids, finished=u.finished, stop_token=stop_token, stop_index=u.stop_text_index)
@@ -233,7 +240,9 @@ class _Core:
         turn_ids = tr.prompt_ids[len(tr.prompt_ids) - tr.turn_start:] + tr.output_ids if tr.parser is not None else None
         out = ChatOutput(tr.request_id, tr.prompt_ids, tr.output_ids, text, msg.reasoning_content, msg.content,
                          msg.tool_calls, reason, usage, tr.logprobs if tr.sampling.logprobs else None,
-                         msg.tool_call_parse_failures, turn_ids, stop_string)
+                         msg.tool_call_parse_failures, turn_ids, stop_string,
+                         tr.top_logprobs if tr.sampling.logprobs else None,
+                         None if tr.grammar is None else tr.grammar.completed)
         if turn_ids is not None and self.llm.turns is not None and reason != "abort":
             self.llm.turns.remember(out.message(), turn_ids)
         return out
@@ -249,10 +258,11 @@ class LLM:
 
     def __init__(self, engine_dir: str | Path, *, default_effort: str = "max", num_slots: int | None = None,
                  num_blocks: int | None = None, threads: int | None = None, reuse_sessions: bool = True,
-                 allow_image_urls: bool = False) -> None:
+                 allow_image_urls: bool = False, runner=None) -> None:
         from moe_export.runtime.engine import open_engine
 
-        self.engine = open_engine(engine_dir, num_slots=num_slots, num_blocks=num_blocks, threads=threads)
+        # runner: a ModelRunner to drive instead of the engine directory's own (which then provides the tokenizer)
+        self.engine = runner or open_engine(engine_dir, num_slots=num_slots, num_blocks=num_blocks, threads=threads)
         self.tokenizer = load_tokenizer(engine_dir)
         self.family = self.tokenizer.family
         self.thinking_caps: dict[str, int] = dict(self.engine.config.get("thinking", {}))
@@ -266,6 +276,9 @@ class LLM:
         self._turn_start = {thinking: len(generation_prompt_ids(self.tokenizer, self.family, thinking))
                             for thinking in (True, False)} if self.family else {}
         self._ids = itertools.count()
+        model = self.engine.model_config
+        self.vocab_size = int(model.get("vocab_size") or (model.get("text_config") or {}).get("vocab_size") or self.tokenizer.vocab_size)
+        self._grammar_vocab: GrammarVocab | None = None
         self._core = _Core(self) if self.engine.is_root else None
 
     # ---- request preparation (rank 0) -----------------------------------------------------------
@@ -320,8 +333,11 @@ class LLM:
         return message if ids is None else {**message, "turn_ids": ids}
 
     def prepare_chat(self, messages: list[dict], sampling: SamplingParams | None = None, *, tools=None,
-                     reasoning_effort=None, tool_choice=None, response_format=None, request_id: str | None = None) -> _Tracked:
-        """Render a conversation and set up its budget and output parser."""
+                     reasoning_effort=None, tool_choice=None, response_format=None, parallel_tool_calls: bool = True,
+                     request_id: str | None = None) -> _Tracked:
+        """Render a conversation and set up its budget, output parser and grammar: a forced or required tool
+        call (`tool_choice`) or a JSON `response_format` is enforced by grammar-constrained decoding, the same
+        way for every entry point (LLM.chat, AsyncLLM, the server, Triton, batch)."""
         plan = resolve_thinking(reasoning_effort, self.thinking_caps, self.default_effort)
         vision = getattr(self.engine, "vision", None)
         images = PromptImages(self.tokenizer, vision.processor, messages, vision.max_images, self.allow_image_urls) if vision else None
@@ -329,8 +345,15 @@ class LLM:
         starts = prompt_starts_in_reasoning(self.family, plan.enabled)
         budget = ReasoningBudget(self.tokenizer, self.family, plan.cap if plan.enabled else None, starts_in_reasoning=starts)
         parser = OutputParser(self.tokenizer, self.family, starts_in_reasoning=starts, tools_declared=bool(tools))
-        return _Tracked(self._new_id(request_id), ids, sampling or SamplingParams(), parser, budget,
-                        self._turn_start[plan.enabled], images=images.order if images else [])
+        tracked = _Tracked(self._new_id(request_id), ids, sampling or SamplingParams(), parser, budget,
+                           self._turn_start[plan.enabled], images=images.order if images else [])
+        tag = structural_tag_for(self.family, tools=tools, tool_choice=tool_choice, response_format=response_format,
+                                 thinking=plan.enabled, starts_in_reasoning=starts, parallel_tool_calls=parallel_tool_calls)
+        if tag is not None:
+            if self._grammar_vocab is None:  # built on the first constrained request
+                self._grammar_vocab = GrammarVocab(self.tokenizer, self.family, self.vocab_size)
+            tracked.grammar = GrammarLogitsProcessor(self._grammar_vocab, self._grammar_vocab.compile(tag))
+        return tracked
 
     # ---- blocking API ---------------------------------------------------------------------------
 
@@ -369,11 +392,12 @@ class LLM:
         return self._collect([self.prepare_generate(p, sampling) for p in prompts], logits_processors)
 
     def chat(self, conversations: list[list[dict]], sampling: SamplingParams | None = None, *, tools=None,
-             reasoning_effort=None, tool_choice=None, response_format=None,
+             reasoning_effort=None, tool_choice=None, response_format=None, parallel_tool_calls: bool = True,
              logits_processors: list[LogitsProcessor] | None = None) -> list[ChatOutput]:
         """Answer each conversation (OpenAI message dicts), all batched together."""
         tracked = [self.prepare_chat(c, sampling, tools=tools, reasoning_effort=reasoning_effort, tool_choice=tool_choice,
-                                     response_format=response_format) for c in conversations]
+                                     response_format=response_format, parallel_tool_calls=parallel_tool_calls)
+                   for c in conversations]
         return self._collect(tracked, logits_processors)
 
     def chat_stream(self, messages: list[dict], sampling: SamplingParams | None = None, **kwargs) -> Iterator[StreamDelta]:
@@ -439,10 +463,12 @@ class AsyncLLM:
                 command()
             try:
                 deltas = self._core.step() if self._core.sched.has_work else []
-            except BaseException as exc:  # the engine failed: every open stream ends with this error
-                self._failure = exc
+            except BaseException as exc:  # the engine failed: every open stream ends with an internal error
+                failure = exc if isinstance(exc, InternalError) else InternalError(f"the engine failed: {type(exc).__name__}: {exc}")
+                failure.__cause__ = exc
+                self._failure = failure
                 for rid in list(self._queues):
-                    self._push(rid, exc)
+                    self._push(rid, failure)
                 return
             for d in deltas:
                 self._push(d.request_id, d)
@@ -460,8 +486,10 @@ class AsyncLLM:
 
     def _command(self, fn) -> None:
         with self._cv:
-            if self._closing or self._failure is not None:
-                raise InputError("the engine is shut down" if self._failure is None else f"the engine failed: {self._failure}")
+            if self._failure is not None:
+                raise self._failure
+            if self._closing:
+                raise InputError("the engine is shut down")
             self._commands.append(fn)
             self._cv.notify()
 
@@ -502,12 +530,13 @@ class AsyncLLM:
                 self.abort(rid)
 
     def chat_stream(self, messages: list[dict], sampling: SamplingParams | None = None, *, tools=None,
-                    reasoning_effort=None, tool_choice=None, response_format=None,
+                    reasoning_effort=None, tool_choice=None, response_format=None, parallel_tool_calls: bool = True,
                     logits_processors: list[LogitsProcessor] | None = None, request_id: str | None = None
                     ) -> AsyncIterator[StreamDelta]:
         """Stream one chat's deltas; the last one has finished=True and the ChatOutput."""
         tracked = self.llm.prepare_chat(messages, sampling, tools=tools, reasoning_effort=reasoning_effort,
-                                        tool_choice=tool_choice, response_format=response_format, request_id=request_id)
+                                        tool_choice=tool_choice, response_format=response_format,
+                                        parallel_tool_calls=parallel_tool_calls, request_id=request_id)
         return self._stream(tracked, logits_processors)
 
     def render_chat(self, messages: list[dict], **kwargs) -> list[int]:

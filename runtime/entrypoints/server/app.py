@@ -16,6 +16,7 @@ import logging
 import re
 import secrets
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
@@ -40,7 +41,6 @@ from moe_export.runtime.entrypoints.server.protocol import (
     ResponsesRequest,
     TokenizeRequest,
 )
-from moe_export.runtime.core.structured import GrammarLogitsProcessor, GrammarVocab, structural_tag_for
 from moe_export.runtime.entrypoints.server.store import MissingResponse, ResponseStore, StoredResponse, key_scope
 
 log = logging.getLogger("moe_export.serve")
@@ -166,7 +166,6 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
 def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) -> FastAPI:
     """The FastAPI app over a started AsyncLLM (`llm`). The app shuts the runtime down at exit."""
     info = info or EngineInfo.from_engine_dir(settings.engine_dir)
-    from moe_export.runtime.chat import prompt_starts_in_reasoning
     from moe_export.runtime.core.budget import resolve_thinking
     from moe_export.runtime.sampling import SamplingParams
 
@@ -174,7 +173,6 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
     store = ResponseStore(settings.store_path)
     metrics = ServerMetrics(llm.stats)
     key_digests = [_key_digest(k) for k in settings.api_keys]
-    grammar_vocab: list[GrammarVocab] = []  # built on the first constrained request
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -208,8 +206,9 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
-        log.exception("internal error on %s", request.url.path)
-        return error_response(request, 500, f"internal error ({type(exc).__name__}); see the server log")
+        error_id = uuid.uuid4().hex
+        log.exception("internal error %s on %s", error_id, request.url.path)
+        return error_response(request, 500, f"internal error ({type(exc).__name__}, error id {error_id}); see the server log")
 
     # --- helpers ------------------------------------------------------------------------------------
     def authorize(request: Request) -> str:
@@ -291,25 +290,12 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
             stop=stops, logprobs=bool(logprobs), ignore_eos=ignore_eos,
         )
 
-    def grammar_for(tools, tool_choice, response_format, thinking: bool, parallel: bool):
-        tag = structural_tag_for(
-            family, tools=tools, tool_choice=tool_choice, response_format=response_format, thinking=thinking,
-            starts_in_reasoning=prompt_starts_in_reasoning(family, thinking), parallel_tool_calls=parallel,
-        )
-        if tag is None:
-            return None
-        if not grammar_vocab:
-            grammar_vocab.append(GrammarVocab(tokenizer, family, info.vocab_size))
-        vocab = grammar_vocab[0]
-        return GrammarLogitsProcessor(vocab, vocab.compile(tag))
-
     @dataclass
     class ChatRun:
-        """A started chat generation: deltas (the first already arrived), grammar processor or None, thinking
-        tier, prompt length."""
+        """A started chat generation: deltas (the first already arrived), thinking tier, prompt length (the
+        engine core enforces a forced tool call or JSON format)."""
 
         deltas: AsyncIterator
-        processor: object
         tier: str
         prompt_tokens: int
 
@@ -323,17 +309,16 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
         """Start a chat generation (`sampling`: sampling_params' arguments but max_tokens). Bad requests raise
         here, before any response byte is sent."""
         plan = resolve_thinking(effort, info.thinking_caps, settings.default_effort)
-        processor = grammar_for(tools, tool_choice, response_format, plan.enabled, parallel)
         prompt_tokens = prompt_length(messages, tools=tools, tool_choice=tool_choice, response_format=response_format,
                                       effort=effort)
         params = sampling_params(**sampling, max_tokens=fit_max_tokens(prompt_tokens, max_tokens, max_tokens_param))
         check_queue()
         stream = llm.chat_stream(
             messages, params, tools=tools, reasoning_effort=effort, tool_choice=tool_choice,
-            response_format=response_format, logits_processors=[processor] if processor else None, request_id=request_id,
+            response_format=response_format, parallel_tool_calls=parallel, request_id=request_id,
         )
         metrics.requests_by_tier.labels(plan.tier).inc()
-        return ChatRun(await timed(stream), processor, plan.tier, prompt_tokens)
+        return ChatRun(await timed(stream), plan.tier, prompt_tokens)
 
     async def timed(stream: AsyncIterator) -> AsyncIterator:
         """Await the first delta (errors surface now), then re-yield all deltas, recording TTFT / ITL."""
@@ -425,10 +410,10 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
                     await t
                 await stream.aclose()
 
-    def finish(route: str, out, tier: str, processor) -> None:
+    def finish(route: str, out, tier: str) -> None:
         metrics.requests.labels(route, "200").inc()
         metrics.record_output(out, tier)
-        if processor is not None and not processor.completed:
+        if out.grammar_completed is False:
             metrics.structured_failures.inc()
 
     def sse(events: AsyncIterator[dict]) -> EventSourceResponse:
@@ -538,7 +523,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
         if not req.stream:
             outs = await final_outputs([r.deltas for r in runs], request)
             for run, out in zip(runs, outs):
-                finish("/v1/chat/completions", out, run.tier, run.processor)
+                finish("/v1/chat/completions", out, run.tier)
             pieces = [[tokenizer.decode([t]) for t in out.output_ids] for out in outs] if req.logprobs else None
             return convert.chat_completion_response(outs, request_id=request_id, model=model, logprob_pieces=pieces)
         include_usage = bool((req.stream_options or {}).get("include_usage"))
@@ -565,7 +550,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
                 if d.finished:
                     out = d.output
                     outs.append(out)
-                    finish("/v1/chat/completions", out, runs[i].tier, runs[i].processor)
+                    finish("/v1/chat/completions", out, runs[i].tier)
                     if out.tool_calls:
                         yield chunk(i, {"tool_calls": [{"index": k, **call} for k, call in enumerate(out.tool_calls)]})
                     yield chunk(i, {}, out.finish_reason)
@@ -619,7 +604,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
         if not req.stream:
             outs = await final_outputs(streams, request)
             for out in outs:
-                finish("/v1/completions", out, "none", None)
+                finish("/v1/completions", out, "none")
             return body([choice(i, echoes[i] + visible_text(out.text), out.finish_reason) for i, out in enumerate(outs)],
                         convert.openai_usage(convert.summed_usage(outs)))
         include_usage = bool((req.stream_options or {}).get("include_usage"))
@@ -635,7 +620,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
                     yield {"data": json.dumps(body([choice(i, text, None)]))}
                 if d.finished:
                     outs.append(d.output)
-                    finish("/v1/completions", d.output, "none", None)
+                    finish("/v1/completions", d.output, "none")
                     yield {"data": json.dumps(body([choice(i, "", d.output.finish_reason)]))}
             if include_usage:
                 yield {"data": json.dumps(body([], convert.openai_usage(convert.summed_usage(outs))))}
@@ -702,7 +687,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
             response_format=convert.response_format_from_text(req.text), effort=effort, parallel=req.parallel_tool_calls,
             max_tokens_param="max_output_tokens",
         )
-        deltas, processor, tier = run.deltas, run.processor, run.tier
+        deltas, tier = run.deltas, run.tier
         effort_name = (req.reasoning or {}).get("effort") if isinstance(effort, str) else tier
 
         def complete(out) -> dict:
@@ -712,7 +697,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
             if req.store:
                 items = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
                 store.put(StoredResponse(response_id, req.previous_response_id, items, input_messages, out.message(), obj), scope)
-            finish("/v1/responses", out, tier, processor)
+            finish("/v1/responses", out, tier)
             return obj
 
         if not req.stream:
@@ -862,10 +847,10 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
             message_id, messages, sampling, max_tokens=req.max_tokens, tools=tools, tool_choice=tool_choice,
             response_format=None, effort=effort, parallel=parallel,
         )
-        deltas, processor, tier = run.deltas, run.processor, run.tier
+        deltas, tier = run.deltas, run.tier
         if not req.stream:
             out = await final_output(deltas, request)
-            finish("/v1/messages", out, tier, processor)
+            finish("/v1/messages", out, tier)
             return convert.anthropic_message(out, message_id=message_id, model=model)
 
         async def events():
@@ -898,7 +883,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
                 yield event("content_block_delta", index=index, delta={"type": "signature_delta", "signature": ""})
             if open_kind is not None:
                 yield event("content_block_stop", index=index)
-            finish("/v1/messages", out, tier, processor)
+            finish("/v1/messages", out, tier)
             for call in out.tool_calls or []:
                 index += 1
                 yield event("content_block_start", index=index,

@@ -1,0 +1,139 @@
+"""Host overhead per decode step: what the runtime's host side costs when the model step itself is free.
+
+    python benchmarks/host_overhead.py [--steps 20] [--rounds 5] [--threads T] [--json out.json]
+
+Part 1, the engine core over a runner that returns sampled ids at once (no model, no sampling): `LLM`'s core
+(scheduler, sampling-batch packing, step packing, output processing, detokenization, stop checks) driving B
+decoding sequences, B = 1 / 16 / 64 / 256 -> `host_ms_per_step_{B}` (best round's mean over --steps steps).
+Part 2, the runner's batched sampler alone (`runtime.engine.sampler.sample`, CPU torch) on logits
+[B, 163840] (K3's vocabulary): temperature 0 (`sampler_ms_{B}_greedy`, the argmax floor) and temperature 1 +
+top-p 0.95 (`sampler_ms_{B}_sampled`), on flat logits (standard normal: the top-p set is most of the
+vocabulary, so every row takes the whole-row path) and on peaked ones (`_peaked`: normal x 4, the shape of a
+trained model's next-token distribution, where the candidates hold the top-p mass); `sampled_over_greedy_64`
+(flat) and `sampled_over_greedy_64_peaked`. The old per-request sampler is gone (`legacy_ms_per_step_256_sampled`
+is reported as null with `legacy_path`). `loadavg_1min` is read before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
+from moe_export.runtime.entrypoints.llm import LLM
+from moe_export.runtime.sampling import SamplingParams
+from moe_export.runtime.tokenizer import load_tokenizer, write_synthetic_tokenizer
+
+VOCAB = 163_840
+BATCHES = (1, 16, 64, 256)
+
+
+class InstantRunner:
+    """A ModelRunner whose step costs nothing: it returns the next ids of a fixed token stream at once."""
+
+    def __init__(self, num_slots: int, token_ids: np.ndarray) -> None:
+        self.num_slots, self.block_size, self.max_seq_len = num_slots, 64, 1 << 16
+        self.num_blocks = num_slots * (self.max_seq_len // self.block_size)
+        self.max_num_tokens, self.max_step_pairs = 1 << 16, None
+        self.world_size, self.comm, self.is_root = 1, None, True
+        self.config, self.model_config = {}, {"vocab_size": VOCAB}
+        self.tokens, self.at = token_ids, 0
+
+    def reset_slot(self, slot: int) -> None:
+        pass
+
+    def step(self, batch):
+        raise NotImplementedError("the instant runner returns sampled ids only")
+
+    def sample(self, batch, sampling: SamplingBatch | None) -> SampledTokens | None:
+        n = int(sampling.rows.shape[0])
+        take = np.take(self.tokens, np.arange(self.at, self.at + n), mode="wrap")
+        self.at += n
+        return SampledTokens(take, [None] * n, [None] * n)
+
+
+def host_ms_per_step(engine_dir: Path, batch: int, steps: int, rounds: int, tokens: np.ndarray) -> float:
+    llm = LLM(engine_dir, runner=InstantRunner(batch, tokens), reuse_sessions=False)
+    core = llm._root()
+    params = SamplingParams(max_tokens=60_000, ignore_eos=True, stop=("\x00never",))
+    for i in range(batch):
+        core.submit(llm.prepare_generate(np.take(tokens, np.arange(i, i + 8), mode="wrap").tolist(), params), None)
+    for _ in range(3):  # prefill + first decode steps
+        core.step()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(steps):
+            deltas = core.step()
+        best = min(best, (time.perf_counter() - start) / steps)
+        assert len(deltas) == batch
+    llm.shutdown()
+    return best * 1e3
+
+
+def sampler_batch(n: int, temperature: float, top_p: float) -> SamplingBatch:
+    return SamplingBatch(rows=torch.arange(n), temperature=torch.full((n,), temperature), top_k=torch.zeros(n, dtype=torch.long),
+                         top_p=torch.full((n,), top_p), min_p=torch.zeros(n), seed=torch.arange(n, dtype=torch.long),
+                         counter=torch.zeros(n, dtype=torch.long), forced=torch.full((n,), -1),
+                         logprobs=torch.full((n,), -1))
+
+
+def sampler_ms(logits: torch.Tensor, temperature: float, top_p: float, rounds: int) -> float:
+    sb = sampler_batch(logits.shape[0], temperature, top_p)
+    best = float("inf")
+    for _ in range(rounds):
+        x = logits.clone()  # the sampler works in place on the runner's logits; the copy is outside the timing
+        start = time.perf_counter()
+        sample(x, sb)
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result: dict = {"loadavg_1min_before": os.getloadavg()[0], "threads": torch.get_num_threads(), "vocab": VOCAB}
+    with tempfile.TemporaryDirectory() as tmp:
+        write_synthetic_tokenizer(Path(tmp), "k3", 4096)
+        tok = load_tokenizer(tmp)
+        ordinary = np.array([i for i in range(32, tok.vocab_size) if not tok.is_special(i)], dtype=np.int64)
+        for b in BATCHES:
+            result[f"host_ms_per_step_{b}"] = round(host_ms_per_step(Path(tmp), b, args.steps, args.rounds, ordinary), 3)
+            print(f"host_ms_per_step_{b}: {result[f'host_ms_per_step_{b}']}", flush=True)
+    gen = torch.Generator().manual_seed(0)
+    for b in BATCHES:
+        flat = torch.randn(b, VOCAB, generator=gen)
+        for suffix, logits in (("", flat), ("_peaked", flat * 4)):
+            result[f"sampler_ms_{b}_greedy{suffix}"] = round(sampler_ms(logits, 0.0, 1.0, args.rounds), 3)
+            result[f"sampler_ms_{b}_sampled{suffix}"] = round(sampler_ms(logits, 1.0, 0.95, args.rounds), 3)
+            print(f"sampler_ms_{b}{suffix}: greedy {result[f'sampler_ms_{b}_greedy{suffix}']} "
+                  f"sampled {result[f'sampler_ms_{b}_sampled{suffix}']}", flush=True)
+        del flat
+    for suffix in ("", "_peaked"):
+        result[f"sampled_over_greedy_64{suffix}"] = round(result[f"sampler_ms_64_sampled{suffix}"]
+                                                          / result[f"sampler_ms_64_greedy{suffix}"], 2)
+    result["legacy_ms_per_step_256_sampled"] = None
+    result["legacy_path"] = "gone: the per-request sampler was replaced by the runner's batched sampler"
+    result["loadavg_1min"] = os.getloadavg()[0]
+    print(json.dumps(result, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""The model-runner interface the engine core drives: `ort.Engine` (ONNX Runtime), `tensorrt.TensorRTEngine`
+and `reference.ReferenceEngine` implement it."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from moe_export.runtime.engine.batch import StepBatch
+from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch
+
+
+class ModelRunner(Protocol):
+    """One step of a packed batch over the runner's state pools.
+
+    Limits the scheduler plans within (every runner validates a step with `batch.check_step_batch`):
+    num_slots recurrent-state slots, num_blocks cache blocks of block_size tokens, max_seq_len,
+    max_num_tokens per step, max_step_pairs (step token x attended position) per step or None. config: the
+    engine's config.json (`export.engine_config.EngineConfig` for ONNX Runtime / TensorRT builds);
+    model_config: its HF config. Multi-rank: comm (broadcast of step plans; None in one process), is_root."""
+
+    num_slots: int
+    num_blocks: int
+    block_size: int
+    max_seq_len: int
+    max_num_tokens: int
+    max_step_pairs: int | None
+    world_size: int
+    comm: object | None
+    is_root: bool
+    config: dict
+    model_config: dict
+
+    def reset_slot(self, slot: int) -> None:
+        """Start a new sequence in `slot` (zero its recurrent state)."""
+
+    def step(self, batch: StepBatch) -> np.ndarray:
+        """Run one step; logits [N, vocab] fp32 on the host (parity checks)."""
+
+    def sample(self, batch: StepBatch | None, sampling: SamplingBatch | None) -> SampledTokens | None:
+        """Run one step and choose the tokens of `sampling.rows` where the logits are (None: a follower
+        rank's step, or an idle step of a dp-layout group): only ids and asked-for logprobs come back."""
