@@ -110,3 +110,21 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def model_defaults(generation_config: dict | None) -> SamplingParams:
+    """The engine's one set of sampling defaults: temperature, top_p, top_k, min_p and repetition_penalty where the
+    model's generation_config.json gives them (HF names; `do_sample: false` means greedy), SamplingParams' own
+    otherwise. Entry points start a request's parameters from these."""
+    cfg = generation_config or {}
+    given = {}
+    for key, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("min_p", float),
+                      ("repetition_penalty", float)):
+        if cfg.get(key) is not None:
+            try:
+                given[key] = kind(cfg[key])
+            except (TypeError, ValueError):
+                raise InputError(f"generation_config.json: {key} must be a number, got {cfg[key]!r}") from None
+    if cfg.get("do_sample") is False:
+        given["temperature"] = 0.0
+    return SamplingParams(**given)

@@ -24,6 +24,19 @@ def test_bad_sampling_params(kw):
         SamplingParams(**kw)
 
 
+def test_model_defaults_come_from_generation_config():
+    from moe_export.runtime.sampling import model_defaults
+
+    assert model_defaults(None) == SamplingParams()
+    got = model_defaults({"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "eos_token_id": 3})
+    assert (got.temperature, got.top_p, got.top_k, got.min_p) == (0.6, 0.95, 20, 0.0)
+    assert model_defaults({"do_sample": False, "temperature": 0.6}).greedy
+    with pytest.raises(InputError):
+        model_defaults({"temperature": "hot"})
+    with pytest.raises(InputError):
+        model_defaults({"top_p": 2.0})
+
+
 def test_from_flags():
     assert SamplingParams.from_flags().greedy
     assert SamplingParams.from_flags(top_k=5) == SamplingParams(temperature=1.0, top_k=5)

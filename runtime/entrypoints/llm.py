@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_export.export.errors import InputError, InternalError
+from moe_export.graphs.config import read_generation_config
 from moe_export.runtime.core.budget import ReasoningBudget, resolve_thinking
 from moe_export.runtime.core.structured import GrammarLogitsProcessor, GrammarVocab, structural_tag_for
 from moe_export.runtime.chat import (
@@ -33,7 +34,7 @@ from moe_export.runtime.core.scheduler import Request, SequenceUpdate
 from moe_export.runtime.core.sessions import TurnMemory
 from moe_export.runtime.entrypoints.generate import engine_eos_ids
 from moe_export.runtime.images import PromptImages
-from moe_export.runtime.sampling import LogitsProcessor, SamplingParams
+from moe_export.runtime.sampling import LogitsProcessor, SamplingParams, model_defaults
 from moe_export.runtime.tokenizer import load_tokenizer
 from moe_export.runtime.core.wide_ep import open_scheduler, run_rank
 
@@ -279,6 +280,8 @@ class LLM:
         model = self.engine.model_config
         self.vocab_size = int(model.get("vocab_size") or (model.get("text_config") or {}).get("vocab_size") or self.tokenizer.vocab_size)
         self._grammar_vocab: GrammarVocab | None = None
+        # the one set of sampling defaults (requests without their own parameters use it)
+        self.default_sampling = model_defaults(read_generation_config(engine_dir))
         self._core = _Core(self) if self.engine.is_root else None
 
     # ---- request preparation (rank 0) -----------------------------------------------------------
@@ -298,7 +301,7 @@ class LLM:
 
     def prepare_generate(self, prompt: str | list[int], sampling: SamplingParams | None = None,
                          request_id: str | None = None) -> _Tracked:
-        return _Tracked(self._new_id(request_id), self._prompt_ids(prompt), sampling or SamplingParams(), None, None)
+        return _Tracked(self._new_id(request_id), self._prompt_ids(prompt), sampling or self.default_sampling, None, None)
 
     def render_chat(self, messages: list[dict], *, tools=None, reasoning_effort=None, tool_choice=None,
                     response_format=None, add_generation_prompt: bool = True) -> list[int]:
@@ -345,7 +348,7 @@ class LLM:
         starts = prompt_starts_in_reasoning(self.family, plan.enabled)
         budget = ReasoningBudget(self.tokenizer, self.family, plan.cap if plan.enabled else None, starts_in_reasoning=starts)
         parser = OutputParser(self.tokenizer, self.family, starts_in_reasoning=starts, tools_declared=bool(tools))
-        tracked = _Tracked(self._new_id(request_id), ids, sampling or SamplingParams(), parser, budget,
+        tracked = _Tracked(self._new_id(request_id), ids, sampling or self.default_sampling, parser, budget,
                            self._turn_start[plan.enabled], images=images.order if images else [])
         tag = structural_tag_for(self.family, tools=tools, tool_choice=tool_choice, response_format=response_format,
                                  thinking=plan.enabled, starts_in_reasoning=starts, parallel_tool_calls=parallel_tool_calls)
