@@ -36,7 +36,8 @@ def test_editing_a_stage_source_reruns_that_stage(tmp_path, code_copy, monkeypat
     recipe = tiny_recipe("synthetic:tiny-k3")
     out = tmp_path / "engine"
     assert ran_stages(build(recipe, out, stages=FAKE_STAGES, progress=False)) == {
-        "convert": RANKS, "graph": RANKS, "lower": RANKS, "config": 1, "license": 1, "tokenizer": 1}
+        "convert": RANKS, "graph": RANKS, "lower": RANKS, "config": 1, "license": 1, "tokenizer": 1,
+        "vision": 1}
     assert build(recipe, out, stages=FAKE_STAGES, progress=False).up_to_date
 
     with open(code_copy["quantize"] / "mxfp4.py", "a") as f:  # the converter's quantizer
@@ -48,9 +49,10 @@ def test_editing_a_stage_source_reruns_that_stage(tmp_path, code_copy, monkeypat
         f.write("\n# edited\n")
     assert ran_stages(build(recipe, out, stages=FAKE_STAGES, progress=False)) == {"lower": RANKS}
 
-    with open(code_copy["graphs"] / "onnx_export.py", "a") as f:  # the graph exporter
+    with open(code_copy["graphs"] / "onnx_export.py", "a") as f:  # the graph exporter (text and tower graphs)
         f.write("\n# edited\n")
-    assert ran_stages(build(recipe, out, stages=FAKE_STAGES, progress=False)) == {"graph": RANKS, "lower": RANKS}
+    assert ran_stages(build(recipe, out, stages=FAKE_STAGES, progress=False)) == {
+        "graph": RANKS, "lower": RANKS, "vision": 1}
 
     with open(code_copy["plugins"] / "moe_mxfp4" / "triton_kernel.py", "a") as f:  # no ORT-backend stage runs it
         f.write("\n# edited\n")

@@ -102,9 +102,11 @@ def header_bytes(shard: Path) -> int:
 
 
 def needed_bytes(source: Path, recipe) -> int:
+    """Every rank's slices plus, for K3, the vision tower, which the build reads once for all ranks."""
     with open_checkpoint(source, validate=False) as reader:
-        return sum(rank_source_bytes(reader, reader.config, rank_mapping(recipe, n))
-                   for n in range(recipe.target.world_size))
+        tower = sum(s.nbytes for s in reader.vision_specs())
+        return tower + sum(rank_source_bytes(reader, reader.config, rank_mapping(recipe, n))
+                           for n in range(recipe.target.world_size))
 
 
 @pytest.mark.parametrize("preset", ["tiny-k3", "tiny-kimi-linear"])
