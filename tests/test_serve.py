@@ -589,7 +589,7 @@ def test_completions_lists_of_prompts_token_ids_and_n(oai):
     n = oai.completions.create(model="m", prompt="Once", max_tokens=8, n=3, temperature=1, seed=11)
     assert [c.index for c in n.choices] == [0, 1, 2] and len({c.text for c in n.choices}) > 1
     chats = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=6,
-                                        reasoning_effort="none", temperature=1)
+                                        reasoning_effort="none", temperature=1, extra_body={"ignore_eos": True})
     assert [c.index for c in chats.choices] == [0, 1] and chats.usage.completion_tokens == 12
     streamed_n = {0: "", 1: ""}
     for chunk in oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=6,
@@ -736,6 +736,13 @@ def test_sampling_controls_reach_the_sampler(server, oai):
         oai.chat.completions.create(**chat, presence_penalty=3)
     with pytest.raises(openai.BadRequestError, match="stream"):
         list(oai.chat.completions.create(**chat, logprobs=True, stream=True))
+    cmpl = oai.completions.create(model="m", prompt="Once", max_tokens=5, logprobs=2, **GREEDY).choices[0]
+    lp = cmpl.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    # alternatives keyed by text (two byte tokens may both read as U+FFFD); greedy: none is more likely
+    assert all(1 <= len(alts) <= 2 and chosen >= max(alts.values()) - 1e-4
+               for alts, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset[0] == 0 and all(a <= b for a, b in zip(lp.text_offset, lp.text_offset[1:]))
 
 
 def test_responses_chain_is_exact_across_a_restart(serve_engine, tmp_path):

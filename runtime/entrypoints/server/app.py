@@ -578,8 +578,9 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
         model = check_model(req.model)
         check_limits(None, None, req.max_tokens)
         extras = sampler_extras(req)
-        if req.logprobs:
-            raise APIError(400, "logprobs: this server reports no per-token alternatives on /v1/completions", "logprobs")
+        want_logprobs = req.logprobs is not None
+        if want_logprobs and req.stream:
+            raise APIError(400, "logprobs: reported on whole answers only by this server (ask without stream)", "logprobs")
         prompts = completion_prompts(req.prompt)
         if len(prompts) * req.n > MAX_CHOICES:
             raise APIError(400, f"prompt: {len(prompts)} prompts x n={req.n} is over the limit of {MAX_CHOICES} choices", "prompt")
@@ -591,7 +592,8 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
                 for j in range(req.n):  # choice index p_index * n + j, as vLLM orders them
                     k = p_index * req.n + j
                     sampling = sampling_params(req.temperature, req.top_p, req.top_k, None if req.seed is None else req.seed + j,
-                                               max_tokens, req.stop, False, req.ignore_eos, extras=extras)
+                                               max_tokens, req.stop, want_logprobs, req.ignore_eos,
+                                               top_logprobs=req.logprobs or 0, extras=extras)
                     check_queue()
                     streams.append(await timed(llm.generate_stream(
                         ids, sampling, request_id=request_id if len(prompts) * req.n == 1 else f"{request_id}-{k}")))
@@ -615,8 +617,11 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
             outs = await final_outputs(streams, request)
             for out in outs:
                 finish("/v1/completions", out, "none")
-            return body([choice(i, echoes[i] + visible_text(out.text), out.finish_reason) for i, out in enumerate(outs)],
-                        convert.openai_usage(convert.summed_usage(outs)))
+            choices = [choice(i, echoes[i] + visible_text(out.text), out.finish_reason) for i, out in enumerate(outs)]
+            if want_logprobs:
+                for c, out, echo in zip(choices, outs, echoes):
+                    c["logprobs"] = completion_logprobs(out, len(echo))
+            return body(choices, convert.openai_usage(convert.summed_usage(outs)))
         include_usage = bool((req.stream_options or {}).get("include_usage"))
 
         async def events():
@@ -637,6 +642,20 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
             yield {"data": "[DONE]"}
 
         return sse(events())
+
+    def completion_logprobs(out, offset: int) -> dict:
+        """The completions API's logprobs of one output: each token's text (special tokens by name), logprob,
+        its most likely alternatives ({text: logprob}) and its offset in the returned text."""
+        tokens, offsets = [], []
+        for t in out.output_ids:
+            piece = tokenizer.decode([t])
+            tokens.append(piece)
+            offsets.append(offset)
+            offset += len(visible_text(piece))
+        tops = out.top_logprobs or [[] for _ in tokens]
+        return {"tokens": tokens, "token_logprobs": [float(lp) for lp in out.logprobs or []],
+                "top_logprobs": [{tokenizer.decode([i]): float(lp) for i, lp in alts} for alts in tops],
+                "text_offset": offsets}
 
     def completion_prompts(prompt) -> list[list[int]]:
         """A completions `prompt` (a string, a list of strings, a token-id list or a list of them) as token-id
