@@ -18,6 +18,7 @@ pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is no
 
 DRIVER = '''
 import sys
+import time
 import torch
 from moe_export.runtime.entrypoints import terminal
 from moe_export.runtime.entrypoints.llm import LLM
@@ -27,7 +28,7 @@ ESCAPES = "\\x1b[2J\\x1b[H\\x1b]0;pwned\\x07"  # clear the screen, home the curs
 
 
 class Steered(LLM):
-    """'esc' questions: the answer is ESCAPES then the end; other questions: an answer that never ends."""
+    """'esc' questions: the answer is ESCAPES then the end; other questions: a slow answer that never ends early."""
 
     def chat_stream(self, messages, sampling=None, **kwargs):
         forced = self.tokenizer.encode(ESCAPES) + sorted(self.tokenizer.eos_token_ids)[:1]
@@ -42,6 +43,7 @@ class Steered(LLM):
                 logits[forced[i]] = keep if torch.isfinite(keep) else 0.0
             elif not steer:
                 logits[eos] = float("-inf")
+                time.sleep(0.05)  # 600 tokens take >= 30 s: still streaming when Ctrl-C arrives, however fast the machine
             return logits
 
         return super().chat_stream(messages, sampling, logits_processors=[processor], **kwargs)
