@@ -34,12 +34,11 @@ class ItemProcessor:
     """Turns items into output records on one AsyncLLM (shared by the local and the Ray runner): batch API
     lines through the server's endpoints in process, documents through a DocRunner."""
 
-    def __init__(self, llm, engine_dir: str, default_effort: str | None, max_seq_len: int, doc_job: DocJob | None,
-                 concurrency: int) -> None:
+    def __init__(self, llm, engine_dir: str, max_seq_len: int, doc_job: DocJob | None, concurrency: int) -> None:
         self.concurrency = concurrency
         self.semaphore = asyncio.Semaphore(concurrency)
         self.docs = DocRunner(llm, doc_job, max_seq_len, self.semaphore) if doc_job is not None else None
-        self.endpoints = ServedEndpoints(llm, engine_dir, default_effort, concurrency) if doc_job is None else None
+        self.endpoints = ServedEndpoints(llm, engine_dir, concurrency) if doc_job is None else None
 
     async def _endpoint(self, item: dict) -> dict:
         async with self.semaphore:
@@ -78,7 +77,7 @@ def start_llm(engine_dir: str, default_effort: str | None, concurrency: int, doc
     llm = LLM(engine_dir, **({} if default_effort is None else {"default_effort": default_effort}))
     try:
         allm = AsyncLLM(llm)
-        processor = ItemProcessor(allm, engine_dir, default_effort, llm.engine.max_seq_len, doc_job,
+        processor = ItemProcessor(allm, engine_dir, llm.engine.max_seq_len, doc_job,
                                   concurrency or 2 * llm.engine.num_slots)
     except BaseException:
         llm.shutdown()
