@@ -457,12 +457,6 @@ def _check_backend(recipe: Recipe, stages: Stages) -> None:
             f"recipe {recipe.name}: backend 'tensorrt' needs the TensorRT Python package, which is not installed; "
             "build on a GPU machine with TensorRT >= 10.9, or use backend: onnxruntime"
         )
-    if recipe.backend == "tensorrt" and recipe.parallel.attention == "dp":
-        raise InputError(
-            f"recipe {recipe.name}: parallel.attention dp needs the MoE all-to-all (MoEDispatch / MoECombine) on "
-            "NCCL, which the TensorRT runner does not run yet (README, Parallelism); build with parallel.attention: "
-            "tp, or use backend: onnxruntime"
-        )
 
 
 def _check_output(out: Path) -> None:
