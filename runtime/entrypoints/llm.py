@@ -266,7 +266,7 @@ class LLM:
         self.engine = runner or open_engine(engine_dir, num_slots=num_slots, num_blocks=num_blocks, threads=threads)
         self.tokenizer = load_tokenizer(engine_dir)
         self.family = self.tokenizer.family
-        self.thinking_caps: dict[str, int] = dict(self.engine.config.get("thinking", {}))
+        self.thinking_caps: dict[str, int] = self.engine.config.thinking if self.engine.config is not None else {}
         resolve_thinking(None, self.thinking_caps, default_effort)  # validates the default tier
         self.default_effort = default_effort
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(engine_eos_ids(self.engine)))

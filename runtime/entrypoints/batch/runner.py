@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moe_export.export.engine_config import EngineConfig
 from moe_export.export.errors import InputError
 from moe_export.runtime.entrypoints.batch.doc_tasks import DocJob
 from moe_export.runtime.entrypoints.batch.documents import image_files, read_documents
@@ -139,8 +140,7 @@ def run_batch(engine_dir: str, input_path: str, output: str, *, concurrency: int
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     src = Path(input_path)
-    if not (Path(engine_dir) / "config.json").is_file():
-        raise InputError(f"{engine_dir}: not an engine directory (no config.json); build one with moe-export build")
+    EngineConfig.read(engine_dir)  # an engine directory whose config.json is valid, before any input is read
     if src.is_dir() and doc_job is None:
         raise InputError(f"--input {input_path} is a folder of documents: give --task or --prompt-file")
     if not src.is_dir() and doc_job is not None:
