@@ -69,6 +69,10 @@ class VisionEncoder:
                 self.misses += 1
         return found, list(missing.values())
 
+    def cached(self, digest: str) -> bool:
+        """Whether the embeddings of the image with this digest are cached (its bytes then need no decode)."""
+        return digest in self.cache
+
     def store(self, digest: str, embeds: np.ndarray) -> None:
         if not digest or embeds.nbytes > self.max_cache_bytes:
             return
