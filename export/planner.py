@@ -466,14 +466,12 @@ def vision_activation_bytes(cfg: ModelConfig, recipe: Recipe) -> int:
     return _tower_bytes(cfg, recipe, image_patch_limit(cfg, recipe))
 
 
-def engine_pool_sizes(engine_config: dict, num_slots: int | None = None) -> PoolSizes:
-    """Pool sizes of a built engine (its config.json): the planner's arithmetic on the recipe it was built
-    from, the smallest over its ranks (ranks run in lockstep with the same block ids); `num_slots`
-    overrides the recipe's max_batch."""
-    recipe = Recipe.model_validate(engine_config["recipe"])
+def engine_pool_sizes(recipe: Recipe, cfg: ModelConfig, num_slots: int | None = None) -> PoolSizes:
+    """Pool sizes of a built engine (its config.json's `recipe` and `model`): the planner's arithmetic on the
+    recipe it was built from, the smallest over its ranks (ranks run in lockstep with the same block ids);
+    `num_slots` overrides the recipe's max_batch."""
     if num_slots is not None:
         recipe = recipe.model_copy(update={"limits": recipe.limits.model_copy(update={"max_batch": num_slots})})
-    cfg = ModelConfig.from_hf_dict(engine_config["pretrained_config"], source="engine config.json")
     return make_plan(recipe, cfg).pool_sizes()
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from conftest import write_engine_config
 from moe_export.export.errors import InputError
 from moe_export.export.tensorrt_build import ENGINE_KEY, read_engine_file
 from moe_export.runtime.engine.batch import StepBatch
@@ -55,8 +56,7 @@ def test_pools_stay_within_the_build_profile():
     from moe_export.export.synth import preset_config
 
     cfg = preset_config("tiny-k3")
-    config = {"recipe": recipe.model_dump(mode="json"), "pretrained_config": cfg.raw}
-    assert engine_pool_sizes(config, 2).num_blocks > engine_pool_sizes(config).num_blocks
+    assert engine_pool_sizes(recipe, cfg, 2).num_blocks > engine_pool_sizes(recipe, cfg).num_blocks
 
 
 class FakeContext:
@@ -277,10 +277,10 @@ def test_decode_steps_replay_a_cuda_graph_per_bucket():
 
 
 def test_engine_needs_tensorrt_and_the_tensorrt_backend(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"backend": "onnxruntime"}))
+    write_engine_config(tmp_path, "onnxruntime")
     with pytest.raises(InputError, match="not tensorrt"):
         TensorRTEngine(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"backend": "tensorrt", "recipe": {"name": "k3"}}))
+    write_engine_config(tmp_path, "tensorrt")
     with pytest.raises(InputError, match="needs the TensorRT Python package"):
         TensorRTEngine(tmp_path)
 
@@ -290,10 +290,10 @@ def test_open_engine_picks_the_runner_of_the_built_backend(tmp_path):
     TensorRT runner (here: its clear import error), anything else to the ONNX Runtime runner."""
     from moe_export.runtime.engine import open_engine
 
-    (tmp_path / "config.json").write_text(json.dumps({"backend": "tensorrt", "recipe": {"name": "k3"}}))
+    write_engine_config(tmp_path, "tensorrt")
     with pytest.raises(InputError, match="needs the TensorRT Python package"):
         open_engine(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"backend": "onnxruntime"}))
+    write_engine_config(tmp_path, "onnxruntime")
     with pytest.raises(InputError, match="no rank"):
         open_engine(tmp_path)
 
@@ -370,3 +370,29 @@ def test_dp_idle_step_joins_the_all_to_alls_with_nothing_sent():
     engine.dp_layout = False
     with pytest.raises(InputError, match="only in the dp layout"):
         engine.step(None)
+
+
+def test_context_memory_binding_names_are_in_the_pinned_wheels():
+    """Contract USER_MANAGED_DEVICE_MEMORY: every Python name the runner uses for user-managed context memory is
+    in the pinned TensorRT bindings wheels' compiled module, and `set_device_memory` is their binding of
+    setDeviceMemoryV2 (the lambda and the docstring that name it). Reads the wheels' own tensorrt.so bytes."""
+    import re
+    import zipfile
+    from pathlib import Path
+
+    from moe_export.export.tensorrt_contracts import BINDING_NAMES
+    from tests.tensorrt_standin import PINNED_WHEELS, WHEEL_DIR
+
+    runner = (Path(__file__).resolve().parents[1] / "runtime/engine/tensorrt.py").read_text()
+    used = set(re.findall(r"\.(set_device_memory|device_memory_size_v2|create_execution_context|USER_MANAGED)\b",
+                          runner))
+    assert used == set(BINDING_NAMES)
+    for version, stem in PINNED_WHEELS.items():
+        wheels = sorted(WHEEL_DIR.glob(f"{stem}-*.whl"))
+        assert wheels, f"no {stem} wheel in {WHEEL_DIR}: run the README's test command"
+        with zipfile.ZipFile(wheels[0]) as zf:
+            so = zf.read("tensorrt_bindings/tensorrt.so")
+        for name, evidence in BINDING_NAMES.items():
+            assert b"\0" + name.encode() + b"\0" in so, f"{version}: no binding named {name}"
+            for fragment in evidence:
+                assert fragment in so, f"{version}: {name}: {fragment!r} not in the bindings"

@@ -48,12 +48,12 @@ README for what is not done.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import numpy as np
 
+from moe_export.export.engine_config import EngineConfig
 from moe_export.export.errors import InputError
 from moe_export.export.mpi import mpi_world
 from moe_export.export.tensorrt_build import read_engine_file
@@ -178,24 +178,21 @@ class TensorRTEngine:
     def __init__(self, engine_dir: str | Path, *, num_slots: int | None = None, num_blocks: int | None = None,
                  threads: int | None = None):  # fmt: skip
         self.dir = Path(engine_dir)
-        cfg_path = self.dir / "config.json"
-        if not cfg_path.is_file():
-            raise InputError(f"{self.dir}: not an engine directory (no config.json)")
-        self.config = json.loads(cfg_path.read_text())
-        if self.config.get("backend") != "tensorrt":
-            raise InputError(f"{self.dir}: built for backend {self.config.get('backend')!r}, not tensorrt")
+        self.config = EngineConfig.read(self.dir)
+        if self.config.backend != "tensorrt":
+            raise InputError(f"{self.dir}: built for backend {self.config.backend!r}, not tensorrt")
         from moe_export.export.tensorrt_build import import_tensorrt, register_plugins, select_device
 
-        trt = import_tensorrt(self.config.get("recipe", {}).get("name", str(self.dir)))
+        trt = import_tensorrt(self.config.name)
         import torch
 
         if not torch.cuda.is_available():
             raise InputError("the TensorRT runtime needs a CUDA device")
-        limits = self.config["limits"]
-        self.model_config: dict = self.config.get("pretrained_config", {})
-        self.world_size = int(self.config["mapping"]["world_size"])
-        self.tp, self.ep = int(self.config["mapping"]["tp_size"]), int(self.config["mapping"]["ep_size"])
-        self.dp_layout = self.config["mapping"].get("attention") == "dp"
+        limits = self.config.limits
+        self.model_config: dict = self.config.pretrained_config
+        self.world_size = self.config.mapping.world_size
+        self.tp, self.ep = self.config.mapping.tp_size, self.config.mapping.ep_size
+        self.dp_layout = self.config.mapping.attention == "dp"
         self.dp = self.world_size // self.tp if self.dp_layout else 1  # attention groups with their own batches
         world = mpi_world() or (0, 1)
         if world[1] != self.world_size:
@@ -204,11 +201,11 @@ class TensorRTEngine:
         self.group = self.rank // self.tp if self.dp_layout else 0
         rank_dir = self.dir / f"rank{self.rank}"
         self.meta, blob = read_engine_file(rank_dir / f"rank{self.rank}.engine")
-        self.num_slots, self.num_blocks = runner_pool_sizes(self.meta, int(limits["max_batch"]), num_slots, num_blocks)
-        self.max_seq_len = int(limits["max_seq_len"])
-        self.max_num_tokens = int(limits["max_num_tokens"])
+        self.num_slots, self.num_blocks = runner_pool_sizes(self.meta, limits.max_batch, num_slots, num_blocks)
+        self.max_seq_len = limits.max_seq_len
+        self.max_num_tokens = limits.max_num_tokens
         self.max_step_pairs = None  # the plugins stream over the context (online softmax): no [T, context] rows
-        self.block_size = int(limits["block_size"])
+        self.block_size = limits.block_size
         self.device = torch.device("cuda", select_device())  # local rank -> GPU
         self.stream = torch.cuda.Stream(self.device)  # every copy, reset and enqueue of this rank
         self._trt, self._torch = trt, torch
