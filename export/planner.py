@@ -77,8 +77,10 @@ def _class_dtype_bytes(recipe: Recipe, weight_class: str, stored_dtype: str) -> 
     fold such a Cast into a converted copy: CPU builds compute in fp32, so bf16 and fp8 weights are held as
     fp32 (4 B); GPU (TensorRT) builds compute in bf16, so bf16 weights stay 2 B and fp8 weights, dequantized by
     Cast + Mul in the graph, are folded to bf16 (2 B; keeping them 1 B needs a DequantizeLinear-based graph).
-    fp32 stays fp32 where the model needs it: fp32 checkpoint tensors, norm and attention-residual weights."""
-    if stored_dtype == "F32" or weight_class in ("norms", "attn_res"):
+    fp32 stays fp32 where the model needs it: fp32 checkpoint tensors, norm and attention-residual weights. K3's
+    vision tower graph computes in fp32 on both backends (`graphs/vision_export.py`), so its bf16 weights are
+    held as fp32 by TensorRT too."""
+    if stored_dtype == "F32" or weight_class in ("norms", "attn_res", "vision"):
         return 4.0
     return 2.0 if recipe.backend == "tensorrt" else 4.0
 
@@ -335,7 +337,8 @@ def plugin_workspace_bytes(cfg: ModelConfig, recipe: Recipe, mapping: Mapping) -
     """Scratch the TensorRT plugins take per call at max_num_tokens (one call at a time on the rank's stream):
     MoEMXFP4 (chunked partial sums and activations, a declared plugin output in the engine's device memory, plus
     the pair layout), DSAIndexer (chunked scores and top-k merge over the tables' capacity, a declared plugin
-    output too), and the vocab all-gather's receive buffer."""
+    output too), the vocab all-gather's receive buffer, and in the dp layout the MoE all-to-all's static
+    buffers (`moe_all_to_all_bytes`)."""
     from moe_export.plugins.dsa_indexer import triton_kernel as indexer
     from moe_export.plugins.moe_mxfp4 import triton_kernel as moe
 
@@ -343,9 +346,12 @@ def plugin_workspace_bytes(cfg: ModelConfig, recipe: Recipe, mapping: Mapping) -
     out = {}
     if cfg.num_experts:
         local = len(mapping.local_experts(cfg.num_experts))
-        out["moe_mxfp4"] = moe.scratch_bytes(t, cfg.num_experts_per_token, cfg.expert_in_dim,
+        rows = mapping.max_recv_rows(t) if mapping.all_to_all else t  # dp: the expert op runs on the received rows
+        out["moe_mxfp4"] = moe.scratch_bytes(rows, cfg.num_experts_per_token, cfg.expert_in_dim,
                                              cfg.moe_intermediate_size, local,
                                              budget_bytes=moe.DEFAULT_SCRATCH_BUDGET)  # fmt: skip
+        if mapping.all_to_all:
+            out["moe_all_to_all"] = moe_all_to_all_bytes(cfg, mapping, t)
     if cfg.has_dsa and recipe.attention.indexer == "auto":
         topk = recipe.attention.sparse_topk or cfg.index_topk
         length = -(-recipe.limits.max_seq_len // recipe.limits.block_size) * recipe.limits.block_size
@@ -353,6 +359,17 @@ def plugin_workspace_bytes(cfg: ModelConfig, recipe: Recipe, mapping: Mapping) -
     if mapping.tp > 1:
         out["all_gather"] = recipe.limits.max_batch * cfg.vocab_size * 4
     return out
+
+
+def moe_all_to_all_bytes(cfg: ModelConfig, mapping: Mapping, max_num_tokens: int) -> int:
+    """dp layout, TensorRT: one MoE layer's all-to-all tensors, all sized by the static receive bound
+    R = `Mapping.max_recv_rows` (the engine's device memory; TensorRT reuses them between layers): the received
+    rows (bf16), their top-k ids (int64) and weights (fp32), the expert op's fp32 input and fp32 partial sums and
+    their bf16 copy sent back, plus send_rows [T * K] int64. Only the received rows are sent and computed; the
+    bound is memory."""
+    rows, d, k = mapping.max_recv_rows(max_num_tokens), cfg.expert_in_dim, cfg.num_experts_per_token
+    a = ACTIVATION_DTYPE_BYTES
+    return rows * (d * a + k * (8 + 4) + d * 4 + d * 4 + d * a) + max_num_tokens * k * 8
 
 
 def memory_view(weights: int, pools: PoolSizes, activations: int, workspaces: dict[str, int], reserve: int,
@@ -439,8 +456,8 @@ def _tower_bytes(cfg: ModelConfig, recipe: Recipe, patches: int) -> int:
     if vc is None or images == 0:
         return 0
     group = recipe.parallel.tp  # an attention group is tp ranks in both layouts
-    cpu = recipe.backend != "tensorrt"
-    return tower_activation_bytes(vc, patches * -(-images // group), 4 if cpu else 2, scores_of=patches if cpu else 0)
+    cpu = recipe.backend != "tensorrt"  # fp32 activations on both (the tower graph computes in fp32)
+    return tower_activation_bytes(vc, patches * -(-images // group), 4, scores_of=patches if cpu else 0)
 
 
 def vision_activation_bytes(cfg: ModelConfig, recipe: Recipe) -> int:

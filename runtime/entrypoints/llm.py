@@ -326,7 +326,8 @@ class LLM:
             raise InputError(f"{self.engine.dir}: the tokenizer has no K3 or K2 chat tokens: use generate()")
         vision = getattr(self.engine, "vision", None)
         if vision is not None and images is None:  # image parts become their media tokens (`runtime.images`)
-            images = PromptImages(self.tokenizer, vision.processor, messages, vision.max_images, self.allow_image_urls)
+            images = PromptImages(self.tokenizer, vision.processor, messages, vision.max_images, self.allow_image_urls,
+                                  vision.cached)
         carried = []
         if self.turns is not None and isinstance(messages, list):
             carried = [m for m in messages if isinstance(m, dict) and m.get("role") == "assistant" and m.get("turn_ids") is not None]
@@ -353,7 +354,8 @@ class LLM:
         way for every entry point (LLM.chat, AsyncLLM, the server, Triton, batch)."""
         plan = resolve_thinking(reasoning_effort, self.thinking_caps, self.default_effort)
         vision = getattr(self.engine, "vision", None)
-        images = PromptImages(self.tokenizer, vision.processor, messages, vision.max_images, self.allow_image_urls) if vision else None
+        images = (PromptImages(self.tokenizer, vision.processor, messages, vision.max_images, self.allow_image_urls,
+                               vision.cached) if vision else None)
         ids = self._render(messages, plan, tools, tool_choice, response_format, images=images)
         starts = prompt_starts_in_reasoning(self.family, plan.enabled)
         budget = ReasoningBudget(self.tokenizer, self.family, plan.cap if plan.enabled else None, starts_in_reasoning=starts)
