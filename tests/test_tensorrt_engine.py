@@ -337,10 +337,11 @@ def test_dp_idle_step_joins_the_all_to_alls_with_nothing_sent():
     stream = FakeStream()
     engine = object.__new__(TensorRTEngine)
     engine._torch, engine.stream, engine.device = FakeTorch, stream, "cuda:0"
-    profile = {**META["profile"], "kda_state.0": [[1, 2, 4, 4], [4, 2, 4, 4], [9, 2, 4, 4]],
+    profile = {**META["profile"],
                "block_tables": [[1, 1], [1, 64], [8, 16]], "positions": [[1], [1], [8192]],
                "cu_seqlens": [[2], [9], [9]], "slot_ids": [[1], [8], [8]], "last_token_index": [[1], [8], [8]]}  # fmt: skip
-    engine.meta = {**META, "profile": profile}
+    engine.meta = {**META, "profile": profile, "pool_limits": {"slots": 9, "blocks": 9000}}
+    engine.pool_table = {"pool_table": FakeTensor((2, 3))}
     pool = FakeTensor((9, 2, 4, 4))
     zeroed = []
     pool.__class__ = type("Pool", (FakeTensor,), {"__getitem__": lambda self, i: zeroed.append(i) or FakeTensor((2, 4, 4))})
