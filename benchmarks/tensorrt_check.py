@@ -15,6 +15,9 @@
    MoEDispatch / MoECombine plugins with their static receive buffers) and runs the same steps under
    `mpiexec -n 2` with rank 0's group stepping the prompt and rank 1's group idle (`step(None)`: its dummy token
    sends nothing, its experts still serve rank 0's tokens); rank 0's logits and tokens are compared.
+5. Image input (K3): the world-1 TensorRT builds also built the tower (`vision.engine`: the ONNX parser on the
+   tower graph's Loop over images); one image (with transparency) goes through both world-1 engines: the
+   tower's embeddings (largest difference, fp32 on both) and an image chat's 8 greedy tokens are compared.
 Exit status 1 if a build fails, an engine cannot run, or the greedy tokens differ.
 """
 
@@ -85,6 +88,39 @@ def compare(world: int, out: Path, dp: bool = False) -> bool:
     return ort_tokens == trt_tokens
 
 
+def compare_images(out: Path) -> bool:
+    """Part 5: one image through the world-1 engines of both backends (tower embeddings, image chat tokens)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from moe_export.runtime import LLM, SamplingParams
+    from moe_export.runtime.images import PromptImages
+
+    rgba = np.random.default_rng(0).integers(0, 256, (100, 150, 4), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgba, "RGBA").save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Describe the picture."},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+    got = {}
+    for backend in ("onnxruntime", "tensorrt"):
+        llm = LLM(out / f"{backend}-w1")
+        try:
+            images = PromptImages(llm.tokenizer, llm.engine.vision.processor, messages)
+            items = [(im.pixel_values, list(im.plan.grid)) for im in images.parts.values()]
+            (embeds,) = llm.engine.encode_images(items)
+            (answer,) = llm.chat([messages], SamplingParams(temperature=0, max_tokens=STEPS), reasoning_effort="none")
+            got[backend] = (embeds, answer.output_ids)
+        finally:
+            llm.shutdown()
+    (ort_emb, ort_tokens), (trt_emb, trt_tokens) = got["onnxruntime"], got["tensorrt"]
+    print(json.dumps({"images": "w1", "max_abs_embedding_diff": float(np.abs(ort_emb - trt_emb).max()),
+                      "ort_tokens": ort_tokens, "trt_tokens": trt_tokens, "same_tokens": ort_tokens == trt_tokens}))
+    return ort_tokens == trt_tokens
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -111,9 +147,10 @@ def main() -> int:
                   f"{info['device_memory_bytes'] / 2**20:.1f} MiB (recorded {info['recorded']['device_memory_bytes']})")
             print("  " + "\n  ".join(names))
     ok = compare(1, out)
+    images_ok = compare_images(out)
     res = subprocess.run(["mpiexec", "-n", "2", sys.executable, __file__, "--out", str(out), "--world2-run"])
     wide = subprocess.run(["mpiexec", "-n", "2", sys.executable, __file__, "--out", str(out), "--world2-run", "--dp"])
-    return 0 if ok and res.returncode == 0 and wide.returncode == 0 else 1
+    return 0 if ok and images_ok and res.returncode == 0 and wide.returncode == 0 else 1
 
 
 if __name__ == "__main__":

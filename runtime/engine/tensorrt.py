@@ -243,7 +243,38 @@ class TensorRTEngine:
             self.pool_table = {POOL_TABLE: torch.from_numpy(pool_table(list(self.pools.values()))).to(self.device)}
         self._context.set_device_memory(self._activations.data_ptr(), size)
         self._activation_size = size
+        self._start_vision_tower(trt, torch)
         self.stream.synchronize()
+
+    def _start_vision_tower(self, trt, torch) -> None:
+        """K3: the replicated tower engine (`vision.engine`, `runtime.engine.tensorrt_vision`) and the MPI
+        communicator of this rank's attention group its images are spread over; `vision` None without one."""
+        from moe_export.export.tensorrt_vision import VISION_ENGINE
+
+        self.media_pad_id = self.model_config.get("media_placeholder_token_id")
+        self.vision, self._image_group, self.image_width = None, None, None
+        if not (self.dir / VISION_ENGINE).is_file():
+            return
+        from moe_export.runtime.engine.tensorrt_vision import TensorRTTower
+        from moe_export.runtime.engine.vision import VisionEncoder
+
+        tower = TensorRTTower(self.dir / VISION_ENGINE, self._runtime, trt, torch, self.device, self.stream)
+        self.vision = VisionEncoder(self.dir, self.config, 0, tower=tower)
+        self.image_width = self.vision.vc.text_hidden_size  # the step's image_embeds rows
+        if self.world_size > 1 and self.tp > 1:
+            from mpi4py import MPI
+
+            self._image_group = MPI.COMM_WORLD.Split(self.rank // self.tp, self.rank)
+
+    def encode_images(self, items: list) -> list[np.ndarray]:
+        """Tower embeddings of images given as (pixel_values, grid), spread over this rank's attention group
+        (`runtime.engine.vision.encode_spread`; the group's first rank returns them all)."""
+        from moe_export.runtime.engine.vision import encode_spread
+
+        if self.vision is None:
+            raise InputError(f"{self.dir}: this engine has no vision tower engine (text only, or built before "
+                             "the TensorRT tower: rebuild)")
+        return encode_spread(self.vision, items, self._image_group)
 
     # ---- Engine interface ----
     @property
@@ -258,8 +289,7 @@ class TensorRTEngine:
                     pool[slot].zero_()
 
     def _feeds(self, batch: StepBatch) -> dict[str, np.ndarray]:
-        """The batch's inputs; a K3 text graph's image rows are empty (this runner has no tower: image parts
-        are refused before they reach it)."""
+        """The batch's inputs; a K3 text graph's image rows are empty when the step carries none."""
         return self._with_images(batch.feeds())
 
     def _with_images(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
