@@ -324,6 +324,17 @@ def test_parser_refuses_a_uint8_weight_feeding_a_plugin():
         standin.require_supported(node, widened, out_types, built)
 
 
+def test_tensorrt_graphs_keep_the_pools_outside_the_network():
+    """Issue 18, defect 4 (contract ALIASED_PLUGIN_IO_MAY_COPY): no pool is an input or output of the graphs
+    TensorRT parses; every pool op takes the pool table."""
+    for path in GRAPHS:
+        model = onnx.load(str(path), load_external_data=False)
+        standin.require_pools_outside_io(model)
+        pool_ops = [n for n in model.graph.node if n.op_type in ("GatedDeltaScan", "ShortConv", "PagedCacheWrite",
+                                                                 "SparseMLAAttention", "DSAIndexer")]  # fmt: skip
+        assert pool_ops and all("pool_table" in n.input for n in pool_ops)
+
+
 def test_stand_in_refuses_an_aliased_plugin_output():
     """Issue 18, defect 4: a plugin output aliased to an input (how the pools used to be updated) is refused by the
     stand-in's build (contract ALIASED_PLUGIN_IO_MAY_COPY: TensorRT may insert copies), with the reason."""
