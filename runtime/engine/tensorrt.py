@@ -47,7 +47,8 @@ from moe_export.export.errors import InputError
 from moe_export.export.mpi import mpi_world
 from moe_export.export.tensorrt_build import read_engine_file
 from moe_export.graphs.onnx_export import WRITTEN_SUFFIX
-from moe_export.runtime.engine.batch import RESET_ON_NEW_SEQUENCE, STATE_PREFIXES, StepBatch, check_slot, check_step_batch
+from moe_export.runtime.engine.batch import (CHECKPOINTS_PER_SLOT, RESET_ON_NEW_SEQUENCE, STATE_PREFIXES, StepBatch,
+                                            check_checkpoint, check_slot, check_step_batch, checkpoint_interval)
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
 
 
@@ -149,7 +150,7 @@ class TensorRTEngine:
     """The `Engine` interface (RUNTIME_API.md section 1) over one TensorRT engine per rank, one rank per process."""
 
     def __init__(self, engine_dir: str | Path, *, num_slots: int | None = None, num_blocks: int | None = None,
-                 threads: int | None = None):  # fmt: skip
+                 threads: int | None = None, num_checkpoints: int | None = None):  # fmt: skip
         self.dir = Path(engine_dir)
         cfg_path = self.dir / "config.json"
         if not cfg_path.is_file():
@@ -205,6 +206,14 @@ class TensorRTEngine:
                 name: torch.zeros(shape, dtype=self._torch_dtype_onnx(elem), device=self.device)
                 for name, (shape, elem) in pool_shapes(rank_dir / "model.onnx", sizes).items()
             }
+            # prefix-caching state checkpoints in pinned host memory (GPU memory stays the planner's pools): a
+            # save / restore is one async copy of a slot's rows on this rank's stream, ordered with the steps
+            self.num_checkpoints = CHECKPOINTS_PER_SLOT * self.num_slots if num_checkpoints is None else num_checkpoints
+            self.checkpoints = {name: torch.zeros((self.num_checkpoints, *pool.shape[1:]), dtype=pool.dtype, pin_memory=True)
+                                for name, pool in self.pools.items() if name.startswith(RESET_ON_NEW_SEQUENCE)}
+        self.checkpoint_interval = checkpoint_interval(
+            {name: (tuple(pool.shape), pool.element_size()) for name, pool in self.pools.items()}, self.block_size,
+            self.max_num_tokens)
         self._context.set_device_memory(self._activations.data_ptr(), size)
         self._activation_size = size
         self.stream.synchronize()
@@ -220,6 +229,18 @@ class TensorRTEngine:
             for name, pool in self.pools.items():
                 if name.startswith(RESET_ON_NEW_SEQUENCE):
                     pool[slot].zero_()
+
+    def save_state(self, slot: int, checkpoint: int) -> None:
+        check_checkpoint(self, slot, checkpoint)
+        with self._torch.cuda.stream(self.stream):
+            for name, rows in self.checkpoints.items():
+                rows[checkpoint].copy_(self.pools[name][slot], non_blocking=True)
+
+    def restore_state(self, slot: int, checkpoint: int) -> None:
+        check_checkpoint(self, slot, checkpoint)
+        with self._torch.cuda.stream(self.stream):
+            for name, rows in self.checkpoints.items():
+                self.pools[name][slot].copy_(rows[checkpoint], non_blocking=True)
 
     def _feeds(self, batch: StepBatch) -> dict[str, np.ndarray]:
         """The batch's inputs; a K3 text graph's image rows are empty (this runner has no tower: image parts

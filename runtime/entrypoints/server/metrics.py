@@ -30,6 +30,12 @@ class RuntimeStatsCollector:
                                   value=s["reuse_hits"])
         yield CounterMetricFamily("moe_export_state_reuse_tokens", "prompt tokens not prefilled thanks to state reuse",
                                   value=s["reuse_tokens"])
+        yield CounterMetricFamily("moe_export_prefix_cache_queried_tokens",
+                                  "prompt tokens of admitted requests looked up in the prefix cache",
+                                  value=s.get("prefix_queried_tokens", 0))
+        yield CounterMetricFamily("moe_export_prefix_cache_hit_tokens",
+                                  "prompt tokens not prefilled thanks to a cached prefix or kept session",
+                                  value=s.get("prefix_hit_tokens", 0))
         if "expert_load" in s:  # dp layout: routed expert load over the world (`runtime.wide_ep`)
             load = s["expert_load"]
             yield CounterMetricFamily("moe_export_expert_routed_tokens", "top-k expert choices routed", value=load["routed"])
