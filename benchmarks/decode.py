@@ -37,6 +37,7 @@ import torch
 import yaml
 
 from moe_export.export.build import build
+from moe_export.export.engine_config import EngineConfig
 from moe_export.graphs.model import KimiModel
 from moe_export.recipes.schema import load_recipe
 from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
@@ -234,11 +235,12 @@ def main() -> None:
 
         figures["decode_step_ratio_pool8x"] = decode_step_ratio_pool8x(out, args.steps)
         figures["rss_per_cached_token"], figures["rss_per_cached_token_first_fill"] = rss_per_cached_token(out)
-        figures["cache_bytes_per_token"] = engine_pool_sizes(engine.config).bytes_per_token
+        figures["cache_bytes_per_token"] = engine_pool_sizes(engine.config.recipe, engine.config.model).bytes_per_token
         fp8 = build_engine(Path(tmp), args.max_seq_len, "fp8")
+        fp8_cfg = EngineConfig.read(fp8)
         figures["decode_step_ratio_fp8_vs_bf16"] = median_step_ratio(right_sized(out, args.steps),
                                                                      right_sized(fp8, args.steps), args.steps)
-        figures["cache_bytes_per_token_fp8"] = engine_pool_sizes(json.loads((fp8 / "config.json").read_text())).bytes_per_token
+        figures["cache_bytes_per_token_fp8"] = engine_pool_sizes(fp8_cfg.recipe, fp8_cfg.model).bytes_per_token
     for key, value in figures.items():
         print(f"{key:36s} {value:10.2f}")
     if args.json:

@@ -91,6 +91,7 @@ from moe_export.export.atomic import (
     sweep_temporaries,
 )
 from moe_export.export.build_lock import OutputLock
+from moe_export.export.engine_config import CONFIG, EngineConfig
 from moe_export.export.errors import InputError
 from moe_export.export.mpi import mpi_world
 from moe_export.export.stage_keys import (
@@ -105,8 +106,6 @@ from moe_export.export.stage_keys import (
     source_identity,
 )
 from moe_export.export.manifest import (
-    CONFIG,
-    ENGINE_FORMAT,
     GRAPH,
     MANIFEST,
     MANIFEST_FORMAT,
@@ -457,12 +456,6 @@ def _check_backend(recipe: Recipe, stages: Stages) -> None:
             f"recipe {recipe.name}: backend 'tensorrt' needs the TensorRT Python package, which is not installed; "
             "build on a GPU machine with TensorRT >= 10.9, or use backend: onnxruntime"
         )
-    if recipe.backend == "tensorrt" and recipe.parallel.attention == "dp":
-        raise InputError(
-            f"recipe {recipe.name}: parallel.attention dp needs the MoE all-to-all (MoEDispatch / MoECombine) on "
-            "NCCL, which the TensorRT runner does not run yet (README, Parallelism); build with parallel.attention: "
-            "tp, or use backend: onnxruntime"
-        )
 
 
 def _check_output(out: Path) -> None:
@@ -700,48 +693,20 @@ def weight_class_map(ctx: _Ctx) -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
-def engine_config(ctx: _Ctx) -> dict:
+def engine_config(ctx: _Ctx) -> EngineConfig:
     """The engine's config.json."""
-    from moe_export.plugins import DOMAIN
-
-    recipe, cfg = ctx.recipe, ctx.reader.config
-    dump = recipe.model_dump(mode="json")
     files = {"rank_dir": "rank{rank}", "weights": WEIGHTS, "graph": GRAPH, "quantization_report": QUANT_REPORT}
-    if recipe.backend == "tensorrt":
+    if ctx.recipe.backend == "tensorrt":
         files["engine"] = "rank{rank}.engine"
-    return {
-        "format": ENGINE_FORMAT,
-        "moe_export_version": tool_version(),
-        "architecture": cfg.architecture,
-        "model_type": cfg.model_type,
-        "pretrained_config": cfg.raw,
-        "mapping": {
-            "world_size": recipe.target.world_size,
-            "tp_size": recipe.parallel.tp,
-            "ep_size": recipe.parallel.ep,
-            "attention": recipe.parallel.attention,
-        },
-        "ranks": [rank_mapping(recipe, n).to_dict() for n in range(recipe.target.world_size)],
-        "backend": recipe.backend,
-        "target": dump["target"],
-        "quantization": dump["quantization"],
-        "attention": dump["attention"],
-        "limits": dump["limits"],
-        "thinking": dump["thinking"],
-        "eos_token_ids": list(cfg.eos_token_ids),
-        "plugin_domain": DOMAIN,
-        "files": files,
-        "recipe": dump,
-        "recipe_sha256": recipe.fingerprint(),
-        "weight_classes": weight_class_map(ctx),
-    }
+    return EngineConfig.from_recipe(ctx.recipe, ctx.reader.config, version=tool_version(), files=files,
+                                    weight_classes=weight_class_map(ctx))
 
 
 def _build_globals(ctx: _Ctx) -> list[str]:
     ran = []
     src = ctx.source
     if not ctx.state.current("config", ctx.keys["config"]):
-        atomic_write_json(ctx.state.build / CONFIG, engine_config(ctx))
+        engine_config(ctx).write(ctx.state.build)
         ctx.state.record("config", ctx.keys["config"], [CONFIG], None)
         ran.append("config")
     if not ctx.state.current("license", ctx.keys["license"]):

@@ -280,6 +280,8 @@ def batch(
     max_chunks: int = typer.Option(64, "--max-chunks", help="documents: more chunks than this = over-long error"),
     max_file_bytes: int = typer.Option(64 << 20, "--max-file-bytes", help="documents: larger files = over-long error"),
     reasoning_effort: str | None = typer.Option(None, "--reasoning-effort", help="documents: low, high, max or none"),
+    images: bool = typer.Option(False, "--images", help="documents: image files (png, jpeg, webp, gif) and the images "
+                                "inside PDFs go with the text as image parts (K3 engines with a vision tower)"),
     ray_address: str | None = typer.Option(None, "--ray", help="run on Ray Data: auto, or a cluster ADDRESS"),
     ray_actors: int = typer.Option(2, "--ray-actors", help="Ray: engine replicas (one per actor)"),
 ) -> None:
@@ -290,7 +292,9 @@ def batch(
     doc_job = None
     if task is not None or prompt_file is not None:
         doc_job = DocJob.make(task, prompt_file, question, overlap=overlap, max_chunks=max_chunks,
-                              max_tokens=max_tokens, reasoning_effort=reasoning_effort)
+                              max_tokens=max_tokens, reasoning_effort=reasoning_effort, images=images)
+    elif images:
+        raise InputError("--images applies to a folder of documents (with --task or --prompt-file)")
     summary = run_batch(engine, input_path, output, concurrency=concurrency, doc_job=doc_job, ray_address=ray_address,
                         ray_actors=ray_actors, max_file_bytes=max_file_bytes, console=err_console)
     render_summary(summary, err_console)

@@ -20,16 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from moe_export.export.atomic import atomic_write_json, sha256_file
+from moe_export.export.engine_config import EngineConfig, is_engine_config
 from moe_export.export.errors import InputError
 from moe_export.export.stage_keys import library_versions
 
 MANIFEST = "manifest.json"
-CONFIG = "config.json"
 WEIGHTS = "weights.safetensors"
 GRAPH = "model.onnx"
 INTERNAL_DIRS = (".state", ".cache", ".build")
 MANIFEST_FORMAT = "moe-export-manifest/1"
-ENGINE_FORMAT = "moe-export-engine/1"
 DEPENDENCIES = ("torch", "onnx", "onnxruntime", "numpy", "safetensors")
 
 
@@ -124,15 +123,9 @@ def verify_engine_dir(path: str | Path, deep: bool = True) -> dict[str, Any]:
 
 
 def is_engine_dir(path: str | Path) -> bool:
-    """An engine directory has a manifest, or a config.json with a `mapping` or `ranks` section."""
+    """An engine directory has a manifest, or an engine's config.json (`engine_config.is_engine_config`)."""
     root = Path(path)
-    if (root / MANIFEST).is_file():
-        return True
-    try:
-        cfg = json.loads((root / CONFIG).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(cfg, dict) and ("mapping" in cfg or "ranks" in cfg)
+    return (root / MANIFEST).is_file() or is_engine_config(root)
 
 
 def _graph_report(path: Path) -> dict[str, Any]:
@@ -200,19 +193,13 @@ def inspect_engine(path: str | Path) -> dict[str, Any]:
     """Ranks, mapping, per-rank graphs (op counts, plugin nodes), weights by class, backend files and
     manifest status (sizes only; `verify` re-hashes)."""
     root = Path(path)
-    try:
-        cfg = json.loads((root / CONFIG).read_text())
-    except FileNotFoundError:
-        raise InputError(f"{root}: no {CONFIG}; not a moe-export engine directory") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(f"{root / CONFIG}: not valid JSON ({exc})") from None
-    classes = cfg.get("weight_classes", {})
-    per_rank_mapping = {m["rank"]: m for m in cfg.get("ranks", []) if isinstance(m, dict) and "rank" in m}
+    cfg = EngineConfig.read(root)
+    per_rank_mapping = {m["rank"]: m for m in cfg.ranks if "rank" in m}
     ranks = []
     for n, d in _rank_dirs(root):
         entry: dict[str, Any] = {"rank": n, "mapping": per_rank_mapping.get(n)}
         entry["graph"] = _graph_report(d / GRAPH) if (d / GRAPH).is_file() else None
-        entry["weights"] = _weights_report(d / WEIGHTS, classes) if (d / WEIGHTS).is_file() else None
+        entry["weights"] = _weights_report(d / WEIGHTS, cfg.weight_classes) if (d / WEIGHTS).is_file() else None
         entry["ort_segments"] = sorted(p.name for p in d.glob("ort_segment_*.onnx"))
         entry["engine"] = sorted(p.name for p in d.glob("*.engine"))
         ranks.append(entry)
@@ -229,11 +216,11 @@ def inspect_engine(path: str | Path) -> dict[str, Any]:
     return {
         "kind": "engine",
         "path": str(root),
-        "format": cfg.get("format"),
-        "architecture": cfg.get("architecture"),
-        "model_type": cfg.get("model_type"),
-        "backend": cfg.get("backend"),
-        "mapping": cfg.get("mapping"),
+        "format": cfg.to_dict()["format"],
+        "architecture": cfg.architecture,
+        "model_type": cfg.model_type,
+        "backend": cfg.backend,
+        "mapping": cfg.mapping.to_dict(),
         "num_ranks": len(ranks),
         "ranks": ranks,
         "chat_format": _chat_format(root),

@@ -335,7 +335,8 @@ def plugin_workspace_bytes(cfg: ModelConfig, recipe: Recipe, mapping: Mapping) -
     """Scratch the TensorRT plugins take per call at max_num_tokens (one call at a time on the rank's stream):
     MoEMXFP4 (chunked partial sums and activations, a declared plugin output in the engine's device memory, plus
     the pair layout), DSAIndexer (chunked scores and top-k merge over the tables' capacity, a declared plugin
-    output too), and the vocab all-gather's receive buffer."""
+    output too), the vocab all-gather's receive buffer, and in the dp layout the MoE all-to-all's static
+    buffers (`moe_all_to_all_bytes`)."""
     from moe_export.plugins.dsa_indexer import triton_kernel as indexer
     from moe_export.plugins.moe_mxfp4 import triton_kernel as moe
 
@@ -343,9 +344,12 @@ def plugin_workspace_bytes(cfg: ModelConfig, recipe: Recipe, mapping: Mapping) -
     out = {}
     if cfg.num_experts:
         local = len(mapping.local_experts(cfg.num_experts))
-        out["moe_mxfp4"] = moe.scratch_bytes(t, cfg.num_experts_per_token, cfg.expert_in_dim,
+        rows = mapping.max_recv_rows(t) if mapping.all_to_all else t  # dp: the expert op runs on the received rows
+        out["moe_mxfp4"] = moe.scratch_bytes(rows, cfg.num_experts_per_token, cfg.expert_in_dim,
                                              cfg.moe_intermediate_size, local,
                                              budget_bytes=moe.DEFAULT_SCRATCH_BUDGET)  # fmt: skip
+        if mapping.all_to_all:
+            out["moe_all_to_all"] = moe_all_to_all_bytes(cfg, mapping, t)
     if cfg.has_dsa and recipe.attention.indexer == "auto":
         topk = recipe.attention.sparse_topk or cfg.index_topk
         length = -(-recipe.limits.max_seq_len // recipe.limits.block_size) * recipe.limits.block_size
@@ -353,6 +357,17 @@ def plugin_workspace_bytes(cfg: ModelConfig, recipe: Recipe, mapping: Mapping) -
     if mapping.tp > 1:
         out["all_gather"] = recipe.limits.max_batch * cfg.vocab_size * 4
     return out
+
+
+def moe_all_to_all_bytes(cfg: ModelConfig, mapping: Mapping, max_num_tokens: int) -> int:
+    """dp layout, TensorRT: one MoE layer's all-to-all tensors, all sized by the static receive bound
+    R = `Mapping.max_recv_rows` (the engine's device memory; TensorRT reuses them between layers): the received
+    rows (bf16), their top-k ids (int64) and weights (fp32), the expert op's fp32 input and fp32 partial sums and
+    their bf16 copy sent back, plus send_rows [T * K] int64. Only the received rows are sent and computed; the
+    bound is memory."""
+    rows, d, k = mapping.max_recv_rows(max_num_tokens), cfg.expert_in_dim, cfg.num_experts_per_token
+    a = ACTIVATION_DTYPE_BYTES
+    return rows * (d * a + k * (8 + 4) + d * 4 + d * 4 + d * a) + max_num_tokens * k * 8
 
 
 def memory_view(weights: int, pools: PoolSizes, activations: int, workspaces: dict[str, int], reserve: int,
@@ -451,14 +466,12 @@ def vision_activation_bytes(cfg: ModelConfig, recipe: Recipe) -> int:
     return _tower_bytes(cfg, recipe, image_patch_limit(cfg, recipe))
 
 
-def engine_pool_sizes(engine_config: dict, num_slots: int | None = None) -> PoolSizes:
-    """Pool sizes of a built engine (its config.json): the planner's arithmetic on the recipe it was built
-    from, the smallest over its ranks (ranks run in lockstep with the same block ids); `num_slots`
-    overrides the recipe's max_batch."""
-    recipe = Recipe.model_validate(engine_config["recipe"])
+def engine_pool_sizes(recipe: Recipe, cfg: ModelConfig, num_slots: int | None = None) -> PoolSizes:
+    """Pool sizes of a built engine (its config.json's `recipe` and `model`): the planner's arithmetic on the
+    recipe it was built from, the smallest over its ranks (ranks run in lockstep with the same block ids);
+    `num_slots` overrides the recipe's max_batch."""
     if num_slots is not None:
         recipe = recipe.model_copy(update={"limits": recipe.limits.model_copy(update={"max_batch": num_slots})})
-    cfg = ModelConfig.from_hf_dict(engine_config["pretrained_config"], source="engine config.json")
     return make_plan(recipe, cfg).pool_sizes()
 
 

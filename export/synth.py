@@ -299,12 +299,18 @@ def _write_files(tmp: Path, preset: str, hf: dict[str, Any], cfg: ModelConfig, s
     (tmp / "LICENSE").write_text(LICENSE_TEXT.format(preset=preset, seed=seed))
 
 
-def write_synthetic_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, force: bool = False) -> Path:
-    """Write preset `preset` with `seed` to `out_dir` (atomically) and return its path.
+def write_synthetic_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, force: bool = False,
+                               vision: dict[str, Any] | None = None) -> Path:
+    """Write preset `preset` with `seed` to `out_dir` (atomically) and return its path; `vision` replaces keys of
+    the preset's vision_config (a K3 preset with a larger tower, as `benchmarks/vision.py` uses).
 
     An existing non-empty `out_dir` is an InputError unless `force`, which replaces it.
     """
     hf = preset_hf_config(preset)
+    if vision:
+        if "vision_config" not in hf:
+            raise InputError(f"synthetic preset {preset} has no vision tower to resize")
+        hf["vision_config"].update(vision)
     cfg = ModelConfig.from_hf_dict(hf, source=f"synthetic preset {preset}")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():

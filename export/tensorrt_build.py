@@ -57,6 +57,7 @@ ENGINE_KEY = "trt_engine"
 DECODE_PAD_SLOTS = 1  # the runner's decode CUDA graphs pad batches onto one spare recurrent-state slot
 ENGINE_TENSOR = "engine"
 MIN_TENSORRT = (10, 9)
+ENGINE_WORKSPACES = ("moe_mxfp4", "dsa_indexer", "moe_all_to_all")  # planner parts that are plugin outputs
 TENSORRT_PLUGIN_FOLDERS = sorted(set(OP_FOLDERS.values()))  # collectives included: inside the engine
 
 
@@ -206,8 +207,9 @@ def build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path, *, 
     engine = trt.Runtime(logger).deserialize_cuda_engine(blob)
     _checked(engine is not None, "deserializing the engine just built")
     device_memory = int(engine.device_memory_size_v2)
-    # the MoE and indexer workspaces are plugin outputs, so inside the engine's device memory
-    planned = memory["activations"] + memory.get("workspace.moe_mxfp4", 0) + memory.get("workspace.dsa_indexer", 0)
+    # the MoE and indexer workspaces and the dp layout's all-to-all buffers are plugin outputs, so inside the
+    # engine's device memory
+    planned = memory["activations"] + sum(memory.get(f"workspace.{k}", 0) for k in ENGINE_WORKSPACES)
     if device_memory > planned:
         raise InputError(
             f"recipe {recipe.name}: rank {mapping.rank}'s engine needs {device_memory / GIB:.2f} GiB of activation "

@@ -68,11 +68,16 @@ CONTRACTS = {c.name: c for c in (
        """createExecutionContext(kUSER_MANAGED) allocates no activation memory; the user supplies it with
        setDeviceMemoryV2(ptr, size), size at least ICudaEngine::getDeviceMemorySizeV2() (the maximum over all
        profiles); the memory is in use from enqueueV3 until the work completes, so contexts that never run
-       concurrently (one stream) may share one buffer. Python names assumed: ICudaEngine.device_memory_size_v2,
-       create_execution_context(ExecutionContextAllocationStrategy.USER_MANAGED) (both in the 11.4 Python API
-       docs) and IExecutionContext.set_device_memory(ptr, size) as the binding of setDeviceMemoryV2 (not
-       confirmed from a published source here: the README's TensorRT-machine command exercises it).""",
-       "TensorRT include/NvInferRuntime.h:3075-3090, :2931, :3190-3200, :4060-4082"),
+       concurrently (one stream) may share one buffer. Python names: ICudaEngine.device_memory_size_v2,
+       create_execution_context(ExecutionContextAllocationStrategy.USER_MANAGED), and
+       IExecutionContext.set_device_memory(memory, size), which the bindings implement with
+       `tensorrt::lambdas::context_set_device_memory_v2(IExecutionContext&, unsigned long, long)` (the
+       setDeviceMemoryV2 wrapper) and document as ":arg memory: 256-byte aligned device memory. :arg size: ...
+       at least as large as CudaEngine.get_device_memory_size_v2" (checked against the pinned wheels by
+       tests/test_tensorrt_engine.py: BINDING_NAMES).""",
+       "TensorRT include/NvInferRuntime.h:3075-3090, :2931, :3190-3200, :4060-4082; tensorrt_bindings/tensorrt.so "
+       "(10.9.0.34, 11.4.0.106): the method name, its docstring and the mangled lambda "
+       "_ZN8tensorrt7lambdas28context_set_device_memory_v2ERN8nvinfer117IExecutionContextEml"),
     _c("QDP_NO_WORKSPACE",
        """Quickly-deployable (QDP) plugins get no TensorRT workspace: the JIT enqueue hands `impl` only inputs,
        outputs and the stream, and the plugin class defines no workspace size. Scratch a plugin needs is
@@ -116,6 +121,20 @@ PARSER_WEIGHT_CONVERSION = {2: 6, 11: 1}  # TensorProto.UINT8 -> INT32, DOUBLE -
 PARSER_WEIGHT_KEPT = (1, 3, 6, 7, 9, 10, 16, 22)  # FLOAT, INT8, INT32, INT64, BOOL, FLOAT16, BFLOAT16, INT4
 # Dynamic shared memory a kernel gets without an explicit opt-in (AOT_SHARED_MEMORY_OPT_IN_UNKNOWN).
 DEFAULT_DYNAMIC_SHARED_MEMORY = 48 * 1024
+
+
+# USER_MANAGED_DEVICE_MEMORY: Python name the runner calls -> what the compiled bindings must hold for it (the name
+# as a string, and the C++ symbol or docstring fragment that says which C++ call it is).
+BINDING_NAMES = {
+    "set_device_memory": (b"context_set_device_memory_v2ERN8nvinfer117IExecutionContextEml",
+                          b":arg size: Size of the provided memory. This must be at least as large as "
+                          b"CudaEngine.get_device_memory_size_v2"),
+    "device_memory_size_v2": (b":ivar device_memory_size_v2:",),
+    "create_execution_context": (b"ExecutionContextAllocationStrategy",),
+    "USER_MANAGED": (b"ExecutionContextAllocationStrategy",),
+}
+# setDeviceMemoryV2 needs 256-byte aligned memory (the bindings' docstring, above).
+DEVICE_MEMORY_ALIGNMENT = 256
 
 
 def parser_weight_type(onnx_elem_type: int) -> int:

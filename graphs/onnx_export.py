@@ -577,15 +577,18 @@ class RankGraph:
         e = f"{p}experts."
         if m.all_to_all:  # the tokens go to their experts' ranks; the expert op sees the rows it received
             dispatched = z
+            bound = {}
+            if self.state_in_place:  # TensorRT: static shapes, receive buffers bounded by the recipe's limits
+                bound = dict(group_size=m.ep, max_recv_rows=m.max_recv_rows(self.limits.max_num_tokens))
             z, ids, w, *layout = g.plugin("MoEDispatch", [z, ids, w], f"{n}.dispatch", 6, group="ep",
-                                          num_experts=cfg.num_experts)
+                                          num_experts=cfg.num_experts, **bound)
         workspace = {}
         if self.state_in_place:  # TensorRT: the plugin's scratch is its second output, in the engine's memory
             from moe_export.plugins.moe_mxfp4.triton_kernel import workspace_bytes
 
             local = len(m.local_experts(cfg.num_experts))
-            rows = self.limits.max_num_tokens * (m.ep if m.all_to_all else 1)  # dp: tokens from every rank
-            workspace = dict(n_out=2, scratch_bytes=workspace_bytes(rows, cfg.num_experts_per_token, cfg.expert_in_dim,
+            expert_rows = m.max_recv_rows(self.limits.max_num_tokens) if m.all_to_all else self.limits.max_num_tokens
+            workspace = dict(n_out=2, scratch_bytes=workspace_bytes(expert_rows, cfg.num_experts_per_token, cfg.expert_in_dim,
                                                                     cfg.moe_intermediate_size, local))
         partial = g.plugin(
             "MoEMXFP4",

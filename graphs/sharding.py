@@ -87,6 +87,13 @@ class Mapping:
         per = num_experts // self.ep
         return range(self.ep_rank * per, (self.ep_rank + 1) * per)
 
+    def max_recv_rows(self, max_num_tokens: int) -> int:
+        """dp layout: the most rows one rank's MoEDispatch can receive in a step, the static bound of the TensorRT
+        receive buffers. Each source routes its share of its group's tokens (at most ceil(max_num_tokens / tp))
+        and sends each token at most once to a rank, so ep * ceil(max_num_tokens / tp), whatever the groups'
+        batches (DeepEP and TensorRT-LLM's wide-EP buffers are likewise sized from a max tokens per rank)."""
+        return self.ep * -(-max_num_tokens // self.tp)
+
     def to_dict(self) -> dict:
         return {
             "world_size": self.world_size,

@@ -228,11 +228,14 @@ class ImageProcessor:
         plan = self.plan(*image.size)
         return PreparedImage(plan, digest, pixels=self.pixel_values(image, plan))
 
-    def prepare_bytes(self, data: bytes, where: str) -> PreparedImage:
+    def prepare_bytes(self, data: bytes, where: str, known=None) -> PreparedImage:
         """Decode an encoded image (InputError naming `where` if it cannot be) and plan it; its pixel values are
-        computed when the tower needs them. The digest is sha256 of the bytes and this config."""
-        image = decode_image(data, where)
-        return PreparedImage(self.plan(*image.size), image_digest(data, self.cfg), image, self)
+        computed when the tower needs them. The digest is sha256 of the bytes and this config. `known(digest)`
+        true (the embedding cache holds it: these exact bytes were decoded before) skips the decode: the header
+        gives the size the plan needs, and the pixels are read only if the tower still needs them."""
+        digest = image_digest(data, self.cfg)
+        image = open_image(data, where) if known is not None and known(digest) else decode_image(data, where)
+        return PreparedImage(self.plan(*image.size), digest, image, self)
 
 
 def background(h: int, w: int, bg_cfg: dict[str, Any]) -> np.ndarray:
@@ -256,7 +259,13 @@ def image_digest(data: bytes, cfg: dict[str, Any]) -> str:
 
 
 def decode_image(data: bytes, where: str) -> Image.Image:
-    """A PIL image from PNG / JPEG / WebP / GIF (first frame) bytes; InputError naming `where` otherwise."""
+    """A PIL image from PNG / JPEG / WebP / GIF (first frame) bytes, decoded; InputError naming `where` otherwise."""
+    return open_image(data, where, load=True)
+
+
+def open_image(data: bytes, where: str, load: bool = False) -> Image.Image:
+    """A PIL image from PNG / JPEG / WebP / GIF (first frame) bytes, its header checked (type, pixel count) and,
+    with `load`, its pixels decoded; InputError naming `where` otherwise."""
     if len(data) > MAX_IMAGE_BYTES:
         raise InputError(f"{where}: image of {len(data)} bytes is larger than {MAX_IMAGE_BYTES} bytes")
     try:
@@ -269,7 +278,8 @@ def decode_image(data: bytes, where: str) -> Image.Image:
             if image.width * image.height > MAX_IMAGE_PIXELS:
                 raise InputError(f"{where}: image of {image.width}x{image.height} pixels exceeds {MAX_IMAGE_PIXELS} pixels")
             image.seek(0)
-            image.load()
+            if load:
+                image.load()
     except InputError:
         raise
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombWarning,
@@ -355,7 +365,7 @@ class PromptImages:
     prompt holds them (`order`: the images of the prompt's `<|media_pad|>` runs, in order)."""
 
     def __init__(self, tokenizer, processor: ImageProcessor, messages: list, max_images: int | None = None,
-                 allow_urls: bool = False) -> None:
+                 allow_urls: bool = False, known=None) -> None:
         self.tokenizer = tokenizer
         self.parts: dict[str, PreparedImage] = {}
         self.order: list[PreparedImage] = []
@@ -369,7 +379,7 @@ class PromptImages:
                     if max_images is not None and len(self.parts) >= max_images:
                         raise InputError(f"{where}: too many images: the engine takes at most {max_images} per request "
                                          "(limits.max_images_per_request)")
-                    self.parts[where] = processor.prepare_bytes(image_part_bytes(part, where, allow_urls), where)
+                    self.parts[where] = processor.prepare_bytes(image_part_bytes(part, where, allow_urls), where, known)
 
     def expand(self, where: str) -> list[int]:
         image = self.parts[where]

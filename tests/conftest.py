@@ -325,3 +325,16 @@ def toks(tmp_path_factory) -> dict:
         out[family] = load_tokenizer(d)
     return out
 
+
+
+def write_engine_config(folder, backend: str = "onnxruntime"):
+    """A valid engine config.json (tiny-k3 under the tiny-cpu recipe) in `folder`, without building anything;
+    returns its EngineConfig."""
+    from moe_export.export.engine_config import EngineConfig
+    from moe_export.export.synth import preset_config
+    from moe_export.recipes.schema import load_recipe
+
+    recipe = load_recipe("tiny-cpu.yaml")[0].model_copy(update={"backend": backend})
+    cfg = EngineConfig.from_recipe(recipe, preset_config("tiny-k3"), version="test", files={}, weight_classes={})
+    cfg.write(folder)
+    return cfg

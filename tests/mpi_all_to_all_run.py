@@ -1,20 +1,29 @@
 """Run under `mpiexec -n EP`: every rank makes every rank's tokens (seeded; rank 1 idle), runs MoEDispatch ->
 its experts -> MoECombine with MPI (`all_to_all.mpi_*`) and with torch.distributed over gloo through the TensorRT
-path's `nccl.Communicator`, and compares both with the in-process reference. Rank 0 prints one JSON line
-{"mpi_max_err": ..., "torch_max_err": ..., "rows_received": [per rank]}."""
+plugins' enqueue: the QDP impls of `plugins/collectives/tensorrt_plugin.py` under TensorRT's real pure-Python
+`tensorrt.plugin` (over `tensorrt_standin.py`'s core), called as TensorRT calls them with the static output
+buffers TensorRT would hand them (filled with garbage), and the `nccl.Communicator` they take by group name. What
+is not TensorRT here: buffers are CPU tensors (`as_torch` maps a handle to one; TensorRT's are CUDA views) and
+the stream is not entered. The idle rank runs a dummy token with the communicator marked idle, as the TensorRT
+runner's idle step does. Everything is compared with the in-process reference. Rank 0 prints one JSON line
+{"mpi_max_err", "plugin_max_err", "rows_received" [per rank], "shapes_match", "padding_ok", "counts_ok"}."""
 
 from __future__ import annotations
 
 import json
 import socket
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from moe_export.plugins.collectives import all_to_all
-from moe_export.plugins.collectives.nccl import Communicator
+from moe_export.plugins.collectives import all_to_all, nccl
+
+sys.path.insert(0, str(Path(__file__).parent))
+import tensorrt_standin  # noqa: E402
 
 EXPERTS, TOP_K, DIM = 8, 3, 6
 
@@ -53,18 +62,57 @@ def main() -> None:
             port = s.getsockname()[1]
     port = world.bcast(port if rank == 0 else None, root=0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ep)
-    comm = Communicator(dist.new_group(list(range(ep))), ep)
-    tx, tids, tw = (torch.from_numpy(a) for a in data[rank])
-    trx, tri, trw, tlay = comm.moe_dispatch(tx, tids, tw, EXPERTS)
-    ty = torch.from_numpy(experts(trx.numpy(), tri.numpy(), trw.numpy(), rank, ep))
-    torch_out = comm.moe_combine(ty, tlay, tx.shape[0]).numpy()
-    dist.destroy_process_group()
+    comm = nccl.Communicator(dist.new_group(list(range(ep))), ep)
+    nccl.set_communicators({"ep": comm})
+    _, trtp = tensorrt_standin.install("11.4")
+    from moe_export.plugins.collectives import tensorrt_plugin
 
-    errs = world.gather((float(np.abs(mpi_out - want).max(initial=0.0)), float(np.abs(torch_out - want).max(initial=0.0)),
-                         int(rx.shape[0]), mpi_out.shape == want.shape == torch_out.shape), root=0)
+    qdp = sys.modules["tensorrt.plugin._lib"].QDP_REGISTRY
+    buffers: dict[int, torch.Tensor] = {}
+
+    def handle(t: torch.Tensor):
+        h = trtp.Tensor()
+        h.data_ptr = t.data_ptr()
+        buffers[h.data_ptr] = t
+        return h
+
+    tensorrt_plugin.as_torch = lambda h: buffers[h.data_ptr]
+    torch.cuda.ExternalStream = lambda stream: None  # torch.cuda.stream(None) enters nothing
+
+    max_tokens = max(d[0].shape[0] for d in data)
+    bound = ep * max_tokens  # Mapping.max_recv_rows at tp 1
+    x, ids, w = (torch.from_numpy(a) for a in data[rank])
+    comm.idle = rank == 1
+    if comm.idle:  # TensorRT's profile starts at one token: the idle step carries a dummy one
+        x, ids, w = torch.ones(1, DIM), torch.tensor([[0, 3, 5]]), torch.ones(1, TOP_K)
+    outs = (torch.full((bound, DIM), float("nan")), torch.full((bound, TOP_K), 12345, dtype=torch.int64),
+            torch.full((bound, TOP_K), 7.0), torch.full((x.shape[0] * TOP_K,), 99, dtype=torch.int64),
+            torch.full((ep,), 99, dtype=torch.int64), torch.full((ep,), 99, dtype=torch.int64))
+    fields = ("ep\0", np.array([EXPERTS], np.int32), np.array([ep], np.int32), np.array([bound], np.int32))
+    qdp[tensorrt_plugin.MOE_DISPATCH].impl_func(handle(x), handle(ids), handle(w), *fields,
+                                                 [handle(o) for o in outs], stream=7)
+    recv_x, recv_ids, recv_w, send_rows, send_counts, recv_counts = outs
+    got = int(recv_counts.sum())
+    partial = torch.full((bound, DIM), float("nan"))
+    partial[:got] = torch.from_numpy(experts(recv_x[:got].numpy(), recv_ids[:got].numpy(), recv_w[:got].numpy(), rank, ep))
+    y = torch.full(x.shape, float("nan"))
+    qdp[tensorrt_plugin.MOE_COMBINE].impl_func(handle(partial), handle(send_rows), handle(send_counts),
+                                                handle(recv_counts), handle(x), "ep\0", [handle(y)], stream=7)
+    dist.destroy_process_group()
+    plugin_out = y.numpy()[: data[rank][0].shape[0]]
+    sent = int(send_counts.sum())
+    padding_ok = (bool((recv_ids[got:] == -1).all()) and bool((recv_w[got:] == 0).all())
+                  and bool((send_rows[sent:] == -1).all()) and (not comm.idle or (sent == 0 and not y.any())))
+    want_routed = np.bincount(data[rank][1].ravel(), minlength=EXPERTS).tolist()
+    counts_ok = comm.expert_counts == [want_routed] and send_counts.tolist() == lay.send_counts.tolist()
+
+    errs = world.gather((float(np.abs(mpi_out - want).max(initial=0.0)), float(np.abs(plugin_out - want).max(initial=0.0)),
+                         int(rx.shape[0]), mpi_out.shape == want.shape == plugin_out.shape, padding_ok, counts_ok,
+                         got == int(rx.shape[0])), root=0)
     if rank == 0:
-        print(json.dumps({"mpi_max_err": max(e[0] for e in errs), "torch_max_err": max(e[1] for e in errs),
-                          "rows_received": [e[2] for e in errs], "shapes_match": all(e[3] for e in errs)}))
+        print(json.dumps({"mpi_max_err": max(e[0] for e in errs), "plugin_max_err": max(e[1] for e in errs),
+                          "rows_received": [e[2] for e in errs], "shapes_match": all(e[3] and e[6] for e in errs),
+                          "padding_ok": all(e[4] for e in errs), "counts_ok": all(e[5] for e in errs)}))
 
 
 if __name__ == "__main__":

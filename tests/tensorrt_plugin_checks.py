@@ -12,6 +12,7 @@ positions, B blocks per block table. Dims ONNX shape inference leaves unnamed ar
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import textwrap
@@ -37,6 +38,8 @@ EXPECTED = {  # op type -> (has JIT impl, has AOT impl, aliased input of each ou
     "MoEMXFP4": (True, False, [-1, -1]),
     "AllReduce": (True, False, [-1]),
     "AllGather": (True, False, [-1]),
+    "MoEDispatch": (True, False, [-1] * 6),
+    "MoECombine": (True, False, [-1]),
 }
 
 assert VERSION in standin.PINNED_WHEELS, f"MOE_EXPORT_TRT_VERSION={VERSION!r}: run via test_tensorrt_plugins.py"
@@ -100,6 +103,8 @@ def io_of(node, types):
         shape[attrs["axis"] % len(shape)] *= attrs["group_size"]
         return in_types, in_dims, out_types, [shape]
     out_shapes = [[standin.symbolic(d).evaluate(ENV) for d in dims(o)] for o in node.output]
+    if node.op_type == "MoEDispatch":  # send_rows is unnamed in ONNX: T * K rows (each token at most K times)
+        out_shapes[3] = [ENV["T"] * out_shapes[1][1]]
     return in_types, in_dims, out_types, out_shapes
 
 
@@ -245,8 +250,41 @@ def test_collectives_are_in_engine_plugins_that_do_nothing_while_building():
     assert not nccl.is_building()
     with pytest.raises(RuntimeError, match="no communicator for group 'ep'"):
         reduce(x, "ep\0", "sum\0", [out], stream=7)
-    groups = {n.op_type: {a.name for a in n.attribute} for _, n, _ in NODES if n.op_type in ("AllReduce", "AllGather")}
+    dispatch = QDP[f"{DOMAIN}::MoEDispatch"].impl_func
+    combine = QDP[f"{DOMAIN}::MoECombine"].impl_func
+    ids = _tensor(trt.int64, (5, 2), (2, 1), 0x9000)
+    with nccl.building():  # TensorRT times the all-to-alls too: nothing may be sent then
+        assert dispatch(x, ids, out, "ep\0", *(np.array([v], np.int32) for v in (8, 8, 40)), [out] * 6, stream=7) is None
+        assert combine(out, ids, ids, ids, x, "ep\0", [out], stream=7) is None
+    with pytest.raises(RuntimeError, match="no communicator for group 'ep'"):
+        dispatch(x, ids, out, "ep\0", *(np.array([v], np.int32) for v in (8, 8, 40)), [out] * 6, stream=7)
+    groups = {n.op_type: {a.name for a in n.attribute} for _, n, _ in NODES
+              if n.op_type in ("AllReduce", "AllGather", "MoEDispatch", "MoECombine")}
     assert groups["AllReduce"] >= {"group", "reduce_op"} and groups["AllGather"] >= {"group", "axis", "group_size"}
+    assert groups["MoEDispatch"] >= {"group", "num_experts", "group_size", "max_recv_rows"} and "group" in groups["MoECombine"]
+
+
+def test_dispatch_receive_bound_is_static_and_required():
+    """The dp graph's MoEDispatch carries the recipe's receive bound ep * ceil(max_num_tokens / tp) as its static
+    received-row dim (the other groups' batches are not visible to a shape expression); a node without a bound
+    (an ONNX Runtime graph, exact sizes) fails the build with the way out."""
+    from moe_export.graphs.sharding import Mapping
+    from moe_export.recipes.schema import load_recipe
+
+    limits = load_recipe("tiny-cpu.yaml")[0].limits
+    label, node, types = next(x for x in NODES if x[1].op_type == "MoEDispatch")
+    attrs = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
+    assert attrs["max_recv_rows"] == Mapping(8, 3, 2, 8, "dp").max_recv_rows(limits.max_num_tokens) == 8 * -(-limits.max_num_tokens // 2)
+    _, plugin = create(node)
+    in_types, in_dims, _, _ = io_of(node, types)
+    built = standin.build_phase(plugin, in_types, in_dims, ENV)
+    assert built["output_shapes"][0][0] == attrs["max_recv_rows"] and built["output_shapes"][4] == [attrs["group_size"]]
+    unbounded = onnx.helper.make_node("MoEDispatch", list(node.input), list(node.output), domain=DOMAIN,
+                                      **{a.name: onnx.helper.get_attribute_value(a) for a in node.attribute
+                                         if a.name != "max_recv_rows"}, max_recv_rows=0)  # fmt: skip
+    _, plugin = create(unbounded)
+    with pytest.raises(ValueError, match="export the graph for backend tensorrt"):
+        standin.build_phase(plugin, in_types, in_dims, ENV)
 
 
 def test_aot_kernel_above_48_kib_of_shared_memory_is_refused():
@@ -361,3 +399,167 @@ def test_builtin_numeric_fields_on_this_version():
             make()
     else:
         assert make().attrs == {"k": 3, "s": "silu\0"}
+
+
+# ------------------------------------------- a dp recipe built at world 8 through the stand-in's contracts
+class _Parsed:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def builder_api(log: list, device_memory) -> dict:
+    """TensorRT's builder API over the stand-in core, as `export/tensorrt_build.py` drives it: the parser does
+    what TensorRT's ONNX parser does with each plugin node of the rank graph (lookup by `plugin_namespace`, fields
+    by the parser's encoding, creation through the real `tensorrt.plugin` registry with the network's PREFER_*
+    request) and the builder's calls on each created plugin (output types and shapes, format negotiation after
+    the parser's weight conversion, aliasing) at the tiny ENV shapes; `build_serialized_network` records
+    whether the collectives were in their build-time state. `device_memory(path)` -> the engine's activation
+    memory (not knowable without TensorRT: the test says what it assumes)."""
+    from moe_export.plugins.collectives import nccl
+
+    class Network:
+        def __init__(self, flags):
+            self.flags, self.inputs, self.outputs, self.path = flags, [], [], None
+
+        num_inputs = property(lambda self: len(self.inputs))
+        num_outputs = property(lambda self: len(self.outputs))
+
+        def get_input(self, i):
+            return _Parsed(name=self.inputs[i])
+
+        def get_output(self, i):
+            return _Parsed(name=self.outputs[i])
+
+    class OnnxParser:
+        def __init__(self, network, logger):
+            self.network, self.num_errors = network, 0
+
+        def parse_from_file(self, path):
+            model = onnx.load(path, load_external_data=False)
+            types = _value_types(model)
+            for init in model.graph.initializer:
+                types[init.name] = onnx.helper.make_tensor_type_proto(init.data_type, list(init.dims))
+            types["__initializers__"] = {init.name for init in model.graph.initializer}
+            prefer = (standin.QuickPluginCreationRequest.PREFER_AOT if self.network.flags & (1 << 5)
+                      else standin.QuickPluginCreationRequest.PREFER_JIT)  # fmt: skip
+            ops = []
+            for node in model.graph.node:
+                if node.domain != DOMAIN:
+                    continue
+                _, plugin = create(node, prefer)
+                in_types, in_dims, out_types, out_shapes = io_of(node, types)
+                built = standin.build_phase(plugin, in_types, in_dims, ENV)
+                assert built["output_types"] == out_types and built["output_shapes"] == out_shapes, node.name
+                standin.require_supported(node, in_types, out_types, built)
+                ops.append(node.op_type)
+            self.network.inputs = [v.name for v in model.graph.input]
+            self.network.outputs = [v.name for v in model.graph.output]
+            self.network.path = path
+            log.append(("parse", path, ops))
+            return True
+
+    class Config:
+        def set_memory_pool_limit(self, pool, size):
+            log.append(("workspace", size))
+
+        def set_preview_feature(self, feature, on):
+            pass
+
+        def create_timing_cache(self, blob):
+            return _Parsed(serialize=lambda: b"cache")
+
+        def set_timing_cache(self, cache, ignore_mismatch):
+            return True
+
+        def add_optimization_profile(self, profile):
+            log.append(("profile", profile.shapes))
+            return 0
+
+    class Profile:
+        def __init__(self):
+            self.shapes = {}
+
+        def set_shape(self, name, low, opt, high):
+            self.shapes[name] = (low, opt, high)
+
+    class Builder:
+        def __init__(self, logger):
+            self.network = None
+
+        def create_network(self, flags):
+            self.network = Network(flags)
+            return self.network
+
+        def create_builder_config(self):
+            return Config()
+
+        def create_optimization_profile(self):
+            return Profile()
+
+        def build_serialized_network(self, network, config):
+            log.append(("build", nccl.is_building()))
+            return network.path.encode()
+
+    class Runtime:
+        def __init__(self, logger):
+            pass
+
+        def deserialize_cuda_engine(self, blob):
+            return _Parsed(device_memory_size_v2=device_memory(blob.decode()), num_layers=1)
+
+    return {"Builder": Builder, "OnnxParser": OnnxParser, "Runtime": Runtime,
+            "NetworkDefinitionCreationFlag": _Parsed(STRONGLY_TYPED=0, PREFER_JIT_PYTHON_PLUGINS=4,
+                                                     PREFER_AOT_PYTHON_PLUGINS=5),
+            "MemoryPoolType": _Parsed(WORKSPACE=0), "PreviewFeature": _Parsed(ALIASED_PLUGIN_IO_10_03=1)}  # fmt: skip
+
+
+def test_dp_recipe_builds_at_world_8_through_the_standin(tmp_path, monkeypatch):
+    """Issue 19: `moe-export build` of a tiny `parallel.attention: dp` recipe with backend tensorrt at world 8
+    (tp 2 x dp 4, experts over all 8 ranks) is no longer refused: every rank's whole graph goes through the
+    stand-in parser and builder (every plugin node, MoEDispatch / MoECombine included, created by the real
+    `tensorrt.plugin` and negotiated under the contracts), built with the collectives idle, one engine per rank.
+    Assumed (no TensorRT here): the engine needs exactly the activation memory the plan set aside; one byte
+    more is refused."""
+    import importlib.machinery
+
+    import yaml
+
+    from moe_export.export import tensorrt_build
+    from moe_export.export.build import build
+    from moe_export.export.planner import make_plan
+    from moe_export.export.tensorrt_build import ENGINE_WORKSPACES, read_engine_file
+    from moe_export.recipes.schema import load_recipe
+
+    data = yaml.safe_load(Path(load_recipe("tiny-cpu.yaml")[1]).read_text())
+    data.update(name="tiny-dp-trt", backend="tensorrt", model={"source": "synthetic:tiny-k3"})
+    data["target"].update(gpu="h100", gpus_per_node=8, memory_gib=4.0)
+    data["parallel"] = {"tp": 2, "ep": 8, "attention": "dp"}
+    data["quantization"]["kv_cache"] = "fp8"
+    path = tmp_path / "tiny-dp-trt.yaml"
+    path.write_text(yaml.safe_dump(data))
+    recipe, _ = load_recipe(path)
+    plan = make_plan(recipe)
+    planned = {r.rank: r.memory["activations"] + sum(r.memory.get(f"workspace.{k}", 0) for k in ENGINE_WORKSPACES)
+               for r in plan.per_rank}  # fmt: skip
+    assert all(r.memory["workspace.moe_all_to_all"] > 0 for r in plan.per_rank)  # the receive buffers are counted
+
+    def rank_of(graph: str) -> int:
+        props = {p.key: p.value for p in onnx.load(graph, load_external_data=False).metadata_props}
+        return json.loads(props["mapping"])["rank"]
+
+    log: list = []
+    for name, value in builder_api(log, lambda graph: planned[rank_of(graph)]).items():
+        monkeypatch.setattr(trt, name, value, raising=False)
+    monkeypatch.setattr(trt, "Logger", standin.Logger)
+    monkeypatch.setattr(trt, "__spec__", importlib.machinery.ModuleSpec("tensorrt", None))
+    monkeypatch.setattr(tensorrt_build, "select_device", lambda: 0)
+    out = tmp_path / "engine"
+    build(recipe, out)
+    parses = [e for e in log if e[0] == "parse"]
+    assert len(parses) == 8 and all({"MoEDispatch", "MoECombine", "MoEMXFP4", "AllGather"} <= set(e[2]) for e in parses)
+    assert [e for e in log if e[0] == "build"] == [("build", True)] * 8  # every rank's collectives idle while building
+    for rank in range(8):
+        meta, _ = read_engine_file(out / f"rank{rank}" / f"rank{rank}.engine")
+        assert meta["rank"] == rank and meta["device_memory_bytes"] == planned[rank]
+    config = json.loads((out / "config.json").read_text())
+    assert config["mapping"]["attention"] == "dp" and [r["dp_rank"] for r in config["ranks"]] == [0, 0, 1, 1, 2, 2, 3, 3]

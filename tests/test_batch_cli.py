@@ -273,3 +273,93 @@ def test_batch_enforces_a_forced_tool_call_and_a_json_schema(runtime_engine, tmp
     assert call["function"]["name"] == "w" and got["tool"]["finish_reason"] == "tool_calls"
     jsonschema.validate(json.loads(call["function"]["arguments"]), params)
     jsonschema.validate(json.loads(got["json"]["message"]["content"]), schema)
+
+
+def test_documents_with_images_answer_as_llm_chat_with_the_same_parts(engine, tmp_path, capsys):
+    """--images: image files and PDF page images go with the prompt as image_url parts; each document's output
+    and prompt length equal LLM.chat's on the same parts (greedy), its prompt holds one media run per image of
+    the public size; the limits are per-document error lines counted in the summary; without --images image
+    files are ignored (and counted) and PDFs give text only; an engine without a tower is refused (exit 2)."""
+    import base64
+    import io
+
+    import jinja2
+    import numpy as np
+    from PIL import Image
+    from pypdf import PdfReader
+
+    from moe_export.runtime import LLM, SamplingParams
+    from moe_export.runtime.images import MEDIA_BEGIN, MEDIA_PAD
+    from test_batch_inputs import image_bytes, write_image_folder
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    write_image_folder(docs)
+    (docs / "notes.txt").write_text("Plain notes about nothing.")
+    rng = np.random.default_rng(3)
+    (docs / "big.png").write_bytes(image_bytes(Image.fromarray(rng.integers(0, 256, (1000, 1000, 3), dtype=np.uint8)), "PNG"))
+    pages = [Image.fromarray(rng.integers(0, 256, (30, 30, 3), dtype=np.uint8)) for _ in range(5)]
+    pages[0].save(docs / "many.pdf", save_all=True, append_images=pages[1:])  # 5 images, no text: one request
+    template = tmp_path / "t.j2"
+    template.write_text("Look at {{ path }}.{{ document }}")
+    out = tmp_path / "out.jsonl"
+    args = ["batch", str(engine), "--input", str(docs), "--output", str(out), "--prompt-file", str(template),
+            "--max-tokens", "4", "--reasoning-effort", "none", "--concurrency", "1"]
+    code, _, err = run_cli(capsys, *args, "--images")
+    assert code == 1 and "Traceback" not in err, err[-3000:]
+    records = {r["custom_id"]: r for r in read_lines(out)}
+    errors = {k: r["error"]["code"] for k, r in records.items() if r["error"] is not None}
+    assert errors == {"corrupt.png": "undecodable", "big.png": "images_too_large", "many.pdf": "too_many_images"}
+    assert "limits.max_images_per_request" in records["many.pdf"]["error"]["message"]
+    assert "limits.max_image_patches" in records["big.png"]["error"]["message"]
+    flat = " ".join(err.split())
+    assert "error: too_many_images │ 1" in flat and "error: images_too_large │ 1" in flat
+
+    def parts_of(name: str) -> tuple[str, list[bytes]]:  # the document's text and images, read independently
+        path = docs / name
+        if path.suffix != ".pdf":
+            return "", [path.read_bytes()]
+        reader = PdfReader(str(path))
+        return ("\n\n".join(p.extract_text() or "" for p in reader.pages),
+                [im.data for p in reader.pages for im in p.images])
+
+    llm = LLM(engine)
+    try:
+        proc, sent = llm.engine.vision.processor, 0
+        pad, begin = llm.tokenizer.encode_special(MEDIA_PAD), llm.tokenizer.encode_special(MEDIA_BEGIN)
+        for name in ("photo.jpg", "grey.jpeg", "alpha.png", "la.png", "pal.gif", "lossless.webp", "scans.pdf", "report.pdf"):
+            text, blobs = parts_of(name)
+            prompt = jinja2.Template(template.read_text()).render(path=name, document=text)
+            fmts = [Image.open(io.BytesIO(b)).format.lower() for b in blobs]
+            content = [{"type": "text", "text": prompt}] + [
+                {"type": "image_url", "image_url": {"url": f"data:image/{f};base64,{base64.b64encode(b).decode()}"}}
+                for f, b in zip(fmts, blobs)]
+            (want,) = llm.chat([[{"role": "user", "content": content}]], SamplingParams(temperature=0, max_tokens=4),
+                               reasoning_effort="none")
+            body = records[name]["response"]["body"]
+            assert body["output"] == (want.content or "") and body["images"] == len(blobs), name
+            assert body["usage"]["prompt_tokens"] == len(want.prompt_ids), name
+            assert body["usage"]["completion_tokens"] == len(want.output_ids), name
+            sizes = [Image.open(io.BytesIO(b)).size for b in blobs]
+            assert want.prompt_ids.count(begin) == len(blobs)
+            assert want.prompt_ids.count(pad) == sum(proc.plan(w, h).num_tokens for w, h in sizes) > 0, name
+            sent += len(blobs)
+        assert f"images sent │ {sent}" in flat
+    finally:
+        llm.shutdown()
+
+    plain = tmp_path / "plain.jsonl"
+    code, _, err = run_cli(capsys, *[a if a != str(out) else str(plain) for a in args])
+    records = {r["custom_id"]: r for r in read_lines(plain)}
+    assert set(records) == {"notes.txt", "scans.pdf", "report.pdf", "many.pdf"}  # image files are not documents
+    assert records["scans.pdf"]["error"]["code"] == "empty_document" and "images" not in records["report.pdf"]["response"]["body"]
+    assert "image files ignored (no --images) │ 8" in " ".join(err.split())
+
+    towerless = tmp_path / "towerless"  # an engine folder without vision.onnx
+    towerless.mkdir()
+    (towerless / "config.json").write_bytes((engine / "config.json").read_bytes())
+    code, _, err = run_cli(capsys, "batch", str(towerless), *args[2:], "--images")
+    assert code == 2 and "no vision tower" in err and "Traceback" not in err
+    code, _, err = run_cli(capsys, "batch", str(engine), "--input", str(tmp_path / "x.jsonl"), "--output",
+                           str(tmp_path / "y.jsonl"), "--images")
+    assert code == 2 and "--images applies to a folder of documents" in err

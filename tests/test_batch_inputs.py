@@ -146,3 +146,92 @@ def test_bad_batch_lines_name_the_line(line, message):
     with pytest.raises(InputError, match=message) as exc:
         parse_input_line(line, 7)
     assert "line 7" in str(exc.value)
+
+
+def image_bytes(image, fmt: str, **kw) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def write_image_folder(root):
+    """Image files of every accepted type and alpha variant, a PDF of two images only (Pillow's PDF writer), a
+    PDF with text and an RGBA image (matplotlib, whose image pypdf gives back as PNG with its soft mask), a
+    corrupt PNG; returns the pixels each lossless image must decode to."""
+    import matplotlib
+    import numpy as np
+    from PIL import Image
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rng = np.random.default_rng(7)
+    rgb = Image.fromarray(rng.integers(0, 256, (40, 60, 3), dtype=np.uint8))
+    rgba = Image.fromarray(rng.integers(0, 256, (30, 50, 4), dtype=np.uint8), "RGBA")
+    la = Image.fromarray(rng.integers(0, 256, (20, 20, 2), dtype=np.uint8), "LA")
+    pal = rgb.convert("P", palette=Image.Palette.ADAPTIVE, colors=16)
+    pal.info["transparency"] = 3
+    (root / "photo.jpg").write_bytes(image_bytes(rgb, "JPEG", quality=90))
+    (root / "grey.jpeg").write_bytes(image_bytes(rgb.convert("L"), "JPEG"))
+    (root / "alpha.png").write_bytes(image_bytes(rgba, "PNG"))
+    (root / "la.png").write_bytes(image_bytes(la, "PNG"))
+    (root / "pal.gif").write_bytes(image_bytes(pal, "GIF"))
+    (root / "lossless.webp").write_bytes(image_bytes(rgba, "WEBP", lossless=True, exact=True))
+    (root / "corrupt.png").write_bytes(image_bytes(rgb, "PNG")[:60])
+    rgb.save(root / "scans.pdf", save_all=True, append_images=[la.convert("L")])
+    pict = rng.integers(0, 256, (24, 36, 4), dtype=np.uint8)
+    fig = plt.figure()
+    fig.text(0.1, 0.5, "A chart of sales")
+    fig.figimage(pict, 10, 10)
+    fig.savefig(root / "report.pdf")
+    plt.close(fig)
+    return {"alpha.png": np.asarray(rgba), "la.png": np.asarray(la), "lossless.webp": np.asarray(rgba),
+            "report.pdf": pict.astype(int)}
+
+
+def decoded(url: str):
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    head, _, payload = url.partition(",")
+    image = Image.open(io.BytesIO(base64.b64decode(payload)))
+    assert head == f"data:image/{image.format.lower()};base64"
+    return image, np.asarray(image)
+
+
+def test_image_documents_with_images_and_without(tmp_path):
+    import numpy as np
+
+    want = write_image_folder(tmp_path)
+    (tmp_path / "notes.txt").write_text("plain notes")
+    docs = {d.custom_id: d for d in read_documents(tmp_path, max_file_bytes=1 << 20, images=True)}
+    for name in ("photo.jpg", "grey.jpeg", "alpha.png", "la.png", "pal.gif", "lossless.webp"):
+        doc = docs[name]
+        assert doc.error_code is None and doc.text == "" and len(doc.images) == 1, name
+        image, pixels = decoded(doc.images[0].url)
+        if name in want:  # lossless: the pixels Pillow reads back from the file, alpha kept for the compositing
+            assert np.array_equal(pixels, want[name]), name
+        assert doc.images[0].source == name and doc.images[0].offset == 0
+    assert decoded(docs["pal.gif"].images[0].url)[0].info.get("transparency") == 3
+    assert docs["corrupt.png"].error_code == "undecodable" and "corrupt.png" in docs["corrupt.png"].error_message
+    scans = docs["scans.pdf"]  # images only: a document without text
+    assert scans.error_code is None and [decoded(im.url)[0].size for im in scans.images] == [(60, 40), (20, 20)]
+    assert [im.offset for im in scans.images] == [0, 2] and scans.content_hash.endswith("+images")
+    report = docs["report.pdf"]
+    assert report.text.strip() == "A chart of sales"
+    (im,) = report.images
+    got, pict = decoded(im.url)[1].astype(int), want["report.pdf"]  # matplotlib stores premultiplied colours:
+    assert got.shape == pict.shape and np.array_equal(got[..., 3], pict[..., 3])  # exact where alpha is not tiny
+    assert np.abs(got - pict)[pict[..., 3] >= 64].max() <= 1 and im.source.startswith("report.pdf page 1 image ")
+    assert docs["notes.txt"].images == ()
+
+    plain = {d.custom_id: d for d in read_documents(tmp_path, max_file_bytes=1 << 20)}
+    assert set(plain) == {"notes.txt", "scans.pdf", "report.pdf"}  # image files are not documents without --images
+    assert plain["report.pdf"].images == () and plain["report.pdf"].text.strip() == "A chart of sales"
+    assert plain["scans.pdf"].error_code == "empty_document"
+    assert plain["report.pdf"].key != report.key  # read with its images it is another job: resumed separately

@@ -199,9 +199,9 @@ def test_one_pool_arithmetic_and_k3_sequences_that_fit():
 
 
 def test_too_many_slots_for_one_full_sequence_is_refused(tmp_path):
-    """h100x64 with 96 slots: weights fit, but the slots leave less than one 1M-token cache: exit 2, saying so."""
-    text = (models_dir().parent / "h100x64.yaml").read_text().replace("max_batch: 24", "max_batch: 96")
-    assert "max_batch: 96" in text
+    """h100x64 with 160 slots: weights fit, but the slots leave less than one 1M-token cache: exit 2, saying so."""
+    text = (models_dir().parent / "h100x64.yaml").read_text().replace("max_batch: 24", "max_batch: 160")
+    assert "max_batch: 160" in text
     p = tmp_path / "slots.yaml"
     p.write_text(text)
     res = run_cli("plan", "--recipe", str(p))
@@ -230,5 +230,14 @@ def test_plan_memory_view_per_gpu_and_build_refusal(tmp_path):
     bf16 = rec.model_copy(update={"quantization": rec.quantization.model_copy(update={"kv_cache": "bf16"})})
     with pytest.raises(InputError, match="does not fit"):
         check_fits(bf16, 0)
+    # wide EP (dp layout): the all-to-all's static buffers, R = 64 x ceil(8192 / 8) rows of K3's 3,584-wide latent
+    # (received bf16, fp32 expert input and output, bf16 sent back) and top-16 ids (int64) and weights (fp32),
+    # plus send_rows [T x 16] int64
+    rows, k = 64 * -(-rec.limits.max_num_tokens // 8), 16
+    assert rec.limits.max_num_tokens == 8192
+    assert view["workspace.moe_all_to_all"] == rows * (3584 * (2 + 4 + 4 + 2) + k * (8 + 4)) + 8192 * k * 8
+    tp_layout = make_plan(rec.model_copy(update={"parallel": rec.parallel.model_copy(update={"attention": "tp"})}))
+    assert "workspace.moe_all_to_all" not in tp_layout.per_rank[0].memory
     res = run_cli("plan", "--recipe", "h100x64.yaml")
     assert res.returncode == 0 and "engine activations" in res.stdout and "moe_mxfp4" in res.stdout
+    assert "moe_all_to_all" in res.stdout

@@ -275,7 +275,7 @@ def test_fp8_cache_pools_match_a_reference_with_the_same_rounding(engines, monke
         caches = {n: p for n, p in r.pools.items() if n.startswith(("mla_cache.", "index_cache."))}
         assert any(n.startswith("index_cache.") for n in caches) and all(p.dtype == np.uint8 for p in caches.values())
         per_token = sum(p.nbytes for p in caches.values()) // (64 * BLOCK_SIZE)
-        assert per_token == engine_pool_sizes(eng.config, 2).bytes_per_token
+        assert per_token == engine_pool_sizes(eng.config.recipe, eng.config.model, 2).bytes_per_token
     project, index_keys = reference_model.mla_project, reference_model.indexer_keys
 
     def project_rounded(*args):

@@ -24,7 +24,7 @@ from moe_export.export.manifest import (
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_build_driver import FAKE_STAGES, tiny_recipe  # noqa: E402
-from conftest import run_cli
+from conftest import run_cli, write_engine_config
 
 
 
@@ -153,6 +153,6 @@ def test_is_engine_dir(engine, synthetic_checkpoint, tmp_path):
     assert not is_engine_dir(synthetic_checkpoint("tiny-k3"))
     partial = tmp_path / "partial"
     partial.mkdir()
-    (partial / "config.json").write_text(json.dumps({"mapping": {"world_size": 1}}))
+    write_engine_config(partial)  # the build writes config.json before any rank's files
     assert is_engine_dir(partial)
     assert inspect_engine(partial)["manifest"] == {"present": False, "ok": False}

@@ -302,9 +302,9 @@ def test_no_grammar_for_auto_tools_or_text():
 ])
 def test_serve_cli_bad_input_exits_2(capsys, tmp_path, monkeypatch, args, message):
     """Bad arguments are refused before any engine is loaded."""
-    from conftest import run_cli
+    from conftest import run_cli, write_engine_config
 
-    (tmp_path / "config.json").write_text("{}")
+    write_engine_config(tmp_path)
     monkeypatch.chdir(tmp_path)
     code, _, err = run_cli(capsys, *args)
     assert code == 2 and message in err and "Traceback" not in err

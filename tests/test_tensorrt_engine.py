@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from conftest import write_engine_config
 from moe_export.export.errors import InputError
 from moe_export.export.tensorrt_build import ENGINE_KEY, read_engine_file
 from moe_export.runtime.engine.batch import StepBatch
-from moe_export.runtime.engine.tensorrt import (TensorRTEngine, bind, check_shape, decode_buckets, is_decode,
-                                                pad_decode_feeds, runner_pool_sizes)
+from moe_export.runtime.engine.tensorrt import (TensorRTEngine, bind, check_shape, decode_buckets, graph_buckets,
+                                                is_decode, pad_decode_feeds, runner_pool_sizes)
 
 META = {
     "rank": 0, "inputs": ["input_ids", "kda_state.0", "mla_cache.1"], "outputs": ["logits", "kda_state.0.written"],
@@ -55,8 +56,7 @@ def test_pools_stay_within_the_build_profile():
     from moe_export.export.synth import preset_config
 
     cfg = preset_config("tiny-k3")
-    config = {"recipe": recipe.model_dump(mode="json"), "pretrained_config": cfg.raw}
-    assert engine_pool_sizes(config, 2).num_blocks > engine_pool_sizes(config).num_blocks
+    assert engine_pool_sizes(recipe, cfg, 2).num_blocks > engine_pool_sizes(recipe, cfg).num_blocks
 
 
 class FakeContext:
@@ -205,6 +205,7 @@ def test_one_stream_for_every_copy_reset_and_enqueue():
     engine.num_slots, engine.num_blocks, engine.block_size = 8, 9000, 64
     engine.max_num_tokens, engine.max_seq_len = 8192, 4096
     engine._buckets = []  # the eager path (the profile leaves no padding slot for decode graphs)
+    engine.step_expert_tokens = np.zeros((0, 4), np.int64)  # tp layout: no dispatching MoE layer
     RECORD.clear()
     engine.reset_slot(3)
     batch = StepBatch(input_ids=np.array([5], np.int64), positions=np.array([0], np.int64),
@@ -260,6 +261,7 @@ def test_decode_steps_replay_a_cuda_graph_per_bucket():
     engine.num_slots, engine.num_blocks, engine.block_size = 8, 9000, 64
     engine.max_num_tokens, engine.max_seq_len = 8192, 4096
     engine._pad_slot, engine._graphs, engine._buckets = 8, {}, decode_buckets(8)
+    engine.step_expert_tokens = np.zeros((0, 4), np.int64)
     batch = StepBatch(np.array([5, 6, 7]), np.array([3, 4, 5]), np.array([0, 1, 2, 3]), np.array([0, 1, 2]),
                       np.array([[0], [1], [2]]))  # fmt: skip
     RECORD.clear()
@@ -275,10 +277,10 @@ def test_decode_steps_replay_a_cuda_graph_per_bucket():
 
 
 def test_engine_needs_tensorrt_and_the_tensorrt_backend(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"backend": "onnxruntime"}))
+    write_engine_config(tmp_path, "onnxruntime")
     with pytest.raises(InputError, match="not tensorrt"):
         TensorRTEngine(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"backend": "tensorrt", "recipe": {"name": "k3"}}))
+    write_engine_config(tmp_path, "tensorrt")
     with pytest.raises(InputError, match="needs the TensorRT Python package"):
         TensorRTEngine(tmp_path)
 
@@ -288,9 +290,109 @@ def test_open_engine_picks_the_runner_of_the_built_backend(tmp_path):
     TensorRT runner (here: its clear import error), anything else to the ONNX Runtime runner."""
     from moe_export.runtime.engine import open_engine
 
-    (tmp_path / "config.json").write_text(json.dumps({"backend": "tensorrt", "recipe": {"name": "k3"}}))
+    write_engine_config(tmp_path, "tensorrt")
     with pytest.raises(InputError, match="needs the TensorRT Python package"):
         open_engine(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"backend": "onnxruntime"}))
+    write_engine_config(tmp_path, "onnxruntime")
     with pytest.raises(InputError, match="no rank"):
         open_engine(tmp_path)
+
+
+class DispatchingContext(StepContext):
+    """Each enqueue runs the engine's two MoEDispatch plugins as the plugin does with its communicator: counts per
+    expert of the tokens it sends (none when the communicator is marked idle)."""
+
+    def __init__(self, comm, ids_per_token):
+        super().__init__()
+        self.comm, self.ids_per_token, self.idle_seen = comm, ids_per_token, []
+
+    def execute_async_v3(self, handle):
+        ep = self.comm.nccl["ep"]
+        self.idle_seen.append(ep.idle)
+        tokens = 0 if ep.idle else self.tokens
+        for _ in range(2):
+            ep.expert_counts.append(np.bincount(np.tile(self.ids_per_token, tokens), minlength=4).tolist())
+        return super().execute_async_v3(handle)
+
+    def set_input_shape(self, name, shape):
+        if name == "input_ids":
+            self.tokens = shape[0]
+        return super().set_input_shape(name, shape)
+
+
+def test_dp_idle_step_joins_the_all_to_alls_with_nothing_sent():
+    """Issue 19: a dp-layout group with nothing to run still runs one engine step (its MoE all-to-alls need every
+    rank): one dummy token on the spare slot (TensorRT's profile starts at one token) at position 0 with a -1
+    block-table row, its state slot cleared first, the ep communicator marked idle during the enqueue only (the
+    dispatch sends none of its rows); nothing comes back. The dispatches' per-expert counts become the step's
+    expert load. No decode CUDA graphs in this layout (the dispatch reads its counts back to the host)."""
+    from types import SimpleNamespace
+
+    from moe_export.plugins.collectives.nccl import Communicator
+
+    stream = FakeStream()
+    engine = object.__new__(TensorRTEngine)
+    engine._torch, engine.stream, engine.device = FakeTorch, stream, "cuda:0"
+    profile = {**META["profile"], "kda_state.0": [[1, 2, 4, 4], [4, 2, 4, 4], [9, 2, 4, 4]],
+               "block_tables": [[1, 1], [1, 64], [8, 16]], "positions": [[1], [1], [8192]],
+               "cu_seqlens": [[2], [9], [9]], "slot_ids": [[1], [8], [8]], "last_token_index": [[1], [8], [8]]}  # fmt: skip
+    engine.meta = {**META, "profile": profile}
+    pool = FakeTensor((9, 2, 4, 4))
+    zeroed = []
+    pool.__class__ = type("Pool", (FakeTensor,), {"__getitem__": lambda self, i: zeroed.append(i) or FakeTensor((2, 4, 4))})
+    engine.pools = {"kda_state.0": pool}
+    ep = object.__new__(Communicator)
+    ep.idle, ep.expert_counts = False, []
+    engine.comm = SimpleNamespace(nccl={"ep": ep}, group_sum=lambda x: 2 * x)
+    engine._context = DispatchingContext(engine.comm, np.array([1, 3]))
+    engine._engine = type("E", (), {"get_tensor_dtype": lambda self, n: "f32"})()
+    engine._torch_dtype = lambda dtype: dtype
+    engine.num_slots, engine.num_blocks, engine.block_size = 8, 9000, 64
+    engine.max_num_tokens, engine.max_seq_len = 8192, 4096
+    engine.dp_layout, engine.tp, engine._pad_slot = True, 2, 8
+    engine._buckets = graph_buckets(8, 8, dp_layout=True)
+    assert engine._buckets == [] and graph_buckets(8, 8, dp_layout=False) == decode_buckets(8)
+    engine.step_expert_tokens = np.zeros((2, 4), np.int64)
+    engine.expert_tokens = np.zeros((2, 4), np.int64)
+    RECORD.clear()
+    assert engine.step(None) is None
+    shapes = {c[1]: c[2] for c in engine._context.calls if c[0] == "shape"}
+    assert shapes["input_ids"] == (1,) and shapes["slot_ids"] == (1,) and shapes["block_tables"] == (1, 1)
+    assert zeroed == [8] and engine._context.idle_seen == [True] and ep.idle is False
+    assert engine.step_expert_tokens.tolist() == [[0] * 4] * 2 and ep.expert_counts == []
+    assert all(r[1] is stream for r in RECORD if r[0] not in ("synchronize",))
+    batch = StepBatch(np.array([5, 6, 7]), np.array([3, 4, 5]), np.array([0, 1, 2, 3]), np.array([0, 1, 2]),
+                      np.array([[0], [1], [2]]))  # fmt: skip
+    engine.step(batch)  # a decode step runs eagerly (no graph), not idle, and counts its routed tokens
+    assert engine._context.idle_seen == [True, False] and "capture_begin" not in [r[0] for r in RECORD]
+    assert engine.step_expert_tokens.tolist() == [[0, 3, 0, 3]] * 2 and engine.expert_tokens.tolist() == [[0, 3, 0, 3]] * 2
+    assert engine.group_step_expert_tokens.tolist() == [[0, 6, 0, 6]] * 2  # summed over the tp group
+    engine.dp_layout = False
+    with pytest.raises(InputError, match="only in the dp layout"):
+        engine.step(None)
+
+
+def test_context_memory_binding_names_are_in_the_pinned_wheels():
+    """Contract USER_MANAGED_DEVICE_MEMORY: every Python name the runner uses for user-managed context memory is
+    in the pinned TensorRT bindings wheels' compiled module, and `set_device_memory` is their binding of
+    setDeviceMemoryV2 (the lambda and the docstring that name it). Reads the wheels' own tensorrt.so bytes."""
+    import re
+    import zipfile
+    from pathlib import Path
+
+    from moe_export.export.tensorrt_contracts import BINDING_NAMES
+    from tests.tensorrt_standin import PINNED_WHEELS, WHEEL_DIR
+
+    runner = (Path(__file__).resolve().parents[1] / "runtime/engine/tensorrt.py").read_text()
+    used = set(re.findall(r"\.(set_device_memory|device_memory_size_v2|create_execution_context|USER_MANAGED)\b",
+                          runner))
+    assert used == set(BINDING_NAMES)
+    for version, stem in PINNED_WHEELS.items():
+        wheels = sorted(WHEEL_DIR.glob(f"{stem}-*.whl"))
+        assert wheels, f"no {stem} wheel in {WHEEL_DIR}: run the README's test command"
+        with zipfile.ZipFile(wheels[0]) as zf:
+            so = zf.read("tensorrt_bindings/tensorrt.so")
+        for name, evidence in BINDING_NAMES.items():
+            assert b"\0" + name.encode() + b"\0" in so, f"{version}: no binding named {name}"
+            for fragment in evidence:
+                assert fragment in so, f"{version}: {name}: {fragment!r} not in the bindings"

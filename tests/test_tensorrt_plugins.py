@@ -1,8 +1,9 @@
 """TensorRT plugin modules under TensorRT's real `tensorrt.plugin` code, for each pinned TensorRT version.
 
-Builds four tiny rank graphs the way `moe-export build` does (tiny-k3: dense MLA; tiny-k3-dsa: DSA indexer +
+Builds five tiny rank graphs the way `moe-export build` does (tiny-k3: dense MLA; tiny-k3-dsa: DSA indexer +
 sparse MLA; both with KDA and MXFP4 experts, as the CPU backend exports them with bf16 cache pools and as a
-TensorRT build exports them, computing in bf16, with fp8 (uint8) cache pools), then runs
+TensorRT build exports them, computing in bf16, with fp8 (uint8) cache pools; and tiny-k3 for TensorRT in the
+wide-EP `dp` layout at world 8, with the MoEDispatch / MoECombine plugins), then runs
 `tensorrt_plugin_checks.py` over the TensorRT graphs in a fresh process per version (the QDP registry is process-global) over TensorRT 10.9's and 11.4's pure-Python plugin package,
 extracted from the bindings wheels the README's test command downloads into `.whl/`. A missing wheel fails
 here (never a skip). What is real and what is a stand-in: `tensorrt_standin.py`.
@@ -34,10 +35,12 @@ def tiny_graphs(tmp_path_factory) -> list[Path]:
     cpu, _ = load_recipe("tiny-cpu.yaml")
     fp8_cache = cpu.quantization.model_copy(update={"kv_cache": "fp8"})
     gpu = cpu.model_copy(update={"backend": "tensorrt", "quantization": fp8_cache})
-    mapping = Mapping(4, 1, 2, 2)
     paths = []
-    for preset, recipe in (("tiny-k3", cpu), ("tiny-k3-dsa", cpu), ("tiny-k3-dsa", gpu), ("tiny-k3", gpu)):
-        root = tmp_path_factory.mktemp(f"{preset}-{recipe.backend}")
+    wide = Mapping(8, 3, 2, 8, "dp")  # wide EP: tp 2 x dp 4 attention groups, experts over all 8 ranks
+    for preset, recipe, mapping in (("tiny-k3", cpu, Mapping(4, 1, 2, 2)), ("tiny-k3-dsa", cpu, Mapping(4, 1, 2, 2)),
+                                    ("tiny-k3-dsa", gpu, Mapping(4, 1, 2, 2)), ("tiny-k3", gpu, Mapping(4, 1, 2, 2)),
+                                    ("tiny-k3", gpu, wide)):  # fmt: skip
+        root = tmp_path_factory.mktemp(f"{preset}-{recipe.backend}-{mapping.attention}")
         reader = open_checkpoint(write_synthetic_checkpoint(preset, root / "ckpt", 0))
         convert_rank(reader, reader.config, recipe, mapping, root / "weights.safetensors")
         export_rank_graph(reader.config, recipe, mapping, root / "weights.safetensors", root / "model.onnx")

@@ -77,3 +77,23 @@ workspace_reserve_gib: 0.25
     assert limit * one * 4 + 2 * limit * limit * 4 <= reserve < (limit + 1) * one * 4 + 2 * (limit + 1) ** 2 * 4
     assert make_plan(auto).fits
     assert vision_activation_bytes(preset_config("tiny-k3"), _recipe(tmp_path, base + "limits: {max_images_per_request: 0}\n")) == 0
+
+
+def test_synthetic_checkpoint_with_a_larger_tower(tmp_path):
+    """`write_synthetic_checkpoint(vision=...)` (the benchmark's mid-size tower): config and tensors follow the
+    new widths; a preset without a tower refuses it."""
+    from moe_export.export.errors import InputError
+
+    wide = {"vt_hidden_size": 64, "vt_num_attention_heads": 2, "qkv_hidden_size": 256, "vt_intermediate_size": 96,
+            "mm_hidden_size": 64}
+    ck = write_synthetic_checkpoint("tiny-k3", tmp_path / "ck", vision=wide)
+    rep = inspect_checkpoint(ck)
+    assert not rep["problems"] and rep["vision"]["heads"] == 2
+    vc = vision_config(CheckpointReader(ck).config)
+    assert (vc.hidden_size, vc.num_heads, vc.qkv_hidden_size) == (64, 2, 256)
+    name = "vision_tower.encoder.blocks.0.wqkv.weight"
+    shard = json.loads((ck / "model.safetensors.index.json").read_text())["weight_map"][name]
+    with safe_open(str(ck / shard), "pt") as f:
+        assert tuple(f.get_slice(name).get_shape()) == (768, 64)
+    with pytest.raises(InputError, match="no vision tower"):
+        write_synthetic_checkpoint("tiny-kimi-linear", tmp_path / "kl", vision=wide)

@@ -154,6 +154,31 @@ def test_sessions_reused_only_with_the_same_images_and_the_cache(runtime_engine)
     assert swapped == _run(fresh, "c", more, other.images)[0]
 
 
+def test_a_cached_image_is_not_decoded_again(runtime_engine, monkeypatch):
+    """The embedding cache's hot path: an image whose embeddings are cached is hashed and its header read for
+    the plan, never decoded (Pillow's load) nor resized; evicted between admission and the tower call, it is
+    decoded then, with the same answer."""
+    from PIL import ImageFile
+
+    llm = LLM(runtime_engine("tiny-k3", 1, 1, 1))
+    (first,) = llm.chat([ONE], GREEDY, reasoning_effort="none")
+    loads = []
+    real_load = ImageFile.ImageFile.load
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: loads.append(self.size) or real_load(self))
+    hits = llm.engine.vision.stats()["hits"]
+    (hot,) = llm.chat([ONE], GREEDY, reasoning_effort="none")
+    assert loads == [] and llm.engine.vision.stats()["hits"] == hits + 1
+    assert hot.output_ids == first.output_ids and hot.prompt_ids == first.prompt_ids
+    tracked = llm.prepare_chat(ONE, GREEDY, reasoning_effort="none")  # admitted as cached, then evicted
+    llm.engine.vision.clear_cache()
+    assert loads == []
+    (evicted,) = llm._collect([tracked])
+    assert loads == [(90, 60)] and evicted.output_ids == first.output_ids
+    llm.engine.vision.clear_cache()  # cold: decoded when the request is prepared
+    llm.chat([ONE], GREEDY, reasoning_effort="none")
+    assert len(loads) > 1 and set(loads) == {(90, 60)}
+
+
 def test_refusals(runtime_engine):
     llm = LLM(runtime_engine("tiny-k3", 1, 1, 1))
     bad = [{"role": "user", "content": [{"type": "text", "text": "x"},

@@ -181,54 +181,79 @@ def all_reduce_ring_bytes(nbytes: int, group_size: int) -> int:
     return 0 if group_size == 1 else 2 * (group_size - 1) * nbytes // group_size
 
 
-# ---- torch.distributed (the NCCL communicator of the TensorRT path, `nccl.Communicator`; gloo on CPU) -----------
+# ---- torch.distributed into static buffers (the TensorRT path's NCCL `nccl.Communicator`; gloo on CPU) ------------
+#
+# A TensorRT plugin's outputs have shapes fixed from its inputs' shapes and its fields, so the receive buffers are
+# sized for the worst case while only the counted rows move and compute:
+#   - each source routes at most ceil(max_num_tokens / tp) tokens and sends each at most once to a rank, so a rank
+#     receives at most `max_recv_rows` = ep * ceil(max_num_tokens / tp) rows (the graph exporter's field; the
+#     other groups' batches are not visible to a shape expression);
+#   - `send_rows` [T * K] holds each sent row's token index, by destination then token, -1 past the S sent rows;
+#   - the counts go first (an all-to-all of ep int64 on the device), then one read-back of the counts to the host
+#     (NCCL's all-to-all-v takes host split sizes: one host sync per dispatch), then the rows, int32 ids and fp32
+#     weights with exact split sizes into the head of the buffers; rows past the R received get expert id -1 and
+#     weight 0, for which the expert op forms no (token, expert) pair: the bound costs memory, never bytes on the
+#     wire or expert FLOPs. DeepEP's low-latency mode avoids the host sync by sending fixed-size (padded) blocks.
 
 
-def torch_send_plan(ids, num_experts: int, ep: int):
-    """`send_plan` on torch tensors (on the ids' device): (send_rows [S] int64, send_counts [ep] int64)."""
+def torch_static_send_plan(ids, num_experts: int, ep: int, out_rows):
+    """`send_plan` without a host sync, into `out_rows` [T * K] int64 (token index per sent row, by destination
+    rank then token; -1 past the sent rows); returns send_counts [ep] int64 (on the ids' device)."""
     import torch
 
-    num_tokens = ids.shape[0]
-    goes = torch.zeros((ep, num_tokens), dtype=torch.bool, device=ids.device)
+    num_tokens, device = ids.shape[0], ids.device
+    goes = torch.zeros((ep, num_tokens), dtype=torch.bool, device=device)
     if num_tokens:
-        goes[ids // (num_experts // ep), torch.arange(num_tokens, device=ids.device)[:, None]] = True
-    dest, rows = torch.nonzero(goes, as_tuple=True)  # row-major: by destination, then token
-    return rows, torch.bincount(dest, minlength=ep)
+        goes[ids // (num_experts // ep), torch.arange(num_tokens, device=device)[:, None]] = True
+    flat = goes.reshape(-1)
+    slot = torch.where(flat, torch.cumsum(flat, 0) - 1, out_rows.shape[0])  # unsent pairs land past the end
+    spill = torch.full((out_rows.shape[0] + 1,), -1, dtype=torch.int64, device=device)
+    spill.scatter_(0, slot, torch.arange(ep * num_tokens, device=device) % max(num_tokens, 1))
+    out_rows.copy_(spill[:-1])
+    return goes.sum(dim=1)
 
 
-def torch_dispatch(group, x, ids, weights, num_experts: int):
-    """`mpi_dispatch` over a torch.distributed group: counts first (all_to_all_single of ep int64), then rows,
-    int32 ids and fp32 weights with split sizes. The split sizes are host lists, so the counts are read back
-    once per dispatch (one device sync; a fixed-size low-latency buffer would avoid it at the price of padding).
-    -> recv_x, recv_ids (int64), recv_w, DispatchLayout of tensors."""
+def torch_dispatch_into(group, ep: int, x, ids, weights, num_experts: int, outputs, *, idle: bool = False):
+    """MoEDispatch over a torch.distributed group into static buffers `outputs` = (recv_x [R_max, D],
+    recv_ids [R_max, K] int64, recv_w [R_max, K] fp32, send_rows [T * K] int64, send_counts [ep] int64,
+    recv_counts [ep] int64). `idle`: this rank's group has nothing to run (its engine step carries a dummy token):
+    it sends no row and still receives what the others send its experts. Returns the host counts
+    (send_counts, recv_counts, tokens routed to each expert [E]) read back in one copy."""
     import torch
     import torch.distributed as dist
 
-    ep = dist.get_world_size(group)
-    rows, send_counts = torch_send_plan(ids, num_experts, ep)
-    recv_counts = torch.empty_like(send_counts)
+    recv_x, recv_ids, recv_w, send_rows, send_counts, recv_counts = outputs
+    if idle:
+        x, ids, weights = x[:0], ids[:0], weights[:0]
+    send_counts.copy_(torch_static_send_plan(ids, num_experts, ep, send_rows))
     dist.all_to_all_single(recv_counts, send_counts, group=group)
-    out_splits, in_splits = recv_counts.tolist(), send_counts.tolist()
+    routed = torch.bincount(ids.reshape(-1), minlength=num_experts)
+    host = torch.cat([send_counts, recv_counts, routed]).tolist()  # the one read-back
+    sends, recvs, per_expert = host[:ep], host[ep:2 * ep], host[2 * ep:]
+    total, capacity = sum(recvs), recv_x.shape[0]
+    if total > capacity:
+        raise RuntimeError(f"MoEDispatch: {total} rows received, the engine's bound is {capacity} (max_recv_rows = "
+                           "ep x ceil(max_num_tokens / tp)): a source sent more rows than its tokens")
+    rows = send_rows[: sum(sends)]
+    dist.all_to_all_single(recv_x[:total], x[rows].contiguous(), recvs, sends, group=group)
+    wire_ids = torch.empty((total, ids.shape[1]), dtype=torch.int32, device=ids.device)
+    dist.all_to_all_single(wire_ids, ids[rows].to(torch.int32), recvs, sends, group=group)
+    recv_ids[:total].copy_(wire_ids)
+    recv_ids[total:].fill_(-1)
+    dist.all_to_all_single(recv_w[:total], weights[rows].to(torch.float32).contiguous(), recvs, sends, group=group)
+    recv_w[total:].zero_()
+    return sends, recvs, per_expert
 
-    def exchange(t):
-        out = torch.empty((sum(out_splits), *t.shape[1:]), dtype=t.dtype, device=t.device)
-        dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=group)
-        return out
 
-    recv_x = exchange(x[rows])
-    recv_ids = exchange(ids[rows].to(torch.int32)).to(torch.int64)
-    recv_w = exchange(weights[rows].to(torch.float32))
-    return recv_x, recv_ids, recv_w, DispatchLayout(rows, send_counts, recv_counts)
-
-
-def torch_combine(group, y, layout: DispatchLayout, num_tokens: int):
-    """`mpi_combine` over a torch.distributed group: the received rows' partial sums back to their sources,
-    added per token at `send_rows`."""
+def torch_combine_into(group, partial, send_rows, sends: list[int], recvs: list[int], out) -> None:
+    """MoECombine over a torch.distributed group: the R received rows' partial sums (head of `partial`
+    [R_max, D]) back to their sources, which add them per token into `out` [T, D] at `send_rows`. `sends` /
+    `recvs`: this rank's host counts of the matching dispatch."""
     import torch
     import torch.distributed as dist
 
-    in_splits, out_splits = layout.recv_counts.tolist(), layout.send_counts.tolist()
-    back = torch.empty((sum(out_splits), y.shape[1]), dtype=y.dtype, device=y.device)
-    dist.all_to_all_single(back, y.contiguous(), out_splits, in_splits, group=group)
-    out = torch.zeros((num_tokens, y.shape[1]), dtype=y.dtype, device=y.device)
-    return out.index_add_(0, layout.send_rows, back)
+    sent = sum(sends)
+    back = torch.empty((sent, partial.shape[1]), dtype=partial.dtype, device=partial.device)
+    dist.all_to_all_single(back, partial[: sum(recvs)].contiguous(), sends, recvs, group=group)
+    out.zero_()
+    out.index_add_(0, send_rows[:sent], back)

@@ -9,9 +9,12 @@ per group (`set_communicators`) before it deserializes the engine; the plugins l
 NCCL on TensorRT's stream. The communicators are torch.distributed NCCL groups whose rendezvous comes from MPI
 (rank 0's address is broadcast over MPI.COMM_WORLD; `runtime/engine/tensorrt.py`).
 
-Other collectives (all-to-all dispatch / combine for wide EP) follow the same pattern: a QDP plugin with a
-`group` field, a no-op while building, a method here that runs on the given stream. The wide-EP methods exist
-(`Communicator.moe_dispatch` / `moe_combine`, tested over gloo); their plugins do not yet (README, Parallelism).
+The wide-EP all-to-alls (`MoEDispatch` / `MoECombine`, the `dp` layout) follow the same pattern: QDP plugins
+with a `group` field, no-ops while building, `Communicator.moe_dispatch` / `moe_combine` at run time into the
+plugins' static output buffers (`all_to_all.torch_dispatch_into`: counts first on the device, one read-back of
+the counts, exact rows). The communicator carries what the runner tells it about the step (`idle`: the rank's
+attention group has nothing to run, so its dispatch sends no row) and what the dispatches saw (`expert_counts`:
+tokens routed to each expert, one list per MoE layer in order).
 
 No tensorrt import here: the communicators and the switch are tested on CPU with torch.distributed's gloo.
 """
@@ -76,6 +79,9 @@ class Communicator:
         import torch.distributed as dist
 
         self.group, self.size, self._dist = group, size, dist
+        self.idle = False  # set by the runner for an idle step of this rank's attention group (dp layout)
+        self.expert_counts: list[list[int]] = []  # tokens routed to each expert, per dispatch since the last clear
+        self._pending: dict[int, tuple[list[int], list[int]]] = {}  # the last dispatch: send_counts buffer -> counts
 
     def all_reduce(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """out = sum over the group of x (out may be x)."""
@@ -89,14 +95,24 @@ class Communicator:
         self._dist.all_gather(list(parts.unbind(0)), x.contiguous(), group=self.group)
         out.copy_(concat_gathered(parts, axis))
 
-    def moe_dispatch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int):
-        """MoEDispatch over this group (`all_to_all.torch_dispatch`): recv_x, recv_ids, recv_w, layout."""
-        from .all_to_all import torch_dispatch
+    def moe_dispatch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                     outputs: tuple[torch.Tensor, ...]) -> None:
+        """MoEDispatch over this group into the plugin's static outputs (`all_to_all.torch_dispatch_into`); keeps
+        the host counts for the matching combine (keyed by its send_counts buffer; only the last dispatch's) and the per-expert counts."""
+        from .all_to_all import torch_dispatch_into
 
-        return torch_dispatch(self.group, x, ids, weights, num_experts)
+        sends, recvs, per_expert = torch_dispatch_into(self.group, self.size, x, ids, weights, num_experts, outputs,
+                                                       idle=self.idle)
+        self._pending = {outputs[4].data_ptr(): (sends, recvs)}  # layers alternate dispatch, combine
+        self.expert_counts.append(per_expert)
 
-    def moe_combine(self, y: torch.Tensor, layout, num_tokens: int) -> torch.Tensor:
-        """MoECombine over this group (`all_to_all.torch_combine`): [num_tokens, D]."""
-        from .all_to_all import torch_combine
+    def moe_combine(self, partial: torch.Tensor, send_rows: torch.Tensor, send_counts: torch.Tensor,
+                    recv_counts: torch.Tensor, out: torch.Tensor) -> None:
+        """MoECombine over this group into `out` [T, D]: the host counts of the dispatch that wrote `send_counts`,
+        or, if TensorRT handed a copy of that buffer, the counts read back again (one more host sync)."""
+        from .all_to_all import torch_combine_into
 
-        return torch_combine(self.group, y, layout, num_tokens)
+        counts = self._pending.pop(send_counts.data_ptr(), None)
+        if counts is None:
+            counts = (send_counts.tolist(), recv_counts.tolist())
+        torch_combine_into(self.group, partial, send_rows, *counts, out)

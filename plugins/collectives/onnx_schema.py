@@ -6,11 +6,14 @@
         y = concat over the group's ranks (in rank order) along `axis`: that dim is group_size times x's
         (shape inference leaves it unknown; TensorRT's plugin computes it from group_size).
     recv_x, recv_ids, recv_w, send_rows, send_counts, recv_counts = MoEDispatch(x, expert_ids, expert_weights)
-        attributes: group ("ep"), num_experts (int, global), plugin_version. The `dp` layout's all-to-all
-        dispatch (`all_to_all.py`): x [T, D] T, expert_ids [T, K] int64 (global), expert_weights [T, K] fp32 ->
-        recv_x [R, D] T, recv_ids [R, K] int64, recv_w [R, K] fp32 (rows from each source rank, in rank order),
-        send_rows [S] int64 (token index of each row sent, by destination rank), send_counts / recv_counts [ep]
-        int64 (rows sent to / received from each rank). R and S are data-dependent.
+        attributes: group ("ep"), num_experts (int, global), plugin_version; TensorRT graphs also group_size
+        (ep) and max_recv_rows (the static receive bound R_max = ep * ceil(max_num_tokens / tp)). The `dp`
+        layout's all-to-all dispatch (`all_to_all.py`): x [T, D] T, expert_ids [T, K] int64 (global),
+        expert_weights [T, K] fp32 -> recv_x [R, D] T, recv_ids [R, K] int64, recv_w [R, K] fp32 (rows from each
+        source rank, in rank order), send_rows [S] int64 (token index of each row sent, by destination rank),
+        send_counts / recv_counts [ep] int64 (rows sent to / received from each rank). Without max_recv_rows
+        (ONNX Runtime graphs) R and S are data-dependent (exact); with it R = R_max and S = T * K, the rows past
+        the received ones having expert id -1 and weight 0 and send_rows -1 past the sent ones.
     y = MoECombine(partial, send_rows, send_counts, recv_counts, x)
         attributes: group ("ep"), plugin_version. partial [R, D] T (the experts' weighted sums of the received
         rows) goes back to the rows' sources and is summed per token: y [T, D] T, T = x's rows (x: the
@@ -47,14 +50,30 @@ def _gather_type(ctx) -> None:
 
 
 def _dispatch_types(ctx) -> None:
+    """Element types; with max_recv_rows / group_size (TensorRT graphs) the static dims: [R_max, D], [R_max, K]
+    twice, [S], [ep] twice (D and K copied from the inputs when known)."""
     x = ctx.get_input_type(0)
-    for index, (elem, rank) in enumerate([(None, 2), (onnx.TensorProto.INT64, 2), (onnx.TensorProto.FLOAT, 2),
-                                          (onnx.TensorProto.INT64, 1), (onnx.TensorProto.INT64, 1),
-                                          (onnx.TensorProto.INT64, 1)]):
+
+    def attr(name: str) -> int | None:
+        a = ctx.get_attribute(name)
+        return helper.get_attribute_value(a) if a is not None else None
+
+    rows, ep = attr("max_recv_rows"), attr("group_size")
+    x_dims, ids_dims = x.tensor_type.shape.dim, ctx.get_input_type(1).tensor_type.shape.dim
+    width = x_dims[1] if len(x_dims) == 2 else None
+    top_k = ids_dims[1] if len(ids_dims) == 2 else None
+    i64, f32 = onnx.TensorProto.INT64, onnx.TensorProto.FLOAT
+    outputs = [(x.tensor_type.elem_type, [rows, width]), (i64, [rows, top_k]), (f32, [rows, top_k]), (i64, [None]),
+               (i64, [ep]), (i64, [ep])]
+    for index, (elem, dims) in enumerate(outputs):
         out = onnx.TypeProto()
-        out.tensor_type.elem_type = x.tensor_type.elem_type if elem is None else elem
-        for _ in range(rank):
-            out.tensor_type.shape.dim.add()
+        out.tensor_type.elem_type = elem
+        for d in dims:
+            dim = out.tensor_type.shape.dim.add()
+            if isinstance(d, int):
+                dim.dim_value = d
+            elif d is not None:
+                dim.CopyFrom(d)
         ctx.set_output_type(index, out)
 
 
@@ -96,6 +115,9 @@ def schemas() -> list[defs.OpSchema]:
                  p("send_rows", "I", "[S]"), p("send_counts", "I", "[ep]"), p("recv_counts", "I", "[ep]")],
         type_constraints=[_FLOATS, i64, f32],
         attributes=[group, attr("num_experts", defs.OpSchema.AttrType.INT, "global routed experts"),
+                    attr("group_size", defs.OpSchema.AttrType.INT, "ranks of the ep group (TensorRT graphs)", required=False),
+                    attr("max_recv_rows", defs.OpSchema.AttrType.INT, "static receive bound (TensorRT graphs)",
+                         required=False),
                     *plugin_lookup_attributes()],
     )
     dispatch.set_type_and_shape_inference_function(_dispatch_types)

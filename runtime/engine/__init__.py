@@ -4,15 +4,15 @@ model (`reference.ReferenceEngine`). Their common input and its validation live 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from moe_export.export.engine_config import EngineConfig
 
 
 def open_engine(engine_dir: str | Path, **kwargs):
-    """The runner for an engine directory's backend (config.json `backend`): `ort.Engine` (ONNX Runtime
+    """The runner for an engine directory's backend (`EngineConfig.backend`): `ort.Engine` (ONNX Runtime
     segments) or `tensorrt.TensorRTEngine` (TensorRT, import-guarded). kwargs: num_slots, num_blocks, threads."""
-    cfg_path = Path(engine_dir) / "config.json"
-    if cfg_path.is_file() and json.loads(cfg_path.read_text()).get("backend") == "tensorrt":
+    if EngineConfig.read(engine_dir).backend == "tensorrt":
         from moe_export.runtime.engine.tensorrt import TensorRTEngine
 
         return TensorRTEngine(engine_dir, **kwargs)

@@ -13,7 +13,6 @@ from moe_export.plugins.paged_cache_write.cpu import cache_rows
 
 STATE_PREFIXES = ("kda_state.", "conv_state.", "mla_cache.", "index_cache.")
 RESET_ON_NEW_SEQUENCE = ("kda_state.", "conv_state.")  # recurrent state, by slot; the other pools are paged caches
-DEFAULT_BLOCK_SIZE = 64  # tokens per cache block when the engine's config.json does not say
 
 
 @dataclass

@@ -32,16 +32,15 @@ import onnx
 import torch
 from onnx import TensorProto
 
+from moe_export.export.engine_config import EngineConfig
 from moe_export.export.errors import InputError
 from moe_export.export.mpi import mpi_world
 from moe_export.export.planner import GIB, engine_pool_sizes
-from moe_export.graphs.config import ModelConfig
 from moe_export.graphs.vision_export import VISION_GRAPH
 from moe_export.plugins.collectives import all_to_all
 from moe_export.plugins.paged_cache_write.cpu import paged_cache_write_
-from moe_export.runtime.engine.batch import (CHECKPOINTS_PER_SLOT, DEFAULT_BLOCK_SIZE, RESET_ON_NEW_SEQUENCE,
-                                            STATE_PREFIXES, StepBatch, check_checkpoint, check_slot, check_step_batch,
-                                            checkpoint_interval)
+from moe_export.runtime.engine.batch import (CHECKPOINTS_PER_SLOT, RESET_ON_NEW_SEQUENCE, STATE_PREFIXES, StepBatch,
+                                            check_checkpoint, check_slot, check_step_batch, checkpoint_interval)
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
 
 POOL_DTYPES = {TensorProto.FLOAT: np.float32, TensorProto.BFLOAT16: ml_dtypes.bfloat16,
@@ -64,14 +63,14 @@ PAIR_BYTES_PER_VALUE = 64
 PAIR_BYTES_FIXED = 2048
 
 
-def step_pair_budget(engine_config: dict) -> int | None:
+def step_pair_budget(engine_config: EngineConfig) -> int | None:
     """(step token, attended position) pairs whose attention temporaries fit in the recipe's per-rank workspace
     reserve: bytes / (PAIR_BYTES_PER_VALUE x latent row width + PAIR_BYTES_FIXED); None for a model without MLA
     layers. A step attends every token to B x block_size positions, B = its longest block table."""
-    cfg = ModelConfig.from_hf_dict(engine_config["pretrained_config"], source="engine config.json")
+    cfg = engine_config.model
     if not cfg.mla_layers:
         return None
-    reserve = float(engine_config["recipe"].get("workspace_reserve_gib", 0)) * GIB
+    reserve = float(engine_config.recipe.workspace_reserve_gib) * GIB
     return int(reserve // (PAIR_BYTES_PER_VALUE * cfg.latent_cache_dim + PAIR_BYTES_FIXED))
 
 
@@ -247,18 +246,13 @@ class Engine:
     def __init__(self, engine_dir: str | Path, *, num_slots: int | None = None, num_blocks: int | None = None,
                  threads: int | None = None, max_step_pairs: int | None = None, num_checkpoints: int | None = None):
         self.dir = Path(engine_dir)
-        cfg_path = self.dir / "config.json"
-        if not cfg_path.is_file():
-            raise InputError(f"{self.dir}: not an engine directory (no config.json); build one with moe-export build")
-        self.config = json.loads(cfg_path.read_text())
+        self.config = EngineConfig.read(self.dir)
         rank_dirs = rank_folders(self.dir)
         self.world_size = len(rank_dirs)
-        limits = self.config.get("limits", {})
-        self.num_slots = num_slots or int(limits.get("max_batch", 8))
-        self.max_seq_len = int(limits.get("max_seq_len", 4096))
-        self.max_num_tokens = int(limits.get("max_num_tokens", 8192))
-        self.block_size = int(limits.get("block_size", DEFAULT_BLOCK_SIZE))
-        self.num_blocks = num_blocks or engine_pool_sizes(self.config, self.num_slots).num_blocks
+        limits = self.config.limits
+        self.num_slots = num_slots or limits.max_batch
+        self.max_seq_len, self.max_num_tokens, self.block_size = limits.max_seq_len, limits.max_num_tokens, limits.block_size
+        self.num_blocks = num_blocks or engine_pool_sizes(self.config.recipe, self.config.model, self.num_slots).num_blocks
         if max_step_pairs is not None and max_step_pairs < 1:
             raise InputError(f"max_step_pairs must be at least 1, got {max_step_pairs}")
         self.max_step_pairs = max_step_pairs or step_pair_budget(self.config)
@@ -292,8 +286,8 @@ class Engine:
         self.dp_layout = m.get("attention") == "dp"
         self.dp = int(m.get("dp_size", 1))  # attention groups with their own batches (dp layout)
         self.comm = MPICommunicator(self.tp, self.ep, self.dp_layout) if len(local) == 1 and self.world_size > 1 else None
-        self.model_config: dict = self.config.get("pretrained_config", {})
-        cfg = ModelConfig.from_hf_dict(self.model_config, source="engine config.json")
+        self.model_config: dict = self.config.pretrained_config
+        cfg = self.config.model
         self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_token
         self.moe_dim = cfg.routed_expert_hidden_size or cfg.hidden_size  # rows the MoE collectives carry
         self.vision = None  # K3's tower (`engine.vision`), when the engine has one

@@ -28,7 +28,7 @@ class ReferenceEngine:
         self.num_slots, self.max_seq_len, self.max_num_tokens, self.block_size = num_slots, max_seq_len, max_num_tokens, block_size
         self.num_blocks = num_slots * -(-max_seq_len // block_size)
         self.model_config = {"vocab_size": model.cfg.vocab_size}
-        self.config: dict = {}
+        self.config = None  # not built from an engine directory: no EngineConfig
         self.caches = [model.new_cache(1) for _ in range(num_slots)]
         self.num_checkpoints = CHECKPOINTS_PER_SLOT * num_slots
         self.checkpoint_interval = -(-max_num_tokens // block_size) * block_size

@@ -7,6 +7,7 @@ from typing import Protocol
 
 import numpy as np
 
+from moe_export.export.engine_config import EngineConfig
 from moe_export.runtime.engine.batch import StepBatch
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch
 
@@ -17,8 +18,8 @@ class ModelRunner(Protocol):
     Limits the scheduler plans within (every runner validates a step with `batch.check_step_batch`):
     num_slots recurrent-state slots, num_blocks cache blocks of block_size tokens, max_seq_len,
     max_num_tokens per step, max_step_pairs (step token x attended position) per step or None. config: the
-    engine's config.json (`export.engine_config.EngineConfig` for ONNX Runtime / TensorRT builds);
-    model_config: its HF config. Multi-rank: comm (broadcast of step plans; None in one process), is_root."""
+    engine's config.json as an `export.engine_config.EngineConfig` (None for the reference model, which is not
+    built); model_config: its HF config. Multi-rank: comm (broadcast of step plans; None in one process), is_root."""
 
     num_slots: int
     num_blocks: int
@@ -31,7 +32,7 @@ class ModelRunner(Protocol):
     world_size: int
     comm: object | None
     is_root: bool
-    config: dict
+    config: EngineConfig | None
     model_config: dict
 
     def reset_slot(self, slot: int) -> None:

@@ -21,6 +21,17 @@ As TensorRT-LLM runs its engines:
   - Profiles: pools are sized within the engine's optimization profile (num_slots <= its S max, cache blocks
     = the build's NB max unless fewer are asked), and every step's input shape is checked against the profile
     before TensorRT sees it (contract PROFILE_BOUNDS).
+  - Wide EP (`parallel.attention: dp`): each attention group (tp consecutive ranks) runs its own requests with
+    the engine core's per-group scheduling (`runtime/core/wide_ep.py`: the group's first rank schedules and
+    broadcasts the plan in the group over MPI, rank 0 spreads requests over the groups), as the ONNX Runtime
+    engine does; the engine's MoEDispatch / MoECombine plugins run NCCL all-to-alls over the world. A group with
+    nothing to run still runs one engine step per world step (`step(None)`, the idle step): TensorRT's profile
+    starts at one token, so the step carries one dummy token on the spare slot (position 0, block-table row -1:
+    no cache row written) whose logits are dropped, and the ep communicator is marked idle so the dispatch sends
+    none of its rows; the rank still receives and computes what the other groups send its experts. The
+    dispatches report the tokens routed to each expert (`step_expert_tokens`, per MoE layer). Decode CUDA graphs
+    are off in this layout: the dispatch reads its counts back to the host (NCCL's all-to-all-v takes host split
+    sizes), which a graph capture cannot hold.
   - CUDA graphs: decode steps (one token per sequence) run through a CUDA graph per batch-size bucket
     (`decode_buckets`: powers of two up to max_batch). Each bucket has its own execution context sharing the
     rank's one activation buffer (they never run concurrently: one stream), static input buffers and a fixed
@@ -37,18 +48,20 @@ README for what is not done.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import numpy as np
 
+from moe_export.export.engine_config import EngineConfig
 from moe_export.export.errors import InputError
 from moe_export.export.mpi import mpi_world
 from moe_export.export.tensorrt_build import read_engine_file
+from moe_export.graphs.config import ModelConfig
 from moe_export.graphs.onnx_export import WRITTEN_SUFFIX
 from moe_export.runtime.engine.batch import (CHECKPOINTS_PER_SLOT, RESET_ON_NEW_SEQUENCE, STATE_PREFIXES, StepBatch,
                                             check_checkpoint, check_slot, check_step_batch, checkpoint_interval)
+from moe_export.runtime.engine.ort import MPICommunicator
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
 
 
@@ -63,6 +76,14 @@ def pool_shapes(graph_path: Path, sizes: dict[str, int]) -> dict[str, tuple[list
             dims = [d.dim_value if d.HasField("dim_value") else sizes[d.dim_param] for d in vi.type.tensor_type.shape.dim]
             out[vi.name] = (dims, vi.type.tensor_type.elem_type)
     return out
+
+
+def dispatch_layers(graph_path: Path) -> int:
+    """MoE layers whose tokens go through an all-to-all dispatch (dp layout) in a rank graph."""
+    import onnx
+
+    model = onnx.load(str(graph_path), load_external_data=False)
+    return sum(node.op_type == "MoEDispatch" for node in model.graph.node)
 
 
 def profile_max(meta: dict, prefix: str, axis: int = 0) -> int | None:
@@ -120,6 +141,12 @@ def decode_buckets(max_batch: int) -> list[int]:
     return out + [max_batch]
 
 
+def graph_buckets(num_slots: int, pad_slot: int | None, dp_layout: bool) -> list[int]:
+    """The decode CUDA graphs' buckets: none without a spare slot to pad onto, and none in the dp layout, whose
+    all-to-all reads its counts back to the host inside the enqueue (a graph capture cannot hold that)."""
+    return decode_buckets(num_slots) if pad_slot is not None and not dp_layout else []
+
+
 def is_decode(batch: StepBatch) -> bool:
     """Every sequence of the step contributes exactly one token."""
     return int(batch.input_ids.shape[0]) == batch.num_sequences
@@ -152,39 +179,46 @@ class TensorRTEngine:
     def __init__(self, engine_dir: str | Path, *, num_slots: int | None = None, num_blocks: int | None = None,
                  threads: int | None = None, num_checkpoints: int | None = None):  # fmt: skip
         self.dir = Path(engine_dir)
-        cfg_path = self.dir / "config.json"
-        if not cfg_path.is_file():
-            raise InputError(f"{self.dir}: not an engine directory (no config.json)")
-        self.config = json.loads(cfg_path.read_text())
-        if self.config.get("backend") != "tensorrt":
-            raise InputError(f"{self.dir}: built for backend {self.config.get('backend')!r}, not tensorrt")
+        self.config = EngineConfig.read(self.dir)
+        if self.config.backend != "tensorrt":
+            raise InputError(f"{self.dir}: built for backend {self.config.backend!r}, not tensorrt")
         from moe_export.export.tensorrt_build import import_tensorrt, register_plugins, select_device
 
-        trt = import_tensorrt(self.config.get("recipe", {}).get("name", str(self.dir)))
+        trt = import_tensorrt(self.config.name)
         import torch
 
         if not torch.cuda.is_available():
             raise InputError("the TensorRT runtime needs a CUDA device")
-        limits = self.config["limits"]
-        self.model_config: dict = self.config.get("pretrained_config", {})
-        self.world_size = int(self.config["mapping"]["world_size"])
-        self.tp, self.ep = int(self.config["mapping"]["tp_size"]), int(self.config["mapping"]["ep_size"])
+        limits = self.config.limits
+        self.model_config: dict = self.config.pretrained_config
+        self.world_size = self.config.mapping.world_size
+        self.tp, self.ep = self.config.mapping.tp_size, self.config.mapping.ep_size
+        self.dp_layout = self.config.mapping.attention == "dp"
+        self.dp = self.world_size // self.tp if self.dp_layout else 1  # attention groups with their own batches
         world = mpi_world() or (0, 1)
         if world[1] != self.world_size:
             raise InputError(f"{self.dir}: engine has {self.world_size} ranks; run it under mpiexec -n {self.world_size}")
         self.rank = world[0]
+        self.group = self.rank // self.tp if self.dp_layout else 0
         rank_dir = self.dir / f"rank{self.rank}"
         self.meta, blob = read_engine_file(rank_dir / f"rank{self.rank}.engine")
-        self.num_slots, self.num_blocks = runner_pool_sizes(self.meta, int(limits["max_batch"]), num_slots, num_blocks)
-        self.max_seq_len = int(limits["max_seq_len"])
-        self.max_num_tokens = int(limits["max_num_tokens"])
+        self.num_slots, self.num_blocks = runner_pool_sizes(self.meta, limits.max_batch, num_slots, num_blocks)
+        self.max_seq_len = limits.max_seq_len
+        self.max_num_tokens = limits.max_num_tokens
         self.max_step_pairs = None  # the plugins stream over the context (online softmax): no [T, context] rows
-        self.block_size = int(limits["block_size"])
+        self.block_size = limits.block_size
         self.device = torch.device("cuda", select_device())  # local rank -> GPU
         self.stream = torch.cuda.Stream(self.device)  # every copy, reset and enqueue of this rank
         self._trt, self._torch = trt, torch
         register_plugins()  # the plugins' Python callbacks must exist before deserialization
-        self.comm = _NcclGroups(self.rank, self.world_size, self.tp, self.ep) if self.world_size > 1 else None
+        multi = self.world_size > 1 or self.dp_layout  # a dp graph holds all-to-alls even at world 1
+        self.comm = _NcclGroups(self.rank, self.world_size, self.tp, self.ep, self.dp_layout) if multi else None
+        num_experts = ModelConfig.from_hf_dict(self.model_config, source="engine config.json").num_experts
+        # tokens routed to each expert per dispatching MoE layer (dp layout): the last step's, the running total,
+        # and on a group's first rank the last step's of its whole attention group
+        self.step_expert_tokens = np.zeros((dispatch_layers(rank_dir / "model.onnx"), num_experts), np.int64)
+        self.expert_tokens = np.zeros_like(self.step_expert_tokens)
+        self.group_step_expert_tokens = self.step_expert_tokens
         self._runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         self._engine = self._runtime.deserialize_cuda_engine(blob)
         if self._engine is None:
@@ -197,7 +231,7 @@ class TensorRTEngine:
         # decode CUDA graphs pad batches onto one spare slot (the build's profile admits max_batch + 1 slots)
         self._pad_slot = self.num_slots if s_max is None or s_max > self.num_slots else None
         self._graphs: dict[int, _DecodeGraph] = {}
-        self._buckets = decode_buckets(self.num_slots) if self._pad_slot is not None else []
+        self._buckets = graph_buckets(self.num_slots, self._pad_slot, self.dp_layout)
         with torch.cuda.stream(self.stream):
             self._activations = torch.empty(max(size, 1), dtype=torch.uint8, device=self.device)  # one per rank
             slots = self.num_slots + (self._pad_slot is not None)
@@ -255,33 +289,83 @@ class TensorRTEngine:
             feeds.update(image_rows=np.zeros(0, np.int64), image_embeds=np.zeros((0, width), np.float32))
         return feeds
 
-    def step(self, batch: StepBatch) -> np.ndarray:
-        """Run one packed step on this rank; returns logits [N, vocab] fp32 (every rank)."""
+    def step(self, batch: StepBatch | None) -> np.ndarray | None:
+        """Run one packed step on this rank; returns logits [N, vocab] fp32 (every rank). dp layout: None is an
+        idle step of this rank's attention group (-> None)."""
+        if batch is None:
+            self._idle_step()
+            return None
         with self._torch.cuda.stream(self.stream):
             logits = self._forward(batch).float().to("cpu", non_blocking=True)
         self.stream.synchronize()  # the one wait of a step: the host needs the logits
+        self._count_experts()
         return logits.numpy()
 
-    def sample(self, batch: StepBatch, sampling: SamplingBatch | None) -> SampledTokens | None:
+    def sample(self, batch: StepBatch | None, sampling: SamplingBatch | None) -> SampledTokens | None:
         """One step, then the batched sampler on the GPU on the step's stream: the logits stay on the device,
         only the chosen ids (and asked-for logprobs) are copied back (the wait of the step). None on
-        follower ranks, which wait for the step only."""
+        follower ranks, which wait for the step only, and for an idle step (batch None, dp layout)."""
+        if batch is None:
+            self._idle_step()
+            return None
         with self._torch.cuda.stream(self.stream):
             logits = self._forward(batch)
-            if sampling is not None:
-                return sample(logits, sampling)
+            out = sample(logits, sampling) if sampling is not None else None
+        if out is None:
+            self.stream.synchronize()
+        self._count_experts()
+        return out
+
+    def _idle_step(self) -> None:
+        """dp layout: join this step's MoE all-to-alls without tokens (see the module doc): one dummy token on the
+        spare slot, the dispatch sending none of its rows."""
+        if not self.dp_layout:
+            raise InputError("an idle step (no batch) exists only in the dp layout, where groups join the MoE "
+                             "all-to-alls without tokens")
+        if self._pad_slot is None:
+            raise InputError(f"num_slots={self.num_slots}: an idle step needs the spare state slot the profile "
+                             "admits beyond the runner's slots; open the engine with fewer slots")
+        ep = self.comm.nccl["ep"]
+        with self._torch.cuda.stream(self.stream):
+            for name, pool in self.pools.items():
+                if name.startswith(RESET_ON_NEW_SEQUENCE):
+                    pool[self._pad_slot].zero_()
+            ep.idle = True
+            try:
+                self._enqueue(self._with_images(pad_decode_feeds(_empty_decode(), 1, self._pad_slot, 1)))
+            finally:
+                ep.idle = False
         self.stream.synchronize()
-        return None
+        self._count_experts()
+
+    def _count_experts(self) -> None:
+        """The step's per-expert token counts from the dispatch plugins (dp layout; nothing otherwise)."""
+        if not len(self.step_expert_tokens):
+            return
+        ep = self.comm.nccl["ep"]
+        counts, ep.expert_counts = ep.expert_counts, []
+        if len(counts) != len(self.step_expert_tokens):
+            raise RuntimeError(f"the step ran {len(counts)} MoE dispatches, the engine has "
+                               f"{len(self.step_expert_tokens)} dispatching layers")
+        self.step_expert_tokens = np.asarray(counts, dtype=np.int64)
+        self.expert_tokens += self.step_expert_tokens
+        self.group_step_expert_tokens = (self.comm.group_sum(self.step_expert_tokens) if self.tp > 1
+                                         else self.step_expert_tokens)
 
     def _forward(self, batch: StepBatch):
         """Enqueue one packed step on `self.stream`: its logits [N, vocab] on the device (not waited for)."""
         check_step_batch(self, batch)
         if is_decode(batch) and self._buckets and batch.num_sequences <= self._buckets[-1]:
             return self._decode_graph_step(batch)
+        return self._enqueue(self._feeds(batch))
+
+    def _enqueue(self, feeds: dict[str, np.ndarray]):
+        """Bind `feeds`, the pools and fresh outputs to the main context and enqueue it on `self.stream`: the
+        logits on the device (not waited for)."""
         torch = self._torch
         with torch.cuda.stream(self.stream):
             inputs = {k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device, non_blocking=True)
-                      for k, v in self._feeds(batch).items() if k in self.meta["profile"]}  # fmt: skip
+                      for k, v in feeds.items() if k in self.meta["profile"]}  # fmt: skip
             inputs.update(self.pools)
             outputs = {}
             for name in self.meta["outputs"]:
@@ -374,18 +458,22 @@ class _DecodeGraph:
         self.cuda_graph = None
 
 
-class _NcclGroups:
-    """torch.distributed NCCL world plus the tp and ep groups (consecutive ranks), set up from MPI's launch:
-    rank 0's host and a free port are broadcast over MPI (or MASTER_ADDR / MASTER_PORT if set). Registers a
-    communicator per group for the engine's collective plugins."""
+class _NcclGroups(MPICommunicator):
+    """The host side over MPI (step plans broadcast in the world, or in the attention group in the dp layout; the
+    group leaders' communicator; group sums: `ort.MPICommunicator`, so `runtime/core/wide_ep.py` runs as is) and
+    the engine's side: torch.distributed NCCL world plus the tp and ep groups (consecutive ranks), set up from
+    MPI's launch: rank 0's host and a free port are broadcast over MPI (or MASTER_ADDR / MASTER_PORT if set).
+    Registers a communicator per group (`nccl`) for the engine's collective plugins."""
 
-    def __init__(self, rank: int, world_size: int, tp: int, ep: int):
+    def __init__(self, rank: int, world_size: int, tp: int, ep: int, dp_layout: bool):
         import socket
 
         import torch.distributed as dist
         from mpi4py import MPI
 
         from moe_export.plugins.collectives.nccl import Communicator, set_communicators
+
+        super().__init__(tp, ep, dp_layout)
 
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if not (addr and port):
@@ -395,14 +483,10 @@ class _NcclGroups:
                     addr, port = socket.gethostname(), str(s.getsockname()[1])
             addr, port = MPI.COMM_WORLD.bcast((addr, port), root=0)
         dist.init_process_group("nccl", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size)
-        self.groups = {}
+        self.nccl = {}
         for name, size in (("tp", tp), ("ep", ep)):
             for start in range(0, world_size, size):
                 group = dist.new_group(list(range(start, start + size)))  # every rank creates every group
                 if start <= rank < start + size:
-                    self.groups[name] = Communicator(group, size)
-        set_communicators(self.groups)
-        self.world = MPI.COMM_WORLD
-
-    def broadcast(self, obj):
-        return self.world.bcast(obj, root=0)
+                    self.nccl[name] = Communicator(group, size)
+        set_communicators(self.nccl)

@@ -15,26 +15,26 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_export.export.engine_config import EngineConfig
 from moe_export.export.errors import InputError
 from moe_export.export.planner import image_patch_limit
-from moe_export.graphs.config import ModelConfig
 from moe_export.graphs.vision import vision_config
 from moe_export.graphs.vision_export import VISION_GRAPH, tower_inputs
-from moe_export.recipes.schema import Recipe
 from moe_export.runtime.images import ImageProcessor, PreparedImage
 
 DEFAULT_CACHE_BYTES = 256 * 2**20
 
 
 class VisionEncoder:
-    def __init__(self, engine_dir: Path, config: dict, threads: int, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+    def __init__(self, engine_dir: Path, config: EngineConfig, threads: int, cache_bytes: int = DEFAULT_CACHE_BYTES
+                 ) -> None:
         import onnxruntime as ort
 
-        cfg = ModelConfig.from_hf_dict(config["pretrained_config"], source="engine config.json")
+        cfg = config.model
         self.vc = vision_config(cfg)
         if self.vc is None:
             raise InputError(f"{engine_dir}: {VISION_GRAPH} present but config.json has no vision_config")
-        recipe = Recipe.model_validate(config["recipe"])
+        recipe = config.recipe
         self.processor = ImageProcessor.from_folder(engine_dir).with_patch_limit(image_patch_limit(cfg, recipe))
         self.max_images = recipe.limits.max_images_per_request
         opts = ort.SessionOptions()
@@ -68,6 +68,10 @@ class VisionEncoder:
                 missing[im.digest] = im
                 self.misses += 1
         return found, list(missing.values())
+
+    def cached(self, digest: str) -> bool:
+        """Whether the embeddings of the image with this digest are cached (its bytes then need no decode)."""
+        return digest in self.cache
 
     def store(self, digest: str, embeds: np.ndarray) -> None:
         if not digest or embeds.nbytes > self.max_cache_bytes:

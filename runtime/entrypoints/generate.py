@@ -28,7 +28,7 @@ def model_eos_ids(model_config: dict) -> list[int]:
 def engine_eos_ids(engine) -> list[int]:
     """Every stop id of an engine: the build's `eos_token_ids` (config.json and generation_config.json
     together), else those of its HF config."""
-    return list(engine.config.get("eos_token_ids") or model_eos_ids(engine.model_config))
+    return list((engine.config.eos_token_ids if engine.config is not None else ()) or model_eos_ids(engine.model_config))
 
 
 def generate_tokens(engine, prompt_ids: list[int], sampling: SamplingParams | None = None,
@@ -97,12 +97,10 @@ def generate_command(path: str | Path, prompt_ids: str | None, prompt: str | Non
                      ) -> list[int] | None:
     """`moe-export generate` on an engine directory or an HF checkpoint: the new token ids (None on
     non-root ranks under mpiexec, which follow rank 0's steps)."""
-    import json
-
+    from moe_export.export.engine_config import is_engine_config
     from moe_export.graphs.config import ModelConfig
 
-    cfg_path = Path(path) / "config.json"
-    if cfg_path.is_file() and "mapping" in json.loads(cfg_path.read_text()):
+    if is_engine_config(path):
         from moe_export.runtime.core.wide_ep import release_ranks, run_rank
         from moe_export.runtime.engine import open_engine
 
@@ -111,8 +109,7 @@ def generate_command(path: str | Path, prompt_ids: str | None, prompt: str | Non
             run_rank(engine, keep_sessions=False)  # dp layout: a group leader runs its (empty) group's steps
             return None
         try:
-            cfg = ModelConfig.from_hf_dict(engine.model_config, source=f"{path}/config.json")
-            ids = resolve_prompt(path, prompt_ids, prompt, cfg.vocab_size, sampling.max_tokens)
+            ids = resolve_prompt(path, prompt_ids, prompt, engine.config.model.vocab_size, sampling.max_tokens)
             return generate_tokens(engine, ids, sampling, engine_eos_ids(engine))
         finally:
             if engine.comm is not None:

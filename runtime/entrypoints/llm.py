@@ -272,7 +272,7 @@ class LLM:
         self.engine = runner or open_engine(engine_dir, num_slots=num_slots, num_blocks=num_blocks, threads=threads)
         self.tokenizer = load_tokenizer(engine_dir)
         self.family = self.tokenizer.family
-        self.thinking_caps: dict[str, int] = dict(self.engine.config.get("thinking", {}))
+        self.thinking_caps: dict[str, int] = self.engine.config.thinking if self.engine.config is not None else {}
         resolve_thinking(None, self.thinking_caps, default_effort)  # validates the default tier
         self.default_effort = default_effort
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(engine_eos_ids(self.engine)))
@@ -323,7 +323,8 @@ class LLM:
             raise InputError(f"{self.engine.dir}: the tokenizer has no K3 or K2 chat tokens: use generate()")
         vision = getattr(self.engine, "vision", None)
         if vision is not None and images is None:  # image parts become their media tokens (`runtime.images`)
-            images = PromptImages(self.tokenizer, vision.processor, messages, vision.max_images, self.allow_image_urls)
+            images = PromptImages(self.tokenizer, vision.processor, messages, vision.max_images, self.allow_image_urls,
+                                  vision.cached)
         carried = []
         if self.turns is not None and isinstance(messages, list):
             carried = [m for m in messages if isinstance(m, dict) and m.get("role") == "assistant" and m.get("turn_ids") is not None]
@@ -350,7 +351,8 @@ class LLM:
         way for every entry point (LLM.chat, AsyncLLM, the server, Triton, batch)."""
         plan = resolve_thinking(reasoning_effort, self.thinking_caps, self.default_effort)
         vision = getattr(self.engine, "vision", None)
-        images = PromptImages(self.tokenizer, vision.processor, messages, vision.max_images, self.allow_image_urls) if vision else None
+        images = (PromptImages(self.tokenizer, vision.processor, messages, vision.max_images, self.allow_image_urls,
+                               vision.cached) if vision else None)
         ids = self._render(messages, plan, tools, tool_choice, response_format, images=images)
         starts = prompt_starts_in_reasoning(self.family, plan.enabled)
         budget = ReasoningBudget(self.tokenizer, self.family, plan.cap if plan.enabled else None, starts_in_reasoning=starts)

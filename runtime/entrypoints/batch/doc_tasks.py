@@ -10,6 +10,14 @@ num_chunks, question) or a built-in `--task`:
   (template) the chunk outputs joined in order, separated by a blank line
 Chunks hold at most (max_seq_len - prompt overhead - max_tokens) document tokens, with `overlap` tokens
 shared between neighbours.
+
+Images (`--images`): a chunk's request is one user message, the rendered prompt as a text part followed by
+the images of the pages whose text starts in that chunk (the first chunk for an image file or a PDF's
+first page) as OpenAI `image_url` parts, so it renders exactly as `LLM.chat` renders those parts. Each image
+takes its `<|media_pad|>` rows (the engine's processor plans them from the size alone) plus its media markers;
+a document's image tokens are kept free in every chunk's budget. A document is refused, as its error line,
+when a chunk would carry more images than the engine's `limits.max_images_per_request` (`too_many_images`)
+or when its images' tokens at the engine's patch limit leave no room for text (`images_too_large`).
 """
 
 from __future__ import annotations
@@ -45,6 +53,14 @@ class OverLongDocument(InputError):
     """A document that needs more than --max-chunks chunks."""
 
 
+class RefusedImages(InputError):
+    """A document whose images the engine's limits do not admit; `code` names the limit."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 @dataclass(frozen=True)
 class DocJob:
     """What to do with every document (picklable: sent to Ray actors)."""
@@ -56,6 +72,7 @@ class DocJob:
     max_chunks: int = 64
     max_tokens: int = 256
     reasoning_effort: str | None = None
+    images: bool = False  # --images: image files and PDF images go with the documents
 
     @classmethod
     def make(cls, task: str | None, prompt_file: str | None, question: str | None, **kw) -> DocJob:
@@ -88,6 +105,7 @@ class DocRunner:
         from moe_export.runtime.sampling import SamplingParams
 
         self.llm, self.job, self.semaphore = llm, job, semaphore
+        self.vision = getattr(getattr(getattr(llm, "llm", llm), "engine", None), "vision", None)
         env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False)
         self.prompt = env.from_string(job.template)
         self.reduce = env.from_string(REDUCE_TEMPLATES[job.task]) if job.task in REDUCE_TEMPLATES else None
@@ -103,8 +121,54 @@ class DocRunner:
                 f"prompt ({overhead}) and max_tokens ({job.max_tokens}); need more than the overlap ({job.overlap})"
             )
 
-    async def _ask(self, content: str, usage: dict) -> str:
+    def image_tokens(self, path: str, images: list[dict]) -> int:
+        """Prompt tokens the images take (pads + markers; the plans from each image's size alone), or
+        RefusedImages when the engine's limits do not admit them."""
+        import base64
+        import io
+
+        from PIL import Image
+
+        from moe_export.runtime.images import image_token_ids
+
+        if self.vision is None:
+            raise InputError(f"{path}: this engine has no vision tower, so it takes no images")
+        total = 0
+        for im in images:
+            with Image.open(io.BytesIO(base64.b64decode(im["url"].partition(",")[2]))) as decoded:
+                width, height = decoded.size
+            plan = self.vision.processor.plan(width, height)
+            total += len(image_token_ids(self.llm.tokenizer, width, height, plan.num_tokens))
+        if self.budget - total <= self.job.overlap:
+            raise RefusedImages("images_too_large", (
+                f"{path}: its {len(images)} image(s) take {total} prompt tokens at the engine's patch limit "
+                f"({self.vision.processor.cfg['in_patch_limit']} patches per image, limits.max_image_patches); the "
+                f"context leaves {self.budget} tokens per request after the prompt and max_tokens"))
+        return total
+
+    def chunk_images(self, path: str, text: str, chunks: list[str], images: list[dict]) -> list[list[dict]]:
+        """The images of each chunk: an image goes with the chunk in which its page's text starts."""
+        starts, pos = [], 0
+        for chunk in chunks:
+            pos = text.find(chunk, pos)
+            starts.append(pos)
+        per_chunk: list[list[dict]] = [[] for _ in chunks]
+        for im in images:
+            per_chunk[max(i for i, s in enumerate(starts) if s <= im["offset"] or i == 0)].append(im)
+        limit = self.vision.max_images
+        for i, group in enumerate(per_chunk):
+            if limit is not None and len(group) > limit:
+                sources = ", ".join(im["source"] for im in group)
+                raise RefusedImages("too_many_images", (
+                    f"{path}: {len(group)} images in one request (chunk {i + 1} of {len(chunks)}: {sources}); the "
+                    f"engine takes at most {limit} per request (limits.max_images_per_request)"))
+        return per_chunk
+
+    async def _ask(self, content: str, usage: dict, images: list[dict] = ()) -> str:
         kwargs = {} if self.job.reasoning_effort is None else {"reasoning_effort": self.job.reasoning_effort}
+        if images:
+            content = [{"type": "text", "text": content},
+                       *({"type": "image_url", "image_url": {"url": im["url"]}} for im in images)]
         async with self.semaphore:
             out = await self.llm.chat([{"role": "user", "content": content}], self.sampling, **kwargs)
         for key in ("prompt_tokens", "completion_tokens", "reasoning_tokens"):
@@ -112,23 +176,29 @@ class DocRunner:
         usage["requests"] += 1
         return out.content or ""
 
-    async def run(self, path: str, text: str) -> dict:
-        """One document -> response body {"output", "chunks", "chunk_outputs", "usage"}; OverLongDocument if
-        it needs more than max_chunks chunks."""
+    async def run(self, path: str, text: str, images: list[dict] = ()) -> dict:
+        """One document (its text, and with --images its images) -> response body {"output", "chunks",
+        "chunk_outputs", "usage", "images"}; OverLongDocument if it needs more than max_chunks chunks,
+        RefusedImages if the engine's image limits do not admit its images."""
         import asyncio
 
-        if len(text) > self.job.max_chunks * self.budget * 16:  # > 16 characters per token cannot fit
+        budget = self.budget - (self.image_tokens(path, list(images)) if images else 0)
+        if len(text) > self.job.max_chunks * budget * 16:  # > 16 characters per token cannot fit
             raise OverLongDocument(f"{path}: {len(text)} characters cannot fit in {self.job.max_chunks} chunks (--max-chunks)")
-        chunks = chunk_text(text, self.count, self.budget, self.job.overlap)
+        chunks = chunk_text(text, self.count, budget, self.job.overlap)
         if len(chunks) > self.job.max_chunks:
-            raise OverLongDocument(f"{path}: needs {len(chunks)} chunks of {self.budget} tokens, over --max-chunks {self.job.max_chunks}")
+            raise OverLongDocument(f"{path}: needs {len(chunks)} chunks of {budget} tokens, over --max-chunks {self.job.max_chunks}")
+        per_chunk = self.chunk_images(path, text, chunks, list(images)) if images else [[] for _ in chunks]
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "reasoning_tokens": 0, "requests": 0}
         prompts = [self.prompt.render(document=c, path=path, chunk_index=i, num_chunks=len(chunks),
                                       question=self.job.question or "") for i, c in enumerate(chunks)]
-        outputs = await asyncio.gather(*(self._ask(p, usage) for p in prompts))
+        outputs = await asyncio.gather(*(self._ask(p, usage, ims) for p, ims in zip(prompts, per_chunk)))
         merged = await self._merge(list(outputs), usage)
-        return {"output": merged, "chunks": len(chunks), "chunk_outputs": list(outputs) if len(chunks) > 1 else [],
+        body = {"output": merged, "chunks": len(chunks), "chunk_outputs": list(outputs) if len(chunks) > 1 else [],
                 "usage": usage}
+        if images:
+            body["images"] = len(images)
+        return body
 
     async def _merge(self, outputs: list[str], usage: dict):
         if self.job.task == "extract":

@@ -7,7 +7,7 @@ import asyncio
 import uuid
 
 from moe_export.export.errors import InputError
-from moe_export.runtime.entrypoints.batch.doc_tasks import DocJob, DocRunner, OverLongDocument
+from moe_export.runtime.entrypoints.batch.doc_tasks import DocJob, DocRunner, OverLongDocument, RefusedImages
 from moe_export.runtime.entrypoints.batch.openai_batch import ServedEndpoints
 
 
@@ -55,10 +55,12 @@ class ItemProcessor:
     async def process(self, item: dict) -> dict:
         try:
             if item["kind"] == "doc":
-                return ok_record(item, await self.docs.run(item["custom_id"], item["text"]))
+                return ok_record(item, await self.docs.run(item["custom_id"], item["text"], item.get("images", ())))
             return await self._endpoint(item)
         except OverLongDocument as exc:
             return error_record(item["custom_id"], "over_long", str(exc), item.get("content_hash"))
+        except RefusedImages as exc:
+            return error_record(item["custom_id"], exc.code, str(exc), item.get("content_hash"))
         except InputError as exc:
             return error_record(item["custom_id"], "invalid_request", str(exc), item.get("content_hash"))
         except Exception as exc:  # one item's failure is its error line, never the run's end
@@ -77,6 +79,8 @@ def start_llm(engine_dir: str, default_effort: str | None, concurrency: int, doc
 
     llm = LLM(engine_dir, **({} if default_effort is None else {"default_effort": default_effort}))
     try:
+        if doc_job is not None and doc_job.images and getattr(llm.engine, "vision", None) is None:
+            raise InputError(f"--images: the runner of {engine_dir} has no vision tower, so it takes no images")
         allm = AsyncLLM(llm)
         processor = ItemProcessor(allm, engine_dir, default_effort, llm.engine.max_seq_len, doc_job,
                                   concurrency or 2 * llm.engine.num_slots)

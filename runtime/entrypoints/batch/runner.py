@@ -15,9 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moe_export.export.engine_config import EngineConfig
 from moe_export.export.errors import InputError
 from moe_export.runtime.entrypoints.batch.doc_tasks import DocJob
-from moe_export.runtime.entrypoints.batch.documents import read_documents
+from moe_export.runtime.entrypoints.batch.documents import image_files, read_documents
 from moe_export.runtime.entrypoints.batch.openai_batch import custom_id_of, parse_input_line
 from moe_export.runtime.entrypoints.batch.output import ResultLog
 from moe_export.runtime.entrypoints.batch.replica import error_record, start_llm
@@ -34,12 +35,15 @@ class BatchSummary:
     failed_earlier: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    images: int = 0  # images sent with the documents that succeeded (--images)
+    images_ignored: int = 0  # image files left out of a document folder run without --images
     seconds: float = 0.0
     errors: dict[str, int] = field(default_factory=dict)
 
     def add(self, record: dict) -> None:
         if record["error"] is None:
             self.ok += 1
+            self.images += record["response"]["body"].get("images", 0)
             usage = record["response"]["body"].get("usage", {})
             self.prompt_tokens += usage.get("prompt_tokens", usage.get("input_tokens", 0))
             self.completion_tokens += usage.get("completion_tokens", usage.get("output_tokens", 0))
@@ -48,12 +52,14 @@ class BatchSummary:
             self.errors[record["error"]["code"]] = self.errors.get(record["error"]["code"], 0) + 1
 
 
-def collect_items(input_path: Path, log: ResultLog, max_file_bytes: int) -> tuple[list[dict], list[dict], list[str]]:
+def collect_items(input_path: Path, log: ResultLog, max_file_bytes: int,
+                  images: bool = False) -> tuple[list[dict], list[dict], list[str]]:
     """(pending items, error records of refused inputs, keys already done). Items are plain dicts:
-    {"kind": "openai", custom_id, url, body} or {"kind": "doc", custom_id, content_hash, text, warnings?}."""
+    {"kind": "openai", custom_id, url, body} or {"kind": "doc", custom_id, content_hash, text, warnings?,
+    images?: [{url, source, offset}]}."""
     pending, refused, skipped = [], [], []
     if input_path.is_dir():
-        for doc in read_documents(input_path, max_file_bytes):
+        for doc in read_documents(input_path, max_file_bytes, images):
             if doc.key in log.done:
                 skipped.append(doc.key)
             elif doc.error_code:
@@ -62,6 +68,8 @@ def collect_items(input_path: Path, log: ResultLog, max_file_bytes: int) -> tupl
                 item = {"kind": "doc", "custom_id": doc.custom_id, "content_hash": doc.content_hash, "text": doc.text}
                 if doc.warnings:
                     item["warnings"] = list(doc.warnings)
+                if doc.images:
+                    item["images"] = [{"url": im.url, "source": im.source, "offset": im.offset} for im in doc.images]
                 pending.append(item)
         return pending, refused, skipped
     if not input_path.is_file():
@@ -115,6 +123,16 @@ async def run_local(engine_dir: str, pending: list[dict], doc_job: DocJob | None
         llm.shutdown()
 
 
+def require_tower(engine_dir: str) -> None:
+    """InputError unless the engine has an image tower (`--images` needs one); the runner is checked again
+    when it is loaded (`replica.start_llm`)."""
+    from moe_export.graphs.vision_export import VISION_GRAPH
+
+    if not (Path(engine_dir) / VISION_GRAPH).is_file():
+        raise InputError(f"--images: {engine_dir} has no vision tower ({VISION_GRAPH}); image input needs a K3 engine "
+                         "built with its vision_config")
+
+
 def run_batch(engine_dir: str, input_path: str, output: str, *, concurrency: int | None = None,
               doc_job: DocJob | None = None, ray_address: str | None = None, ray_actors: int = 2,
               default_effort: str | None = None, max_file_bytes: int = 64 << 20, console=None) -> BatchSummary:
@@ -122,19 +140,23 @@ def run_batch(engine_dir: str, input_path: str, output: str, *, concurrency: int
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     src = Path(input_path)
-    if not (Path(engine_dir) / "config.json").is_file():
-        raise InputError(f"{engine_dir}: not an engine directory (no config.json); build one with moe-export build")
+    EngineConfig.read(engine_dir)  # an engine directory whose config.json is valid, before any input is read
     if src.is_dir() and doc_job is None:
         raise InputError(f"--input {input_path} is a folder of documents: give --task or --prompt-file")
     if not src.is_dir() and doc_job is not None:
         raise InputError("--task / --prompt-file apply to a folder of documents, not to a batch JSONL file")
     if concurrency is not None and concurrency < 1:
         raise InputError(f"--concurrency must be >= 1, got {concurrency}")
+    images = doc_job is not None and doc_job.images
+    if images:
+        require_tower(engine_dir)
     log = ResultLog(output)
     summary = BatchSummary()
+    if src.is_dir() and not images:
+        summary.images_ignored = len(image_files(src))
     start = time.perf_counter()
     try:
-        pending, refused, skipped = collect_items(src, log, max_file_bytes)
+        pending, refused, skipped = collect_items(src, log, max_file_bytes, images)
         summary.skipped = len(skipped)
         summary.failed_earlier = len(set(skipped) & log.failed)
         for record in refused:
@@ -177,6 +199,7 @@ def render_summary(summary: BatchSummary, console) -> None:
     for name, value in (("succeeded", summary.ok), ("failed", summary.failed), ("skipped (already done)", summary.skipped),
                         ("of them failed (earlier runs)", summary.failed_earlier),
                         ("prompt tokens", summary.prompt_tokens), ("completion tokens", summary.completion_tokens),
+                        ("images sent", summary.images), ("image files ignored (no --images)", summary.images_ignored),
                         ("seconds", f"{summary.seconds:.1f}"), ("items/s", f"{rate:.2f}"),
                         ("completion tok/s", f"{summary.completion_tokens / summary.seconds if summary.seconds else 0:.1f}")):
         table.add_row(name, str(value))

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from moe_export.export.engine_config import EngineConfig
 from moe_export.export.errors import InputError
 from moe_export.runtime.entrypoints.server import convert
 from moe_export.runtime.entrypoints.server.metrics import ServerMetrics
@@ -111,12 +112,8 @@ class EngineInfo:
 
     @classmethod
     def from_engine_dir(cls, engine_dir: Path) -> EngineInfo:
-        cfg = json.loads((Path(engine_dir) / "config.json").read_text())
-        pre = cfg.get("pretrained_config", {})
-        text = pre.get("text_config", pre)
-        limits = cfg["limits"]
-        return cls(int(limits["max_seq_len"]), int(limits["max_batch"]), dict(cfg.get("thinking") or {}),
-                   int(text["vocab_size"]))
+        cfg = EngineConfig.read(engine_dir)
+        return cls(cfg.limits.max_seq_len, cfg.limits.max_batch, cfg.thinking, cfg.model.vocab_size)
 
 
 def _key_digest(key: str) -> bytes:

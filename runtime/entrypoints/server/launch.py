@@ -11,6 +11,7 @@ import socket
 import sys
 from pathlib import Path
 
+from moe_export.export.engine_config import EngineConfig
 from moe_export.export.errors import InputError
 
 API_KEY_ENV = "MOE_EXPORT_API_KEY"
@@ -25,9 +26,7 @@ def resolve_api_keys(cli_keys: list[str] | None) -> tuple[str, ...]:
 
 
 def check_serve_args(engine_dir: str, host: str, port: int, store: str | None, default_effort: str, max_queue: int) -> None:
-    path = Path(engine_dir)
-    if not (path / "config.json").is_file():
-        raise InputError(f"{engine_dir}: not an engine directory (no config.json); build one with `moe-export build`")
+    EngineConfig.read(engine_dir)  # an engine directory whose config.json is valid
     if not 0 < port < 65536:
         raise InputError(f"--port must be in 1..65535, got {port}")
     try:

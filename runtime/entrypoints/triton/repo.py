@@ -24,6 +24,7 @@ import shutil
 from pathlib import Path
 
 from moe_export.export.atomic import fsync_path
+from moe_export.export.engine_config import EngineConfig
 from moe_export.export.errors import InputError
 
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -104,13 +105,7 @@ def write_triton_repo(engine_dir: str | Path, out: str | Path, model_name: str =
     from moe_export.runtime.core.budget import EFFORT_TIERS
 
     engine = Path(engine_dir).resolve()
-    cfg_path = engine / "config.json"
-    if not cfg_path.is_file():
-        raise InputError(f"{engine_dir}: not an engine directory (no config.json); build one with moe-export build")
-    try:
-        world_size = int(json.loads(cfg_path.read_text())["mapping"]["world_size"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise InputError(f"{cfg_path}: not an engine config (no mapping.world_size: {exc})") from None
+    world_size = EngineConfig.read(engine).mapping.world_size
     if not MODEL_NAME_RE.match(model_name):
         raise InputError(f"model name {model_name!r}: use letters, digits, '_', '.', '-' (a Triton model folder name)")
     if default_effort not in (*EFFORT_TIERS, "none"):

@@ -1,0 +1,52 @@
+"""The prepared GPU run (`benchmarks/gpu_check.sh`) before a GPU is lent: the shell script parses, its Python
+parts compile and import, and the sampler step runs end to end with `--device cpu` (small vocabulary)."""
+
+from __future__ import annotations
+
+import json
+import py_compile
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
+
+
+def test_gpu_check_script_parses_and_runs_every_step():
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+    text = SCRIPT.read_text()
+    steps = [line.split()[3] for line in text.splitlines() if line.startswith("timeout ")]
+    assert steps == ["benchmarks/gpu_aot_check.py", "benchmarks/gpu_check.py", "benchmarks/gpu_sampler_check.py"]
+    assert sum(int(line.split()[1]) for line in text.splitlines() if line.startswith("timeout ")) < 8 * 60
+    for step in steps:
+        py_compile.compile(str(REPO / step), doraise=True)
+
+
+def test_gpu_sampler_check_dry_run_on_cpu(tmp_path):
+    out = tmp_path / "sampler.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks/gpu_sampler_check.py"), "--device", "cpu", "--batches",
+                    "1,16", "--vocab", "4096", "--repeats", "2", "--json", str(out)], check=True, capture_output=True)
+    fig = json.loads(out.read_text())
+    for n in (1, 16):
+        assert fig[f"sampler_ms_greedy_{n}"] > 0 and fig[f"sampler_ms_top_p_{n}"] > 0
+        assert fig[f"sampler_top_p_over_greedy_{n}"] == fig[f"sampler_ms_top_p_{n}"] / fig[f"sampler_ms_greedy_{n}"]
+    assert fig["sampler_seeded_alone_equals_batch"] is True and fig["sampler_seeded_rows_checked"] == 4
+    assert fig["sampler_seeded_device_equals_cpu_frac"] == 1.0  # the CPU against itself
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_gpu_sampler_check_refuses_a_missing_device():
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks/gpu_sampler_check.py"), "--device", "cuda"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "no CUDA device here" in run.stderr
+
+
+def test_gpu_check_python_parts_import_on_cpu():
+    """gpu_check.py imports (torch, triton and our kernels, no GPU needed to import)."""
+    run = subprocess.run([sys.executable, "-c", "import runpy; runpy.run_path('benchmarks/gpu_check.py')"],
+                         cwd=REPO, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
