@@ -6,7 +6,9 @@ cubin for the GPU, `plugins.tensorrt_common.aot_kernel_code`; PTX if there is no
 opt the kernel into more than 48 KiB of dynamic shared memory when it needs it
 (`cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)`), and `cuLaunchKernel` it with TensorRT's argument
 order: input pointers, the int32 extra arguments, output pointers, and nothing after them (no Triton scratch
-pointers). Each kernel's outputs are compared with the JIT launch (Triton's own launcher, the `impl` path)
+pointers). The pools are reached as in an engine: through a pool table (`plugins/pool_table.py`) made and checked
+on the host before anything is launched (`pool_table_for`: a null or misaligned pool address, or a slot / block
+beyond its pool, is a PoolTableError), written in place by the kernels. Each kernel's outputs are compared with the JIT launch (Triton's own launcher, the `impl` path)
 and with the fp32 PyTorch reference; launch errors are reported, not raised.
 
 Kernels (K3 shapes per tp-8 rank where it matters): GatedDeltaScan (bf16 q/k/v, H=12, K=V=128),
@@ -26,6 +28,7 @@ import torch
 from cuda.bindings import driver
 
 from moe_export.plugins.gated_delta_scan import reference as gds_ref
+from moe_export.plugins.pool_table import check_pool_offsets, pool_table
 from moe_export.plugins.gated_delta_scan import triton_kernel as gds
 from moe_export.plugins.short_conv import reference as conv_ref
 from moe_export.plugins.short_conv import triton_kernel as conv
@@ -60,6 +63,14 @@ def launch_like_tensorrt(kernel, grid, inputs, extras, outputs) -> dict:
     return {"shared_bytes": shared, "block": block, "grid": list(grid)}
 
 
+def pool_table_for(pool: torch.Tensor, *, slot_ids=None, block_tables=None) -> torch.Tensor:
+    """The one-pool table an engine's plugin would get, checked on the host before any launch."""
+    table = pool_table([pool])
+    check_pool_offsets(table, 0, slot_ids=None if slot_ids is None else slot_ids.cpu().numpy(),
+                       block_tables=None if block_tables is None else block_tables.cpu().numpy())  # fmt: skip
+    return torch.from_numpy(table).to(pool.device)
+
+
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
 
@@ -83,9 +94,10 @@ def check_gated_delta_scan(fig: dict, capability: int) -> None:
     o_aot, pool_aot = torch.empty_like(v), pool0.clone()
     fig["gds_launch"] = launch_like_tensorrt(
         kernel, (-(-V // gds.block_sizes(K, V)[1]), H, slots.numel()),
-        [q, k, v, g, beta, pool_aot, cu, slots], [T, S], [o_aot, pool_aot],
+        [q, k, v, g, beta, pool_table_for(pool_aot, slot_ids=slots), cu, slots], [0, T], [o_aot],
     )  # fmt: skip
-    o_jit, pool_jit = gds.gated_delta_scan_pool(q, k, v, g, beta, pool0, cu, slots, K**-0.5, True)
+    pool_jit = pool0.clone()
+    o_jit = gds.gated_delta_scan_pool(q, k, v, g, beta, pool_jit, cu, slots, K**-0.5, True)
     o_ref, pool_ref = gds_ref.gated_delta_scan_node(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), pool0.cpu(),
                                                     cu.cpu(), slots.cpu(), K**-0.5, True)  # fmt: skip
     fig["gds_aot_vs_jit"] = max(_max_diff(o_aot, o_jit), _max_diff(pool_aot, pool_jit))
@@ -99,13 +111,14 @@ def check_short_conv(fig: dict, capability: int) -> None:
     x = torch.randn(T, C, device=dev, dtype=torch.bfloat16)
     weight = torch.randn(C, W, device=dev) * 0.5
     pool0 = torch.randn(S, C, W - 1, device=dev)
-    kernel = conv.aot_compile("bf16", "fp32", C, W, capability)
+    kernel = conv.aot_compile("bf16", C, W, capability)
     y_aot, pool_aot = torch.empty_like(x), pool0.clone()
     fig["conv_launch"] = launch_like_tensorrt(
-        kernel, (-(-C // conv.block_sizes(C, W)[1]), slots.numel(), 1), [x, weight, pool_aot, cu, slots], [T, S],
-        [y_aot, pool_aot],
+        kernel, (-(-C // conv.block_sizes(C, W)[1]), slots.numel(), 1),
+        [x, weight, pool_table_for(pool_aot, slot_ids=slots), cu, slots], [0, T], [y_aot],
     )  # fmt: skip
-    y_jit, pool_jit = conv.short_conv_pool(x, weight, pool0, cu, slots)
+    pool_jit = pool0.clone()
+    y_jit = conv.short_conv_pool(x, weight, pool_jit, cu, slots)
     y_ref, pool_ref = conv_ref.short_conv_node(x.cpu(), weight.cpu(), pool0.cpu(), cu.cpu(), slots.cpu())
     fig["conv_aot_vs_jit"] = max(_max_diff(y_aot, y_jit), _max_diff(pool_aot, pool_jit))
     fig["conv_aot_vs_reference"] = max(_max_diff(y_aot.cpu(), y_ref), _max_diff(pool_aot.cpu(), pool_ref))
@@ -126,8 +139,9 @@ def check_sparse_mla(fig: dict, capability: int) -> None:
     kernel = mla.aot_compile(H, DC, DR, scale, capability, block_h=16)
     out = torch.empty(N, H, DC, device=dev)
     fig["mla_launch"] = launch_like_tensorrt(
-        kernel, (N, -(-H // 16), 1), [q, pool, new, cu, tables, pos, idx], [N, N, N * B, BS, B, K], [out]
-    )
+        kernel, (N, -(-H // 16), 1), [q, pool_table_for(pool, block_tables=tables), new, cu, tables, pos, idx],
+        [0, N, N, BS, B, K], [out],
+    )  # fmt: skip
     jit = mla.sparse_mla_attention_triton(q, pool, new, cu, tables, pos, idx, scale=scale, kv_lora_rank=DC)
     ref = mla_ref.sparse_mla_attention_reference(q.cpu(), pool.cpu(), new.cpu(), cu.cpu(), tables.cpu(), pos.cpu(),
                                                  idx.cpu(), scale=scale, kv_lora_rank=DC)  # fmt: skip
@@ -148,9 +162,12 @@ def check_paged_cache_write(fig: dict, capability: int) -> None:
     new = fp8_cache.round_rows(torch.randn(102, D, device=dev) * 3)
     pool0 = torch.randint(0, 256, (NB, BS, D + 1), device=dev, dtype=torch.uint8)
     kernel = write.aot_compile(D, capability, torch.uint8)
-    pool_aot = pool0.clone()
-    fig["write_launch"] = launch_like_tensorrt(kernel, (102, 1, 1), [pool_aot, new, cu, tables, pos],
-                                               [3, 102, NB, BS, 12], [pool_aot])  # fmt: skip
+    pool_aot, rows_out = pool0.clone(), torch.empty_like(new)
+    fig["write_launch"] = launch_like_tensorrt(
+        kernel, (102, 1, 1), [pool_table_for(pool_aot, block_tables=tables), new, cu, tables, pos], [0, 3, 102, BS, 12],
+        [rows_out],
+    )  # fmt: skip
+    fig["write_aot_rows_passed_on"] = bool(torch.equal(rows_out, new))
     pool_jit = write.paged_cache_write_triton(pool0.clone(), new, cu, tables, pos)
     ref = write_ref.paged_cache_write_reference(pool0.cpu(), new.cpu(), cu.cpu(), tables.cpu(), pos.cpu())
     fig["write_aot_equals_jit"] = bool(torch.equal(pool_aot, pool_jit))

@@ -6,7 +6,8 @@ Prints, with CUDA-event timings (triton.testing.do_bench, median):
   - moe_mxfp4: our W4A16 Triton MoE vs a bf16 per-expert GEMM loop at K3 decode shapes for one EP rank
     (14 local experts, D=3584 latent, I=3072, 64 tokens, 4 local picks each; goal >= 2x);
   - sparse_mla_attention: top-2048 sparse vs dense causal at 128k cached tokens (8 decode queries,
-    12 heads = 96 / tp 8, 576-wide latent rows, paged bf16 pool);
+    12 heads = 96 / tp 8, 576-wide latent rows, paged bf16 pool reached through a pool table made once, as in an
+    engine);
   - no host synchronization: the MoE and DSA indexer plugin bodies under torch's sync debug mode "error",
     captured into a CUDA graph and replayed (equal to the eager result).
 `--json PATH` writes the figures as one flat object.
@@ -23,7 +24,8 @@ from triton.testing import do_bench
 
 from moe_export.plugins.gated_delta_scan.triton_kernel import gated_delta_scan
 from moe_export.plugins.moe_mxfp4.triton_kernel import moe_mxfp4_triton
-from moe_export.plugins.sparse_mla_attention.triton_kernel import sparse_mla_attention_triton
+from moe_export.plugins.pool_table import device_pool_table
+from moe_export.plugins.sparse_mla_attention.triton_kernel import sparse_mla_attention_launch, sparse_mla_attention_triton
 from moe_export.quantize import mxfp4
 
 
@@ -88,15 +90,24 @@ def check_sparse(fig: dict) -> None:
     pos = torch.arange(L - T, L, device=dev)
     idx = torch.stack([torch.randperm(L - T, device=dev)[:topk] for _ in range(T)])
     kw = dict(scale=192**-0.5, kv_lora_rank=512)
-    fig["sparse_128k_ms"] = do_bench(lambda: sparse_mla_attention_triton(q, pool, new, cu, tables, pos, idx, **kw))
-    fig["dense_128k_ms"] = do_bench(lambda: sparse_mla_attention_triton(q, pool, new, cu, tables, pos, None, **kw))
+    table = device_pool_table([pool])  # made once, as the runner does (the launch itself reads no host value)
+    out = torch.empty(T, H, 512, device=dev)
+
+    def attend(indices):
+        sparse_mla_attention_launch(q, table, 0, bs, pool.dtype, new, cu, tables, pos, indices, out, **kw)
+        return out
+
+    fig["sparse_128k_ms"] = do_bench(lambda: attend(idx))
+    fig["dense_128k_ms"] = do_bench(lambda: attend(None))
+    fig["sparse_vs_wrapper_max_abs_diff"] = float((attend(idx) - sparse_mla_attention_triton(
+        q, pool, new, cu, tables, pos, idx, **kw)).abs().max())
     fig["sparse_speedup_128k"] = fig["dense_128k_ms"] / fig["sparse_128k_ms"]
 
 
 def check_no_host_sync(fig: dict) -> None:
     """Issue 18, defect 8: the MoE and DSA indexer plugin bodies run with torch's sync debug mode set to error
     (any device-to-host wait raises) and are captured into a CUDA graph and replayed, equal to the eager run."""
-    from moe_export.plugins.dsa_indexer.triton_kernel import dsa_indexer_triton
+    from moe_export.plugins.dsa_indexer.triton_kernel import dsa_indexer_launch
 
     dev = "cuda"
     E, D, I, T, k = 14, 3584, 3072, 16, 4
@@ -116,7 +127,9 @@ def check_no_host_sync(fig: dict) -> None:
     cu = torch.tensor([0, Ti], device=dev)
     tables = torch.arange(blocks, device=dev).view(1, -1)
     pos = torch.arange(blocks * bs - Ti, blocks * bs, device=dev)
-    indexer = lambda: dsa_indexer_triton(q_idx, w_idx, k_pool, k_new, cu, tables, pos, topk=256)  # noqa: E731
+    table = device_pool_table([k_pool])  # the plugin's path: the table is the runner's, made before the step
+    indexer = lambda: dsa_indexer_launch(q_idx, w_idx, table, 0, bs, k_pool.dtype, k_new, cu, tables, pos,  # noqa: E731
+                                         topk=256)
     for name, fn in (("moe", moe), ("indexer", indexer)):
         try:
             want = fn().clone()  # warm-up (Triton compiles outside the checked region)

@@ -12,6 +12,16 @@ included), after a warm-up request:
                              collectives send (all-to-all: rows, ids, weights and counts that leave a rank, the tp
                              group's all-gather of the shares; all-reduce: a ring's 2 (n - 1) / n of the payload)
   expert_load_max_over_mean  busiest expert's routed tokens / the mean, per MoE layer, worst layer (dp run)
+  redundant_work_ratio       the model's work per generated token, tp / dp: thread CPU seconds inside the ONNX
+                             Runtime segment runs (one intra-op thread, so the kernels run on the calling thread;
+                             collectives, MPI waits and preemption are not counted), summed over the 8 ranks,
+                             timed steps only. What the tp layout repeats (attention and the dense / shared FFNs
+                             in every tp group) shows here whatever the machine.
+  compute_share              per layout: those CPU seconds / (8 ranks x the run's wall time): how much of the
+                             ranks' time is the model's work on this machine (the rest is waiting for the CPU
+                             and for the other ranks in collectives)
+  loadavg_1min, loadavg_1min_end   the machine's load before and after the runs (figures at load > 1.5 are not
+                             evidence)
 
 With --paper: the README's paper model for 8x8 H100 (`export/traffic.py`), no runs.
 
@@ -50,8 +60,38 @@ def build_engine(root: Path, attention: str, requests: int, max_seq_len: int) ->
     return root / data["name"]
 
 
+def time_model_work(engine) -> list[float]:
+    """Per engine step of this process, the thread CPU seconds spent in its ranks' ONNX Runtime segment runs (the
+    expert segments included): the model's work, without collectives, waits or time preempted."""
+    from moe_export.runtime.engine import ort
+
+    steps: list[float] = []
+
+    def timed(run):
+        def wrapper(*args, **kwargs):
+            start = time.thread_time()
+            try:
+                return run(*args, **kwargs)
+            finally:
+                steps[-1] += time.thread_time() - start
+
+        return wrapper
+
+    for name in ("run_segment", "run_experts"):
+        setattr(ort.RankRunner, name, timed(getattr(ort.RankRunner, name)))
+    run_step = engine._run
+
+    def counted(*args, **kwargs):
+        steps.append(0.0)
+        return run_step(*args, **kwargs)
+
+    engine._run = counted
+    return steps
+
+
 def rank_main(engine_dir: str, requests: int, prompt: int, tokens: int) -> None:
-    """One rank of the measured run (under mpiexec)."""
+    """One rank of the measured run (under mpiexec). Every rank runs one engine step per world step (lockstep), so
+    rank 0's step count at the start of the timed call marks the warm-up steps on every rank."""
     import numpy as np
 
     from moe_export.runtime import LLM
@@ -59,28 +99,36 @@ def rank_main(engine_dir: str, requests: int, prompt: int, tokens: int) -> None:
 
     llm = LLM(engine_dir, threads=1, reuse_sessions=False)
     engine = llm.engine
+    work = time_model_work(engine)
     if not engine.is_root:
         llm.run_follower()
-        engine.comm.world.gather((engine.traffic, engine.expert_tokens), root=0)
+        engine.comm.world.gather((engine.traffic, engine.expert_tokens, work), root=0)
         return
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 500, prompt).tolist() for _ in range(requests)]
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     llm.generate([prompts[0][:4]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up (sessions, first runs)
+    warm = len(work)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
     llm.shutdown()
-    parts = engine.comm.world.gather((engine.traffic, engine.expert_tokens), root=0)
+    parts = engine.comm.world.gather((engine.traffic, engine.expert_tokens, work), root=0)
+    steps = {len(w) for _, _, w in parts}
+    if len(steps) != 1:
+        raise SystemExit(f"ranks ran different step counts {sorted(steps)}: not lockstep")
+    cpu = sum(sum(w[warm:]) for _, _, w in parts)
     sent: dict[str, int] = {}
-    for traffic, _ in parts:
+    for traffic, _, _ in parts:
         for kind, n in traffic.sent_bytes.items():
             sent[kind] = sent.get(kind, 0) + n
-    moe_tokens = sum(t.moe_tokens for t, _ in parts)
+    moe_tokens = sum(t.moe_tokens for t, _, _ in parts)
     moe_bytes = sum(n for kind, n in sent.items() if kind.startswith("moe_"))
-    load = np.sum([e for _, e in parts], axis=0)
+    load = np.sum([e for _, e, _ in parts], axis=0)
     worst = float(max((row.max() / row.mean() for row in load if row.sum()), default=0.0))
-    print(json.dumps({"generated_tokens": sum(len(o.output_ids) for o in outs), "seconds": seconds,
+    generated = sum(len(o.output_ids) for o in outs)
+    print(json.dumps({"generated_tokens": generated, "seconds": seconds, "timed_steps": len(work) - warm,
+                      "model_cpu_seconds": cpu, "compute_share": cpu / (WORLD * seconds),
                       "moe_bytes_per_token_layer": moe_bytes / moe_tokens if moe_tokens else 0.0,
                       "sent_bytes": sent, "expert_load_max_over_mean": worst}))
 
@@ -137,6 +185,8 @@ def main() -> None:
     if args.paper:
         figures = paper()
     else:
+        load_start = os.getloadavg()[0]
+        print(f"loadavg_1min {load_start:.2f}", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             max_seq = args.prompt + args.tokens + 16
             runs = {layout: run(build_engine(Path(tmp), layout, args.requests, max_seq), args.requests, args.prompt,
@@ -148,8 +198,13 @@ def main() -> None:
             "tokens_per_s": rate, "moe_bytes_per_token_layer": {k: r["moe_bytes_per_token_layer"] for k, r in runs.items()},
             "sent_bytes": {k: r["sent_bytes"] for k, r in runs.items()},
             "expert_load_max_over_mean": runs["dp"]["expert_load_max_over_mean"],
+            "model_cpu_s_per_token": {k: r["model_cpu_seconds"] / r["generated_tokens"] for k, r in runs.items()},
+            "redundant_work_ratio": (runs["tp"]["model_cpu_seconds"] / runs["tp"]["generated_tokens"])
+            / (runs["dp"]["model_cpu_seconds"] / runs["dp"]["generated_tokens"]),
+            "compute_share": {k: r["compute_share"] for k, r in runs.items()},
+            "timed_steps": {k: r["timed_steps"] for k, r in runs.items()},
             "requests": args.requests, "prompt_tokens": args.prompt, "generated_per_request": args.tokens,
-            "ranks": WORLD, "cpus": os.cpu_count(), "loadavg_1min": os.getloadavg()[0],
+            "ranks": WORLD, "cpus": os.cpu_count(), "loadavg_1min": load_start, "loadavg_1min_end": os.getloadavg()[0],
         }
     text = json.dumps(figures, indent=2, sort_keys=True)
     print(text)

@@ -11,6 +11,8 @@ Layout of the engine directory OUT (TensorRT-LLM conventions):
     OUT/rank{N}/rank{N}.engine          TensorRT backend: the serialized engine
     OUT/vision.safetensors, vision.onnx K3's vision tower + projector (bf16 tensors as stored) and its graph,
                                         one copy every rank loads (`graphs.vision_export`)
+    OUT/vision.engine                   TensorRT backend, K3: the tower's engine, the one file every rank loads
+                                        (`export/tensorrt_vision.py`)
     OUT/LICENSE                         the source checkpoint's license, copied
     OUT/tiktoken.model ...              the source checkpoint's tokenizer files (`TOKENIZER_FILES`), copied
     OUT/manifest.json                   written last: every file's size + sha256, versions, hashes, keys
@@ -35,6 +37,8 @@ mtime and inode as recorded, staged in `.build/` or already published in OUT) is
     license        the source LICENSE file's sha256
     tokenizer      the source tokenizer files' sha256 (preprocessor_config.json included)
     vision         the recipe's vision section + source layout + each tower shard's (size, mtime_ns)  (K3)
+    vision_engine  vision key + images per request + patch limit + target + workspace_reserve_gib + tp
+                   (K3, backend tensorrt)
 
 Source bytes are hashed while they are converted, never in a pass of their own, so a fresh build reads
 each byte a rank needs once. Each convert record lists the slices the rank read, their sha256 and each
@@ -99,11 +103,12 @@ from moe_export.export.stage_keys import (
     convert_identity,
     convert_key,
     global_keys,
-    vision_key,
     rank_keys,
     rank_mapping,
     rank_stage_names,
     source_identity,
+    vision_engine_key,
+    vision_key,
 )
 from moe_export.export.manifest import (
     GRAPH,
@@ -158,6 +163,12 @@ def _build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path) ->
     build_tensorrt_engine(graph_path, recipe, mapping, out_path)
 
 
+def _build_tensorrt_vision_engine(graph_path: Path, recipe, cfg, out_path: Path) -> None:
+    from moe_export.export.tensorrt_vision import build_vision_engine
+
+    build_vision_engine(graph_path, recipe, cfg, out_path)
+
+
 @dataclass(frozen=True)
 class Stages:
     """The stage functions the driver calls (the defaults are the real ones). `convert_rank` reads the
@@ -167,6 +178,7 @@ class Stages:
     export_rank_graph: Callable[..., dict] = _export_rank_graph
     lower_for_onnxruntime: Callable[..., list[str]] = _lower_for_onnxruntime
     build_tensorrt_engine: Callable[..., None] = _build_tensorrt_engine
+    build_tensorrt_vision_engine: Callable[..., None] = _build_tensorrt_vision_engine
 
 
 @dataclass
@@ -750,6 +762,29 @@ def _run_vision(ctx: _Ctx) -> list[str]:
     return ["vision"]
 
 
+def _run_vision_engine(ctx: _Ctx) -> list[str]:
+    """Backend tensorrt: the tower graph built into `vision.engine`, one file every rank loads
+    (`export/tensorrt_vision.py`), in a scratch folder showing the graph next to its weights."""
+    from moe_export.export.tensorrt_vision import VISION_ENGINE
+    from moe_export.graphs.vision_export import VISION_GRAPH, VISION_WEIGHTS
+
+    if ctx.state.current("vision_engine", ctx.keys["vision_engine"]):
+        return []
+    inputs = {name: ctx.state.output("vision", name) for name in (VISION_GRAPH, VISION_WEIGHTS)}
+    try:
+        with _scratch(ctx.state.build, "vision_engine", inputs) as tmp, ctx.progress.task("vision engine", tmp):
+            ctx.stages.build_tensorrt_vision_engine(tmp / VISION_GRAPH, ctx.recipe, ctx.reader.config, tmp / VISION_ENGINE)
+            if not (tmp / VISION_ENGINE).is_file():
+                raise BuildError(f"vision engine: the engine builder wrote no {VISION_ENGINE}")
+            _move_into(tmp / VISION_ENGINE, ctx.state.build / VISION_ENGINE)
+    except (InputError, BuildError):
+        raise
+    except Exception as exc:
+        raise _stage_failed("vision engine", exc) from exc
+    ctx.state.record("vision_engine", ctx.keys["vision_engine"], [VISION_ENGINE], None)
+    return ["vision_engine"]
+
+
 def _vision_stamps(ctx: _Ctx) -> dict[str, list[int]] | None:
     """(size, mtime_ns) of each shard holding tower tensors; None without a tower."""
     specs = ctx.reader.vision_specs()
@@ -848,7 +883,11 @@ def _finish(ctx: _Ctx, result: BuildResult) -> None:
     if stamps is not None:
         ctx.keys["vision"] = vision_key(ctx.recipe, src.identity(), stamps, ctx.code)
         names.append("vision")
-    result.ran += _build_globals(ctx) + _run_vision(ctx)
+    tower_engine = stamps is not None and ctx.recipe.backend == "tensorrt"
+    if tower_engine:
+        ctx.keys["vision_engine"] = vision_engine_key(ctx.recipe, ctx.keys["vision"], ctx.code)
+        names.append("vision_engine")
+    result.ran += _build_globals(ctx) + _run_vision(ctx) + (_run_vision_engine(ctx) if tower_engine else [])
     records = {}
     for name in names:
         rec = ctx.state.current(name, ctx.keys[name])

@@ -77,8 +77,10 @@ def _class_dtype_bytes(recipe: Recipe, weight_class: str, stored_dtype: str) -> 
     fold such a Cast into a converted copy: CPU builds compute in fp32, so bf16 and fp8 weights are held as
     fp32 (4 B); GPU (TensorRT) builds compute in bf16, so bf16 weights stay 2 B and fp8 weights, dequantized by
     Cast + Mul in the graph, are folded to bf16 (2 B; keeping them 1 B needs a DequantizeLinear-based graph).
-    fp32 stays fp32 where the model needs it: fp32 checkpoint tensors, norm and attention-residual weights."""
-    if stored_dtype == "F32" or weight_class in ("norms", "attn_res"):
+    fp32 stays fp32 where the model needs it: fp32 checkpoint tensors, norm and attention-residual weights. K3's
+    vision tower graph computes in fp32 on both backends (`graphs/vision_export.py`), so its bf16 weights are
+    held as fp32 by TensorRT too."""
+    if stored_dtype == "F32" or weight_class in ("norms", "attn_res", "vision"):
         return 4.0
     return 2.0 if recipe.backend == "tensorrt" else 4.0
 
@@ -454,8 +456,8 @@ def _tower_bytes(cfg: ModelConfig, recipe: Recipe, patches: int) -> int:
     if vc is None or images == 0:
         return 0
     group = recipe.parallel.tp  # an attention group is tp ranks in both layouts
-    cpu = recipe.backend != "tensorrt"
-    return tower_activation_bytes(vc, patches * -(-images // group), 4 if cpu else 2, scores_of=patches if cpu else 0)
+    cpu = recipe.backend != "tensorrt"  # fp32 activations on both (the tower graph computes in fp32)
+    return tower_activation_bytes(vc, patches * -(-images // group), 4, scores_of=patches if cpu else 0)
 
 
 def vision_activation_bytes(cfg: ModelConfig, recipe: Recipe) -> int:

@@ -35,6 +35,8 @@ STAGE_FIELDS: dict[str, tuple[str, ...]] = {
     "lower": (),
     "engine": ("limits", "target", "workspace_reserve_gib", "tensorrt"),
     "vision": ("vision",),
+    "vision_engine": ("limits.max_images_per_request", "limits.max_image_patches", "target", "workspace_reserve_gib",
+                      "parallel.tp"),
 }
 _MODEL_CODE = (("graphs", "config.py"), ("graphs", "sharding.py"), ("graphs", "weights.py"))
 # Source files each stage runs, as (subpackage of moe_export, glob inside it).
@@ -46,6 +48,7 @@ STAGE_CODE: dict[str, tuple[tuple[str, str], ...]] = {
     "engine": (("export", "tensorrt_*.py"), ("export", "planner.py"), ("plugins", "**/*.py")),
     "config": (("export", "build.py"), ("export", "manifest.py"), *_MODEL_CODE),
     "vision": (("graphs", "vision.py"), ("graphs", "vision_export.py"), ("graphs", "onnx_export.py"), *_MODEL_CODE),
+    "vision_engine": (("export", "tensorrt_*.py"), ("export", "planner.py"), ("graphs", "vision.py")),
 }
 # Distributions whose version shapes each stage's output.
 STAGE_LIBRARIES: dict[str, tuple[str, ...]] = {
@@ -55,6 +58,7 @@ STAGE_LIBRARIES: dict[str, tuple[str, ...]] = {
     "engine": ("onnx", "tensorrt", "numpy"),
     "config": ("safetensors",),
     "vision": ("onnx", "torch", "safetensors", "numpy"),
+    "vision_engine": ("onnx", "tensorrt", "numpy"),
 }
 
 
@@ -148,6 +152,13 @@ def vision_key(recipe: Recipe, source_id: str, vision_stamps: dict[str, list[int
     """Key of the vision stage (K3's tower graph): the recipe's vision section, config.json and the shard
     headers (`source_id`), and the (size, mtime_ns) stamp of each shard holding tower tensors."""
     return _key("vision", _fields(recipe, "vision"), [], code["vision"], {"source": source_id, "shards": vision_stamps})
+
+
+def vision_engine_key(recipe: Recipe, vision: str, code: dict) -> str:
+    """Key of the vision_engine stage (backend tensorrt: the tower graph built into `vision.engine`): the
+    vision stage's key and what the profile and the memory budget come from: images per request, the patch
+    limit (or the reserve it is derived from), target and tp (images per rank)."""
+    return _key("vision_engine", _fields(recipe, "vision_engine"), [vision], code["vision_engine"])
 
 
 def global_keys(recipe: Recipe, source_id: str, identities: list[str], license_sha256: str | None,

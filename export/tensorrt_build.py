@@ -21,18 +21,20 @@ builder's workspace limit is that budget too.
 
 File. `rank{N}.engine` is a safetensors file (safetensors only, never pickle): one uint8 tensor `engine`
 holding TensorRT's serialized engine, and in the metadata `trt_engine` (JSON: rank, input and output names, the
-optimization profile [min, opt, max] of every input, the pool sizes the profile allows, the engine's device
+optimization profile [min, opt, max] of every input, `pool_limits` (the most state slots and cache blocks the
+runner may allocate: the planner's pool sizes, slots plus the decode graphs' padding slot), the engine's device
 memory and layer count, prefer_aot) and `tensorrt_version`.
 
 Builder settings, each for a reason:
   - STRONGLY_TYPED network: the graph's own types decide precision (no implicit fp16/int8).
   - PREFER_JIT_PYTHON_PLUGINS (default) or PREFER_AOT_PYTHON_PLUGINS: GatedDeltaScan, ShortConv and
     SparseMLAAttention define both implementations, and QDP refuses to choose.
-  - PreviewFeature.ALIASED_PLUGIN_IO_10_03: the state pools are still network inputs updated through aliased
-    plugin outputs (contract ALIASED_PLUGIN_IO_MAY_COPY: TensorRT may copy them; see the README).
+  - no aliased plugin I/O (PreviewFeature.ALIASED_PLUGIN_IO_10_03 stays off): no pool is a network input or
+    output; the plugins reach the runner's pools through the `pool_table` input (contract
+    ALIASED_PLUGIN_IO_MAY_COPY: TensorRT "may insert copies" for aliased plugin I/O).
   - one optimization profile from the recipe's limits (`profile_range`): token and sequence dims from 1 to
-    their maxima, pool dims (slots S, cache blocks NB, table width B) from 1 to the planner's pool sizes with
-    small opt values, so tactic timing never allocates full-size pools.
+    their maxima, the block-table width B from 1 to one max_seq_len sequence's blocks; the pools are not engine
+    inputs, so tactic timing never allocates them.
 Supported: TensorRT 10.9+ (AOT plugins, network preference flags), any NumPy (see plugins/tensorrt_common.py).
 NOT RUN HERE: TensorRT's libraries are not installable on this project's machines; what is checked on CPU is
 listed in the README's backend section.
@@ -96,25 +98,19 @@ def select_device() -> int:
 def profile_range(name: str, axis: int, dim: str | int, limits, pools) -> tuple[int, int, int]:
     """(min, opt, max) of one dimension of an engine input: a fixed size, or a symbolic name.
 
-    T tokens of the step (M of them image rows); N sequences (N_plus_1 = cu_seqlens); pools: S recurrent-state slots, NB cache blocks
-    of BS positions, B blocks per block table, with maxima the runtime's pool sizes (`pools`, the planner's
-    `PoolSizes`: the same arithmetic as the planner and the engine loader; S one more, the padding slot of the
-    runner's decode CUDA graphs) and small opt values, so the build's tactic timing never allocates full-size
-    pools."""
+    T tokens of the step (M of them image rows); N sequences (N_plus_1 = cu_seqlens); B blocks per block table,
+    at most the blocks of one max_seq_len sequence within the planner's pool (`pools`, its `PoolSizes`), with a
+    small opt value. The pools themselves are no engine input (the `pool_table` [P, 3] is fixed)."""
     if isinstance(dim, int):
         return dim, dim, dim
     tokens = limits.max_num_tokens
     per_sequence = min(-(-limits.max_seq_len // pools.block_size), pools.num_blocks)
-    pools = {"S": pools.num_slots, "BS": pools.block_size, "B": per_sequence, "NB": pools.num_blocks}
     ranges = {
         "T": (1, min(tokens, 256), tokens),
         "M": (0, min(tokens, 64), tokens),  # the step's image rows (K3 with a vision tower), at most its tokens
         "N": (1, limits.max_batch, limits.max_batch),
         "N_plus_1": (2, limits.max_batch + 1, limits.max_batch + 1),
-        "S": (1, min(pools["S"], 4), pools["S"] + DECODE_PAD_SLOTS),
-        "BS": (pools["BS"], pools["BS"], pools["BS"]),
-        "B": (1, min(pools["B"], 64), pools["B"]),
-        "NB": (1, min(pools["NB"], 256), pools["NB"]),
+        "B": (1, min(per_sequence, 64), per_sequence),
     }
     if dim not in ranges:
         raise InputError(f"engine input {name!r} axis {axis}: unknown symbolic dimension {dim!r}")
@@ -178,6 +174,7 @@ def build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path, *, 
     graph_path, out_path = Path(graph_path), Path(out_path)
     model = onnx.load(str(graph_path), load_external_data=False)
     profile_dims = engine_profile(model, recipe)
+    pools = make_plan(recipe).pool_sizes()
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
@@ -191,7 +188,6 @@ def build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path, *, 
     config = builder.create_builder_config()
     budget = memory["activations"] + memory["plugin_workspaces"]
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(budget))
-    config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
     cache_path = out_path.with_suffix(".timing_cache")
     timing_cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
     _checked(config.set_timing_cache(timing_cache, ignore_mismatch=False), "set_timing_cache")
@@ -220,6 +216,7 @@ def build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path, *, 
         "inputs": [network.get_input(i).name for i in range(network.num_inputs)],
         "outputs": [network.get_output(i).name for i in range(network.num_outputs)],
         "profile": profile_dims,
+        "pool_limits": {"slots": pools.num_slots + DECODE_PAD_SLOTS, "blocks": pools.num_blocks},
         "device_memory_bytes": device_memory,
         "num_layers": int(engine.num_layers),
         "prefer_aot": bool(prefer_aot),

@@ -48,11 +48,19 @@ CONTRACTS = {c.name: c for c in (
        "onnx-tensorrt onnxOpImporters.cpp:6112-6170 (loadFields / copyField)"),
     _c("ALIASED_PLUGIN_IO_MAY_COPY",
        """An aliased plugin output (getAliasedInput) is honoured only with PreviewFeature::kALIASED_PLUGIN_IO_10_03,
-       and TensorRT "may insert copies" to provide it: read-modify-write of a network input through an aliased
-       plugin output is not guaranteed to be in place. So no pool is a network input or output: plugins receive
-       pool device addresses and write rows themselves (as TensorRT-LLM's attention plugin does with
-       kv_cache_block_offsets and host_kv_cache_pool_pointers).""",
-       "TensorRT include/NvInferRuntime.h:1190-1201; TensorRT-LLM cpp/tensorrt_llm/plugins/gptAttentionPlugin"),
+       and "TensorRT may insert copies to facilitate this capability": read-modify-write of a network input through
+       an aliased plugin output is not guaranteed to be in place (a pool could be copied every step, O(pool)). So
+       no pool is a network input or output and no plugin output is aliased: the runner owns the pools, the
+       engine gets their device addresses in one small input (`pool_table` [P, 3] int64, plugins/pool_table.py),
+       and the plugins write rows in place through it with the step's block tables / slot ids as offsets, as
+       TensorRT-LLM's attention plugin gets `host_kv_cache_pool_pointers` + `kv_cache_block_offsets` and its
+       recurrent (Mamba) layers `conv_state_ptr_{i}` / `rnn_state_ptr_{i}` + `slot_mapping`.""",
+       "TensorRT include/NvInferRuntime.h:1190-1201 (IPluginV3OneBuild::getAliasedInput: \"TensorRT may insert "
+       "copies to facilitate this capability\"; the same sentence in the Python bindings' get_aliased_input "
+       "docstring); TensorRT-LLM tensorrt_llm/runtime/generation.py (GenerationSession.__init__, the engine's expected "
+       "I/O names: kv_cache_block_offsets, host_kv_cache_pool_pointers; with paged_state conv_state_ptr_{i}, "
+       "rnn_state_ptr_{i}, slot_mapping), cpp/tensorrt_llm/plugins/gptAttentionPlugin (INT64 block-pointer "
+       "inputs in supportsFormatCombination); line numbers of the TensorRT-LLM files not pinned here"),
     _c("SET_INPUT_SHAPE_RETURNS_BOOL",
        """IExecutionContext::setInputShape returns false when the name is not an input or the shape is refused
        (outside the active optimization profile); setTensorAddress returns false on a bad name or a pointer

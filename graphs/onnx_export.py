@@ -16,11 +16,14 @@ One graph per rank handles a packed batch of N sequences (prefill chunks and dec
            (`kda_state.i.out` [N, H_l, V, K], `conv_state.i.out` [N, 3*P_l, W-1], row n = slot_ids[n]),
            which the runtime writes into its pools in place; per MLA layer the step's new cache rows
            (`mla_cache.i.out` [T, kv_lora+rope], `index_cache.i.out` [T, Di], fp32 values already rounded to
-           the storage dtype), which the runtime writes at each token's block-table row. TensorRT builds
-           update every pool inside the engine instead: GatedDeltaScan / ShortConv take the pools and the
-           slot ids, and a `PagedCacheWrite` node per cache pool stores the new rows; each pool's output
-           (`kda_state.i.written`, ..., `mla_cache.i.written`, the pool's shape) is aliased to the pool input,
-           so the update is in place and the runtime binds that output to the pool's own buffer.
+           the storage dtype), which the runtime writes at each token's block-table row.
+  TensorRT graphs (backend tensorrt) take no pool and return none (issue 18, defect 4; TensorRT "may insert
+           copies" for aliased plugin I/O): one input `pool_table` [P, 3] int64 holds every pool's device address
+           (`plugins/pool_table.py`; the runner owns the pools, one allocation each), the pool ops name their row
+           with the attribute `pool` (paged caches also `block_size`, `pool_dtype`), GatedDeltaScan / ShortConv
+           update their slots in place, and a `PagedCacheWrite` per cache pool stores the step's rows, whose
+           output (the rows passed on) feeds that pool's readers so that TensorRT orders them after the write.
+           The pools, in table row order, are the model's metadata `pools` (name, element type, dims).
 
 S (slots), NB (blocks) and BS (block size) are symbolic; the runtime sizes the pools (see
 `moe_export.export.planner.pool_sizes`). No output is a whole pool, so a step costs O(tokens + context used).
@@ -64,7 +67,8 @@ ONNX_OPSET = 21
 # recipe kv_cache -> pool element type; fp8 pools are uint8 rows of E4M3 codes + one E8M0 scale byte
 # (`moe_export.quantize.fp8_cache`), so their last dim is D + 1
 CACHE_STORAGE = {"fp32": TensorProto.FLOAT, "bf16": TensorProto.BFLOAT16, "fp8": TensorProto.UINT8}
-WRITTEN_SUFFIX = ".written"  # graph output `<pool>.written`: a pool written in place (TensorRT, aliased)
+POOLS_KEY = "pools"  # TensorRT graphs' metadata: the pools in pool-table row order (name, element type, dims)
+POOL_TABLE = "pool_table"  # TensorRT graphs' input [P, 3] int64 (plugins/pool_table.py)
 MLA_LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm
 INDEXER_KNORM_EPS = 1e-6
 FP8_BLOCK = 128
@@ -258,7 +262,11 @@ class RankGraph:
                  state_in_place: bool = False, limits=None):
         self.cfg, self.m = cfg, mapping
         self.limits = limits  # TensorRT: the recipe's limits size the MoE / indexer plugins' workspace outputs
-        self.state_in_place = state_in_place  # TensorRT: every pool updated by an aliased plugin output
+        # TensorRT: no pool is a graph input or output; the plugins reach the pools through the pool table
+        # (`plugins/pool_table.py`) and update them in place (issue 18, defect 4)
+        self.state_in_place = state_in_place
+        self.kv_cache = kv_cache
+        self.pools: list[tuple[str, int, list]] = []  # TensorRT: (name, element type, dims) in table row order
         # MXFP4 bytes (and their E8M0 scales) as the MoE plugin receives them: uint8 for ONNX Runtime; int8 views of
         # the same bytes for TensorRT, whose ONNX parser would widen uint8 initializers to int32
         # (export/tensorrt_contracts.py: PARSER_UINT8_WEIGHTS_BECOME_INT32)
@@ -344,17 +352,16 @@ class RankGraph:
         qkv = g.op("Concat", [g.linear(x, f"{a}{c}_proj.weight", f"{n}.{c}_proj") for c in "qkv"], f"{n}.qkv", axis=-1)
         conv_w = g.op("Concat", [g.reshape(g.weight(f"{a}{c}_conv1d.weight", dtype=TensorProto.FLOAT), [p_l, w],
                                            f"{n}.{c}_conv_w") for c in "qkv"], f"{n}.conv_w", axis=0)  # fmt: skip
-        if self.state_in_place:  # TensorRT: the plugins update the pools' slots in place (aliased outputs)
-            conv_in, state_in, slots = io["conv"], io["state"], io["slots"]
-            written = {1: f"conv_state.{i}{WRITTEN_SUFFIX}"}, {1: f"kda_state.{i}{WRITTEN_SUFFIX}"}
+        if self.state_in_place:  # TensorRT: the plugins update the pools' slots in place, through the pool table
+            conv_y = g.plugin("ShortConv", [qkv, conv_w, POOL_TABLE, io["cu"], io["slots"]], f"{n}.short_conv",
+                              pool=io["conv"])
+            conv_out = None
         else:
             # The step's sequences' windows / states only ([N, ...], addressed by local slots 0..N-1): the plugin
             # outputs are then the touched slots' new values, which the runtime writes back (O(tokens), not O(pool)).
             conv_in = g.op("Gather", [io["conv"], io["slots"]], f"{n}.conv_windows", axis=0)
-            state_in = g.op("Gather", [io["state"], io["slots"]], f"{n}.states", axis=0)
-            slots, written = io["local_slots"], ({}, {})
-        conv_y, conv_out = g.plugin("ShortConv", [qkv, conv_w, conv_in, io["cu"], slots], f"{n}.short_conv", 2,
-                                    out_names=written[0])
+            conv_y, conv_out = g.plugin("ShortConv", [qkv, conv_w, conv_in, io["cu"], io["local_slots"]],
+                                        f"{n}.short_conv", 2)
         q, k, v = (g.reshape(g.slice_last(conv_y, j * p_l, (j + 1) * p_l, f"{n}.{c}_conv"), [-1, hl, dh], f"{n}.{c}")
                    for j, c in enumerate("qkv"))
         f_b = g.to_f32(g.linear(g.linear(x, f"{a}f_a_proj.weight", f"{n}.f_a"), f"{a}f_b_proj.weight", f"{n}.f_b"), f"{n}.f_b")
@@ -371,8 +378,15 @@ class RankGraph:
             sp = g.op("Softplus", [u], f"{n}.softplus")
             log_decay = g.op("Neg", [g.op("Mul", [decay, sp], f"{n}.A_sp")], f"{n}.g")
         beta = g.op("Sigmoid", [g.to_f32(g.linear(x, f"{a}b_proj.weight", f"{n}.b_proj"), f"{n}.b_proj")], f"{n}.beta")
-        o, state_out = g.plugin("GatedDeltaScan", [q, k, v, log_decay, beta, state_in, io["cu"], slots],
-                                f"{n}.gated_delta_scan", 2, out_names=written[1], scale=float(dh**-0.5), use_qk_l2norm=1)
+        scan = dict(scale=float(dh**-0.5), use_qk_l2norm=1)
+        if self.state_in_place:
+            o = g.plugin("GatedDeltaScan", [q, k, v, log_decay, beta, POOL_TABLE, io["cu"], io["slots"]],
+                         f"{n}.gated_delta_scan", pool=io["state"], **scan)
+            state_out = None
+        else:
+            state_in = g.op("Gather", [io["state"], io["slots"]], f"{n}.states", axis=0)
+            o, state_out = g.plugin("GatedDeltaScan", [q, k, v, log_decay, beta, state_in, io["cu"], io["local_slots"]],
+                                    f"{n}.gated_delta_scan", 2, **scan)
         if cfg.use_full_rank_gate:
             gate = g.linear(x, f"{a}g_proj.weight", f"{n}.g_proj")
         else:
@@ -380,7 +394,8 @@ class RankGraph:
         gate = g.reshape(gate, [-1, hl, dh], f"{n}.gate_heads")
         normed = g.rms_norm(o, f"{a}o_norm.weight", cfg.rms_norm_eps, f"{n}.o_norm")
         y = g.reshape(g.sigmoid_mul(normed, gate, f"{n}.gated"), [-1, p_l], f"{n}.o_flat")
-        io["conv_out"], io["state_out"] = conv_out, state_out
+        if not self.state_in_place:
+            io["conv_out"], io["state_out"] = conv_out, state_out
         return g.all_reduce(g.linear(y, f"{a}o_proj.weight", f"{n}.o_proj"), "tp", m.tp, f"{n}.all_reduce")
 
     # ---- MLA (NoPE, absorbed over the latent cache) + DSA ----
@@ -407,7 +422,11 @@ class RankGraph:
         ckv = g.linear(x, f"{a}kv_a_proj_with_mqa.weight", f"{n}.kv_a")
         c = g.rms_norm(g.slice_last(ckv, 0, r, f"{n}.c"), f"{a}kv_a_layernorm.weight", MLA_LATENT_NORM_EPS, f"{n}.c_norm")
         entry = g.op("Concat", [c, g.slice_last(ckv, r, r + rope, f"{n}.k_pe")], f"{n}.cache_entry", axis=-1)
-        entry = io["mla_out"] = self.round_to_storage(g.to_f32(entry, f"{n}.cache_entry"), f"{n}.cache_rows")
+        entry = self.round_to_storage(g.to_f32(entry, f"{n}.cache_entry"), f"{n}.cache_rows")
+        if self.state_in_place:  # written into the pool first; the attention takes the rows from the write
+            entry = self.write_cache(io["mla"], entry, io, f"{n}.cache_write")
+        else:
+            io["mla_out"] = entry
         # Dense layers pass an empty [0, 0] index tensor (the op's "dense causal" form), so the node always
         # has the six inputs TensorRT's plugin signature fixes.
         if self.use_indexer and cfg.has_indexer(i):
@@ -416,9 +435,10 @@ class RankGraph:
             indices = self.last_indices
         else:
             indices = g.const(np.zeros((0, 0)), np.int64, "dense")
-        attn_inputs = [g.to_f32(q_full, f"{n}.q_lat"), io["mla"], entry, io["cu"], io["tables"], io["positions"], indices]
+        pool = POOL_TABLE if self.state_in_place else io["mla"]
+        attn_inputs = [g.to_f32(q_full, f"{n}.q_lat"), pool, entry, io["cu"], io["tables"], io["positions"], indices]
         o_lat = g.plugin("SparseMLAAttention", attn_inputs, f"{n}.attention",
-                         scale=float((nope + rope) ** -0.5), kv_lora_rank=r)  # [T, H, r]
+                         scale=float((nope + rope) ** -0.5), kv_lora_rank=r, **self.pool_attributes(io["mla"]))
         o_t = g.op("Transpose", [g.to_act(o_lat, f"{n}.attention")], f"{n}.o_latT", perm=[1, 0, 2])  # [H, T, r]
         o = g.op("MatMul", [o_t, g.op("Transpose", [w_vc], f"{n}.w_vcT", perm=[0, 2, 1])], f"{n}.v_up")  # [H, T, v]
         y = g.reshape(g.op("Transpose", [o], f"{n}.oT", perm=[1, 0, 2]), [-1, hl * vd], f"{n}.o_flat")
@@ -437,11 +457,16 @@ class RankGraph:
                                         g.weight(f"{a}k_norm.weight", dtype=TensorProto.FLOAT),
                                         g.weight(f"{a}k_norm.bias", dtype=TensorProto.FLOAT)],
                  f"{n}.k_norm", axis=-1, epsilon=INDEXER_KNORM_EPS)  # fmt: skip
-        k = io["index_out"] = self.round_to_storage(k, f"{n}.cache_rows")
+        k = self.round_to_storage(k, f"{n}.cache_rows")
+        if self.state_in_place:  # written into the pool first; the indexer takes the keys from the write
+            k = self.write_cache(io["index"], k, io, f"{n}.cache_write")
+        else:
+            io["index_out"] = k
         # score[t, s] = sum_h (w[t, h] * Hi^-0.5 * Di^-0.5) * relu(q[t, h] . k[s]); the op applies relu and sums.
         weights = g.op("Mul", [g.to_f32(g.linear(x, f"{a}weights_proj.weight", f"{n}.weights_proj"), f"{n}.weights_proj"),
                                g.const((hi**-0.5) * (di**-0.5), np.float32, "index_scale")], f"{n}.head_weights")
-        inputs = [q, weights, io["index"], k, io["cu"], io["tables"], io["positions"]]
+        pool = POOL_TABLE if self.state_in_place else io["index"]
+        inputs = [q, weights, pool, k, io["cu"], io["tables"], io["positions"]]
         if not self.state_in_place:
             return g.plugin("DSAIndexer", inputs, f"{n}.topk", topk=int(self.topk))
         # TensorRT: the chunk buffers are the plugin's second output, in the engine's device memory
@@ -450,19 +475,28 @@ class RankGraph:
         limits = self.limits
         length = -(-limits.max_seq_len // limits.block_size) * limits.block_size  # the tables' capacity
         size = workspace_bytes(limits.max_num_tokens, length, int(self.topk))
-        return g.plugin("DSAIndexer", inputs, f"{n}.topk", 2, topk=int(self.topk), scratch_bytes=size)[0]
+        return g.plugin("DSAIndexer", inputs, f"{n}.topk", 2, topk=int(self.topk), scratch_bytes=size,
+                        **self.pool_attributes(io["index"]))[0]
 
-    def write_cache_in_place(self, pool: str, rows: str, io: dict, name: str) -> None:
-        """PagedCacheWrite of the step's rounded rows into `pool` (aliased output `<name>.written`)."""
-        self.g.plugin("PagedCacheWrite", [pool, rows, io["cu"], io["tables"], io["positions"]], name + WRITTEN_SUFFIX)
-        self.pool_output(pool)
+    def pool(self, name: str, elem: int, dims: list):
+        """A pool of the layer: on ONNX Runtime a graph input (its name); on TensorRT a row of the pool table (its
+        row index), listed in the graph's metadata for the runner, which owns the pools."""
+        if not self.state_in_place:
+            return self._input(name, elem, dims)
+        self.pools.append((name, elem, dims))
+        return len(self.pools) - 1
 
-    def pool_output(self, pool: str) -> None:
-        """Graph output `<pool>.written`, the pool's type and shape, produced by a plugin whose output is aliased to
-        the pool input on TensorRT (no Identity: the node's own output is the graph output, so nothing is copied)."""
-        src = next(v for v in self.inputs if v.name == pool)
-        self.outputs.append(helper.make_tensor_value_info(pool + WRITTEN_SUFFIX, src.type.tensor_type.elem_type,
-                                                          [d.dim_param or d.dim_value for d in src.type.tensor_type.shape.dim]))
+    def pool_attributes(self, pool) -> dict:
+        """A paged-cache op's attributes for its pool on TensorRT (row, block size, storage); none on ONNX Runtime."""
+        if not self.state_in_place:
+            return {}
+        return dict(pool=pool, block_size=int(self.limits.block_size), pool_dtype=self.kv_cache)
+
+    def write_cache(self, pool: int, rows: str, io: dict, name: str) -> str:
+        """TensorRT: PagedCacheWrite of the step's rounded rows into table row `pool`'s pool; returns the rows as
+        the node passes them on (the pool's readers take them from there, so they run after the write)."""
+        return self.g.plugin("PagedCacheWrite", [POOL_TABLE, rows, io["cu"], io["tables"], io["positions"]], name,
+                             **self.pool_attributes(pool))
 
     def round_to_storage(self, rows: str, name: str) -> str:
         """fp32 cache rows [T, D] rounded to the pool's storage dtype (kept fp32: the runtime stores them exactly)."""
@@ -644,13 +678,13 @@ class RankGraph:
             io = dict(io_common)
             if cfg.is_kda(i):
                 hl, dh = self.kda_heads, cfg.kda_head_dim
-                io["state"] = self._input(f"kda_state.{i}", f32, ["S", hl, dh, dh])
-                io["conv"] = self._input(f"conv_state.{i}", f32, ["S", 3 * hl * dh, cfg.conv_kernel_size - 1])
+                io["state"] = self.pool(f"kda_state.{i}", f32, ["S", hl, dh, dh])
+                io["conv"] = self.pool(f"conv_state.{i}", f32, ["S", 3 * hl * dh, cfg.conv_kernel_size - 1])
             else:
-                io["mla"] = self._input(f"mla_cache.{i}", self.cache_type, ["NB", "BS", self.row_bytes(cfg.latent_cache_dim)])
+                io["mla"] = self.pool(f"mla_cache.{i}", self.cache_type, ["NB", "BS", self.row_bytes(cfg.latent_cache_dim)])
                 if self.use_indexer and cfg.has_indexer(i):
-                    io["index"] = self._input(f"index_cache.{i}", self.cache_type,
-                                              ["NB", "BS", self.row_bytes(cfg.index_head_dim)])
+                    io["index"] = self.pool(f"index_cache.{i}", self.cache_type,
+                                            ["NB", "BS", self.row_bytes(cfg.index_head_dim)])
             attend = self.kda if cfg.is_kda(i) else self.mla
             if cfg.attn_res_block_size is None:
                 a = attend(i, g.rms_norm(h, lp + "input_layernorm.weight", eps, f"layers.{i}.input_norm"), io)
@@ -668,15 +702,9 @@ class RankGraph:
             x = g.rms_norm(mixed, lp + "post_attention_layernorm.weight", eps, f"layers.{i}.post_norm")
             f = self.moe(i, x) if cfg.is_moe(i) else self.mlp(x, lp + "mlp.", f"layers.{i}.mlp", self.m.tp)
             h = g.op("Add", [prefix, f], f"layers.{i}.mlp_residual")
-            for key, pool in (("state_out", f"kda_state.{i}"), ("conv_out", f"conv_state.{i}")):
-                if key in io and self.state_in_place:
-                    self.pool_output(pool)  # the plugin's aliased output, named `<pool>.written`
-                elif key in io:
-                    state_outputs.append((io[key], f"{pool}.out"))
-            for key, pool_key, pool in (("mla_out", "mla", f"mla_cache.{i}"), ("index_out", "index", f"index_cache.{i}")):
-                if key in io and self.state_in_place:
-                    self.write_cache_in_place(io[pool_key], io[key], io, pool)
-                elif key in io:
+            for key, pool in (("state_out", f"kda_state.{i}"), ("conv_out", f"conv_state.{i}"),
+                              ("mla_out", f"mla_cache.{i}"), ("index_out", f"index_cache.{i}")):
+                if key in io:  # ONNX Runtime: the step's new states / rows, which the runtime writes
                     state_outputs.append((io[key], f"{pool}.out"))
         def rows(value: str, name: str) -> str:  # the rows of each sequence's last token
             return g.op("Gather", [value, last], name, axis=0)
@@ -687,6 +715,8 @@ class RankGraph:
         else:
             h = rows(h, "final.last_tokens")
         self._output(self.head(h), "logits", f32, ["N", cfg.vocab_size])
+        if self.state_in_place and self.pools:
+            self._input(POOL_TABLE, i64, [len(self.pools), 3])
         for value, out_name in state_outputs:
             src = next(v for v in self.inputs if v.name == out_name[: -len(".out")])
             dims = [d.dim_param or d.dim_value for d in src.type.tensor_type.shape.dim]
@@ -702,7 +732,10 @@ class RankGraph:
             producer_name="moe-export",
         )
         model.ir_version = 10
-        for k, v in (("mapping", json.dumps(self.m.to_dict(), sort_keys=True)), ("weights", g.weights_file)):
+        meta = [("mapping", json.dumps(self.m.to_dict(), sort_keys=True)), ("weights", g.weights_file)]
+        if self.state_in_place:
+            meta.append((POOLS_KEY, json.dumps([{"name": n, "elem_type": e, "dims": d} for n, e, d in self.pools])))
+        for k, v in meta:
             entry = model.metadata_props.add()
             entry.key, entry.value = k, v
         return model

@@ -93,12 +93,11 @@ def as_torch(tensor) -> torch.Tensor:
 
 
 def clamp_ragged_indices(
-    cu_seqlens: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor, num_blocks: int, block_size: int
+    cu_seqlens: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """cu_seqlens [N+1] into [0, T] and non-decreasing, block_tables [N, B] into [-1, NB-1] (-1 = unused),
-    positions [T] into [0, B*BS-1] (T = positions rows): identity on valid inputs, in bounds on the garbage of
-    tactic runs."""
+    """cu_seqlens [N+1] into [0, T] and non-decreasing, block_tables [N, B] to at least -1 (-1 = unused; the
+    kernels clamp block ids to their pool's capacity, which only the pool table on the device holds), positions
+    [T] into [0, B*BS-1] (T = positions rows): identity on valid inputs, in bounds on the garbage of tactic runs."""
     num_tokens = positions.shape[0]
     cu = torch.cummax(cu_seqlens.clamp(0, num_tokens), 0).values
-    tables = block_tables.clamp(-1, num_blocks - 1)
-    return cu, tables, positions.clamp(0, max(block_tables.shape[1] * block_size - 1, 0))
+    return cu, block_tables.clamp(min=-1), positions.clamp(0, max(block_tables.shape[1] * block_size - 1, 0))

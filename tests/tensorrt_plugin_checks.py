@@ -30,11 +30,11 @@ VERSION = os.environ.get("MOE_EXPORT_TRT_VERSION", "")
 GRAPHS = [Path(p) for p in os.environ.get("MOE_EXPORT_TRT_GRAPHS", "").split(os.pathsep) if "-tensorrt" in p]
 ENV = {"T": 5, "N": 2, "N_plus_1": 3, "S": 3, "NB": 7, "BS": 4, "B": 3}
 EXPECTED = {  # op type -> (has JIT impl, has AOT impl, aliased input of each output)
-    "GatedDeltaScan": (True, True, [-1, 5]),
-    "ShortConv": (True, True, [-1, 2]),
+    "GatedDeltaScan": (True, True, [-1]),
+    "ShortConv": (True, True, [-1]),
     "SparseMLAAttention": (True, True, [-1]),
     "DSAIndexer": (True, False, [-1, -1]),
-    "PagedCacheWrite": (True, True, [0]),
+    "PagedCacheWrite": (True, True, [-1]),
     "MoEMXFP4": (True, False, [-1, -1]),
     "AllReduce": (True, False, [-1]),
     "AllGather": (True, False, [-1]),
@@ -209,25 +209,29 @@ def test_aot_launch_parameters_and_extra_args(node, types, monkeypatch):
     extras = [v for _, v in launch["extras"]]
     shape = {name: [standin.symbolic(d).evaluate(ENV) for d in dims] for name, dims in zip(node.input, in_dims)}
     T, N = ENV["T"], ENV["N"]
+    attrs = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
+    row = attrs["pool"]  # issue 18, defect 4: the pool's table row, never a pool pointer
+    assert node.input[1 if node.op_type in ("SparseMLAAttention",) else {"GatedDeltaScan": 5, "ShortConv": 2,
+                                                                         "PagedCacheWrite": 0}[node.op_type]] == "pool_table"
     if node.op_type == "GatedDeltaScan":
         from moe_export.plugins.gated_delta_scan.triton_kernel import block_sizes
 
         _, H, K = shape[node.input[0]]
         V = shape[node.input[2]][2]
-        assert extras == [T, shape[node.input[5]][0]]  # tokens, state rows (the step's gathered states)
+        assert extras == [row, T]
         assert launch["grid"] == [-(-V // block_sizes(K, V)[1]), H, N]
     elif node.op_type == "ShortConv":
         from moe_export.plugins.short_conv.triton_kernel import block_sizes
 
         C, W = shape[node.input[1]]
-        assert extras == [T, shape[node.input[2]][0]]  # tokens, window rows (the step's gathered windows)
+        assert extras == [row, T]
         assert launch["grid"] == [-(-C // block_sizes(C, W)[1]), N, 1]
     elif node.op_type == "PagedCacheWrite":
-        assert extras == [N, T, ENV["NB"], ENV["BS"], ENV["B"]]
+        assert extras == [row, N, T, attrs["block_size"], ENV["B"]]
         assert launch["grid"] == [T, 1, 1]
     else:
         H = shape[node.input[0]][1]
-        assert extras == [N, T, ENV["NB"], ENV["BS"], ENV["B"], shape[node.input[6]][1]]
+        assert extras == [row, N, T, attrs["block_size"], ENV["B"], shape[node.input[6]][1]]
         assert launch["grid"] == [T, -(-H // 16), 1]
     assert launch["block"][0] % 32 == 0 and launch["block"][1:] == [1, 1]
     assert launch["shared"] >= 0
@@ -318,6 +322,42 @@ def test_parser_refuses_a_uint8_weight_feeding_a_plugin():
     built = standin.build_phase(plugin, in_types, in_dims, ENV)
     with pytest.raises(standin.ParserRefusal, match="PARSER_UINT8_WEIGHTS_BECOME_INT32"):
         standin.require_supported(node, widened, out_types, built)
+
+
+def test_tensorrt_graphs_keep_the_pools_outside_the_network():
+    """Issue 18, defect 4 (contract ALIASED_PLUGIN_IO_MAY_COPY): no pool is an input or output of the graphs
+    TensorRT parses; every pool op takes the pool table."""
+    for path in GRAPHS:
+        model = onnx.load(str(path), load_external_data=False)
+        standin.require_pools_outside_io(model)
+        pool_ops = [n for n in model.graph.node if n.op_type in ("GatedDeltaScan", "ShortConv", "PagedCacheWrite",
+                                                                 "SparseMLAAttention", "DSAIndexer")]  # fmt: skip
+        assert pool_ops and all("pool_table" in n.input for n in pool_ops)
+
+
+def test_stand_in_refuses_an_aliased_plugin_output():
+    """Issue 18, defect 4: a plugin output aliased to an input (how the pools used to be updated) is refused by the
+    stand-in's build (contract ALIASED_PLUGIN_IO_MAY_COPY: TensorRT may insert copies), with the reason."""
+    _register_scratch(
+        """
+        import tensorrt.plugin as trtp
+
+        @trtp.register("NAME")
+        def _desc(pool: trtp.TensorDesc) -> trtp.TensorDesc:
+            return pool.aliased()
+
+        @trtp.impl("NAME")
+        def _run(pool, outputs, stream):
+            pass
+        """,
+        "aliased",
+    )
+    ns = f"scratch_{VERSION.replace('.', '_')}"
+    creator = standin.get_plugin_registry().get_creator("aliased", "1", ns)
+    plugin = creator.create_plugin("aliased", ns, standin.PluginFieldCollection(), standin.TensorRTPhase.BUILD,
+                                   standin.QuickPluginCreationRequest.PREFER_JIT)  # fmt: skip
+    with pytest.raises(standin.ParserRefusal, match="ALIASED_PLUGIN_IO_MAY_COPY"):
+        standin.build_phase(plugin, [trt.float32], [["S", 4]], ENV)
 
 
 # ----------------------------------------------------------------------- buffers handed to impl

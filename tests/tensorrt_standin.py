@@ -404,6 +404,21 @@ def parsed_input_types(node, value_types: dict, initializers: set[str]) -> list[
     return out
 
 
+POOL_PREFIXES = ("kda_state.", "conv_state.", "mla_cache.", "index_cache.")  # the runner's cache and state pools
+
+
+def require_pools_outside_io(model) -> None:
+    """Contract ALIASED_PLUGIN_IO_MAY_COPY: TensorRT "may insert copies" for aliased plugin I/O, so a pool as a
+    network input updated through a plugin output (or returned as a network output) is not in place; a TensorRT
+    build of ours refuses any pool among the network's inputs and outputs."""
+    from moe_export.export.tensorrt_contracts import contract
+
+    pools = [v.name for v in (*model.graph.input, *model.graph.output) if v.name.startswith(POOL_PREFIXES)]
+    if pools:
+        raise ParserRefusal(f"pools as network I/O {pools[:4]}{'...' if len(pools) > 4 else ''}: "
+                            f"{contract('ALIASED_PLUGIN_IO_MAY_COPY').name} ({contract('ALIASED_PLUGIN_IO_MAY_COPY').source})")
+
+
 def require_supported(node, in_types: list[DataType], out_types: list[DataType], built: dict) -> None:
     """The builder's format negotiation: the node's parsed types must be one of the plugin's combinations, else
     no engine (a uint8 initializer, widened to INT32 by the parser, matches nothing a plugin declares)."""
@@ -477,6 +492,10 @@ def build_phase(plugin, input_types: list[DataType], input_dims: list[list], env
     tactics = plugin.get_valid_tactics()
     plugin.set_tactic(tactics[0] if tactics else 0)
     aliases = [plugin.get_aliased_input(i) for i in range(len(out_types))]
+    if any(a >= 0 for a in aliases):  # contract ALIASED_PLUGIN_IO_MAY_COPY: our builds enable no aliasing
+        raise ParserRefusal(f"plugin output aliased to input(s) {aliases}: the builder leaves "
+                            "PreviewFeature.ALIASED_PLUGIN_IO_10_03 off (contract ALIASED_PLUGIN_IO_MAY_COPY: TensorRT "
+                            "may insert copies); pools are reached through the pool table")
     return {"output_types": list(out_types), "output_shapes": out_shapes, "combinations": combos,
             "aliases": aliases, "in_out": in_out, "input_exprs": in_exprs, "tactics": tactics}  # fmt: skip
 

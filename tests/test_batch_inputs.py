@@ -235,3 +235,31 @@ def test_image_documents_with_images_and_without(tmp_path):
     assert plain["report.pdf"].images == () and plain["report.pdf"].text.strip() == "A chart of sales"
     assert plain["scans.pdf"].error_code == "empty_document"
     assert plain["report.pdf"].key != report.key  # read with its images it is another job: resumed separately
+
+
+def test_pdf_images_go_with_the_chunk_holding_their_page():
+    """DocRunner.chunk_images: an image rides with the chunk in which its page's text starts (overlapping chunks:
+    the later one that starts at or before it); more images in one chunk than the engine takes is refused."""
+    from types import SimpleNamespace
+
+    from moe_export.runtime.entrypoints.batch.doc_tasks import DocRunner, RefusedImages
+
+    pages = [" ".join(f"p{n}w{i}" for i in range(40)) for n in range(3)]
+    text = "\n\n".join(pages)
+    offsets = [0, len(pages[0]) + 2, len(pages[0]) + len(pages[1]) + 4]
+    assert [text[o:o + 4] for o in offsets] == ["p0w0", "p1w0", "p2w0"]
+    chunks = chunk_text(text, word_count, 30, 5)
+    runner = object.__new__(DocRunner)
+    runner.vision = SimpleNamespace(max_images=2)
+    images = [{"url": f"u{n}", "source": f"doc.pdf page {n + 1} image I{k}", "offset": o}
+              for n, o in enumerate(offsets) for k in range(1 + (n == 2))]
+    per_chunk = runner.chunk_images("doc.pdf", text, chunks, images)
+    assert sum(map(len, per_chunk)) == len(images)
+    for group, chunk in zip(per_chunk, chunks):  # each image's page starts inside its chunk
+        assert all(text[im["offset"]:im["offset"] + 4] in chunk.split() for im in group)
+    where = {im["url"]: i for i, group in enumerate(per_chunk) for im in group}
+    assert [im["url"] for im in per_chunk[0]] == ["u0"] and 0 < where["u1"] < where["u2"] < len(chunks)
+    runner.vision = SimpleNamespace(max_images=1)
+    with pytest.raises(RefusedImages, match="2 images in one request") as exc:
+        runner.chunk_images("doc.pdf", text, chunks, images)
+    assert exc.value.code == "too_many_images" and "page 3 image I1" in str(exc.value)

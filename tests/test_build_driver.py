@@ -113,7 +113,12 @@ def fake_engine(graph_path, recipe, mapping, out_path):
     Path(out_path).write_bytes(Path(graph_path).read_bytes() + f"engine {mapping.rank}".encode())
 
 
-FAKE_STAGES = Stages(fake_convert, fake_graph, fake_lower, fake_engine)
+def fake_vision_engine(graph_path, recipe, cfg, out_path):
+    assert (Path(graph_path).parent / "vision.safetensors").is_file(), "the tower graph must sit next to its weights"
+    Path(out_path).write_bytes(Path(graph_path).read_bytes() + f"vision engine tp{recipe.parallel.tp}".encode())
+
+
+FAKE_STAGES = Stages(fake_convert, fake_graph, fake_lower, fake_engine, fake_vision_engine)
 
 
 # ---- helpers ----
@@ -235,7 +240,7 @@ def test_stage_keys_engine_and_source():
     assert {k for k in base if base[k] != tokenized[k]} == {"tokenizer"}
     read_other = stage_keys(trt, "src", None, {}, reads={1: "other bytes"})  # rank 1 read other tensor bytes
     assert {k for k in base if base[k] != read_other[k]} == {"graph/rank1", "engine/rank1", "config"}
-    assert set(STAGE_FIELDS) == {"convert", "graph", "lower", "engine", "vision"}
+    assert set(STAGE_FIELDS) == {"convert", "graph", "lower", "engine", "vision", "vision_engine"}
 
 
 # ---- builds ----
@@ -323,14 +328,15 @@ def test_fewer_segments_and_backend_switch_remove_stale_artifacts(ckpt, tmp_path
     assert verify_engine_dir(out)["ok"]
     assert_published_alone(out)
     res = build(tiny_recipe(ckpt, backend="tensorrt"), out, stages=FAKE_STAGES, progress=False)
-    assert res.ran == [f"engine/rank{n}" for n in range(4)] + ["config"]
+    assert res.ran == [f"engine/rank{n}" for n in range(4)] + ["config", "vision_engine"]
     files = artifact_files(out)
-    assert "rank2/rank2.engine" in files and not any("ort_" in f for f in files)
+    assert "rank2/rank2.engine" in files and "vision.engine" in files and not any("ort_" in f for f in files)
+    assert (out / "vision.engine").read_bytes() == (out / "vision.onnx").read_bytes() + b"vision engine tp2"
     assert verify_engine_dir(out)["ok"]
     assert_published_alone(out)
     # the graph staged in .build, the weights published: the engine builder sees them side by side
     res = build(tiny_recipe(ckpt, backend="tensorrt", **{"limits.max_seq_len": 256}), out, stages=FAKE_STAGES,
-                progress=False)
+                progress=False)  # the tower engine does not depend on the text limits: kept
     assert res.ran == [f"{s}/rank{n}" for n in range(4) for s in ("graph", "engine")] + ["config"]
     assert inodes(out)["rank0/weights.safetensors"] == weights
     assert verify_engine_dir(out)["ok"]

@@ -30,13 +30,11 @@ def test_every_engine_input_has_profile_dims(tiny_graphs):  # noqa: F811
         assert set(profile) == {v.name for v in model.graph.input}
         for low, opt, high in profile.values():
             assert all(lo <= op <= hi for lo, op, hi in zip(low, opt, high))
-        pools = {n: p for n, p in profile.items() if n.startswith(("mla_cache.", "index_cache."))}
-        assert pools and all(p[2][:2] == [sizes.num_blocks, limits.block_size] for p in pools.values())
+        assert not [n for n in profile if n.startswith(("kda_state.", "conv_state.", "mla_cache.", "index_cache."))]
+        rows = next(d.dim_value for d in next(v for v in model.graph.input if v.name == "pool_table").type.tensor_type.shape.dim)
+        assert profile["pool_table"] == [[rows, 3]] * 3  # the pools are the runner's: only their table is an input
     per_sequence = -(-limits.max_seq_len // limits.block_size)
     assert sizes.num_blocks >= per_sequence and sizes.num_slots == limits.max_batch
-    assert profile_range("kda_state.0", 0, "S", limits, sizes) == (1, 4, limits.max_batch + 1)  # + padding slot
-    assert profile_range("mla_cache.3", 0, "NB", limits, sizes) == (1, 256, sizes.num_blocks)
-    assert profile_range("mla_cache.3", 1, "BS", limits, sizes) == (limits.block_size,) * 3
     assert profile_range("block_tables", 1, "B", limits, sizes) == (1, 64, per_sequence)
     assert profile_range("input_ids", 0, "T", limits, sizes) == (1, 256, limits.max_num_tokens)
     with pytest.raises(InputError, match="unknown symbolic dimension"):
@@ -93,7 +91,7 @@ def fake_tensorrt(log: list, device_memory: int):
             log.append(("workspace", size))
 
         def set_preview_feature(self, feature, on):
-            pass
+            log.append(("preview_feature", feature, on))
 
         def create_timing_cache(self, blob):
             return Obj(serialize=lambda: b"cache")
@@ -260,31 +258,69 @@ def test_gpu_graph_computes_in_bf16_with_fp32_where_needed(tiny_graphs):  # noqa
             assert [types_.get(i) for i in n.input[:5]] == [16, 16, 16, 1, 1]
 
 
-def test_gpu_graph_updates_every_pool_in_place(tiny_graphs):  # noqa: F811
-    """TensorRT graphs update every state pool inside the engine: GatedDeltaScan / ShortConv take the pool itself
-    with the step's slot ids, one PagedCacheWrite per cache pool stores the new rows, and each pool's plugin output
-    (aliased to the pool on TensorRT) is itself the graph output `<pool>.written` (pool shape and dtype, caches
-    here fp8 uint8 rows; no Identity copy, no Gather of the slots); no `<pool>.out` is returned. CPU graphs return
-    the step's state and rows."""
-    from moe_export.graphs.onnx_export import WRITTEN_SUFFIX
+def test_gpu_graph_reaches_pools_through_the_pool_table(tiny_graphs):  # noqa: F811
+    """Issue 18, defect 4: TensorRT graphs take no pool and return none (TensorRT "may insert copies" for aliased
+    plugin I/O, contract ALIASED_PLUGIN_IO_MAY_COPY): one input `pool_table` [P, 3] int64; every pool op names its
+    row (`pool`), the metadata lists the pools in row order with the CPU graph's pool names, types and shapes;
+    GatedDeltaScan / ShortConv take the step's slot ids; one PagedCacheWrite per cache pool writes the rows its
+    readers then take from its output. The stand-in parser refuses the ONNX Runtime graph's pool I/O."""
+    import json
+
+    from moe_export.graphs.onnx_export import POOL_TABLE, POOLS_KEY
+    from tensorrt_standin import ParserRefusal, require_pools_outside_io
 
     cpu, gpu = (onnx.load(str(p), load_external_data=False) for p in (tiny_graphs[1], tiny_graphs[2]))
-    pools = {v.name: v for v in gpu.graph.input if v.name.startswith(("kda_state.", "conv_state.", "mla_cache.", "index_cache."))}
-    assert {n.split(".")[0] for n in pools} == {"kda_state", "conv_state", "mla_cache", "index_cache"}
-    producers = {o: n for n in gpu.graph.node for o in n.output}
-    outputs = {o.name: o for o in gpu.graph.output}
-    expected_op = {"kda_state": ("GatedDeltaScan", 5), "conv_state": ("ShortConv", 2), "mla_cache": ("PagedCacheWrite", 0),
-                   "index_cache": ("PagedCacheWrite", 0)}  # op, input index of the pool (the aliased input)
-    for name, pool in pools.items():
-        node = producers[name + WRITTEN_SUFFIX]
-        op, pool_input = expected_op[name.split(".")[0]]
-        assert node.op_type == op and node.input[pool_input] == name
-        assert outputs[name + WRITTEN_SUFFIX].type == pool.type and name + ".out" not in outputs
-        if op != "PagedCacheWrite":
-            assert node.input[-1] == "slot_ids"
-        else:
-            assert pool.type.tensor_type.elem_type == onnx.TensorProto.UINT8
-    assert not any(n.op_type == "Gather" and n.input[0] in pools for n in gpu.graph.node)
+    prefixes = ("kda_state.", "conv_state.", "mla_cache.", "index_cache.")
+    assert not [v.name for v in (*gpu.graph.input, *gpu.graph.output) if v.name.startswith(prefixes)]
+    table = next(v for v in gpu.graph.input if v.name == POOL_TABLE)
+    pools = json.loads({p.key: p.value for p in gpu.metadata_props}[POOLS_KEY])
+    assert [d.dim_value for d in table.type.tensor_type.shape.dim] == [len(pools), 3]
+    assert table.type.tensor_type.elem_type == onnx.TensorProto.INT64
+    cpu_pools = {v.name: v.type.tensor_type for v in cpu.graph.input if v.name.startswith(prefixes)}
+    assert [p["name"] for p in pools] == list(cpu_pools)
+    for p in pools:
+        want, cache = cpu_pools[p["name"]], p["name"].startswith(("mla_", "index_"))
+        dims = [d.dim_param or d.dim_value for d in want.shape.dim]
+        assert p["dims"] == (dims[:-1] + [dims[-1] + 1] if cache else dims)  # fp8 rows: one scale byte more
+        assert p["elem_type"] == (onnx.TensorProto.UINT8 if cache else want.elem_type)
+    row = {p["name"]: i for i, p in enumerate(pools)}
+    by_op: dict = {}
+    consumers = {i: n for n in gpu.graph.node for i in n.input}
+    for n in gpu.graph.node:
+        if POOL_TABLE in n.input:
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+            by_op.setdefault(n.op_type, []).append(pools[attrs["pool"]]["name"])
+            if n.op_type in ("GatedDeltaScan", "ShortConv"):
+                assert n.input[-1] == "slot_ids" and len(n.output) == 1
+            else:
+                assert attrs["block_size"] == 64 and attrs["pool_dtype"] == b"fp8"
+            if n.op_type == "PagedCacheWrite":  # its output (the rows) feeds the pool's reader
+                reader = consumers[n.output[0]]
+                reader_pool = {a.name: a.i for a in reader.attribute}["pool"]
+                assert reader.op_type in ("SparseMLAAttention", "DSAIndexer") and reader_pool == attrs["pool"]
+    assert sorted(by_op["GatedDeltaScan"]) == sorted(n for n in row if n.startswith("kda_state."))
+    assert sorted(by_op["ShortConv"]) == sorted(n for n in row if n.startswith("conv_state."))
+    assert sorted(by_op["PagedCacheWrite"]) == sorted(n for n in row if n.startswith(("mla_cache.", "index_cache.")))
+    require_pools_outside_io(gpu)
+    with pytest.raises(ParserRefusal, match="ALIASED_PLUGIN_IO_MAY_COPY"):
+        require_pools_outside_io(cpu)
     assert not any(n.op_type == "PagedCacheWrite" for n in cpu.graph.node)
-    cpu_pools = [v.name for v in cpu.graph.input if v.name.startswith(("kda_state.", "mla_cache."))]
-    assert cpu_pools and {o.name for o in cpu.graph.output} >= {name + ".out" for name in cpu_pools}
+    assert {o.name for o in cpu.graph.output} >= {name + ".out" for name in cpu_pools}
+
+
+def test_builder_leaves_aliased_plugin_io_off(tiny_graphs, tmp_path, monkeypatch):  # noqa: F811
+    """Issue 18, defect 4: the builder no longer turns on PreviewFeature.ALIASED_PLUGIN_IO_10_03 (nothing is
+    aliased) and records the pool limits the runner sizes its pools within."""
+    recipe, _ = load_recipe("tiny-cpu.yaml")
+    recipe = recipe.model_copy(update={"backend": "tensorrt", "target": recipe.target.model_copy(
+        update={"gpu": "h100", "memory_gib": 4.0})})  # fmt: skip
+    log: list = []
+    view = make_plan(recipe).per_rank[1].memory
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt(log, device_memory=view["activations"]))
+    monkeypatch.setattr(tensorrt_build, "register_plugins", lambda: None)
+    monkeypatch.setattr(tensorrt_build, "select_device", lambda: 0)
+    build_tensorrt_engine(tiny_graphs[2], recipe, Mapping(4, 1, 2, 2), tmp_path / "rank1.engine")
+    assert not [e for e in log if e[0] == "preview_feature"]
+    meta, _ = read_engine_file(tmp_path / "rank1.engine")
+    pools = make_plan(recipe).pool_sizes()
+    assert meta["pool_limits"] == {"slots": pools.num_slots + 1, "blocks": pools.num_blocks}

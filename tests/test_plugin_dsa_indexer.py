@@ -271,6 +271,26 @@ def test_inner_triton_matches_reference(name, block_n):
 
 
 @inner_triton
+def test_inner_triton_reads_keys_through_the_pool_table():
+    """Issue 18, defect 4: the kernel reads the key pool only through the pool table (here row 1 of two: the
+    NaN pool of row 0 would poison the scores); a garbage row reads no pool memory (finite scores, valid ids)."""
+    from moe_export.plugins.dsa_indexer import triton_kernel
+    from moe_export.plugins.pool_table import device_pool_table
+
+    case = make_case(seed=11, **CASES[list(CASES)[-1]])
+    pool = case["k_pool"]
+    poison = torch.full_like(pool, 0xFF if pool.dtype == torch.uint8 else float("nan"))  # fp8: NaN codes
+    args = (case["k_new"], case["cu_seqlens"], case["block_tables"], case["positions"])
+    got = triton_kernel.dsa_indexer_launch(case["q_idx"], case["weights"], device_pool_table([poison, pool]), 1,
+                                           pool.shape[1], pool.dtype, *args, topk=6)  # fmt: skip
+    assert torch.equal(got, reference.dsa_indexer_reference(**case, topk=6))
+    garbage = torch.tensor([[poison.data_ptr(), poison.shape[0], 5]])
+    got = triton_kernel.dsa_indexer_launch(case["q_idx"], case["weights"], garbage, 0, pool.shape[1], pool.dtype,
+                                           *args, topk=6)  # fmt: skip
+    assert got.shape == (case["q_idx"].shape[0], 6) and int(got.max()) < case["block_tables"].shape[1] * pool.shape[1]
+
+
+@inner_triton
 def test_inner_triton_small_chunks_match_reference():
     """Chunks of a few tokens x one block of positions (a tiny scratch budget): the same indices."""
     from moe_export.plugins.dsa_indexer import triton_kernel

@@ -241,19 +241,29 @@ def test_inner_triton_value_tiles_and_state_carry():
 
 
 @inner_triton
-@pytest.mark.parametrize("in_place", [False, True])
-def test_inner_triton_pool_matches_node_reference(in_place):
+def test_inner_triton_pool_matches_node_reference():
+    """Issue 18, defect 4: the kernel reaches the state pool only through the pool table (here row 1 of two)
+    and advances its slots in place; the other pool is untouched, and a garbage row touches no pool."""
     from moe_export.plugins.gated_delta_scan import triton_kernel
+    from moe_export.plugins.pool_table import device_pool_table
 
     args = node_inputs(seed=10)
     o_ref, pool_ref = reference.gated_delta_scan_node(*args, scale=0.25, use_qk_l2norm=True)
-    pool = args[5].clone()
-    o, pool_out = triton_kernel.gated_delta_scan_pool(
-        *args[:5], pool, *args[6:], scale=0.25, use_qk_l2norm=True, state_pool_out=pool if in_place else None
-    )
+    pool, other = args[5].clone(), torch.randn_like(args[5])
+    other_before = other.clone()
+    q, k, v, g, beta = (x.contiguous() for x in (args[0], args[1], args[2], args[3].float(), args[4].float()))
+    o = torch.empty_like(v)
+    triton_kernel.launch(q, k, v, g, beta, device_pool_table([other, pool]), 1, *args[6:], o, 0.25, True, True)
     close(o, o_ref)
-    close(pool_out, pool_ref)
-    assert (pool_out.data_ptr() == pool.data_ptr()) == in_place
+    close(pool, pool_ref)
+    assert torch.equal(other, other_before)
+    fresh = args[5].clone()
+    close(triton_kernel.gated_delta_scan_pool(*args[:5], fresh, *args[6:], scale=0.25, use_qk_l2norm=True), o_ref)
+    close(fresh, pool_ref)
+    before = fresh.clone()
+    triton_kernel.launch(q, k, v, g, beta, torch.tensor([[fresh.data_ptr(), fresh.shape[0], 1]]), 0, *args[6:], o,
+                         0.25, True, True)  # fmt: skip
+    assert torch.equal(fresh, before)
 
 
 # --------------------------------------------------------------------------------- node helpers

@@ -80,24 +80,25 @@ def test_cpu_in_place_equals_reference(name, dtype):
 def test_schema_checker_and_strict_shape_inference():
     onnx_schema.register()
     inputs = [
-        helper.make_tensor_value_info("pool", TensorProto.UINT8, ["NB", "BS", 41]),
+        helper.make_tensor_value_info("pool_table", TensorProto.INT64, ["P", 3]),
         helper.make_tensor_value_info("new_rows", TensorProto.FLOAT, ["T", 40]),
         helper.make_tensor_value_info("cu_seqlens", TensorProto.INT64, ["N1"]),
         helper.make_tensor_value_info("block_tables", TensorProto.INT64, ["N", "B"]),
         helper.make_tensor_value_info("positions", TensorProto.INT64, ["T"]),
     ]
-    node = onnx_schema.make_node(*[i.name for i in inputs], "pool_out")
-    graph = helper.make_graph([node], "write", inputs, [helper.make_tensor_value_info("pool_out", TensorProto.UINT8, None)])
+    node = onnx_schema.make_node(*[i.name for i in inputs], "rows_out", pool=0, block_size=64, pool_dtype="fp8")
+    graph = helper.make_graph([node], "write", inputs, [helper.make_tensor_value_info("rows_out", TensorProto.FLOAT, None)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, OPSET_VERSION)])
     inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
     onnx.checker.check_model(inferred, full_check=True)
     out = inferred.graph.output[0].type.tensor_type
-    assert out.elem_type == TensorProto.UINT8 and [d.dim_param or d.dim_value for d in out.shape.dim] == ["NB", "BS", 41]
+    assert out.elem_type == TensorProto.FLOAT and [d.dim_param or d.dim_value for d in out.shape.dim] == ["T", 40]
 
 
 def test_aot_compile_produces_ptx():
     """The kernel the TensorRT AOT plugin embeds compiles to sm_90 PTX for K3's latent rows (576 values) in every
-    pool dtype; parameters: five input pointers, the int32 scalars N, T, NB, BS, B, the output pointer."""
+    pool dtype; parameters: five input pointers (the pool table first: no pool pointer), the int32 scalars
+    pool, N, T, BS, B, the rows_out pointer."""
     for pool_dtype in DTYPES.values():
         kernel = write_triton.aot_compile(576, 90, pool_dtype)
         ptx = kernel.asm["ptx"]
@@ -105,6 +106,30 @@ def test_aot_compile_produces_ptx():
         kinds = [".u64 .ptr" if ".ptr" in line else line.split()[1] for line in entry.splitlines() if ".param" in line]
         assert kinds[:11] == [".u64 .ptr"] * 5 + [".u32"] * 5 + [".u64 .ptr"] and ".target sm_90" in ptx
     assert "tensorrt" not in sys.modules
+
+
+def test_pool_table_guard_refuses_garbage_before_launching():
+    """Issue 18, defect 4: a null or misaligned pool address, a check word that does not match, a capacity of 0,
+    a row or a block beyond the pool are clear errors before any kernel is launched (on this machine without
+    TRITON_INTERPRET a launch on CPU tensors would fail with another error)."""
+    from moe_export.plugins.pool_table import PoolTableError, check_pool_offsets, check_pool_table, table_row
+
+    pool, new, cu, tables, positions = make_case(seed=8, dtype=torch.float32, **CASES[list(CASES)[0]])
+    address, blocks = pool.data_ptr(), pool.shape[0]
+    for table, message in (([table_row(0, blocks)], "null pool address"),
+                           ([table_row(address + 4, blocks)], "not 16-byte aligned"),
+                           ([[address, blocks, 0]], "check word"),
+                           ([table_row(address, 0)], "capacity 0")):
+        with pytest.raises(PoolTableError, match=message):
+            check_pool_table(np.array(table, dtype=np.int64))
+    good = np.array([table_row(address, blocks)], dtype=np.int64)
+    with pytest.raises(PoolTableError, match="the pool table has 1 rows"):
+        check_pool_offsets(good, 1)
+    with pytest.raises(PoolTableError, match=f"block ids .*{blocks} outside its {blocks} blocks"):
+        write_triton.paged_cache_write_triton(pool, new, cu, tables.clone().fill_(blocks), positions)
+    misaligned = torch.zeros(pool.numel() + 1)[1:].view(pool.shape)  # 4 bytes past an allocation's start
+    with pytest.raises(PoolTableError, match="not 16-byte aligned"):
+        write_triton.paged_cache_write_triton(misaligned, new, cu, tables, positions)
 
 
 # ------------------------------------------------------------- triton (interpreter, subprocess)
@@ -126,6 +151,48 @@ def test_inner_triton_matches_reference(name, dtype):
     want = reference.paged_cache_write_reference(pool, new, cu, tables, positions)
     got = write_triton.paged_cache_write_triton(pool, new, cu, tables, positions)
     assert got.data_ptr() == pool.data_ptr() and same(got, want)
+
+
+@inner_triton
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_inner_triton_writes_through_the_pool_table(dtype):
+    """Issue 18, defect 4: the kernel gets no pool argument, only the pool table (here two pools; the write goes
+    to row 1's pool, in place, and row 0's stays as it was) and passes the rows on as its output."""
+    from moe_export.plugins.pool_table import device_pool_table
+
+    pool, new, cu, tables, positions = make_case(seed=6, dtype=DTYPES[dtype], **CASES[list(CASES)[0]])
+    other = pool.clone()
+    other_before = other.clone()
+    want = reference.paged_cache_write_reference(pool, new, cu, tables, positions)
+    rows_out = torch.empty_like(new)
+    table = device_pool_table([other, pool])
+    write_triton.paged_cache_write_launch(table, 1, pool.shape[1], pool.dtype, new, cu, tables, positions, rows_out)
+    assert same(pool, want) and same(other, other_before) and torch.equal(rows_out, new)
+
+
+@inner_triton
+def test_inner_triton_garbage_table_touches_no_pool():
+    """TensorRT times tactics on garbage inputs: a table row whose check word does not match (here a real pool
+    address with a wrong check word, and a null row) makes the kernel write nothing; the rows are still passed on."""
+    import triton
+
+    from moe_export.plugins.pool_table import TRITON_DTYPES, table_row
+
+    pool, new, cu, tables, positions = make_case(seed=7, dtype=torch.float32, **CASES[list(CASES)[0]])
+    before = pool.clone()
+    for row in ([pool.data_ptr(), pool.shape[0], 12345], [0, 0, 0]):
+        rows_out = torch.zeros_like(new)
+        write_triton._paged_cache_write_kernel[(new.shape[0],)](
+            torch.tensor([row], dtype=torch.int64), new, cu, tables, positions, 0, cu.numel() - 1, new.shape[0],
+            pool.shape[1], tables.shape[1], rows_out, D=new.shape[1], BLOCK_D=triton.next_power_of_2(new.shape[1]),
+            POOL_FP8=False, POOL_DTYPE=TRITON_DTYPES[torch.float32])  # fmt: skip
+        assert same(pool, before) and torch.equal(rows_out, new)
+    good = torch.tensor([table_row(pool.data_ptr(), pool.shape[0])], dtype=torch.int64)
+    write_triton._paged_cache_write_kernel[(new.shape[0],)](
+        good, new, cu, tables, positions, 0, cu.numel() - 1, new.shape[0], pool.shape[1], tables.shape[1], rows_out,
+        D=new.shape[1], BLOCK_D=triton.next_power_of_2(new.shape[1]), POOL_FP8=False,
+        POOL_DTYPE=TRITON_DTYPES[torch.float32])  # fmt: skip
+    assert same(pool, reference.paged_cache_write_reference(before, new, cu, tables, positions))
 
 
 @inner_triton

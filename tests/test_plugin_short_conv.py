@@ -179,19 +179,38 @@ def test_inner_triton_matches_reference(name):
 
 
 @inner_triton
-@pytest.mark.parametrize("in_place", [False, True])
-def test_inner_triton_pool_matches_node_reference(in_place):
+def test_inner_triton_pool_matches_node_reference():
+    """Issue 18, defect 4: the kernel reaches the window pool only through the pool table (here the pool is row 1
+    of two) and advances its slots in place; the other pool is untouched."""
+    from moe_export.plugins.pool_table import device_pool_table
     from moe_export.plugins.short_conv import triton_kernel
 
     x, w, pool, cu, slots = node_inputs(seed=7)
     y_ref, pool_ref = reference.short_conv_node(x, w, pool, cu, slots)
-    pool_in = pool.clone()
-    y, pool_out = triton_kernel.short_conv_pool(
-        x, w, pool_in, cu, slots, conv_pool_out=pool_in if in_place else None
-    )
+    other, fresh = torch.randn_like(pool), pool.clone()
+    other_before, y = other.clone(), torch.empty_like(x)
+    triton_kernel.launch(x, w, device_pool_table([other, pool]), 1, cu, slots, y)
     close(y, y_ref)
-    assert torch.equal(pool_out, pool_ref)
-    assert (pool_out.data_ptr() == pool_in.data_ptr()) == in_place
+    assert torch.equal(pool, pool_ref) and torch.equal(other, other_before)
+    assert torch.equal(triton_kernel.short_conv_pool(x, w, fresh, cu, slots), y)  # the one-pool wrapper
+    assert torch.equal(fresh, pool_ref)
+
+
+@inner_triton
+def test_inner_triton_garbage_table_touches_no_pool():
+    """A table row that is not one (wrong check word; null) makes the kernel read and write no pool memory."""
+    import triton
+
+    from moe_export.plugins.short_conv import triton_kernel
+
+    x, w, pool, cu, slots = node_inputs(seed=8)
+    before = pool.clone()
+    C, W = w.shape
+    BT, BC, BW = triton_kernel.block_sizes(C, W)
+    for row in ([pool.data_ptr(), pool.shape[0], 7], [0, 0, 0]):
+        triton_kernel.short_conv_kernel[(triton.cdiv(C, BC), slots.numel())](
+            x, w, torch.tensor([row]), cu, slots, 0, x.shape[0], torch.empty_like(x), C=C, W=W, BT=BT, BC=BC, BW=BW)
+        assert torch.equal(pool, before)
 
 
 # -------------------------------------------------------------------------- ONNX schema and ORT
@@ -310,7 +329,7 @@ def test_aot_compile_produces_ptx():
     import triton  # noqa: F401  (test extra: a missing oracle is a broken install, not a skip)
     from moe_export.plugins.short_conv import triton_kernel
 
-    kernel = triton_kernel.aot_compile("bf16", "bf16", 12288, 4, 90)
+    kernel = triton_kernel.aot_compile("bf16", 12288, 4, 90)
     assert kernel.metadata.name == "short_conv_kernel"
     assert ".entry short_conv_kernel" in kernel.asm["ptx"]
 

@@ -332,7 +332,8 @@ def test_fp8_pool_is_decoded_after_the_gather(mode):
 def test_aot_compile_produces_ptx():
     """The kernel the TensorRT AOT plugin embeds compiles to sm_90 PTX for fp32 at K3's MLA widths (Dc 512,
     Dr 64), real compile on CPU, without tensorrt; its parameters start with the plugin's launch order: seven
-    input pointers, the int32 scalars N, T, NB, BS, B, K, then the output pointer; a bf16 pool gives bf16 pointers."""
+    input pointers (the pool table second: no pool pointer), the int32 scalars pool, N, T, BS, B, K, then the
+    output pointer; bf16 and fp8 pools compile too."""
     import triton  # noqa: F401  (test extra: a missing oracle is a broken install, not a skip)
     from moe_export.plugins.sparse_mla_attention import triton_kernel
 
@@ -359,6 +360,31 @@ def test_triton_in_interpreter_subprocess():
 
 
 inner_triton = pytest.mark.triton_inner  # deselected outside the interpreter subprocess (see conftest)
+
+
+@inner_triton
+def test_inner_triton_reads_through_the_pool_table():
+    """Issue 18, defect 4: the kernel reads the pool only through the pool table (here row 1 of two: a NaN pool
+    at row 0 would poison the result); a garbage row reads no pool memory (a NaN pool leaves the result finite)."""
+    from moe_export.plugins.pool_table import device_pool_table
+    from moe_export.plugins.sparse_mla_attention import triton_kernel
+
+    case = make_case(seed=9, **CASES[list(CASES)[0]])
+    want = run_all(reference.sparse_mla_attention_reference, case, "sparse")
+    pool = case["kv_pool"]
+    poison = torch.full_like(pool, float("nan"))
+    q, new = case["q_lat"].float().contiguous(), case["kv_new"].float().contiguous()
+    cu, tables, pos = case["cu_seqlens"], case["block_tables"], case["positions"]
+    idx = case["topk_indices"]
+    kw = dict(scale=0.3, kv_lora_rank=new.shape[-1] - 16)  # as run_all
+    out = torch.empty(q.shape[0], q.shape[1], kw["kv_lora_rank"])
+    triton_kernel.sparse_mla_attention_launch(q, device_pool_table([poison, pool]), 1, pool.shape[1], pool.dtype, new,
+                                              cu, tables, pos, idx, out, **kw)  # fmt: skip
+    close(out, want)
+    garbage = torch.tensor([[poison.data_ptr(), poison.shape[0], 99]])
+    triton_kernel.sparse_mla_attention_launch(q, garbage, 0, pool.shape[1], pool.dtype, new, cu, tables, pos, idx, out,
+                                              **kw)  # fmt: skip
+    assert torch.isfinite(out).all()
 
 
 @inner_triton

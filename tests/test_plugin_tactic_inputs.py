@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import run_triton_inner_tests
+from moe_export.plugins.pool_table import device_pool_table
 
 inner_triton = pytest.mark.triton_inner
 GUARD = 64
@@ -56,7 +57,7 @@ def test_inner_triton_gated_delta_scan_garbage_indices():
     o_buf, o = guarded((T, H, V), torch.zeros(T, H, V))
     cu = garbage_indices(gen, N + 1, -1000, 1000)
     slots = garbage_indices(gen, N, -50, 50)
-    triton_kernel.launch(q, k, v, g, beta, pool, cu, slots, o, pool, 0.25, True, True)
+    triton_kernel.launch(q, k, v, g, beta, device_pool_table([pool]), 0, cu, slots, o, 0.25, True, True)
     assert guards_intact(pool_buf) and guards_intact(o_buf)
     assert torch.isfinite(pool).all() and torch.isfinite(o).all()
 
@@ -73,7 +74,7 @@ def test_inner_triton_short_conv_garbage_indices():
     y_buf, y = guarded((T, C), torch.zeros(T, C))
     cu = garbage_indices(gen, N + 1, -1000, 1000)
     slots = garbage_indices(gen, N, -50, 50)
-    triton_kernel.launch(x, weight, pool, cu, slots, y, pool)
+    triton_kernel.launch(x, weight, device_pool_table([pool]), 0, cu, slots, y)
     assert guards_intact(pool_buf) and guards_intact(y_buf)
     assert torch.isfinite(pool).all() and torch.isfinite(y).all()
 
@@ -113,5 +114,7 @@ def test_inner_triton_paged_cache_write_garbage_indices(pool_dtype):
     cu = garbage_indices(gen, N + 1, -1000, 1000)
     tables = torch.randint(-500, 500, (N, B), generator=gen)
     pos = garbage_indices(gen, T, -5000, 5000)
-    triton_kernel.paged_cache_write_triton(pool, new, cu, tables, pos)
+    width_rows = torch.empty_like(new)
+    triton_kernel.paged_cache_write_launch(device_pool_table([pool]), 0, BS, pool_dtype, new, cu, tables, pos,
+                                           width_rows)  # fmt: skip
     assert (buf[:GUARD] == 77).all() and (buf[-GUARD:] == 77).all()

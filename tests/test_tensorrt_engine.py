@@ -19,9 +19,9 @@ from moe_export.runtime.engine.tensorrt import (TensorRTEngine, bind, check_shap
                                                 is_decode, pad_decode_feeds, runner_pool_sizes)
 
 META = {
-    "rank": 0, "inputs": ["input_ids", "kda_state.0", "mla_cache.1"], "outputs": ["logits", "kda_state.0.written"],
-    "profile": {"input_ids": [[1], [256], [8192]], "kda_state.0": [[1, 2, 4, 4], [4, 2, 4, 4], [8, 2, 4, 4]],
-                "mla_cache.1": [[1, 64, 576], [256, 64, 576], [9000, 64, 576]]},
+    "rank": 0, "inputs": ["input_ids", "pool_table"], "outputs": ["logits"],
+    "profile": {"input_ids": [[1], [256], [8192]], "pool_table": [[2, 3], [2, 3], [2, 3]]},
+    "pool_limits": {"slots": 8, "blocks": 9000},
 }  # fmt: skip
 
 
@@ -84,19 +84,19 @@ class Buf:
 
 def test_every_return_value_is_checked():
     """Issue 18, defect 6: set_input_shape / set_tensor_address report refusal by returning False."""
-    inputs = {"input_ids": Buf((5,)), "kda_state.0": Buf((8, 2, 4, 4))}
+    inputs = {"input_ids": Buf((5,)), "pool_table": Buf((2, 3))}
     ctx = FakeContext()
     bind(ctx, META, inputs, {"logits": Buf((1, 10))})
-    assert [c[:2] for c in ctx.calls] == [("shape", "input_ids"), ("shape", "kda_state.0"), ("address", "input_ids"),
-                                          ("address", "kda_state.0"), ("address", "logits")]  # fmt: skip
+    assert [c[:2] for c in ctx.calls] == [("shape", "input_ids"), ("shape", "pool_table"), ("address", "input_ids"),
+                                          ("address", "pool_table"), ("address", "logits")]  # fmt: skip
     with pytest.raises(RuntimeError, match="refused input shape"):
-        bind(FakeContext({("shape", "kda_state.0")}), META, inputs, {})
+        bind(FakeContext({("shape", "pool_table")}), META, inputs, {})
     with pytest.raises(RuntimeError, match="refused the address of logits"):
         bind(FakeContext({("address", "logits")}), META, inputs, {"logits": Buf((1, 10))})
     with pytest.raises(InputError, match="outside the engine's profile"):
         check_shape(META, "input_ids", (9000,))
     with pytest.raises(InputError, match="outside the engine's profile"):
-        check_shape(META, "kda_state.0", (9, 2, 4, 4))
+        check_shape(META, "pool_table", (3, 3))
 
 
 # ------------------------------------------------------------------ one stream (torch.cuda stand-in)
@@ -199,6 +199,7 @@ def test_one_stream_for_every_copy_reset_and_enqueue():
     engine._torch, engine.stream, engine.device = FakeTorch, stream, "cuda:0"
     engine.meta = {**META, "profile": {**META["profile"], "positions": [[1], [1], [8192]]}}
     engine.pools = {"kda_state.0": FakeTensor((8, 2, 4, 4))}
+    engine.pool_table = {"pool_table": FakeTensor((2, 3))}
     engine._context = StepContext()
     engine._engine = type("E", (), {"get_tensor_dtype": lambda self, n: "f32"})()
     engine._torch_dtype = lambda dtype: dtype
@@ -216,6 +217,8 @@ def test_one_stream_for_every_copy_reset_and_enqueue():
     assert ops and all(r[1] is stream for r in ops), ops  # nothing on the default stream (None)
     assert ("enqueue", stream, FakeStream.cuda_stream) in RECORD
     assert [r[0] for r in RECORD].count("synchronize") == 1 and RECORD[-1][0] == "synchronize"
+    bound = {c[1] for c in engine._context.calls}  # issue 18, defect 4: the pool table, never a pool
+    assert "pool_table" in bound and not bound & set(engine.pools)
 
 
 def test_decode_buckets_and_padding():
@@ -248,11 +251,12 @@ def test_decode_steps_replay_a_cuda_graph_per_bucket():
     stream = FakeStream()
     engine = object.__new__(TensorRTEngine)
     engine._torch, engine.stream, engine.device = FakeTorch, stream, "cuda:0"
-    profile = {**META["profile"], "kda_state.0": [[1, 2, 4, 4], [4, 2, 4, 4], [9, 2, 4, 4]],
+    profile = {**META["profile"],
                "block_tables": [[1, 1], [1, 64], [8, 16]], "positions": [[1], [1], [8192]],
                "cu_seqlens": [[2], [9], [9]], "slot_ids": [[1], [8], [8]], "last_token_index": [[1], [8], [8]]}  # fmt: skip
-    engine.meta = {**META, "profile": profile}
+    engine.meta = {**META, "profile": profile, "pool_limits": {"slots": 9, "blocks": 9000}}
     engine.pools = {"kda_state.0": FakeTensor((9, 2, 4, 4))}
+    engine.pool_table = {"pool_table": FakeTensor((2, 3))}
     engine._engine = type("E", (), {"get_tensor_dtype": lambda self, n: "f32",
                                     "create_execution_context": lambda self, strategy: GraphContext()})()  # fmt: skip
     engine._trt = type("T", (), {"ExecutionContextAllocationStrategy": type("S", (), {"USER_MANAGED": 2})})
@@ -333,10 +337,11 @@ def test_dp_idle_step_joins_the_all_to_alls_with_nothing_sent():
     stream = FakeStream()
     engine = object.__new__(TensorRTEngine)
     engine._torch, engine.stream, engine.device = FakeTorch, stream, "cuda:0"
-    profile = {**META["profile"], "kda_state.0": [[1, 2, 4, 4], [4, 2, 4, 4], [9, 2, 4, 4]],
+    profile = {**META["profile"],
                "block_tables": [[1, 1], [1, 64], [8, 16]], "positions": [[1], [1], [8192]],
                "cu_seqlens": [[2], [9], [9]], "slot_ids": [[1], [8], [8]], "last_token_index": [[1], [8], [8]]}  # fmt: skip
-    engine.meta = {**META, "profile": profile}
+    engine.meta = {**META, "profile": profile, "pool_limits": {"slots": 9, "blocks": 9000}}
+    engine.pool_table = {"pool_table": FakeTensor((2, 3))}
     pool = FakeTensor((9, 2, 4, 4))
     zeroed = []
     pool.__class__ = type("Pool", (FakeTensor,), {"__getitem__": lambda self, i: zeroed.append(i) or FakeTensor((2, 4, 4))})

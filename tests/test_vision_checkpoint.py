@@ -77,6 +77,11 @@ workspace_reserve_gib: 0.25
     assert limit * one * 4 + 2 * limit * limit * 4 <= reserve < (limit + 1) * one * 4 + 2 * (limit + 1) ** 2 * 4
     assert make_plan(auto).fits
     assert vision_activation_bytes(preset_config("tiny-k3"), _recipe(tmp_path, base + "limits: {max_images_per_request: 0}\n")) == 0
+    # TensorRT: the tower graph is fp32 there too (weights folded to fp32); no materialized scores (fused attention)
+    gpu = base.replace("gpu: cpu", "gpu: h100").replace("memory_gib: 2", "memory_gib: 8") + "backend: tensorrt\n"
+    trt = make_plan(_recipe(tmp_path, gpu + "limits: {max_images_per_request: 3, max_image_patches: 1024}\n"))
+    assert trt.per_rank[0].weight_bytes["vision"] == vc.params() * 4
+    assert trt.per_rank[0].vision_activation_bytes == 2 * 1024 * per_row * 4
 
 
 def test_synthetic_checkpoint_with_a_larger_tower(tmp_path):

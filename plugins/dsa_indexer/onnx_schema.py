@@ -27,7 +27,9 @@ from ..sparse_mla_attention.onnx_schema import (
     CACHE_TYPE_CONSTRAINT,
     input_dim,
     paged_cache_inputs,
+    POOL_TABLE_DOC,
     plugin_lookup_attributes,
+    pool_table_attributes,
     register_once,
     tensor_type,
 )
@@ -54,7 +56,7 @@ def schema() -> defs.OpSchema:
         inputs=[
             p("q_idx", "tensor(float)", "[T, Hi, Di]"),
             p("weights", "tensor(float)", "[T, Hi]"),
-            p("k_pool", "C", "[NB, BS, Di]"),
+            p("k_pool", "C", "[NB, BS, Di], " + POOL_TABLE_DOC),
             p("k_new", "tensor(float)", "[T, Di]"),
             *paged_cache_inputs(),
         ],
@@ -66,6 +68,7 @@ def schema() -> defs.OpSchema:
             defs.OpSchema.Attribute("topk", defs.OpSchema.AttrType.INT, "positions selected per token"),
             defs.OpSchema.Attribute("scratch_bytes", helper.make_attribute("scratch_bytes", 0),
                                     "bytes of the workspace output (TensorRT graphs only)"),
+            *pool_table_attributes(paged=True),
             *plugin_lookup_attributes(),
         ],
     )

@@ -8,7 +8,9 @@ parser's fields (`topk` arrives as one INT32), output type and shape.
 Importing this module registers `moe_export::DSAIndexer` (name = op type, namespace = the node's
 `plugin_namespace` attribute, version "1"). Only a JIT `impl` (Python callback) is provided, so engines need
 Python at runtime. TensorRT may run the impl while timing tactics with garbage inputs: the index inputs are
-clamped first (`clamp_ragged_indices`, on the device).
+clamped first (`clamp_ragged_indices`, on the device) and the kernel reads no pool memory through a garbage pool
+table row. The key pool is no tensor of the network (issue 18, defect 4): input 2 is the pool table
+(`plugins/pool_table.py`), fields `pool` (its row), `block_size` and `pool_dtype` describe the pool.
 
 No host synchronization and bounded scratch: candidates span the block table's capacity (from shapes), and
 scores are made and reduced in chunks of tokens x positions (`triton_kernel.chunked_topk`, near 256 MiB whatever
@@ -29,9 +31,10 @@ import tensorrt.plugin as trtp
 import torch
 
 from .. import PLUGIN_NAMESPACE
-from ..tensorrt_common import Int32Field, as_torch, clamp_ragged_indices, scalar
+from ..pool_table import CACHE_DTYPES
+from ..tensorrt_common import Int32Field, as_torch, clamp_ragged_indices, scalar, text
 from .onnx_schema import OP_TYPE
-from .triton_kernel import dsa_indexer_triton
+from .triton_kernel import dsa_indexer_launch
 
 PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{OP_TYPE}"
 
@@ -40,13 +43,16 @@ PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{OP_TYPE}"
 def _describe(
     q_idx: trtp.TensorDesc,
     weights: trtp.TensorDesc,
-    k_pool: trtp.TensorDesc,
+    pool_table: trtp.TensorDesc,
     k_new: trtp.TensorDesc,
     cu_seqlens: trtp.TensorDesc,
     block_tables: trtp.TensorDesc,
     positions: trtp.TensorDesc,
     topk: Int32Field,
     scratch_bytes: Int32Field,
+    pool: Int32Field,
+    block_size: Int32Field,
+    pool_dtype: str,
 ) -> tuple[trtp.TensorDesc, trtp.TensorDesc]:
     """indices [T, topk] int64 from q_idx [T, Hi, Di], and the workspace [scratch_bytes] int8."""
     return (trtp.from_shape_expr((q_idx.shape_expr[0], scalar(topk)), dtype=trt.int64),
@@ -57,39 +63,43 @@ def _describe(
 def _formats(
     q_idx: trtp.TensorDesc,
     weights: trtp.TensorDesc,
-    k_pool: trtp.TensorDesc,
+    pool_table: trtp.TensorDesc,
     k_new: trtp.TensorDesc,
     cu_seqlens: trtp.TensorDesc,
     block_tables: trtp.TensorDesc,
     positions: trtp.TensorDesc,
     outputs: tuple[trtp.TensorDesc, trtp.TensorDesc],
 ) -> list[trtp.AutoTuneCombination]:
-    """fp32 queries, weights and new keys, fp32, bf16 or uint8 (fp8 rows + scale byte) key pool; int64
-    bookkeeping inputs and output; int8 workspace."""
-    return [trtp.AutoTuneCombination(f"FP32, FP32, {pool}, FP32, INT64, INT64, INT64, INT64, INT8")
-            for pool in ("FP32", "BF16", "UINT8")]
+    """fp32 queries, weights and new keys; the int64 pool table (the key pool's dtype is the `pool_dtype` field),
+    int64 bookkeeping inputs and output; int8 workspace."""
+    return [trtp.AutoTuneCombination("FP32, FP32, INT64, FP32, INT64, INT64, INT64, INT64, INT8")]
 
 
 @trtp.impl(PLUGIN_ID)
 def _run(
     q_idx: trtp.Tensor,
     weights: trtp.Tensor,
-    k_pool: trtp.Tensor,
+    pool_table: trtp.Tensor,
     k_new: trtp.Tensor,
     cu_seqlens: trtp.Tensor,
     block_tables: trtp.Tensor,
     positions: trtp.Tensor,
     topk: Int32Field,
     scratch_bytes: Int32Field,
+    pool: Int32Field,
+    block_size: Int32Field,
+    pool_dtype: str,
     outputs: tuple[trtp.Tensor, trtp.Tensor],
     stream: int,
 ) -> None:
-    """Run on TensorRT's stream (index inputs clamped on the device), writing into the output buffer."""
-    q, w, pool, new, cu, tables, pos = (
-        as_torch(t) for t in (q_idx, weights, k_pool, k_new, cu_seqlens, block_tables, positions)
+    """Run on TensorRT's stream (index inputs clamped on the device; the key pool read through the pool table),
+    writing into the output buffer."""
+    q, w, table, new, cu, tables, pos = (
+        as_torch(t) for t in (q_idx, weights, pool_table, k_new, cu_seqlens, block_tables, positions)
     )
     out = as_torch(outputs[0])
+    bs = scalar(block_size)
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-        cu, tables, pos = clamp_ragged_indices(cu, tables, pos, pool.shape[0], pool.shape[1])
-        dsa_indexer_triton(q, w, pool, new, cu, tables, pos, topk=scalar(topk), out=out,
-                           workspace=as_torch(outputs[1]).view(torch.uint8))
+        cu, tables, pos = clamp_ragged_indices(cu, tables, pos, bs)
+        dsa_indexer_launch(q, w, table, scalar(pool), bs, CACHE_DTYPES[text(pool_dtype)], new, cu, tables, pos,
+                           topk=scalar(topk), out=out, workspace=as_torch(outputs[1]).view(torch.uint8))

@@ -3,7 +3,7 @@
 A Triton kernel writes the index scores [T, Lmax] (one program per token and BLOCK_N cache positions: the
 token's [Hi, Di] queries against a [BLOCK_N, Di] key tile, relu, head-weighted sum; positions beyond the
 token get -inf and blocks wholly beyond it skip the loads; keys of earlier steps are loaded from the paged pool
-through the sequence's block table, the step's own from `k_new`, and cast (fp8 pools: decoded) to fp32 after the
+(reached through the pool table, `plugins/pool_table.py`) through the sequence's block table, the step's own from `k_new`, and cast (fp8 pools: decoded) to fp32 after the
 load), then the top-k is taken with the op's tie rule (`cpu.select_topk`'s: best first, ties to the lower position).
 Dot products use `input_precision="ieee"` (fp32). Runs on CUDA tensors, or on CPU under TRITON_INTERPRET=1.
 
@@ -18,18 +18,23 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pool_table import TRITON_DTYPES, check_pool_offsets, in_pool, pool_entry, pool_table
 from ..sparse_mla_attention.reference import token_sequences
 from ..sparse_mla_attention.triton_kernel import fp8_rows_to_f32
 
 
 @triton.jit
 def _index_scores_kernel(
-    q_ptr, w_ptr, pool_ptr, new_ptr, seq_ptr, cu_ptr, tables_ptr, pos_ptr, out_ptr,
-    num_heads, out_len, block_size, table_width, t0, col0,
+    q_ptr, w_ptr, pool_table_ptr, new_ptr, seq_ptr, cu_ptr, tables_ptr, pos_ptr, out_ptr,
+    pool_index, num_heads, out_len, block_size, table_width, t0, col0,
     stride_qt, stride_qh, stride_wt, stride_ot,
     DI: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    POOL_FP8: tl.constexpr = False,
+    POOL_FP8: tl.constexpr, POOL_DTYPE: tl.constexpr,
 ):
+    """Scores of tokens t0.. against positions col0..; the key pool [NB, block_size, DI (+1 if POOL_FP8)] of
+    POOL_DTYPE is row `pool_index` of the pool table (NB its capacity: block ids are clamped into it; an invalid
+    row reads no pool memory)."""
+    pool_ptr, num_blocks, pool_ok = pool_entry(pool_table_ptr, pool_index, POOL_DTYPE)
     t = t0 + tl.program_id(0)  # token; the output row is program_id(0), positions col0 + column
     offs_c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = col0 + offs_c
@@ -51,7 +56,9 @@ def _index_scores_kernel(
         chunk_start = tl.load(pos_ptr + first)
         own = valid & (offs_n >= chunk_start)
         past = valid & (offs_n < chunk_start)
-        block = tl.load(tables_ptr + seq * table_width + offs_n // block_size, mask=past, other=0)
+        block = tl.load(tables_ptr + seq * table_width + offs_n // block_size, mask=past, other=0).to(tl.int64)
+        block = tl.minimum(tl.maximum(block, 0), num_blocks - 1)
+        past = in_pool(past, pool_ok)
         pool_row = pool_ptr + (block * block_size + offs_n % block_size) * (DI + POOL_FP8)  # [BLOCK_N]
         new_rows = new_ptr + (first + offs_n - chunk_start)[:, None] * DI
         k = tl.load(pool_row[:, None] + offs_d[None, :], mask=past[:, None] & mask_d[None, :], other=0)
@@ -168,25 +175,52 @@ def dsa_indexer_triton(
     Di+1]), k_new [T, Di] fp32, cu_seqlens [N+1], block_tables [N, B], positions [T] -> indices [T, topk] int64
     (written into `out` when given). Candidates: positions 0..B*BS-1 (the tables' capacity); scores in chunks
     (`chunked_topk`), no host synchronization; `workspace` (uint8, `workspace_bytes`) holds every chunk buffer."""
+    pool = k_pool.contiguous()
+    table = pool_table([pool])
+    check_pool_offsets(table, 0, block_tables=block_tables.cpu().numpy())
+    return dsa_indexer_launch(q_idx, weights, torch.from_numpy(table).to(q_idx.device), 0, pool.shape[1], pool.dtype,
+                              k_new, cu_seqlens, block_tables, positions, topk=topk, block_n=block_n,
+                              budget_bytes=budget_bytes, out=out, workspace=workspace)  # fmt: skip
+
+
+def dsa_indexer_launch(
+    q_idx: torch.Tensor,
+    weights: torch.Tensor,
+    pool_table: torch.Tensor,
+    pool_index: int,
+    block_size: int,
+    pool_dtype: torch.dtype,
+    k_new: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    topk: int,
+    block_n: int = 64,
+    budget_bytes: int = DEFAULT_SCRATCH_BUDGET,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`dsa_indexer_triton` with the key pool [NB, block_size, W] of `pool_dtype` as row `pool_index` of
+    `pool_table`. Nothing is checked on the host (the TensorRT plugin's path); whoever builds the table checks it."""
     num_tokens, num_heads, dim = q_idx.shape
     q = q_idx.float().contiguous()
     w = weights.float().contiguous()
-    pool = k_pool.contiguous()
     new = k_new.float().contiguous()
     cu = cu_seqlens.to(torch.int64).contiguous()
     tables = block_tables.to(torch.int64).contiguous()
     seqs = token_sequences(cu, num_tokens).contiguous()
     pos = positions.to(torch.int64).contiguous()
-    length = tables.shape[1] * pool.shape[1]
+    length = tables.shape[1] * block_size
     chunk = chunk_shape(num_tokens, length, topk, budget_bytes, block_n)
     meta = dict(DI=dim, BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
-                BLOCK_N=block_n, POOL_FP8=pool.dtype == torch.uint8)  # fmt: skip
+                BLOCK_N=block_n, POOL_FP8=pool_dtype == torch.uint8, POOL_DTYPE=TRITON_DTYPES[pool_dtype])  # fmt: skip
 
     def score_chunk(t0: int, t1: int, c0: int, c1: int, buffer: torch.Tensor) -> torch.Tensor:
         view = buffer[: (t1 - t0) * (c1 - c0)].view(t1 - t0, c1 - c0)
         _index_scores_kernel[(t1 - t0, triton.cdiv(c1 - c0, block_n))](
-            q, w, pool, new, seqs, cu, tables, pos, view,
-            num_heads, c1 - c0, pool.shape[1], tables.shape[1], t0, c0,
+            q, w, pool_table, new, seqs, cu, tables, pos, view,
+            pool_index, num_heads, c1 - c0, block_size, tables.shape[1], t0, c0,
             q.stride(0), q.stride(1), w.stride(0), view.stride(0), **meta,
         )  # fmt: skip
         return view

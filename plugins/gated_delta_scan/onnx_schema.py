@@ -32,7 +32,8 @@ import onnx
 from onnx import defs, helper
 
 from .. import DOMAIN, OPSET_VERSION, PLUGIN_NAMESPACE, PLUGIN_VERSION
-from ..sparse_mla_attention.onnx_schema import plugin_lookup_attributes, register_once
+from ..sparse_mla_attention.onnx_schema import (POOL_TABLE_DOC, plugin_lookup_attributes, pool_table_attributes,
+                                            register_once)
 
 OP_TYPE = "GatedDeltaScan"
 INPUTS = ("q", "k", "v", "g", "beta", "state_pool", "cu_seqlens", "slot_ids")
@@ -42,7 +43,8 @@ _FLOAT_TYPES = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
 
 def _infer(ctx) -> None:
     ctx.set_output_type(0, ctx.get_input_type(2))
-    ctx.set_output_type(1, ctx.get_input_type(5))
+    if ctx.get_num_outputs() > 1:  # ONNX Runtime form; the TensorRT form writes the pool through the pool table
+        ctx.set_output_type(1, ctx.get_input_type(5))
 
 
 def schema() -> defs.OpSchema:
@@ -59,17 +61,21 @@ def schema() -> defs.OpSchema:
             p("v", "T1", "[T, H, V]"),
             p("g", "tensor(float)", "[T, H, K] log-decay"),
             p("beta", "tensor(float)", "[T, H]"),
-            p("state_pool", "tensor(float)", "[S, H, V, K]"),
+            p("state_pool", "P", "[S, H, V, K] float, " + POOL_TABLE_DOC),
             p("cu_seqlens", "tensor(int64)", "[N+1]"),
             p("slot_ids", "tensor(int64)", "[N]"),
         ],
-        outputs=[p("o", "T1", "[T, H, V]"), p("state_pool_out", "tensor(float)", "[S, H, V, K]")],
-        type_constraints=[("T1", _FLOAT_TYPES, "activation type")],
+        outputs=[p("o", "T1", "[T, H, V]"),
+                 p("state_pool_out", "tensor(float)", "[S, H, V, K] (ONNX Runtime form only)",
+                   param_option=defs.OpSchema.FormalParameterOption.Optional)],
+        type_constraints=[("T1", _FLOAT_TYPES, "activation type"),
+                          ("P", ["tensor(float)", "tensor(int64)"], "the state pool, or the pool table")],
         attributes=[
             defs.OpSchema.Attribute("scale", defs.OpSchema.AttrType.FLOAT, "query scale"),
             defs.OpSchema.Attribute(
                 "use_qk_l2norm", helper.make_attribute("use_qk_l2norm", 0), "1: l2-normalise q and k over K"
             ),
+            *pool_table_attributes(paged=False),
             *plugin_lookup_attributes(),
         ],
     )

@@ -7,15 +7,16 @@ fields the ONNX parser makes of our node's attributes, output types / shapes / a
 launch parameters with the real Triton compile (cubin and PTX for sm_90). The kernel itself is tested in the interpreter.
 
 Importing this module registers ``moe_export::GatedDeltaScan`` (name = op type, namespace = the node's
-``plugin_namespace`` attribute, version "1"); the parser passes the attributes ``scale`` (FLOAT32) and
-``use_qk_l2norm`` (INT32) as fields (see ``plugins/tensorrt_common.py`` for why they are 1-element arrays).
+``plugin_namespace`` attribute, version "1"); the parser passes the attributes ``scale`` (FLOAT32),
+``use_qk_l2norm`` and ``pool`` (INT32) as fields (see ``plugins/tensorrt_common.py`` for why they are 1-element
+arrays).
 
-- ``state_pool_out`` is declared *aliased* to ``state_pool`` (in place; the builder enables
-  ``PreviewFeature.ALIASED_PLUGIN_IO_10_03``, without which the alias is ignored): the kernel reads each state
-  tile before writing it, and only the N addressed slots are touched.
+- The state pool is no tensor of the network (issue 18, defect 4): the plugin takes the pool table
+  (`plugins/pool_table.py`) and its row (field ``pool``); the kernel reads each state tile before writing it,
+  in place, and only the N addressed slots are touched. No aliased output.
 - ``impl`` (JIT, needs Python in the engine) launches the kernel on TensorRT's stream.
 - ``aot_impl`` compiles the same kernel for the target GPU (its cubin, PTX as fallback). Kernel parameters: the 8 input pointers,
-  the int32 extras T (tokens) and S (pool slots), the 2 output pointers; grid (cdiv(V, BV), H, N). The
+  the int32 extras pool (the table row) and T (tokens), the o pointer; grid (cdiv(V, BV), H, N). The
   builder chooses JIT or AOT (the plugin has both, so the network must say which). Open risk, checked by
   ``benchmarks/gpu_check.sh`` on a GPU: Triton >= 3.3 appends scratch-pointer parameters TensorRT does not pass.
 """
@@ -41,14 +42,15 @@ def _describe(
     v: trtp.TensorDesc,
     g: trtp.TensorDesc,
     beta: trtp.TensorDesc,
-    state_pool: trtp.TensorDesc,
+    pool_table: trtp.TensorDesc,
     cu_seqlens: trtp.TensorDesc,
     slot_ids: trtp.TensorDesc,
     scale: Float32Field,
     use_qk_l2norm: Int32Field,
-) -> tuple[trtp.TensorDesc, trtp.TensorDesc]:
-    """o like v [T, H, V]; state_pool_out aliases state_pool [S, H, V, K] fp32."""
-    return v.like(), state_pool.aliased()
+    pool: Int32Field,
+) -> trtp.TensorDesc:
+    """o like v [T, H, V]; the state pool is written in place through the pool table (no pool output)."""
+    return v.like()
 
 
 @trtp.autotune(PLUGIN_ID)
@@ -58,14 +60,14 @@ def _formats(
     v: trtp.TensorDesc,
     g: trtp.TensorDesc,
     beta: trtp.TensorDesc,
-    state_pool: trtp.TensorDesc,
+    pool_table: trtp.TensorDesc,
     cu_seqlens: trtp.TensorDesc,
     slot_ids: trtp.TensorDesc,
-    outputs: tuple[trtp.TensorDesc, trtp.TensorDesc],
+    outputs: tuple[trtp.TensorDesc],
 ) -> list[trtp.AutoTuneCombination]:
-    """q, k, v, o share one of fp32/fp16/bf16; g, beta and the pool are fp32; index inputs int64; linear."""
+    """q, k, v, o share one of fp32/fp16/bf16; g, beta fp32; the pool table and index inputs int64; linear."""
     return [
-        trtp.AutoTuneCombination(f"{a}, {a}, {a}, FP32, FP32, FP32, INT64, INT64, {a}, FP32")
+        trtp.AutoTuneCombination(f"{a}, {a}, {a}, FP32, FP32, INT64, INT64, INT64, {a}")
         for a in ("FP32", "FP16", "BF16")
     ]
 
@@ -77,19 +79,20 @@ def _run(
     v: trtp.Tensor,
     g: trtp.Tensor,
     beta: trtp.Tensor,
-    state_pool: trtp.Tensor,
+    pool_table: trtp.Tensor,
     cu_seqlens: trtp.Tensor,
     slot_ids: trtp.Tensor,
     scale: Float32Field,
     use_qk_l2norm: Int32Field,
-    outputs: tuple[trtp.Tensor, trtp.Tensor],
+    pool: Int32Field,
+    outputs: tuple[trtp.Tensor],
     stream: int,
 ) -> None:
-    """Launch the Triton kernel on TensorRT's stream; the pool is updated in place (aliased output)."""
+    """Launch the Triton kernel on TensorRT's stream; the kernel updates the pool in place through the table."""
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-        tq, tk, tv, tg, tb, pool, cu, slots = (as_torch(x) for x in (q, k, v, g, beta, state_pool, cu_seqlens, slot_ids))
-        o, pool_out = as_torch(outputs[0]), as_torch(outputs[1])
-        launch(tq, tk, tv, tg, tb, pool, cu, slots, o, pool_out, scalar(scale), bool(scalar(use_qk_l2norm)), True)
+        tq, tk, tv, tg, tb, table, cu, slots = (as_torch(x) for x in (q, k, v, g, beta, pool_table, cu_seqlens, slot_ids))
+        launch(tq, tk, tv, tg, tb, table, scalar(pool), cu, slots, as_torch(outputs[0]), scalar(scale),
+               bool(scalar(use_qk_l2norm)), True)  # fmt: skip
 
 
 @trtp.aot_impl(PLUGIN_ID)
@@ -99,12 +102,13 @@ def _compile(
     v: trtp.TensorDesc,
     g: trtp.TensorDesc,
     beta: trtp.TensorDesc,
-    state_pool: trtp.TensorDesc,
+    pool_table: trtp.TensorDesc,
     cu_seqlens: trtp.TensorDesc,
     slot_ids: trtp.TensorDesc,
     scale: Float32Field,
     use_qk_l2norm: Int32Field,
-    outputs: tuple[trtp.TensorDesc, trtp.TensorDesc],
+    pool: Int32Field,
+    outputs: tuple[trtp.TensorDesc],
     tactic: int,
 ) -> tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymExprs]:
     """The kernel's cubin for the target GPU (PTX as fallback); H, K, V must be build-time constants (they are for K3: 96/128/128)."""
@@ -120,5 +124,5 @@ def _compile(
     params.grid_z = slot_ids.shape_expr[0]
     params.block_x = kernel.metadata.num_warps * 32
     params.shared_mem = kernel.metadata.shared
-    extra_args = trtp.SymIntExprs.from_tuple([trtp.SymInt32(q.shape_expr[0]), trtp.SymInt32(state_pool.shape_expr[0])])
+    extra_args = trtp.SymIntExprs.from_tuple([trtp.SymInt32(int(scalar(pool))), trtp.SymInt32(q.shape_expr[0])])
     return kernel.metadata.name, aot_kernel_code(kernel, PLUGIN_ID), params, extra_args

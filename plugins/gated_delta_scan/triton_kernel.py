@@ -4,7 +4,8 @@ Each program keeps its [K, BV] fp32 state tile in registers and walks the tokens
 (``cu_seqlens``), so varlen batches and decode (one token per sequence) need no padding. The state is
 read from and written to a slot pool through ``slot_ids``; ``STATE_V_FIRST`` selects the pool layout:
 [S, H, V, K] (K3's V-first cache, used by the ONNX node / TensorRT plugin) or [S, H, K, V] (fla layout).
-State in and state out may be the same buffer (in-place): every program reads its tile before writing it.
+The pool is reached through the pool table (`plugins/pool_table.py`: on TensorRT it is no network input) and
+updated in place: every program reads its tile before writing it.
 
 Kernel argument order is input pointers, the int32 scalars (token count T, pool slot count S), then output
 pointers, then compile-time constants, as the TensorRT AOT plugin (``tensorrt_plugin``) requires. Sequence
@@ -19,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pool_table import check_pool_offsets, device_pool_table, in_pool, pool_entry, pool_table
+
 from .common import L2NORM_EPS, check_inputs
 
 _EPS = tl.constexpr(L2NORM_EPS)
@@ -31,13 +34,12 @@ def gated_delta_scan_kernel(
     v_ptr,
     g_ptr,
     beta_ptr,
-    state_in_ptr,
+    pool_table_ptr,
     cu_seqlens_ptr,
     slot_ids_ptr,
+    pool_index,
     num_tokens,
-    num_slots,
     o_ptr,
-    state_out_ptr,
     scale: tl.constexpr,
     H: tl.constexpr,
     K: tl.constexpr,
@@ -47,24 +49,27 @@ def gated_delta_scan_kernel(
     USE_L2NORM: tl.constexpr,
     STATE_V_FIRST: tl.constexpr,
 ):
-    """q, k, g [T, H, K]; v, o [T, H, V]; beta [T, H]; cu_seqlens [N+1]; slot_ids [N]; states fp32 [S, ...]."""
+    """q, k, g [T, H, K]; v, o [T, H, V]; beta [T, H]; cu_seqlens [N+1]; slot_ids [N]; the state pool fp32
+    [S, ...] is row `pool_index` of the pool table (S its capacity), updated in place; an invalid table row
+    touches no pool memory (TensorRT times tactics on garbage)."""
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
     i_n = tl.program_id(2)
+    state_ptr, num_slots, valid = pool_entry(pool_table_ptr, pool_index, tl.float32)
     T = num_tokens.to(tl.int64)
     bos = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + i_n).to(tl.int64), 0), T)
     eos = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + i_n + 1).to(tl.int64), bos), T)
-    slot = tl.minimum(tl.maximum(tl.load(slot_ids_ptr + i_n).to(tl.int64), 0), num_slots.to(tl.int64) - 1)
+    slot = tl.minimum(tl.maximum(tl.load(slot_ids_ptr + i_n).to(tl.int64), 0), num_slots - 1)
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
     mask_k = offs_k < K
     mask_v = offs_v < V
-    mask_s = mask_k[:, None] & mask_v[None, :]
+    mask_s = in_pool(mask_k[:, None] & mask_v[None, :], valid)
     if STATE_V_FIRST:
         s_off = ((slot * H + i_h) * V + offs_v[None, :]) * K + offs_k[:, None]
     else:
         s_off = ((slot * H + i_h) * K + offs_k[:, None]) * V + offs_v[None, :]
-    S = tl.load(state_in_ptr + s_off, mask=mask_s, other=0.0).to(tl.float32)  # [BK, BV] = S[k, v]
+    S = tl.load(state_ptr + s_off, mask=mask_s, other=0.0).to(tl.float32)  # [BK, BV] = S[k, v]
     for t in range(bos, eos):
         row = t * H + i_h
         b_q = tl.load(q_ptr + row * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -80,7 +85,7 @@ def gated_delta_scan_kernel(
         S = S + b_k[:, None] * (b_beta * u)[None, :]
         b_o = tl.sum(S * (b_q * scale)[:, None], axis=0)
         tl.store(o_ptr + row * V + offs_v, b_o.to(o_ptr.dtype.element_ty), mask=mask_v)
-    tl.store(state_out_ptr + s_off, S, mask=mask_s)
+    tl.store(state_ptr + s_off, S, mask=mask_s)
 
 
 def block_sizes(K: int, V: int) -> tuple[int, int]:
@@ -88,17 +93,19 @@ def block_sizes(K: int, V: int) -> tuple[int, int]:
     return triton.next_power_of_2(K), min(32, triton.next_power_of_2(V))
 
 
-def launch(q, k, v, g, beta, state_in, cu_seqlens, slot_ids, o, state_out, scale, use_qk_l2norm, state_v_first):
-    """Run the kernel on packed tensors (q, k, g [T, H, K]; v, o [T, H, V]; beta [T, H]; all contiguous)."""
+def launch(q, k, v, g, beta, pool_table, pool_index, cu_seqlens, slot_ids, o, scale, use_qk_l2norm, state_v_first):
+    """Run the kernel on packed tensors (q, k, g [T, H, K]; v, o [T, H, V]; beta [T, H]; all contiguous); the
+    state pool is row `pool_index` of `pool_table`. Nothing is checked on the host (the TensorRT plugin's path);
+    whoever builds the table checks it (`pool_table`)."""
     T, H, K = q.shape
     V = v.shape[-1]
     N = slot_ids.numel()
-    if N == 0 or state_in.shape[0] == 0:
+    if N == 0:
         return
     BK, BV = block_sizes(K, V)
     grid = (triton.cdiv(V, BV), H, N)
     gated_delta_scan_kernel[grid](
-        q, k, v, g, beta, state_in, cu_seqlens, slot_ids, T, state_in.shape[0], o, state_out,
+        q, k, v, g, beta, pool_table, cu_seqlens, slot_ids, pool_index, T, o,
         scale=float(scale), H=H, K=K, V=V, BK=BK, BV=BV,
         USE_L2NORM=bool(use_qk_l2norm), STATE_V_FIRST=bool(state_v_first), enable_fp_fusion=True,
     )  # fmt: skip
@@ -126,14 +133,14 @@ def gated_delta_scan(
     q, k, v, g, beta = (x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, k, v, g, beta))
     g, beta = g.float(), beta.float()
     if initial_state is None:
-        state_in = torch.zeros(N, H, K, V, dtype=torch.float32, device=q.device)
+        state = torch.zeros(N, H, K, V, dtype=torch.float32, device=q.device)
     else:
-        state_in = initial_state.float().contiguous()
-    state_out = torch.empty_like(state_in)
+        state = initial_state.float().clone().contiguous()
     o = torch.empty(B * T, H, V, dtype=v.dtype, device=q.device)
     slots = torch.arange(N, dtype=torch.int64, device=q.device)
-    launch(q, k, v, g, beta, state_in, cu, slots, o, state_out, scale, use_qk_l2norm_in_kernel, False)
-    return o.reshape(B, T, H, V), state_out if output_final_state else None
+    if N:
+        launch(q, k, v, g, beta, device_pool_table([state]), 0, cu, slots, o, scale, use_qk_l2norm_in_kernel, False)
+    return o.reshape(B, T, H, V), state if output_final_state else None
 
 
 def gated_delta_scan_pool(
@@ -147,20 +154,18 @@ def gated_delta_scan_pool(
     slot_ids: torch.Tensor,
     scale: float,
     use_qk_l2norm: bool,
-    state_pool_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """ONNX-node semantics (``GatedDeltaScan``): q, k, g [T, H, K]; v [T, H, V]; beta [T, H];
-    state_pool [S, H, V, K] fp32 (V-first); cu_seqlens [N+1] int64; slot_ids [N] int64 (distinct).
-
-    Returns o [T, H, V] and the pool with slots ``slot_ids`` advanced (a copy unless
-    ``state_pool_out`` is given; passing ``state_pool`` itself updates it in place).
-    """
-    if state_pool_out is None:
-        state_pool_out = state_pool.clone()
+) -> torch.Tensor:
+    """ONNX-node semantics (``GatedDeltaScan``) with the pool updated in place through a pool table of that one
+    pool: q, k, g [T, H, K]; v [T, H, V]; beta [T, H]; state_pool [S, H, V, K] fp32 (V-first); cu_seqlens [N+1]
+    int64; slot_ids [N] int64 (distinct). Returns o [T, H, V]; slots ``slot_ids`` of ``state_pool`` are advanced.
+    The table and the slot ids are checked before anything is launched (`pool_table.PoolTableError`)."""
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    table = pool_table([state_pool])
+    check_pool_offsets(table, 0, slot_ids=slot_ids.cpu().numpy())
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g.float(), beta.float()))
-    launch(q, k, v, g, beta, state_pool, cu_seqlens, slot_ids, o, state_pool_out, scale, use_qk_l2norm, True)
-    return o, state_pool_out
+    launch(q, k, v, g, beta, torch.from_numpy(table).to(v.device), 0, cu_seqlens, slot_ids, o, scale, use_qk_l2norm,
+           True)  # fmt: skip
+    return o
 
 
 def aot_compile(
@@ -170,17 +175,16 @@ def aot_compile(
 
     act_dtype: Triton type of q, k, v, o ("fp32", "fp16" or "bf16"); g, beta and states are fp32.
     Returns Triton's CompiledKernel: ``asm["ptx"]``, ``metadata.name``, ``metadata.num_warps``,
-    ``metadata.shared``. Parameters: the 8 input pointers, int32 num_tokens (T) and num_slots (S), the 2 output
-    pointers. Launch grid: (cdiv(V, BV), H, N) with ``BV = block_sizes(K, V)[1]``.
+    ``metadata.shared``. Parameters: the 8 input pointers (q, k, v, g, beta, pool table, cu_seqlens, slot_ids),
+    int32 pool_index and num_tokens (T), the o pointer. Launch grid: (cdiv(V, BV), H, N) with ``BV = block_sizes(K, V)[1]``.
     """
     from triton.backends.compiler import GPUTarget
 
     BK, BV = block_sizes(K, V)
     act = f"*{act_dtype}"
     signature = dict(
-        q_ptr=act, k_ptr=act, v_ptr=act, g_ptr="*fp32", beta_ptr="*fp32", state_in_ptr="*fp32",
-        cu_seqlens_ptr="*i64", slot_ids_ptr="*i64", num_tokens="i32", num_slots="i32", o_ptr=act,
-        state_out_ptr="*fp32",
+        q_ptr=act, k_ptr=act, v_ptr=act, g_ptr="*fp32", beta_ptr="*fp32", pool_table_ptr="*i64",
+        cu_seqlens_ptr="*i64", slot_ids_ptr="*i64", pool_index="i32", num_tokens="i32", o_ptr=act,
     )  # fmt: skip
     constexprs = dict(
         scale=float(scale), H=H, K=K, V=V, BK=BK, BV=BV,

@@ -1,5 +1,6 @@
 """Triton PagedCacheWrite (semantics in `reference.py`): one program per token of the step stores its new row
-at the token's block-table row, in place (`out` is the pool itself on TensorRT: the plugin output is aliased).
+at the token's block-table row of a pool it reaches through the pool table (`plugins/pool_table.py`: the pool is
+no tensor argument, on TensorRT no network input), and copies the row to the node's output.
 
 The token's sequence is found in the kernel (`token_sequence`), so a TensorRT launch needs nothing computed on
 the host; every index read from an input is clamped into its buffer (TensorRT times tactics on garbage inputs).
@@ -13,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..sparse_mla_attention.triton_kernel import POOL_DTYPES, token_sequence
+from ..pool_table import TRITON_DTYPES, check_pool_offsets, in_pool, pool_entry, pool_table
+from ..sparse_mla_attention.triton_kernel import token_sequence
 
 
 @triton.jit
@@ -33,25 +35,28 @@ def f32_to_e4m3(x):
 
 @triton.jit
 def _paged_cache_write_kernel(
-    pool_ptr, new_ptr, cu_seqlens_ptr, block_tables_ptr, pos_ptr,
-    num_seqs, num_tokens, num_blocks, block_size, table_width,
+    pool_table_ptr, new_ptr, cu_seqlens_ptr, block_tables_ptr, pos_ptr,
+    pool_index, num_seqs, num_tokens, block_size, table_width,
     out_ptr,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, POOL_FP8: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, POOL_FP8: tl.constexpr, POOL_DTYPE: tl.constexpr,
 ):
-    """pool [NB, block_size, D (+1 if POOL_FP8)], new [T, D] fp32, cu_seqlens [num_seqs+1], block_tables
-    [num_seqs, table_width], pos [T] -> out (the pool, or a copy of it) with row t stored at its block-table row
-    (none for a token whose table entry is -1)."""
+    """Pool `pool_index` of the pool table ([NB, block_size, D (+1 if POOL_FP8)] of POOL_DTYPE, NB its capacity),
+    new [T, D] fp32, cu_seqlens [num_seqs+1], block_tables [num_seqs, table_width], pos [T]: row t stored at its
+    block-table row of the pool (none for a token whose table entry is -1, none at all when the table row is not
+    valid), and copied to out [T, D] (the node's output, which orders the pool's readers after the write)."""
     t = tl.program_id(0).to(tl.int64)
+    pool_ptr, num_blocks, valid = pool_entry(pool_table_ptr, pool_index, POOL_DTYPE)
     seq = token_sequence(cu_seqlens_ptr, num_seqs, t)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     pos = tl.minimum(tl.maximum(pos, 0), table_width.to(tl.int64) * block_size - 1)
     block = tl.load(block_tables_ptr + seq * table_width + pos // block_size).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
-    used = (offs.to(tl.int64) * 0 + block) >= 0  # -1: no block (decode-graph padding rows): nothing is written
+    used = in_pool((offs.to(tl.int64) * 0 + block) >= 0, valid)  # -1: no block (decode-graph padding rows)
     block = tl.minimum(tl.maximum(block, 0), num_blocks - 1)
-    row = out_ptr + (block * block_size + pos % block_size) * (D + POOL_FP8)
+    row = pool_ptr + (block * block_size + pos % block_size) * (D + POOL_FP8)
+    x = tl.load(new_ptr + t * D + offs, mask=offs < D, other=0.0)
+    tl.store(out_ptr + t * D + offs, x, mask=offs < D)
     mask = (offs < D) & used
-    x = tl.load(new_ptr + t * D + offs, mask=mask, other=0.0)
     if POOL_FP8:
         amax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=0)
         amax_bits = amax.to(tl.int32, bitcast=True)
@@ -65,7 +70,38 @@ def _paged_cache_write_kernel(
         scale = tl.zeros([BLOCK_D], tl.int32) + tl.where(biased == 255, 255, e + 127)  # the scale byte, masked
         tl.store(row + D + offs, scale.to(tl.uint8), mask=(offs == 0) & used)
     else:
-        tl.store(row + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(row + offs, x.to(POOL_DTYPE), mask=mask)
+
+
+def paged_cache_write_launch(
+    pool_table: torch.Tensor,
+    pool_index: int,
+    block_size: int,
+    pool_dtype: torch.dtype,
+    new_rows: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
+    rows_out: torch.Tensor,
+) -> None:
+    """Store new_rows [T, D] fp32 into pool `pool_index` of `pool_table` (a [NB, block_size, W] pool of
+    `pool_dtype`, W = D or D + 1 for fp8) and copy them to rows_out [T, D] fp32. Nothing is checked on the host
+    (the TensorRT plugin's path: the table is on the device, and garbage while TensorRT times tactics is handled
+    in the kernel); whoever builds the table checks it (`pool_table`)."""
+    num_tokens, dim = new_rows.shape
+    if num_tokens == 0:
+        return
+    if cu_seqlens.numel() < 2 or block_tables.shape[1] == 0:
+        rows_out.copy_(new_rows)
+        return
+    _paged_cache_write_kernel[(num_tokens,)](
+        pool_table, new_rows.float().contiguous(), cu_seqlens.to(torch.int64).contiguous(),
+        block_tables.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous(),
+        pool_index, cu_seqlens.numel() - 1, num_tokens, block_size, block_tables.shape[1],
+        rows_out,
+        D=dim, BLOCK_D=triton.next_power_of_2(dim), POOL_FP8=pool_dtype == torch.uint8,
+        POOL_DTYPE=TRITON_DTYPES[pool_dtype],
+    )  # fmt: skip
 
 
 def paged_cache_write_triton(
@@ -74,40 +110,36 @@ def paged_cache_write_triton(
     cu_seqlens: torch.Tensor,
     block_tables: torch.Tensor,
     positions: torch.Tensor,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Store new_rows [T, D] fp32 into `out` (default: `pool` itself, in place), a pool [NB, BS, W] (W = D, or
-    D + 1 for a uint8 fp8 pool) with cu_seqlens [N+1], block_tables [N, B], positions [T]; returns `out`."""
-    out = pool if out is None else out
-    num_tokens, dim = new_rows.shape
-    if num_tokens == 0 or cu_seqlens.numel() < 2 or pool.shape[0] == 0 or block_tables.shape[1] == 0:
-        return out
-    _paged_cache_write_kernel[(num_tokens,)](
-        pool, new_rows.float().contiguous(), cu_seqlens.to(torch.int64).contiguous(),
-        block_tables.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous(),
-        cu_seqlens.numel() - 1, num_tokens, pool.shape[0], pool.shape[1], block_tables.shape[1],
-        out,
-        D=dim, BLOCK_D=triton.next_power_of_2(dim), POOL_FP8=pool.dtype == torch.uint8,
-    )  # fmt: skip
-    return out
+    """Store new_rows [T, D] fp32 into `pool` [NB, BS, W] (W = D, or D + 1 for a uint8 fp8 pool) in place, through
+    a pool table of that one pool (the kernel gets the pool's address only from the table); returns the pool.
+    The table and the block ids are checked before anything is launched (`pool_table.PoolTableError`)."""
+    if pool.shape[0] == 0:
+        return pool
+    table = pool_table([pool])
+    check_pool_offsets(table, 0, block_tables=block_tables.cpu().numpy())
+    rows_out = torch.empty(new_rows.shape, dtype=torch.float32, device=new_rows.device)
+    paged_cache_write_launch(torch.from_numpy(table).to(pool.device), 0, pool.shape[1], pool.dtype, new_rows, cu_seqlens,
+                             block_tables, positions, rows_out)
+    return pool
 
 
 def aot_compile(dim: int, capability: int, pool_dtype: torch.dtype = torch.float32):
     """Compile the kernel ahead of time for CUDA ``sm_<capability>`` (needs no GPU) for rows of `dim` values and a
     pool in `pool_dtype` (fp32, bf16, fp16, or uint8: fp8 rows with their scale byte).
 
-    Returns Triton's CompiledKernel. Parameters: pool, new_rows, cu_seqlens, block_tables, positions pointers;
-    int32 num_seqs (N), num_tokens (T), num_blocks (NB), block_size (BS), table_width (B); out pointer (the
-    aliased pool). Grid (T,).
+    Returns Triton's CompiledKernel. Parameters: pool_table, new_rows, cu_seqlens, block_tables, positions
+    pointers; int32 pool_index, num_seqs (N), num_tokens (T), block_size (BS), table_width (B); the rows_out
+    pointer. Grid (T,).
     """
     from triton.backends.compiler import GPUTarget
 
-    pool_type = POOL_DTYPES[pool_dtype]
     signature = dict(
-        pool_ptr=pool_type, new_ptr="*fp32", cu_seqlens_ptr="*i64", block_tables_ptr="*i64", pos_ptr="*i64",
-        num_seqs="i32", num_tokens="i32", num_blocks="i32", block_size="i32", table_width="i32", out_ptr=pool_type,
+        pool_table_ptr="*i64", new_ptr="*fp32", cu_seqlens_ptr="*i64", block_tables_ptr="*i64", pos_ptr="*i64",
+        pool_index="i32", num_seqs="i32", num_tokens="i32", block_size="i32", table_width="i32", out_ptr="*fp32",
     )  # fmt: skip
-    constexprs = dict(D=dim, BLOCK_D=triton.next_power_of_2(dim), POOL_FP8=pool_dtype == torch.uint8)
+    constexprs = dict(D=dim, BLOCK_D=triton.next_power_of_2(dim), POOL_FP8=pool_dtype == torch.uint8,
+                      POOL_DTYPE=TRITON_DTYPES[pool_dtype])
     signature.update({name: "constexpr" for name in constexprs})
     src = triton.compiler.ASTSource(fn=_paged_cache_write_kernel, signature=signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(enable_fp_fusion=True))

@@ -27,7 +27,8 @@ import onnx
 from onnx import defs, helper
 
 from .. import DOMAIN, OPSET_VERSION, PLUGIN_NAMESPACE, PLUGIN_VERSION
-from ..sparse_mla_attention.onnx_schema import plugin_lookup_attributes, register_once
+from ..sparse_mla_attention.onnx_schema import (POOL_TABLE_DOC, plugin_lookup_attributes, pool_table_attributes,
+                                            register_once)
 
 OP_TYPE = "ShortConv"
 INPUTS = ("x", "weight", "conv_pool", "cu_seqlens", "slot_ids")
@@ -37,7 +38,8 @@ _FLOAT_TYPES = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
 
 def _infer(ctx) -> None:
     ctx.set_output_type(0, ctx.get_input_type(0))
-    ctx.set_output_type(1, ctx.get_input_type(2))
+    if ctx.get_num_outputs() > 1:  # ONNX Runtime form; the TensorRT form writes the pool through the pool table
+        ctx.set_output_type(1, ctx.get_input_type(2))
 
 
 def schema() -> defs.OpSchema:
@@ -51,13 +53,16 @@ def schema() -> defs.OpSchema:
         inputs=[
             p("x", "T1", "[T, C]"),
             p("weight", "tensor(float)", "[C, W]"),
-            p("conv_pool", "T2", "[S, C, W-1]"),
+            p("conv_pool", "T2", "[S, C, W-1], " + POOL_TABLE_DOC),
             p("cu_seqlens", "tensor(int64)", "[N+1]"),
             p("slot_ids", "tensor(int64)", "[N]"),
         ],
-        outputs=[p("y", "T1", "[T, C]"), p("conv_pool_out", "T2", "[S, C, W-1]")],
-        type_constraints=[("T1", _FLOAT_TYPES, "activation type"), ("T2", _FLOAT_TYPES, "window pool type")],
-        attributes=[*plugin_lookup_attributes()],
+        outputs=[p("y", "T1", "[T, C]"),
+                 p("conv_pool_out", "T2", "[S, C, W-1] (ONNX Runtime form only)",
+                   param_option=defs.OpSchema.FormalParameterOption.Optional)],
+        type_constraints=[("T1", _FLOAT_TYPES, "activation type"),
+                          ("T2", [*_FLOAT_TYPES, "tensor(int64)"], "window pool type, or int64: the pool table")],
+        attributes=[*pool_table_attributes(paged=False), *plugin_lookup_attributes()],
     )
     s.set_type_and_shape_inference_function(_infer)
     return s

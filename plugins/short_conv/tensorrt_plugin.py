@@ -7,11 +7,11 @@ parser's fields, output types / shapes / aliasing, and the `aot_impl` launch par
 compile (cubin and PTX for sm_90). The kernel itself is tested in the interpreter.
 
 Importing this module registers ``moe_export::ShortConv`` (name = op type, namespace = the node's
-``plugin_namespace`` attribute, version "1"). ``conv_pool_out`` is declared *aliased* to ``conv_pool`` (in
-place, only the N addressed slots are written; needs ``PreviewFeature.ALIASED_PLUGIN_IO_10_03``, which the
-builder enables). ``impl`` (JIT) launches the kernel on TensorRT's stream; ``aot_impl`` compiles the same
-kernel for the target GPU (its cubin, PTX as fallback): parameters are the 5 input pointers, the int32 extras T (tokens) and S (pool slots), then the 2
-output pointers; grid (cdiv(C, BC), N). Open risk, checked by ``benchmarks/gpu_check.sh`` on a GPU: Triton
+``plugin_namespace`` attribute, version "1"). The window pool is no tensor of the network: the plugin takes the
+pool table (`plugins/pool_table.py`) and its row (field ``pool``), and the kernel writes the N addressed slots in
+place (issue 18, defect 4; no aliased output). ``impl`` (JIT) launches the kernel on TensorRT's stream;
+``aot_impl`` compiles the same kernel for the target GPU (its cubin, PTX as fallback): parameters are the 5 input
+pointers, the int32 extras pool (the table row) and T (tokens), then the y pointer; grid (cdiv(C, BC), N). Open risk, checked by ``benchmarks/gpu_check.sh`` on a GPU: Triton
 >= 3.3 appends scratch-pointer parameters that TensorRT does not pass.
 """
 
@@ -20,7 +20,7 @@ import tensorrt.plugin as trtp
 import torch
 
 from .. import PLUGIN_NAMESPACE
-from ..tensorrt_common import aot_kernel_code, as_torch
+from ..tensorrt_common import Int32Field, aot_kernel_code, as_torch, scalar
 from ..tensorrt_target import target_capability
 from .onnx_schema import OP_TYPE
 from .triton_kernel import aot_compile, block_sizes, launch
@@ -33,66 +33,64 @@ _TRITON_TYPE = {trt.float32: "fp32", trt.float16: "fp16", trt.bfloat16: "bf16"}
 def _describe(
     x: trtp.TensorDesc,
     weight: trtp.TensorDesc,
-    conv_pool: trtp.TensorDesc,
+    pool_table: trtp.TensorDesc,
     cu_seqlens: trtp.TensorDesc,
     slot_ids: trtp.TensorDesc,
-) -> tuple[trtp.TensorDesc, trtp.TensorDesc]:
-    """y like x [T, C]; conv_pool_out aliases conv_pool [S, C, W-1]."""
-    return x.like(), conv_pool.aliased()
+    pool: Int32Field,
+) -> trtp.TensorDesc:
+    """y like x [T, C]; the window pool is written in place through the pool table (no pool output)."""
+    return x.like()
 
 
 @trtp.autotune(PLUGIN_ID)
 def _formats(
     x: trtp.TensorDesc,
     weight: trtp.TensorDesc,
-    conv_pool: trtp.TensorDesc,
+    pool_table: trtp.TensorDesc,
     cu_seqlens: trtp.TensorDesc,
     slot_ids: trtp.TensorDesc,
-    outputs: tuple[trtp.TensorDesc, trtp.TensorDesc],
+    outputs: tuple[trtp.TensorDesc],
 ) -> list[trtp.AutoTuneCombination]:
-    """x/y and the pool each fp32, fp16 or bf16 (pool dtype = x dtype or fp32); weight fp32; linear."""
-    combos = []
-    for a in ("FP32", "FP16", "BF16"):
-        for p in sorted({a, "FP32"}):
-            combos.append(trtp.AutoTuneCombination(f"{a}, FP32, {p}, INT64, INT64, {a}, {p}"))
-    return combos
+    """x/y fp32, fp16 or bf16; weight fp32; the pool table and index inputs int64; linear."""
+    return [trtp.AutoTuneCombination(f"{a}, FP32, INT64, INT64, INT64, {a}") for a in ("FP32", "FP16", "BF16")]
 
 
 @trtp.impl(PLUGIN_ID)
 def _run(
     x: trtp.Tensor,
     weight: trtp.Tensor,
-    conv_pool: trtp.Tensor,
+    pool_table: trtp.Tensor,
     cu_seqlens: trtp.Tensor,
     slot_ids: trtp.Tensor,
-    outputs: tuple[trtp.Tensor, trtp.Tensor],
+    pool: Int32Field,
+    outputs: tuple[trtp.Tensor],
     stream: int,
 ) -> None:
-    """Launch the Triton kernel on TensorRT's stream; the pool is updated in place (aliased output)."""
+    """Launch the Triton kernel on TensorRT's stream; the kernel updates the pool in place through the table."""
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-        tx, tw, pool, cu, slots = (as_torch(t) for t in (x, weight, conv_pool, cu_seqlens, slot_ids))
-        y, pool_out = as_torch(outputs[0]), as_torch(outputs[1])
-        launch(tx, tw, pool, cu, slots, y, pool_out)
+        tx, tw, table, cu, slots = (as_torch(t) for t in (x, weight, pool_table, cu_seqlens, slot_ids))
+        launch(tx, tw, table, scalar(pool), cu, slots, as_torch(outputs[0]))
 
 
 @trtp.aot_impl(PLUGIN_ID)
 def _compile(
     x: trtp.TensorDesc,
     weight: trtp.TensorDesc,
-    conv_pool: trtp.TensorDesc,
+    pool_table: trtp.TensorDesc,
     cu_seqlens: trtp.TensorDesc,
     slot_ids: trtp.TensorDesc,
-    outputs: tuple[trtp.TensorDesc, trtp.TensorDesc],
+    pool: Int32Field,
+    outputs: tuple[trtp.TensorDesc],
     tactic: int,
 ) -> tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymExprs]:
     """The kernel's cubin for the target GPU (PTX as fallback); C and W must be build-time constants (weight is an initializer)."""
     C = weight.shape_expr[0].constant_value()
     W = weight.shape_expr[1].constant_value()
-    kernel = aot_compile(_TRITON_TYPE[x.dtype], _TRITON_TYPE[conv_pool.dtype], C, W, target_capability())
+    kernel = aot_compile(_TRITON_TYPE[x.dtype], C, W, target_capability())
     params = trtp.KernelLaunchParams()
     params.grid_x = -(-C // block_sizes(C, W)[1])
     params.grid_y = slot_ids.shape_expr[0]
     params.block_x = kernel.metadata.num_warps * 32
     params.shared_mem = kernel.metadata.shared
-    extra_args = trtp.SymIntExprs.from_tuple([trtp.SymInt32(x.shape_expr[0]), trtp.SymInt32(conv_pool.shape_expr[0])])
+    extra_args = trtp.SymIntExprs.from_tuple([trtp.SymInt32(int(scalar(pool))), trtp.SymInt32(x.shape_expr[0])])
     return kernel.metadata.name, aot_kernel_code(kernel, PLUGIN_ID), params, extra_args

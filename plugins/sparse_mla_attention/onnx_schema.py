@@ -14,6 +14,8 @@ Node contract (semantics in `reference.py`):
              topk_indices [T, K]         int64   optional: positions to attend, -1 = padding; empty name
                                                  (or K = 0 columns, the TensorRT form) = dense causal
     output   o_lat        [T, H, Dc]     float
+    TensorRT form: kv_pool is the pool table [P, 3] int64 (`plugins/pool_table.py`; the pool is no graph input)
+    and the attributes pool (its row), block_size and pool_dtype (fp32 / bf16 / fp8) describe the pool.
     attributes  scale (float, required): softmax scale, (qk_nope + qk_rope)^-0.5 = 192^-0.5 for K3
                 kv_lora_rank (int, required): Dc, the width of the value part of each cache row
                 plugin_version (string, default "1"): TensorRT plugin version
@@ -30,8 +32,9 @@ from onnx import defs, helper
 from .. import DOMAIN, OPSET_VERSION, PLUGIN_NAMESPACE, PLUGIN_VERSION
 
 OP_TYPE = "SparseMLAAttention"
-CACHE_TYPE_CONSTRAINT = ("C", ["tensor(float)", "tensor(bfloat16)", "tensor(float16)", "tensor(uint8)"],
-                         "cache storage dtype; uint8 = fp8 rows [.., D + 1] (moe_export.quantize.fp8_cache)")
+CACHE_TYPE_CONSTRAINT = ("C", ["tensor(float)", "tensor(bfloat16)", "tensor(float16)", "tensor(uint8)", "tensor(int64)"],
+                         "cache storage dtype; uint8 = fp8 rows [.., D + 1] (moe_export.quantize.fp8_cache); int64: "
+                         "the pool table (TensorRT graphs)")
 
 
 def register_once(schema: defs.OpSchema) -> None:
@@ -52,6 +55,21 @@ def plugin_lookup_attributes() -> list[defs.OpSchema.Attribute]:
             "plugin_namespace", helper.make_attribute("plugin_namespace", PLUGIN_NAMESPACE), "TensorRT namespace"
         ),
     ]
+
+
+POOL_TABLE_DOC = ("or, in TensorRT graphs, the pool table [P, 3] int64 (plugins/pool_table.py) with attribute `pool` "
+                  "naming the pool's row: the pool itself is then no graph input")
+
+
+def pool_table_attributes(paged: bool) -> list[defs.OpSchema.Attribute]:
+    """The attributes of a pool op's TensorRT form (the pool input is the pool table): `pool`, the table row
+    (default -1: the input is the pool itself); for paged caches also `block_size` and `pool_dtype` (the recipe's
+    kv_cache: fp32, bf16 or fp8), which the pool tensor's shape and type gave before."""
+    attrs = [defs.OpSchema.Attribute("pool", helper.make_attribute("pool", -1), "pool table row (-1: pool input)")]
+    if paged:
+        attrs += [defs.OpSchema.Attribute("block_size", helper.make_attribute("block_size", 0), "positions per block"),
+                  defs.OpSchema.Attribute("pool_dtype", helper.make_attribute("pool_dtype", ""), "fp32, bf16 or fp8")]
+    return attrs
 
 
 def paged_cache_inputs() -> list[defs.OpSchema.FormalParameter]:
@@ -104,7 +122,7 @@ def schema() -> defs.OpSchema:
         "Absorbed MLA over a paged latent cache restricted to top-k positions (dense causal without indices).",
         inputs=[
             p("q_lat", "tensor(float)", "[T, H, Dc+Dr]"),
-            p("kv_pool", "C", "[NB, BS, Dc+Dr]"),
+            p("kv_pool", "C", "[NB, BS, Dc+Dr], " + POOL_TABLE_DOC),
             p("kv_new", "tensor(float)", "[T, Dc+Dr]"),
             *paged_cache_inputs(),
             p("topk_indices", "tensor(int64)", "[T, K], -1 = padding", param_option=opt),
@@ -114,6 +132,7 @@ def schema() -> defs.OpSchema:
         attributes=[
             defs.OpSchema.Attribute("scale", defs.OpSchema.AttrType.FLOAT, "softmax scale"),
             defs.OpSchema.Attribute("kv_lora_rank", defs.OpSchema.AttrType.INT, "Dc"),
+            *pool_table_attributes(paged=True),
             *plugin_lookup_attributes(),
         ],
     )

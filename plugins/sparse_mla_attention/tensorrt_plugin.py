@@ -8,14 +8,16 @@ Triton compile (cubin and PTX for sm_90). The kernel itself is tested in the int
 the token -> sequence search and the block-table lookup done in the kernel).
 
 Importing this module registers `moe_export::SparseMLAAttention` (name = op type, namespace = the node's
-`plugin_namespace` attribute, version "1"); `scale` arrives as one FLOAT32, `kv_lora_rank` as one INT32.
+`plugin_namespace` attribute, version "1"); `scale` arrives as one FLOAT32, `kv_lora_rank`, `pool` and
+`block_size` as one INT32 each, `pool_dtype` (fp32 / bf16 / fp8) as CHAR bytes. The latent cache is no tensor of
+the network (issue 18, defect 4): input 1 is the pool table (`plugins/pool_table.py`), field `pool` its row.
 QDP input lists are fixed, so the plugin always has seven inputs: the TensorRT graph gives dense-causal layers an
 empty [0, 0] int64 `topk_indices`, which the op defines as dense (see `reference.py`).
 
 - `impl` (JIT, needs Python in the engine) launches the kernel on TensorRT's stream.
 - `aot_impl` compiles the same kernel for the target GPU and hands TensorRT its cubin (PTX as fallback;
-  `tensorrt_common.aot_kernel_code`). Kernel parameters are the 7 input pointers, then the int32 extras N
-  (= block_tables rows), T (= tokens), NB (= pool blocks), BS (= block size), B (= block_tables columns), K
+  `tensorrt_common.aot_kernel_code`). Kernel parameters are the 7 input pointers, then the int32 extras pool
+  (the table row), N (= block_tables rows), T (= tokens), BS (= block size), B (= block_tables columns), K
   (= topk_indices columns; 0 makes the kernel dense and leaves `topk_indices` unread), then the output pointer;
   grid (T, cdiv(H, 16)), the kernel's dynamic shared memory declared. H and Dc+Dr must be build-time constants.
   At Dc = 512 the kernel needs ~110 KiB of dynamic shared memory, more than a launch gets without an opt-in,
@@ -30,10 +32,11 @@ import tensorrt.plugin as trtp
 import torch
 
 from .. import PLUGIN_NAMESPACE
-from ..tensorrt_common import Float32Field, Int32Field, aot_kernel_code, as_torch, scalar
+from ..pool_table import CACHE_DTYPES
+from ..tensorrt_common import Float32Field, Int32Field, aot_kernel_code, as_torch, scalar, text
 from ..tensorrt_target import target_capability
 from .onnx_schema import OP_TYPE
-from .triton_kernel import aot_compile, sparse_mla_attention_triton
+from .triton_kernel import aot_compile, sparse_mla_attention_launch
 
 PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{OP_TYPE}"
 _BLOCK_H = 16  # heads per program of the AOT kernel
@@ -42,7 +45,7 @@ _BLOCK_H = 16  # heads per program of the AOT kernel
 @trtp.register(PLUGIN_ID)
 def _describe(
     q_lat: trtp.TensorDesc,
-    kv_pool: trtp.TensorDesc,
+    pool_table: trtp.TensorDesc,
     kv_new: trtp.TensorDesc,
     cu_seqlens: trtp.TensorDesc,
     block_tables: trtp.TensorDesc,
@@ -50,6 +53,9 @@ def _describe(
     topk_indices: trtp.TensorDesc,
     scale: Float32Field,
     kv_lora_rank: Int32Field,
+    pool: Int32Field,
+    block_size: Int32Field,
+    pool_dtype: str,
 ) -> trtp.TensorDesc:
     """o_lat [T, H, kv_lora_rank] fp32 from q_lat [T, H, Dc+Dr]."""
     dims = (q_lat.shape_expr[0], q_lat.shape_expr[1], scalar(kv_lora_rank))
@@ -59,7 +65,7 @@ def _describe(
 @trtp.autotune(PLUGIN_ID)
 def _formats(
     q_lat: trtp.TensorDesc,
-    kv_pool: trtp.TensorDesc,
+    pool_table: trtp.TensorDesc,
     kv_new: trtp.TensorDesc,
     cu_seqlens: trtp.TensorDesc,
     block_tables: trtp.TensorDesc,
@@ -67,16 +73,15 @@ def _formats(
     topk_indices: trtp.TensorDesc,
     outputs: tuple[trtp.TensorDesc],
 ) -> list[trtp.AutoTuneCombination]:
-    """fp32 activations and new rows, fp32, bf16 or uint8 (fp8 rows + scale byte) cache pool, int64 index
+    """fp32 activations and new rows, the int64 pool table (the pool's dtype is the `pool_dtype` field) and index
     inputs, linear layout."""
-    return [trtp.AutoTuneCombination(f"FP32, {pool}, FP32, INT64, INT64, INT64, INT64, FP32")
-            for pool in ("FP32", "BF16", "UINT8")]
+    return [trtp.AutoTuneCombination("FP32, INT64, FP32, INT64, INT64, INT64, INT64, FP32")]
 
 
 @trtp.impl(PLUGIN_ID)
 def _run(
     q_lat: trtp.Tensor,
-    kv_pool: trtp.Tensor,
+    pool_table: trtp.Tensor,
     kv_new: trtp.Tensor,
     cu_seqlens: trtp.Tensor,
     block_tables: trtp.Tensor,
@@ -84,21 +89,25 @@ def _run(
     topk_indices: trtp.Tensor,
     scale: Float32Field,
     kv_lora_rank: Int32Field,
+    pool: Int32Field,
+    block_size: Int32Field,
+    pool_dtype: str,
     outputs: tuple[trtp.Tensor],
     stream: int,
 ) -> None:
-    """Run the Triton kernel on TensorRT's stream and copy into the output buffer."""
-    inputs = [as_torch(t) for t in (q_lat, kv_pool, kv_new, cu_seqlens, block_tables, positions, topk_indices)]
-    out = as_torch(outputs[0])
+    """Run the Triton kernel on TensorRT's stream into the output buffer; the pool is read through the table."""
+    q, table, new, cu, tables, pos, idx = (as_torch(t) for t in (q_lat, pool_table, kv_new, cu_seqlens, block_tables,
+                                                                  positions, topk_indices))  # fmt: skip
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-        result = sparse_mla_attention_triton(*inputs, scale=scalar(scale), kv_lora_rank=scalar(kv_lora_rank))
-        out.copy_(result)
+        sparse_mla_attention_launch(q, table, scalar(pool), scalar(block_size), CACHE_DTYPES[text(pool_dtype)], new, cu,
+                                    tables, pos, idx if idx.shape[1] else None, as_torch(outputs[0]),
+                                    scale=scalar(scale), kv_lora_rank=scalar(kv_lora_rank))  # fmt: skip
 
 
 @trtp.aot_impl(PLUGIN_ID)
 def _compile(
     q_lat: trtp.TensorDesc,
-    kv_pool: trtp.TensorDesc,
+    pool_table: trtp.TensorDesc,
     kv_new: trtp.TensorDesc,
     cu_seqlens: trtp.TensorDesc,
     block_tables: trtp.TensorDesc,
@@ -106,6 +115,9 @@ def _compile(
     topk_indices: trtp.TensorDesc,
     scale: Float32Field,
     kv_lora_rank: Int32Field,
+    pool: Int32Field,
+    block_size: Int32Field,
+    pool_dtype: str,
     outputs: tuple[trtp.TensorDesc],
     tactic: int,
 ) -> tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymExprs]:
@@ -113,9 +125,8 @@ def _compile(
     rank = scalar(kv_lora_rank)
     num_heads = q_lat.shape_expr[1].constant_value()
     rope_dim = q_lat.shape_expr[2].constant_value() - rank
-    pool_dtype = {trt.bfloat16: torch.bfloat16, trt.uint8: torch.uint8}.get(kv_pool.dtype, torch.float32)
     kernel = aot_compile(num_heads, rank, rope_dim, scalar(scale), target_capability(), block_h=_BLOCK_H,
-                         pool_dtype=pool_dtype)
+                         pool_dtype=CACHE_DTYPES[text(pool_dtype)])
     params = trtp.KernelLaunchParams()
     params.grid_x = q_lat.shape_expr[0]
     params.grid_y = -(-num_heads // _BLOCK_H)
@@ -124,7 +135,7 @@ def _compile(
     extra_args = trtp.SymIntExprs.from_tuple(
         [
             trtp.SymInt32(e)
-            for e in (block_tables.shape_expr[0], q_lat.shape_expr[0], kv_pool.shape_expr[0], kv_pool.shape_expr[1],
+            for e in (int(scalar(pool)), block_tables.shape_expr[0], q_lat.shape_expr[0], int(scalar(block_size)),
                       block_tables.shape_expr[1], topk_indices.shape_expr[1])
         ]  # fmt: skip
     )

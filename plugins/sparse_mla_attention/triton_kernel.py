@@ -4,7 +4,7 @@ One program per (query token, block of BLOCK_H heads). It finds its token's sequ
 `cu_seqlens` ends at or before the token (`reference.token_sequences`, done in the kernel so that a TensorRT
 launch needs nothing computed on the host), then walks the token's K indices (or, when there are none, positions
 0..pos) in blocks of BLOCK_K, loads those latent rows (the step's own positions from `kv_new`, earlier ones from
-the paged pool through the sequence's block table, cast to fp32 after the load; fp8 pools decoded by
+the paged pool, reached through the pool table (`plugins/pool_table.py`), through the sequence's block table, cast to fp32 after the load; fp8 pools decoded by
 `fp8_rows_to_f32`), and keeps an online softmax
 (running max / sum) with an fp32 accumulator [BLOCK_H, Dc]. Dense vs sparse is decided at run time
 (`num_idx == 0` is dense), so one compiled kernel serves both. Dot products use `input_precision="ieee"` so
@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pool_table import TRITON_DTYPES, check_pool_offsets, in_pool, pool_entry, pool_table
+
 _SEQ_BLOCK = tl.constexpr(64)  # cu_seqlens entries compared per step of the token -> sequence search
-# AOT pointer types; a uint8 pool holds fp8 rows + a scale byte (`moe_export.quantize.fp8_cache`)
-POOL_DTYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.uint8: "*u8"}
 
 
 @triton.jit
@@ -56,17 +56,19 @@ def fp8_rows_to_f32(codes, scale_bytes):
 
 @triton.jit
 def _sparse_mla_kernel(
-    q_ptr, pool_ptr, new_ptr, cu_seqlens_ptr, block_tables_ptr, pos_ptr, idx_ptr,
-    num_seqs, num_tokens, num_blocks, block_size, table_width, num_idx,
+    q_ptr, pool_table_ptr, new_ptr, cu_seqlens_ptr, block_tables_ptr, pos_ptr, idx_ptr,
+    pool_index, num_seqs, num_tokens, block_size, table_width, num_idx,
     o_ptr,
     scale: tl.constexpr, H: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr,
     BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    POOL_FP8: tl.constexpr = False,
+    POOL_FP8: tl.constexpr, POOL_DTYPE: tl.constexpr,
 ):
-    """q [T, H, DC+DR], pool [NB, block_size, DC+DR] (POOL_FP8: uint8 [NB, block_size, DC+DR+1]), new [T, DC+DR],
-    cu_seqlens [num_seqs+1], block_tables [num_seqs, table_width], pos [T], idx [T, num_idx] (num_idx = 0: dense
-    causal; idx is then not read) -> o [T, H, DC] fp32."""
+    """q [T, H, DC+DR]; the pool [NB, block_size, DC+DR] of POOL_DTYPE (POOL_FP8: uint8 [NB, block_size,
+    DC+DR+1]) is row `pool_index` of the pool table (NB its capacity; an invalid row: no pool row is read);
+    new [T, DC+DR], cu_seqlens [num_seqs+1], block_tables [num_seqs, table_width], pos [T], idx [T, num_idx]
+    (num_idx = 0: dense causal; idx is then not read) -> o [T, H, DC] fp32."""
     t = tl.program_id(0).to(tl.int64)
+    pool_ptr, num_blocks, pool_ok = pool_entry(pool_table_ptr, pool_index, POOL_DTYPE)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_c = tl.arange(0, BLOCK_DC)
     offs_r = tl.arange(0, BLOCK_DR)
@@ -99,6 +101,7 @@ def _sparse_mla_kernel(
         own = valid & (idx >= chunk_start) & (first + idx - chunk_start < num_tokens)
         past = valid & (idx < chunk_start)
         block = tl.load(table + idx // block_size, mask=past, other=0).to(tl.int64)
+        past = in_pool(past, pool_ok)
         block = tl.minimum(tl.maximum(block, 0), num_blocks - 1)
         pool_row = pool_ptr + (block * block_size + idx % block_size) * (DC + DR + POOL_FP8)  # [BLOCK_K]
         pool_rows = pool_row[:, None]
@@ -155,7 +158,6 @@ def sparse_mla_attention_triton(
     num_tokens, num_heads, dim = q_lat.shape
     q = q_lat.float().contiguous()
     pool = kv_pool.contiguous()
-    pool_fp8 = pool.dtype == torch.uint8
     new = kv_new.float().contiguous()
     cu = cu_seqlens.to(torch.int64).contiguous()
     tables = block_tables.to(torch.int64).contiguous()
@@ -165,17 +167,33 @@ def sparse_mla_attention_triton(
     idx = topk_indices.to(torch.int64).contiguous() if has_indices else pos  # dense: idx is never read
     if num_tokens == 0 or cu.numel() < 2 or pool.shape[0] == 0 or tables.shape[1] == 0:
         return out.zero_()
+    table = pool_table([pool])
+    check_pool_offsets(table, 0, block_tables=tables.cpu().numpy())
+    sparse_mla_attention_launch(q, torch.from_numpy(table).to(q.device), 0, pool.shape[1], pool.dtype, new, cu, tables,
+                                pos, idx if has_indices else None, out, scale=scale, kv_lora_rank=kv_lora_rank,
+                                block_h=block_h, block_k=block_k)  # fmt: skip
+    return out
+
+
+def sparse_mla_attention_launch(q, pool_table, pool_index, block_size, pool_dtype, new, cu, tables, pos, idx, out, *,
+                                scale: float, kv_lora_rank: int, block_h: int = 16, block_k: int = 32) -> None:
+    """The kernel over contiguous fp32 q [T, H, Dc+Dr] / new [T, Dc+Dr], int64 cu / tables / pos / idx (None:
+    dense) into out [T, H, Dc]; the pool [NB, block_size, W] of `pool_dtype` is row `pool_index` of `pool_table`.
+    Nothing is checked on the host (the TensorRT plugin's path); whoever builds the table checks it."""
+    num_tokens, num_heads, dim = q.shape
+    if num_tokens == 0 or cu.numel() < 2 or tables.shape[1] == 0:
+        out.zero_()
+        return
     block_dc, block_dr = block_sizes(kv_lora_rank, dim - kv_lora_rank)
     grid = (num_tokens, triton.cdiv(num_heads, block_h))
     _sparse_mla_kernel[grid](
-        q, pool, new, cu, tables, pos, idx,
-        cu.numel() - 1, num_tokens, pool.shape[0], pool.shape[1], tables.shape[1], idx.shape[1] if has_indices else 0,
+        q, pool_table, new, cu, tables, pos, pos if idx is None else idx,
+        pool_index, cu.numel() - 1, num_tokens, block_size, tables.shape[1], 0 if idx is None else idx.shape[1],
         out,
         scale=float(scale), H=num_heads, DC=kv_lora_rank, DR=dim - kv_lora_rank,
-        BLOCK_DC=block_dc, BLOCK_DR=block_dr, BLOCK_H=block_h, BLOCK_K=block_k, POOL_FP8=pool_fp8,
-        enable_fp_fusion=True,
+        BLOCK_DC=block_dc, BLOCK_DR=block_dr, BLOCK_H=block_h, BLOCK_K=block_k, POOL_FP8=pool_dtype == torch.uint8,
+        POOL_DTYPE=TRITON_DTYPES[pool_dtype], enable_fp_fusion=True,
     )  # fmt: skip
-    return out
 
 
 def aot_compile(
@@ -192,24 +210,24 @@ def aot_compile(
     output, the pool in `pool_dtype` (fp32, bf16, fp16, or uint8: fp8 rows with their scale byte).
 
     Returns Triton's CompiledKernel: ``asm["ptx"]``, ``metadata.name``, ``metadata.num_warps``,
-    ``metadata.shared``. Parameters: q_lat, kv_pool, kv_new, cu_seqlens, block_tables, positions, topk_indices
-    pointers; int32 num_seqs (N), num_tokens (T), num_blocks (NB), block_size (BS), table_width (B), num_idx (K,
-    0 = dense); o_lat pointer.
+    ``metadata.shared``. Parameters: q_lat, pool table, kv_new, cu_seqlens, block_tables, positions,
+    topk_indices pointers; int32 pool_index, num_seqs (N), num_tokens (T), block_size (BS), table_width (B),
+    num_idx (K, 0 = dense); o_lat pointer.
     Grid (T, cdiv(H, block_h)).
     """
     from triton.backends.compiler import GPUTarget
 
     block_dc, block_dr = block_sizes(kv_lora_rank, rope_dim)
-    pool_type = POOL_DTYPES[pool_dtype]
     signature = dict(
-        q_ptr="*fp32", pool_ptr=pool_type, new_ptr="*fp32", cu_seqlens_ptr="*i64", block_tables_ptr="*i64",
-        pos_ptr="*i64", idx_ptr="*i64", num_seqs="i32", num_tokens="i32", num_blocks="i32", block_size="i32",
+        q_ptr="*fp32", pool_table_ptr="*i64", new_ptr="*fp32", cu_seqlens_ptr="*i64", block_tables_ptr="*i64",
+        pos_ptr="*i64", idx_ptr="*i64", pool_index="i32", num_seqs="i32", num_tokens="i32", block_size="i32",
         table_width="i32", num_idx="i32",
         o_ptr="*fp32",
     )  # fmt: skip
     constexprs = dict(
         scale=float(scale), H=num_heads, DC=kv_lora_rank, DR=rope_dim,
         BLOCK_DC=block_dc, BLOCK_DR=block_dr, BLOCK_H=block_h, BLOCK_K=block_k, POOL_FP8=pool_dtype == torch.uint8,
+        POOL_DTYPE=TRITON_DTYPES[pool_dtype],
     )  # fmt: skip
     signature.update({name: "constexpr" for name in constexprs})
     src = triton.compiler.ASTSource(fn=_sparse_mla_kernel, signature=signature, constexprs=constexprs)

@@ -472,17 +472,11 @@ class Engine:
         """Tower embeddings of images given as (pixel_values, grid). Under mpiexec every rank of an attention
         group that received the call encodes images i with i mod tp == its group rank, and the group's first
         rank gathers them all (world rank 0 returns them; the others' results are not used)."""
+        from moe_export.runtime.engine.vision import encode_spread
+
         if self.vision is None:
             raise InputError(f"{self.dir}: this engine has no vision tower (text only)")
-        if self.comm is None or self.tp == 1:
-            return self.vision.run(items)
-        group = self.comm.groups["tp"]
-        me = group.Get_rank()
-        mine = self.vision.run([it for i, it in enumerate(items) if i % self.tp == me])
-        parts = group.gather(mine, root=0)
-        if parts is None:
-            return []
-        return [parts[i % self.tp][i // self.tp] for i in range(len(items))]
+        return encode_spread(self.vision, items, None if self.comm is None or self.tp == 1 else self.comm.groups["tp"])
 
     def step(self, batch: StepBatch | None) -> np.ndarray | None:
         """Run one packed step; updates the state pools and returns logits [N, vocab] (fp32). dp layout: `batch`

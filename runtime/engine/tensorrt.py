@@ -14,13 +14,21 @@ As TensorRT-LLM runs its engines:
     groups of consecutive ranks, rendezvous from MPI) before deserializing it. A step is one enqueue.
   - Memory: the execution context is created with ExecutionContextAllocationStrategy.USER_MANAGED and given
     one activation buffer of the engine's `device_memory_size_v2` (contract USER_MANAGED_DEVICE_MEMORY), the
-    size the planner set aside (the build refused anything larger). State pools are torch tensors owned here.
+    size the planner set aside (the build refused anything larger).
+  - Pools (issue 18, defect 4): the runner owns them, one torch allocation per pool ([S, ...] per KDA layer,
+    paged [NB, BS, W] caches in the recipe's cache dtype; the list is the graph's metadata `pools`). They are
+    not engine inputs or outputs: the engine gets one small input, the pool table [P, 3] int64 of their device
+    addresses (`plugins/pool_table.py`, checked on the host when it is made), as TensorRT-LLM passes its
+    attention plugin `host_kv_cache_pool_pointers` + `kv_cache_block_offsets`; the plugins write the step's
+    rows / slots in place through it (the step's block tables and slot ids are the offsets, checked by
+    `check_step_batch`). The pools never move, so the table is made once and the decode CUDA graphs replay
+    with it.
   - Stream: one CUDA stream per rank for everything: pool allocation, slot resets, the step's
     host-to-device inputs, the enqueue (the plugins and the NCCL collectives run on it) and the logits copy
     back; the host waits once per step, for the logits.
-  - Profiles: pools are sized within the engine's optimization profile (num_slots <= its S max, cache blocks
-    = the build's NB max unless fewer are asked), and every step's input shape is checked against the profile
-    before TensorRT sees it (contract PROFILE_BOUNDS).
+  - Profiles: pools are sized within the limits the build recorded (`pool_limits`: num_slots <= its slots,
+    cache blocks = its blocks unless fewer are asked), and every step's input shape is checked against the
+    profile before TensorRT sees it (contract PROFILE_BOUNDS).
   - Wide EP (`parallel.attention: dp`): each attention group (tp consecutive ranks) runs its own requests with
     the engine core's per-group scheduling (`runtime/core/wide_ep.py`: the group's first rank schedules and
     broadcasts the plan in the group over MPI, rank 0 spreads requests over the groups), as the ONNX Runtime
@@ -40,10 +48,6 @@ As TensorRT-LLM runs its engines:
     row. A bucket's first step runs eagerly (the JIT plugins compile their kernels), then is captured; later
     steps copy their inputs into the static buffers and replay. Possible because no plugin synchronizes with
     the host inside its enqueue. Prefill and mixed steps run eagerly on the main context.
-State pools ([S, ...] per KDA layer, paged [NB, BS, W] caches in the recipe's cache dtype) are still network
-inputs that the plugins update through outputs aliased to them (`<pool>.written`, bound to the pool's own
-buffer); TensorRT may insert copies for aliased plugin I/O (contract ALIASED_PLUGIN_IO_MAY_COPY): see the
-README for what is not done.
 """
 
 from __future__ import annotations
@@ -58,24 +62,26 @@ from moe_export.export.errors import InputError
 from moe_export.export.mpi import mpi_world
 from moe_export.export.tensorrt_build import read_engine_file
 from moe_export.graphs.config import ModelConfig
-from moe_export.graphs.onnx_export import WRITTEN_SUFFIX
-from moe_export.runtime.engine.batch import (CHECKPOINTS_PER_SLOT, RESET_ON_NEW_SEQUENCE, STATE_PREFIXES, StepBatch,
-                                            check_checkpoint, check_slot, check_step_batch, checkpoint_interval)
+from moe_export.graphs.onnx_export import POOL_TABLE, POOLS_KEY
+from moe_export.plugins.pool_table import pool_table
+from moe_export.runtime.engine.batch import (CHECKPOINTS_PER_SLOT, RESET_ON_NEW_SEQUENCE, StepBatch, check_checkpoint,
+                                            check_slot, check_step_batch, checkpoint_interval)
 from moe_export.runtime.engine.ort import MPICommunicator
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
 
 
 def pool_shapes(graph_path: Path, sizes: dict[str, int]) -> dict[str, tuple[list[int], int]]:
-    """{state input: (shape with S / NB / BS resolved from `sizes`, ONNX element type)} of a rank graph."""
+    """{pool: (shape with S / NB / BS resolved from `sizes`, ONNX element type)} of a TensorRT rank graph, in pool
+    table row order (the graph's metadata `pools`)."""
     import onnx
 
     model = onnx.load(str(graph_path), load_external_data=False)
-    out = {}
-    for vi in model.graph.input:
-        if vi.name.startswith(STATE_PREFIXES):
-            dims = [d.dim_value if d.HasField("dim_value") else sizes[d.dim_param] for d in vi.type.tensor_type.shape.dim]
-            out[vi.name] = (dims, vi.type.tensor_type.elem_type)
-    return out
+    meta = {p.key: p.value for p in model.metadata_props}
+    if POOLS_KEY not in meta:
+        raise InputError(f"{graph_path}: no pool list in the graph's metadata (engines built before the pool table "
+                         "must be rebuilt)")
+    return {p["name"]: ([sizes[d] if isinstance(d, str) else d for d in p["dims"]], p["elem_type"])
+            for p in json.loads(meta[POOLS_KEY])}  # fmt: skip
 
 
 def dispatch_layers(graph_path: Path) -> int:
@@ -86,26 +92,21 @@ def dispatch_layers(graph_path: Path) -> int:
     return sum(node.op_type == "MoEDispatch" for node in model.graph.node)
 
 
-def profile_max(meta: dict, prefix: str, axis: int = 0) -> int | None:
-    """Max of dim `axis` over the profile of the engine inputs named `prefix*` (None when there is none)."""
-    highs = [dims[2][axis] for name, dims in meta["profile"].items() if name.startswith(prefix)]
-    return min(highs) if highs else None
-
-
 def runner_pool_sizes(meta: dict, max_batch: int, num_slots: int | None, num_blocks: int | None) -> tuple[int, int]:
-    """(slots, cache blocks) the runner allocates, within the engine's profile: slots default to max_batch,
-    blocks to the profile's NB max (the build's pool sizes: never recomputed from a smaller slot count, which
-    would give more blocks than the profile admits); either above the profile is an InputError."""
+    """(slots, cache blocks) the runner allocates, within the limits the build recorded (`pool_limits`: the
+    planner's pool sizes, slots including the decode graphs' padding slot): slots default to max_batch, blocks
+    to the build's (never recomputed from a smaller slot count, which would give more blocks than the build
+    planned); either above the limits is an InputError."""
+    limits = meta["pool_limits"]
     slots = num_slots or max_batch
-    s_max = profile_max(meta, "kda_state.")
-    limit = max_batch if s_max is None else min(max_batch, s_max)
+    limit = min(max_batch, int(limits["slots"]))
     if slots > limit:
         raise InputError(f"num_slots={slots}: the engine allows at most {limit} state slots "
                          "(rebuild with a larger limits.max_batch)")
-    nb_max = profile_max(meta, ("mla_cache.", "index_cache."))
-    blocks = num_blocks or nb_max or 0
-    if nb_max is not None and blocks > nb_max:
-        raise InputError(f"num_blocks={blocks}: the engine's profile allows at most {nb_max} cache blocks")
+    nb_max = int(limits["blocks"])
+    blocks = num_blocks or nb_max
+    if blocks > nb_max:
+        raise InputError(f"num_blocks={blocks}: the engine's build allows at most {nb_max} cache blocks")
     return slots, blocks
 
 
@@ -227,19 +228,20 @@ class TensorRTEngine:
         if self._context is None:
             raise RuntimeError("TensorRT could not create an execution context")
         size = int(self._engine.device_memory_size_v2)
-        s_max = profile_max(self.meta, "kda_state.")
-        # decode CUDA graphs pad batches onto one spare slot (the build's profile admits max_batch + 1 slots)
-        self._pad_slot = self.num_slots if s_max is None or s_max > self.num_slots else None
+        # decode CUDA graphs pad batches onto one spare slot (the build's limits admit max_batch + 1 slots)
+        self._pad_slot = self.num_slots if int(self.meta["pool_limits"]["slots"]) > self.num_slots else None
         self._graphs: dict[int, _DecodeGraph] = {}
         self._buckets = graph_buckets(self.num_slots, self._pad_slot, self.dp_layout)
         with torch.cuda.stream(self.stream):
             self._activations = torch.empty(max(size, 1), dtype=torch.uint8, device=self.device)  # one per rank
             slots = self.num_slots + (self._pad_slot is not None)
             sizes = {"S": slots, "NB": self.num_blocks, "BS": self.block_size}
-            self.pools = {
+            self.pools = {  # one allocation per pool, in pool table row order
                 name: torch.zeros(shape, dtype=self._torch_dtype_onnx(elem), device=self.device)
                 for name, (shape, elem) in pool_shapes(rank_dir / "model.onnx", sizes).items()
             }
+            # the pools' addresses, checked (null / misaligned / check word: PoolTableError) before any launch
+            self.pool_table = {POOL_TABLE: torch.from_numpy(pool_table(list(self.pools.values()))).to(self.device)}
             # prefix-caching state checkpoints in pinned host memory (GPU memory stays the planner's pools): a
             # save / restore is one async copy of a slot's rows on this rank's stream, ordered with the steps
             self.num_checkpoints = CHECKPOINTS_PER_SLOT * self.num_slots if num_checkpoints is None else num_checkpoints
@@ -250,7 +252,38 @@ class TensorRTEngine:
             self.max_num_tokens)
         self._context.set_device_memory(self._activations.data_ptr(), size)
         self._activation_size = size
+        self._start_vision_tower(trt, torch)
         self.stream.synchronize()
+
+    def _start_vision_tower(self, trt, torch) -> None:
+        """K3: the replicated tower engine (`vision.engine`, `runtime.engine.tensorrt_vision`) and the MPI
+        communicator of this rank's attention group its images are spread over; `vision` None without one."""
+        from moe_export.export.tensorrt_vision import VISION_ENGINE
+
+        self.media_pad_id = self.model_config.get("media_placeholder_token_id")
+        self.vision, self._image_group, self.image_width = None, None, None
+        if not (self.dir / VISION_ENGINE).is_file():
+            return
+        from moe_export.runtime.engine.tensorrt_vision import TensorRTTower
+        from moe_export.runtime.engine.vision import VisionEncoder
+
+        tower = TensorRTTower(self.dir / VISION_ENGINE, self._runtime, trt, torch, self.device, self.stream)
+        self.vision = VisionEncoder(self.dir, self.config, 0, tower=tower)
+        self.image_width = self.vision.vc.text_hidden_size  # the step's image_embeds rows
+        if self.world_size > 1 and self.tp > 1:
+            from mpi4py import MPI
+
+            self._image_group = MPI.COMM_WORLD.Split(self.rank // self.tp, self.rank)
+
+    def encode_images(self, items: list) -> list[np.ndarray]:
+        """Tower embeddings of images given as (pixel_values, grid), spread over this rank's attention group
+        (`runtime.engine.vision.encode_spread`; the group's first rank returns them all)."""
+        from moe_export.runtime.engine.vision import encode_spread
+
+        if self.vision is None:
+            raise InputError(f"{self.dir}: this engine has no vision tower engine (text only, or built before "
+                             "the TensorRT tower: rebuild)")
+        return encode_spread(self.vision, items, self._image_group)
 
     # ---- Engine interface ----
     @property
@@ -277,8 +310,7 @@ class TensorRTEngine:
                 self.pools[name][slot].copy_(rows[checkpoint], non_blocking=True)
 
     def _feeds(self, batch: StepBatch) -> dict[str, np.ndarray]:
-        """The batch's inputs; a K3 text graph's image rows are empty (this runner has no tower: image parts
-        are refused before they reach it)."""
+        """The batch's inputs; a K3 text graph's image rows are empty when the step carries none."""
         return self._with_images(batch.feeds())
 
     def _with_images(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -360,25 +392,21 @@ class TensorRTEngine:
         return self._enqueue(self._feeds(batch))
 
     def _enqueue(self, feeds: dict[str, np.ndarray]):
-        """Bind `feeds`, the pools and fresh outputs to the main context and enqueue it on `self.stream`: the
+        """Bind `feeds`, the pool table and fresh outputs to the main context and enqueue it on `self.stream`: the
         logits on the device (not waited for)."""
         torch = self._torch
         with torch.cuda.stream(self.stream):
             inputs = {k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device, non_blocking=True)
                       for k, v in feeds.items() if k in self.meta["profile"]}  # fmt: skip
-            inputs.update(self.pools)
+            inputs.update(self.pool_table)
             outputs = {}
-            for name in self.meta["outputs"]:
-                if name.endswith(WRITTEN_SUFFIX):  # aliased to its pool input: bound to the pool's own buffer
-                    outputs[name] = self.pools[name[: -len(WRITTEN_SUFFIX)]]
             bind(self._context, self.meta, inputs, outputs)
             for name in self.meta["outputs"]:
-                if name not in outputs:
-                    shape = tuple(self._context.get_tensor_shape(name))
-                    dtype = self._torch_dtype(self._engine.get_tensor_dtype(name))
-                    outputs[name] = torch.empty(shape, dtype=dtype, device=self.device)
-                    if not self._context.set_tensor_address(name, outputs[name].data_ptr()):
-                        raise RuntimeError(f"TensorRT refused the address of output {name}")
+                shape = tuple(self._context.get_tensor_shape(name))
+                dtype = self._torch_dtype(self._engine.get_tensor_dtype(name))
+                outputs[name] = torch.empty(shape, dtype=dtype, device=self.device)
+                if not self._context.set_tensor_address(name, outputs[name].data_ptr()):
+                    raise RuntimeError(f"TensorRT refused the address of output {name}")
             if not self._context.execute_async_v3(self.stream.cuda_stream):
                 raise RuntimeError("TensorRT failed to enqueue the step (see the log above)")
         return outputs["logits"]
@@ -421,8 +449,7 @@ class TensorRTEngine:
         feeds = self._with_images(pad_decode_feeds(_empty_decode(), bucket, self._pad_slot, width))
         with torch.cuda.stream(self.stream):
             inputs = {k: torch.from_numpy(v).to(self.device) for k, v in feeds.items() if k in self.meta["profile"]}
-            outputs = {n: self.pools[n[: -len(WRITTEN_SUFFIX)]] for n in self.meta["outputs"] if n.endswith(WRITTEN_SUFFIX)}
-            bind(context, self.meta, {**inputs, **self.pools}, outputs)
+            bind(context, self.meta, {**inputs, **self.pool_table}, {})
             shape = tuple(context.get_tensor_shape("logits"))
             logits = torch.empty(shape, dtype=self._torch_dtype(self._engine.get_tensor_dtype("logits")),
                                  device=self.device)  # fmt: skip

@@ -2,8 +2,10 @@
 processor the engine ships (`preprocessor_config.json`, with the planner's patch limit `image_patch_limit`).
 
 The tower is replicated: under mpiexec the images of a call are spread over the ranks of rank 0's attention
-group (image i on group rank i mod tp, data-parallel as vLLM / SGLang run the ViT when its heads do not divide
-tp) and the embeddings gathered on rank 0; in one process one session encodes them all. The cache keeps the
+group (`encode_spread`: image i on group rank i mod tp, data-parallel as vLLM / SGLang run the ViT when its
+heads do not divide tp) and the embeddings gathered on rank 0; in one process one session encodes them all.
+The tower itself is ONNX Runtime over `vision.onnx`, or the TensorRT runner's tower engine
+(`runtime.engine.tensorrt_vision.TensorRTTower`, passed as `tower`). The cache keeps the
 projected embeddings of recent images (LRU, bounded in bytes) keyed by `PreparedImage.digest` (sha256 of the
 encoded bytes and the processor config), so an image sent again costs no tower call.
 """
@@ -26,10 +28,11 @@ DEFAULT_CACHE_BYTES = 256 * 2**20
 
 
 class VisionEncoder:
-    def __init__(self, engine_dir: Path, config: EngineConfig, threads: int, cache_bytes: int = DEFAULT_CACHE_BYTES
-                 ) -> None:
-        import onnxruntime as ort
+    """The processor, limits and embedding cache of an engine's tower; `tower(feeds) -> image_embeds` runs it
+    (default: ONNX Runtime over `vision.onnx` with `threads` intra-op threads)."""
 
+    def __init__(self, engine_dir: Path, config: EngineConfig, threads: int, cache_bytes: int = DEFAULT_CACHE_BYTES,
+                 tower=None) -> None:
         cfg = config.model
         self.vc = vision_config(cfg)
         if self.vc is None:
@@ -37,12 +40,7 @@ class VisionEncoder:
         recipe = config.recipe
         self.processor = ImageProcessor.from_folder(engine_dir).with_patch_limit(image_patch_limit(cfg, recipe))
         self.max_images = recipe.limits.max_images_per_request
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        opts.log_severity_level = 3
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        opts.enable_cpu_mem_arena = False
-        self.session = ort.InferenceSession(str(engine_dir / VISION_GRAPH), opts, providers=["CPUExecutionProvider"])
+        self.tower = tower if tower is not None else _onnxruntime_tower(engine_dir / VISION_GRAPH, threads)
         self.cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self.cache_bytes, self.max_cache_bytes = 0, cache_bytes
         self.hits = self.misses = 0
@@ -52,7 +50,7 @@ class VisionEncoder:
         if not items:
             return []
         feeds = tower_inputs(self.vc, np.concatenate([pv for pv, _ in items]), [tuple(g) for _, g in items])
-        out = self.session.run(["image_embeds"], feeds)[0]
+        out = self.tower(feeds)
         sizes = [(h // 2) * (w // 2) for _, (_, h, w) in items]
         return np.split(out, np.cumsum(sizes)[:-1])
 
@@ -87,3 +85,30 @@ class VisionEncoder:
 
     def stats(self) -> dict:
         return {"cached_images": len(self.cache), "cache_bytes": self.cache_bytes, "hits": self.hits, "misses": self.misses}
+
+
+def _onnxruntime_tower(graph: Path, threads: int):
+    """`feeds -> image_embeds` over an ONNX Runtime session of the tower graph."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.log_severity_level = 3
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    opts.enable_cpu_mem_arena = False
+    session = ort.InferenceSession(str(graph), opts, providers=["CPUExecutionProvider"])
+    return lambda feeds: session.run(["image_embeds"], feeds)[0]
+
+
+def encode_spread(vision: VisionEncoder, items: list, group) -> list[np.ndarray]:
+    """Embeddings of `items` ((pixel_values, grid) each) spread over an attention group (an MPI communicator
+    of its ranks, or None for one process): group rank r encodes images i with i mod size == r, the group's
+    first rank gathers them in order (the others return [])."""
+    if group is None or group.Get_size() == 1:
+        return vision.run(items)
+    size, me = group.Get_size(), group.Get_rank()
+    mine = vision.run([it for i, it in enumerate(items) if i % size == me])
+    parts = group.gather(mine, root=0)
+    if parts is None:
+        return []
+    return [parts[i % size][i // size] for i in range(len(items))]
