@@ -44,7 +44,7 @@ class InstantRunner:
         self.num_blocks = num_slots * (self.max_seq_len // self.block_size)
         self.max_num_tokens, self.max_step_pairs = 1 << 16, None
         self.world_size, self.comm, self.is_root = 1, None, True
-        self.config, self.model_config = {}, {"vocab_size": VOCAB}
+        self.config, self.model_config = None, {"vocab_size": VOCAB}  # no EngineConfig: not built
         self.tokens, self.at = token_ids, 0
 
     def reset_slot(self, slot: int) -> None:

@@ -78,21 +78,19 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
 
 
 def vision_summary(cfg: ModelConfig, folder: Path) -> dict[str, Any] | None:
-    """K3's tower (vision_config) and the image processor settings the checkpoint ships; None without a tower."""
-    from moe_export.graphs.vision import vision_config
-    from moe_export.runtime.images import PREPROCESSOR_CONFIG, ImageProcessor
+    """K3's tower (vision_config); None without a tower. The image processor settings the checkpoint ships
+    (`processor`, `max_tokens_per_image`: the runtime's ImageProcessor) are added by the CLI."""
+    from moe_export.graphs.vision import PREPROCESSOR_CONFIG, vision_config
 
     vc = vision_config(cfg)
     if vc is None:
         return None
-    proc = ImageProcessor.from_folder(folder)
     return {
         "layers": vc.num_layers, "hidden": vc.hidden_size, "heads": vc.num_heads, "head_dim": vc.head_dim,
         "mlp": vc.intermediate_size, "patch_size": vc.patch_size,
         "pos_emb": [vc.pos_emb_height, vc.pos_emb_width], "interpolation": vc.interpolation_mode,
         "projector": [vc.merged_dim, vc.merged_dim, vc.text_hidden_size], "params": vc.params(),
-        "processor_file": (folder / PREPROCESSOR_CONFIG).is_file(), "processor": proc.cfg,
-        "max_tokens_per_image": proc.max_tokens,
+        "processor_file": (folder / PREPROCESSOR_CONFIG).is_file(),
     }
 
 

@@ -4,6 +4,7 @@ printing one paragraph on stderr without a traceback (`--debug` shows it)."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -128,18 +129,41 @@ def inspect(
 
     if is_engine_dir(path):
         engine = inspect_engine(path)
+        engine["chat_format"] = _chat_format(Path(path))
         if as_json:
             print(json.dumps(engine, indent=2))
         else:
             render_engine_report(engine, console)
         return
     report = inspect_checkpoint(path)
+    if report.get("vision") is not None:
+        report["vision"].update(_image_processor_summary(Path(path)))
     if as_json:
         print(json.dumps(report, indent=2))
     else:
         render_checkpoint_report(report, console)
     if report["problems"]:
         raise InputError(format_problems(path, [Problem(**p) for p in report["problems"]]))
+
+
+def _chat_format(engine_dir: Path) -> str:
+    """Which renderer the runtime uses for an engine's chats (`moe_export.runtime.chat.renderer_name`)."""
+    from moe_export.runtime.chat import renderer_name
+    from moe_export.runtime.tokenizer import load_tokenizer
+
+    try:
+        tok = load_tokenizer(engine_dir)
+    except InputError as exc:
+        return f"none ({exc})"
+    return renderer_name(tok.family, tok.chat_template)
+
+
+def _image_processor_summary(folder: Path) -> dict:
+    """The image processor a K3 checkpoint ships, as the runtime reads it: settings and tokens per image."""
+    from moe_export.runtime.images import ImageProcessor
+
+    proc = ImageProcessor.from_folder(folder)
+    return {"processor": proc.cfg, "max_tokens_per_image": proc.max_tokens}
 
 
 @app.command()

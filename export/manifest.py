@@ -223,21 +223,8 @@ def inspect_engine(path: str | Path) -> dict[str, Any]:
         "mapping": cfg.mapping.to_dict(),
         "num_ranks": len(ranks),
         "ranks": ranks,
-        "chat_format": _chat_format(root),
         "manifest": manifest,
     }
-
-
-def _chat_format(root: Path) -> str:
-    """Which renderer the runtime uses for this engine's chats (`moe_export.runtime.chat.renderer_name`)."""
-    from moe_export.runtime.chat import renderer_name
-    from moe_export.runtime.tokenizer import load_tokenizer
-
-    try:
-        tok = load_tokenizer(root)
-    except InputError as exc:
-        return f"none ({exc})"
-    return renderer_name(tok.family, tok.chat_template)
 
 
 def _human_bytes(n: float) -> str:

@@ -437,7 +437,7 @@ def image_patch_limit(cfg: ModelConfig, recipe: Recipe) -> int:
     """Patches one image may take: the recipe's `limits.max_image_patches` (at most the checkpoint processor's
     in_patch_limit, K3: 65536), or when it is null the largest count whose tower activations
     (`vision_activation_bytes`) fit in the workspace reserve (at least 4, one merged token)."""
-    from moe_export.runtime.images import K3_MEDIA_PROC
+    from moe_export.graphs.vision import K3_MEDIA_PROC
 
     ceiling = K3_MEDIA_PROC["in_patch_limit"]
     if recipe.limits.max_image_patches is not None:

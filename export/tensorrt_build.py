@@ -1,7 +1,8 @@
 """TensorRT backend: one engine per rank, its collectives inside as plugins, packed into `rank{N}.engine`.
 
 Layout (as TensorRT-LLM builds engines). Each rank's exported `model.onnx` is parsed whole into one network:
-the `AllReduce` / `AllGather` nodes become plugins (`plugins/collectives/tensorrt_plugin.py`) that do nothing
+the `AllReduce` / `AllGather` nodes (and in the dp layout `MoEDispatch` / `MoECombine`, whose receive buffers
+have the static bound the graph carries) become plugins (`plugins/collectives/tensorrt_plugin.py`) that do nothing
 while the engine is being built (`plugins.collectives.nccl.building()` around `build_serialized_network`;
 contract PLUGIN_RUNS_WHILE_BUILDING) and run NCCL at execution with the communicator the runner registers
 (from MPI). So ranks build independently, a step is one enqueue, and the ONNX Runtime backend keeps its

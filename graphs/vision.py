@@ -41,6 +41,21 @@ ROPE_THETA = 10000.0
 ROPE_MAX_GRID = 512  # Rope2DPosEmbRepeated(max_height=512, max_width=512)
 TOWER_PREFIX = "vision_tower."
 PROJECTOR_PREFIX = "mm_projector."
+PREPROCESSOR_CONFIG = "preprocessor_config.json"
+# K3's image processor `media_proc_cfg` (k3-vision.md §3); a checkpoint's preprocessor_config.json overrides each
+# key (`runtime.images.ImageProcessor`); the planner bounds an image's patches by its in_patch_limit.
+K3_MEDIA_PROC = {
+    "patch_size": 14,
+    "merge_kernel_size": 2,
+    "in_patch_limit": 65536,
+    "patch_limit_on_one_side": 512,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "transparent_bg_config": {"pattern": "chessboard", "chessboard_square_size": 8,
+                              "chessboard_square_on_top_left": True, "chessboard_white_value": 255,
+                              "chessboard_gray_value": 180},
+    "transparent_bg_fill_stage": "after_resize",
+}
 
 
 @dataclass(frozen=True)

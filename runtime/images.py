@@ -38,26 +38,12 @@ from PIL import Image, UnidentifiedImageError
 
 from moe_export.export.errors import InputError
 from moe_export.graphs.config import read_json_object
+from moe_export.graphs.vision import K3_MEDIA_PROC, PREPROCESSOR_CONFIG
 from moe_export.runtime.formats.markers import MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD
 
-PREPROCESSOR_CONFIG = "preprocessor_config.json"
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")  # what image parts may carry
 MAX_IMAGE_BYTES = 32 * 2**20
 MAX_IMAGE_PIXELS = 64 * 2**20  # larger decoded images are refused (decompression bombs)
-
-# K3's `media_proc_cfg` (k3-vision.md §3); a checkpoint's preprocessor_config.json overrides each key.
-K3_MEDIA_PROC = {
-    "patch_size": 14,
-    "merge_kernel_size": 2,
-    "in_patch_limit": 65536,
-    "patch_limit_on_one_side": 512,
-    "image_mean": [0.5, 0.5, 0.5],
-    "image_std": [0.5, 0.5, 0.5],
-    "transparent_bg_config": {"pattern": "chessboard", "chessboard_square_size": 8,
-                              "chessboard_square_on_top_left": True, "chessboard_white_value": 255,
-                              "chessboard_gray_value": 180},
-    "transparent_bg_fill_stage": "after_resize",
-}
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -104,6 +104,11 @@ class SamplingParams:
         return cls(temperature, top_k or 0, 1.0 if top_p is None else top_p, seed, max_tokens)
 
     @property
+    def longest_stop(self) -> int:
+        """Characters of the longest stop string (0 without stop strings)."""
+        return max(map(len, self.stop), default=0)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
@@ -128,3 +133,9 @@ def model_defaults(generation_config: dict | None) -> SamplingParams:
     if cfg.get("do_sample") is False:
         given["temperature"] = 0.0
     return SamplingParams(**given)
+
+
+def with_defaults(defaults: SamplingParams, **given) -> SamplingParams:
+    """A request's parameters: `given` where it is not None, else the engine's defaults (`LLM.default_sampling`);
+    what every entry point (server, Triton, batch, eval) builds its requests' SamplingParams with."""
+    return replace(defaults, **{k: v for k, v in given.items() if v is not None})

@@ -56,14 +56,14 @@ def free_port() -> int:
 class InProcessServer:
     """create_app over an AsyncLLM, served by uvicorn in a thread on a random loopback port."""
 
-    def __init__(self, engine_dir: Path, **settings) -> None:
+    def __init__(self, engine_dir: Path, default_effort: str = "max", **settings) -> None:
         import uvicorn
 
         from moe_export.runtime.entrypoints.llm import AsyncLLM
         from moe_export.runtime.entrypoints.server.app import ServerSettings, create_app
 
         self.settings = ServerSettings(engine_dir=engine_dir, **settings)
-        self.llm = AsyncLLM(engine_dir, default_effort=self.settings.default_effort)
+        self.llm = AsyncLLM(engine_dir, default_effort=default_effort)
         self.app = create_app(self.llm, self.settings)
         self.sock = loopback_socket()
         self.port = self.sock.getsockname()[1]

@@ -158,15 +158,15 @@ def test_loaded_from_the_checkpoint_and_used_for_ids(tmp_path):
         load_tokenizer(_kimi_dir(tmp_path / "bad", chat_template=5))
 
 
-def test_engine_carries_the_template_and_serve_tokenizes_with_it(tmp_path):
+def test_engine_carries_the_template_and_serve_tokenizes_with_it(tmp_path, capsys):
     """A Kimi Linear checkpoint shipping chat_template.jinja: the build copies it, `inspect` names it, and
     serve's /tokenize renders with it (transformers' text for the same messages)."""
     import httpx
     import yaml
+    from conftest import run_cli
     from serve_support import InProcessServer
 
     from moe_export.export.build import build
-    from moe_export.export.manifest import inspect_engine
     from moe_export.export.synth import write_synthetic_checkpoint
     from moe_export.recipes.schema import load_recipe
 
@@ -181,7 +181,8 @@ def test_engine_carries_the_template_and_serve_tokenizes_with_it(tmp_path):
     engine = tmp_path / "engine"
     build(rec, engine)
     assert (engine / "chat_template.jinja").read_text() == ROLE_TEMPLATE
-    assert inspect_engine(engine)["chat_format"] == f"checkpoint chat template ({engine / 'chat_template.jinja'})"
+    code, out, _ = run_cli(capsys, "inspect", str(engine), "--json")  # the CLI names the runtime's renderer
+    assert code == 0 and json.loads(out)["chat_format"] == f"checkpoint chat template ({engine / 'chat_template.jinja'})"
     srv = InProcessServer(engine)
     try:
         messages = copy.deepcopy(CONVERSATIONS[2])  # OpenAI clients send arguments as a JSON string

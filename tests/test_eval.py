@@ -54,6 +54,9 @@ class ScriptedChat:
     """Stands in for AsyncLLM.chat in the round-loop unit test: replies from a script, records what it got."""
 
     def __init__(self, replies):
+        from moe_export.runtime.sampling import SamplingParams
+
+        self.default_sampling = SamplingParams()
         self.replies = list(replies)
         self.seen = []
 

@@ -74,9 +74,9 @@ def test_frequencies_follow_the_kept_distribution(kw):
     assert chi_square_p(counts, kept_probs(SMALL, **kw)) > 1e-3
 
 
-def test_flat_rows_take_the_whole_row_path_and_stay_exact():
-    """2,000 near-uniform logits: the top-p set is far larger than the candidates, so the draw is the inverse-CDF
-    draw with rejection; every draw lies in the set and the frequencies (in 20 bins) follow it."""
+def test_flat_rows_stay_exact():
+    """2,000 near-uniform logits: the top-p set is most of the row; every draw lies in the set and the
+    frequencies (in 20 bins) follow it."""
     logits = torch.randn(2000, generator=torch.Generator().manual_seed(0)) * 0.5
     want = kept_probs(logits, top_p=0.9)
     assert (want > 0).sum() > 1000
@@ -86,6 +86,29 @@ def test_flat_rows_take_the_whole_row_path_and_stay_exact():
     binned_counts = torch.zeros(20, dtype=torch.long).index_add_(0, bins, counts)
     binned_p = torch.zeros(20, dtype=torch.float64).index_add_(0, bins, want)
     assert chi_square_p(binned_counts, binned_p) > 1e-3
+
+
+def test_top_p_nucleus_over_several_blocks_and_a_tail():
+    """A vocabulary of 2,600 (two inverse-CDF blocks and a 552-token tail) with 40 likely tokens spread over
+    all three: a token outside the top-p nucleus is never drawn, the nucleus is drawn in proportion to the
+    renormalized probabilities (chi-square over its tokens), and about a fifth of the first draws are rejected
+    (top_p 0.8), so later rounds are exercised; each row draws the same alone and in the batch."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2600, generator=gen) * 0.5 - 6
+    hot = torch.randperm(2600, generator=gen)[:40]
+    assert (hot < 1024).any() and ((hot >= 1024) & (hot < 2048)).any() and (hot >= 2048).any()
+    logits[hot] = torch.randn(40, generator=gen) * 0.5 + 2
+    want = kept_probs(logits, top_p=0.8)
+    nucleus = want > 0
+    assert 5 < int(nucleus.sum()) < 40 and bool(nucleus[hot].sum() == nucleus.sum())
+    counts = draw_counts(logits, 20000, top_p=0.8)
+    assert counts[~nucleus].sum() == 0
+    assert chi_square_p(counts, want) > 1e-3
+    rows = logits.expand(8, -1).clone() + torch.randn(8, 2600, generator=gen) * 0.1
+    sb = batch(8, top_p=0.8, seed=torch.arange(8) + 40)
+    together = sample(rows.clone(), sb).ids.tolist()
+    alone = [sample(rows[i:i + 1].clone(), batch(1, top_p=0.8, seed=torch.tensor([40 + i]))).ids[0] for i in range(8)]
+    assert together == alone
 
 
 def test_a_row_draws_the_same_token_alone_or_in_any_batch():

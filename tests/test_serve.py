@@ -638,7 +638,7 @@ def test_unseeded_requests_differ_and_seeded_ones_repeat(oai, claude):
                                       reasoning={"effort": "none"}).output_text for _ in range(3)}
     assert len(responses) > 1
     messages = {claude.messages.create(model="m", max_tokens=24, messages=[{"role": "user", "content": "Surprise me."}],
-                                       thinking={"type": "disabled"}).content[0].text for _ in range(3)}
+                                       thinking={"type": "disabled"}, extra_body={"temperature": 1}).content[0].text for _ in range(3)}
     assert len(messages) > 1
 
 

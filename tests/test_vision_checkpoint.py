@@ -21,11 +21,17 @@ def ckpt(tmp_path_factory):
     return write_synthetic_checkpoint("tiny-k3", tmp_path_factory.mktemp("vis") / "ck")
 
 
-def test_inspect_reports_tower_and_processor(ckpt):
+def test_inspect_reports_tower_and_processor(ckpt, capsys):
+    import json
+
+    from conftest import run_cli
+
     rep = inspect_checkpoint(ckpt)
     vis = rep["vision"]
     assert vis["layers"] == 2 and vis["heads"] == 2 and vis["params"] == 62048 and vis["processor_file"]
-    assert vis["processor"]["in_patch_limit"] == 65536 and vis["max_tokens_per_image"] == 16384
+    code, out, err = run_cli(capsys, "inspect", str(ckpt), "--json")  # the CLI adds the runtime's processor view
+    vis = json.loads(out)["vision"]
+    assert code == 0 and vis["processor"]["in_patch_limit"] == 65536 and vis["max_tokens_per_image"] == 16384
     assert rep["classes"]["vision"]["tensors"] == len(vision_tensor_specs(vision_config(preset_config("tiny-k3"))))
     assert not rep["problems"]
 

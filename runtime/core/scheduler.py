@@ -68,6 +68,10 @@ class SequenceUpdate:
     error: str | None = None  # why a request was aborted by the runtime (e.g. a failing logits processor)
     cached_tokens: int = 0  # prompt tokens whose state came from a kept session or the prefix cache
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (id, logprob) of the most likely
+    # the output stage's text (the scheduler detokenizes once, for stop strings and output alike; with a
+    # text_decoder): the decoded text of token_ids, a stop token left out, at the end the decoder's held rest
+    text: str = ""
+    text_complete: bool = True  # the output's text so far ends on a whole character (nothing held)
 
 
 @dataclass
@@ -83,7 +87,7 @@ class Sequence:
     hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks (prefix caching)
     named: int = 0  # its blocks [0, named) are named in the prefix cache (or were already: shared)
     targets: list[int] = field(default_factory=list)  # prompt positions whose state is checkpointed, ascending
-    text: IncrementalDecoder | None = None  # requests with stop strings: the output's text, a step at a time
+    text: IncrementalDecoder | None = None  # the output's text, a step at a time (with a text_decoder)
     text_len: int = 0  # characters of output text decoded so far
     text_tail: str = ""  # their last characters, as many as a stop string may have begun in
     pad_positions: np.ndarray | None = None  # prompt positions of the image rows (`<|media_pad|>`), in order
@@ -105,10 +109,11 @@ class Scheduler:
     """Continuous batching on rank 0 of `engine` (an Engine, or anything with the same step interface).
 
     eos_token_ids: the model's stop ids (ignored per request with `ignore_eos`). text_decoder: makes an
-    `IncrementalDecoder` (output ids -> text, a step at a time), for stop strings. keep_sessions: keep finished
-    sequences' state for reuse. prefix_caching: share cached prefixes across requests (`core.prefix_cache`; off
-    when the runner has no checkpoint pool). sample_vocab: sample among ids below it only (the tokenizer's size
-    when the model's vocabulary has padding rows)."""
+    `IncrementalDecoder` (output ids -> text, a step at a time): each output is detokenized once, here, for its
+    stop strings and its `SequenceUpdate.text` alike. keep_sessions: keep finished sequences' state for reuse.
+    prefix_caching: share cached prefixes across requests (`core.prefix_cache`; off when the runner has no
+    checkpoint pool). sample_vocab: sample among ids below it only (the tokenizer's size when the model's
+    vocabulary has padding rows)."""
 
     def __init__(self, engine, *, eos_token_ids=(), text_decoder=None, keep_sessions: bool = True,
                  prefix_caching: bool = True, sample_vocab: int | None = None) -> None:
@@ -158,7 +163,7 @@ class Scheduler:
         seq = Sequence(request, [int(t) for t in request.prompt_ids], n, seed)
         if request.images:
             self._check_images(seq)
-        if request.sampling.stop:
+        if self.text_decoder is not None:
             seq.text = self.text_decoder()
         if self._blocks_for(seq) > self.allocator.num_blocks:
             raise InputError(f"request {request.request_id}: prompt + max_tokens needs {self._blocks_for(seq)} cache blocks; "
@@ -217,7 +222,7 @@ class Scheduler:
                 if seq.request.request_id == request_id:
                     queue.remove(seq)
                     self._release(seq, keep=False)
-                    self._aborted.append(SequenceUpdate(request_id, [], None, True, "abort"))
+                    self._aborted.append(self._flushed(seq, SequenceUpdate(request_id, [], None, True, "abort")))
                     return True
         return False
 
@@ -522,7 +527,7 @@ class Scheduler:
         if j in out.errors:  # a failing request-supplied logits processor, or nothing allowed: that request ends
             self.running.remove(seq)
             self._release(seq, keep=False)
-            return SequenceUpdate(req.request_id, [], None, True, "abort", error=out.errors[j])
+            return self._flushed(seq, SequenceUpdate(req.request_id, [], None, True, "abort", error=out.errors[j]))
         token = int(out.ids[j])
         logprob = out.logprobs[j]
         seq.tokens.append(token)
@@ -535,19 +540,31 @@ class Scheduler:
         n_out = len(seq.tokens) - seq.prompt_len
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             update.finish_reason = "stop"
-        elif params.stop:  # only the new text and what a stop string may have begun in before it: O(1) a step
-            window = seq.text_tail + seq.text.push([token])
-            hits = [i for i in (window.find(s) for s in params.stop) if i >= 0]
-            if hits:
-                update.finish_reason, update.stop_text_index = "stop", seq.text_len - len(seq.text_tail) + min(hits)
-            seq.text_len += len(window) - len(seq.text_tail)
-            seq.text_tail = window[max(len(window) - max(len(s) for s in params.stop) + 1, 0):]
+        elif seq.text is not None:
+            piece = update.text = seq.text.push([token])
+            update.text_complete = not seq.text.holding
+            if params.stop:  # only the new text and what a stop string may have begun in before it: O(1) a step
+                window = seq.text_tail + piece
+                hits = [i for i in (window.find(s) for s in params.stop) if i >= 0]
+                if hits:
+                    update.finish_reason, update.stop_text_index = "stop", seq.text_len - len(seq.text_tail) + min(hits)
+                seq.text_tail = window[max(len(window) - params.longest_stop + 1, 0):]
+            seq.text_len += len(piece)
         if update.finish_reason is None and (n_out >= params.max_tokens or len(seq.tokens) >= self.engine.max_seq_len):
             update.finish_reason = "length"
         if update.finish_reason is not None:
             update.finished = True
             self.running.remove(seq)
             self._release(seq, keep=True)
+            self._flushed(seq, update)
+        return update
+
+    @staticmethod
+    def _flushed(seq: Sequence, update: SequenceUpdate) -> SequenceUpdate:
+        """A finishing update with the decoder's held rest (an unfinished character) appended to its text."""
+        if seq.text is not None:
+            update.text += seq.text.flush()
+            update.text_complete = True
         return update
 
     # ---- lockstep execution ---------------------------------------------------------------------

@@ -9,12 +9,13 @@ allows token 32 i + j), then the chosen token's logprob and top logprobs from th
 processed logits (before temperature); then temperature 0 -> argmax, else temperature -> top-k -> min-p ->
 top-p and a draw. A forced token (thinking budget) replaces the draw.
 
-Top-p needs no full sort. The top 128 candidates of each row are taken (a partial sort); a row whose
-candidates hold the top-p mass (and its whole top-k) samples among them alone. Other rows (flat
-distributions) sample from the whole row by inverse CDF in index order, then accept the draw when the mass
-of the tokens strictly more likely than it is below top_p, i.e. when it lies in the top-p set; a rejected
-draw drops every token no more likely than itself and draws again (the dropped tokens are all outside the
-set, so the accepted draw follows the renormalized top-p distribution exactly; acceptance >= top_p per round).
+Top-p sorts nothing (FlashInfer's rejection sampling with pivots): a row's logits become its weights in place
+(exp(x - max), one pass each), a token is drawn by a two-level inverse CDF (block sums, then one block's
+running sum: no [R, V] prefix sum), and the draw is accepted when the weight strictly above it is below top_p
+of the row's total, i.e. when it lies in the top-p set; a rejected draw's weight becomes the row's lower
+bound (every token no more likely is outside the set too) and the row draws again from what is left, so the
+accepted draw follows the renormalized top-p distribution exactly, with acceptance >= top_p per round.
+Flat and peaked rows take the same path.
 
 Randomness is counter-based: a row's uniform numbers are a hash (splitmix64) of (its request's seed, the
 index of the token in its output, the draw round), so a request draws the same tokens alone or in any batch,
@@ -28,8 +29,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
-CANDIDATES = 128  # top candidates per row tried before the whole-row top-p path
 
 _GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
 
@@ -147,112 +146,137 @@ def process_logits(x: torch.Tensor, sb: SamplingBatch, errors: dict[int, str]) -
     return x
 
 
-def _top_logprobs(x: torch.Tensor, sb: SamplingBatch, ids: torch.Tensor) -> tuple[list, list]:
+def _log_softmax_rows(x: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows asking for logprobs, their log-softmax [n, V]) of the processed logits; None when no row asks."""
     rows = (sb.logprobs >= 0).nonzero().flatten()
-    logprobs: list[float | None] = [None] * x.shape[0]
-    tops: list[list[tuple[int, float]] | None] = [None] * x.shape[0]
-    if rows.numel() == 0:
+    return None if rows.numel() == 0 else (rows, torch.log_softmax(x[rows], dim=-1))
+
+
+def _top_logprobs(lp: tuple[torch.Tensor, torch.Tensor] | None, sb: SamplingBatch, ids: torch.Tensor) -> tuple[list, list]:
+    n = ids.shape[0]
+    logprobs: list[float | None] = [None] * n
+    tops: list[list[tuple[int, float]] | None] = [None] * n
+    if lp is None:
         return logprobs, tops
-    lp = torch.log_softmax(x[rows], dim=-1)
+    rows, lp = lp
     chosen = lp.gather(1, ids[rows, None]).squeeze(1).cpu().tolist()
     k = int(sb.logprobs[rows].max())
     top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
     top_v, top_i = top_v.cpu().tolist(), top_i.cpu().tolist()
     for j, r in enumerate(rows.cpu().tolist()):
         logprobs[r] = chosen[j]
-        n = int(sb.logprobs[r])
-        tops[r] = list(zip(top_i[j][:n], top_v[j][:n]))
+        k = int(sb.logprobs[r])
+        tops[r] = list(zip(top_i[j][:k], top_v[j][:k]))
     return logprobs, tops
 
 
-def _draw_full(p: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
-    """Token ids [R] drawn from probabilities p [R, V] (normalized before any min-p zeroing) restricted to
-    each row's top-p set, by inverse CDF and rejection (see the module docstring); p is modified."""
+BLOCK = 1024  # tokens per block of the two-level inverse CDF
+
+
+def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token ids [R] drawn from the weights p [R, V] (>= 0, each row with a positive sum) at the uniforms u [R]:
+    the first token whose running sum exceeds u x the row's sum, found in two levels (the block sums, then the
+    chosen block's running sum) so that no pass writes a [R, V] prefix sum."""
+    rows, width = p.shape
+    nb = width // BLOCK
+    sums = p.as_strided((rows, nb, BLOCK), (p.stride(0), BLOCK, 1)).sum(2) if nb else p.new_zeros(rows, 0)
+    if width % BLOCK:
+        sums = torch.cat([sums, p[:, nb * BLOCK:].sum(1, keepdim=True)], dim=1)
+    c = sums.double().cumsum(dim=1)
+    target = u * c[:, -1]
+    b = torch.searchsorted(c, target[:, None], right=True).clamp_(max=c.shape[1] - 1)
+    before = torch.where(b > 0, c.gather(1, (b - 1).clamp(min=0)), 0.0).squeeze(1)
+    idx = b * BLOCK + torch.arange(BLOCK, device=p.device)
+    inside = idx < width
+    w = p.gather(1, idx.clamp(max=width - 1)).double().masked_fill_(~inside, 0)
+    cc = w.cumsum(dim=1)
+    t = torch.minimum((target - before).clamp(min=0), torch.nextafter(cc[:, -1], torch.zeros_like(cc[:, -1])))
+    j = torch.searchsorted(cc, t[:, None], right=True).clamp_(max=BLOCK - 1)
+    return idx.gather(1, j).squeeze(1)
+
+
+def _mass_above(p: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
+    """[R]: the sum of each row's weights strictly above its ps [R] (one read of each row)."""
+    return torch.stack([torch.nn.functional.threshold(row, float(v), 0.0).sum() for row, v in zip(p, ps.tolist())])
+
+
+def _draw_top_p(p: torch.Tensor, z: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor
+                ) -> torch.Tensor:
+    """Token ids [R] drawn from the weights p [R, V] restricted to each row's top-p set, sorting nothing
+    (FlashInfer's rejection sampling with pivots): draw from the row; accept when the weight strictly above
+    the draw's is below top_p x z (z [R]: the sum of the distribution the top-p set is taken of), i.e. when
+    the draw lies in the set; else every token no more likely than the draw is outside the set too, so the
+    draw's weight becomes the lower bound and the row draws again from what is left (exact: the accepted draw
+    follows the renormalized set; acceptance >= top_p per round). p is modified."""
     out = torch.empty(p.shape[0], dtype=torch.long, device=p.device)
     todo = torch.arange(p.shape[0], device=p.device)
     for round_ in range(64):
-        c = p.cumsum(dim=1)
-        total = c[:, -1]
-        target = (uniforms(seed[todo], counter[todo], round_) * total.double()).to(c.dtype)
-        target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))  # u < 1 after rounding too
-        s = torch.searchsorted(c, target[:, None], right=True).clamp_(max=p.shape[1] - 1)
-        ps = p.gather(1, s)
-        s = s.squeeze(1)
+        s = _inverse_cdf(p, uniforms(seed[todo], counter[todo], round_))
+        ps = p.gather(1, s[:, None]).squeeze(1)
         check = top_p[todo] < 1
         accept = ~check
-        if bool(check.any()):  # the tokens more likely than the draw hold less than top_p: it is in the set
-            accept |= torch.where(p > ps, p, 0).sum(dim=1) < top_p[todo].to(p.dtype)
+        if bool(check.any()):
+            c = check.nonzero().flatten()
+            accept[c] = _mass_above(p[c] if c.numel() != p.shape[0] else p, ps[c]) < (top_p[todo] * z[todo])[c]
         out[todo[accept]] = s[accept]
         if bool(accept.all()):
             return out
         rej = (~accept).nonzero().flatten()
-        p = p[rej]
-        p = torch.where(p > ps[rej], p, 0)  # no more likely than a token outside the set: outside too
+        p = p.index_select(0, rej)
+        p.masked_fill_(p <= ps[rej, None], 0)  # the new lower bound: these tokens are outside the set
         todo = todo[rej]
     out[todo] = p.argmax(dim=1)  # only after 64 rejections (float ties): the most likely remaining token
     return out
 
 
-def _draw(x: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
-    """Draws for the sampled rows `rows` of the processed logits x [R, V]: kept = top-k, the top-p set of the
-    top-k distribution, and min-p (probability >= min_p x the most likely one's), renormalized."""
+def _draw(x: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """Draws for the sampled rows `rows` of the processed logits x [R, V] (row_max [R]: each row's largest
+    logit, finite), in place on those rows of x: kept = top-k, the top-p set of the top-k distribution, and min-p
+    (probability >= min_p x the most likely one's), renormalized."""
     t = sb.temperature[rows].to(x.dtype)
     xs = x.index_select(0, rows) if rows.numel() != x.shape[0] else x
-    if bool((t != 1).any()):
-        xs = xs / t[:, None]
-    top_k, min_p, top_p = sb.top_k[rows], sb.min_p[rows], sb.top_p[rows].to(x.dtype)
-    seed, counter = sb.seed[rows], sb.counter[rows]
-    k_cand = min(CANDIDATES, xs.shape[1])
+    top_k, min_p, top_p = sb.top_k[rows], sb.min_p[rows], sb.top_p[rows].to(torch.float64)
     has_k = top_k > 0
     if bool(has_k.any()):
-        kmax = int(top_k.max())
-        kth = xs.topk(kmax, dim=1).values.gather(1, (top_k.clamp(min=1) - 1)[:, None])
-        xs = xs.masked_fill((xs < kth) & has_k[:, None], float("-inf"))
-    p = torch.softmax(xs, dim=1)  # the top-k distribution (one fused pass per row)
-    cand_p, cand_i = p.topk(k_cand, dim=1)  # a partial sort: the row's k_cand most likely, descending
-    floor = min_p[:, None].to(x.dtype) * cand_p[:, :1]
-    mass_before = cand_p.cumsum(dim=1) - cand_p
-    # exact on the candidates alone when the kept set lies within them
-    covered = (has_k & (top_k <= k_cand)) | (cand_p[:, -1:] < floor).squeeze(1)
-    covered |= (top_p < 1) & (cand_p.sum(dim=1) >= top_p)
-    out = torch.empty(xs.shape[0], dtype=torch.long, device=x.device)
-    # which path a row takes depends on its own logits and parameters only: its draw is the same in any batch
-    full = (~covered).nonzero().flatten()
-    small = covered.nonzero().flatten()
-    if small.numel():
-        w = cand_p[small]
-        w = w * ((mass_before[small] < top_p[small, None]) & (w >= floor[small]))
-        pick = _draw_full(w, torch.ones_like(top_p[small]), seed[small], counter[small])
-        out[small] = cand_i[small].gather(1, pick[:, None]).squeeze(1)
-    if full.numel():
-        p = p.index_select(0, full) if full.numel() != p.shape[0] else p
-        if bool((min_p > 0).any()):
-            p = p.masked_fill(p < floor[full], 0)
-        out[full] = _draw_full(p, top_p[full], seed[full], counter[full])
-    return out
+        kth = xs.topk(int(top_k.max()), dim=1).values.gather(1, (top_k.clamp(min=1) - 1)[:, None])
+        xs.masked_fill_((xs < kth) & has_k[:, None], float("-inf"))
+    xs.sub_(row_max[rows, None])
+    if bool((t != 1).any()):
+        xs.div_(t[:, None])
+    p = xs.exp_()  # the top-k distribution's weights, the most likely token's 1
+    z = p.sum(dim=1).double()
+    if bool((min_p > 0).any()):
+        p.masked_fill_(p < min_p[:, None].to(p.dtype), 0)
+    return _draw_top_p(p, z, top_p, sb.seed[rows], sb.counter[rows])
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampledTokens:
-    """Choose the tokens of `sb.rows` from a step's logits [N, V] (any float dtype, any device)."""
+    """Choose the tokens of `sb.rows` from a step's logits [N, V] (any float dtype, any device); fp32 logits
+    of every row are used in place."""
     if sb.rows.device != logits.device:
         sb = sb.to(logits.device)
     x = logits.index_select(0, sb.rows).float() if sb.rows.numel() != logits.shape[0] else logits.float()
     errors: dict[int, str] = {}
     x = process_logits(x, sb, errors)
-    ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+    lp = _log_softmax_rows(x, sb)  # before the draws change x
+    ids = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+    forced = sb.forced >= 0
     greedy = sb.temperature == 0
     g = greedy.nonzero().flatten()
     if g.numel():
         ids[g] = x[g].argmax(dim=1) if g.numel() != x.shape[0] else x.argmax(dim=1)
-    s = (~greedy).nonzero().flatten()
-    if s.numel():
-        ids[s] = _draw(x, sb, s)
-    forced = sb.forced >= 0
+    allowed = torch.isfinite(x.gather(1, ids[:, None]).squeeze(1)) | forced
+    sampled = ~greedy & ~forced
+    if bool(sampled.any()):
+        row_max = x.amax(dim=1)
+        allowed |= sampled & torch.isfinite(row_max)
+        s = (sampled & torch.isfinite(row_max)).nonzero().flatten()
+        if s.numel():
+            ids[s] = _draw(x, sb, s, row_max)
     if bool(forced.any()):
         ids = torch.where(forced, sb.forced, ids)
-    allowed = torch.isfinite(x.gather(1, ids[:, None]).squeeze(1)) | forced
     if not bool(allowed.all()):
         for r in (~allowed).nonzero().flatten().cpu().tolist():
             errors.setdefault(r, "every token was masked (logits processors, grammar, bans): nothing can be sampled")
-    logprobs, tops = _top_logprobs(x, sb, ids)
+    logprobs, tops = _top_logprobs(lp, sb, ids)
     return SampledTokens(ids.cpu().numpy(), logprobs, tops, errors)

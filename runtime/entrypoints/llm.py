@@ -90,12 +90,14 @@ class StreamDelta:
     finished: bool = False
     output: ChatOutput | None = None
     error: str | None = None  # set (with finished) when the runtime ended the request, e.g. a failing logits processor
+    thinking_tier: str | None = None  # chats: the tier the core resolved the request's effort to ("none": off)
     logprobs: list[float] | None = None  # per token id, when the request asked for logprobs
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class _OutputText:
-    """One request's output turned into text step by step, each step costing O(its new tokens).
+    """One request's output stage: the scheduler's decoded text (`SequenceUpdate.text`: detokenized once, where
+    the stop strings are checked) streamed and parsed step by step, each step costing O(its new tokens).
 
     The raw text (special tokens by name) is streamed with a suffix that may begin one of the stop
     strings held back. The chat parser is fed only tokens whose text has been streamed, so its reasoning /
@@ -104,7 +106,6 @@ class _OutputText:
 
     def __init__(self, tokenizer, stops: tuple[str, ...], parser: OutputParser | None) -> None:
         self.tok, self.stops, self.parser = tokenizer, stops, parser
-        self.decoder = tokenizer.incremental_decoder()
         self.pieces: list[str] = []
         self.length = 0  # characters decoded so far
         self.held = ""  # decoded text not streamed yet
@@ -113,33 +114,39 @@ class _OutputText:
         self.partial: list[int] = []  # ids of a character not complete yet
         self.parsed_to = 0  # end offset of the text the parser has been fed
 
-    def step(self, ids: list[int], *, finished: bool, stop_token: bool, stop_index: int | None) -> tuple[str, ParsedDelta]:
-        """New text and parsed delta of `ids` (stop_token: the last id is a stop token, not text; stop_index:
-        where the stop string the output ended at starts in the text)."""
-        for t in ids[:-1] if stop_token else ids:
-            piece = self.decoder.push([t])
-            self.pieces.append(piece)
-            self.length += len(piece)
-            self.held += piece
-            self.partial.append(t)
-            if not self.decoder.holding:
-                self.unparsed.append((self.partial, self.length))
-                self.partial = []
+    def step(self, ids: list[int], piece: str, *, complete: bool, finished: bool, stop_token: bool,
+             stop_index: int | None) -> tuple[str, ParsedDelta]:
+        """New text and parsed delta of `ids`, whose decoded text is `piece` (complete: it ends on a whole
+        character; stop_token: the last id is a stop token, not text; stop_index: where the stop string the
+        output ended at starts in the text)."""
+        self.pieces.append(piece)
+        self.length += len(piece)
+        self.held += piece
+        self.partial += ids[:-1] if stop_token else ids
+        if self.partial and (complete or finished):
+            self.unparsed.append((self.partial, self.length))
+            self.partial = []
         if finished:
-            tail = self.decoder.flush()
-            self.pieces.append(tail)
-            self.length += len(tail)
-            self.held += tail
-            if self.partial:
-                self.unparsed.append((self.partial, self.length))
             end = self.length if stop_index is None else stop_index
         else:
-            end = self.length - max((k for s in self.stops for k in range(1, min(len(s), len(self.held) + 1))
-                                     if self.held.endswith(s[:k])), default=0)
+            end = self.length - self._stop_prefix_len()
         cut = max(end - self.sent, 0)
         text, self.held = self.held[:cut], self.held[cut:]
         self.sent += cut
         return text, self._parse(ids, finished, stop_token, stop_index)
+
+    def _stop_prefix_len(self) -> int:
+        """Length of the longest suffix of the held text that begins a stop string (held back from streaming):
+        for each stop, only the positions in its reach where its first character occurs are tried."""
+        held, best = self.held, 0
+        for s in self.stops:
+            i = held.find(s[0], max(len(held) - len(s) + 1, 0))
+            while i != -1:
+                if s.startswith(held[i:]):
+                    best = max(best, len(held) - i)
+                    break
+                i = held.find(s[0], i + 1)
+        return best
 
     def _parse(self, ids: list[int], finished: bool, stop_token: bool, stop_index: int | None) -> ParsedDelta:
         delta = ParsedDelta()
@@ -184,6 +191,7 @@ class _Tracked:
     out: _OutputText | None = None
     images: list = field(default_factory=list)  # runtime.images.PreparedImage of the prompt's images, in order
     grammar: GrammarLogitsProcessor | None = None  # tool_choice / response_format enforced, whatever the entry point
+    thinking_tier: str | None = None  # chats: the resolved thinking tier (resolved once, in `prepare_chat`)
 
 
 class _Core:
@@ -211,8 +219,10 @@ class _Core:
         tr.top_logprobs += u.top_logprobs or []
         tr.cached_tokens = max(tr.cached_tokens, u.cached_tokens)
         stop_token = u.finished and u.finish_reason == "stop" and bool(u.token_ids) and u.stop_text_index is None
-        text, parsed = tr.out.step(u.token_ids, finished=u.finished, stop_token=stop_token, stop_index=u.stop_text_index)
-        delta = StreamDelta(u.request_id, list(u.token_ids), text, parsed.reasoning, parsed.content)
+        text, parsed = tr.out.step(u.token_ids, u.text, complete=u.text_complete, finished=u.finished,
+                                   stop_token=stop_token, stop_index=u.stop_text_index)
+        delta = StreamDelta(u.request_id, list(u.token_ids), text, parsed.reasoning, parsed.content,
+                            thinking_tier=tr.thinking_tier)
         if tr.sampling.logprobs:
             delta.logprobs, delta.top_logprobs = list(u.logprobs or []), list(u.top_logprobs or [])
         if tr.parser is None:
@@ -358,7 +368,7 @@ class LLM:
         budget = ReasoningBudget(self.tokenizer, self.family, plan.cap if plan.enabled else None, starts_in_reasoning=starts)
         parser = OutputParser(self.tokenizer, self.family, starts_in_reasoning=starts, tools_declared=bool(tools))
         tracked = _Tracked(self._new_id(request_id), ids, sampling or self.default_sampling, parser, budget,
-                           self._turn_start[plan.enabled], images=images.order if images else [])
+                           self._turn_start[plan.enabled], images=images.order if images else [], thinking_tier=plan.tier)
         tag = structural_tag_for(self.family, tools=tools, tool_choice=tool_choice, response_format=response_format,
                                  thinking=plan.enabled, starts_in_reasoning=starts, parallel_tool_calls=parallel_tool_calls)
         if tag is not None:
@@ -451,6 +461,7 @@ class AsyncLLM:
         self._owns_llm = not isinstance(engine_dir_or_llm, LLM)
         self.llm = LLM(engine_dir_or_llm, **kwargs) if self._owns_llm else engine_dir_or_llm
         self.tokenizer, self.family = self.llm.tokenizer, self.llm.family
+        self.default_sampling = self.llm.default_sampling  # the engine's one set of sampling defaults
         self._core = self.llm._root()
         self._cv = threading.Condition()
         self._commands: list = []

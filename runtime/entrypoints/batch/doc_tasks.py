@@ -102,14 +102,14 @@ class DocRunner:
 
     def __init__(self, llm, job: DocJob, max_seq_len: int, semaphore) -> None:
         from moe_export.runtime.chat import render_ids
-        from moe_export.runtime.sampling import SamplingParams
+        from moe_export.runtime.sampling import with_defaults
 
         self.llm, self.job, self.semaphore = llm, job, semaphore
         self.vision = getattr(getattr(getattr(llm, "llm", llm), "engine", None), "vision", None)
         env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False)
         self.prompt = env.from_string(job.template)
         self.reduce = env.from_string(REDUCE_TEMPLATES[job.task]) if job.task in REDUCE_TEMPLATES else None
-        self.sampling = SamplingParams(max_tokens=job.max_tokens)
+        self.sampling = with_defaults(llm.default_sampling, max_tokens=job.max_tokens)
         self.count = lambda text: len(llm.tokenizer.encode(text))
         empty = [{"role": "user", "content": self.prompt.render(document="", path="", chunk_index=0, num_chunks=1,
                                                                 question=job.question or "")}]

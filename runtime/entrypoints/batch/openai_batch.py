@@ -57,13 +57,12 @@ def custom_id_of(line: str) -> str | None:
 class ServedEndpoints:
     """The server's app over an AsyncLLM, called in process; `post` returns (status code, request id, JSON)."""
 
-    def __init__(self, allm, engine_dir: str | Path, default_effort: str | None, concurrency: int) -> None:
+    def __init__(self, allm, engine_dir: str | Path, concurrency: int) -> None:
         import httpx
 
         from moe_export.runtime.entrypoints.server.app import ServerSettings, create_app
 
-        settings = ServerSettings(Path(engine_dir), default_effort=default_effort or "max",
-                                  max_queue=max(256, 2 * concurrency), model_name="moe-export",
+        settings = ServerSettings(Path(engine_dir), max_queue=max(256, 2 * concurrency), model_name="moe-export",
                                   accept_any_model=True)
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(allm, settings)),
                                         base_url="http://moe-export-batch", timeout=None)

@@ -34,12 +34,11 @@ class ItemProcessor:
     """Turns items into output records on one AsyncLLM (shared by the local and the Ray runner): batch API
     lines through the server's endpoints in process, documents through a DocRunner."""
 
-    def __init__(self, llm, engine_dir: str, default_effort: str | None, max_seq_len: int, doc_job: DocJob | None,
-                 concurrency: int) -> None:
+    def __init__(self, llm, engine_dir: str, max_seq_len: int, doc_job: DocJob | None, concurrency: int) -> None:
         self.concurrency = concurrency
         self.semaphore = asyncio.Semaphore(concurrency)
         self.docs = DocRunner(llm, doc_job, max_seq_len, self.semaphore) if doc_job is not None else None
-        self.endpoints = ServedEndpoints(llm, engine_dir, default_effort, concurrency) if doc_job is None else None
+        self.endpoints = ServedEndpoints(llm, engine_dir, concurrency) if doc_job is None else None
 
     async def _endpoint(self, item: dict) -> dict:
         async with self.semaphore:
@@ -82,7 +81,7 @@ def start_llm(engine_dir: str, default_effort: str | None, concurrency: int, doc
         if doc_job is not None and doc_job.images and getattr(llm.engine, "vision", None) is None:
             raise InputError(f"--images: the runner of {engine_dir} has no vision tower, so it takes no images")
         allm = AsyncLLM(llm)
-        processor = ItemProcessor(allm, engine_dir, default_effort, llm.engine.max_seq_len, doc_job,
+        processor = ItemProcessor(allm, engine_dir, llm.engine.max_seq_len, doc_job,
                                   concurrency or 2 * llm.engine.num_slots)
     except BaseException:
         llm.shutdown()

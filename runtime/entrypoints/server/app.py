@@ -78,7 +78,6 @@ class ServerSettings:
     engine_dir: Path
     api_keys: tuple[str, ...] = ()
     store_path: str = ":memory:"
-    default_effort: str = "max"
     max_queue: int = 256
     max_body_bytes: int = 8 << 20
     max_messages: int = 2048
@@ -102,18 +101,16 @@ class ServerSettings:
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """What the server needs from the engine's config.json: context limit, sequence slots, thinking caps,
-    logits width."""
+    """What the server needs from the engine's config.json: context limit, sequence slots, logits width."""
 
     max_seq_len: int
     max_batch: int
-    thinking_caps: dict
     vocab_size: int
 
     @classmethod
     def from_engine_dir(cls, engine_dir: Path) -> EngineInfo:
         cfg = EngineConfig.read(engine_dir)
-        return cls(cfg.limits.max_seq_len, cfg.limits.max_batch, cfg.thinking, cfg.model.vocab_size)
+        return cls(cfg.limits.max_seq_len, cfg.limits.max_batch, cfg.model.vocab_size)
 
 
 def _key_digest(key: str) -> bytes:
@@ -162,8 +159,7 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
 def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) -> FastAPI:
     """The FastAPI app over a started AsyncLLM (`llm`). The app shuts the runtime down at exit."""
     info = info or EngineInfo.from_engine_dir(settings.engine_dir)
-    from moe_export.runtime.core.budget import resolve_thinking
-    from moe_export.runtime.sampling import SamplingParams
+    from moe_export.runtime.sampling import SamplingParams, with_defaults
 
     tokenizer, family = llm.tokenizer, llm.family
     store = ResponseStore(settings.store_path)
@@ -281,25 +277,29 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
 
     def sampling_params(temperature, top_p, top_k, seed, max_tokens: int, stop, logprobs=False, ignore_eos=False,
                         top_logprobs: int = 0, extras: dict | None = None) -> SamplingParams:
-        """No seed: the sampler draws a random one (identical unseeded requests differ, as in vLLM / OpenAI).
-        extras: penalties, min_p, min_tokens, logit_bias (`sampler_extras`)."""
+        """The request's values over the engine's one set of defaults (`LLM.default_sampling`: the model's
+        generation_config.json, else greedy). No seed: the sampler draws a random one (identical unseeded
+        sampled requests differ, as in vLLM / OpenAI). extras: penalties, min_p, min_tokens, logit_bias
+        (`sampler_extras`)."""
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         extras = dict(extras or {})
         if extras.get("min_tokens", 0) > max_tokens:
             raise APIError(400, f"min_tokens {extras['min_tokens']} is over max_tokens {max_tokens}", "min_tokens")
         try:
-            return SamplingParams(
-                temperature=1.0 if temperature is None else float(temperature), top_p=1.0 if top_p is None else float(top_p),
-                top_k=max(int(top_k or 0), 0), seed=None if seed is None else int(seed), max_tokens=max_tokens,
-                stop=stops, logprobs=bool(logprobs), ignore_eos=ignore_eos, top_logprobs=int(top_logprobs or 0), **extras,
+            return with_defaults(
+                llm.default_sampling, temperature=None if temperature is None else float(temperature),
+                top_p=None if top_p is None else float(top_p), top_k=None if top_k is None else max(int(top_k), 0),
+                seed=None if seed is None else int(seed), max_tokens=max_tokens, stop=stops, logprobs=bool(logprobs),
+                ignore_eos=bool(ignore_eos), top_logprobs=int(top_logprobs or 0), **extras,
             )
         except InputError as exc:
             raise APIError(400, str(exc)) from None
 
     @dataclass
     class ChatRun:
-        """A started chat generation: deltas (the first already arrived), thinking tier, prompt length (the
-        engine core enforces a forced tool call or JSON format)."""
+        """A started chat generation: deltas (the first already arrived), thinking tier (as the engine core
+        resolved the request's effort), prompt length (the engine core enforces a forced tool call or JSON
+        format)."""
 
         deltas: AsyncIterator
         tier: str
@@ -314,7 +314,6 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
                        response_format, effort, parallel: bool, max_tokens_param: str = "max_tokens") -> ChatRun:
         """Start a chat generation (`sampling`: sampling_params' arguments but max_tokens). Bad requests raise
         here, before any response byte is sent."""
-        plan = resolve_thinking(effort, info.thinking_caps, settings.default_effort)
         prompt_tokens = prompt_length(messages, tools=tools, tool_choice=tool_choice, response_format=response_format,
                                       effort=effort)
         params = sampling_params(**sampling, max_tokens=fit_max_tokens(prompt_tokens, max_tokens, max_tokens_param))
@@ -323,11 +322,13 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
             messages, params, tools=tools, reasoning_effort=effort, tool_choice=tool_choice,
             response_format=response_format, parallel_tool_calls=parallel, request_id=request_id,
         )
-        metrics.requests_by_tier.labels(plan.tier).inc()
-        return ChatRun(await timed(stream), plan.tier, prompt_tokens)
+        first, deltas = await timed(stream)
+        metrics.requests_by_tier.labels(first.thinking_tier).inc()
+        return ChatRun(deltas, first.thinking_tier, prompt_tokens)
 
-    async def timed(stream: AsyncIterator) -> AsyncIterator:
-        """Await the first delta (errors surface now), then re-yield all deltas, recording TTFT / ITL."""
+    async def timed(stream: AsyncIterator) -> tuple[object, AsyncIterator]:
+        """Await the first delta (errors surface now), then re-yield all deltas, recording TTFT / ITL: (the first
+        delta, all deltas)."""
         start = time.perf_counter()
         in_flight[0] += 1
         try:
@@ -351,7 +352,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
                 in_flight[0] -= 1
                 await stream.aclose()  # a client that went away: the runtime aborts the request
 
-        return deltas()
+        return first, deltas()
 
     async def final_outputs(streams: list[AsyncIterator], request: Request) -> list:
         """The finished outputs of whole (non-streamed) answers, in order (n choices, a list of prompts). A
@@ -595,8 +596,8 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
                                                max_tokens, req.stop, want_logprobs, req.ignore_eos,
                                                top_logprobs=req.logprobs or 0, extras=extras)
                     check_queue()
-                    streams.append(await timed(llm.generate_stream(
-                        ids, sampling, request_id=request_id if len(prompts) * req.n == 1 else f"{request_id}-{k}")))
+                    streams.append((await timed(llm.generate_stream(
+                        ids, sampling, request_id=request_id if len(prompts) * req.n == 1 else f"{request_id}-{k}")))[1])
         except BaseException:
             for stream in streams:
                 await stream.aclose()

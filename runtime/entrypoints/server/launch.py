@@ -68,7 +68,7 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
 
     settings = ServerSettings(
         engine_dir=Path(engine_dir), api_keys=api_keys, store_path=store or ":memory:",
-        default_effort=default_effort, max_queue=max_queue, served_model_names=served_model_names,
+        max_queue=max_queue, served_model_names=served_model_names,
     )
     sock = listening_socket(host, port)  # before loading: a busy port fails fast, with no engine loaded
     llm = AsyncLLM(engine_dir, default_effort=default_effort, allow_image_urls=allow_image_urls,

@@ -179,7 +179,8 @@ class TritonPythonModel:
             for key, neutral in NEUTRAL_OPTIONS.items():
                 if options.get(key) is not None and options[key] not in neutral:
                     raise BadRequest(f"sampling_parameters: {key}={options[key]!r} is not supported (only {neutral[0]!r})")
-        opts = parse_request_options(options, "sampling_parameters", ignored=tuple(NEUTRAL_OPTIONS))
+        opts = parse_request_options(options, "sampling_parameters", defaults=self.llm.default_sampling,
+                                     ignored=tuple(NEUTRAL_OPTIONS))
         if prompt is not None and opts.chat_kwargs:
             raise BadRequest(f"{', '.join(sorted(opts.chat_kwargs))} apply to chat requests (the messages input), not text_input")
         stream = _scalar(request, "stream")

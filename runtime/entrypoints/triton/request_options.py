@@ -36,10 +36,12 @@ class RequestOptions:
     chat_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def parse_request_options(options: dict[str, Any], where: str, *, ignored: tuple[str, ...] = ()) -> RequestOptions:
-    """`options`: a JSON object of SAMPLING_KEYS and CHAT_KEYS; keys in `ignored` are dropped, any other key
-    raises InputError naming it and `where` (e.g. 'sampling_parameters', 'line 3 body')."""
-    from moe_export.runtime.sampling import SamplingParams
+def parse_request_options(options: dict[str, Any], where: str, *, defaults, ignored: tuple[str, ...] = ()
+                          ) -> RequestOptions:
+    """`options`: a JSON object of SAMPLING_KEYS and CHAT_KEYS over `defaults` (the engine's
+    `LLM.default_sampling`); keys in `ignored` are dropped, any other key raises InputError naming it and `where`
+    (e.g. 'sampling_parameters', 'line 3 body')."""
+    from moe_export.runtime.sampling import with_defaults
 
     if not isinstance(options, dict):
         raise InputError(f"{where}: expected a JSON object, got {type(options).__name__}")
@@ -74,7 +76,7 @@ def parse_request_options(options: dict[str, Any], where: str, *, ignored: tuple
     if "tools" in chat and not isinstance(chat["tools"], list):
         raise InputError(f"{where}: tools must be a list of tool declarations")
     try:
-        sampling = SamplingParams(**kwargs)
+        sampling = with_defaults(defaults, **kwargs)
     except InputError as exc:
         raise InputError(f"{where}: {exc}") from None
     return RequestOptions(sampling, chat)
