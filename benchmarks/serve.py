@@ -11,10 +11,19 @@ subprocess on loopback, and measures in interleaved rounds (equal repetitions):
     enums, nested objects, arrays, optional / nullable fields), 16 in flight: the fraction whose content
     parses (strict JSON) and validates against its schema. String lengths are bounded so that a random-weight
     model ends them; what the grammar must guarantee is that whatever it writes parses.
+  - prefix caching: on an engine with a 4,096-token context, `--prefix-requests` (32) requests sharing a
+    2,000-token preamble (token ids, /v1/completions) with different 50-token suffixes, sent one after
+    another (each alone, so TTFT is its prefill, not queueing), to a server with prefix caching and to one
+    started with --no-prefix-caching: TTFT = time to the first streamed chunk (max_tokens 1). The first
+    request of the cached run is a miss; the second resumes from the last periodic state checkpoint below
+    2,000 and checkpoints the divergence point; the others resume there and prefill their 50 tokens.
+Throughput rounds use prompts that differ per round from their first token on, so they measure prefill
+as before (no prefix is shared across rounds).
 Prints `serve_speedup_16` (aggregate tokens/s at 16 clients / at 1, goal >= 4), `serve_overhead_16`
-(server tokens/s at 16 / in-process tokens/s at 16, goal >= 0.85) and `structured_valid_rate` (goal 1.0).
+(server tokens/s at 16 / in-process tokens/s at 16, goal >= 0.85), `structured_valid_rate` (goal 1.0) and
+`prefix_cache_ttft_speedup` (mean TTFT without the cache / with it, goal >= 5).
 
-    python benchmarks/serve.py [--tokens 32] [--rounds 2] [--structured 100] [--json PATH]
+    python benchmarks/serve.py [--tokens 32] [--rounds 2] [--structured 100] [--prefix-requests 32] [--json PATH]
 """
 
 from __future__ import annotations
@@ -56,11 +65,51 @@ SCHEMAS = [
 ]
 
 
-def conversation(i: int) -> list[dict]:
-    return [{"role": "user", "content": f"Client {i}: summarize the history of city number {i} in detail."}]
+def conversation(i: int, nonce: int = 0) -> list[dict]:
+    return [{"role": "user", "content": f"{nonce} Client {i}: summarize the history of city number {i} in detail."}]
 
 
-async def client_round(url: str, clients: int, tokens: int) -> tuple[float, list[float]]:
+PREAMBLE, SUFFIX = 2000, 50
+PREFIX_LIMITS = {"max_seq_len": 4096}
+
+
+async def prefix_round(url: str, requests: int) -> list[float]:
+    """TTFT (s) of each of `requests` completions sharing a PREAMBLE-token prefix with SUFFIX-token tails, one at a
+    time (max_tokens 1, streamed: the first chunk comes once the first token is sampled)."""
+    import numpy as np
+    import openai
+
+    rng = np.random.default_rng(0)
+    preamble = rng.integers(100, 500, PREAMBLE).tolist()
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600) as client:
+        await client.completions.create(model="m", prompt=rng.integers(100, 500, 64).tolist(), max_tokens=1)  # warm-up
+        ttfts = []
+        for i in range(requests):
+            prompt = preamble + rng.integers(100, 500, SUFFIX).tolist()
+            start = time.perf_counter()
+            stream = await client.completions.create(model="m", prompt=prompt, max_tokens=1, temperature=0, stream=True)
+            first = None
+            async for chunk in stream:
+                if first is None and chunk.choices:
+                    first = time.perf_counter() - start
+            ttfts.append(first)
+    return ttfts
+
+
+def prefix_cache_run(root: Path, requests: int) -> dict:
+    """TTFTs of `prefix_round` on a server with prefix caching, then on one without."""
+    engine = build_serve_engine(root, limits=PREFIX_LIMITS)
+    out = {}
+    for label, extra in (("cached", []), ("uncached", ["--no-prefix-caching"])):
+        proc, url = start_cli_server([str(engine), "--default-effort", "none", "--served-model-name", "m", *extra])
+        try:
+            out[label] = asyncio.run(prefix_round(url, requests))
+        finally:
+            stop_process(proc)
+    return out
+
+
+async def client_round(url: str, clients: int, tokens: int, nonce: int = 0) -> tuple[float, list[float]]:
     """(generated tokens per second over the round, time to first token of each request in s)."""
     import openai
 
@@ -69,7 +118,7 @@ async def client_round(url: str, clients: int, tokens: int) -> tuple[float, list
             start = time.perf_counter()
             ttft, generated = None, 0
             stream = await client.chat.completions.create(
-                model="m", messages=conversation(i), max_tokens=tokens, temperature=0, reasoning_effort="none",
+                model="m", messages=conversation(i, nonce), max_tokens=tokens, temperature=0, reasoning_effort="none",
                 stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
             async for chunk in stream:
                 if ttft is None and chunk.choices and chunk.choices[0].delta.content:
@@ -109,12 +158,12 @@ async def structured_round(url: str, requests: int) -> float:
     return sum(results) / len(results)
 
 
-def in_process_round(llm, tokens: int) -> float:
+def in_process_round(llm, tokens: int, nonce: int = 0) -> float:
     from moe_export.runtime.sampling import SamplingParams
 
     sampling = SamplingParams(max_tokens=tokens, ignore_eos=True)
     start = time.perf_counter()
-    outs = llm.chat([conversation(i) for i in range(16)], sampling, reasoning_effort="none")
+    outs = llm.chat([conversation(i, nonce) for i in range(16)], sampling, reasoning_effort="none")
     elapsed = time.perf_counter() - start
     return sum(len(o.output_ids) for o in outs) / elapsed
 
@@ -124,7 +173,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def run(tokens: int, rounds: int, structured: int) -> dict:
+def run(tokens: int, rounds: int, structured: int, prefix_requests: int) -> dict:
     from moe_export.runtime.entrypoints.llm import LLM
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -137,16 +186,20 @@ def run(tokens: int, rounds: int, structured: int) -> dict:
             rates = {n: [] for n in CLIENTS}
             ttfts = {n: [] for n in CLIENTS}
             local: list[float] = []
+            nonce = 1
             for _ in range(rounds):
                 for n in CLIENTS:
-                    rate, firsts = asyncio.run(client_round(url, n, tokens))
+                    rate, firsts = asyncio.run(client_round(url, n, tokens, nonce))
+                    nonce += 1
                     rates[n].append(rate)
                     ttfts[n].extend(firsts)
-                local.append(in_process_round(llm, tokens))
+                local.append(in_process_round(llm, tokens, nonce))
+                nonce += 1
             valid = asyncio.run(structured_round(url, structured)) if structured else None
         finally:
             stop_process(proc)
             llm.shutdown()
+        prefix = prefix_cache_run(Path(tmp), prefix_requests) if prefix_requests else None
     result = {"tokens_per_request": tokens, "rounds": rounds}
     for n in CLIENTS:
         result[f"serve_tokens_per_s_{n}"] = statistics.median(rates[n])
@@ -159,6 +212,13 @@ def run(tokens: int, rounds: int, structured: int) -> dict:
     if valid is not None:
         result["structured_requests"] = structured
         result["structured_valid_rate"] = valid
+    if prefix is not None:
+        result["prefix_requests"] = prefix_requests
+        for label, values in prefix.items():
+            result[f"prefix_ttft_mean_s_{label}"] = statistics.fmean(values)
+            result[f"prefix_ttft_p50_s_{label}"] = percentile(values, 0.5)
+        result["prefix_cache_ttft_speedup"] = result["prefix_ttft_mean_s_uncached"] / result["prefix_ttft_mean_s_cached"]
+    result["loadavg_1min_end"] = os.getloadavg()[0]
     return result
 
 
@@ -167,9 +227,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="generated tokens per request")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (medians are reported)")
     parser.add_argument("--structured", type=int, default=100, help="json_schema requests for structured_valid_rate (0: skip)")
+    parser.add_argument("--prefix-requests", type=int, default=32,
+                        help="requests sharing a 2,000-token preamble for prefix_cache_ttft_speedup (0: skip)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     args = parser.parse_args()
-    result = run(args.tokens, args.rounds, args.structured)
+    start = time.perf_counter()
+    result = run(args.tokens, args.rounds, args.structured, args.prefix_requests)
+    result["wall_s"] = time.perf_counter() - start
     for key, value in result.items():
         print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
     print(f"serve_speedup_16 {result['serve_speedup_16']:.2f}x (goal >= 4): "
@@ -179,6 +243,9 @@ def main() -> None:
     if "structured_valid_rate" in result:
         print(f"structured_valid_rate {result['structured_valid_rate']:.3f} (goal 1.0): "
               f"{'met' if result['structured_valid_rate'] == 1.0 else 'NOT met'}")
+    if "prefix_cache_ttft_speedup" in result:
+        print(f"prefix_cache_ttft_speedup {result['prefix_cache_ttft_speedup']:.2f}x (goal >= 5): "
+              f"{'met' if result['prefix_cache_ttft_speedup'] >= 5 else 'NOT met'}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

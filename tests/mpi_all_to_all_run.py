@@ -95,16 +95,24 @@ def main() -> None:
     got = int(recv_counts.sum())
     partial = torch.full((bound, DIM), float("nan"))
     partial[:got] = torch.from_numpy(experts(recv_x[:got].numpy(), recv_ids[:got].numpy(), recv_w[:got].numpy(), rank, ep))
+    combine = qdp[tensorrt_plugin.MOE_COMBINE].impl_func
+    # a copy of the counts (TensorRT may hand one): the combine reads them back itself, and the dispatch's host
+    # counts stay for the buffer it wrote, which the second combine uses
+    copied = torch.full(x.shape, float("nan"))
+    combine(handle(partial), handle(send_rows), handle(send_counts.clone()), handle(recv_counts.clone()), handle(x),
+            "ep\0", [handle(copied)], stream=7)
     y = torch.full(x.shape, float("nan"))
-    qdp[tensorrt_plugin.MOE_COMBINE].impl_func(handle(partial), handle(send_rows), handle(send_counts),
-                                                handle(recv_counts), handle(x), "ep\0", [handle(y)], stream=7)
+    combine(handle(partial), handle(send_rows), handle(send_counts), handle(recv_counts), handle(x), "ep\0",
+            [handle(y)], stream=7)
     dist.destroy_process_group()
     plugin_out = y.numpy()[: data[rank][0].shape[0]]
+    copied_ok = torch.equal(copied, y)
     sent = int(send_counts.sum())
     padding_ok = (bool((recv_ids[got:] == -1).all()) and bool((recv_w[got:] == 0).all())
                   and bool((send_rows[sent:] == -1).all()) and (not comm.idle or (sent == 0 and not y.any())))
     want_routed = np.bincount(data[rank][1].ravel(), minlength=EXPERTS).tolist()
-    counts_ok = comm.expert_counts == [want_routed] and send_counts.tolist() == lay.send_counts.tolist()
+    counts_ok = (comm.expert_counts == [want_routed] and send_counts.tolist() == lay.send_counts.tolist()
+                 and copied_ok)
 
     errs = world.gather((float(np.abs(mpi_out - want).max(initial=0.0)), float(np.abs(plugin_out - want).max(initial=0.0)),
                          int(rx.shape[0]), mpi_out.shape == want.shape == plugin_out.shape, padding_ok, counts_ok,

@@ -1,6 +1,8 @@
 """Run under `mpiexec -n WORLD`: rank 0 schedules the requests in argv[2] (JSON list of {prompt,
 max_tokens}) together on the engine argv[1]; other ranks follow. Rank 0 prints one JSON line:
 {"tokens": [...per request], "root_steps": N, "follower_steps": [...]}.
+With PREFIX_CACHING=1 the requests run one after another with prefix caching on, and the line also holds
+"cached": [...per request] (prompt tokens resumed from the prefix cache).
 
 Failure injection for the stop-the-world test: FAIL_RANK / FAIL_AT_STEP make that rank's engine.step
 raise at that step."""
@@ -34,19 +36,31 @@ def main() -> None:
         engine.comm.world.gather(steps, root=0)
         return
     spec = json.loads(sys.argv[2])
-    sched = Scheduler(engine, keep_sessions=False)
+    one_by_one = os.environ.get("PREFIX_CACHING") == "1"
+    sched = Scheduler(engine, keep_sessions=False, prefix_caching=one_by_one)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(spec))}
+    cached: dict[str, int] = {str(i): 0 for i in range(len(spec))}
+    steps = 0
+
+    def drain():
+        nonlocal steps
+        while sched.has_work:
+            for u in sched.step():
+                tokens[u.request_id].extend(u.token_ids)
+                cached[u.request_id] = max(cached[u.request_id], u.cached_tokens)
+            steps += 1
+
     for i, s in enumerate(spec):
         sched.add(Request(str(i), s["prompt"], SamplingParams(max_tokens=s["max_tokens"], ignore_eos=True)))
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(spec))}
-    steps = 0
-    while sched.has_work:
-        for u in sched.step():
-            tokens[u.request_id].extend(u.token_ids)
-        steps += 1
+        if one_by_one:
+            drain()
+    drain()
     sched.shutdown()
     follower_steps = engine.comm.world.gather(steps, root=0)[1:]
-    print(json.dumps({"tokens": [tokens[str(i)] for i in range(len(spec))], "root_steps": steps,
-                      "follower_steps": follower_steps}))
+    out = {"tokens": [tokens[str(i)] for i in range(len(spec))], "root_steps": steps, "follower_steps": follower_steps}
+    if one_by_one:
+        out["cached"] = [cached[str(i)] for i in range(len(spec))]
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

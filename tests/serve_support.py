@@ -19,17 +19,19 @@ SERVE_LIMITS = {"max_batch": 16, "max_seq_len": 2048, "max_num_tokens": 256, "bl
 SERVE_THINKING = {"low": 4, "high": 8, "max": 12}
 
 
-def build_serve_engine(root: Path, preset: str = "tiny-k3", tp: int = 1, ep: int = 1, world: int = 1) -> Path:
-    """Engine directory from tiny-cpu.yaml with serving limits (16 sequences, 2048 context) and small caps."""
+def build_serve_engine(root: Path, preset: str = "tiny-k3", tp: int = 1, ep: int = 1, world: int = 1,
+                       limits: dict | None = None) -> Path:
+    """Engine directory from tiny-cpu.yaml with serving limits (16 sequences, 2048 context; `limits` overrides
+    some) and small caps."""
     from moe_export.export.build import build
     from moe_export.recipes.schema import load_recipe
 
     data = yaml.safe_load(Path(load_recipe("tiny-cpu.yaml")[1]).read_text())
-    data["name"] = f"serve-{preset}-w{world}"
+    data["name"] = f"serve-{preset}-w{world}" + "".join(f"-{k}{v}" for k, v in sorted((limits or {}).items()))
     data["model"] = {"source": f"synthetic:{preset}"}
     data["target"]["gpus_per_node"] = world
     data["parallel"] = {"tp": tp, "ep": ep}
-    data["limits"].update(SERVE_LIMITS)
+    data["limits"].update({**SERVE_LIMITS, **(limits or {})})
     data["thinking"] = dict(SERVE_THINKING)
     path = root / f"{data['name']}.yaml"
     path.write_text(yaml.safe_dump(data))

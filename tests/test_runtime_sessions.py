@@ -64,7 +64,7 @@ def test_follow_up_turns_with_reuse_equal_full_prefill(runtime_engine, preset, t
     assert cached3 == len(prompt2) + len(out2) - 1
     assert kept.stats()["reuse_hits"] == 2
 
-    fresh = Scheduler(eng, keep_sessions=False)
+    fresh = Scheduler(eng, keep_sessions=False, prefix_caching=False)  # the oracle: full prefills
     full2, frec2, c2 = run(fresh, "f2", prompt2, 5)
     full3, frec3, c3 = run(fresh, "f3", prompt3, 4)
     assert c2 == c3 == 0 and fresh.stats()["reuse_hits"] == 0
@@ -75,7 +75,7 @@ def test_follow_up_turns_with_reuse_equal_full_prefill(runtime_engine, preset, t
 
 def test_no_reuse_without_an_exact_prefix_and_lru_eviction(runtime_engine):
     eng = Engine(runtime_engine("tiny-k3", 2, 2, 4), num_slots=2, threads=1)
-    sched = Scheduler(eng)
+    sched = Scheduler(eng, prefix_caching=False)  # kept sessions alone (the prefix cache: test_runtime_prefix_cache)
     out_a, _, _ = run(sched, "a", TURN1, 3)
     out_b, _, _ = run(sched, "b", TOOL_RESULT, 3)
     assert sched.stats()["kept_sessions"] == 2
@@ -89,7 +89,7 @@ def test_no_reuse_without_an_exact_prefix_and_lru_eviction(runtime_engine):
     _, _, cached_a = run(sched, "a2", TURN1 + out_a + [4, 5], 2)
     assert cached_a == 0
     other = Engine(runtime_engine("tiny-k3", 2, 2, 4), num_slots=1, threads=1)  # its own state pools
-    want, frec, _ = run(Scheduler(other, keep_sessions=False), "fc", changed, 3)
+    want, frec, _ = run(Scheduler(other, keep_sessions=False, prefix_caching=False), "fc", changed, 3)
     assert got == want
     assert_same(rec, frec)
 
@@ -194,7 +194,7 @@ def test_turn_sent_back_as_text_continues_the_kept_state(runtime_engine, preset)
     from moe_export.runtime.chat import render_ids
     from moe_export.runtime.tokenizer import END_OF_MESSAGE
 
-    llm = LLM(runtime_engine(preset, 2, 2, 4), threads=1)
+    llm = LLM(runtime_engine(preset, 2, 2, 4), threads=1, prefix_caching=False)  # kept sessions alone
     tok = llm.tokenizer
     text_only = TextOnly(tok, keep={tok.encode_special(END_OF_MESSAGE[llm.family])})
     history = [{"role": "user", "content": "Plan a trip to Rome."}]
@@ -233,15 +233,15 @@ def test_turn_sent_back_as_text_continues_the_kept_state(runtime_engine, preset)
 def test_k2_dropped_reasoning_is_not_reused_as_unchanged(runtime_engine):
     """K2-Thinking renders a plain answer's reasoning as `<think></think>` once it is history, so the tokens the
     turn was generated with are no longer a prefix of the next prompt: the kept state must not be reused. Turn 2
-    equals a full prefill (same prompt, tokens and logits) and its prompt is the format's (reasoning dropped).
-    The agent loop (turns with tool calls keep their reasoning) reuses: the tool-call test above."""
+    equals a full prefill (same prompt, tokens and logits) and its prompt is the format's (reasoning dropped); the
+    prefix cache resumes it from a block boundary before the point where it leaves turn 1's tokens. The agent loop (turns with tool calls keep their reasoning) reuses: the tool-call test above."""
     from conftest import OpensThink, TextOnly
 
     from moe_export.runtime.chat import render_ids
     from moe_export.runtime.tokenizer import END_OF_MESSAGE
 
     engine_dir = runtime_engine("tiny-kimi-linear", 2, 2, 4)
-    llm, fresh = LLM(engine_dir, threads=1), LLM(engine_dir, threads=1)
+    llm, fresh = LLM(engine_dir, threads=1), LLM(engine_dir, threads=1, prefix_caching=False)
     tok = llm.tokenizer
     steer = [TextOnly(tok, keep={tok.encode_special(END_OF_MESSAGE["k2"])}), OpensThink(tok, "k2")]
     history = [{"role": "user", "content": "Plan a trip to Rome."}]
@@ -257,7 +257,10 @@ def test_k2_dropped_reasoning_is_not_reused_as_unchanged(runtime_engine):
     params = SamplingParams(max_tokens=8)
     out2 = llm.chat([history2], params, reasoning_effort="low", logits_processors=[*steer, rec])[0]
     ref = fresh.chat([history2], params, reasoning_effort="low", logits_processors=[*steer, frec])[0]
-    assert out2.usage["cached_tokens"] == 0 and out2.prompt_ids == ref.prompt_ids == prompt2
+    same = next(i for i, (a, b) in enumerate(zip(prompt2, kept)) if a != b)
+    cached = out2.usage["cached_tokens"]
+    assert 0 < cached <= same and cached % llm.engine.block_size == 0 and ref.usage["cached_tokens"] == 0
+    assert out2.prompt_ids == ref.prompt_ids == prompt2
     assert out2.output_ids == ref.output_ids
     assert_same(rec, frec)
     llm.shutdown()

@@ -143,7 +143,8 @@ def test_tool_call_round_trip_keeps_reasoning_verbatim(server, oai):
 def test_follow_up_turn_sent_back_as_text_continues_the_kept_state(server, oai):
     """An agent loop: turn 1 (reasoning + a forced tool call) comes back as text and re-encodes to other tokens
     than the model sampled; the server renders it as the generated tokens (same text and markers), so turn 2
-    reuses the kept state, and equals a full re-prefill of the same prompt. (The call is forced by name: K3
+    reuses the kept state; the same prompt again (turn 2's kept sequence is longer than it) resumes from the prefix
+    cache's checkpoint at its last block boundary with the same answer. (The call is forced by name: K3
     renders no message for that, while `required` adds one after the conversation, which the next prompt
     moves, so nothing would be reused.)"""
     from moe_export.runtime.chat import render_ids
@@ -172,7 +173,8 @@ def test_follow_up_turn_sent_back_as_text_continues_the_kept_state(server, oai):
     assert second.usage.prompt_tokens == len(served)
     assert second.usage.prompt_tokens_details.cached_tokens == kept
     again = oai.chat.completions.create(model="m", messages=turn2, max_tokens=12, **forced)
-    assert again.usage.prompt_tokens_details.cached_tokens == 0  # turn 2's kept sequence is longer: a full prefill
+    block = server.llm.llm.engine.block_size
+    assert again.usage.prompt_tokens_details.cached_tokens == (len(served) - 1) // block * block
     assert again.choices[0].message == second.choices[0].message and again.usage == second.usage.model_copy(
         update={"prompt_tokens_details": again.usage.prompt_tokens_details})
 
@@ -734,8 +736,6 @@ def test_sampling_controls_reach_the_sampler(server, oai):
         oai.chat.completions.create(**chat, logit_bias={"99999999": 5})
     with pytest.raises(openai.BadRequestError):
         oai.chat.completions.create(**chat, presence_penalty=3)
-    with pytest.raises(openai.BadRequestError, match="stream"):
-        list(oai.chat.completions.create(**chat, logprobs=True, stream=True))
     cmpl = oai.completions.create(model="m", prompt="Once", max_tokens=5, logprobs=2, **GREEDY).choices[0]
     lp = cmpl.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
@@ -743,6 +743,76 @@ def test_sampling_controls_reach_the_sampler(server, oai):
     assert all(1 <= len(alts) <= 2 and chosen >= max(alts.values()) - 1e-4
                for alts, chosen in zip(lp.top_logprobs, lp.token_logprobs))
     assert lp.text_offset[0] == 0 and all(a <= b for a, b in zip(lp.text_offset, lp.text_offset[1:]))
+
+
+def metric(server, name: str) -> float:
+    line = next(x for x in httpx.get(f"{server.url}/metrics").text.splitlines() if x.startswith(name + " "))
+    return float(line.split()[1])
+
+
+def test_prefix_cache_across_requests(server, oai, claude, serve_engine):
+    """Requests sharing a long system prompt: the second and later ones report cached prompt tokens (OpenAI
+    `prompt_tokens_details.cached_tokens`, Anthropic `cache_read_input_tokens`), a whole number of cache blocks
+    within the shared prefix, and the hit-rate counters grow; their answers are a cache-less server's
+    (`--no-prefix-caching`, which reports no cached tokens) for the same requests."""
+    system = "Prefix cache probe 7f3a. " + " ".join(f"Rule {i}: answer briefly and politely." for i in range(12))
+    questions = ["What is 2 + 2?", "Name a river.", "Which colour is the sky?"]
+
+    def messages(q):
+        return [{"role": "system", "content": system}, {"role": "user", "content": q}]
+
+    def ask(client, q):
+        return client.chat.completions.create(model="m", messages=messages(q), max_tokens=6, reasoning_effort="none", **GREEDY)
+
+    p0, p1 = (tokenize(server, model="m", messages=messages(q), reasoning_effort="none") for q in questions[:2])
+    shared = next(i for i, (a, b) in enumerate(zip(p0, p1)) if a != b)
+
+    queried, hits = metric(server, "moe_export_prefix_cache_queried_tokens_total"), metric(server, "moe_export_prefix_cache_hit_tokens_total")
+    first, second = ask(oai, questions[0]), ask(oai, questions[1])
+    # the first may share the chat template's opening block with earlier requests, no more
+    block = server.llm.llm.engine.block_size
+    assert first.usage.prompt_tokens_details.cached_tokens <= block
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert block < cached <= shared and cached % block == 0
+    msg = claude.messages.create(model="m", system=system, messages=[{"role": "user", "content": questions[2]}],
+                                 max_tokens=6, thinking={"type": "disabled"}, extra_body=GREEDY)
+    assert 0 < msg.usage.cache_read_input_tokens < msg.usage.input_tokens and msg.usage.cache_read_input_tokens % block == 0
+    assert metric(server, "moe_export_prefix_cache_queried_tokens_total") - queried >= first.usage.prompt_tokens + second.usage.prompt_tokens
+    assert metric(server, "moe_export_prefix_cache_hit_tokens_total") - hits >= cached + msg.usage.cache_read_input_tokens
+    proc, url = start_cli_server([str(serve_engine), "--default-effort", "low", "--served-model-name", "m", "--no-prefix-caching"])
+    try:
+        plain = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        want = [ask(plain, q) for q in questions[:2]]
+    finally:
+        stop_process(proc)
+    assert [w.usage.prompt_tokens_details.cached_tokens for w in want] == [0, 0]
+    assert [w.choices[0].message.content for w in want] == [first.choices[0].message.content, second.choices[0].message.content]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, {"temperature": 1.0, "seed": 11}])
+def test_streamed_logprobs_equal_the_whole_answers(oai, sampling):
+    """stream=True through the openai client: chat chunks carry logprobs.content (token, logprob, bytes,
+    top_logprobs) and completions chunks tokens / token_logprobs / top_logprobs / text_offset; joined, they are
+    the non-streamed request's (same greedy or seeded request)."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 10,
+            "reasoning_effort": "none", "logprobs": True, "top_logprobs": 2, **sampling}
+    whole = oai.chat.completions.create(**chat).choices[0].logprobs.content
+    streamed = [e for c in oai.chat.completions.create(**chat, stream=True) for ch in c.choices if ch.logprobs
+                for e in ch.logprobs.content]
+    assert len(whole) == len(streamed) == 10
+    for w, s in zip(whole, streamed):
+        assert (s.token, s.bytes) == (w.token, w.bytes) and s.logprob == pytest.approx(w.logprob, abs=1e-4)
+        assert [a.token for a in s.top_logprobs] == [a.token for a in w.top_logprobs]
+        assert [a.logprob for a in s.top_logprobs] == pytest.approx([a.logprob for a in w.top_logprobs], abs=1e-4)
+    cmpl = {"model": "m", "prompt": "Once upon", "max_tokens": 8, "logprobs": 2, **sampling}
+    want = oai.completions.create(**cmpl).choices[0]
+    chunks = [c.choices[0] for c in oai.completions.create(**cmpl, stream=True) if c.choices and c.choices[0].logprobs]
+    got = {k: [v for ch in chunks for v in getattr(ch.logprobs, k)] for k in ("tokens", "token_logprobs", "text_offset")}
+    assert got["tokens"] == want.logprobs.tokens and got["text_offset"] == want.logprobs.text_offset
+    assert got["token_logprobs"] == pytest.approx(want.logprobs.token_logprobs, abs=1e-4)
+    tops = [alts for ch in chunks for alts in ch.logprobs.top_logprobs]
+    assert [sorted(a) for a in tops] == [sorted(a) for a in want.logprobs.top_logprobs]
+    assert "".join(ch.text for ch in chunks) == want.text
 
 
 def test_responses_chain_is_exact_across_a_restart(serve_engine, tmp_path):

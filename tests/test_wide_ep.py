@@ -110,7 +110,8 @@ def test_mpi_and_torch_distributed_all_to_all_match_the_reference():
     """`mpiexec -n 4`: the MPI implementation (ONNX Runtime path) and the TensorRT MoEDispatch / MoECombine plugins'
     enqueue (QDP impls under the real `tensorrt.plugin`, static garbage-filled output buffers, the
     `nccl.Communicator` over gloo) give the reference's combined sums, rank 1 idle (a dummy token, nothing sent);
-    rows past the received / sent ones are padded (-1 ids, 0 weights, -1 rows) and per-expert counts recorded."""
+    rows past the received / sent ones are padded (-1 ids, 0 weights, -1 rows) and per-expert counts recorded; a
+    combine handed copies of the count buffers reads them back and gives the same sums."""
     mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
     r = subprocess.run([mpiexec, "-n", "4", sys.executable, str(HERE / "mpi_all_to_all_run.py")], capture_output=True,
                        text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -6,12 +6,17 @@ engine sets `max_step_pairs`, up to that many (step token, attended position) pa
 attends to the positions of the step's longest block table, so a long prompt's chunks shrink as its
 context grows (a step always holds at least one token; a sequence admitted when the step is full starts
 in the next). Finished sequences leave and waiting ones join between steps. A request is admitted when a
-recurrent-state slot and the cache blocks for its prompt plus `max_tokens` are free (kept sessions are
-evicted, least recently used first, to make room); otherwise it waits, in arrival order. Aborting frees
-its slot and blocks at once.
+recurrent-state slot and the cache blocks for its prompt plus `max_tokens` are free (cached prefix blocks
+held by nobody else, then kept sessions, are evicted, least recently used first, to make room); otherwise
+it waits, in arrival order. Aborting frees its slot and blocks at once.
+
+A prompt resumes from the longest of: a kept session it exactly extends (`core.sessions`), or a cached prefix
+(`core.prefix_cache`: shared cache blocks + a recurrent-state checkpoint copied into its slot). A prefilling
+sequence's chunks end at its checkpoint targets, and the state is copied out after that step.
 
 Multi-rank (under mpiexec): rank 0 runs this scheduler and broadcasts every step's plan (slot resets,
-chunks with tokens, positions, slots, block tables); the sampled tokens travel in the next plan.
+checkpoint restores and saves, chunks with tokens, positions, slots, block tables); the sampled tokens travel
+in the next plan.
 Other ranks run `follow()`, executing the same plans in lockstep. A rank that fails prints which rank
 and why, then aborts the MPI world, so no rank is left waiting in a collective.
 """
@@ -29,6 +34,7 @@ import torch
 
 from moe_export.export.errors import InputError
 from moe_export.runtime.core.blocks import BlockAllocator
+from moe_export.runtime.core.prefix_cache import PrefixCache, block_hashes
 from moe_export.runtime.core.sessions import KeptSequence, SessionCache
 from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch
@@ -60,7 +66,7 @@ class SequenceUpdate:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_text_index: int | None = None  # where a stop string starts in the decoded output text
     error: str | None = None  # why a request was aborted by the runtime (e.g. a failing logits processor)
-    cached_tokens: int = 0  # prompt tokens whose state came from a kept session
+    cached_tokens: int = 0  # prompt tokens whose state came from a kept session or the prefix cache
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (id, logprob) of the most likely
     # the output stage's text (the scheduler detokenizes once, for stop strings and output alike; with a
     # text_decoder): the decoded text of token_ids, a stop token left out, at the end the decoder's held rest
@@ -77,7 +83,10 @@ class Sequence:
     slot: int = -1
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose state the engine holds (positions [0, num_computed))
-    cached_tokens: int = 0  # prompt tokens taken from a kept session
+    cached_tokens: int = 0  # prompt tokens taken from a kept session or the prefix cache
+    hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks (prefix caching)
+    named: int = 0  # its blocks [0, named) are named in the prefix cache (or were already: shared)
+    targets: list[int] = field(default_factory=list)  # prompt positions whose state is checkpointed, ascending
     text: IncrementalDecoder | None = None  # the output's text, a step at a time (with a text_decoder)
     text_len: int = 0  # characters of output text decoded so far
     text_tail: str = ""  # their last characters, as many as a stop string may have begun in
@@ -101,11 +110,13 @@ class Scheduler:
 
     eos_token_ids: the model's stop ids (ignored per request with `ignore_eos`). text_decoder: makes an
     `IncrementalDecoder` (output ids -> text, a step at a time): each output is detokenized once, here, for its
-    stop strings and its `SequenceUpdate.text` alike. keep_sessions: keep finished sequences' state for reuse. sample_vocab: sample
-    among ids below it only (the tokenizer's size when the model's vocabulary has padding rows)."""
+    stop strings and its `SequenceUpdate.text` alike. keep_sessions: keep finished sequences' state for reuse.
+    prefix_caching: share cached prefixes across requests (`core.prefix_cache`; off when the runner has no
+    checkpoint pool). sample_vocab: sample among ids below it only (the tokenizer's size when the model's
+    vocabulary has padding rows)."""
 
     def __init__(self, engine, *, eos_token_ids=(), text_decoder=None, keep_sessions: bool = True,
-                 sample_vocab: int | None = None) -> None:
+                 prefix_caching: bool = True, sample_vocab: int | None = None) -> None:
         self.engine = engine
         self.sample_vocab = sample_vocab
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
@@ -113,6 +124,8 @@ class Scheduler:
         self.keep_sessions = keep_sessions
         self.allocator = BlockAllocator(engine.num_blocks, engine.block_size)
         self.sessions = SessionCache()
+        slots = getattr(engine, "num_checkpoints", 0)
+        self.prefix = PrefixCache(self.allocator, slots, engine.checkpoint_interval) if prefix_caching and slots else None
         self.free_slots = list(range(engine.num_slots - 1, -1, -1))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -226,6 +239,10 @@ class Scheduler:
             "kept_sessions": len(self.sessions),
             "reuse_hits": self.sessions.hits,
             "reuse_tokens": self.sessions.reused_tokens,
+            "prefix_queried_tokens": self.prefix.queried_tokens if self.prefix else 0,
+            "prefix_hit_tokens": self.prefix.hit_tokens if self.prefix else 0,
+            "prefix_cached_blocks": self.prefix.cached_blocks if self.prefix else 0,
+            "prefix_checkpoints": self.prefix.cached_checkpoints if self.prefix else 0,
         }
 
     # ---- admission ------------------------------------------------------------------------------
@@ -239,18 +256,45 @@ class Scheduler:
         self.allocator.decref(kept.blocks)
         self.free_slots.append(kept.slot)
 
-    def _try_admit(self, seq: Sequence, resets: list[int]) -> bool:
-        """Give `seq` a slot and its blocks (reusing a kept session when one is a prefix); False: must wait."""
+    def _unkeep(self, kept: KeptSequence) -> None:
+        """Give a taken session back untouched (not used after all)."""
+        self.sessions.hits -= 1
+        self.sessions.reused_tokens -= len(kept.tokens)
+        self.sessions.keep(kept)
+
+    def _make_room(self, blocks: int, slot: bool) -> bool:
+        """Free `blocks` cache blocks (and a slot if `slot`): cached prefix blocks held by nobody else first, then
+        kept sessions, least recently used first. False when that is not enough (nothing else is evicted)."""
+        while True:
+            short = blocks - self.allocator.free_blocks
+            if short > 0 and self.prefix is not None and self.prefix.evict_blocks(short):
+                continue
+            if (short > 0 or (slot and not self.free_slots)) and len(self.sessions):
+                self._release_kept(self.sessions.evict_lru())
+                continue
+            return short <= 0 and not (slot and not self.free_slots)
+
+    def _try_admit(self, seq: Sequence, resets: list[int], restores: list[list[int]]) -> bool:
+        """Give `seq` a slot and its blocks, resuming from a kept session it extends or a cached prefix, whichever
+        is longer (a restored checkpoint goes to `restores`, a fresh slot to `resets`); False: must wait."""
         need = self._blocks_for(seq)
-        kept = self.sessions.take_longest_prefix(list(seq.session_key(len(seq.tokens)))) if self.keep_sessions else None
-        have = len(kept.blocks) if kept else 0
-        while (self.allocator.free_blocks < need - have or (kept is None and not self.free_slots)) and len(self.sessions):
-            self._release_kept(self.sessions.evict_lru())
-        if self.allocator.free_blocks < need - have or (kept is None and not self.free_slots):
-            if kept is not None:  # cannot run yet: give the session back untouched
-                self.sessions.hits -= 1
-                self.sessions.reused_tokens -= len(kept.tokens)
-                self.sessions.keep(kept)
+        key = seq.session_key(len(seq.tokens))
+        kept = self.sessions.take_longest_prefix(list(key)) if self.keep_sessions else None
+        resume, shared, checkpoint, matched = 0, [], None, 0
+        if self.prefix is not None:
+            seq.hashes = block_hashes(key, self.allocator.block_size)
+            resume, shared, checkpoint, matched = self.prefix.match(seq.hashes, len(seq.tokens))
+            if resume and kept is not None and len(kept.tokens) >= resume:
+                self.allocator.decref(shared)
+                resume, shared, checkpoint = 0, [], None
+            elif resume and kept is not None:
+                self._unkeep(kept)
+                kept = None
+        have = len(kept.blocks) if kept is not None else len(shared)
+        if not self._make_room(need - have, kept is None):
+            if kept is not None:
+                self._unkeep(kept)
+            self.allocator.decref(shared)
             return False
         if kept is not None:
             seq.slot, seq.blocks = kept.slot, kept.blocks
@@ -259,8 +303,17 @@ class Scheduler:
                 seq.blocks = seq.blocks + self.allocator.allocate(need - have)
         else:
             seq.slot = self.free_slots.pop()
-            seq.blocks = self.allocator.allocate(need)
-            resets.append(seq.slot)
+            seq.blocks = shared + self.allocator.allocate(need - have)
+            seq.num_computed = seq.cached_tokens = resume
+            if checkpoint is None:
+                resets.append(seq.slot)
+            else:
+                restores.append([checkpoint, seq.slot])
+        if self.prefix is not None:
+            seq.named = len(shared)
+            seq.targets = self.prefix.checkpoint_targets(len(seq.tokens), seq.num_computed, matched)
+            self.prefix.queried_tokens += len(seq.tokens)
+            self.prefix.hit_tokens += seq.cached_tokens
         return True
 
     def _release(self, seq: Sequence, keep: bool) -> None:
@@ -285,6 +338,8 @@ class Scheduler:
         """How many of `seq`'s pending tokens join a step already holding `step_tokens` tokens whose longest
         block table has `step_blocks` blocks: within max_num_tokens and max_step_pairs (at least 1 in an empty step)."""
         n = min(len(seq.tokens) - seq.num_computed, self.engine.max_num_tokens - step_tokens)
+        if seq.targets:  # a prefill chunk ends at the next checkpoint target
+            n = min(n, seq.targets[0] - seq.num_computed)
         max_pairs = self.engine.max_step_pairs
         if max_pairs is None or n <= 0:
             return max(n, 0)
@@ -299,8 +354,9 @@ class Scheduler:
             lo, hi = (mid, hi) if pairs(mid) <= max_pairs else (lo, mid - 1)
         return lo if lo > 0 or step_tokens > 0 else 1
 
-    def _plan(self) -> tuple[list[int], list[Sequence], list[SequenceChunk]]:
+    def _plan(self) -> tuple[list[int], list[list[int]], list[Sequence], list[SequenceChunk]]:
         resets: list[int] = []
+        restores: list[list[int]] = []
         scheduled: list[Sequence] = []
         chunks: list[SequenceChunk] = []
         step_tokens = step_blocks = 0
@@ -326,19 +382,20 @@ class Scheduler:
         prefilling = [s for s in self.running if len(s.tokens) - s.num_computed > 1]
         for seq in decoding + prefilling:
             if not add_chunk(seq):
-                return resets, scheduled, chunks
-        while self.waiting and step_tokens < self.engine.max_num_tokens and self._try_admit(self.waiting[0], resets):
+                return resets, restores, scheduled, chunks
+        while (self.waiting and step_tokens < self.engine.max_num_tokens
+               and self._try_admit(self.waiting[0], resets, restores)):
             seq = self.waiting.popleft()
             self.running.append(seq)
             if not add_chunk(seq):
                 break
-        return resets, scheduled, chunks
+        return resets, restores, scheduled, chunks
 
     def step(self) -> list[SequenceUpdate]:
         """Run one engine step (if anything is runnable); returns the updates it produced."""
         updates, self._aborted = self._aborted, []
         self._encode_images()
-        resets, scheduled, chunks = self._plan()
+        resets, restores, scheduled, chunks = self._plan()
         if not chunks:
             if self.waiting and not self.running and not updates:
                 raise RuntimeError("the scheduler cannot admit any waiting request although nothing runs")
@@ -346,15 +403,50 @@ class Scheduler:
         rows = [n for n, (seq, chunk) in enumerate(zip(scheduled, chunks))
                 if seq.num_computed + len(chunk.tokens) >= len(seq.tokens)]  # the others are mid-prompt: no token yet
         sampling = self._sampling_batch([scheduled[n] for n in rows], rows) if rows else None
-        plan = {"resets": resets}
+        saves = self._checkpoint_saves(scheduled, chunks)
+        plan = {"resets": resets, "restores": restores, "saves": [[s, c] for s, c, _ in saves]}
         if self.engine.comm is not None:  # one process hands the chunks over as they are
             plan["chunks"] = [[c.slot, c.start, c.tokens, c.block_table, c.image_rows, c.image_embeds] for c in chunks]
         out = self._execute(plan, chunks, sampling)
         for seq, chunk in zip(scheduled, chunks):
             seq.num_computed += len(chunk.tokens)
+            if self.prefix is not None:
+                self._name_blocks(seq)
+        for _, checkpoint, h in saves:
+            self.prefix.add_checkpoint(h, checkpoint)
         for j, n in enumerate(rows):
             updates.append(self._take(scheduled[n], out, j))
         return updates
+
+    def _checkpoint_saves(self, scheduled: list[Sequence], chunks: list[SequenceChunk]) -> list[tuple[int, int, bytes]]:
+        """(slot, checkpoint id, name) of the sequences whose chunk ends at their next checkpoint target: their
+        state is copied out after the step (a boundary already checkpointed is not copied again)."""
+        saves = []
+        for seq, chunk in zip(scheduled, chunks):
+            end = seq.num_computed + len(chunk.tokens)
+            if not seq.targets or seq.targets[0] != end:
+                continue
+            seq.targets.pop(0)
+            h = seq.hashes[end // self.allocator.block_size - 1]
+            if self.prefix.has_checkpoint(h):
+                continue
+            checkpoint = self.prefix.take_checkpoint()
+            if checkpoint is not None:
+                saves.append((seq.slot, checkpoint, h))
+        return saves
+
+    def _name_blocks(self, seq: Sequence) -> None:
+        """Name `seq`'s newly computed full blocks in the prefix cache (output blocks too: a later prompt may
+        repeat the answer)."""
+        full = seq.num_computed // self.allocator.block_size
+        if full <= seq.named:
+            return
+        if len(seq.hashes) < full:
+            parent = seq.hashes[-1] if seq.hashes else b""
+            seq.hashes += block_hashes(seq.session_key(full * self.allocator.block_size), self.allocator.block_size,
+                                       len(seq.hashes), parent)
+        self.prefix.add_blocks(seq.hashes[seq.named:full], seq.blocks[seq.named:full])
+        seq.named = full
 
     def _sampling_batch(self, seqs: list[Sequence], rows: list[int]) -> SamplingBatch:
         """The runner's per-row tensors for the sequences that get a token this step (rows: their index in
@@ -504,10 +596,15 @@ def run_plan(engine, plan: dict, chunks: list[SequenceChunk] | None = None, samp
         return engine.encode_images(plan["vision"])
     for slot in plan["resets"]:
         engine.reset_slot(slot)
+    for checkpoint, slot in plan.get("restores", ()):
+        engine.restore_state(slot, checkpoint)
     if chunks is None:
         chunks = [SequenceChunk(c[0], c[1], list(c[2]), list(c[3]), *c[4:]) for c in plan["chunks"]]
     width = getattr(engine, "image_width", None)
-    return engine.sample(StepBatch.from_sequences(chunks, width) if chunks else None, sampling)
+    out = engine.sample(StepBatch.from_sequences(chunks, width) if chunks else None, sampling)
+    for slot, checkpoint in plan.get("saves", ()):
+        engine.save_state(slot, checkpoint)
+    return out
 
 
 def follow(engine) -> int:

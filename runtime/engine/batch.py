@@ -109,6 +109,31 @@ def check_slot(runner, slot: int) -> None:
         raise InputError(f"slot {slot} out of range: the engine has {runner.num_slots} slots")
 
 
+CHECKPOINTS_PER_SLOT = 4  # default recurrent-state checkpoint pool (prefix caching): 4 x the slots' state memory
+
+
+def check_checkpoint(runner, slot: int, checkpoint: int) -> None:
+    """InputError unless `slot` is a state slot and `checkpoint` one of the runner's checkpoint pool entries."""
+    check_slot(runner, slot)
+    if not 0 <= checkpoint < runner.num_checkpoints:
+        raise InputError(f"checkpoint {checkpoint} out of range: the engine has {runner.num_checkpoints} state checkpoints")
+
+
+def checkpoint_interval(pools: dict[str, tuple[tuple[int, ...], int]], block_size: int, max_num_tokens: int) -> int:
+    """Tokens between periodic recurrent-state checkpoints of a prefilling prompt, from the runner's pools
+    ({name: (shape, bytes per element)}): a multiple of block_size that is at least (1) the tokens whose cache
+    bytes (MLA / indexer rows) equal one checkpoint's bytes (KDA state + conv windows of a slot), so periodic
+    checkpoints at most double a cached prefix's memory, and (2) max_num_tokens, since a prefill chunk ends at
+    each checkpoint: at most one extra step per interval."""
+    def nbytes(shape, itemsize, skip):
+        return int(np.prod(shape[skip:])) * itemsize
+
+    per_slot = sum(nbytes(s, i, 1) for n, (s, i) in pools.items() if n.startswith(RESET_ON_NEW_SEQUENCE))
+    per_token = sum(nbytes(s, i, 2) for n, (s, i) in pools.items() if not n.startswith(RESET_ON_NEW_SEQUENCE))
+    tokens = max(-(-per_slot // max(per_token, 1)), max_num_tokens, 1)
+    return -(-tokens // block_size) * block_size
+
+
 def check_step_batch(runner, batch: StepBatch) -> None:
     """Clear errors for a step `runner`'s pools cannot hold (every runner checks its steps with this): slot,
     position or block id out of range, block table too short for the positions written, two tokens writing

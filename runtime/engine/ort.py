@@ -39,8 +39,8 @@ from moe_export.export.planner import GIB, engine_pool_sizes
 from moe_export.graphs.vision_export import VISION_GRAPH
 from moe_export.plugins.collectives import all_to_all
 from moe_export.plugins.paged_cache_write.cpu import paged_cache_write_
-from moe_export.runtime.engine.batch import (RESET_ON_NEW_SEQUENCE, STATE_PREFIXES, StepBatch,
-                                            check_slot, check_step_batch)
+from moe_export.runtime.engine.batch import (CHECKPOINTS_PER_SLOT, RESET_ON_NEW_SEQUENCE, STATE_PREFIXES, StepBatch,
+                                            check_checkpoint, check_slot, check_step_batch, checkpoint_interval)
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
 
 POOL_DTYPES = {TensorProto.FLOAT: np.float32, TensorProto.BFLOAT16: ml_dtypes.bfloat16,
@@ -135,6 +135,7 @@ class RankRunner:
     sessions: dict[str, object]
     pools: dict[str, np.ndarray] = field(default_factory=dict)
     pool_feeds: dict[str, object] = field(default_factory=dict)  # what ORT is fed: the array, or a bf16 view of it
+    checkpoints: dict[str, np.ndarray] = field(default_factory=dict)  # recurrent pools' checkpoint rows
     traffic: all_to_all.Traffic = field(default_factory=all_to_all.Traffic)
 
     def __post_init__(self) -> None:
@@ -192,6 +193,19 @@ class RankRunner:
                 pool[slot] = 0.0
 
 
+    def make_checkpoints(self, num_checkpoints: int) -> None:
+        """The checkpoint pool: `num_checkpoints` copies of one slot's rows of every recurrent-state pool."""
+        self.checkpoints = {name: np.zeros((num_checkpoints, *pool.shape[1:]), dtype=pool.dtype)
+                            for name, pool in self.pools.items() if name.startswith(RESET_ON_NEW_SEQUENCE)}
+
+    def save_state(self, slot: int, checkpoint: int) -> None:
+        for name, rows in self.checkpoints.items():
+            rows[checkpoint] = self.pools[name][slot]
+
+    def restore_state(self, slot: int, checkpoint: int) -> None:
+        for name, rows in self.checkpoints.items():
+            self.pools[name][slot] = rows[checkpoint]
+
     def write_back(self, env: dict[str, np.ndarray], batch: StepBatch) -> None:
         """Store the step's new state in place: the touched slots' recurrent state at `slot_ids`, the new
         cache rows [T, D] (fp32, already rounded to the pool dtype) at each token's block-table row with the
@@ -226,10 +240,11 @@ class Engine:
     cache blocks of `block_size` tokens in each paged pool (default: the planner's `pool_sizes`, i.e.
     the rank's memory left after weights, workspace and the slots, per block); max_step_pairs: most (step token,
     attended position) pairs the scheduler packs into one step (default `step_pair_budget`: the attention
-    temporaries fit in the recipe's workspace reserve)."""
+    temporaries fit in the recipe's workspace reserve); num_checkpoints: recurrent-state checkpoints for prefix
+    caching (default CHECKPOINTS_PER_SLOT x num_slots; host memory, like every pool of this runner)."""
 
     def __init__(self, engine_dir: str | Path, *, num_slots: int | None = None, num_blocks: int | None = None,
-                 threads: int | None = None, max_step_pairs: int | None = None):
+                 threads: int | None = None, max_step_pairs: int | None = None, num_checkpoints: int | None = None):
         self.dir = Path(engine_dir)
         self.config = EngineConfig.read(self.dir)
         rank_dirs = rank_folders(self.dir)
@@ -258,6 +273,14 @@ class Engine:
         for r, runner in zip(local, self.ranks):
             if runner.rank != r:
                 raise InputError(f"{rank_dirs[r]}: its graph holds the mapping of rank {runner.rank}, not rank {r}")
+        if num_checkpoints is not None and num_checkpoints < 0:
+            raise InputError(f"num_checkpoints must be at least 0, got {num_checkpoints}")
+        self.num_checkpoints = CHECKPOINTS_PER_SLOT * self.num_slots if num_checkpoints is None else num_checkpoints
+        for runner in self.ranks:
+            runner.make_checkpoints(self.num_checkpoints)
+        self.checkpoint_interval = checkpoint_interval(
+            {name: (pool.shape, pool.itemsize) for name, pool in self.ranks[0].pools.items()}, self.block_size,
+            self.max_num_tokens)
         m = self.ranks[0].mapping
         self.tp, self.ep = int(m["tp_size"]), int(m["ep_size"])
         self.dp_layout = m.get("attention") == "dp"
@@ -307,6 +330,18 @@ class Engine:
         check_slot(self, slot)
         for r in self.ranks:
             r.reset_slot(slot)
+
+    def save_state(self, slot: int, checkpoint: int) -> None:
+        """`ModelRunner.save_state`: copy the slot's recurrent rows into the checkpoint, on every local rank."""
+        check_checkpoint(self, slot, checkpoint)
+        for r in self.ranks:
+            r.save_state(slot, checkpoint)
+
+    def restore_state(self, slot: int, checkpoint: int) -> None:
+        """`ModelRunner.restore_state`: copy the checkpoint into the slot's recurrent rows, on every local rank."""
+        check_checkpoint(self, slot, checkpoint)
+        for r in self.ranks:
+            r.restore_state(slot, checkpoint)
 
     @staticmethod
     def _traffic_kind(step: dict) -> str:

@@ -3,16 +3,19 @@ and the oracle of the runners' tests)."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 
-from moe_export.runtime.engine.batch import StepBatch, check_slot, check_step_batch
+from moe_export.runtime.engine.batch import CHECKPOINTS_PER_SLOT, StepBatch, check_checkpoint, check_slot, check_step_batch
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
 
 
 class ReferenceEngine:
     """The reference KimiModel behind the Engine step interface: one ModelCache per slot. Block tables
-    are accepted and unused (each slot's reference cache grows with its sequence)."""
+    are accepted and unused (each slot's reference cache grows with its sequence); a state checkpoint is a copy
+    of a slot's whole cache (its attention rows included, so resuming needs no block)."""
 
     world_size = 1
     comm = None
@@ -27,10 +30,21 @@ class ReferenceEngine:
         self.model_config = {"vocab_size": model.cfg.vocab_size}
         self.config = None  # not built from an engine directory: no EngineConfig
         self.caches = [model.new_cache(1) for _ in range(num_slots)]
+        self.num_checkpoints = CHECKPOINTS_PER_SLOT * num_slots
+        self.checkpoint_interval = -(-max_num_tokens // block_size) * block_size
+        self.checkpoints: dict[int, object] = {}
 
     def reset_slot(self, slot: int) -> None:
         check_slot(self, slot)
         self.caches[slot] = self.model.new_cache(1)
+
+    def save_state(self, slot: int, checkpoint: int) -> None:
+        check_checkpoint(self, slot, checkpoint)
+        self.checkpoints[checkpoint] = copy.deepcopy(self.caches[slot])
+
+    def restore_state(self, slot: int, checkpoint: int) -> None:
+        check_checkpoint(self, slot, checkpoint)
+        self.caches[slot] = copy.deepcopy(self.checkpoints[checkpoint])
 
     def step(self, batch: StepBatch) -> np.ndarray:
         """logits [N, vocab] fp32 of each sequence's last token; each chunk continues its slot's cache."""

@@ -27,6 +27,8 @@ class ModelRunner(Protocol):
     max_seq_len: int
     max_num_tokens: int
     max_step_pairs: int | None
+    num_checkpoints: int
+    checkpoint_interval: int
     world_size: int
     comm: object | None
     is_root: bool
@@ -35,6 +37,14 @@ class ModelRunner(Protocol):
 
     def reset_slot(self, slot: int) -> None:
         """Start a new sequence in `slot` (zero its recurrent state)."""
+
+    def save_state(self, slot: int, checkpoint: int) -> None:
+        """Copy `slot`'s recurrent state rows (KDA state, conv windows) into checkpoint `checkpoint`, after the
+        step that brought the slot to a cached block boundary (ordered after that step on a device stream)."""
+
+    def restore_state(self, slot: int, checkpoint: int) -> None:
+        """Copy checkpoint `checkpoint` into `slot`'s recurrent state rows (a new sequence resuming from a cached
+        prefix, instead of `reset_slot`; ordered before the next step)."""
 
     def step(self, batch: StepBatch) -> np.ndarray:
         """Run one step; logits [N, vocab] fp32 on the host (parity checks)."""

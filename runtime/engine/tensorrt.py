@@ -64,7 +64,8 @@ from moe_export.export.tensorrt_build import read_engine_file
 from moe_export.graphs.config import ModelConfig
 from moe_export.graphs.onnx_export import POOL_TABLE, POOLS_KEY
 from moe_export.plugins.pool_table import pool_table
-from moe_export.runtime.engine.batch import RESET_ON_NEW_SEQUENCE, StepBatch, check_slot, check_step_batch
+from moe_export.runtime.engine.batch import (CHECKPOINTS_PER_SLOT, RESET_ON_NEW_SEQUENCE, StepBatch, check_checkpoint,
+                                            check_slot, check_step_batch, checkpoint_interval)
 from moe_export.runtime.engine.ort import MPICommunicator
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
 
@@ -177,7 +178,7 @@ class TensorRTEngine:
     """The `Engine` interface (RUNTIME_API.md section 1) over one TensorRT engine per rank, one rank per process."""
 
     def __init__(self, engine_dir: str | Path, *, num_slots: int | None = None, num_blocks: int | None = None,
-                 threads: int | None = None):  # fmt: skip
+                 threads: int | None = None, num_checkpoints: int | None = None):  # fmt: skip
         self.dir = Path(engine_dir)
         self.config = EngineConfig.read(self.dir)
         if self.config.backend != "tensorrt":
@@ -241,6 +242,14 @@ class TensorRTEngine:
             }
             # the pools' addresses, checked (null / misaligned / check word: PoolTableError) before any launch
             self.pool_table = {POOL_TABLE: torch.from_numpy(pool_table(list(self.pools.values()))).to(self.device)}
+            # prefix-caching state checkpoints in pinned host memory (GPU memory stays the planner's pools): a
+            # save / restore is one async copy of a slot's rows on this rank's stream, ordered with the steps
+            self.num_checkpoints = CHECKPOINTS_PER_SLOT * self.num_slots if num_checkpoints is None else num_checkpoints
+            self.checkpoints = {name: torch.zeros((self.num_checkpoints, *pool.shape[1:]), dtype=pool.dtype, pin_memory=True)
+                                for name, pool in self.pools.items() if name.startswith(RESET_ON_NEW_SEQUENCE)}
+        self.checkpoint_interval = checkpoint_interval(
+            {name: (tuple(pool.shape), pool.element_size()) for name, pool in self.pools.items()}, self.block_size,
+            self.max_num_tokens)
         self._context.set_device_memory(self._activations.data_ptr(), size)
         self._activation_size = size
         self._start_vision_tower(trt, torch)
@@ -287,6 +296,18 @@ class TensorRTEngine:
             for name, pool in self.pools.items():
                 if name.startswith(RESET_ON_NEW_SEQUENCE):
                     pool[slot].zero_()
+
+    def save_state(self, slot: int, checkpoint: int) -> None:
+        check_checkpoint(self, slot, checkpoint)
+        with self._torch.cuda.stream(self.stream):
+            for name, rows in self.checkpoints.items():
+                rows[checkpoint].copy_(self.pools[name][slot], non_blocking=True)
+
+    def restore_state(self, slot: int, checkpoint: int) -> None:
+        check_checkpoint(self, slot, checkpoint)
+        with self._torch.cuda.stream(self.stream):
+            for name, rows in self.checkpoints.items():
+                self.pools[name][slot].copy_(rows[checkpoint], non_blocking=True)
 
     def _feeds(self, batch: StepBatch) -> dict[str, np.ndarray]:
         """The batch's inputs; a K3 text graph's image rows are empty when the step carries none."""

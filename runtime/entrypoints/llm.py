@@ -79,7 +79,8 @@ GenerationOutput = ChatOutput
 
 @dataclass
 class StreamDelta:
-    """New output of one step: token ids, raw text delta and, for chats, parsed reasoning / content deltas."""
+    """New output of one step: token ids (with their logprobs and most likely alternatives when asked), raw text
+    delta and, for chats, parsed reasoning / content deltas."""
 
     request_id: str
     token_ids: list[int]
@@ -90,6 +91,8 @@ class StreamDelta:
     output: ChatOutput | None = None
     error: str | None = None  # set (with finished) when the runtime ended the request, e.g. a failing logits processor
     thinking_tier: str | None = None  # chats: the tier the core resolved the request's effort to ("none": off)
+    logprobs: list[float] | None = None  # per token id, when the request asked for logprobs
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class _OutputText:
@@ -220,6 +223,8 @@ class _Core:
                                    stop_token=stop_token, stop_index=u.stop_text_index)
         delta = StreamDelta(u.request_id, list(u.token_ids), text, parsed.reasoning, parsed.content,
                             thinking_tier=tr.thinking_tier)
+        if tr.sampling.logprobs:
+            delta.logprobs, delta.top_logprobs = list(u.logprobs or []), list(u.top_logprobs or [])
         if tr.parser is None:
             delta.content = text
         if u.finished:
@@ -265,11 +270,12 @@ class LLM:
     default_effort: thinking tier when a chat request gives none (low | high | max | none).
     reuse_sessions: keep finished turns' state for reuse by a continuing prompt, and their tokens, so that a
     turn sent back as text is rendered as generated and the prompt continues the kept state (default on).
+    prefix_caching: share cached prompt prefixes across requests (`runtime.core.prefix_cache`; default on).
     allow_image_urls: image parts may be http(s) URLs, fetched with a size and time limit (default: data URLs only)."""
 
     def __init__(self, engine_dir: str | Path, *, default_effort: str = "max", num_slots: int | None = None,
                  num_blocks: int | None = None, threads: int | None = None, reuse_sessions: bool = True,
-                 allow_image_urls: bool = False, runner=None) -> None:
+                 prefix_caching: bool = True, allow_image_urls: bool = False, runner=None) -> None:
         from moe_export.runtime.engine import open_engine
 
         # runner: a ModelRunner to drive instead of the engine directory's own (which then provides the tokenizer)
@@ -281,6 +287,7 @@ class LLM:
         self.default_effort = default_effort
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(engine_eos_ids(self.engine)))
         self.reuse_sessions = reuse_sessions
+        self.prefix_caching = prefix_caching
         self.allow_image_urls = allow_image_urls  # fetch http(s) image parts (`runtime.images.fetch_image_url`)
         # finished turns' tokens, as many as the cache pools hold, so turns sent back as text render as generated
         self.turns = TurnMemory(self.engine.num_blocks * self.engine.block_size) if reuse_sessions else None
@@ -426,7 +433,7 @@ class LLM:
     def scheduler_kwargs(self) -> dict:
         """How this LLM's schedulers are set up (rank 0's, and in the dp layout every group leader's)."""
         return {"eos_token_ids": self.eos_token_ids, "text_decoder": self.tokenizer.incremental_decoder,
-                "keep_sessions": self.reuse_sessions, "sample_vocab": self.tokenizer.vocab_size}
+                "keep_sessions": self.reuse_sessions, "prefix_caching": self.prefix_caching, "sample_vocab": self.tokenizer.vocab_size}
 
     def _budget(self, spec: tuple) -> ReasoningBudget:
         family, cap, starts = spec

@@ -504,8 +504,6 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
         extras = sampler_extras(req)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        if req.logprobs and req.stream:
-            raise APIError(400, "logprobs: reported on whole answers only by this server (ask without stream)", "logprobs")
         messages = convert.chat_messages_from_openai(req.messages)
         tools = convert.openai_tools(req.tools)
         tool_choice = convert.normalize_tool_choice(req.tool_choice, tools)
@@ -539,9 +537,9 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
         async def events():
             created = int(time.time())
 
-            def chunk(index: int, delta: dict, finish_reason=None, usage=None, choices=True) -> dict:
+            def chunk(index: int, delta: dict, finish_reason=None, usage=None, choices=True, logprobs=None) -> dict:
                 body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                        "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
+                        "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]
                         if choices else []}
                 if usage is not None:
                     body["usage"] = usage
@@ -551,10 +549,17 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
                 yield chunk(i, {"role": "assistant", "content": ""})
             outs = []
             async for i, d in merged([r.deltas for r in runs]):
+                # the step's tokens' logprobs ride on its first chunk (an empty delta when its text is held back)
+                logprobs = convert.chat_logprobs([tokenizer.decode([t]) for t in d.token_ids], d.logprobs, d.top_logprobs,
+                                                 lambda t: tokenizer.decode([t])) if d.logprobs else None
                 if d.reasoning:
-                    yield chunk(i, {"reasoning_content": d.reasoning})
+                    yield chunk(i, {"reasoning_content": d.reasoning}, logprobs=logprobs)
+                    logprobs = None
                 if d.content:
-                    yield chunk(i, {"content": d.content})
+                    yield chunk(i, {"content": d.content}, logprobs=logprobs)
+                    logprobs = None
+                if logprobs is not None:
+                    yield chunk(i, {}, logprobs=logprobs)
                 if d.finished:
                     out = d.output
                     outs.append(out)
@@ -577,8 +582,6 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
         check_limits(None, None, req.max_tokens)
         extras = sampler_extras(req)
         want_logprobs = req.logprobs is not None
-        if want_logprobs and req.stream:
-            raise APIError(400, "logprobs: reported on whole answers only by this server (ask without stream)", "logprobs")
         prompts = completion_prompts(req.prompt)
         if len(prompts) * req.n > MAX_CHOICES:
             raise APIError(400, f"prompt: {len(prompts)} prompts x n={req.n} is over the limit of {MAX_CHOICES} choices", "prompt")
@@ -618,18 +621,23 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
             choices = [choice(i, echoes[i] + visible_text(out.text), out.finish_reason) for i, out in enumerate(outs)]
             if want_logprobs:
                 for c, out, echo in zip(choices, outs, echoes):
-                    c["logprobs"] = completion_logprobs(out, len(echo))
+                    c["logprobs"] = completion_logprobs(out.output_ids, out.logprobs, out.top_logprobs, len(echo))[0]
             return body(choices, convert.openai_usage(convert.summed_usage(outs)))
         include_usage = bool((req.stream_options or {}).get("include_usage"))
 
         async def events():
+            offsets = [len(echo) for echo in echoes]  # each choice's text_offset so far
             for i, echo in enumerate(echoes):
                 if echo:
                     yield {"data": json.dumps(body([choice(i, echo, None)]))}
             outs = []
             async for i, d in merged(streams):
                 text = visible_text(d.text)
-                if text:
+                if d.logprobs:  # the step's tokens with their logprobs, even when their text is held back
+                    c = choice(i, text, None)
+                    c["logprobs"], offsets[i] = completion_logprobs(d.token_ids, d.logprobs, d.top_logprobs, offsets[i])
+                    yield {"data": json.dumps(body([c]))}
+                elif text:
                     yield {"data": json.dumps(body([choice(i, text, None)]))}
                 if d.finished:
                     outs.append(d.output)
@@ -641,19 +649,20 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
 
         return sse(events())
 
-    def completion_logprobs(out, offset: int) -> dict:
-        """The completions API's logprobs of one output: each token's text (special tokens by name), logprob,
-        its most likely alternatives ({text: logprob}) and its offset in the returned text."""
+    def completion_logprobs(ids: list[int], logprobs, top_logprobs, offset: int) -> tuple[dict, int]:
+        """The completions API's logprobs of output tokens `ids` (all of an answer, or a streamed step's): each
+        token's text (special tokens by name), logprob, its most likely alternatives ({text: logprob}) and its
+        offset in the returned text, which starts at `offset`; and the offset after them."""
         tokens, offsets = [], []
-        for t in out.output_ids:
+        for t in ids:
             piece = tokenizer.decode([t])
             tokens.append(piece)
             offsets.append(offset)
             offset += len(visible_text(piece))
-        tops = out.top_logprobs or [[] for _ in tokens]
-        return {"tokens": tokens, "token_logprobs": [float(lp) for lp in out.logprobs or []],
+        tops = top_logprobs or [[] for _ in tokens]
+        return {"tokens": tokens, "token_logprobs": [float(lp) for lp in logprobs or []],
                 "top_logprobs": [{tokenizer.decode([i]): float(lp) for i, lp in alts} for alts in tops],
-                "text_offset": offsets}
+                "text_offset": offsets}, offset
 
     def completion_prompts(prompt) -> list[list[int]]:
         """A completions `prompt` (a string, a list of strings, a token-id list or a list of them) as token-id

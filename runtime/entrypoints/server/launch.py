@@ -44,7 +44,7 @@ def check_serve_args(engine_dir: str, host: str, port: int, store: str | None, d
 
 def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_keys: tuple[str, ...] = (),
           store: str | None = None, default_effort: str = "max", max_queue: int = 256,
-          served_model_names: tuple[str, ...] = (), allow_image_urls: bool = False) -> None:
+          served_model_names: tuple[str, ...] = (), allow_image_urls: bool = False, prefix_caching: bool = True) -> None:
     """Run the server until SIGTERM / SIGINT (blocks). Under mpiexec, ranks > 0 run the follower loop."""
     check_serve_args(engine_dir, host, port, store, default_effort, max_queue)
     if any(not name.strip() for name in served_model_names):
@@ -57,7 +57,7 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
         # mpiexec forwards SIGTERM to every rank; followers leave when rank 0 has drained and shuts down.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        LLM(engine_dir, default_effort=default_effort).run_follower()
+        LLM(engine_dir, default_effort=default_effort, prefix_caching=prefix_caching).run_follower()
         return
     import uvicorn
     from sse_starlette.sse import AppStatus
@@ -71,7 +71,8 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
         max_queue=max_queue, served_model_names=served_model_names,
     )
     sock = listening_socket(host, port)  # before loading: a busy port fails fast, with no engine loaded
-    llm = AsyncLLM(engine_dir, default_effort=default_effort, allow_image_urls=allow_image_urls)
+    llm = AsyncLLM(engine_dir, default_effort=default_effort, allow_image_urls=allow_image_urls,
+                   prefix_caching=prefix_caching)
     try:
         app = create_app(llm, settings)  # the app shuts the runtime down (and releases follower ranks) at exit
     except BaseException:

@@ -15,7 +15,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 
 class RuntimeStatsCollector:
-    """Scheduler gauges from `stats()`: waiting, running, blocks_used, blocks_total, reuse_hits, reuse_tokens."""
+    """Scheduler gauges from `stats()`: waiting, running, blocks_used, blocks_total, reuse_hits, reuse_tokens,
+    prefix_queried_tokens, prefix_hit_tokens."""
 
     def __init__(self, stats: Callable[[], dict]) -> None:
         self.stats = stats
@@ -30,6 +31,12 @@ class RuntimeStatsCollector:
                                   value=s["reuse_hits"])
         yield CounterMetricFamily("moe_export_state_reuse_tokens", "prompt tokens not prefilled thanks to state reuse",
                                   value=s["reuse_tokens"])
+        yield CounterMetricFamily("moe_export_prefix_cache_queried_tokens",
+                                  "prompt tokens of admitted requests looked up in the prefix cache",
+                                  value=s["prefix_queried_tokens"])
+        yield CounterMetricFamily("moe_export_prefix_cache_hit_tokens",
+                                  "prompt tokens not prefilled thanks to a cached prefix or kept session",
+                                  value=s["prefix_hit_tokens"])
         if "expert_load" in s:  # dp layout: routed expert load over the world (`runtime.wide_ep`)
             load = s["expert_load"]
             yield CounterMetricFamily("moe_export_expert_routed_tokens", "top-k expert choices routed", value=load["routed"])

@@ -1,0 +1,156 @@
+"""Automatic prefix caching across requests (`runtime.core.prefix_cache`): a request resuming from cached blocks
+and a recurrent-state checkpoint gives the same greedy tokens and logits (1e-5) as a full re-prefill of the same
+prompt on an engine of its own (the oracle), for K3 (with and without the DSA indexer) and Kimi Linear: prefixes
+ending mid-block, exactly at a block boundary, sharing only part of a block, repeated prompts, the divergence
+checkpoint, requests sharing a prefix in the same step, eviction then re-use, and under mpiexec (tp 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_runtime_scheduler import MPI_SCRIPT, mpiexec
+from test_runtime_sessions import Recorder, assert_same, run
+
+from moe_export.runtime.core.blocks import BlockAllocator
+from moe_export.runtime.core.prefix_cache import PrefixCache, block_hashes
+from moe_export.runtime.core.scheduler import Request, Scheduler
+from moe_export.runtime.engine.ort import Engine
+from moe_export.runtime.sampling import SamplingParams
+
+BS = 16  # the runtime_engine fixture's block size; its max_num_tokens 64 makes the checkpoint interval 64
+rng = np.random.default_rng(7)
+BASE = rng.integers(10, 500, 100).tolist()
+
+
+def tail(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(10, 500, n).tolist()
+
+
+def oracle(eng: Engine, prompt: list[int], n: int) -> tuple[list[int], Recorder]:
+    """Greedy tokens and logits of a full prefill (no cache of any kind)."""
+    tokens, rec, cached = run(Scheduler(eng, keep_sessions=False, prefix_caching=False), "oracle", prompt, n)
+    assert cached == 0
+    return tokens, rec
+
+
+def check(sched: Scheduler, fresh: Engine, rid: str, prompt: list[int], want_cached: int, n: int = 5) -> None:
+    got, rec, cached = run(sched, rid, prompt, n)
+    assert cached == want_cached, rid
+    want, frec = oracle(fresh, prompt, n)
+    assert got == want, rid
+    assert_same(rec, frec)
+
+
+@pytest.mark.parametrize("preset", ["tiny-k3", "tiny-k3-dsa", "tiny-kimi-linear"])
+def test_cached_prefixes_equal_full_prefill(runtime_engine, preset):
+    engine_dir = runtime_engine(preset, 2, 2, 4)
+    eng, fresh = Engine(engine_dir, threads=1), Engine(engine_dir, num_slots=1, threads=1)
+    assert eng.checkpoint_interval == 64
+    sched = Scheduler(eng, keep_sessions=False)
+    a = BASE[:70] + tail(20, 1)  # 90 tokens: checkpoints at 64 (interval) and 80 (its last block boundary)
+    check(sched, fresh, "a", a, 0)
+    check(sched, fresh, "mid-block", BASE[:70] + tail(25, 2), 64)  # shares 70 tokens: resumes at 64
+    check(sched, fresh, "boundary", BASE[:64] + tail(30, 3), 64)  # shares exactly 4 blocks
+    check(sched, fresh, "part-of-a-block", BASE[:10] + tail(40, 4), 0)  # a partial block is never shared
+    check(sched, fresh, "repeat", a, 80)  # the same prompt: from its last block boundary, its last token fed
+    # 40 shared tokens: blocks [0, 32) are cached without a checkpoint at 32, so a full prefill that checkpoints
+    # its divergence point; the next prompt sharing them resumes there
+    check(sched, fresh, "diverge", BASE[:40] + tail(30, 5), 0)
+    check(sched, fresh, "after-diverge", BASE[:40] + tail(30, 6), 32)
+    s = sched.stats()
+    assert s["prefix_hit_tokens"] == 64 + 64 + 80 + 32 and s["prefix_queried_tokens"] > s["prefix_hit_tokens"]
+
+
+@pytest.mark.parametrize("preset", ["tiny-k3", "tiny-kimi-linear"])
+def test_requests_sharing_a_prefix_in_the_same_step(runtime_engine, preset):
+    """Two misses sharing a prefix admitted together (both prefill it, the second's blocks stay private), then
+    two hits restoring the same checkpoint in one step."""
+    engine_dir = runtime_engine(preset, 2, 2, 4)
+    eng, fresh = Engine(engine_dir, threads=1), Engine(engine_dir, num_slots=1, threads=1)
+    sched = Scheduler(eng, keep_sessions=False)
+    for wave, (shared, want_cached) in enumerate([(BASE[:50], 0), (BASE[:50], 48)]):
+        prompts = {f"w{wave}-{i}": shared + tail(12 + i, 10 * wave + i) for i in range(2)}
+        recs = {rid: Recorder() for rid in prompts}
+        for rid, p in prompts.items():
+            sched.add(Request(rid, p, SamplingParams(max_tokens=4, ignore_eos=True), [recs[rid]]))
+        got = {rid: [] for rid in prompts}
+        cached = dict.fromkeys(prompts, 0)
+        first = True
+        while sched.has_work:
+            updates = sched.step()
+            if first:
+                assert len(sched.running) == 2  # both in the first step
+                first = False
+            for u in updates:
+                got[u.request_id] += u.token_ids
+                cached[u.request_id] = max(cached[u.request_id], u.cached_tokens)
+        for rid, p in prompts.items():
+            assert cached[rid] == want_cached, rid
+            want, frec = oracle(fresh, p, 4)
+            assert got[rid] == want, rid
+            assert_same(recs[rid], frec)
+
+
+def test_eviction_then_reuse(runtime_engine):
+    """A small pool: admitting a long prompt evicts the cached blocks nobody holds; a one-entry checkpoint pool
+    keeps the most recent checkpoint only. Results stay equal to a full prefill."""
+    engine_dir = runtime_engine("tiny-k3", 2, 2, 4)
+    eng = Engine(engine_dir, num_slots=2, num_blocks=12, num_checkpoints=1, threads=1)
+    fresh = Engine(engine_dir, num_slots=1, threads=1)
+    sched = Scheduler(eng, keep_sessions=False)
+    a = BASE[:70] + tail(4, 20)  # 74 tokens + 4: 5 blocks; checkpoint 64 only (the last boundary)
+    check(sched, fresh, "a", a, 0, n=4)
+    assert sched.stats()["prefix_cached_blocks"] == 4 and sched.stats()["prefix_checkpoints"] == 1
+    check(sched, fresh, "a-hit", BASE[:70] + tail(6, 21), 64, n=4)
+    # 12 blocks: this prompt needs 11, so a's cached blocks (nobody else holds them) are evicted
+    long = tail(170, 22)
+    check(sched, fresh, "long", long, 0, n=4)
+    assert sched.stats()["prefix_checkpoints"] == 1  # the one entry now holds long's last checkpoint
+    check(sched, fresh, "a-again", a, 0, n=4)  # evicted: a full prefill, checkpointing again
+    check(sched, fresh, "a-reused", BASE[:70] + tail(6, 23), 64, n=4)
+
+
+def test_prefix_cache_lru_and_references():
+    alloc = BlockAllocator(6, 4)
+    cache = PrefixCache(alloc, num_checkpoints=1, interval=8)
+    key = tuple(range(20))
+    hashes = block_hashes(key, 4)
+    assert len(hashes) == 5 and hashes[:2] == block_hashes(key[:9], 4)  # chained: a prefix's names are the same
+    assert block_hashes((9,) + key[1:], 4)[1] != hashes[1]  # ... and depend on every earlier token
+    blocks = alloc.allocate(5)
+    cache.add_blocks(hashes, blocks)
+    assert [alloc.refcount(b) for b in blocks] == [2] * 5
+    alloc.decref(blocks)  # the sequence is done: the cache alone holds them
+    assert cache.match(hashes, 20)[:3] == (0, [], None)  # no checkpoint: nothing resumable
+    c = cache.take_checkpoint()
+    cache.add_checkpoint(hashes[1], c)
+    resume, shared, checkpoint, matched = cache.match(hashes, 20)
+    assert (resume, shared, checkpoint, matched) == (8, blocks[:2], c, 5) and alloc.refcount(blocks[0]) == 2
+    assert cache.evict_blocks(5) == 3  # the matched (held) blocks stay; the tail goes first
+    assert cache.cached_blocks == 2
+    alloc.decref(shared)
+    assert cache.evict_blocks(5) == 2 and alloc.free_blocks == 6
+    assert cache.take_checkpoint() == c and cache.cached_checkpoints == 0  # the one checkpoint, recycled (LRU)
+    # every 8 tokens, the divergence point (9 cached blocks: 36), the last block boundary before token 99 (96)
+    assert cache.checkpoint_targets(100, 16, 9) == [24, 32, 36, 40, 48, 56, 64, 72, 80, 88, 96]
+
+
+def test_prefix_caching_under_mpiexec(runtime_engine):
+    """mpiexec -n 2 (tp 2): rank 0 plans checkpoint saves / restores, both ranks apply them; requests sharing a
+    prefix resume from it and give the tokens of full prefills in one process."""
+    engine_dir = runtime_engine("tiny-k3", 2, 2, 2)
+    prompts = [BASE[:70] + tail(20, 30), BASE[:70] + tail(9, 31), BASE[:70] + tail(20, 30)]
+    spec = [{"prompt": p, "max_tokens": 5} for p in prompts]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PREFIX_CACHING": "1"}
+    r = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(MPI_SCRIPT), str(engine_dir), json.dumps(spec)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads([line for line in r.stdout.splitlines() if line.strip()][-1])
+    assert got["cached"] == [0, 64, 80]
+    fresh = Engine(engine_dir, num_slots=1, threads=1)
+    assert got["tokens"] == [oracle(fresh, p, 5)[0] for p in prompts]
