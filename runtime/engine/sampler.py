@@ -197,8 +197,9 @@ def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def _mass_above(p: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
     """[R]: the sum of each row's weights strictly above its ps [R]. On a GPU one batched pass; on CPU one
-    scalar-threshold pass per row (torch's CPU kernels run a per-row [R, 1] comparison operand several times
-    slower than a scalar one, measured at [64, 163840])."""
+    scalar-threshold pass per row through one reused row buffer (at [64, 163840] on 2 cores: 4-13 ms, against
+    ~50 ms when each row's temporary is freshly allocated and faulted in, ~60 ms for one [R, 1]-broadcast
+    `torch.where`)."""
     return _mass_above_batched(p, ps) if p.is_cuda else _mass_above_rows(p, ps)
 
 
@@ -207,7 +208,12 @@ def _mass_above_batched(p: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
 
 
 def _mass_above_rows(p: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
-    return torch.stack([torch.nn.functional.threshold(row, float(v), 0.0).sum() for row, v in zip(p, ps.tolist())])
+    buf = torch.empty(p.shape[1], dtype=p.dtype, device=p.device)
+    out = torch.empty(p.shape[0], dtype=p.dtype, device=p.device)
+    for r, v in enumerate(ps.tolist()):
+        torch.nn.functional.threshold_(buf.copy_(p[r]), v, 0.0)
+        out[r] = buf.sum()
+    return out
 
 
 def _draw_top_p(p: torch.Tensor, z: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor
