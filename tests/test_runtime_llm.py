@@ -12,6 +12,7 @@ from moe_export.export.errors import InputError
 from conftest import OpensThink
 
 from moe_export.runtime.chat import parse_output, prompt_starts_in_reasoning
+from moe_export.runtime.core.scheduler import Request
 from moe_export.runtime.entrypoints.generate import generate_tokens
 from moe_export.runtime.entrypoints.llm import LLM, AsyncLLM
 from moe_export.runtime.sampling import SamplingParams
@@ -352,3 +353,57 @@ def test_an_engine_failure_is_an_internal_error_not_bad_input(runtime_engine):
             assert not isinstance(exc.value, InputError)
     finally:
         allm.shutdown()
+
+
+def test_overlap_on_and_off_give_the_same_outputs(runtime_engine):
+    """Overlap (the next model step runs in a worker thread while the host processes this step's outputs) changes
+    no greedy token, stop string cut, max_tokens length or abort; with it the runner's next step has started
+    before the caller sees this step's updates."""
+    import threading
+    import time
+
+    engine_dir = runtime_engine("tiny-k3", 2, 2, 4)
+    prompts = ["Hello there", [5, 17, 99, 3], "A longer prompt about the weather in Paris."]
+    params = [SamplingParams(max_tokens=9, ignore_eos=True), SamplingParams(max_tokens=5),
+              SamplingParams(max_tokens=12, ignore_eos=True, stop=(" ",))]
+    outs = {}
+    for overlap in (False, True):
+        llm = LLM(engine_dir, threads=1, overlap=overlap)
+        try:
+            assert llm._root().sched.overlap is overlap
+            outs[overlap] = [(o.output_ids, o.text, o.finish_reason, o.stop_string)
+                             for p, s in zip(prompts, params) for o in llm.generate([p], s)]
+            outs[overlap].append([(o.output_ids, o.text) for o in llm.generate(prompts, params[0])])
+        finally:
+            llm.shutdown()
+    assert outs[True] == outs[False]
+
+    llm = LLM(engine_dir, threads=1, overlap=True)
+    sched = llm._root().sched
+    started, sample = [], llm.engine.sample
+
+    def recording(batch, sampling):
+        started.append(threading.current_thread().name)
+        time.sleep(0.05)
+        return sample(batch, sampling)
+
+    llm.engine.sample = recording
+    try:
+        sched.add(Request("a", [5, 17, 99, 3], SamplingParams(max_tokens=6, ignore_eos=True)))
+        sched.add(Request("b", [7, 8, 9], SamplingParams(max_tokens=20, ignore_eos=True)))
+        first = sched.step()  # the prefill step; the first decode step starts without another call
+        deadline = time.monotonic() + 30
+        while len(started) < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(started) == 2 and all(name.startswith("moe-export-step") for name in started)
+        assert {u.request_id for u in first} == {"a", "b"}
+        assert sched.abort("b")  # while its next step runs: that step's token for it is dropped
+        got = {}
+        while sched.has_work:
+            for u in sched.step():
+                got.setdefault(u.request_id, []).append(u)
+        assert [u.finish_reason for u in got["b"]] == ["abort"] and not got["b"][0].token_ids
+        assert sum(len(u.token_ids) for u in got["a"]) == 5 and got["a"][-1].finish_reason == "length"
+    finally:
+        llm.engine.sample = sample
+        llm.shutdown()

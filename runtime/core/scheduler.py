@@ -27,6 +27,7 @@ import secrets
 import sys
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,6 +76,19 @@ class SequenceUpdate:
 
 
 @dataclass
+class _Flight:
+    """A started step: the updates it carries (abort notices), what it runs, and its result or future."""
+
+    updates: list[SequenceUpdate]
+    scheduled: list = field(default_factory=list)
+    chunks: list = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    saves: list = field(default_factory=list)
+    out: SampledTokens | None = None
+    future: Future | None = None
+
+
+@dataclass
 class Sequence:
     request: Request
     tokens: list[int]  # prompt + output
@@ -116,8 +130,13 @@ class Scheduler:
     vocabulary has padding rows)."""
 
     def __init__(self, engine, *, eos_token_ids=(), text_decoder=None, keep_sessions: bool = True,
-                 prefix_caching: bool = True, sample_vocab: int | None = None) -> None:
+                 prefix_caching: bool = True, sample_vocab: int | None = None, overlap: bool = False) -> None:
         self.engine = engine
+        # overlap (one process only): `step()` returns with the next step's model step already running in a
+        # worker thread (the runner releases the GIL), so the caller's output processing overlaps it
+        self.overlap = overlap and engine.comm is None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="moe-export-step") if self.overlap else None
+        self._flight: _Flight | None = None
         self.sample_vocab = sample_vocab
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.text_decoder = text_decoder
@@ -228,7 +247,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._aborted)
+        return bool(self.waiting or self.running or self._aborted or self._flight is not None)
 
     def stats(self) -> dict:
         return {
@@ -392,14 +411,25 @@ class Scheduler:
         return resets, restores, scheduled, chunks
 
     def step(self) -> list[SequenceUpdate]:
-        """Run one engine step (if anything is runnable); returns the updates it produced."""
+        """Run one engine step (if anything is runnable); returns the updates it produced. With overlap the
+        step after it (planned from these updates) is already running when this returns, so processing the
+        updates overlaps it; a request aborted meanwhile has its token of that step dropped."""
+        flight = self._flight if self._flight is not None else self._start()
+        self._flight = None
+        updates = self._finish(flight)
+        if self.overlap and self.has_work:
+            self._flight = self._start()
+        return updates
+
+    def _start(self) -> _Flight:
+        """Plan one step and start it (in the worker thread with overlap)."""
         updates, self._aborted = self._aborted, []
         self._encode_images()
         resets, restores, scheduled, chunks = self._plan()
         if not chunks:
             if self.waiting and not self.running and not updates:
                 raise RuntimeError("the scheduler cannot admit any waiting request although nothing runs")
-            return updates
+            return _Flight(updates)
         rows = [n for n, (seq, chunk) in enumerate(zip(scheduled, chunks))
                 if seq.num_computed + len(chunk.tokens) >= len(seq.tokens)]  # the others are mid-prompt: no token yet
         sampling = self._sampling_batch([scheduled[n] for n in rows], rows) if rows else None
@@ -407,16 +437,30 @@ class Scheduler:
         plan = {"resets": resets, "restores": restores, "saves": [[s, c] for s, c, _ in saves]}
         if self.engine.comm is not None:  # one process hands the chunks over as they are
             plan["chunks"] = [[c.slot, c.start, c.tokens, c.block_table, c.image_rows, c.image_embeds] for c in chunks]
-        out = self._execute(plan, chunks, sampling)
-        for seq, chunk in zip(scheduled, chunks):
+        flight = _Flight(updates, scheduled, chunks, rows, saves)
+        if self._pool is not None:
+            flight.future = self._pool.submit(self._execute, plan, chunks, sampling)
+        else:
+            flight.out = self._execute(plan, chunks, sampling)
+        return flight
+
+    def _finish(self, flight: _Flight) -> list[SequenceUpdate]:
+        """Wait for a started step and apply its tokens (sequences aborted while it ran are skipped)."""
+        if not flight.chunks:
+            return flight.updates
+        out = flight.future.result() if flight.future is not None else flight.out
+        for seq, chunk in zip(flight.scheduled, flight.chunks):
+            if seq.slot < 0:  # aborted while the step ran: released, its state no longer followed
+                continue
             seq.num_computed += len(chunk.tokens)
             if self.prefix is not None:
                 self._name_blocks(seq)
-        for _, checkpoint, h in saves:
+        for _, checkpoint, h in flight.saves:
             self.prefix.add_checkpoint(h, checkpoint)
-        for j, n in enumerate(rows):
-            updates.append(self._take(scheduled[n], out, j))
-        return updates
+        for j, n in enumerate(flight.rows):
+            if flight.scheduled[n].slot >= 0:
+                flight.updates.append(self._take(flight.scheduled[n], out, j))
+        return flight.updates
 
     def _checkpoint_saves(self, scheduled: list[Sequence], chunks: list[SequenceChunk]) -> list[tuple[int, int, bytes]]:
         """(slot, checkpoint id, name) of the sequences whose chunk ends at their next checkpoint target: their
@@ -582,7 +626,11 @@ class Scheduler:
             raise
 
     def shutdown(self) -> None:
-        """Tell follower ranks to leave `follow()` (rank 0, multi-rank only)."""
+        """Let a step still running finish (overlap), then tell follower ranks to leave `follow()` (rank 0,
+        multi-rank only)."""
+        if self._pool is not None:
+            self._flight = None
+            self._pool.shutdown(wait=True)
         if self.engine.comm is not None:
             self.engine.comm.broadcast(None)
 

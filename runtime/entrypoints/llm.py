@@ -271,11 +271,13 @@ class LLM:
     reuse_sessions: keep finished turns' state for reuse by a continuing prompt, and their tokens, so that a
     turn sent back as text is rendered as generated and the prompt continues the kept state (default on).
     prefix_caching: share cached prompt prefixes across requests (`runtime.core.prefix_cache`; default on).
+    overlap: in one process, run each model step in a worker thread while the host processes the previous
+    step's outputs (`Scheduler(overlap=True)`; default on; greedy outputs are the same either way).
     allow_image_urls: image parts may be http(s) URLs, fetched with a size and time limit (default: data URLs only)."""
 
     def __init__(self, engine_dir: str | Path, *, default_effort: str = "max", num_slots: int | None = None,
                  num_blocks: int | None = None, threads: int | None = None, reuse_sessions: bool = True,
-                 prefix_caching: bool = True, allow_image_urls: bool = False, runner=None) -> None:
+                 prefix_caching: bool = True, allow_image_urls: bool = False, overlap: bool = True, runner=None) -> None:
         from moe_export.runtime.engine import open_engine
 
         # runner: a ModelRunner to drive instead of the engine directory's own (which then provides the tokenizer)
@@ -288,6 +290,7 @@ class LLM:
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(engine_eos_ids(self.engine)))
         self.reuse_sessions = reuse_sessions
         self.prefix_caching = prefix_caching
+        self.overlap = overlap
         self.allow_image_urls = allow_image_urls  # fetch http(s) image parts (`runtime.images.fetch_image_url`)
         # finished turns' tokens, as many as the cache pools hold, so turns sent back as text render as generated
         self.turns = TurnMemory(self.engine.num_blocks * self.engine.block_size) if reuse_sessions else None
@@ -433,7 +436,8 @@ class LLM:
     def scheduler_kwargs(self) -> dict:
         """How this LLM's schedulers are set up (rank 0's, and in the dp layout every group leader's)."""
         return {"eos_token_ids": self.eos_token_ids, "text_decoder": self.tokenizer.incremental_decoder,
-                "keep_sessions": self.reuse_sessions, "prefix_caching": self.prefix_caching, "sample_vocab": self.tokenizer.vocab_size}
+                "keep_sessions": self.reuse_sessions, "prefix_caching": self.prefix_caching,
+                "sample_vocab": self.tokenizer.vocab_size, "overlap": self.overlap}
 
     def _budget(self, spec: tuple) -> ReasoningBudget:
         family, cap, starts = spec
