@@ -4,7 +4,8 @@
 
 Part 1, the engine core over a runner that returns sampled ids at once (no model, no sampling): `LLM`'s core
 (scheduler, sampling-batch packing, step packing, output processing, detokenization, stop checks) driving B
-decoding sequences, B = 1 / 16 / 64 / 256 -> `host_ms_per_step_{B}` (best round's mean over --steps steps).
+decoding sequences, B = 1 / 16 / 64 / 256 -> `host_ms_per_step_{B}` (best round's mean over --steps steps), with
+the overlap off (the runner is instant: the whole host cost per step).
 Part 2, the runner's batched sampler alone (`runtime.engine.sampler.sample`, CPU torch) on logits
 [B, 163840] (K3's vocabulary): temperature 0 (`sampler_ms_{B}_greedy`, the argmax floor) and temperature 1 +
 top-p 0.95 (`sampler_ms_{B}_sampled`), on flat logits (standard normal: the top-p set is most of the
@@ -61,7 +62,8 @@ class InstantRunner:
 
 
 def host_ms_per_step(engine_dir: Path, batch: int, steps: int, rounds: int, tokens: np.ndarray) -> float:
-    llm = LLM(engine_dir, runner=InstantRunner(batch, tokens), reuse_sessions=False)
+    # overlap off: an instant runner leaves nothing to overlap, and the step's whole host cost is what is measured
+    llm = LLM(engine_dir, runner=InstantRunner(batch, tokens), reuse_sessions=False, overlap=False)
     core = llm._root()
     params = SamplingParams(max_tokens=60_000, ignore_eos=True, stop=("\x00never",))
     for i in range(batch):
