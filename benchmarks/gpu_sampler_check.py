@@ -5,8 +5,9 @@ Part of `benchmarks/gpu_check.sh` (the one prepared GPU run); `--device cpu` is 
 
 For batch sizes 1 / 16 / 64 / 256 (`--batches`) over logits [B, 163,840] (K3's vocabulary, `--vocab`) on the
 device: milliseconds per `sample` call for greedy rows (temperature 0) and for temperature 1 / top-p 0.95 rows,
-and their ratio (`sampler_ms_greedy_B`, `sampler_ms_top_p_B`, `sampler_top_p_over_greedy_B`). Each call ends with
-the ids copied to the host, as in the runner, so the wall time of a call is the device time plus that copy.
+and their ratio (`sampler_ms_greedy_B`, `sampler_ms_top_p_B`, `sampler_top_p_over_greedy_B`). Each call gets a
+fresh copy of the logits (untimed; the sampler may work in place) and ends with the ids copied to the host, as in
+the runner, so the wall time of a call is the device time plus that copy.
 Then the seeded-sampling check on the device: every row of a seeded batch draws the same token when sampled
 alone as in the batch (`sampler_seeded_alone_equals_batch`, must be true), and how many of them the CPU
 draws too for the same logits (`sampler_seeded_device_equals_cpu_frac`: the draw is a hash of seed and counter,
@@ -50,12 +51,15 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def ms_per_call(fn, device: torch.device, repeats: int) -> float:
-    """Median wall milliseconds of `fn()` after one warm-up call."""
+def ms_per_call(fn, prepare, device: torch.device, repeats: int) -> float:
+    """Median wall milliseconds of `fn()` after one warm-up call; `prepare()` runs untimed before each call."""
+    prepare()
     fn()
     synchronize(device)
     times = []
     for _ in range(repeats):
+        prepare()
+        synchronize(device)
         start = time.perf_counter()
         fn()
         synchronize(device)
@@ -73,20 +77,22 @@ def logits_for(n: int, vocab: int, device: torch.device, seed: int = 0) -> torch
 def check_sampler(fig: dict, device: torch.device, batches: list[int], vocab: int, repeats: int) -> None:
     for n in batches:
         logits = logits_for(n, vocab, device)
+        work = torch.empty_like(logits)  # the sampler may work in place on the logits it gets: a fresh copy each call
         greedy = sampling_batch(n, 0.0, 1.0).to(device)
         top_p = sampling_batch(n, 1.0, 0.95).to(device)
-        fig[f"sampler_ms_greedy_{n}"] = ms_per_call(lambda: sample(logits, greedy), device, repeats)
-        fig[f"sampler_ms_top_p_{n}"] = ms_per_call(lambda: sample(logits, top_p), device, repeats)
+        refill = lambda: work.copy_(logits)  # noqa: E731
+        fig[f"sampler_ms_greedy_{n}"] = ms_per_call(lambda: sample(work, greedy), refill, device, repeats)
+        fig[f"sampler_ms_top_p_{n}"] = ms_per_call(lambda: sample(work, top_p), refill, device, repeats)
         fig[f"sampler_top_p_over_greedy_{n}"] = fig[f"sampler_ms_top_p_{n}"] / fig[f"sampler_ms_greedy_{n}"]
     n = max(batches)
     logits = logits_for(n, vocab, device, seed=1)
     sb = sampling_batch(n, 1.0, 0.95)
-    together = sample(logits, sb.to(device)).ids
+    together = sample(logits.clone(), sb.to(device)).ids
     rows = sorted({0, n // 3, n // 2, n - 1})
-    alone = [int(sample(logits[r : r + 1], row_batch(sb, r).to(device)).ids[0]) for r in rows]
+    alone = [int(sample(logits[r : r + 1].clone(), row_batch(sb, r).to(device)).ids[0]) for r in rows]
     fig["sampler_seeded_rows_checked"] = len(rows)
     fig["sampler_seeded_alone_equals_batch"] = alone == [int(together[r]) for r in rows]
-    on_cpu = sample(logits.cpu(), sb).ids
+    on_cpu = sample(logits.cpu().clone(), sb).ids
     fig["sampler_seeded_device_equals_cpu_frac"] = float((on_cpu == together).mean())
 
 

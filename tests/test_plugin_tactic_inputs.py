@@ -2,7 +2,8 @@
 
 TensorRT may execute a plugin while it times tactics, with unspecified contents in every input: the
 kernels that index by `cu_seqlens`, `slot_ids` and `positions` (GatedDeltaScan, ShortConv,
-SparseMLAAttention, PagedCacheWrite, also launched by the AOT plugins) clamp them. Each case surrounds the buffers with
+SparseMLAAttention, PagedCacheWrite, also launched by the AOT plugins) clamp them (their launch functions, the
+plugins' path, not the host-checking wrappers, which refuse such offsets before launching). Each case surrounds the buffers with
 sentinel-filled guard regions (the tensors are views into larger buffers) and checks that nothing outside
 the addressed data changed and that every output is finite. Runs in the Triton interpreter (subprocess).
 """
@@ -93,7 +94,9 @@ def test_inner_triton_sparse_mla_garbage_indices(sparse):
     tables = torch.randint(-500, 500, (N, B), generator=gen)
     pos = garbage_indices(gen, T, -5000, 5000)
     idx = torch.randint(-5000, 5000, (T, 6), generator=gen) if sparse else None
-    out = triton_kernel.sparse_mla_attention_triton(q, pool, new, cu, tables, pos, idx, scale=0.1, kv_lora_rank=DC)
+    out = torch.empty(T, H, DC)
+    triton_kernel.sparse_mla_attention_launch(q, device_pool_table([pool]), 0, BS, pool.dtype, new, cu, tables, pos, idx,
+                                              out, scale=0.1, kv_lora_rank=DC)  # fmt: skip
     assert guards_intact(pool_buf) and guards_intact(new_buf)
     assert torch.isfinite(out).all()
 

@@ -241,7 +241,8 @@ class TensorRTEngine:
                 for name, (shape, elem) in pool_shapes(rank_dir / "model.onnx", sizes).items()
             }
             # the pools' addresses, checked (null / misaligned / check word: PoolTableError) before any launch
-            self.pool_table = {POOL_TABLE: torch.from_numpy(pool_table(list(self.pools.values()))).to(self.device)}
+            self.pool_table = ({POOL_TABLE: torch.from_numpy(pool_table(list(self.pools.values()))).to(self.device)}
+                               if self.pools else {})  # fmt: skip
             # prefix-caching state checkpoints in pinned host memory (GPU memory stays the planner's pools): a
             # save / restore is one async copy of a slot's rows on this rank's stream, ordered with the steps
             self.num_checkpoints = CHECKPOINTS_PER_SLOT * self.num_slots if num_checkpoints is None else num_checkpoints
