@@ -260,3 +260,29 @@ def test_a_failing_rank_stops_the_world(runtime_engine):
     assert r.returncode != 0
     assert "rank 2 of 4 failed, stopping all ranks: RuntimeError: injected failure at step 3" in r.stderr
     assert not r.stdout.strip()
+
+
+def test_one_process_hands_the_step_plan_over_unserialized(engine, monkeypatch):
+    """In one process (no communicator) a step's chunks reach the runner as the scheduler built them: the plan
+    carries no serializable copy of them, and nothing is pickled (under mpiexec the plan is broadcast)."""
+    import pickle
+
+    import moe_export.runtime.core.scheduler as scheduler_module
+
+    assert engine.comm is None
+    seen = []
+    run_plan = scheduler_module.run_plan
+
+    def spy(eng, plan, chunks=None, sampling=None):
+        seen.append((plan, chunks))
+        return run_plan(eng, plan, chunks, sampling)
+
+    def no_pickling(*args, **kwargs):
+        raise AssertionError("the step plan was serialized in one process")
+
+    monkeypatch.setattr(scheduler_module, "run_plan", spy)
+    monkeypatch.setattr(pickle, "dumps", no_pickling)
+    monkeypatch.setattr(pickle, "Pickler", no_pickling)
+    run_all(Scheduler(engine), [Request("a", PROMPTS[1], SamplingParams(max_tokens=3, ignore_eos=True))])
+    assert len(seen) == 3 and all("chunks" not in plan and chunks for plan, chunks in seen)
+    assert all(type(c).__name__ == "SequenceChunk" for _, chunks in seen for c in chunks)

@@ -196,7 +196,17 @@ def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def _mass_above(p: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
-    """[R]: the sum of each row's weights strictly above its ps [R] (one read of each row)."""
+    """[R]: the sum of each row's weights strictly above its ps [R]. On a GPU one batched pass; on CPU one
+    scalar-threshold pass per row (torch's CPU kernels run a per-row [R, 1] comparison operand several times
+    slower than a scalar one, measured at [64, 163840])."""
+    return _mass_above_batched(p, ps) if p.is_cuda else _mass_above_rows(p, ps)
+
+
+def _mass_above_batched(p: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
+    return torch.where(p > ps[:, None], p, 0).sum(dim=1)
+
+
+def _mass_above_rows(p: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.nn.functional.threshold(row, float(v), 0.0).sum() for row, v in zip(p, ps.tolist())])
 
 
