@@ -84,9 +84,9 @@ def main() -> None:
         short_len, long_len = PROMPT + args.tokens + 32, args.history + 8 + NEW_TURN + 64
         batch_dir = build_engine(Path(tmp), "runtime-bench-batch", short_len)
         ttft_dir = build_engine(Path(tmp), "runtime-bench-ttft", long_len)
-        batching = right_sized_llm(batch_dir, BATCH, short_len, threads, reuse_sessions=False)
+        batching = right_sized_llm(batch_dir, BATCH, short_len, threads, reuse_sessions=False, prefix_caching=False)
         reuse = right_sized_llm(ttft_dir, 2, long_len, threads)
-        full = right_sized_llm(ttft_dir, 2, long_len, threads, reuse_sessions=False)
+        full = right_sized_llm(ttft_dir, 2, long_len, threads, reuse_sessions=False, prefix_caching=False)
         vocab = reuse.tokenizer.vocab_size
         gen = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
         first_token = SamplingParams(max_tokens=1, ignore_eos=True)

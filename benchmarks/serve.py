@@ -176,6 +176,8 @@ def percentile(values: list[float], q: float) -> float:
 def run(tokens: int, rounds: int, structured: int, prefix_requests: int) -> dict:
     from moe_export.runtime.entrypoints.llm import LLM
 
+    load_start = os.getloadavg()[0]
+
     with tempfile.TemporaryDirectory() as tmp:
         engine = build_serve_engine(Path(tmp))
         llm = LLM(engine, default_effort="none")
@@ -218,7 +220,7 @@ def run(tokens: int, rounds: int, structured: int, prefix_requests: int) -> dict
             result[f"prefix_ttft_mean_s_{label}"] = statistics.fmean(values)
             result[f"prefix_ttft_p50_s_{label}"] = percentile(values, 0.5)
         result["prefix_cache_ttft_speedup"] = result["prefix_ttft_mean_s_uncached"] / result["prefix_ttft_mean_s_cached"]
-    result["loadavg_1min_end"] = os.getloadavg()[0]
+    result["loadavg_1min_start"] = load_start
     return result
 
 

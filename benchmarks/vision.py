@@ -129,7 +129,7 @@ def cache_ttft(rounds: int) -> dict:
             "workspace_reserve_gib": 1.0,  # one MID call at 4096 patches: 0.59 GiB of activations
         })
         build(recipe, Path(tmp) / "engine", progress=False)
-        llm = LLM(Path(tmp) / "engine", reuse_sessions=False)
+        llm = LLM(Path(tmp) / "engine", reuse_sessions=False, prefix_caching=False)
         try:
             llm.chat([messages], one, reasoning_effort="none")  # warm-up: ONNX Runtime's first runs
             cold, hot = [], []

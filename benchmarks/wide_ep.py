@@ -97,7 +97,7 @@ def rank_main(engine_dir: str, requests: int, prompt: int, tokens: int) -> None:
     from moe_export.runtime import LLM
     from moe_export.runtime.sampling import SamplingParams
 
-    llm = LLM(engine_dir, threads=1, reuse_sessions=False)
+    llm = LLM(engine_dir, threads=1, reuse_sessions=False, prefix_caching=False)
     engine = llm.engine
     work = time_model_work(engine)
     if not engine.is_root:

@@ -141,8 +141,6 @@ BINDING_NAMES = {
     "create_execution_context": (b"ExecutionContextAllocationStrategy",),
     "USER_MANAGED": (b"ExecutionContextAllocationStrategy",),
 }
-# setDeviceMemoryV2 needs 256-byte aligned memory (the bindings' docstring, above).
-DEVICE_MEMORY_ALIGNMENT = 256
 
 
 def parser_weight_type(onnx_elem_type: int) -> int:

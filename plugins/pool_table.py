@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-INPUT_NAME = "pool_table"  # the TensorRT graph input [P, COLUMNS] int64
 COLUMNS = 3  # address, capacity, check word
 CHECK = 0x6D6F65706F6F6C73  # "moepools"
 ALIGNMENT = 16  # bytes; CUDA allocations are 256-byte aligned, torch's CPU ones 64
@@ -110,7 +109,6 @@ TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.f
                  torch.uint8: tl.uint8}  # fmt: skip
 # the recipe's kv_cache (plugin attribute `pool_dtype` of the paged-cache ops) -> the pool's torch dtype
 CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.uint8}
-STATE_DTYPE = torch.float32  # recurrent-state and conv-window pools
 
 
 

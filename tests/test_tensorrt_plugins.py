@@ -59,3 +59,17 @@ def test_plugins_under_real_tensorrt_plugin_package(version, tiny_graphs):
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and "skipped" not in r.stdout and "xfail" not in r.stdout, r.stdout[-2000:]
+
+
+@pytest.mark.parametrize("version", sorted(PINNED_WHEELS))
+def test_pool_plugin_impls_in_the_interpreter(version):
+    """Issue 18, defect 4: the five pool plugins' JIT impl bodies, called as QDP calls them, reach their pools only
+    through the pool table and match the references (`tensorrt_impl_checks.py`, Triton's interpreter)."""
+    plugin_package_dir(version)
+    env = dict(os.environ, MOE_EXPORT_TRT_VERSION=version, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(TESTS / "tensorrt_impl_checks.py")],
+        cwd=TESTS.parent, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]
