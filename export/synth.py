@@ -30,10 +30,10 @@ import torch
 from moe_export.export.checkpoint import INDEX_FILE
 from moe_export.export.errors import InputError
 from moe_export.graphs.config import ModelConfig
-from moe_export.graphs.vision import vision_config, vision_tensor_specs
+from moe_export.graphs.vision import K3_MEDIA_PROC, PREPROCESSOR_CONFIG, vision_config, vision_tensor_specs
 from moe_export.graphs.weights import TensorSpec, all_tensor_specs
 from moe_export.quantize.mxfp4 import decode, encode
-from moe_export.runtime.images import K3_MEDIA_PROC, MEDIA_PAD, PREPROCESSOR_CONFIG
+from moe_export.runtime.formats.markers import MEDIA_PAD
 from moe_export.runtime.tokenizer import END_OF_MESSAGE, synthetic_special_ids, synthetic_vocab_size, write_synthetic_tokenizer
 
 TORCH_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "U8": torch.uint8}
