@@ -28,10 +28,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moe_export.export.synth import write_synthetic_tokenizer
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
 from moe_export.runtime.entrypoints.llm import LLM
 from moe_export.runtime.sampling import SamplingParams
-from moe_export.runtime.tokenizer import load_tokenizer, write_synthetic_tokenizer
+from moe_export.runtime.tokenizer import load_tokenizer
 
 VOCAB = 163_840
 BATCHES = (1, 16, 64, 256)

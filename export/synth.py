@@ -1,11 +1,11 @@
 """Synthetic Hugging Face checkpoints with random, well-scaled weights for the Kimi family.
 
 `write_synthetic_checkpoint(preset, out_dir, seed)` writes config.json, sharded safetensors with
-`model.safetensors.index.json`, a Kimi tiktoken tokenizer and a LICENSE, into a temporary directory that is
-renamed into place at the end. The output is a pure function of (preset, seed): every tensor comes from
-its own `torch.Generator`, seeded from sha256(seed, tensor name), and headers are written with sorted
-keys. Tensors follow the inventory of `moe_export.graphs.weights` and are generated and written one at
-a time (each shard is streamed: header first, then each tensor's bytes).
+`model.safetensors.index.json`, a Kimi tiktoken tokenizer (`write_synthetic_tokenizer`) and a LICENSE, into
+a temporary directory that is renamed into place at the end. The output is a pure function of (preset,
+seed): every tensor comes from its own `torch.Generator`, seeded from sha256(seed, tensor name), and headers
+are written with sorted keys. Tensors follow the inventory of `moe_export.graphs.weights` and are generated
+and written one at a time (each shard is streamed: header first, then each tensor's bytes).
 
 Values: linear weights ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norm weights 1 +- 0.1, KDA A_log =
 log U(1, 16) per head, dt_bias as transformers' KDA init, small router bias; BF16 except the classes
@@ -14,6 +14,7 @@ the checkpoint stores in F32; K3 routed experts are MXFP4 (compressed-tensors mx
 
 from __future__ import annotations
 
+import base64
 import copy
 import hashlib
 import json
@@ -27,14 +28,62 @@ from typing import Any
 
 import torch
 
+from moe_export.export.atomic import atomic_write_bytes, atomic_write_json
 from moe_export.export.checkpoint import INDEX_FILE
 from moe_export.export.errors import InputError
 from moe_export.graphs.config import ModelConfig
+from moe_export.graphs.tokens import (
+    END_OF_MESSAGE,
+    FAMILY_SPECIAL_NAMES,
+    MEDIA_PAD,
+    NUM_RESERVED_SPECIAL,
+    TIKTOKEN_FILE,
+    TOKENIZER_CONFIG,
+)
 from moe_export.graphs.vision import K3_MEDIA_PROC, PREPROCESSOR_CONFIG, vision_config, vision_tensor_specs
 from moe_export.graphs.weights import TensorSpec, all_tensor_specs
 from moe_export.quantize.mxfp4 import decode, encode
-from moe_export.runtime.formats.markers import MEDIA_PAD
-from moe_export.runtime.tokenizer import END_OF_MESSAGE, synthetic_special_ids, synthetic_vocab_size, write_synthetic_tokenizer
+
+# BPE merges of the synthetic tokenizer (ranks 256.. in this order; each is two earlier tokens).
+SYNTHETIC_MERGES = (
+    b"th", b"in", b"ink", b"think", b"er", b"an", b"on", b"re", b"es", b" t", b"ag", b"ss", b"me",
+    b"mess", b"messag", b"message",
+)
+
+
+def synthetic_special_ids(family: str) -> dict[str, int]:
+    """Name -> id of the synthetic tokenizer's named special tokens for `family` ("k3" | "k2")."""
+    base = 256 + len(SYNTHETIC_MERGES)
+    return {name: base + offset for offset, name in FAMILY_SPECIAL_NAMES[family].items()}
+
+
+def synthetic_vocab_size() -> int:
+    """Ids the synthetic tokenizer uses: byte ranks, merges, the reserved special range."""
+    return 256 + len(SYNTHETIC_MERGES) + NUM_RESERVED_SPECIAL
+
+
+def write_synthetic_tokenizer(out_dir: Path, family: str, model_max_length: int) -> None:
+    """Write `tiktoken.model` and `tokenizer_config.json` (Kimi format) for the synthetic presets: byte ranks
+    0..255 (any text round-trips), SYNTHETIC_MERGES, then the family's real special-token names."""
+    ranks = [bytes([b]) for b in range(256)] + list(SYNTHETIC_MERGES)
+    lines = [f"{base64.b64encode(tok).decode()} {rank}\n" for rank, tok in enumerate(ranks)]
+    atomic_write_bytes(out_dir / TIKTOKEN_FILE, "".join(lines).encode())
+    ids = synthetic_special_ids(family)
+    config = {
+        "tokenizer_class": "TikTokenTokenizer",
+        "added_tokens_decoder": {
+            str(i): {"content": name, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+            for name, i in ids.items()
+        },
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "pad_token": "[PAD]",
+        "unk_token": "[UNK]",
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+    }
+    atomic_write_json(out_dir / TOKENIZER_CONFIG, config)
+
 
 TORCH_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "U8": torch.uint8}
 LAYERS_PER_SHARD = 3

@@ -38,8 +38,8 @@ from PIL import Image, UnidentifiedImageError
 
 from moe_export.export.errors import InputError
 from moe_export.graphs.config import read_json_object
+from moe_export.graphs.tokens import MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD
 from moe_export.graphs.vision import K3_MEDIA_PROC, PREPROCESSOR_CONFIG
-from moe_export.runtime.formats.markers import MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")  # what image parts may carry
 MAX_IMAGE_BYTES = 32 * 2**20

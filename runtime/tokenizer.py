@@ -10,9 +10,8 @@ never executed. A checkpoint chat template beside the tokenizer is loaded with i
 
 `encode(text)` treats every special-token string as ordinary text, so user, tool and document text can
 never inject a control token; structural markers are encoded one by one with `encode_special(name)`.
-
-`write_synthetic_tokenizer` writes a small tokenizer in the same format for the synthetic presets: byte
-ranks 0..255 (any text round-trips), a few merges, then the family's real special-token names.
+The file names, the special range and the special-token strings come from `moe_export.graphs.tokens`; the
+synthetic presets' tokenizer is written by `moe_export.export.synth`.
 """
 
 from __future__ import annotations
@@ -25,15 +24,18 @@ from abc import ABC, abstractmethod
 from functools import cached_property
 from pathlib import Path
 
-from moe_export.export.atomic import atomic_write_bytes, atomic_write_json
 from moe_export.export.errors import InputError
 from moe_export.graphs.config import read_json_object
-from moe_export.runtime.formats.markers import END_OF_MESSAGE, FAMILY_MARKERS, FAMILY_SPECIAL_NAMES
+from moe_export.graphs.tokens import (
+    END_OF_MESSAGE,
+    FAMILY_MARKERS,
+    MAX_RESERVED_SPECIAL,
+    NUM_RESERVED_SPECIAL,
+    TIKTOKEN_FILE,
+    TOKENIZER_CONFIG,
+    TOKENIZER_JSON,
+)
 from moe_export.runtime.formats.template import ChatTemplate, load_chat_template
-
-TIKTOKEN_FILE = "tiktoken.model"
-TOKENIZER_JSON = "tokenizer.json"
-TOKENIZER_CONFIG = "tokenizer_config.json"
 
 # Kimi's pre-tokenizer (the same in K2, Kimi Linear and K3); `&&` is a class intersection.
 KIMI_PATTERN = "|".join(
@@ -48,18 +50,10 @@ KIMI_PATTERN = "|".join(
         r"\s+",
     ]
 )
-NUM_RESERVED_SPECIAL = 256
-MAX_RESERVED_SPECIAL = 258  # Kimi Linear's tokenization_kimi.py builds 256 + 2 special ids
 # Long inputs are encoded in pieces so the regex never sees a huge run (as Kimi's tokenizer does): cut every
 # MAX_ENCODE_CHARS characters, then each piece wherever a whitespace or non-whitespace run passes MAX_RUN_CHARS.
 MAX_ENCODE_CHARS = 400_000
 MAX_RUN_CHARS = 25_000
-
-# BPE merges of the synthetic tokenizer (ranks 256.. in this order; each is two earlier tokens).
-SYNTHETIC_MERGES = (
-    b"th", b"in", b"ink", b"think", b"er", b"an", b"on", b"re", b"es", b" t", b"ag", b"ss", b"me",
-    b"mess", b"messag", b"message",
-)
 
 
 def split_long_runs(text: str, max_run: int = MAX_RUN_CHARS) -> list[str]:
@@ -349,37 +343,4 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     if (d / TOKENIZER_JSON).is_file():
         return JsonTokenizer(d)
     raise InputError(f"{d}: no tokenizer ({TIKTOKEN_FILE} + {TOKENIZER_CONFIG}, or {TOKENIZER_JSON})")
-
-
-def synthetic_special_ids(family: str) -> dict[str, int]:
-    """Name -> id of the synthetic tokenizer's named special tokens for `family` ("k3" | "k2")."""
-    base = 256 + len(SYNTHETIC_MERGES)
-    return {name: base + offset for offset, name in FAMILY_SPECIAL_NAMES[family].items()}
-
-
-def synthetic_vocab_size() -> int:
-    """Ids the synthetic tokenizer uses: byte ranks, merges, the reserved special range."""
-    return 256 + len(SYNTHETIC_MERGES) + NUM_RESERVED_SPECIAL
-
-
-def write_synthetic_tokenizer(out_dir: Path, family: str, model_max_length: int) -> None:
-    """Write `tiktoken.model` and `tokenizer_config.json` (Kimi format) for the synthetic presets."""
-    ranks = [bytes([b]) for b in range(256)] + list(SYNTHETIC_MERGES)
-    lines = [f"{base64.b64encode(tok).decode()} {rank}\n" for rank, tok in enumerate(ranks)]
-    atomic_write_bytes(out_dir / TIKTOKEN_FILE, "".join(lines).encode())
-    ids = synthetic_special_ids(family)
-    config = {
-        "tokenizer_class": "TikTokenTokenizer",
-        "added_tokens_decoder": {
-            str(i): {"content": name, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
-            for name, i in ids.items()
-        },
-        "bos_token": "[BOS]",
-        "eos_token": "[EOS]",
-        "pad_token": "[PAD]",
-        "unk_token": "[UNK]",
-        "model_max_length": model_max_length,
-        "clean_up_tokenization_spaces": False,
-    }
-    atomic_write_json(out_dir / TOKENIZER_CONFIG, config)
 

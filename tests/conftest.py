@@ -316,7 +316,8 @@ def runtime_engine(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def toks(tmp_path_factory) -> dict:
     """family ("k3", "k2") -> the synthetic Kimi-format tokenizer of that family (vocab 4096)."""
-    from moe_export.runtime.tokenizer import load_tokenizer, write_synthetic_tokenizer
+    from moe_export.export.synth import write_synthetic_tokenizer
+    from moe_export.runtime.tokenizer import load_tokenizer
 
     out = {}
     for family in ("k3", "k2"):

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from moe_export.export.errors import InputError
+from moe_export.graphs.tokens import CLOSE
 from moe_export.runtime.chat import (
     OutputParser,
     generation_prompt_ids,
@@ -16,7 +17,6 @@ from moe_export.runtime.chat import (
     render,
     render_ids,
 )
-from moe_export.runtime.formats.markers import CLOSE
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Météo", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 

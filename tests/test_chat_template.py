@@ -11,9 +11,10 @@ import json
 import pytest
 
 from moe_export.export.errors import InputError
+from moe_export.export.synth import write_synthetic_tokenizer
 from moe_export.runtime.chat import generation_prompt_ids, render, render_ids
 from moe_export.runtime.formats.template import ChatTemplate
-from moe_export.runtime.tokenizer import load_tokenizer, write_synthetic_tokenizer
+from moe_export.runtime.tokenizer import load_tokenizer
 
 # Written for these tests (role tokens as K2 / Kimi Linear use them): trim / lstrip blocks, loop controls,
 # namespace, tojson arguments, generation blocks, special-token variables, None-dropped keys, reasoning alias.

@@ -192,7 +192,7 @@ def test_turn_sent_back_as_text_continues_the_kept_state(runtime_engine, preset)
     from conftest import TextOnly
 
     from moe_export.runtime.chat import render_ids
-    from moe_export.runtime.tokenizer import END_OF_MESSAGE
+    from moe_export.graphs.tokens import END_OF_MESSAGE
 
     llm = LLM(runtime_engine(preset, 2, 2, 4), threads=1, prefix_caching=False)  # kept sessions alone
     tok = llm.tokenizer
@@ -238,7 +238,7 @@ def test_k2_dropped_reasoning_is_not_reused_as_unchanged(runtime_engine):
     from conftest import OpensThink, TextOnly
 
     from moe_export.runtime.chat import render_ids
-    from moe_export.runtime.tokenizer import END_OF_MESSAGE
+    from moe_export.graphs.tokens import END_OF_MESSAGE
 
     engine_dir = runtime_engine("tiny-kimi-linear", 2, 2, 4)
     llm, fresh = LLM(engine_dir, threads=1), LLM(engine_dir, threads=1, prefix_caching=False)

@@ -14,8 +14,16 @@ import torch
 
 from moe_export.export.checkpoint import INDEX_FILE, open_checkpoint
 from moe_export.export.errors import InputError
-from moe_export.export.synth import PRESETS, preset_config, preset_hf_config, synthetic_specs, write_synthetic_checkpoint
-from moe_export.runtime.tokenizer import load_tokenizer, synthetic_special_ids, synthetic_vocab_size
+from moe_export.export.synth import (
+    PRESETS,
+    preset_config,
+    preset_hf_config,
+    synthetic_special_ids,
+    synthetic_specs,
+    synthetic_vocab_size,
+    write_synthetic_checkpoint,
+)
+from moe_export.runtime.tokenizer import load_tokenizer
 from moe_export.quantize.mxfp4 import decode
 from moe_export.recipes import models_dir
 

@@ -11,14 +11,8 @@ import regex
 import tiktoken
 
 from moe_export.export.errors import InputError
-from moe_export.runtime.tokenizer import (
-    KIMI_PATTERN,
-    SYNTHETIC_MERGES,
-    load_tokenizer,
-    split_long_runs,
-    synthetic_special_ids,
-    write_synthetic_tokenizer,
-)
+from moe_export.export.synth import SYNTHETIC_MERGES, synthetic_special_ids, write_synthetic_tokenizer
+from moe_export.runtime.tokenizer import KIMI_PATTERN, load_tokenizer, split_long_runs
 
 
 @pytest.fixture(scope="module", params=["k3", "k2"])

@@ -32,7 +32,7 @@ from jsonschema import validators as schema_validators
 from xgrammar import structural_tag as st
 
 from moe_export.export.errors import InputError
-from moe_export.runtime.formats.markers import (
+from moe_export.graphs.tokens import (
     CALL_ARGS, CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, CLOSE, END_THINK, OPEN, SEP, THINK,
 )
 

@@ -1,3 +1,3 @@
-"""Kimi chat formats, one module per family (`k3`, `k2`), checkpoint Jinja templates (`template`), the
-special-token table (`markers`), what they share (`common`) and the output parser (`parsing`). The public API
-is `moe_export.runtime.chat`."""
+"""Kimi chat formats, one module per family (`k3`, `k2`), checkpoint Jinja templates (`template`), what they
+share (`common`) and the output parser (`parsing`); the special-token table they use is
+`moe_export.graphs.tokens`. The public API is `moe_export.runtime.chat`."""

@@ -22,10 +22,10 @@ import json
 from typing import Any
 
 from moe_export.export.errors import InputError
+from moe_export.graphs.tokens import CLOSE, END_OF_MSG, IMAGE, OPEN, SEP
 from moe_export.runtime.formats.common import (
     Rendered, Segment, check_messages, check_tools, compact_json, content_parts, deep_sorted,
 )
-from moe_export.runtime.formats.markers import CLOSE, END_OF_MSG, IMAGE, OPEN, SEP
 
 EFFORTS = ("low", "high", "max")  # the vendor's accepted thinking_effort values
 DEFAULT_EFFORT = "max"

@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from moe_export.export.errors import InputError
+from moe_export.graphs.tokens import TOKENIZER_CONFIG
 from moe_export.runtime.formats.common import Rendered, Segment, check_messages, check_tools, deep_sorted
 
 TEMPLATE_FILE = "chat_template.jinja"
-TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 MARK_START, MARK_END = "\ue000", "\ue001"  # around a caller's copy of a special-token string

@@ -1,13 +1,25 @@
-"""The Kimi special-token strings: the one table the renderers, the output parser, the reasoning budget, the
-structured-output grammar and the tokenizer import.
+"""The Kimi checkpoints' token facts: the special-token strings (the one table the renderers, the output
+parser, the reasoning budget, the structured-output grammar, the tokenizer loader and the synthetic
+checkpoints import), their offsets in the special range, and the tokenizer files' names and special-range size.
 
 Sources: K3's `encoding_k3.py` (vllm-project/vllm `vllm/tokenizers/encoding_k3.py`), K2-Thinking's chat
 template (ggml-org/llama.cpp `models/templates/moonshotai-Kimi-K2-Thinking.jinja`) and the checkpoints'
 `tokenizer_config.json` (`added_tokens_decoder`). Ids are never hard-coded here: a real tokenizer reads
-them from its checkpoint; only the synthetic tokenizer places names at the offsets below.
+them from its checkpoint; only the synthetic tokenizer (`moe_export.export.synth`) places names at the
+offsets below.
 """
 
 from __future__ import annotations
+
+# Kimi tokenizer files: `tiktoken.model` (one `base64(token bytes) rank` per line) and `tokenizer_config.json`
+# (`added_tokens_decoder`: id -> {content, special}); other checkpoints ship a Hugging Face `tokenizer.json`.
+TIKTOKEN_FILE = "tiktoken.model"
+TOKENIZER_JSON = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+# The special ids follow the last BPE rank: 256 of them (258 when the config names either of the two more that
+# Kimi Linear's tokenization_kimi.py builds).
+NUM_RESERVED_SPECIAL = 256
+MAX_RESERVED_SPECIAL = 258
 
 # K3 (XTML): a tag is `<|open|>NAME attrs<|sep|>` ... `<|close|>NAME<|sep|>`; a message ends with <|end_of_msg|>.
 OPEN = "<|open|>"
