@@ -32,6 +32,7 @@ import enum
 import importlib.util
 import shutil
 import sys
+import tempfile
 import types
 import zipfile
 from pathlib import Path
@@ -44,26 +45,36 @@ WHEEL_DIR = REPO / ".whl"
 PINNED_WHEELS = {"10.9": "tensorrt_cu12_bindings-10.9.0.34", "11.4": "tensorrt_cu13_bindings-11.4.0.106"}
 
 
-def plugin_package_dir(version: str) -> Path:
-    """`.whl/<pinned wheel name>/plugin`, extracted from the pinned wheel (downloaded by the test command)."""
-    dest = WHEEL_DIR / PINNED_WHEELS[version]
+def plugin_package_dir(version: str, wheel_dir: Path = WHEEL_DIR) -> Path:
+    """`.whl/<pinned wheel name>/plugin`, extracted from the pinned wheel (downloaded by the test command).
+
+    Safe when several processes (MPI ranks, pytest-xdist workers) ask at once: each extracts into its own
+    temporary folder and renames it into place; the first rename wins and the others drop their copy."""
+    dest = wheel_dir / PINNED_WHEELS[version]
     if (dest / "plugin" / "__init__.py").is_file():
         return dest / "plugin"
-    wheels = sorted(WHEEL_DIR.glob(f"{PINNED_WHEELS[version]}-*.whl"))
+    wheels = sorted(wheel_dir.glob(f"{PINNED_WHEELS[version]}-*.whl"))
     if not wheels:
         raise FileNotFoundError(
-            f"no {PINNED_WHEELS[version]}-*.whl in {WHEEL_DIR}: run the README's test command (its `pip download` "
+            f"no {PINNED_WHEELS[version]}-*.whl in {wheel_dir}: run the README's test command (its `pip download` "
             "step fetches the pinned TensorRT bindings wheels)"
         )
-    tmp = WHEEL_DIR / f".{PINNED_WHEELS[version]}.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    with zipfile.ZipFile(wheels[0]) as zf:
-        for name in zf.namelist():
-            if name.startswith("tensorrt_bindings/plugin/") and name.endswith(".py"):
-                target = tmp / "plugin" / Path(name).name
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(zf.read(name))
-    tmp.rename(dest)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{PINNED_WHEELS[version]}.", suffix=".partial", dir=wheel_dir))
+    tmp.chmod(0o755)  # mkdtemp makes it 0700; the extracted package is read like any checkout file
+    try:
+        with zipfile.ZipFile(wheels[0]) as zf:
+            for name in zf.namelist():
+                if name.startswith("tensorrt_bindings/plugin/") and name.endswith(".py"):
+                    target = tmp / "plugin" / Path(name).name
+                    target.parent.mkdir(exist_ok=True)
+                    target.write_bytes(zf.read(name))
+        try:
+            tmp.rename(dest)
+        except OSError:  # another process renamed its copy into place first (ENOTEMPTY / EEXIST)
+            if not (dest / "plugin" / "__init__.py").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return dest / "plugin"
 
 

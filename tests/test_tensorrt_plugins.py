@@ -14,6 +14,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -25,7 +28,7 @@ from moe_export.graphs.onnx_export import export_rank_graph
 from moe_export.graphs.sharding import Mapping
 from moe_export.recipes.schema import load_recipe
 
-from tensorrt_standin import PINNED_WHEELS, plugin_package_dir
+from tensorrt_standin import PINNED_WHEELS, WHEEL_DIR, plugin_package_dir
 
 TESTS = Path(__file__).resolve().parent
 
@@ -73,3 +76,26 @@ def test_pool_plugin_impls_in_the_interpreter(version):
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]
+
+
+def test_plugin_package_extraction_when_callers_race(tmp_path):
+    """Eight callers extracting the same pinned wheel at once (as the MPI tests' ranks do on a fresh checkout) all
+    get the complete package, byte for byte the wheel's, and no temporary folder is left behind."""
+    stem = PINNED_WHEELS["11.4"]
+    wheels = sorted(WHEEL_DIR.glob(f"{stem}-*.whl"))
+    assert wheels, f"no {stem} wheel in {WHEEL_DIR}: run the README's test command"
+    (tmp_path / wheels[0].name).symlink_to(wheels[0])
+    with zipfile.ZipFile(wheels[0]) as zf:
+        want = {Path(n).name: zf.read(n) for n in zf.namelist()
+                if n.startswith("tensorrt_bindings/plugin/") and n.endswith(".py")}  # fmt: skip
+    start = threading.Barrier(8)
+
+    def extract(_):
+        start.wait()
+        return plugin_package_dir("11.4", tmp_path)
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(extract, range(8)))
+    assert set(got) == {tmp_path / stem / "plugin"}
+    assert {f.name: f.read_bytes() for f in got[0].iterdir()} == want
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([wheels[0].name, stem])
