@@ -74,6 +74,32 @@ def step_pair_budget(engine_config: EngineConfig) -> int | None:
     return int(reserve // (PAIR_BYTES_PER_VALUE * cfg.latent_cache_dim + PAIR_BYTES_FIXED))
 
 
+# glibc malloc for the step temporaries (the sessions run without ORT arenas, see `RankRunner.load`): by default
+# glibc adapts its mmap threshold (from 128 KiB up to 32 MiB) and trims the heap's free top above twice it, so a
+# step's MB-sized temporaries went back to the kernel op after op and came back as fresh zeroed pages (~30,000
+# minor page faults per 192-token prefill step of tiny-k3 on 4 ranks in process). Fixed: every temporary under
+# 32 MiB (glibc's own maximum threshold, as the pair budget above assumes for the largest ones) comes from the
+# heap, and up to 128 MiB of free heap top is kept for the next op instead of trimmed (a few faults per step).
+MALLOC_MMAP_THRESHOLD = 32 << 20
+MALLOC_TRIM_THRESHOLD = 128 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+
+
+def keep_step_memory() -> bool:
+    """Set glibc's malloc thresholds for the step temporaries (process-wide; setting them again changes nothing); True if set. Not on another
+    C library (no `mallopt`) or when the user tuned glibc malloc themselves (MALLOC_*_ or GLIBC_TUNABLES)."""
+    import ctypes
+
+    if any(k.startswith("MALLOC_") and k.endswith("_") for k in os.environ) or "GLIBC_TUNABLES" in os.environ:
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD))
+
+
 def rank_folders(engine_dir: Path) -> list[Path]:
     """`rank{N}/` folders indexed by N (rank10 after rank9, not after rank1); InputError unless they are
     exactly rank0 .. rank{R-1}."""
@@ -268,6 +294,7 @@ class Engine:
         else:
             local = list(range(self.world_size))
         per_proc_threads = threads or max(1, (os.cpu_count() or 1) // (1 if mpi is None else mpi[1]))
+        keep_step_memory()
         self.ranks = [RankRunner.load(rank_dirs[r], self.num_slots, self.num_blocks, self.block_size, per_proc_threads)
                       for r in local]
         for r, runner in zip(local, self.ranks):
