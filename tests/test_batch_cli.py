@@ -219,6 +219,25 @@ def test_prompt_template_tasks_and_bad_options(engine, tmp_path, capsys):
     assert code == 2 and "prompt template" in err
 
 
+def test_a_text_document_job_loads_no_grammar_or_pdf_library(engine, tmp_path):
+    """Start-up is inside every batch job's time: a job of text documents without tools or a response format
+    never imports xgrammar (nor the transformers it pulls in, ~1 s) or pypdf."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("Alice met Bob in Paris on 3 May.")
+    out = tmp_path / "out.jsonl"
+    code = ("import sys\nfrom moe_export.export.cli import main\n"
+            f"sys.argv = ['moe-export', 'batch', {str(engine)!r}, '--input', {str(docs)!r}, '--output', {str(out)!r}, "
+            "'--task', 'summarize', '--max-tokens', '2']\n"
+            "try:\n    main()\nfinally:\n    print('LOADED', ' '.join(sorted({m.split('.')[0] for m in sys.modules})))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert len(read_lines(out)) == 1 and read_lines(out)[0]["error"] is None
+    loaded = set(r.stdout.rpartition("LOADED ")[2].split())
+    assert "moe_export" in loaded and "torch" in loaded  # the probe saw the job's imports
+    assert not loaded & {"xgrammar", "transformers", "pypdf"}, loaded & {"xgrammar", "transformers", "pypdf"}
+
+
 @pytest.mark.slow
 def test_ray_data_two_actors_same_results_as_local(engine, tmp_path):
     docs = tmp_path / "docs"

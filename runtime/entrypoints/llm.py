@@ -17,11 +17,11 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moe_export.export.errors import InputError, InternalError
 from moe_export.graphs.config import read_generation_config
 from moe_export.runtime.core.budget import ReasoningBudget, resolve_thinking
-from moe_export.runtime.core.structured import GrammarLogitsProcessor, GrammarVocab, structural_tag_for
 from moe_export.runtime.chat import (
     OutputParser,
     ParsedDelta,
@@ -37,6 +37,9 @@ from moe_export.runtime.images import PromptImages
 from moe_export.runtime.sampling import LogitsProcessor, SamplingParams, model_defaults
 from moe_export.runtime.tokenizer import load_tokenizer
 from moe_export.runtime.core.wide_ep import open_scheduler, run_rank
+
+if TYPE_CHECKING:
+    from moe_export.runtime.core.structured import GrammarVocab
 
 
 @dataclass
@@ -373,13 +376,22 @@ class LLM:
         parser = OutputParser(self.tokenizer, self.family, starts_in_reasoning=starts, tools_declared=bool(tools))
         tracked = _Tracked(self._new_id(request_id), ids, sampling or self.default_sampling, parser, budget,
                            self._turn_start[plan.enabled], images=images.order if images else [], thinking_tier=plan.tier)
+        if tools or response_format is not None:  # only these may need a grammar
+            self._constrain(tracked, tools, tool_choice, response_format, plan.enabled, starts, parallel_tool_calls)
+        return tracked
+
+    def _constrain(self, tracked: _Tracked, tools, tool_choice, response_format, thinking: bool, starts: bool,
+                   parallel_tool_calls: bool) -> None:
+        """Attach the grammar a request's tools or response_format enforce, if any (xgrammar, which pulls in
+        transformers, is imported here: requests without either never load it)."""
+        from moe_export.runtime.core.structured import GrammarLogitsProcessor, GrammarVocab, structural_tag_for
+
         tag = structural_tag_for(self.family, tools=tools, tool_choice=tool_choice, response_format=response_format,
-                                 thinking=plan.enabled, starts_in_reasoning=starts, parallel_tool_calls=parallel_tool_calls)
+                                 thinking=thinking, starts_in_reasoning=starts, parallel_tool_calls=parallel_tool_calls)
         if tag is not None:
             if self._grammar_vocab is None:  # built on the first constrained request
                 self._grammar_vocab = GrammarVocab(self.tokenizer, self.family, self.vocab_size)
             tracked.grammar = GrammarLogitsProcessor(self._grammar_vocab, self._grammar_vocab.compile(tag))
-        return tracked
 
     # ---- blocking API ---------------------------------------------------------------------------
 

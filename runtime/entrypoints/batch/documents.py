@@ -172,8 +172,6 @@ def _files(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
 def read_documents(folder: Path, max_file_bytes: int, images: bool = False) -> Iterator[Document]:
     """Every document under `folder` (recursive, sorted by path), refused ones included; with `images`, image
     files and the images of PDFs too."""
-    from pypdf.errors import PdfReadError
-
     for path in _files(folder, SUFFIXES + IMAGE_SUFFIXES if images else SUFFIXES):
         rel = path.relative_to(folder).as_posix()
         size = path.stat().st_size
@@ -191,6 +189,8 @@ def read_documents(folder: Path, max_file_bytes: int, images: bool = False) -> I
                 yield Document(rel, content_hash=digest, error_code="undecodable", error_message=str(exc))
             continue
         if suffix == ".pdf":
+            from pypdf.errors import PdfReadError  # pypdf is imported for PDFs only
+
             try:
                 text, warnings, found = _pdf_content(path, rel, images)
                 if images:  # the same file read with its images is another job: its own resume key
