@@ -37,7 +37,7 @@ def plan(
     """Parameter counts, per-rank memory by weight class, sequences that fit, and a verdict (no weights needed)."""
     import json
 
-    from moe_export.export.planner import GIB, make_plan
+    from moe_export.export.planner import CHECKPOINTS_PER_SLOT, GIB, make_plan
     from moe_export.recipes.schema import load_recipe
 
     rec, path = load_recipe(recipe)
@@ -80,6 +80,9 @@ def plan(
         fit = ", ".join(f"{n} x {int(length):,} tokens" for length, n in d["sequences_that_fit"].items())
         console.print(f"cache per rank: {d['cache_tokens_per_rank']:,} tokens in blocks of {rec.limits.block_size} "
                       f"({rec.limits.max_batch} sequence slots); at once: {fit}")
+        console.print(f"host memory per rank: prefix-cache state checkpoints {worst.pools.checkpoint_host_bytes / GIB:.2f} "
+                      f"GiB ({CHECKPOINTS_PER_SLOT} per slot x {worst.pools.num_slots} slots x "
+                      f"{worst.pools.bytes_per_slot / 2**20:,.1f} MiB; pinned for TensorRT)")
         layouts = Table(title=f"decode step per GPU, {rec.limits.max_batch} tokens per attention group "
                               f"(MoE bytes per MoE layer; attention token x heads per layer)")
         for col in ("layout", "groups", "tokens served / GPU", "MoE bytes sent", "of which between nodes",
