@@ -283,12 +283,13 @@ def triton_repo(
     model_name: str = typer.Option("moe-export", "--model-name", help="model folder / name in the repository"),
     default_effort: str = typer.Option("max", "--default-effort", help="thinking tier when a request names none"),
     engine_path: str | None = typer.Option(None, "--engine-path", help="the engine folder as Triton will see it (e.g. its path in a container); default: relative to the model folder"),
+    no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="the model does not share cached prompt prefixes across requests (config.pbtxt parameter prefix_caching)"),
 ) -> None:
     """Write a Triton Inference Server model (Python backend, decoupled, vLLM-backend tensor names) hosting
     the runtime on ENGINE, plus launch_NAME.sh (in process, or --mpi: one process per rank)."""
     from moe_export.runtime.entrypoints.triton.repo import write_triton_repo
 
-    path = write_triton_repo(engine, out, model_name, default_effort, engine_path)
+    path = write_triton_repo(engine, out, model_name, default_effort, engine_path, prefix_caching=not no_prefix_caching)
     console.print(f"wrote Triton model {model_name} to {path} (launch: {path.parent / f'launch_{model_name}.sh'})",
                   highlight=False, markup=False)
 
