@@ -1,6 +1,6 @@
 """Host overhead per decode step: what the runtime's host side costs when the model step itself is free.
 
-    python benchmarks/host_overhead.py [--steps 20] [--rounds 5] [--threads T] [--json out.json]
+    python benchmarks/host_overhead.py [--steps 20] [--rounds 5] [--threads T] [--device-ms 3] [--json out.json]
 
 Part 1, the engine core over a runner that returns sampled ids at once (no model, no sampling): `LLM`'s core
 (scheduler, sampling-batch packing, step packing, output processing, detokenization, stop checks) driving B
@@ -12,7 +12,12 @@ top-p 0.95 (`sampler_ms_{B}_sampled`), on flat logits (standard normal: the top-
 vocabulary, so every row takes the whole-row path) and on peaked ones (`_peaked`: normal x 4, the shape of a
 trained model's next-token distribution, where the candidates hold the top-p mass); `sampled_over_greedy_64`
 (flat) and `sampled_over_greedy_64_peaked`. The old per-request sampler is gone (`legacy_ms_per_step_256_sampled`
-is reported as null with `legacy_path`). `loadavg_1min` is read before and after.
+is reported as null with `legacy_path`).
+Part 3, overlap: the same core at B = 256 over a runner whose step takes --device-ms and leaves the CPU free (it
+sleeps, as a host thread waiting on a GPU stream does), with the overlap off (`serial_ms_per_step_256`: host then
+device, each step) and on (`overlap_ms_per_step_256`: the host plans step N+1 and processes step N's outputs while
+step N runs); `overlap_speedup_256` = serial / overlap (at most (host + device) / max(host, device)).
+`loadavg_1min` is read before and after.
 """
 
 from __future__ import annotations
@@ -62,9 +67,24 @@ class InstantRunner:
         return SampledTokens(take, [None] * n, [None] * n)
 
 
-def host_ms_per_step(engine_dir: Path, batch: int, steps: int, rounds: int, tokens: np.ndarray) -> float:
-    # overlap off: an instant runner leaves nothing to overlap, and the step's whole host cost is what is measured
-    llm = LLM(engine_dir, runner=InstantRunner(batch, tokens), reuse_sessions=False, overlap=False)
+class DeviceRunner(InstantRunner):
+    """An InstantRunner whose step takes `device_ms` without using the CPU (a GPU step's wait on its stream)."""
+
+    def __init__(self, num_slots: int, token_ids: np.ndarray, device_ms: float) -> None:
+        super().__init__(num_slots, token_ids)
+        self.device_s = device_ms / 1e3
+
+    def sample(self, batch, sampling: SamplingBatch | None) -> SampledTokens | None:
+        time.sleep(self.device_s)
+        return super().sample(batch, sampling)
+
+
+def host_ms_per_step(engine_dir: Path, batch: int, steps: int, rounds: int, tokens: np.ndarray,
+                     device_ms: float = 0.0, overlap: bool = False) -> float:
+    """Best round's mean ms per decode step of B sequences. Default: an instant runner with the overlap off (there
+    is nothing to overlap: the step's whole host cost); device_ms: a runner step of that length."""
+    runner = DeviceRunner(batch, tokens, device_ms) if device_ms else InstantRunner(batch, tokens)
+    llm = LLM(engine_dir, runner=runner, reuse_sessions=False, overlap=overlap)
     core = llm._root()
     params = SamplingParams(max_tokens=60_000, ignore_eos=True, stop=("\x00never",))
     for i in range(batch):
@@ -105,6 +125,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device-ms", type=float, default=3.0, help="part 3: the simulated device step (ms)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if args.threads:
@@ -117,6 +138,14 @@ def main() -> int:
         for b in BATCHES:
             result[f"host_ms_per_step_{b}"] = round(host_ms_per_step(Path(tmp), b, args.steps, args.rounds, ordinary), 3)
             print(f"host_ms_per_step_{b}: {result[f'host_ms_per_step_{b}']}", flush=True)
+        result["device_ms"] = args.device_ms
+        for _ in range(2):  # interleaved rounds: serial, overlap, serial, overlap (best of each)
+            for key, overlap in (("serial_ms_per_step_256", False), ("overlap_ms_per_step_256", True)):
+                ms = host_ms_per_step(Path(tmp), 256, args.steps, args.rounds, ordinary, args.device_ms, overlap)
+                result[key] = round(min(ms, result.get(key, float("inf"))), 3)
+        result["overlap_speedup_256"] = round(result["serial_ms_per_step_256"] / result["overlap_ms_per_step_256"], 2)
+        print(f"device step {args.device_ms} ms at B=256: serial {result['serial_ms_per_step_256']} ms, overlap "
+              f"{result['overlap_ms_per_step_256']} ms per step ({result['overlap_speedup_256']}x)", flush=True)
     gen = torch.Generator().manual_seed(0)
     for b in BATCHES:
         flat = torch.randn(b, VOCAB, generator=gen)

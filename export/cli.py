@@ -37,7 +37,7 @@ def plan(
     """Parameter counts, per-rank memory by weight class, sequences that fit, and a verdict (no weights needed)."""
     import json
 
-    from moe_export.export.planner import GIB, make_plan
+    from moe_export.export.planner import CHECKPOINTS_PER_SLOT, GIB, make_plan
     from moe_export.recipes.schema import load_recipe
 
     rec, path = load_recipe(recipe)
@@ -80,6 +80,9 @@ def plan(
         fit = ", ".join(f"{n} x {int(length):,} tokens" for length, n in d["sequences_that_fit"].items())
         console.print(f"cache per rank: {d['cache_tokens_per_rank']:,} tokens in blocks of {rec.limits.block_size} "
                       f"({rec.limits.max_batch} sequence slots); at once: {fit}")
+        console.print(f"host memory per rank: prefix-cache state checkpoints {worst.pools.checkpoint_host_bytes / GIB:.2f} "
+                      f"GiB ({CHECKPOINTS_PER_SLOT} per slot x {worst.pools.num_slots} slots x "
+                      f"{worst.pools.bytes_per_slot / 2**20:,.1f} MiB; pinned for TensorRT)")
         layouts = Table(title=f"decode step per GPU, {rec.limits.max_batch} tokens per attention group "
                               f"(MoE bytes per MoE layer; attention token x heads per layer)")
         for col in ("layout", "groups", "tokens served / GPU", "MoE bytes sent", "of which between nodes",
@@ -280,12 +283,13 @@ def triton_repo(
     model_name: str = typer.Option("moe-export", "--model-name", help="model folder / name in the repository"),
     default_effort: str = typer.Option("max", "--default-effort", help="thinking tier when a request names none"),
     engine_path: str | None = typer.Option(None, "--engine-path", help="the engine folder as Triton will see it (e.g. its path in a container); default: relative to the model folder"),
+    no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="the model does not share cached prompt prefixes across requests (config.pbtxt parameter prefix_caching)"),
 ) -> None:
     """Write a Triton Inference Server model (Python backend, decoupled, vLLM-backend tensor names) hosting
     the runtime on ENGINE, plus launch_NAME.sh (in process, or --mpi: one process per rank)."""
     from moe_export.runtime.entrypoints.triton.repo import write_triton_repo
 
-    path = write_triton_repo(engine, out, model_name, default_effort, engine_path)
+    path = write_triton_repo(engine, out, model_name, default_effort, engine_path, prefix_caching=not no_prefix_caching)
     console.print(f"wrote Triton model {model_name} to {path} (launch: {path.parent / f'launch_{model_name}.sh'})",
                   highlight=False, markup=False)
 

@@ -46,6 +46,7 @@ from moe_export.quantize import fp8_cache
 from moe_export.recipes.schema import Recipe
 
 MXFP4_BITS_PER_WEIGHT = 4.25
+CHECKPOINTS_PER_SLOT = 4  # recurrent-state checkpoint pool for prefix caching: 4 x the slots' state, host memory
 CACHE_VALUE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}  # per cached value, by quantization.kv_cache
 FP8_ROW_SCALE_BYTES = fp8_cache.SCALE_BYTES  # fp8 pools keep one E8M0 scale byte per cached row
 REPORTED_SEQUENCE_LENGTHS = (65536, 1048576)  # `plan` reports how many sequences of these lengths fit
@@ -104,6 +105,12 @@ class PoolSizes:
         """Tokens of cache the pools hold (all sequences together)."""
         return self.num_blocks * self.block_size
 
+    @property
+    def checkpoint_host_bytes(self) -> int:
+        """The prefix cache's recurrent-state checkpoints (CHECKPOINTS_PER_SLOT per slot), kept in host memory
+        (pinned for TensorRT's copies), not on the GPU."""
+        return CHECKPOINTS_PER_SLOT * self.num_slots * self.bytes_per_slot
+
     def sequences_that_fit(self, length: int) -> int:
         """Sequences of `length` tokens the pools hold at once (blocks, and one slot each)."""
         blocks = -(-length // self.block_size)
@@ -145,6 +152,7 @@ class RankPlan:
             "num_slots": self.pools.num_slots,
             "num_blocks": self.pools.num_blocks,
             "cache_tokens": self.pools.cache_tokens,
+            "checkpoint_host_bytes": self.pools.checkpoint_host_bytes,
             "sequences_that_fit": {str(n): self.pools.sequences_that_fit(n) for n in REPORTED_SEQUENCE_LENGTHS},
             "memory": self.memory,
         }

@@ -2,7 +2,9 @@
 max_tokens}) together on the engine argv[1]; other ranks follow. Rank 0 prints one JSON line:
 {"tokens": [...per request], "root_steps": N, "follower_steps": [...]}.
 With PREFIX_CACHING=1 the requests run one after another with prefix caching on, and the line also holds
-"cached": [...per request] (prompt tokens resumed from the prefix cache).
+"cached": [...per request] (prompt tokens resumed from the prefix cache). With OVERLAP=1 rank 0 plans each
+step while the previous one runs (`Scheduler(overlap=True)`: broadcasts and steps in its worker thread), and
+the line also holds "planned_ahead".
 
 Failure injection for the stop-the-world test: FAIL_RANK / FAIL_AT_STEP make that rank's engine.step
 raise at that step."""
@@ -37,7 +39,7 @@ def main() -> None:
         return
     spec = json.loads(sys.argv[2])
     one_by_one = os.environ.get("PREFIX_CACHING") == "1"
-    sched = Scheduler(engine, keep_sessions=False, prefix_caching=one_by_one)
+    sched = Scheduler(engine, keep_sessions=False, prefix_caching=one_by_one, overlap=os.environ.get("OVERLAP") == "1")
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(spec))}
     cached: dict[str, int] = {str(i): 0 for i in range(len(spec))}
     steps = 0
@@ -58,6 +60,8 @@ def main() -> None:
     sched.shutdown()
     follower_steps = engine.comm.world.gather(steps, root=0)[1:]
     out = {"tokens": [tokens[str(i)] for i in range(len(spec))], "root_steps": steps, "follower_steps": follower_steps}
+    if sched.overlap:
+        out["planned_ahead"] = sched.planned_ahead
     if one_by_one:
         out["cached"] = [cached[str(i)] for i in range(len(spec))]
     print(json.dumps(out))

@@ -159,3 +159,36 @@ def test_random_streams_never_exceed_the_cap(toks, family):
             assert budget.reasoning_tokens <= cap
             if f is not None and budget.forced_token() is None:  # a forced marker just completed
                 assert not budget.in_reasoning and parser.channel != "reasoning"
+
+
+@pytest.mark.parametrize("family", ["k3", "k2"])
+@pytest.mark.parametrize("cap", [0, 1, 3, 9, None])
+def test_may_force_next_is_never_wrong(toks, family, cap):
+    """The scheduler plans a step ahead only when `may_force_next()` is False: then no token is forced now, nor
+    after any next token (think markers, begun close tags, plain text), so the row planned ahead is right."""
+    import copy
+    import random
+
+    tok = toks[family]
+    s = tok.encode_special
+    if family == "k3":
+        vocab = [s("<|open|>"), s("<|close|>"), s("<|sep|>"), *tok.encode("think"), *tok.encode("th"),
+                 *tok.encode("x"), *tok.encode("response")]
+    else:
+        vocab = [s("<think>"), s("</think>"), s("<|tool_calls_section_begin|>"), *tok.encode("x")]
+    rng = random.Random(7)
+    quiet_states = 0
+    for trial in range(30):
+        budget = ReasoningBudget(tok, family, cap, starts_in_reasoning=trial % 2 == 0)
+        for _ in range(40):
+            if not budget.may_force_next():
+                quiet_states += 1
+                for nxt in vocab:
+                    probe = copy.copy(budget)
+                    probe._queue, probe._tag = list(budget._queue), list(budget._tag) if budget._tag else None
+                    assert probe.forced_token() is None
+                    probe.observe(nxt)
+                    assert probe.forced_token() is None, (trial, nxt)
+            forced = budget.forced_token()
+            budget.observe(forced if forced is not None else rng.choice(vocab))
+    assert quiet_states > 100 if cap is None or cap > 1 else quiet_states == 0  # a cap of 0 or 1 is always near

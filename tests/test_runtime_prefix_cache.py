@@ -154,3 +154,14 @@ def test_prefix_caching_under_mpiexec(runtime_engine):
     assert got["cached"] == [0, 64, 80]
     fresh = Engine(engine_dir, num_slots=1, threads=1)
     assert got["tokens"] == [oracle(fresh, p, 5)[0] for p in prompts]
+
+
+def test_plan_counts_the_checkpoint_pool_the_runner_allocates(runtime_engine):
+    """`moe-export plan`'s host memory for prefix-cache checkpoints is what each rank's runner allocates."""
+    from moe_export.export.planner import make_plan
+
+    eng = Engine(runtime_engine("tiny-k3", 2, 2, 4), threads=1)
+    plan = make_plan(eng.config.recipe, eng.config.model)
+    for runner, rank in zip(eng.ranks, plan.per_rank):
+        allocated = sum(a.nbytes for a in runner.checkpoints.values())
+        assert allocated > 0 and rank.to_dict()["checkpoint_host_bytes"] == allocated * plan.recipe.limits.max_batch // eng.num_slots

@@ -235,11 +235,13 @@ def mpiexec() -> str:
 MPI_SCRIPT = Path(__file__).with_name("mpi_scheduler_run.py")
 
 
-def test_batched_equals_unbatched_under_mpiexec(runtime_engine, engine):
-    """mpiexec -n 4: rank 0 schedules all requests together; equals in-process unbatched runs."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_batched_equals_unbatched_under_mpiexec(runtime_engine, engine, overlap):
+    """mpiexec -n 4: rank 0 schedules all requests together; equals in-process unbatched runs. With overlap
+    rank 0 plans each step while the previous one runs (its broadcasts and steps in the worker thread)."""
     engine_dir = runtime_engine("tiny-k3", 2, 2, 4)
     spec = [{"prompt": p, "max_tokens": n} for p, n in zip(PROMPTS, MAX_TOKENS)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OVERLAP": "1" if overlap else "0"}
     r = subprocess.run([mpiexec(), "-n", "4", sys.executable, str(MPI_SCRIPT), str(engine_dir), json.dumps(spec)],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -249,6 +251,7 @@ def test_batched_equals_unbatched_under_mpiexec(runtime_engine, engine):
     want = [alone(engine, p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(PROMPTS, MAX_TOKENS)]
     assert got["tokens"] == want
     assert got["follower_steps"] == [got["root_steps"]] * 3
+    assert got.get("planned_ahead", 0) >= (8 if overlap else 0)
 
 
 def test_a_failing_rank_stops_the_world(runtime_engine):
@@ -286,3 +289,83 @@ def test_one_process_hands_the_step_plan_over_unserialized(engine, monkeypatch):
     run_all(Scheduler(engine), [Request("a", PROMPTS[1], SamplingParams(max_tokens=3, ignore_eos=True))])
     assert len(seen) == 3 and all("chunks" not in plan and chunks for plan, chunks in seen)
     assert all(type(c).__name__ == "SequenceChunk" for _, chunks in seen for c in chunks)
+
+
+def test_planning_ahead_changes_no_token(engine):
+    """Overlap plans step N+1 while N runs (future tokens for its decode rows): the same tokens, finish reasons
+    and stop cuts as planning after N, for greedy and seeded requests joining late, an eos-like stop id met
+    mid-stream (its sequence's planned-ahead row is dropped), max_tokens, min_tokens and logit bias; a follow-up
+    turn resumes from the kept state (which then also covers the last token); nothing leaks."""
+    free = alone(engine, PROMPTS[3], SamplingParams(max_tokens=12, ignore_eos=True))
+    stop_at = next(i for i in range(2, 12) if free[i] not in free[:i])
+
+    def requests():
+        return [Request("greedy", PROMPTS[0], SamplingParams(max_tokens=9, ignore_eos=True)),
+                Request("stop", PROMPTS[3], SamplingParams(max_tokens=12, stop_token_ids=(free[stop_at],))),
+                Request("seeded", PROMPTS[1], SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=14,
+                                                             ignore_eos=True, min_tokens=4,
+                                                             logit_bias=((free[0], -5.0),))),
+                Request("late", PROMPTS[4], SamplingParams(max_tokens=8, ignore_eos=True)),
+                Request("one", PROMPTS[2], SamplingParams(max_tokens=1, ignore_eos=True))]
+
+    runs = {}
+    for overlap in (False, True):
+        sched = Scheduler(engine, overlap=overlap)
+        reqs = requests()
+        got = run_all(sched, reqs[:3], join_late={3: reqs[3:]})
+        tokens = got["stop"][0]
+        follow = Request("turn2", PROMPTS[3] + tokens + [44, 45], SamplingParams(max_tokens=5, ignore_eos=True))
+        again = run_all(sched, [follow])
+        runs[overlap] = ({rid: (t, us[-1].finish_reason) for rid, (t, us) in got.items()}, again["turn2"][0],
+                         again["turn2"][1][-1].cached_tokens, sched)
+        sched.shutdown()
+    (plain, turn2, cached, _), (ahead, turn2_ahead, cached_ahead, sched) = runs[False], runs[True]
+    assert ahead == plain
+    assert plain["stop"] == (free[: stop_at + 1], "stop")
+    assert turn2_ahead == turn2
+    n = len(PROMPTS[3]) + stop_at + 1
+    assert (cached, cached_ahead) == (n - 1, n)  # planned ahead, the stop token's row fed it into the kept state
+    assert sched.planned_ahead >= 10
+    assert len(sched.free_slots) + len(sched.sessions) == engine.num_slots and not sched.running
+
+
+def test_the_next_step_is_planned_while_the_runner_runs(engine, monkeypatch):
+    """With overlap, the scheduler plans and packs step N+1 on the caller's thread while the runner executes step
+    N in the worker; the runner never sees a future token (they are filled in from N's ids); a request whose next
+    sampling row needs its token (a logits processor) makes the scheduler plan after the step instead."""
+    import time
+
+    sched = Scheduler(engine, overlap=True)
+    counts = {"submitted": 0, "done": 0}
+    plans_during_a_step = []
+    sample, submit, plan = engine.sample, sched._pool.submit, sched._plan
+
+    def slow_sample(batch, sampling):
+        assert batch.input_ids.min() >= 0, "a future token reached the runner"
+        time.sleep(0.02)
+        out = sample(batch, sampling)
+        counts["done"] += 1
+        return out
+
+    def counting_submit(*args):
+        counts["submitted"] += 1
+        return submit(*args)
+
+    def recording_plan():
+        plans_during_a_step.append(counts["submitted"] > counts["done"])
+        return plan()
+
+    monkeypatch.setattr(engine, "sample", slow_sample)
+    monkeypatch.setattr(sched._pool, "submit", counting_submit)
+    monkeypatch.setattr(sched, "_plan", recording_plan)
+    got = run_all(sched, [Request("a", PROMPTS[1], SamplingParams(max_tokens=6, ignore_eos=True)),
+                          Request("b", PROMPTS[3], SamplingParams(max_tokens=6, ignore_eos=True))])
+    monkeypatch.undo()
+    sched.shutdown()
+    assert plans_during_a_step[0] is False and all(plans_during_a_step[1:6])  # each later step: while one ran
+    assert got["a"][0] == alone(engine, PROMPTS[1], SamplingParams(max_tokens=6, ignore_eos=True))
+
+    sched = Scheduler(engine, overlap=True)
+    run_all(sched, [Request("p", PROMPTS[1], SamplingParams(max_tokens=6, ignore_eos=True), [lambda ids, x: x])])
+    sched.shutdown()
+    assert sched.planned_ahead == 0

@@ -63,6 +63,7 @@ def test_config_pbtxt_is_a_valid_decoupled_python_model(repo, engine):
     (group,) = cfg.instance_group
     assert group.kind == model_config_pb2.ModelInstanceGroup.Kind.Value("KIND_MODEL")
     assert cfg.parameters["default_effort"].string_value == "low"
+    assert cfg.parameters["prefix_caching"].string_value == "true"
     assert (repo / "kimi" / "1" / "model.py").read_text().startswith('"""Triton Inference Server Python-backend')
     script = (repo / "launch_kimi.sh").read_text()
     assert "mpiexec -n 1 tritonserver" in script and "-m moe_export.runtime.entrypoints.triton.follower" in script
@@ -111,21 +112,44 @@ def pb_utils():
         sys.path.remove(str(DOUBLE_DIR))
 
 
-@pytest.fixture(scope="module")
-def model(repo, pb_utils):
-    """The generated model.py loaded as Triton's stub does: initialize(args) with model_config as JSON."""
-    spec = importlib.util.spec_from_file_location("triton_generated_model", repo / "kimi" / "1" / "model.py")
+def load_model(folder: Path, config_text: str | None = None):
+    """The generated model.py in `folder` loaded as Triton's stub does: initialize(args) with model_config as JSON
+    (config_text: instead of the folder's config.pbtxt)."""
+    spec = importlib.util.spec_from_file_location("triton_generated_model", folder / "1" / "model.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    cfg = parse_config((repo / "kimi" / "config.pbtxt").read_text())
+    cfg = parse_config(config_text or (folder / "config.pbtxt").read_text())
     args = {"model_config": json_format.MessageToJson(cfg, preserving_proto_field_name=True),
-            "model_repository": str(repo / "kimi"), "model_version": "1", "model_name": "kimi",
-            "model_instance_kind": "CPU", "model_instance_name": "kimi_0_0", "model_instance_device_id": "0"}
+            "model_repository": str(folder), "model_version": "1", "model_name": cfg.name,
+            "model_instance_kind": "CPU", "model_instance_name": f"{cfg.name}_0_0", "model_instance_device_id": "0"}
     instance = module.TritonPythonModel()
     instance.initialize(args)
     instance.declared_outputs = {o.name for o in cfg.output}
+    return instance
+
+
+@pytest.fixture(scope="module")
+def model(repo, pb_utils):
+    instance = load_model(repo / "kimi")
     yield instance
     instance.finalize()
+
+
+def test_prefix_caching_switch(engine, pb_utils, tmp_path, capsys):
+    """`triton-repo --no-prefix-caching` writes prefix_caching "false", and the model's runtime then shares no
+    cached prefix; the default is "true"; another value stops the model from loading, naming the parameter."""
+    code, _, _ = run_cli(capsys, "triton-repo", str(engine), "--out", str(tmp_path / "r"), "--model-name", "off",
+                         "--no-prefix-caching")
+    assert code == 0
+    text = (tmp_path / "r" / "off" / "config.pbtxt").read_text()
+    assert parse_config(text).parameters["prefix_caching"].string_value == "false"
+    off = load_model(tmp_path / "r" / "off")
+    try:
+        assert off.llm.llm.prefix_caching is False
+    finally:
+        off.finalize()
+    with pytest.raises(pb_utils.TritonModelException, match="prefix_caching must be"):
+        load_model(tmp_path / "r" / "off", text.replace('string_value: "false"', 'string_value: "sometimes"'))
 
 
 def make_request(pb_utils, model, request_id: str, *, prompt=None, messages=None, stream=True, params=None,

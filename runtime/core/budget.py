@@ -97,6 +97,16 @@ class ReasoningBudget:
             self._queue = self._close_marker()
         return self._queue[0] if self._queue else None
 
+    def may_force_next(self) -> bool:
+        """Whether `forced_token()` may give an id after one more token is observed, whatever that token is (the
+        scheduler plans a step ahead only when not): a close marker is being forced, or the reasoning count,
+        which one token raises by at most one plus the tag being written, may reach the cap."""
+        if self._queue:
+            return True
+        if self.cap is None:
+            return False
+        return self._committed + (len(self._tag) if self._tag is not None else 0) + 1 >= self.cap
+
     def observe(self, token_id: int) -> None:
         """Account for one emitted token (sampled or forced)."""
         token_id = int(token_id)

@@ -14,9 +14,20 @@ A prompt resumes from the longest of: a kept session it exactly extends (`core.s
 (`core.prefix_cache`: shared cache blocks + a recurrent-state checkpoint copied into its slot). A prefilling
 sequence's chunks end at its checkpoint targets, and the state is copied out after that step.
 
+Overlap (`overlap=True`): each model step runs in a worker thread, and the host plans and packs step N+1 while
+step N runs. A decode row of N+1 whose input is the token N is still choosing carries a future token
+(`future_token(j)`: row j of step N's sampled ids), which the worker fills in from N's ids just before N+1 starts, so
+the runner waits between steps only for the ids of N, never for the scheduler. Step N+1 is planned ahead only
+when nothing in it depends on N's tokens (no grammar, logits processor or output penalty among N's sampled
+rows, and no reasoning budget that may force the next token); otherwise it is planned after N's tokens are
+applied, while the caller processes N's outputs. A sequence that N finishes (end of sequence, stop string) has
+its row of N+1 run anyway: that row feeds N's real last token into the sequence's state (which the kept session
+then covers) and its sampled token is dropped; a finish by length is known at planning and gets no row.
+
 Multi-rank (under mpiexec): rank 0 runs this scheduler and broadcasts every step's plan (slot resets,
 checkpoint restores and saves, chunks with tokens, positions, slots, block tables); the sampled tokens travel
-in the next plan.
+in the next plan (future tokens are filled in before the broadcast). With overlap, every broadcast and step of
+rank 0 runs in the worker thread.
 Other ranks run `follow()`, executing the same plans in lockstep. A rank that fails prints which rank
 and why, then aborts the MPI world, so no rank is left waiting in a collective.
 """
@@ -41,6 +52,12 @@ from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch
 from moe_export.runtime.sampling import LogitsProcessor, SamplingParams
 from moe_export.runtime.tokenizer import IncrementalDecoder
+
+
+def future_token(row: int) -> int:
+    """The input token of a planned-ahead decode row: row `row` of the step in flight's sampled ids (negative, so
+    never a token id; filled in by the worker before the step runs)."""
+    return -1 - row
 
 
 @dataclass
@@ -96,7 +113,9 @@ class Sequence:
     seed: int  # the request's seed, or a random one drawn at admission
     slot: int = -1
     blocks: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose state the engine holds (positions [0, num_computed))
+    num_computed: int = 0  # tokens fed to the engine by the steps planned so far (positions [0, num_computed))
+    pending: int = 0  # tokens being chosen by started steps, not yet in `tokens` (0, 1, or 2 while planning ahead)
+    future_row: int = -1  # its sampled row in the latest started step (its next input is future_token(future_row))
     cached_tokens: int = 0  # prompt tokens taken from a kept session or the prefix cache
     hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks (prefix caching)
     named: int = 0  # its blocks [0, named) are named in the prefix cache (or were already: shared)
@@ -118,6 +137,11 @@ class Sequence:
     def output_ids(self) -> list[int]:
         return self.tokens[self.prompt_len:]
 
+    @property
+    def total(self) -> int:
+        """Tokens of the sequence once the started steps' tokens are in: prompt + output + pending."""
+        return len(self.tokens) + self.pending
+
 
 class Scheduler:
     """Continuous batching on rank 0 of `engine` (an Engine, or anything with the same step interface).
@@ -129,14 +153,18 @@ class Scheduler:
     checkpoint pool). sample_vocab: sample among ids below it only (the tokenizer's size when the model's
     vocabulary has padding rows)."""
 
+    supports_overlap = True  # a dp-layout group (`core.wide_ep`) runs its idle steps itself: no overlap
+
     def __init__(self, engine, *, eos_token_ids=(), text_decoder=None, keep_sessions: bool = True,
                  prefix_caching: bool = True, sample_vocab: int | None = None, overlap: bool = False) -> None:
         self.engine = engine
-        # overlap (one process only): `step()` returns with the next step's model step already running in a
-        # worker thread (the runner releases the GIL), so the caller's output processing overlaps it
-        self.overlap = overlap and engine.comm is None
+        # overlap: model steps (and, multi-rank, their broadcasts) run in one worker thread, in order; `step()`
+        # returns with the next step already started (see the module doc)
+        self.overlap = overlap and self.supports_overlap
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="moe-export-step") if self.overlap else None
         self._flight: _Flight | None = None
+        self._last_ids: np.ndarray | None = None  # the worker's latest sampled ids (fills future tokens)
+        self.planned_ahead = 0  # steps planned while the previous one ran (overlap)
         self.sample_vocab = sample_vocab
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.text_decoder = text_decoder
@@ -221,7 +249,8 @@ class Scheduler:
         images = [im for s in pending for im in s.request.images]
         found, missing = vision.lookup(images)
         if missing:
-            out = self._execute({"vision": [[im.pixel_values, list(im.plan.grid)] for im in missing]})
+            plan = {"vision": [[im.pixel_values, list(im.plan.grid)] for im in missing]}
+            out = self._pool.submit(self._execute, plan).result() if self._pool is not None else self._execute(plan)
             for im, emb in zip(missing, out):
                 found[im.digest] = emb
                 vision.store(im.digest, emb)
@@ -356,7 +385,7 @@ class Scheduler:
     def _chunk_len(self, seq: Sequence, step_tokens: int, step_blocks: int) -> int:
         """How many of `seq`'s pending tokens join a step already holding `step_tokens` tokens whose longest
         block table has `step_blocks` blocks: within max_num_tokens and max_step_pairs (at least 1 in an empty step)."""
-        n = min(len(seq.tokens) - seq.num_computed, self.engine.max_num_tokens - step_tokens)
+        n = min(seq.total - seq.num_computed, self.engine.max_num_tokens - step_tokens)
         if seq.targets:  # a prefill chunk ends at the next checkpoint target
             n = min(n, seq.targets[0] - seq.num_computed)
         max_pairs = self.engine.max_step_pairs
@@ -387,7 +416,10 @@ class Scheduler:
             if n == 0:
                 return False
             table = seq.blocks[: self.allocator.blocks_needed(seq.num_computed + n)]
-            chunk = SequenceChunk(seq.slot, seq.num_computed, seq.tokens[seq.num_computed: seq.num_computed + n], table)
+            tokens = seq.tokens[seq.num_computed: seq.num_computed + n]
+            if len(tokens) < n:  # planned ahead: its input is the token the step in flight is choosing
+                tokens.append(future_token(seq.future_row))
+            chunk = SequenceChunk(seq.slot, seq.num_computed, tokens, table)
             if seq.pad_positions is not None:  # the chunk's image rows and their embeddings
                 lo, hi = np.searchsorted(seq.pad_positions, [seq.num_computed, seq.num_computed + n])
                 chunk.image_rows = (seq.pad_positions[lo:hi] - seq.num_computed).tolist()
@@ -397,8 +429,10 @@ class Scheduler:
             step_tokens, step_blocks = step_tokens + n, max(step_blocks, len(table))
             return True
 
-        decoding = [s for s in self.running if len(s.tokens) - s.num_computed == 1]
-        prefilling = [s for s in self.running if len(s.tokens) - s.num_computed > 1]
+        # a sequence whose pending token ends it by length gets no row (known now; an eos or stop is not)
+        decoding = [s for s in self.running if s.total - s.num_computed == 1 and not (s.pending and (
+            s.total - s.prompt_len >= s.request.sampling.max_tokens or s.total >= self.engine.max_seq_len))]
+        prefilling = [s for s in self.running if s.total - s.num_computed > 1]
         for seq in decoding + prefilling:
             if not add_chunk(seq):
                 return resets, restores, scheduled, chunks
@@ -416,10 +450,31 @@ class Scheduler:
         updates overlaps it; a request aborted meanwhile has its token of that step dropped."""
         flight = self._flight if self._flight is not None else self._start()
         self._flight = None
+        if self._can_plan_ahead(flight):
+            ahead = self._start()
+            if ahead.chunks:
+                self._flight = ahead
+                self.planned_ahead += 1
+            else:  # nothing runnable before the flight's tokens are in: plan again after them
+                self._aborted[:0] = ahead.updates
         updates = self._finish(flight)
-        if self.overlap and self.has_work:
+        if self.overlap and self._flight is None and self.has_work:
             self._flight = self._start()
         return updates
+
+    def _can_plan_ahead(self, flight: _Flight) -> bool:
+        """Whether the step after `flight` can be planned before its tokens are known: overlap is on, and no
+        sequence sampled in it needs its token to build its next sampling row (grammar bitmask, logits
+        processor, output penalties, a reasoning budget that may force the next token)."""
+        if not (self.overlap and flight.rows):
+            return False
+        for n in flight.rows:
+            req = flight.scheduled[n].request
+            if req.logits_processors or req.sampling.penalized:
+                return False
+            if req.budget is not None and req.budget.may_force_next():
+                return False
+        return True
 
     def _start(self) -> _Flight:
         """Plan one step and start it (in the worker thread with overlap)."""
@@ -431,9 +486,14 @@ class Scheduler:
                 raise RuntimeError("the scheduler cannot admit any waiting request although nothing runs")
             return _Flight(updates)
         rows = [n for n, (seq, chunk) in enumerate(zip(scheduled, chunks))
-                if seq.num_computed + len(chunk.tokens) >= len(seq.tokens)]  # the others are mid-prompt: no token yet
+                if seq.num_computed + len(chunk.tokens) >= seq.total]  # the others are mid-prompt: no token yet
         sampling = self._sampling_batch([scheduled[n] for n in rows], rows) if rows else None
         saves = self._checkpoint_saves(scheduled, chunks)
+        for seq, chunk in zip(scheduled, chunks):
+            seq.num_computed += len(chunk.tokens)
+        for j, n in enumerate(rows):
+            scheduled[n].pending += 1
+            scheduled[n].future_row = j
         plan = {"resets": resets, "restores": restores, "saves": [[s, c] for s, c, _ in saves]}
         if self.engine.comm is not None:  # one process hands the chunks over as they are
             plan["chunks"] = [[c.slot, c.start, c.tokens, c.block_table, c.image_rows, c.image_embeds] for c in chunks]
@@ -450,11 +510,8 @@ class Scheduler:
             return flight.updates
         out = flight.future.result() if flight.future is not None else flight.out
         for seq, chunk in zip(flight.scheduled, flight.chunks):
-            if seq.slot < 0:  # aborted while the step ran: released, its state no longer followed
-                continue
-            seq.num_computed += len(chunk.tokens)
-            if self.prefix is not None:
-                self._name_blocks(seq)
+            if seq.slot >= 0 and self.prefix is not None:  # (a released sequence's state is no longer followed)
+                self._name_blocks(seq, chunk.start + len(chunk.tokens))
         for _, checkpoint, h in flight.saves:
             self.prefix.add_checkpoint(h, checkpoint)
         for j, n in enumerate(flight.rows):
@@ -479,10 +536,10 @@ class Scheduler:
                 saves.append((seq.slot, checkpoint, h))
         return saves
 
-    def _name_blocks(self, seq: Sequence) -> None:
-        """Name `seq`'s newly computed full blocks in the prefix cache (output blocks too: a later prompt may
-        repeat the answer)."""
-        full = seq.num_computed // self.allocator.block_size
+    def _name_blocks(self, seq: Sequence, computed: int) -> None:
+        """Name `seq`'s full blocks below position `computed` (where a finished step brought it) in the prefix
+        cache (output blocks too: a later prompt may repeat the answer)."""
+        full = computed // self.allocator.block_size
         if full <= seq.named:
             return
         if len(seq.hashes) < full:
@@ -517,7 +574,7 @@ class Scheduler:
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
             seed=torch.tensor([seq.seed for seq in seqs], dtype=torch.long),
-            counter=torch.tensor([len(seq.tokens) - seq.prompt_len for seq in seqs], dtype=torch.long),
+            counter=torch.tensor([seq.total - seq.prompt_len for seq in seqs], dtype=torch.long),
             forced=torch.tensor(forced, dtype=torch.long),
             logprobs=torch.tensor([p.top_logprobs if p.logprobs else -1 for p in params], dtype=torch.long),
             vocab=self.sample_vocab, processors=processors,
@@ -536,7 +593,7 @@ class Scheduler:
         if bias:
             r, t, v = zip(*bias)
             sb.logit_bias = (torch.tensor(r), torch.tensor(t), torch.tensor(v, dtype=torch.float32))
-        banned = [(j, t) for j, (seq, p) in enumerate(zip(seqs, params)) if len(seq.tokens) - seq.prompt_len < p.min_tokens
+        banned = [(j, t) for j, (seq, p) in enumerate(zip(seqs, params)) if seq.total - seq.prompt_len < p.min_tokens
                   for t in sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))]
         if banned:
             r, t = zip(*banned)
@@ -575,6 +632,7 @@ class Scheduler:
         token = int(out.ids[j])
         logprob = out.logprobs[j]
         seq.tokens.append(token)
+        seq.pending -= 1
         budget = req.budget
         if budget is not None:
             budget.observe(token)
@@ -618,9 +676,15 @@ class Scheduler:
         tower call's embeddings."""
         comm = self.engine.comm
         try:
+            for chunk in chunks or ():  # future tokens (a planned-ahead row's last token) from the previous step
+                if chunk.tokens[-1] < 0:
+                    chunk.tokens[-1] = int(self._last_ids[-1 - chunk.tokens[-1]])  # (the plan shares this list)
             if comm is not None:
                 comm.broadcast(plan)
-            return run_plan(self.engine, plan, chunks, sampling)
+            out = run_plan(self.engine, plan, chunks, sampling)
+            if isinstance(out, SampledTokens):
+                self._last_ids = out.ids
+            return out
         except BaseException as exc:
             stop_the_world(self.engine, exc)
             raise

@@ -38,6 +38,8 @@ PLACEMENT_HISTORY = 4096  # finished requests' prompts remembered for placing fo
 class LockstepScheduler(Scheduler):
     """A group's scheduler: every `step()` runs exactly one engine step, an idle one when nothing is runnable."""
 
+    supports_overlap = False  # its idle steps run from `step()` itself, in lockstep with the other groups
+
     def step(self) -> list[SequenceUpdate]:
         self._ran = False
         updates = super().step()

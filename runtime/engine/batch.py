@@ -109,9 +109,6 @@ def check_slot(runner, slot: int) -> None:
         raise InputError(f"slot {slot} out of range: the engine has {runner.num_slots} slots")
 
 
-CHECKPOINTS_PER_SLOT = 4  # default recurrent-state checkpoint pool (prefix caching): 4 x the slots' state memory
-
-
 def check_checkpoint(runner, slot: int, checkpoint: int) -> None:
     """InputError unless `slot` is a state slot and `checkpoint` one of the runner's checkpoint pool entries."""
     check_slot(runner, slot)

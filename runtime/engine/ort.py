@@ -35,11 +35,11 @@ from onnx import TensorProto
 from moe_export.export.engine_config import EngineConfig
 from moe_export.export.errors import InputError
 from moe_export.export.mpi import mpi_world
-from moe_export.export.planner import GIB, engine_pool_sizes
+from moe_export.export.planner import CHECKPOINTS_PER_SLOT, GIB, engine_pool_sizes
 from moe_export.graphs.vision_export import VISION_GRAPH
 from moe_export.plugins.collectives import all_to_all
 from moe_export.plugins.paged_cache_write.cpu import paged_cache_write_
-from moe_export.runtime.engine.batch import (CHECKPOINTS_PER_SLOT, RESET_ON_NEW_SEQUENCE, STATE_PREFIXES, StepBatch,
+from moe_export.runtime.engine.batch import (RESET_ON_NEW_SEQUENCE, STATE_PREFIXES, StepBatch,
                                             check_checkpoint, check_slot, check_step_batch, checkpoint_interval)
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
 

@@ -60,11 +60,12 @@ import numpy as np
 from moe_export.export.engine_config import EngineConfig
 from moe_export.export.errors import InputError
 from moe_export.export.mpi import mpi_world
+from moe_export.export.planner import CHECKPOINTS_PER_SLOT
 from moe_export.export.tensorrt_build import read_engine_file
 from moe_export.graphs.config import ModelConfig
 from moe_export.graphs.onnx_export import POOL_TABLE, POOLS_KEY
 from moe_export.plugins.pool_table import pool_table
-from moe_export.runtime.engine.batch import (CHECKPOINTS_PER_SLOT, RESET_ON_NEW_SEQUENCE, StepBatch, check_checkpoint,
+from moe_export.runtime.engine.batch import (RESET_ON_NEW_SEQUENCE, StepBatch, check_checkpoint,
                                             check_slot, check_step_batch, checkpoint_interval)
 from moe_export.runtime.engine.ort import MPICommunicator
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample

@@ -274,8 +274,9 @@ class LLM:
     reuse_sessions: keep finished turns' state for reuse by a continuing prompt, and their tokens, so that a
     turn sent back as text is rendered as generated and the prompt continues the kept state (default on).
     prefix_caching: share cached prompt prefixes across requests (`runtime.core.prefix_cache`; default on).
-    overlap: in one process, run each model step in a worker thread while the host processes the previous
-    step's outputs (`Scheduler(overlap=True)`; default on; greedy outputs are the same either way).
+    overlap: run each model step in a worker thread while the host plans the next step and processes the
+    previous step's outputs (`Scheduler(overlap=True)`, see `runtime.core.scheduler`; default on, also under
+    mpiexec; not in the dp layout; greedy outputs are the same either way).
     allow_image_urls: image parts may be http(s) URLs, fetched with a size and time limit (default: data URLs only)."""
 
     def __init__(self, engine_dir: str | Path, *, default_effort: str = "max", num_slots: int | None = None,

@@ -132,6 +132,11 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in self.model_config.get("parameters", {}).items()}
         engine_dir = os.environ.get(ENGINE_ENV) or os.path.join(args["model_repository"], params["engine_dir"])
         default_effort = params.get("default_effort", "max")
+        prefix_caching = params.get("prefix_caching", "true").strip().lower()
+        if prefix_caching not in ("true", "false"):
+            raise pb_utils.TritonModelException(
+                f"{self.model_config['name']}: config.pbtxt parameter prefix_caching must be \"true\" or \"false\", "
+                f"got {prefix_caching!r}")
         self.ids = itertools.count()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="moe-export-runtime", daemon=True)
@@ -140,7 +145,7 @@ class TritonPythonModel:
         self.lock = threading.Lock()
 
         async def start():
-            return AsyncLLM(engine_dir, default_effort=default_effort)
+            return AsyncLLM(engine_dir, default_effort=default_effort, prefix_caching=prefix_caching == "true")
 
         self.llm = asyncio.run_coroutine_threadsafe(start(), self.loop).result()
 

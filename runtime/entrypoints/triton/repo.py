@@ -3,7 +3,8 @@
 Layout written (the whole NAME folder is built under a temporary name and renamed into place):
     REPO/NAME/config.pbtxt   Python backend, decoupled (streaming), dynamic batcher off (the runtime batches),
                              the tensor names of Triton's vLLM backend plus messages / reasoning_content /
-                             tool_calls / usage / finish_reason, parameters engine_dir and default_effort
+                             tool_calls / usage / finish_reason, parameters engine_dir, default_effort and
+                             prefix_caching ("true" / "false")
     REPO/NAME/1/model.py     runtime/entrypoints/triton/model.py verbatim: hosts an AsyncLLM on the engine
     REPO/launch_NAME.sh      starts tritonserver; for a multi-rank engine under mpiexec (see below)
 
@@ -51,7 +52,8 @@ def _quote(text: str) -> str:
     return json.dumps(text)
 
 
-def render_config_pbtxt(model_name: str, engine_dir: str, default_effort: str = "max", instances: int = 1) -> str:
+def render_config_pbtxt(model_name: str, engine_dir: str, default_effort: str = "max", instances: int = 1,
+                        prefix_caching: bool = True) -> str:
     """The model's config.pbtxt (protobuf text format of Triton's ModelConfig). engine_dir: as written (a path
     relative to the model folder, or absolute as seen where Triton runs). The instance kind is KIND_MODEL: the
     runtime places itself (CPU engines on the host, GPU engines on their devices), so the same repository
@@ -68,7 +70,8 @@ def render_config_pbtxt(model_name: str, engine_dir: str, default_effort: str = 
     for name, dtype, dims in OUTPUTS:
         lines.append(f"output {{ name: {_quote(name)} data_type: {dtype} dims: {dims} }}")
     lines.append(f"instance_group [ {{ count: {instances} kind: KIND_MODEL }} ]")
-    for key, value in (("engine_dir", engine_dir), ("default_effort", default_effort)):
+    for key, value in (("engine_dir", engine_dir), ("default_effort", default_effort),
+                       ("prefix_caching", str(prefix_caching).lower())):
         lines.append(f"parameters {{ key: {_quote(key)} value: {{ string_value: {_quote(value)} }} }}")
     return "\n".join(lines) + "\n"
 
@@ -99,7 +102,7 @@ exec tritonserver --model-repository "$REPO" "$@"
 
 
 def write_triton_repo(engine_dir: str | Path, out: str | Path, model_name: str = "moe-export",
-                      default_effort: str = "max", engine_path: str | None = None) -> Path:
+                      default_effort: str = "max", engine_path: str | None = None, prefix_caching: bool = True) -> Path:
     """Write REPO/NAME (config.pbtxt, 1/model.py) and REPO/launch_NAME.sh; returns REPO/NAME.
     An existing REPO/NAME is replaced whole; other models in REPO are left alone."""
     from moe_export.runtime.core.budget import EFFORT_TIERS
@@ -124,7 +127,8 @@ def write_triton_repo(engine_dir: str | Path, out: str | Path, model_name: str =
     shutil.rmtree(staging, ignore_errors=True)
     try:
         (staging / "1").mkdir(parents=True)
-        (staging / "config.pbtxt").write_text(render_config_pbtxt(model_name, written, default_effort))
+        (staging / "config.pbtxt").write_text(render_config_pbtxt(model_name, written, default_effort,
+                                                                        prefix_caching=prefix_caching))
         shutil.copyfile(Path(__file__).with_name("model.py"), staging / "1" / "model.py")
         for path in (staging / "config.pbtxt", staging / "1" / "model.py"):
             fsync_path(path)
