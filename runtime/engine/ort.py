@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -193,12 +194,13 @@ class RankRunner:
         # for good (4 ranks x 3 MLA layers of tiny-k3: 7.5 GB after a 2,000-token prefill). Freed to malloc,
         # the temporaries of one op at a time are live.
         opts.enable_cpu_mem_arena = False
-        sessions = {}
-        for step in plan["steps"]:
-            if "segment" in step:
-                sessions[step["segment"]] = ort.InferenceSession(
-                    str(rank_dir / step["segment"]), opts, providers=["CPUExecutionProvider"]
-                )
+        segments = [step["segment"] for step in plan["steps"] if "segment" in step]
+        # ORT builds a session (graph optimization included) without holding the GIL: one thread per core loads
+        # them (23 segments per rank of tiny-k3: 1.3 s one after another, 0.7 s on 2 cores)
+        with ThreadPoolExecutor(max(1, min(len(segments), os.cpu_count() or 1))) as pool:
+            sessions = dict(zip(segments, pool.map(
+                lambda segment: ort.InferenceSession(str(rank_dir / segment), opts, providers=["CPUExecutionProvider"]),
+                segments)))
         sizes = {"S": num_slots, "NB": num_blocks, "BS": block_size}
         pools, pool_feeds = {}, {}
         for vi in graph.graph.input:
