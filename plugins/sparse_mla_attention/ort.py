@@ -12,8 +12,10 @@ Optional input: an ONNX function cannot branch on whether an optional input was 
 `Optional`/`OptionalHasElement` on a missing function input, checked with ORT 1.32), so there are two bodies
 with the same op type and the same seven formal inputs: `function_proto(dense=False)` reads `topk_indices`
 (and, through an `If`, treats K = 0 columns as dense); `function_proto(dense=True)` ignores it. Dense attends
-to all positions covered by the step's block tables, 0..B*BS-1 (causality masks the rest; memory T*B*BS*(Dc+Dr):
-the used context, fine for small models).
+to all positions covered by the step's block tables, 0..B*BS-1 (causality masks the rest), and gathers those
+rows once per sequence, not per token (`_dense_attention`): the per-token body materialized [T, B*BS, D] about
+seven times per layer, which made a 192-token prefill's three MLA layers ~55% of the step on tiny-k3; now one
+Gather hands each token its sequence's rows (memory T*B*BS*(Dc+Dr): the used context, fine for small models).
 A model holds one function per op type, so the exporter picks the variant per model; a model mixing dense
 and sparse layers uses the sparse body and gives its dense layers an empty [T, 0] (or [0, 0]) index tensor.
 """
@@ -129,40 +131,77 @@ class FunctionBuilder:
         return self.op("Div", expo, denom)
 
 
-def _identity_graph(source: str, name: str) -> onnx.GraphProto:
-    """If-branch returning outer-scope value `source` [?, ?] int64 as `name`."""
-    out = helper.make_tensor_value_info(name, TensorProto.INT64, [None, None])
-    return helper.make_graph([helper.make_node("Identity", [source], [name])], name, [], [out])
+def _indexed_attention(b: FunctionBuilder, idx: str, seq: str, scale: str, rank: str, fp8_pool: bool, out: str) -> str:
+    """o_lat [T, H, Dc] attending each token to its own positions `idx` [T, K] (-1 or beyond the token: ignored)."""
+    q, pool, new, cu, tables, pos = "q_lat", "kv_pool", "kv_new", "cu_seqlens", "block_tables", "positions"
+    pos_col = b.op("Unsqueeze", pos, b.ints([1]))
+    valid = b.op("And", b.op("GreaterOrEqual", idx, b.int_scalar(0)), b.op("LessOrEqual", idx, pos_col))
+    rows = b.context_rows(pool, new, cu, tables, pos, seq, b.op("Max", idx, b.int_scalar(0)), fp8_pool)  # [T, K, Dc+Dr]
+    rows = b.op("Where", b.op("Unsqueeze", valid, b.ints([2])), rows, b.float_scalar(0.0))
+    scores = b.op("Mul", b.op("MatMul", q, b.op("Transpose", rows, perm=[0, 2, 1])), scale)  # [T, H, K]
+    probs = b.masked_softmax(scores, b.op("Unsqueeze", valid, b.ints([1])))
+    return b.op("MatMul", probs, b.op("Slice", rows, b.ints([0]), rank, b.ints([2])), out=out)
+
+
+def _dense_attention(b: FunctionBuilder, seq: str, scale: str, rank: str, fp8_pool: bool, out: str) -> str:
+    """o_lat [T, H, Dc] attending each token to every position 0..pos of its sequence. The rows are gathered
+    once per sequence ([N, B*BS, D]: the step's block tables cover the same positions for all its tokens) and
+    handed to the tokens with one Gather, instead of once per token. Every row is finite, so a token's masked
+    positions contribute exact zeros: before the chunk start the pool's written rows, from it on kv_new's rows
+    (beyond a sequence's last token those of later sequences, or the zero row appended to kv_new)."""
+    q, pool, new, cu, tables, pos = "q_lat", "kv_pool", "kv_new", "cu_seqlens", "block_tables", "positions"
+    block_size = b.dim(pool, 1)
+    span = b.op("Range", b.int_scalar(0), b.op("Mul", b.dim(tables, 1), block_size), b.int_scalar(1))  # [K]
+    span_row = b.op("Unsqueeze", span, b.ints([0]))  # [1, K]
+    # per sequence: first token in the step and chunk start (one padding entry: an empty last sequence's first
+    # token is T)
+    pos_pad = b.op("Concat", pos, b.ints([0]), axis=0)  # [T + 1]
+    head = b.op("Slice", cu, b.ints([0]), b.ints([-1]))  # [N]
+    start = b.op("Unsqueeze", b.op("Gather", pos_pad, head), b.ints([1]))  # [N, 1]
+    own = b.op("GreaterOrEqual", span_row, start)  # [N, K] the step's own rows, from kv_new
+    new_row = b.op("Clip", b.op("Sub", b.op("Add", b.op("Unsqueeze", head, b.ints([1])), span_row), start),
+                   b.int_scalar(0), b.dim(q, 0))  # [N, K] into kv_new plus one zero row
+    width = b.op("Shape", new, start=1, end=2)
+    zero_row = b.op("Expand", b.op("Cast", b.float_scalar(0.0), to=TensorProto.FLOAT),
+                    b.op("Concat", b.ints([1]), width, axis=0))
+    new_pad = b.op("Concat", b.op("Cast", new, to=TensorProto.FLOAT), zero_row, axis=0)  # [T + 1, D]
+    block = b.op("Max", b.op("Gather", tables, b.op("Div", span, block_size), axis=1), b.int_scalar(0))  # [N, K]
+    offset = b.op("Expand", b.op("Mod", span_row, block_size), b.op("Shape", block))
+    where = b.op("Concat", b.op("Unsqueeze", block, b.ints([2])), b.op("Unsqueeze", offset, b.ints([2])), axis=2)
+    gathered = b.op("GatherND", pool, where)  # [N, K, D] (fp8: D + 1 bytes)
+    from_pool = b.fp8_rows(gathered) if fp8_pool else b.op("Cast", gathered, to=TensorProto.FLOAT)
+    rows = b.op("Where", b.op("Unsqueeze", own, b.ints([2])), b.op("Gather", new_pad, new_row, axis=0), from_pool)
+    keys = b.op("Gather", rows, seq, axis=0)  # [T, K, D]
+    scores = b.op("Mul", b.op("MatMul", q, b.op("Transpose", keys, perm=[0, 2, 1])), scale)  # [T, H, K]
+    valid = b.op("LessOrEqual", span_row, b.op("Unsqueeze", pos, b.ints([1])))  # [T, K] causal
+    probs = b.masked_softmax(scores, b.op("Unsqueeze", valid, b.ints([1])))
+    values = b.op("Gather", b.op("Slice", rows, b.ints([0]), rank, b.ints([2])), seq, axis=0)  # [T, K, Dc]
+    return b.op("MatMul", probs, values, out=out)
+
+
+def _branch(name: str, build) -> onnx.GraphProto:
+    """If-branch (reading outer-scope values) whose nodes `build(builder, out)` appends; returns [T, H, Dc]."""
+    b = FunctionBuilder(name)
+    build(b, f"{name}_o_lat")
+    out = helper.make_tensor_value_info(f"{name}_o_lat", TensorProto.FLOAT, [None, None, None])
+    return helper.make_graph(b.nodes, name, [], [out])
 
 
 def function_proto(dense: bool = False, fp8_pool: bool = False) -> onnx.FunctionProto:
     """FunctionProto for SparseMLAAttention; `dense=True` gives the body that ignores `topk_indices`, `fp8_pool`
     the body for a uint8 fp8 pool [NB, BS, Dc+Dr+1]."""
     b = FunctionBuilder("smla")
-    q, pool, new, cu, tables, pos = "q_lat", "kv_pool", "kv_new", "cu_seqlens", "block_tables", "positions"
-    num_tokens = b.dim(q, 0)
-    span_len = b.op("Mul", b.dim(tables, 1), b.dim(pool, 1))  # positions the block tables cover
-    seq = b.token_sequences(num_tokens, cu)
-    span = b.op("Range", b.int_scalar(0), span_len, b.int_scalar(1))
-    dense_shape = b.op("Concat", b.op("Shape", pos), b.op("Shape", span), axis=0)
-    dense_idx = b.op("Expand", b.op("Unsqueeze", span, b.ints([0])), dense_shape)  # [T, B*BS]
-    if dense:
-        idx = dense_idx
-    else:
-        given = _identity_graph("topk_indices", "smla_given_idx")
-        all_pos = _identity_graph(dense_idx, "smla_dense_idx")
-        no_cols = b.op("Equal", b.dim("topk_indices", 1), b.int_scalar(0))
-        idx = b.op("If", no_cols, then_branch=all_pos, else_branch=given)
-    pos_col = b.op("Unsqueeze", pos, b.ints([1]))
-    valid = b.op("And", b.op("GreaterOrEqual", idx, b.int_scalar(0)), b.op("LessOrEqual", idx, pos_col))
-    rows = b.context_rows(pool, new, cu, tables, pos, seq, b.op("Max", idx, b.int_scalar(0)), fp8_pool)  # [T, K, Dc+Dr]
-    rows = b.op("Where", b.op("Unsqueeze", valid, b.ints([2])), rows, b.float_scalar(0.0))
-    scores = b.op("MatMul", q, b.op("Transpose", rows, perm=[0, 2, 1]))  # [T, H, K]
-    scores = b.op("Mul", scores, b.attr("scale", "float"))
-    probs = b.masked_softmax(scores, b.op("Unsqueeze", valid, b.ints([1])))
+    seq = b.token_sequences(b.dim("q_lat", 0), "cu_seqlens")
+    scale = b.attr("scale", "float")
     rank = b.op("Unsqueeze", b.attr("kv_lora_rank", "int"), b.ints([0]))
-    values = b.op("Slice", rows, b.ints([0]), rank, b.ints([2]))
-    b.op("MatMul", probs, values, out="o_lat")
+    if dense:
+        _dense_attention(b, seq, scale, rank, fp8_pool, out="o_lat")
+    else:
+        all_pos = _branch("smla_dense", lambda sub, out: _dense_attention(sub, seq, scale, rank, fp8_pool, out))
+        given = _branch("smla_given", lambda sub, out: _indexed_attention(sub, "topk_indices", seq, scale, rank,
+                                                                          fp8_pool, out))
+        no_cols = b.op("Equal", b.dim("topk_indices", 1), b.int_scalar(0))
+        b.op("If", no_cols, then_branch=all_pos, else_branch=given, out="o_lat")
     return helper.make_function(
         DOMAIN,
         OP_TYPE,
