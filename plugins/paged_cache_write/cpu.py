@@ -24,5 +24,8 @@ def paged_cache_write_(
     """Write new_rows [T, D] fp32 into pool [NB, BS, W] in place (W = D, or D + 1 for a uint8 fp8 pool); returns
     the pool."""
     rows = cache_rows(cu_seqlens, block_tables, positions, pool.shape[1])
-    pool.view(-1, pool.shape[-1])[rows] = stored_rows(pool, new_rows)
+    # index_copy_, not `pool[rows] = ...`: torch's CPU index_put_ took ~8 ms for 192 rows whatever the pool's size
+    # or dtype (twelve pools per tiny-k3 prefill step: ~90 ms of a ~210 ms step), index_copy_ 0.05 ms. The rows are
+    # distinct (one per token position, in blocks only this sequence writes).
+    pool.view(-1, pool.shape[-1]).index_copy_(0, rows, stored_rows(pool, new_rows))
     return pool
