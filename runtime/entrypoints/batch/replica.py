@@ -4,6 +4,7 @@ into output records (used by the local run and by each Ray Data actor alike)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import uuid
 
 from moe_export.export.errors import InputError
@@ -86,4 +87,8 @@ def start_llm(engine_dir: str, default_effort: str | None, concurrency: int, doc
     except BaseException:
         llm.shutdown()
         raise
+    # What exists now (modules, the engine, the tokenizer's tables) lives until the job ends: frozen out of the
+    # cyclic collector's scans, the collections at interpreter exit no longer walk it (default batch benchmark:
+    # from the job's end to the process's exit 0.9-1.0 s before, 0.2-0.3 s frozen)
+    gc.freeze()
     return llm, allm, processor
