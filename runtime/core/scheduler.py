@@ -137,11 +137,6 @@ class Sequence:
     def output_ids(self) -> list[int]:
         return self.tokens[self.prompt_len:]
 
-    @property
-    def total(self) -> int:
-        """Tokens of the sequence once the started steps' tokens are in: prompt + output + pending."""
-        return len(self.tokens) + self.pending
-
 
 class Scheduler:
     """Continuous batching on rank 0 of `engine` (an Engine, or anything with the same step interface).
@@ -385,7 +380,7 @@ class Scheduler:
     def _chunk_len(self, seq: Sequence, step_tokens: int, step_blocks: int) -> int:
         """How many of `seq`'s pending tokens join a step already holding `step_tokens` tokens whose longest
         block table has `step_blocks` blocks: within max_num_tokens and max_step_pairs (at least 1 in an empty step)."""
-        n = min(seq.total - seq.num_computed, self.engine.max_num_tokens - step_tokens)
+        n = min(len(seq.tokens) + seq.pending - seq.num_computed, self.engine.max_num_tokens - step_tokens)
         if seq.targets:  # a prefill chunk ends at the next checkpoint target
             n = min(n, seq.targets[0] - seq.num_computed)
         max_pairs = self.engine.max_step_pairs
@@ -402,11 +397,14 @@ class Scheduler:
             lo, hi = (mid, hi) if pairs(mid) <= max_pairs else (lo, mid - 1)
         return lo if lo > 0 or step_tokens > 0 else 1
 
-    def _plan(self) -> tuple[list[int], list[list[int]], list[Sequence], list[SequenceChunk]]:
+    def _plan(self) -> tuple[list[int], list[list[int]], list[Sequence], list[SequenceChunk], list[SequenceChunk]]:
+        """(slots to reset, [checkpoint, slot] restores, scheduled sequences, their chunks, the chunks whose last
+        token is a future token)."""
         resets: list[int] = []
         restores: list[list[int]] = []
         scheduled: list[Sequence] = []
         chunks: list[SequenceChunk] = []
+        futures: list[SequenceChunk] = []
         step_tokens = step_blocks = 0
 
         def add_chunk(seq: Sequence) -> bool:
@@ -417,9 +415,10 @@ class Scheduler:
                 return False
             table = seq.blocks[: self.allocator.blocks_needed(seq.num_computed + n)]
             tokens = seq.tokens[seq.num_computed: seq.num_computed + n]
+            chunk = SequenceChunk(seq.slot, seq.num_computed, tokens, table)
             if len(tokens) < n:  # planned ahead: its input is the token the step in flight is choosing
                 tokens.append(future_token(seq.future_row))
-            chunk = SequenceChunk(seq.slot, seq.num_computed, tokens, table)
+                futures.append(chunk)
             if seq.pad_positions is not None:  # the chunk's image rows and their embeddings
                 lo, hi = np.searchsorted(seq.pad_positions, [seq.num_computed, seq.num_computed + n])
                 chunk.image_rows = (seq.pad_positions[lo:hi] - seq.num_computed).tolist()
@@ -429,20 +428,24 @@ class Scheduler:
             step_tokens, step_blocks = step_tokens + n, max(step_blocks, len(table))
             return True
 
-        # a sequence whose pending token ends it by length gets no row (known now; an eos or stop is not)
-        decoding = [s for s in self.running if s.total - s.num_computed == 1 and not (s.pending and (
-            s.total - s.prompt_len >= s.request.sampling.max_tokens or s.total >= self.engine.max_seq_len))]
-        prefilling = [s for s in self.running if s.total - s.num_computed > 1]
+        decoding, prefilling = [], []
+        for s in self.running:
+            total = len(s.tokens) + s.pending
+            if total - s.num_computed > 1:
+                prefilling.append(s)
+            elif total - s.num_computed == 1 and not (s.pending and (  # a pending token that ends it by length:
+                    total - s.prompt_len >= s.request.sampling.max_tokens or total >= self.engine.max_seq_len)):
+                decoding.append(s)  # (known now, unlike an eos or a stop) no row
         for seq in decoding + prefilling:
             if not add_chunk(seq):
-                return resets, restores, scheduled, chunks
+                return resets, restores, scheduled, chunks, futures
         while (self.waiting and step_tokens < self.engine.max_num_tokens
                and self._try_admit(self.waiting[0], resets, restores)):
             seq = self.waiting.popleft()
             self.running.append(seq)
             if not add_chunk(seq):
                 break
-        return resets, restores, scheduled, chunks
+        return resets, restores, scheduled, chunks, futures
 
     def step(self) -> list[SequenceUpdate]:
         """Run one engine step (if anything is runnable); returns the updates it produced. With overlap the
@@ -480,17 +483,18 @@ class Scheduler:
         """Plan one step and start it (in the worker thread with overlap)."""
         updates, self._aborted = self._aborted, []
         self._encode_images()
-        resets, restores, scheduled, chunks = self._plan()
+        resets, restores, scheduled, chunks, futures = self._plan()
         if not chunks:
             if self.waiting and not self.running and not updates:
                 raise RuntimeError("the scheduler cannot admit any waiting request although nothing runs")
             return _Flight(updates)
-        rows = [n for n, (seq, chunk) in enumerate(zip(scheduled, chunks))
-                if seq.num_computed + len(chunk.tokens) >= seq.total]  # the others are mid-prompt: no token yet
-        sampling = self._sampling_batch([scheduled[n] for n in rows], rows) if rows else None
         saves = self._checkpoint_saves(scheduled, chunks)
-        for seq, chunk in zip(scheduled, chunks):
+        rows = []  # the sequences that get a token (the others are mid-prompt)
+        for n, (seq, chunk) in enumerate(zip(scheduled, chunks)):
             seq.num_computed += len(chunk.tokens)
+            if seq.num_computed >= len(seq.tokens) + seq.pending:
+                rows.append(n)
+        sampling = self._sampling_batch([scheduled[n] for n in rows], rows) if rows else None
         for j, n in enumerate(rows):
             scheduled[n].pending += 1
             scheduled[n].future_row = j
@@ -498,11 +502,20 @@ class Scheduler:
         if self.engine.comm is not None:  # one process hands the chunks over as they are
             plan["chunks"] = [[c.slot, c.start, c.tokens, c.block_table, c.image_rows, c.image_embeds] for c in chunks]
         flight = _Flight(updates, scheduled, chunks, rows, saves)
-        if self._pool is not None:
+        if futures:
+            flight.future = self._pool.submit(self._run_ahead, futures, plan, chunks, sampling)
+        elif self._pool is not None:
             flight.future = self._pool.submit(self._execute, plan, chunks, sampling)
         else:
             flight.out = self._execute(plan, chunks, sampling)
         return flight
+
+    def _run_ahead(self, futures: list[SequenceChunk], plan: dict, chunks: list[SequenceChunk], sampling):
+        """The worker: fill in the future tokens of a planned-ahead step from the previous step's ids (before the
+        broadcast: the plan shares the chunks' token lists), then run it."""
+        for chunk in futures:
+            chunk.tokens[-1] = int(self._last_ids[-1 - chunk.tokens[-1]])
+        return self._execute(plan, chunks, sampling)
 
     def _finish(self, flight: _Flight) -> list[SequenceUpdate]:
         """Wait for a started step and apply its tokens (sequences aborted while it ran are skipped)."""
@@ -574,7 +587,7 @@ class Scheduler:
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
             seed=torch.tensor([seq.seed for seq in seqs], dtype=torch.long),
-            counter=torch.tensor([seq.total - seq.prompt_len for seq in seqs], dtype=torch.long),
+            counter=torch.tensor([len(seq.tokens) + seq.pending - seq.prompt_len for seq in seqs], dtype=torch.long),
             forced=torch.tensor(forced, dtype=torch.long),
             logprobs=torch.tensor([p.top_logprobs if p.logprobs else -1 for p in params], dtype=torch.long),
             vocab=self.sample_vocab, processors=processors,
@@ -593,7 +606,8 @@ class Scheduler:
         if bias:
             r, t, v = zip(*bias)
             sb.logit_bias = (torch.tensor(r), torch.tensor(t), torch.tensor(v, dtype=torch.float32))
-        banned = [(j, t) for j, (seq, p) in enumerate(zip(seqs, params)) if seq.total - seq.prompt_len < p.min_tokens
+        banned = [(j, t) for j, (seq, p) in enumerate(zip(seqs, params))
+                  if len(seq.tokens) + seq.pending - seq.prompt_len < p.min_tokens
                   for t in sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))]
         if banned:
             r, t = zip(*banned)
@@ -676,9 +690,6 @@ class Scheduler:
         tower call's embeddings."""
         comm = self.engine.comm
         try:
-            for chunk in chunks or ():  # future tokens (a planned-ahead row's last token) from the previous step
-                if chunk.tokens[-1] < 0:
-                    chunk.tokens[-1] = int(self._last_ids[-1 - chunk.tokens[-1]])  # (the plan shares this list)
             if comm is not None:
                 comm.broadcast(plan)
             out = run_plan(self.engine, plan, chunks, sampling)
