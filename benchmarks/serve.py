@@ -168,6 +168,12 @@ def in_process_round(llm, tokens: int, nonce: int = 0) -> float:
     return sum(len(o.output_ids) for o in outs) / elapsed
 
 
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
@@ -181,7 +187,10 @@ def run(tokens: int, rounds: int, structured: int, prefix_requests: int) -> dict
     with tempfile.TemporaryDirectory() as tmp:
         engine = build_serve_engine(Path(tmp))
         llm = LLM(engine, default_effort="none")
-        proc, url = start_cli_server([str(engine), "--default-effort", "none", "--served-model-name", "m"])
+        # the server gets this process's thread count, as the in-process baseline has it (the test helper pins
+        # servers to one OpenMP thread, which a user's `moe-export serve` does not do)
+        proc, url = start_cli_server([str(engine), "--default-effort", "none", "--served-model-name", "m"],
+                                     env={"OMP_NUM_THREADS": str(torch_threads())})
         try:
             asyncio.run(client_round(url, 1, 4))  # warm-up (first request compiles nothing, but pages in)
             in_process_round(llm, 4)
