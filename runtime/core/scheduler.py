@@ -428,14 +428,12 @@ class Scheduler:
             step_tokens, step_blocks = step_tokens + n, max(step_blocks, len(table))
             return True
 
-        decoding, prefilling = [], []
-        for s in self.running:
-            total = len(s.tokens) + s.pending
-            if total - s.num_computed > 1:
-                prefilling.append(s)
-            elif total - s.num_computed == 1 and not (s.pending and (  # a pending token that ends it by length:
-                    total - s.prompt_len >= s.request.sampling.max_tokens or total >= self.engine.max_seq_len)):
-                decoding.append(s)  # (known now, unlike an eos or a stop) no row
+        decoding = [s for s in self.running if len(s.tokens) + s.pending - s.num_computed == 1]
+        prefilling = [s for s in self.running if len(s.tokens) + s.pending - s.num_computed > 1]
+        if self.overlap:  # a pending token that ends its sequence by length (known now, unlike an eos): no row
+            limit = self.engine.max_seq_len
+            decoding = [s for s in decoding if not s.pending or (
+                len(s.tokens) + 1 - s.prompt_len < s.request.sampling.max_tokens and len(s.tokens) + 1 < limit)]
         for seq in decoding + prefilling:
             if not add_chunk(seq):
                 return resets, restores, scheduled, chunks, futures
@@ -495,9 +493,10 @@ class Scheduler:
             if seq.num_computed >= len(seq.tokens) + seq.pending:
                 rows.append(n)
         sampling = self._sampling_batch([scheduled[n] for n in rows], rows) if rows else None
-        for j, n in enumerate(rows):
-            scheduled[n].pending += 1
-            scheduled[n].future_row = j
+        if self.overlap:  # (without overlap no step is planned before the previous one's tokens are in)
+            for j, n in enumerate(rows):
+                scheduled[n].pending += 1
+                scheduled[n].future_row = j
         plan = {"resets": resets, "restores": restores, "saves": [[s, c] for s, c, _ in saves]}
         if self.engine.comm is not None:  # one process hands the chunks over as they are
             plan["chunks"] = [[c.slot, c.start, c.tokens, c.block_table, c.image_rows, c.image_embeds] for c in chunks]
@@ -646,7 +645,8 @@ class Scheduler:
         token = int(out.ids[j])
         logprob = out.logprobs[j]
         seq.tokens.append(token)
-        seq.pending -= 1
+        if seq.pending:
+            seq.pending -= 1
         budget = req.budget
         if budget is not None:
             budget.observe(token)
