@@ -447,8 +447,9 @@ class Scheduler:
 
     def step(self) -> list[SequenceUpdate]:
         """Run one engine step (if anything is runnable); returns the updates it produced. With overlap the
-        step after it (planned from these updates) is already running when this returns, so processing the
-        updates overlaps it; a request aborted meanwhile has its token of that step dropped."""
+        step after it is already running when this returns (planned while this one ran where nothing in it
+        needed this step's tokens, else planned from them), so processing the updates overlaps it; a request
+        aborted meanwhile has its token of that step dropped."""
         flight = self._flight if self._flight is not None else self._start()
         self._flight = None
         if self._can_plan_ahead(flight):

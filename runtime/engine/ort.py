@@ -87,8 +87,9 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (mal
 
 
 def keep_step_memory() -> bool:
-    """Set glibc's malloc thresholds for the step temporaries (process-wide; setting them again changes nothing); True if set. Not on another
-    C library (no `mallopt`) or when the user tuned glibc malloc themselves (MALLOC_*_ or GLIBC_TUNABLES)."""
+    """Set glibc's malloc thresholds for the step temporaries (process-wide; setting them again changes nothing);
+    True if set. Not on another C library (no `mallopt`) or when the user tuned glibc malloc themselves
+    (MALLOC_*_ or GLIBC_TUNABLES)."""
     import ctypes
 
     if any(k.startswith("MALLOC_") and k.endswith("_") for k in os.environ) or "GLIBC_TUNABLES" in os.environ:
