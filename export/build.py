@@ -94,7 +94,7 @@ from moe_export.common.atomic import (
     sweep_temporaries,
 )
 from moe_export.common.engine_config import CONFIG, EngineConfig
-from moe_export.common.errors import InputError
+from moe_export.common.errors import BuildError, InputError
 from moe_export.common.manifest import (
     GRAPH,
     MANIFEST,
@@ -132,10 +132,6 @@ TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer_config.json", 
                    "chat_template.jinja", GENERATION_CONFIG, "preprocessor_config.json")
 SYNTH_SEED = 0
 SYNTH_TEMP_RE = re.compile(r"^\..+\.(synth|old)-\d+$")
-
-class BuildError(Exception):
-    """A stage failed for a reason other than bad input (disk full, a library error); exit 1."""
-
 
 # ---- stage functions (imported lazily, so a fully up-to-date build imports none of them) ----
 def _convert_rank(reader, cfg, recipe, mapping, out_path: Path) -> dict:
