@@ -209,11 +209,19 @@ def test_local_rank_picks_the_gpu():
     assert local_rank({"PMI_RANK": "5", "MPI_LOCALRANKID": "1"}) == 1
     assert local_rank({"OMPI_COMM_WORLD_RANK": "9", "OMPI_COMM_WORLD_LOCAL_RANK": "3"}) == 3
     assert local_rank({"SLURM_LOCALID": "2"}) == 2
-    assert [device_for_local_rank(r, 8) for r in range(8)] == list(range(8))
+    assert [device_for_local_rank(r, 8, {}) for r in range(8)] == list(range(8))
     with pytest.raises(RuntimeError, match="only 8 CUDA device"):
-        device_for_local_rank(8, 8)
+        device_for_local_rank(8, 8, {})
     with pytest.raises(RuntimeError, match="no CUDA device"):
-        device_for_local_rank(0, 0)
+        device_for_local_rank(0, 0, {})
+    # srun --gpus-per-task=1: each task sees only its own GPU (CUDA_VISIBLE_DEVICES narrowed to one id)
+    srun = {"SLURM_LOCALID": "3", "CUDA_VISIBLE_DEVICES": "3"}
+    assert device_for_local_rank(local_rank(srun), 1, srun) == 0
+    # one GPU visible without a launcher narrowing it: a second local rank would share it, refused
+    with pytest.raises(RuntimeError, match="only 1 CUDA device"):
+        device_for_local_rank(1, 1, {"SLURM_LOCALID": "1"})
+    with pytest.raises(RuntimeError, match="only 2 CUDA device"):
+        device_for_local_rank(2, 2, {"CUDA_VISIBLE_DEVICES": "4,5"})
     code = "from moe_export.common.mpi import local_rank; print(f'<{local_rank()}>')"
     res = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
