@@ -65,8 +65,10 @@ CONTRACTS = {c.name: c for c in (
        """IExecutionContext::setInputShape returns false when the name is not an input or the shape is refused
        (outside the active optimization profile); setTensorAddress returns false on a bad name or a pointer
        without 256-byte alignment; enqueueV3 returns false when it could not enqueue. Nothing raises: every
-       return value must be checked.""",
-       "TensorRT include/NvInferRuntime.h:4120-4134 (setInputShape), :4365-4384 (setTensorAddress)"),
+       return value must be checked. Before enqueueV3 every input needs a non-null address, a zero-volume one
+       included (torch gives an empty tensor address 0).""",
+       "TensorRT include/NvInferRuntime.h:4120-4134 (setInputShape), :4354-4384 (setTensorAddress; non-null "
+       "inputs before enqueueV3 at :4360-4361)"),
     _c("PROFILE_BOUNDS",
        """Input shapes must lie within [min, max] of the active optimization profile for every dimension; the
        runner's pools (slots S, blocks NB) are therefore sized no larger than the profile the engine was built
@@ -152,7 +154,8 @@ CONTRACTS = {c.name: c for c in (
        seek(offset, where) (Python: deserialize_cuda_engine(stream_reader_v2), trt.IStreamReaderV2, both
        bindings); a short read is asked again for the rest.""",
        "TensorRT include/NvInfer.h:11661-11680, include/NvInferRuntime.h:642-675 (IStreamWriter), :719 "
-       "(IStreamReaderV2); python/src/infer/pyCore.cpp:830-850 (PyStreamWriter::write), :1590-1597, :1820, "
+       "(IStreamReaderV2); python/src/infer/pyCore.cpp:691-790 (PyStreamReaderV2::read: chunks until num_bytes, "
+       "each copied to host or device memory, 0 bytes aborts), :830-850 (PyStreamWriter::write), :1590-1597, :1820, "
        ":1840-1841; python/docstrings/infer/pyCoreDoc.h:1010-1088; tensorrt_bindings/tensorrt.so (10.9.0.34, "
        "11.4.0.106)"),
 )}
