@@ -69,8 +69,10 @@ def plan(
         labels = {"weights": "weights", "state_slots": f"recurrent-state pools ({worst.pools.num_slots} slots)",
                   "cache_blocks": f"cache pools ({worst.pools.num_blocks:,} blocks)",
                   "activations": "engine activations (one buffer per rank)",
-                  "plugin_workspaces": "plugin workspaces", "reserve": "reserve (CUDA context, NCCL, cuBLAS)",
-                  "total": "total", "capacity": "GPU memory"}  # fmt: skip
+                  "plugin_workspaces": "plugin workspaces", "nccl_buffers": "NCCL buffers",
+                  "vision_activations": "vision tower activations (one call)",
+                  "reserve": "reserve (CUDA context, cuBLAS, allocator)", "total": "total",
+                  "capacity": "GPU memory (usable)"}  # fmt: skip
         for part, b in worst.memory.items():
             label = f"  {part.split('.', 1)[1]}" if part.startswith("workspace.") else labels[part]
             gpu.add_row(label, f"{b / GIB:.3f}")
@@ -94,11 +96,34 @@ def plan(
                             f"{lay['moe_bytes']['inter_node'] / 2**20:.2f} MiB",
                             f"{lay['moe_bytes_per_token'] / 2**10:.1f} KiB", f"{lay['attention_token_heads']:,}")
         console.print(layouts)
+        _print_margins_and_dp_step(d)
         console.print(("[green]" if p.fits else "[red]") + p.verdict())
     if not p.fits:
         if not as_json:
             err_console.print(f"error: recipe {rec.name}: {p.verdict()}", highlight=False)
         raise typer.Exit(2)
+
+
+def _print_margins_and_dp_step(d: dict) -> None:
+    """`plan`'s lines on the usable GPU memory, its margin, the host memory peak and the dp decode-step model."""
+    gib = 2**30
+    console.print(f"usable GPU memory per rank {d['usable_gpu_bytes'] / gib:.2f} GiB; margin beyond one max_seq_len "
+                  f"sequence {d['margin_bytes'] / gib:.2f} GiB")
+    console.print(f"host memory peak per rank {d['host_peak_bytes_per_rank'] / gib:.2f} GiB "
+                  f"({d['host_peak_bytes_per_rank'] / d['weight_bytes_per_rank']:.2f} x the rank's weights; the plan "
+                  f"streamed to disk), {d['host_peak_bytes_per_rank_plan_buffer'] / gib:.2f} GiB with TensorRT "
+                  "bindings that build into one plan buffer (10.9)")
+    step = d["dp_decode_step"]
+    if step is None:
+        return
+    layer, total = step["per_layer"], step["per_step"]
+    console.print(f"dp decode step ({step['tokens_per_group']} tokens per attention group, {step['moe_layers']} MoE "
+                  f"layers), per layer / per step: host syncs {layer['host_syncs']} / {total['host_syncs']}, launches "
+                  f">= {layer['launches_at_least']:,} / {total['launches_at_least']:,}, full-receive-buffer passes "
+                  f"{layer['full_buffer_passes']} over {layer['receive_rows']:,} rows = "
+                  f"{layer['full_buffer_bytes'] / 1e9:.1f} / {total['full_buffer_bytes'] / 1e9:,.0f} GB, for "
+                  f"{layer['rows_with_tokens']:,} rows with tokens ({layer['counted_rows_bytes'] / 2**20:.2f} MiB) "
+                  f"and {layer['expert_weight_bytes'] / 2**20:,.0f} MiB of expert weights per layer")
 
 
 @app.command()
