@@ -94,6 +94,15 @@ def read_engine_meta(path: Path) -> tuple[dict, int, int]:
     return json.loads(meta[ENGINE_KEY]), data_start + begin, end - begin
 
 
+def read_engine_file(path: Path) -> tuple[dict, bytes]:
+    """(metadata `trt_engine`, serialized TensorRT engine) of an engine file, the plan read whole (inspection and
+    tests; the runners stream it with `stream_reader`)."""
+    meta, offset, size = read_engine_meta(path)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return meta, f.read(size)
+
+
 def stream_reader(trt, path: Path, offset: int, size: int):
     """A `trt.IStreamReaderV2` over bytes [offset, offset + size) of `path` (pass it to
     `Runtime.deserialize_cuda_engine`); reads at most READ_CHUNK bytes at a time."""

@@ -52,7 +52,7 @@ from moe_export.common.atomic import atomic_path
 from moe_export.common.engine_file import (
     ENGINE_KEY,
     EngineFileWriter,
-    read_engine_meta,
+    read_engine_file,
     stream_reader,
     stream_writer,
 )
@@ -262,15 +262,6 @@ def build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path, *, 
         sink.finish({ENGINE_KEY: json.dumps(meta, sort_keys=True), "tensorrt_version": trt.__version__})
     with atomic_path(cache_path) as tmp:
         tmp.write_bytes(bytes(timing_cache.serialize()))
-
-
-def read_engine_file(path: Path) -> tuple[dict, bytes]:
-    """(metadata `trt_engine`, serialized TensorRT engine) of an engine file, the plan read whole (small engines
-    and inspection; the runner streams it, `common.engine_file.stream_reader`)."""
-    meta, offset, size = read_engine_meta(path)
-    with open(path, "rb") as f:
-        f.seek(offset)
-        return meta, f.read(size)
 
 
 def describe_engine(path: Path) -> dict:

@@ -10,19 +10,14 @@ Mul on either side (exact for powers of two). ONNX Runtime rounds both forms the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 from moe_export.quantize import fp8_cache
 
-if TYPE_CHECKING:
-    from moe_export.graphs.onnx_export import GraphBuilder
 
-
-def round_to_fp8_rows(g: GraphBuilder, rows: str, name: str) -> str:
-    """`fp8_cache.round_rows` in ONNX ops appended to `g`: rows [T, D] fp32 -> E4M3(rows / 2^e) * 2^e with the row exponent
-    e [T, 1] = the smallest integer in [-127, 127] with max|row| <= 448 * 2^e (Log's rounding corrected by one
-    exact step either way)."""
+def round_to_fp8_rows(g, rows: str, name: str) -> str:
+    """`fp8_cache.round_rows` in ONNX ops appended to `g` (`onnx_export.GraphBuilder`): rows [T, D] fp32 ->
+    E4M3(rows / 2^e) * 2^e with the row exponent e [T, 1] = the smallest integer in [-127, 127] with
+    max|row| <= 448 * 2^e (Log's rounding corrected by one exact step either way)."""
 
     def f32(v: float) -> str:
         return g.const(v, np.float32, "fp8_rows")

@@ -600,7 +600,8 @@ def test_dp_recipe_builds_at_world_8_through_the_standin(tmp_path, monkeypatch):
     from moe_export.export import tensorrt_build
     from moe_export.export.build import build
     from moe_export.export.planner import make_plan, vision_activation_bytes
-    from moe_export.export.tensorrt_build import ENGINE_WORKSPACES, read_engine_file
+    from moe_export.common.engine_file import read_engine_file
+    from moe_export.export.tensorrt_build import ENGINE_WORKSPACES
 
     data = yaml.safe_load(Path(load_recipe("tiny-cpu.yaml")[1]).read_text())
     data.update(name="tiny-dp-trt", backend="tensorrt", model={"source": "synthetic:tiny-k3"})

@@ -14,11 +14,11 @@ from moe_export.common.errors import InputError
 from moe_export.common.recipe import load_recipe
 from moe_export.export import tensorrt_build
 from moe_export.export.planner import make_plan
+from moe_export.common.engine_file import read_engine_file
 from moe_export.export.tensorrt_build import (
     build_tensorrt_engine,
     engine_profile,
     profile_range,
-    read_engine_file,
 )
 from moe_export.graphs.sharding import Mapping
 from test_tensorrt_plugins import tiny_graphs  # noqa: F401  (module fixture: real tiny rank graphs)

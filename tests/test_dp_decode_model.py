@@ -91,3 +91,23 @@ def test_dp_step_model_matches_the_dp_graph_and_buffer_sizes(tiny_graphs):  # no
     assert layer["full_buffer_bytes"] > 100 * layer["counted_rows_bytes"]
     assert model["per_step"]["host_syncs"] == model["moe_layers"] + 1  # one read-back per dispatch, the logits
     assert make_plan(recipe).to_dict()["dp_decode_step"] == dp_decode_step(cfg, recipe, Mapping(8, 0, 2, 8, "dp"))
+
+
+def test_gpu_trt_check_dry_run_on_cpu(tmp_path):
+    """The prepared GPU measurement (`benchmarks/gpu_trt_check.py`) runs its code at tiny shapes on CPU (Triton's
+    interpreter) and writes the keys the GPU run reports."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "trt.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, str(repo / "benchmarks" / "gpu_trt_check.py"), "--device", "cpu",
+                          "--repeats", "1", "--json", str(out)], env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["dp_moe_full_buffer_ms"] > 0 and result["model"]["chunks"] == 1
+    assert result["model_pass_bytes"] == 64 * 2 * 64 * 4 * 2 + 64 * 64 * 4

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 from conftest import write_engine_config
 from moe_export.common.errors import InputError
-from moe_export.common.engine_file import ENGINE_KEY
-from moe_export.export.tensorrt_build import read_engine_file
+from moe_export.common.engine_file import ENGINE_KEY, read_engine_file
 from moe_export.runtime.engine.batch import StepBatch
 from moe_export.runtime.engine.tensorrt import (
     TensorRTEngine,

@@ -18,7 +18,7 @@ from moe_export.common.recipe import load_recipe
 from moe_export.export import tensorrt_vision
 from moe_export.export.planner import image_patch_limit, vision_activation_bytes
 from moe_export.export.synth import preset_config
-from moe_export.export.tensorrt_build import read_engine_file
+from moe_export.common.engine_file import read_engine_file
 from moe_export.graphs.vision import VISION_NORM_EPS, vision_config, vision_tensor_specs
 from moe_export.graphs.vision_export import export_vision_graph, tower_inputs
 from moe_export.runtime.engine.tensorrt_vision import TensorRTTower
