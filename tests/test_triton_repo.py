@@ -199,7 +199,8 @@ def test_three_concurrent_streams_a_cancelled_one_and_a_bad_one(model, pb_utils,
         assert request.sender.flags[-1] == pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         assert pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL not in request.sender.flags[:-1]
 
-    # streams: one response per token, their concatenation equals the offline runtime's text for the prompt
+    # streams: one response per token, their concatenation equals the offline runtime's text for the prompt (without
+    # special-token names)
     reference = LLM(engine)
     try:
         from moe_export.runtime.sampling import SamplingParams
@@ -211,7 +212,7 @@ def test_three_concurrent_streams_a_cancelled_one_and_a_bad_one(model, pb_utils,
         responses = request.sender.responses
         assert not any(r.has_error() for r in responses)
         assert len(responses) >= 2
-        assert "".join(text_of(r) for r in responses) == ref.text
+        assert "".join(text_of(r) for r in responses) == model.llm.tokenizer.visible_text(ref.text)
         usage = json.loads(text_of(responses[-1], "usage"))
         assert usage["completion_tokens"] == 12 and usage["prompt_tokens"] == len(ref.prompt_ids)
         assert text_of(responses[-1], "finish_reason") == "length"
@@ -242,7 +243,7 @@ def test_three_concurrent_streams_a_cancelled_one_and_a_bad_one(model, pb_utils,
     assert again.sender.done.wait(60)
     (resp,) = again.sender.responses
     assert [t.name() for t in resp.output_tensors()] == ["text_output"]
-    assert text_of(resp) == "hello there" + expected[0].text  # exclude_input_in_output defaults to false
+    assert text_of(resp) == "hello there" + model.llm.tokenizer.visible_text(expected[0].text)  # exclude_input_in_output defaults to false
 
 
 def test_vllm_backend_client_string_parameters(model, pb_utils):
@@ -347,3 +348,86 @@ def test_images_input(model, pb_utils, engine):
     assert all(e is not None and e.code() == pb_utils.TritonError.INVALID_ARG for e in errors.values())
     assert "content[1]: not a readable image" in errors["bad"].message()
     assert "goes with the messages input" in errors["no-chat"].message()
+
+
+def test_text_output_is_the_servers_text_for_the_same_ids(model, pb_utils, engine):
+    """A raw prompt's text_output drops special-token names (sampled reserved / padding / media tokens) exactly as
+    the server's /v1/completions text does for the same greedy ids (random weights sample many specials)."""
+    import httpx
+
+    from serve_support import InProcessServer
+
+    server = InProcessServer(engine, served_model_names=("m",))
+    try:
+        prompts, compared = ["hello there", "the quick brown fox", "numbers: 1 2 3", "a long story"], 0
+        for prompt in prompts:
+            body = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+                "model": "m", "prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "logprobs": 0}).json()
+            tokens = body["choices"][0]["logprobs"]["tokens"]
+            names = [t for t in tokens if t in model.llm.tokenizer.special_tokens]
+            request = make_request(pb_utils, model, f"detok-{prompt}", prompt=prompt, stream=False,
+                                   params={"max_tokens": 40, "temperature": 0, "ignore_eos": True},
+                                   raw_inputs=[pb_utils.Tensor("exclude_input_in_output", np.array([True]))])
+            streamed = make_request(pb_utils, model, f"detok-stream-{prompt}", prompt=prompt,
+                                    params={"max_tokens": 40, "temperature": 0, "ignore_eos": True})
+            model.execute([request, streamed])
+            assert request.sender.done.wait(60) and streamed.sender.done.wait(60)
+            text = text_of(request.sender.responses[-1])
+            assert text == body["choices"][0]["text"] == "".join(text_of(r) for r in streamed.sender.responses)
+            assert not any(n in text for n in names)
+            compared += bool(names)
+        assert compared >= 1, "no prompt sampled a special token: the comparison would prove nothing"
+    finally:
+        server.stop()
+        server.llm.shutdown()
+
+
+def test_streaming_with_the_input_in_the_output_is_refused(model, pb_utils):
+    """As Triton's vLLM backend: a streamed raw prompt with exclude_input_in_output=false is INVALID_ARG; true, or
+    the flag left out, streams; a chat ignores the flag."""
+    def flag(value):
+        return [pb_utils.Tensor("exclude_input_in_output", np.array([value]))]
+
+    params = {"max_tokens": 3, "temperature": 0}
+    refused = make_request(pb_utils, model, "echo-stream", prompt="hello", params=params, raw_inputs=flag(False))
+    allowed = [make_request(pb_utils, model, "excl-stream", prompt="hello", params=params, raw_inputs=flag(True)),
+               make_request(pb_utils, model, "plain-stream", prompt="hello", params=params),
+               make_request(pb_utils, model, "echo-whole", prompt="hello", params=params, stream=False, raw_inputs=flag(False)),
+               make_request(pb_utils, model, "chat-stream", messages=[{"role": "user", "content": "hi"}],
+                            params={**params, "reasoning_effort": "none"}, raw_inputs=flag(False))]
+    model.execute([refused, *allowed])
+    for r in [refused, *allowed]:
+        assert r.sender.done.wait(60)
+    error = refused.sender.responses[-1].error()
+    assert error is not None and error.code() == pb_utils.TritonError.INVALID_ARG
+    assert "exclude_input_in_output=false is not allowed when streaming" in error.message()
+    assert not any(resp.has_error() for r in allowed for resp in r.sender.responses)
+    assert text_of(allowed[2].sender.responses[-1]).startswith("hello")
+
+
+def test_cancellation_is_noticed_while_a_request_waits_for_a_slot(model, pb_utils, engine):
+    """A request queued behind a full batch produces no output; cancelling it ends it at once with CANCELLED
+    (not when it would first have produced a token), and the runtime forgets it."""
+    slots = json.loads((Path(engine) / "config.json").read_text())["limits"]["max_batch"]
+    long = {"max_tokens": 600, "ignore_eos": True, "temperature": 0}
+    busy = [make_request(pb_utils, model, f"busy{i}", prompt=f"story {i}", params=long) for i in range(slots)]
+    queued = make_request(pb_utils, model, "queued", prompt="waiting", params=long)
+    model.execute([*busy, queued])
+    deadline = time.time() + 60
+    while not all(r.sender.responses for r in busy) and time.time() < deadline:
+        time.sleep(0.01)
+    assert not queued.sender.responses  # every slot is taken: it waits
+    queued.cancel()
+    assert queued.sender.done.wait(5)
+    cancelled_at = time.time()
+    (answer,) = queued.sender.responses
+    assert answer.has_error() and answer.error().code() == pb_utils.TritonError.CANCELLED
+    assert not any(r.sender.done.is_set() for r in busy), "the batch finished first: the check proved nothing"
+    for r in busy:
+        r.cancel()
+    for r in busy:
+        assert r.sender.done.wait(10)
+    assert time.time() - cancelled_at < 10
+    while model.llm.stats()["running"] and time.time() - cancelled_at < 10:  # aborts reach the scheduler's thread
+        time.sleep(0.01)
+    assert model.llm.stats()["running"] == 0
