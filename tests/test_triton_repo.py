@@ -89,13 +89,59 @@ def test_cli_writes_repo_and_rejects_bad_input(engine, tmp_path, capsys):
                          "--engine-path", "/models/engine")  # the engine's path inside a container
     assert code == 0
     assert parse_config((tmp_path / "c" / "m2" / "config.pbtxt").read_text()).parameters["engine_dir"].string_value == "/models/engine"
-    assert 'ENGINE="/models/engine"' in (tmp_path / "c" / "launch_m2.sh").read_text()
+    assert "ENGINE=/models/engine" in (tmp_path / "c" / "launch_m2.sh").read_text()
     code, _, err = run_cli(capsys, "triton-repo", str(tmp_path), "--out", str(tmp_path / "r2"))
     assert code == 2 and "not an engine directory" in err and "Traceback" not in err
     code, _, err = run_cli(capsys, "triton-repo", str(engine), "--out", str(tmp_path / "r"), "--model-name", "bad/name")
     assert code == 2 and "model name" in err
     code, _, err = run_cli(capsys, "triton-repo", str(engine), "--out", str(tmp_path / "r"), "--default-effort", "huge")
     assert code == 2 and "default effort" in err
+
+
+HOSTILE_ENGINE_PATHS = [
+    "/models/$HOME/engine", "/models/`touch PWNED`/e", "/models/$(touch PWNED)", "/m/it's \"quoted\"",
+    "/m/two  spaces and\ttab", "/m/été/模型/😀", "/m/new\nline; touch PWNED", "/m/back\\slash/*", "-dash/$((1+1))/!x",
+]
+
+
+def test_launch_script_passes_hostile_engine_paths_through_bash_unchanged(engine, tmp_path):
+    """launch_NAME.sh, run by bash with tritonserver replaced by a stub that records its argv and environment:
+    each hostile --engine-path reaches the server (MOE_EXPORT_ENGINE_DIR) and the --mpi followers byte for byte,
+    and nothing in it is expanded or executed; config.pbtxt carries it exactly too."""
+    from moe_export.runtime.entrypoints.triton.repo import write_triton_repo
+
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name in ("tritonserver", "mpiexec"):
+        (stubs / name).write_text(f'#!/usr/bin/env bash\nprintf "%s\\0" {name} "$MOE_EXPORT_ENGINE_DIR" "$@" > "$RECORD"\n')
+        (stubs / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "MOE_EXPORT_ENGINE_DIR"}
+    env.update(PATH=f"{stubs}:{env['PATH']}", RECORD=str(tmp_path / "argv"), LC_ALL="C")
+    for k, hostile in enumerate(HOSTILE_ENGINE_PATHS):
+        repo = tmp_path / f"r{k}"
+        write_triton_repo(engine, repo, "m", engine_path=hostile)
+        assert parse_config((repo / "m" / "config.pbtxt").read_text(encoding="utf-8")).parameters["engine_dir"].string_value == hostile
+        for args in ([], ["--mpi", "--log-verbose=1"]):
+            r = subprocess.run(["bash", str(repo / "launch_m.sh"), *args], cwd=tmp_path, env=env, capture_output=True, timeout=60)
+            assert r.returncode == 0, r.stderr.decode(errors="replace")
+            argv = (tmp_path / "argv").read_bytes().split(b"\0")[:-1]
+            assert argv[1] == os.fsencode(hostile if hostile.startswith("/") else f"{repo}/m/{hostile}"), (hostile, argv)
+            assert argv[2:4] == [b"--model-repository", os.fsencode(repo)]
+        assert not (tmp_path / "PWNED").exists() and not (repo / "PWNED").exists()
+
+
+def test_python_environment_is_documented_and_can_be_named(engine, tmp_path, capsys):
+    """config.pbtxt says which Python runs model.py; --python-env writes Triton's EXECUTION_ENV_PATH parameter."""
+    code, _, _ = run_cli(capsys, "triton-repo", str(engine), "--out", str(tmp_path / "r"), "--model-name", "sys")
+    text = (tmp_path / "r" / "sys" / "config.pbtxt").read_text()
+    assert "system python3" in text and "numpy < 2" in text and "EXECUTION_ENV_PATH" not in parse_config(text).parameters
+    code, _, _ = run_cli(capsys, "triton-repo", str(engine), "--out", str(tmp_path / "r"), "--model-name", "env",
+                         "--python-env", "$$TRITON_MODEL_DIRECTORY/py-env")
+    assert code == 0
+    cfg = parse_config((tmp_path / "r" / "env" / "config.pbtxt").read_text())
+    assert cfg.parameters["EXECUTION_ENV_PATH"].string_value == "$$TRITON_MODEL_DIRECTORY/py-env"
+    code, _, err = run_cli(capsys, "triton-repo", str(engine), "--out", str(tmp_path / "r"), "--python-env", " ")
+    assert code == 2 and "--python-env must not be empty" in err
 
 
 # ---- model.py end to end in the backend double ----
