@@ -17,17 +17,16 @@ because the ONNX parser widens uint8 initializers to int32 (`export/tensorrt_con
 PARSER_UINT8_WEIGHTS_BECOME_INT32, ADD_CONSTANT_NO_UINT8); the impl views them back as uint8 (no copy). The
 engine holds them at 4.25 bits per weight, as the planner counts.
 
-No host synchronization in `impl` (the pair layout is sized from shapes, `triton_kernel.padded_expert_blocks`)
+No host synchronization in `impl` (the pair layout is one kernel sized from shapes, `triton_kernel.pair_layout`)
 and bounded scratch (tokens in chunks), so the launches can be captured in a CUDA graph. The result is written
 straight into TensorRT's output buffer. QDP plugins get no TensorRT workspace (contract QDP_NO_WORKSPACE), so the
-chunk's partial sums and activations live in a second, declared output `scratch` [scratch_bytes] int8
-(`triton_kernel.workspace_bytes` at the recipe's max_num_tokens, set by the graph exporter): TensorRT places it in
-the engine's device memory like any activation, reused between layers; only the small pair layout comes from
-torch's caching allocator.
+chunk's partial sums, activations and pair layout live in a second, declared output `scratch` [scratch_bytes]
+int8 (`sizes.workspace_bytes` at the recipe's max_num_tokens, set by the graph exporter): TensorRT places it in
+the engine's device memory like any activation, reused between layers.
 
 Why there is no `aot_impl`: a QDP AOT implementation is one kernel launch whose only tensors are the plugin's
-inputs and outputs, but `triton_kernel.moe_mxfp4_triton` is host-side torch work (sorting the pairs by expert on
-the device) plus two launches with intermediate buffers. An AOT version needs a fused single-launch MoE kernel
+inputs and outputs, but `triton_kernel.moe_mxfp4_triton` is four launches (pair layout, up, down, combine) with
+intermediate buffers. An AOT version needs a fused single-launch MoE kernel
 (expert grouping in the kernel, the up-projection activation kept on chip, the k routed contributions reduced
 in the kernel, deterministically).
 """

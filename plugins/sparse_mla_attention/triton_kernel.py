@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ..pool_table import TRITON_DTYPES, check_pool_offsets, in_pool, pool_entry, pool_table
+from .sizes import block_sizes
 
 _SEQ_BLOCK = tl.constexpr(64)  # cu_seqlens entries compared per step of the token -> sequence search
 
@@ -130,11 +131,6 @@ def _sparse_mla_kernel(
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_rows = o_ptr + (t * H + offs_h[:, None]) * DC
     tl.store(o_rows + offs_c[None, :], out, mask=mask_h[:, None] & mask_c[None, :])
-
-
-def block_sizes(kv_lora_rank: int, rope_dim: int) -> tuple[int, int]:
-    """(BLOCK_DC, BLOCK_DR): the latent and rope widths rounded up to powers of two (at least 16, for tl.dot)."""
-    return max(16, triton.next_power_of_2(kv_lora_rank)), max(16, triton.next_power_of_2(rope_dim))
 
 
 def sparse_mla_attention_triton(
