@@ -250,7 +250,6 @@ def check_sparse_mla(fig: dict) -> None:
         else:
             fig[f"sparse_mla_ms_{n}"] = ms
             fig[f"sparse_mla_bw_frac_{n}"] = n * topk * 576 * 2 / (ms * 1e-3) / (fig["read_bw_gbps"] * 1e9)
-        del pool, tables
 
 
 def check_indexer(fig: dict) -> None:

@@ -51,7 +51,7 @@ def aot_kernel_code(kernel, plugin_id: str, num_params: int) -> str:
     `KernelLaunchParams.shared_mem` (tensorrt_bindings/plugin/_plugin_class.py (11.4.0.106) line 426); nothing
     public shows its AOT launcher opting a kernel into more than 48 KiB (contract
     AOT_SHARED_MEMORY_OPT_IN_UNKNOWN), so such a kernel is refused with the way out."""
-    from moe_export.export.tensorrt_contracts import DEFAULT_DYNAMIC_SHARED_MEMORY
+    from moe_export.plugins.tensorrt_contracts import DEFAULT_DYNAMIC_SHARED_MEMORY
 
     shared = int(kernel.metadata.shared)
     if shared > DEFAULT_DYNAMIC_SHARED_MEMORY:

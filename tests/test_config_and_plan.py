@@ -6,13 +6,12 @@ import subprocess
 import sys
 
 import pytest
-
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
+from moe_export.common.model_config import ModelConfig, shipped_model_config
+from moe_export.common.recipe import load_recipe
 from moe_export.export.planner import make_plan
-from moe_export.graphs.config import ModelConfig, shipped_model_config
 from moe_export.graphs.weights import all_tensor_specs
 from moe_export.recipes import models_dir
-from moe_export.recipes.schema import load_recipe
 
 K3_TOTAL = 2.78e12  # xinference / model card: 2,779.93 B total incl. the vision tower
 K3_ACTIVE = 104e9
@@ -64,7 +63,7 @@ def test_k3_plan_numbers():
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-c", "from moe_export.export.cli import main; main()", *args],
+    return subprocess.run([sys.executable, "-c", "from moe_export.runtime.entrypoints.cli import main; main()", *args],
                           capture_output=True, text=True)
 
 
@@ -249,7 +248,7 @@ def test_planning_a_tensorrt_recipe_needs_no_triton():
     same workspaces as the kernels' own arithmetic."""
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "from moe_export.recipes.schema import load_recipe\n"
+        "from moe_export.common.recipe import load_recipe\n"
         "from moe_export.export.planner import make_plan\n"
         "import moe_export.graphs.onnx_export\n"
         "plan = make_plan(load_recipe('h100x64.yaml')[0])\n"
