@@ -3,8 +3,9 @@
 Every figure comes with a correctness check at the same shape; a failing check records `<key>_error` and the
 others still run. Timings: triton.testing.do_bench (CUDA events, median). Keys (the goals of the GPU-kernel issue):
   - limits, measured in the same run: `read_bw_gbps` (t.sum() over 4 GiB bf16), `bf16_matmul_tflops` (8192^3);
-  - KDA, ours vs fla (`chunk_kda` for prefill, `fused_recurrent_kda` for decode), bf16 q/k/v, fp32 state,
-    K = V = 128: `kda_prefill_vs_fla_<N>x<T>_h<H>` at 1 x 8192 H 16 and 16 x 2048 H 8, `kda_prefill_vs_fla` (the
+  - KDA, ours (the plugin's path on the state pool, in place at shuffled slots: `gated_delta_scan.fla_path`)
+    vs fla (`chunk_kda` for prefill, `fused_recurrent_kda` for decode, on gathered states), bf16 q/k/v, fp32
+    state, K = V = 128, our own token-by-token kernel timed beside (`kda_*_triton_ms_*`): `kda_prefill_vs_fla_<N>x<T>_h<H>` at 1 x 8192 H 16 and 16 x 2048 H 8, `kda_prefill_vs_fla` (the
     smaller), `kda_decode_vs_fla_<N>` at 64 and 256 sequences H 12, `kda_decode_vs_fla`; outputs within 4e-3
     (prefill: 2e-2, bf16 outputs over 8k-token chunks) of fla's (`*_max_abs_diff`);
   - MoE W4A16 (one EP rank of K3: 14 experts, D 3584, I 3072; bf16 in and out): `moe_decode_bw_frac_<T>` at
@@ -35,7 +36,8 @@ import torch
 
 from moe_export.plugins.dsa_indexer.triton_kernel import dsa_indexer_launch
 from moe_export.plugins.gated_delta_scan import reference as kda_ref
-from moe_export.plugins.gated_delta_scan.triton_kernel import gated_delta_scan, gated_delta_scan_pool
+from moe_export.plugins.gated_delta_scan.fla_path import kda_pool_fla
+from moe_export.plugins.gated_delta_scan.triton_kernel import gated_delta_scan_pool
 from moe_export.plugins.moe_mxfp4.triton_kernel import moe_mxfp4_triton
 from moe_export.plugins.pool_table import device_pool_table
 from moe_export.plugins.sparse_mla_attention.triton_kernel import sparse_mla_attention_launch
@@ -101,58 +103,58 @@ def _fla():
     return chunk_kda, fused_recurrent_kda
 
 
-def _kda_inputs(n: int, t: int, h: int, kd: int):
-    q, k, v = (torch.randn(1, n * t, h, kd, device=DEV, dtype=torch.bfloat16) for _ in range(3))
-    g = -5 * torch.sigmoid(torch.randn(1, n * t, h, kd, device=DEV))
-    beta = torch.sigmoid(torch.randn(1, n * t, h, device=DEV))
+def _kda_case(n: int, t: int, h: int, kd: int):
+    """Packed bf16 q, k, v [T, H, K], fp32 g, beta; n sequences of t tokens at shuffled slots of a V-first fp32
+    pool [2n, H, V, K]; the same states gathered K-first [n, H, K, V] for fla."""
+    q, k, v = (torch.randn(n * t, h, kd, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+    g = -5 * torch.sigmoid(torch.randn(n * t, h, kd, device=DEV))
+    beta = torch.sigmoid(torch.randn(n * t, h, device=DEV))
     cu = torch.arange(0, n * t + 1, t, device=DEV)
-    return q, k, v, g, beta, cu
+    slots = torch.randperm(2 * n, device=DEV)[:n]
+    pool = torch.randn(2 * n, h, kd, kd, device=DEV) * 0.1
+    return (q, k, v, g, beta), cu, slots, pool, pool[slots].transpose(-1, -2).contiguous()
+
+
+def _ours_on_pool(args, work, cu, slots, kd):
+    """The plugin's path: fla's kernels on our pool (`fla_path`) on the GPU; our Triton kernel in the smoke run."""
+    if SMOKE:
+        return gated_delta_scan_pool(*args, work, cu, slots, kd**-0.5, True)
+    return kda_pool_fla(*args, work, cu, slots, kd**-0.5, True)
+
+
+def _check_kda(fig: dict, kind: str, name: str, n: int, t: int, h: int, tol: float) -> float:
+    """ours (on the pool, in place) vs fla (gathered states) at n x t tokens, H h; returns fla ms / ours ms."""
+    chunk_kda, fused_recurrent_kda = _fla()
+    theirs_fn = chunk_kda if kind == "prefill" else fused_recurrent_kda
+    kd = SHAPES["kda_k"]
+    args, cu, slots, pool, state0 = _kda_case(n, t, h, kd)
+    work = pool.clone()
+    ours = lambda: _ours_on_pool(args, work, cu, slots, kd)  # noqa: E731
+    theirs = lambda: theirs_fn(*(x.unsqueeze(0) for x in args), initial_state=state0, output_final_state=True,  # noqa: E731
+                               use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    fig[f"kda_{kind}_ms_{name}"], fig[f"kda_{kind}_fla_ms_{name}"] = bench_ms(ours), bench_ms(theirs)
+    own = lambda: gated_delta_scan_pool(*args, work, cu, slots, kd**-0.5, True)  # noqa: E731
+    fig[f"kda_{kind}_triton_ms_{name}"] = bench_ms(own)  # our token-by-token kernel (the AOT / no-fla path)
+    work.copy_(pool)
+    o, (o_f, s_f) = ours(), theirs()
+    diff = max(max_diff(o, o_f[0]), max_diff(work[slots].transpose(-1, -2), s_f))
+    within(fig, f"kda_{kind}_max_abs_diff_{name}", diff, tol)
+    fig[f"kda_{kind}_vs_fla_{name}"] = fig[f"kda_{kind}_fla_ms_{name}"] / fig[f"kda_{kind}_ms_{name}"]
+    return fig[f"kda_{kind}_vs_fla_{name}"]
 
 
 def check_kda_prefill(fig: dict) -> None:
-    chunk_kda, _ = _fla()
-    ratios = []
-    for n, t, h in SHAPES["kda_prefill"]:
-        q, k, v, g, beta, cu = _kda_inputs(n, t, h, SHAPES["kda_k"])
-        ours = lambda: gated_delta_scan(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,  # noqa: E731
-                                        output_final_state=True)
-        theirs = lambda: chunk_kda(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True,  # noqa: E731
-                                   use_qk_l2norm_in_kernel=True)
-        name = f"{n}x{t}_h{h}"
-        fig[f"kda_prefill_ms_{name}"], fig[f"kda_prefill_fla_ms_{name}"] = bench_ms(ours), bench_ms(theirs)
-        ratios.append(fig[f"kda_prefill_fla_ms_{name}"] / fig[f"kda_prefill_ms_{name}"])
-        fig[f"kda_prefill_vs_fla_{name}"] = ratios[-1]
-        (o, s), (o_f, s_f) = ours(), theirs()
-        within(fig, f"kda_prefill_max_abs_diff_{name}", max(max_diff(o, o_f), max_diff(s, s_f)), 2e-2)
+    ratios = [_check_kda(fig, "prefill", f"{n}x{t}_h{h}", n, t, h, 2e-2) for n, t, h in SHAPES["kda_prefill"]]
     fig["kda_prefill_vs_fla"] = min(ratios)
-    fig["kda_triton_ms"], fig["kda_fla_chunk_ms"] = fig[f"kda_prefill_ms_{name}"], fig[f"kda_prefill_fla_ms_{name}"]
-    fig["kda_triton_vs_fla"] = ratios[-1]
+    n, t, h = SHAPES["kda_prefill"][0]
+    name = f"{n}x{t}_h{h}"
+    fig["kda_triton_ms"], fig["kda_fla_chunk_ms"] = fig[f"kda_prefill_triton_ms_{name}"], fig[f"kda_prefill_fla_ms_{name}"]
+    fig["kda_triton_vs_fla"] = fig["kda_fla_chunk_ms"] / fig["kda_triton_ms"]
 
 
 def check_kda_decode(fig: dict) -> None:
-    """One token per sequence, states in a pool [S, H, V, K] fp32 updated in place at slot ids (ours) vs fla's
-    fused recurrent kernel over the gathered states [N, H, K, V]."""
-    _, fused_recurrent_kda = _fla()
-    h, kd = SHAPES["kda_decode_h"], SHAPES["kda_k"]
-    ratios = []
-    for n in SHAPES["kda_decode"]:
-        q, k, v, g, beta, cu = _kda_inputs(n, 1, h, kd)
-        slots = torch.randperm(2 * n, device=DEV)[:n]
-        pool = torch.randn(2 * n, h, kd, kd, device=DEV) * 0.1
-        work = pool.clone()
-        state0 = pool[slots].transpose(-1, -2).contiguous()  # [N, H, K, V]
-        ours = lambda: gated_delta_scan_pool(q[0], k[0], v[0], g[0], beta[0], work, cu, slots, kd**-0.5,  # noqa: E731
-                                             True)
-        theirs = lambda: fused_recurrent_kda(q, k, v, g, beta, initial_state=state0, output_final_state=True,  # noqa: E731
-                                             use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
-        fig[f"kda_decode_ms_{n}"], fig[f"kda_decode_fla_ms_{n}"] = bench_ms(ours), bench_ms(theirs)
-        ratios.append(fig[f"kda_decode_fla_ms_{n}"] / fig[f"kda_decode_ms_{n}"])
-        fig[f"kda_decode_vs_fla_{n}"] = ratios[-1]
-        work.copy_(pool)
-        o, (o_f, s_f) = ours(), theirs()
-        diff = max(max_diff(o, o_f[0]), max_diff(work[slots].transpose(-1, -2), s_f))
-        within(fig, f"kda_decode_max_abs_diff_{n}", diff, 4e-3)
-    fig["kda_decode_vs_fla"] = min(ratios)
+    h = SHAPES["kda_decode_h"]
+    fig["kda_decode_vs_fla"] = min(_check_kda(fig, "decode", str(n), n, 1, h, 4e-3) for n in SHAPES["kda_decode"])
 
 
 def _moe_case(T: int, k: int):

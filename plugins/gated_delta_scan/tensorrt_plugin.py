@@ -26,9 +26,11 @@ import tensorrt.plugin as trtp
 import torch
 
 from .. import PLUGIN_NAMESPACE
+from ..pool_table import pools_of_table
 from ..tensorrt_common import Float32Field, Int32Field, aot_kernel_code, as_torch, scalar
 from ..tensorrt_target import target_capability
 from .onnx_schema import OP_TYPE
+from .fla_path import fla_kernels, kda_pool_fla
 from .sizes import block_sizes
 from .triton_kernel import aot_compile, launch
 
@@ -89,9 +91,15 @@ def _run(
     outputs: tuple[trtp.Tensor],
     stream: int,
 ) -> None:
-    """Launch the Triton kernel on TensorRT's stream; the kernel updates the pool in place through the table."""
+    """On TensorRT's stream: fla's kernels on the runner's pool when they can run (`fla_path`), else our Triton
+    kernel, which updates the pool in place through the table."""
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
         tq, tk, tv, tg, tb, table, cu, slots = (as_torch(x) for x in (q, k, v, g, beta, pool_table, cu_seqlens, slot_ids))
+        pools = pools_of_table(table) if table.is_cuda else None
+        if pools is not None and fla_kernels() is not None:
+            kda_pool_fla(tq, tk, tv, tg, tb, pools[scalar(pool)], cu, slots, scalar(scale), bool(scalar(use_qk_l2norm)),
+                         out=as_torch(outputs[0]))  # fmt: skip
+            return
         launch(tq, tk, tv, tg, tb, table, scalar(pool), cu, slots, as_torch(outputs[0]), scalar(scale),
                bool(scalar(use_qk_l2norm)), True)  # fmt: skip
 
