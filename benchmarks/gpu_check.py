@@ -14,7 +14,8 @@ others still run. Timings: triton.testing.do_bench (CUDA events, median). Keys (
     the bf16 matmul rate; each within 2e-2 relative (of max |y|) of a bf16 per-expert torch loop;
   - sparse MLA decode, 128k cached tokens per sequence, top-2048, 12 heads (96 / tp 8), 576-wide bf16 latent
     rows in a paged pool: `sparse_mla_ms_1` (one sequence), `sparse_mla_bw_frac_64` (64 sequences: selected
-    rows' bytes / time / read bandwidth); each within 1e-3 of a torch gather-and-softmax in fp32;
+    rows' bytes / time / read bandwidth); each within 1e-2 relative (of max |o|: bf16 operands on the tensor
+    cores) of a torch gather-and-softmax in fp32;
   - DSA indexer decode over 128k cached bf16 index keys (64 heads x 128): `indexer_bw_frac_128k` (key bytes /
     time / read bandwidth), `indexer_topk_score_ok` (the chosen positions' scores are the top-k by torch);
   - the old figures (`kda_triton_ms`, `moe_triton_ms`, `sparse_128k_ms`, ...) and the no-host-sync CUDA-graph
@@ -55,7 +56,7 @@ SHAPES = {
 if SMOKE:
     SHAPES.update({
         "bw_bytes": 1 << 20, "mm": 64, "kda_prefill": [(1, 24, 2), (2, 8, 2)], "kda_decode": [3], "kda_decode_h": 2,
-        "kda_k": 16, "moe": dict(E=6, D=64, I=64), "moe_decode": [1, 4], "moe_prefill": 24,
+        "kda_k": 16, "moe": dict(E=6, D=64, I=64), "moe_decode": [1, 4], "moe_prefill": 8,
         "mla": dict(L=256, H=2, topk=16, bs=16, seqs=[1, 2]), "indexer": dict(L=256, Hi=4, Di=16, topk=16),
     })  # fmt: skip
 
@@ -150,6 +151,7 @@ def check_kda_prefill(fig: dict) -> None:
     name = f"{n}x{t}_h{h}"
     fig["kda_triton_ms"], fig["kda_fla_chunk_ms"] = fig[f"kda_prefill_triton_ms_{name}"], fig[f"kda_prefill_fla_ms_{name}"]
     fig["kda_triton_vs_fla"] = fig["kda_fla_chunk_ms"] / fig["kda_triton_ms"]
+    fig["kda_max_abs_diff_vs_fla"] = fig[f"kda_prefill_max_abs_diff_{name}"]
 
 
 def check_kda_decode(fig: dict) -> None:
@@ -206,6 +208,7 @@ def check_moe(fig: dict) -> None:
         if T == SHAPES["moe_decode"][-1]:  # the old figures: T = 64 against the bf16 loop
             fig["moe_triton_ms"], fig["moe_bf16_grouped_ms"] = ms, bench_ms(base)
             fig["moe_triton_vs_bf16"] = fig["moe_bf16_grouped_ms"] / ms
+            fig["moe_max_abs_diff_vs_bf16"] = fig[f"moe_rel_diff_decode_{T}"]  # relative to max |y| now
     fig["moe_decode_bw_frac"] = min(fracs)
     T = SHAPES["moe_prefill"]
     ms, _, base = _moe_run(T, 4, fig, f"prefill_{T}")
@@ -245,10 +248,13 @@ def check_sparse_mla(fig: dict) -> None:
         run()
         rows = _gathered_rows(pool, tables, idx)  # [N, K, 576]
         p = torch.softmax(torch.einsum("nhd,nkd->nhk", q, rows) * 192**-0.5, -1)
-        within(fig, f"sparse_mla_max_abs_diff_{n}", max_diff(out, torch.einsum("nhk,nkc->nhc", p, rows[..., :512])),
-               1e-3)  # fmt: skip
-        if n == 1:
-            fig["sparse_mla_ms_1"] = ms
+        want = torch.einsum("nhk,nkc->nhc", p, rows[..., :512])
+        within(fig, f"sparse_mla_rel_diff_{n}", max_diff(out, want) / max(float(want.abs().max()), 1.0), 1e-2)
+        if n == 1:  # and the earlier figures: the dense path (every position) at the same context
+            fig["sparse_mla_ms_1"] = fig["sparse_128k_ms"] = ms
+            fig["dense_128k_ms"] = bench_ms(lambda: sparse_mla_attention_launch(
+                q, table, 0, bs, pool.dtype, new, cu, tables, pos, None, out, scale=192**-0.5, kv_lora_rank=512))
+            fig["sparse_speedup_128k"] = fig["dense_128k_ms"] / ms
         else:
             fig[f"sparse_mla_ms_{n}"] = ms
             fig[f"sparse_mla_bw_frac_{n}"] = n * topk * 576 * 2 / (ms * 1e-3) / (fig["read_bw_gbps"] * 1e9)

@@ -19,6 +19,9 @@ mkdir -p .device-src/moe_export
 for d in common export graphs quantize plugins runtime recipes; do
   if [ -d "$d" ]; then ln -sfn "$PWD/$d" ".device-src/moe_export/$d"; fi
 done
+# fla (the KDA path and its anchors) is not on the H200 image: its pure-Python wheels, when carried in .whl/
+wheels=$(ls .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl 2>/dev/null || true)
+if [ -n "$wheels" ]; then python3 -m pip install -q --no-deps --no-index --target .device-src $wheels || true; fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 timeout 60 python3 benchmarks/gpu_aot_check.py --json "$OUT/gpu_aot_check.json" || echo "gpu_aot_check failed"
 timeout 240 python3 benchmarks/gpu_check.py --json "$OUT/gpu_kernels_check.json" || echo "gpu_check failed"

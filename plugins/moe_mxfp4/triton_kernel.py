@@ -20,29 +20,15 @@ SM streams a slice of the touched experts' weights (split along N keeps the acti
 Runs on CUDA tensors or under TRITON_INTERPRET=1.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from ..triton_dot import INTERPRETED, mma
 from .reference import ACTIVATIONS
 from .sizes import DEFAULT_SCRATCH_BUDGET, aligned, block_m_for, chunk_tokens, pair_capacity
 
 H200_SMS = 132  # programs wanted per launch: two per SM of an H200 / H100 (132 SMs)
-# Triton's interpreter multiplies bf16 blocks as their raw 16-bit integers (triton 3.9): there the dots take
-# fp32 copies of the bf16 operands, which gives the products a bf16 MMA gives (exact in fp32).
-_DOT_UPCAST = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def _dot_nt(a, w, acc, UPCAST: tl.constexpr):
-    """acc + a @ w^T with fp32 accumulation (a [M, K], w [N, K] of one dtype)."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-    return tl.dot(a, tl.trans(w), acc, input_precision="ieee")
-
-
 @triton.jit
 def _e2m1_f32(code):
     """int32 E2M1 codes (sign in bit 3) -> fp32, exactly, by building the bits: magnitude t = eem;
@@ -139,8 +125,8 @@ def _moe_up_kernel(
         s_mask = mask_n[:, None] & (k0 // 32 + offs_ks < dim // 32)[None, :]
         wg = _mxfp4_tile(w_g + k0 // 2, s_g + k0 // 32, w_mask, s_mask, a.dtype, BLOCK_N, BLOCK_K)
         wu = _mxfp4_tile(w_u + k0 // 2, s_u + k0 // 32, w_mask, s_mask, a.dtype, BLOCK_N, BLOCK_K)
-        acc_g = _dot_nt(a, wg, acc_g, UPCAST)
-        acc_u = _dot_nt(a, wu, acc_u, UPCAST)
+        acc_g = mma(a, tl.trans(wg), acc_g, UPCAST)
+        acc_u = mma(a, tl.trans(wu), acc_u, UPCAST)
     sig = 1.0 / (1.0 + tl.exp(-acc_g))
     if ACT_SILU:
         act = acc_g * sig * acc_u
@@ -177,7 +163,7 @@ def _moe_down_kernel(
         w_mask = mask_n[:, None] & (k0 // 2 + offs_kp < inter // 2)[None, :]
         s_mask = mask_n[:, None] & (k0 // 32 + offs_ks < inter // 32)[None, :]
         w = _mxfp4_tile(w_rows + k0 // 2, s_rows + k0 // 32, w_mask, s_mask, a.dtype, BLOCK_N, BLOCK_K)
-        acc = _dot_nt(a, w, acc, UPCAST)
+        acc = mma(a, tl.trans(w), acc, UPCAST)
     rows = tl.where(valid_m, pair, 0)
     acc = acc * tl.load(route_w_ptr + rows, mask=valid_m, other=0.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + offs_n[None, :], acc, mask=valid_m[:, None] & mask_n[None, :])
@@ -297,13 +283,13 @@ def moe_mxfp4_triton(
                 xc, pair_rows, block_expert, w13p, w13s, act,
                 dim, inter, top_k, float(situ_beta), float(situ_linear_beta),
                 xc.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), act.stride(0),
-                ACT_SILU=activation == "silu", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=_DOT_UPCAST, **launch,
+                ACT_SILU=activation == "silu", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=INTERPRETED, **launch,
             )  # fmt: skip
             _moe_down_kernel[(cap // bm, triton.cdiv(dim, bn))](
                 act, pair_rows, block_expert, route_w, w2p, w2s, partial,
                 dim, inter,
                 act.stride(0), w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1), partial.stride(0),
-                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=_DOT_UPCAST, **launch,
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=INTERPRETED, **launch,
             )  # fmt: skip
         if t1 > t0:
             _combine_kernel[(t1 - t0, triton.cdiv(dim, 512))](
