@@ -325,8 +325,8 @@ def main() -> None:
         if not SMOKE:
             torch.cuda.empty_cache()
         print(json.dumps(fig, sort_keys=True), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(fig, indent=2, sort_keys=True))
+        if args.json:  # after every check: a run stopped by its time limit keeps what it measured
+            args.json.write_text(json.dumps(fig, indent=2, sort_keys=True))
 
 
 if __name__ == "__main__":

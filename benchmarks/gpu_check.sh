@@ -3,7 +3,7 @@
 # (cuda-python; gpu_aot_check.py: `*_aot_vs_jit`), then the Triton kernels against the measured read bandwidth and
 # bf16 matmul rate, fla and the bf16 / torch baselines, each checked for correctness at its shape (gpu_check.py:
 # kda_*_vs_fla, moe_*_frac, sparse_mla_*, indexer_*), then the runner's batched sampler on the GPU
-# (gpu_sampler_check.py: sampler_ms_top_p_256, sampler_top_p_over_greedy_256, ...). Time limits sum to 345 s.
+# (gpu_sampler_check.py: sampler_ms_top_p_256, sampler_top_p_over_greedy_256, ...). Time limits sum to 355 s.
 # A failing check records `<check>_error` and the others still run. All figures end up in one flat object,
 # $OUT/gpu_check.json (each step's own file beside it).
 # Run from the repo root on the device machine, e.g. through the `device` tool:
@@ -23,8 +23,8 @@ done
 wheels=$(ls .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl 2>/dev/null || true)
 if [ -n "$wheels" ]; then python3 -m pip install -q --no-deps --no-index --target .device-src $wheels || true; fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-timeout 60 python3 benchmarks/gpu_aot_check.py --json "$OUT/gpu_aot_check.json" || echo "gpu_aot_check failed"
-timeout 240 python3 benchmarks/gpu_check.py --json "$OUT/gpu_kernels_check.json" || echo "gpu_check failed"
+timeout 50 python3 benchmarks/gpu_aot_check.py --json "$OUT/gpu_aot_check.json" || echo "gpu_aot_check failed"
+timeout 260 python3 benchmarks/gpu_check.py --json "$OUT/gpu_kernels_check.json" || echo "gpu_check failed"
 timeout 45 python3 benchmarks/gpu_sampler_check.py --json "$OUT/gpu_sampler_check.json" || echo "gpu_sampler_check failed"
 python3 - "$OUT" <<'PY'
 import json, sys

@@ -101,12 +101,14 @@ def _run(
     stream: int,
 ) -> None:
     """Run the Triton kernels on TensorRT's stream, writing into the output buffer, with the partial sums and
-    activations in the workspace output (no host synchronization)."""
+    activations in the workspace output (no host synchronization). x arrives fp32 holding the engine's bf16
+    activations (GPU builds compute in bf16), so its bf16 copy is exact and the kernels take the tensor-core
+    path (bf16 operands, fp32 accumulation, bf16 activations; y written fp32)."""
     x_t, ids, w = (as_torch(t) for t in (x, expert_ids, expert_weights))
     weights = [as_torch(t).view(torch.uint8) for t in (w13_packed, w13_scale, w2_packed, w2_scale)]
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
         moe_mxfp4_triton(
-            x_t, ids, w, *weights,
+            x_t.to(torch.bfloat16), ids, w, *weights,
             expert_offset=scalar(expert_offset),
             activation=text(activation),
             situ_beta=scalar(situ_beta),

@@ -62,6 +62,19 @@ def fp8_rows_to_f32(codes, scale_bytes):
 
 
 @triton.jit
+def _latent_rows(pool_row, new_row, past, own, offs, mask, scale_at, POOL_FP8: tl.constexpr):
+    """fp32 columns `offs` of the key rows [BLOCK_K, len(offs)]: from the pool (`pool_row` [BLOCK_K] pointers,
+    where `past`; fp8 rows decoded with their scale byte at pool_row + `scale_at`) plus the step's own rows
+    (`new_row`, where `own`)."""
+    k = tl.load(pool_row[:, None] + offs[None, :], mask=past[:, None] & mask[None, :], other=0)
+    if POOL_FP8:
+        k = fp8_rows_to_f32(k, tl.load(pool_row + scale_at, mask=past, other=127))
+    else:
+        k = k.to(tl.float32)
+    return k + tl.load(new_row[:, None] + offs[None, :], mask=own[:, None] & mask[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _sparse_mla_kernel(
     q_ptr, pool_table_ptr, new_ptr, cu_seqlens_ptr, block_tables_ptr, pos_ptr, idx_ptr,
     pool_index, num_seqs, num_tokens, block_size, table_width, num_idx,
@@ -118,19 +131,9 @@ def _sparse_mla_kernel(
         past = in_pool(past, pool_ok)
         block = tl.minimum(tl.maximum(block, 0), num_blocks - 1)
         pool_row = pool_ptr + (block * block_size + idx % block_size) * (DC + DR + POOL_FP8)  # [BLOCK_K]
-        pool_rows = pool_row[:, None]
-        new_rows = new_ptr + (first + idx - chunk_start)[:, None] * (DC + DR)
-        k_c = tl.load(pool_rows + offs_c[None, :], mask=past[:, None] & mask_c[None, :], other=0)
-        k_r = tl.load(pool_rows + DC + offs_r[None, :], mask=past[:, None] & mask_r[None, :], other=0)
-        if POOL_FP8:
-            scale_bytes = tl.load(pool_row + DC + DR, mask=past, other=127)
-            k_c = fp8_rows_to_f32(k_c, scale_bytes)
-            k_r = fp8_rows_to_f32(k_r, scale_bytes)
-        else:
-            k_c = k_c.to(tl.float32)
-            k_r = k_r.to(tl.float32)
-        k_c += tl.load(new_rows + offs_c[None, :], mask=own[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-        k_r += tl.load(new_rows + DC + offs_r[None, :], mask=own[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
+        new_row = new_ptr + (first + idx - chunk_start) * (DC + DR)
+        k_c = _latent_rows(pool_row, new_row, past, own, offs_c, mask_c, DC + DR, POOL_FP8)
+        k_r = _latent_rows(pool_row + DC, new_row + DC, past, own, offs_r, mask_r, DR, POOL_FP8)
         if DOT_BF16:
             k_c, k_r = k_c.to(tl.bfloat16), k_r.to(tl.bfloat16)
         s = mma(q_r, tl.trans(k_r), mma(q_c, tl.trans(k_c), tl.zeros([BLOCK_H, BLOCK_K], tl.float32), UPCAST), UPCAST)
