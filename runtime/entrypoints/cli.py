@@ -283,12 +283,14 @@ def triton_repo(
     default_effort: str = typer.Option("max", "--default-effort", help="thinking tier when a request names none"),
     engine_path: str | None = typer.Option(None, "--engine-path", help="the engine folder as Triton will see it (e.g. its path in a container); default: relative to the model folder"),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="the model does not share cached prompt prefixes across requests (config.pbtxt parameter prefix_caching)"),
+    python_env: str | None = typer.Option(None, "--python-env", help="the model's Python environment (config.pbtxt EXECUTION_ENV_PATH: a conda-pack archive or an unpacked environment, numpy < 2 for Triton 2.51); default: the container's system python3"),
 ) -> None:
     """Write a Triton Inference Server model (Python backend, decoupled, vLLM-backend tensor names) hosting
     the runtime on ENGINE, plus launch_NAME.sh (in process, or --mpi: one process per rank)."""
     from moe_export.runtime.entrypoints.triton.repo import write_triton_repo
 
-    path = write_triton_repo(engine, out, model_name, default_effort, engine_path, prefix_caching=not no_prefix_caching)
+    path = write_triton_repo(engine, out, model_name, default_effort, engine_path, prefix_caching=not no_prefix_caching,
+                             python_env=python_env)
     console.print(f"wrote Triton model {model_name} to {path} (launch: {path.parent / f'launch_{model_name}.sh'})",
                   highlight=False, markup=False)
 
