@@ -48,12 +48,10 @@ from moe_export.graphs.vision import (
 )
 from moe_export.export.plan_memory import host_peak_bytes, nccl_buffer_bytes, usable_gpu_bytes
 from moe_export.graphs.weights import WEIGHT_CLASSES, all_tensor_specs
-from moe_export.quantize import fp8_cache
 
 MXFP4_BITS_PER_WEIGHT = 4.25
 CHECKPOINTS_PER_SLOT = 4  # recurrent-state checkpoint pool for prefix caching: 4 x the slots' state, host memory
 CACHE_VALUE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}  # per cached value, by quantization.kv_cache
-FP8_ROW_SCALE_BYTES = fp8_cache.SCALE_BYTES  # fp8 pools keep one E8M0 scale byte per cached row
 REPORTED_SEQUENCE_LENGTHS = (65536, 1048576)  # `plan` reports how many sequences of these lengths fit
 GIB = 2**30
 
@@ -292,22 +290,26 @@ def recurrent_bytes_per_sequence(cfg: ModelConfig, recipe: Recipe, mapping: Mapp
     act = 4 if recipe.target.gpu == "cpu" else 2
     n_kda = len(cfg.kda_layers)
     heads = cfg.kda_num_heads // mapping.tp
+    from moe_export.plugins.gated_delta_scan.sizes import state_bytes as kda_state
+    from moe_export.plugins.short_conv.sizes import state_bytes as conv_state
+
     return {
-        "kda_state": n_kda * heads * cfg.kda_head_dim * cfg.kda_head_dim * 4,
-        "conv_state": n_kda * 3 * heads * cfg.kda_head_dim * (cfg.conv_kernel_size - 1) * act,
+        "kda_state": n_kda * kda_state(heads, cfg.kda_head_dim, cfg.kda_head_dim),
+        "conv_state": n_kda * 3 * conv_state(heads * cfg.kda_head_dim, cfg.conv_kernel_size, act),
     }
 
 
 def cache_bytes_per_token(cfg: ModelConfig, recipe: Recipe) -> dict[str, int]:
     """Bytes one cached token takes on a rank (every MLA layer's latent row, every indexer layer's key row)."""
+    from moe_export.plugins.paged_cache_write.sizes import row_bytes
+
     kv = recipe.quantization.kv_cache
-    scale = FP8_ROW_SCALE_BYTES if kv == "fp8" else 0
-    value = CACHE_VALUE_BYTES[kv]
+    value, fp8 = CACHE_VALUE_BYTES[kv], kv == "fp8"
     use_indexer = cfg.has_dsa and recipe.attention.indexer == "auto"
     n_indexer = sum(1 for i in cfg.mla_layers if cfg.has_indexer(i)) if use_indexer else 0
     return {
-        "mla_latent_cache": len(cfg.mla_layers) * (cfg.latent_cache_dim * value + scale),
-        "indexer_key_cache": n_indexer * (cfg.index_head_dim * value + scale) if n_indexer else 0,
+        "mla_latent_cache": len(cfg.mla_layers) * row_bytes(cfg.latent_cache_dim, value, fp8),
+        "indexer_key_cache": n_indexer * row_bytes(cfg.index_head_dim, value, fp8) if n_indexer else 0,
     }
 
 
@@ -363,17 +365,16 @@ def plugin_workspace_bytes(cfg: ModelConfig, recipe: Recipe, mapping: Mapping) -
     the pair layout), DSAIndexer (chunked scores and top-k merge over the tables' capacity, a declared plugin
     output too), the vocab all-gather's receive buffer, and in the dp layout the MoE all-to-all's static
     buffers (`moe_all_to_all_bytes`)."""
-    from moe_export.plugins.dsa_indexer import triton_kernel as indexer
-    from moe_export.plugins.moe_mxfp4 import triton_kernel as moe
+    from moe_export.plugins.dsa_indexer import sizes as indexer
+    from moe_export.plugins.moe_mxfp4 import sizes as moe
 
     t = recipe.limits.max_num_tokens
     out = {}
     if cfg.num_experts:
         local = len(mapping.local_experts(cfg.num_experts))
         rows = mapping.max_recv_rows(t) if mapping.all_to_all else t  # dp: the expert op runs on the received rows
-        out["moe_mxfp4"] = moe.scratch_bytes(rows, cfg.num_experts_per_token, cfg.expert_in_dim,
-                                             cfg.moe_intermediate_size, local,
-                                             budget_bytes=moe.DEFAULT_SCRATCH_BUDGET)  # fmt: skip
+        out["moe_mxfp4"] = moe.workspace_bytes(rows, cfg.num_experts_per_token, cfg.expert_in_dim,
+                                               cfg.moe_intermediate_size, local)  # fmt: skip
         if mapping.all_to_all:
             out["moe_all_to_all"] = moe_all_to_all_bytes(cfg, mapping, t)
     if cfg.has_dsa and recipe.attention.indexer == "auto":

@@ -478,7 +478,7 @@ class RankGraph:
         if not self.state_in_place:
             return g.plugin("DSAIndexer", inputs, f"{n}.topk", topk=int(self.topk))
         # TensorRT: the chunk buffers are the plugin's second output, in the engine's device memory
-        from moe_export.plugins.dsa_indexer.triton_kernel import workspace_bytes
+        from moe_export.plugins.dsa_indexer.sizes import workspace_bytes
 
         limits = self.limits
         length = -(-limits.max_seq_len // limits.block_size) * limits.block_size  # the tables' capacity
@@ -595,7 +595,7 @@ class RankGraph:
                                           num_experts=cfg.num_experts, **bound)
         workspace = {}
         if self.state_in_place:  # TensorRT: the plugin's scratch is its second output, in the engine's memory
-            from moe_export.plugins.moe_mxfp4.triton_kernel import workspace_bytes
+            from moe_export.plugins.moe_mxfp4.sizes import workspace_bytes
 
             local = len(m.local_experts(cfg.num_experts))
             expert_rows = m.max_recv_rows(self.limits.max_num_tokens) if m.all_to_all else self.limits.max_num_tokens

@@ -100,6 +100,14 @@ CONTRACTS = {c.name: c for c in (
        architecture needs no JIT by the driver at load; PTX is the fallback for other architectures. The
        launch parameters include the dynamic shared memory per block (`shared_mem`).""",
        "tensorrt_bindings/plugin/_plugin_class.py (11.4.0.106):402-426"),
+    _c("AOT_PARAMETERS_EXACT",
+       """TensorRT's QDP AOT launch passes the input pointers, the int32 extra args, the output pointers and
+       nothing else; Triton >= 3.3 kernels declare two more pointer parameters (global and profile scratch) that
+       Triton's own launcher fills with null when their sizes are 0. The AOT code is therefore the PTX with
+       those two parameters removed from the entry, refused when the kernel needs scratch or names them
+       (`plugins/aot_contract.py`).""",
+       "tensorrt_bindings/plugin/_lib.py (11.4.0.106):550, _plugin_class.py:402-436; triton "
+       "backends/nvidia/driver.c (3.9.0):1478,1514-1520, driver.py:294-325"),
     _c("AOT_SHARED_MEMORY_OPT_IN_UNKNOWN",
        """Whether TensorRT's AOT launcher raises cudaFuncAttributeMaxDynamicSharedMemorySize for a kernel that
        declares more than 48 KiB of dynamic shared memory is not documented in the headers or the QDP source.

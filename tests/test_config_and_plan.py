@@ -276,3 +276,23 @@ def test_plan_budgets_what_an_h100_exposes_and_reports_margins_and_host_peak():
     text = run_cli("plan", "--recipe", "h100x64.yaml").stdout
     assert "usable GPU memory per rank 79.65 GiB" in text and "margin beyond one max_seq_len" in text
     assert "host memory peak per rank" in text and "dp decode step" in text
+
+
+def test_planning_a_tensorrt_recipe_needs_no_triton():
+    """Planning imports the plugins' pure `sizes.py` for byte arithmetic, never a Triton kernel module: with
+    triton made unimportable, h100x64.yaml (TensorRT, the MoE workspace) still plans, to the
+    same workspaces as the kernels' own arithmetic."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "from moe_export.common.recipe import load_recipe\n"
+        "from moe_export.export.planner import make_plan\n"
+        "import moe_export.graphs.onnx_export\n"
+        "plan = make_plan(load_recipe('h100x64.yaml')[0])\n"
+        "view = plan.per_rank[0].memory\n"
+        "assert 'triton' not in [m for m in sys.modules if sys.modules[m] is not None], 'triton imported'\n"
+        "print(view['workspace.moe_mxfp4'], plan.fits)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    moe, fits = r.stdout.split()
+    assert int(moe) > 0 and fits == "True"

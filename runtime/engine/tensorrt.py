@@ -64,7 +64,7 @@ from moe_export.common.model_config import ModelConfig
 from moe_export.common.mpi import mpi_world
 from moe_export.export.planner import CHECKPOINTS_PER_SLOT
 from moe_export.graphs.onnx_export import POOL_TABLE, POOLS_KEY
-from moe_export.plugins.pool_table import pool_table
+from moe_export.plugins.pool_table import device_pool_table
 from moe_export.runtime.engine.batch import (
     RESET_ON_NEW_SEQUENCE,
     StepBatch,
@@ -253,8 +253,8 @@ class TensorRTEngine:
                 for name, (shape, elem) in pool_shapes(rank_dir / "model.onnx", sizes).items()
             }
             # the pools' addresses, checked (null / misaligned / check word: PoolTableError) before any launch
-            self.pool_table = ({POOL_TABLE: torch.from_numpy(pool_table(list(self.pools.values()))).to(self.device)}
-                               if self.pools else {})  # fmt: skip
+            # (made by device_pool_table: plugin callbacks in this process can reach the pool tensors, fla's KDA)
+            self.pool_table = {POOL_TABLE: device_pool_table(list(self.pools.values()))} if self.pools else {}
             # prefix-caching state checkpoints in pinned host memory (GPU memory stays the planner's pools): a
             # save / restore is one async copy of a slot's rows on this rank's stream, ordered with the steps
             self.num_checkpoints = CHECKPOINTS_PER_SLOT * self.num_slots if num_checkpoints is None else num_checkpoints
