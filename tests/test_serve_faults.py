@@ -266,3 +266,68 @@ def test_image_errors_carry_no_python_reprs(data):
     message = str(exc.value)
     assert message.startswith("messages[0].content[1]: not a readable image (") and " at 0x" not in message
     assert "<_io" not in message, message
+
+
+DYING_SERVER = """
+import sys, threading
+sys.path.insert(0, sys.argv[1])
+DIES_AFTER_S = float(sys.argv[2])
+from fake_llm import FakeLLM
+from moe_export.common.errors import EngineDead
+import moe_export.runtime.entrypoints.llm as llm_module
+
+class DyingLLM(FakeLLM):
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+        threading.Timer(DIES_AFTER_S, self.die).start()
+
+    def die(self):
+        self.fatal_error, self.healthy = EngineDead("the engine step failed (injected)"), False
+
+llm_module.AsyncLLM = DyingLLM
+from moe_export.runtime.entrypoints.cli import main
+sys.argv = ["moe-export", "serve", *sys.argv[3:]]
+main()
+"""
+
+
+def test_serve_exits_1_when_the_engine_core_dies_and_keeps_the_store(tmp_path):
+    import sqlite3
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import write_engine_config
+    from serve_support import free_port, wait_ready
+
+    write_engine_config(tmp_path)
+    store, port = tmp_path / "history.sqlite", free_port()
+    cmd = [sys.executable, "-c", DYING_SERVER, str(Path(__file__).parent), "3", str(tmp_path), "--port", str(port),
+           "--store", str(store)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", 60, proc)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/responses", json={"input": "hi", "max_output_tokens": 2})
+        assert r.status_code == 200, r.text
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err
+    assert "engine core stopped" in err and "injected" in err and "Traceback" not in err
+    with sqlite3.connect(store) as db:  # the store closed cleanly, with the stored turn
+        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        assert db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] > 0
+
+
+@pytest.mark.parametrize("path,body,kind", [("/v1/chat/completions", CHAT, "data"),
+                                            ("/v1/messages", {"max_tokens": 4, "messages": CHAT["messages"]}, "event")])
+def test_a_request_failing_mid_stream_ends_with_an_error_event(tmp_path, path, body, kind):
+    llm = FakeLLM()
+    llm.fail_late, llm.fail_next = True, RequestFailed("the detokenizer of this request failed")
+    app, _ = make_app(tmp_path, llm)
+    r = post(app, path, {**body, "stream": True})
+    lines = [line for line in r.text.splitlines() if line.startswith(("data:", "event:"))]
+    assert r.status_code == 200 and "detokenizer of this request failed" in lines[-1]
+    assert (lines[-2] == "event: error") if kind == "event" else lines[-1].startswith('data: {"error"')
+    assert post(app, path, body).status_code == 200

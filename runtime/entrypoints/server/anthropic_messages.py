@@ -41,7 +41,7 @@ async def count_tokens_route(request: Request):
 async def messages_route(request: Request):
     authorize(request)
     req = await parse(request, AnthropicMessagesRequest)
-    return answer(await create_message(service_of(request), req, request.is_disconnected))
+    return answer(await create_message(service_of(request), req, request.is_disconnected), request.url.path)
 
 
 async def create_message(svc: Service, req: AnthropicMessagesRequest, disconnected: Disconnected = None

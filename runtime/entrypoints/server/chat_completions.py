@@ -21,7 +21,7 @@ router = APIRouter()
 async def chat_completions_route(request: Request):
     authorize(request)
     req = await parse(request, ChatCompletionRequest)
-    return answer(await chat_completion(service_of(request), req, request.is_disconnected))
+    return answer(await chat_completion(service_of(request), req, request.is_disconnected), request.url.path)
 
 
 async def chat_completion(svc: Service, req: ChatCompletionRequest, disconnected: Disconnected = None

@@ -22,7 +22,7 @@ router = APIRouter()
 async def completions_route(request: Request):
     authorize(request)
     req = await parse(request, CompletionRequest)
-    return answer(await completion(service_of(request), req, request.is_disconnected))
+    return answer(await completion(service_of(request), req, request.is_disconnected), request.url.path)
 
 
 async def completion(svc: Service, req: CompletionRequest, disconnected: Disconnected = None

@@ -6,14 +6,18 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from moe_export.runtime.entrypoints.server.errors import APIError, validation_message
+from moe_export.common.errors import EngineDead, InputError, InternalError
+from moe_export.runtime.entrypoints.server.errors import APIError, error_body, validation_message
 from moe_export.runtime.entrypoints.server.service import Service
 from moe_export.runtime.entrypoints.server.store import key_scope
 from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
+
+log = logging.getLogger("moe_export.serve")
 
 
 def key_digest(key: str) -> bytes:
@@ -64,6 +68,20 @@ def sse(events: AsyncIterator[dict]) -> EventSourceResponse:
     return EventSourceResponse(events, ping=15, sep="\n")
 
 
-def answer(result: dict | AsyncIterator[dict]):
-    """A service call's result as the HTTP answer: a dict as JSON, an event iterator as server-sent events."""
-    return result if isinstance(result, dict) else sse(result)
+async def ending_in_error_event(events: AsyncIterator[dict], path: str) -> AsyncIterator[dict]:
+    """`events`, and when the request fails after its stream began, an error event in the route's shape
+    (Anthropic's `event: error`, OpenAI's `data: {"error": ...}`) instead of a cut connection."""
+    try:
+        async for e in events:
+            yield e
+    except (InputError, InternalError) as exc:
+        status = 400 if isinstance(exc, InputError) else 503 if isinstance(exc, EngineDead) else 500
+        log.error("streamed request on %s failed: %s: %s", path, type(exc).__name__, exc)
+        body = json.dumps(error_body(path, status, f"{type(exc).__name__}: {exc}"))
+        yield {"event": "error", "data": body} if path.startswith("/v1/messages") else {"data": body}
+
+
+def answer(result: dict | AsyncIterator[dict], path: str):
+    """A service call's result as the HTTP answer to `path`: a dict as JSON, an event iterator as server-sent
+    events."""
+    return result if isinstance(result, dict) else sse(ending_in_error_event(result, path))

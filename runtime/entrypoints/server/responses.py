@@ -22,7 +22,7 @@ router = APIRouter()
 async def create_response_route(request: Request):
     scope = authorize(request)
     req = await parse(request, ResponsesRequest)
-    return answer(await create_response(service_of(request), req, scope, request.is_disconnected))
+    return answer(await create_response(service_of(request), req, scope, request.is_disconnected), request.url.path)
 
 
 def history_of(svc: Service, req: ResponsesRequest, scope: str) -> list[dict]:
