@@ -28,6 +28,7 @@ import binascii
 import hashlib
 import io
 import math
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -269,10 +270,18 @@ def open_image(data: bytes, where: str, load: bool = False) -> Image.Image:
         raise
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombWarning,
             Image.DecompressionBombError) as exc:
-        raise InputError(f"{where}: not a readable image ({exc})") from None
+        raise InputError(f"{where}: not a readable image ({readable_reason(exc)})") from None
     if image.width < 1 or image.height < 1:
         raise InputError(f"{where}: empty image")
     return image
+
+
+def readable_reason(exc: BaseException) -> str:
+    """Pillow's reason for refusing an image, without the Python reprs it names its input by."""
+    if isinstance(exc, UnidentifiedImageError):
+        return "not a PNG, JPEG, WebP or GIF file"
+    text = re.sub(r"\s*<[^<>]* at 0x[0-9a-fA-F]+>", "", str(exc)).strip()
+    return text or type(exc).__name__
 
 
 def data_url_bytes(url: str, where: str) -> bytes:
@@ -302,10 +311,14 @@ URL_FETCH_TIMEOUT_S = 10.0
 
 
 def fetch_image_url(url: str, where: str, max_bytes: int = MAX_IMAGE_BYTES, timeout: float = URL_FETCH_TIMEOUT_S) -> bytes:
-    """GET an http(s) image URL, at most `max_bytes` bytes within `timeout` seconds (connect and each read);
-    InputError naming `where` on any failure."""
+    """GET an http(s) image URL, at most `max_bytes` bytes within `timeout` seconds for the whole download (a
+    read past the deadline ends it); InputError naming `where` on any failure. The server downloads off its event
+    loop instead (`server.image_fetch`)."""
+    import time
+
     import httpx
 
+    deadline = time.monotonic() + timeout
     try:
         with httpx.stream("GET", url, timeout=timeout, follow_redirects=True) as r:
             if r.status_code != 200:
@@ -315,9 +328,11 @@ def fetch_image_url(url: str, where: str, max_bytes: int = MAX_IMAGE_BYTES, time
                 data += chunk
                 if len(data) > max_bytes:
                     raise InputError(f"{where}: the image at {url} is larger than {max_bytes} bytes")
+                if time.monotonic() > deadline:
+                    raise InputError(f"{where}: fetching {url} took longer than {timeout:g} s")
             return bytes(data)
     except httpx.HTTPError as exc:
-        raise InputError(f"{where}: fetching {url} failed ({type(exc).__name__}: {exc})") from None
+        raise InputError(f"{where}: fetching {url} failed ({type(exc).__name__})") from None
 
 
 def image_part_bytes(part: dict, where: str, allow_urls: bool = False) -> bytes:

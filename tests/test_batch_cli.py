@@ -100,6 +100,28 @@ def test_openai_batch_file_outputs_and_resume(engine, tmp_path, capsys):
     assert code == 1 and out.stat().st_size == size and f"{len(failed)} item(s) failed ({len(failed)} in earlier runs)" in " ".join(err.split())
 
 
+def test_a_refused_seed_fails_its_line_alone(engine, tmp_path, capsys):
+    """A seed beyond 64 bits is that line's 400 (naming the field); the engine goes on: the later lines succeed.
+    A cut line keeps its readable custom_id; an output folder is refused with a clear message."""
+    chat = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 3, "reasoning_effort": "none"}
+    lines = [{"custom_id": "seed-huge", "method": "POST", "url": "/v1/chat/completions", "body": {**chat, "seed": 1 << 64}},
+             {"custom_id": "seed-ok", "method": "POST", "url": "/v1/chat/completions", "body": {**chat, "seed": 7}},
+             {"custom_id": "cmpl-huge", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "hi", "max_tokens": 2, "seed": 1 << 63 << 1}},
+             {"custom_id": "cmpl-ok", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 2}}]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"custom_id": "cut-1", "body": {\n')
+    code, _, _ = run_cli(capsys, "batch", str(engine), "--input", str(src), "--output", str(out), "--concurrency", "1")
+    assert code == 1
+    records = {r["custom_id"]: r for r in read_lines(out)}
+    assert records["seed-ok"]["error"] is None and records["cmpl-ok"]["error"] is None
+    for key in ("seed-huge", "cmpl-huge"):
+        assert records[key]["response"]["status_code"] == 400 and "seed" in records[key]["error"]["message"]
+    assert records["cut-1"]["error"]["code"] == "bad_record"
+    code, _, err = run_cli(capsys, "batch", str(engine), "--input", str(src), "--output", str(tmp_path))
+    assert code == 2 and "is a folder" in err and "Errno" not in err
+
+
 def make_collection(root: Path) -> tuple[set[str], dict[str, str]]:
     """~200 small documents of every kind, one that needs several chunks, and bad files (name -> error code)."""
     root.mkdir()

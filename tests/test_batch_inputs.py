@@ -262,3 +262,45 @@ def test_pdf_images_go_with_the_chunk_holding_their_page():
     with pytest.raises(RefusedImages, match="2 images in one request") as exc:
         runner.chunk_images("doc.pdf", text, chunks, images)
     assert exc.value.code == "too_many_images" and "page 3 image I1" in str(exc.value)
+
+
+def test_a_malformed_line_keeps_its_readable_custom_id_and_an_output_folder_is_refused(tmp_path):
+    from moe_export.runtime.entrypoints.batch.openai_batch import custom_id_of
+
+    assert custom_id_of('{"custom_id": "req-7", "method": "POST", "body": {"messages": [') == "req-7"
+    assert custom_id_of('{"custom_id": "a\\"b",, }') == 'a"b'
+    assert custom_id_of("not json at all") is None
+    with pytest.raises(InputError, match="is a folder; give the output file's path"):
+        ResultLog(tmp_path)
+
+
+def test_a_failing_request_is_its_error_line_and_the_next_succeeds(tmp_path):
+    """Fault injection on batch's in-process endpoints (a fake engine): the failed request is an error line
+    (500 for it alone), a seed beyond 64 bits a 400 naming the field, and the items after them succeed."""
+    import asyncio
+
+    from conftest import write_engine_config
+    from fake_llm import FakeLLM
+    from moe_export.common.errors import RequestFailed
+    from moe_export.runtime.entrypoints.batch.replica import ItemProcessor
+
+    write_engine_config(tmp_path)
+    llm = FakeLLM()
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    items = [{"kind": "openai", "custom_id": f"c{i}", "url": "/v1/chat/completions", "body": body}
+             for i, body in enumerate([chat, chat, {**chat, "seed": 1 << 64}, chat])]
+
+    async def run():
+        processor = ItemProcessor(llm, str(tmp_path), 4096, None, 1)
+        records = []
+        for i, item in enumerate(items):
+            llm.fail_next = RequestFailed("the grammar of this request failed") if i == 1 else None
+            records.append(await processor.process(item))
+        await processor.aclose()
+        return records
+
+    ok0, failed, bad_seed, ok3 = asyncio.run(run())
+    assert ok0["error"] is None and ok3["error"] is None and ok3["response"]["status_code"] == 200
+    assert failed["response"]["status_code"] == 500 and failed["error"]["code"] == "server_error"
+    assert "RequestFailed" in failed["error"]["message"]
+    assert bad_seed["response"]["status_code"] == 400 and "seed" in bad_seed["error"]["message"]

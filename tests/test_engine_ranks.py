@@ -99,15 +99,18 @@ def test_mpi_world_reads_pmi_and_open_mpi(env, want):
     assert mpi_world(env) == want
 
 
-def test_pmix_launch_is_detected_by_build_and_engine():
+def test_pmix_launch_is_detected_by_build_and_engine(tmp_path):
     """A PMIx-style launch (PMIX_RANK only) is seen by the one detection function that the build driver and
     the engine both call; the size comes from MPI. MPICH's PMI variables are dropped after MPI has started
-    from them, so the detection sees only PMIX_RANK."""
-    code = ("import os; from mpi4py import MPI; "
+    from them, so the detection sees only PMIX_RANK. Each rank writes its own file (ranks' stdout interleaves
+    under load)."""
+    code = ("import os, sys; from mpi4py import MPI; "
             "os.environ['PMIX_RANK'] = os.environ.pop('PMI_RANK'); del os.environ['PMI_SIZE']; "
             "from moe_export.export import build; from moe_export.common import mpi; from moe_export.runtime.engine import ort; "
             "assert build.mpi_world is mpi.mpi_world and ort.mpi_world is mpi.mpi_world; "
-            "c = build.detect_comm(); print(mpi.mpi_world(), c.rank, c.size)")
-    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+            "c = build.detect_comm(); "
+            "open(os.path.join(sys.argv[1], f'rank{c.rank}'), 'w').write(f'{mpi.mpi_world()} {c.rank} {c.size}')")
+    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert sorted(line for line in r.stdout.splitlines() if line.strip()) == ["(0, 2) 0 2", "(1, 2) 1 2"]
+    assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["(0, 2) 0 2", "(1, 2) 1 2"]

@@ -151,3 +151,16 @@ def test_eval_cli_report_and_plot_per_tier(engine, tmp_path, capsys):
     assert code == 2 and "--tiers" in err
     code, _, err = run_cli(capsys, "eval", str(engine), "--tasks", str(tmp_path / "none.jsonl"), "--out", str(out))
     assert code == 2 and "no such file" in err
+
+
+def test_tier_plot_points_count_output_tokens_once_and_share_labels():
+    """Output tokens already include the reasoning (37.3 per task is plotted at 37.3, not 74.6); tiers landing on
+    the same point share one label instead of overlapping ones."""
+    from moe_export.runtime.entrypoints.eval import plot_points
+
+    def row(reasoning, output, rate):
+        return {"avg_reasoning_tokens": reasoning, "avg_output_tokens": output, "pass_rate": rate}
+
+    report = {"tier_order": ["low", "high", "max"],
+              "tiers": {"low": row(20.0, 37.3, 0.5), "high": row(30.0, 50.0, 0.8), "max": row(30.0, 50.0, 0.8)}}
+    assert plot_points(report) == [("low", 37.3, 0.5), ("high, max", 50.0, 0.8)]

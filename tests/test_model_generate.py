@@ -102,6 +102,9 @@ def test_cli_generate_json_and_text(k3, capsys):
         (("--prompt-ids", "1", "--prompt", "a"), "exactly one"),
         ((), "exactly one"),
         (("--prompt-ids", "1", "--top-p", "0"), "top_p"),
+        (("--prompt-ids", "1", "--seed", "18446744073709551616"), "an unsigned 64-bit integer"),
+        (("--prompt-ids", "1", "--seed", "-1"), "an unsigned 64-bit integer"),
+        (("--prompt-ids", "1,530"), "outside the vocabulary [0, 528)"),  # the model knows 576 ids, the tokenizer 528
     ],
 )
 def test_cli_generate_bad_input_exits_2(k3, capsys, args, message):

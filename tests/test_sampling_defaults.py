@@ -80,9 +80,11 @@ def test_server_endpoints_use_the_engine_defaults_and_the_core_tier(engine):
         assert asyncio.run(main())[0].status_code == 200
         assert (seen[0].temperature, seen[0].top_k, seen[0].top_p) == (0.0, 3, 0.9)
         # thinking resolved once, in the core: the tier metric counts what the core resolved (default low) for the
-        # three chat routes and the second chat
+        # two OpenAI chat routes and the second chat; /v1/messages without `thinking` does not reason (Anthropic's
+        # default)
         metrics = asyncio.run(_get(app, "/metrics")).text
-        assert 'moe_export_requests_by_tier_total{tier="low"} 4.0' in metrics, metrics
+        assert 'moe_export_requests_by_tier_total{tier="low"} 3.0' in metrics, metrics
+        assert 'moe_export_requests_by_tier_total{tier="none"} 1.0' in metrics, metrics
     finally:
         allm.shutdown()
 

@@ -470,9 +470,14 @@ def test_bodies_validate_against_the_sdks_own_models(server):
     response = httpx.post(f"{server.url}/v1/responses", headers=h, timeout=120,
                           json={"model": "m", "input": "hi", "max_output_tokens": 8, "temperature": 0}).json()
     assert Response.model_validate(response).output[0].type == "reasoning"
-    message = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": KEY_A}, timeout=120, json={
-        "model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "temperature": 0}).json()
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    message = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": KEY_A}, timeout=120,
+                         json={**body, "thinking": {"type": "enabled", "budget_tokens": 4}}).json()
     assert Message.model_validate(message).content[0].type == "thinking"
+    # no `thinking` field: no reasoning (Anthropic's default), although the server's default effort is "low"
+    plain = Message.model_validate(httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": KEY_A}, timeout=120,
+                                              json=body).json())
+    assert plain.content and all(b.type == "text" for b in plain.content)
 
 
 def sse_data(url: str, headers: dict, body: dict) -> list[dict]:
@@ -687,11 +692,15 @@ def test_anthropic_input_tokens_count_tokens_and_budget_check(claude):
     counted = claude.messages.count_tokens(model="m", messages=messages, system="be brief", thinking={"type": "disabled"})
     whole = claude.messages.create(model="m", max_tokens=4, messages=messages, system="be brief",
                                    thinking={"type": "disabled"}, extra_body=GREEDY)
-    assert counted.input_tokens == whole.usage.input_tokens > 0
+    usage = whole.usage  # Anthropic's definition: the prompt is input + cache creation + cache read
+    assert counted.input_tokens == usage.input_tokens + usage.cache_creation_input_tokens + usage.cache_read_input_tokens
+    assert usage.input_tokens > 0
     with claude.messages.stream(model="m", max_tokens=4, messages=messages, system="be brief",
                                 thinking={"type": "disabled"}, extra_body=GREEDY) as stream:
         start = next(e for e in stream if e.type == "message_start")
-        assert start.message.usage.input_tokens == counted.input_tokens
+        assert start.message.usage.input_tokens <= counted.input_tokens
+        streamed = stream.get_final_message().usage
+    assert counted.input_tokens == streamed.input_tokens + streamed.cache_read_input_tokens
     with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
         claude.messages.create(model="m", max_tokens=8, messages=messages, thinking={"type": "enabled", "budget_tokens": 8})
     with pytest.raises(anthropic.NotFoundError):
@@ -778,7 +787,15 @@ def test_prefix_cache_across_requests(server, oai, claude, serve_engine):
     assert block < cached <= shared and cached % block == 0
     msg = claude.messages.create(model="m", system=system, messages=[{"role": "user", "content": questions[2]}],
                                  max_tokens=6, thinking={"type": "disabled"}, extra_body=GREEDY)
-    assert 0 < msg.usage.cache_read_input_tokens < msg.usage.input_tokens and msg.usage.cache_read_input_tokens % block == 0
+    # Anthropic's input_tokens leave out the cache reads, whole and streamed (message_delta)
+    prompt = claude.messages.count_tokens(model="m", system=system, messages=[{"role": "user", "content": questions[2]}],
+                                          thinking={"type": "disabled"}).input_tokens
+    assert 0 < msg.usage.cache_read_input_tokens and msg.usage.cache_read_input_tokens % block == 0
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == prompt
+    with claude.messages.stream(model="m", system=system, messages=[{"role": "user", "content": questions[2]}],
+                                max_tokens=6, thinking={"type": "disabled"}, extra_body=GREEDY) as stream:
+        streamed = stream.get_final_message().usage
+    assert streamed.cache_read_input_tokens > 0 and streamed.input_tokens + streamed.cache_read_input_tokens == prompt
     assert metric(server, "moe_export_prefix_cache_queried_tokens_total") - queried >= first.usage.prompt_tokens + second.usage.prompt_tokens
     assert metric(server, "moe_export_prefix_cache_hit_tokens_total") - hits >= cached + msg.usage.cache_read_input_tokens
     proc, url = start_cli_server([str(serve_engine), "--default-effort", "low", "--served-model-name", "m", "--no-prefix-caching"])

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import typer
-from moe_export.common.errors import InputError
+from moe_export.common.errors import EngineDead, InputError
 from rich.console import Console
 from rich.markup import escape
 
@@ -194,6 +194,14 @@ def _image_processor_summary(folder: Path) -> dict:
     return {"processor": proc.cfg, "max_tokens_per_image": proc.max_tokens}
 
 
+def _check_seed(seed: int | None) -> None:
+    """--seed is an unsigned 64-bit integer, as a request's seed on the server."""
+    from moe_export.runtime.entrypoints.server.protocol import MAX_SEED
+
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise InputError(f"--seed must be in 0..{MAX_SEED} (an unsigned 64-bit integer), got {seed}")
+
+
 @app.command()
 def generate(
     path: str = typer.Argument(..., help="checkpoint directory, or engine directory built by `moe-export build`"),
@@ -217,6 +225,7 @@ def generate(
 
     if max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    _check_seed(seed)
     tokens = generate_command(path, prompt_ids, prompt, SamplingParams.from_flags(temperature, top_k, top_p, seed, max_new_tokens))
     if tokens is None:  # a follower rank under mpiexec: rank 0 prints
         return
@@ -244,6 +253,7 @@ def chat(
     from moe_export.runtime.entrypoints.terminal import chat_terminal
     from moe_export.runtime.sampling import SamplingParams
 
+    _check_seed(seed)
     chat_terminal(engine, effort=effort, system=system, history_path=history,
                   sampling=SamplingParams.from_flags(temperature, top_k, top_p, seed, max_tokens))
 
@@ -412,6 +422,11 @@ def main() -> None:
             raise
         err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(2)
+    except EngineDead as exc:  # `serve` stopped because its engine core died: exit 1 for the supervisor
+        if debug:
+            raise
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        sys.exit(1)
     except (typer.Exit, SystemExit) as exc:
         code = getattr(exc, "exit_code", getattr(exc, "code", 0))
         sys.exit(code or 0)

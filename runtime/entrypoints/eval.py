@@ -240,8 +240,18 @@ def parse_tiers(text: str) -> list[str]:
     return tiers
 
 
+def plot_points(report: dict) -> list[tuple[str, float, float]]:
+    """(label, mean output tokens per task, pass rate) of each distinct point of the tier plot, in tier order; tiers
+    that land on the same point share one label ("low, high"). Output tokens already include the reasoning."""
+    points: dict[tuple[float, float], list[str]] = {}
+    for tier in report["tier_order"]:
+        row = report["tiers"][tier]
+        points.setdefault((row["avg_output_tokens"], row["pass_rate"]), []).append(tier)
+    return [(", ".join(names), x, y) for (x, y), names in points.items()]
+
+
 def plot_tiers(report: dict, path: Path) -> None:
-    """Pass rate against mean tokens per task (reasoning + output) for each tier, atomically written PNG."""
+    """Pass rate against mean output tokens per task (reasoning included) for each tier, atomically written PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -249,13 +259,13 @@ def plot_tiers(report: dict, path: Path) -> None:
     from moe_export.common.atomic import atomic_path
 
     tiers = report["tier_order"]
-    xs = [report["tiers"][t]["avg_reasoning_tokens"] + report["tiers"][t]["avg_output_tokens"] for t in tiers]
+    xs = [report["tiers"][t]["avg_output_tokens"] for t in tiers]
     ys = [report["tiers"][t]["pass_rate"] for t in tiers]
     fig, ax = plt.subplots(figsize=(5, 3.5), dpi=100)
     ax.plot(xs, ys, marker="o")
-    for tier, x, y in zip(tiers, xs, ys):
-        ax.annotate(tier, (x, y), textcoords="offset points", xytext=(4, 4))
-    ax.set_xlabel("tokens per task (reasoning + output, mean)")
+    for label, x, y in plot_points(report):
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4))
+    ax.set_xlabel("output tokens per task (reasoning included, mean)")
     ax.set_ylabel("pass rate")
     ax.set_ylim(-0.05, 1.05)
     ax.set_title("pass rate by thinking tier")

@@ -78,8 +78,9 @@ def parse_prompt_ids(text: str, vocab_size: int) -> list[int]:
 def resolve_prompt(
     tokenizer_dir: str | Path, prompt_ids: str | None, prompt: str | None, vocab_size: int, max_new_tokens: int
 ) -> list[int]:
-    """Prompt token ids from exactly one of `prompt_ids` ('1,2,3') or `prompt` (text, tokenized with the
-    tokenizer in `tokenizer_dir`)."""
+    """Prompt token ids from exactly one of `prompt_ids` ('1,2,3': ids the model and, when the folder has one, its
+    tokenizer both know, as the server accepts) or `prompt` (text, tokenized with the tokenizer in
+    `tokenizer_dir`)."""
     from moe_export.runtime.tokenizer import load_tokenizer
 
     if (prompt_ids is None) == (prompt is None):
@@ -91,6 +92,10 @@ def resolve_prompt(
         if not ids:
             raise InputError("--prompt: the text encodes to no tokens")
         return ids
+    try:
+        vocab_size = min(vocab_size, load_tokenizer(tokenizer_dir).vocab_size)
+    except InputError:  # a checkpoint without a tokenizer: the model's vocabulary alone
+        pass
     return parse_prompt_ids(prompt_ids, vocab_size)
 
 

@@ -27,6 +27,8 @@ class ResultLog:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        if self.path.is_dir():
+            raise InputError(f"--output {path}: is a folder; give the output file's path, e.g. {self.path / 'results.jsonl'}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.done: set[str] = set()
         self.failed: set[str] = set()  # keys of the error lines among them

@@ -11,12 +11,15 @@ from a request never do.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
+from contextlib import contextmanager
 from typing import Any
 
 from moe_export.common.errors import InputError
 from moe_export.runtime.core.structured import check_tool_parameters
+from moe_export.runtime.entrypoints.server.errors import APIError
 
 
 def new_id(prefix: str) -> str:
@@ -217,59 +220,85 @@ def responses_tool_choice(tool_choice: Any, tools: list[dict] | None) -> str | d
 def messages_from_responses_input(items: str | list[dict]) -> list[dict]:
     """Responses input items -> runtime messages. Consecutive reasoning / assistant message /
     function_call items form one assistant message; function_call_output becomes a tool message."""
+    return responses_messages_with_origins(items)[0]
+
+
+def responses_messages_with_origins(items: str | list[dict]) -> tuple[list[dict], list[str]]:
+    """(runtime messages, the input item each one came from: `input` or `input[i]`), see
+    `messages_from_responses_input`."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+        return [{"role": "user", "content": items}], ["input"]
     out: list[dict] = []
+    origins: list[str] = []
     assistant: dict | None = None
-
-    def open_assistant() -> dict:
-        nonlocal assistant
-        if assistant is None:
-            assistant = {"role": "assistant", "content": ""}
-            out.append(assistant)
-        return assistant
-
     for i, item in enumerate(items):
         where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise InputError(f"{where}: must be an object")
         kind = item.get("type", "message")
-        if kind == "message" and item.get("role") == "assistant":
-            a = open_assistant()
-            a["content"] += _text_of(item.get("content"), where, ("output_text", "input_text", "text"))
-            continue
-        if kind == "reasoning":
-            a = open_assistant()
-            parts = item.get("content") or []
-            if not parts and item.get("summary"):
-                parts = item["summary"]
-            a["reasoning_content"] = a.get("reasoning_content", "") + "".join(str(p.get("text", "")) for p in parts)
-            continue
-        if kind == "function_call":
-            if not item.get("name") or not item.get("call_id"):
-                raise InputError(f"{where}: a function_call item needs `name` and `call_id`")
-            a = open_assistant()
-            a.setdefault("tool_calls", []).append({
-                "id": str(item["call_id"]), "type": "function",
-                "function": {"name": str(item["name"]), "arguments": _arguments_string(item.get("arguments", "{}"), where)},
-            })
+        if kind in ("reasoning", "function_call") or kind == "message" and item.get("role") == "assistant":
+            if assistant is None:
+                assistant = {"role": "assistant", "content": ""}
+                out.append(assistant)
+                origins.append(where)
+            _add_assistant_item(assistant, item, kind, where)
             continue
         assistant = None
-        if kind == "function_call_output":
-            if not item.get("call_id"):
-                raise InputError(f"{where}: a function_call_output item needs `call_id`")
-            output = item.get("output", "")
-            if not isinstance(output, str):
-                output = _text_of(output, where, ("input_text", "output_text", "text"))
-            out.append({"role": "tool", "tool_call_id": str(item["call_id"]), "content": output})
-        elif kind == "message":
-            role = item.get("role")
-            if role == "developer":
-                role = "system"
-            if role not in ("system", "user"):
-                raise InputError(f"{where}.role: must be user, system, developer or assistant, got {role!r}")
-            out.append({"role": role, "content": _text_of(item.get("content"), where, ("input_text", "text"))})
-        else:
-            raise InputError(f"{where}.type: {kind!r} is not served (message, reasoning, function_call, function_call_output)")
-    return out
+        out.append(_responses_user_item(item, kind, where))
+        origins.append(where)
+    return out, origins
+
+
+def _add_assistant_item(a: dict, item: dict, kind: str, where: str) -> None:
+    if kind == "message":
+        a["content"] += _text_of(item.get("content"), where, ("output_text", "input_text", "text"))
+    elif kind == "reasoning":
+        parts = item.get("content") or item.get("summary") or []
+        a["reasoning_content"] = a.get("reasoning_content", "") + "".join(str(p.get("text", "")) for p in parts)
+    else:
+        if not item.get("name") or not item.get("call_id"):
+            raise InputError(f"{where}: a function_call item needs `name` and `call_id`")
+        a.setdefault("tool_calls", []).append({
+            "id": str(item["call_id"]), "type": "function",
+            "function": {"name": str(item["name"]), "arguments": _arguments_string(item.get("arguments", "{}"), where)},
+        })
+
+
+def _responses_user_item(item: dict, kind: str, where: str) -> dict:
+    if kind == "function_call_output":
+        if not item.get("call_id"):
+            raise InputError(f"{where}: a function_call_output item needs `call_id`")
+        output = item.get("output", "")
+        if not isinstance(output, str):
+            output = _text_of(output, where, ("input_text", "output_text", "text"))
+        return {"role": "tool", "tool_call_id": str(item["call_id"]), "content": output}
+    if kind != "message":
+        raise InputError(f"{where}.type: {kind!r} is not served (message, reasoning, function_call, function_call_output)")
+    role = item.get("role")
+    if role == "developer":
+        role = "system"
+    if role not in ("system", "user"):
+        raise InputError(f"{where}.role: must be user, system, developer or assistant, got {role!r}")
+    return {"role": role, "content": _text_of(item.get("content"), where, ("input_text", "text"))}
+
+
+@contextmanager
+def user_field_names(origins: list[str], renames: dict[str, str]):
+    """Errors raised inside name the fields the client wrote: `messages[k]` becomes `origins[k]` (e.g. a Responses
+    `input[i]`), and each key of `renames` at the start of a field name its value (`response_format` ->
+    `text.format`)."""
+    def spelled(text: str) -> str:
+        text = re.sub(r"\bmessages\[(\d+)\]", lambda m: origins[int(m[1])] if int(m[1]) < len(origins) else m[0], text)
+        for internal, shown in renames.items():
+            text = re.sub(rf"\b{re.escape(internal)}\b", shown, text)
+        return text
+
+    try:
+        yield
+    except InputError as exc:
+        raise InputError(spelled(str(exc))) from None
+    except APIError as exc:
+        raise APIError(exc.status, spelled(exc.message), spelled(exc.param) if exc.param else exc.param) from None
 
 
 def responses_input_items(items: list, response_id: str) -> list[dict]:
@@ -437,9 +466,10 @@ def anthropic_tool_choice(choice: dict | None, tools: list[dict] | None) -> str 
 
 
 def anthropic_effort(thinking: dict | None) -> str | int | None:
-    """`thinking: {type: enabled, budget_tokens: N}` -> numeric budget N; `{type: disabled}` -> 'none'."""
+    """`thinking: {type: enabled, budget_tokens: N}` -> numeric budget N (without a budget: the server's default
+    tier); `{type: disabled}` or no `thinking` field -> 'none' (Anthropic's default is no extended thinking)."""
     if thinking is None:
-        return None
+        return "none"
     kind = thinking.get("type")
     if kind == "disabled":
         return "none"
@@ -470,8 +500,11 @@ def anthropic_content(out) -> list[dict]:
 
 
 def anthropic_usage(usage: dict) -> dict:
-    return {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
-            "cache_read_input_tokens": usage.get("cached_tokens", 0), "cache_creation_input_tokens": 0}
+    """Anthropic's usage: input_tokens are the prompt tokens not read from the cache (the prompt is input_tokens +
+    cache_creation_input_tokens + cache_read_input_tokens; nothing is billed as written to a cache here)."""
+    cached = usage.get("cached_tokens", 0)
+    return {"input_tokens": usage["prompt_tokens"] - cached, "output_tokens": usage["completion_tokens"],
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
 def anthropic_stop(out) -> dict:

@@ -1,6 +1,7 @@
 """`moe-export serve`: load the engine, then rank 0 serves HTTP with uvicorn while, under `mpiexec -n
 WORLD`, the other ranks follow rank 0's step plans. SIGTERM / SIGINT: uvicorn stops accepting, drains
-the running requests, the runtime shuts down (releasing the followers), and the process exits 0."""
+the running requests, the runtime shuts down (releasing the followers), and the process exits 0. When the engine
+core dies, the server stops the same way and `serve` raises EngineDead (the command exits 1)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 
 from moe_export.common.engine_config import EngineConfig
-from moe_export.common.errors import InputError
+from moe_export.common.errors import EngineDead, InputError
 
 API_KEY_ENV = "MOE_EXPORT_API_KEY"
 EFFORTS = ("low", "high", "max", "none")
@@ -67,13 +68,19 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
 
     settings = ServerSettings(
         engine_dir=Path(engine_dir), api_keys=api_keys, store_path=store or ":memory:",
-        max_queue=max_queue, served_model_names=served_model_names,
+        max_queue=max_queue, served_model_names=served_model_names, allow_image_urls=allow_image_urls,
     )
     sock = listening_socket(host, port)  # before loading: a busy port fails fast, with no engine loaded
-    llm = AsyncLLM(engine_dir, default_effort=default_effort, allow_image_urls=allow_image_urls,
-                   prefix_caching=prefix_caching)
-    try:
-        app = create_app(llm, settings)  # the app shuts the runtime down (and releases follower ranks) at exit
+    # image URLs are downloaded by the server (`image_fetch`, off the event loop), never by the runtime
+    llm = AsyncLLM(engine_dir, default_effort=default_effort, prefix_caching=prefix_caching)
+    dead: list[bool] = []
+
+    def on_engine_dead() -> None:
+        dead.append(True)
+        server.should_exit = True
+
+    try:  # the app shuts the runtime down (and releases follower ranks) at exit
+        app = create_app(llm, settings, on_engine_dead=on_engine_dead)
     except BaseException:
         llm.shutdown()
         raise
@@ -86,6 +93,9 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     server.run(sockets=[sock])
+    if dead:
+        raise EngineDead(f"the engine core stopped ({getattr(llm, 'fatal_error', None)}); "
+                         "the server exited for its supervisor to restart it")
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

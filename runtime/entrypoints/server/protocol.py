@@ -4,12 +4,14 @@ known fields are validated, and a violation becomes a 400 naming the field."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-
 MAX_N = 16  # most choices (n) per request
+MAX_SEED = (1 << 64) - 1  # a seed is an unsigned 64-bit integer
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+Bias = Annotated[float, Field(ge=-100, le=100)]  # OpenAI's logit_bias range
 
 
 class Lenient(BaseModel):
@@ -24,7 +26,7 @@ class Penalties(Lenient):
     repetition_penalty: float | None = Field(None, gt=0)
     min_p: float | None = Field(None, ge=0, le=1)
     min_tokens: int | None = Field(None, ge=0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Bias] | None = None
 
     def sampler_fields(self) -> dict:
         """The controls the request sets, as SamplingParams keyword arguments."""
@@ -42,7 +44,7 @@ class ChatCompletionRequest(Penalties):
     max_completion_tokens: int | None = Field(None, ge=1)
     max_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
@@ -60,7 +62,7 @@ class CompletionRequest(Penalties):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)

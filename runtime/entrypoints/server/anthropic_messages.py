@@ -1,0 +1,115 @@
+"""Anthropic Messages (`POST /v1/messages`, whole or streamed) and `POST /v1/messages/count_tokens`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from moe_export.runtime.entrypoints.server import convert
+from moe_export.runtime.entrypoints.server.edge import answer, authorize, parse, service_of
+from moe_export.runtime.entrypoints.server.errors import APIError
+from moe_export.runtime.entrypoints.server.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
+from moe_export.runtime.entrypoints.server.service import ChatRun, Disconnected, Service
+
+ROUTE = "/v1/messages"
+router = APIRouter()
+
+
+def anthropic_chat(req) -> tuple[list[dict], list | None, object, object]:
+    """(messages, tools, tool_choice, effort) of a Messages or count_tokens body. No `thinking` field: no
+    reasoning (Anthropic's default)."""
+    messages = convert.messages_from_anthropic(req.system, req.messages)
+    tools = convert.anthropic_tools(req.tools)
+    return messages, tools, convert.anthropic_tool_choice(req.tool_choice, tools), convert.anthropic_effort(req.thinking)
+
+
+@router.post(ROUTE + "/count_tokens")
+async def count_tokens_route(request: Request):
+    authorize(request)
+    req = await parse(request, AnthropicCountTokensRequest)
+    svc = service_of(request)
+    svc.check_model(req.model)
+    svc.check_limits(req.messages, req.tools, None)
+    messages, tools, tool_choice, effort = anthropic_chat(req)
+    count = svc.prompt_length(messages, tools=tools, tool_choice=tool_choice, response_format=None, effort=effort)
+    svc.metrics.requests.labels(ROUTE + "/count_tokens", "200").inc()
+    return {"input_tokens": count}
+
+
+@router.post(ROUTE)
+async def messages_route(request: Request):
+    authorize(request)
+    req = await parse(request, AnthropicMessagesRequest)
+    return answer(await create_message(service_of(request), req, request.is_disconnected), request.url.path)
+
+
+async def create_message(svc: Service, req: AnthropicMessagesRequest, disconnected: Disconnected = None
+                         ) -> dict | AsyncIterator[dict]:
+    """The message object, or (stream) its events."""
+    model = svc.check_model(req.model)
+    svc.check_limits(req.messages, req.tools, req.max_tokens)
+    messages, tools, tool_choice, effort = anthropic_chat(req)
+    if isinstance(effort, int) and effort >= req.max_tokens:
+        raise APIError(400, f"max_tokens must be greater than thinking.budget_tokens ({req.max_tokens} <= {effort})",
+                       "max_tokens")
+    messages = await svc.inline_image_urls(messages)
+    parallel = not (req.tool_choice or {}).get("disable_parallel_tool_use", False)
+    sampling = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=None, stop=req.stop_sequences)
+    message_id = convert.new_id("msg_")
+    run = await svc.run_chat(message_id, messages, sampling, max_tokens=req.max_tokens, tools=tools,
+                             tool_choice=tool_choice, response_format=None, effort=effort, parallel=parallel)
+    if req.stream:
+        return message_events(svc, run, message_id, model)
+    out = await svc.final_output(run.deltas, disconnected)
+    svc.finish(ROUTE, out, run.tier)
+    return convert.anthropic_message(out, message_id=message_id, model=model)
+
+
+def event(kind: str, **fields) -> dict:
+    return {"event": kind, "data": json.dumps({"type": kind, **fields})}
+
+
+def close_block(kind: str | None, index: int) -> list[dict]:
+    """Events ending the open content block (a thinking block gets its empty signature first)."""
+    events = []
+    if kind == "thinking":
+        events.append(event("content_block_delta", index=index, delta={"type": "signature_delta", "signature": ""}))
+    if kind is not None:
+        events.append(event("content_block_stop", index=index))
+    return events
+
+
+async def message_events(svc: Service, run: ChatRun, message_id: str, model: str) -> AsyncIterator[dict]:
+    """message_start, the thinking / text / tool_use blocks, message_delta (stop reason, usage), message_stop."""
+    yield event("message_start", message={
+        "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": run.prompt_tokens, "output_tokens": 0}})
+    index, open_kind, out = -1, None, None
+    async for d in run.deltas:
+        for kind, text in (("thinking", d.reasoning), ("text", d.content)):
+            if not text:
+                continue
+            if open_kind != kind:
+                for e in close_block(open_kind, index):
+                    yield e
+                index += 1
+                open_kind = kind
+                block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text", "text": ""}
+                yield event("content_block_start", index=index, content_block=block)
+            delta = {"type": "thinking_delta", "thinking": text} if kind == "thinking" else {"type": "text_delta", "text": text}
+            yield event("content_block_delta", index=index, delta=delta)
+        if d.finished:
+            out = d.output
+    for e in close_block(open_kind, index):
+        yield e
+    svc.finish(ROUTE, out, run.tier)
+    for call in out.tool_calls or []:
+        index += 1
+        yield event("content_block_start", index=index,
+                    content_block={"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": {}})
+        yield event("content_block_delta", index=index,
+                    delta={"type": "input_json_delta", "partial_json": call["function"]["arguments"]})
+        yield event("content_block_stop", index=index)
+    yield event("message_delta", delta=convert.anthropic_stop(out), usage=convert.anthropic_usage(out.usage))
+    yield event("message_stop")

@@ -1,0 +1,76 @@
+"""A fake AsyncLLM for the serving layer's tests (server routes, batch): no engine, scripted failures."""
+
+from __future__ import annotations
+
+from moe_export.common.errors import InputError
+from moe_export.runtime.entrypoints.llm import ChatOutput, StreamDelta
+from moe_export.runtime.sampling import SamplingParams
+
+VOCAB = 100
+
+
+class FakeTokenizer:
+    vocab_size = VOCAB
+    special_tokens = {"<|im_end|>": VOCAB - 1}
+
+    def encode(self, text: str) -> list[int]:
+        return [1 + ord(c) % 50 for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+class FakeLLM:
+    """What the server uses of an AsyncLLM. `fail_next`: an exception the next request raises (at its first delta,
+    or after it with `fail_late`); `render_error`: an InputError that rendering raises; `cached`: prompt tokens
+    reported as read from the prefix cache."""
+
+    def __init__(self) -> None:
+        self.tokenizer = FakeTokenizer()
+        self.default_sampling = SamplingParams()
+        self.healthy, self.fatal_error = True, None
+        self.fail_next: BaseException | None = None
+        self.fail_late = False
+        self.render_error: InputError | None = None
+        self.cached = 0
+        self.family = "k3"
+        self.tool_calls: list[dict] = []  # the calls each answer makes (K3 ids, numbered from 0 in every turn)
+        self.seen: list[tuple] = []  # (messages or prompt ids, SamplingParams, effort)
+
+    def stats(self) -> dict:
+        keys = ("waiting", "running", "blocks_used", "blocks_total", "reuse_hits", "reuse_tokens",
+                "prefix_queried_tokens", "prefix_hit_tokens")
+        return dict.fromkeys(keys, 0)
+
+    def render_chat(self, messages, **kwargs) -> list[int]:
+        if self.render_error is not None:
+            raise self.render_error
+        return [1] * (10 * len(messages))
+
+    def chat_stream(self, messages, sampling, *, reasoning_effort=None, request_id=None, **kwargs):
+        self.seen.append((messages, sampling, reasoning_effort))
+        tier = "none" if reasoning_effort == "none" else "low"
+        return self._stream(request_id, 10 * len(messages), tier)
+
+    def generate_stream(self, prompt, sampling, *, request_id=None):
+        self.seen.append((prompt, sampling, None))
+        return self._stream(request_id, len(prompt), "none", sampling.logprobs)
+
+    async def _stream(self, rid: str, prompt_tokens: int, tier: str, logprobs: bool = False):
+        """Two tokens, 5 and 6 ("fg"); with logprobs, each with two alternatives that decode alike (i, i + 26)."""
+        lps, tops = ([-0.1, -0.2], [[(5, -0.1), (31, -2.5)], [(6, -0.2), (32, -3.0)]]) if logprobs else (None, None)
+        failure, self.fail_next = self.fail_next, None
+        if failure is not None and not self.fail_late:
+            raise failure
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 2, "reasoning_tokens": 0,
+                 "cached_tokens": self.cached}
+        calls = [{"id": f"functions.{c['function']['name']}:{i}", **c} for i, c in enumerate(self.tool_calls)]
+        out = ChatOutput(rid, [1] * prompt_tokens, [5, 6], "fg", None, "fg", calls, "tool_calls" if calls else "stop",
+                         usage, lps, top_logprobs=tops)
+        yield StreamDelta(rid, [5], text="f", content="f", thinking_tier=tier)
+        if failure is not None:
+            raise failure
+        yield StreamDelta(rid, [6], text="g", content="g", finished=True, output=out, thinking_tier=tier)
+
+    def shutdown(self) -> None:
+        pass
