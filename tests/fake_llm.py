@@ -19,6 +19,9 @@ class FakeTokenizer:
     def decode(self, ids: list[int]) -> str:
         return "".join(chr(97 + i % 26) for i in ids)
 
+    def visible_text(self, text: str) -> str:
+        return text.replace("<|im_end|>", "")
+
 
 class FakeLLM:
     """What the server uses of an AsyncLLM. `fail_next`: an exception the next request raises (at its first delta,

@@ -8,7 +8,6 @@ measured the same way for streamed and whole answers)."""
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import suppress
@@ -103,8 +102,6 @@ class Service:
         self.metrics = ServerMetrics(llm.stats)
         self.in_flight = 0  # generation requests accepted and not finished
         self.images = ImageFetcher(settings.image_fetch_timeout_s, settings.image_fetch_max_bytes)
-        specials = sorted(self.tokenizer.special_tokens, key=len, reverse=True)
-        self._special_names = re.compile("|".join(re.escape(n) for n in specials)) if specials else None
 
     @property
     def healthy(self) -> bool:
@@ -293,9 +290,8 @@ class Service:
             self.metrics.structured_failures.inc()
 
     def visible_text(self, text: str) -> str:
-        """Completion text without special-token names (vLLM's skip_special_tokens default): a sampled reserved
-        or marker token is not text."""
-        return self._special_names.sub("", text) if text and self._special_names is not None else text
+        """Completion text as every entry point shows it (`Tokenizer.visible_text`: no special-token names)."""
+        return self.tokenizer.visible_text(text)
 
     def decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
