@@ -1,0 +1,113 @@
+"""`backend: torch`: the build converts only (no graph), and the torch runner's greedy tokens equal the ONNX Runtime
+engine's (the independent oracle: its ONNX graphs and lowered plugin bodies) on tiny-k3, tiny-k3-dsa and
+tiny-kimi-linear, in the tp and dp layouts, in one process and under `mpiexec -n 4`, and on a K3 chat with images;
+prefix-cache checkpoints restore a slot's state."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moe_export.runtime import LLM, SamplingParams
+from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
+from moe_export.runtime.engine.ort import Engine
+from moe_export.runtime.engine.torch_runner import TorchEngine
+
+from conftest import run_cli
+from test_vision_engine import THREE
+
+PROMPTS = [[5, 17, 99, 3, 250, 42, 7, 8, 300, 11, 12, 77, 1, 400], [60, 61, 62], list(range(3, 40))]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def greedy_tokens(engine_dir: Path) -> list[list[int]]:
+    llm = LLM(engine_dir, threads=1)
+    return [o.output_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_build_converts_only_and_the_engine_verifies(runtime_engine, capsys):
+    engine = runtime_engine("tiny-k3", 2, 2, 4, backend="torch")
+    config = json.loads((engine / "config.json").read_text())
+    assert config["backend"] == "torch" and "graph" not in config["files"]
+    for n in range(4):
+        assert (engine / f"rank{n}" / "weights.safetensors").is_file()
+        assert not list((engine / f"rank{n}").glob("*.onnx")) and not (engine / f"rank{n}" / "ort_plan.json").exists()
+    code, _, err = run_cli(capsys, "verify", str(engine))
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("preset", ["tiny-k3", "tiny-k3-dsa", "tiny-kimi-linear"])
+def test_greedy_tokens_equal_onnxruntime(runtime_engine, preset):
+    torch_dir = runtime_engine(preset, 2, 2, 4, backend="torch")
+    assert isinstance(LLM(torch_dir, threads=1).engine, TorchEngine)
+    assert greedy_tokens(torch_dir) == greedy_tokens(runtime_engine(preset, 2, 2, 4))
+
+
+def test_dp_layout_groups_equal_onnxruntime(runtime_engine):
+    """dp layout (tp 2 x 2 attention groups, experts over 4 ranks): one process runs group 0 with group 1 idle
+    (LLM), and both groups at once (`step_groups`), logits within 1e-4 of the ONNX Runtime engine's."""
+    torch_dir = runtime_engine("tiny-k3", 2, 4, 4, attention="dp", backend="torch")
+    ort_dir = runtime_engine("tiny-k3", 2, 4, 4, attention="dp")
+    assert greedy_tokens(torch_dir) == greedy_tokens(ort_dir)
+    engines = [TorchEngine(torch_dir, num_slots=2, num_blocks=16), Engine(ort_dir, num_slots=2, num_blocks=16, threads=1)]
+    batches = [StepBatch.from_sequences([SequenceChunk(0, 0, PROMPTS[0], [0])]),
+               StepBatch.from_sequences([SequenceChunk(1, 0, PROMPTS[2], [5, 3, 9])])]
+    got, want = (e.step_groups(batches) for e in engines)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+    assert engines[0].step_expert_tokens.sum() == engines[1].step_expert_tokens.sum() > 0
+
+
+def test_checkpoint_restores_a_slot(runtime_engine):
+    """A slot restored from a checkpoint taken mid-prompt continues exactly as the slot it was taken from."""
+    eng = TorchEngine(runtime_engine("tiny-k3", 1, 1, 1, backend="torch"), num_slots=3, num_blocks=16)
+    head, tail = PROMPTS[2][:16], PROMPTS[2][16:]
+    eng.reset_slot(0)
+    eng.step(StepBatch.from_sequences([SequenceChunk(0, 0, head, [0])]))
+    eng.save_state(0, 2)
+    eng.reset_slot(2)
+    eng.restore_state(2, 2)
+    first = eng.step(StepBatch.from_sequences([SequenceChunk(0, 16, tail, [0, 1, 2])]))
+    again = eng.step(StepBatch.from_sequences([SequenceChunk(2, 16, tail, [0, 3, 4])]))  # block 0: the shared prefix
+    np.testing.assert_array_equal(first, again)
+    eng.reset_slot(2)
+    fresh = eng.step(StepBatch.from_sequences([SequenceChunk(2, 16, tail, [0, 5, 6])]))
+    assert np.abs(fresh - first).max() > 1e-3  # a zeroed state does not give the same logits
+
+
+def test_image_chat_equals_onnxruntime(runtime_engine):
+    """K3 with its vision tower (PyTorch here, ONNX Runtime there): a chat with three images of different sizes."""
+    got = LLM(runtime_engine("tiny-k3", 2, 2, 4, backend="torch"), threads=1).chat([THREE], GREEDY, reasoning_effort="none")[0]
+    want = LLM(runtime_engine("tiny-k3", 2, 2, 4), threads=1).chat([THREE], GREEDY, reasoning_effort="none")[0]
+    assert got.prompt_ids == want.prompt_ids and got.output_ids == want.output_ids
+
+
+def run_mpiexec(engine: Path, chat: list | None) -> dict:
+    mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
+    args = [json.dumps(PROMPTS), str(GREEDY.max_tokens)] + ([json.dumps(chat)] if chat else [])
+    r = subprocess.run([mpiexec, "-n", "4", sys.executable, str(Path(__file__).with_name("mpi_torch_run.py")),
+                        str(engine), *args], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention, ep", [("tp", 2), ("dp", 4)])
+def test_mpiexec_equals_onnxruntime(runtime_engine, attention, ep):
+    """`mpiexec -n 4` (gloo collectives, step plans over MPI): the tp layout (tp 2 x ep 2, with the image chat) and
+    the dp layout (2 attention groups, all-to-all over 4 ranks) give the ONNX Runtime engine's tokens."""
+    torch_dir = runtime_engine("tiny-k3", 2, ep, 4, attention=attention, backend="torch")
+    ort_dir = runtime_engine("tiny-k3", 2, ep, 4, attention=attention)
+    chat = THREE if attention == "tp" else None
+    got = run_mpiexec(torch_dir, chat)
+    assert got["tokens"] == greedy_tokens(ort_dir)
+    if chat:
+        assert got["chat"] == LLM(ort_dir, threads=1).chat([chat], GREEDY, reasoning_effort="none")[0].output_ids
