@@ -111,3 +111,15 @@ def test_mpiexec_equals_onnxruntime(runtime_engine, attention, ep):
     assert got["tokens"] == greedy_tokens(ort_dir)
     if chat:
         assert got["chat"] == LLM(ort_dir, threads=1).chat([chat], GREEDY, reasoning_effort="none")[0].output_ids
+
+
+def test_cuda_kernel_table_equals_cpu_kernels_in_the_triton_interpreter(runtime_engine):
+    """The GPU path's kernel table (Triton kernels over the runner's pools through one pool table) on CPU under
+    TRITON_INTERPRET=1, against the CPU kernels: DSA model, tp 2 x ep 2, prefill then decode."""
+    engine = runtime_engine("tiny-k3-dsa", 2, 2, 4, backend="torch")
+    r = subprocess.run([sys.executable, str(Path(__file__).with_name("torch_interpreter_run.py")), str(engine)],
+                       capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["same_tokens"] and got["max_err"] < 1e-4

@@ -60,11 +60,12 @@ def rank_pools(model: RankModel, num_slots: int, num_blocks: int, block_size: in
 
 class TorchEngine:
     """A `backend: torch` engine directory with the ranks this process runs (all of them, or its MPI rank).
-    Arguments as `ort.Engine`'s; `device` overrides the recipe's target (e.g. "cpu" on a GPU machine)."""
+    Arguments as `ort.Engine`'s; `device` overrides the recipe's target (e.g. "cpu" on a GPU machine);
+    `cuda_graphs`: replay decode steps from CUDA graphs on a GPU (`torch_graphs`; off: every step eager)."""
 
     def __init__(self, engine_dir: str | Path, *, num_slots: int | None = None, num_blocks: int | None = None,
                  threads: int | None = None, max_step_pairs: int | None = None, num_checkpoints: int | None = None,
-                 device: str | None = None) -> None:
+                 device: str | None = None, cuda_graphs: bool = True) -> None:
         self.dir = Path(engine_dir)
         self.config = EngineConfig.read(self.dir)
         recipe, cfg = self.config.recipe, self.config.model
@@ -98,7 +99,10 @@ class TorchEngine:
                                     use_indexer=recipe.attention.indexer == "auto",
                                     topk=recipe.attention.sparse_topk or cfg.index_topk or 0,
                                     cache_dtype=CACHE_DTYPES[recipe.quantization.kv_cache]) for r in local}
-        self.pools = {r: rank_pools(mod, self.num_slots, self.num_blocks, self.block_size) for r, mod in self.models.items()}
+        graphs = cuda_graphs and self.device.type == "cuda"
+        spare = 1 if graphs else 0  # a slot and a block for the decode graphs' padding rows
+        self.pools = {r: rank_pools(mod, self.num_slots + spare, self.num_blocks + spare, self.block_size)
+                      for r, mod in self.models.items()}
         self.kernels = {r: kernels_for(self.device, list(p.values())) for r, p in self.pools.items()}
         if num_checkpoints is not None and num_checkpoints < 0:
             raise InputError(f"num_checkpoints must be at least 0, got {num_checkpoints}")
@@ -123,7 +127,7 @@ class TorchEngine:
         self.image_width = cfg.hidden_size if self.vision is not None else None
         self.media_pad_id = self.model_config.get("media_placeholder_token_id")
         self.graphs = None
-        if self.device.type == "cuda":
+        if graphs:
             from moe_export.runtime.engine.torch_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs.for_engine(self)
