@@ -56,7 +56,7 @@ def test_dp_layout_groups_equal_onnxruntime(runtime_engine):
     torch_dir = runtime_engine("tiny-k3", 2, 4, 4, attention="dp", backend="torch")
     ort_dir = runtime_engine("tiny-k3", 2, 4, 4, attention="dp")
     assert greedy_tokens(torch_dir) == greedy_tokens(ort_dir)
-    engines = [TorchEngine(torch_dir, num_slots=2, num_blocks=16), Engine(ort_dir, num_slots=2, num_blocks=16, threads=1)]
+    engines = [TorchEngine(torch_dir, num_slots=2, num_blocks=16, threads=1), Engine(ort_dir, num_slots=2, num_blocks=16, threads=1)]
     batches = [StepBatch.from_sequences([SequenceChunk(0, 0, PROMPTS[0], [0])]),
                StepBatch.from_sequences([SequenceChunk(1, 0, PROMPTS[2], [5, 3, 9])])]
     got, want = (e.step_groups(batches) for e in engines)
@@ -67,7 +67,7 @@ def test_dp_layout_groups_equal_onnxruntime(runtime_engine):
 
 def test_checkpoint_restores_a_slot(runtime_engine):
     """A slot restored from a checkpoint taken mid-prompt continues exactly as the slot it was taken from."""
-    eng = TorchEngine(runtime_engine("tiny-k3", 1, 1, 1, backend="torch"), num_slots=3, num_blocks=16)
+    eng = TorchEngine(runtime_engine("tiny-k3", 1, 1, 1, backend="torch"), num_slots=3, num_blocks=16, threads=1)
     head, tail = PROMPTS[2][:16], PROMPTS[2][16:]
     eng.reset_slot(0)
     eng.step(StepBatch.from_sequences([SequenceChunk(0, 0, head, [0])]))
@@ -123,3 +123,33 @@ def test_cuda_kernel_table_equals_cpu_kernels_in_the_triton_interpreter(runtime_
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["same_tokens"] and got["max_err"] < 1e-4
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_rank_step_smoke_on_cpu(tmp_path):
+    """`benchmarks/gpu_rank_step.py --smoke`: the H200 benchmark's code at tiny-k3's sizes on CPU writes every key."""
+    out = tmp_path / "rank_step.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks/gpu_rank_step.py"), "--smoke", "--json", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    fig = json.loads(out.read_text())
+    for key in ("rank_step_ms_32", "rank_step_ms_256", "rank_step_bound_ms_32", "rank_step_over_bound_32",
+                "tokens_per_s_per_gpu_32", "prefill_tokens_per_s_8k"):
+        assert fig[key] > 0, key
+    assert fig["cuda_graph_speedup_32"] is None and fig["smoke"] is True  # no CUDA graphs on CPU
+    assert fig["rank_step_over_bound_32"] == fig["rank_step_ms_32"] / fig["rank_step_bound_ms_32"]
+    assert 0 < fig["dispatch_rows_32"] < fig["dispatch_rows_256"]
+
+
+def test_gpu_torch_check_script_parses():
+    """The prepared H200 run: the shell script parses, runs both steps within 13 minutes, its Python compiles."""
+    import py_compile
+
+    script = REPO / "benchmarks/gpu_torch_check.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    lines = [line.split() for line in script.read_text().splitlines() if line.startswith("timeout ")]
+    assert [line[3] for line in lines] == ["benchmarks/gpu_torch_check.py", "benchmarks/gpu_rank_step.py"]
+    assert sum(int(line[1]) for line in lines) <= 13 * 60
+    for step in lines:
+        py_compile.compile(str(REPO / step[3]), doraise=True)

@@ -69,16 +69,16 @@ class RankWeights:
 
 
 class RankModel:
-    """One rank's layers (see the module docstring). `topk`: the DSA indexer's top-k; `use_indexer`: False for a
-    recipe with `attention.indexer: none` (MLA layers then attend densely); `cache_dtype`: the pools' storage."""
+    """One rank's layers (see the module docstring) from `src` (`RankWeights`, or any source of the rank's tensors
+    by name with the same `get`). `topk`: the DSA indexer's top-k; `use_indexer`: False for a recipe with
+    `attention.indexer: none` (MLA layers then attend densely); `cache_dtype`: the pools' storage."""
 
-    def __init__(self, cfg: ModelConfig, mapping: Mapping, weights_path: Path, device: torch.device, act: torch.dtype,
+    def __init__(self, cfg: ModelConfig, mapping: Mapping, src: RankWeights, device: torch.device, act: torch.dtype,
                  *, use_indexer: bool, topk: int, cache_dtype: torch.dtype) -> None:
         self.cfg, self.m, self.device, self.act = cfg, mapping, device, act
         self.local = dataclasses.replace(cfg, num_heads=cfg.num_heads // mapping.tp,
                                          kda_num_heads=cfg.kda_num_heads // mapping.tp)
         self.use_indexer, self.topk, self.cache_dtype = use_indexer and cfg.has_dsa, topk, cache_dtype
-        src = RankWeights(weights_path, device, act)
         pre = model_prefix(cfg)
         self.embed = src.get(pre + "embed_tokens.weight")
         self.norm = src.get(pre + "norm.weight")

@@ -34,7 +34,7 @@ from moe_export.runtime.engine.ort import MPICommunicator, rank_folders, step_pa
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
 from moe_export.runtime.engine.torch_collectives import DistributedWorld, run_in_process
 from moe_export.runtime.engine.torch_kernels import kernels_for
-from moe_export.runtime.engine.torch_model import RankModel, StepInputs
+from moe_export.runtime.engine.torch_model import RankModel, RankWeights, StepInputs
 
 CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.uint8}  # fp8: codes + a scale byte
 
@@ -95,7 +95,7 @@ class TorchEngine:
         self.tp, self.ep, self.dp_layout = m.tp_size, m.ep_size, m.attention == "dp"
         self.dp = self.world_size // self.tp if self.dp_layout else 1
         self.models = {r: RankModel(cfg, Mapping(self.world_size, r, self.tp, self.ep, m.attention),
-                                    rank_dirs[r] / "weights.safetensors", self.device, act,
+                                    RankWeights(rank_dirs[r] / "weights.safetensors", self.device, act), self.device, act,
                                     use_indexer=recipe.attention.indexer == "auto",
                                     topk=recipe.attention.sparse_topk or cfg.index_topk or 0,
                                     cache_dtype=CACHE_DTYPES[recipe.quantization.kv_cache]) for r in local}
