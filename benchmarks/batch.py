@@ -32,8 +32,8 @@ MOE_EXPORT = str(Path(sys.executable).parent / "moe-export")
 
 
 def build_default_engine(root: Path) -> Path:
+    from moe_export.common.recipe import load_recipe
     from moe_export.export.build import build
-    from moe_export.recipes.schema import load_recipe
 
     recipe = yaml.safe_load(load_recipe("tiny-cpu.yaml")[1].read_text())
     recipe["name"] = "batch-bench"
@@ -97,7 +97,6 @@ def main() -> None:
 
     import httpx
     import jinja2
-
     from moe_export.runtime.entrypoints.batch.doc_tasks import TASK_TEMPLATES
 
     with tempfile.TemporaryDirectory(prefix="batch-bench-") as tmp:

@@ -34,7 +34,7 @@ CHILD = r"""
 import json, resource, sys, threading, time
 import moe_export.export.backends, moe_export.export.convert, moe_export.graphs.onnx_export
 from moe_export.export.build import build, detect_comm
-from moe_export.recipes.schema import load_recipe
+from moe_export.common.recipe import load_recipe
 
 def rss_anon_kib():
     for line in open("/proc/self/status"):
@@ -52,6 +52,7 @@ from pathlib import Path
 import moe_export.export.build as build_mod
 from moe_export.export import checkpoint
 from moe_export.export.convert import rank_source_bytes
+from moe_export.common.mapping import Mapping
 source_root = Path(sys.argv[3])
 readers, hashed, file_read = [], [0], [0]
 real_init, real_sha, real_open, real_copy = (checkpoint.CheckpointReader.__init__, build_mod.sha256_file, io.open,
@@ -100,7 +101,7 @@ build(recipe, sys.argv[2], progress=False)
 seconds = time.perf_counter() - t0
 done.set()
 mine = [n for n in range(recipe.target.world_size) if n % comm.size == comm.rank]
-needed = sum(rank_source_bytes(readers[0], readers[0].config, build_mod.rank_mapping(recipe, n)) for n in mine)
+needed = sum(rank_source_bytes(readers[0], readers[0].config, Mapping.from_recipe(recipe, n)) for n in mine)
 open(f"{sys.argv[2]}.process{comm.rank}.json", "w").write(json.dumps({"process": comm.rank, "seconds": seconds, "read_bytes": sum(r.bytes_read for r in readers),
                   "hash_bytes": hashed[0], "file_read_bytes": file_read[0], "needed_bytes": needed, "baseline_kib": baseline, "peak_kib":
                   resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "baseline_anon_kib": baseline_anon,
@@ -166,8 +167,8 @@ def build_once(recipe: Path, out: Path, use_mpi: bool) -> list[dict]:
 
 def run(scale: int = 8, layer_scale: int = 4, use_mpi: bool | None = None) -> dict[str, float]:
     """Figures for both sizes: checkpoint size, parameters, build seconds, peak / baseline RSS per rank."""
+    from moe_export.common.model_config import ModelConfig
     from moe_export.export.planner import count_params
-    from moe_export.graphs.config import ModelConfig
 
     if use_mpi is None:
         use_mpi = (Path(sys.executable).parent / "mpiexec").is_file()

@@ -9,7 +9,7 @@ E8M0 U8 scales); trunk tensors are BF16 / F32 as in K3. Default size ~2.3 GB, la
 Each measurement runs in a fresh child process (so its peak RSS is its own), reading the files
 just written (page cache, the same for all):
   raw read:   CheckpointReader.get() of every tensor, its bytes copied into one reused buffer;
-  transforms: the quantize.transforms work of the convert stage without an output file: trunk
+  transforms: the export.transforms work of the convert stage without an output file: trunk
               finiteness checks, each expert read once, validated and fused (w13, w2);
   raw copy:   raw read plus writing the same bytes to one file and fsync (the I/O floor of convert);
   convert:    moe_export.export.convert.convert_rank on one rank (tp = ep = 1): the transforms plus
@@ -40,8 +40,7 @@ import time
 from pathlib import Path
 
 import torch
-
-from moe_export.graphs.config import ModelConfig
+from moe_export.common.model_config import ModelConfig
 from moe_export.graphs.weights import TensorSpec, all_tensor_specs
 
 K3_CONFIG = Path(__file__).resolve().parents[1] / "recipes" / "models" / "kimi-k3.json"
@@ -168,7 +167,7 @@ def child(mode: str, ckpt: Path, out_dir: Path) -> dict:
     elif mode == "transforms":
         # the convert stage's transforms alone (no output file): finiteness checks of the trunk, each
         # expert read once, validated and fused into w13 / w2 buffers
-        from moe_export.quantize import transforms
+        from moe_export.export import transforms
 
         cfg = reader.config
         for name in (n for n in reader.tensor_names() if transforms.parse_expert_name(n) is None):
@@ -179,9 +178,9 @@ def child(mode: str, ckpt: Path, out_dir: Path) -> dict:
                     transforms.expert_mxfp4(reader, cfg, layer, e, fuse_gate_up=fuse)
         result = {}
     else:
+        from moe_export.common.recipe import QuantizationSection
         from moe_export.export.convert import convert_rank
         from moe_export.graphs.sharding import Mapping
-        from moe_export.recipes.schema import QuantizationSection
 
         class BenchRecipe:
             """The recipe fields convert_rank reads: quantization choices and the backend."""

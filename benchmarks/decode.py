@@ -35,11 +35,11 @@ from pathlib import Path
 import psutil
 import torch
 import yaml
-
+from moe_export.export.checkpoint import load_model
+from moe_export.common.engine_config import EngineConfig
+from moe_export.common.recipe import load_recipe
 from moe_export.export.build import build
-from moe_export.export.engine_config import EngineConfig
 from moe_export.graphs.model import KimiModel
-from moe_export.recipes.schema import load_recipe
 from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
 from moe_export.runtime.engine.ort import Engine
 
@@ -212,7 +212,7 @@ def main() -> None:
         out = build_engine(Path(tmp), args.max_seq_len)
         checkpoint = next((out / ".cache").glob("source-*"))
         engine = Engine(out, threads=2)  # pools as the recipe sizes them: max_batch x max_seq_len tokens
-        model = KimiModel.from_checkpoint(checkpoint)
+        model = load_model(checkpoint)
         hf = load_transformers(checkpoint)
         methods = {"engine": lambda b: engine_tps(engine, b, args.steps),
                    "reference": lambda b: reference_tps(model, b, args.steps),

@@ -38,8 +38,9 @@ from pathlib import Path
 
 import torch
 
-from moe_export.graphs.config import ModelConfig
-from moe_export.graphs.sharding import Mapping, shard_range
+from moe_export.common.model_config import ModelConfig
+from moe_export.common.mapping import Mapping
+from moe_export.graphs.sharding import shard_range
 from moe_export.graphs.weights import all_tensor_specs
 from moe_export.plugins.collectives.all_to_all import DispatchLayout
 from moe_export.recipes import models_dir

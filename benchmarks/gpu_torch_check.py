@@ -113,7 +113,7 @@ def check_serve(engine: Path) -> dict:
     except ImportError as exc:
         return {"serve": f"skipped: {exc.name} is not installed"}
     port = free_port()
-    code = f"from moe_export.export.cli import main; import sys; sys.argv=['moe-export','serve','{engine}','--port','{port}']; main()"
+    code = f"from moe_export.runtime.entrypoints.cli import main; import sys; sys.argv=['moe-export','serve','{engine}','--port','{port}']; main()"
     server = subprocess.Popen([sys.executable, "-c", code], env=os.environ.copy())
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)

@@ -38,7 +38,7 @@ STEPS = 8
 
 
 def recipe(out: Path, backend: str, world: int, attention: str = "tp") -> Path:
-    from moe_export.recipes.schema import load_recipe
+    from moe_export.common.recipe import load_recipe
 
     tag = f"w{world}" + ("dp" if attention == "dp" else "")
     base = yaml.safe_load(Path(load_recipe("tiny-cpu.yaml")[1]).read_text())
@@ -93,10 +93,9 @@ def compare_images(out: Path) -> bool:
     import base64
     import io
 
-    from PIL import Image
-
     from moe_export.runtime import LLM, SamplingParams
     from moe_export.runtime.images import PromptImages
+    from PIL import Image
 
     rgba = np.random.default_rng(0).integers(0, 256, (100, 150, 4), dtype=np.uint8)
     buf = io.BytesIO()
@@ -131,9 +130,9 @@ def main() -> int:
     if args.world2_run:
         return 0 if compare(2, out, dp=args.dp) else 1
     out.mkdir(parents=True, exist_ok=True)
+    from moe_export.common.recipe import load_recipe
     from moe_export.export import build as driver
     from moe_export.export.tensorrt_build import describe_engine
-    from moe_export.recipes.schema import load_recipe
 
     for world, attention in ((1, "tp"), (2, "tp"), (2, "dp")):
         tag = f"w{world}" + ("dp" if attention == "dp" else "")

@@ -37,12 +37,11 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import torch
-from PIL import Image
-from safetensors.torch import save_file
-
 from moe_export.graphs.vision import VISION_NORM_EPS, VisionConfig, vision_tensor_specs
 from moe_export.graphs.vision_export import export_vision_graph, tower_inputs
 from moe_export.runtime.images import ImageProcessor
+from PIL import Image
+from safetensors.torch import save_file
 
 SIZES = {"448x448": (448, 448), "1920x1080": (1920, 1080)}
 TINY = VisionConfig(14, 8, 8, 4, "bilinear", 32, 2, 2, 32, 64, (2, 2), 32, 1e-5, 64)
@@ -108,9 +107,9 @@ def throughput(rounds: int, quick: bool, patch_limit: int) -> dict:
 
 
 def cache_ttft(rounds: int) -> dict:
+    from moe_export.common.recipe import load_recipe
     from moe_export.export.build import build
     from moe_export.export.synth import write_synthetic_checkpoint
-    from moe_export.recipes.schema import load_recipe
     from moe_export.runtime import LLM, SamplingParams
 
     url = "data:image/png;base64," + base64.b64encode(png(1920, 1080, seed=1)).decode()

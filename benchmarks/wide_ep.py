@@ -46,8 +46,8 @@ WORLD = 8
 
 
 def build_engine(root: Path, attention: str, requests: int, max_seq_len: int) -> Path:
+    from moe_export.common.recipe import load_recipe
     from moe_export.export.build import build
-    from moe_export.recipes.schema import load_recipe
 
     data = yaml.safe_load(load_recipe("tiny-cpu.yaml")[1].read_text())
     data["name"] = f"wide-ep-{attention}"
@@ -93,7 +93,6 @@ def rank_main(engine_dir: str, requests: int, prompt: int, tokens: int) -> None:
     """One rank of the measured run (under mpiexec). Every rank runs one engine step per world step (lockstep), so
     rank 0's step count at the start of the timed call marks the warm-up steps on every rank."""
     import numpy as np
-
     from moe_export.runtime import LLM
     from moe_export.runtime.sampling import SamplingParams
 
@@ -145,10 +144,15 @@ def run(engine_dir: Path, requests: int, prompt: int, tokens: int) -> dict:
 
 def paper() -> dict:
     """The README's paper model: K3 (h100x64 recipe's per-GPU bytes) on 8x8 H100, batch 256 per group."""
-    from moe_export.export.planner import GIB, cache_bytes_per_token, make_plan, recurrent_bytes_per_sequence
+    from moe_export.common.recipe import load_recipe
+    from moe_export.export.planner import (
+        GIB,
+        cache_bytes_per_token,
+        make_plan,
+        recurrent_bytes_per_sequence,
+    )
     from moe_export.export.traffic import H100_8X8, decode_paper_model
     from moe_export.graphs.sharding import Mapping
-    from moe_export.recipes.schema import load_recipe
 
     rec, _ = load_recipe("h100x64.yaml")
     plan = make_plan(rec)

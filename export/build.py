@@ -84,8 +84,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moe_export.export import source_reads
-from moe_export.export.atomic import (
+from moe_export.common.atomic import (
     atomic_path,
     atomic_write_bytes,
     atomic_write_json,
@@ -94,23 +93,9 @@ from moe_export.export.atomic import (
     sha256_file,
     sweep_temporaries,
 )
-from moe_export.export.build_lock import OutputLock
-from moe_export.export.engine_config import CONFIG, EngineConfig
-from moe_export.export.errors import InputError
-from moe_export.export.mpi import mpi_world
-from moe_export.export.stage_keys import (
-    code_fingerprints,
-    convert_identity,
-    convert_key,
-    global_keys,
-    rank_keys,
-    rank_mapping,
-    rank_stage_names,
-    source_identity,
-    vision_engine_key,
-    vision_key,
-)
-from moe_export.export.manifest import (
+from moe_export.common.engine_config import CONFIG, EngineConfig
+from moe_export.common.errors import BuildError, InputError
+from moe_export.common.manifest import (
     GRAPH,
     MANIFEST,
     MANIFEST_FORMAT,
@@ -120,9 +105,23 @@ from moe_export.export.manifest import (
     quantization_summary,
     tool_version,
 )
-from moe_export.graphs.config import GENERATION_CONFIG
+from moe_export.common.model_config import GENERATION_CONFIG
+from moe_export.common.mpi import mpi_world
+from moe_export.common.recipe import Recipe
+from moe_export.export import source_reads
+from moe_export.export.build_lock import OutputLock
+from moe_export.export.stage_keys import (
+    code_fingerprints,
+    convert_identity,
+    convert_key,
+    global_keys,
+    rank_keys,
+    rank_stage_names,
+    source_identity,
+    vision_engine_key,
+    vision_key,
+)
 from moe_export.graphs.sharding import Mapping
-from moe_export.recipes.schema import Recipe
 
 QUANT_REPORT = "quantization.json"
 LICENSE = "LICENSE"
@@ -133,10 +132,6 @@ TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer_config.json", 
                    "chat_template.jinja", GENERATION_CONFIG, "preprocessor_config.json")
 SYNTH_SEED = 0
 SYNTH_TEMP_RE = re.compile(r"^\..+\.(synth|old)-\d+$")
-
-class BuildError(Exception):
-    """A stage failed for a reason other than bad input (disk full, a library error); exit 1."""
-
 
 # ---- stage functions (imported lazily, so a fully up-to-date build imports none of them) ----
 def _convert_rank(reader, cfg, recipe, mapping, out_path: Path) -> dict:
@@ -669,7 +664,7 @@ def _build_ranks(ctx: _Ctx, ranks: list[int]) -> tuple[list[str], dict[str, str]
     keys: dict[str, str] = {}
     reads: dict[int, str] = {}
     for n in ranks:
-        mapping = rank_mapping(ctx.recipe, n)
+        mapping = Mapping.from_recipe(ctx.recipe, n)
         (ctx.state.build / f"rank{n}").mkdir(parents=True, exist_ok=True)
         rec = _current_convert(ctx, n)
         if rec is None:
@@ -744,7 +739,12 @@ def _run_vision(ctx: _Ctx) -> list[str]:
     """K3's tower + projector: `vision.safetensors` (the checkpoint's bf16 tensors) and `vision.onnx`, once per
     engine (every rank loads the same replicated tower). Nothing for a model without a tower."""
     from moe_export.graphs.vision import VISION_NORM_EPS, vision_config
-    from moe_export.graphs.vision_export import VISION_GRAPH, VISION_WEIGHTS, export_vision_graph, write_vision_weights
+    from moe_export.graphs.vision_export import (
+        VISION_GRAPH,
+        VISION_WEIGHTS,
+        export_vision_graph,
+        write_vision_weights,
+    )
 
     vc = vision_config(ctx.reader.config)
     if vc is None or ctx.state.current("vision", ctx.keys["vision"]):

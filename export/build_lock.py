@@ -13,7 +13,7 @@ import socket
 import time
 from pathlib import Path
 
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 
 LOCK_FILE = "build.lock"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from moe_export.common.model_config import ModelConfig
 from moe_export.export.checkpoint import CheckpointReader
-from moe_export.graphs.config import ModelConfig
 from moe_export.graphs.weights import WEIGHT_CLASSES, classify_tensor_name
 
 CLASS_LABELS = {

@@ -21,9 +21,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-
-from moe_export.export.errors import InputError
-from moe_export.graphs.config import ModelConfig
+from moe_export.common.errors import InputError
+from moe_export.common.model_config import ModelConfig
 from moe_export.graphs.weights import TensorSpec, all_tensor_specs, classify_tensor_name
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -536,3 +535,12 @@ def checkpoint_fingerprint(path: str | Path, chunk_bytes: int = 1 << 24) -> dict
             raise InputError(f"{root / name}: missing; cannot fingerprint the checkpoint") from None
         out[name] = h.hexdigest()
     return out
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
+    """The reference model (`graphs.model.KimiModel`) of an HF-format checkpoint directory, validated first
+    (InputError listing every problem)."""
+    from moe_export.graphs.model import KimiModel
+
+    with open_checkpoint(path) as reader:
+        return KimiModel.from_source(reader, dtype)

@@ -25,12 +25,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from moe_export.export.errors import InputError
-from moe_export.graphs.config import ModelConfig
+from moe_export.common.errors import InputError
+from moe_export.common.model_config import ModelConfig
 from moe_export.graphs.sharding import Mapping, shard_range, shard_tensor
-from moe_export.graphs.weights import TensorSpec, all_tensor_specs, expert_tensor_specs, layer_prefix
-from moe_export.quantize import fp8, transforms
+from moe_export.graphs.weights import (
+    TensorSpec,
+    all_tensor_specs,
+    expert_tensor_specs,
+    layer_prefix,
+)
+from moe_export.export import transforms
+from moe_export.quantize import fp8
 
 _TORCH_TO_ST = {
     torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3",

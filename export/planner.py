@@ -37,13 +37,17 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moe_export.export.errors import InputError
-from moe_export.graphs.config import ModelConfig, shipped_model_config
+from moe_export.common.errors import InputError
+from moe_export.common.model_config import ModelConfig, shipped_model_config
+from moe_export.common.recipe import Recipe
 from moe_export.graphs.sharding import Mapping, check_divisibility, rank_numel
-from moe_export.graphs.vision import tower_activation_bytes, vision_config, vision_tensor_specs
+from moe_export.graphs.vision import (
+    tower_activation_bytes,
+    vision_config,
+    vision_tensor_specs,
+)
 from moe_export.graphs.weights import WEIGHT_CLASSES, all_tensor_specs
 from moe_export.quantize import fp8_cache
-from moe_export.recipes.schema import Recipe
 
 MXFP4_BITS_PER_WEIGHT = 4.25
 CHECKPOINTS_PER_SLOT = 4  # recurrent-state checkpoint pool for prefix caching: 4 x the slots' state, host memory

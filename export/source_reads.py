@@ -43,8 +43,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from moe_export.export.atomic import canonical_json
-from moe_export.export.errors import InputError
+from moe_export.common.atomic import canonical_json
+from moe_export.common.errors import InputError
 
 # A file changed less than this before the reads began gets no stamp (ns; covers coarse file timestamp
 # granularity, up to the 2 s of FAT, and small clock differences).

@@ -18,15 +18,15 @@ found up to date by `source_reads.check`).
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import importlib.util
 from pathlib import Path
 from typing import Any
 
-from moe_export.export.atomic import canonical_json
-from moe_export.graphs.config import GENERATION_CONFIG
-from moe_export.graphs.sharding import Mapping
-from moe_export.recipes.schema import Recipe
+from moe_export.common.atomic import canonical_json
+from moe_export.common.manifest import library_versions
+from moe_export.common.mapping import Mapping
+from moe_export.common.model_config import GENERATION_CONFIG
+from moe_export.common.recipe import Recipe
 
 # Recipe fields (dotted paths into the recipe) each stage's output depends on, beyond its upstream keys.
 STAGE_FIELDS: dict[str, tuple[str, ...]] = {
@@ -38,15 +38,16 @@ STAGE_FIELDS: dict[str, tuple[str, ...]] = {
     "vision_engine": ("limits.max_images_per_request", "limits.max_image_patches", "target", "workspace_reserve_gib",
                       "parallel.tp"),
 }
-_MODEL_CODE = (("graphs", "config.py"), ("graphs", "sharding.py"), ("graphs", "weights.py"))
+_MODEL_CODE = (("common", "model_config.py"), ("common", "mapping.py"), ("graphs", "sharding.py"), ("graphs", "weights.py"))
 # Source files each stage runs, as (subpackage of moe_export, glob inside it).
 STAGE_CODE: dict[str, tuple[tuple[str, str], ...]] = {
-    "convert": (("export", "convert.py"), ("export", "checkpoint.py"), ("quantize", "*.py"), *_MODEL_CODE),
+    "convert": (("export", "convert.py"), ("export", "checkpoint.py"), ("export", "transforms.py"), ("quantize", "*.py"),
+                *_MODEL_CODE),
     "graph": (("graphs", "onnx_export.py"), ("graphs", "vision.py"), ("plugins", "*.py"), ("plugins", "*/onnx_schema.py"),
               *_MODEL_CODE),
     "lower": (("export", "backends.py"), ("plugins", "*.py"), ("plugins", "*/onnx_schema.py"), ("plugins", "*/ort.py")),
     "engine": (("export", "tensorrt_*.py"), ("export", "planner.py"), ("plugins", "**/*.py")),
-    "config": (("export", "build.py"), ("export", "manifest.py"), *_MODEL_CODE),
+    "config": (("export", "build.py"), ("common", "manifest.py"), ("common", "engine_config.py"), *_MODEL_CODE),
     "vision": (("graphs", "vision.py"), ("graphs", "vision_export.py"), ("graphs", "onnx_export.py"), *_MODEL_CODE),
     "vision_engine": (("export", "tensorrt_*.py"), ("export", "planner.py"), ("graphs", "vision.py")),
 }
@@ -71,17 +72,6 @@ def code_roots() -> dict[str, Path]:
     return roots
 
 
-def library_versions(names: tuple[str, ...]) -> dict[str, str]:
-    """Installed version of each distribution in `names` ("not installed" when absent)."""
-    out = {}
-    for name in names:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = "not installed"
-    return out
-
-
 def code_fingerprint(stage: str, roots: dict[str, Path]) -> dict[str, Any]:
     """sha256 over the stage's source files (relative path + content) and its libraries' versions."""
     h = hashlib.sha256()
@@ -103,11 +93,6 @@ def _pick(dump: dict, dotted: str) -> Any:
 def _key(stage: str, fields: dict, upstream: list[str], code: dict | None, extra: dict | None = None) -> str:
     payload = {"stage": stage, "recipe": fields, "upstream": upstream, "code": code, **(extra or {})}
     return hashlib.sha256(canonical_json(payload)).hexdigest()
-
-
-def rank_mapping(recipe: Recipe, rank: int) -> Mapping:
-    p = recipe.parallel
-    return Mapping(recipe.target.world_size, rank, p.tp, p.ep, p.attention)
 
 
 def rank_stage_names(recipe: Recipe) -> tuple[str, ...]:
@@ -136,7 +121,7 @@ def _fields(recipe: Recipe, stage: str) -> dict:
 def convert_key(recipe: Recipe, source_id: str, rank: int, code: dict) -> str:
     """Key of convert/rank{rank}: recipe fields, code, the rank's mapping and the source layout."""
     return _key("convert", _fields(recipe, "convert"), [], code["convert"],
-                {"source": source_id, "mapping": rank_mapping(recipe, rank).to_dict()})
+                {"source": source_id, "mapping": Mapping.from_recipe(recipe, rank).to_dict()})
 
 
 def convert_identity(key: str, reads_digest: str) -> str:

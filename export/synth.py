@@ -27,11 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from moe_export.export.atomic import atomic_write_bytes, atomic_write_json
+from moe_export.common.atomic import atomic_write_bytes, atomic_write_json
+from moe_export.common.errors import InputError
+from moe_export.common.model_config import ModelConfig
 from moe_export.export.checkpoint import INDEX_FILE
-from moe_export.export.errors import InputError
-from moe_export.graphs.config import ModelConfig
 from moe_export.graphs.tokens import (
     END_OF_MESSAGE,
     FAMILY_SPECIAL_NAMES,
@@ -40,7 +39,12 @@ from moe_export.graphs.tokens import (
     TIKTOKEN_FILE,
     TOKENIZER_CONFIG,
 )
-from moe_export.graphs.vision import K3_MEDIA_PROC, PREPROCESSOR_CONFIG, vision_config, vision_tensor_specs
+from moe_export.graphs.vision import (
+    K3_MEDIA_PROC,
+    PREPROCESSOR_CONFIG,
+    vision_config,
+    vision_tensor_specs,
+)
 from moe_export.graphs.weights import TensorSpec, all_tensor_specs
 from moe_export.quantize.mxfp4 import decode, encode
 

@@ -49,9 +49,8 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-
-from moe_export.export.atomic import atomic_path
-from moe_export.export.errors import InputError
+from moe_export.common.atomic import atomic_path
+from moe_export.common.errors import InputError
 from moe_export.export.planner import GIB, make_plan
 from moe_export.plugins.registry import OP_FOLDERS
 from moe_export.plugins.tensorrt_target import GPU_CAPABILITY, set_target_capability
@@ -88,8 +87,7 @@ def register_plugins() -> None:
 def select_device() -> int:
     """Make this rank's GPU (local rank -> device) the current CUDA device; returns its index."""
     import torch
-
-    from moe_export.export.mpi import device_for_local_rank, local_rank
+    from moe_export.common.mpi import device_for_local_rank, local_rank
 
     index = device_for_local_rank(local_rank(), torch.cuda.device_count())
     torch.cuda.set_device(index)
@@ -162,9 +160,8 @@ def build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path, *, 
     """Build `rank{N}.engine` (see the module docstring) from the exported graph next to its weights.
 
     A timing cache `<out_path stem>.timing_cache` beside out_path is read if present and rewritten."""
-    from safetensors.numpy import save_file
-
     from moe_export.plugins.collectives.nccl import building
+    from safetensors.numpy import save_file
 
     trt = import_tensorrt(recipe.name)
     memory = check_fits(recipe, mapping.rank)

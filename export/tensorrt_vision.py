@@ -25,12 +25,17 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-
-from moe_export.export.atomic import atomic_path
-from moe_export.export.errors import InputError
+from moe_export.common.atomic import atomic_path
+from moe_export.common.errors import InputError
 from moe_export.export.planner import GIB, image_patch_limit, vision_activation_bytes
-from moe_export.export.tensorrt_build import (ENGINE_KEY, ENGINE_TENSOR, _checked, graph_input_dims,
-                                              import_tensorrt, select_device)
+from moe_export.export.tensorrt_build import (
+    ENGINE_KEY,
+    ENGINE_TENSOR,
+    _checked,
+    graph_input_dims,
+    import_tensorrt,
+    select_device,
+)
 
 VISION_ENGINE = "vision.engine"
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from moe_export.graphs.config import ModelConfig
+from moe_export.common.model_config import ModelConfig
 
 ACT_BYTES = 2  # bf16 activations on GPU
 ROW_META_BYTES = 4 + 4  # per top-k choice: int32 expert id + fp32 routing weight (`plugins/collectives/all_to_all.py`)

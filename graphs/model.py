@@ -18,14 +18,12 @@ Shapes: B batch, T new tokens, S tokens in the cache (old + new), D hidden size.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-
-from moe_export.export.errors import InputError
-from moe_export.graphs.config import ModelConfig
+from moe_export.common.errors import InputError
+from moe_export.common.model_config import ModelConfig
 from moe_export.graphs.weights import layer_prefix, lm_head_name, model_prefix
 from moe_export.plugins.gated_delta_scan.reference import gated_delta_scan
 from moe_export.quantize import mxfp4
@@ -649,14 +647,6 @@ class KimiModel:
     def from_source(cls, src: WeightSource, dtype: torch.dtype = torch.float32) -> KimiModel:
         """Build from a CheckpointReader-like object (`.config`, `.get(name)`)."""
         return cls(src.config, load_weights(src, dtype), dtype)
-
-    @classmethod
-    def from_checkpoint(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> KimiModel:
-        """Build from an HF-format checkpoint directory (validated first: InputError listing every problem)."""
-        from moe_export.export.checkpoint import open_checkpoint
-
-        with open_checkpoint(path) as reader:
-            return cls.from_source(reader, dtype)
 
     def new_cache(self, batch: int = 1) -> ModelCache:
         return new_cache(self.cfg, batch, self.dtype)

@@ -53,15 +53,14 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
-
-from moe_export.export.errors import InputError
-from moe_export.graphs.config import ModelConfig
+from moe_export.common.errors import InputError
+from moe_export.common.model_config import ModelConfig
 from moe_export.graphs.sharding import Mapping
 from moe_export.graphs.vision import vision_config
 from moe_export.graphs.weights import layer_prefix, lm_head_name, model_prefix
 from moe_export.plugins import DOMAIN, OPSET_VERSION, PLUGIN_NAMESPACE, PLUGIN_VERSION
 from moe_export.quantize import fp8_cache
+from onnx import TensorProto, helper
 
 ONNX_OPSET = 21
 # recipe kv_cache -> pool element type; fp8 pools are uint8 rows of E4M3 codes + one E8M0 scale byte
@@ -269,7 +268,7 @@ class RankGraph:
         self.pools: list[tuple[str, int, list]] = []  # TensorRT: (name, element type, dims) in table row order
         # MXFP4 bytes (and their E8M0 scales) as the MoE plugin receives them: uint8 for ONNX Runtime; int8 views of
         # the same bytes for TensorRT, whose ONNX parser would widen uint8 initializers to int32
-        # (export/tensorrt_contracts.py: PARSER_UINT8_WEIGHTS_BECOME_INT32)
+        # (plugins/tensorrt_contracts.py: PARSER_UINT8_WEIGHTS_BECOME_INT32)
         self.mxfp4_type = TensorProto.INT8 if state_in_place else TensorProto.UINT8
         self.cache_type = cache_storage_type(kv_cache)
         self.g = GraphBuilder(weights_path, compute_dtype)

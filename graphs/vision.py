@@ -30,9 +30,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-from moe_export.export.errors import InputError
-from moe_export.graphs.config import ModelConfig
+from moe_export.common.errors import InputError
+from moe_export.common.model_config import ModelConfig
 from moe_export.graphs.weights import TensorSpec
 
 # which dtype's machine epsilon the encoder's eps-less nn.RMSNorm uses (see the module docstring)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_export.graphs.config import ModelConfig
+from moe_export.common.model_config import ModelConfig
 
 # Weight classes, in census order.
 WEIGHT_CLASSES = (

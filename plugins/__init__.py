@@ -5,7 +5,8 @@ Every op's ONNX node lives in domain `DOMAIN` with op type = TensorRT plugin nam
 plugin lookup (op type = plugin name, namespace = domain, `plugin_version` attribute) finds it.
 """
 
-DOMAIN = "moe_export"
+from moe_export.common.engine_config import PLUGIN_DOMAIN as DOMAIN
+
 PLUGIN_NAMESPACE = DOMAIN
 PLUGIN_VERSION = "1"
 OPSET_VERSION = 1

@@ -45,7 +45,7 @@ _TYPESTR = {
 def aot_kernel_code(kernel, plugin_id: str) -> bytes | str:
     """The code an `aot_impl` hands TensorRT for a compiled Triton kernel: its cubin (PTX if it has none);
     ValueError when the kernel needs more dynamic shared memory than a launch gets without opting in."""
-    from moe_export.export.tensorrt_contracts import DEFAULT_DYNAMIC_SHARED_MEMORY
+    from moe_export.plugins.tensorrt_contracts import DEFAULT_DYNAMIC_SHARED_MEMORY
 
     shared = int(kernel.metadata.shared)
     if shared > DEFAULT_DYNAMIC_SHARED_MEMORY:

@@ -8,14 +8,13 @@ This is the arithmetic of transformers' fine-grained FP8 quantizer (bit-identica
 When R or C is not a multiple of 128 the last block row / column is a partial edge block: it
 covers only the remaining rows / columns and its amax is taken over them, so scale_inv has shape
 [ceil(R/128), ceil(C/128)] and nothing is padded in the output. Non-finite inputs are not
-rejected here (see quantize.transforms); a NaN makes its block's scale NaN.
+rejected here (see export.transforms); a NaN makes its block's scale NaN.
 """
 
 from __future__ import annotations
 
 import torch
-
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 
 E4M3_MAX = 448.0
 FP8_BLOCK = 128

@@ -8,8 +8,7 @@ exponent bits of the block's amax and clamped at the bottom of the E8M0 range (b
 from __future__ import annotations
 
 import torch
-
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 
 BLOCK_SIZE = 32
 E8M0_BIAS = 127

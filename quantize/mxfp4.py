@@ -27,8 +27,7 @@ from __future__ import annotations
 import functools
 
 import torch
-
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 from moe_export.quantize.mx_common import (
     BLOCK_SIZE,
     CHUNK_BLOCKS,

@@ -14,8 +14,7 @@ uses 2^-126. NaN blocks: finite elements become +-0, NaN elements stay NaN. Inf 
 from __future__ import annotations
 
 import torch
-
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 from moe_export.quantize.mx_common import (
     BLOCK_SIZE,
     CHUNK_BLOCKS,

@@ -2,12 +2,14 @@
 
 from pathlib import Path
 
+from moe_export.common.recipe import shipped_dir
+
 
 def recipes_dir() -> Path:
     """Folder holding the shipped `*.yaml` recipes."""
-    return Path(__file__).resolve().parent
+    return shipped_dir()
 
 
 def models_dir() -> Path:
     """Folder holding the shipped HF-style model configs (`models/*.json`)."""
-    return recipes_dir() / "models"
+    return shipped_dir("models")

@@ -24,11 +24,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 from moe_export.graphs.tokens import FAMILIES
 from moe_export.runtime.formats import k2, k3
 from moe_export.runtime.formats.common import Rendered, Segment
-from moe_export.runtime.formats.parsing import OutputParser, ParsedDelta, ParsedMessage, parse_output
+from moe_export.runtime.formats.parsing import (
+    OutputParser,
+    ParsedDelta,
+    ParsedMessage,
+    parse_output,
+)
 from moe_export.runtime.formats.template import ChatTemplate
 
 if TYPE_CHECKING:

@@ -34,12 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
-
-from moe_export.export.errors import InputError
-from moe_export.graphs.config import read_json_object
+from moe_export.common.errors import InputError
+from moe_export.common.model_config import read_json_object
 from moe_export.graphs.tokens import MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD
 from moe_export.graphs.vision import K3_MEDIA_PROC, PREPROCESSOR_CONFIG
+from PIL import Image, UnidentifiedImageError
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")  # what image parts may carry
 MAX_IMAGE_BYTES = 32 * 2**20

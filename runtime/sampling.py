@@ -10,8 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
-
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 
 MAX_TOP_LOGPROBS = 20
 

@@ -24,8 +24,8 @@ from abc import ABC, abstractmethod
 from functools import cached_property
 from pathlib import Path
 
-from moe_export.export.errors import InputError
-from moe_export.graphs.config import read_json_object
+from moe_export.common.errors import InputError
+from moe_export.common.model_config import read_json_object
 from moe_export.graphs.tokens import (
     END_OF_MESSAGE,
     FAMILY_MARKERS,

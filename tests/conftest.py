@@ -11,8 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-
-from moe_export.graphs.config import ModelConfig
+from moe_export.common.model_config import ModelConfig
 from moe_export.graphs.weights import all_tensor_specs
 
 SYNTHETIC_PRESETS = ("tiny-k3", "tiny-k3-dsa", "tiny-kimi-linear")
@@ -195,7 +194,7 @@ class OpensThink:
 
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:
     """Run `moe-export ARGS` in process through the console entry point: (exit code, stdout, stderr)."""
-    from moe_export.export.cli import main
+    from moe_export.runtime.entrypoints.cli import main
 
     old = sys.argv
     sys.argv = ["moe-export", *args]
@@ -283,9 +282,8 @@ def runtime_engine(tmp_path_factory: pytest.TempPathFactory):
     once per session from tiny-cpu.yaml with small runtime limits (max_batch 6, max_seq_len 1024, max_num_tokens,
     block_size 16, thinking caps 6/12/20, fp32 cache pools)."""
     import yaml
-
+    from moe_export.common.recipe import load_recipe
     from moe_export.export.build import build
-    from moe_export.recipes.schema import load_recipe
 
     root = tmp_path_factory.mktemp("runtime-engines")
     built: dict[tuple, object] = {}
@@ -334,9 +332,9 @@ def toks(tmp_path_factory) -> dict:
 def write_engine_config(folder, backend: str = "onnxruntime"):
     """A valid engine config.json (tiny-k3 under the tiny-cpu recipe) in `folder`, without building anything;
     returns its EngineConfig."""
-    from moe_export.export.engine_config import EngineConfig
+    from moe_export.common.engine_config import EngineConfig
+    from moe_export.common.recipe import load_recipe
     from moe_export.export.synth import preset_config
-    from moe_export.recipes.schema import load_recipe
 
     recipe = load_recipe("tiny-cpu.yaml")[0].model_copy(update={"backend": backend})
     cfg = EngineConfig.from_recipe(recipe, preset_config("tiny-k3"), version="test", files={}, weight_classes={})

@@ -23,8 +23,8 @@ def build_serve_engine(root: Path, preset: str = "tiny-k3", tp: int = 1, ep: int
                        limits: dict | None = None) -> Path:
     """Engine directory from tiny-cpu.yaml with serving limits (16 sequences, 2048 context; `limits` overrides
     some) and small caps."""
+    from moe_export.common.recipe import load_recipe
     from moe_export.export.build import build
-    from moe_export.recipes.schema import load_recipe
 
     data = yaml.safe_load(Path(load_recipe("tiny-cpu.yaml")[1]).read_text())
     data["name"] = f"serve-{preset}-w{world}" + "".join(f"-{k}{v}" for k, v in sorted((limits or {}).items()))
@@ -58,7 +58,6 @@ class InProcessServer:
 
     def __init__(self, engine_dir: Path, default_effort: str = "max", **settings) -> None:
         import uvicorn
-
         from moe_export.runtime.entrypoints.llm import AsyncLLM
         from moe_export.runtime.entrypoints.server.app import ServerSettings, create_app
 
@@ -94,7 +93,7 @@ def wait_ready(url: str, timeout: float, proc: subprocess.Popen | None = None) -
 
 
 def cli_command() -> list[str]:
-    return [sys.executable, "-c", "from moe_export.export.cli import main; main()"]
+    return [sys.executable, "-c", "from moe_export.runtime.entrypoints.cli import main; main()"]
 
 
 def start_cli_server(args: list[str], *, mpiexec_ranks: int = 0, env: dict | None = None) -> tuple[subprocess.Popen, str]:

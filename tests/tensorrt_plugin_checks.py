@@ -48,8 +48,10 @@ trt, trtp = standin.install(VERSION)
 
 from moe_export.export.backends import _value_types  # noqa: E402
 from moe_export.export.tensorrt_build import register_plugins  # noqa: E402
-from moe_export.plugins import DOMAIN  # noqa: E402
-from moe_export.plugins import tensorrt_common  # noqa: E402
+from moe_export.plugins import (
+    DOMAIN,  # noqa: E402
+    tensorrt_common,  # noqa: E402
+)
 from moe_export.plugins.registry import OP_FOLDERS  # noqa: E402
 
 register_plugins()
@@ -272,8 +274,8 @@ def test_dispatch_receive_bound_is_static_and_required():
     """The dp graph's MoEDispatch carries the recipe's receive bound ep * ceil(max_num_tokens / tp) as its static
     received-row dim (the other groups' batches are not visible to a shape expression); a node without a bound
     (an ONNX Runtime graph, exact sizes) fails the build with the way out."""
+    from moe_export.common.recipe import load_recipe
     from moe_export.graphs.sharding import Mapping
-    from moe_export.recipes.schema import load_recipe
 
     limits = load_recipe("tiny-cpu.yaml")[0].limits
     label, node, types = next(x for x in NODES if x[1].op_type == "MoEDispatch")
@@ -563,12 +565,11 @@ def test_dp_recipe_builds_at_world_8_through_the_standin(tmp_path, monkeypatch):
     import importlib.machinery
 
     import yaml
-
+    from moe_export.common.recipe import load_recipe
     from moe_export.export import tensorrt_build
     from moe_export.export.build import build
     from moe_export.export.planner import make_plan, vision_activation_bytes
     from moe_export.export.tensorrt_build import ENGINE_WORKSPACES, read_engine_file
-    from moe_export.recipes.schema import load_recipe
 
     data = yaml.safe_load(Path(load_recipe("tiny-cpu.yaml")[1]).read_text())
     data.update(name="tiny-dp-trt", backend="tensorrt", model={"source": "synthetic:tiny-k3"})

@@ -406,7 +406,7 @@ def parsed_input_types(node, value_types: dict, initializers: set[str]) -> list[
     """The TensorRT types of `node`'s inputs as the ONNX parser makes them: network values keep their ONNX type,
     initializers go through the parser's weight conversion (contract PARSER_UINT8_WEIGHTS_BECOME_INT32: a uint8
     initializer becomes INT32, one word per byte)."""
-    from moe_export.export.tensorrt_contracts import parser_weight_type
+    from moe_export.plugins.tensorrt_contracts import parser_weight_type
 
     out = []
     for name in node.input:
@@ -422,7 +422,7 @@ def require_pools_outside_io(model) -> None:
     """Contract ALIASED_PLUGIN_IO_MAY_COPY: TensorRT "may insert copies" for aliased plugin I/O, so a pool as a
     network input updated through a plugin output (or returned as a network output) is not in place; a TensorRT
     build of ours refuses any pool among the network's inputs and outputs."""
-    from moe_export.export.tensorrt_contracts import contract
+    from moe_export.plugins.tensorrt_contracts import contract
 
     pools = [v.name for v in (*model.graph.input, *model.graph.output) if v.name.startswith(POOL_PREFIXES)]
     if pools:

@@ -5,8 +5,8 @@ once, bad ones reported), templates and tasks, and the same job on a local Ray w
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +15,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli
 from test_batch_inputs import write_pdf
 
@@ -27,9 +26,8 @@ MOE_EXPORT = str(Path(sys.executable).parent / "moe-export")
 def engine(tmp_path_factory):
     """tiny-k3 on one rank, 16 sequence slots, 512-token steps (prefill of many documents packs together)."""
     import yaml
-
+    from moe_export.common.recipe import load_recipe
     from moe_export.export.build import build
-    from moe_export.recipes.schema import load_recipe
 
     root = tmp_path_factory.mktemp("batch-engine")
     data = yaml.safe_load(load_recipe("tiny-cpu.yaml")[1].read_text())
@@ -226,7 +224,7 @@ def test_a_text_document_job_loads_no_grammar_or_pdf_library(engine, tmp_path):
     docs.mkdir()
     (docs / "a.txt").write_text("Alice met Bob in Paris on 3 May.")
     out = tmp_path / "out.jsonl"
-    code = ("import sys\nfrom moe_export.export.cli import main\n"
+    code = ("import sys\nfrom moe_export.runtime.entrypoints.cli import main\n"
             f"sys.argv = ['moe-export', 'batch', {str(engine)!r}, '--input', {str(docs)!r}, '--output', {str(out)!r}, "
             "'--task', 'summarize', '--max-tokens', '2']\n"
             "try:\n    main()\nfinally:\n    import gc\n    print('FROZEN', gc.get_freeze_count())\n"
@@ -307,11 +305,10 @@ def test_documents_with_images_answer_as_llm_chat_with_the_same_parts(engine, tm
 
     import jinja2
     import numpy as np
-    from PIL import Image
-    from pypdf import PdfReader
-
     from moe_export.runtime import LLM, SamplingParams
     from moe_export.runtime.images import MEDIA_BEGIN, MEDIA_PAD
+    from PIL import Image
+    from pypdf import PdfReader
     from test_batch_inputs import image_bytes, write_image_folder
 
     docs = tmp_path / "docs"

@@ -7,8 +7,7 @@ import json
 import os
 
 import pytest
-
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 from moe_export.runtime.entrypoints.batch.chunking import chunk_text
 from moe_export.runtime.entrypoints.batch.documents import read_documents
 from moe_export.runtime.entrypoints.batch.openai_batch import parse_input_line

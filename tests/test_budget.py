@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import pytest
-
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 from moe_export.runtime.chat import OutputParser
-from moe_export.runtime.core.budget import ReasoningBudget, ThinkingPlan, resolve_thinking
+from moe_export.runtime.core.budget import (
+    ReasoningBudget,
+    ThinkingPlan,
+    resolve_thinking,
+)
 
 CAPS = {"low": 64, "high": 256, "max": 512}
 

@@ -17,13 +17,12 @@ import onnx
 import pytest
 import torch
 import yaml
-from onnx import TensorProto, helper
-
+from moe_export.common.errors import InputError
+from moe_export.common.manifest import artifact_files, verify_engine_dir
+from moe_export.common.recipe import Recipe
 from moe_export.export import source_reads
 from moe_export.export.build import BuildError, Stages, build, describe
 from moe_export.export.checkpoint import read_safetensors_header
-from moe_export.export.errors import InputError
-from moe_export.export.manifest import artifact_files, verify_engine_dir
 from moe_export.export.stage_keys import (
     STAGE_FIELDS,
     code_fingerprints,
@@ -36,7 +35,7 @@ from moe_export.graphs.sharding import shard_tensor
 from moe_export.graphs.weights import global_tensor_specs, layer_tensor_specs
 from moe_export.plugins import DOMAIN
 from moe_export.recipes import recipes_dir
-from moe_export.recipes.schema import Recipe
+from onnx import TensorProto, helper
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -174,7 +173,7 @@ sys.path.insert(0, {tests!r})
 import test_build_driver as t
 import moe_export.export.build as b
 b.build = functools.partial(b.build, stages=t.FAKE_STAGES)
-from moe_export.export.cli import main
+from moe_export.runtime.entrypoints.cli import main
 sys.argv = ["moe-export", *sys.argv[1:]]
 main()
 """

@@ -11,13 +11,10 @@ from pathlib import Path
 
 import onnx
 import yaml
-
-from moe_export.export.manifest import INTERNAL_DIRS, artifact_files
+from conftest import run_cli
+from moe_export.common.manifest import INTERNAL_DIRS, artifact_files
 from moe_export.plugins.registry import register_all_schemas
 from moe_export.recipes import recipes_dir
-from conftest import run_cli
-
-
 
 
 def test_tiny_cpu_build_verify_inspect_rerun(tmp_path, capsys):

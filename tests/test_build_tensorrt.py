@@ -10,14 +10,17 @@ import types
 
 import onnx
 import pytest
-
+from moe_export.common.errors import InputError
+from moe_export.common.recipe import load_recipe
 from moe_export.export import tensorrt_build
-from moe_export.export.errors import InputError
 from moe_export.export.planner import make_plan
-from moe_export.export.tensorrt_build import build_tensorrt_engine, engine_profile, profile_range, read_engine_file
+from moe_export.export.tensorrt_build import (
+    build_tensorrt_engine,
+    engine_profile,
+    profile_range,
+    read_engine_file,
+)
 from moe_export.graphs.sharding import Mapping
-from moe_export.recipes.schema import load_recipe
-
 from test_tensorrt_plugins import tiny_graphs  # noqa: F401  (module fixture: real tiny rank graphs)
 
 
@@ -200,7 +203,7 @@ def test_local_rank_picks_the_gpu():
     import subprocess
     import sys
 
-    from moe_export.export.mpi import device_for_local_rank, local_rank
+    from moe_export.common.mpi import device_for_local_rank, local_rank
 
     assert local_rank({}) == 0
     assert local_rank({"PMI_RANK": "5", "MPI_LOCALRANKID": "1"}) == 1
@@ -211,7 +214,7 @@ def test_local_rank_picks_the_gpu():
         device_for_local_rank(8, 8)
     with pytest.raises(RuntimeError, match="no CUDA device"):
         device_for_local_rank(0, 0)
-    code = "from moe_export.export.mpi import local_rank; print(f'<{local_rank()}>')"
+    code = "from moe_export.common.mpi import local_rank; print(f'<{local_rank()}>')"
     res = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     # tagged: mpiexec forwards the ranks' output as it comes, so two lines can interleave ("01\n\n")

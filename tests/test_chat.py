@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 from moe_export.graphs.tokens import CLOSE
 from moe_export.runtime.chat import (
     OutputParser,

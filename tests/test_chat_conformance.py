@@ -21,11 +21,15 @@ import re
 from pathlib import Path
 
 import pytest
-
 from chat_corpus import ERROR_CASES, cases
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 from moe_export.runtime.chat import (
-    parse_output, prompt_starts_in_reasoning, render, render_ids, render_segments, segments_to_ids,
+    parse_output,
+    prompt_starts_in_reasoning,
+    render,
+    render_ids,
+    render_segments,
+    segments_to_ids,
 )
 from moe_export.runtime.formats.common import Segment
 

@@ -9,8 +9,7 @@ import copy
 import json
 
 import pytest
-
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 from moe_export.export.synth import write_synthetic_tokenizer
 from moe_export.runtime.chat import generation_prompt_ids, render, render_ids
 from moe_export.runtime.formats.template import ChatTemplate
@@ -165,11 +164,10 @@ def test_engine_carries_the_template_and_serve_tokenizes_with_it(tmp_path, capsy
     import httpx
     import yaml
     from conftest import run_cli
-    from serve_support import InProcessServer
-
+    from moe_export.common.recipe import load_recipe
     from moe_export.export.build import build
     from moe_export.export.synth import write_synthetic_checkpoint
-    from moe_export.recipes.schema import load_recipe
+    from serve_support import InProcessServer
 
     ckpt = write_synthetic_checkpoint("tiny-kimi-linear", tmp_path / "ckpt")
     (ckpt / "chat_template.jinja").write_text(ROLE_TEMPLATE)

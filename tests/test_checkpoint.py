@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
+from conftest import run_cli
+from moe_export.common.errors import InputError
 from moe_export.export.checkpoint import (
     INDEX_FILE,
     CheckpointReader,
@@ -20,9 +20,8 @@ from moe_export.export.checkpoint import (
     open_checkpoint,
     read_safetensors_header,
 )
-from moe_export.export.errors import InputError
 from moe_export.export.synth import synthetic_specs, write_synthetic_checkpoint
-from conftest import run_cli
+from safetensors.torch import load_file, save_file
 
 LAYER1 = "model.layers.1."
 

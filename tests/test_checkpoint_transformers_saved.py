@@ -12,13 +12,12 @@ import pytest
 import torch
 import yaml
 from conftest import import_hf
-
+from moe_export.export.checkpoint import load_model
+from moe_export.common.recipe import load_recipe
 from moe_export.export.build import build
 from moe_export.export.checkpoint import open_checkpoint
 from moe_export.export.synth import preset_hf_config
-from moe_export.graphs.model import KimiModel
 from moe_export.quantize import mxfp4
-from moe_export.recipes.schema import load_recipe
 from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
 from moe_export.runtime.engine.ort import Engine
 
@@ -79,7 +78,7 @@ def test_checkpoint_validates_and_reports_dtypes(saved):
 
 def test_reference_matches_transformers(saved):
     path, _, want = saved
-    ours = KimiModel.from_checkpoint(path)
+    ours = load_model(path)
     cache = ours.new_cache(1)
     got = ours.prefill(torch.tensor([PROMPT]), cache)[0, -1].numpy()
     np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)

@@ -6,13 +6,12 @@ import subprocess
 import sys
 
 import pytest
-
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
+from moe_export.common.model_config import ModelConfig, shipped_model_config
+from moe_export.common.recipe import load_recipe
 from moe_export.export.planner import make_plan
-from moe_export.graphs.config import ModelConfig, shipped_model_config
 from moe_export.graphs.weights import all_tensor_specs
 from moe_export.recipes import models_dir
-from moe_export.recipes.schema import load_recipe
 
 K3_TOTAL = 2.78e12  # xinference / model card: 2,779.93 B total incl. the vision tower
 K3_ACTIVE = 104e9
@@ -64,7 +63,7 @@ def test_k3_plan_numbers():
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-c", "from moe_export.export.cli import main; main()", *args],
+    return subprocess.run([sys.executable, "-c", "from moe_export.runtime.entrypoints.cli import main; main()", *args],
                           capture_output=True, text=True)
 
 

@@ -14,15 +14,21 @@ import struct
 from pathlib import Path
 
 import pytest
-from test_build_driver import FAKE_STAGES, fake_engine, fake_graph, fake_lower, settled, tiny_recipe
-
+from moe_export.common.mapping import Mapping
 from moe_export.export import build as build_mod
-from moe_export.export import source_reads
 from moe_export.export import checkpoint as ckpt_mod
+from moe_export.export import source_reads
 from moe_export.export.build import Stages
 from moe_export.export.checkpoint import open_checkpoint
 from moe_export.export.convert import convert_rank, rank_source_bytes
-from moe_export.export.stage_keys import rank_mapping
+from test_build_driver import (
+    FAKE_STAGES,
+    fake_engine,
+    fake_graph,
+    fake_lower,
+    settled,
+    tiny_recipe,
+)
 
 REAL_CONVERT = Stages(export_rank_graph=fake_graph, lower_for_onnxruntime=fake_lower, build_tensorrt_engine=fake_engine)
 
@@ -105,7 +111,7 @@ def needed_bytes(source: Path, recipe) -> int:
     """Every rank's slices plus, for K3, the vision tower, which the build reads once for all ranks."""
     with open_checkpoint(source, validate=False) as reader:
         tower = sum(s.nbytes for s in reader.vision_specs())
-        return tower + sum(rank_source_bytes(reader, reader.config, rank_mapping(recipe, n))
+        return tower + sum(rank_source_bytes(reader, reader.config, Mapping.from_recipe(recipe, n))
                            for n in range(recipe.target.world_size))
 
 
@@ -115,7 +121,7 @@ def test_each_rank_reads_only_what_it_needs(synthetic_checkpoint, tmp_path, pres
     for rank in range(recipe.target.world_size):
         with open_checkpoint(synthetic_checkpoint(preset)) as reader:
             reader.bytes_read = 0  # validation's value checks read K3's A_log; count the conversion only
-            mapping = rank_mapping(recipe, rank)
+            mapping = Mapping.from_recipe(recipe, rank)
             convert_rank(reader, reader.config, recipe, mapping, tmp_path / f"rank{rank}.safetensors")
             ratio = reader.bytes_read / rank_source_bytes(reader, reader.config, mapping)
         assert ratio <= 1.0001, f"rank {rank} read {ratio:.3f}x the bytes it needs"

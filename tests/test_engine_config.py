@@ -9,10 +9,14 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import write_engine_config
-from moe_export.export.engine_config import CONFIG, ENGINE_FORMAT, EngineConfig, is_engine_config
-from moe_export.export.errors import InputError
+from moe_export.common.engine_config import (
+    CONFIG,
+    ENGINE_FORMAT,
+    EngineConfig,
+    is_engine_config,
+)
+from moe_export.common.errors import InputError
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import torch
 import yaml
-
+from moe_export.export.checkpoint import load_model
+from moe_export.common.recipe import load_recipe
 from moe_export.export.build import build
 from moe_export.graphs.model import KimiModel
-from moe_export.recipes.schema import load_recipe
 from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
 from moe_export.runtime.engine.ort import Engine
 
@@ -88,7 +88,7 @@ def source_checkpoint(engine_dir: Path) -> Path:
 def compare_with_reference(engine_dir: Path, atol: float = ATOL, prompt: list[int] = PROMPT, eng: Engine | None = None,
                            slot: int = 1, first_block: int = 0) -> float:
     """Prefill + greedy decode with the engine and the reference side by side; returns the largest logit error."""
-    ref = KimiModel.from_checkpoint(source_checkpoint(engine_dir))
+    ref = load_model(source_checkpoint(engine_dir))
     cache = ref.new_cache(1)
     eng = eng or Engine(engine_dir, num_slots=2, num_blocks=64, threads=1)
     bs = eng.block_size
@@ -229,7 +229,7 @@ def test_blocks_freed_and_reused_by_another_sequence(engines):
 def test_pool_that_runs_out_is_a_clear_error_and_changes_nothing(engines):
     """A block table too short for the positions written, a block id beyond the pool, two sequences writing
     the same rows, a slot used twice: InputError naming the problem, and no pool or state is touched."""
-    from moe_export.export.errors import InputError
+    from moe_export.common.errors import InputError
 
     engine_dir = engines("tiny-k3-dsa", 2, 2, 4)
     eng = Engine(engine_dir, num_slots=2, num_blocks=3, threads=1)  # 12 tokens of cache

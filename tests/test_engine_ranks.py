@@ -13,11 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-
+from moe_export.common.errors import InputError
+from moe_export.common.mpi import mpi_world
+from moe_export.common.recipe import load_recipe
 from moe_export.export.build import build
-from moe_export.export.errors import InputError
-from moe_export.export.mpi import mpi_world
-from moe_export.recipes.schema import load_recipe
 from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
 from moe_export.runtime.engine.ort import Engine, rank_folders
 
@@ -106,7 +105,7 @@ def test_pmix_launch_is_detected_by_build_and_engine():
     from them, so the detection sees only PMIX_RANK."""
     code = ("import os; from mpi4py import MPI; "
             "os.environ['PMIX_RANK'] = os.environ.pop('PMI_RANK'); del os.environ['PMI_SIZE']; "
-            "from moe_export.export import build, mpi; from moe_export.runtime.engine import ort; "
+            "from moe_export.export import build; from moe_export.common import mpi; from moe_export.runtime.engine import ort; "
             "assert build.mpi_world is mpi.mpi_world and ort.mpi_world is mpi.mpi_world; "
             "c = build.detect_comm(); print(mpi.mpi_world(), c.rank, c.size)")
     r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

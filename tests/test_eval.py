@@ -7,10 +7,14 @@ import asyncio
 import json
 
 import pytest
-
 from conftest import run_cli
-from moe_export.export.errors import InputError
-from moe_export.runtime.entrypoints.eval import EvalTask, check_answer, load_tasks, run_task
+from moe_export.common.errors import InputError
+from moe_export.runtime.entrypoints.eval import (
+    EvalTask,
+    check_answer,
+    load_tasks,
+    run_task,
+)
 from moe_export.runtime.entrypoints.llm import ChatOutput
 
 
@@ -92,9 +96,8 @@ THINKING_CAPS = {"low": 5, "high": 8, "max": 12}
 def engine(tmp_path_factory):
     """tiny-k3 on one rank with room for tool declarations (max_seq_len 1024) and small thinking caps."""
     import yaml
-
+    from moe_export.common.recipe import load_recipe
     from moe_export.export.build import build
-    from moe_export.recipes.schema import load_recipe
 
     root = tmp_path_factory.mktemp("eval-engine")
     data = yaml.safe_load(load_recipe("tiny-cpu.yaml")[1].read_text())

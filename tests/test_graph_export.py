@@ -6,7 +6,7 @@ import json
 
 import onnx
 import pytest
-
+from moe_export.common.recipe import load_recipe
 from moe_export.export.backends import lower_for_onnxruntime
 from moe_export.export.checkpoint import open_checkpoint
 from moe_export.export.convert import convert_rank
@@ -15,7 +15,6 @@ from moe_export.graphs.onnx_export import export_rank_graph
 from moe_export.graphs.sharding import Mapping
 from moe_export.plugins import DOMAIN
 from moe_export.plugins.registry import register_all_schemas
-from moe_export.recipes.schema import load_recipe
 
 
 @pytest.fixture(scope="module", params=["tiny-k3", "tiny-k3-dsa", "tiny-kimi-linear"])

@@ -9,12 +9,11 @@ import pytest
 import torch
 import yaml
 from conftest import import_hf
-
+from moe_export.export.checkpoint import load_model
+from moe_export.common.recipe import load_recipe
 from moe_export.export.build import build
 from moe_export.export.checkpoint import open_checkpoint
 from moe_export.graphs import model as M
-from moe_export.graphs.model import KimiModel
-from moe_export.recipes.schema import load_recipe
 from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
 from moe_export.runtime.engine.ort import Engine
 
@@ -82,7 +81,7 @@ def test_engine_graph_routes_by_group(synthetic_checkpoint, tmp_path):
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(base))
     rec, _ = load_recipe(tmp_path / "r.yaml")
     build(rec, tmp_path / "engine")
-    ref = KimiModel.from_checkpoint(synthetic_checkpoint(PRESET))
+    ref = load_model(synthetic_checkpoint(PRESET))
     cache = ref.new_cache(1)
     eng = Engine(tmp_path / "engine", num_slots=1, threads=1)
     eng.reset_slot(0)

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from moe_export.export.cli import main
+from moe_export.runtime.entrypoints.cli import main
 from moe_export.export.synth import SMALL_PRESETS, preset_config, synthetic_specs
 from conftest import run_cli
 

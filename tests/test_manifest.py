@@ -9,24 +9,27 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from moe_export.export.atomic import atomic_path, atomic_write_json, canonical_json, sweep_temporaries, temp_path
-from moe_export.export.build import build
-from moe_export.export.checkpoint import read_safetensors_header
-from moe_export.export.errors import InputError
-from moe_export.export.manifest import (
-    inspect_engine,
+from moe_export.common.atomic import (
+    atomic_path,
+    atomic_write_json,
+    canonical_json,
+    sweep_temporaries,
+    temp_path,
+)
+from moe_export.common.errors import InputError
+from moe_export.common.manifest import (
     is_engine_dir,
     load_manifest,
     quantization_summary,
     verify_engine_dir,
 )
+from moe_export.export.build import build
+from moe_export.export.checkpoint import read_safetensors_header
+from moe_export.export.inspect_engine import inspect_engine
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_build_driver import FAKE_STAGES, tiny_recipe  # noqa: E402
 from conftest import run_cli, write_engine_config
-
-
+from test_build_driver import FAKE_STAGES, tiny_recipe  # noqa: E402
 
 
 @pytest.fixture()

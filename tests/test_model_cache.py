@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import SYNTHETIC_PRESETS
 
+from moe_export.export.checkpoint import load_model
 from moe_export.graphs.model import KDACache, KimiModel, MLACache
 
 T = 13  # longer than the DSA preset's index_topk, so the indexer drops tokens
@@ -13,7 +14,7 @@ T = 13  # longer than the DSA preset's index_topk, so the indexer drops tokens
 
 @pytest.fixture(scope="module", params=SYNTHETIC_PRESETS)
 def model(request, synthetic_checkpoint) -> KimiModel:
-    return KimiModel.from_checkpoint(synthetic_checkpoint(request.param))
+    return load_model(synthetic_checkpoint(request.param))
 
 
 def test_prefill_chunks_and_decode_agree(model):

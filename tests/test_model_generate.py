@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
-
-from moe_export.export.errors import InputError
-from moe_export.graphs.model import KimiModel
-from moe_export.runtime.entrypoints.generate import ReferenceEngine, generate_tokens, reference_generate
+from conftest import run_cli
+from moe_export.export.checkpoint import load_model
+from moe_export.common.errors import InputError
+from moe_export.runtime.entrypoints.generate import (
+    ReferenceEngine,
+    generate_tokens,
+    reference_generate,
+)
 from moe_export.runtime.sampling import SamplingParams
 from moe_export.runtime.tokenizer import load_tokenizer
-from conftest import run_cli
 
 
 @pytest.mark.parametrize("kw", [{"temperature": -1.0}, {"top_k": -2}, {"top_p": 0.0}, {"top_p": 1.5}, {"min_p": 1.5},
@@ -46,7 +48,7 @@ def test_from_flags():
 @pytest.fixture(scope="module")
 def k3(synthetic_checkpoint):
     path = synthetic_checkpoint("tiny-k3")
-    return path, KimiModel.from_checkpoint(path)
+    return path, load_model(path)
 
 
 def test_greedy_generate_equals_argmax_of_full_forward(k3):
@@ -110,8 +112,8 @@ def test_cli_generate_bad_input_exits_2(k3, capsys, args, message):
 
 def test_generate_refuses_a_checkpoint_too_large_for_memory(tmp_path, capsys):
     """K3's config alone (no weights): refused up front, naming the fp32 memory it would need (~10 TiB)."""
+    from moe_export.common.model_config import shipped_model_config
     from moe_export.export.planner import GIB, reference_fp32_bytes
-    from moe_export.graphs.config import shipped_model_config
     from moe_export.recipes import models_dir
 
     (tmp_path / "config.json").write_bytes((models_dir() / "kimi-k3.json").read_bytes())

@@ -9,10 +9,9 @@ import math
 import pytest
 import torch
 from conftest import random_source, tiny_hf_config
-
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
+from moe_export.common.model_config import ModelConfig
 from moe_export.graphs import model as M
-from moe_export.graphs.config import ModelConfig
 
 
 def sig(x: float) -> float:

@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import import_hf
 
+from moe_export.export.checkpoint import load_model
 from moe_export.export.checkpoint import CheckpointReader
 from moe_export.graphs import model as M
 from moe_export.runtime.entrypoints.generate import reference_generate
@@ -72,7 +73,7 @@ def test_bf16_option_tracks_transformers_bf16(synthetic_checkpoint):
     ids = torch.tensor([PROMPT[:10]])
     with torch.no_grad():
         ref = hf(ids).logits.float()
-    ours = M.KimiModel.from_checkpoint(path, dtype=torch.bfloat16)
+    ours = load_model(path, dtype=torch.bfloat16)
     cache = ours.new_cache(1)
     got = ours(ids, cache)
     assert got.dtype == torch.float32 and cache.layers[0].state.dtype == torch.float32

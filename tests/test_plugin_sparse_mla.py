@@ -276,8 +276,6 @@ def test_schema_checker_and_strict_shape_inference(mode, with_function):
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("mode", ["sparse", "dense", "k0"])
 def test_ort_function_matches_reference(name, mode):
-    import onnxruntime
-
     case = make_case(seed=5, **CASES[name])
     got = run_ort(case, mode)
     close(got, run_all(reference.sparse_mla_attention_reference, case, "sparse" if mode == "sparse" else "dense"))

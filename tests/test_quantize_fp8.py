@@ -6,8 +6,7 @@ import types
 
 import pytest
 import torch
-
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 from moe_export.quantize import fp8
 
 

@@ -8,8 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 from moe_export.quantize import mxfp4
 
 NAN = float("nan")

@@ -7,10 +7,8 @@ import asyncio
 
 import pytest
 import torch
-
-from moe_export.export.errors import InputError
 from conftest import OpensThink
-
+from moe_export.common.errors import InputError
 from moe_export.runtime.chat import parse_output, prompt_starts_in_reasoning
 from moe_export.runtime.core.scheduler import Request
 from moe_export.runtime.entrypoints.generate import generate_tokens
@@ -140,7 +138,6 @@ def test_chat_terminal_continues_the_kept_state(runtime_engine, capsys, monkeypa
     import io
 
     from conftest import TextOnly, run_cli
-
     from moe_export.runtime.entrypoints import terminal
 
     class TextOnlyLLM(LLM):  # random weights: mask the reserved tokens no message can hold (see TextOnly)
@@ -327,7 +324,7 @@ def test_llm_chat_enforces_a_forced_tool_call_and_a_json_schema(llm):
 
 def test_an_engine_failure_is_an_internal_error_not_bad_input(runtime_engine):
     """A failing step ends every open stream with InternalError (APIs: 500), and later requests get it too."""
-    from moe_export.export.errors import InternalError
+    from moe_export.common.errors import InternalError
     from moe_export.runtime.engine import open_engine
 
     class FailingRunner:  # the real runner, whose steps fail

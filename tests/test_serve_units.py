@@ -10,13 +10,21 @@ import sqlite3
 import jsonschema
 import pytest
 import torch
-
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 from moe_export.export.synth import write_synthetic_tokenizer
 from moe_export.runtime.chat import parse_output
-from moe_export.runtime.core.structured import GrammarLogitsProcessor, GrammarVocab, structural_tag_for
+from moe_export.runtime.core.structured import (
+    GrammarLogitsProcessor,
+    GrammarVocab,
+    structural_tag_for,
+)
 from moe_export.runtime.entrypoints.server import convert
-from moe_export.runtime.entrypoints.server.store import MissingResponse, ResponseStore, StoredResponse, key_scope
+from moe_export.runtime.entrypoints.server.store import (
+    MissingResponse,
+    ResponseStore,
+    StoredResponse,
+    key_scope,
+)
 from moe_export.runtime.tokenizer import load_tokenizer
 
 

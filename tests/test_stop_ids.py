@@ -9,11 +9,10 @@ import shutil
 import pytest
 import yaml
 from conftest import run_cli
-
+from moe_export.export.checkpoint import load_model
+from moe_export.common.model_config import ModelConfig
+from moe_export.common.recipe import load_recipe
 from moe_export.export.build import build
-from moe_export.graphs.config import ModelConfig
-from moe_export.graphs.model import KimiModel
-from moe_export.recipes.schema import load_recipe
 from moe_export.runtime.entrypoints.generate import reference_generate
 
 PROMPT = [5, 17, 99, 3, 250, 42]
@@ -36,7 +35,7 @@ def checkpoint_with_generation_stop(tmp_path_factory, synthetic_checkpoint):
     greedily emits third after PROMPT (config.json keeps its single eos id)."""
     path = tmp_path_factory.mktemp("stop") / "ckpt"
     shutil.copytree(synthetic_checkpoint("tiny-k3"), path)
-    tokens = reference_generate(KimiModel.from_checkpoint(path), PROMPT, 6, stop_at_eos=False)
+    tokens = reference_generate(load_model(path), PROMPT, 6, stop_at_eos=False)
     stop = tokens[2]
     assert stop not in tokens[:2]
     eos = json.loads((path / "config.json").read_text())["eos_token_id"]

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
+from moe_export.common.errors import InputError
 from moe_export.export.checkpoint import INDEX_FILE, open_checkpoint
-from moe_export.export.errors import InputError
 from moe_export.export.synth import (
     SMALL_PRESETS,
     preset_config,
@@ -23,9 +22,9 @@ from moe_export.export.synth import (
     synthetic_vocab_size,
     write_synthetic_checkpoint,
 )
-from moe_export.runtime.tokenizer import load_tokenizer
 from moe_export.quantize.mxfp4 import decode
 from moe_export.recipes import models_dir
+from moe_export.runtime.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,20 @@ import json
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
-
 from conftest import write_engine_config
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 from moe_export.export.tensorrt_build import ENGINE_KEY, read_engine_file
 from moe_export.runtime.engine.batch import StepBatch
-from moe_export.runtime.engine.tensorrt import (TensorRTEngine, bind, check_shape, decode_buckets, graph_buckets,
-                                                is_decode, pad_decode_feeds, runner_pool_sizes)
+from moe_export.runtime.engine.tensorrt import (
+    TensorRTEngine,
+    decode_buckets,
+    graph_buckets,
+    is_decode,
+    pad_decode_feeds,
+    runner_pool_sizes,
+)
+from moe_export.runtime.engine.tensorrt_bind import bind, check_shape
+from safetensors.numpy import save_file
 
 META = {
     "rank": 0, "inputs": ["input_ids", "pool_table"], "outputs": ["logits"],
@@ -41,8 +47,8 @@ def test_engine_file_round_trip_and_errors(tmp_path):
 def test_pools_stay_within_the_build_profile():
     """Issue 18, defect 6: a runner opened with fewer slots than max_batch used to recompute the cache blocks from
     the memory the missing slots free (more than the profile's NB max); now blocks come from the profile."""
+    from moe_export.common.recipe import load_recipe
     from moe_export.export.planner import engine_pool_sizes
-    from moe_export.recipes.schema import load_recipe
 
     assert runner_pool_sizes(META, 8, None, None) == (8, 9000)
     assert runner_pool_sizes(META, 8, 2, None) == (2, 9000)  # not more blocks for fewer slots
@@ -385,7 +391,8 @@ def test_context_memory_binding_names_are_in_the_pinned_wheels():
     import zipfile
     from pathlib import Path
 
-    from moe_export.export.tensorrt_contracts import BINDING_NAMES
+    from moe_export.plugins.tensorrt_contracts import BINDING_NAMES
+
     from tests.tensorrt_standin import PINNED_WHEELS, WHEEL_DIR
 
     runner = (Path(__file__).resolve().parents[1] / "runtime/engine/tensorrt.py").read_text()

@@ -20,14 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
+from moe_export.common.recipe import load_recipe
 from moe_export.export.checkpoint import open_checkpoint
 from moe_export.export.convert import convert_rank
 from moe_export.export.synth import write_synthetic_checkpoint
 from moe_export.graphs.onnx_export import export_rank_graph
 from moe_export.graphs.sharding import Mapping
-from moe_export.recipes.schema import load_recipe
-
 from tensorrt_standin import PINNED_WHEELS, WHEEL_DIR, plugin_package_dir
 
 TESTS = Path(__file__).resolve().parent

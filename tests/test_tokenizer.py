@@ -9,9 +9,12 @@ import json
 import pytest
 import regex
 import tiktoken
-
-from moe_export.export.errors import InputError
-from moe_export.export.synth import SYNTHETIC_MERGES, synthetic_special_ids, write_synthetic_tokenizer
+from moe_export.common.errors import InputError
+from moe_export.export.synth import (
+    SYNTHETIC_MERGES,
+    synthetic_special_ids,
+    write_synthetic_tokenizer,
+)
 from moe_export.runtime.tokenizer import KIMI_PATTERN, load_tokenizer, split_long_runs
 
 

@@ -5,15 +5,18 @@ from __future__ import annotations
 import json
 
 import pytest
-from safetensors import safe_open
-from safetensors.torch import save_file
-
+from moe_export.common.recipe import load_recipe
 from moe_export.export.census import inspect_checkpoint
 from moe_export.export.checkpoint import CheckpointReader
-from moe_export.export.planner import image_patch_limit, make_plan, vision_activation_bytes
+from moe_export.export.planner import (
+    image_patch_limit,
+    make_plan,
+    vision_activation_bytes,
+)
 from moe_export.export.synth import preset_config, write_synthetic_checkpoint
 from moe_export.graphs.vision import vision_config, vision_tensor_specs
-from moe_export.recipes.schema import load_recipe
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +96,7 @@ workspace_reserve_gib: 0.25
 def test_synthetic_checkpoint_with_a_larger_tower(tmp_path):
     """`write_synthetic_checkpoint(vision=...)` (the benchmark's mid-size tower): config and tensors follow the
     new widths; a preset without a tower refuses it."""
-    from moe_export.export.errors import InputError
+    from moe_export.common.errors import InputError
 
     wide = {"vt_hidden_size": 64, "vt_num_attention_heads": 2, "qkv_hidden_size": 256, "vt_intermediate_size": 96,
             "mm_hidden_size": 64}

@@ -17,14 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
-from moe_export.export.errors import InputError
-from moe_export.graphs.model import KimiModel
+from moe_export.export.checkpoint import load_model
+from moe_export.common.errors import InputError
 from moe_export.graphs.vision import VisionTower, vision_config
 from moe_export.runtime import LLM, SamplingParams
 from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
 from moe_export.runtime.images import PromptImages
+from PIL import Image
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 
@@ -61,7 +60,7 @@ def reference(synthetic_checkpoint):
     ck = synthetic_checkpoint("tiny-k3")
     with open_checkpoint(ck) as reader:
         tower = VisionTower.from_source(reader, vision_config(reader.config))
-    return KimiModel.from_checkpoint(ck), tower
+    return load_model(ck), tower
 
 
 def reference_run(reference, llm: LLM, messages: list[dict], prompt_ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
@@ -225,7 +224,6 @@ def test_terminal_image_command(runtime_engine, tmp_path, capsys):
 def test_server_image_parts(tmp_path):
     import anthropic
     import openai
-
     from serve_support import InProcessServer, build_serve_engine
 
     server = InProcessServer(build_serve_engine(tmp_path))

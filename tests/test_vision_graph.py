@@ -9,13 +9,16 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from PIL import Image
-
 from moe_export.export.checkpoint import open_checkpoint
 from moe_export.export.synth import write_synthetic_checkpoint
 from moe_export.graphs.vision import VISION_NORM_EPS, VisionTower, vision_config
-from moe_export.graphs.vision_export import export_vision_graph, tower_inputs, write_vision_weights
+from moe_export.graphs.vision_export import (
+    export_vision_graph,
+    tower_inputs,
+    write_vision_weights,
+)
 from moe_export.runtime.images import ImageProcessor
+from PIL import Image
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +59,8 @@ def test_graph_equals_reference(ckpt, tmp_path, eps):
 
 
 def test_build_writes_the_vision_stage(tmp_path):
+    from moe_export.common.recipe import load_recipe
     from moe_export.export.build import build
-    from moe_export.recipes.schema import load_recipe
 
     recipe, _ = load_recipe("tiny-cpu.yaml")
     recipe = recipe.model_copy(update={"target": recipe.target.model_copy(update={"gpus_per_node": 1}),

@@ -9,13 +9,19 @@ import math
 
 import numpy as np
 import pytest
-from PIL import Image
-
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 from moe_export.runtime.images import (
-    K3_MEDIA_PROC, MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD, ImageProcessor, data_url_bytes, decode_image,
+    K3_MEDIA_PROC,
+    MEDIA_BEGIN,
+    MEDIA_CONTENT,
+    MEDIA_END,
+    MEDIA_PAD,
+    ImageProcessor,
+    data_url_bytes,
+    decode_image,
     image_token_ids,
 )
+from PIL import Image
 
 
 def one_pass(w: int, h: int, limit: int, side: int = 512, p: int = 14) -> int:

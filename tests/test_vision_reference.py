@@ -9,13 +9,26 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
-from moe_export.export.errors import InputError
-from moe_export.export.synth import preset_config, preset_hf_config, synth_tensor, vision_specs
-from moe_export.graphs.config import ModelConfig
+from moe_export.common.errors import InputError
+from moe_export.common.model_config import ModelConfig
+from moe_export.export.synth import (
+    preset_config,
+    preset_hf_config,
+    synth_tensor,
+    vision_specs,
+)
 from moe_export.graphs.vision import (
-    VISION_NORM_EPS, VisionConfig, VisionTower, apply_rope, bilinear_taps, position_taps, rms_norm, rope_angles,
-    tpool_merge, vision_config, vision_tensor_specs,
+    VISION_NORM_EPS,
+    VisionConfig,
+    VisionTower,
+    apply_rope,
+    bilinear_taps,
+    position_taps,
+    rms_norm,
+    rope_angles,
+    tpool_merge,
+    vision_config,
+    vision_tensor_specs,
 )
 
 
@@ -27,7 +40,7 @@ def tower() -> VisionTower:
 
 
 def test_k3_config_parses_to_the_public_sizes():
-    from moe_export.graphs.config import shipped_model_config
+    from moe_export.common.model_config import shipped_model_config
 
     vc = vision_config(shipped_model_config("kimi-k3"))
     assert (vc.hidden_size, vc.num_layers, vc.num_heads, vc.head_dim, vc.merged_dim) == (1024, 27, 12, 128, 4096)

@@ -11,22 +11,20 @@ import sys
 import numpy as np
 import onnx
 import pytest
+import test_tensorrt_engine as trt_fakes
 import torch
-from safetensors.torch import save_file
-
+from moe_export.common.errors import InputError
+from moe_export.common.recipe import load_recipe
 from moe_export.export import tensorrt_vision
-from moe_export.export.errors import InputError
 from moe_export.export.planner import image_patch_limit, vision_activation_bytes
 from moe_export.export.synth import preset_config
 from moe_export.export.tensorrt_build import read_engine_file
 from moe_export.graphs.vision import VISION_NORM_EPS, vision_config, vision_tensor_specs
 from moe_export.graphs.vision_export import export_vision_graph, tower_inputs
-from moe_export.recipes.schema import load_recipe
 from moe_export.runtime.engine.tensorrt_vision import TensorRTTower
 from moe_export.runtime.engine.vision import encode_spread
-
+from safetensors.torch import save_file
 from test_build_tensorrt import fake_tensorrt
-import test_tensorrt_engine as trt_fakes
 
 
 @pytest.fixture(scope="module")

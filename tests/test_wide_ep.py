@@ -15,13 +15,12 @@ import numpy as np
 import pytest
 import torch
 import yaml
-
+from moe_export.export.checkpoint import load_model
+from moe_export.common.errors import InputError
+from moe_export.common.recipe import load_recipe
 from moe_export.export.build import build
-from moe_export.export.errors import InputError
-from moe_export.graphs.model import KimiModel
 from moe_export.graphs.sharding import Mapping
 from moe_export.plugins.collectives import all_to_all
-from moe_export.recipes.schema import load_recipe
 from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
 from moe_export.runtime.engine.ort import Engine
 from moe_export.runtime.entrypoints.generate import ReferenceEngine, generate_tokens
@@ -165,7 +164,7 @@ def test_groups_step_their_own_sequences_and_idle_groups_join(dp_engine, preset)
     while group 1 idles for three steps, then prefills another prompt of a different length and both decode;
     each group's logits match the reference at every step."""
     engine_dir = dp_engine(preset, 2, 4)
-    ref = KimiModel.from_checkpoint(source_checkpoint(engine_dir))
+    ref = load_model(source_checkpoint(engine_dir))
     eng = Engine(engine_dir, num_slots=2, num_blocks=32, threads=1)
     assert (eng.dp, eng.dp_layout) == (2, True)
     prompts = [[5, 17, 99, 3, 250, 42, 7, 8, 300, 11, 12, 77, 1, 400], [60, 61, 62, 63, 64]]
@@ -219,7 +218,7 @@ def test_mpiexec_8_ranks_dp_layout_matches_single_rank_reference(dp_engine, pres
     engine_dir = dp_engine(preset, tp, 8)
     abort = (preset, tp) == ("tiny-k3", 2)  # one layout also runs the AsyncLLM abort phase
     got = run_mpi(engine_dir, 8, *(["abort"] if abort else []))
-    ref = KimiModel.from_checkpoint(source_checkpoint(engine_dir))
+    ref = load_model(source_checkpoint(engine_dir))
     vocab = load_tokenizer(engine_dir).vocab_size  # the LLM samples among the tokenizer's ids
     for r, spec in enumerate(ROUNDS):
         for i, prompt in enumerate(spec["prompts"]):
@@ -291,9 +290,8 @@ def test_mpiexec_8_ranks_serve_spreads_chats_over_groups(dp_engine):
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
-    from serve_support import start_cli_server, stop_process
-
     from moe_export.runtime import LLM
+    from serve_support import start_cli_server, stop_process
 
     engine_dir = dp_engine("tiny-k3", 2, 8)
     questions = ["Tell me about Paris.", "Hi!", "What is two plus two, in words?", "Name a colour."]
@@ -337,9 +335,8 @@ def test_placement_follow_ups_least_loaded_and_processors_in_group_0():
 def test_mpiexec_8_ranks_image_chat_in_another_group(dp_engine):
     """An image chat placed in group 1 (group 0 holds a text chat): the images travel to group 1's leader, its
     tower runs there, and both chats answer as the same engine in one process does."""
-    from test_vision_engine import GREEDY, THREE
-
     from moe_export.runtime import LLM
+    from test_vision_engine import GREEDY, THREE
 
     engine_dir = dp_engine("tiny-k3", 2, 8)
     chats = [[{"role": "user", "content": "Hi!"}], THREE]

@@ -11,7 +11,7 @@ Node contract (semantics in `reference.py`):
              w2_packed       [E, D, I/2]       bytes   MXFP4 down projection
              w2_scale        [E, D, I/32]      bytes   E8M0 scales
     bytes: uint8, or int8 over the same bytes (TensorRT graphs: its ONNX parser widens uint8 initializers to
-    int32, see export/tensorrt_contracts.py); all four share one type.
+    int32, see plugins/tensorrt_contracts.py); all four share one type.
     output   y               [T, D]            float   weighted sum over the choices held by this rank
              scratch         [scratch_bytes]   int8    (TensorRT graphs only) the plugin's workspace: a declared
                                                        output so that it lives in the engine's device memory

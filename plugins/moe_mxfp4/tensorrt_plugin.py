@@ -13,7 +13,7 @@ Python at runtime. Expert ids outside this rank's range are ignored by design, s
 TensorRT's tactic runs stay in bounds.
 
 MXFP4 bytes arrive as INT8: TensorRT graphs declare the experts' uint8 bytes as int8 views of the same bytes,
-because the ONNX parser widens uint8 initializers to int32 (`export/tensorrt_contracts.py`:
+because the ONNX parser widens uint8 initializers to int32 (`plugins/tensorrt_contracts.py`:
 PARSER_UINT8_WEIGHTS_BECOME_INT32, ADD_CONSTANT_NO_UINT8); the impl views them back as uint8 (no copy). The
 engine holds them at 4.25 bits per weight, as the planner counts.
 

@@ -17,7 +17,7 @@ Importing this module registers `moe_export::PagedCacheWrite` (name = op type, n
   grid (T,); the row width D must be a build-time constant.
 """
 
-import tensorrt as trt
+import tensorrt as trt  # noqa: F401 - the TensorRT bindings load before tensorrt.plugin
 import tensorrt.plugin as trtp
 import torch
 

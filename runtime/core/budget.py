@@ -18,8 +18,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_export.export.errors import InputError
-from moe_export.graphs.tokens import CALLS_BEGIN, CLOSE, END_THINK, FAMILIES, OPEN, SEP, THINK
+from moe_export.common.errors import InputError
+from moe_export.graphs.tokens import (
+    CALLS_BEGIN,
+    CLOSE,
+    END_THINK,
+    FAMILIES,
+    OPEN,
+    SEP,
+    THINK,
+)
 from moe_export.runtime.tokenizer import Tokenizer
 
 EFFORT_TIERS = ("low", "high", "max")

@@ -43,8 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 from moe_export.runtime.core.blocks import BlockAllocator
 from moe_export.runtime.core.prefix_cache import PrefixCache, block_hashes
 from moe_export.runtime.core.sessions import KeptSequence, SessionCache

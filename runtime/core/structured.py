@@ -29,12 +29,20 @@ import torch
 import xgrammar as xgr
 from jsonschema import exceptions as schema_exceptions
 from jsonschema import validators as schema_validators
-from xgrammar import structural_tag as st
-
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 from moe_export.graphs.tokens import (
-    CALL_ARGS, CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, CLOSE, END_THINK, OPEN, SEP, THINK,
+    CALL_ARGS,
+    CALL_BEGIN,
+    CALL_END,
+    CALLS_BEGIN,
+    CALLS_END,
+    CLOSE,
+    END_THINK,
+    OPEN,
+    SEP,
+    THINK,
 )
+from xgrammar import structural_tag as st
 
 K3_MARKERS = (OPEN, CLOSE, SEP)
 K2_MARKERS = (THINK, END_THINK, CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_ARGS, CALL_END)

@@ -27,9 +27,14 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import numpy as np
-
-from moe_export.export.errors import InputError
-from moe_export.runtime.core.scheduler import Request, Scheduler, SequenceUpdate, follow, stop_the_world
+from moe_export.common.errors import InputError
+from moe_export.runtime.core.scheduler import (
+    Request,
+    Scheduler,
+    SequenceUpdate,
+    follow,
+    stop_the_world,
+)
 
 IDLE_PLAN = {"resets": [], "chunks": []}
 PLACEMENT_HISTORY = 4096  # finished requests' prompts remembered for placing follow-up turns

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moe_export.export.engine_config import EngineConfig
+from moe_export.common.engine_config import EngineConfig
 
 
 def open_engine(engine_dir: str | Path, **kwargs):

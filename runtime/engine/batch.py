@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 from moe_export.plugins.paged_cache_write.cpu import cache_rows
 
 STATE_PREFIXES = ("kda_state.", "conv_state.", "mla_cache.", "index_cache.")

@@ -31,18 +31,24 @@ import ml_dtypes
 import numpy as np
 import onnx
 import torch
-from onnx import TensorProto
-
-from moe_export.export.engine_config import EngineConfig
-from moe_export.export.errors import InputError
-from moe_export.export.mpi import mpi_world
+from moe_export.common.engine_config import EngineConfig
+from moe_export.common.errors import InputError
+from moe_export.common.mpi import mpi_world
 from moe_export.export.planner import CHECKPOINTS_PER_SLOT, GIB, engine_pool_sizes
 from moe_export.graphs.vision_export import VISION_GRAPH
 from moe_export.plugins.collectives import all_to_all
 from moe_export.plugins.paged_cache_write.cpu import paged_cache_write_
-from moe_export.runtime.engine.batch import (RESET_ON_NEW_SEQUENCE, STATE_PREFIXES, StepBatch,
-                                            check_checkpoint, check_slot, check_step_batch, checkpoint_interval)
+from moe_export.runtime.engine.batch import (
+    RESET_ON_NEW_SEQUENCE,
+    STATE_PREFIXES,
+    StepBatch,
+    check_checkpoint,
+    check_slot,
+    check_step_batch,
+    checkpoint_interval,
+)
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
+from onnx import TensorProto
 
 POOL_DTYPES = {TensorProto.FLOAT: np.float32, TensorProto.BFLOAT16: ml_dtypes.bfloat16,
                TensorProto.UINT8: np.uint8}  # ONNX -> numpy (uint8: fp8 rows with their scale byte)

@@ -6,8 +6,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import numpy as np
-
-from moe_export.export.engine_config import EngineConfig
+from moe_export.common.engine_config import EngineConfig
 from moe_export.runtime.engine.batch import StepBatch
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch
 

@@ -2,7 +2,7 @@
 
 NOT RUN ANYWHERE YET: no machine of this project has TensorRT (the lent GPU image has none either). Written
 against TensorRT's public Python runtime API (>= 10.9); every TensorRT call's return value is checked (contract
-SET_INPUT_SHAPE_RETURNS_BOOL, `export/tensorrt_contracts.py`). What is checked on CPU: the engine file, the
+SET_INPUT_SHAPE_RETURNS_BOOL, `plugins/tensorrt_contracts.py`). What is checked on CPU: the engine file, the
 profile and pool-size rules, the return-value checks and the stream discipline (with stand-ins of the context
 and of torch.cuda), the import guard.
 
@@ -52,22 +52,29 @@ As TensorRT-LLM runs its engines:
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import numpy as np
-
-from moe_export.export.engine_config import EngineConfig
-from moe_export.export.errors import InputError
-from moe_export.export.mpi import mpi_world
+from moe_export.common.engine_config import EngineConfig
+from moe_export.common.errors import InputError
+from moe_export.common.model_config import ModelConfig
+from moe_export.common.mpi import mpi_world
 from moe_export.export.planner import CHECKPOINTS_PER_SLOT
 from moe_export.export.tensorrt_build import read_engine_file
-from moe_export.graphs.config import ModelConfig
 from moe_export.graphs.onnx_export import POOL_TABLE, POOLS_KEY
 from moe_export.plugins.pool_table import pool_table
-from moe_export.runtime.engine.batch import (RESET_ON_NEW_SEQUENCE, StepBatch, check_checkpoint,
-                                            check_slot, check_step_batch, checkpoint_interval)
+from moe_export.runtime.engine.batch import (
+    RESET_ON_NEW_SEQUENCE,
+    StepBatch,
+    check_checkpoint,
+    check_slot,
+    check_step_batch,
+    checkpoint_interval,
+)
 from moe_export.runtime.engine.ort import MPICommunicator
+from moe_export.runtime.engine.tensorrt_bind import bind
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
 
 
@@ -109,29 +116,6 @@ def runner_pool_sizes(meta: dict, max_batch: int, num_slots: int | None, num_blo
     if blocks > nb_max:
         raise InputError(f"num_blocks={blocks}: the engine's build allows at most {nb_max} cache blocks")
     return slots, blocks
-
-
-def check_shape(meta: dict, name: str, shape: tuple[int, ...]) -> None:
-    """InputError when `shape` of input `name` lies outside the engine's optimization profile."""
-    low, _, high = meta["profile"][name]
-    bad = [(axis, d, lo, hi) for axis, (d, lo, hi) in enumerate(zip(shape, low, high)) if not lo <= d <= hi]
-    if len(shape) != len(low) or bad:
-        raise InputError(f"input {name} shape {list(shape)} is outside the engine's profile {low}..{high} "
-                         f"(axis, value, min, max: {bad}); the step exceeds the built limits")
-
-
-def bind(context, meta: dict, inputs: dict, outputs: dict) -> None:
-    """Set every input's shape and every tensor's address on `context` (tensors with .shape and .data_ptr()),
-    checking each return value (TensorRT reports refusal by returning False, it never raises)."""
-    for name, value in inputs.items():
-        shape = tuple(int(d) for d in value.shape)
-        check_shape(meta, name, shape)
-        if not context.set_input_shape(name, shape):
-            raise RuntimeError(f"TensorRT refused input shape {list(shape)} for {name}")
-    for name, value in {**inputs, **outputs}.items():
-        if not context.set_tensor_address(name, value.data_ptr()):
-            raise RuntimeError(f"TensorRT refused the address of {name} (not a tensor of this engine, or not "
-                               "256-byte aligned)")
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -184,7 +168,11 @@ class TensorRTEngine:
         self.config = EngineConfig.read(self.dir)
         if self.config.backend != "tensorrt":
             raise InputError(f"{self.dir}: built for backend {self.config.backend!r}, not tensorrt")
-        from moe_export.export.tensorrt_build import import_tensorrt, register_plugins, select_device
+        from moe_export.export.tensorrt_build import (
+            import_tensorrt,
+            register_plugins,
+            select_device,
+        )
 
         trt = import_tensorrt(self.config.name)
         import torch
@@ -498,9 +486,8 @@ class _NcclGroups(MPICommunicator):
         import socket
 
         import torch.distributed as dist
-        from mpi4py import MPI
-
         from moe_export.plugins.collectives.nccl import Communicator, set_communicators
+        from mpi4py import MPI
 
         super().__init__(tp, ep, dp_layout)
 

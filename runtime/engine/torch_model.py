@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from moe_export.graphs import model as ref
-from moe_export.graphs.config import ModelConfig
-from moe_export.graphs.sharding import Mapping
+from moe_export.common.model_config import ModelConfig
+from moe_export.common.mapping import Mapping
 from moe_export.graphs.weights import layer_prefix, lm_head_name, model_prefix
 from moe_export.quantize import fp8_cache
 from moe_export.runtime.engine.torch_collectives import AllGather, AllReduce, Combine, Dispatch

@@ -21,11 +21,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moe_export.export.engine_config import EngineConfig
-from moe_export.export.errors import InputError
-from moe_export.export.mpi import local_rank, mpi_world
+from moe_export.common.engine_config import EngineConfig
+from moe_export.common.errors import InputError
+from moe_export.common.mpi import local_rank, mpi_world
 from moe_export.export.planner import CHECKPOINTS_PER_SLOT, engine_pool_sizes
-from moe_export.graphs.sharding import Mapping
+from moe_export.common.mapping import Mapping
 from moe_export.graphs.vision_export import VISION_WEIGHTS
 from moe_export.quantize import fp8_cache
 from moe_export.runtime.engine.batch import (RESET_ON_NEW_SEQUENCE, StepBatch, check_checkpoint, check_slot,

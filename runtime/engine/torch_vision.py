@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from moe_export.export.engine_config import EngineConfig
+from moe_export.common.engine_config import EngineConfig
 from moe_export.graphs.vision import VISION_NORM_EPS, VisionTower, vision_config
 
 

@@ -16,9 +16,8 @@ from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
-
-from moe_export.export.engine_config import EngineConfig
-from moe_export.export.errors import InputError
+from moe_export.common.engine_config import EngineConfig
+from moe_export.common.errors import InputError
 from moe_export.export.planner import image_patch_limit
 from moe_export.graphs.vision import vision_config
 from moe_export.graphs.vision_export import VISION_GRAPH, tower_inputs

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 
 CHECK_TYPES = ("exact", "regex", "json_schema", "tool_call")
 
@@ -246,8 +246,7 @@ def plot_tiers(report: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from moe_export.export.atomic import atomic_path
+    from moe_export.common.atomic import atomic_path
 
     tiers = report["tier_order"]
     xs = [report["tiers"][t]["avg_reasoning_tokens"] + report["tiers"][t]["avg_output_tokens"] for t in tiers]
@@ -268,7 +267,7 @@ def plot_tiers(report: dict, path: Path) -> None:
 
 def run_eval(engine_dir: str, tasks_path: str, tiers_text: str, out_dir: str) -> dict:
     """The whole `moe-export eval`: writes OUT/report.json and OUT/tiers.png; returns the report."""
-    from moe_export.export.atomic import atomic_write_json
+    from moe_export.common.atomic import atomic_write_json
 
     tiers = parse_tiers(tiers_text)
     tasks = load_tasks(tasks_path)

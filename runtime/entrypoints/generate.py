@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from moe_export.export.errors import InputError
+from moe_export.export.checkpoint import load_model
+from moe_export.common.errors import InputError
 from moe_export.runtime.core.scheduler import Request
 from moe_export.runtime.engine.reference import ReferenceEngine
 from moe_export.runtime.sampling import SamplingParams
@@ -97,8 +98,8 @@ def generate_command(path: str | Path, prompt_ids: str | None, prompt: str | Non
                      ) -> list[int] | None:
     """`moe-export generate` on an engine directory or an HF checkpoint: the new token ids (None on
     non-root ranks under mpiexec, which follow rank 0's steps)."""
-    from moe_export.export.engine_config import is_engine_config
-    from moe_export.graphs.config import ModelConfig
+    from moe_export.common.engine_config import is_engine_config
+    from moe_export.common.model_config import ModelConfig
 
     if is_engine_config(path):
         from moe_export.runtime.core.wide_ep import release_ranks, run_rank
@@ -115,10 +116,9 @@ def generate_command(path: str | Path, prompt_ids: str | None, prompt: str | Non
             if engine.comm is not None:
                 release_ranks(engine)  # also after an error
     from moe_export.export.planner import check_reference_fits
-    from moe_export.graphs.model import KimiModel
 
     cfg = ModelConfig.from_pretrained(path)
     check_reference_fits(cfg, str(path))  # before reading any weights
     ids = resolve_prompt(path, prompt_ids, prompt, cfg.vocab_size, sampling.max_tokens)
-    engine = ReferenceEngine(KimiModel.from_checkpoint(path), max_seq_len=len(ids) + sampling.max_tokens)
+    engine = ReferenceEngine(load_model(path), max_seq_len=len(ids) + sampling.max_tokens)
     return generate_tokens(engine, ids, sampling, cfg.eos_token_ids)

@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moe_export.export.errors import InputError, InternalError
-from moe_export.graphs.config import read_generation_config
-from moe_export.runtime.core.budget import ReasoningBudget, resolve_thinking
+from moe_export.common.errors import InputError, InternalError
+from moe_export.common.model_config import read_generation_config
 from moe_export.runtime.chat import (
     OutputParser,
     ParsedDelta,
@@ -30,16 +29,17 @@ from moe_export.runtime.chat import (
     prompt_starts_in_reasoning,
     render_ids,
 )
+from moe_export.runtime.core.budget import ReasoningBudget, resolve_thinking
 from moe_export.runtime.core.scheduler import Request, SequenceUpdate
 from moe_export.runtime.core.sessions import TurnMemory
+from moe_export.runtime.core.wide_ep import open_scheduler, run_rank
 from moe_export.runtime.entrypoints.generate import engine_eos_ids
 from moe_export.runtime.images import PromptImages
 from moe_export.runtime.sampling import LogitsProcessor, SamplingParams, model_defaults
 from moe_export.runtime.tokenizer import load_tokenizer
-from moe_export.runtime.core.wide_ep import open_scheduler, run_rank
 
 if TYPE_CHECKING:
-    from moe_export.runtime.core.structured import GrammarVocab
+    from moe_export.runtime.core.structured import GrammarLogitsProcessor, GrammarVocab
 
 
 @dataclass
@@ -384,7 +384,11 @@ class LLM:
                    parallel_tool_calls: bool) -> None:
         """Attach the grammar a request's tools or response_format enforce, if any (xgrammar, which pulls in
         transformers, is imported here: requests without either never load it)."""
-        from moe_export.runtime.core.structured import GrammarLogitsProcessor, GrammarVocab, structural_tag_for
+        from moe_export.runtime.core.structured import (
+            GrammarLogitsProcessor,
+            GrammarVocab,
+            structural_tag_for,
+        )
 
         tag = structural_tag_for(self.family, tools=tools, tool_choice=tool_choice, response_format=response_format,
                                  thinking=thinking, starts_in_reasoning=starts, parallel_tool_calls=parallel_tool_calls)

@@ -23,13 +23,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from rich.console import Console
-
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 from moe_export.runtime.core.budget import resolve_thinking
 from moe_export.runtime.entrypoints.llm import LLM
 from moe_export.runtime.images import image_file_part
 from moe_export.runtime.sampling import SamplingParams
+from rich.console import Console
 
 HELP = "commands: /effort low|high|max|none|TOKENS, /image PATH (attach to the next message), /reset (forget the conversation), /help, /exit"
 HELP_LONG = """/effort low|high|max|none|TOKENS  thinking effort of the next answers (a number: a reasoning-token cap)

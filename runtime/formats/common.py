@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 
 IMAGE_PART_TYPES = ("image", "image_url")  # OpenAI content-part types that are images (encoding_k3.py's list)
 

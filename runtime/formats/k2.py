@@ -25,11 +25,30 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 from moe_export.graphs.tokens import (
-    CALL_ARGS, CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, END_THINK, IM_ASSISTANT, IM_END, IM_MIDDLE, IM_SYSTEM, IM_USER, THINK,
+    CALL_ARGS,
+    CALL_BEGIN,
+    CALL_END,
+    CALLS_BEGIN,
+    CALLS_END,
+    END_THINK,
+    IM_ASSISTANT,
+    IM_END,
+    IM_MIDDLE,
+    IM_SYSTEM,
+    IM_USER,
+    THINK,
 )
-from moe_export.runtime.formats.common import Rendered, Segment, check_messages, check_tools, compact_json, content_parts, deep_sorted
+from moe_export.runtime.formats.common import (
+    Rendered,
+    Segment,
+    check_messages,
+    check_tools,
+    compact_json,
+    content_parts,
+    deep_sorted,
+)
 
 DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' aliases, first wins

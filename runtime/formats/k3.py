@@ -21,10 +21,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 from moe_export.graphs.tokens import CLOSE, END_OF_MSG, IMAGE, OPEN, SEP
 from moe_export.runtime.formats.common import (
-    Rendered, Segment, check_messages, check_tools, compact_json, content_parts, deep_sorted,
+    Rendered,
+    Segment,
+    check_messages,
+    check_tools,
+    compact_json,
+    content_parts,
+    deep_sorted,
 )
 
 EFFORTS = ("low", "high", "max")  # the vendor's accepted thinking_effort values

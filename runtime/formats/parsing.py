@@ -15,9 +15,20 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 from moe_export.graphs.tokens import (
-    CALL_ARGS, CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, CLOSE, END_THINK, FAMILIES, IM_END, OPEN, SEP, THINK,
+    CALL_ARGS,
+    CALL_BEGIN,
+    CALL_END,
+    CALLS_BEGIN,
+    CALLS_END,
+    CLOSE,
+    END_THINK,
+    FAMILIES,
+    IM_END,
+    OPEN,
+    SEP,
+    THINK,
 )
 from moe_export.runtime.formats.k3 import unescape, xtml_type
 

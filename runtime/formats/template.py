@@ -29,9 +29,15 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 from moe_export.graphs.tokens import TOKENIZER_CONFIG
-from moe_export.runtime.formats.common import Rendered, Segment, check_messages, check_tools, deep_sorted
+from moe_export.runtime.formats.common import (
+    Rendered,
+    Segment,
+    check_messages,
+    check_tools,
+    deep_sorted,
+)
 
 TEMPLATE_FILE = "chat_template.jinja"
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

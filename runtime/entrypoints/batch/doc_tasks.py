@@ -27,8 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
-
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 from moe_export.runtime.entrypoints.batch.chunking import chunk_text
 
 TASK_TEMPLATES = {
@@ -127,9 +126,8 @@ class DocRunner:
         import base64
         import io
 
-        from PIL import Image
-
         from moe_export.runtime.images import image_token_ids
+        from PIL import Image
 
         if self.vision is None:
             raise InputError(f"{path}: this engine has no vision tower, so it takes no images")

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 
 SUFFIXES = (".txt", ".md", ".html", ".htm", ".pdf", ".jsonl")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif")
@@ -97,9 +97,8 @@ class _Collected(logging.Handler):
 def image_url(data: bytes, where: str) -> str:
     """A data URL of encoded image bytes; PNG / JPEG / WebP / GIF kept as they are, any other format Pillow
     reads re-encoded as PNG (InputError naming `where` if Pillow cannot read it)."""
-    from PIL import Image, UnidentifiedImageError
-
     from moe_export.runtime.images import IMAGE_FORMATS, decode_image
+    from PIL import Image, UnidentifiedImageError
 
     try:
         fmt = Image.open(io.BytesIO(data)).format

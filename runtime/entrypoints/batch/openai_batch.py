@@ -16,7 +16,7 @@ import json
 import uuid
 from pathlib import Path
 
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
@@ -59,7 +59,6 @@ class ServedEndpoints:
 
     def __init__(self, allm, engine_dir: str | Path, concurrency: int) -> None:
         import httpx
-
         from moe_export.runtime.entrypoints.server.app import ServerSettings, create_app
 
         settings = ServerSettings(Path(engine_dir), max_queue=max(256, 2 * concurrency), model_name="moe-export",

@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 
 
 def record_key(record: dict) -> str:

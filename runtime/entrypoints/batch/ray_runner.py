@@ -15,7 +15,7 @@ import asyncio
 import json
 from collections.abc import Callable
 
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 
 
 class ReplicaWorker:

@@ -7,8 +7,13 @@ import asyncio
 import gc
 import uuid
 
-from moe_export.export.errors import InputError
-from moe_export.runtime.entrypoints.batch.doc_tasks import DocJob, DocRunner, OverLongDocument, RefusedImages
+from moe_export.common.errors import InputError
+from moe_export.runtime.entrypoints.batch.doc_tasks import (
+    DocJob,
+    DocRunner,
+    OverLongDocument,
+    RefusedImages,
+)
 from moe_export.runtime.entrypoints.batch.openai_batch import ServedEndpoints
 
 

@@ -15,11 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moe_export.export.engine_config import EngineConfig
-from moe_export.export.errors import InputError
+from moe_export.common.engine_config import EngineConfig
+from moe_export.common.errors import InputError
 from moe_export.runtime.entrypoints.batch.doc_tasks import DocJob
 from moe_export.runtime.entrypoints.batch.documents import image_files, read_documents
-from moe_export.runtime.entrypoints.batch.openai_batch import custom_id_of, parse_input_line
+from moe_export.runtime.entrypoints.batch.openai_batch import (
+    custom_id_of,
+    parse_input_line,
+)
 from moe_export.runtime.entrypoints.batch.output import ResultLog
 from moe_export.runtime.entrypoints.batch.replica import error_record, start_llm
 
@@ -137,7 +140,14 @@ def run_batch(engine_dir: str, input_path: str, output: str, *, concurrency: int
               doc_job: DocJob | None = None, ray_address: str | None = None, ray_actors: int = 2,
               default_effort: str | None = None, max_file_bytes: int = 64 << 20, console=None) -> BatchSummary:
     """The whole `moe-export batch` job; returns this run's summary (the caller maps failures to the exit code)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     src = Path(input_path)
     EngineConfig.read(engine_dir)  # an engine directory whose config.json is valid, before any input is read

@@ -23,13 +23,8 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ValidationError
-from sse_starlette import EventSourceResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from moe_export.export.engine_config import EngineConfig
-from moe_export.export.errors import InputError
+from moe_export.common.engine_config import EngineConfig
+from moe_export.common.errors import InputError
 from moe_export.runtime.entrypoints.server import convert
 from moe_export.runtime.entrypoints.server.metrics import ServerMetrics
 from moe_export.runtime.entrypoints.server.protocol import (
@@ -41,7 +36,16 @@ from moe_export.runtime.entrypoints.server.protocol import (
     ResponsesRequest,
     TokenizeRequest,
 )
-from moe_export.runtime.entrypoints.server.store import MissingResponse, ResponseStore, StoredResponse, key_scope
+from moe_export.runtime.entrypoints.server.store import (
+    MissingResponse,
+    ResponseStore,
+    StoredResponse,
+    key_scope,
+)
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("moe_export.serve")
 
@@ -161,7 +165,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None) ->
     info = info or EngineInfo.from_engine_dir(settings.engine_dir)
     from moe_export.runtime.sampling import SamplingParams, with_defaults
 
-    tokenizer, family = llm.tokenizer, llm.family
+    tokenizer = llm.tokenizer
     store = ResponseStore(settings.store_path)
     metrics = ServerMetrics(llm.stats)
     key_digests = [_key_digest(k) for k in settings.api_keys]

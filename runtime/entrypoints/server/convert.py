@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import Any
 
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 from moe_export.runtime.core.structured import check_tool_parameters
 
 

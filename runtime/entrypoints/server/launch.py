@@ -11,8 +11,8 @@ import socket
 import sys
 from pathlib import Path
 
-from moe_export.export.engine_config import EngineConfig
-from moe_export.export.errors import InputError
+from moe_export.common.engine_config import EngineConfig
+from moe_export.common.errors import InputError
 
 API_KEY_ENV = "MOE_EXPORT_API_KEY"
 EFFORTS = ("low", "high", "max", "none")
@@ -49,7 +49,7 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
     check_serve_args(engine_dir, host, port, store, default_effort, max_queue)
     if any(not name.strip() for name in served_model_names):
         raise InputError("--served-model-name must not be empty")
-    from moe_export.export.mpi import mpi_world
+    from moe_export.common.mpi import mpi_world
     from moe_export.runtime.entrypoints.llm import LLM, AsyncLLM
 
     world = mpi_world()
@@ -60,9 +60,8 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
         LLM(engine_dir, default_effort=default_effort, prefix_caching=prefix_caching).run_follower()
         return
     import uvicorn
-    from sse_starlette.sse import AppStatus
-
     from moe_export.runtime.entrypoints.server.app import ServerSettings, create_app
+    from sse_starlette.sse import AppStatus
 
     AppStatus.disable_automatic_graceful_drain()  # SIGTERM drains: running streams finish, they are not cut
 

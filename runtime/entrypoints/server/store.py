@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (

@@ -8,8 +8,8 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    from moe_export.export.errors import InputError
-    from moe_export.export.mpi import mpi_world
+    from moe_export.common.errors import InputError
+    from moe_export.common.mpi import mpi_world
     from moe_export.runtime.entrypoints.llm import LLM
 
     if len(argv) != 1:

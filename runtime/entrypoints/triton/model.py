@@ -175,7 +175,9 @@ class TritonPythonModel:
                 raise BadRequest("input images goes with the messages input (a chat), not text_input")
             messages = _with_images(messages, [bytes(b) for b in np.asarray(images.as_numpy()).reshape(-1)])
         options = _json(request, "sampling_parameters") or {}
-        from moe_export.runtime.entrypoints.triton.request_options import parse_request_options
+        from moe_export.runtime.entrypoints.triton.request_options import (
+            parse_request_options,
+        )
 
         if isinstance(options, dict):
             options = _typed_options(options)
@@ -213,7 +215,7 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
 
     async def _serve(self, request) -> None:
-        from moe_export.export.errors import InputError
+        from moe_export.common.errors import InputError
 
         sender = request.get_response_sender()
         request_id = f"triton-{next(self.ids)}-{request.request_id() or 'anon'}"

@@ -24,9 +24,9 @@ import re
 import shutil
 from pathlib import Path
 
-from moe_export.export.atomic import fsync_path
-from moe_export.export.engine_config import EngineConfig
-from moe_export.export.errors import InputError
+from moe_export.common.atomic import fsync_path
+from moe_export.common.engine_config import EngineConfig
+from moe_export.common.errors import InputError
 
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 # (name, Triton data type, dims, optional)

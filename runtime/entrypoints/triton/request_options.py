@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 
 # JSON key -> (SamplingParams field, accepted JSON types)
 SAMPLING_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moe_export.export.errors import InputError
+from moe_export.common.errors import InputError
 
 SUPPORTED_MODEL_TYPES = ("kimi_k3", "kimi_linear")
 GENERATION_CONFIG = "generation_config.json"
@@ -397,10 +397,10 @@ def _shared_indexer_layers(t: dict[str, Any], num_layers: int, mla: list[int], s
 
 def shipped_model_config(name: str) -> ModelConfig:
     """Load one of the configs shipped in `recipes/models/` (e.g. 'kimi-k3', 'kimi-linear-48b-a3b')."""
-    from moe_export.recipes import models_dir
+    from moe_export.common.recipe import shipped_dir
 
-    path = models_dir() / f"{name}.json"
+    path = shipped_dir("models") / f"{name}.json"
     if not path.is_file():
-        known = sorted(p.stem for p in models_dir().glob("*.json"))
+        known = sorted(p.stem for p in shipped_dir("models").glob("*.json"))
         raise InputError(f"unknown shipped model config {name!r}; known: {', '.join(known)}")
     return ModelConfig.from_pretrained(path)

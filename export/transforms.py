@@ -21,10 +21,13 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-
-from moe_export.export.errors import InputError
-from moe_export.graphs.config import ModelConfig
-from moe_export.graphs.weights import TensorSpec, classify_tensor_name, expert_tensor_specs
+from moe_export.common.errors import InputError
+from moe_export.common.model_config import ModelConfig
+from moe_export.graphs.weights import (
+    TensorSpec,
+    classify_tensor_name,
+    expert_tensor_specs,
+)
 from moe_export.quantize import fp8, mxfp4
 
 _EXPERT_RE = re.compile(r"layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$")

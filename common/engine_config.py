@@ -15,14 +15,15 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from moe_export.common.atomic import atomic_write_json
+from moe_export.common.errors import InputError
+from moe_export.common.mapping import Mapping
+from moe_export.common.model_config import ModelConfig
+from moe_export.common.recipe import LimitsSection, Recipe
 from pydantic import ValidationError
 
-from moe_export.export.atomic import atomic_write_json
-from moe_export.export.errors import InputError
-from moe_export.graphs.config import ModelConfig
-from moe_export.recipes.schema import LimitsSection, Recipe
-
 CONFIG = "config.json"
+PLUGIN_DOMAIN = "moe_export"  # ONNX domain of our plugin ops = TensorRT plugin namespace
 ENGINE_FORMAT = "moe-export-engine/1"
 RECIPE_ECHOES = ("target", "quantization", "attention", "limits", "thinking")
 
@@ -63,13 +64,10 @@ class EngineConfig:
     def from_recipe(cls, recipe: Recipe, model: ModelConfig, *, version: str, files: dict[str, str],
                     weight_classes: dict[str, str]) -> EngineConfig:
         """The config of an engine built from `recipe` over a checkpoint whose config is `model`."""
-        from moe_export.export.stage_keys import rank_mapping
-        from moe_export.plugins import DOMAIN
-
         return cls(moe_export_version=version, architecture=model.architecture, model_type=model.model_type,
                    pretrained_config=model.raw,
-                   ranks=tuple(rank_mapping(recipe, n).to_dict() for n in range(recipe.target.world_size)),
-                   eos_token_ids=tuple(model.eos_token_ids), plugin_domain=DOMAIN, files=files, recipe=recipe,
+                   ranks=tuple(Mapping.from_recipe(recipe, n).to_dict() for n in range(recipe.target.world_size)),
+                   eos_token_ids=tuple(model.eos_token_ids), plugin_domain=PLUGIN_DOMAIN, files=files, recipe=recipe,
                    weight_classes=weight_classes)
 
     @property

@@ -7,10 +7,9 @@ import sys
 from pathlib import Path
 
 import typer
+from moe_export.common.errors import InputError
 from rich.console import Console
 from rich.markup import escape
-
-from moe_export.export.errors import InputError
 
 app = typer.Typer(
     name="moe-export",
@@ -37,8 +36,8 @@ def plan(
     """Parameter counts, per-rank memory by weight class, sequences that fit, and a verdict (no weights needed)."""
     import json
 
+    from moe_export.common.recipe import load_recipe
     from moe_export.export.planner import CHECKPOINTS_PER_SLOT, GIB, make_plan
-    from moe_export.recipes.schema import load_recipe
 
     rec, path = load_recipe(recipe)
     p = make_plan(rec)
@@ -126,9 +125,10 @@ def inspect(
     status."""
     import json
 
+    from moe_export.common.manifest import is_engine_dir
     from moe_export.export.census import inspect_checkpoint, render_checkpoint_report
     from moe_export.export.checkpoint import Problem, format_problems
-    from moe_export.export.manifest import inspect_engine, is_engine_dir, render_engine_report
+    from moe_export.export.inspect_engine import inspect_engine, render_engine_report
 
     if is_engine_dir(path):
         engine = inspect_engine(path)
@@ -230,10 +230,9 @@ def build(
 ) -> None:
     """Build the per-rank engine directory; only stages whose inputs changed run again. Under
     `mpiexec -n R`, MPI process r builds the ranks n with n % R == r."""
-    from rich.markup import escape
-
+    from moe_export.common.recipe import load_recipe
     from moe_export.export import build as driver
-    from moe_export.recipes.schema import load_recipe
+    from rich.markup import escape
 
     rec, _ = load_recipe(recipe)
     try:
@@ -255,7 +254,7 @@ def verify(
     """Re-hash every file against manifest.json; list missing, altered and extra files (exit 2 if any)."""
     import json
 
-    from moe_export.export.manifest import verify_engine_dir
+    from moe_export.common.manifest import verify_engine_dir
 
     report = verify_engine_dir(path)
     if as_json:
@@ -340,9 +339,8 @@ def eval_(
     out: str = typer.Option(..., "--out", help="report folder: report.json and tiers.png"),
 ) -> None:
     """Run checkable tasks through the chat path at each thinking tier; pass rate, rounds, tokens, latency."""
-    from rich.table import Table
-
     from moe_export.runtime.entrypoints.eval import run_eval
+    from rich.table import Table
 
     report = run_eval(engine, tasks, tiers, out)
     table = Table(title=f"eval ({out}/report.json)")
@@ -369,7 +367,8 @@ def serve(
 ) -> None:
     """OpenAI- and Anthropic-compatible HTTP server (rank 0; other ranks follow under `mpiexec -n WORLD`).
     Ready when GET /health answers 200; SIGTERM drains running requests and exits 0."""
-    from moe_export.runtime.entrypoints.server.launch import resolve_api_keys, serve as run_server
+    from moe_export.runtime.entrypoints.server.launch import resolve_api_keys
+    from moe_export.runtime.entrypoints.server.launch import serve as run_server
 
     run_server(engine, host=host, port=port, api_keys=resolve_api_keys(api_key), store=store,
                default_effort=default_effort, max_queue=max_queue, served_model_names=tuple(served_model_name or ()),

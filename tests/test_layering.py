@@ -1,0 +1,118 @@
+"""The package's floors (pyproject.toml `[tool.importlinter]`, checked by import-linter) and no import cycles.
+
+Floors, lowest first: common < recipes < quantize < plugins < graphs < export < runtime; inside runtime only the entry
+points import the build package. A cycle is a strongly connected component of more than one module in the import
+graph (grimp's, the graph import-linter checks)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import grimp
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("common", "recipes", "quantize", "plugins", "graphs", "export", "runtime")
+
+
+def _lint_imports() -> str:
+    found = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
+    assert found, "import-linter is not installed (test extra)"
+    return found
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Components of more than one node of a directed graph (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    comp.append(member)
+                    if member == node:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
+
+
+def test_import_contracts_hold():
+    r = subprocess.run([_lint_imports(), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "broken" in r.stdout and " 0 broken" in r.stdout
+
+
+def test_no_import_cycles():
+    g = grimp.build_graph(*(f"moe_export.{p}" for p in PACKAGES))
+    graph = {m: set(g.find_modules_directly_imported_by(m)) for m in g.modules}
+    assert len(graph) > 100  # the walk found the package
+    assert strongly_connected(graph) == []
+
+
+def test_cycle_finder_finds_cycles():
+    assert strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert strongly_connected({"a": {"b"}, "b": set(), "c": {"c"}}) == []
+
+
+def test_an_upward_import_breaks_the_floors(tmp_path):
+    """import-linter as configured here refuses a foundation module that imports a higher floor."""
+    pkg = tmp_path / "floorpkg"
+    for sub, body in {"common": "from floorpkg.runtime import engine\n", "runtime": "", "graphs": ""}.items():
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+        (pkg / sub / "mod.py").write_text(body)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "runtime" / "engine.py").write_text("")
+    (tmp_path / ".importlinter").write_text(textwrap.dedent("""\
+        [importlinter]
+        root_package = floorpkg
+        [importlinter:contract:floors]
+        name = floors
+        type = layers
+        layers =
+            floorpkg.runtime
+            floorpkg.graphs
+            floorpkg.common
+        """))
+    r = subprocess.run([_lint_imports(), "--no-cache"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "floorpkg.common.mod -> floorpkg.runtime.engine" in r.stdout
+
+
+def test_ruff_pyflakes_rules_pass():
+    """ruff's pyflakes rules (undefined names, unused imports) over the whole tree (pyproject.toml `[tool.ruff]`)."""
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent))
+    assert ruff, "ruff is not installed (test extra)"
+    r = subprocess.run([ruff, "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:]
