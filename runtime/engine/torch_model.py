@@ -45,6 +45,22 @@ class StepInputs:
     image_embeds: torch.Tensor | None = None  # [M, D] fp32
 
 
+@dataclass
+class RankKDA(ref.KDAWeights):
+    qkv_conv: torch.Tensor  # [3P, W] fp32: q, k, v conv taps in the conv pool's channel order
+
+
+@dataclass
+class RankMLA(ref.MLAWeights):
+    kv_b_heads: torch.Tensor  # [H, nope + v, kv_lora] per head [k_nope | v] rows (absorbed attention)
+
+
+@dataclass
+class RankMoE(ref.MoEWeights):
+    shared_tp: ref.MLPWeights | None  # this rank's columns / rows of the shared experts (summed over tp)
+    packed: tuple[torch.Tensor, ...]  # this rank's experts: w13_packed, w13_scale, w2_packed, w2_scale (MXFP4)
+
+
 class RankWeights:
     """Tensors of one rank's weights file on `device`: floats in `act` (fp32 where stored fp32 or asked), FP8
     E4M3 weights dequantized with their 128x128 block scales, bytes (MXFP4) as stored."""
@@ -108,22 +124,21 @@ class RankModel:
                                 attn_res=self._attn_res(src, pre + "self_attention_res") if res else None,
                                 mlp_res=self._attn_res(src, pre + "mlp_res") if res else None)
 
-    def _kda(self, src: RankWeights, a: str) -> ref.KDAWeights:
+    def _kda(self, src: RankWeights, a: str) -> RankKDA:
         heads, h0 = self.local.kda_num_heads, self.m.tp_rank * self.local.kda_num_heads
         full = self.cfg.use_full_rank_gate
-        w = ref.KDAWeights(
-            *(src.get(f"{a}{c}_proj.weight") for c in "qkv"),
-            *(src.get(f"{a}{c}_conv1d.weight", True).reshape(heads * self.cfg.kda_head_dim, -1) for c in "qkv"),
+        conv = [src.get(f"{a}{c}_conv1d.weight", True).reshape(heads * self.cfg.kda_head_dim, -1) for c in "qkv"]
+        return RankKDA(
+            *(src.get(f"{a}{c}_proj.weight") for c in "qkv"), *conv,
             f_a=src.get(a + "f_a_proj.weight"), f_b=src.get(a + "f_b_proj.weight"), b_proj=src.get(a + "b_proj.weight"),
             g_proj=src.get(a + "g_proj.weight") if full else None, g_a=None if full else src.get(a + "g_a_proj.weight"),
             g_b=None if full else src.get(a + "g_b_proj.weight"),
             A_log=src.get(a + "A_log", True).reshape(-1)[h0:h0 + heads], dt_bias=src.get(a + "dt_bias", True),
-            o_norm=src.get(a + "o_norm.weight", True), o_proj=src.get(a + "o_proj.weight"))
-        w.qkv_conv = torch.cat([w.q_conv, w.k_conv, w.v_conv])  # [3P, W] fp32, the conv pool's channel order
-        return w
+            o_norm=src.get(a + "o_norm.weight", True), o_proj=src.get(a + "o_proj.weight"), qkv_conv=torch.cat(conv))
 
-    def _mla(self, src: RankWeights, i: int, a: str) -> ref.MLAWeights:
+    def _mla(self, src: RankWeights, i: int, a: str) -> RankMLA:
         cfg, lora = self.cfg, self.cfg.q_lora_rank is not None
+        nope, vd = cfg.qk_nope_head_dim, cfg.v_head_dim
         indexer = None
         if self.use_indexer and cfg.has_indexer(i):
             ip = a + "indexer."
@@ -131,30 +146,27 @@ class RankModel:
                                          k_norm_weight=src.get(ip + "k_norm.weight", True),
                                          k_norm_bias=src.get(ip + "k_norm.bias", True),
                                          weights_proj=src.get(ip + "weights_proj.weight"))
-        w = ref.MLAWeights(
+        kv_b = src.get(a + "kv_b_proj.weight")
+        return RankMLA(
             q_a=src.get(a + "q_a_proj.weight") if lora else None,
             q_a_norm=src.get(a + "q_a_layernorm.weight") if lora else None,
             q_b=src.get(a + "q_b_proj.weight") if lora else None,
             q_proj=None if lora else src.get(a + "q_proj.weight"),
             kv_a=src.get(a + "kv_a_proj_with_mqa.weight"), kv_a_norm=src.get(a + "kv_a_layernorm.weight"),
-            kv_b=src.get(a + "kv_b_proj.weight"),
-            g_proj=src.get(a + "g_proj.weight") if cfg.mla_use_output_gate else None,
-            o_proj=src.get(a + "o_proj.weight"), indexer=indexer)
-        nope, vd = cfg.qk_nope_head_dim, cfg.v_head_dim
-        w.kv_b_heads = w.kv_b.view(self.local.num_heads, nope + vd, cfg.kv_lora_rank)  # per head [k_nope | v] rows
-        return w
+            kv_b=kv_b, g_proj=src.get(a + "g_proj.weight") if cfg.mla_use_output_gate else None,
+            o_proj=src.get(a + "o_proj.weight"), indexer=indexer,
+            kv_b_heads=kv_b.view(self.local.num_heads, nope + vd, cfg.kv_lora_rank))
 
-    def _moe(self, src: RankWeights, p: str) -> ref.MoEWeights:
+    def _moe(self, src: RankWeights, p: str) -> RankMoE:
         cfg, latent = self.cfg, self.cfg.routed_expert_hidden_size is not None
-        w = ref.MoEWeights(
+        return RankMoE(
             router=src.get(p + "gate.weight"), router_bias=src.get(p + "gate.e_score_correction_bias", True),
             latent_down=src.get(p + "routed_expert_down_proj.weight") if latent else None,
             latent_norm=src.get(p + "routed_expert_norm.weight") if latent and cfg.latent_moe_use_norm else None,
             latent_up=src.get(p + "routed_expert_up_proj.weight") if latent else None,
-            shared=None, experts={})
-        w.shared_tp = self._mlp(src, p + "shared_experts.") if cfg.num_shared_experts else None  # tp-sharded
-        w.packed = tuple(src.get(f"{p}experts.{t}") for t in ("w13_packed", "w13_scale", "w2_packed", "w2_scale"))
-        return w
+            shared=None, experts={},  # `moe_combine` adds no shared experts: `shared_tp` is summed over tp first
+            shared_tp=self._mlp(src, p + "shared_experts.") if cfg.num_shared_experts else None,
+            packed=tuple(src.get(f"{p}experts.{t}") for t in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")))
 
     # ---- helpers ----
     def to_storage(self, rows: torch.Tensor) -> torch.Tensor:
@@ -226,7 +238,7 @@ class RankModel:
         rows = self.embed[torch.where(inside, local, 0)] * inside[:, None].to(self.act)
         return (yield AllReduce(rows, "tp"))
 
-    def kda(self, i: int, x: torch.Tensor, w: ref.KDAWeights, inp: StepInputs, pools: dict, kernels):
+    def kda(self, i: int, x: torch.Tensor, w: RankKDA, inp: StepInputs, pools: dict, kernels):
         """Kimi Delta Attention on x [T, D] (this rank's heads), conv windows and state advanced in place."""
         cfg, heads = self.cfg, self.local.kda_num_heads
         shape = (-1, heads, cfg.kda_head_dim)
@@ -241,7 +253,7 @@ class RankModel:
         o = ref.gated_rms_norm(o, gate.view(shape), w.o_norm, cfg.rms_norm_eps).to(x.dtype)
         return (yield from self.all_reduce(F.linear(o.reshape(x.shape[0], -1), w.o_proj), "tp"))
 
-    def mla(self, i: int, x: torch.Tensor, w: ref.MLAWeights, inp: StepInputs, pools: dict, kernels):
+    def mla(self, i: int, x: torch.Tensor, w: RankMLA, inp: StepInputs, pools: dict, kernels):
         """NoPE MLA absorbed over the paged latent cache (+ the DSA indexer's selection)."""
         cfg = self.cfg
         nope, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
@@ -271,7 +283,7 @@ class RankModel:
         head_w = F.linear(x, w.weights_proj).float() * ((hi**-0.5) * (di**-0.5))
         return kernels.dsa_indexer(q, head_w, pool, k, inp.cu, inp.tables, inp.positions, topk=self.topk)
 
-    def moe(self, x: torch.Tensor, w: ref.MoEWeights, kernels):
+    def moe(self, x: torch.Tensor, w: RankMoE, kernels):
         """Routed experts (tp layout: all-reduced over ep; dp layout: this rank's token share dispatched and
         combined, then gathered over tp), latent norm and up projection, shared experts."""
         m, tokens = self.m, x
@@ -294,7 +306,7 @@ class RankModel:
             y = y + (yield from self.mlp(tokens, w.shared_tp))
         return y
 
-    def experts(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ref.MoEWeights, kernels):
+    def experts(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: RankMoE, kernels):
         """dp layout: z [T, W] to its experts' ranks, this rank's experts on the rows received, the weighted sums
         back and added per token -> [T, W]."""
         recv_x, recv_ids, recv_w, layout = yield Dispatch(z, ids, weights)
