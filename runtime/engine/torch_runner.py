@@ -37,6 +37,16 @@ from moe_export.runtime.engine.torch_kernels import kernels_for
 from moe_export.runtime.engine.torch_model import RankModel, RankWeights, StepInputs
 
 CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.uint8}  # fp8: codes + a scale byte
+HOST_DTYPES = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.uint8: np.uint8}  # bf16: the same 2 bytes
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed pool. On CPU from numpy's calloc, so pages stay unmapped until a step writes them (a pool sized
+    for the recipe's memory costs only what sequences use, as the ONNX Runtime runner's numpy pools)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    host = torch.from_numpy(np.zeros(shape, dtype=HOST_DTYPES[dtype]))
+    return host.view(dtype)
 
 
 def rank_pools(model: RankModel, num_slots: int, num_blocks: int, block_size: int) -> dict[str, torch.Tensor]:
@@ -46,15 +56,14 @@ def rank_pools(model: RankModel, num_slots: int, num_blocks: int, block_size: in
     for i in range(cfg.num_layers):
         if cfg.is_kda(i):
             heads, dh = local.kda_num_heads, cfg.kda_head_dim
-            pools[f"kda_state.{i}"] = torch.zeros(num_slots, heads, dh, dh, device=dev)
-            pools[f"conv_state.{i}"] = torch.zeros(num_slots, 3 * heads * dh, cfg.conv_kernel_size - 1, device=dev)
+            pools[f"kda_state.{i}"] = zeros((num_slots, heads, dh, dh), torch.float32, dev)
+            pools[f"conv_state.{i}"] = zeros((num_slots, 3 * heads * dh, cfg.conv_kernel_size - 1), torch.float32, dev)
             continue
         extra = fp8_cache.SCALE_BYTES if model.cache_dtype == torch.uint8 else 0
-        pools[f"mla_cache.{i}"] = torch.zeros(num_blocks, block_size, cfg.latent_cache_dim + extra,
-                                              dtype=model.cache_dtype, device=dev)
+        pools[f"mla_cache.{i}"] = zeros((num_blocks, block_size, cfg.latent_cache_dim + extra), model.cache_dtype, dev)
         if model.use_indexer and cfg.has_indexer(i):
-            pools[f"index_cache.{i}"] = torch.zeros(num_blocks, block_size, cfg.index_head_dim + extra,
-                                                    dtype=model.cache_dtype, device=dev)
+            pools[f"index_cache.{i}"] = zeros((num_blocks, block_size, cfg.index_head_dim + extra), model.cache_dtype,
+                                              dev)
     return pools
 
 
@@ -107,7 +116,7 @@ class TorchEngine:
         if num_checkpoints is not None and num_checkpoints < 0:
             raise InputError(f"num_checkpoints must be at least 0, got {num_checkpoints}")
         self.num_checkpoints = CHECKPOINTS_PER_SLOT * self.num_slots if num_checkpoints is None else num_checkpoints
-        self.checkpoints = {r: {n: torch.zeros(self.num_checkpoints, *p.shape[1:], dtype=p.dtype, device=p.device)
+        self.checkpoints = {r: {n: zeros((self.num_checkpoints, *p.shape[1:]), p.dtype, p.device)
                                 for n, p in pools.items() if n.startswith(RESET_ON_NEW_SEQUENCE)}
                             for r, pools in self.pools.items()}
         first = self.pools[local[0]]
