@@ -99,7 +99,6 @@ def run_mpiexec(engine: Path, chat: list | None) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("attention, ep", [("tp", 2), ("dp", 4)])
 def test_mpiexec_equals_onnxruntime(runtime_engine, attention, ep):
     """`mpiexec -n 4` (gloo collectives, step plans over MPI): the tp layout (tp 2 x ep 2, with the image chat) and
