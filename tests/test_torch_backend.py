@@ -152,3 +152,41 @@ def test_gpu_torch_check_script_parses():
     assert sum(int(line[1]) for line in lines) <= 13 * 60
     for step in lines:
         py_compile.compile(str(REPO / step[3]), doraise=True)
+
+
+class EagerGraph:
+    """Stands in for a captured CUDA graph on CPU: a replay runs the step again on the static inputs into the static
+    logits."""
+
+    def __init__(self, graphs, inputs, logits) -> None:
+        self.graphs, self.inputs, self.logits = graphs, inputs, logits
+
+    def replay(self) -> None:
+        self.logits.copy_(self.graphs._eager(self.inputs))
+
+
+def test_decode_graph_buckets_pad_with_the_spare_slot_and_block(runtime_engine):
+    """`torch_graphs.DecodeGraphs.replay` (static inputs of the smallest bucket, padding rows on a spare slot and
+    block) gives the eager step's logits for 1 and 3 sequences (buckets 1 and 4), and the sequences' state goes on
+    as eagerly; the graph itself is an eager stand-in (no GPU here)."""
+    from moe_export.runtime.engine.torch_graphs import DecodeGraphs, buckets
+
+    assert buckets(6) == [1, 2, 4, 8] and buckets(1) == [1]
+    engine_dir = runtime_engine("tiny-k3", 1, 1, 1, backend="torch")
+    eager, replayed = (TorchEngine(engine_dir, num_slots=5, num_blocks=12, threads=1) for _ in range(2))
+    graphs = DecodeGraphs(replayed)
+    graphs.spare_slot, graphs.spare_block = 4, 11  # past the slots and blocks the sequences use
+    for size in (1, 2, 4):
+        inputs = graphs._static(size)
+        logits = graphs._eager(inputs)
+        graphs.graphs[size] = (EagerGraph(graphs, inputs, logits), inputs, logits)
+    prompts = {0: PROMPTS[0], 2: PROMPTS[1], 3: PROMPTS[2]}
+    tables = {0: [0, 1], 2: [2, 3], 3: [4, 5, 6]}
+    for e in (eager, replayed):
+        e.step(StepBatch.from_sequences([SequenceChunk(s, 0, p, tables[s]) for s, p in prompts.items()]))
+    for step, slots in enumerate(([0], [0, 2, 3], [2, 3, 0])):
+        batch = StepBatch.from_sequences([SequenceChunk(s, len(prompts[s]) + step, [7 + s], tables[s]) for s in slots])
+        assert graphs.covers(batch)
+        got, want = graphs.replay(batch).numpy(), eager.step(batch)
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)  # a padded batch sums in another order
+        assert (got.argmax(-1) == want.argmax(-1)).all()

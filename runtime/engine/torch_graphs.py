@@ -104,8 +104,9 @@ class DecodeGraphs:
         rows = np.zeros((3, size), dtype=np.int64)
         rows[2] = self.spare_slot
         rows[0, :n], rows[1, :n], rows[2, :n] = batch.input_ids, batch.positions, batch.slot_ids
-        host = torch.from_numpy(np.concatenate([rows.ravel(), tables.ravel()])).pin_memory()
-        staged = host.to(self.engine.device, non_blocking=True)
+        host = torch.from_numpy(np.concatenate([rows.ravel(), tables.ravel()]))
+        device = self.engine.device
+        staged = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
         inputs.ids.copy_(staged[:size])
         inputs.positions.copy_(staged[size:2 * size])
         inputs.slots.copy_(staged[2 * size:3 * size])
