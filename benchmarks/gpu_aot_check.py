@@ -1,12 +1,14 @@
 """GPU check of the TensorRT AOT plugin kernels, launched the way TensorRT launches them (lent GPU only).
 
 TensorRT is not installable on the lent GPU image either, so this reproduces what TensorRT does with an
-`aot_impl`'s result using cuda-python (`cuda.bindings.driver`): load the code the plugin module returns (the
-cubin for the GPU, `plugins.tensorrt_common.aot_kernel_code`; PTX if there is none) with `cuModuleLoadData`,
+`aot_impl`'s result using cuda-python (`cuda.bindings.driver`): load the code the plugin module returns (the PTX
+whose entry takes exactly TensorRT's parameters, `plugins.aot_contract.tensorrt_ptx` as
+`aot_kernel_code` makes it; the 48 KiB refusal left out so that the SparseMLA kernel is launched too) with
+`cuModuleLoadData`,
 opt the kernel into more than 48 KiB of dynamic shared memory when it needs it
 (`cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)`), and `cuLaunchKernel` it with TensorRT's argument
-order: input pointers, the int32 extra arguments, output pointers, and nothing after them (no Triton scratch
-pointers). The pools are reached as in an engine: through a pool table (`plugins/pool_table.py`) made and checked
+order: input pointers, the int32 extra arguments, output pointers, and nothing after them (Triton's two scratch
+pointers are not in the entry). The pools are reached as in an engine: through a pool table (`plugins/pool_table.py`) made and checked
 on the host before anything is launched (`pool_table_for`: a null or misaligned pool address, or a slot / block
 beyond its pool, is a PoolTableError), written in place by the kernels. Each kernel's outputs are compared with the JIT launch (Triton's own launcher, the `impl` path)
 and with the fp32 PyTorch reference; launch errors are reported, not raised.
@@ -29,6 +31,7 @@ from cuda.bindings import driver
 
 from moe_export.plugins.gated_delta_scan import reference as gds_ref
 from moe_export.plugins.pool_table import check_pool_offsets, pool_table
+from moe_export.plugins.aot_contract import tensorrt_ptx
 from moe_export.plugins.gated_delta_scan import triton_kernel as gds
 from moe_export.plugins.short_conv import reference as conv_ref
 from moe_export.plugins.short_conv import triton_kernel as conv
@@ -47,7 +50,8 @@ def _check(result) -> object:
 
 def launch_like_tensorrt(kernel, grid, inputs, extras, outputs) -> dict:
     """cuModuleLoadData + cuLaunchKernel of a Triton CompiledKernel with TensorRT's parameters."""
-    code = kernel.asm.get("cubin") or kernel.asm["ptx"].encode() + b"\0"  # what aot_impl hands TensorRT
+    num_params = len(inputs) + len(extras) + len(outputs)
+    code = tensorrt_ptx(kernel, kernel.metadata.name, num_params).encode() + b"\0"  # what aot_impl hands TensorRT
     module = _check(driver.cuModuleLoadData(code))
     func = _check(driver.cuModuleGetFunction(module, kernel.metadata.name.encode()))
     shared = int(kernel.metadata.shared)
@@ -171,6 +175,7 @@ def check_paged_cache_write(fig: dict, capability: int) -> None:
     pool_jit = write.paged_cache_write_triton(pool0.clone(), new, cu, tables, pos)
     ref = write_ref.paged_cache_write_reference(pool0.cpu(), new.cpu(), cu.cpu(), tables.cpu(), pos.cpu())
     fig["write_aot_equals_jit"] = bool(torch.equal(pool_aot, pool_jit))
+    fig["write_aot_vs_jit"] = _max_diff(pool_aot, pool_jit)
     fig["write_aot_equals_reference"] = bool(torch.equal(pool_aot.cpu(), ref))
 
 

@@ -23,6 +23,8 @@ runtime writes them), so this table exists only in TensorRT graphs.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 import triton
@@ -51,9 +53,23 @@ def pool_table(pools: list[torch.Tensor]) -> np.ndarray:
     return table
 
 
+_TABLES: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
 def device_pool_table(pools: list[torch.Tensor]) -> torch.Tensor:
-    """`pool_table(pools)` as an int64 tensor on the pools' device."""
-    return torch.from_numpy(pool_table(pools)).to(pools[0].device)
+    """`pool_table(pools)` as an int64 tensor on the pools' device, remembered with its pools while it lives
+    (`pools_of_table`)."""
+    table = torch.from_numpy(pool_table(pools)).to(pools[0].device)
+    table.pools = list(pools)
+    _TABLES[table.data_ptr()] = table
+    return table
+
+
+def pools_of_table(table: torch.Tensor) -> list[torch.Tensor] | None:
+    """The pool tensors of a live table made by `device_pool_table` in this process (the same device memory as
+    `table`), or None: for plugin callbacks whose kernels take pool tensors, not addresses (fla's KDA)."""
+    made = _TABLES.get(table.data_ptr())
+    return made.pools if made is not None and made.shape == table.shape else None
 
 
 def check_pool_table(table) -> None:

@@ -15,16 +15,18 @@ through an int16 view) and every plugin wraps its buffers with it.
 Tactic runs. TensorRT may execute a plugin while timing tactics with unspecified input contents; the Triton
 kernels clamp their index inputs themselves, host-side code (DSAIndexer) calls `clamp_ragged_indices` first.
 
-AOT kernels (`aot_kernel_code`): the cubin for the target architecture (`tensorrt_target`), PTX only as the
-fallback, with the dynamic shared memory the kernel needs declared in its launch parameters; a kernel needing more
-than the 48 KiB a launch gets without an opt-in is refused with a clear message (contract
-AOT_SHARED_MEMORY_OPT_IN_UNKNOWN): such plugins run their JIT implementation (recipe tensorrt.prefer_aot: false).
+AOT kernels (`aot_kernel_code`): the launch contract of `aot_contract.py`, with the dynamic shared memory the kernel needs
+declared in its launch parameters; a kernel needing more than the 48 KiB a launch gets without an opt-in is
+refused with a clear message (contract AOT_SHARED_MEMORY_OPT_IN_UNKNOWN): such plugins run their JIT
+implementation (recipe tensorrt.prefer_aot: false).
 """
 
 import numpy as np
 import numpy.typing as npt
 import tensorrt as trt
 import torch
+
+from .aot_contract import tensorrt_ptx
 
 Int32Field = npt.NDArray[np.int32]
 Float32Field = npt.NDArray[np.float32]
@@ -42,9 +44,13 @@ _TYPESTR = {
 }
 
 
-def aot_kernel_code(kernel, plugin_id: str) -> bytes | str:
-    """The code an `aot_impl` hands TensorRT for a compiled Triton kernel: its cubin (PTX if it has none);
-    ValueError when the kernel needs more dynamic shared memory than a launch gets without opting in."""
+def aot_kernel_code(kernel, plugin_id: str, num_params: int) -> str:
+    """The code an `aot_impl` hands TensorRT for a compiled Triton kernel: `aot_contract.tensorrt_ptx` (the PTX
+    whose entry takes exactly TensorRT's `num_params` parameters); ValueError when the kernel needs more dynamic
+    shared memory than a launch gets without opting in. TensorRT takes the launch's dynamic shared memory from
+    `KernelLaunchParams.shared_mem` (tensorrt_bindings/plugin/_plugin_class.py (11.4.0.106) line 426); nothing
+    public shows its AOT launcher opting a kernel into more than 48 KiB (contract
+    AOT_SHARED_MEMORY_OPT_IN_UNKNOWN), so such a kernel is refused with the way out."""
     from moe_export.plugins.tensorrt_contracts import DEFAULT_DYNAMIC_SHARED_MEMORY
 
     shared = int(kernel.metadata.shared)
@@ -55,7 +61,7 @@ def aot_kernel_code(kernel, plugin_id: str) -> bytes | str:
             "known to opt in (contract AOT_SHARED_MEMORY_OPT_IN_UNKNOWN): build with recipe tensorrt.prefer_aot: false "
             "(the JIT launch opts in)"
         )
-    return kernel.asm.get("cubin") or kernel.asm["ptx"]
+    return tensorrt_ptx(kernel, plugin_id, num_params)
 
 
 def scalar(field: np.ndarray) -> int | float:

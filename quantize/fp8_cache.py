@@ -13,7 +13,7 @@ keeps encode -> decode -> encode exact, so values the graph has rounded are stor
 One scale per row, not per block: rows of a block arrive over many steps and a block scale would force
 re-quantizing the block's earlier rows (lossy, O(block) per step). Byte-packing the scale into the row follows
 DeepSeek's FlashMLA FP8 cache (656-byte rows: FP8 values, fp32 tile scales, bf16 rope in one byte row); the
-planner counts D + 1 bytes per row (`export.planner.CACHE_VALUE_BYTES`, `FP8_ROW_SCALE_BYTES`).
+planner counts D + 1 bytes per row (`plugins.paged_cache_write.sizes.row_bytes`).
 
 Every implementation decodes the same way: torch (`decode_rows`, the reference and CPU kernels), ONNX Runtime
 (two 256-entry lookup tables, `code_table` and `scale_table`, in the ops' function bodies), Triton (bit

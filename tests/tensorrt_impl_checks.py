@@ -143,7 +143,7 @@ def test_sparse_mla_impl_reads_its_pool_through_the_table(sparse):
 
 def test_dsa_indexer_impl_reads_its_key_pool_through_the_table():
     from moe_export.plugins.dsa_indexer import reference
-    from moe_export.plugins.dsa_indexer.triton_kernel import workspace_bytes
+    from moe_export.plugins.dsa_indexer.sizes import workspace_bytes
 
     Hi, Di, topk = 4, 16, 6
     q = torch.randn(5, Hi, Di, generator=GEN)

@@ -53,6 +53,9 @@ from moe_export.plugins import (
     tensorrt_common,  # noqa: E402
 )
 from moe_export.plugins.registry import OP_FOLDERS  # noqa: E402
+from tensorrt_parser_rules import parser_refusals  # noqa: E402
+
+COLLECTIVES = {"AllReduce", "AllGather", "MoEDispatch", "MoECombine"}
 
 register_plugins()
 QDP = sys.modules["tensorrt.plugin._lib"].QDP_REGISTRY
@@ -193,20 +196,19 @@ def test_aot_launch_parameters_and_extra_args(node, types, monkeypatch):
     module = sys.modules[f"moe_export.plugins.{OP_FOLDERS[node.op_type]}.tensorrt_plugin"]
     compiled = []
     real = module.aot_kernel_code
-    monkeypatch.setattr(module, "aot_kernel_code", lambda kernel, pid: compiled.append(kernel) or real(kernel, pid))
+    monkeypatch.setattr(module, "aot_kernel_code", lambda kernel, pid, n: compiled.append(kernel) or real(kernel, pid, n))
     _, plugin = create(node, standin.QuickPluginCreationRequest.PREFER_AOT)
     assert type(plugin).__name__ == "_TemplateAOTPlugin"
     in_types, in_dims, _, _ = io_of(node, types)
     launch = standin.aot_launch(plugin, standin.build_phase(plugin, in_types, in_dims, ENV), ENV)
-    # issue 18, defect 7: a cubin for the target architecture (ELF, EM_CUDA = 190), no driver JIT of PTX
-    code = launch["ptx"]
-    assert isinstance(code, bytes) and code[:4] == b"\x7fELF" and int.from_bytes(code[18:20], "little") == 190
-    assert code == compiled[-1].asm["cubin"] and launch["shared"] == compiled[-1].metadata.shared
-    ptx = compiled[-1].asm["ptx"]
-    assert ".target sm_90" in ptx
+    # the PTX whose entry takes exactly TensorRT's parameters: inputs, int32 extras, outputs (Triton's two
+    # scratch pointers, which the compiled kernel declares after them, removed: aot_kernel_code's contract)
+    ptx = launch["ptx"].decode() if isinstance(launch["ptx"], bytes) else launch["ptx"]
+    assert ".target sm_90" in ptx and not ptx.startswith("\x7fELF") and launch["shared"] == compiled[-1].metadata.shared
     kinds = _ptx_param_kinds(ptx, launch["kernel"])
     n_in, n_out, n_extra = len(node.input), len(node.output), len(launch["extras"])
-    assert kinds[: n_in + n_extra + n_out] == ["ptr"] * n_in + [".u32"] * n_extra + ["ptr"] * n_out
+    assert kinds == ["ptr"] * n_in + [".u32"] * n_extra + ["ptr"] * n_out
+    assert len(_ptx_param_kinds(compiled[-1].asm["ptx"], launch["kernel"])) == len(kinds) + 2
     assert all(dtype == standin.PluginArgDataType.INT32 for dtype, _ in launch["extras"])
     extras = [v for _, v in launch["extras"]]
     shape = {name: [standin.symbolic(d).evaluate(ENV) for d in dims] for name, dims in zip(node.input, in_dims)}
@@ -216,14 +218,14 @@ def test_aot_launch_parameters_and_extra_args(node, types, monkeypatch):
     assert node.input[1 if node.op_type in ("SparseMLAAttention",) else {"GatedDeltaScan": 5, "ShortConv": 2,
                                                                          "PagedCacheWrite": 0}[node.op_type]] == "pool_table"
     if node.op_type == "GatedDeltaScan":
-        from moe_export.plugins.gated_delta_scan.triton_kernel import block_sizes
+        from moe_export.plugins.gated_delta_scan.sizes import block_sizes
 
         _, H, K = shape[node.input[0]]
         V = shape[node.input[2]][2]
         assert extras == [row, T]
         assert launch["grid"] == [-(-V // block_sizes(K, V)[1]), H, N]
     elif node.op_type == "ShortConv":
-        from moe_export.plugins.short_conv.triton_kernel import block_sizes
+        from moe_export.plugins.short_conv.sizes import block_sizes
 
         C, W = shape[node.input[1]]
         assert extras == [row, T]
@@ -296,15 +298,27 @@ def test_dispatch_receive_bound_is_static_and_required():
 def test_aot_kernel_above_48_kib_of_shared_memory_is_refused():
     """Issue 18, defect 7: SparseMLA needs ~110 KiB of dynamic shared memory at K3 widths; nothing shows TensorRT's
     AOT launcher opting a kernel in (contract AOT_SHARED_MEMORY_OPT_IN_UNKNOWN), so such a kernel is refused with
-    the way out (the JIT launch), never launched without its shared memory. Cubin preferred, PTX the fallback."""
+    the way out (the JIT launch), never launched without its shared memory. A kernel that needs Triton's global
+    scratch, or reads a parameter TensorRT does not pass, is refused too."""
     from types import SimpleNamespace
 
-    big = SimpleNamespace(metadata=SimpleNamespace(shared=110 * 1024), asm={"ptx": "ptx", "cubin": b"elf"})
+    ptx = ".entry k(\n\t.param .u64 .ptr .global k_param_0,\n\t.param .u32 k_param_1,\n\t.param .u64 k_param_2,\n" \
+          "\t.param .u64 k_param_3\n)\n{\n\tld.param.b32 %r1, [k_param_1];\n}\n"  # fmt: skip
+
+    def kernel(shared=48 * 1024, scratch=0, code=ptx):
+        return SimpleNamespace(metadata=SimpleNamespace(shared=shared, name="k", global_scratch_size=scratch,
+                                                        profile_scratch_size=0), asm={"ptx": code})  # fmt: skip
+
     with pytest.raises(ValueError, match="prefer_aot: false"):
-        tensorrt_common.aot_kernel_code(big, "x::SparseMLAAttention")
-    fits = SimpleNamespace(metadata=SimpleNamespace(shared=48 * 1024), asm={"ptx": "ptx", "cubin": b"elf"})
-    assert tensorrt_common.aot_kernel_code(fits, "x") == b"elf"
-    assert tensorrt_common.aot_kernel_code(SimpleNamespace(metadata=fits.metadata, asm={"ptx": "ptx"}), "x") == "ptx"
+        tensorrt_common.aot_kernel_code(kernel(shared=110 * 1024), "x::SparseMLAAttention", 2)
+    with pytest.raises(ValueError, match="global_scratch"):
+        tensorrt_common.aot_kernel_code(kernel(scratch=64), "x", 2)
+    assert tensorrt_common.aot_kernel_code(kernel(), "x", 2).count("k_param_") == 3  # two declared, one read
+    assert "k_param_2" not in tensorrt_common.aot_kernel_code(kernel(), "x", 2)
+    with pytest.raises(ValueError, match="reads k_param_1"):
+        tensorrt_common.aot_kernel_code(kernel(), "x", 1)
+    with pytest.raises(ValueError, match="TensorRT passes 5"):
+        tensorrt_common.aot_kernel_code(kernel(), "x", 5)
 
 
 def test_parser_refuses_a_uint8_weight_feeding_a_plugin():
@@ -476,8 +490,15 @@ def builder_api(log: list, device_memory) -> dict:
         def __init__(self, network, logger):
             self.network, self.num_errors = network, 0
 
+        def get_error(self, i):
+            return self.errors[i]
+
         def parse_from_file(self, path):
             model = onnx.load(path, load_external_data=False)
+            self.errors = parser_refusals(model)  # the standard ops the real parser refuses
+            self.num_errors = len(self.errors)
+            if self.errors:
+                return False
             types = _value_types(model)
             for init in model.graph.initializer:
                 types[init.name] = onnx.helper.make_tensor_type_proto(init.data_type, list(init.dims))
@@ -497,10 +518,13 @@ def builder_api(log: list, device_memory) -> dict:
             self.network.inputs = [v.name for v in model.graph.input]
             self.network.outputs = [v.name for v in model.graph.output]
             self.network.path = path
+            self.network.collectives = bool(set(ops) & COLLECTIVES)
             log.append(("parse", path, ops))
             return True
 
     class Config:
+        max_aux_streams = -1  # TensorRT's heuristic until set (contract MAX_AUX_STREAMS)
+
         def set_memory_pool_limit(self, pool, size):
             log.append(("workspace", size))
 
@@ -539,15 +563,33 @@ def builder_api(log: list, device_memory) -> dict:
             return Profile()
 
         def build_serialized_network(self, network, config):
+            if network.collectives and config.max_aux_streams != 0:  # MAX_AUX_STREAMS: collectives on one stream
+                log.append(("refused", network.path, "max_aux_streams"))
+                return None
             log.append(("build", network.path, nccl.is_building()))
             return network.path.encode()
+
+        def build_serialized_network_to_stream(self, network, config, writer):
+            plan = self.build_serialized_network(network, config)
+            if plan is None:
+                return False
+            half = len(plan) // 2  # in chunks, as TensorRT hands them to the writer
+            return writer.write(plan[:half]) + writer.write(plan[half:]) == len(plan)
+
+    if not hasattr(trt, "IStreamWriter"):  # the 10.9 bindings: no streamed build (contract ENGINE_STREAMS)
+        del Builder.build_serialized_network_to_stream
 
     class Runtime:
         def __init__(self, logger):
             pass
 
-        def deserialize_cuda_engine(self, blob):
-            return _Parsed(device_memory_size_v2=device_memory(blob.decode()), num_layers=1)
+        def deserialize_cuda_engine(self, reader):
+            assert isinstance(reader, trt.IStreamReaderV2)  # the plan is streamed in, never held whole
+            plan = b""
+            while chunk := reader.read(5, 0):
+                plan += chunk
+            log.append(("deserialized", plan.decode()))
+            return _Parsed(device_memory_size_v2=device_memory(plan.decode()), num_layers=1)
 
     return {"Builder": Builder, "OnnxParser": OnnxParser, "Runtime": Runtime,
             "NetworkDefinitionCreationFlag": _Parsed(STRONGLY_TYPED=0, PREFER_JIT_PYTHON_PLUGINS=4,
@@ -569,7 +611,8 @@ def test_dp_recipe_builds_at_world_8_through_the_standin(tmp_path, monkeypatch):
     from moe_export.export import tensorrt_build
     from moe_export.export.build import build
     from moe_export.export.planner import make_plan, vision_activation_bytes
-    from moe_export.export.tensorrt_build import ENGINE_WORKSPACES, read_engine_file
+    from moe_export.common.engine_file import read_engine_file
+    from moe_export.export.tensorrt_build import ENGINE_WORKSPACES
 
     data = yaml.safe_load(Path(load_recipe("tiny-cpu.yaml")[1]).read_text())
     data.update(name="tiny-dp-trt", backend="tensorrt", model={"source": "synthetic:tiny-k3"})

@@ -1,9 +1,11 @@
 """The prepared GPU run (`benchmarks/gpu_check.sh`) before a GPU is lent: the shell script parses, its Python
-parts compile and import, and the sampler step runs end to end with `--device cpu` (small vocabulary)."""
+parts compile and import, the sampler step runs end to end with `--device cpu` (small vocabulary), and the
+kernel step runs every check in its smoke mode (tiny shapes, Triton's interpreter on CPU)."""
 
 from __future__ import annotations
 
 import json
+import os
 import py_compile
 import subprocess
 import sys
@@ -21,7 +23,7 @@ def test_gpu_check_script_parses_and_runs_every_step():
     text = SCRIPT.read_text()
     steps = [line.split()[3] for line in text.splitlines() if line.startswith("timeout ")]
     assert steps == ["benchmarks/gpu_aot_check.py", "benchmarks/gpu_check.py", "benchmarks/gpu_sampler_check.py"]
-    assert sum(int(line.split()[1]) for line in text.splitlines() if line.startswith("timeout ")) < 8 * 60
+    assert sum(int(line.split()[1]) for line in text.splitlines() if line.startswith("timeout ")) < 6 * 60
     for step in steps:
         py_compile.compile(str(REPO / step), doraise=True)
 
@@ -50,3 +52,24 @@ def test_gpu_check_python_parts_import_on_cpu():
     run = subprocess.run([sys.executable, "-c", "import runpy; runpy.run_path('benchmarks/gpu_check.py')"],
                          cwd=REPO, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
+
+
+GOAL_KEYS = ("kda_prefill_vs_fla", "kda_decode_vs_fla", "moe_decode_bw_frac", "moe_prefill_tflops_frac",
+             "sparse_mla_bw_frac_", "sparse_mla_ms_1", "indexer_bw_frac_128k", "read_bw_gbps", "bf16_matmul_tflops")
+
+
+def test_gpu_check_smoke_mode_runs_every_check(tmp_path):
+    """GPU_CHECK_SMOKE=1 under TRITON_INTERPRET=1: every check runs at tiny shapes on CPU (our references
+    standing in for fla), writes every goal key with its correctness figure, and records no error."""
+    out = tmp_path / "kernels.json"
+    env = dict(os.environ, GPU_CHECK_SMOKE="1", TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks/gpu_check.py"), "--json", str(out)], cwd=REPO,
+                         env=env, capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    fig = json.loads(out.read_text())
+    assert fig["gpu_check_smoke"] is True
+    assert not [k for k in fig if k.endswith("_error")], {k: v for k, v in fig.items() if k.endswith("_error")}
+    for key in GOAL_KEYS:
+        assert any(k.startswith(key) and isinstance(v, float) and v > 0 for k, v in fig.items()), key
+    assert fig["indexer_topk_score_ok"] is True
+    assert max(v for k, v in fig.items() if "max_abs_diff" in k or "rel_diff" in k) < 2e-2

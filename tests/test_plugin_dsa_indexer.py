@@ -293,14 +293,14 @@ def test_inner_triton_reads_keys_through_the_pool_table():
 @inner_triton
 def test_inner_triton_small_chunks_match_reference():
     """Chunks of a few tokens x one block of positions (a tiny scratch budget): the same indices."""
-    from moe_export.plugins.dsa_indexer import triton_kernel
+    from moe_export.plugins.dsa_indexer import sizes, triton_kernel
 
     case = make_case(seed=9, **CASES[list(CASES)[-1]])
     for topk in (1, 6):
         got = triton_kernel.dsa_indexer_triton(**case, topk=topk, block_n=16, budget_bytes=2000)
         assert torch.equal(got, reference.dsa_indexer_reference(**case, topk=topk))
         length = case["block_tables"].shape[1] * case["k_pool"].shape[1]
-        size = triton_kernel.workspace_bytes(case["q_idx"].shape[0], length, topk, budget_bytes=2000)
+        size = sizes.workspace_bytes(case["q_idx"].shape[0], length, topk, budget_bytes=2000)
         workspace = torch.full((size,), 0xFF, dtype=torch.uint8)
         got = triton_kernel.dsa_indexer_triton(**case, topk=topk, block_n=16, budget_bytes=2000, workspace=workspace)
         assert torch.equal(got, reference.dsa_indexer_reference(**case, topk=topk))
@@ -337,9 +337,9 @@ def test_chunked_topk_matches_one_sort_without_host_sync():
 
 
 def test_indexer_scratch_bounded_at_long_context():
-    from moe_export.plugins.dsa_indexer import triton_kernel
+    from moe_export.plugins.dsa_indexer import sizes
 
-    budget = triton_kernel.DEFAULT_SCRATCH_BUDGET
-    long = triton_kernel.scratch_bytes(16384, 1 << 20, 2048)
-    assert long <= budget and long == triton_kernel.scratch_bytes(16384, 1 << 21, 2048)
+    budget = sizes.DEFAULT_SCRATCH_BUDGET
+    long = sizes.scratch_bytes(16384, 1 << 20, 2048)
+    assert long <= budget and long == sizes.scratch_bytes(16384, 1 << 21, 2048)
     assert 16384 * ((1 << 20) + 1) * 4 > 200 * budget  # the [T, max_pos + 1] fp32 scores of before

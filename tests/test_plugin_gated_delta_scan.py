@@ -388,6 +388,77 @@ def test_ort_prefill_then_decode_through_pool():
     close(torch.from_numpy(pool), pool_full)
 
 
+def _fla_fused_recurrent():
+    """fla's real `fused_recurrent_kda_fwd` (a Triton kernel: runs in the interpreter), imported without fla's
+    package __init__ (which pulls in its layers and models: ~15 s) by standing in bare packages for the parents."""
+    import importlib.metadata
+    import importlib.util
+    import types
+
+    root = importlib.util.find_spec("fla").submodule_search_locations[0]
+    for name, sub in (("fla", ""), ("fla.ops", "/ops"), ("fla.ops.kda", "/ops/kda")):
+        if name not in sys.modules:
+            package = types.ModuleType(name)
+            package.__path__, package.__version__ = [root + sub], importlib.metadata.version("fla-core")
+            sys.modules[name] = package
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    return fused_recurrent_kda_fwd
+
+
+def _varlen_chunk_standin(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, state_v_first,
+                          use_qk_l2norm_in_kernel):  # fmt: skip
+    """chunk_kda's varlen API (batch 1, cu_seqlens, V-first states) over fla's naive recurrent KDA per sequence
+    (fla's chunked kernel needs a GPU driver even under the interpreter)."""
+    from moe_export.plugins.gated_delta_scan.common import l2norm
+
+    assert state_v_first and output_final_state
+    naive = load_fla_naive("ops/kda/naive.py")
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    outs, finals = [], []
+    for n in range(cu_seqlens.numel() - 1):
+        s, e = int(cu_seqlens[n]), int(cu_seqlens[n + 1])
+        o, final = naive.naive_recurrent_kda(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], scale=scale,
+                                             initial_state=initial_state[n : n + 1].transpose(-1, -2),
+                                             output_final_state=True)  # fmt: skip
+        outs.append(o)
+        finals.append(final.transpose(-1, -2))
+    return torch.cat(outs, 1), torch.cat(finals)
+
+
+def _unused(*args, **kwargs):
+    raise AssertionError("the other path was taken")
+
+
+@inner_triton
+@pytest.mark.parametrize("lengths", [[5, 1, 9], [1, 1, 1]])
+def test_inner_fla_path_on_the_pool_matches_reference(lengths):
+    """`fla_path.kda_pool_fla` against our node reference: prefill (some sequence longer than one token) through
+    chunk_kda's varlen API (states gathered from the slots, V-first, scattered back); decode (one token per
+    sequence) through fla's real fused recurrent kernel on the pool in place at the slot ids. Slots not in the
+    step are left as they were."""
+    from moe_export.plugins.gated_delta_scan.fla_path import kda_pool_fla
+
+    gen = torch.Generator().manual_seed(sum(lengths))
+    H, K, V, S = 2, 16, 16, 6
+    T = sum(lengths)
+    cu = torch.tensor([0, *np.cumsum(lengths)])
+    slots = torch.tensor([4, 0, 2])
+    q, k, g = (torch.randn(T, H, K, generator=gen) for _ in range(3))
+    g = -torch.rand(T, H, K, generator=gen) * 2
+    v, beta = torch.randn(T, H, V, generator=gen), torch.rand(T, H, generator=gen)
+    pool0 = torch.randn(S, H, V, K, generator=gen) * 0.1
+    want_o, want_pool = reference.gated_delta_scan_node(q, k, v, g, beta, pool0, cu, slots, K**-0.5, True)
+    decode = max(lengths) == 1
+    kernels = (_unused, _fla_fused_recurrent()) if decode else (_varlen_chunk_standin, _unused)
+    pool = pool0.clone()
+    o = kda_pool_fla(q, k, v, g, beta, pool, cu, slots, K**-0.5, True, kernels=kernels)
+    close(o, want_o, rtol=1e-4)
+    close(pool, want_pool, rtol=1e-4)
+    assert torch.equal(pool[[1, 3, 5]], pool0[[1, 3, 5]])
+
+
 # ------------------------------------------------------------------------------- TensorRT side
 
 

@@ -15,7 +15,7 @@ table row. The key pool is no tensor of the network (issue 18, defect 4): input 
 No host synchronization and bounded scratch: candidates span the block table's capacity (from shapes), and
 scores are made and reduced in chunks of tokens x positions (`triton_kernel.chunked_topk`, near 256 MiB whatever
 the context length); the indices are written straight into TensorRT's output buffer, and every chunk buffer lives
-in the plugin's second output `scratch` [scratch_bytes] int8 (`triton_kernel.workspace_bytes` at the recipe's
+in the plugin's second output `scratch` [scratch_bytes] int8 (`sizes.workspace_bytes` at the recipe's
 limits, set by the graph exporter), so TensorRT places it in the engine's device memory (QDP plugins get no
 workspace: contract QDP_NO_WORKSPACE).
 

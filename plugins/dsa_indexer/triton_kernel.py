@@ -10,7 +10,7 @@ Dot products use `input_precision="ieee"` (fp32). Runs on CUDA tensors, or on CP
 `dsa_indexer_triton` bounds its memory and never synchronizes with the host: the candidate positions span the
 block table's capacity (B * BS, from shapes; not max(positions), which would be read back), and scores are made
 and reduced in chunks of tokens x positions (`chunked_topk`: a running top-k merged chunk by chunk, ties to the
-lower position as in `select_topk`), so scratch stays near `budget_bytes` (`scratch_bytes`) at any context
+lower position as in `select_topk`), so scratch stays near `budget_bytes` (`sizes.scratch_bytes`) at any context
 length instead of [T, max_pos + 1] fp32 plus a full sort (64 GiB at T = 16,384 and 1M positions).
 """
 
@@ -21,6 +21,7 @@ import triton.language as tl
 from ..pool_table import TRITON_DTYPES, check_pool_offsets, in_pool, pool_entry, pool_table
 from ..sparse_mla_attention.reference import token_sequences
 from ..sparse_mla_attention.triton_kernel import fp8_rows_to_f32
+from .sizes import DEFAULT_SCRATCH_BUDGET, chunk_shape
 
 
 @triton.jit
@@ -71,36 +72,6 @@ def _index_scores_kernel(
         score = tl.sum(s * w[:, None], axis=0)
     score = tl.where(valid, score, float("-inf"))
     tl.store(out_ptr + tl.program_id(0) * stride_ot + offs_c, score, mask=offs_c < out_len)
-
-
-DEFAULT_SCRATCH_BUDGET = 256 * 2**20  # bytes of score and merge scratch per call
-MAX_CHUNK_POSITIONS = 65536
-
-
-def chunk_shape(num_tokens: int, length: int, topk: int, budget_bytes: int, block_n: int = 64) -> tuple[int, int]:
-    """(tokens, positions) per chunk: positions a multiple of block_n, at most `length` rounded up and at most
-    MAX_CHUNK_POSITIONS; tokens as many as keep the chunk's buffers (`workspace_bytes`) within the budget."""
-    lc = min(-(-max(length, 1) // block_n) * block_n, MAX_CHUNK_POSITIONS)
-    return max(1, min(num_tokens, budget_bytes // _per_token_bytes(lc, topk))), lc
-
-
-def _per_token_bytes(lc: int, topk: int) -> int:
-    # scores fp32 [lc]; running best fp32 + int64 [topk]; merge input and sorted output, fp32 + int64 [topk + lc]
-    return 4 * lc + 12 * topk + 24 * (topk + lc)
-
-
-def workspace_bytes(num_tokens: int, length: int, topk: int, budget_bytes: int = DEFAULT_SCRATCH_BUDGET) -> int:
-    """Bytes of the caller-provided workspace (`dsa_indexer_triton(workspace=...)`) for steps of up to
-    `num_tokens` tokens over `length` candidate positions (TensorRT engines declare it as the plugin's second
-    output, so it lives in the engine's device memory), plus the column ids of one chunk."""
-    tc, lc = chunk_shape(num_tokens, length, topk, budget_bytes)
-    return tc * _per_token_bytes(lc, topk) + 8 * lc + 7 * 256  # 7 buffers, each 256-byte aligned
-
-
-def scratch_bytes(num_tokens: int, length: int, topk: int, budget_bytes: int = DEFAULT_SCRATCH_BUDGET) -> int:
-    """Device scratch of one call (the workspace; only a [tc, topk] bool mask per chunk comes from torch)."""
-    tc, _ = chunk_shape(num_tokens, length, topk, budget_bytes)
-    return workspace_bytes(num_tokens, length, topk, budget_bytes) + tc * topk
 
 
 class _Buffers:
@@ -174,7 +145,7 @@ def dsa_indexer_triton(
     """q_idx [T, Hi, Di], weights [T, Hi], k_pool [NB, BS, Di] (fp32 / bf16 / fp16, or uint8 fp8 rows [NB, BS,
     Di+1]), k_new [T, Di] fp32, cu_seqlens [N+1], block_tables [N, B], positions [T] -> indices [T, topk] int64
     (written into `out` when given). Candidates: positions 0..B*BS-1 (the tables' capacity); scores in chunks
-    (`chunked_topk`), no host synchronization; `workspace` (uint8, `workspace_bytes`) holds every chunk buffer."""
+    (`chunked_topk`), no host synchronization; `workspace` (uint8, `sizes.workspace_bytes`) holds every chunk buffer."""
     pool = k_pool.contiguous()
     table = pool_table([pool])
     check_pool_offsets(table, 0, block_tables=block_tables.cpu().numpy())

@@ -15,10 +15,10 @@ arrays).
   (`plugins/pool_table.py`) and its row (field ``pool``); the kernel reads each state tile before writing it,
   in place, and only the N addressed slots are touched. No aliased output.
 - ``impl`` (JIT, needs Python in the engine) launches the kernel on TensorRT's stream.
-- ``aot_impl`` compiles the same kernel for the target GPU (its cubin, PTX as fallback). Kernel parameters: the 8 input pointers,
+- ``aot_impl`` compiles the same kernel for the target GPU (its PTX, entry parameters exactly as TensorRT passes them: `tensorrt_common.aot_kernel_code`). Kernel parameters: the 8 input pointers,
   the int32 extras pool (the table row) and T (tokens), the o pointer; grid (cdiv(V, BV), H, N). The
-  builder chooses JIT or AOT (the plugin has both, so the network must say which). Open risk, checked by
-  ``benchmarks/gpu_check.sh`` on a GPU: Triton >= 3.3 appends scratch-pointer parameters TensorRT does not pass.
+  builder chooses JIT or AOT (the plugin has both, so the network must say which). Triton's two scratch
+  parameters are removed from the PTX entry (``tensorrt_common.aot_kernel_code``).
 """
 
 import tensorrt as trt
@@ -26,10 +26,13 @@ import tensorrt.plugin as trtp
 import torch
 
 from .. import PLUGIN_NAMESPACE
+from ..pool_table import pools_of_table
 from ..tensorrt_common import Float32Field, Int32Field, aot_kernel_code, as_torch, scalar
 from ..tensorrt_target import target_capability
 from .onnx_schema import OP_TYPE
-from .triton_kernel import aot_compile, block_sizes, launch
+from .fla_path import fla_kernels, kda_pool_fla
+from .sizes import block_sizes
+from .triton_kernel import aot_compile, launch
 
 PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{OP_TYPE}"
 _TRITON_TYPE = {trt.float32: "fp32", trt.float16: "fp16", trt.bfloat16: "bf16"}
@@ -88,9 +91,15 @@ def _run(
     outputs: tuple[trtp.Tensor],
     stream: int,
 ) -> None:
-    """Launch the Triton kernel on TensorRT's stream; the kernel updates the pool in place through the table."""
+    """On TensorRT's stream: fla's kernels on the runner's pool when they can run (`fla_path`), else our Triton
+    kernel, which updates the pool in place through the table."""
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
         tq, tk, tv, tg, tb, table, cu, slots = (as_torch(x) for x in (q, k, v, g, beta, pool_table, cu_seqlens, slot_ids))
+        pools = pools_of_table(table) if table.is_cuda else None
+        if pools is not None and fla_kernels() is not None:
+            kda_pool_fla(tq, tk, tv, tg, tb, pools[scalar(pool)], cu, slots, scalar(scale), bool(scalar(use_qk_l2norm)),
+                         out=as_torch(outputs[0]))  # fmt: skip
+            return
         launch(tq, tk, tv, tg, tb, table, scalar(pool), cu, slots, as_torch(outputs[0]), scalar(scale),
                bool(scalar(use_qk_l2norm)), True)  # fmt: skip
 
@@ -111,7 +120,7 @@ def _compile(
     outputs: tuple[trtp.TensorDesc],
     tactic: int,
 ) -> tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymExprs]:
-    """The kernel's cubin for the target GPU (PTX as fallback); H, K, V must be build-time constants (they are for K3: 96/128/128)."""
+    """The kernel's PTX for the target GPU (`tensorrt_common.aot_kernel_code`); H, K, V must be build-time constants (they are for K3: 96/128/128)."""
     H = q.shape_expr[1].constant_value()
     K = q.shape_expr[2].constant_value()
     V = v.shape_expr[2].constant_value()
@@ -125,4 +134,4 @@ def _compile(
     params.block_x = kernel.metadata.num_warps * 32
     params.shared_mem = kernel.metadata.shared
     extra_args = trtp.SymIntExprs.from_tuple([trtp.SymInt32(int(scalar(pool))), trtp.SymInt32(q.shape_expr[0])])
-    return kernel.metadata.name, aot_kernel_code(kernel, PLUGIN_ID), params, extra_args
+    return kernel.metadata.name, aot_kernel_code(kernel, PLUGIN_ID, 8 + len(extra_args) + len(outputs)), params, extra_args

@@ -23,6 +23,7 @@ import triton.language as tl
 from ..pool_table import check_pool_offsets, device_pool_table, in_pool, pool_entry, pool_table
 
 from .common import L2NORM_EPS, check_inputs
+from .sizes import block_sizes
 
 _EPS = tl.constexpr(L2NORM_EPS)
 
@@ -86,11 +87,6 @@ def gated_delta_scan_kernel(
         b_o = tl.sum(S * (b_q * scale)[:, None], axis=0)
         tl.store(o_ptr + row * V + offs_v, b_o.to(o_ptr.dtype.element_ty), mask=mask_v)
     tl.store(state_ptr + s_off, S, mask=mask_s)
-
-
-def block_sizes(K: int, V: int) -> tuple[int, int]:
-    """(BK, BV): the whole key dimension per program, value tiles of at most 32 columns."""
-    return triton.next_power_of_2(K), min(32, triton.next_power_of_2(V))
 
 
 def launch(q, k, v, g, beta, pool_table, pool_index, cu_seqlens, slot_ids, o, scale, use_qk_l2norm, state_v_first):

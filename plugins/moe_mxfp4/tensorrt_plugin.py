@@ -17,17 +17,16 @@ because the ONNX parser widens uint8 initializers to int32 (`plugins/tensorrt_co
 PARSER_UINT8_WEIGHTS_BECOME_INT32, ADD_CONSTANT_NO_UINT8); the impl views them back as uint8 (no copy). The
 engine holds them at 4.25 bits per weight, as the planner counts.
 
-No host synchronization in `impl` (the pair layout is sized from shapes, `triton_kernel.padded_expert_blocks`)
+No host synchronization in `impl` (the pair layout is one kernel sized from shapes, `triton_kernel.pair_layout`)
 and bounded scratch (tokens in chunks), so the launches can be captured in a CUDA graph. The result is written
 straight into TensorRT's output buffer. QDP plugins get no TensorRT workspace (contract QDP_NO_WORKSPACE), so the
-chunk's partial sums and activations live in a second, declared output `scratch` [scratch_bytes] int8
-(`triton_kernel.workspace_bytes` at the recipe's max_num_tokens, set by the graph exporter): TensorRT places it in
-the engine's device memory like any activation, reused between layers; only the small pair layout comes from
-torch's caching allocator.
+chunk's partial sums, activations and pair layout live in a second, declared output `scratch` [scratch_bytes]
+int8 (`sizes.workspace_bytes` at the recipe's max_num_tokens, set by the graph exporter): TensorRT places it in
+the engine's device memory like any activation, reused between layers.
 
 Why there is no `aot_impl`: a QDP AOT implementation is one kernel launch whose only tensors are the plugin's
-inputs and outputs, but `triton_kernel.moe_mxfp4_triton` is host-side torch work (sorting the pairs by expert on
-the device) plus two launches with intermediate buffers. An AOT version needs a fused single-launch MoE kernel
+inputs and outputs, but `triton_kernel.moe_mxfp4_triton` is four launches (pair layout, up, down, combine) with
+intermediate buffers. An AOT version needs a fused single-launch MoE kernel
 (expert grouping in the kernel, the up-projection activation kept on chip, the k routed contributions reduced
 in the kernel, deterministically).
 """
@@ -102,12 +101,14 @@ def _run(
     stream: int,
 ) -> None:
     """Run the Triton kernels on TensorRT's stream, writing into the output buffer, with the partial sums and
-    activations in the workspace output (no host synchronization)."""
+    activations in the workspace output (no host synchronization). x arrives fp32 holding the engine's bf16
+    activations (GPU builds compute in bf16), so its bf16 copy is exact and the kernels take the tensor-core
+    path (bf16 operands, fp32 accumulation, bf16 activations; y written fp32)."""
     x_t, ids, w = (as_torch(t) for t in (x, expert_ids, expert_weights))
     weights = [as_torch(t).view(torch.uint8) for t in (w13_packed, w13_scale, w2_packed, w2_scale)]
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
         moe_mxfp4_triton(
-            x_t, ids, w, *weights,
+            x_t.to(torch.bfloat16), ids, w, *weights,
             expert_offset=scalar(expert_offset),
             activation=text(activation),
             situ_beta=scalar(situ_beta),

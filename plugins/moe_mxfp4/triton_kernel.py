@@ -1,37 +1,41 @@
-"""Triton MoEMXFP4 (semantics in `reference.py`): W4A16 grouped GEMM with MXFP4 dequantized in the kernel.
+"""Triton MoEMXFP4 (semantics in `reference.py`): W4A16 grouped GEMM, MXFP4 dequantized in registers.
 
-Host side (torch, any device, no host synchronization): the (token, choice) pairs routed to this rank are
-sorted by local expert and each expert's run is padded to a multiple of BLOCK_M (padding = -1), so every M-block
-has one expert. Every size is computed from shapes only (the pair layout has the static capacity
-`pair_capacity`, blocks past the used ones are marked -1 and exit at once), so nothing is read back to the host
-and the launches can be captured in a CUDA graph. Tokens run in chunks of at most `chunk_tokens`, which bounds
-the scratch (`scratch_bytes`) at any step size.
-Kernel 1, grid (M-blocks, I/BLOCK_N): gathers the block's token rows of x, and for its expert's gate rows n and
-up rows I+n accumulates x @ W^T over the input dim, BLOCK_KP bytes (2*BLOCK_KP elements) per step: each byte
-gives an even-column value (low nibble) and an odd-column value (high nibble), so the step is
-dot(x_even, lo^T) + dot(x_odd, hi^T); nibble -> E2M1 and byte -> 2^(s-127) are decoded bit-exactly in
-registers. The gated activation is applied in the epilogue -> act [P_pad, I] fp32.
-Kernel 2, grid (M-blocks, D/BLOCK_N): act @ W2^T the same way, times the routing weight, stored at the
-pair's row of a [T*k, D] buffer (zeros for pairs of other ranks); y = buffer.view(T, k, D).sum(1).
-Dot products use `input_precision="ieee"` (fp32 accumulate). Runs on CUDA tensors or under TRITON_INTERPRET=1.
+Four launches, no host synchronization (every size comes from shapes, so they run inside a TensorRT enqueue and
+a CUDA graph capture), tokens in chunks of at most `sizes.chunk_tokens` (bounded workspace):
+1. `_pair_layout_kernel` (one program): the (token, choice) pairs routed to this rank grouped by local expert
+   once, each expert's run padded to BLOCK_M -> pair rows [C] (flat pair index, -1 = padding) and the local expert
+   of each M-block [C / BLOCK_M] (-1 past the used blocks: those programs exit at once), C = `sizes.pair_capacity`.
+2. `_moe_up_kernel`, grid (M-blocks, I / BLOCK_N): the block's token rows of x gathered once per K step
+   [BLOCK_M, BLOCK_K], its expert's gate and up rows [BLOCK_N, BLOCK_K] decoded from bytes in registers
+   (low nibble = even column, high = odd; E2M1 and the E8M0 block scale bit-exactly) into x's dtype and fed to
+   `tl.dot` (bf16 x: tensor-core MMA with fp32 accumulation; fp32 x: exact fp32 dots), the gated activation
+   (SiLU or SiTU) fused in the epilogue -> act [C, I] in x's dtype.
+3. `_moe_down_kernel`, grid (M-blocks, D / BLOCK_N): act @ W2^T the same way, times the routing weight -> the
+   pair's row of partial [T*k, D] fp32.
+4. `_combine_kernel`, grid (T, D / BLOCK_D): y[t] = sum of token t's local pair rows, in y's dtype
+   (deterministic: no atomics, and rows of pairs of other ranks are never read, so partial needs no zeroing).
+Tiles (`tile_config`): prefill (many pairs per expert) BLOCK_M 64 x BLOCK_N 128 x BLOCK_K 128, 8 warps, 3
+stages; decode BLOCK_M 16 and BLOCK_N shrunk (down to 16) until the grid has two programs per SM, so that every
+SM streams a slice of the touched experts' weights (split along N keeps the activation fused).
+Runs on CUDA tensors or under TRITON_INTERPRET=1.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from ..triton_dot import INTERPRETED, mma
 from .reference import ACTIVATIONS
+from .sizes import DEFAULT_SCRATCH_BUDGET, aligned, block_m_for, chunk_tokens, pair_capacity
 
-DEFAULT_SCRATCH_BUDGET = 256 * 2**20  # bytes of chunk scratch (partial sums + activations) per call
-
-
+H200_SMS = 132  # programs wanted per launch: two per SM of an H200 / H100 (132 SMs)
 @triton.jit
-def _e2m1(code):
-    """int32 E2M1 codes (sign in bit 3) -> fp32 values, exactly."""
-    e = (code >> 1) & 3
-    m = code & 1
-    mag = tl.where(e == 0, m.to(tl.float32) * 0.5, ((2 + m) << e).to(tl.float32) * 0.25)
-    return tl.where((code & 8) != 0, -mag, mag)
+def _e2m1_f32(code):
+    """int32 E2M1 codes (sign in bit 3) -> fp32, exactly, by building the bits: magnitude t = eem;
+    t >= 2: exponent e + 126 and mantissa m, i.e. (t << 22) + (126 << 23); t = 1: 0.5; t = 0: 0."""
+    t = code & 7
+    bits = tl.where(t >= 2, (t << 22) + (126 << 23), t * (126 << 23)) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -43,18 +47,50 @@ def _e8m0(s):
 
 
 @triton.jit
-def _mx_dot(acc, a_ptrs, a_mask, w_ptrs, s_ptrs, w_mask):
-    """acc += a @ W^T for one step: a_ptrs -> even input columns [BM, BKP] (odd = +1), w_ptrs -> bytes
-    [BN, BKP], s_ptrs -> the scale byte of each of those bytes."""
-    a_even = tl.load(a_ptrs, mask=a_mask, other=0.0)
-    a_odd = tl.load(a_ptrs + 1, mask=a_mask, other=0.0)
+def _mxfp4_tile(w_ptrs, s_ptrs, w_mask, s_mask, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Weight tile [BLOCK_N, BLOCK_K] in DTYPE from w_ptrs -> bytes [BLOCK_N, BLOCK_K/2] and s_ptrs -> the scale
+    bytes [BLOCK_N, BLOCK_K/32]; column 2j is byte j's low nibble, 2j+1 its high nibble."""
     byte = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32)
-    scale = _e8m0(tl.load(s_ptrs, mask=w_mask, other=127).to(tl.int32))
-    lo = _e2m1(byte & 15) * scale
-    hi = _e2m1(byte >> 4) * scale
-    acc += tl.dot(a_even, tl.trans(lo), input_precision="ieee")
-    acc += tl.dot(a_odd, tl.trans(hi), input_precision="ieee")
-    return acc
+    scale = _e8m0(tl.load(s_ptrs, mask=s_mask, other=127).to(tl.int32))
+    scale = tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)).reshape(BLOCK_N, BLOCK_K // 2)
+    lo = _e2m1_f32(byte & 15) * scale
+    hi = _e2m1_f32(byte >> 4) * scale
+    return tl.join(lo, hi).reshape(BLOCK_N, BLOCK_K).to(DTYPE)
+
+
+@triton.jit
+def _pair_layout_kernel(ids_ptr, pair_rows_ptr, block_expert_ptr, num_pairs, expert_offset, num_local, capacity,
+                        BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One program: count the local pairs per expert, pad the runs, write block_expert and the padding rows, then
+    place every local pair at run start + its rank among the expert's pairs (pair order kept)."""
+    offs_e = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for p0 in range(0, num_pairs, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        e = tl.load(ids_ptr + offs_p, mask=offs_p < num_pairs, other=-1).to(tl.int32) - expert_offset
+        hit = (e[:, None] == offs_e[None, :]) & (offs_p < num_pairs)[:, None] & (offs_e < num_local)[None, :]
+        counts += tl.sum(hit.to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    run_end = tl.cumsum(padded, axis=0)
+    run_start = run_end - padded
+    for r0 in range(0, capacity, BLOCK_P):  # blocks' experts and the padding rows
+        rows = r0 + tl.arange(0, BLOCK_P)
+        ex = tl.sum(((run_end[None, :] <= rows[:, None]) & (offs_e < num_local)[None, :]).to(tl.int32), axis=1)
+        own = (ex[:, None] == offs_e[None, :]).to(tl.int32)
+        used = rows - tl.sum(own * run_start[None, :], axis=1) < tl.sum(own * counts[None, :], axis=1)
+        tl.store(pair_rows_ptr + rows, -1, mask=(rows < capacity) & ((ex >= num_local) | ~used))
+        first = (rows % BLOCK_M == 0) & (rows < capacity)
+        tl.store(block_expert_ptr + rows // BLOCK_M, tl.where(ex < num_local, ex, -1), mask=first)
+    seen = tl.zeros([BLOCK_E], tl.int32)
+    for p0 in range(0, num_pairs, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        e = tl.load(ids_ptr + offs_p, mask=offs_p < num_pairs, other=-1).to(tl.int32) - expert_offset
+        hit = ((e[:, None] == offs_e[None, :]) & (offs_p < num_pairs)[:, None] & (offs_e < num_local)[None, :])
+        hit = hit.to(tl.int32)
+        before = tl.cumsum(hit, axis=0) - hit  # earlier pairs of the same expert in this block
+        dest = tl.sum(hit * (run_start + seen + before), axis=1)
+        tl.store(pair_rows_ptr + dest, offs_p.to(tl.int64), mask=tl.sum(hit, axis=1) > 0)
+        seen += tl.sum(hit, axis=0)
 
 
 @triton.jit
@@ -62,35 +98,35 @@ def _moe_up_kernel(
     x_ptr, pair_ptr, block_expert_ptr, w_ptr, s_ptr, act_ptr,
     dim, inter, top_k, situ_beta, situ_linear_beta,
     stride_xt, stride_we, stride_wr, stride_se, stride_sr, stride_at,
-    ACT_SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
+    ACT_SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    if tl.load(block_expert_ptr + pid_m) < 0:  # past the used blocks (static grid)
+    expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
+    if expert < 0:  # past the used blocks (static grid)
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_kp = tl.arange(0, BLOCK_KP)
+    offs_k, offs_kp, offs_ks = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 32)
     pair = tl.load(pair_ptr + offs_m)
     valid_m = pair >= 0
     token = tl.where(valid_m, pair // top_k, 0)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     mask_n = offs_n < inter
-    w_base = w_ptr + expert * stride_we
-    s_base = s_ptr + expert * stride_se
+    g_rows, u_rows = offs_n[:, None], offs_n[:, None] + inter
+    w_g = w_ptr + expert * stride_we + g_rows * stride_wr + offs_kp[None, :]
+    w_u = w_ptr + expert * stride_we + u_rows * stride_wr + offs_kp[None, :]
+    s_g = s_ptr + expert * stride_se + g_rows * stride_sr + offs_ks[None, :]
+    s_u = s_ptr + expert * stride_se + u_rows * stride_sr + offs_ks[None, :]
+    x_rows = x_ptr + token[:, None] * stride_xt + offs_k[None, :]
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for kb in range(0, dim // 2, BLOCK_KP):
-        kp = kb + offs_kp
-        mask_k = kp < dim // 2
-        a_ptrs = x_ptr + token[:, None] * stride_xt + 2 * kp[None, :]
-        a_mask = valid_m[:, None] & mask_k[None, :]
-        w_mask = mask_n[:, None] & mask_k[None, :]
-        g_rows = offs_n[:, None]
-        u_rows = offs_n[:, None] + inter
-        acc_g = _mx_dot(acc_g, a_ptrs, a_mask, w_base + g_rows * stride_wr + kp[None, :],
-                        s_base + g_rows * stride_sr + (kp // 16)[None, :], w_mask)
-        acc_u = _mx_dot(acc_u, a_ptrs, a_mask, w_base + u_rows * stride_wr + kp[None, :],
-                        s_base + u_rows * stride_sr + (kp // 16)[None, :], w_mask)
+    for k0 in range(0, dim, BLOCK_K):
+        a = tl.load(x_rows + k0, mask=valid_m[:, None] & (k0 + offs_k < dim)[None, :], other=0.0)
+        w_mask = mask_n[:, None] & (k0 // 2 + offs_kp < dim // 2)[None, :]
+        s_mask = mask_n[:, None] & (k0 // 32 + offs_ks < dim // 32)[None, :]
+        wg = _mxfp4_tile(w_g + k0 // 2, s_g + k0 // 32, w_mask, s_mask, a.dtype, BLOCK_N, BLOCK_K)
+        wu = _mxfp4_tile(w_u + k0 // 2, s_u + k0 // 32, w_mask, s_mask, a.dtype, BLOCK_N, BLOCK_K)
+        acc_g = mma(a, tl.trans(wg), acc_g, UPCAST)
+        acc_u = mma(a, tl.trans(wu), acc_u, UPCAST)
     sig = 1.0 / (1.0 + tl.exp(-acc_g))
     if ACT_SILU:
         act = acc_g * sig * acc_u
@@ -98,7 +134,8 @@ def _moe_up_kernel(
         tanh_g = 2.0 / (1.0 + tl.exp(-2.0 * acc_g / situ_beta)) - 1.0
         tanh_u = 2.0 / (1.0 + tl.exp(-2.0 * acc_u / situ_linear_beta)) - 1.0
         act = situ_beta * tanh_g * sig * (situ_linear_beta * tanh_u)
-    tl.store(act_ptr + offs_m[:, None] * stride_at + offs_n[None, :], act, mask=valid_m[:, None] & mask_n[None, :])
+    tl.store(act_ptr + offs_m[:, None] * stride_at + offs_n[None, :], act.to(act_ptr.dtype.element_ty),
+             mask=valid_m[:, None] & mask_n[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -106,111 +143,96 @@ def _moe_down_kernel(
     act_ptr, pair_ptr, block_expert_ptr, route_w_ptr, w_ptr, s_ptr, out_ptr,
     dim, inter,
     stride_at, stride_we, stride_wr, stride_se, stride_sr, stride_ot,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    if tl.load(block_expert_ptr + pid_m) < 0:  # past the used blocks (static grid)
+    expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
+    if expert < 0:  # past the used blocks (static grid)
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_kp = tl.arange(0, BLOCK_KP)
+    offs_k, offs_kp, offs_ks = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 32)
     pair = tl.load(pair_ptr + offs_m)
     valid_m = pair >= 0
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     mask_n = offs_n < dim
-    w_base = w_ptr + expert * stride_we
-    s_base = s_ptr + expert * stride_se
+    w_rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wr + offs_kp[None, :]
+    s_rows = s_ptr + expert * stride_se + offs_n[:, None] * stride_sr + offs_ks[None, :]
+    a_rows = act_ptr + offs_m[:, None] * stride_at + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for kb in range(0, inter // 2, BLOCK_KP):
-        kp = kb + offs_kp
-        mask_k = kp < inter // 2
-        acc = _mx_dot(
-            acc,
-            act_ptr + offs_m[:, None] * stride_at + 2 * kp[None, :],
-            valid_m[:, None] & mask_k[None, :],
-            w_base + offs_n[:, None] * stride_wr + kp[None, :],
-            s_base + offs_n[:, None] * stride_sr + (kp // 16)[None, :],
-            mask_n[:, None] & mask_k[None, :],
-        )
-    route_w = tl.load(route_w_ptr + tl.where(valid_m, pair, 0), mask=valid_m, other=0.0)
-    acc = acc * route_w[:, None]
-    out_rows = tl.where(valid_m, pair, 0)
-    tl.store(out_ptr + out_rows[:, None] * stride_ot + offs_n[None, :], acc, mask=valid_m[:, None] & mask_n[None, :])
+    for k0 in range(0, inter, BLOCK_K):
+        a = tl.load(a_rows + k0, mask=valid_m[:, None] & (k0 + offs_k < inter)[None, :], other=0.0)
+        w_mask = mask_n[:, None] & (k0 // 2 + offs_kp < inter // 2)[None, :]
+        s_mask = mask_n[:, None] & (k0 // 32 + offs_ks < inter // 32)[None, :]
+        w = _mxfp4_tile(w_rows + k0 // 2, s_rows + k0 // 32, w_mask, s_mask, a.dtype, BLOCK_N, BLOCK_K)
+        acc = mma(a, tl.trans(w), acc, UPCAST)
+    rows = tl.where(valid_m, pair, 0)
+    acc = acc * tl.load(route_w_ptr + rows, mask=valid_m, other=0.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + offs_n[None, :], acc, mask=valid_m[:, None] & mask_n[None, :])
 
 
-def pair_capacity(num_pairs: int, num_local: int, block_m: int) -> int:
-    """Rows of the padded pair layout for `num_pairs` (token, choice) pairs: each of at most min(num_local,
-    num_pairs) present experts pads its run by at most block_m - 1, rounded up to whole blocks."""
-    return -(-(num_pairs + min(num_local, num_pairs) * (block_m - 1)) // block_m) * block_m
+@triton.jit
+def _combine_kernel(partial_ptr, ids_ptr, y_ptr, dim, top_k, expert_offset, num_local, stride_pt, stride_yt,
+                    BLOCK_D: tl.constexpr):
+    """y[t, cols] = sum over token t's choices routed to this rank of partial[t*k + j, cols] (0 if none)."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for j in range(top_k):
+        local = tl.load(ids_ptr + t * top_k + j) - expert_offset
+        if (local >= 0) & (local < num_local):
+            acc += tl.load(partial_ptr + (t * top_k + j) * stride_pt + offs, mask=offs < dim, other=0.0)
+    tl.store(y_ptr + t * stride_yt + offs, acc.to(y_ptr.dtype.element_ty), mask=offs < dim)
 
 
-def padded_expert_blocks(expert_ids: torch.Tensor, expert_offset: int, num_local: int, block_m: int):
-    """Pair layout for the kernels, sizes from shapes only (no host synchronization): (pair_rows [C] int64 flat pair
-    index or -1, block_expert [C/block_m] int32 local expert of each M-block, -1 past the used blocks), C =
-    `pair_capacity`; each present expert's pairs are contiguous, in pair order, and padded to block_m."""
-    device = expert_ids.device
+def pair_layout(expert_ids: torch.Tensor, expert_offset: int, num_local: int, block_m: int,
+                pair_rows: torch.Tensor | None = None, block_expert: torch.Tensor | None = None):
+    """expert_ids [T, k] (global ids) -> (pair_rows [C] int64, block_expert [C / block_m] int32), C =
+    `pair_capacity(T*k, num_local, block_m)`: each present local expert's pairs contiguous, in pair order, padded
+    to block_m with -1; blocks past the used ones have expert -1. Written into the given buffers when passed."""
     num_pairs = expert_ids.numel()
     capacity = pair_capacity(num_pairs, num_local, block_m)
-    local = expert_ids.reshape(-1).to(torch.int64) - expert_offset
-    key = torch.where((local >= 0) & (local < num_local), local, num_local)  # off-rank pairs sort last
-    key_sorted, order = torch.sort(key, stable=True)
-    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
-    padded = (counts[:num_local] + block_m - 1) // block_m * block_m
-    run_end = torch.cumsum(padded, 0)
-    first = torch.cumsum(counts, 0) - counts  # first sorted position of each expert
-    rank = torch.arange(num_pairs, device=device) - first[key_sorted]
-    start = torch.cat([run_end.new_zeros(1), run_end])  # padded run start; [num_local] = end of all runs
-    dest = torch.where(key_sorted < num_local, start[key_sorted] + rank, capacity)  # off-rank: the spill row
-    pair_rows = torch.full((capacity + 1,), -1, dtype=torch.int64, device=device)
-    pair_rows.scatter_(0, dest, order)
-    block_start = torch.arange(0, capacity, block_m, device=device)
-    expert = torch.searchsorted(run_end, block_start, right=True)
-    block_expert = torch.where(expert < num_local, expert, -1).to(torch.int32)
-    return pair_rows[:capacity], block_expert
+    device = expert_ids.device
+    pair_rows = torch.empty(capacity, dtype=torch.int64, device=device) if pair_rows is None else pair_rows
+    block_expert = (torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+                    if block_expert is None else block_expert)  # fmt: skip
+    if capacity:
+        block_e = triton.next_power_of_2(max(num_local, 2))
+        _pair_layout_kernel[(1,)](
+            expert_ids.contiguous(), pair_rows, block_expert, num_pairs, expert_offset, num_local, capacity,
+            BLOCK_M=block_m, BLOCK_P=max(16, min(256, 8192 // block_e)), BLOCK_E=block_e,
+        )  # fmt: skip
+    return pair_rows, block_expert
 
 
-def chunk_tokens(top_k: int, dim: int, inter: int, budget_bytes: int) -> int:
-    """Tokens per chunk so that one chunk's scratch fits `budget_bytes` (at least one token)."""
-    per_token = 4 * top_k * (dim + inter)  # fp32 partial sums [k, D] and activations [k, I] per token
-    return max(1, budget_bytes // per_token)
+def tile_config(num_pairs: int, num_local: int, dim: int, inter: int) -> dict:
+    """Launch tiles for a chunk of `num_pairs` pairs: BLOCK_M from `sizes.block_m_for`; BLOCK_N 128, halved (to
+    16 at least) while the up or down grid over the experts that can be present has fewer than two programs
+    per SM; BLOCK_K 128 (prefill) or 256 (decode: longer streams per program); warps and stages for Hopper."""
+    block_m = block_m_for(num_pairs, num_local)
+    blocks = min(num_local, num_pairs)
+    block_n = 128
+    while block_n > 16 and blocks * triton.cdiv(min(dim, inter), block_n) < 2 * H200_SMS:
+        block_n //= 2
+    if block_m >= 64:
+        return dict(block_m=block_m, block_n=block_n, block_k=128, num_warps=8, num_stages=3)
+    return dict(block_m=block_m, block_n=block_n, block_k=256, num_warps=4, num_stages=4)
 
 
-def _aligned(n: int) -> int:
-    return -(-n // 256) * 256
-
-
-def workspace_bytes(num_tokens: int, top_k: int, dim: int, inter: int, num_local: int, *, block_m: int = 16,
-                    budget_bytes: int = 256 * 2**20) -> int:
-    """Bytes of the caller-provided workspace (`moe_mxfp4_triton(workspace=...)`) for steps of up to
-    `num_tokens`: the largest chunk's partial sums [Tc*k, D] fp32 and activations [C, I] fp32, 256-byte aligned
-    (TensorRT engines declare it as the plugin's second output, so it lives in the engine's device memory)."""
-    tc = min(num_tokens, chunk_tokens(top_k, dim, inter, budget_bytes))
-    cap = pair_capacity(tc * top_k, num_local, block_m)
-    return _aligned(4 * tc * top_k * dim) + _aligned(4 * cap * inter)
-
-
-def scratch_bytes(num_tokens: int, top_k: int, dim: int, inter: int, num_local: int, *, block_m: int = 16,
-                  budget_bytes: int) -> int:
-    """Device scratch one MoEMXFP4 call takes (largest chunk): the workspace (partial sums, activations) and the
-    pair layout [C] int64 + [C/block_m] int32, C = pair_capacity(Tc*k)."""
-    tc = min(num_tokens, chunk_tokens(top_k, dim, inter, budget_bytes))
-    cap = pair_capacity(tc * top_k, num_local, block_m)
-    ws = workspace_bytes(num_tokens, top_k, dim, inter, num_local, block_m=block_m, budget_bytes=budget_bytes)
-    return ws + 8 * cap + 4 * (cap // block_m)
-
-
-def _buffers(workspace: torch.Tensor | None, pairs: int, dim: int, rows: int, inter: int, device):
-    """(partial [pairs, D] fp32, act [rows, I] fp32): views into `workspace` (uint8), or fresh tensors."""
+def _workspace_views(workspace, pairs: int, dim: int, cap: int, inter: int, act_dtype, block_m: int, device):
+    """(partial [pairs, D] fp32, act [C, I], pair_rows [C] int64, block_expert [C / block_m] int32): views into
+    the uint8 `workspace` (laid out as `sizes.workspace_bytes` counts), or fresh tensors."""
+    shapes = [((pairs, dim), torch.float32), ((cap, inter), act_dtype), ((cap,), torch.int64),
+              ((cap // block_m,), torch.int32)]  # fmt: skip
     if workspace is None:
-        return (torch.empty(pairs, dim, dtype=torch.float32, device=device),
-                torch.empty(rows, inter, dtype=torch.float32, device=device))  # fmt: skip
-    first = _aligned(4 * pairs * dim)
-    need = first + 4 * rows * inter
-    if workspace.numel() < need:
-        raise ValueError(f"MoE workspace of {workspace.numel()} bytes, {need} needed")
-    partial = workspace[: 4 * pairs * dim].view(torch.float32).view(pairs, dim)
-    act = workspace[first : first + 4 * rows * inter].view(torch.float32).view(rows, inter)
-    return partial, act
+        return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+    sizes = [aligned(dtype.itemsize * int(torch.Size(shape).numel())) for shape, dtype in shapes]
+    if workspace.numel() < sum(sizes):
+        raise ValueError(f"MoE workspace of {workspace.numel()} bytes, {sum(sizes)} needed")
+    views, at = [], 0
+    for (shape, dtype), size in zip(shapes, sizes):
+        n = dtype.itemsize * int(torch.Size(shape).numel())
+        views.append(workspace[at : at + n].view(dtype).view(shape))
+        at += size
+    return views
 
 
 def moe_mxfp4_triton(
@@ -226,46 +248,52 @@ def moe_mxfp4_triton(
     activation: str = "situ",
     situ_beta: float = 4.0,
     situ_linear_beta: float = 25.0,
-    block_m: int = 16,
-    block_n: int = 32,
-    block_kp: int = 16,
+    tiles: dict | None = None,
     budget_bytes: int = DEFAULT_SCRATCH_BUDGET,
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, D] fp32/bf16, expert_ids [T, k], expert_weights [T, k], weights as in `reference.py` -> y [T, D] fp32
-    (written into `out` when given). D and I must be multiples of 32 (MXFP4 blocks). `workspace`: uint8 device
-    buffer of at least `workspace_bytes(T, ...)` holding the partial sums and activations (else allocated)."""
+    """x [T, D] bf16 (tensor-core dots, bf16 activations) or fp32 (exact fp32 dots), expert_ids [T, k],
+    expert_weights [T, k], weights as in `reference.py` -> y [T, D] in x's dtype (written into `out` when given,
+    any float dtype). D and I multiples of 32 (MXFP4 blocks). `tiles`: `tile_config`'s keys (default: chosen
+    per chunk). `workspace`: uint8 device buffer of at least `sizes.workspace_bytes(T, ...)` (else allocated)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        x = x.float()
     num_tokens, top_k = expert_ids.shape
     num_local, two_inter, _ = w13_packed.shape
-    inter = two_inter // 2
-    dim = x.shape[1]
+    inter, dim = two_inter // 2, x.shape[1]
     w13p, w13s, w2p, w2s = (t.contiguous() for t in (w13_packed, w13_scale, w2_packed, w2_scale))
-    y = torch.empty(num_tokens, dim, dtype=torch.float32, device=x.device) if out is None else out
+    y = torch.empty(num_tokens, dim, dtype=x.dtype, device=x.device) if out is None else out
     step = chunk_tokens(top_k, dim, inter, budget_bytes)
     for t0 in range(0, num_tokens, step):
         t1 = min(num_tokens, t0 + step)
-        xf = x[t0:t1].float().contiguous()
-        ids = expert_ids[t0:t1]
+        xc, ids = x[t0:t1].contiguous(), expert_ids[t0:t1].contiguous()
         route_w = expert_weights[t0:t1].float().contiguous().view(-1)
-        pair_rows, block_expert = padded_expert_blocks(ids, expert_offset, num_local, block_m)
-        num_blocks = block_expert.numel()
-        partial, act = _buffers(workspace, (t1 - t0) * top_k, dim, pair_rows.numel(), inter, x.device)
-        partial.zero_()  # pairs routed to other ranks contribute zeros
-        if num_blocks:
-            _moe_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
-                xf, pair_rows, block_expert, w13p, w13s, act,
+        cfg = tiles or tile_config(ids.numel(), num_local, dim, inter)
+        bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
+        launch = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
+        cap = pair_capacity(ids.numel(), num_local, bm)
+        partial, act, pair_rows, block_expert = _workspace_views(workspace, ids.numel(), dim, cap, inter, x.dtype,
+                                                                 bm, x.device)  # fmt: skip
+        if cap:
+            pair_layout(ids, expert_offset, num_local, bm, pair_rows, block_expert)
+            _moe_up_kernel[(cap // bm, triton.cdiv(inter, bn))](
+                xc, pair_rows, block_expert, w13p, w13s, act,
                 dim, inter, top_k, float(situ_beta), float(situ_linear_beta),
-                xf.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), act.stride(0),
-                ACT_SILU=activation == "silu", BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KP=block_kp,
+                xc.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), act.stride(0),
+                ACT_SILU=activation == "silu", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=INTERPRETED, **launch,
             )  # fmt: skip
-            _moe_down_kernel[(num_blocks, triton.cdiv(dim, block_n))](
+            _moe_down_kernel[(cap // bm, triton.cdiv(dim, bn))](
                 act, pair_rows, block_expert, route_w, w2p, w2s, partial,
                 dim, inter,
                 act.stride(0), w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1), partial.stride(0),
-                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KP=block_kp,
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=INTERPRETED, **launch,
             )  # fmt: skip
-        torch.sum(partial.view(t1 - t0, top_k, dim), 1, out=y[t0:t1])
+        if t1 > t0:
+            _combine_kernel[(t1 - t0, triton.cdiv(dim, 512))](
+                partial, ids, y[t0:t1], dim, top_k, expert_offset, num_local, partial.stride(0), y.stride(0),
+                BLOCK_D=512,
+            )  # fmt: skip
     return y

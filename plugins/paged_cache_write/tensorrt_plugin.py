@@ -12,8 +12,8 @@ Importing this module registers `moe_export::PagedCacheWrite` (name = op type, n
 - The pool is no tensor of the network (issue 18, defect 4): input 0 is the pool table (`plugins/pool_table.py`),
   the kernel writes the step's rows into row `pool`'s pool in place, O(tokens); the output `rows_out` is the rows
   passed on, which the pool's readers take as their new rows (so TensorRT runs them after the write).
-- `impl` (JIT) launches the kernel on TensorRT's stream; `aot_impl` compiles it for the target GPU (its cubin, PTX
-  as fallback): parameters the 5 input pointers, the int32 extras pool, N, T, BS, B, then the rows_out pointer;
+- `impl` (JIT) launches the kernel on TensorRT's stream; `aot_impl` compiles it for the target GPU (its PTX,
+  `tensorrt_common.aot_kernel_code`): parameters the 5 input pointers, the int32 extras pool, N, T, BS, B, then the rows_out pointer;
   grid (T,); the row width D must be a build-time constant.
 """
 
@@ -94,7 +94,7 @@ def _compile(
     outputs: tuple[trtp.TensorDesc],
     tactic: int,
 ) -> tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymExprs]:
-    """The kernel's cubin for the target GPU (PTX as fallback); one program per token."""
+    """The kernel's PTX for the target GPU (`tensorrt_common.aot_kernel_code`); one program per token."""
     kernel = aot_compile(new_rows.shape_expr[1].constant_value(), target_capability(), CACHE_DTYPES[text(pool_dtype)])
     params = trtp.KernelLaunchParams()
     params.grid_x = new_rows.shape_expr[0]
@@ -104,4 +104,4 @@ def _compile(
         [trtp.SymInt32(e) for e in (int(scalar(pool)), block_tables.shape_expr[0], new_rows.shape_expr[0],
                                     int(scalar(block_size)), block_tables.shape_expr[1])]
     )  # fmt: skip
-    return kernel.metadata.name, aot_kernel_code(kernel, PLUGIN_ID), params, extra_args
+    return kernel.metadata.name, aot_kernel_code(kernel, PLUGIN_ID, 5 + len(extra_args) + len(outputs)), params, extra_args

@@ -10,9 +10,9 @@ Importing this module registers ``moe_export::ShortConv`` (name = op type, names
 ``plugin_namespace`` attribute, version "1"). The window pool is no tensor of the network: the plugin takes the
 pool table (`plugins/pool_table.py`) and its row (field ``pool``), and the kernel writes the N addressed slots in
 place (issue 18, defect 4; no aliased output). ``impl`` (JIT) launches the kernel on TensorRT's stream;
-``aot_impl`` compiles the same kernel for the target GPU (its cubin, PTX as fallback): parameters are the 5 input
-pointers, the int32 extras pool (the table row) and T (tokens), then the y pointer; grid (cdiv(C, BC), N). Open risk, checked by ``benchmarks/gpu_check.sh`` on a GPU: Triton
->= 3.3 appends scratch-pointer parameters that TensorRT does not pass.
+``aot_impl`` compiles the same kernel for the target GPU (its PTX, entry parameters exactly as TensorRT passes them: `tensorrt_common.aot_kernel_code`): parameters are the 5 input
+pointers, the int32 extras pool (the table row) and T (tokens), then the y pointer; grid (cdiv(C, BC), N). Triton's two scratch
+parameters are removed from the PTX entry (``tensorrt_common.aot_kernel_code``).
 """
 
 import tensorrt as trt
@@ -23,7 +23,8 @@ from .. import PLUGIN_NAMESPACE
 from ..tensorrt_common import Int32Field, aot_kernel_code, as_torch, scalar
 from ..tensorrt_target import target_capability
 from .onnx_schema import OP_TYPE
-from .triton_kernel import aot_compile, block_sizes, launch
+from .sizes import block_sizes
+from .triton_kernel import aot_compile, launch
 
 PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{OP_TYPE}"
 _TRITON_TYPE = {trt.float32: "fp32", trt.float16: "fp16", trt.bfloat16: "bf16"}
@@ -83,7 +84,7 @@ def _compile(
     outputs: tuple[trtp.TensorDesc],
     tactic: int,
 ) -> tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymExprs]:
-    """The kernel's cubin for the target GPU (PTX as fallback); C and W must be build-time constants (weight is an initializer)."""
+    """The kernel's PTX for the target GPU (`tensorrt_common.aot_kernel_code`); C and W must be build-time constants (weight is an initializer)."""
     C = weight.shape_expr[0].constant_value()
     W = weight.shape_expr[1].constant_value()
     kernel = aot_compile(_TRITON_TYPE[x.dtype], C, W, target_capability())
@@ -93,4 +94,4 @@ def _compile(
     params.block_x = kernel.metadata.num_warps * 32
     params.shared_mem = kernel.metadata.shared
     extra_args = trtp.SymIntExprs.from_tuple([trtp.SymInt32(int(scalar(pool))), trtp.SymInt32(x.shape_expr[0])])
-    return kernel.metadata.name, aot_kernel_code(kernel, PLUGIN_ID), params, extra_args
+    return kernel.metadata.name, aot_kernel_code(kernel, PLUGIN_ID, 5 + len(extra_args) + len(outputs)), params, extra_args

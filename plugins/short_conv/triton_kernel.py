@@ -19,6 +19,7 @@ import triton.language as tl
 
 from ..pool_table import check_pool_offsets, device_pool_table, in_pool, pool_entry, pool_table
 from .common import check_inputs
+from .sizes import block_sizes
 
 
 @triton.jit
@@ -75,11 +76,6 @@ def short_conv_kernel(
     b_s = tl.load(state_ptr + state_row[:, None] + (W - 1 + p)[None, :], mask=m_s, other=0.0).to(tl.float32)
     tl.debug_barrier()
     tl.store(state_ptr + state_row[:, None] + offs_w[None, :], b_x + b_s, mask=in_pool(mask_c[:, None] & m_w[None, :], valid))
-
-
-def block_sizes(C: int, W: int) -> tuple[int, int, int]:
-    """(BT, BC, BW): 16-token tiles, channel tiles of at most 128, the window padded to a power of two."""
-    return 16, min(128, triton.next_power_of_2(C)), triton.next_power_of_2(max(W - 1, 1))
 
 
 def launch(x, weight, pool_table, pool_index, cu_seqlens, slot_ids, y):

@@ -15,16 +15,15 @@ QDP input lists are fixed, so the plugin always has seven inputs: the TensorRT g
 empty [0, 0] int64 `topk_indices`, which the op defines as dense (see `reference.py`).
 
 - `impl` (JIT, needs Python in the engine) launches the kernel on TensorRT's stream.
-- `aot_impl` compiles the same kernel for the target GPU and hands TensorRT its cubin (PTX as fallback;
-  `tensorrt_common.aot_kernel_code`). Kernel parameters are the 7 input pointers, then the int32 extras pool
+- `aot_impl` compiles the same kernel for the target GPU and hands TensorRT its PTX
+  (`tensorrt_common.aot_kernel_code`). Kernel parameters are the 7 input pointers, then the int32 extras pool
   (the table row), N (= block_tables rows), T (= tokens), BS (= block size), B (= block_tables columns), K
   (= topk_indices columns; 0 makes the kernel dense and leaves `topk_indices` unread), then the output pointer;
   grid (T, cdiv(H, 16)), the kernel's dynamic shared memory declared. H and Dc+Dr must be build-time constants.
   At Dc = 512 the kernel needs ~110 KiB of dynamic shared memory, more than a launch gets without an opt-in,
   which TensorRT's AOT launcher is not known to do: the AOT build is refused there with a clear message
   (contract AOT_SHARED_MEMORY_OPT_IN_UNKNOWN) and K3 engines use the JIT launch (tensorrt.prefer_aot: false).
-  Open risk, checked by `benchmarks/gpu_check.sh` on a GPU: Triton >= 3.3 appends scratch-pointer parameters
-  TensorRT does not pass.
+  Triton's two scratch parameters are removed from the PTX entry (`tensorrt_common.aot_kernel_code`).
 """
 
 import tensorrt as trt
@@ -121,7 +120,7 @@ def _compile(
     outputs: tuple[trtp.TensorDesc],
     tactic: int,
 ) -> tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymExprs]:
-    """The kernel's cubin for the target GPU (PTX as fallback); H and Dc+Dr must be build-time constants (K3: Dc+Dr = 512+64)."""
+    """The kernel's PTX for the target GPU (`tensorrt_common.aot_kernel_code`); H and Dc+Dr must be build-time constants (K3: Dc+Dr = 512+64)."""
     rank = scalar(kv_lora_rank)
     num_heads = q_lat.shape_expr[1].constant_value()
     rope_dim = q_lat.shape_expr[2].constant_value() - rank
@@ -139,4 +138,4 @@ def _compile(
                       block_tables.shape_expr[1], topk_indices.shape_expr[1])
         ]  # fmt: skip
     )
-    return kernel.metadata.name, aot_kernel_code(kernel, PLUGIN_ID), params, extra_args
+    return kernel.metadata.name, aot_kernel_code(kernel, PLUGIN_ID, 7 + len(extra_args) + len(outputs)), params, extra_args

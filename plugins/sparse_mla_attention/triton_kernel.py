@@ -1,17 +1,22 @@
-"""Triton SparseMLAAttention (semantics in `reference.py`).
+"""Triton SparseMLAAttention (semantics in `reference.py`), flash-decoding style.
 
-One program per (query token, block of BLOCK_H heads). It finds its token's sequence by counting the
-`cu_seqlens` ends at or before the token (`reference.token_sequences`, done in the kernel so that a TensorRT
-launch needs nothing computed on the host), then walks the token's K indices (or, when there are none, positions
-0..pos) in blocks of BLOCK_K, loads those latent rows (the step's own positions from `kv_new`, earlier ones from
-the paged pool, reached through the pool table (`plugins/pool_table.py`), through the sequence's block table, cast to fp32 after the load; fp8 pools decoded by
-`fp8_rows_to_f32`), and keeps an online softmax
-(running max / sum) with an fp32 accumulator [BLOCK_H, Dc]. Dense vs sparse is decided at run time
-(`num_idx == 0` is dense), so one compiled kernel serves both. Dot products use `input_precision="ieee"` so
-fp32 inputs give fp32 results (TF32 would lose ~1e-3). Runs on CUDA tensors, or on CPU under TRITON_INTERPRET=1.
+One program per (query token, block of BLOCK_H heads: all K3 heads of a tp-8 rank, 12, in one tile, so each
+latent row is read once per program, split of the token's keys). It finds its token's sequence by counting the
+`cu_seqlens` ends at or before the token (`reference.token_sequences`, in the kernel so that a TensorRT launch
+needs nothing computed on the host), then walks its share of the token's K indices (or, when there are none,
+positions 0..pos: the dense path, split the same way) in blocks of BLOCK_K, loads those latent rows (the step's
+own positions from `kv_new`, earlier ones from the paged pool, reached through the pool table
+(`plugins/pool_table.py`) and the sequence's block table; fp8 pools decoded by `fp8_rows_to_f32`), and keeps an
+online softmax (running max / sum) with an fp32 accumulator [BLOCK_H, Dc]. Decode has few tokens, so the keys are
+split across programs (`sizes.num_splits`: two programs per SM) and `_combine_splits_kernel` merges the partial
+softmaxes by their log-sum-exp; prefill runs one split, which writes the output itself. Dense vs sparse is
+decided at run time (`num_idx == 0` is dense), so one compiled kernel serves both. Dots: bf16 and fp8 pools give
+bf16 operands to the tensor cores (q and the softmax weights rounded to bf16) with fp32 accumulation; fp32 and
+fp16 pools exact fp32 dots (`input_precision="ieee"`). Runs on CUDA tensors, or on CPU under TRITON_INTERPRET=1.
 
 All tensors are contiguous. Kernel parameters are the seven input pointers, the int32 scalars, then the output
-pointer, then compile-time constants: the order a TensorRT AOT plugin launch uses (`tensorrt_plugin`).
+pointer (then the split partials' pointers, constants None in the one-split AOT build), then compile-time
+constants: the order a TensorRT AOT plugin launch uses (`tensorrt_plugin`).
 Every index read from an input (sequence, first token, position, block id, new-row index) is clamped into its
 buffer: TensorRT runs plugins while timing tactics with unspecified input contents.
 """
@@ -21,6 +26,8 @@ import triton
 import triton.language as tl
 
 from ..pool_table import TRITON_DTYPES, check_pool_offsets, in_pool, pool_entry, pool_table
+from ..triton_dot import INTERPRETED, mma
+from .sizes import block_sizes, num_splits
 
 _SEQ_BLOCK = tl.constexpr(64)  # cu_seqlens entries compared per step of the token -> sequence search
 
@@ -55,18 +62,34 @@ def fp8_rows_to_f32(codes, scale_bytes):
 
 
 @triton.jit
+def _latent_rows(pool_row, new_row, past, own, offs, mask, scale_at, POOL_FP8: tl.constexpr):
+    """fp32 columns `offs` of the key rows [BLOCK_K, len(offs)]: from the pool (`pool_row` [BLOCK_K] pointers,
+    where `past`; fp8 rows decoded with their scale byte at pool_row + `scale_at`) plus the step's own rows
+    (`new_row`, where `own`)."""
+    k = tl.load(pool_row[:, None] + offs[None, :], mask=past[:, None] & mask[None, :], other=0)
+    if POOL_FP8:
+        k = fp8_rows_to_f32(k, tl.load(pool_row + scale_at, mask=past, other=127))
+    else:
+        k = k.to(tl.float32)
+    return k + tl.load(new_row[:, None] + offs[None, :], mask=own[:, None] & mask[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _sparse_mla_kernel(
     q_ptr, pool_table_ptr, new_ptr, cu_seqlens_ptr, block_tables_ptr, pos_ptr, idx_ptr,
     pool_index, num_seqs, num_tokens, block_size, table_width, num_idx,
-    o_ptr,
+    o_ptr, part_ptr, lse_ptr,
     scale: tl.constexpr, H: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr,
     BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    POOL_FP8: tl.constexpr, POOL_DTYPE: tl.constexpr,
+    POOL_FP8: tl.constexpr, POOL_DTYPE: tl.constexpr, SPLITS: tl.constexpr, DOT_BF16: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """q [T, H, DC+DR]; the pool [NB, block_size, DC+DR] of POOL_DTYPE (POOL_FP8: uint8 [NB, block_size,
     DC+DR+1]) is row `pool_index` of the pool table (NB its capacity; an invalid row: no pool row is read);
     new [T, DC+DR], cu_seqlens [num_seqs+1], block_tables [num_seqs, table_width], pos [T], idx [T, num_idx]
-    (num_idx = 0: dense causal; idx is then not read) -> o [T, H, DC] fp32."""
+    (num_idx = 0: dense causal; idx is then not read). Program (t, head block, split) takes split's share of the
+    token's keys: SPLITS = 1 -> o [T, H, DC] fp32; else its normalized partial -> part [T, SPLITS, H, DC] and its
+    log-sum-exp -> lse [T, SPLITS, H] (-inf: no key), combined by `_combine_splits_kernel`."""
     t = tl.program_id(0).to(tl.int64)
     pool_ptr, num_blocks, pool_ok = pool_entry(pool_table_ptr, pool_index, POOL_DTYPE)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -87,13 +110,17 @@ def _sparse_mla_kernel(
     q_row = q_ptr + (t * H + offs_h[:, None]) * (DC + DR)
     q_c = tl.load(q_row + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
     q_r = tl.load(q_row + DC + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
+    if DOT_BF16:  # 16-bit and fp8 pools: bf16 operands on the tensor cores, fp32 accumulation
+        q_c, q_r = q_c.to(tl.bfloat16), q_r.to(tl.bfloat16)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DC], tl.float32)
     sparse = num_idx > 0
     n_iter = tl.where(sparse, num_idx, pos + 1)
-    for start in range(0, n_iter, BLOCK_K):
+    share = tl.cdiv(tl.cdiv(n_iter, SPLITS), BLOCK_K) * BLOCK_K  # keys per split, whole BLOCK_K steps
+    split = tl.program_id(2)
+    for start in range(split * share, tl.minimum(n_iter, split * share + share), BLOCK_K):
         offs_k = start + tl.arange(0, BLOCK_K).to(tl.int64)
         idx = tl.load(idx_ptr + t * num_idx + offs_k, mask=offs_k < num_idx, other=-1)
         idx = tl.where(sparse, idx, offs_k)
@@ -104,37 +131,54 @@ def _sparse_mla_kernel(
         past = in_pool(past, pool_ok)
         block = tl.minimum(tl.maximum(block, 0), num_blocks - 1)
         pool_row = pool_ptr + (block * block_size + idx % block_size) * (DC + DR + POOL_FP8)  # [BLOCK_K]
-        pool_rows = pool_row[:, None]
-        new_rows = new_ptr + (first + idx - chunk_start)[:, None] * (DC + DR)
-        k_c = tl.load(pool_rows + offs_c[None, :], mask=past[:, None] & mask_c[None, :], other=0)
-        k_r = tl.load(pool_rows + DC + offs_r[None, :], mask=past[:, None] & mask_r[None, :], other=0)
-        if POOL_FP8:
-            scale_bytes = tl.load(pool_row + DC + DR, mask=past, other=127)
-            k_c = fp8_rows_to_f32(k_c, scale_bytes)
-            k_r = fp8_rows_to_f32(k_r, scale_bytes)
-        else:
-            k_c = k_c.to(tl.float32)
-            k_r = k_r.to(tl.float32)
-        k_c += tl.load(new_rows + offs_c[None, :], mask=own[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-        k_r += tl.load(new_rows + DC + offs_r[None, :], mask=own[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
-        s = tl.dot(q_c, tl.trans(k_c), input_precision="ieee")
-        s += tl.dot(q_r, tl.trans(k_r), input_precision="ieee")
+        new_row = new_ptr + (first + idx - chunk_start) * (DC + DR)
+        k_c = _latent_rows(pool_row, new_row, past, own, offs_c, mask_c, DC + DR, POOL_FP8)
+        k_r = _latent_rows(pool_row + DC, new_row + DC, past, own, offs_r, mask_r, DR, POOL_FP8)
+        if DOT_BF16:
+            k_c, k_r = k_c.to(tl.bfloat16), k_r.to(tl.bfloat16)
+        s = mma(q_r, tl.trans(k_r), mma(q_c, tl.trans(k_c), tl.zeros([BLOCK_H, BLOCK_K], tl.float32), UPCAST), UPCAST)
         s = tl.where(valid[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, k_c, input_precision="ieee")
+        acc = mma(p.to(k_c.dtype), k_c, acc * alpha[:, None], UPCAST)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_rows = o_ptr + (t * H + offs_h[:, None]) * DC
-    tl.store(o_rows + offs_c[None, :], out, mask=mask_h[:, None] & mask_c[None, :])
+    mask_o = mask_h[:, None] & mask_c[None, :]
+    if SPLITS == 1:
+        tl.store(o_ptr + (t * H + offs_h[:, None]) * DC + offs_c[None, :], out, mask=mask_o)
+    else:
+        row = (t * SPLITS + split) * H + offs_h
+        tl.store(part_ptr + row[:, None] * DC + offs_c[None, :], out, mask=mask_o)
+        lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + row, lse, mask=mask_h)
 
 
-def block_sizes(kv_lora_rank: int, rope_dim: int) -> tuple[int, int]:
-    """(BLOCK_DC, BLOCK_DR): the latent and rope widths rounded up to powers of two (at least 16, for tl.dot)."""
-    return max(16, triton.next_power_of_2(kv_lora_rank)), max(16, triton.next_power_of_2(rope_dim))
+@triton.jit
+def _combine_splits_kernel(part_ptr, lse_ptr, o_ptr, H: tl.constexpr, DC: tl.constexpr, SPLITS: tl.constexpr,
+                           BLOCK_H: tl.constexpr, BLOCK_DC: tl.constexpr):
+    """o[t, heads] = sum_s w_s part[t, s] / sum_s w_s, w_s = exp(lse[t, s] - max_s lse) (0 when no split saw a
+    key: o = 0, as the one-split kernel writes)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_c = tl.arange(0, BLOCK_DC)
+    mask_h = offs_h < H
+    mask_o = mask_h[:, None] & (offs_c < DC)[None, :]
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for s in range(SPLITS):
+        m = tl.maximum(m, tl.load(lse_ptr + (t * SPLITS + s) * H + offs_h, mask=mask_h, other=float("-inf")))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    acc = tl.zeros([BLOCK_H, BLOCK_DC], tl.float32)
+    total = tl.zeros([BLOCK_H], tl.float32)
+    for s in range(SPLITS):
+        row = (t * SPLITS + s) * H + offs_h
+        w = tl.exp(tl.load(lse_ptr + row, mask=mask_h, other=float("-inf")) - m)
+        acc += w[:, None] * tl.load(part_ptr + row[:, None] * DC + offs_c[None, :], mask=mask_o, other=0.0)
+        total += w
+    tl.store(o_ptr + (t * H + offs_h[:, None]) * DC + offs_c[None, :], acc / tl.where(total > 0, total, 1.0)[:, None],
+             mask=mask_o)  # fmt: skip
 
 
 def sparse_mla_attention_triton(
@@ -150,6 +194,7 @@ def sparse_mla_attention_triton(
     kv_lora_rank: int,
     block_h: int = 16,
     block_k: int = 32,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """q_lat [T, H, Dc+Dr] fp32, kv_pool [NB, BS, Dc+Dr] (fp32 / bf16 / fp16, or uint8 fp8 rows [NB, BS, Dc+Dr+1]),
     kv_new [T, Dc+Dr] fp32,
@@ -171,29 +216,49 @@ def sparse_mla_attention_triton(
     check_pool_offsets(table, 0, block_tables=tables.cpu().numpy())
     sparse_mla_attention_launch(q, torch.from_numpy(table).to(q.device), 0, pool.shape[1], pool.dtype, new, cu, tables,
                                 pos, idx if has_indices else None, out, scale=scale, kv_lora_rank=kv_lora_rank,
-                                block_h=block_h, block_k=block_k)  # fmt: skip
+                                block_h=block_h, block_k=block_k, splits=splits)  # fmt: skip
     return out
 
 
+def pipeline_stages(pool_dtype: torch.dtype) -> int:
+    """Software-pipelining depth of the key loop: 1 for fp32 / fp16 pools (fp32 tiles [BLOCK_K, 576] take ~110
+    KiB of shared memory at sm_90 unpipelined, over the 227 KiB limit at 2 stages), 2 for bf16 / fp8 pools."""
+    return 1 if pool_dtype in (torch.float32, torch.float16) else 2
+
+
 def sparse_mla_attention_launch(q, pool_table, pool_index, block_size, pool_dtype, new, cu, tables, pos, idx, out, *,
-                                scale: float, kv_lora_rank: int, block_h: int = 16, block_k: int = 32) -> None:
+                                scale: float, kv_lora_rank: int, block_h: int = 16, block_k: int = 32,
+                                splits: int | None = None) -> None:
     """The kernel over contiguous fp32 q [T, H, Dc+Dr] / new [T, Dc+Dr], int64 cu / tables / pos / idx (None:
     dense) into out [T, H, Dc]; the pool [NB, block_size, W] of `pool_dtype` is row `pool_index` of `pool_table`.
-    Nothing is checked on the host (the TensorRT plugin's path); whoever builds the table checks it."""
+    The keys of a token are split across `splits` programs (default `sizes.num_splits`, from shapes only), whose
+    partial softmaxes one more launch combines. Nothing is checked on the host (the TensorRT plugin's path);
+    whoever builds the table checks it."""
     num_tokens, num_heads, dim = q.shape
     if num_tokens == 0 or cu.numel() < 2 or tables.shape[1] == 0:
         out.zero_()
         return
     block_dc, block_dr = block_sizes(kv_lora_rank, dim - kv_lora_rank)
-    grid = (num_tokens, triton.cdiv(num_heads, block_h))
-    _sparse_mla_kernel[grid](
+    keys = idx.shape[1] if idx is not None else tables.shape[1] * block_size
+    head_blocks = triton.cdiv(num_heads, block_h)
+    splits = splits or num_splits(num_tokens * head_blocks, keys, block_k)
+    part = lse = None
+    if splits > 1:
+        part = torch.empty(num_tokens, splits, num_heads, kv_lora_rank, dtype=torch.float32, device=q.device)
+        lse = torch.empty(num_tokens, splits, num_heads, dtype=torch.float32, device=q.device)
+    _sparse_mla_kernel[(num_tokens, head_blocks, splits)](
         q, pool_table, new, cu, tables, pos, pos if idx is None else idx,
         pool_index, cu.numel() - 1, num_tokens, block_size, tables.shape[1], 0 if idx is None else idx.shape[1],
-        out,
+        out, part, lse,
         scale=float(scale), H=num_heads, DC=kv_lora_rank, DR=dim - kv_lora_rank,
         BLOCK_DC=block_dc, BLOCK_DR=block_dr, BLOCK_H=block_h, BLOCK_K=block_k, POOL_FP8=pool_dtype == torch.uint8,
-        POOL_DTYPE=TRITON_DTYPES[pool_dtype], enable_fp_fusion=True,
+        POOL_DTYPE=TRITON_DTYPES[pool_dtype], SPLITS=splits, DOT_BF16=pool_dtype in (torch.bfloat16, torch.uint8),
+        UPCAST=INTERPRETED, enable_fp_fusion=True, num_stages=pipeline_stages(pool_dtype),
     )  # fmt: skip
+    if splits > 1:
+        _combine_splits_kernel[(num_tokens, head_blocks)](
+            part, lse, out, H=num_heads, DC=kv_lora_rank, SPLITS=splits, BLOCK_H=block_h, BLOCK_DC=block_dc,
+        )  # fmt: skip
 
 
 def aot_compile(
@@ -225,10 +290,12 @@ def aot_compile(
         o_ptr="*fp32",
     )  # fmt: skip
     constexprs = dict(
+        part_ptr=None, lse_ptr=None,  # one split: the program writes o itself (a single launch, as TensorRT's AOT)
         scale=float(scale), H=num_heads, DC=kv_lora_rank, DR=rope_dim,
         BLOCK_DC=block_dc, BLOCK_DR=block_dr, BLOCK_H=block_h, BLOCK_K=block_k, POOL_FP8=pool_dtype == torch.uint8,
-        POOL_DTYPE=TRITON_DTYPES[pool_dtype],
+        POOL_DTYPE=TRITON_DTYPES[pool_dtype], SPLITS=1, DOT_BF16=pool_dtype in (torch.bfloat16, torch.uint8), UPCAST=False,
     )  # fmt: skip
     signature.update({name: "constexpr" for name in constexprs})
     src = triton.compiler.ASTSource(fn=_sparse_mla_kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(enable_fp_fusion=True))
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                          options=dict(enable_fp_fusion=True, num_stages=pipeline_stages(pool_dtype)))

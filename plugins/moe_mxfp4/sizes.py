@@ -1,0 +1,41 @@
+"""MoEMXFP4 scratch arithmetic (bytes), pure Python: the planner and the graph exporter size the plugin's
+workspace from here without importing Triton."""
+
+DEFAULT_SCRATCH_BUDGET = 256 * 2**20  # bytes of chunk scratch (partial sums + activations) per call
+
+
+def pair_capacity(num_pairs: int, num_local: int, block_m: int) -> int:
+    """Rows of the padded pair layout for `num_pairs` (token, choice) pairs: each of at most min(num_local,
+    num_pairs) present experts pads its run by at most block_m - 1, rounded up to whole blocks."""
+    return -(-(num_pairs + min(num_local, num_pairs) * (block_m - 1)) // block_m) * block_m
+
+
+def chunk_tokens(top_k: int, dim: int, inter: int, budget_bytes: int) -> int:
+    """Tokens per chunk so that one chunk's scratch fits `budget_bytes` (at least one token)."""
+    per_token = 4 * top_k * (dim + inter)  # fp32 partial sums [k, D] and activations [k, I] per token
+    return max(1, budget_bytes // per_token)
+
+
+def aligned(n: int) -> int:
+    """`n` bytes rounded up to 256."""
+    return -(-n // 256) * 256
+
+
+def block_m_for(num_pairs: int, num_local: int) -> int:
+    """Rows per M-block of the pair layout: 64 (tensor-core tiles) when the experts get 32 pairs or more on
+    average, else 16 (decode)."""
+    return 64 if num_pairs >= 32 * max(num_local, 1) else 16
+
+
+def workspace_bytes(num_tokens: int, top_k: int, dim: int, inter: int, num_local: int, *,
+                    block_m: int | None = None, budget_bytes: int = DEFAULT_SCRATCH_BUDGET) -> int:
+    """Bytes of the caller-provided workspace (`moe_mxfp4_triton(workspace=...)`) for steps of up to
+    `num_tokens`, each part 256-byte aligned: the largest chunk's partial sums [Tc*k, D] fp32, activations
+    [C, I] (4 bytes counted: fp32 or bf16), pair rows [C] int64 and block experts [C / block_m] int32, with
+    C = pair_capacity(Tc*k) at `block_m` (None: `block_m_for` each chunk). TensorRT engines declare it as the
+    plugin's second output, so it lives in the engine's device memory."""
+    pairs = min(num_tokens, chunk_tokens(top_k, dim, inter, budget_bytes)) * top_k
+    bm = block_m or block_m_for(pairs, num_local)
+    cap = pair_capacity(pairs, num_local, bm)
+    most_blocks = max(cap // bm, pair_capacity(pairs, num_local, block_m or 16) // (block_m or 16))
+    return aligned(4 * pairs * dim) + aligned(4 * cap * inter) + aligned(8 * cap) + aligned(4 * most_blocks)
