@@ -120,7 +120,7 @@ class Recipe(_Strict):
     limits: LimitsSection = LimitsSection()
     thinking: ThinkingSection = ThinkingSection()
     vision: VisionSection = VisionSection()
-    backend: Literal["onnxruntime", "tensorrt"] = "onnxruntime"
+    backend: Literal["onnxruntime", "tensorrt", "torch"] = "onnxruntime"  # torch: `runtime/engine/torch_runner.py`
     tensorrt: TensorRTSection = TensorRTSection()
     workspace_reserve_gib: float = Field(default=8.0, ge=0, description="per-rank memory kept for activations/workspace")
     output: str = Field(default="out/engine", description="output directory (relative to the working directory)")

@@ -703,6 +703,8 @@ def weight_class_map(ctx: _Ctx) -> dict[str, str]:
 def engine_config(ctx: _Ctx) -> EngineConfig:
     """The engine's config.json."""
     files = {"rank_dir": "rank{rank}", "weights": WEIGHTS, "graph": GRAPH, "quantization_report": QUANT_REPORT}
+    if ctx.recipe.backend == "torch":  # the runner reads the weights; no graph
+        del files["graph"]
     if ctx.recipe.backend == "tensorrt":
         files["engine"] = "rank{rank}.engine"
     return EngineConfig.from_recipe(ctx.recipe, ctx.reader.config, version=tool_version(), files=files,

@@ -86,7 +86,8 @@ def _class_dtype_bytes(recipe: Recipe, weight_class: str, stored_dtype: str) -> 
     held as fp32 by TensorRT too."""
     if stored_dtype == "F32" or weight_class in ("norms", "attn_res", "vision"):
         return 4.0
-    return 2.0 if recipe.backend == "tensorrt" else 4.0
+    bf16 = recipe.backend == "tensorrt" or (recipe.backend == "torch" and recipe.target.gpu != "cpu")
+    return 2.0 if bf16 else 4.0
 
 
 @dataclass(frozen=True)

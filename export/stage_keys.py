@@ -96,6 +96,9 @@ def _key(stage: str, fields: dict, upstream: list[str], code: dict | None, extra
 
 
 def rank_stage_names(recipe: Recipe) -> tuple[str, ...]:
+    """A rank's stages in order; backend torch runs the converted weights as they are (no graph)."""
+    if recipe.backend == "torch":
+        return ("convert",)
     return ("convert", "graph", "lower" if recipe.backend == "onnxruntime" else "engine")
 
 
@@ -127,7 +130,9 @@ def convert_identity(key: str, reads_digest: str) -> str:
 
 
 def rank_keys(recipe: Recipe, rank: int, identity: str, code: dict) -> dict[str, str]:
-    """Keys of the graph and backend stages of `rank`, given its convert identity."""
+    """Keys of the graph and backend stages of `rank`, given its convert identity (none for backend torch)."""
+    if recipe.backend == "torch":
+        return {}
     last = rank_stage_names(recipe)[-1]
     graph = _key("graph", _fields(recipe, "graph"), [identity], code["graph"])
     return {f"graph/rank{rank}": graph, f"{last}/rank{rank}": _key(last, _fields(recipe, last), [graph], code[last])}

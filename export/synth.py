@@ -196,12 +196,30 @@ def _tiny_kimi_linear() -> dict[str, Any]:
     return cfg
 
 
+def _mid_k3() -> dict[str, Any]:
+    """K3 at its real widths (hidden 7168, 96 KDA and MLA heads, 576-wide MLA latent, expert latent 3584 and
+    intermediate 3072, dense intermediate 33792, vocab 163,840, its vision tower) with 3 layers (KDA + dense, KDA +
+    MoE, MLA + MoE) and 16 experts top-4: about 10 GB in bf16 / MXFP4, one GPU's worth of real shapes."""
+    from moe_export.recipes import models_dir
+
+    cfg = json.loads((models_dir() / "kimi-k3.json").read_text())
+    ids = _token_ids("k3")
+    cfg.update(ids, media_placeholder_token_id=synthetic_special_ids("k3")[MEDIA_PAD])
+    text = cfg["text_config"]
+    text.update(ids, num_hidden_layers=3, num_experts=16, num_experts_per_token=4)
+    text["linear_attn_config"].update(full_attn_layers=[3], kda_layers=[1, 2])
+    return cfg
+
+
 PRESETS: dict[str, Callable[[], dict[str, Any]]] = {
     "tiny-k3": _tiny_k3,
     "tiny-k3-dsa": _tiny_k3_dsa,
     "tiny-kimi-linear": _tiny_kimi_linear,
     "tiny-dsa-grouped": _tiny_dsa_grouped,
+    "mid-k3": _mid_k3,
 }
+LARGE_PRESETS = ("mid-k3",)  # real widths, about 10 GB: for GPU checks, not the CPU test suite's every-preset loops
+SMALL_PRESETS = tuple(p for p in PRESETS if p not in LARGE_PRESETS)
 
 
 def preset_hf_config(preset: str) -> dict[str, Any]:

@@ -278,9 +278,9 @@ def page_cache(
 
 @pytest.fixture(scope="session")
 def runtime_engine(tmp_path_factory: pytest.TempPathFactory):
-    """(preset, tp, ep, world, max_num_tokens=64) -> engine directory built once per session from tiny-cpu.yaml with
-    small runtime limits (max_batch 6, max_seq_len 1024, max_num_tokens, block_size 16, thinking caps 6/12/20, fp32
-    cache pools)."""
+    """(preset, tp, ep, world, max_num_tokens=64, attention="tp", backend="onnxruntime") -> engine directory built
+    once per session from tiny-cpu.yaml with small runtime limits (max_batch 6, max_seq_len 1024, max_num_tokens,
+    block_size 16, thinking caps 6/12/20, fp32 cache pools)."""
     import yaml
     from moe_export.common.recipe import load_recipe
     from moe_export.export.build import build
@@ -288,16 +288,19 @@ def runtime_engine(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("runtime-engines")
     built: dict[tuple, object] = {}
 
-    def get(preset: str = "tiny-k3", tp: int = 2, ep: int = 2, world: int = 4, max_num_tokens: int = 64):
-        key = (preset, tp, ep, world, max_num_tokens)
+    def get(preset: str = "tiny-k3", tp: int = 2, ep: int = 2, world: int = 4, max_num_tokens: int = 64,
+            attention: str = "tp", backend: str = "onnxruntime"):
+        key = (preset, tp, ep, world, max_num_tokens, attention, backend)
         if key not in built:
             from pathlib import Path
 
             data = yaml.safe_load(Path(load_recipe("tiny-cpu.yaml")[1]).read_text())
-            data["name"] = f"rt-{preset}-tp{tp}-ep{ep}-w{world}" + (f"-t{max_num_tokens}" if max_num_tokens != 64 else "")
+            data["name"] = (f"rt-{preset}-tp{tp}-ep{ep}-w{world}" + (f"-t{max_num_tokens}" if max_num_tokens != 64 else "")
+                            + (f"-{attention}" if attention != "tp" else "") + (f"-{backend}" if backend != "onnxruntime" else ""))
             data["model"] = {"source": f"synthetic:{preset}"}
             data["target"]["gpus_per_node"] = world
-            data["parallel"] = {"tp": tp, "ep": ep}
+            data["parallel"] = {"tp": tp, "ep": ep, "attention": attention}
+            data["backend"] = backend
             data["limits"].update({"max_batch": 6, "max_seq_len": 1024, "max_num_tokens": max_num_tokens, "block_size": 16})
             data["thinking"] = {"low": 6, "high": 12, "max": 20}
             data["quantization"]["kv_cache"] = "fp32"  # exact parity with the fp32 reference (bf16 pools: test_engine_parity)

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from moe_export.runtime.entrypoints.cli import main
-from moe_export.export.synth import PRESETS, preset_config, synthetic_specs
+from moe_export.export.synth import SMALL_PRESETS, preset_config, synthetic_specs
 from conftest import run_cli
 
 
@@ -21,7 +21,7 @@ def made(tmp_path_factory):
     """preset -> checkpoint directory written by `moe-export synth` (seed 5)."""
     root = tmp_path_factory.mktemp("cli")
     out = {}
-    for preset in PRESETS:
+    for preset in SMALL_PRESETS:
         sys.argv, old = ["moe-export", "synth", "--preset", preset, "--out", str(root / preset), "--seed", "5"], sys.argv
         try:
             with pytest.raises(SystemExit) as exc:
@@ -33,7 +33,7 @@ def made(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("preset", SMALL_PRESETS)
 def test_inspect_json_matches_inventory(made, preset, capsys):
     code, out, err = run_cli(capsys, "inspect", str(made[preset]), "--json")
     assert code == 0, err

@@ -14,7 +14,7 @@ import torch
 from moe_export.common.errors import InputError
 from moe_export.export.checkpoint import INDEX_FILE, open_checkpoint
 from moe_export.export.synth import (
-    PRESETS,
+    SMALL_PRESETS,
     preset_config,
     preset_hf_config,
     synthetic_special_ids,
@@ -31,14 +31,14 @@ from moe_export.runtime.tokenizer import load_tokenizer
 def made(tmp_path_factory):
     """preset -> checkpoint directory (seed 0), written once for this module."""
     root = tmp_path_factory.mktemp("synth")
-    return {p: write_synthetic_checkpoint(p, root / p, seed=0) for p in PRESETS}
+    return {p: write_synthetic_checkpoint(p, root / p, seed=0) for p in SMALL_PRESETS}
 
 
 def file_bytes(root: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(root.iterdir())}
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("preset", SMALL_PRESETS)
 def test_preset_validates_clean(made, preset):
     root = made[preset]
     reader = open_checkpoint(root)  # raises on any problem
@@ -170,3 +170,33 @@ def test_kimi_linear_loads_in_transformers(made):
     assert 0.5 < logits.std().item() < 3.0  # spread of a few units
     top2 = logits.topk(2, dim=-1).values
     assert (top2[:, 0] - top2[:, 1]).min() > 1e-4  # no exact ties
+
+
+def test_mid_k3_has_k3_widths_and_fits_one_gpu(capsys):
+    """mid-k3: K3's real widths with 3 layers (KDA + dense, KDA + MoE, MLA + MoE) and 16 experts; its shipped recipe
+    (backend torch, one H200) plans as fitting."""
+    from conftest import run_cli
+
+    shipped = json.loads((models_dir() / "kimi-k3.json").read_text())["text_config"]
+    cfg = preset_config("mid-k3")
+    for key in ("hidden_size", "vocab_size", "moe_intermediate_size", "routed_expert_hidden_size", "intermediate_size",
+                "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        assert getattr(cfg, key) == shipped[key], key
+    assert (cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size, cfg.vocab_size) == (7168, 3584, 3072, 163840)
+    assert cfg.num_heads == cfg.kda_num_heads == 96 and cfg.latent_cache_dim == 576
+    assert [cfg.is_kda(i) for i in range(3)] == [True, True, False] and [cfg.is_moe(i) for i in range(3)] == [False, True, True]
+    assert cfg.num_experts == 16 and cfg.experts_mxfp4
+    assert 9e9 < sum(s.nbytes for s in synthetic_specs(cfg)) < 12e9
+    code, out, err = run_cli(capsys, "plan", "--recipe", "mid-k3-h200.yaml", "--json")
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["recipe"] == "mid-k3-h200" and plan["fits"]
+
+
+@pytest.mark.slow
+def test_mid_k3_synthesizes(tmp_path):
+    """`moe-export synth --preset mid-k3` writes a checkpoint that validates (about 10 GB; the GPU checks use it)."""
+    root = write_synthetic_checkpoint("mid-k3", tmp_path / "mid-k3", seed=0)
+    reader = open_checkpoint(root)
+    assert set(reader.tensor_names()) == {s.name for s in synthetic_specs(reader.config)}
+    assert reader.config.hidden_size == 7168 and reader.config.vocab_size == 163840

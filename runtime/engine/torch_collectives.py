@@ -1,0 +1,205 @@
+"""Collectives of the torch runner: what a rank's step asks for, and the two ways a world answers.
+
+A rank's step (`torch_model.RankModel.step`) is a generator: at each collective it yields a request (`AllReduce`,
+`AllGather`, `Dispatch`, `Combine`, in graph order as `graphs/onnx_export.py` places the nodes) and is resumed
+with the result. Two worlds answer:
+  - `run_in_process`: every rank of the world in this process, resumed in lockstep; a request is answered when
+    every member of its group has asked it (sums in rank order, the order the ONNX Runtime engine adds in);
+  - `DistributedWorld`: one rank per process over torch.distributed (NCCL on GPUs, gloo on CPU), its tp and ep
+    groups of consecutive ranks; the rendezvous is rank 0's address, broadcast over MPI (or MASTER_ADDR /
+    MASTER_PORT).
+The MoE all-to-all follows `plugins/collectives/all_to_all.py`: each token goes once to every rank holding one of
+its experts (rows by destination, then token), counts first so the rows move exactly, and the combine adds the
+returned rows per token in destination-rank order.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Generator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moe_export.plugins.collectives.all_to_all import ID_WIRE_DTYPE, DispatchLayout, send_plan
+
+
+@dataclass
+class AllReduce:
+    x: torch.Tensor
+    group: str  # "tp" | "ep"
+
+
+@dataclass
+class AllGather:
+    x: torch.Tensor
+    group: str
+    axis: int
+
+
+@dataclass
+class Dispatch:
+    """MoEDispatch over the ep group: x [T, W], ids [T, k] global expert ids, weights [T, k] fp32 ->
+    (recv_x [R, W], recv_ids [R, k], recv_w [R, k], DispatchLayout)."""
+
+    x: torch.Tensor
+    ids: torch.Tensor
+    weights: torch.Tensor
+    group: str = "ep"
+
+
+@dataclass
+class Combine:
+    """MoECombine over the ep group: partial [R, W] in receive order -> [num_tokens, W] per source token."""
+
+    partial: torch.Tensor
+    layout: DispatchLayout
+    num_tokens: int
+    group: str = "ep"
+
+
+Request = AllReduce | AllGather | Dispatch | Combine
+Step = Generator[Request, object, object]
+
+
+def _combine_rows(num_tokens: int, partial_back: torch.Tensor, send_rows: np.ndarray) -> torch.Tensor:
+    """The returned rows [S, W] added per token at `send_rows` (in row order: destination-rank order)."""
+    out = torch.zeros((num_tokens, partial_back.shape[1]), dtype=partial_back.dtype, device=partial_back.device)
+    return out.index_add_(0, torch.from_numpy(send_rows).to(out.device), partial_back)
+
+
+def _answer_group(reqs: list[Request], num_experts: int, counts: list) -> list:
+    """The results of one group's matching requests (members in rank order)."""
+    first = reqs[0]
+    if isinstance(first, AllReduce):
+        total = first.x.clone()
+        for r in reqs[1:]:
+            total += r.x
+        return [total] * len(reqs)
+    if isinstance(first, AllGather):
+        return [torch.cat([r.x for r in reqs], dim=first.axis)] * len(reqs)
+    ep = len(reqs)
+    if isinstance(first, Dispatch):
+        plans = [send_plan(r.ids.cpu().numpy(), num_experts, ep) for r in reqs]
+        counts.append(sum(np.bincount(r.ids.cpu().numpy().ravel(), minlength=num_experts) for r in reqs))
+        out = []
+        for dst in range(ep):
+            picks = []
+            for (rows, sends), r in zip(plans, reqs):
+                start = int(sends[:dst].sum())
+                picks.append(torch.from_numpy(rows[start:start + int(sends[dst])]).to(r.x.device))
+            recv_counts = np.array([int(p[1][dst]) for p in plans], dtype=np.int64)
+            out.append(tuple(torch.cat([getattr(r, f)[p] for r, p in zip(reqs, picks)])
+                             for f in ("x", "ids", "weights")) + (DispatchLayout(*plans[dst], recv_counts),))
+        return out
+    out = []
+    for src, r in enumerate(reqs):
+        back = []
+        for dst in range(ep):  # the rows dst received from src, in the order src sent them
+            start = int(reqs[dst].layout.recv_counts[:src].sum())
+            back.append(reqs[dst].partial[start:start + int(reqs[dst].layout.recv_counts[src])])
+        out.append(_combine_rows(r.num_tokens, torch.cat(back), r.layout.send_rows))
+    return out
+
+
+def run_in_process(steps: dict[int, Step], tp: int, ep: int, num_experts: int, counts: list) -> dict[int, object]:
+    """Run every rank's step of a world in this process (ranks 0..world-1, some may be idle generators); the
+    collectives are answered when each group's members have all asked. `counts` gets the tokens routed to each
+    expert, one array per dispatch. Returns each rank's step result."""
+    live, pending, send, results = dict(steps), {}, dict.fromkeys(steps), {}
+    while live:
+        for r in sorted(live):
+            if r in pending:
+                continue
+            try:
+                pending[r] = live[r].send(send.pop(r))
+            except StopIteration as stop:
+                results[r] = stop.value
+                del live[r]
+        answered = False
+        for r in sorted(pending):
+            req = pending.get(r)
+            if req is None:
+                continue
+            size = tp if req.group == "tp" else ep
+            members = range(r - r % size, r - r % size + size)
+            if all(type(pending.get(m)) is type(req) and pending[m].group == req.group for m in members):
+                for m, result in zip(members, _answer_group([pending.pop(m) for m in members], num_experts, counts)):
+                    send[m] = result
+                answered = True
+        if live and not answered and len(pending) == len(live):
+            raise RuntimeError(f"collectives out of step: {sorted((r, type(q).__name__) for r, q in pending.items())}")
+    return results
+
+
+class DistributedWorld:
+    """One rank per process over torch.distributed: the tp and ep groups of this rank (consecutive ranks)."""
+
+    def __init__(self, rank: int, world_size: int, tp: int, ep: int, device: torch.device, mpi_world) -> None:
+        import torch.distributed as dist
+
+        self.dist, self.rank, self.device = dist, rank, device
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not (addr and port):
+            if rank == 0:
+                import socket
+
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    addr, port = "127.0.0.1", str(s.getsockname()[1])
+            addr, port = mpi_world.bcast((addr, port), root=0)
+        if not dist.is_initialized():
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size)
+        self.groups, self.sizes = {}, {"tp": tp, "ep": ep}
+        for name, size in self.sizes.items():
+            for start in range(0, world_size, size):
+                group = dist.new_group(list(range(start, start + size)))  # every rank creates every group
+                if start <= rank < start + size:
+                    self.groups[name] = group
+
+    def run(self, step: Step, num_experts: int, counts: list) -> object:
+        """Run this rank's step, answering its requests over torch.distributed."""
+        result = None
+        try:
+            while True:
+                result = self.answer(step.send(result), num_experts, counts)
+        except StopIteration as stop:
+            return stop.value
+
+    def answer(self, req: Request, num_experts: int, counts: list) -> object:
+        group, size = self.groups[req.group], self.sizes[req.group]
+        if isinstance(req, AllReduce):
+            y = req.x.contiguous().clone()
+            self.dist.all_reduce(y, group=group)
+            return y
+        if isinstance(req, AllGather):
+            x = req.x.contiguous()
+            parts = [torch.empty_like(x) for _ in range(size)]
+            self.dist.all_gather(parts, x, group=group)
+            return torch.cat(parts, dim=req.axis)
+        if isinstance(req, Dispatch):
+            return self.dispatch(req, size, num_experts, counts)
+        back = self._exchange(req.partial, req.layout.recv_counts.tolist(), req.layout.send_counts.tolist(), group)
+        return _combine_rows(req.num_tokens, back, req.layout.send_rows)
+
+    def dispatch(self, req: Dispatch, ep: int, num_experts: int, counts: list) -> tuple:
+        ids = req.ids.cpu().numpy()
+        counts.append(np.bincount(ids.ravel(), minlength=num_experts))
+        rows, send_counts = send_plan(ids, num_experts, ep)
+        recv_counts = torch.empty(ep, dtype=torch.int64, device=self.device)
+        self.dist.all_to_all_single(recv_counts, torch.from_numpy(send_counts).to(self.device), group=self.groups["ep"])
+        recv = recv_counts.cpu().numpy()
+        sends, recvs, picked = send_counts.tolist(), recv.tolist(), torch.from_numpy(rows).to(req.x.device)
+        group = self.groups["ep"]
+        recv_x = self._exchange(req.x[picked], sends, recvs, group)
+        recv_ids = self._exchange(req.ids[picked].to(getattr(torch, np.dtype(ID_WIRE_DTYPE).name)), sends, recvs, group)
+        recv_w = self._exchange(req.weights[picked].float(), sends, recvs, group)
+        return recv_x, recv_ids.long(), recv_w, DispatchLayout(rows, send_counts, recv)
+
+    def _exchange(self, send: torch.Tensor, sends: list[int], recvs: list[int], group) -> torch.Tensor:
+        """Rows grouped by destination (`sends` each) exchanged; rows from each source in rank order."""
+        out = torch.empty((sum(recvs), *send.shape[1:]), dtype=send.dtype, device=send.device)
+        self.dist.all_to_all_single(out, send.contiguous(), recvs, sends, group=group)
+        return out

@@ -1,0 +1,192 @@
+"""`backend: torch`: the build converts only (no graph), and the torch runner's greedy tokens equal the ONNX Runtime
+engine's (the independent oracle: its ONNX graphs and lowered plugin bodies) on tiny-k3, tiny-k3-dsa and
+tiny-kimi-linear, in the tp and dp layouts, in one process and under `mpiexec -n 4`, and on a K3 chat with images;
+prefix-cache checkpoints restore a slot's state."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moe_export.runtime import LLM, SamplingParams
+from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
+from moe_export.runtime.engine.ort import Engine
+from moe_export.runtime.engine.torch_runner import TorchEngine
+
+from conftest import run_cli
+from test_vision_engine import THREE
+
+PROMPTS = [[5, 17, 99, 3, 250, 42, 7, 8, 300, 11, 12, 77, 1, 400], [60, 61, 62], list(range(3, 40))]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def greedy_tokens(engine_dir: Path) -> list[list[int]]:
+    llm = LLM(engine_dir, threads=1)
+    return [o.output_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_build_converts_only_and_the_engine_verifies(runtime_engine, capsys):
+    engine = runtime_engine("tiny-k3", 2, 2, 4, backend="torch")
+    config = json.loads((engine / "config.json").read_text())
+    assert config["backend"] == "torch" and "graph" not in config["files"]
+    for n in range(4):
+        assert (engine / f"rank{n}" / "weights.safetensors").is_file()
+        assert not list((engine / f"rank{n}").glob("*.onnx")) and not (engine / f"rank{n}" / "ort_plan.json").exists()
+    code, _, err = run_cli(capsys, "verify", str(engine))
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("preset", ["tiny-k3", "tiny-k3-dsa", "tiny-kimi-linear"])
+def test_greedy_tokens_equal_onnxruntime(runtime_engine, preset):
+    torch_dir = runtime_engine(preset, 2, 2, 4, backend="torch")
+    assert isinstance(LLM(torch_dir, threads=1).engine, TorchEngine)
+    assert greedy_tokens(torch_dir) == greedy_tokens(runtime_engine(preset, 2, 2, 4))
+
+
+def test_dp_layout_groups_equal_onnxruntime(runtime_engine):
+    """dp layout (tp 2 x 2 attention groups, experts over 4 ranks): one process runs group 0 with group 1 idle
+    (LLM), and both groups at once (`step_groups`), logits within 1e-4 of the ONNX Runtime engine's."""
+    torch_dir = runtime_engine("tiny-k3", 2, 4, 4, attention="dp", backend="torch")
+    ort_dir = runtime_engine("tiny-k3", 2, 4, 4, attention="dp")
+    assert greedy_tokens(torch_dir) == greedy_tokens(ort_dir)
+    engines = [TorchEngine(torch_dir, num_slots=2, num_blocks=16, threads=1), Engine(ort_dir, num_slots=2, num_blocks=16, threads=1)]
+    batches = [StepBatch.from_sequences([SequenceChunk(0, 0, PROMPTS[0], [0])]),
+               StepBatch.from_sequences([SequenceChunk(1, 0, PROMPTS[2], [5, 3, 9])])]
+    got, want = (e.step_groups(batches) for e in engines)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+    assert engines[0].step_expert_tokens.sum() == engines[1].step_expert_tokens.sum() > 0
+
+
+def test_checkpoint_restores_a_slot(runtime_engine):
+    """A slot restored from a checkpoint taken mid-prompt continues exactly as the slot it was taken from."""
+    eng = TorchEngine(runtime_engine("tiny-k3", 1, 1, 1, backend="torch"), num_slots=3, num_blocks=16, threads=1)
+    head, tail = PROMPTS[2][:16], PROMPTS[2][16:]
+    eng.reset_slot(0)
+    eng.step(StepBatch.from_sequences([SequenceChunk(0, 0, head, [0])]))
+    eng.save_state(0, 2)
+    eng.reset_slot(2)
+    eng.restore_state(2, 2)
+    first = eng.step(StepBatch.from_sequences([SequenceChunk(0, 16, tail, [0, 1, 2])]))
+    again = eng.step(StepBatch.from_sequences([SequenceChunk(2, 16, tail, [0, 3, 4])]))  # block 0: the shared prefix
+    np.testing.assert_array_equal(first, again)
+    eng.reset_slot(2)
+    fresh = eng.step(StepBatch.from_sequences([SequenceChunk(2, 16, tail, [0, 5, 6])]))
+    assert np.abs(fresh - first).max() > 1e-3  # a zeroed state does not give the same logits
+
+
+def test_image_chat_equals_onnxruntime(runtime_engine):
+    """K3 with its vision tower (PyTorch here, ONNX Runtime there): a chat with three images of different sizes."""
+    got = LLM(runtime_engine("tiny-k3", 2, 2, 4, backend="torch"), threads=1).chat([THREE], GREEDY, reasoning_effort="none")[0]
+    want = LLM(runtime_engine("tiny-k3", 2, 2, 4), threads=1).chat([THREE], GREEDY, reasoning_effort="none")[0]
+    assert got.prompt_ids == want.prompt_ids and got.output_ids == want.output_ids
+
+
+def run_mpiexec(engine: Path, chat: list | None) -> dict:
+    mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
+    args = [json.dumps(PROMPTS), str(GREEDY.max_tokens)] + ([json.dumps(chat)] if chat else [])
+    r = subprocess.run([mpiexec, "-n", "4", sys.executable, str(Path(__file__).with_name("mpi_torch_run.py")),
+                        str(engine), *args], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("attention, ep", [("tp", 2), ("dp", 4)])
+def test_mpiexec_equals_onnxruntime(runtime_engine, attention, ep):
+    """`mpiexec -n 4` (gloo collectives, step plans over MPI): the tp layout (tp 2 x ep 2, with the image chat) and
+    the dp layout (2 attention groups, all-to-all over 4 ranks) give the ONNX Runtime engine's tokens."""
+    torch_dir = runtime_engine("tiny-k3", 2, ep, 4, attention=attention, backend="torch")
+    ort_dir = runtime_engine("tiny-k3", 2, ep, 4, attention=attention)
+    chat = THREE if attention == "tp" else None
+    got = run_mpiexec(torch_dir, chat)
+    assert got["tokens"] == greedy_tokens(ort_dir)
+    if chat:
+        assert got["chat"] == LLM(ort_dir, threads=1).chat([chat], GREEDY, reasoning_effort="none")[0].output_ids
+
+
+def test_cuda_kernel_table_equals_cpu_kernels_in_the_triton_interpreter(runtime_engine):
+    """The GPU path's kernel table (Triton kernels over the runner's pools through one pool table) on CPU under
+    TRITON_INTERPRET=1, against the CPU kernels: DSA model, tp 2 x ep 2, prefill then decode."""
+    engine = runtime_engine("tiny-k3-dsa", 2, 2, 4, backend="torch")
+    r = subprocess.run([sys.executable, str(Path(__file__).with_name("torch_interpreter_run.py")), str(engine)],
+                       capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["same_tokens"] and got["max_err"] < 1e-4
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_rank_step_smoke_on_cpu(tmp_path):
+    """`benchmarks/gpu_rank_step.py --smoke`: the H200 benchmark's code at tiny-k3's sizes on CPU writes every key."""
+    out = tmp_path / "rank_step.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks/gpu_rank_step.py"), "--smoke", "--json", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    fig = json.loads(out.read_text())
+    for key in ("rank_step_ms_32", "rank_step_ms_256", "rank_step_bound_ms_32", "rank_step_over_bound_32",
+                "tokens_per_s_per_gpu_32", "prefill_tokens_per_s_8k"):
+        assert fig[key] > 0, key
+    assert fig["cuda_graph_speedup_32"] is None and fig["smoke"] is True  # no CUDA graphs on CPU
+    assert fig["rank_step_over_bound_32"] == fig["rank_step_ms_32"] / fig["rank_step_bound_ms_32"]
+    assert 0 < fig["dispatch_rows_32"] < fig["dispatch_rows_256"]
+
+
+def test_gpu_torch_check_script_parses():
+    """The prepared H200 run: the shell script parses, runs both steps within 13 minutes, its Python compiles."""
+    import py_compile
+
+    script = REPO / "benchmarks/gpu_torch_check.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    lines = [line.split() for line in script.read_text().splitlines() if line.startswith("timeout ")]
+    assert [line[3] for line in lines] == ["benchmarks/gpu_torch_check.py", "benchmarks/gpu_rank_step.py"]
+    assert sum(int(line[1]) for line in lines) <= 13 * 60
+    for step in lines:
+        py_compile.compile(str(REPO / step[3]), doraise=True)
+
+
+class EagerGraph:
+    """Stands in for a captured CUDA graph on CPU: a replay runs the step again on the static inputs into the static
+    logits."""
+
+    def __init__(self, graphs, inputs, logits) -> None:
+        self.graphs, self.inputs, self.logits = graphs, inputs, logits
+
+    def replay(self) -> None:
+        self.logits.copy_(self.graphs._eager(self.inputs))
+
+
+def test_decode_graph_buckets_pad_with_the_spare_slot_and_block(runtime_engine):
+    """`torch_graphs.DecodeGraphs.replay` (static inputs of the smallest bucket, padding rows on a spare slot and
+    block) gives the eager step's logits for 1 and 3 sequences (buckets 1 and 4), and the sequences' state goes on
+    as eagerly; the graph itself is an eager stand-in (no GPU here)."""
+    from moe_export.runtime.engine.torch_graphs import DecodeGraphs, buckets
+
+    assert buckets(6) == [1, 2, 4, 8] and buckets(1) == [1]
+    engine_dir = runtime_engine("tiny-k3", 1, 1, 1, backend="torch")
+    eager, replayed = (TorchEngine(engine_dir, num_slots=5, num_blocks=12, threads=1) for _ in range(2))
+    graphs = DecodeGraphs(replayed)
+    graphs.spare_slot, graphs.spare_block = 4, 11  # past the slots and blocks the sequences use
+    for size in (1, 2, 4):
+        inputs = graphs._static(size)
+        logits = graphs._eager(inputs)
+        graphs.graphs[size] = (EagerGraph(graphs, inputs, logits), inputs, logits)
+    prompts = {0: PROMPTS[0], 2: PROMPTS[1], 3: PROMPTS[2]}
+    tables = {0: [0, 1], 2: [2, 3], 3: [4, 5, 6]}
+    for e in (eager, replayed):
+        e.step(StepBatch.from_sequences([SequenceChunk(s, 0, p, tables[s]) for s, p in prompts.items()]))
+    for step, slots in enumerate(([0], [0, 2, 3], [2, 3, 0])):
+        batch = StepBatch.from_sequences([SequenceChunk(s, len(prompts[s]) + step, [7 + s], tables[s]) for s in slots])
+        assert graphs.covers(batch)
+        got, want = graphs.replay(batch).numpy(), eager.step(batch)
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)  # a padded batch sums in another order
+        assert (got.argmax(-1) == want.argmax(-1)).all()
