@@ -1,4 +1,4 @@
-"""The pool table: how the pool plugins reach the runner's cache and state pools by address (issue 18, defect 4).
+"""The pool table: how the pool plugins reach the runner's cache and state pools by address.
 
 TensorRT graphs take no pool as a network input or output (contract ALIASED_PLUGIN_IO_MAY_COPY: TensorRT "may
 insert copies" for an aliased plugin output, which would copy every pool every step). As TensorRT-LLM passes

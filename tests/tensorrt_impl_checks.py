@@ -6,7 +6,7 @@ functions of GatedDeltaScan, ShortConv, PagedCacheWrite, SparseMLAAttention and 
 TensorRT's QDP layer calls them (inputs, the fields as the ONNX parser encodes them, outputs, stream), with the
 pools reached only through a pool table of host addresses (two pools, the op's at row 1), against the naive
 references. Faked: `as_torch` returns the CPU tensor it is given (on a GPU it views TensorRT's device buffer) and
-TensorRT's stream is no stream (the interpreter runs on the host). Issue 18, defect 4.
+TensorRT's stream is no stream (the interpreter runs on the host).
 """
 
 from __future__ import annotations

@@ -159,7 +159,7 @@ def fake_tensorrt(log: list, device_memory: int):
 
 @pytest.mark.parametrize("prefer_aot", [False, True])
 def test_one_engine_per_rank_built_with_collectives_idle(tiny_graphs, tmp_path, monkeypatch, prefer_aot):  # noqa: F811
-    """Issue 18, defects 2, 3 and 9: the whole rank graph is one network (collective nodes included), built on
+    """The whole rank graph is one network (collective nodes included), built on
     the rank's GPU with the collective plugins in their no-op build state, AOT or JIT from the recipe; the
     engine's device memory is checked against the plan and recorded."""
     gpu_path = tiny_graphs[2]
@@ -210,7 +210,7 @@ def test_prefer_aot_reachable_from_a_recipe(tmp_path):
 
 
 def test_local_rank_picks_the_gpu():
-    """Issue 18, defect 2: under mpiexec every local rank built and ran on GPU 0."""
+    """Under mpiexec every local rank built and ran on GPU 0."""
     import subprocess
     import sys
 
@@ -331,7 +331,7 @@ def test_gpu_graph_reaches_pools_through_the_pool_table(tiny_graphs):  # noqa: F
 
 
 def test_builder_leaves_aliased_plugin_io_off(tiny_graphs, tmp_path, monkeypatch):  # noqa: F811
-    """Issue 18, defect 4: the builder no longer turns on PreviewFeature.ALIASED_PLUGIN_IO_10_03 (nothing is
+    """The builder no longer turns on PreviewFeature.ALIASED_PLUGIN_IO_10_03 (nothing is
     aliased) and records the pool limits the runner sizes its pools within."""
     recipe, _ = load_recipe("tiny-cpu.yaml")
     recipe = recipe.model_copy(update={"backend": "tensorrt", "target": recipe.target.model_copy(

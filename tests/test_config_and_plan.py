@@ -209,7 +209,7 @@ def test_too_many_slots_for_one_full_sequence_is_refused(tmp_path):
 
 
 def test_plan_memory_view_per_gpu_and_build_refusal(tmp_path):
-    """Issue 18: the plan shows weights, pools, engine activation memory and plugin workspaces per GPU, and the
+    """The plan shows weights, pools, engine activation memory and plugin workspaces per GPU, and the
     TensorRT build refuses a recipe whose total does not fit (h100x64 with bf16 cache pools: the 1M-token
     sequence no longer fits once ~10 GiB of activations are counted)."""
     from moe_export.export.planner import GIB
@@ -245,7 +245,7 @@ def test_plan_memory_view_per_gpu_and_build_refusal(tmp_path):
 
 
 def test_plan_budgets_what_an_h100_exposes_and_reports_margins_and_host_peak():
-    """Issue 29: the plan budgets the 79.65 GiB an H100 "80 GB" exposes (not 80), counts NCCL's buffers (the dp
+    """The plan budgets the 79.65 GiB an H100 "80 GB" exposes (not 80), counts NCCL's buffers (the dp
     layout's all-to-all peers included) and the vision tower's activations beside the reserve, and reports the
     usable bytes, the margin beyond one max_seq_len sequence, and the host memory peak per rank (the plan streamed
     to disk: at most 1.5 x the rank's weights; twice them with bindings that build into one plan buffer)."""

@@ -272,7 +272,7 @@ def test_inner_triton_matches_reference(name, block_n):
 
 @inner_triton
 def test_inner_triton_reads_keys_through_the_pool_table():
-    """Issue 18, defect 4: the kernel reads the key pool only through the pool table (here row 1 of two: the
+    """The kernel reads the key pool only through the pool table (here row 1 of two: the
     NaN pool of row 0 would poison the scores); a garbage row reads no pool memory (finite scores, valid ids)."""
     from moe_export.plugins.dsa_indexer import triton_kernel
     from moe_export.plugins.pool_table import device_pool_table
@@ -307,7 +307,7 @@ def test_inner_triton_small_chunks_match_reference():
 
 
 def test_chunked_topk_matches_one_sort_without_host_sync():
-    """Issue 18, defect 3/8: the indexer's top-k runs in bounded chunks (a running top-k merged chunk by chunk,
+    """The indexer's top-k runs in bounded chunks (a running top-k merged chunk by chunk,
     ties to the lower position) with no value read back to the host; equal to one stable sort of all scores."""
     from host_sync import no_host_sync
 

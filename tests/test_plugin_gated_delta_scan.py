@@ -242,7 +242,7 @@ def test_inner_triton_value_tiles_and_state_carry():
 
 @inner_triton
 def test_inner_triton_pool_matches_node_reference():
-    """Issue 18, defect 4: the kernel reaches the state pool only through the pool table (here row 1 of two)
+    """The kernel reaches the state pool only through the pool table (here row 1 of two)
     and advances its slots in place; the other pool is untouched, and a garbage row touches no pool."""
     from moe_export.plugins.gated_delta_scan import triton_kernel
     from moe_export.plugins.pool_table import device_pool_table

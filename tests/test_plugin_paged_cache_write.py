@@ -109,7 +109,7 @@ def test_aot_compile_produces_ptx():
 
 
 def test_pool_table_guard_refuses_garbage_before_launching():
-    """Issue 18, defect 4: a null or misaligned pool address, a check word that does not match, a capacity of 0,
+    """A null or misaligned pool address, a check word that does not match, a capacity of 0,
     a row or a block beyond the pool are clear errors before any kernel is launched (on this machine without
     TRITON_INTERPRET a launch on CPU tensors would fail with another error)."""
     from moe_export.plugins.pool_table import PoolTableError, check_pool_offsets, check_pool_table, table_row
@@ -156,7 +156,7 @@ def test_inner_triton_matches_reference(name, dtype):
 @inner_triton
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_inner_triton_writes_through_the_pool_table(dtype):
-    """Issue 18, defect 4: the kernel gets no pool argument, only the pool table (here two pools; the write goes
+    """The kernel gets no pool argument, only the pool table (here two pools; the write goes
     to row 1's pool, in place, and row 0's stays as it was) and passes the rows on as its output."""
     from moe_export.plugins.pool_table import device_pool_table
 

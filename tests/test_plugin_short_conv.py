@@ -180,7 +180,7 @@ def test_inner_triton_matches_reference(name):
 
 @inner_triton
 def test_inner_triton_pool_matches_node_reference():
-    """Issue 18, defect 4: the kernel reaches the window pool only through the pool table (here the pool is row 1
+    """The kernel reaches the window pool only through the pool table (here the pool is row 1
     of two) and advances its slots in place; the other pool is untouched."""
     from moe_export.plugins.pool_table import device_pool_table
     from moe_export.plugins.short_conv import triton_kernel

@@ -362,7 +362,7 @@ inner_triton = pytest.mark.triton_inner  # deselected outside the interpreter su
 
 @inner_triton
 def test_inner_triton_reads_through_the_pool_table():
-    """Issue 18, defect 4: the kernel reads the pool only through the pool table (here row 1 of two: a NaN pool
+    """The kernel reads the pool only through the pool table (here row 1 of two: a NaN pool
     at row 0 would poison the result); a garbage row reads no pool memory (a NaN pool leaves the result finite)."""
     from moe_export.plugins.pool_table import device_pool_table
     from moe_export.plugins.sparse_mla_attention import triton_kernel

@@ -509,7 +509,7 @@ def test_stream_events_validate_against_the_sdks_own_models(server):
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds
 
 
-# --- issue 21: what real clients found ----------------------------------------------------------------
+# --- what real clients found ----------------------------------------------------------------
 
 # string lengths are bounded so that a random-weight model ends its strings (the grammar's job is what they hold)
 NOTE_SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 24}, "mood": {"enum": ["good", "bad"]},

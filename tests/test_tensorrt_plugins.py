@@ -64,7 +64,7 @@ def test_plugins_under_real_tensorrt_plugin_package(version, tiny_graphs):
 
 @pytest.mark.parametrize("version", sorted(PINNED_WHEELS))
 def test_pool_plugin_impls_in_the_interpreter(version):
-    """Issue 18, defect 4: the five pool plugins' JIT impl bodies, called as QDP calls them, reach their pools only
+    """The five pool plugins' JIT impl bodies, called as QDP calls them, reach their pools only
     through the pool table and match the references (`tensorrt_impl_checks.py`, Triton's interpreter)."""
     plugin_package_dir(version)
     env = dict(os.environ, MOE_EXPORT_TRT_VERSION=version, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")

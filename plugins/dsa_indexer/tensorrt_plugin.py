@@ -9,7 +9,7 @@ Importing this module registers `moe_export::DSAIndexer` (name = op type, namesp
 `plugin_namespace` attribute, version "1"). Only a JIT `impl` (Python callback) is provided, so engines need
 Python at runtime. TensorRT may run the impl while timing tactics with garbage inputs: the index inputs are
 clamped first (`clamp_ragged_indices`, on the device) and the kernel reads no pool memory through a garbage pool
-table row. The key pool is no tensor of the network (issue 18, defect 4): input 2 is the pool table
+table row. The key pool is no tensor of the network: input 2 is the pool table
 (`plugins/pool_table.py`), fields `pool` (its row), `block_size` and `pool_dtype` describe the pool.
 
 No host synchronization and bounded scratch: candidates span the block table's capacity (from shapes), and

@@ -11,7 +11,7 @@ Importing this module registers ``moe_export::GatedDeltaScan`` (name = op type, 
 ``use_qk_l2norm`` and ``pool`` (INT32) as fields (see ``plugins/tensorrt_common.py`` for why they are 1-element
 arrays).
 
-- The state pool is no tensor of the network (issue 18, defect 4): the plugin takes the pool table
+- The state pool is no tensor of the network: the plugin takes the pool table
   (`plugins/pool_table.py`) and its row (field ``pool``); the kernel reads each state tile before writing it,
   in place, and only the N addressed slots are touched. No aliased output.
 - ``impl`` (JIT, needs Python in the engine) launches the kernel on TensorRT's stream.

@@ -9,7 +9,7 @@ fields, output type and shape (no aliasing), and the `aot_impl` launch parameter
 Importing this module registers `moe_export::PagedCacheWrite` (name = op type, namespace = the node's
 `plugin_namespace` attribute, version "1"); fields `pool`, `block_size` (INT32) and `pool_dtype` (CHAR).
 
-- The pool is no tensor of the network (issue 18, defect 4): input 0 is the pool table (`plugins/pool_table.py`),
+- The pool is no tensor of the network: input 0 is the pool table (`plugins/pool_table.py`),
   the kernel writes the step's rows into row `pool`'s pool in place, O(tokens); the output `rows_out` is the rows
   passed on, which the pool's readers take as their new rows (so TensorRT runs them after the write).
 - `impl` (JIT) launches the kernel on TensorRT's stream; `aot_impl` compiles it for the target GPU (its PTX,

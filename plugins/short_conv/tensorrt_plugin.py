@@ -9,7 +9,7 @@ compile (cubin and PTX for sm_90). The kernel itself is tested in the interprete
 Importing this module registers ``moe_export::ShortConv`` (name = op type, namespace = the node's
 ``plugin_namespace`` attribute, version "1"). The window pool is no tensor of the network: the plugin takes the
 pool table (`plugins/pool_table.py`) and its row (field ``pool``), and the kernel writes the N addressed slots in
-place (issue 18, defect 4; no aliased output). ``impl`` (JIT) launches the kernel on TensorRT's stream;
+place (no aliased output). ``impl`` (JIT) launches the kernel on TensorRT's stream;
 ``aot_impl`` compiles the same kernel for the target GPU (its PTX, entry parameters exactly as TensorRT passes them: `tensorrt_common.aot_kernel_code`): parameters are the 5 input
 pointers, the int32 extras pool (the table row) and T (tokens), then the y pointer; grid (cdiv(C, BC), N). Triton's two scratch
 parameters are removed from the PTX entry (``tensorrt_common.aot_kernel_code``).

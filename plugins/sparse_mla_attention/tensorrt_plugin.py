@@ -10,7 +10,7 @@ the token -> sequence search and the block-table lookup done in the kernel).
 Importing this module registers `moe_export::SparseMLAAttention` (name = op type, namespace = the node's
 `plugin_namespace` attribute, version "1"); `scale` arrives as one FLOAT32, `kv_lora_rank`, `pool` and
 `block_size` as one INT32 each, `pool_dtype` (fp32 / bf16 / fp8) as CHAR bytes. The latent cache is no tensor of
-the network (issue 18, defect 4): input 1 is the pool table (`plugins/pool_table.py`), field `pool` its row.
+the network: input 1 is the pool table (`plugins/pool_table.py`), field `pool` its row.
 QDP input lists are fixed, so the plugin always has seven inputs: the TensorRT graph gives dense-causal layers an
 empty [0, 0] int64 `topk_indices`, which the op defines as dense (see `reference.py`).
 
