@@ -94,13 +94,15 @@ class SamplingParams:
 
     @classmethod
     def from_flags(
-        cls, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-        seed: int | None = None, max_tokens: int = 256,
+        cls, defaults: SamplingParams, temperature: float | None = None, top_k: int | None = None,
+        top_p: float | None = None, seed: int | None = None, max_tokens: int = 256,
     ) -> SamplingParams:
-        """Command-line semantics: greedy unless a sampling flag is given; top-k / top-p alone sample at temperature 1."""
-        if temperature is None:
-            temperature = 1.0 if top_k is not None or top_p is not None else 0.0
-        return cls(temperature, top_k or 0, 1.0 if top_p is None else top_p, seed, max_tokens)
+        """Command-line sampling: the engine's defaults (`LLM.default_sampling`: generation_config.json, else greedy)
+        with the flags given on top; top-k / top-p given over greedy defaults sample at temperature 1."""
+        if temperature is None and defaults.greedy and (top_k is not None or top_p is not None):
+            temperature = 1.0
+        return replace(defaults, **{k: v for k, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
+                                                      ("seed", seed), ("max_tokens", max_tokens)) if v is not None})
 
     @property
     def longest_stop(self) -> int:

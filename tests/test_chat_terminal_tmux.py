@@ -50,7 +50,7 @@ class Steered(LLM):
 
 
 terminal.LLM = Steered
-terminal.chat_terminal(sys.argv[1], effort="none", sampling=SamplingParams(temperature=0, max_tokens=600),
+terminal.chat_terminal(sys.argv[1], effort="none", flags={"temperature": 0, "max_tokens": 600},
                        history_path=sys.argv[2])
 print("SESSION-ENDED")
 '''

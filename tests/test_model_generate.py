@@ -40,9 +40,18 @@ def test_model_defaults_come_from_generation_config():
 
 
 def test_from_flags():
-    assert SamplingParams.from_flags().greedy
-    assert SamplingParams.from_flags(top_k=5) == SamplingParams(temperature=1.0, top_k=5)
-    assert SamplingParams.from_flags(temperature=0.7, top_p=0.9, seed=4) == SamplingParams(0.7, 0, 0.9, 4)
+    """Flags over the engine's defaults: greedy defaults stay greedy, top-k / top-p alone sample at temperature 1;
+    sampling defaults (generation_config.json) stay unless a flag replaces them."""
+    from moe_export.runtime.sampling import model_defaults
+
+    greedy = SamplingParams()
+    assert SamplingParams.from_flags(greedy).greedy
+    assert SamplingParams.from_flags(greedy, top_k=5) == SamplingParams(temperature=1.0, top_k=5, max_tokens=256)
+    assert SamplingParams.from_flags(greedy, temperature=0.7, top_p=0.9, seed=4) == SamplingParams(0.7, 0, 0.9, 4)
+    model = model_defaults({"temperature": 0.6, "top_p": 0.95})
+    assert SamplingParams.from_flags(model, max_tokens=7) == SamplingParams(0.6, 0, 0.95, None, 7)
+    assert SamplingParams.from_flags(model, top_k=3).temperature == 0.6
+    assert SamplingParams.from_flags(model, temperature=0).greedy
 
 
 @pytest.fixture(scope="module")

@@ -213,7 +213,7 @@ def test_terminal_image_command(runtime_engine, tmp_path, capsys):
     path = tmp_path / "p.png"
     picture(4, 60, 90, alpha=True).save(path)
     lines = f"/image {tmp_path / 'missing.png'}\n/image {path}\nWhat is it?\n/exit\n"
-    chat_terminal(runtime_engine("tiny-k3", 1, 1, 1), effort="none", sampling=SamplingParams(temperature=0, max_tokens=3),
+    chat_terminal(runtime_engine("tiny-k3", 1, 1, 1), effort="none", flags={"temperature": 0, "max_tokens": 3},
                   stdin=io.StringIO(lines))
     out = capsys.readouterr().out
     assert "missing.png: cannot read" in out and "attached to your next message" in out

@@ -26,3 +26,19 @@ def open_engine(engine_dir: str | Path, **kwargs):
     from moe_export.runtime.engine.ort import Engine
 
     return Engine(engine_dir, **kwargs)
+
+
+def model_eos_ids(model_config: dict) -> list[int]:
+    """The stop ids of an HF config dict: `eos_token_ids` when present, else `eos_token_id` (int or list)."""
+    text = model_config.get("text_config") or {}
+    for key in ("eos_token_ids", "eos_token_id"):
+        value = model_config.get(key, text.get(key))
+        if value is not None:
+            return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+    return []
+
+
+def engine_eos_ids(engine) -> list[int]:
+    """Every stop id of an engine: the build's `eos_token_ids` (config.json and generation_config.json
+    together), else those of its HF config."""
+    return list((engine.config.eos_token_ids if engine.config is not None else ()) or model_eos_ids(engine.model_config))

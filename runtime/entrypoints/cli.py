@@ -216,17 +216,17 @@ def generate(
 ) -> None:
     """Generate with an engine directory (all ranks in process, or one rank per process under
     `mpiexec -n WORLD`, rank 0 printing) or with the fp32 PyTorch reference model on a checkpoint.
-    Greedy unless a sampling flag is given."""
+    Sampling: the model's generation_config.json defaults (else greedy) with the flags given on top."""
     import json
 
     from moe_export.runtime.entrypoints.generate import generate_command
-    from moe_export.runtime.sampling import SamplingParams
     from moe_export.runtime.tokenizer import load_tokenizer
 
     if max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     _check_seed(seed)
-    tokens = generate_command(path, prompt_ids, prompt, SamplingParams.from_flags(temperature, top_k, top_p, seed, max_new_tokens))
+    flags = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed, "max_tokens": max_new_tokens}
+    tokens = generate_command(path, prompt_ids, prompt, flags)
     if tokens is None:  # a follower rank under mpiexec: rank 0 prints
         return
     if as_json:
@@ -251,11 +251,11 @@ def chat(
     editor with history, Ctrl-C cancels an answer; /effort low|high|max|none, /reset, /help, /exit. Under
     `mpiexec -n WORLD`, rank 0 talks to the terminal."""
     from moe_export.runtime.entrypoints.terminal import chat_terminal
-    from moe_export.runtime.sampling import SamplingParams
 
     _check_seed(seed)
     chat_terminal(engine, effort=effort, system=system, history_path=history,
-                  sampling=SamplingParams.from_flags(temperature, top_k, top_p, seed, max_tokens))
+                  flags={"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,
+                         "max_tokens": max_tokens})
 
 
 @app.command()

@@ -16,22 +16,6 @@ from moe_export.runtime.engine.reference import ReferenceEngine
 from moe_export.runtime.sampling import SamplingParams
 
 
-def model_eos_ids(model_config: dict) -> list[int]:
-    """The stop ids of an HF config dict: `eos_token_ids` when present, else `eos_token_id` (int or list)."""
-    text = model_config.get("text_config") or {}
-    for key in ("eos_token_ids", "eos_token_id"):
-        value = model_config.get(key, text.get(key))
-        if value is not None:
-            return [int(v) for v in value] if isinstance(value, list) else [int(value)]
-    return []
-
-
-def engine_eos_ids(engine) -> list[int]:
-    """Every stop id of an engine: the build's `eos_token_ids` (config.json and generation_config.json
-    together), else those of its HF config."""
-    return list((engine.config.eos_token_ids if engine.config is not None else ()) or model_eos_ids(engine.model_config))
-
-
 def generate_tokens(engine, prompt_ids: list[int], sampling: SamplingParams | None = None,
                     eos_token_ids=(), sample_vocab: int | None = None) -> list[int]:
     """New token ids of one prompt (rank 0 of `engine`), through the scheduler; the stop token is included."""
@@ -99,31 +83,33 @@ def resolve_prompt(
     return parse_prompt_ids(prompt_ids, vocab_size)
 
 
-def generate_command(path: str | Path, prompt_ids: str | None, prompt: str | None, sampling: SamplingParams
-                     ) -> list[int] | None:
-    """`moe-export generate` on an engine directory or an HF checkpoint: the new token ids (None on
-    non-root ranks under mpiexec, which follow rank 0's steps)."""
+def generate_command(path: str | Path, prompt_ids: str | None, prompt: str | None, flags: dict) -> list[int] | None:
+    """`moe-export generate` on an engine directory or an HF checkpoint: the new token ids (None on non-root ranks under
+    mpiexec, which follow rank 0's steps). `flags`: SamplingParams.from_flags' keywords (temperature, top_k, top_p,
+    seed, max_tokens) over the defaults of the model's generation_config.json. An engine runs through `LLM`, as every
+    entry point does (its stop ids, its defaults); a checkpoint through the fp32 reference model."""
     from moe_export.common.engine_config import is_engine_config
-    from moe_export.common.model_config import ModelConfig
+    from moe_export.common.model_config import ModelConfig, read_generation_config
+    from moe_export.runtime.sampling import model_defaults
 
     if is_engine_config(path):
-        from moe_export.runtime.core.wide_ep import release_ranks, run_rank
-        from moe_export.runtime.engine import open_engine
+        from moe_export.runtime.entrypoints.llm import LLM
 
-        engine = open_engine(path, num_slots=1)
-        if not engine.is_root:
-            run_rank(engine, keep_sessions=False)  # dp layout: a group leader runs its (empty) group's steps
+        llm = LLM(path, num_slots=1, reuse_sessions=False)
+        if not llm.engine.is_root:
+            llm.run_follower()
             return None
         try:
-            ids = resolve_prompt(path, prompt_ids, prompt, engine.config.model.vocab_size, sampling.max_tokens)
-            return generate_tokens(engine, ids, sampling, engine_eos_ids(engine))
+            sampling = SamplingParams.from_flags(llm.default_sampling, **flags)
+            ids = resolve_prompt(path, prompt_ids, prompt, llm.engine.config.model.vocab_size, sampling.max_tokens)
+            return llm.generate([ids], sampling)[0].output_ids
         finally:
-            if engine.comm is not None:
-                release_ranks(engine)  # also after an error
+            llm.shutdown()  # also after an error: the follower ranks are released
     from moe_export.export.planner import check_reference_fits
 
     cfg = ModelConfig.from_pretrained(path)
     check_reference_fits(cfg, str(path))  # before reading any weights
+    sampling = SamplingParams.from_flags(model_defaults(read_generation_config(path)), **flags)
     ids = resolve_prompt(path, prompt_ids, prompt, cfg.vocab_size, sampling.max_tokens)
     engine = ReferenceEngine(load_model(path), max_seq_len=len(ids) + sampling.max_tokens)
     return generate_tokens(engine, ids, sampling, cfg.eos_token_ids)

@@ -33,7 +33,7 @@ from moe_export.runtime.core.budget import ReasoningBudget, resolve_thinking
 from moe_export.runtime.core.scheduler import Request, SequenceUpdate
 from moe_export.runtime.core.sessions import TurnMemory
 from moe_export.runtime.core.wide_ep import open_scheduler, run_rank
-from moe_export.runtime.entrypoints.generate import engine_eos_ids
+from moe_export.runtime.engine import engine_eos_ids
 from moe_export.runtime.images import PromptImages
 from moe_export.runtime.sampling import LogitsProcessor, SamplingParams, model_defaults
 from moe_export.runtime.tokenizer import load_tokenizer

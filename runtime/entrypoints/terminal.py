@@ -110,11 +110,83 @@ class _Interrupt:
             self._previous = None
 
 
-def chat_terminal(engine_dir: str | Path, *, effort: str = "max", sampling: SamplingParams | None = None,
+class _Conversation:
+    """The terminal's conversation state: messages so far, image parts waiting for the next message, the effort."""
+
+    def __init__(self, system: str | None, effort: str) -> None:
+        self.start = [{"role": "system", "content": system}] if system else []
+        self.history = list(self.start)
+        self.images: list[dict] = []  # image parts attached to the next message
+        self.effort = effort
+
+    def command(self, line: str, llm: LLM, console: Console) -> bool:
+        """Run a /command; False for /exit."""
+        cmd, _, arg = line.partition(" ")
+        if cmd in ("/exit", "/quit"):
+            return False
+        try:
+            if cmd == "/help":
+                console.print(HELP_LONG, markup=False)
+            elif cmd == "/reset":
+                self.history, self.images = list(self.start), []
+                console.print("(conversation cleared)", style="dim", markup=False)
+            elif cmd == "/effort":
+                resolve_thinking(arg.strip(), llm.thinking_caps, "max")
+                self.effort = arg.strip()
+                console.print(f"(thinking effort: {self.effort})", style="dim", markup=False)
+            elif cmd == "/image":
+                self.images.append(image_file_part(arg.strip()))
+                console.print(f"(image {arg.strip()} attached to your next message)", style="dim", markup=False)
+            else:
+                console.print(f"(unknown command {visible(cmd)}; /help lists the commands)", style="red", markup=False)
+        except InputError as exc:
+            console.print(f"(error: {exc})", style="red", markup=False)
+        return True
+
+    def answer(self, line: str, llm: LLM, sampling: SamplingParams, console: Console, interrupt: _Interrupt) -> None:
+        """Stream the answer to a user line; the turn is kept only when the answer completed."""
+        content = [{"type": "text", "text": line}, *self.images] if self.images else line
+        self.history.append({"role": "user", "content": content})
+        self.images = []
+        out = None
+        try:
+            with interrupt:
+                stream = llm.chat_stream(self.history, sampling, reasoning_effort=self.effort)
+                try:
+                    for delta in stream:
+                        if delta.reasoning:
+                            console.print(visible(delta.reasoning), style="dim", end="", markup=False)
+                        if delta.content:
+                            console.print(visible(delta.content), end="", markup=False)
+                        out = delta.output or out
+                        if interrupt.requested:
+                            break
+                finally:
+                    stream.close()  # a cancelled answer: the runtime aborts the request now
+        except InputError as exc:  # e.g. the conversation no longer fits max_seq_len
+            self.history.pop()
+            console.print(f"\n(error: {exc})", style="red", markup=False)
+            return
+        if out is None:  # Ctrl-C: the question and its partial answer are dropped
+            self.history.pop()
+            console.print("\n(answer cancelled)", style="yellow", markup=False)
+            return
+        for call in out.tool_calls:
+            console.print(f"\n[tool call] {visible(call['function']['name'])}({visible(call['function']['arguments'])})",
+                          markup=False)
+        u = out.usage
+        console.print(f"\n(prompt {u['prompt_tokens']} tokens, {u['cached_tokens']} reused; reasoning "
+                      f"{u['reasoning_tokens']}; completion {u['completion_tokens']}; {out.finish_reason})",
+                      style="dim", markup=False)
+        self.history.append(out.message())
+
+
+def chat_terminal(engine_dir: str | Path, *, effort: str = "max", flags: dict | None = None,
                   system: str | None = None, stdin: TextIO | None = None, console: Console | None = None,
                   history_path: str | Path | None = None) -> None:
-    """Run the conversation loop until /exit or end of input. history_path: the line editor's history file
-    (terminal input only; default `default_history_path()`)."""
+    """Run the conversation loop until /exit or end of input. flags: SamplingParams.from_flags' keywords over the
+    engine's defaults (`LLM.default_sampling`); history_path: the line editor's history file (terminal input only;
+    default `default_history_path()`)."""
     console = console or Console(highlight=False, soft_wrap=True)
     llm = LLM(engine_dir, default_effort=effort if effort in ("low", "high", "max", "none") else "max")
     if not llm.engine.is_root:
@@ -122,79 +194,17 @@ def chat_terminal(engine_dir: str | Path, *, effort: str = "max", sampling: Samp
         return
     try:
         resolve_thinking(effort, llm.thinking_caps, "max")
-        start = [{"role": "system", "content": system}] if system else []
-        history = list(start)
-        images: list[dict] = []  # image parts attached to the next message
+        sampling = SamplingParams.from_flags(llm.default_sampling, **(flags or {}))
+        talk = _Conversation(system, effort)
         console.print(f"moe-export chat ({llm.family or 'no chat format'}, effort {effort}). {HELP}", style="dim", markup=False)
         read_line = _line_reader(stdin, console, Path(history_path) if history_path else default_history_path())
         interrupt = _Interrupt()
-        while True:
-            line = read_line()
-            if line is None:
-                break
+        while (line := read_line()) is not None:
             line = line.strip()
-            if not line:
-                continue
             if line.startswith("/"):
-                cmd, _, arg = line.partition(" ")
-                if cmd in ("/exit", "/quit"):
+                if not talk.command(line, llm, console):
                     break
-                if cmd == "/help":
-                    console.print(HELP_LONG, markup=False)
-                elif cmd == "/reset":
-                    history, images = list(start), []
-                    console.print("(conversation cleared)", style="dim", markup=False)
-                elif cmd == "/effort":
-                    try:
-                        resolve_thinking(arg.strip(), llm.thinking_caps, "max")
-                    except InputError as exc:
-                        console.print(f"(error: {exc})", style="red", markup=False)
-                        continue
-                    effort = arg.strip()
-                    console.print(f"(thinking effort: {effort})", style="dim", markup=False)
-                elif cmd == "/image":
-                    try:
-                        images.append(image_file_part(arg.strip()))
-                    except InputError as exc:
-                        console.print(f"(error: {exc})", style="red", markup=False)
-                        continue
-                    console.print(f"(image {arg.strip()} attached to your next message)", style="dim", markup=False)
-                else:
-                    console.print(f"(unknown command {visible(cmd)}; /help lists the commands)", style="red", markup=False)
-                continue
-            content = [{"type": "text", "text": line}, *images] if images else line
-            history.append({"role": "user", "content": content})
-            images = []
-            out = None
-            try:
-                with interrupt:
-                    stream = llm.chat_stream(history, sampling, reasoning_effort=effort)
-                    try:
-                        for delta in stream:
-                            if delta.reasoning:
-                                console.print(visible(delta.reasoning), style="dim", end="", markup=False)
-                            if delta.content:
-                                console.print(visible(delta.content), end="", markup=False)
-                            out = delta.output or out
-                            if interrupt.requested:
-                                break
-                    finally:
-                        stream.close()  # a cancelled answer: the runtime aborts the request now
-            except InputError as exc:  # e.g. the conversation no longer fits max_seq_len
-                history.pop()
-                console.print(f"\n(error: {exc})", style="red", markup=False)
-                continue
-            if out is None:  # Ctrl-C: the question and its partial answer are dropped
-                history.pop()
-                console.print("\n(answer cancelled)", style="yellow", markup=False)
-                continue
-            for call in out.tool_calls:
-                console.print(f"\n[tool call] {visible(call['function']['name'])}({visible(call['function']['arguments'])})",
-                              markup=False)
-            u = out.usage
-            console.print(f"\n(prompt {u['prompt_tokens']} tokens, {u['cached_tokens']} reused; reasoning "
-                          f"{u['reasoning_tokens']}; completion {u['completion_tokens']}; {out.finish_reason})",
-                          style="dim", markup=False)
-            history.append(out.message())
+            elif line:
+                talk.answer(line, llm, sampling, console, interrupt)
     finally:
         llm.shutdown()
