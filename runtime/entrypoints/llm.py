@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moe_export.common.errors import InputError, InternalError
+from moe_export.common.errors import EngineDead, InputError, RequestFailed
 from moe_export.common.model_config import read_generation_config
 from moe_export.runtime.chat import (
     OutputParser,
@@ -30,7 +30,7 @@ from moe_export.runtime.chat import (
     render_ids,
 )
 from moe_export.runtime.core.budget import ReasoningBudget, resolve_thinking
-from moe_export.runtime.core.scheduler import Request, SequenceUpdate
+from moe_export.runtime.core.contracts import BudgetSpec, Request, SequenceUpdate
 from moe_export.runtime.core.sessions import TurnMemory
 from moe_export.runtime.core.wide_ep import open_scheduler, run_rank
 from moe_export.runtime.entrypoints.generate import engine_eos_ids
@@ -92,7 +92,7 @@ class StreamDelta:
     content: str = ""
     finished: bool = False
     output: ChatOutput | None = None
-    error: str | None = None  # set (with finished) when the runtime ended the request, e.g. a failing logits processor
+    error: str | None = None  # set (with finished) when the engine failed the request (`RequestFailed`)
     thinking_tier: str | None = None  # chats: the tier the core resolved the request's effort to ("none": off)
     logprobs: list[float] | None = None  # per token id, when the request asked for logprobs
     top_logprobs: list[list[tuple[int, float]]] | None = None
@@ -198,14 +198,22 @@ class _Tracked:
 
 
 class _Core:
-    """Scheduler + per-request detokenizing, parsing and budgets: one step -> StreamDeltas. One thread."""
+    """Scheduler + per-request detokenizing, parsing and budgets: one step -> StreamDeltas. One thread.
+
+    A failure confined to one request (its output stage raising here, or the scheduler ending it) becomes a final
+    delta with `error` set; any exception out of the scheduler's step kills the core: `fatal_error` is then an
+    `EngineDead`, raised by every later call, and follower ranks are released."""
 
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
         self.sched = open_scheduler(llm.engine, **llm.scheduler_kwargs())
         self.tracked: dict[str, _Tracked] = {}
+        self.fatal_error: EngineDead | None = None
+        self._released = False
 
     def submit(self, tracked: _Tracked, processors: list[LogitsProcessor] | None) -> None:
+        if self.fatal_error is not None:
+            raise self.fatal_error
         processors = list(processors or ()) + ([tracked.grammar] if tracked.grammar is not None else [])
         self.sched.add(Request(tracked.request_id, tracked.prompt_ids, tracked.sampling, processors, tracked.budget,
                                tracked.images))
@@ -213,7 +221,52 @@ class _Core:
         self.tracked[tracked.request_id] = tracked
 
     def step(self) -> list[StreamDelta]:
-        return [self._delta(u) for u in self.sched.step()]
+        if self.fatal_error is not None:
+            raise self.fatal_error
+        try:
+            updates = self.sched.step()
+        except BaseException as exc:
+            raise self.die(exc) from exc
+        deltas = []
+        for u in updates:
+            if u.request_id not in self.tracked:  # the abort notice of a request this stage failed
+                continue
+            try:
+                deltas.append(self._delta(u))
+            except Exception as exc:  # this request's detokenizing or parsing
+                deltas.append(self._fail(u, exc))
+        return deltas
+
+    def _fail(self, u: SequenceUpdate, exc: Exception) -> StreamDelta:
+        """End a request whose output stage raised (the scheduler frees its slot and blocks)."""
+        tr = self.tracked.pop(u.request_id)
+        if not u.finished:
+            self.sched.abort(u.request_id)
+        return StreamDelta(u.request_id, [], finished=True, thinking_tier=tr.thinking_tier,
+                           error=f"request {u.request_id}: its output could not be processed: {type(exc).__name__}: {exc}")
+
+    def die(self, exc: BaseException) -> EngineDead:
+        """Mark the core dead because of `exc` (kept as the cause) and release follower ranks; the EngineDead."""
+        if self.fatal_error is None:
+            dead = exc if isinstance(exc, EngineDead) else EngineDead(
+                f"the engine core failed and cannot go on: {type(exc).__name__}: {exc}")
+            if dead is not exc:
+                dead.__cause__ = exc
+            self.fatal_error = dead
+            self.tracked.clear()
+            if self.llm.engine.comm is not None:  # (a failed collective step has already stopped every rank)
+                self.shutdown()
+        return self.fatal_error
+
+    def shutdown(self) -> None:
+        """Release follower ranks (once) and the step worker."""
+        if not self._released:
+            self._released = True
+            try:
+                self.sched.shutdown()
+            except Exception:
+                if self.fatal_error is None:
+                    raise
 
     def _delta(self, u: SequenceUpdate) -> StreamDelta:
         tr = self.tracked[u.request_id]
@@ -237,7 +290,7 @@ class _Core:
             if tr.parser is not None:  # what finish() released: a held character, an unfinished tool call
                 delta.reasoning += tr.parser.delta.reasoning
                 delta.content += tr.parser.delta.content
-            delta.error = u.error and f"request {tr.request_id}: {u.error}"
+            delta.error = u.error and f"request {tr.request_id} failed in the engine: {u.error}"
         return delta
 
     def _output(self, tr: _Tracked, u: SequenceUpdate) -> ChatOutput:
@@ -277,7 +330,10 @@ class LLM:
     overlap: run each model step in a worker thread while the host plans the next step and processes the
     previous step's outputs (`Scheduler(overlap=True)`, see `runtime.core.scheduler`; default on, also under
     mpiexec; not in the dp layout; greedy outputs are the same either way).
-    allow_image_urls: image parts may be http(s) URLs, fetched with a size and time limit (default: data URLs only)."""
+    allow_image_urls: image parts may be http(s) URLs, fetched with a size and time limit (default: data URLs only).
+
+    Failures: a request the engine fails raises `RequestFailed` (the others go on); once the engine core is dead
+    (`healthy` False, `fatal_error` the `EngineDead`) every call raises that EngineDead."""
 
     def __init__(self, engine_dir: str | Path, *, default_effort: str = "max", num_slots: int | None = None,
                  num_blocks: int | None = None, threads: int | None = None, reuse_sessions: bool = True,
@@ -399,6 +455,16 @@ class LLM:
 
     # ---- blocking API ---------------------------------------------------------------------------
 
+    @property
+    def fatal_error(self) -> BaseException | None:
+        """What killed the engine core (an `EngineDead`), or None while it serves (always None on follower ranks)."""
+        return self._core.fatal_error if self._core is not None else None
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the engine core can serve requests (False once it is dead)."""
+        return self.fatal_error is None
+
     def _root(self) -> _Core:
         if self._core is None:
             raise InputError("this is a follower rank under mpiexec: call run_follower(); rank 0 serves requests")
@@ -414,15 +480,18 @@ class LLM:
                 for delta in core.step():
                     if delta.request_id in pending:
                         if delta.error:
-                            raise InputError(delta.error)
+                            pending.discard(delta.request_id)
+                            raise RequestFailed(delta.error)
                         if delta.finished:
                             pending.discard(delta.request_id)
                         yield delta
         finally:  # an error, or a consumer that stopped iterating: the rest must not hold slots and blocks
-            for rid in pending:
-                core.sched.abort(rid)
-            if pending:
-                core.step()  # drains the abort notices (no engine step: nothing else is queued)
+            if core.fatal_error is None:
+                for rid in pending:
+                    core.sched.abort(rid)
+                    core.tracked.pop(rid, None)
+                while pending and core.sched.has_work:  # drain the abort notices and any step still in flight
+                    core.step()
 
     def _collect(self, tracked: list[_Tracked], processors=None) -> list[ChatOutput]:
         done = {d.request_id: d.output for d in self._run(tracked, processors) if d.finished}
@@ -456,9 +525,8 @@ class LLM:
                 "keep_sessions": self.reuse_sessions, "prefix_caching": self.prefix_caching,
                 "sample_vocab": self.tokenizer.vocab_size, "overlap": self.overlap}
 
-    def _budget(self, spec: tuple) -> ReasoningBudget:
-        family, cap, starts = spec
-        return ReasoningBudget(self.tokenizer, family, cap, starts_in_reasoning=starts)
+    def _budget(self, spec: BudgetSpec) -> ReasoningBudget:
+        return ReasoningBudget(self.tokenizer, spec.family, spec.cap, starts_in_reasoning=spec.starts_in_reasoning)
 
     def run_follower(self) -> None:
         """Non-root ranks under mpiexec: execute rank 0's steps until it shuts down (dp layout: a group's first
@@ -470,13 +538,17 @@ class LLM:
     def shutdown(self) -> None:
         """Rank 0: release the follower ranks (multi-rank); the LLM takes no requests afterwards."""
         if self._core is not None:
-            self._core.sched.shutdown()
+            self._core.shutdown()
             self._core = None
 
 
 class AsyncLLM:
     """asyncio front end: one background thread owns the scheduler and steps while there is work;
-    requests and aborts reach it through a command list, deltas come back on per-request queues."""
+    requests and aborts reach it through a command list, deltas come back on per-request queues.
+
+    A request the engine fails ends its stream with `RequestFailed`; the others go on. When the engine core dies
+    (`healthy` False, `fatal_error` its `EngineDead`), every open stream and every later request end with that
+    EngineDead (a server answers /health with 503 and exits non-zero)."""
 
     def __init__(self, engine_dir_or_llm: str | Path | LLM, **kwargs) -> None:
         self._owns_llm = not isinstance(engine_dir_or_llm, LLM)
@@ -488,36 +560,46 @@ class AsyncLLM:
         self._commands: list = []
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._closing = False
-        self._failure: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="moe-export-scheduler", daemon=True)
         self._thread.start()
 
     # ---- scheduler thread -----------------------------------------------------------------------
 
+    @property
+    def fatal_error(self) -> BaseException | None:
+        """What killed the engine core (an `EngineDead`), or None while it serves."""
+        return self._core.fatal_error
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the engine core can serve requests (False once it is dead)."""
+        return self._core.fatal_error is None
+
     def _loop(self) -> None:
-        while True:
+        try:
+            while self._turn():
+                pass
+        except BaseException as exc:  # the engine core died: every open stream ends with its EngineDead
+            dead = self._core.die(exc)
             with self._cv:
-                while not self._commands and not self._core.sched.has_work and not self._closing:
-                    self._cv.wait()
-                commands, self._commands = self._commands, []
-                if self._closing and not commands:
-                    for rid in list(self._queues):
-                        self._core.sched.abort(rid)
-            for command in commands:
-                command()
-            try:
-                deltas = self._core.step() if self._core.sched.has_work else []
-            except BaseException as exc:  # the engine failed: every open stream ends with an internal error
-                failure = exc if isinstance(exc, InternalError) else InternalError(f"the engine failed: {type(exc).__name__}: {exc}")
-                failure.__cause__ = exc
-                self._failure = failure
                 for rid in list(self._queues):
-                    self._push(rid, failure)
-                return
-            for d in deltas:
-                self._push(d.request_id, d)
-            if self._closing and not self._core.sched.has_work and not self._commands:
-                return
+                    self._push(rid, dead)
+
+    def _turn(self) -> bool:
+        """Run the queued commands and one step; False when the thread is done (shut down)."""
+        with self._cv:
+            while not self._commands and not self._core.sched.has_work and not self._closing:
+                self._cv.wait()
+            commands, self._commands = self._commands, []
+            if self._closing and not commands:
+                for rid in list(self._queues):
+                    self._core.sched.abort(rid)
+        for command in commands:
+            command()
+        deltas = self._core.step() if self._core.sched.has_work else []
+        for d in deltas:
+            self._push(d.request_id, d)
+        return not (self._closing and not self._core.sched.has_work and not self._commands)
 
     def _push(self, request_id: str, item) -> None:
         target = self._queues.get(request_id)
@@ -530,8 +612,8 @@ class AsyncLLM:
 
     def _command(self, fn) -> None:
         with self._cv:
-            if self._failure is not None:
-                raise self._failure
+            if self._core.fatal_error is not None:
+                raise self._core.fatal_error
             if self._closing:
                 raise InputError("the engine is shut down")
             self._commands.append(fn)
@@ -550,8 +632,12 @@ class AsyncLLM:
         def submit() -> None:
             try:
                 self._core.submit(tracked, processors)
-            except InputError as exc:
+            except (InputError, EngineDead) as exc:
                 self._push(rid, exc)
+            except Exception as exc:  # e.g. its detokenizer could not be made: this request fails alone
+                failed = RequestFailed(f"request {rid} could not be started: {type(exc).__name__}: {exc}")
+                failed.__cause__ = exc
+                self._push(rid, failed)
 
         finished = False
         try:
@@ -563,7 +649,7 @@ class AsyncLLM:
                     raise item
                 if item.error:
                     finished = True
-                    raise InputError(item.error)
+                    raise RequestFailed(item.error)
                 yield item
                 if item.finished:
                     finished = True
@@ -608,7 +694,7 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """Stop a request now; its stream ends with a final delta whose finish_reason is "abort"."""
         with self._cv:
-            if self._closing or self._failure is not None:
+            if self._closing or self._core.fatal_error is not None:
                 return
             self._commands.append(lambda: self._core.sched.abort(request_id))
             self._cv.notify()
