@@ -29,7 +29,8 @@ reasoning budget or grammar raise), whose logits processor fails or whose output
 alone (finish_reason "abort", `SequenceUpdate.error`; its slot and blocks freed). A runner exception fails the
 requests of that step (their slots are freed, so their state is reset for the next user; with overlap, a step
 already planned on its tokens fails too) and the scheduler goes on; `max_failed_steps` failed steps in a row
-raise `EngineDead`. Any other exception out of `step()` means the scheduler itself broke.
+raise `EngineDead`. Any other exception out of `step()` means the scheduler itself broke. Under mpiexec a failed
+step stops every rank instead (see below).
 
 Multi-rank (under mpiexec): rank 0 runs this scheduler and broadcasts every step's plan (slot resets,
 checkpoint restores and saves, chunks with tokens, positions, slots, block tables); the sampled tokens travel

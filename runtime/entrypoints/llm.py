@@ -117,7 +117,7 @@ class LLM:
                 images=None) -> list[int]:
         if self.family is None:
             raise InputError(f"{self.engine.dir}: the tokenizer has no K3 or K2 chat tokens: use generate()")
-        vision = getattr(self.engine, "vision", None)
+        vision = self.engine.vision
         if vision is not None and images is None:  # image parts become their media tokens (`runtime.images`)
             images = PromptImages(self.tokenizer, vision.processor, messages, vision.max_images, self.allow_image_urls,
                                   vision.cached)
@@ -146,7 +146,7 @@ class LLM:
         call (`tool_choice`) or a JSON `response_format` is enforced by grammar-constrained decoding, the same
         way for every entry point (LLM.chat, AsyncLLM, the server, Triton, batch)."""
         plan = resolve_thinking(reasoning_effort, self.thinking_caps, self.default_effort)
-        vision = getattr(self.engine, "vision", None)
+        vision = self.engine.vision
         images = (PromptImages(self.tokenizer, vision.processor, messages, vision.max_images, self.allow_image_urls,
                                vision.cached) if vision else None)
         ids = self._render(messages, plan, tools, tool_choice, response_format, images=images)
