@@ -85,7 +85,8 @@ class LLM:
         self._grammar_vocab: GrammarVocab | None = None
         # the one set of sampling defaults (requests without their own parameters use it)
         self.default_sampling = model_defaults(read_generation_config(engine_dir))
-        self._core = RequestCore(self) if self.engine.is_root else None
+        self._core = (RequestCore(self.engine, self.tokenizer, self.turns, **self.scheduler_kwargs())
+                      if self.engine.is_root else None)
 
     # ---- request preparation (rank 0) -----------------------------------------------------------
 
@@ -195,10 +196,11 @@ class LLM:
 
     def _run(self, tracked: list[Tracked], processors: list[LogitsProcessor] | None = None) -> Iterator[StreamDelta]:
         core = self._root()
-        for tr in tracked:
-            core.submit(tr, processors)
-        pending = {tr.request_id for tr in tracked}
+        pending: set[str] = set()
         try:
+            for tr in tracked:
+                core.submit(tr, processors)
+                pending.add(tr.request_id)
             while pending:
                 for delta in core.step():
                     if delta.request_id in pending:

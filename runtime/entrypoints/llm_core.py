@@ -15,12 +15,13 @@ from moe_export.common.errors import EngineDead
 from moe_export.runtime.chat import OutputParser, ParsedDelta, ParsedMessage
 from moe_export.runtime.core.budget import ReasoningBudget
 from moe_export.runtime.core.contracts import Request, SequenceUpdate
+from moe_export.runtime.core.sessions import TurnMemory
 from moe_export.runtime.core.wide_ep import open_scheduler
+from moe_export.runtime.engine.runner import ModelRunner
 from moe_export.runtime.sampling import LogitsProcessor, SamplingParams
 
 if TYPE_CHECKING:
     from moe_export.runtime.core.structured import GrammarLogitsProcessor
-    from moe_export.runtime.entrypoints.llm import LLM
 
 
 @dataclass
@@ -182,9 +183,9 @@ class RequestCore:
     delta with `error` set; any exception out of the scheduler's step kills the core: `fatal_error` is then an
     `EngineDead`, raised by every later call, and follower ranks are released."""
 
-    def __init__(self, llm: LLM) -> None:
-        self.llm = llm
-        self.sched = open_scheduler(llm.engine, **llm.scheduler_kwargs())
+    def __init__(self, engine: ModelRunner, tokenizer, turns: TurnMemory | None, **scheduler_kwargs) -> None:
+        self.engine, self.tokenizer, self.turns = engine, tokenizer, turns
+        self.sched = open_scheduler(engine, **scheduler_kwargs)
         self.tracked: dict[str, Tracked] = {}
         self.fatal_error: EngineDead | None = None
         self._released = False
@@ -195,7 +196,7 @@ class RequestCore:
         processors = list(processors or ()) + ([tracked.grammar] if tracked.grammar is not None else [])
         self.sched.add(Request(tracked.request_id, tracked.prompt_ids, tracked.sampling, processors, tracked.budget,
                                tracked.images))
-        tracked.out = OutputText(self.llm.tokenizer, tracked.sampling.stop, tracked.parser)
+        tracked.out = OutputText(self.tokenizer, tracked.sampling.stop, tracked.parser)
         self.tracked[tracked.request_id] = tracked
 
     def step(self) -> list[StreamDelta]:
@@ -203,7 +204,7 @@ class RequestCore:
             raise self.fatal_error
         try:
             updates = self.sched.step()
-        except BaseException as exc:
+        except Exception as exc:  # (a KeyboardInterrupt stops the caller, not the core)
             raise self.die(exc) from exc
         deltas = []
         for u in updates:
@@ -232,7 +233,7 @@ class RequestCore:
                 dead.__cause__ = exc
             self.fatal_error = dead
             self.tracked.clear()
-            if self.llm.engine.comm is not None:  # (a failed collective step has already stopped every rank)
+            if self.engine.comm is not None:  # (a failed collective step has already stopped every rank)
                 self.shutdown()
         return self.fatal_error
 
@@ -293,6 +294,6 @@ class RequestCore:
                          msg.tool_call_parse_failures, turn_ids, stop_string,
                          tr.top_logprobs if tr.sampling.logprobs else None,
                          None if tr.grammar is None else tr.grammar.completed)
-        if turn_ids is not None and self.llm.turns is not None and reason != "abort":
-            self.llm.turns.remember(out.message(), turn_ids)
+        if turn_ids is not None and self.turns is not None and reason != "abort":
+            self.turns.remember(out.message(), turn_ids)
         return out
