@@ -289,3 +289,24 @@ def test_a_broken_scheduler_kills_the_engine_at_once(make_llm):
     assert not llm.healthy and isinstance(llm.fatal_error, EngineDead)
     with pytest.raises(EngineDead):
         llm.generate([OTHER], GREEDY)
+
+
+def test_under_mpiexec_a_dead_core_releases_the_follower_ranks(engine_dir):
+    """mpiexec -n 4: rank 0's core dies (its scheduler breaks before a step is broadcast); the followers leave
+    `run_follower()` instead of waiting in the broadcast forever, and every rank exits."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
+    script = Path(__file__).with_name("mpi_dead_core_run.py")
+    r = subprocess.run([mpiexec, "-n", "4", sys.executable, str(script), str(engine_dir)], capture_output=True,
+                       text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [line for line in r.stdout.splitlines() if line.strip()]
+    assert sorted(lines)[:3] == ["released"] * 3 and len(lines) == 4, r.stdout
+    root = json.loads(next(line for line in lines if line != "released"))
+    assert root == {"error": "EngineDead", "later": "EngineDead", "healthy": False}
