@@ -296,6 +296,7 @@ def test_under_mpiexec_a_dead_core_releases_the_follower_ranks(engine_dir):
     `run_follower()` instead of waiting in the broadcast forever, and every rank exits."""
     import json
     import os
+    import re
     import shutil
     import subprocess
     import sys
@@ -306,7 +307,6 @@ def test_under_mpiexec_a_dead_core_releases_the_follower_ranks(engine_dir):
     r = subprocess.run([mpiexec, "-n", "4", sys.executable, str(script), str(engine_dir)], capture_output=True,
                        text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
-    lines = [line for line in r.stdout.splitlines() if line.strip()]
-    assert sorted(lines)[:3] == ["released"] * 3 and len(lines) == 4, r.stdout
-    root = json.loads(next(line for line in lines if line != "released"))
+    assert r.stdout.count("released") == 3, r.stdout  # (the ranks' lines may interleave)
+    root = json.loads(re.search(r"\{.*?\}", r.stdout).group())
     assert root == {"error": "EngineDead", "later": "EngineDead", "healthy": False}
