@@ -25,9 +25,9 @@ class SamplingParams:
 
     temperature 0 means greedy (argmax; top_k / top_p / min_p ignored); top_k 0, top_p 1.0 and min_p 0 disable
     those filters (kept: the top_k most likely tokens, then the smallest set of most likely ones holding top_p
-    of that mass, then those at least min_p times as likely as the most likely one). seed: the request's
-    draws are a function of the seed and the token's index alone (the same alone or in any batch); None
-    draws a random seed. max_tokens: most tokens generated (the stop token included); min_tokens: the eos /
+    of that mass, then those at least min_p times as likely as the most likely one). seed: an unsigned 64-bit
+    integer; the request's draws are a function of the seed and the token's index alone (the same alone or in
+    any batch); None draws a random seed. max_tokens: most tokens generated (the stop token included); min_tokens: the eos /
     stop ids are banned before that many. stop: strings that end generation (the text is cut before the
     first one; the tokens stay in output_ids). stop_token_ids: extra ids that end generation besides the
     model's eos ids (those are ignored when `ignore_eos`). logprobs: report the log-probability of every
@@ -64,8 +64,9 @@ class SamplingParams:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             raise InputError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise InputError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 1 << 64):
+            raise InputError(f"seed must be an unsigned 64-bit integer (0 to 2^64 - 1) or None, got {self.seed!r}")
         if self.max_tokens < 1:
             raise InputError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:

@@ -15,7 +15,8 @@ import json
 import os
 import sys
 
-from moe_export.runtime.core.scheduler import Request, Scheduler, follow
+from moe_export.runtime.core.execution import follow
+from moe_export.runtime.core.scheduler import Request, Scheduler
 from moe_export.runtime.engine.ort import Engine
 from moe_export.runtime.sampling import SamplingParams
 

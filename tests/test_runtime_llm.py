@@ -323,7 +323,7 @@ def test_llm_chat_enforces_a_forced_tool_call_and_a_json_schema(llm):
 
 
 def test_an_engine_failure_is_an_internal_error_not_bad_input(runtime_engine):
-    """A failing step ends every open stream with InternalError (APIs: 500), and later requests get it too."""
+    """A failing step ends its requests with RequestFailed, an InternalError (APIs: 500), never bad input."""
     from moe_export.common.errors import InternalError
     from moe_export.runtime.engine import open_engine
 

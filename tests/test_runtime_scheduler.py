@@ -66,7 +66,7 @@ def test_batched_equals_unbatched_greedy_with_late_joins(engine):
         assert tokens == w, f"request {i}"
         assert updates[-1].finished and updates[-1].finish_reason == "length"
     # nothing leaked: the blocks still in use are the prefix cache's alone
-    assert sched.allocator.used_blocks == sched.stats()["prefix_cached_blocks"] and len(sched.free_slots) == engine.num_slots
+    assert sched.resources.allocator.used_blocks == sched.stats()["prefix_cached_blocks"] and len(sched.resources.free_slots) == engine.num_slots
 
 
 def test_seeded_sampling_is_per_request(engine):
@@ -94,7 +94,7 @@ def test_admission_is_bounded_by_blocks_and_waits(runtime_engine):
     while sched.has_work:
         for u in sched.step():
             got.setdefault(u.request_id, []).extend(u.token_ids)
-        seen_blocks.append(sched.allocator.used_blocks)
+        seen_blocks.append(sched.resources.allocator.used_blocks)
     assert max(seen_blocks) <= 5
     for i, p in enumerate(prompts):
         assert got[f"b{i}"] == alone(eng, p, params)
@@ -107,15 +107,15 @@ def test_abort_frees_state_at_once(engine):
     sched.add(Request("a", PROMPTS[0], SamplingParams(max_tokens=20)))
     sched.add(Request("b", PROMPTS[1], SamplingParams(max_tokens=20, ignore_eos=True)))
     sched.step()
-    used = sched.allocator.used_blocks
+    used = sched.resources.allocator.used_blocks
     assert sched.abort("a")
-    assert sched.allocator.used_blocks < used and len(sched.free_slots) == engine.num_slots - 1
+    assert sched.resources.allocator.used_blocks < used and len(sched.resources.free_slots) == engine.num_slots - 1
     updates = sched.step()
     assert any(u.request_id == "a" and u.finished and u.finish_reason == "abort" for u in updates)
     assert not sched.abort("a")
     while sched.has_work:
         sched.step()
-    assert sched.allocator.used_blocks == sched.stats()["prefix_cached_blocks"]  # the prefix cache's alone
+    assert sched.resources.allocator.used_blocks == sched.stats()["prefix_cached_blocks"]  # the prefix cache's alone
 
 
 def test_stop_ids_stop_strings_and_bad_requests(engine):
@@ -265,29 +265,29 @@ def test_a_failing_rank_stops_the_world(runtime_engine):
 
 
 def test_one_process_hands_the_step_plan_over_unserialized(engine, monkeypatch):
-    """In one process (no communicator) a step's chunks reach the runner as the scheduler built them: the plan
-    carries no serializable copy of them, and nothing is pickled (under mpiexec the plan is broadcast)."""
+    """In one process (no communicator) a step's chunks reach the runner as the scheduler built them (the plan
+    holds those objects) and nothing is pickled (under mpiexec the plan is broadcast)."""
     import pickle
 
-    import moe_export.runtime.core.scheduler as scheduler_module
+    import moe_export.runtime.core.execution as execution_module
 
     assert engine.comm is None
     seen = []
-    run_plan = scheduler_module.run_plan
+    run_plan = execution_module.run_plan
 
-    def spy(eng, plan, chunks=None, sampling=None):
-        seen.append((plan, chunks))
-        return run_plan(eng, plan, chunks, sampling)
+    def spy(eng, plan, sampling=None):
+        seen.append(plan)
+        return run_plan(eng, plan, sampling)
 
     def no_pickling(*args, **kwargs):
         raise AssertionError("the step plan was serialized in one process")
 
-    monkeypatch.setattr(scheduler_module, "run_plan", spy)
+    monkeypatch.setattr(execution_module, "run_plan", spy)
     monkeypatch.setattr(pickle, "dumps", no_pickling)
     monkeypatch.setattr(pickle, "Pickler", no_pickling)
     run_all(Scheduler(engine), [Request("a", PROMPTS[1], SamplingParams(max_tokens=3, ignore_eos=True))])
-    assert len(seen) == 3 and all("chunks" not in plan and chunks for plan, chunks in seen)
-    assert all(type(c).__name__ == "SequenceChunk" for _, chunks in seen for c in chunks)
+    assert len(seen) == 3 and all(plan.chunks for plan in seen)
+    assert all(type(c).__name__ == "SequenceChunk" for plan in seen for c in plan.chunks)
 
 
 def test_planning_ahead_changes_no_token(engine):
@@ -325,7 +325,7 @@ def test_planning_ahead_changes_no_token(engine):
     n = len(PROMPTS[3]) + stop_at + 1
     assert (cached, cached_ahead) == (n - 1, n)  # planned ahead, the stop token's row fed it into the kept state
     assert sched.planned_ahead >= 10
-    assert len(sched.free_slots) + len(sched.sessions) == engine.num_slots and not sched.running
+    assert len(sched.resources.free_slots) + len(sched.resources.sessions) == engine.num_slots and not sched.running
 
 
 def test_the_next_step_is_planned_while_the_runner_runs(engine, monkeypatch):
@@ -337,7 +337,7 @@ def test_the_next_step_is_planned_while_the_runner_runs(engine, monkeypatch):
     sched = Scheduler(engine, overlap=True)
     counts = {"submitted": 0, "done": 0}
     plans_during_a_step = []
-    sample, submit, plan = engine.sample, sched._pool.submit, sched._plan
+    sample, submit, plan = engine.sample, sched.executor.pool.submit, sched._plan
 
     def slow_sample(batch, sampling):
         assert batch.input_ids.min() >= 0, "a future token reached the runner"
@@ -355,7 +355,7 @@ def test_the_next_step_is_planned_while_the_runner_runs(engine, monkeypatch):
         return plan()
 
     monkeypatch.setattr(engine, "sample", slow_sample)
-    monkeypatch.setattr(sched._pool, "submit", counting_submit)
+    monkeypatch.setattr(sched.executor.pool, "submit", counting_submit)
     monkeypatch.setattr(sched, "_plan", recording_plan)
     got = run_all(sched, [Request("a", PROMPTS[1], SamplingParams(max_tokens=6, ignore_eos=True)),
                           Request("b", PROMPTS[3], SamplingParams(max_tokens=6, ignore_eos=True))])

@@ -115,6 +115,10 @@ class PrefixCache:
             return None
         return self._checkpoints.popitem(last=False)[1]
 
+    def free_checkpoint(self, checkpoint: int) -> None:
+        """Give back a taken checkpoint id unnamed (the step that was to write it failed)."""
+        self._free_checkpoints.append(checkpoint)
+
     def add_checkpoint(self, h: bytes, checkpoint: int) -> None:
         """Name a written checkpoint by the hash of the block its state ends (a name already taken: the id goes
         back to the free list)."""

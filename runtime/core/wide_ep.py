@@ -3,7 +3,7 @@
 Roles. World rank 0 holds the API (`LLM`, `AsyncLLM`, `moe-export serve`) and is the first rank of group 0.
 The first rank of every attention group (its leader) runs a `LockstepScheduler` over the group's requests
 and broadcasts each step's plan inside the group; the group's other ranks follow those plans
-(`scheduler.follow`: in the dp layout the engine's broadcast reaches the group only).
+(`execution.follow`: in the dp layout the engine's broadcast reaches the group only).
 
 One world step:
   1. rank 0 sends every leader its new requests and aborts (a broadcast over the leaders);
@@ -25,53 +25,77 @@ its own tokenizer; rank 0 replays the group's tokens into its own copy, so usage
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import cast
 
 import numpy as np
 from moe_export.common.errors import InputError
-from moe_export.runtime.core.scheduler import (
+from moe_export.runtime.core.contracts import (
+    BudgetSpec,
+    GroupControl,
+    GroupReport,
+    RemoteRequest,
     Request,
-    Scheduler,
     SequenceUpdate,
-    follow,
-    stop_the_world,
+    StepPlan,
 )
+from moe_export.runtime.core.execution import follow, stop_the_world
+from moe_export.runtime.core.scheduler import Scheduler
+from moe_export.runtime.core.sequence import Sequence
+from moe_export.runtime.engine.runner import GroupedRunner, ModelRunner
 
-IDLE_PLAN = {"resets": [], "chunks": []}
 PLACEMENT_HISTORY = 4096  # finished requests' prompts remembered for placing follow-up turns
 
 
-class LockstepScheduler(Scheduler):
-    """A group's scheduler: every `step()` runs exactly one engine step, an idle one when nothing is runnable."""
+class LockstepScheduler:
+    """A group's scheduler: every `step()` runs exactly one engine step, an idle one when nothing is runnable
+    (a `Scheduler` without overlap: its idle steps run from `step()` itself, in lockstep with the other groups;
+    a tower call is the group's own business, no collective across groups, and does not count)."""
 
-    supports_overlap = False  # its idle steps run from `step()` itself, in lockstep with the other groups
+    def __init__(self, engine: ModelRunner, **scheduler_kwargs) -> None:
+        self.scheduler = Scheduler(engine, **{**scheduler_kwargs, "overlap": False})
 
     def step(self) -> list[SequenceUpdate]:
-        self._ran = False
-        updates = super().step()
-        if not self._ran:
-            self._execute(IDLE_PLAN)
+        executor = self.scheduler.executor
+        before = executor.steps
+        updates = self.scheduler.step()
+        if executor.steps == before:
+            executor.execute(StepPlan())
         return updates
 
-    def _execute(self, plan: dict, chunks=None, sampling=None):
-        if "vision" not in plan:  # a tower call is the group's own business (no collective across groups)
-            self._ran = True
-        return super()._execute(plan, chunks, sampling)
+    def add(self, request: Request) -> None:
+        self.scheduler.add(request)
+
+    def check(self, request: Request) -> Sequence:
+        return self.scheduler.check(request)
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
 
     @property
     def load(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return self.scheduler.load
+
+    def stats(self) -> dict:
+        return self.scheduler.stats()
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
 
 
-def budget_spec(budget) -> tuple | None:
-    """What a leader needs to rebuild a request's fresh `ReasoningBudget`: (family, cap, starts_in_reasoning)."""
-    return None if budget is None else (budget.family, budget.cap, budget.in_reasoning)
+def budget_spec(budget) -> BudgetSpec | None:
+    """What a leader needs to rebuild a request's fresh `ReasoningBudget`."""
+    return None if budget is None else BudgetSpec(budget.family, budget.cap, budget.in_reasoning)
 
 
 class GroupedScheduler:
     """Rank 0's scheduler over every attention group (the `Scheduler` interface the LLM front ends use):
     group 0 runs here, the others on their leaders; each `step()` is one world step."""
 
-    def __init__(self, engine, **scheduler_kwargs) -> None:
+    def __init__(self, engine: GroupedRunner, **scheduler_kwargs) -> None:
         self.engine = engine
         self.local = LockstepScheduler(engine, **scheduler_kwargs)
         self.leaders = engine.comm.leaders
@@ -79,7 +103,7 @@ class GroupedScheduler:
         self.loads = [0] * self.groups
         self.group_stats: list[dict] = [{} for _ in range(self.groups)]  # the leaders' latest scheduler stats
         self.remote_work = [False] * self.groups
-        self.outbox: list[dict] = [{"add": [], "abort": []} for _ in range(self.groups)]
+        self.outbox = [GroupControl() for _ in range(self.groups)]
         self.placed: dict[str, tuple[int, tuple[int, ...], object]] = {}  # request id -> (group, prompt, budget)
         self.history: OrderedDict[tuple[int, ...], int] = OrderedDict()  # finished prompts -> their group
         # tokens routed to each expert per MoE layer over the world: the last world step's and the running total
@@ -104,8 +128,8 @@ class GroupedScheduler:
         if group == 0:
             self.local.add(request)
         else:
-            self.outbox[group]["add"].append((request.request_id, list(request.prompt_ids), request.sampling,
-                                              budget_spec(request.budget), list(request.images)))
+            self.outbox[group].add.append(RemoteRequest(request.request_id, list(request.prompt_ids), request.sampling,
+                                                        budget_spec(request.budget), list(request.images)))
         self.loads[group] += 1
         self.placed[request.request_id] = (group, tuple(request.prompt_ids), request.budget)
 
@@ -115,13 +139,13 @@ class GroupedScheduler:
         group = self.placed[request_id][0]
         if group == 0:
             return self.local.abort(request_id)
-        self.outbox[group]["abort"].append(request_id)
+        self.outbox[group].abort.append(request_id)
         return True
 
     @property
     def has_work(self) -> bool:
         return (self.local.has_work or any(self.remote_work)
-                or any(box["add"] or box["abort"] for box in self.outbox))
+                or any(box.add or box.abort for box in self.outbox))
 
     def group_of(self, request_id: str) -> int | None:
         entry = self.placed.get(request_id)
@@ -129,25 +153,25 @@ class GroupedScheduler:
 
     def step(self) -> list[SequenceUpdate]:
         """One world step: requests out to the leaders, one engine step everywhere, updates back."""
-        control, self.outbox = self.outbox, [{"add": [], "abort": []} for _ in range(self.groups)]
+        control, self.outbox = self.outbox, [GroupControl() for _ in range(self.groups)]
         try:
             self.leaders.bcast(control, root=0)
             updates = self.local.step()
-            reports = self.leaders.gather(None, root=0)
+            reports: list[GroupReport] = self.leaders.gather(None, root=0)
         except BaseException as exc:
             stop_the_world(self.engine, exc)
             raise
         self.loads[0] = self.local.load
         self.step_expert_tokens = self.engine.group_step_expert_tokens.copy()
-        for group, (group_updates, work, stats, experts) in enumerate(reports[1:], start=1):
-            self.remote_work[group], self.group_stats[group] = work, stats
-            self.loads[group] = stats["waiting"] + stats["running"]
-            self.step_expert_tokens += experts
-            for u in group_updates:
+        for group, report in enumerate(reports[1:], start=1):
+            self.remote_work[group], self.group_stats[group] = report.has_work, report.stats
+            self.loads[group] = report.stats["waiting"] + report.stats["running"]
+            self.step_expert_tokens += report.expert_tokens
+            for u in report.updates:
                 budget = self.placed[u.request_id][2] if u.request_id in self.placed else None
                 for token in u.token_ids if budget is not None else ():
                     budget.observe(token)
-            updates.extend(group_updates)
+            updates.extend(report.updates)
         self.expert_tokens += self.step_expert_tokens
         for u in updates:
             if u.finished and u.request_id in self.placed:
@@ -182,46 +206,48 @@ def expert_load_summary(tokens: np.ndarray) -> dict:
     return {"routed": int(tokens.sum()), "max_over_mean": [round(float(v), 4) for v in ratio]}
 
 
-def lead_group(engine, budget_factory=None, **scheduler_kwargs) -> int:
+def lead_group(engine: GroupedRunner, budget_factory=None, **scheduler_kwargs) -> int:
     """A group leader other than world rank 0: run its group's requests in world steps until rank 0 shuts
     down; returns the number of steps run. `budget_factory(spec)` rebuilds a request's thinking budget."""
     sched = LockstepScheduler(engine, **scheduler_kwargs)
     leaders, steps = engine.comm.leaders, 0
     while True:
         try:
-            control = leaders.bcast(None, root=0)
+            control: list[GroupControl] | None = leaders.bcast(None, root=0)
             if control is None:
                 sched.shutdown()
                 return steps
             mine = control[engine.group]
             rejected = []
-            for rid, prompt, sampling, spec, images in mine["add"]:
-                budget = budget_factory(spec) if spec is not None and budget_factory is not None else None
+            for r in mine.add:
+                budget = budget_factory(r.budget) if r.budget is not None and budget_factory is not None else None
                 try:
-                    sched.add(Request(rid, prompt, sampling, [], budget, images))
+                    sched.add(Request(r.request_id, r.prompt_ids, r.sampling, [], budget, r.images))
                 except InputError as exc:  # rank 0 checked it with the same limits; kept as a safety net
-                    rejected.append(SequenceUpdate(rid, [], None, True, "abort", error=str(exc)))
-            for rid in mine["abort"]:
+                    rejected.append(SequenceUpdate(r.request_id, [], None, True, "abort", error=str(exc)))
+            for rid in mine.abort:
                 sched.abort(rid)
             updates = rejected + sched.step()
-            leaders.gather((updates, sched.has_work, sched.stats(), engine.group_step_expert_tokens), root=0)
+            leaders.gather(GroupReport(updates, sched.has_work, sched.stats(), engine.group_step_expert_tokens), root=0)
         except BaseException as exc:
             stop_the_world(engine, exc)
             raise
         steps += 1
 
 
-def is_grouped(engine) -> bool:
-    """A dp-layout engine under mpiexec: its attention groups run their own requests."""
-    return bool(getattr(engine, "dp_layout", False)) and getattr(engine, "comm", None) is not None
+def is_grouped(engine: ModelRunner) -> bool:
+    """A dp-layout engine under mpiexec (a `GroupedRunner`): its attention groups run their own requests."""
+    return engine.dp_layout and engine.comm is not None
 
 
-def open_scheduler(engine, **scheduler_kwargs):
+def open_scheduler(engine: ModelRunner, **scheduler_kwargs) -> Scheduler | GroupedScheduler:
     """Rank 0's scheduler: `GroupedScheduler` for a dp-layout engine under mpiexec, else a `Scheduler`."""
-    return GroupedScheduler(engine, **scheduler_kwargs) if is_grouped(engine) else Scheduler(engine, **scheduler_kwargs)
+    if is_grouped(engine):
+        return GroupedScheduler(cast(GroupedRunner, engine), **scheduler_kwargs)
+    return Scheduler(engine, **scheduler_kwargs)
 
 
-def release_ranks(engine) -> None:
+def release_ranks(engine: ModelRunner) -> None:
     """World rank 0: let every other rank leave `run_rank` (the leaders, which release their groups, then
     group 0's followers; without groups, the followers)."""
     if is_grouped(engine):
@@ -229,9 +255,9 @@ def release_ranks(engine) -> None:
     engine.comm.broadcast(None)
 
 
-def run_rank(engine, budget_factory=None, **scheduler_kwargs) -> int:
+def run_rank(engine: ModelRunner, budget_factory=None, **scheduler_kwargs) -> int:
     """A rank other than world rank 0: lead its group (dp layout, first rank of a group) or follow its
     leader's plans, until rank 0 shuts down; returns the number of steps run."""
     if is_grouped(engine) and engine.comm.leaders is not None:
-        return lead_group(engine, budget_factory, **scheduler_kwargs)
+        return lead_group(cast(GroupedRunner, engine), budget_factory, **scheduler_kwargs)
     return follow(engine)

@@ -22,6 +22,8 @@ class ReferenceEngine:
     comm = None
     is_root = True
     max_step_pairs = None  # the reference's attention holds [T, context] scores only
+    vision = None  # text only
+    dp_layout = False
 
     def __init__(self, model, *, num_slots: int = 1, max_seq_len: int = 4096, max_num_tokens: int = 8192,
                  block_size: int = 64) -> None:

@@ -18,7 +18,10 @@ class ModelRunner(Protocol):
     num_slots recurrent-state slots, num_blocks cache blocks of block_size tokens, max_seq_len,
     max_num_tokens per step, max_step_pairs (step token x attended position) per step or None. config: the
     engine's config.json as an `export.engine_config.EngineConfig` (None for the reference model, which is not
-    built); model_config: its HF config. Multi-rank: comm (broadcast of step plans; None in one process), is_root."""
+    built); model_config: its HF config. Multi-rank: comm (broadcast of step plans; None in one process), is_root.
+    vision: the image tower (`engine.vision.VisionEncoder`) or None (text only; a runner with one is a
+    `VisionRunner`); dp_layout: attention groups with their own batches (a runner under mpiexec with it is a
+    `GroupedRunner`)."""
 
     num_slots: int
     num_blocks: int
@@ -29,10 +32,12 @@ class ModelRunner(Protocol):
     num_checkpoints: int
     checkpoint_interval: int
     world_size: int
-    comm: object | None
+    comm: StepCommunicator | None
     is_root: bool
     config: EngineConfig | None
     model_config: dict
+    vision: object | None
+    dp_layout: bool
 
     def reset_slot(self, slot: int) -> None:
         """Start a new sequence in `slot` (zero its recurrent state)."""
@@ -51,3 +56,37 @@ class ModelRunner(Protocol):
     def sample(self, batch: StepBatch | None, sampling: SamplingBatch | None) -> SampledTokens | None:
         """Run one step and choose the tokens of `sampling.rows` where the logits are (None: a follower
         rank's step, or an idle step of a dp-layout group): only ids and asked-for logprobs come back."""
+
+
+class StepCommunicator(Protocol):
+    """The host side of a multi-rank runner: `broadcast` of rank 0's step plans (in the world, or in the attention
+    group in the dp layout), the MPI `world`, and `leaders` (the groups' first ranks; None elsewhere)."""
+
+    world: object
+    leaders: object | None
+
+    def broadcast(self, obj): ...
+
+    def group_sum(self, x: np.ndarray) -> np.ndarray: ...
+
+
+class VisionRunner(ModelRunner, Protocol):
+    """A runner with an image tower (`vision` is not None): a step's image rows take `image_width`-wide
+    embeddings; `media_pad_id` is the prompt token each image row stands on."""
+
+    image_width: int
+    media_pad_id: int
+
+    def encode_images(self, items: list) -> list[np.ndarray]:
+        """Run the tower on (pixel_values, grid) items, packed: each image's embeddings [tokens_i, image_width]."""
+
+
+class GroupedRunner(ModelRunner, Protocol):
+    """A dp-layout runner under mpiexec: `dp` attention groups, this rank's `group`; per-expert routed token
+    counts [MoE layers, experts] of its group's last step (`group_step_expert_tokens`) and in all (`expert_tokens`)."""
+
+    comm: StepCommunicator
+    dp: int
+    group: int
+    expert_tokens: np.ndarray
+    group_step_expert_tokens: np.ndarray

@@ -10,7 +10,7 @@ import dataclasses
 from pathlib import Path
 
 from moe_export.export.checkpoint import load_model
-from moe_export.common.errors import InputError
+from moe_export.common.errors import InputError, RequestFailed
 from moe_export.runtime.core.scheduler import Request
 from moe_export.runtime.engine.reference import ReferenceEngine
 from moe_export.runtime.sampling import SamplingParams
@@ -28,7 +28,7 @@ def generate_tokens(engine, prompt_ids: list[int], sampling: SamplingParams | No
         for update in sched.step():
             out.extend(update.token_ids)
             if update.error:
-                raise InputError(update.error)
+                raise RequestFailed(f"request generate failed in the engine: {update.error}")
     return out
 
 

@@ -6,6 +6,7 @@ Both render chats with the engine's tokenizer family, apply the thinking budget 
 content and tool calls, and keep finished turns' state for reuse by the next turn (exact token prefix).
 Under mpiexec, rank 0 holds the API and other ranks call `run_follower()`; with a dp-layout engine rank 0 spreads
 the requests over the attention groups (`runtime.core.wide_ep`) and returns the outputs in prompt order as usual.
+Requests run through `llm_core.RequestCore` (the scheduler and each request's output stage).
 """
 
 from __future__ import annotations
@@ -13,258 +14,33 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-from collections import deque
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moe_export.common.errors import InputError, InternalError
+from moe_export.common.errors import EngineDead, InputError, RequestFailed
 from moe_export.common.model_config import read_generation_config
 from moe_export.runtime.chat import (
     OutputParser,
-    ParsedDelta,
-    ParsedMessage,
     generation_prompt_ids,
     output_starts_in_reasoning,
     render_ids,
 )
 from moe_export.runtime.core.budget import ReasoningBudget, resolve_thinking
-from moe_export.runtime.core.scheduler import Request, SequenceUpdate
+from moe_export.runtime.core.contracts import BudgetSpec
 from moe_export.runtime.core.sessions import TurnMemory
-from moe_export.runtime.core.wide_ep import open_scheduler, run_rank
+from moe_export.runtime.core.wide_ep import run_rank
 from moe_export.runtime.engine import engine_eos_ids
+from moe_export.runtime.entrypoints.llm_core import ChatOutput, RequestCore, StreamDelta, Tracked
 from moe_export.runtime.images import PromptImages
 from moe_export.runtime.sampling import LogitsProcessor, SamplingParams, model_defaults
 from moe_export.runtime.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
-    from moe_export.runtime.core.structured import GrammarLogitsProcessor, GrammarVocab
-
-
-@dataclass
-class ChatOutput:
-    """A finished request. text: the raw decoded output (a final stop token left out, cut before a stop
-    string); reasoning_content / content / tool_calls: the parsed message (chat requests; for plain
-    generation content is the text). usage: prompt_tokens, completion_tokens, reasoning_tokens,
-    cached_tokens (prompt tokens whose state came from a kept session). turn_ids (chats): the assistant
-    turn's tokens, generation prompt and output, which `message()` carries into the next turn. stop_string:
-    the request's stop string the output ended at, if it did."""
-
-    request_id: str
-    prompt_ids: list[int]
-    output_ids: list[int]
-    text: str
-    reasoning_content: str | None
-    content: str | None
-    tool_calls: list[dict]
-    finish_reason: str  # "stop" | "length" | "tool_calls" | "abort"
-    usage: dict
-    logprobs: list[float] | None
-    tool_call_parse_failures: int = 0
-    turn_ids: list[int] | None = None
-    stop_string: str | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None  # per output token, when logprobs were asked
-    grammar_completed: bool | None = None  # a forced tool call / JSON format: the output is a whole sentence of it
-
-    def message(self) -> dict:
-        """The assistant message for the conversation's history (rendered as `turn_ids` next turn)."""
-        msg: dict = {"role": "assistant", "content": self.content or "", "reasoning_content": self.reasoning_content or ""}
-        if self.tool_calls:
-            msg["tool_calls"] = self.tool_calls
-        if self.turn_ids is not None:
-            msg["turn_ids"] = self.turn_ids
-        return msg
+    from moe_export.runtime.core.structured import GrammarVocab
 
 
 GenerationOutput = ChatOutput
-
-
-@dataclass
-class StreamDelta:
-    """New output of one step: token ids (with their logprobs and most likely alternatives when asked), raw text
-    delta and, for chats, parsed reasoning / content deltas."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str = ""
-    reasoning: str = ""
-    content: str = ""
-    finished: bool = False
-    output: ChatOutput | None = None
-    error: str | None = None  # set (with finished) when the runtime ended the request, e.g. a failing logits processor
-    thinking_tier: str | None = None  # chats: the tier the core resolved the request's effort to ("none": off)
-    logprobs: list[float] | None = None  # per token id, when the request asked for logprobs
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-
-
-class _OutputText:
-    """One request's output stage: the scheduler's decoded text (`SequenceUpdate.text`: detokenized once, where
-    the stop strings are checked) streamed and parsed step by step, each step costing O(its new tokens).
-
-    The raw text (special tokens by name) is streamed with a suffix that may begin one of the stop
-    strings held back. The chat parser is fed only tokens whose text has been streamed, so its reasoning /
-    content deltas never show a stop string or what follows it; when the output ends at a stop string, the
-    part of the token it begins in that precedes it reaches the parser as text."""
-
-    def __init__(self, tokenizer, stops: tuple[str, ...], parser: OutputParser | None) -> None:
-        self.tok, self.stops, self.parser = tokenizer, stops, parser
-        self.pieces: list[str] = []
-        self.length = 0  # characters decoded so far
-        self.held = ""  # decoded text not streamed yet
-        self.sent = 0  # characters streamed
-        self.unparsed: deque[tuple[list[int], int]] = deque()  # (ids, end offset) of whole characters, not parsed yet
-        self.partial: list[int] = []  # ids of a character not complete yet
-        self.parsed_to = 0  # end offset of the text the parser has been fed
-
-    def step(self, ids: list[int], piece: str, *, complete: bool, finished: bool, stop_token: bool,
-             stop_index: int | None) -> tuple[str, ParsedDelta]:
-        """New text and parsed delta of `ids`, whose decoded text is `piece` (complete: it ends on a whole
-        character; stop_token: the last id is a stop token, not text; stop_index: where the stop string the
-        output ended at starts in the text)."""
-        self.pieces.append(piece)
-        self.length += len(piece)
-        self.held += piece
-        self.partial += ids[:-1] if stop_token else ids
-        if self.partial and (complete or finished):
-            self.unparsed.append((self.partial, self.length))
-            self.partial = []
-        if finished:
-            end = self.length if stop_index is None else stop_index
-        else:
-            end = self.length - self._stop_prefix_len()
-        cut = max(end - self.sent, 0)
-        text, self.held = self.held[:cut], self.held[cut:]
-        self.sent += cut
-        return text, self._parse(ids, finished, stop_token, stop_index)
-
-    def _stop_prefix_len(self) -> int:
-        """Length of the longest suffix of the held text that begins a stop string (held back from streaming):
-        for each stop, only the positions in its reach where its first character occurs are tried."""
-        held, best = self.held, 0
-        for s in self.stops:
-            i = held.find(s[0], max(len(held) - len(s) + 1, 0))
-            while i != -1:
-                if s.startswith(held[i:]):
-                    best = max(best, len(held) - i)
-                    break
-                i = held.find(s[0], i + 1)
-        return best
-
-    def _parse(self, ids: list[int], finished: bool, stop_token: bool, stop_index: int | None) -> ParsedDelta:
-        delta = ParsedDelta()
-        if self.parser is None:
-            return delta
-
-        def add(d: ParsedDelta) -> None:
-            delta.reasoning += d.reasoning
-            delta.content += d.content
-
-        while self.unparsed and self.unparsed[0][1] <= self.sent:
-            group, self.parsed_to = self.unparsed.popleft()
-            add(self.parser.feed(group))
-        if finished:
-            cut = self.unparsed[0][0] if stop_index is not None and self.unparsed and self.parsed_to < stop_index else []
-            if cut and not any(self.tok.is_special(t) for t in cut):
-                add(self.parser.feed_text(self.text()[self.parsed_to: stop_index]))
-            if stop_token:
-                add(self.parser.feed(ids[-1:]))
-        return delta
-
-    def text(self) -> str:
-        """All text decoded so far (joined once, at the end)."""
-        return "".join(self.pieces)
-
-
-@dataclass
-class _Tracked:
-    """Rank 0's output-side state of one request. turn_start: prompt tokens that open the assistant turn
-    (the generation prompt; chats)."""
-
-    request_id: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    parser: OutputParser | None
-    budget: ReasoningBudget | None
-    turn_start: int = 0
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    cached_tokens: int = 0
-    out: _OutputText | None = None
-    images: list = field(default_factory=list)  # runtime.images.PreparedImage of the prompt's images, in order
-    grammar: GrammarLogitsProcessor | None = None  # tool_choice / response_format enforced, whatever the entry point
-    thinking_tier: str | None = None  # chats: the resolved thinking tier (resolved once, in `prepare_chat`)
-
-
-class _Core:
-    """Scheduler + per-request detokenizing, parsing and budgets: one step -> StreamDeltas. One thread."""
-
-    def __init__(self, llm: LLM) -> None:
-        self.llm = llm
-        self.sched = open_scheduler(llm.engine, **llm.scheduler_kwargs())
-        self.tracked: dict[str, _Tracked] = {}
-
-    def submit(self, tracked: _Tracked, processors: list[LogitsProcessor] | None) -> None:
-        processors = list(processors or ()) + ([tracked.grammar] if tracked.grammar is not None else [])
-        self.sched.add(Request(tracked.request_id, tracked.prompt_ids, tracked.sampling, processors, tracked.budget,
-                               tracked.images))
-        tracked.out = _OutputText(self.llm.tokenizer, tracked.sampling.stop, tracked.parser)
-        self.tracked[tracked.request_id] = tracked
-
-    def step(self) -> list[StreamDelta]:
-        return [self._delta(u) for u in self.sched.step()]
-
-    def _delta(self, u: SequenceUpdate) -> StreamDelta:
-        tr = self.tracked[u.request_id]
-        tr.output_ids += u.token_ids
-        tr.logprobs += u.logprobs or []
-        tr.top_logprobs += u.top_logprobs or []
-        tr.cached_tokens = max(tr.cached_tokens, u.cached_tokens)
-        stop_token = u.finished and u.finish_reason == "stop" and bool(u.token_ids) and u.stop_text_index is None
-        text, parsed = tr.out.step(u.token_ids, u.text, complete=u.text_complete, finished=u.finished,
-                                   stop_token=stop_token, stop_index=u.stop_text_index)
-        delta = StreamDelta(u.request_id, list(u.token_ids), text, parsed.reasoning, parsed.content,
-                            thinking_tier=tr.thinking_tier)
-        if tr.sampling.logprobs:
-            delta.logprobs, delta.top_logprobs = list(u.logprobs or []), list(u.top_logprobs or [])
-        if tr.parser is None:
-            delta.content = text
-        if u.finished:
-            del self.tracked[u.request_id]
-            delta.finished = True
-            delta.output = self._output(tr, u)
-            if tr.parser is not None:  # what finish() released: a held character, an unfinished tool call
-                delta.reasoning += tr.parser.delta.reasoning
-                delta.content += tr.parser.delta.content
-            delta.error = u.error and f"request {tr.request_id}: {u.error}"
-        return delta
-
-    def _output(self, tr: _Tracked, u: SequenceUpdate) -> ChatOutput:
-        whole = tr.out.text()
-        text = whole[: u.stop_text_index]
-        stop_string = None
-        if u.stop_text_index is not None:
-            stop_string = next((s for s in tr.sampling.stop if whole.startswith(s, u.stop_text_index)), None)
-        msg = tr.parser.finish() if tr.parser is not None else ParsedMessage(None, text or None)
-        reason = u.finish_reason
-        if reason == "stop" and msg.tool_calls:
-            reason = "tool_calls"
-        usage = {
-            "prompt_tokens": len(tr.prompt_ids),
-            "completion_tokens": len(tr.output_ids),
-            "reasoning_tokens": tr.budget.reasoning_tokens if tr.budget is not None else 0,
-            "cached_tokens": tr.cached_tokens,
-        }
-        turn_ids = tr.prompt_ids[len(tr.prompt_ids) - tr.turn_start:] + tr.output_ids if tr.parser is not None else None
-        out = ChatOutput(tr.request_id, tr.prompt_ids, tr.output_ids, text, msg.reasoning_content, msg.content,
-                         msg.tool_calls, reason, usage, tr.logprobs if tr.sampling.logprobs else None,
-                         msg.tool_call_parse_failures, turn_ids, stop_string,
-                         tr.top_logprobs if tr.sampling.logprobs else None,
-                         None if tr.grammar is None else tr.grammar.completed)
-        if turn_ids is not None and self.llm.turns is not None and reason != "abort":
-            self.llm.turns.remember(out.message(), turn_ids)
-        return out
 
 
 class LLM:
@@ -277,7 +53,10 @@ class LLM:
     overlap: run each model step in a worker thread while the host plans the next step and processes the
     previous step's outputs (`Scheduler(overlap=True)`, see `runtime.core.scheduler`; default on, also under
     mpiexec; not in the dp layout; greedy outputs are the same either way).
-    allow_image_urls: image parts may be http(s) URLs, fetched with a size and time limit (default: data URLs only)."""
+    allow_image_urls: image parts may be http(s) URLs, fetched with a size and time limit (default: data URLs only).
+
+    Failures: a request the engine fails raises `RequestFailed` (the others go on); once the engine core is dead
+    (`healthy` False, `fatal_error` the `EngineDead`) every call raises that EngineDead."""
 
     def __init__(self, engine_dir: str | Path, *, default_effort: str = "max", num_slots: int | None = None,
                  num_blocks: int | None = None, threads: int | None = None, reuse_sessions: bool = True,
@@ -306,7 +85,8 @@ class LLM:
         self._grammar_vocab: GrammarVocab | None = None
         # the one set of sampling defaults (requests without their own parameters use it)
         self.default_sampling = model_defaults(read_generation_config(engine_dir))
-        self._core = _Core(self) if self.engine.is_root else None
+        self._core = (RequestCore(self.engine, self.tokenizer, self.turns, **self.scheduler_kwargs())
+                      if self.engine.is_root else None)
 
     # ---- request preparation (rank 0) -----------------------------------------------------------
 
@@ -324,8 +104,8 @@ class LLM:
         return list(prompt)
 
     def prepare_generate(self, prompt: str | list[int], sampling: SamplingParams | None = None,
-                         request_id: str | None = None) -> _Tracked:
-        return _Tracked(self._new_id(request_id), self._prompt_ids(prompt), sampling or self.default_sampling, None, None)
+                         request_id: str | None = None) -> Tracked:
+        return Tracked(self._new_id(request_id), self._prompt_ids(prompt), sampling or self.default_sampling, None, None)
 
     def render_chat(self, messages: list[dict], *, tools=None, reasoning_effort=None, tool_choice=None,
                     response_format=None, add_generation_prompt: bool = True) -> list[int]:
@@ -338,7 +118,7 @@ class LLM:
                 images=None) -> list[int]:
         if self.family is None:
             raise InputError(f"{self.engine.dir}: the tokenizer has no K3 or K2 chat tokens: use generate()")
-        vision = getattr(self.engine, "vision", None)
+        vision = self.engine.vision
         if vision is not None and images is None:  # image parts become their media tokens (`runtime.images`)
             images = PromptImages(self.tokenizer, vision.processor, messages, vision.max_images, self.allow_image_urls,
                                   vision.cached)
@@ -362,25 +142,25 @@ class LLM:
 
     def prepare_chat(self, messages: list[dict], sampling: SamplingParams | None = None, *, tools=None,
                      reasoning_effort=None, tool_choice=None, response_format=None, parallel_tool_calls: bool = True,
-                     request_id: str | None = None) -> _Tracked:
+                     request_id: str | None = None) -> Tracked:
         """Render a conversation and set up its budget, output parser and grammar: a forced or required tool
         call (`tool_choice`) or a JSON `response_format` is enforced by grammar-constrained decoding, the same
         way for every entry point (LLM.chat, AsyncLLM, the server, Triton, batch)."""
         plan = resolve_thinking(reasoning_effort, self.thinking_caps, self.default_effort)
-        vision = getattr(self.engine, "vision", None)
+        vision = self.engine.vision
         images = (PromptImages(self.tokenizer, vision.processor, messages, vision.max_images, self.allow_image_urls,
                                vision.cached) if vision else None)
         ids = self._render(messages, plan, tools, tool_choice, response_format, images=images)
         starts = output_starts_in_reasoning(self.family, plan.enabled)
         budget = ReasoningBudget(self.tokenizer, self.family, plan.cap if plan.enabled else None, starts_in_reasoning=starts)
         parser = OutputParser(self.tokenizer, self.family, starts_in_reasoning=starts, tools_declared=bool(tools))
-        tracked = _Tracked(self._new_id(request_id), ids, sampling or self.default_sampling, parser, budget,
+        tracked = Tracked(self._new_id(request_id), ids, sampling or self.default_sampling, parser, budget,
                            self._turn_start[plan.enabled], images=images.order if images else [], thinking_tier=plan.tier)
         if tools or response_format is not None:  # only these may need a grammar
             self._constrain(tracked, tools, tool_choice, response_format, plan.enabled, starts, parallel_tool_calls)
         return tracked
 
-    def _constrain(self, tracked: _Tracked, tools, tool_choice, response_format, thinking: bool, starts: bool,
+    def _constrain(self, tracked: Tracked, tools, tool_choice, response_format, thinking: bool, starts: bool,
                    parallel_tool_calls: bool) -> None:
         """Attach the grammar a request's tools or response_format enforce, if any (xgrammar, which pulls in
         transformers, is imported here: requests without either never load it)."""
@@ -399,32 +179,46 @@ class LLM:
 
     # ---- blocking API ---------------------------------------------------------------------------
 
-    def _root(self) -> _Core:
+    @property
+    def fatal_error(self) -> BaseException | None:
+        """What killed the engine core (an `EngineDead`), or None while it serves (always None on follower ranks)."""
+        return self._core.fatal_error if self._core is not None else None
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the engine core can serve requests (False once it is dead)."""
+        return self.fatal_error is None
+
+    def _root(self) -> RequestCore:
         if self._core is None:
             raise InputError("this is a follower rank under mpiexec: call run_follower(); rank 0 serves requests")
         return self._core
 
-    def _run(self, tracked: list[_Tracked], processors: list[LogitsProcessor] | None = None) -> Iterator[StreamDelta]:
+    def _run(self, tracked: list[Tracked], processors: list[LogitsProcessor] | None = None) -> Iterator[StreamDelta]:
         core = self._root()
-        for tr in tracked:
-            core.submit(tr, processors)
-        pending = {tr.request_id for tr in tracked}
+        pending: set[str] = set()
         try:
+            for tr in tracked:
+                core.submit(tr, processors)
+                pending.add(tr.request_id)
             while pending:
                 for delta in core.step():
                     if delta.request_id in pending:
                         if delta.error:
-                            raise InputError(delta.error)
+                            pending.discard(delta.request_id)
+                            raise RequestFailed(delta.error)
                         if delta.finished:
                             pending.discard(delta.request_id)
                         yield delta
         finally:  # an error, or a consumer that stopped iterating: the rest must not hold slots and blocks
-            for rid in pending:
-                core.sched.abort(rid)
-            if pending:
-                core.step()  # drains the abort notices (no engine step: nothing else is queued)
+            if core.fatal_error is None:
+                for rid in pending:
+                    core.sched.abort(rid)
+                    core.tracked.pop(rid, None)
+                while pending and core.sched.has_work:  # drain the abort notices and any step still in flight
+                    core.step()
 
-    def _collect(self, tracked: list[_Tracked], processors=None) -> list[ChatOutput]:
+    def _collect(self, tracked: list[Tracked], processors=None) -> list[ChatOutput]:
         done = {d.request_id: d.output for d in self._run(tracked, processors) if d.finished}
         return [done[tr.request_id] for tr in tracked]
 
@@ -456,9 +250,8 @@ class LLM:
                 "keep_sessions": self.reuse_sessions, "prefix_caching": self.prefix_caching,
                 "sample_vocab": self.tokenizer.vocab_size, "overlap": self.overlap}
 
-    def _budget(self, spec: tuple) -> ReasoningBudget:
-        family, cap, starts = spec
-        return ReasoningBudget(self.tokenizer, family, cap, starts_in_reasoning=starts)
+    def _budget(self, spec: BudgetSpec) -> ReasoningBudget:
+        return ReasoningBudget(self.tokenizer, spec.family, spec.cap, starts_in_reasoning=spec.starts_in_reasoning)
 
     def run_follower(self) -> None:
         """Non-root ranks under mpiexec: execute rank 0's steps until it shuts down (dp layout: a group's first
@@ -470,13 +263,17 @@ class LLM:
     def shutdown(self) -> None:
         """Rank 0: release the follower ranks (multi-rank); the LLM takes no requests afterwards."""
         if self._core is not None:
-            self._core.sched.shutdown()
+            self._core.shutdown()
             self._core = None
 
 
 class AsyncLLM:
     """asyncio front end: one background thread owns the scheduler and steps while there is work;
-    requests and aborts reach it through a command list, deltas come back on per-request queues."""
+    requests and aborts reach it through a command list, deltas come back on per-request queues.
+
+    A request the engine fails ends its stream with `RequestFailed`; the others go on. When the engine core dies
+    (`healthy` False, `fatal_error` its `EngineDead`), every open stream and every later request end with that
+    EngineDead (a server answers /health with 503 and exits non-zero)."""
 
     def __init__(self, engine_dir_or_llm: str | Path | LLM, **kwargs) -> None:
         self._owns_llm = not isinstance(engine_dir_or_llm, LLM)
@@ -488,36 +285,46 @@ class AsyncLLM:
         self._commands: list = []
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._closing = False
-        self._failure: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="moe-export-scheduler", daemon=True)
         self._thread.start()
 
     # ---- scheduler thread -----------------------------------------------------------------------
 
+    @property
+    def fatal_error(self) -> BaseException | None:
+        """What killed the engine core (an `EngineDead`), or None while it serves."""
+        return self._core.fatal_error
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the engine core can serve requests (False once it is dead)."""
+        return self._core.fatal_error is None
+
     def _loop(self) -> None:
-        while True:
+        try:
+            while self._turn():
+                pass
+        except BaseException as exc:  # the engine core died: every open stream ends with its EngineDead
+            dead = self._core.die(exc)
             with self._cv:
-                while not self._commands and not self._core.sched.has_work and not self._closing:
-                    self._cv.wait()
-                commands, self._commands = self._commands, []
-                if self._closing and not commands:
-                    for rid in list(self._queues):
-                        self._core.sched.abort(rid)
-            for command in commands:
-                command()
-            try:
-                deltas = self._core.step() if self._core.sched.has_work else []
-            except BaseException as exc:  # the engine failed: every open stream ends with an internal error
-                failure = exc if isinstance(exc, InternalError) else InternalError(f"the engine failed: {type(exc).__name__}: {exc}")
-                failure.__cause__ = exc
-                self._failure = failure
                 for rid in list(self._queues):
-                    self._push(rid, failure)
-                return
-            for d in deltas:
-                self._push(d.request_id, d)
-            if self._closing and not self._core.sched.has_work and not self._commands:
-                return
+                    self._push(rid, dead)
+
+    def _turn(self) -> bool:
+        """Run the queued commands and one step; False when the thread is done (shut down)."""
+        with self._cv:
+            while not self._commands and not self._core.sched.has_work and not self._closing:
+                self._cv.wait()
+            commands, self._commands = self._commands, []
+            if self._closing and not commands:
+                for rid in list(self._queues):
+                    self._core.sched.abort(rid)
+        for command in commands:
+            command()
+        deltas = self._core.step() if self._core.sched.has_work else []
+        for d in deltas:
+            self._push(d.request_id, d)
+        return not (self._closing and not self._core.sched.has_work and not self._commands)
 
     def _push(self, request_id: str, item) -> None:
         target = self._queues.get(request_id)
@@ -530,8 +337,8 @@ class AsyncLLM:
 
     def _command(self, fn) -> None:
         with self._cv:
-            if self._failure is not None:
-                raise self._failure
+            if self._core.fatal_error is not None:
+                raise self._core.fatal_error
             if self._closing:
                 raise InputError("the engine is shut down")
             self._commands.append(fn)
@@ -539,7 +346,7 @@ class AsyncLLM:
 
     # ---- asyncio API ----------------------------------------------------------------------------
 
-    async def _stream(self, tracked: _Tracked, processors) -> AsyncIterator[StreamDelta]:
+    async def _stream(self, tracked: Tracked, processors) -> AsyncIterator[StreamDelta]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         rid = tracked.request_id
@@ -550,8 +357,12 @@ class AsyncLLM:
         def submit() -> None:
             try:
                 self._core.submit(tracked, processors)
-            except InputError as exc:
+            except (InputError, EngineDead) as exc:
                 self._push(rid, exc)
+            except Exception as exc:  # e.g. its detokenizer could not be made: this request fails alone
+                failed = RequestFailed(f"request {rid} could not be started: {type(exc).__name__}: {exc}")
+                failed.__cause__ = exc
+                self._push(rid, failed)
 
         finished = False
         try:
@@ -563,7 +374,7 @@ class AsyncLLM:
                     raise item
                 if item.error:
                     finished = True
-                    raise InputError(item.error)
+                    raise RequestFailed(item.error)
                 yield item
                 if item.finished:
                     finished = True
@@ -608,7 +419,7 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """Stop a request now; its stream ends with a final delta whose finish_reason is "abort"."""
         with self._cv:
-            if self._closing or self._failure is not None:
+            if self._closing or self._core.fatal_error is not None:
                 return
             self._commands.append(lambda: self._core.sched.abort(request_id))
             self._cv.notify()

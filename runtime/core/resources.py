@@ -1,0 +1,181 @@
+"""What a running sequence holds: a recurrent-state slot and the cache blocks of its positions, shared with the
+prefix cache (`core.prefix_cache`: named full blocks and state checkpoints) and kept sessions (`core.sessions`).
+
+A sequence is admitted when a slot and the blocks for its prompt plus `max_tokens` are free (cached prefix
+blocks held by nobody else, then kept sessions, are evicted, least recently used first, to make room). It
+resumes from the longest of a kept session it exactly extends or a cached prefix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_export.runtime.core.blocks import BlockAllocator
+from moe_export.runtime.core.prefix_cache import PrefixCache, block_hashes
+from moe_export.runtime.core.sequence import Sequence
+from moe_export.runtime.core.sessions import KeptSequence, SessionCache
+from moe_export.runtime.engine.batch import SequenceChunk
+from moe_export.runtime.engine.runner import ModelRunner
+
+
+@dataclass
+class CheckpointSave:
+    """After a step, `slot`'s state is copied into `checkpoint`, named `name` (the hash of the block it ends)."""
+
+    slot: int
+    checkpoint: int
+    name: bytes
+
+
+class Resources:
+    """Slots, cache blocks, the prefix cache (None when off or the runner has no checkpoint pool) and kept
+    sessions of one scheduler over `engine`."""
+
+    def __init__(self, engine: ModelRunner, *, keep_sessions: bool, prefix_caching: bool) -> None:
+        self.max_seq_len = engine.max_seq_len
+        self.keep_sessions = keep_sessions
+        self.allocator = BlockAllocator(engine.num_blocks, engine.block_size)
+        self.sessions = SessionCache()
+        slots = engine.num_checkpoints
+        self.prefix = PrefixCache(self.allocator, slots, engine.checkpoint_interval) if prefix_caching and slots else None
+        self.free_slots = list(range(engine.num_slots - 1, -1, -1))
+
+    def blocks_for(self, seq: Sequence) -> int:
+        """Blocks covering every position this request may feed (the last sampled token is never fed)."""
+        last = min(seq.prompt_len + seq.request.sampling.max_tokens - 1, self.max_seq_len)
+        return self.allocator.blocks_needed(last)
+
+    def _release_kept(self, kept: KeptSequence) -> None:
+        self.allocator.decref(kept.blocks)
+        self.free_slots.append(kept.slot)
+
+    def _unkeep(self, kept: KeptSequence) -> None:
+        """Give a taken session back untouched (not used after all)."""
+        self.sessions.hits -= 1
+        self.sessions.reused_tokens -= len(kept.tokens)
+        self.sessions.keep(kept)
+
+    def _make_room(self, blocks: int, slot: bool) -> bool:
+        """Free `blocks` cache blocks (and a slot if `slot`): cached prefix blocks held by nobody else first, then
+        kept sessions, least recently used first. False when that is not enough (nothing else is evicted)."""
+        while True:
+            short = blocks - self.allocator.free_blocks
+            if short > 0 and self.prefix is not None and self.prefix.evict_blocks(short):
+                continue
+            if (short > 0 or (slot and not self.free_slots)) and len(self.sessions):
+                self._release_kept(self.sessions.evict_lru())
+                continue
+            return short <= 0 and not (slot and not self.free_slots)
+
+    def admit(self, seq: Sequence, resets: list[int], restores: list[tuple[int, int]]) -> bool:
+        """Give `seq` a slot and its blocks, resuming from a kept session it extends or a cached prefix, whichever
+        is longer (a restored (checkpoint, slot) goes to `restores`, a fresh slot to `resets`); False: must wait."""
+        need = self.blocks_for(seq)
+        key = seq.session_key(len(seq.tokens))
+        kept = self.sessions.take_longest_prefix(list(key)) if self.keep_sessions else None
+        resume, shared, checkpoint, matched = 0, [], None, 0
+        if self.prefix is not None:
+            seq.hashes = block_hashes(key, self.allocator.block_size)
+            resume, shared, checkpoint, matched = self.prefix.match(seq.hashes, len(seq.tokens))
+            if resume and kept is not None and len(kept.tokens) >= resume:
+                self.allocator.decref(shared)
+                resume, shared, checkpoint = 0, [], None
+            elif resume and kept is not None:
+                self._unkeep(kept)
+                kept = None
+        have = len(kept.blocks) if kept is not None else len(shared)
+        if not self._make_room(need - have, kept is None):
+            if kept is not None:
+                self._unkeep(kept)
+            self.allocator.decref(shared)
+            return False
+        if kept is not None:
+            seq.slot, seq.blocks = kept.slot, kept.blocks
+            seq.num_computed = seq.cached_tokens = len(kept.tokens)
+            if need > have:
+                seq.blocks = seq.blocks + self.allocator.allocate(need - have)
+        else:
+            seq.slot = self.free_slots.pop()
+            seq.blocks = shared + self.allocator.allocate(need - have)
+            seq.num_computed = seq.cached_tokens = resume
+            if checkpoint is None:
+                resets.append(seq.slot)
+            else:
+                restores.append((checkpoint, seq.slot))
+        if self.prefix is not None:
+            seq.named = len(shared)
+            seq.targets = self.prefix.checkpoint_targets(len(seq.tokens), seq.num_computed, matched)
+            self.prefix.queried_tokens += len(seq.tokens)
+            self.prefix.hit_tokens += seq.cached_tokens
+        return True
+
+    def release(self, seq: Sequence, keep: bool) -> None:
+        """Hand a sequence's slot and blocks back, or keep them as a session keyed by its computed tokens."""
+        if seq.slot < 0:
+            return
+        if keep and self.keep_sessions and seq.num_computed > 0:
+            used = self.allocator.blocks_needed(seq.num_computed)
+            self.allocator.decref(seq.blocks[used:])
+            replaced = self.sessions.keep(KeptSequence(seq.session_key(seq.num_computed), seq.slot, seq.blocks[:used]))
+            if replaced is not None:
+                self._release_kept(replaced)
+        else:
+            self.allocator.decref(seq.blocks)
+            self.free_slots.append(seq.slot)
+        seq.slot, seq.blocks = -1, []
+
+    def checkpoint_saves(self, scheduled: list[Sequence], chunks: list[SequenceChunk]) -> list[CheckpointSave]:
+        """The sequences whose chunk ends at their next checkpoint target: their state is copied out after the
+        step (a boundary already checkpointed is not copied again). Call before their `num_computed` advances."""
+        if self.prefix is None:
+            return []
+        saves = []
+        for seq, chunk in zip(scheduled, chunks):
+            end = seq.num_computed + len(chunk.tokens)
+            if not seq.targets or seq.targets[0] != end:
+                continue
+            seq.targets.pop(0)
+            h = seq.hashes[end // self.allocator.block_size - 1]
+            if self.prefix.has_checkpoint(h):
+                continue
+            checkpoint = self.prefix.take_checkpoint()
+            if checkpoint is not None:
+                saves.append(CheckpointSave(seq.slot, checkpoint, h))
+        return saves
+
+    def commit_saves(self, saves: list[CheckpointSave]) -> None:
+        """Name the checkpoints a finished step wrote."""
+        for save in saves:
+            self.prefix.add_checkpoint(save.name, save.checkpoint)
+
+    def drop_saves(self, saves: list[CheckpointSave]) -> None:
+        """Give back the checkpoints of a step that failed (their contents are not the states they were to be)."""
+        for save in saves:
+            self.prefix.free_checkpoint(save.checkpoint)
+
+    def name_blocks(self, seq: Sequence, computed: int) -> None:
+        """Name `seq`'s full blocks below position `computed` (where a finished step brought it) in the prefix
+        cache (output blocks too: a later prompt may repeat the answer)."""
+        if self.prefix is None:
+            return
+        full = computed // self.allocator.block_size
+        if full <= seq.named:
+            return
+        if len(seq.hashes) < full:
+            parent = seq.hashes[-1] if seq.hashes else b""
+            seq.hashes += block_hashes(seq.session_key(full * self.allocator.block_size), self.allocator.block_size,
+                                       len(seq.hashes), parent)
+        self.prefix.add_blocks(seq.hashes[seq.named:full], seq.blocks[seq.named:full])
+        seq.named = full
+
+    def stats(self) -> dict:
+        return {
+            "blocks_used": self.allocator.used_blocks,
+            "blocks_total": self.allocator.num_blocks,
+            "kept_sessions": len(self.sessions),
+            "reuse_hits": self.sessions.hits,
+            "reuse_tokens": self.sessions.reused_tokens,
+            "prefix_queried_tokens": self.prefix.queried_tokens if self.prefix else 0,
+            "prefix_hit_tokens": self.prefix.hit_tokens if self.prefix else 0,
+            "prefix_cached_blocks": self.prefix.cached_blocks if self.prefix else 0,
+            "prefix_checkpoints": self.prefix.cached_checkpoints if self.prefix else 0,
+        }

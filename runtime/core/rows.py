@@ -1,0 +1,126 @@
+"""A step's sampling rows: each sampled sequence's row is built on its own (`build_row`: its parameters, forced
+token, grammar bitmask, processors, penalties, bias and bans), so a row that cannot be built fails its request
+only; the rows that were built are packed into the runner's `SamplingBatch` (`pack_rows`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from moe_export.runtime.core.sequence import Sequence
+from moe_export.runtime.engine.sampler import SamplingBatch
+
+U64 = 1 << 64
+
+
+def seed_bits(seed: int) -> int:
+    """An unsigned 64-bit seed as the int64 with the same bits (the sampler hashes the bits); ValueError outside
+    [0, 2^64)."""
+    if not 0 <= seed < U64:
+        raise ValueError(f"seed {seed} is not an unsigned 64-bit integer")
+    return seed - U64 if seed >= U64 >> 1 else seed
+
+
+@dataclass
+class SamplingRow:
+    """One sampled sequence's share of a step's `SamplingBatch` (host values; `pack_rows` makes the tensors).
+    bitmask: its grammar's mask of the next token [W] int32 (None: unconstrained); processors: logits -> logits;
+    seen: prompt + output ids (repetition penalty); output ids with their counts (presence / frequency)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    counter: int
+    forced: int
+    logprobs: int
+    penalized: bool
+    repetition: float
+    presence: float
+    frequency: float
+    bitmask: torch.Tensor | None = None
+    processors: list = field(default_factory=list)
+    seen: np.ndarray | None = None
+    output_ids: np.ndarray | None = None
+    output_counts: np.ndarray | None = None
+    bias: list[tuple[int, float]] = field(default_factory=list)
+    banned: list[int] = field(default_factory=list)
+
+
+def build_row(seq: Sequence, eos_token_ids: frozenset[int]) -> SamplingRow:
+    """`seq`'s sampling row for its next token. Raises whatever its parameters, budget or grammar raise (the
+    caller fails that request alone)."""
+    req = seq.request
+    p = req.sampling
+    n_out = len(seq.tokens) + seq.pending - seq.prompt_len
+    forced = req.budget.forced_token() if req.budget is not None else None
+    row = SamplingRow(float(p.temperature), int(p.top_k), float(p.top_p), float(p.min_p), seed_bits(seq.seed), n_out,
+                      -1 if forced is None else int(forced), p.top_logprobs if p.logprobs else -1, p.penalized,
+                      float(p.repetition_penalty), float(p.presence_penalty), float(p.frequency_penalty))
+    for proc in req.logits_processors:
+        if hasattr(proc, "fill_bitmask"):  # a grammar: one row of the step's bitmask
+            mask = torch.empty(proc.bitmask_width, dtype=torch.int32)
+            if proc.fill_bitmask(seq.output_ids, mask):
+                row.bitmask = mask
+        else:
+            row.processors.append(lambda logits, proc=proc, seq=seq: proc(seq.output_ids, logits))
+    if p.penalized:
+        if p.repetition_penalty != 1:
+            row.seen = np.unique(np.asarray(seq.tokens, dtype=np.int64))
+        if p.presence_penalty != 0 or p.frequency_penalty != 0:
+            row.output_ids, row.output_counts = np.unique(np.asarray(seq.output_ids, dtype=np.int64), return_counts=True)
+    row.bias = [(int(t), float(v)) for t, v in p.logit_bias]
+    if n_out < p.min_tokens:
+        row.banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids))
+    return row
+
+
+def pack_rows(rows: list[SamplingRow], positions: list[int], vocab: int | None) -> SamplingBatch:
+    """The runner's tensors for `rows`, the sampled sequences at step positions `positions`."""
+    sb = SamplingBatch(
+        rows=torch.tensor(positions, dtype=torch.long),
+        temperature=torch.tensor([r.temperature for r in rows], dtype=torch.float32),
+        top_k=torch.tensor([r.top_k for r in rows], dtype=torch.long),
+        top_p=torch.tensor([r.top_p for r in rows], dtype=torch.float32),
+        min_p=torch.tensor([r.min_p for r in rows], dtype=torch.float32),
+        seed=torch.tensor([r.seed for r in rows], dtype=torch.long),
+        counter=torch.tensor([r.counter for r in rows], dtype=torch.long),
+        forced=torch.tensor([r.forced for r in rows], dtype=torch.long),
+        logprobs=torch.tensor([r.logprobs for r in rows], dtype=torch.long),
+        vocab=vocab, processors=[(j, fn) for j, r in enumerate(rows) for fn in r.processors],
+    )
+    masked = [j for j, r in enumerate(rows) if r.bitmask is not None]
+    if masked:
+        sb.bitmask = torch.stack([rows[j].bitmask for j in masked])
+        sb.bitmask_rows = torch.tensor(masked, dtype=torch.long)
+    penalized = [j for j, r in enumerate(rows) if r.penalized]
+    if penalized:
+        _pack_penalties(sb, rows, penalized)
+    bias = [(j, t, v) for j, r in enumerate(rows) for t, v in r.bias]
+    if bias:
+        r, t, v = zip(*bias)
+        sb.logit_bias = (torch.tensor(r), torch.tensor(t), torch.tensor(v, dtype=torch.float32))
+    banned = [(j, t) for j, r in enumerate(rows) for t in r.banned]
+    if banned:
+        r, t = zip(*banned)
+        sb.banned = (torch.tensor(r), torch.tensor(t))
+    return sb
+
+
+def _pack_penalties(sb: SamplingBatch, rows: list[SamplingRow], penalized: list[int]) -> None:
+    """Repetition (prompt and output tokens) and presence / frequency (output token counts) penalties."""
+    sb.penalty_rows = torch.tensor(penalized)
+    sb.repetition = torch.tensor([r.repetition for r in rows], dtype=torch.float32)
+    sb.presence = torch.tensor([r.presence for r in rows], dtype=torch.float32)
+    sb.frequency = torch.tensor([r.frequency for r in rows], dtype=torch.float32)
+    seen = [(j, rows[j].seen) for j in penalized if rows[j].seen is not None]
+    if seen:
+        sb.seen = (torch.from_numpy(np.concatenate([np.full(ids.shape, j) for j, ids in seen])),
+                   torch.from_numpy(np.concatenate([ids for _, ids in seen])))
+    out = [(j, rows[j].output_ids, rows[j].output_counts) for j in penalized if rows[j].output_ids is not None]
+    if out and sum(len(ids) for _, ids, _ in out):
+        sb.output_counts = (torch.from_numpy(np.concatenate([np.full(ids.shape, j) for j, ids, _ in out])),
+                            torch.from_numpy(np.concatenate([ids for _, ids, _ in out])),
+                            torch.from_numpy(np.concatenate([c for _, _, c in out])).float())
