@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Any
 
 # (rank variable, size variable or None) per launcher family, in the order they are checked.
 LAUNCHER_VARS: tuple[tuple[str, str | None], ...] = (
@@ -67,3 +68,22 @@ def device_for_local_rank(local: int, device_count: int) -> int:
         raise RuntimeError(f"local rank {local} but only {device_count} CUDA device(s) visible: start at most "
                            f"{device_count} ranks per node (or fix CUDA_VISIBLE_DEVICES)")
     return local
+
+
+class SerialWorld:
+    """The world of a process no MPI launcher started: one process."""
+
+    rank, size = 0, 1
+
+    def allgather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+
+def world_comm():
+    """MPI.COMM_WORLD when an MPI launcher started this process (mpi4py is imported only then), else a
+    `SerialWorld`; both have rank, size and allgather."""
+    if mpi_world() is None:
+        return SerialWorld()
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD

@@ -6,7 +6,7 @@ have the static bound the graph carries) become plugins (`plugins/collectives/te
 while the engine is being built (`plugins.collectives.nccl.building()` around `build_serialized_network`;
 contract PLUGIN_RUNS_WHILE_BUILDING) and run NCCL at execution with the communicator the runner registers
 (from MPI). So ranks build independently, a step is one enqueue, and the ONNX Runtime backend keeps its
-segments (`export/backends.py`). The vocab gather stays where it is cheapest: after the last-token rows and
+segments (`export/backends/onnxruntime.py`). The vocab gather stays where it is cheapest: after the last-token rows and
 the lm_head, [N, V/tp] per rank.
 
 Placement. The build runs on the GPU of its local rank (`export.mpi.local_rank` -> device), so ranks of one
@@ -43,55 +43,20 @@ listed in the README's backend section.
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
 import numpy as np
 import onnx
 from moe_export.common.atomic import atomic_path
+from moe_export.common.engine_file import ENGINE_KEY, ENGINE_TENSOR, read_engine_file
 from moe_export.common.errors import InputError
 from moe_export.export.planner import GIB, make_plan
-from moe_export.plugins.registry import OP_FOLDERS
+from moe_export.plugins.tensorrt_runtime import import_tensorrt, register_plugins, select_device
 from moe_export.plugins.tensorrt_target import GPU_CAPABILITY, set_target_capability
 
-ENGINE_KEY = "trt_engine"
 DECODE_PAD_SLOTS = 1  # the runner's decode CUDA graphs pad batches onto one spare recurrent-state slot
-ENGINE_TENSOR = "engine"
-MIN_TENSORRT = (10, 9)
 ENGINE_WORKSPACES = ("moe_mxfp4", "dsa_indexer", "moe_all_to_all")  # planner parts that are plugin outputs
-TENSORRT_PLUGIN_FOLDERS = sorted(set(OP_FOLDERS.values()))  # collectives included: inside the engine
-
-
-def import_tensorrt(recipe_name: str):
-    """The `tensorrt` module (>= 10.9), or an InputError saying what to install."""
-    try:
-        import tensorrt as trt
-    except ImportError as exc:
-        raise InputError(
-            f"recipe {recipe_name}: backend 'tensorrt' needs the TensorRT Python package (import failed: {exc}); "
-            "install TensorRT >= 10.9 on a GPU machine, or use backend: onnxruntime"
-        ) from None
-    version = tuple(int(x) for x in trt.__version__.split(".")[:2])
-    if version < MIN_TENSORRT:
-        raise InputError(f"recipe {recipe_name}: TensorRT {trt.__version__} is too old; the plugins need >= 10.9")
-    return trt
-
-
-def register_plugins() -> None:
-    """Import every plugin folder's `tensorrt_plugin` module (each registers its QDP plugins on import)."""
-    for folder in TENSORRT_PLUGIN_FOLDERS:
-        importlib.import_module(f"moe_export.plugins.{folder}.tensorrt_plugin")
-
-
-def select_device() -> int:
-    """Make this rank's GPU (local rank -> device) the current CUDA device; returns its index."""
-    import torch
-    from moe_export.common.mpi import device_for_local_rank, local_rank
-
-    index = device_for_local_rank(local_rank(), torch.cuda.device_count())
-    torch.cuda.set_device(index)
-    return index
 
 
 def profile_range(name: str, axis: int, dim: str | int, limits, pools) -> tuple[int, int, int]:
@@ -224,23 +189,6 @@ def build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path, *, 
         save_file({ENGINE_TENSOR: np.frombuffer(blob, dtype=np.uint8)}, str(tmp), metadata=metadata)
     with atomic_path(cache_path) as tmp:
         tmp.write_bytes(bytes(timing_cache.serialize()))
-
-
-def read_engine_file(path: Path) -> tuple[dict, bytes]:
-    """(metadata `trt_engine`, serialized TensorRT engine) of a `rank{N}.engine` safetensors file."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path}: missing (was this engine built with backend tensorrt?)")
-    with safe_open(str(path), framework="numpy") as f:
-        meta = f.metadata() or {}
-        if ENGINE_KEY not in meta:
-            raise InputError(f"{path}: not a moe-export TensorRT engine file (no {ENGINE_KEY} metadata; engines "
-                             "built before one-engine-per-rank must be rebuilt)")
-        if ENGINE_TENSOR not in f.keys():
-            raise InputError(f"{path}: no {ENGINE_TENSOR!r} tensor")
-        return json.loads(meta[ENGINE_KEY]), f.get_tensor(ENGINE_TENSOR).tobytes()
 
 
 def describe_engine(path: Path) -> dict:

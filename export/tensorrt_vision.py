@@ -26,18 +26,15 @@ from pathlib import Path
 import numpy as np
 import onnx
 from moe_export.common.atomic import atomic_path
+from moe_export.common.engine_file import ENGINE_KEY, ENGINE_TENSOR
 from moe_export.common.errors import InputError
 from moe_export.export.planner import GIB, image_patch_limit, vision_activation_bytes
 from moe_export.export.tensorrt_build import (
-    ENGINE_KEY,
-    ENGINE_TENSOR,
     _checked,
     graph_input_dims,
     import_tensorrt,
     select_device,
 )
-
-VISION_ENGINE = "vision.engine"
 
 
 def vision_profile(model: onnx.ModelProto, recipe, cfg) -> dict[str, list[list[int]]]:

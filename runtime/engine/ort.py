@@ -33,8 +33,8 @@ import onnx
 import torch
 from moe_export.common.engine_config import EngineConfig
 from moe_export.common.errors import InputError
+from moe_export.common.pools import CHECKPOINTS_PER_SLOT, GIB
 from moe_export.common.mpi import mpi_world
-from moe_export.export.planner import CHECKPOINTS_PER_SLOT, GIB, engine_pool_sizes
 from moe_export.graphs.vision_export import VISION_GRAPH
 from moe_export.plugins.collectives import all_to_all
 from moe_export.plugins.paged_cache_write.cpu import paged_cache_write_
@@ -287,7 +287,7 @@ class Engine:
         limits = self.config.limits
         self.num_slots = num_slots or limits.max_batch
         self.max_seq_len, self.max_num_tokens, self.block_size = limits.max_seq_len, limits.max_num_tokens, limits.block_size
-        self.num_blocks = num_blocks or engine_pool_sizes(self.config.recipe, self.config.model, self.num_slots).num_blocks
+        self.num_blocks = num_blocks or self.config.memory.pool_sizes(self.block_size, self.num_slots).num_blocks
         if max_step_pairs is not None and max_step_pairs < 1:
             raise InputError(f"max_step_pairs must be at least 1, got {max_step_pairs}")
         self.max_step_pairs = max_step_pairs or step_pair_budget(self.config)

@@ -61,8 +61,8 @@ from moe_export.common.engine_config import EngineConfig
 from moe_export.common.errors import InputError
 from moe_export.common.model_config import ModelConfig
 from moe_export.common.mpi import mpi_world
-from moe_export.export.planner import CHECKPOINTS_PER_SLOT
-from moe_export.export.tensorrt_build import read_engine_file
+from moe_export.common.engine_file import VISION_ENGINE, rank_engine_name, read_engine_file
+from moe_export.common.pools import CHECKPOINTS_PER_SLOT
 from moe_export.graphs.onnx_export import POOL_TABLE, POOLS_KEY
 from moe_export.plugins.pool_table import pool_table
 from moe_export.runtime.engine.batch import (
@@ -168,11 +168,7 @@ class TensorRTEngine:
         self.config = EngineConfig.read(self.dir)
         if self.config.backend != "tensorrt":
             raise InputError(f"{self.dir}: built for backend {self.config.backend!r}, not tensorrt")
-        from moe_export.export.tensorrt_build import (
-            import_tensorrt,
-            register_plugins,
-            select_device,
-        )
+        from moe_export.plugins.tensorrt_runtime import import_tensorrt, register_plugins, select_device
 
         trt = import_tensorrt(self.config.name)
         import torch
@@ -191,7 +187,7 @@ class TensorRTEngine:
         self.rank = world[0]
         self.group = self.rank // self.tp if self.dp_layout else 0
         rank_dir = self.dir / f"rank{self.rank}"
-        self.meta, blob = read_engine_file(rank_dir / f"rank{self.rank}.engine")
+        self.meta, blob = read_engine_file(rank_dir / rank_engine_name(self.rank))
         self.num_slots, self.num_blocks = runner_pool_sizes(self.meta, limits.max_batch, num_slots, num_blocks)
         self.max_seq_len = limits.max_seq_len
         self.max_num_tokens = limits.max_num_tokens
@@ -248,8 +244,6 @@ class TensorRTEngine:
     def _start_vision_tower(self, trt, torch) -> None:
         """K3: the replicated tower engine (`vision.engine`, `runtime.engine.tensorrt_vision`) and the MPI
         communicator of this rank's attention group its images are spread over; `vision` None without one."""
-        from moe_export.export.tensorrt_vision import VISION_ENGINE
-
         self.media_pad_id = self.model_config.get("media_placeholder_token_id")
         self.vision, self._image_group, self.image_width = None, None, None
         if not (self.dir / VISION_ENGINE).is_file():

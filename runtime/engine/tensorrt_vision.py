@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 from moe_export.common.errors import InputError
-from moe_export.export.tensorrt_build import read_engine_file
+from moe_export.common.engine_file import read_engine_file
 from moe_export.runtime.engine.tensorrt_bind import bind
 
 OUTPUT = "image_embeds"
