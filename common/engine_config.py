@@ -30,20 +30,6 @@ RECIPE_ECHOES = ("target", "quantization", "attention", "limits", "thinking")
 
 
 @dataclass(frozen=True)
-class EngineMapping:
-    """How the engine's ranks split the model (`graphs/sharding.py`)."""
-
-    world_size: int
-    tp_size: int
-    ep_size: int
-    attention: str  # "tp" | "dp"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"world_size": self.world_size, "tp_size": self.tp_size, "ep_size": self.ep_size,
-                "attention": self.attention}
-
-
-@dataclass(frozen=True)
 class EngineConfig:
     """An engine's config.json. recipe: the validated recipe the engine was built from (limits, thinking,
     backend and mapping come from it); pretrained_config: the checkpoint's HF config (`model` parses it);
@@ -77,9 +63,12 @@ class EngineConfig:
         return self.recipe.backend
 
     @property
-    def mapping(self) -> EngineMapping:
-        r = self.recipe
-        return EngineMapping(r.target.world_size, r.parallel.tp, r.parallel.ep, r.parallel.attention)
+    def mapping(self) -> Mapping:
+        """The engine's layout, as rank 0's place in it (`rank_mapping` for another rank's)."""
+        return self.rank_mapping(0)
+
+    def rank_mapping(self, rank: int) -> Mapping:
+        return Mapping.from_recipe(self.recipe, rank)
 
     @property
     def limits(self) -> LimitsSection:
@@ -107,7 +96,7 @@ class EngineConfig:
             "architecture": self.architecture,
             "model_type": self.model_type,
             "pretrained_config": self.pretrained_config,
-            "mapping": self.mapping.to_dict(),
+            "mapping": self.mapping.layout_dict(),
             "ranks": list(self.ranks),
             "backend": self.backend,
             **{section: dump[section] for section in RECIPE_ECHOES},

@@ -17,7 +17,7 @@ One graph per rank handles a packed batch of N sequences (prefill chunks and dec
            which the runtime writes into its pools in place; per MLA layer the step's new cache rows
            (`mla_cache.i.out` [T, kv_lora+rope], `index_cache.i.out` [T, Di], fp32 values already rounded to
            the storage dtype), which the runtime writes at each token's block-table row.
-  TensorRT graphs (backend tensorrt) take no pool and return none (issue 18, defect 4; TensorRT "may insert
+  TensorRT graphs (backend tensorrt) take no pool and return none (TensorRT "may insert
            copies" for aliased plugin I/O): one input `pool_table` [P, 3] int64 holds every pool's device address
            (`plugins/pool_table.py`; the runner owns the pools, one allocation each), the pool ops name their row
            with the attribute `pool` (paged caches also `block_size`, `pool_dtype`), GatedDeltaScan / ShortConv
@@ -663,58 +663,23 @@ class RankGraph:
 
     # ---- the decoder ----
     def build(self) -> onnx.ModelProto:
+        """The rank's decoder over one step: inputs (`_step_inputs`, the pools), every layer, the last tokens' logits
+        [N, vocab] fp32, and where the pools are graph I/O the step's new states and cache rows."""
         g, cfg = self.g, self.cfg
-        f32, i64 = TensorProto.FLOAT, TensorProto.INT64
-        ids = self._input("input_ids", i64, ["T"])
-        io_common = {
-            "positions": self._input("positions", i64, ["T"]),
-            "cu": self._input("cu_seqlens", i64, ["N_plus_1"]),
-            "slots": self._input("slot_ids", i64, ["N"]),
-        }
-        if cfg.mla_layers:
-            io_common["tables"] = self._input("block_tables", i64, ["N", "B"])
-        last = self._input("last_token_index", i64, ["N"])
-        num_seqs = g.op("Squeeze", [g.op("Shape", [io_common["slots"]], "num_seqs.shape"), g.const([0])], "num_seqs")
-        io_common["local_slots"] = g.op("Range", [g.const(0), num_seqs, g.const(1)], "local_slots")  # [N] 0..N-1
+        ids, io_common, last = self._step_inputs()
         h = self.embed(ids)
         if self.has_vision:
             h = self.splice_images(h)
         snaps: list[str] = []
         state_outputs = []
-        eps = cfg.rms_norm_eps
         for i in range(cfg.num_layers):
-            lp = layer_prefix(cfg, i)
-            io = dict(io_common)
-            if cfg.is_kda(i):
-                hl, dh = self.kda_heads, cfg.kda_head_dim
-                io["state"] = self.pool(f"kda_state.{i}", f32, ["S", hl, dh, dh])
-                io["conv"] = self.pool(f"conv_state.{i}", f32, ["S", 3 * hl * dh, cfg.conv_kernel_size - 1])
-            else:
-                io["mla"] = self.pool(f"mla_cache.{i}", self.cache_type, ["NB", "BS", self.row_bytes(cfg.latent_cache_dim)])
-                if self.use_indexer and cfg.has_indexer(i):
-                    io["index"] = self.pool(f"index_cache.{i}", self.cache_type,
-                                            ["NB", "BS", self.row_bytes(cfg.index_head_dim)])
-            attend = self.kda if cfg.is_kda(i) else self.mla
-            if cfg.attn_res_block_size is None:
-                a = attend(i, g.rms_norm(h, lp + "input_layernorm.weight", eps, f"layers.{i}.input_norm"), io)
-                h = g.op("Add", [h, a], f"layers.{i}.attn_residual")
-                mixed, prefix = h, h
-            else:
-                mixed = self.attn_res(h, snaps, lp + "self_attention", f"layers.{i}.attn_res") if snaps else h
-                prefix = h
-                if i % cfg.attn_res_block_size == 0:
-                    snaps.append(h)
-                    prefix = None
-                a = attend(i, g.rms_norm(mixed, lp + "input_layernorm.weight", eps, f"layers.{i}.input_norm"), io)
-                prefix = a if prefix is None else g.op("Add", [prefix, a], f"layers.{i}.attn_residual")
-                mixed = self.attn_res(prefix, snaps, lp + "mlp", f"layers.{i}.mlp_res")
-            x = g.rms_norm(mixed, lp + "post_attention_layernorm.weight", eps, f"layers.{i}.post_norm")
-            f = self.moe(i, x) if cfg.is_moe(i) else self.mlp(x, lp + "mlp.", f"layers.{i}.mlp", self.m.tp)
-            h = g.op("Add", [prefix, f], f"layers.{i}.mlp_residual")
+            io = self._layer_pools(i, io_common)
+            h = self._decoder_layer(i, h, snaps, io)
             for key, pool in (("state_out", f"kda_state.{i}"), ("conv_out", f"conv_state.{i}"),
                               ("mla_out", f"mla_cache.{i}"), ("index_out", f"index_cache.{i}")):
-                if key in io:  # ONNX Runtime: the step's new states / rows, which the runtime writes
+                if key in io:  # pools as graph I/O: the step's new states / rows, which the runtime writes
                     state_outputs.append((io[key], f"{pool}.out"))
+
         def rows(value: str, name: str) -> str:  # the rows of each sequence's last token
             return g.op("Gather", [value, last], name, axis=0)
 
@@ -723,9 +688,71 @@ class RankGraph:
             h = self.attn_res(rows(h, "final.prefix"), last_snaps, model_prefix(cfg) + "output_attn", "final.attn_res")
         else:
             h = rows(h, "final.last_tokens")
-        self._output(self.head(h), "logits", f32, ["N", cfg.vocab_size])
+        self._output(self.head(h), "logits", TensorProto.FLOAT, ["N", cfg.vocab_size])
         if self.form.pools_in_place and self.pools:
-            self._input(POOL_TABLE, i64, [len(self.pools), 3])
+            self._input(POOL_TABLE, TensorProto.INT64, [len(self.pools), 3])
+        self._state_outputs(state_outputs)
+        return self._model()
+
+    def _step_inputs(self) -> tuple[str, dict[str, str], str]:
+        """(input_ids [T], the inputs every layer reads, last_token_index [N]): positions [T], cu_seqlens [N+1],
+        slot_ids [N], block_tables [N, B] (with MLA layers), and local_slots [N] = 0..N-1."""
+        g, i64 = self.g, TensorProto.INT64
+        ids = self._input("input_ids", i64, ["T"])
+        io_common = {
+            "positions": self._input("positions", i64, ["T"]),
+            "cu": self._input("cu_seqlens", i64, ["N_plus_1"]),
+            "slots": self._input("slot_ids", i64, ["N"]),
+        }
+        if self.cfg.mla_layers:
+            io_common["tables"] = self._input("block_tables", i64, ["N", "B"])
+        last = self._input("last_token_index", i64, ["N"])
+        num_seqs = g.op("Squeeze", [g.op("Shape", [io_common["slots"]], "num_seqs.shape"), g.const([0])], "num_seqs")
+        io_common["local_slots"] = g.op("Range", [g.const(0), num_seqs, g.const(1)], "local_slots")  # [N] 0..N-1
+        return ids, io_common, last
+
+    def _layer_pools(self, i: int, io_common: dict[str, str]) -> dict[str, str]:
+        """Layer i's inputs: the common ones and its pools (KDA state [S, H, D, D] fp32 and conv windows
+        [S, 3 H D, W-1]; MLA latent cache [NB, BS, row] and the indexer's key cache)."""
+        cfg, f32 = self.cfg, TensorProto.FLOAT
+        io = dict(io_common)
+        if cfg.is_kda(i):
+            hl, dh = self.kda_heads, cfg.kda_head_dim
+            io["state"] = self.pool(f"kda_state.{i}", f32, ["S", hl, dh, dh])
+            io["conv"] = self.pool(f"conv_state.{i}", f32, ["S", 3 * hl * dh, cfg.conv_kernel_size - 1])
+        else:
+            io["mla"] = self.pool(f"mla_cache.{i}", self.cache_type, ["NB", "BS", self.row_bytes(cfg.latent_cache_dim)])
+            if self.use_indexer and cfg.has_indexer(i):
+                io["index"] = self.pool(f"index_cache.{i}", self.cache_type,
+                                        ["NB", "BS", self.row_bytes(cfg.index_head_dim)])
+        return io
+
+    def _decoder_layer(self, i: int, h: str, snaps: list[str], io: dict[str, str]) -> str:
+        """Layer i over the residual stream h [T, hidden]: attention (KDA or MLA) and FFN (MoE or dense), with
+        plain residuals or, with attention residuals, over the block snapshots `snaps` (appended to here)."""
+        g, cfg = self.g, self.cfg
+        lp, eps = layer_prefix(cfg, i), cfg.rms_norm_eps
+        attend = self.kda if cfg.is_kda(i) else self.mla
+        if cfg.attn_res_block_size is None:
+            a = attend(i, g.rms_norm(h, lp + "input_layernorm.weight", eps, f"layers.{i}.input_norm"), io)
+            h = g.op("Add", [h, a], f"layers.{i}.attn_residual")
+            mixed, prefix = h, h
+        else:
+            mixed = self.attn_res(h, snaps, lp + "self_attention", f"layers.{i}.attn_res") if snaps else h
+            prefix = h
+            if i % cfg.attn_res_block_size == 0:
+                snaps.append(h)
+                prefix = None
+            a = attend(i, g.rms_norm(mixed, lp + "input_layernorm.weight", eps, f"layers.{i}.input_norm"), io)
+            prefix = a if prefix is None else g.op("Add", [prefix, a], f"layers.{i}.attn_residual")
+            mixed = self.attn_res(prefix, snaps, lp + "mlp", f"layers.{i}.mlp_res")
+        x = g.rms_norm(mixed, lp + "post_attention_layernorm.weight", eps, f"layers.{i}.post_norm")
+        f = self.moe(i, x) if cfg.is_moe(i) else self.mlp(x, lp + "mlp.", f"layers.{i}.mlp", self.m.tp)
+        return g.op("Add", [prefix, f], f"layers.{i}.mlp_residual")
+
+    def _state_outputs(self, state_outputs: list[tuple[str, str]]) -> None:
+        """Pools as graph I/O: `<pool>.out` outputs, the step's sequences' new states [N, ...] and new cache rows
+        [T, width] fp32."""
         for value, out_name in state_outputs:
             src = next(v for v in self.inputs if v.name == out_name[: -len(".out")])
             dims = [d.dim_param or d.dim_value for d in src.type.tensor_type.shape.dim]
@@ -733,7 +760,12 @@ class RankGraph:
                 dims[0] = "N"  # the step's sequences only
             else:  # the step's new cache rows, fp32 values
                 dims = ["T", self.cfg.latent_cache_dim if out_name.startswith("mla_cache.") else self.cfg.index_head_dim]
-            self._output(value, out_name, f32, dims)
+            self._output(value, out_name, TensorProto.FLOAT, dims)
+
+    def _model(self) -> onnx.ModelProto:
+        """The graph built so far as a model, with metadata: the rank's mapping, its weights file and (pools in
+        place) the pool table's rows."""
+        g = self.g
         graph = helper.make_graph(g.nodes, f"rank{self.m.rank}", self.inputs, self.outputs, g.initializers)
         model = helper.make_model(
             graph,
