@@ -62,11 +62,17 @@ def local_rank(environ: Mapping[str, str] | None = None) -> int:
     return MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
 
 
-def device_for_local_rank(local: int, device_count: int) -> int:
-    """The GPU a rank uses: one GPU per local rank. More local ranks than visible GPUs is an error (two ranks on
-    one GPU would each size their pools for the whole GPU)."""
+def device_for_local_rank(local: int, device_count: int, environ: Mapping[str, str] | None = None) -> int:
+    """The GPU a rank uses: one GPU per local rank. A launcher that already gave each task its own GPU
+    (`srun --gpus-per-task=1`: CUDA_VISIBLE_DEVICES names one device, the local rank may be anything) leaves
+    device 0. More local ranks than visible GPUs otherwise is an error (two ranks on one GPU would each size
+    their pools for the whole GPU)."""
+    env = os.environ if environ is None else environ
     if device_count < 1:
         raise RuntimeError("no CUDA device is visible to this process")
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if device_count == 1 and len(visible) == 1:
+        return 0
     if local >= device_count:
         raise RuntimeError(f"local rank {local} but only {device_count} CUDA device(s) visible: start at most "
                            f"{device_count} ranks per node (or fix CUDA_VISIBLE_DEVICES)")

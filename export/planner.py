@@ -48,6 +48,7 @@ from moe_export.graphs.vision import (
     vision_config,
     vision_tensor_specs,
 )
+from moe_export.export.plan_memory import host_peak_bytes, nccl_buffer_bytes, usable_gpu_bytes
 from moe_export.graphs.weights import WEIGHT_CLASSES, all_tensor_specs
 from moe_export.quantize import fp8_cache
 
@@ -102,6 +103,8 @@ class RankPlan:
     memory: dict[str, int] = field(default_factory=dict)  # the GPU's budget by part (`memory_view`)
     overflow: dict[str, int] = field(default_factory=dict)
     vision_activation_bytes: int = 0
+    host_bytes: dict[str, int] = field(default_factory=dict)  # host memory peaks (`plan_memory.host_peak_bytes`)
+    margin_bytes: int = 0  # GPU bytes beyond weights, engine, reserve, max_batch slots and one max_seq_len cache
 
     def to_dict(self) -> dict:
         return {
@@ -111,6 +114,8 @@ class RankPlan:
             "state_bytes_per_sequence": self.state_bytes_per_sequence,
             "free_bytes": self.free_bytes,
             "vision_activation_bytes": self.vision_activation_bytes,
+            "margin_bytes": self.margin_bytes,
+            "host_bytes": self.host_bytes,
             "max_sequences": self.max_sequences,
             "block_size": self.pools.block_size,
             "num_slots": self.pools.num_slots,
@@ -138,24 +143,16 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        """Every rank's pools (max_batch slots, the blocks left) hold at least one sequence of max_seq_len, and
-        the vision tower's activations fit in the workspace reserve."""
-        return (all(r.max_sequences >= 1 for r in self.per_rank)
-                and all(r.vision_activation_bytes <= self.reserve_bytes for r in self.per_rank))
+        """Every rank's pools (max_batch slots, the blocks left) hold at least one sequence of max_seq_len."""
+        return all(r.max_sequences >= 1 for r in self.per_rank)
 
     def verdict(self) -> str:
         worst = min(self.per_rank, key=lambda r: r.max_sequences)
         seq = self.recipe.limits.max_seq_len
         engine = worst.memory.get("activations", 0) + worst.memory.get("plugin_workspaces", 0)
-        need = worst.weight_bytes["total"] + engine + self.reserve_bytes + worst.state_bytes_per_sequence["total"]
-        vision = max(r.vision_activation_bytes for r in self.per_rank)
-        if vision > self.reserve_bytes:
-            return (
-                f"does not fit: one vision tower call ({self.recipe.limits.max_images_per_request} image(s) per "
-                f"request at the patch limit) needs {vision / GIB:.2f} GiB of activations, more than the workspace "
-                f"reserve of {self.reserve_bytes / GIB:.2f} GiB: lower limits.max_image_patches or "
-                f"limits.max_images_per_request, or raise workspace_reserve_gib"
-            )
+        beside = worst.memory.get("nccl_buffers", 0) + worst.memory.get("vision_activations", 0)
+        need = (worst.weight_bytes["total"] + engine + beside + self.reserve_bytes
+                + worst.state_bytes_per_sequence["total"])  # fmt: skip
         if not self.fits and need <= self.memory_bytes:
             pools = worst.pools
             return (
@@ -173,7 +170,8 @@ class Plan:
                 f"does not fit: rank {worst.rank} needs {need / GIB:.2f} GiB (weights "
                 f"{worst.weight_bytes['total'] / GIB:.2f} GiB, largest class {biggest} "
                 f"{worst.weight_bytes[biggest] / GIB:.2f} GiB; engine activations and plugin workspaces "
-                f"{engine / GIB:.2f} GiB; reserve {self.reserve_bytes / GIB:.2f} GiB; one "
+                f"{engine / GIB:.2f} GiB; NCCL buffers and one vision tower call ({self.recipe.limits.max_images_per_request} "
+                f"image(s) at the patch limit) {beside / GIB:.2f} GiB; reserve {self.reserve_bytes / GIB:.2f} GiB; one "
                 f"sequence of {seq} tokens {worst.state_bytes_per_sequence['total'] / GIB:.2f} GiB) but has "
                 f"{self.memory_bytes / GIB:.2f} GiB: over by {over / GIB:.2f} GiB"
             )
@@ -194,6 +192,11 @@ class Plan:
             "total_params": self.total_params,
             "active_params": self.active_params,
             "memory_bytes_per_rank": self.memory_bytes,
+            "usable_gpu_bytes": self.memory_bytes,
+            "margin_bytes": min(r.margin_bytes for r in self.per_rank),
+            "host_peak_bytes_per_rank": max(r.host_bytes["peak"] for r in self.per_rank),
+            "host_peak_bytes_per_rank_plan_buffer": max(r.host_bytes["build_plan_buffer"] for r in self.per_rank),
+            "weight_bytes_per_rank": max(r.weight_bytes["total"] for r in self.per_rank),
             "reserve_bytes_per_rank": self.reserve_bytes,
             "max_seq_len": self.recipe.limits.max_seq_len,
             "fits": self.fits,
@@ -204,7 +207,16 @@ class Plan:
             "per_rank": [r.to_dict() for r in self.per_rank],
             "attention": self.recipe.parallel.attention,
             "layouts": self.layouts(),
+            "dp_decode_step": self.dp_decode_step(),
         }
+
+    def dp_decode_step(self) -> dict | None:
+        """The dp layout's MoE decode-step model on rank 0 (`export/decode_model.py`); None in the tp layout."""
+        from moe_export.export.decode_model import dp_decode_step
+
+        if self.recipe.parallel.attention != "dp" or not self.config.num_experts:
+            return None
+        return dp_decode_step(self.config, self.recipe, Mapping.from_dict(self.per_rank[0].mapping))
 
     def layouts(self) -> dict[str, dict]:
         """Decode-step MoE bytes per GPU per MoE layer and attention work per GPU of the tp and dp layouts, at
@@ -344,10 +356,11 @@ def moe_all_to_all_bytes(cfg: ModelConfig, mapping: Mapping, max_num_tokens: int
     return rows * (d * a + k * (8 + 4) + d * 4 + d * 4 + d * a) + max_num_tokens * k * 8
 
 
-def memory_view(weights: int, pools: PoolSizes, activations: int, workspaces: dict[str, int], reserve: int,
-                capacity: int) -> dict[str, int]:  # fmt: skip
+def memory_view(weights: int, pools: PoolSizes, activations: int, workspaces: dict[str, int], beside: dict[str, int],
+                reserve: int, capacity: int) -> dict[str, int]:  # fmt: skip
     """One GPU's memory by part (bytes): weights, recurrent-state slots, cache blocks, engine activations, each
-    plugin's workspace, the reserve; `total` and the GPU's `capacity`."""
+    plugin's workspace, what runs beside the engine (`beside`: NCCL's buffers, the vision tower's activations),
+    the reserve; `total` and the GPU's usable `capacity`."""
     view = {
         "weights": weights,
         "state_slots": pools.num_slots * pools.bytes_per_slot,
@@ -355,6 +368,7 @@ def memory_view(weights: int, pools: PoolSizes, activations: int, workspaces: di
         "activations": activations,
         **{f"workspace.{k}": v for k, v in workspaces.items()},
         "plugin_workspaces": sum(workspaces.values()),
+        **beside,
         "reserve": reserve,
     }
     view["total"] = sum(v for k, v in view.items() if not k.startswith("workspace."))
@@ -367,7 +381,7 @@ def make_plan(recipe: Recipe, cfg: ModelConfig | None = None) -> Plan:
     tp, ep = recipe.parallel.tp, recipe.parallel.ep
     check_divisibility(cfg, tp, ep)
     total, active = count_params(cfg)
-    memory = recipe.memory_bytes
+    memory = usable_gpu_bytes(recipe)
     reserve = int(recipe.workspace_reserve_gib * GIB)
     world = recipe.target.world_size
     specs = all_tensor_specs(cfg, include_experts=False)
@@ -394,14 +408,19 @@ def make_plan(recipe: Recipe, cfg: ModelConfig | None = None) -> Plan:
         gpu_engine = backend_for(recipe).engine_memory
         activations = activation_bytes(cfg, recipe, mapping) if gpu_engine else 0
         workspaces = plugin_workspace_bytes(cfg, recipe, mapping) if gpu_engine else {}
-        free = memory - reserve - weight_bytes["total"] - activations - sum(workspaces.values())
+        beside = {"nccl_buffers": nccl_buffer_bytes(mapping) if backend_for(recipe).nccl else 0,
+                  "vision_activations": vision_act}
+        free = memory - reserve - weight_bytes["total"] - activations - sum(workspaces.values()) - sum(beside.values())
         pools = pool_sizes(free, block_size=recipe.limits.block_size, num_slots=recipe.limits.max_batch,
                            bytes_per_slot=sum(recurrent_bytes_per_sequence(cfg, recipe, mapping).values()),
                            bytes_per_token=sum(cache_bytes_per_token(cfg, recipe).values()))
         max_seqs = pools.sequences_that_fit(recipe.limits.max_seq_len) if free >= 0 else 0
-        view = memory_view(weight_bytes["total"], pools, activations, workspaces, reserve, memory)
+        view = memory_view(weight_bytes["total"], pools, activations, workspaces, beside, reserve, memory)
+        host = host_peak_bytes(weight_bytes["total"] - weight_bytes.get("vision", 0), pools.checkpoint_host_bytes)
+        one_sequence = -(-recipe.limits.max_seq_len // pools.block_size) * pools.bytes_per_block
+        margin = free - pools.num_slots * pools.bytes_per_slot - one_sequence
         per_rank.append(RankPlan(rank, mapping.to_dict(), weight_bytes, state, int(free), int(max_seqs), pools, view,
-                                 vision_activation_bytes=vision_act))
+                                 vision_activation_bytes=vision_act, host_bytes=host, margin_bytes=int(margin)))
     return Plan(recipe, cfg, total, active, per_rank, memory, reserve)
 
 

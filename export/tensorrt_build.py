@@ -44,10 +44,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import onnx
 from moe_export.common.atomic import atomic_path
-from moe_export.common.engine_file import ENGINE_KEY, ENGINE_TENSOR, read_engine_file
+from moe_export.common.engine_file import (
+    ENGINE_KEY,
+    EngineFileWriter,
+    read_engine_file,
+    stream_reader,
+    stream_writer,
+)
 from moe_export.common.errors import InputError
 from moe_export.export.planner import GIB, make_plan
 from moe_export.plugins.tensorrt_runtime import import_tensorrt, register_plugins, select_device
@@ -119,12 +124,80 @@ def _checked(ok, what: str) -> None:
         raise InputError(f"TensorRT: {what} failed (see the TensorRT log above)")
 
 
+def parse_network(trt, builder, logger, graph_path: Path, rank: int, prefer_aot: bool):
+    """(network, parser) of the rank graph: STRONGLY_TYPED, the recipe's AOT / JIT plugin preference."""
+    flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    prefer = "PREFER_AOT_PYTHON_PLUGINS" if prefer_aot else "PREFER_JIT_PYTHON_PLUGINS"
+    flags |= 1 << int(getattr(trt.NetworkDefinitionCreationFlag, prefer))
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(graph_path)):  # external weights resolve next to the graph
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise InputError(f"{graph_path}: TensorRT could not parse rank {rank}'s graph: {errors}")
+    return network, parser
+
+
+def builder_config(trt, builder, network, workspace: int, profile_dims: dict, cache_path: Path):
+    """(config, timing cache): the workspace limit, one auxiliary-stream-free stream (contract MAX_AUX_STREAMS:
+    each MoE layer's tp all-reduce and ep all-to-all are independent branches, and NCCL needs the same
+    collective order on every rank), the timing cache, the one optimization profile."""
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace))
+    config.max_aux_streams = 0
+    timing_cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
+    _checked(config.set_timing_cache(timing_cache, ignore_mismatch=False), "set_timing_cache")
+    profile = builder.create_optimization_profile()
+    for i in range(network.num_inputs):
+        name = network.get_input(i).name
+        profile.set_shape(name, *profile_dims[name])
+    _checked(config.add_optimization_profile(profile) >= 0, "add_optimization_profile")
+    return config, timing_cache
+
+
+def serialize_engine(trt, builder, network, config, sink: EngineFileWriter) -> bool:
+    """Build and write the plan into `sink` (contract ENGINE_STREAMS): streamed where the bindings have
+    `build_serialized_network_to_stream`, else TensorRT's one IHostMemory written as a buffer (no copy)."""
+    if hasattr(builder, "build_serialized_network_to_stream"):
+        return bool(builder.build_serialized_network_to_stream(network, config, stream_writer(trt, sink)))
+    blob = builder.build_serialized_network(network, config)
+    if blob is None:
+        return False
+    sink.write(memoryview(blob))
+    return True
+
+
+def engine_meta(recipe, mapping, memory: dict, engine, io_names: tuple[list, list], profile_dims: dict,
+                prefer_aot: bool) -> dict:
+    """The engine file's `trt_engine` metadata; an InputError when the engine needs more activation memory than
+    the plan set aside (the MoE and indexer workspaces and the dp layout's all-to-all buffers are plugin
+    outputs, so inside the engine's device memory)."""
+    device_memory = int(engine.device_memory_size_v2)
+    planned = memory["activations"] + sum(memory.get(f"workspace.{k}", 0) for k in ENGINE_WORKSPACES)
+    if device_memory > planned:
+        raise InputError(
+            f"recipe {recipe.name}: rank {mapping.rank}'s engine needs {device_memory / GIB:.2f} GiB of activation "
+            f"memory, the plan set aside {planned / GIB:.2f} GiB: lower limits.max_num_tokens"
+        )
+    pools = make_plan(recipe).pool_sizes()
+    return {
+        "rank": mapping.rank,
+        "inputs": io_names[0],
+        "outputs": io_names[1],
+        "profile": profile_dims,
+        "pool_limits": {"slots": pools.num_slots + DECODE_PAD_SLOTS, "blocks": pools.num_blocks},
+        "device_memory_bytes": device_memory,
+        "num_layers": int(engine.num_layers),
+        "prefer_aot": bool(prefer_aot),
+    }
+
+
 def build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path, *, prefer_aot: bool | None = None) -> None:
     """Build `rank{N}.engine` (see the module docstring) from the exported graph next to its weights.
 
-    A timing cache `<out_path stem>.timing_cache` beside out_path is read if present and rewritten."""
+    A timing cache `<out_path stem>.timing_cache` beside out_path is read if present and rewritten. Host memory:
+    the parser's weights while building, the plan streamed to disk (`common/engine_file.py`), then read back by
+    chunks to check the engine's device memory."""
     from moe_export.plugins.collectives.nccl import building
-    from safetensors.numpy import save_file
 
     trt = import_tensorrt(recipe.name)
     memory = check_fits(recipe, mapping.rank)
@@ -133,58 +206,24 @@ def build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path, *, 
     set_target_capability(GPU_CAPABILITY.get(recipe.target.gpu))  # AOT kernels: cubin for the target GPU
     select_device()
     graph_path, out_path = Path(graph_path), Path(out_path)
-    model = onnx.load(str(graph_path), load_external_data=False)
-    profile_dims = engine_profile(model, recipe)
-    pools = make_plan(recipe).pool_sizes()
+    profile_dims = engine_profile(onnx.load(str(graph_path), load_external_data=False), recipe)
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
-    flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
-    prefer = "PREFER_AOT_PYTHON_PLUGINS" if prefer_aot else "PREFER_JIT_PYTHON_PLUGINS"
-    flags |= 1 << int(getattr(trt.NetworkDefinitionCreationFlag, prefer))
-    network = builder.create_network(flags)
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(graph_path)):  # external weights resolve next to the graph
-        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise InputError(f"{graph_path}: TensorRT could not parse rank {mapping.rank}'s graph: {errors}")
-    config = builder.create_builder_config()
-    budget = memory["activations"] + memory["plugin_workspaces"]
-    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(budget))
+    network, parser = parse_network(trt, builder, logger, graph_path, mapping.rank, prefer_aot)
     cache_path = out_path.with_suffix(".timing_cache")
-    timing_cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
-    _checked(config.set_timing_cache(timing_cache, ignore_mismatch=False), "set_timing_cache")
-    profile = builder.create_optimization_profile()
-    for i in range(network.num_inputs):
-        name = network.get_input(i).name
-        profile.set_shape(name, *profile_dims[name])
-    _checked(config.add_optimization_profile(profile) >= 0, "add_optimization_profile")
-    with building():  # the collective plugins return at once while TensorRT times tactics
-        blob = builder.build_serialized_network(network, config)
-    _checked(blob is not None, f"building rank {mapping.rank}'s engine")
-    blob = bytes(blob)
-    engine = trt.Runtime(logger).deserialize_cuda_engine(blob)
-    _checked(engine is not None, "deserializing the engine just built")
-    device_memory = int(engine.device_memory_size_v2)
-    # the MoE and indexer workspaces and the dp layout's all-to-all buffers are plugin outputs, so inside the
-    # engine's device memory
-    planned = memory["activations"] + sum(memory.get(f"workspace.{k}", 0) for k in ENGINE_WORKSPACES)
-    if device_memory > planned:
-        raise InputError(
-            f"recipe {recipe.name}: rank {mapping.rank}'s engine needs {device_memory / GIB:.2f} GiB of activation "
-            f"memory, the plan set aside {planned / GIB:.2f} GiB: lower limits.max_num_tokens"
-        )
-    meta = {
-        "rank": mapping.rank,
-        "inputs": [network.get_input(i).name for i in range(network.num_inputs)],
-        "outputs": [network.get_output(i).name for i in range(network.num_outputs)],
-        "profile": profile_dims,
-        "pool_limits": {"slots": pools.num_slots + DECODE_PAD_SLOTS, "blocks": pools.num_blocks},
-        "device_memory_bytes": device_memory,
-        "num_layers": int(engine.num_layers),
-        "prefer_aot": bool(prefer_aot),
-    }
-    metadata = {ENGINE_KEY: json.dumps(meta, sort_keys=True), "tensorrt_version": trt.__version__}
-    with atomic_path(out_path) as tmp:
-        save_file({ENGINE_TENSOR: np.frombuffer(blob, dtype=np.uint8)}, str(tmp), metadata=metadata)
+    config, timing_cache = builder_config(trt, builder, network, memory["activations"] + memory["plugin_workspaces"],
+                                          profile_dims, cache_path)  # fmt: skip
+    io_names = ([network.get_input(i).name for i in range(network.num_inputs)],
+                [network.get_output(i).name for i in range(network.num_outputs)])  # fmt: skip
+    with atomic_path(out_path) as tmp, EngineFileWriter(tmp) as sink:
+        with building():  # the collective plugins return at once while TensorRT times tactics
+            _checked(serialize_engine(trt, builder, network, config, sink), f"building rank {mapping.rank}'s engine")
+        sink.flush()
+        del network, parser  # the parser's weights, before the plan is read back
+        engine = trt.Runtime(logger).deserialize_cuda_engine(stream_reader(trt, tmp, sink.data_offset, sink.size))
+        _checked(engine is not None, "deserializing the engine just built")
+        meta = engine_meta(recipe, mapping, memory, engine, io_names, profile_dims, prefer_aot)
+        sink.finish({ENGINE_KEY: json.dumps(meta, sort_keys=True), "tensorrt_version": trt.__version__})
     with atomic_path(cache_path) as tmp:
         tmp.write_bytes(bytes(timing_cache.serialize()))
 

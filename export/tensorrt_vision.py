@@ -21,10 +21,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import onnx
 from moe_export.common.atomic import atomic_path
-from moe_export.common.engine_file import ENGINE_KEY, ENGINE_TENSOR
+from moe_export.common.engine_file import ENGINE_KEY, EngineFileWriter, stream_reader
 from moe_export.common.errors import InputError
 from moe_export.export.planner import GIB, image_patch_limit, vision_activation_bytes
 from moe_export.export.tensorrt_build import (
@@ -32,6 +31,7 @@ from moe_export.export.tensorrt_build import (
     graph_input_dims,
     import_tensorrt,
     select_device,
+    serialize_engine,
 )
 
 
@@ -60,8 +60,6 @@ def vision_profile(model: onnx.ModelProto, recipe, cfg) -> dict[str, list[list[i
 
 def build_vision_engine(graph_path: Path, recipe, cfg, out_path: Path) -> None:
     """Build `vision.engine` (see the module docstring) from `vision.onnx` next to `vision.safetensors`."""
-    from safetensors.numpy import save_file
-
     trt = import_tensorrt(recipe.name)
     if recipe.limits.max_images_per_request < 1:
         raise InputError(f"recipe {recipe.name}: limits.max_images_per_request is 0: no tower engine to build")
@@ -83,26 +81,27 @@ def build_vision_engine(graph_path: Path, recipe, cfg, out_path: Path) -> None:
         name = network.get_input(i).name
         profile.set_shape(name, *profile_dims[name])
     _checked(config.add_optimization_profile(profile) >= 0, "add_optimization_profile")
-    blob = builder.build_serialized_network(network, config)
-    _checked(blob is not None, "building the vision tower engine")
-    blob = bytes(blob)
-    engine = trt.Runtime(logger).deserialize_cuda_engine(blob)
-    _checked(engine is not None, "deserializing the vision tower engine just built")
-    device_memory = int(engine.device_memory_size_v2)
-    if device_memory > planned:
-        raise InputError(
-            f"recipe {recipe.name}: the vision tower engine needs {device_memory / GIB:.2f} GiB of activation memory, "
-            f"the plan set aside {planned / GIB:.2f} GiB: lower limits.max_image_patches or "
-            "limits.max_images_per_request"
-        )
-    meta = {
-        "rank": None,  # every rank loads this engine (the tower is replicated)
-        "inputs": [network.get_input(i).name for i in range(network.num_inputs)],
-        "outputs": [network.get_output(i).name for i in range(network.num_outputs)],
-        "profile": profile_dims,
-        "device_memory_bytes": device_memory,
-        "num_layers": int(engine.num_layers),
-    }
-    metadata = {ENGINE_KEY: json.dumps(meta, sort_keys=True), "tensorrt_version": trt.__version__}
-    with atomic_path(out_path) as tmp:
-        save_file({ENGINE_TENSOR: np.frombuffer(blob, dtype=np.uint8)}, str(tmp), metadata=metadata)
+    io_names = ([network.get_input(i).name for i in range(network.num_inputs)],
+                [network.get_output(i).name for i in range(network.num_outputs)])  # fmt: skip
+    with atomic_path(out_path) as tmp, EngineFileWriter(tmp) as sink:
+        _checked(serialize_engine(trt, builder, network, config, sink), "building the vision tower engine")
+        sink.flush()
+        del network, parser
+        engine = trt.Runtime(logger).deserialize_cuda_engine(stream_reader(trt, tmp, sink.data_offset, sink.size))
+        _checked(engine is not None, "deserializing the vision tower engine just built")
+        device_memory = int(engine.device_memory_size_v2)
+        if device_memory > planned:
+            raise InputError(
+                f"recipe {recipe.name}: the vision tower engine needs {device_memory / GIB:.2f} GiB of activation "
+                f"memory, the plan set aside {planned / GIB:.2f} GiB: lower limits.max_image_patches or "
+                "limits.max_images_per_request"
+            )
+        meta = {
+            "rank": None,  # every rank loads this engine (the tower is replicated)
+            "inputs": io_names[0],
+            "outputs": io_names[1],
+            "profile": profile_dims,
+            "device_memory_bytes": device_memory,
+            "num_layers": int(engine.num_layers),
+        }
+        sink.finish({ENGINE_KEY: json.dumps(meta, sort_keys=True), "tensorrt_version": trt.__version__})

@@ -56,6 +56,7 @@ import numpy as np
 import onnx
 from moe_export.common.errors import InputError
 from moe_export.common.model_config import ModelConfig
+from moe_export.graphs.fp8_rows import round_to_fp8_rows
 from moe_export.graphs.sharding import Mapping
 from moe_export.graphs.vision import vision_config
 from moe_export.graphs.weights import layer_prefix, lm_head_name, model_prefix
@@ -174,6 +175,14 @@ class GraphBuilder:
             self.initializers.append(onnx.numpy_helper.from_array(arr, name))
             self._consts[key] = name
         return self._consts[key]
+
+    def fp8_zero_point(self) -> str:
+        """A scalar float8e4m3fn zero: the zero point that makes QuantizeLinear produce E4M3 codes."""
+        if ("fp8_zero",) not in self._consts:
+            name = self._unique("const.fp8_zero")
+            self.initializers.append(helper.make_tensor(name, TensorProto.FLOAT8E4M3FN, [], [0.0]))
+            self._consts[("fp8_zero",)] = name
+        return self._consts[("fp8_zero",)]
 
     def const_act(self, value: float, hint: str) -> str:
         """A scalar constant of the compute dtype."""
@@ -512,40 +521,9 @@ class RankGraph:
         if self.cache_type == TensorProto.FLOAT:
             return rows
         if self.cache_type == TensorProto.UINT8:
-            return self.round_to_fp8_rows(rows, name)
+            return round_to_fp8_rows(self.g, rows, name)
         stored = self.g.op("Cast", [rows], f"{name}.stored", to=self.cache_type)
         return self.g.op("Cast", [stored], name, to=TensorProto.FLOAT)
-
-    def round_to_fp8_rows(self, rows: str, name: str) -> str:
-        """`fp8_cache.round_rows` in ONNX ops: rows [T, D] fp32 -> E4M3(rows / 2^e) * 2^e with the row exponent
-        e [T, 1] = the smallest integer in [-127, 127] with max|row| <= 448 * 2^e (Log's rounding corrected by one
-        exact step either way)."""
-        g = self.g
-
-        def f32(v: float) -> str:
-            return g.const(v, np.float32, "fp8_rows")
-
-        def pow2(e: str, tag: str) -> str:
-            return g.op("Pow", [f32(2.0), e], f"{name}.{tag}")
-
-        amax = g.op("ReduceMax", [g.op("Abs", [rows], f"{name}.abs"), g.const([-1])], f"{name}.amax", keepdims=1)
-        limit = f32(fp8_cache.E4M3_MAX)
-        e = g.op("Ceil", [g.op("Div", [g.op("Log", [g.op("Div", [amax, limit], f"{name}.over_max")], f"{name}.ln"),
-                                      f32(float(np.log(2.0)))], f"{name}.log2")], f"{name}.e_guess")
-        e = g.op("Clip", [e, f32(-127.0), f32(127.0)], f"{name}.e_clipped")
-        lower = g.op("Sub", [e, f32(1.0)], f"{name}.e_lower")
-        step_down = g.op("And", [g.op("Greater", [e, f32(-127.0)], f"{name}.above_min"),
-                                 g.op("LessOrEqual", [amax, g.op("Mul", [limit, pow2(lower, "lower_scale")], f"{name}.lower_max")],
-                                      f"{name}.fits_lower")], f"{name}.step_down")
-        e = g.op("Where", [step_down, lower, e], f"{name}.e_down")
-        higher = g.op("Add", [e, f32(1.0)], f"{name}.e_higher")
-        step_up = g.op("And", [g.op("Less", [e, f32(127.0)], f"{name}.below_max"),
-                               g.op("Greater", [amax, g.op("Mul", [limit, pow2(e, "scale_guess")], f"{name}.max_guess")],
-                                    f"{name}.overflows")], f"{name}.step_up")
-        e = g.op("Where", [step_up, higher, e], f"{name}.e")
-        scaled = g.op("Mul", [rows, pow2(g.op("Neg", [e], f"{name}.neg_e"), "inv_scale")], f"{name}.scaled")
-        codes = g.op("Cast", [scaled], f"{name}.codes", to=TensorProto.FLOAT8E4M3FN)
-        return g.op("Mul", [g.op("Cast", [codes], f"{name}.values", to=TensorProto.FLOAT), pow2(e, "scale")], name)
 
     # ---- FFNs ----
     def mlp(self, x: str, prefix: str, name: str, group_size: int) -> str:

@@ -65,8 +65,10 @@ CONTRACTS = {c.name: c for c in (
        """IExecutionContext::setInputShape returns false when the name is not an input or the shape is refused
        (outside the active optimization profile); setTensorAddress returns false on a bad name or a pointer
        without 256-byte alignment; enqueueV3 returns false when it could not enqueue. Nothing raises: every
-       return value must be checked.""",
-       "TensorRT include/NvInferRuntime.h:4120-4134 (setInputShape), :4365-4384 (setTensorAddress)"),
+       return value must be checked. Before enqueueV3 every input needs a non-null address, a zero-volume one
+       included (torch gives an empty tensor address 0).""",
+       "TensorRT include/NvInferRuntime.h:4120-4134 (setInputShape), :4354-4384 (setTensorAddress; non-null "
+       "inputs before enqueueV3 at :4360-4361)"),
     _c("PROFILE_BOUNDS",
        """Input shapes must lie within [min, max] of the active optimization profile for every dimension; the
        runner's pools (slots S, blocks NB) are therefore sized no larger than the profile the engine was built
@@ -113,6 +115,49 @@ CONTRACTS = {c.name: c for c in (
        "TensorRT-LLM cpp/tensorrt_llm/plugins/ncclPlugin/allreducePlugin.cpp @ 005b299b "
        "(AllreducePlugin::enqueue: `if (isBuilding()) return 0;`), cpp/tensorrt_llm/plugins/common/plugin.cpp "
        "@ 03cff08f (initCommMap: skipped while building; ncclUniqueId sent over COMM_SESSION)"),
+    _c("PARSER_OPERATORS",
+       """The ONNX parser imports an op of the default domain with its builtin importer when onnx-tensorrt's
+       operator matrix marks it supported, for the input types the matrix lists (UINT8 only as a network input
+       or output); any other op type falls back to the plugin registry and needs a registered creator (our
+       domain's ops). The matrix as data: tests/tensorrt_parser_rules.py.""",
+       "onnx-tensorrt docs/operators.md:11 (UINT8 only at network I/O), :15-213 (the matrix); "
+       "ModelImporter.cpp:166-167 (no importer -> FallbackPluginImporter)"),
+    _c("CAST_TO_FP8_REJECTED",
+       """Cast / CastLike to FLOAT8E4M3FN are parsed into an ICastLayer with kFP8, which TensorRT rejects ("TRT
+       will reject casts to FP8"); Cast's types are FP32, FP16, BF16, INT32, INT64, UINT8, BOOL. FP8 values come
+       only from QuantizeLinear (and go back through DequantizeLinear).""",
+       "onnx-tensorrt onnxOpImporters.cpp:385-400 (Cast, the sentence at :390), :402-412 (CastLike), "
+       "docs/operators.md:40-41, :6-9 (FP8 a quantized type, reached only through quantization)"),
+    _c("QDQ_STATIC_SYMMETRIC",
+       """QuantizeLinear / DequantizeLinear: the scale must have a static shape (a per-row scale [T] of a dynamic
+       T is refused) and positive values when constant; quantization is to FP8, INT8 or INT4 only (the zero
+       point's type chooses it; UINT8 becomes INT8) and symmetric (zero point 0); UINT8 data is refused; a
+       per-axis scale must match a static dimension.""",
+       "onnx-tensorrt onnxOpImporters.cpp:1349-1355 (UINT8 refused), :1385-1404 (positive constant scale), "
+       ":1418-1419 (\"Dynamic shape for scale tensor is not supported.\"), :1444-1462 (zero-point type), "
+       ":1492-1495 (zero point all zeros), :1522-1540 (per-axis scale count), :1593-1596 (FP8, INT8, INT4 only); "
+       "docs/operators.md:61, :141"),
+    _c("MAX_AUX_STREAMS",
+       """IBuilderConfig::setMaxAuxStreams(0) enforces single-stream inference; by default TensorRT's heuristics
+       may run independent branches on auxiliary streams, in an order that can differ between engines. Each MoE
+       layer's tp all-reduce (shared expert) and ep all-to-all (routed experts) are independent branches, and
+       NCCL needs the same collective order on every rank, so the builder sets 0. Python:
+       IBuilderConfig.max_aux_streams (in the 10.9 and 11.4 bindings).""",
+       "TensorRT include/NvInfer.h:11170-11197 (setMaxAuxStreams), python/src/infer/pyCore.cpp:1757; "
+       "tensorrt_bindings/tensorrt.so (10.9.0.34, 11.4.0.106): `max_aux_streams`"),
+    _c("ENGINE_STREAMS",
+       """Building to a stream: IBuilder::buildSerializedNetworkToStream(network, config, IStreamWriter&) writes
+       the plan in chunks through the writer's write(data) -> bytes written (Python:
+       build_serialized_network_to_stream, trt.IStreamWriter; in the 11.4 bindings, not in 10.9, where
+       build_serialized_network returns an IHostMemory that is a buffer, written without a copy). Loading:
+       IRuntime::deserializeCudaEngine(IStreamReaderV2&) pulls the plan by read(num_bytes, stream) -> bytes and
+       seek(offset, where) (Python: deserialize_cuda_engine(stream_reader_v2), trt.IStreamReaderV2, both
+       bindings); a short read is asked again for the rest.""",
+       "TensorRT include/NvInfer.h:11661-11680, include/NvInferRuntime.h:642-675 (IStreamWriter), :719 "
+       "(IStreamReaderV2); python/src/infer/pyCore.cpp:691-790 (PyStreamReaderV2::read: chunks until num_bytes, "
+       "each copied to host or device memory, 0 bytes aborts), :830-850 (PyStreamWriter::write), :1590-1597, :1820, "
+       ":1840-1841; python/docstrings/infer/pyCoreDoc.h:1010-1088; tensorrt_bindings/tensorrt.so (10.9.0.34, "
+       "11.4.0.106)"),
 )}
 
 
@@ -133,6 +178,13 @@ DEFAULT_DYNAMIC_SHARED_MEMORY = 48 * 1024
 
 # USER_MANAGED_DEVICE_MEMORY: Python name the runner calls -> what the compiled bindings must hold for it (the name
 # as a string, and the C++ symbol or docstring fragment that says which C++ call it is).
+STREAM_BINDINGS = {  # name -> the pinned bindings that have it (MAX_AUX_STREAMS, ENGINE_STREAMS)
+    "max_aux_streams": ("10.9", "11.4"),
+    "IStreamReaderV2": ("10.9", "11.4"),
+    "stream_reader_v2": ("10.9", "11.4"),
+    "build_serialized_network_to_stream": ("11.4",),
+    "IStreamWriter": ("11.4",),
+}
 BINDING_NAMES = {
     "set_device_memory": (b"context_set_device_memory_v2ERN8nvinfer117IExecutionContextEml",
                           b":arg size: Size of the provided memory. This must be at least as large as "

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ChatTemplate", "OutputParser", "ParsedDelta", "ParsedMessage", "Segment", "generation_prompt_ids", "parse_output",
-    "prompt_starts_in_reasoning", "render", "render_ids", "render_segments", "renderer_name", "segments_to_ids",
+    "output_starts_in_reasoning", "render", "render_ids", "render_segments", "renderer_name", "segments_to_ids",
 ]
 
 EFFORTS = (*k3.EFFORTS, "none")
@@ -57,6 +57,7 @@ def render(
     tool_choice: str | dict | None = None,
     response_format: dict | None = None,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
     vision: bool = False,
     chat_template: ChatTemplate | None = None,
 ) -> str:
@@ -68,13 +69,15 @@ def render(
     off). tool_choice ("required" / "none") and response_format ({"type": "json_object"} or {"type":
     "json_schema", "json_schema": {"schema": ...}}) add K3's internal system messages. K2's template has none
     of these (thinking, effort, tool choice and response format are left to the budget and constrained
-    decoding), and a checkpoint template is given messages, tools and add_generation_prompt only. vision: the
+    decoding), and a checkpoint template is given messages, tools and add_generation_prompt only.
+    continue_final_message: leave the final assistant message open for the model to continue (K2 only; with
+    add_generation_prompt=False). vision: the
     engine has a vision graph (K3: an image part renders as `<|kimi_image_placeholder|>`); without one image
     parts are an InputError."""
     return _render(
         messages, family=family, tools=tools, thinking=thinking, thinking_effort=thinking_effort, tool_choice=tool_choice,
-        response_format=response_format, add_generation_prompt=add_generation_prompt, vision=vision,
-        chat_template=chat_template,
+        response_format=response_format, add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message, vision=vision, chat_template=chat_template,
     ).text
 
 
@@ -96,19 +99,22 @@ def renderer_name(family: str | None, chat_template: ChatTemplate | None) -> str
 
 def _render(messages: list[dict], *, family: str = "k3", tools: list[dict] | None = None, thinking: bool = True,
             thinking_effort: str | None = None, tool_choice: Any = None, response_format: Any = None,
-            add_generation_prompt: bool = True, vision: bool = False, chat_template: ChatTemplate | None = None,
-            special_tokens: tuple[str, ...] = ()) -> Rendered:
+            add_generation_prompt: bool = True, continue_final_message: bool = False, vision: bool = False,
+            chat_template: ChatTemplate | None = None, special_tokens: tuple[str, ...] = ()) -> Rendered:
     if thinking_effort == "none":
         thinking, thinking_effort = False, None
     if family == "k3" and chat_template is None:
         k3.check_effort(thinking_effort)
     elif thinking_effort is not None and thinking_effort not in EFFORTS:
         raise InputError(f"thinking_effort must be one of {', '.join(EFFORTS)}, got {thinking_effort!r}")
+    if continue_final_message and (chat_template is not None or family != "k2"):
+        raise InputError("continue_final_message is supported by the built-in K2 renderer only")
     if chat_template is not None:
         return chat_template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, special_tokens=special_tokens)
     check_family(family)
     if family == "k2":
-        return k2.render_k2(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+        return k2.render_k2(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                            continue_final_message=continue_final_message)
     return k3.render_k3(
         messages, tools=tools, thinking=thinking, thinking_effort=thinking_effort, tool_choice=tool_choice,
         response_format=response_format, add_generation_prompt=add_generation_prompt, vision=vision,
@@ -219,12 +225,14 @@ def segments_to_ids(tokenizer: Tokenizer, segments: list[Segment], images=None) 
     return ids
 
 
-def prompt_starts_in_reasoning(family: str, thinking: bool) -> bool:
-    """Whether the generation prompt opened the think block: K3's `<|open|>think<|sep|>` with thinking on;
-    never K2's (K2-Thinking's generation prompt is `<|im_assistant|>assistant<|im_middle|>`; the model writes
-    `<think>` itself)."""
+def output_starts_in_reasoning(family: str, thinking: bool) -> bool:
+    """Whether the model's output is read as starting inside reasoning: with thinking on, in both families.
+    K3's generation prompt opens the think element; K2-Thinking's (`<|im_assistant|>assistant<|im_middle|>`)
+    does not, but its output is reasoning until `</think>` or a tool section, whether or not the model
+    writes `<think>` first (as vLLM's kimi_k2 parser reads it). A K2-family model that does not reason
+    (Kimi Linear Instruct, K2-Instruct) is served with thinking off (`--default-effort none`)."""
     check_family(family)
-    return family == "k3" and bool(thinking)
+    return bool(thinking)
 
 
 def generation_prompt_ids(tokenizer: Tokenizer, family: str, thinking: bool) -> list[int]:

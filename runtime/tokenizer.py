@@ -143,6 +143,19 @@ class Tokenizer(ABC):
             ids = [i for i in ids if i not in self._special_ids]
         return self._decode(ids)
 
+    def visible_text(self, text: str) -> str:
+        """Output `text` (decoded with special tokens by name, as the scheduler decodes it) as every entry point
+        shows it: without the special-token names (vLLM's skip_special_tokens default), so a sampled reserved,
+        padding or media token is not text."""
+        if not text or self._special_name_pattern is None:
+            return text
+        return self._special_name_pattern.sub("", text)
+
+    @cached_property
+    def _special_name_pattern(self) -> re.Pattern | None:
+        names = sorted(self._specials, key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, names))) if names else None
+
     @cached_property
     def _special_ids(self) -> frozenset[int]:
         return frozenset(self._specials.values())

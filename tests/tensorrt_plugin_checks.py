@@ -53,6 +53,9 @@ from moe_export.plugins import (
     tensorrt_common,  # noqa: E402
 )
 from moe_export.plugins.registry import OP_FOLDERS  # noqa: E402
+from tensorrt_parser_rules import parser_refusals  # noqa: E402
+
+COLLECTIVES = {"AllReduce", "AllGather", "MoEDispatch", "MoECombine"}
 
 register_plugins()
 QDP = sys.modules["tensorrt.plugin._lib"].QDP_REGISTRY
@@ -476,8 +479,15 @@ def builder_api(log: list, device_memory) -> dict:
         def __init__(self, network, logger):
             self.network, self.num_errors = network, 0
 
+        def get_error(self, i):
+            return self.errors[i]
+
         def parse_from_file(self, path):
             model = onnx.load(path, load_external_data=False)
+            self.errors = parser_refusals(model)  # the standard ops the real parser refuses
+            self.num_errors = len(self.errors)
+            if self.errors:
+                return False
             types = _value_types(model)
             for init in model.graph.initializer:
                 types[init.name] = onnx.helper.make_tensor_type_proto(init.data_type, list(init.dims))
@@ -497,10 +507,13 @@ def builder_api(log: list, device_memory) -> dict:
             self.network.inputs = [v.name for v in model.graph.input]
             self.network.outputs = [v.name for v in model.graph.output]
             self.network.path = path
+            self.network.collectives = bool(set(ops) & COLLECTIVES)
             log.append(("parse", path, ops))
             return True
 
     class Config:
+        max_aux_streams = -1  # TensorRT's heuristic until set (contract MAX_AUX_STREAMS)
+
         def set_memory_pool_limit(self, pool, size):
             log.append(("workspace", size))
 
@@ -539,15 +552,33 @@ def builder_api(log: list, device_memory) -> dict:
             return Profile()
 
         def build_serialized_network(self, network, config):
+            if network.collectives and config.max_aux_streams != 0:  # MAX_AUX_STREAMS: collectives on one stream
+                log.append(("refused", network.path, "max_aux_streams"))
+                return None
             log.append(("build", network.path, nccl.is_building()))
             return network.path.encode()
+
+        def build_serialized_network_to_stream(self, network, config, writer):
+            plan = self.build_serialized_network(network, config)
+            if plan is None:
+                return False
+            half = len(plan) // 2  # in chunks, as TensorRT hands them to the writer
+            return writer.write(plan[:half]) + writer.write(plan[half:]) == len(plan)
+
+    if not hasattr(trt, "IStreamWriter"):  # the 10.9 bindings: no streamed build (contract ENGINE_STREAMS)
+        del Builder.build_serialized_network_to_stream
 
     class Runtime:
         def __init__(self, logger):
             pass
 
-        def deserialize_cuda_engine(self, blob):
-            return _Parsed(device_memory_size_v2=device_memory(blob.decode()), num_layers=1)
+        def deserialize_cuda_engine(self, reader):
+            assert isinstance(reader, trt.IStreamReaderV2)  # the plan is streamed in, never held whole
+            plan = b""
+            while chunk := reader.read(5, 0):
+                plan += chunk
+            log.append(("deserialized", plan.decode()))
+            return _Parsed(device_memory_size_v2=device_memory(plan.decode()), num_layers=1)
 
     return {"Builder": Builder, "OnnxParser": OnnxParser, "Runtime": Runtime,
             "NetworkDefinitionCreationFlag": _Parsed(STRONGLY_TYPED=0, PREFER_JIT_PYTHON_PLUGINS=4,
@@ -569,7 +600,8 @@ def test_dp_recipe_builds_at_world_8_through_the_standin(tmp_path, monkeypatch):
     from moe_export.export import tensorrt_build
     from moe_export.export.build import build
     from moe_export.export.planner import make_plan, vision_activation_bytes
-    from moe_export.export.tensorrt_build import ENGINE_WORKSPACES, read_engine_file
+    from moe_export.common.engine_file import read_engine_file
+    from moe_export.export.tensorrt_build import ENGINE_WORKSPACES
 
     data = yaml.safe_load(Path(load_recipe("tiny-cpu.yaml")[1]).read_text())
     data.update(name="tiny-dp-trt", backend="tensorrt", model={"source": "synthetic:tiny-k3"})

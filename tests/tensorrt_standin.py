@@ -360,6 +360,20 @@ class SymExprSetter(list):
         self[:] = [None] * n
 
 
+class SeekPosition(enum.Enum):
+    SET = 0
+    CUR = 1
+    END = 2
+
+
+class IStreamReaderV2(_Interface):
+    """Application reader TensorRT pulls a plan from: read(num_bytes, stream) -> bytes, seek(offset, where)."""
+
+
+class IStreamWriter(_Interface):
+    """Application writer TensorRT hands a plan to: write(data) -> bytes written (11.x bindings only)."""
+
+
 def _module_namespace() -> dict:
     """The stand-in `tensorrt` module's symbols."""
     ns = {k: v for k, v in globals().items() if not k.startswith("_") or k == "_Interface"}
@@ -377,6 +391,11 @@ def install(version: str):
     trt = types.ModuleType("tensorrt")
     trt.__dict__.update(_module_namespace())
     trt.__version__ = PINNED_WHEELS[version].rsplit("-", 1)[1]
+    from moe_export.plugins.tensorrt_contracts import STREAM_BINDINGS
+
+    for name, versions in STREAM_BINDINGS.items():  # the stream interfaces exactly where the bindings have them
+        if version not in versions and hasattr(trt, name):
+            delattr(trt, name)
     trt.__path__ = []
     trt.nptype = lambda t: {DataType.FLOAT: np.float32, DataType.HALF: np.float16, DataType.INT32: np.int32,
                             DataType.INT64: np.int64, DataType.INT8: np.int8, DataType.UINT8: np.uint8,

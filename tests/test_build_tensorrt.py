@@ -14,11 +14,11 @@ from moe_export.common.errors import InputError
 from moe_export.common.recipe import load_recipe
 from moe_export.export import tensorrt_build
 from moe_export.export.planner import make_plan
+from moe_export.common.engine_file import read_engine_file
 from moe_export.export.tensorrt_build import (
     build_tensorrt_engine,
     engine_profile,
     profile_range,
-    read_engine_file,
 )
 from moe_export.graphs.sharding import Mapping
 from test_tensorrt_plugins import tiny_graphs  # noqa: F401  (module fixture: real tiny rank graphs)
@@ -93,6 +93,10 @@ def fake_tensorrt(log: list, device_memory: int):
         def set_memory_pool_limit(self, pool, size):
             log.append(("workspace", size))
 
+        def __setattr__(self, name, value):
+            log.append((name, value))
+            object.__setattr__(self, name, value)
+
         def set_preview_feature(self, feature, on):
             log.append(("preview_feature", feature, on))
 
@@ -127,14 +131,18 @@ def fake_tensorrt(log: list, device_memory: int):
             return Profile()
 
         def build_serialized_network(self, network, config):
-            log.append(("build", nccl.is_building()))
+            log.append(("build", nccl.is_building(), getattr(config, "max_aux_streams", None)))
             return b"engine-bytes"
 
     class Runtime:
         def __init__(self, logger):
             pass
 
-        def deserialize_cuda_engine(self, blob):
+        def deserialize_cuda_engine(self, reader):
+            plan = b""
+            while chunk := reader.read(3, 0):  # pulled in chunks (IStreamReaderV2), never handed whole
+                plan += chunk
+            log.append(("deserialize", plan))
             return Obj(device_memory_size_v2=device_memory, num_layers=42)
 
     trt = types.ModuleType("tensorrt")
@@ -143,6 +151,8 @@ def fake_tensorrt(log: list, device_memory: int):
     trt.Builder, trt.OnnxParser, trt.Runtime = Builder, Parser, Runtime
     trt.NetworkDefinitionCreationFlag = Obj(STRONGLY_TYPED=0, PREFER_JIT_PYTHON_PLUGINS=4, PREFER_AOT_PYTHON_PLUGINS=5)
     trt.MemoryPoolType = Obj(WORKSPACE=0)
+    trt.IStreamReaderV2 = type("IStreamReaderV2", (), {"__init__": lambda self: None})
+    trt.SeekPosition = Obj(SET=0, CUR=1, END=2)
     trt.PreviewFeature = Obj(ALIASED_PLUGIN_IO_10_03=1)
     return trt
 
@@ -167,7 +177,8 @@ def test_one_engine_per_rank_built_with_collectives_idle(tiny_graphs, tmp_path, 
     kinds = [e[0] for e in log]
     assert kinds.count("parse") == 1 and log[kinds.index("parse")][1] == str(gpu_path)  # the whole graph, once
     assert kinds.index("device") < kinds.index("build")
-    assert ("build", True) in log  # collectives idle while TensorRT builds (and times tactics)
+    assert ("build", True, 0) in log  # collectives idle while building; one stream (contract MAX_AUX_STREAMS)
+    assert ("deserialize", b"engine-bytes") in log  # the plan read back from the file it was streamed to
     flags = next(e[1] for e in log if e[0] == "network_flags")
     assert flags == (1 << 0) | (1 << (5 if prefer_aot else 4))
     meta, blob = read_engine_file(out)
@@ -209,11 +220,19 @@ def test_local_rank_picks_the_gpu():
     assert local_rank({"PMI_RANK": "5", "MPI_LOCALRANKID": "1"}) == 1
     assert local_rank({"OMPI_COMM_WORLD_RANK": "9", "OMPI_COMM_WORLD_LOCAL_RANK": "3"}) == 3
     assert local_rank({"SLURM_LOCALID": "2"}) == 2
-    assert [device_for_local_rank(r, 8) for r in range(8)] == list(range(8))
+    assert [device_for_local_rank(r, 8, {}) for r in range(8)] == list(range(8))
     with pytest.raises(RuntimeError, match="only 8 CUDA device"):
-        device_for_local_rank(8, 8)
+        device_for_local_rank(8, 8, {})
     with pytest.raises(RuntimeError, match="no CUDA device"):
-        device_for_local_rank(0, 0)
+        device_for_local_rank(0, 0, {})
+    # srun --gpus-per-task=1: each task sees only its own GPU (CUDA_VISIBLE_DEVICES narrowed to one id)
+    srun = {"SLURM_LOCALID": "3", "CUDA_VISIBLE_DEVICES": "3"}
+    assert device_for_local_rank(local_rank(srun), 1, srun) == 0
+    # one GPU visible without a launcher narrowing it: a second local rank would share it, refused
+    with pytest.raises(RuntimeError, match="only 1 CUDA device"):
+        device_for_local_rank(1, 1, {"SLURM_LOCALID": "1"})
+    with pytest.raises(RuntimeError, match="only 2 CUDA device"):
+        device_for_local_rank(2, 2, {"CUDA_VISIBLE_DEVICES": "4,5"})
     code = "from moe_export.common.mpi import local_rank; print(f'<{local_rank()}>')"
     res = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
@@ -327,3 +346,26 @@ def test_builder_leaves_aliased_plugin_io_off(tiny_graphs, tmp_path, monkeypatch
     meta, _ = read_engine_file(tmp_path / "rank1.engine")
     pools = make_plan(recipe).pool_sizes()
     assert meta["pool_limits"] == {"slots": pools.num_slots + 1, "blocks": pools.num_blocks}
+
+
+def test_stream_and_aux_stream_bindings_are_where_the_pinned_wheels_have_them():
+    """Contracts MAX_AUX_STREAMS and ENGINE_STREAMS: `max_aux_streams`, `IStreamReaderV2` /
+    `deserialize_cuda_engine(stream_reader_v2)` in both pinned bindings, `build_serialized_network_to_stream` /
+    `IStreamWriter` only in 11.4 (the builder falls back to the IHostMemory buffer there); the builder and the
+    runner use exactly these names."""
+    import zipfile
+    from pathlib import Path
+
+    from moe_export.plugins.tensorrt_contracts import STREAM_BINDINGS
+    from tensorrt_standin import PINNED_WHEELS, WHEEL_DIR
+
+    root = Path(__file__).resolve().parents[1]
+    code = "".join((root / f).read_text() for f in ("export/tensorrt_build.py", "common/engine_file.py"))
+    assert all(name in code for name in STREAM_BINDINGS if name != "stream_reader_v2")
+    for version, stem in PINNED_WHEELS.items():
+        wheels = sorted(WHEEL_DIR.glob(f"{stem}-*.whl"))
+        assert wheels, f"no {stem} wheel in {WHEEL_DIR}: run the README's test command"
+        with zipfile.ZipFile(wheels[0]) as zf:
+            so = zf.read("tensorrt_bindings/tensorrt.so")
+        for name, versions in STREAM_BINDINGS.items():
+            assert ((b"\0" + name.encode() + b"\0") in so) == (version in versions), (version, name)

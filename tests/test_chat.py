@@ -12,7 +12,7 @@ from moe_export.runtime.chat import (
     OutputParser,
     generation_prompt_ids,
     parse_output,
-    prompt_starts_in_reasoning,
+    output_starts_in_reasoning,
     render,
     render_ids,
 )
@@ -84,8 +84,8 @@ def test_history_plus_generation_prompt_is_a_prefix_of_the_next_turn(toks, famil
     turn = {"role": "assistant", "reasoning_content": "think first", "content": "Let me check.", "tool_calls": [call("functions.get_weather:0", "get_weather", {"city": "Oslo"})]}
     follow = render_ids(tok, [*msgs, turn, {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "cold"}], tools=[WEATHER])
     assert follow[: len(prompt)] == prompt
-    # K3's generation prompt opens the think element with thinking on; K2's never opens <think>
-    assert prompt_starts_in_reasoning(family, True) == (family == "k3") and not prompt_starts_in_reasoning(family, False)
+    # with thinking on the output is read as reasoning first (K3: the prompt opened it; K2: as vLLM reads it)
+    assert output_starts_in_reasoning(family, True) and not output_starts_in_reasoning(family, False)
 
 
 def _find(ids: list[int], sub: list[int]) -> int:
@@ -219,7 +219,7 @@ def stream(tok, family, ids, starts_in_reasoning=True, chunk=1):
 def test_round_trip(toks, family, message):
     tok = toks[family]
     ids = output_ids(tok, family, message)
-    starts = prompt_starts_in_reasoning(family, True)
+    starts = output_starts_in_reasoning(family, True)
     parsed = parse_output(tok, family, ids, starts_in_reasoning=starts)
     # K2 drops the reasoning of the last assistant message without tool calls (here the message itself)
     dropped = family == "k2" and not message.get("tool_calls")
@@ -290,40 +290,30 @@ def test_k2_reasoning_ends_at_tool_section_and_model_opened_think(toks):
 
 
 @pytest.mark.parametrize("family", ["k3", "k2"])
-def test_unparseable_tool_call_becomes_content_and_is_counted(toks, family):
+def test_malformed_tool_call_becomes_content_and_is_counted(toks, family):
+    """A finished call that does not parse shows as content, as written, as soon as it ends."""
     tok = toks[family]
     s = tok.encode_special
     if family == "k3":
-        def call_ids(tool, arg_type, value, close=True):
-            ids = [s("<|open|>"), *tok.encode(f'call tool="{tool}" index="1"'), s("<|sep|>"),
-                   s("<|open|>"), *tok.encode(f'argument key="a" type="{arg_type}"'), s("<|sep|>"), *tok.encode(value),
-                   s("<|close|>"), *tok.encode("argument"), s("<|sep|>")]
-            return ids + ([s("<|close|>"), *tok.encode("call"), s("<|sep|>")] if close else [])
+        def call_ids(tool, attrs, value):
+            return [s("<|open|>"), *tok.encode(f'call tool="{tool}" index="1"'), s("<|sep|>"),
+                    s("<|open|>"), *tok.encode(f"argument {attrs}"), s("<|sep|>"), *tok.encode(value),
+                    s("<|close|>"), *tok.encode("argument"), s("<|sep|>"), s("<|close|>"), *tok.encode("call"), s("<|sep|>")]
         begin = [s("<|open|>"), *tok.encode("tools"), s("<|sep|>")]
-        good, bad = call_ids("f", "number", "7"), call_ids("f", "number", "seven")
-        unfinished = call_ids("g", "string", "x", close=False)
+        good, bad = call_ids("f", 'key="a" type="number"', "7"), call_ids("f", 'type="number"', "7")  # no key
     else:
-        def call_ids(cid, args, close=True):
-            ids = [s("<|tool_call_begin|>"), *tok.encode(cid), s("<|tool_call_argument_begin|>"), *tok.encode(args)]
-            return ids + ([s("<|tool_call_end|>")] if close else [])
+        def call_ids(cid, args):
+            return [s("<|tool_call_begin|>"), *tok.encode(cid), s("<|tool_call_argument_begin|>"), *tok.encode(args), s("<|tool_call_end|>")]
         begin = [s("<|tool_calls_section_begin|>")]
         good, bad = call_ids("functions.f:0", '{"a": 7}'), call_ids("f 1", '{"a": 7}')  # not functions.NAME:INDEX
-        unfinished = call_ids("functions.g:2", '{"a": "x"}', close=False)
-    head = tok.encode("ok ")
     parser = OutputParser(tok, family, starts_in_reasoning=False)
-    streamed = parser.feed(head + begin + good + bad).content
-    assert streamed == "ok " + tok.decode(bad)  # the failed call shows as content as soon as it ends
-    parser.feed(unfinished)
+    streamed = parser.feed(tok.encode("ok ") + begin + good + bad).content
+    assert streamed == "ok " + tok.decode(bad)
     parsed = parser.finish()
-    assert parsed.tool_call_parse_failures == 2
-    assert parsed.content == "ok " + tok.decode(bad) + tok.decode(unfinished)
+    assert parsed.tool_call_parse_failures == 1 and len(parser.failure_reasons) == 1
+    assert parsed.content == "ok " + tok.decode(bad)
     assert [c["function"]["name"] for c in parsed.tool_calls] == ["f"]
     assert json.loads(parsed.tool_calls[0]["function"]["arguments"]) == {"a": 7}
-    assert len(parser.failure_reasons) == 2
-    # tools not declared: a call is not a tool call
-    undeclared = OutputParser(tok, family, starts_in_reasoning=False, tools_declared=False)
-    undeclared.feed(begin + good)
-    assert undeclared.finish().tool_calls == []
 
 
 @pytest.mark.parametrize("family", ["k3", "k2"])
@@ -365,3 +355,27 @@ def test_developer_role_and_names():
     assert render(msgs, family="k3", thinking=False) == (
         k3_msg('role="system" name="ops"', "D") + k3_msg('role="user" name="ann"', "u")
         + '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>')
+
+
+def test_k2_continue_final_message(toks):
+    """The final assistant message is left open: transformers' cut of the full rendering right after its content
+    (the oracle below is transformers' own method), as text and as ids."""
+    msgs = [{"role": "user", "content": "Write a haiku"},
+            {"role": "assistant", "reasoning_content": "r", "content": "Autumn moon",
+             "tool_calls": [call("functions.f:0", "f", {"a": 1})]}]
+    for final in (msgs[1], {k: v for k, v in msgs[1].items() if k != "tool_calls"}):
+        conversation = [msgs[0], final]
+        full = render(conversation, family="k2", add_generation_prompt=False)
+        want = full[: full.rindex("Autumn moon") + len("Autumn moon")]
+        assert render(conversation, family="k2", add_generation_prompt=False, continue_final_message=True) == want
+        ids = render_ids(toks["k2"], conversation, family="k2", add_generation_prompt=False, continue_final_message=True)
+        assert toks["k2"].decode(ids) == want and ids[-len(toks["k2"].encode("Autumn moon")):] == toks["k2"].encode("Autumn moon")
+    empty = render([msgs[0], {"role": "assistant", "content": ""}], family="k2", add_generation_prompt=False,
+                   continue_final_message=True)
+    assert empty.endswith("<|im_assistant|>assistant<|im_middle|><think></think>")
+    for kwargs, match in (({"add_generation_prompt": True}, "cannot both be set"),
+                          ({"add_generation_prompt": False, "messages": msgs[:1]}, "last message to be an assistant"),
+                          ({"add_generation_prompt": False, "family": "k3"}, "built-in K2 renderer only")):
+        kwargs = {"messages": msgs, "family": "k2", **kwargs}
+        with pytest.raises(InputError, match=match):
+            render(kwargs.pop("messages"), continue_final_message=True, **kwargs)

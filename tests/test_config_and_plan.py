@@ -10,6 +10,7 @@ from moe_export.common.errors import InputError
 from moe_export.common.model_config import ModelConfig, shipped_model_config
 from moe_export.common.recipe import load_recipe
 from moe_export.export.planner import make_plan
+from moe_export.graphs.sharding import Mapping
 from moe_export.graphs.weights import all_tensor_specs
 from moe_export.recipes import models_dir
 
@@ -218,8 +219,9 @@ def test_plan_memory_view_per_gpu_and_build_refusal(tmp_path):
     plan = make_plan(rec)
     view = plan.per_rank[0].memory
     assert {"weights", "state_slots", "cache_blocks", "activations", "plugin_workspaces", "reserve"} <= set(view)
-    parts = ("weights", "state_slots", "cache_blocks", "activations", "plugin_workspaces", "reserve")
-    assert view["total"] == sum(view[k] for k in parts) and view["capacity"] == 80 * GIB
+    parts = ("weights", "state_slots", "cache_blocks", "activations", "plugin_workspaces", "nccl_buffers",
+             "vision_activations", "reserve")
+    assert view["total"] == sum(view[k] for k in parts) and view["capacity"] == 81_559 * 2**20  # H100's NVML total
     assert 0 <= view["capacity"] - view["total"] < plan.pool_sizes().bytes_per_block + 64 * 2**20
     assert 5 * GIB < view["activations"] < 20 * GIB and view["workspace.moe_mxfp4"] > 0
     assert view["plugin_workspaces"] == sum(v for k, v in view.items() if k.startswith("workspace."))
@@ -240,3 +242,38 @@ def test_plan_memory_view_per_gpu_and_build_refusal(tmp_path):
     res = run_cli("plan", "--recipe", "h100x64.yaml")
     assert res.returncode == 0 and "engine activations" in res.stdout and "moe_mxfp4" in res.stdout
     assert "moe_all_to_all" in res.stdout
+
+
+def test_plan_budgets_what_an_h100_exposes_and_reports_margins_and_host_peak():
+    """Issue 29: the plan budgets the 79.65 GiB an H100 "80 GB" exposes (not 80), counts NCCL's buffers (the dp
+    layout's all-to-all peers included) and the vision tower's activations beside the reserve, and reports the
+    usable bytes, the margin beyond one max_seq_len sequence, and the host memory peak per rank (the plan streamed
+    to disk: at most 1.5 x the rank's weights; twice them with bindings that build into one plan buffer)."""
+    from moe_export.export.plan_memory import NCCL_BUFFSIZE, nccl_buffer_bytes
+
+    rec, _ = load_recipe("h100x64.yaml")
+    res = run_cli("plan", "--recipe", "h100x64.yaml", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["fits"] and out["usable_gpu_bytes"] == 81_559 * 2**20 < rec.memory_bytes
+    assert 0 < out["margin_bytes"] < 2 * 2**30
+    assert out["host_peak_bytes_per_rank"] <= 1.5 * out["weight_bytes_per_rank"]
+    assert out["host_peak_bytes_per_rank_plan_buffer"] > 1.5 * out["weight_bytes_per_rank"]
+    rank0 = out["per_rank"][0]
+    view = rank0["memory"]
+    assert view["vision_activations"] == rank0["vision_activation_bytes"] > 0
+    mapping = Mapping(64, 0, 8, 64, "dp")
+    assert view["nccl_buffers"] == nccl_buffer_bytes(mapping) > 63 * 2 * NCCL_BUFFSIZE
+    assert nccl_buffer_bytes(Mapping(64, 0, 8, 64, "tp")) < view["nccl_buffers"]
+    cpu = make_plan(load_recipe("tiny-cpu.yaml")[0])  # ONNX Runtime ranks talk over MPI: no NCCL buffers
+    assert all(r.memory["nccl_buffers"] == 0 for r in cpu.per_rank)
+    # the margin is what is left once one max_seq_len sequence's blocks are taken
+    blocks = -(-rec.limits.max_seq_len // 64)
+    bytes_per_block = view["cache_blocks"] // rank0["num_blocks"]
+    assert out["margin_bytes"] == min(
+        r["free_bytes"] - r["num_slots"] * (r["state_bytes_per_sequence"]["kda_state"]
+                                            + r["state_bytes_per_sequence"]["conv_state"]) - blocks * bytes_per_block
+        for r in out["per_rank"])  # fmt: skip
+    text = run_cli("plan", "--recipe", "h100x64.yaml").stdout
+    assert "usable GPU memory per rank 79.65 GiB" in text and "margin beyond one max_seq_len" in text
+    assert "host memory peak per rank" in text and "dp decode step" in text

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import write_engine_config
 from moe_export.common.errors import InputError
-from moe_export.export.tensorrt_build import ENGINE_KEY, read_engine_file
+from moe_export.common.engine_file import ENGINE_KEY, read_engine_file
 from moe_export.runtime.engine.batch import StepBatch
 from moe_export.runtime.engine.tensorrt import (
     TensorRTEngine,
@@ -203,6 +203,7 @@ def test_one_stream_for_every_copy_reset_and_enqueue():
     stream = FakeStream()
     engine = object.__new__(TensorRTEngine)
     engine._torch, engine.stream, engine.device = FakeTorch, stream, "cuda:0"
+    engine._empty = FakeTensor((256,))
     engine.meta = {**META, "profile": {**META["profile"], "positions": [[1], [1], [8192]]}}
     engine.pools = {"kda_state.0": FakeTensor((8, 2, 4, 4))}
     engine.pool_table = {"pool_table": FakeTensor((2, 3))}
@@ -257,6 +258,7 @@ def test_decode_steps_replay_a_cuda_graph_per_bucket():
     stream = FakeStream()
     engine = object.__new__(TensorRTEngine)
     engine._torch, engine.stream, engine.device = FakeTorch, stream, "cuda:0"
+    engine._empty = FakeTensor((256,))
     profile = {**META["profile"],
                "block_tables": [[1, 1], [1, 64], [8, 16]], "positions": [[1], [1], [8192]],
                "cu_seqlens": [[2], [9], [9]], "slot_ids": [[1], [8], [8]], "last_token_index": [[1], [8], [8]]}  # fmt: skip
@@ -343,6 +345,7 @@ def test_dp_idle_step_joins_the_all_to_alls_with_nothing_sent():
     stream = FakeStream()
     engine = object.__new__(TensorRTEngine)
     engine._torch, engine.stream, engine.device = FakeTorch, stream, "cuda:0"
+    engine._empty = FakeTensor((256,))
     profile = {**META["profile"],
                "block_tables": [[1, 1], [1, 64], [8, 16]], "positions": [[1], [1], [8192]],
                "cu_seqlens": [[2], [9], [9]], "slot_ids": [[1], [8], [8]], "last_token_index": [[1], [8], [8]]}  # fmt: skip

@@ -89,13 +89,59 @@ def test_cli_writes_repo_and_rejects_bad_input(engine, tmp_path, capsys):
                          "--engine-path", "/models/engine")  # the engine's path inside a container
     assert code == 0
     assert parse_config((tmp_path / "c" / "m2" / "config.pbtxt").read_text()).parameters["engine_dir"].string_value == "/models/engine"
-    assert 'ENGINE="/models/engine"' in (tmp_path / "c" / "launch_m2.sh").read_text()
+    assert "ENGINE=/models/engine" in (tmp_path / "c" / "launch_m2.sh").read_text()
     code, _, err = run_cli(capsys, "triton-repo", str(tmp_path), "--out", str(tmp_path / "r2"))
     assert code == 2 and "not an engine directory" in err and "Traceback" not in err
     code, _, err = run_cli(capsys, "triton-repo", str(engine), "--out", str(tmp_path / "r"), "--model-name", "bad/name")
     assert code == 2 and "model name" in err
     code, _, err = run_cli(capsys, "triton-repo", str(engine), "--out", str(tmp_path / "r"), "--default-effort", "huge")
     assert code == 2 and "default effort" in err
+
+
+HOSTILE_ENGINE_PATHS = [
+    "/models/$HOME/engine", "/models/`touch PWNED`/e", "/models/$(touch PWNED)", "/m/it's \"quoted\"",
+    "/m/two  spaces and\ttab", "/m/été/模型/😀", "/m/new\nline; touch PWNED", "/m/back\\slash/*", "-dash/$((1+1))/!x",
+]
+
+
+def test_launch_script_passes_hostile_engine_paths_through_bash_unchanged(engine, tmp_path):
+    """launch_NAME.sh, run by bash with tritonserver replaced by a stub that records its argv and environment:
+    each hostile --engine-path reaches the server (MOE_EXPORT_ENGINE_DIR) and the --mpi followers byte for byte,
+    and nothing in it is expanded or executed; config.pbtxt carries it exactly too."""
+    from moe_export.runtime.entrypoints.triton.repo import write_triton_repo
+
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name in ("tritonserver", "mpiexec"):
+        (stubs / name).write_text(f'#!/usr/bin/env bash\nprintf "%s\\0" {name} "$MOE_EXPORT_ENGINE_DIR" "$@" > "$RECORD"\n')
+        (stubs / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "MOE_EXPORT_ENGINE_DIR"}
+    env.update(PATH=f"{stubs}:{env['PATH']}", RECORD=str(tmp_path / "argv"), LC_ALL="C")
+    for k, hostile in enumerate(HOSTILE_ENGINE_PATHS):
+        repo = tmp_path / f"r{k}"
+        write_triton_repo(engine, repo, "m", engine_path=hostile)
+        assert parse_config((repo / "m" / "config.pbtxt").read_text(encoding="utf-8")).parameters["engine_dir"].string_value == hostile
+        for args in ([], ["--mpi", "--log-verbose=1"]):
+            r = subprocess.run(["bash", str(repo / "launch_m.sh"), *args], cwd=tmp_path, env=env, capture_output=True, timeout=60)
+            assert r.returncode == 0, r.stderr.decode(errors="replace")
+            argv = (tmp_path / "argv").read_bytes().split(b"\0")[:-1]
+            assert argv[1] == os.fsencode(hostile if hostile.startswith("/") else f"{repo}/m/{hostile}"), (hostile, argv)
+            assert argv[2:4] == [b"--model-repository", os.fsencode(repo)]
+        assert not (tmp_path / "PWNED").exists() and not (repo / "PWNED").exists()
+
+
+def test_python_environment_is_documented_and_can_be_named(engine, tmp_path, capsys):
+    """config.pbtxt says which Python runs model.py; --python-env writes Triton's EXECUTION_ENV_PATH parameter."""
+    code, _, _ = run_cli(capsys, "triton-repo", str(engine), "--out", str(tmp_path / "r"), "--model-name", "sys")
+    text = (tmp_path / "r" / "sys" / "config.pbtxt").read_text()
+    assert "system python3" in text and "numpy < 2" in text and "EXECUTION_ENV_PATH" not in parse_config(text).parameters
+    code, _, _ = run_cli(capsys, "triton-repo", str(engine), "--out", str(tmp_path / "r"), "--model-name", "env",
+                         "--python-env", "$$TRITON_MODEL_DIRECTORY/py-env")
+    assert code == 0
+    cfg = parse_config((tmp_path / "r" / "env" / "config.pbtxt").read_text())
+    assert cfg.parameters["EXECUTION_ENV_PATH"].string_value == "$$TRITON_MODEL_DIRECTORY/py-env"
+    code, _, err = run_cli(capsys, "triton-repo", str(engine), "--out", str(tmp_path / "r"), "--python-env", " ")
+    assert code == 2 and "--python-env must not be empty" in err
 
 
 # ---- model.py end to end in the backend double ----
@@ -199,7 +245,8 @@ def test_three_concurrent_streams_a_cancelled_one_and_a_bad_one(model, pb_utils,
         assert request.sender.flags[-1] == pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         assert pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL not in request.sender.flags[:-1]
 
-    # streams: one response per token, their concatenation equals the offline runtime's text for the prompt
+    # streams: one response per token, their concatenation equals the offline runtime's text for the prompt (without
+    # special-token names)
     reference = LLM(engine)
     try:
         from moe_export.runtime.sampling import SamplingParams
@@ -211,7 +258,7 @@ def test_three_concurrent_streams_a_cancelled_one_and_a_bad_one(model, pb_utils,
         responses = request.sender.responses
         assert not any(r.has_error() for r in responses)
         assert len(responses) >= 2
-        assert "".join(text_of(r) for r in responses) == ref.text
+        assert "".join(text_of(r) for r in responses) == model.llm.tokenizer.visible_text(ref.text)
         usage = json.loads(text_of(responses[-1], "usage"))
         assert usage["completion_tokens"] == 12 and usage["prompt_tokens"] == len(ref.prompt_ids)
         assert text_of(responses[-1], "finish_reason") == "length"
@@ -242,7 +289,7 @@ def test_three_concurrent_streams_a_cancelled_one_and_a_bad_one(model, pb_utils,
     assert again.sender.done.wait(60)
     (resp,) = again.sender.responses
     assert [t.name() for t in resp.output_tensors()] == ["text_output"]
-    assert text_of(resp) == "hello there" + expected[0].text  # exclude_input_in_output defaults to false
+    assert text_of(resp) == "hello there" + model.llm.tokenizer.visible_text(expected[0].text)  # exclude_input_in_output defaults to false
 
 
 def test_vllm_backend_client_string_parameters(model, pb_utils):
@@ -347,3 +394,86 @@ def test_images_input(model, pb_utils, engine):
     assert all(e is not None and e.code() == pb_utils.TritonError.INVALID_ARG for e in errors.values())
     assert "content[1]: not a readable image" in errors["bad"].message()
     assert "goes with the messages input" in errors["no-chat"].message()
+
+
+def test_text_output_is_the_servers_text_for_the_same_ids(model, pb_utils, engine):
+    """A raw prompt's text_output drops special-token names (sampled reserved / padding / media tokens) exactly as
+    the server's /v1/completions text does for the same greedy ids (random weights sample many specials)."""
+    import httpx
+
+    from serve_support import InProcessServer
+
+    server = InProcessServer(engine, served_model_names=("m",))
+    try:
+        prompts, compared = ["hello there", "the quick brown fox", "numbers: 1 2 3", "a long story"], 0
+        for prompt in prompts:
+            body = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+                "model": "m", "prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "logprobs": 0}).json()
+            tokens = body["choices"][0]["logprobs"]["tokens"]
+            names = [t for t in tokens if t in model.llm.tokenizer.special_tokens]
+            request = make_request(pb_utils, model, f"detok-{prompt}", prompt=prompt, stream=False,
+                                   params={"max_tokens": 40, "temperature": 0, "ignore_eos": True},
+                                   raw_inputs=[pb_utils.Tensor("exclude_input_in_output", np.array([True]))])
+            streamed = make_request(pb_utils, model, f"detok-stream-{prompt}", prompt=prompt,
+                                    params={"max_tokens": 40, "temperature": 0, "ignore_eos": True})
+            model.execute([request, streamed])
+            assert request.sender.done.wait(60) and streamed.sender.done.wait(60)
+            text = text_of(request.sender.responses[-1])
+            assert text == body["choices"][0]["text"] == "".join(text_of(r) for r in streamed.sender.responses)
+            assert not any(n in text for n in names)
+            compared += bool(names)
+        assert compared >= 1, "no prompt sampled a special token: the comparison would prove nothing"
+    finally:
+        server.stop()
+        server.llm.shutdown()
+
+
+def test_streaming_with_the_input_in_the_output_is_refused(model, pb_utils):
+    """As Triton's vLLM backend: a streamed raw prompt with exclude_input_in_output=false is INVALID_ARG; true, or
+    the flag left out, streams; a chat ignores the flag."""
+    def flag(value):
+        return [pb_utils.Tensor("exclude_input_in_output", np.array([value]))]
+
+    params = {"max_tokens": 3, "temperature": 0}
+    refused = make_request(pb_utils, model, "echo-stream", prompt="hello", params=params, raw_inputs=flag(False))
+    allowed = [make_request(pb_utils, model, "excl-stream", prompt="hello", params=params, raw_inputs=flag(True)),
+               make_request(pb_utils, model, "plain-stream", prompt="hello", params=params),
+               make_request(pb_utils, model, "echo-whole", prompt="hello", params=params, stream=False, raw_inputs=flag(False)),
+               make_request(pb_utils, model, "chat-stream", messages=[{"role": "user", "content": "hi"}],
+                            params={**params, "reasoning_effort": "none"}, raw_inputs=flag(False))]
+    model.execute([refused, *allowed])
+    for r in [refused, *allowed]:
+        assert r.sender.done.wait(60)
+    error = refused.sender.responses[-1].error()
+    assert error is not None and error.code() == pb_utils.TritonError.INVALID_ARG
+    assert "exclude_input_in_output=false is not allowed when streaming" in error.message()
+    assert not any(resp.has_error() for r in allowed for resp in r.sender.responses)
+    assert text_of(allowed[2].sender.responses[-1]).startswith("hello")
+
+
+def test_cancellation_is_noticed_while_a_request_waits_for_a_slot(model, pb_utils, engine):
+    """A request queued behind a full batch produces no output; cancelling it ends it at once with CANCELLED
+    (not when it would first have produced a token), and the runtime forgets it."""
+    slots = json.loads((Path(engine) / "config.json").read_text())["limits"]["max_batch"]
+    long = {"max_tokens": 600, "ignore_eos": True, "temperature": 0}
+    busy = [make_request(pb_utils, model, f"busy{i}", prompt=f"story {i}", params=long) for i in range(slots)]
+    queued = make_request(pb_utils, model, "queued", prompt="waiting", params=long)
+    model.execute([*busy, queued])
+    deadline = time.time() + 60
+    while not all(r.sender.responses for r in busy) and time.time() < deadline:
+        time.sleep(0.01)
+    assert not queued.sender.responses  # every slot is taken: it waits
+    queued.cancel()
+    assert queued.sender.done.wait(5)
+    cancelled_at = time.time()
+    (answer,) = queued.sender.responses
+    assert answer.has_error() and answer.error().code() == pb_utils.TritonError.CANCELLED
+    assert not any(r.sender.done.is_set() for r in busy), "the batch finished first: the check proved nothing"
+    for r in busy:
+        r.cancel()
+    for r in busy:
+        assert r.sender.done.wait(10)
+    assert time.time() - cancelled_at < 10
+    while model.llm.stats()["running"] and time.time() - cancelled_at < 10:  # aborts reach the scheduler's thread
+        time.sleep(0.01)
+    assert model.llm.stats()["running"] == 0

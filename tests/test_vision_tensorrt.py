@@ -18,7 +18,7 @@ from moe_export.common.recipe import load_recipe
 from moe_export.export import tensorrt_vision
 from moe_export.export.planner import image_patch_limit, vision_activation_bytes
 from moe_export.export.synth import preset_config
-from moe_export.export.tensorrt_build import read_engine_file
+from moe_export.common.engine_file import read_engine_file
 from moe_export.graphs.vision import VISION_NORM_EPS, vision_config, vision_tensor_specs
 from moe_export.graphs.vision_export import export_vision_graph, tower_inputs
 from moe_export.runtime.engine.tensorrt_vision import TensorRTTower
@@ -58,7 +58,7 @@ def test_tower_engine_built_from_the_image_limits(tower_graph, tmp_path, monkeyp
     kinds = [e[0] for e in log]
     assert [e[1] for e in log if e[0] == "parse"] == [str(graph)] and kinds.index("device") < kinds.index("build")
     assert ("network_flags", 1 << 0) in log  # STRONGLY_TYPED (fp32 graph), no plugin preference: no plugins
-    assert ("workspace", planned) in log and ("build", False) in log  # no collective to idle
+    assert ("workspace", planned) in log and ("build", False, None) in log  # no collective to idle
     (shapes,) = [{k: tuple(map(tuple, v)) for k, v in e[1].items()} for e in log if e[0] == "profile"]
     per_rank, patches = 2, image_patch_limit(cfg, recipe)  # ceil(4 images / tp 2) on each rank
     assert patches == 4096
@@ -120,8 +120,9 @@ def test_runner_tower_checks_the_profile_and_runs_on_the_rank_stream(tower_graph
     monkeypatch.setattr(tensorrt_vision, "select_device", lambda: 0)
     tensorrt_vision.build_vision_engine(graph, recipe, cfg, tensorrt_vision_engine)
     context, stream = TowerContext(), trt_fakes.FakeStream()
-    runtime = type("Runtime", (), {"deserialize_cuda_engine": lambda self, blob: FakeEngine(context)})()
-    trt = type("trt", (), {"ExecutionContextAllocationStrategy": type("S", (), {"USER_MANAGED": "user"})})
+    runtime = type("Runtime", (), {"deserialize_cuda_engine": lambda self, reader: FakeEngine(context)})()
+    trt = sys.modules["tensorrt"]
+    monkeypatch.setattr(trt, "ExecutionContextAllocationStrategy", type("S", (), {"USER_MANAGED": "user"}), raising=False)
     trt_fakes.RECORD.clear()
     tower = TensorRTTower(tensorrt_vision_engine, runtime, trt, TowerTorch, "cuda:0", stream)
     assert ("context", "user") in trt_fakes.RECORD and context.memory == FakeEngine.device_memory_size_v2

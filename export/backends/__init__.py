@@ -46,7 +46,8 @@ class Backend:
     weight_bytes: bytes per element of a non-fp32 weight as the built engine holds it (what its graph computes in:
     2 for bf16, 4 for fp32); engine_memory: the planner counts an engine's activation memory and plugin workspaces
     on the GPU (else they stay within the reserve); tower_scores: K3's tower materializes each image's attention
-    scores (no flash attention), which the planner counts in its activations."""
+    scores (no flash attention), which the planner counts in its activations; nccl: the collectives run over NCCL,
+    whose device buffers the planner counts beside the engine (`plan_memory.nccl_buffer_bytes`)."""
 
     name: str
     graph_form: GraphForm | None
@@ -56,6 +57,7 @@ class Backend:
     weight_bytes: Callable[[Recipe], float] = lambda recipe: 4.0
     engine_memory: bool = False
     tower_scores: bool = True
+    nccl: bool = False
     check_available: Callable[[Recipe, Any], None] = _no_check
 
     @property

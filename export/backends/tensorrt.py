@@ -84,5 +84,6 @@ BACKEND = Backend(
     weight_bytes=lambda recipe: 2.0,
     engine_memory=True,
     tower_scores=False,
+    nccl=True,
     check_available=check_tensorrt,
 )

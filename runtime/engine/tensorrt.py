@@ -8,7 +8,7 @@ and of torch.cuda), the import guard.
 
 As TensorRT-LLM runs its engines:
   - Placement: one process per GPU under `mpiexec -n world_size`; the local rank picks the GPU
-    (`export.mpi.local_rank` -> device), at build and here.
+    (`plugins.tensorrt_runtime.select_device`), at build and here.
   - One engine per rank (`rank{N}.engine`, see `export/tensorrt_build.py`) with its collectives inside as
     plugins; this runner registers the NCCL communicators they use (`plugins.collectives.nccl`: tp and ep
     groups of consecutive ranks, rendezvous from MPI) before deserializing it. A step is one enqueue.
@@ -57,11 +57,12 @@ from pathlib import Path
 
 import numpy as np
 from moe_export.common.engine_config import EngineConfig
+from moe_export.common.engine_file import read_engine_meta, stream_reader
 from moe_export.common.errors import InputError
 from moe_export.common.model_config import ModelConfig
 from moe_export.common.mapping import Mapping
 from moe_export.common.mpi import mpi_world, torch_group_comms
-from moe_export.common.engine_file import VISION_ENGINE, rank_engine_name, read_engine_file
+from moe_export.common.engine_file import VISION_ENGINE, rank_engine_name
 from moe_export.common.pools import CHECKPOINTS_PER_SLOT
 from moe_export.graphs.onnx_export import POOL_TABLE, POOLS_KEY
 from moe_export.plugins.pool_table import pool_table
@@ -175,6 +176,27 @@ class TensorRTEngine:
 
         if not torch.cuda.is_available():
             raise InputError("the TensorRT runtime needs a CUDA device")
+        rank_dir = self._read_layout(num_slots, num_blocks)
+        self.device = torch.device("cuda", select_device())  # local rank -> GPU
+        self.stream = torch.cuda.Stream(self.device)  # every copy, reset and enqueue of this rank
+        self._trt, self._torch = trt, torch
+        register_plugins()  # the plugins' Python callbacks must exist before deserialization
+        multi = self.world_size > 1 or self.dp_layout  # a dp graph holds all-to-alls even at world 1
+        self.comm = _NcclGroups(self.mapping) if multi else None
+        num_experts = ModelConfig.from_hf_dict(self.model_config, source="engine config.json").num_experts
+        # tokens routed to each expert per dispatching MoE layer (dp layout): the last step's, the running total,
+        # and on a group's first rank the last step's of its whole attention group
+        self.step_expert_tokens = np.zeros((dispatch_layers(rank_dir / "model.onnx"), num_experts), np.int64)
+        self.expert_tokens = np.zeros_like(self.step_expert_tokens)
+        self.group_step_expert_tokens = self.step_expert_tokens
+        self._open_engine(rank_dir)
+        self._allocate(rank_dir, num_checkpoints)
+        self._start_vision_tower(trt, torch)
+        self._warm_up()
+        self.stream.synchronize()
+
+    def _read_layout(self, num_slots: int | None, num_blocks: int | None) -> Path:
+        """World, rank, layout, this rank's engine metadata and pool sizes; returns the rank's folder."""
         limits = self.config.limits
         self.model_config: dict = self.config.pretrained_config
         self.world_size = self.config.mapping.world_size
@@ -188,41 +210,43 @@ class TensorRTEngine:
         self.mapping = self.config.rank_mapping(self.rank)
         self.group = self.mapping.dp_rank
         rank_dir = self.dir / f"rank{self.rank}"
-        self.meta, blob = read_engine_file(rank_dir / rank_engine_name(self.rank))
+        self._engine_file = rank_dir / rank_engine_name(self.rank)
+        self.meta, self._plan_offset, self._plan_size = read_engine_meta(self._engine_file)
         self.num_slots, self.num_blocks = runner_pool_sizes(self.meta, limits.max_batch, num_slots, num_blocks)
         self.max_seq_len = limits.max_seq_len
         self.max_num_tokens = limits.max_num_tokens
         self.max_step_pairs = None  # the plugins stream over the context (online softmax): no [T, context] rows
         self.block_size = limits.block_size
-        self.device = torch.device("cuda", select_device())  # local rank -> GPU
-        self.stream = torch.cuda.Stream(self.device)  # every copy, reset and enqueue of this rank
-        self._trt, self._torch = trt, torch
-        register_plugins()  # the plugins' Python callbacks must exist before deserialization
-        multi = self.world_size > 1 or self.dp_layout  # a dp graph holds all-to-alls even at world 1
-        self.comm = _NcclGroups(self.mapping) if multi else None
-        num_experts = ModelConfig.from_hf_dict(self.model_config, source="engine config.json").num_experts
-        # tokens routed to each expert per dispatching MoE layer (dp layout): the last step's, the running total,
-        # and on a group's first rank the last step's of its whole attention group
-        self.step_expert_tokens = np.zeros((dispatch_layers(rank_dir / "model.onnx"), num_experts), np.int64)
-        self.expert_tokens = np.zeros_like(self.step_expert_tokens)
-        self.group_step_expert_tokens = self.step_expert_tokens
+        # decode CUDA graphs pad batches onto one spare slot (the build's limits admit max_batch + 1 slots)
+        self._pad_slot = self.num_slots if int(self.meta["pool_limits"]["slots"]) > self.num_slots else None
+        self._graphs: dict[int, _DecodeGraph] = {}
+        self._buckets = graph_buckets(self.num_slots, self._pad_slot, self.dp_layout)
+        return rank_dir
+
+    def _open_engine(self, rank_dir: Path) -> None:
+        """The engine, streamed from its file in chunks (contract ENGINE_STREAMS: no host copy of the whole plan),
+        and its USER_MANAGED main context."""
+        trt = self._trt
         self._runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-        self._engine = self._runtime.deserialize_cuda_engine(blob)
+        reader = stream_reader(trt, self._engine_file, self._plan_offset, self._plan_size)
+        self._engine = self._runtime.deserialize_cuda_engine(reader)
         if self._engine is None:
             raise InputError(f"{rank_dir}: TensorRT could not deserialize the engine (version or GPU mismatch?)")
         self._context = self._engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
         if self._context is None:
             raise RuntimeError("TensorRT could not create an execution context")
+
+    def _allocate(self, rank_dir: Path, num_checkpoints: int | None) -> None:
+        """On the rank's stream: the one activation buffer, the pools (one allocation each, in pool table row
+        order), their checked pool table and the host checkpoints of the recurrent state."""
+        torch = self._torch
         size = int(self._engine.device_memory_size_v2)
-        # decode CUDA graphs pad batches onto one spare slot (the build's limits admit max_batch + 1 slots)
-        self._pad_slot = self.num_slots if int(self.meta["pool_limits"]["slots"]) > self.num_slots else None
-        self._graphs: dict[int, _DecodeGraph] = {}
-        self._buckets = graph_buckets(self.num_slots, self._pad_slot, self.dp_layout)
         with torch.cuda.stream(self.stream):
             self._activations = torch.empty(max(size, 1), dtype=torch.uint8, device=self.device)  # one per rank
+            self._empty = torch.empty(256, dtype=torch.uint8, device=self.device)  # the address of empty inputs
             slots = self.num_slots + (self._pad_slot is not None)
             sizes = {"S": slots, "NB": self.num_blocks, "BS": self.block_size}
-            self.pools = {  # one allocation per pool, in pool table row order
+            self.pools = {
                 name: torch.zeros(shape, dtype=self._torch_dtype_onnx(elem), device=self.device)
                 for name, (shape, elem) in pool_shapes(rank_dir / "model.onnx", sizes).items()
             }
@@ -239,8 +263,24 @@ class TensorRTEngine:
             self.max_num_tokens)
         self._context.set_device_memory(self._activations.data_ptr(), size)
         self._activation_size = size
-        self._start_vision_tower(trt, torch)
-        self.stream.synchronize()
+
+    def _warm_up(self) -> None:
+        """Before the first request: the NCCL communicators made (`_NcclGroups.warm_up`: one small collective
+        per group) and the plugin kernels compiled, by steps on the spare slot (block-table rows -1: no cache row
+        written): one eager step of one token (in the dp layout the idle step, which every rank runs here in the
+        same order), then every decode bucket's first step and CUDA graph capture. Without a spare slot (the
+        profile admits none) the kernels compile at the first request."""
+        if self.comm is not None:
+            self.comm.warm_up(self._torch, self.device)
+        if self._pad_slot is None:
+            return
+        if self.dp_layout:
+            self._idle_enqueue()
+            self.comm.nccl["ep"].expert_counts = []  # no request's tokens
+        else:
+            self._enqueue(self._with_images(pad_decode_feeds(_empty_decode(), 1, self._pad_slot, 1)))
+        for bucket in self._buckets:
+            self._bucket_step(bucket, _empty_decode())
 
     def _start_vision_tower(self, trt, torch) -> None:
         """K3: the replicated tower engine (`vision.engine`, `runtime.engine.tensorrt_vision`) and the MPI
@@ -340,6 +380,12 @@ class TensorRTEngine:
         if self._pad_slot is None:
             raise InputError(f"num_slots={self.num_slots}: an idle step needs the spare state slot the profile "
                              "admits beyond the runner's slots; open the engine with fewer slots")
+        self._idle_enqueue()
+        self.stream.synchronize()
+        self._count_experts()
+
+    def _idle_enqueue(self) -> None:
+        """Enqueue the idle step: one dummy token on the spare slot, the ep communicator marked idle."""
         ep = self.comm.nccl["ep"]
         with self._torch.cuda.stream(self.stream):
             for name, pool in self.pools.items():
@@ -350,8 +396,6 @@ class TensorRTEngine:
                 self._enqueue(self._with_images(pad_decode_feeds(_empty_decode(), 1, self._pad_slot, 1)))
             finally:
                 ep.idle = False
-        self.stream.synchronize()
-        self._count_experts()
 
     def _count_experts(self) -> None:
         """The step's per-expert token counts from the dispatch plugins (dp layout; nothing otherwise)."""
@@ -383,7 +427,7 @@ class TensorRTEngine:
                       for k, v in feeds.items() if k in self.meta["profile"]}  # fmt: skip
             inputs.update(self.pool_table)
             outputs = {}
-            bind(self._context, self.meta, inputs, outputs)
+            bind(self._context, self.meta, inputs, outputs, self._empty.data_ptr())
             for name in self.meta["outputs"]:
                 shape = tuple(self._context.get_tensor_shape(name))
                 dtype = self._torch_dtype(self._engine.get_tensor_dtype(name))
@@ -398,9 +442,13 @@ class TensorRTEngine:
     def _decode_graph_step(self, batch: StepBatch):
         """A decode step through its bucket's CUDA graph (captured after the bucket's first, eager, step): the
         logits rows of the step on the device (not waited for)."""
+        bucket = next(b for b in self._buckets if b >= batch.num_sequences)
+        return self._bucket_step(bucket, batch)
+
+    def _bucket_step(self, bucket: int, batch: StepBatch):
+        """`batch` padded to `bucket` through the bucket's graph (eager and captured the first time)."""
         torch = self._torch
         n = batch.num_sequences
-        bucket = next(b for b in self._buckets if b >= n)
         graph = self._graphs.get(bucket) or self._new_graph(bucket)
         feeds = self._with_images(pad_decode_feeds(batch, bucket, self._pad_slot, graph.table_width))
         with torch.cuda.stream(self.stream):
@@ -432,7 +480,7 @@ class TensorRTEngine:
         feeds = self._with_images(pad_decode_feeds(_empty_decode(), bucket, self._pad_slot, width))
         with torch.cuda.stream(self.stream):
             inputs = {k: torch.from_numpy(v).to(self.device) for k, v in feeds.items() if k in self.meta["profile"]}
-            bind(context, self.meta, {**inputs, **self.pool_table}, {})
+            bind(context, self.meta, {**inputs, **self.pool_table}, {}, self._empty.data_ptr())
             shape = tuple(context.get_tensor_shape("logits"))
             logits = torch.empty(shape, dtype=self._torch_dtype(self._engine.get_tensor_dtype("logits")),
                                  device=self.device)  # fmt: skip
@@ -482,3 +530,11 @@ class _NcclGroups(MPICommunicator):
         groups = torch_group_comms(mapping, "nccl")
         self.nccl = {kind: Communicator(group, mapping.group_size(kind)) for kind, group in groups.items()}
         set_communicators(self.nccl)
+
+    def warm_up(self, torch, device) -> None:
+        """Make the groups' NCCL communicators now (torch.distributed makes one at a group's first collective,
+        which would otherwise be inside the first request's step): a one-element all-reduce per group, tp first,
+        then ep, the same order on every rank (the tp groups are disjoint, as are the ep groups)."""
+        for name in ("tp", "ep"):
+            probe = torch.zeros(1, device=device)
+            self.nccl[name].all_reduce(probe, probe)

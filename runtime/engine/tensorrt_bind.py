@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 from moe_export.common.errors import InputError
 
 
@@ -15,15 +17,18 @@ def check_shape(meta: dict, name: str, shape: tuple[int, ...]) -> None:
                          f"(axis, value, min, max: {bad}); the step exceeds the built limits")
 
 
-def bind(context, meta: dict, inputs: dict, outputs: dict) -> None:
+def bind(context, meta: dict, inputs: dict, outputs: dict, empty_address: int = 0) -> None:
     """Set every input's shape and every tensor's address on `context` (tensors with .shape and .data_ptr()),
-    checking each return value (TensorRT reports refusal by returning False, it never raises)."""
+    checking each return value (TensorRT reports refusal by returning False, it never raises). A tensor of no
+    elements (torch gives it address 0) is bound to `empty_address`: enqueueV3 needs a non-null address for
+    every input (contract SET_INPUT_SHAPE_RETURNS_BOOL), e.g. the image rows of a text-only step."""
     for name, value in inputs.items():
         shape = tuple(int(d) for d in value.shape)
         check_shape(meta, name, shape)
         if not context.set_input_shape(name, shape):
             raise RuntimeError(f"TensorRT refused input shape {list(shape)} for {name}")
     for name, value in {**inputs, **outputs}.items():
-        if not context.set_tensor_address(name, value.data_ptr()):
-            raise RuntimeError(f"TensorRT refused the address of {name} (not a tensor of this engine, or not "
+        address = value.data_ptr() if math.prod(value.shape) else empty_address
+        if not address or not context.set_tensor_address(name, address):
+            raise RuntimeError(f"TensorRT refused the address of {name} (not a tensor of this engine, null, or not "
                                "256-byte aligned)")

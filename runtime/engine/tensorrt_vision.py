@@ -16,8 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from moe_export.common.engine_file import read_engine_meta, stream_reader
 from moe_export.common.errors import InputError
-from moe_export.common.engine_file import read_engine_file
 from moe_export.runtime.engine.tensorrt_bind import bind
 
 OUTPUT = "image_embeds"
@@ -27,9 +27,9 @@ class TensorRTTower:
     """`feeds -> image_embeds` over the tower engine on one rank (see the module docstring)."""
 
     def __init__(self, path: Path, runtime, trt, torch, device, stream) -> None:
-        self.meta, blob = read_engine_file(path)
+        self.meta, offset, size = read_engine_meta(path)
         self._torch, self.device, self.stream = torch, device, stream
-        self._engine = runtime.deserialize_cuda_engine(blob)
+        self._engine = runtime.deserialize_cuda_engine(stream_reader(trt, path, offset, size))  # in chunks
         if self._engine is None:
             raise InputError(f"{path}: TensorRT could not deserialize the vision tower engine (version or GPU mismatch?)")
         self._context = self._engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)

@@ -70,8 +70,10 @@ def plan(
         labels = {"weights": "weights", "state_slots": f"recurrent-state pools ({worst.pools.num_slots} slots)",
                   "cache_blocks": f"cache pools ({worst.pools.num_blocks:,} blocks)",
                   "activations": "engine activations (one buffer per rank)",
-                  "plugin_workspaces": "plugin workspaces", "reserve": "reserve (CUDA context, NCCL, cuBLAS)",
-                  "total": "total", "capacity": "GPU memory"}  # fmt: skip
+                  "plugin_workspaces": "plugin workspaces", "nccl_buffers": "NCCL buffers",
+                  "vision_activations": "vision tower activations (one call)",
+                  "reserve": "reserve (CUDA context, cuBLAS, allocator)", "total": "total",
+                  "capacity": "GPU memory (usable)"}  # fmt: skip
         for part, b in worst.memory.items():
             label = f"  {part.split('.', 1)[1]}" if part.startswith("workspace.") else labels[part]
             gpu.add_row(label, f"{b / GIB:.3f}")
@@ -95,11 +97,34 @@ def plan(
                             f"{lay['moe_bytes']['inter_node'] / 2**20:.2f} MiB",
                             f"{lay['moe_bytes_per_token'] / 2**10:.1f} KiB", f"{lay['attention_token_heads']:,}")
         console.print(layouts)
+        _print_margins_and_dp_step(d)
         console.print(("[green]" if p.fits else "[red]") + p.verdict())
     if not p.fits:
         if not as_json:
             err_console.print(f"error: recipe {rec.name}: {p.verdict()}", highlight=False)
         raise typer.Exit(2)
+
+
+def _print_margins_and_dp_step(d: dict) -> None:
+    """`plan`'s lines on the usable GPU memory, its margin, the host memory peak and the dp decode-step model."""
+    gib = 2**30
+    console.print(f"usable GPU memory per rank {d['usable_gpu_bytes'] / gib:.2f} GiB; margin beyond one max_seq_len "
+                  f"sequence {d['margin_bytes'] / gib:.2f} GiB")
+    console.print(f"host memory peak per rank {d['host_peak_bytes_per_rank'] / gib:.2f} GiB "
+                  f"({d['host_peak_bytes_per_rank'] / d['weight_bytes_per_rank']:.2f} x the rank's weights; the plan "
+                  f"streamed to disk), {d['host_peak_bytes_per_rank_plan_buffer'] / gib:.2f} GiB with TensorRT "
+                  "bindings that build into one plan buffer (10.9)")
+    step = d["dp_decode_step"]
+    if step is None:
+        return
+    layer, total = step["per_layer"], step["per_step"]
+    console.print(f"dp decode step ({step['tokens_per_group']} tokens per attention group, {step['moe_layers']} MoE "
+                  f"layers), per layer / per step: host syncs {layer['host_syncs']} / {total['host_syncs']}, launches "
+                  f">= {layer['launches_at_least']:,} / {total['launches_at_least']:,}, full-receive-buffer passes "
+                  f"{layer['full_buffer_passes']} over {layer['receive_rows']:,} rows = "
+                  f"{layer['full_buffer_bytes'] / 1e9:.1f} / {total['full_buffer_bytes'] / 1e9:,.0f} GB, for "
+                  f"{layer['rows_with_tokens']:,} rows with tokens ({layer['counted_rows_bytes'] / 2**20:.2f} MiB) "
+                  f"and {layer['expert_weight_bytes'] / 2**20:,.0f} MiB of expert weights per layer")
 
 
 @app.command()
@@ -284,12 +309,14 @@ def triton_repo(
     default_effort: str = typer.Option("max", "--default-effort", help="thinking tier when a request names none"),
     engine_path: str | None = typer.Option(None, "--engine-path", help="the engine folder as Triton will see it (e.g. its path in a container); default: relative to the model folder"),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="the model does not share cached prompt prefixes across requests (config.pbtxt parameter prefix_caching)"),
+    python_env: str | None = typer.Option(None, "--python-env", help="the model's Python environment (config.pbtxt EXECUTION_ENV_PATH: a conda-pack archive or an unpacked environment, numpy < 2 for Triton 2.51); default: the container's system python3"),
 ) -> None:
     """Write a Triton Inference Server model (Python backend, decoupled, vLLM-backend tensor names) hosting
     the runtime on ENGINE, plus launch_NAME.sh (in process, or --mpi: one process per rank)."""
     from moe_export.runtime.entrypoints.triton.repo import write_triton_repo
 
-    path = write_triton_repo(engine, out, model_name, default_effort, engine_path, prefix_caching=not no_prefix_caching)
+    path = write_triton_repo(engine, out, model_name, default_effort, engine_path, prefix_caching=not no_prefix_caching,
+                             python_env=python_env)
     console.print(f"wrote Triton model {model_name} to {path} (launch: {path.parent / f'launch_{model_name}.sh'})",
                   highlight=False, markup=False)
 

@@ -26,7 +26,7 @@ from moe_export.runtime.chat import (
     ParsedDelta,
     ParsedMessage,
     generation_prompt_ids,
-    prompt_starts_in_reasoning,
+    output_starts_in_reasoning,
     render_ids,
 )
 from moe_export.runtime.core.budget import ReasoningBudget, resolve_thinking
@@ -371,7 +371,7 @@ class LLM:
         images = (PromptImages(self.tokenizer, vision.processor, messages, vision.max_images, self.allow_image_urls,
                                vision.cached) if vision else None)
         ids = self._render(messages, plan, tools, tool_choice, response_format, images=images)
-        starts = prompt_starts_in_reasoning(self.family, plan.enabled)
+        starts = output_starts_in_reasoning(self.family, plan.enabled)
         budget = ReasoningBudget(self.tokenizer, self.family, plan.cap if plan.enabled else None, starts_in_reasoning=starts)
         parser = OutputParser(self.tokenizer, self.family, starts_in_reasoning=starts, tools_declared=bool(tools))
         tracked = _Tracked(self._new_id(request_id), ids, sampling or self.default_sampling, parser, budget,

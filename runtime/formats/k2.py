@@ -13,6 +13,12 @@ and the tools deep-sorted by key first (as the vendor's `tokenization_kimi.py` d
   <|im_system|>NAME<|im_middle|>## Return of ID\\nCONTENT<|im_end|>   tool results, in the order given
   <|im_assistant|>assistant<|im_middle|>                             generation prompt (no <think>)
 
+`continue_final_message` (transformers' option of that name, for prefilling the answer): the final message,
+an assistant one, is left open for the model to continue: cut right after its content (no tool calls, no
+`<|im_end|>`), with its think element as the template renders it. Unlike transformers' string search, an
+empty content is cut in the same place (after `</think>`), and the option with add_generation_prompt is an
+error, as there.
+
 Past reasoning is dropped (`<think></think>`) for every message up to the last assistant message without tool
 calls, and kept after it (the running agent loop). Calls:
 `<|tool_calls_section_begin|>` + per call `<|tool_call_begin|>ID<|tool_call_argument_begin|>ARGS<|tool_call_end|>`
@@ -105,7 +111,8 @@ def _calls(w: _Writer, calls: Any, where: str) -> None:
     w.mark(CALLS_END)
 
 
-def render_k2(messages: list[dict], *, tools: list[dict] | None = None, add_generation_prompt: bool = True) -> Rendered:
+def render_k2(messages: list[dict], *, tools: list[dict] | None = None, add_generation_prompt: bool = True,
+              continue_final_message: bool = False) -> Rendered:
     """K2 segments of a conversation (OpenAI chat shape), exactly as the K2-Thinking template renders it."""
     check_messages(messages)
     check_tools(tools)
@@ -113,6 +120,11 @@ def render_k2(messages: list[dict], *, tools: list[dict] | None = None, add_gene
     for i, m in enumerate(msgs):
         if "role" not in m:
             raise InputError(f"messages[{i}] has no role")
+    if continue_final_message:
+        if add_generation_prompt:
+            raise InputError("continue_final_message and add_generation_prompt cannot both be set")
+        if not msgs or msgs[-1]["role"] != "assistant":
+            raise InputError("continue_final_message needs the last message to be an assistant message")
     last_plain = max((i for i, m in enumerate(msgs) if m["role"] == "assistant" and not m.get("tool_calls")), default=-1)
     w = _Writer()
     if tools:
@@ -133,6 +145,9 @@ def render_k2(messages: list[dict], *, tools: list[dict] | None = None, add_gene
                 w.text(m.get("reasoning_content", ""))
             w.mark(END_THINK)
             w.content(m.get("content"), where)
+            if continue_final_message and i == len(msgs) - 1:
+                w.out.assistant_spans.append((i, start, len(w.out.segments)))
+                return w.out
             if m.get("tool_calls"):
                 _calls(w, m["tool_calls"], where)
         elif m["role"] == "tool":

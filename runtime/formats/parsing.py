@@ -1,11 +1,32 @@
 """Parsing model output back into an assistant message, whole or streaming, for both Kimi families.
 
 Parsing works on token ids: markers are special tokens, so the parser knows a marker from text that
-merely looks like one. Streaming (`OutputParser.feed`) returns reasoning / content text deltas; a tag
-header (`<|open|>think` before its `<|sep|>`) and an incomplete UTF-8 character are held back until
-complete; no marker ever reaches content. Tool calls are returned by `finish()` in OpenAI shape
-(`arguments` a JSON string). A tool call that does not parse becomes content (its decoded tokens, as the
-model wrote them) and is counted in `tool_call_parse_failures`.
+merely looks like one (a `<|im_end|>` or `</think>` the model spelled with ordinary tokens is text, where
+vLLM's text-based parsers would take it for a marker). Streaming (`OutputParser.feed`) returns reasoning /
+content text deltas; a tag header (`<|open|>think` before its `<|sep|>`) and an incomplete UTF-8
+character are held back until complete. Tool calls are returned by `finish()` in OpenAI shape
+(`arguments` a JSON string).
+
+Behaviours, aligned with vLLM's Kimi K2 / K3 reasoning and tool parsers where they are right:
+  - Where the output starts (`starts_in_reasoning`, see `chat.output_starts_in_reasoning`): K3 with
+    thinking on, after the generation prompt's `<|open|>think<|sep|>`; K2 with thinking on, in reasoning
+    too, as vLLM's kimi_k2 parser reads it (K2-Thinking's generation prompt has no `<think>`: the model
+    may write one, which is consumed, or start reasoning at once). Reasoning ends at `</think>` or at
+    `<|tool_calls_section_begin|>` (K2), at `<|close|>think<|sep|>` (K3); `R</think>answer` splits.
+  - The tool section ends the message: text after `<|tool_calls_section_end|>` / `<|close|>tools<|sep|>`
+    is dropped (vLLM keeps its parser in the tool state there); further calls are still read.
+  - K2 arguments are the text between `<|tool_call_argument_begin|>` and `<|tool_call_end|>` without
+    surrounding whitespace; empty arguments are `{}`.
+  - K3 argument elements are typed leniently, as vLLM does: `type="string"` (or no type) is the raw text;
+    any other type is the text read as JSON whatever JSON type it turns out to be, or the raw text as a
+    string when it is not JSON. A mismatch never fails the call. A `json` block carries the arguments
+    text as written (K3 renders non-object arguments that way).
+  - A tool call cut short (the output ended inside it, e.g. at max_tokens) and any tool call when the
+    request declared no tools are dropped: no markup reaches content; each counts in
+    `tool_call_parse_failures` (`failure_reasons` says why, for logs).
+  - A finished call that does not parse (a K2 call id that is not `functions.NAME:INDEX`, a marker out of
+    place, a K3 argument without a key) becomes content as the model wrote it, so the client sees what
+    came out; it counts as a failure too.
 """
 
 from __future__ import annotations
@@ -30,7 +51,7 @@ from moe_export.graphs.tokens import (
     SEP,
     THINK,
 )
-from moe_export.runtime.formats.k3 import unescape, xtml_type
+from moe_export.runtime.formats.k3 import unescape
 
 if TYPE_CHECKING:
     from moe_export.runtime.tokenizer import Tokenizer
@@ -148,12 +169,12 @@ class OutputParser:
         return self.delta
 
     def finish(self) -> ParsedMessage:
-        """End of output: flush, turn an unfinished tool call into content, return the message."""
+        """End of output: flush, drop an unfinished tool call, return the message."""
         self.delta = ParsedDelta()
         self._emit(self.run.flush())
         self.header = None  # an unfinished tag header is a marker fragment: never content
         if self.call is not None:
-            self._fail(self.call, "the output ended inside the call")
+            self._drop(self.call, "the output ended inside the call")
             self.call = None
         reasoning = "".join(self.reasoning)
         content = "".join(self.content)
@@ -189,27 +210,32 @@ class OutputParser:
         if call is not None:
             self._k3_call_tag(call, is_open, name, attrs)
             return
+        if self.channel == "tools":  # the tool section ends the message: only further calls are read
+            if is_open and name == "call":
+                self._k3_open_call(attrs)
+            return
         if is_open and name == "think":
             self.channel = "reasoning"
         elif is_open and name == "response":
             self.channel = "content"
         elif is_open and name == "tools":
             self.channel = "tools"
-        elif is_open and name == "call" and self.channel == "tools":
-            self.call = _Call(ids=list(self.header_ids), name=attrs.get("tool") if attrs else None)
-            if not self.call.name:
-                self.call.error = "the call has no tool attribute"
-        elif not is_open and name in ("think", "response", "tools"):
+        elif not is_open and name in ("think", "response"):
             self.channel = "content"
         # any other tag (message wrappers, unknown names) is structure, not text
+
+    def _k3_open_call(self, attrs: dict | None) -> None:
+        self.call = _Call(ids=list(self.header_ids), name=attrs.get("tool") if attrs else None)
+        if not self.call.name:
+            self.call.error = "the call has no tool attribute"
 
     def _k3_call_tag(self, call: _Call, is_open: bool, name: str | None, attrs: dict | None) -> None:
         if attrs is None:
             call.error = call.error or "a tag header does not parse"
         elif is_open and name == "argument" and call.arg_key is None and call.json_text is None:
-            if "key" not in attrs or attrs.get("type") not in ("string", "number", "boolean", "null", "object", "array"):
-                call.error = call.error or f"argument tag without key / valid type: {attrs}"
-            call.arg_key, call.arg_type, call.arg_text = attrs.get("key", ""), attrs.get("type"), ""
+            if "key" not in attrs:
+                call.error = call.error or f"argument tag without a key: {attrs}"
+            call.arg_key, call.arg_type, call.arg_text = attrs.get("key", ""), attrs.get("type", "string"), ""
         elif not is_open and name == "argument" and call.arg_key is not None:
             self._finish_argument(call)
         elif is_open and name == "json" and call.arg_key is None and call.args is None and call.json_text is None:
@@ -227,17 +253,12 @@ class OutputParser:
         call.arg_key = None
         if call.error:
             return
-        if kind == "string":
-            value: Any = text
-        else:
+        value: Any = text
+        if kind != "string":  # lenient, as vLLM: the JSON value whatever its type, else the raw text
             try:
                 value = json.loads(text)
-            except json.JSONDecodeError as exc:
-                call.error = f"argument {key!r} of type {kind} is not JSON ({exc})"
-                return
-            if xtml_type(value) != kind:
-                call.error = f"argument {key!r}: {text!r} is not a {kind}"
-                return
+            except json.JSONDecodeError:
+                pass
         if call.args is None:
             call.args = {}
         call.args[key] = value
@@ -256,8 +277,11 @@ class OutputParser:
     def _finish_call(self, call: _Call) -> None:
         if self.family == "k3" and call.json_text is not None and not call.json_done:
             call.error = call.error or "json block not closed"
-        if call.error or not self.tools_declared:
-            self._fail(call, call.error or "no tools were declared")
+        if not self.tools_declared:
+            self._drop(call, "a tool call, but the request declared no tools")
+            return
+        if call.error:
+            self._fail(call, call.error)
             return
         if self.family == "k3":
             # a json block carries the arguments text as written (K3 renders arguments that are not a JSON
@@ -265,14 +289,18 @@ class OutputParser:
             arguments = call.json_text if call.json_text is not None else json.dumps(call.args or {}, ensure_ascii=False)
             call_id = f"functions.{call.name}:{len(self.tool_calls)}"
         else:
-            arguments, call_id = call.arg_text, call.call_id
+            arguments, call_id = call.arg_text.strip() or "{}", call.call_id
         self.tool_calls.append({"id": call_id, "type": "function", "function": {"name": call.name, "arguments": arguments}})
 
     def _fail(self, call: _Call, reason: str) -> None:
-        """An unparseable call: its tokens, decoded as the model wrote them, become content."""
+        """A finished call that does not parse: its tokens, decoded as the model wrote them, become content."""
+        self._drop(call, reason)
+        self._emit_content(self.tok.decode(call.ids))
+
+    def _drop(self, call: _Call, reason: str) -> None:
+        """A call that is not returned: counted, with its reason."""
         self.failures += 1
         self.failure_reasons.append(reason)
-        self._emit_content(self.tok.decode(call.ids))
 
     # -- K2
     def _k2_special(self, name: str) -> None:
@@ -297,16 +325,16 @@ class OutputParser:
                     self._finish_call(call)
                     self._k2_special(name)
             return
-        if name == THINK:
+        if name == CALL_BEGIN and self.channel == "tools":
+            self.call = _Call(ids=[self.tok.encode_special(CALL_BEGIN)])
+        elif self.channel == "tools":  # the tool section ends the message (after its end marker too)
+            return
+        elif name == THINK:
             self.channel = "reasoning"
         elif name == END_THINK:
             self.channel = "content"
         elif name == CALLS_BEGIN:
             self.channel = "tools"
-        elif name == CALLS_END:
-            self.channel = "content"
-        elif name == CALL_BEGIN and self.channel == "tools":
-            self.call = _Call(ids=[self.tok.encode_special(CALL_BEGIN)])
         # other specials carry no text
 
 

@@ -6,8 +6,19 @@ Decoupled (streaming) model. `execute` hands every request to one asyncio loop t
 `AsyncLLM`, and returns at once; the runtime's scheduler batches all in-flight requests continuously
 (Triton's dynamic batcher stays off). Each request streams responses through its response sender and
 ends with TRITONSERVER_RESPONSE_COMPLETE_FINAL. A cancelled request (`sender.is_cancelled()`) is aborted in
-the runtime and answered with a CANCELLED error; a bad request gets an INVALID_ARG error and an internal
-failure an INTERNAL error: per request, never a crash of the model.
+the runtime and answered with a CANCELLED error as soon as it is noticed (the sender is polled every
+CANCEL_POLL_S while the request lives: a request waiting for a slot or in a long prefill stops too); a bad
+request gets an INVALID_ARG error and an internal failure an INTERNAL error: per request, never a crash of
+the model.
+
+text_output of a raw prompt is the runtime's text without special-token names (`Tokenizer.visible_text`, the
+detokenization every entry point uses), a chat's is its parsed content. As in Triton's vLLM backend, a
+non-streamed raw prompt's text_output starts with the prompt unless exclude_input_in_output is true, and a
+streamed one with exclude_input_in_output=false is refused (INVALID_ARG).
+
+Python environment: the stub runs this file with the Python of Triton's container (`python3` with the
+moe-export package and its dependencies installed), or with a packed environment named by the
+EXECUTION_ENV_PATH parameter of config.pbtxt (its numpy must be < 2 for the stub of Triton 2.51).
 
 Tensors (the names of Triton's vLLM backend, so its OpenAI-compatible frontend and load tools work):
   inputs  text_input (BYTES [1], raw prompt), messages (BYTES [1], JSON list of chat messages; instead of
@@ -35,6 +46,7 @@ import triton_python_backend_utils as pb_utils
 ENGINE_ENV = "MOE_EXPORT_ENGINE_DIR"  # the engine folder where Triton runs; overrides config.pbtxt's engine_dir
 OUTPUT_NAMES = ("text_output", "reasoning_content", "tool_calls", "usage", "finish_reason")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+CANCEL_POLL_S = 0.05  # how often a live request's sender is asked whether the client cancelled it
 # vLLM sampling parameters accepted only at their neutral value (clients and load tools send them)
 NEUTRAL_OPTIONS = {"n": (1,), "best_of": (1,), "logprobs": (False, 0), "skip_special_tokens": (True,)}
 # The vLLM backend's sample client (and its OpenAI frontend) send every sampling_parameters value as a string
@@ -192,6 +204,9 @@ class TritonPythonModel:
             raise BadRequest(f"{', '.join(sorted(opts.chat_kwargs))} apply to chat requests (the messages input), not text_input")
         stream = _scalar(request, "stream")
         exclude = _scalar(request, "exclude_input_in_output")
+        if prompt is not None and stream is not None and bool(stream) and exclude is not None and not bool(exclude):
+            raise BadRequest("exclude_input_in_output=false is not allowed when streaming (as in Triton's vLLM backend): "
+                             "set it to true or leave it out")
         wanted = set(request.requested_output_names()) or set(OUTPUT_NAMES)
         return {
             "prompt": prompt, "messages": messages, "opts": opts, "stream": bool(stream) if stream is not None else False,
@@ -227,6 +242,7 @@ class TritonPythonModel:
         opts = job["opts"]
         chat = job["messages"] is not None
         deltas = None
+        watcher = asyncio.ensure_future(self._watch_cancellation(sender, request_id))
         try:
             if chat:
                 deltas = self.llm.chat_stream(job["messages"], opts.sampling, request_id=request_id, **opts.chat_kwargs)
@@ -238,11 +254,12 @@ class TritonPythonModel:
                     sender.send(self._error("request cancelled by the client", pb_utils.TritonError.CANCELLED), flags=FINAL)
                     return
                 if job["stream"]:
-                    sender.send(self._response(job["wanted"], delta.content if chat else delta.text, delta.reasoning,
-                                               delta.output), flags=FINAL if delta.finished else 0)
+                    text = delta.content if chat else self.llm.tokenizer.visible_text(delta.text)
+                    sender.send(self._response(job["wanted"], text, delta.reasoning, delta.output),
+                                flags=FINAL if delta.finished else 0)
                 elif delta.finished:
                     out = delta.output
-                    full = (out.content or "") if chat else out.text
+                    full = (out.content or "") if chat else self.llm.tokenizer.visible_text(out.text)
                     if not chat and not job["exclude_input"]:
                         full = job["prompt"] + full
                     sender.send(self._response(job["wanted"], full, out.reasoning_content or "", out), flags=FINAL)
@@ -256,8 +273,16 @@ class TritonPythonModel:
             self.llm.abort(request_id)
             sender.send(self._error(f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL), flags=FINAL)
         finally:
+            watcher.cancel()
             if deltas is not None and hasattr(deltas, "aclose"):
                 await deltas.aclose()
+
+    async def _watch_cancellation(self, sender, request_id: str) -> None:
+        """Abort the request once its client cancels it: its stream then ends at once, and `_serve` answers
+        CANCELLED, even while no output comes (waiting for a slot, a long prefill)."""
+        while not sender.is_cancelled():
+            await asyncio.sleep(CANCEL_POLL_S)
+        self.llm.abort(request_id)
 
     def finalize(self) -> None:
         """Finish in-flight requests (their senders stay valid until they end), then stop the runtime."""

@@ -4,9 +4,16 @@ Layout written (the whole NAME folder is built under a temporary name and rename
     REPO/NAME/config.pbtxt   Python backend, decoupled (streaming), dynamic batcher off (the runtime batches),
                              the tensor names of Triton's vLLM backend plus messages / reasoning_content /
                              tool_calls / usage / finish_reason, parameters engine_dir, default_effort and
-                             prefix_caching ("true" / "false")
+                             prefix_caching ("true" / "false"), and EXECUTION_ENV_PATH when given (comments
+                             say which Python runs the model)
     REPO/NAME/1/model.py     runtime/entrypoints/triton/model.py verbatim: hosts an AsyncLLM on the engine
     REPO/launch_NAME.sh      starts tritonserver; for a multi-rank engine under mpiexec (see below)
+
+Python environment. Triton's Python-backend stub runs 1/model.py with the container's system `python3`, which
+then needs moe-export and its dependencies installed; or, with `--python-env PATH`, in an environment of its
+own (config.pbtxt parameter EXECUTION_ENV_PATH: a conda-pack archive or an unpacked environment folder, of the
+stub's Python version; `$$TRITON_MODEL_DIRECTORY` stands for the model folder). The stub of Triton 2.51 needs
+numpy < 2 there.
 
 Multi-rank engines. A single-host world runs in process (the default: the model's Engine loads every rank
 and runs them in lockstep). To give each rank its own process, the launch script starts the world under
@@ -21,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 from pathlib import Path
 
@@ -48,16 +56,25 @@ OUTPUTS = (
 
 
 def _quote(text: str) -> str:
-    """A protobuf text-format string literal."""
-    return json.dumps(text)
+    """A protobuf text-format string literal (UTF-8 kept, control characters escaped)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+PYTHON_ENV_COMMENT = (
+    "# Python environment of 1/model.py: without an EXECUTION_ENV_PATH parameter, Triton's Python-backend stub runs it",
+    "# with the container's system python3, which needs moe-export and its dependencies installed. EXECUTION_ENV_PATH",
+    "# (moe-export triton-repo --python-env PATH) names an environment of its own instead: a conda-pack archive or an",
+    "# unpacked environment folder, of the stub's Python version, with numpy < 2 for Triton 2.51's stub",
+    "# (\"$$TRITON_MODEL_DIRECTORY\" stands for this model's folder).",
+)
 
 
 def render_config_pbtxt(model_name: str, engine_dir: str, default_effort: str = "max", instances: int = 1,
-                        prefix_caching: bool = True) -> str:
+                        prefix_caching: bool = True, python_env: str | None = None) -> str:
     """The model's config.pbtxt (protobuf text format of Triton's ModelConfig). engine_dir: as written (a path
     relative to the model folder, or absolute as seen where Triton runs). The instance kind is KIND_MODEL: the
     runtime places itself (CPU engines on the host, GPU engines on their devices), so the same repository
-    serves in a container or on GPUs."""
+    serves in a container or on GPUs. python_env: the EXECUTION_ENV_PATH parameter (None: the system Python)."""
     lines = [
         f"name: {_quote(model_name)}",
         'backend: "python"',
@@ -70,22 +87,27 @@ def render_config_pbtxt(model_name: str, engine_dir: str, default_effort: str = 
     for name, dtype, dims in OUTPUTS:
         lines.append(f"output {{ name: {_quote(name)} data_type: {dtype} dims: {dims} }}")
     lines.append(f"instance_group [ {{ count: {instances} kind: KIND_MODEL }} ]")
-    for key, value in (("engine_dir", engine_dir), ("default_effort", default_effort),
-                       ("prefix_caching", str(prefix_caching).lower())):
+    lines.extend(PYTHON_ENV_COMMENT)
+    parameters = [("engine_dir", engine_dir), ("default_effort", default_effort), ("prefix_caching", str(prefix_caching).lower())]
+    if python_env is not None:
+        parameters.append(("EXECUTION_ENV_PATH", python_env))
+    for key, value in parameters:
         lines.append(f"parameters {{ key: {_quote(key)} value: {{ string_value: {_quote(value)} }} }}")
     return "\n".join(lines) + "\n"
 
 
 def render_launch_script(model_name: str, engine_dir: str, world_size: int) -> str:
-    """Bash script starting Triton on this repository, in process or (--mpi) as an MPMD mpiexec world."""
+    """Bash script starting Triton on this repository, in process or (--mpi) as an MPMD mpiexec world. The
+    engine path is written once, shell-quoted (`shlex.quote`: no expansion, no command substitution, bytes
+    kept), and only ever used inside double quotes."""
     return f"""#!/usr/bin/env bash
-# Start Triton Inference Server on this repository (model {model_name}, engine {engine_dir}, {world_size} rank(s)).
+# Start Triton Inference Server on this repository (model {model_name}, engine ENGINE below, {world_size} rank(s)).
 #   ./launch_{model_name}.sh [tritonserver args...]        every rank in the model's process (single host)
 #   ./launch_{model_name}.sh --mpi [tritonserver args...]  one process per rank: rank 0 = tritonserver (leader),
 #                                                          ranks 1..{world_size - 1} follow its step plans
 set -euo pipefail
 REPO="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
-ENGINE={_quote(engine_dir)}
+ENGINE={shlex.quote(engine_dir)}
 if [[ "$ENGINE" != /* ]]; then ENGINE="$REPO/{model_name}/$ENGINE"; fi  # relative to the model folder
 ENGINE="${{MOE_EXPORT_ENGINE_DIR:-$ENGINE}}"
 export MOE_EXPORT_ENGINE_DIR="$ENGINE"
@@ -102,7 +124,8 @@ exec tritonserver --model-repository "$REPO" "$@"
 
 
 def write_triton_repo(engine_dir: str | Path, out: str | Path, model_name: str = "moe-export",
-                      default_effort: str = "max", engine_path: str | None = None, prefix_caching: bool = True) -> Path:
+                      default_effort: str = "max", engine_path: str | None = None, prefix_caching: bool = True,
+                      python_env: str | None = None) -> Path:
     """Write REPO/NAME (config.pbtxt, 1/model.py) and REPO/launch_NAME.sh; returns REPO/NAME.
     An existing REPO/NAME is replaced whole; other models in REPO are left alone."""
     from moe_export.runtime.core.budget import EFFORT_TIERS
@@ -123,12 +146,15 @@ def write_triton_repo(engine_dir: str | Path, out: str | Path, model_name: str =
     written = engine_path if engine_path is not None else os.path.relpath(engine, final.resolve())
     if not written:
         raise InputError("--engine-path must not be empty")
+    if python_env is not None and not python_env.strip():
+        raise InputError("--python-env must not be empty")
     staging = repo / f".{model_name}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
         (staging / "1").mkdir(parents=True)
         (staging / "config.pbtxt").write_text(render_config_pbtxt(model_name, written, default_effort,
-                                                                        prefix_caching=prefix_caching))
+                                                                  prefix_caching=prefix_caching, python_env=python_env),
+                                                encoding="utf-8")
         shutil.copyfile(Path(__file__).with_name("model.py"), staging / "1" / "model.py")
         for path in (staging / "config.pbtxt", staging / "1" / "model.py"):
             fsync_path(path)
@@ -141,7 +167,7 @@ def write_triton_repo(engine_dir: str | Path, out: str | Path, model_name: str =
             os.replace(staging, final)
         launch = repo / f"launch_{model_name}.sh"
         tmp = repo / f".{launch.name}.tmp-{os.getpid()}"
-        tmp.write_text(render_launch_script(model_name, written, world_size))
+        tmp.write_text(render_launch_script(model_name, written, world_size), encoding="utf-8")
         tmp.chmod(0o755)
         os.replace(tmp, launch)
         fsync_path(repo)

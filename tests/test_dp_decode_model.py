@@ -1,0 +1,113 @@
+"""The dp decode-step model `plan` prints (`export/decode_model.py`) against the code it describes: the expert op's
+chunks, kernel launches and programs, and full-buffer passes counted through `moe_mxfp4_triton` itself on CPU
+(its two kernels replaced by recorders, every torch call seen by a TorchFunctionMode), and the per-layer Casts,
+dispatches and receive bound read from a real dp rank graph."""
+
+from __future__ import annotations
+
+import onnx
+import torch
+from moe_export.common.recipe import load_recipe
+from moe_export.export.decode_model import dp_decode_step, full_buffer_moe_op
+from moe_export.export.planner import make_plan, moe_all_to_all_bytes
+from moe_export.export.synth import preset_config
+from moe_export.graphs.sharding import Mapping
+from moe_export.plugins.moe_mxfp4 import triton_kernel
+from test_tensorrt_plugins import tiny_graphs  # noqa: F401  (module fixture: real tiny rank graphs)
+from torch.overrides import TorchFunctionMode
+
+
+class Recorder:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.log.append((self.name, grid))
+
+
+class Passes(TorchFunctionMode):
+    """zero_ and sum calls with the elements they touch."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "zero_":
+            self.log.append(("zero_", args[0].numel()))
+        if name == "sum":
+            self.log.append(("sum", args[0].numel(), kwargs["out"].numel()))
+        return func(*args, **kwargs)
+
+
+def test_expert_op_model_counts_what_moe_mxfp4_triton_does(monkeypatch):
+    rows, k, dim, inter, local = 40, 2, 64, 32, 2
+    budget = 4 * k * (dim + inter) * 8  # chunks of 8 rows
+    log: list = []
+    monkeypatch.setattr(triton_kernel, "_moe_up_kernel", Recorder(log, "up"))
+    monkeypatch.setattr(triton_kernel, "_moe_down_kernel", Recorder(log, "down"))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 8, (rows, k), generator=gen)
+    ids[:, 0] = torch.arange(rows) % local  # every chunk has pairs of this rank's experts
+    weights = [torch.zeros(local, 2 * inter, dim // 2, dtype=torch.uint8), torch.zeros(local, 2 * inter, dim // 32, dtype=torch.uint8),
+               torch.zeros(local, dim, inter // 2, dtype=torch.uint8), torch.zeros(local, dim, inter // 32, dtype=torch.uint8)]  # fmt: skip
+    with Passes(log):
+        triton_kernel.moe_mxfp4_triton(torch.randn(rows, dim, generator=gen), ids, torch.rand(rows, k, generator=gen),
+                                       *weights, expert_offset=0, budget_bytes=budget)  # fmt: skip
+    model = full_buffer_moe_op(rows, k, dim, inter, local, budget)
+    kernels = [e for e in log if e[0] in ("up", "down")]
+    assert model["chunks"] == 5 == sum(e[0] == "zero_" for e in log) == sum(e[0] == "sum" for e in log)
+    assert model["kernel_launches"] == len(kernels)
+    assert model["kernel_programs"] == sum(g[0] * g[1] for _, g in kernels)
+    assert model["zeroed_bytes"] == 4 * sum(e[1] for e in log if e[0] == "zero_")
+    assert model["summed_bytes"] == 4 * sum(e[1] + e[2] for e in log if e[0] == "sum")
+
+
+def test_dp_step_model_matches_the_dp_graph_and_buffer_sizes(tiny_graphs):  # noqa: F811
+    recipe, _ = load_recipe("tiny-cpu.yaml")
+    recipe = recipe.model_copy(update={
+        "backend": "tensorrt", "target": recipe.target.model_copy(update={"gpu": "h100", "gpus_per_node": 8, "memory_gib": 4.0}),
+        "parallel": recipe.parallel.model_copy(update={"tp": 2, "ep": 8, "attention": "dp"})})  # fmt: skip
+    cfg, mapping = preset_config("tiny-k3"), Mapping(8, 3, 2, 8, "dp")
+    model = dp_decode_step(cfg, recipe, mapping)
+    graph = onnx.load(str(tiny_graphs[4]), load_external_data=False)  # tiny-k3, rank 3 of the same mapping
+    nodes = {n.name: n for n in graph.graph.node}
+    producers = {o: n for n in graph.graph.node for o in n.output}
+    consumers = {i: n for n in graph.graph.node for i in n.input}
+    dispatches = [n for n in graph.graph.node if n.op_type == "MoEDispatch"]
+    assert model["moe_layers"] == len(dispatches) > 0
+    for d in dispatches:
+        assert {a.name: a.i for a in d.attribute}["max_recv_rows"] == model["per_layer"]["receive_rows"]
+    for n in nodes.values():  # the two Casts of the receive buffer the model counts, around each expert op
+        if n.op_type == "MoEMXFP4":
+            assert producers[n.input[0]].op_type == "Cast" and consumers[n.output[0]].op_type == "Cast"
+    layer = model["per_layer"]
+    rows, dim, k = layer["receive_rows"], cfg.expert_in_dim, cfg.num_experts_per_token
+    assert rows == mapping.max_recv_rows(recipe.limits.max_num_tokens)
+    # the Casts' buffers are the all-to-all workspace's fp32 input and bf16 output rows the planner sets aside
+    assert moe_all_to_all_bytes(cfg, mapping, recipe.limits.max_num_tokens) >= rows * dim * (4 + 2) + rows * k * 12
+    assert layer["full_buffer_bytes"] > 100 * layer["counted_rows_bytes"]
+    assert model["per_step"]["host_syncs"] == model["moe_layers"] + 1  # one read-back per dispatch, the logits
+    assert make_plan(recipe).to_dict()["dp_decode_step"] == dp_decode_step(cfg, recipe, Mapping(8, 0, 2, 8, "dp"))
+
+
+def test_gpu_trt_check_dry_run_on_cpu(tmp_path):
+    """The prepared GPU measurement (`benchmarks/gpu_trt_check.py`) runs its code at tiny shapes on CPU (Triton's
+    interpreter) and writes the keys the GPU run reports."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "trt.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, str(repo / "benchmarks" / "gpu_trt_check.py"), "--device", "cpu",
+                          "--repeats", "1", "--json", str(out)], env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["dp_moe_full_buffer_ms"] > 0 and result["model"]["chunks"] == 1
+    assert result["model_pass_bytes"] == 64 * 2 * 64 * 4 * 2 + 64 * 64 * 4
