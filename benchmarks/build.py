@@ -33,7 +33,8 @@ WORLD, TP, EP = 4, 2, 2
 CHILD = r"""
 import json, resource, sys, threading, time
 import moe_export.export.backends, moe_export.export.convert, moe_export.graphs.onnx_export
-from moe_export.export.build import build, detect_comm
+from moe_export.common.mpi import world_comm
+from moe_export.export.build import build
 from moe_export.common.recipe import load_recipe
 
 def rss_anon_kib():
@@ -92,7 +93,7 @@ io.open = builtins.open = counting_open
 shutil.copyfile = counting_copy
 checkpoint.CheckpointReader.__init__ = tracking_init
 build_mod.sha256_file = counting_sha
-comm = detect_comm()
+comm = world_comm()
 recipe = load_recipe(sys.argv[1])[0]
 baseline, baseline_anon = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, rss_anon_kib()
 threading.Thread(target=sample, daemon=True).start()

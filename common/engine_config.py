@@ -19,6 +19,7 @@ from moe_export.common.atomic import atomic_write_json
 from moe_export.common.errors import InputError
 from moe_export.common.mapping import Mapping
 from moe_export.common.model_config import ModelConfig
+from moe_export.common.pools import EngineMemory
 from moe_export.common.recipe import LimitsSection, Recipe
 from pydantic import ValidationError
 
@@ -29,25 +30,11 @@ RECIPE_ECHOES = ("target", "quantization", "attention", "limits", "thinking")
 
 
 @dataclass(frozen=True)
-class EngineMapping:
-    """How the engine's ranks split the model (`graphs/sharding.py`)."""
-
-    world_size: int
-    tp_size: int
-    ep_size: int
-    attention: str  # "tp" | "dp"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"world_size": self.world_size, "tp_size": self.tp_size, "ep_size": self.ep_size,
-                "attention": self.attention}
-
-
-@dataclass(frozen=True)
 class EngineConfig:
     """An engine's config.json. recipe: the validated recipe the engine was built from (limits, thinking,
     backend and mapping come from it); pretrained_config: the checkpoint's HF config (`model` parses it);
-    ranks: each rank's mapping (`graphs.sharding.Mapping.to_dict`); files: artifact name patterns;
-    weight_classes: tensor name -> weight class."""
+    ranks: each rank's mapping (`Mapping.to_dict`); files: artifact name patterns; weight_classes: tensor name ->
+    weight class; memory: what each rank's pools may take (`pools.EngineMemory`)."""
 
     moe_export_version: str
     architecture: str
@@ -59,25 +46,29 @@ class EngineConfig:
     files: dict[str, str]
     recipe: Recipe
     weight_classes: dict[str, str]
+    memory: EngineMemory
 
     @classmethod
     def from_recipe(cls, recipe: Recipe, model: ModelConfig, *, version: str, files: dict[str, str],
-                    weight_classes: dict[str, str]) -> EngineConfig:
+                    weight_classes: dict[str, str], memory: EngineMemory) -> EngineConfig:
         """The config of an engine built from `recipe` over a checkpoint whose config is `model`."""
         return cls(moe_export_version=version, architecture=model.architecture, model_type=model.model_type,
                    pretrained_config=model.raw,
                    ranks=tuple(Mapping.from_recipe(recipe, n).to_dict() for n in range(recipe.target.world_size)),
                    eos_token_ids=tuple(model.eos_token_ids), plugin_domain=PLUGIN_DOMAIN, files=files, recipe=recipe,
-                   weight_classes=weight_classes)
+                   weight_classes=weight_classes, memory=memory)
 
     @property
     def backend(self) -> str:
         return self.recipe.backend
 
     @property
-    def mapping(self) -> EngineMapping:
-        r = self.recipe
-        return EngineMapping(r.target.world_size, r.parallel.tp, r.parallel.ep, r.parallel.attention)
+    def mapping(self) -> Mapping:
+        """The engine's layout, as rank 0's place in it (`rank_mapping` for another rank's)."""
+        return self.rank_mapping(0)
+
+    def rank_mapping(self, rank: int) -> Mapping:
+        return Mapping.from_recipe(self.recipe, rank)
 
     @property
     def limits(self) -> LimitsSection:
@@ -105,7 +96,7 @@ class EngineConfig:
             "architecture": self.architecture,
             "model_type": self.model_type,
             "pretrained_config": self.pretrained_config,
-            "mapping": self.mapping.to_dict(),
+            "mapping": self.mapping.layout_dict(),
             "ranks": list(self.ranks),
             "backend": self.backend,
             **{section: dump[section] for section in RECIPE_ECHOES},
@@ -115,6 +106,7 @@ class EngineConfig:
             "recipe": dump,
             "recipe_sha256": self.recipe.fingerprint(),
             "weight_classes": self.weight_classes,
+            "memory": self.memory.to_dict(),
         }
 
     def write(self, engine_dir: str | Path) -> None:
@@ -172,10 +164,14 @@ class EngineConfig:
             files=files,
             recipe=recipe,
             weight_classes=classes,
+            memory=EngineMemory.from_dict(_get(data, "memory", dict, source), source),
         )
         if len(ranks) != recipe.target.world_size or not all(isinstance(r, dict) for r in ranks):
             raise InputError(f"{source}: field 'ranks' must hold one mapping object per rank "
                              f"({recipe.target.world_size}), got {json.dumps(ranks)[:80]}")
+        if len(cfg.memory.ranks) != recipe.target.world_size:
+            raise InputError(f"{source}: field 'memory.ranks' must hold one pool budget per rank "
+                             f"({recipe.target.world_size}), got {len(cfg.memory.ranks)}")
         written = cfg.to_dict()
         for field in ("mapping", "backend", "recipe_sha256", *RECIPE_ECHOES):
             if _get(data, field, object, source) != written[field]:

@@ -19,10 +19,16 @@ from pathlib import Path
 
 from moe_export.common.errors import InputError
 
-ENGINE_KEY = "trt_engine"
-ENGINE_TENSOR = "engine"
+ENGINE_KEY = "trt_engine"  # metadata entry holding the build's JSON description of the engine
+ENGINE_TENSOR = "engine"  # the uint8 tensor holding TensorRT's serialized plan
+VISION_ENGINE = "vision.engine"  # K3's vision tower engine, one file in the engine directory every rank loads
 HEADER_RESERVE = 1 << 20  # bytes kept for the safetensors header (length word + JSON padded with spaces)
 READ_CHUNK = 64 << 20  # the most bytes one read hands TensorRT (the reader's host buffer)
+
+
+def rank_engine_name(rank: int) -> str:
+    """File name of a rank's engine inside its rank folder."""
+    return f"rank{rank}.engine"
 
 
 class EngineFileWriter:

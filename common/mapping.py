@@ -68,6 +68,20 @@ class Mapping:
         start = self.rank - self.ep_rank
         return tuple(range(start, start + self.ep))
 
+    def group_index(self, kind: str) -> int:
+        """Which group of `kind` ("tp" or "ep": consecutive ranks) this rank is in, counted from 0."""
+        return self.rank // self.group_size(kind)
+
+    def group_size(self, kind: str) -> int:
+        if kind not in ("tp", "ep"):
+            raise ValueError(f"group kind must be 'tp' or 'ep', got {kind!r}")
+        return self.tp if kind == "tp" else self.ep
+
+    def groups(self, kind: str) -> list[tuple[int, ...]]:
+        """Every group of `kind` ("tp" or "ep") in the world, in rank order, each as its world ranks."""
+        size = self.group_size(kind)
+        return [tuple(range(start, start + size)) for start in range(0, self.world_size, size)]
+
     def local_experts(self, num_experts: int) -> range:
         """Global ids of the routed experts this rank holds (a contiguous slice)."""
         per = num_experts // self.ep
@@ -92,6 +106,10 @@ class Mapping:
             "dp_size": self.dp,
             "dp_rank": self.dp_rank,
         }
+
+    def layout_dict(self) -> dict:
+        """The world's layout without this rank's place (config.json's `mapping`)."""
+        return {"world_size": self.world_size, "tp_size": self.tp, "ep_size": self.ep, "attention": self.attention}
 
     @classmethod
     def from_dict(cls, data: dict) -> Mapping:

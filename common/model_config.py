@@ -164,95 +164,25 @@ class ModelConfig:
         cls, model_type: str, t: dict[str, Any], prefix: str, source: str, raw: dict[str, Any],
         generation_config: dict[str, Any] | None,
     ) -> ModelConfig:
-        def req(key: str, kind: type = int) -> Any:
-            if key not in t:
-                raise InputError(f"{source} missing required field '{key}'")
-            val = t[key]
-            if kind is int and (not isinstance(val, int) or isinstance(val, bool) or val <= 0):
-                raise InputError(f"{source} field '{key}' must be a positive integer, got {val!r}")
-            if kind is float and not isinstance(val, (int, float)):
-                raise InputError(f"{source} field '{key}' must be a number, got {val!r}")
-            return val
-
-        def opt(key: str, default: Any) -> Any:
-            val = t.get(key, default)
-            return default if val is None and default is not None else val
-
+        f = _TextFields(t, source)
+        req, opt = f.req, f.opt
         num_layers = req("num_hidden_layers")
         lac = t.get("linear_attn_config")
         if not isinstance(lac, dict):
             raise InputError(f"{source} missing 'linear_attn_config' (KDA layer lists and head sizes)")
-        layer_lists = {}
-        for key in ("kda_layers", "full_attn_layers"):
-            vals = lac.get(key)
-            if not isinstance(vals, list) or not all(isinstance(v, int) for v in vals):
-                raise InputError(f"{source} field 'linear_attn_config.{key}' must be a list of 1-based layer numbers")
-            bad = [v for v in vals if not 1 <= v <= num_layers]
-            if bad:
-                raise InputError(
-                    f"{source} field 'linear_attn_config.{key}' has layers {bad} outside 1..{num_layers} "
-                    "(the lists are 1-based)"
-                )
-            layer_lists[key] = sorted(v - 1 for v in vals)
-        kda, mla = layer_lists["kda_layers"], layer_lists["full_attn_layers"]
-        both = sorted(set(kda) & set(mla))
-        missing = sorted(set(range(num_layers)) - set(kda) - set(mla))
-        if both or missing or len(set(kda)) != len(kda) or len(set(mla)) != len(mla):
-            raise InputError(
-                f"{source} fields 'linear_attn_config.kda_layers' and 'full_attn_layers' must cover each of the "
-                f"{num_layers} layers exactly once; "
-                + (f"in both (1-based): {[i + 1 for i in both]}; " if both else "")
-                + (f"in neither (1-based): {[i + 1 for i in missing]}" if missing else "duplicates present")
-            )
-
+        kda, mla = _layer_kinds(lac, num_layers, source)
         hidden = req("hidden_size")
         num_heads = req("num_attention_heads")
-        kda_heads = lac.get("num_heads", num_heads)
-        kda_head_dim = lac.get("head_dim", 128)
-        for key, val in (("linear_attn_config.num_heads", kda_heads), ("linear_attn_config.head_dim", kda_head_dim)):
-            if not isinstance(val, int) or val <= 0:
-                raise InputError(f"{source} field '{key}' must be a positive integer, got {val!r}")
-        kv_heads = t.get("num_key_value_heads", num_heads) or num_heads
-        if kv_heads != num_heads:
-            raise InputError(
-                f"{source} field 'num_key_value_heads' ({kv_heads}) must equal num_attention_heads ({num_heads}) for MLA"
-            )
-        hidden_act = opt("hidden_act", "silu")
-        if hidden_act not in ("situ", "silu"):
-            raise InputError(f"{source} field 'hidden_act' must be 'situ' or 'silu', got {hidden_act!r}")
-        situ_beta = t.get("activation_situ_beta")
-        situ_linear_beta = t.get("activation_situ_linear_beta")
-        if hidden_act == "situ" and situ_beta is None:
-            raise InputError(f"{source} hidden_act 'situ' needs field 'activation_situ_beta'")
-        num_experts = t.get("num_experts", t.get("num_local_experts", 0)) or 0
-        topk = t.get("num_experts_per_token", t.get("num_experts_per_tok", 0)) or 0
-        if num_experts and not 0 < topk <= num_experts:
-            raise InputError(
-                f"{source} field 'num_experts_per_token' ({topk}) must be in 1..num_experts ({num_experts})"
-            )
+        kda_heads, kda_head_dim = _attention_heads(t, lac, num_heads, source)
+        hidden_act, situ_beta, situ_linear_beta = _activation(f)
+        num_experts, topk = _routing(t, source)
         latent = t.get("routed_expert_hidden_size")
         attn_res = t.get("attn_res_block_size")
         if attn_res is not None and (not isinstance(attn_res, int) or attn_res <= 0):
             raise InputError(f"{source} field 'attn_res_block_size' must be a positive integer, got {attn_res!r}")
         q_lora = t.get("q_lora_rank")
-        index = {k: t.get(k) for k in ("index_n_heads", "index_head_dim", "index_topk")}
-        if any(v is not None for v in index.values()):
-            for k, v in index.items():
-                if not isinstance(v, int) or v <= 0:
-                    raise InputError(f"{source} DSA field '{k}' must be a positive integer, got {v!r}")
-            if q_lora is None:
-                raise InputError(f"{source} the DSA indexer reads the q-LoRA latent: field 'q_lora_rank' is required")
-        shared = _shared_indexer_layers(t, num_layers, mla, source) if index["index_topk"] is not None else ()
-        qc = t.get("quantization_config") or raw.get("quantization_config")
-        experts_mxfp4 = False
-        if qc:
-            fmt = qc.get("format")
-            if qc.get("quant_method") != "compressed-tensors" or fmt != "mxfp4-pack-quantized":
-                raise InputError(
-                    f"{source} field 'quantization_config' is {qc.get('quant_method')!r}/{fmt!r}; "
-                    "only compressed-tensors 'mxfp4-pack-quantized' routed experts are supported"
-                )
-            experts_mxfp4 = True
+        index, shared = _dsa_indexer(t, q_lora, num_layers, mla, source)
+        experts_mxfp4 = _experts_mxfp4(t.get("quantization_config") or raw.get("quantization_config"), source)
         eos_ids = stop_token_ids(source, raw.get("eos_token_id"), t.get("eos_token_id"),
                                  (generation_config or {}).get("eos_token_id"))
 
@@ -404,3 +334,115 @@ def shipped_model_config(name: str) -> ModelConfig:
         known = sorted(p.stem for p in shipped_dir("models").glob("*.json"))
         raise InputError(f"unknown shipped model config {name!r}; known: {', '.join(known)}")
     return ModelConfig.from_pretrained(path)
+
+
+class _TextFields:
+    """Typed reads of an HF text config's fields; errors name the field and `source`."""
+
+    def __init__(self, t: dict[str, Any], source: str) -> None:
+        self.t, self.source = t, source
+
+    def req(self, key: str, kind: type = int) -> Any:
+        if key not in self.t:
+            raise InputError(f"{self.source} missing required field '{key}'")
+        val = self.t[key]
+        if kind is int and (not isinstance(val, int) or isinstance(val, bool) or val <= 0):
+            raise InputError(f"{self.source} field '{key}' must be a positive integer, got {val!r}")
+        if kind is float and not isinstance(val, (int, float)):
+            raise InputError(f"{self.source} field '{key}' must be a number, got {val!r}")
+        return val
+
+    def opt(self, key: str, default: Any) -> Any:
+        val = self.t.get(key, default)
+        return default if val is None and default is not None else val
+
+
+def _layer_kinds(lac: dict[str, Any], num_layers: int, source: str) -> tuple[list[int], list[int]]:
+    """(KDA layers, MLA layers), 0-based and sorted, from linear_attn_config's 1-based lists; each layer in exactly
+    one of them."""
+    layer_lists = {}
+    for key in ("kda_layers", "full_attn_layers"):
+        vals = lac.get(key)
+        if not isinstance(vals, list) or not all(isinstance(v, int) for v in vals):
+            raise InputError(f"{source} field 'linear_attn_config.{key}' must be a list of 1-based layer numbers")
+        bad = [v for v in vals if not 1 <= v <= num_layers]
+        if bad:
+            raise InputError(
+                f"{source} field 'linear_attn_config.{key}' has layers {bad} outside 1..{num_layers} "
+                "(the lists are 1-based)"
+            )
+        layer_lists[key] = sorted(v - 1 for v in vals)
+    kda, mla = layer_lists["kda_layers"], layer_lists["full_attn_layers"]
+    both = sorted(set(kda) & set(mla))
+    missing = sorted(set(range(num_layers)) - set(kda) - set(mla))
+    if both or missing or len(set(kda)) != len(kda) or len(set(mla)) != len(mla):
+        raise InputError(
+            f"{source} fields 'linear_attn_config.kda_layers' and 'full_attn_layers' must cover each of the "
+            f"{num_layers} layers exactly once; "
+            + (f"in both (1-based): {[i + 1 for i in both]}; " if both else "")
+            + (f"in neither (1-based): {[i + 1 for i in missing]}" if missing else "duplicates present")
+        )
+    return kda, mla
+
+
+def _attention_heads(t: dict[str, Any], lac: dict[str, Any], num_heads: int, source: str) -> tuple[int, int]:
+    """(KDA heads, KDA head dim); MLA has one KV head per query head (num_key_value_heads = num_attention_heads)."""
+    kda_heads = lac.get("num_heads", num_heads)
+    kda_head_dim = lac.get("head_dim", 128)
+    for key, val in (("linear_attn_config.num_heads", kda_heads), ("linear_attn_config.head_dim", kda_head_dim)):
+        if not isinstance(val, int) or val <= 0:
+            raise InputError(f"{source} field '{key}' must be a positive integer, got {val!r}")
+    kv_heads = t.get("num_key_value_heads", num_heads) or num_heads
+    if kv_heads != num_heads:
+        raise InputError(
+            f"{source} field 'num_key_value_heads' ({kv_heads}) must equal num_attention_heads ({num_heads}) for MLA"
+        )
+    return kda_heads, kda_head_dim
+
+
+def _activation(f: _TextFields) -> tuple[str, float | None, float | None]:
+    """(hidden_act, SiTU beta, SiTU linear beta): the MLP activation, "silu" or "situ" (which needs its beta)."""
+    hidden_act = f.opt("hidden_act", "silu")
+    if hidden_act not in ("situ", "silu"):
+        raise InputError(f"{f.source} field 'hidden_act' must be 'situ' or 'silu', got {hidden_act!r}")
+    situ_beta = f.t.get("activation_situ_beta")
+    if hidden_act == "situ" and situ_beta is None:
+        raise InputError(f"{f.source} hidden_act 'situ' needs field 'activation_situ_beta'")
+    return hidden_act, situ_beta, f.t.get("activation_situ_linear_beta")
+
+
+def _routing(t: dict[str, Any], source: str) -> tuple[int, int]:
+    """(routed experts, experts per token), 0 and 0 for a dense model."""
+    num_experts = t.get("num_experts", t.get("num_local_experts", 0)) or 0
+    topk = t.get("num_experts_per_token", t.get("num_experts_per_tok", 0)) or 0
+    if num_experts and not 0 < topk <= num_experts:
+        raise InputError(f"{source} field 'num_experts_per_token' ({topk}) must be in 1..num_experts ({num_experts})")
+    return num_experts, topk
+
+
+def _dsa_indexer(t: dict[str, Any], q_lora: int | None, num_layers: int, mla: list[int],
+                 source: str) -> tuple[dict[str, int | None], tuple]:  # fmt: skip
+    """The DSA indexer's fields (index_n_heads, index_head_dim, index_topk; all None without one) and the layers
+    that share another layer's top-k."""
+    index = {k: t.get(k) for k in ("index_n_heads", "index_head_dim", "index_topk")}
+    if any(v is not None for v in index.values()):
+        for k, v in index.items():
+            if not isinstance(v, int) or v <= 0:
+                raise InputError(f"{source} DSA field '{k}' must be a positive integer, got {v!r}")
+        if q_lora is None:
+            raise InputError(f"{source} the DSA indexer reads the q-LoRA latent: field 'q_lora_rank' is required")
+    shared = _shared_indexer_layers(t, num_layers, mla, source) if index["index_topk"] is not None else ()
+    return index, shared
+
+
+def _experts_mxfp4(qc: dict[str, Any] | None, source: str) -> bool:
+    """Whether the routed experts are stored MXFP4-packed (compressed-tensors 'mxfp4-pack-quantized')."""
+    if not qc:
+        return False
+    fmt = qc.get("format")
+    if qc.get("quant_method") != "compressed-tensors" or fmt != "mxfp4-pack-quantized":
+        raise InputError(
+            f"{source} field 'quantization_config' is {qc.get('quant_method')!r}/{fmt!r}; "
+            "only compressed-tensors 'mxfp4-pack-quantized' routed experts are supported"
+        )
+    return True

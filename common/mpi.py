@@ -1,4 +1,5 @@
-"""Which MPI launcher started this process, if any: the one detection used by `build` and the engine.
+"""Which MPI launcher started this process, if any (the one detection used by `build` and the engines), and the
+communicators of a rank's groups (`world_comm`, `mpi_group_comms`, `torch_group_comms`).
 
 Launchers announce a process's place in the world through environment variables:
   - MPICH / Intel MPI (Hydra) and Slurm's PMI-1/2: PMI_RANK, PMI_SIZE;
@@ -15,6 +16,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Any
+
+from moe_export.common.mapping import Mapping as RankMapping
 
 # (rank variable, size variable or None) per launcher family, in the order they are checked.
 LAUNCHER_VARS: tuple[tuple[str, str | None], ...] = (
@@ -73,3 +77,59 @@ def device_for_local_rank(local: int, device_count: int, environ: Mapping[str, s
         raise RuntimeError(f"local rank {local} but only {device_count} CUDA device(s) visible: start at most "
                            f"{device_count} ranks per node (or fix CUDA_VISIBLE_DEVICES)")
     return local
+
+
+class SerialWorld:
+    """The world of a process no MPI launcher started: one process."""
+
+    rank, size = 0, 1
+
+    def allgather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+
+def world_comm():
+    """MPI.COMM_WORLD when an MPI launcher started this process (mpi4py is imported only then), else a
+    `SerialWorld`; both have rank, size and allgather."""
+    if mpi_world() is None:
+        return SerialWorld()
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def mpi_group_comms(mapping: RankMapping) -> dict[str, Any]:
+    """MPI sub-communicators of this rank's "tp" and "ep" groups (consecutive ranks), split from COMM_WORLD.
+    Collective: every rank of the world calls it."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    return {kind: world.Split(mapping.group_index(kind), mapping.rank) for kind in ("tp", "ep")}
+
+
+def torch_group_comms(mapping: RankMapping, backend: str) -> dict[str, Any]:
+    """torch.distributed process groups of this rank's "tp" and "ep" groups over `backend` ("nccl" on GPUs,
+    "gloo" on CPU). The default group is initialized from MPI's launch: rank 0's host and a free port are
+    broadcast over COMM_WORLD (or MASTER_ADDR / MASTER_PORT when set). Collective: every rank calls it, and every
+    rank creates every group (torch.distributed requires it)."""
+    import socket
+
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not (addr and port):
+        if mapping.rank == 0:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                addr, port = socket.gethostname(), str(s.getsockname()[1])
+        addr, port = MPI.COMM_WORLD.bcast((addr, port), root=0)
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=mapping.rank,
+                            world_size=mapping.world_size)
+    mine = {}
+    for kind in ("tp", "ep"):
+        for ranks in mapping.groups(kind):
+            group = dist.new_group(list(ranks))
+            if mapping.rank in ranks:
+                mine[kind] = group
+    return mine

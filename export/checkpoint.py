@@ -133,6 +133,14 @@ def read_safetensors_header(path: Path) -> tuple[list[StoredTensor], list[Proble
         return fail("corrupt", "header __metadata__ must map strings to strings")
 
     data_start = 8 + hlen
+    tensors, problems = _header_entries(header, fname, data_start)
+    if problems:
+        return tensors, problems
+    return tensors, _layout_problems(tensors, fname, data_start, size)
+
+
+def _header_entries(header: dict, fname: str, data_start: int) -> tuple[list[StoredTensor], list[Problem]]:
+    """The tensors a parsed header declares (byte ranges in the file) and its malformed or inconsistent entries."""
     tensors: list[StoredTensor] = []
     problems: list[Problem] = []
     for name, entry in header.items():
@@ -163,9 +171,13 @@ def read_safetensors_header(path: Path) -> tuple[list[StoredTensor], list[Proble
             )
             continue
         tensors.append(StoredTensor(name, fname, dtype, shape, data_start + begin, data_start + end))
-    if problems:
-        return tensors, problems
+    return tensors, problems
 
+
+def _layout_problems(tensors: list[StoredTensor], fname: str, data_start: int, size: int) -> list[Problem]:
+    """Holes, overlaps, tensors past the end of the `size`-byte file and stray bytes after the last tensor.
+    Sorts `tensors` by byte range."""
+    problems: list[Problem] = []
     tensors.sort(key=lambda t: (t.start, t.end))
     pos = data_start
     for t in tensors:
@@ -182,7 +194,7 @@ def read_safetensors_header(path: Path) -> tuple[list[StoredTensor], list[Proble
         )
     elif pos < size:
         problems.append(Problem("corrupt", None, f"{size - pos} stray bytes after the last tensor", fname))
-    return tensors, problems
+    return problems
 
 
 def _sha256(tensor: torch.Tensor) -> str:

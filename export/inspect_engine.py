@@ -108,7 +108,7 @@ def inspect_engine(path: str | Path) -> dict[str, Any]:
         "architecture": cfg.architecture,
         "model_type": cfg.model_type,
         "backend": cfg.backend,
-        "mapping": cfg.mapping.to_dict(),
+        "mapping": cfg.mapping.layout_dict(),
         "num_ranks": len(ranks),
         "ranks": ranks,
         "manifest": manifest,

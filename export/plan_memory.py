@@ -33,10 +33,8 @@ def usable_gpu_bytes(recipe) -> int:
     return min(recipe.memory_bytes, EXPOSED_GPU_BYTES.get(recipe.target.gpu, recipe.memory_bytes))
 
 
-def nccl_buffer_bytes(mapping, backend: str) -> int:
-    """NCCL's device buffers on a rank of `mapping` (TensorRT builds; ONNX Runtime ranks talk over MPI)."""
-    if backend != "tensorrt":
-        return 0
+def nccl_buffer_bytes(mapping) -> int:
+    """NCCL's device buffers on a rank of `mapping` whose collectives run over NCCL (`Backend.nccl`)."""
     ring = RING_CHANNELS * RING_PROTOCOL_BUFFERS * NCCL_BUFFSIZE
     rings = (mapping.tp > 1) + (not mapping.all_to_all and mapping.ep > 1)
     peers = mapping.ep - 1 if mapping.all_to_all else 0

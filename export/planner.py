@@ -38,8 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_export.common.errors import InputError
+from moe_export.common.pools import GIB, EngineMemory, PoolBudget, PoolSizes, pool_sizes
 from moe_export.common.model_config import ModelConfig, shipped_model_config
 from moe_export.common.recipe import Recipe
+from moe_export.export.backends import backend_for
 from moe_export.graphs.sharding import Mapping, check_divisibility, rank_numel
 from moe_export.graphs.vision import (
     tower_activation_bytes,
@@ -50,10 +52,8 @@ from moe_export.export.plan_memory import host_peak_bytes, nccl_buffer_bytes, us
 from moe_export.graphs.weights import WEIGHT_CLASSES, all_tensor_specs
 
 MXFP4_BITS_PER_WEIGHT = 4.25
-CHECKPOINTS_PER_SLOT = 4  # recurrent-state checkpoint pool for prefix caching: 4 x the slots' state, host memory
 CACHE_VALUE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}  # per cached value, by quantization.kv_cache
 REPORTED_SEQUENCE_LENGTHS = (65536, 1048576)  # `plan` reports how many sequences of these lengths fit
-GIB = 2**30
 
 
 def resolve_model_config(recipe: Recipe) -> ModelConfig:
@@ -86,48 +86,7 @@ def _class_dtype_bytes(recipe: Recipe, weight_class: str, stored_dtype: str) -> 
     held as fp32 by TensorRT too."""
     if stored_dtype == "F32" or weight_class in ("norms", "attn_res", "vision"):
         return 4.0
-    bf16 = recipe.backend == "tensorrt" or (recipe.backend == "torch" and recipe.target.gpu != "cpu")
-    return 2.0 if bf16 else 4.0
-
-
-@dataclass(frozen=True)
-class PoolSizes:
-    """State pools of one rank: `num_slots` recurrent-state slots and `num_blocks` cache blocks per pool."""
-
-    block_size: int  # tokens per cache block
-    num_slots: int
-    num_blocks: int
-    bytes_per_slot: int  # recurrent state of one sequence (all KDA layers of the rank)
-    bytes_per_token: int  # cache of one token (all MLA / indexer pools of the rank)
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.block_size * self.bytes_per_token
-
-    @property
-    def cache_tokens(self) -> int:
-        """Tokens of cache the pools hold (all sequences together)."""
-        return self.num_blocks * self.block_size
-
-    @property
-    def checkpoint_host_bytes(self) -> int:
-        """The prefix cache's recurrent-state checkpoints (CHECKPOINTS_PER_SLOT per slot), kept in host memory
-        (pinned for TensorRT's copies), not on the GPU."""
-        return CHECKPOINTS_PER_SLOT * self.num_slots * self.bytes_per_slot
-
-    def sequences_that_fit(self, length: int) -> int:
-        """Sequences of `length` tokens the pools hold at once (blocks, and one slot each)."""
-        blocks = -(-length // self.block_size)
-        return min(self.num_slots, self.num_blocks // blocks) if blocks else self.num_slots
-
-
-def pool_sizes(free_bytes: int, *, block_size: int, num_slots: int, bytes_per_slot: int, bytes_per_token: int) -> PoolSizes:
-    """The one pool-size arithmetic: `free_bytes` (memory after weights and workspace) pays for `num_slots`
-    recurrent-state slots first; what is left, divided by the bytes of one block, is the cache blocks."""
-    left = free_bytes - num_slots * bytes_per_slot
-    per_block = block_size * bytes_per_token
-    num_blocks = max(0, left) // per_block if per_block else 0
-    return PoolSizes(block_size, num_slots, int(num_blocks), bytes_per_slot, bytes_per_token)
+    return backend_for(recipe).weight_bytes(recipe)
 
 
 @dataclass
@@ -447,10 +406,11 @@ def make_plan(recipe: Recipe, cfg: ModelConfig | None = None) -> Plan:
         weight_bytes = {c: int(math.ceil(v)) for c, v in by_class.items() if v}
         weight_bytes["total"] = sum(weight_bytes.values())
         state = state_bytes_per_sequence(cfg, recipe, mapping)
-        gpu_engine = recipe.backend == "tensorrt"
+        gpu_engine = backend_for(recipe).engine_memory
         activations = activation_bytes(cfg, recipe, mapping) if gpu_engine else 0
         workspaces = plugin_workspace_bytes(cfg, recipe, mapping) if gpu_engine else {}
-        beside = {"nccl_buffers": nccl_buffer_bytes(mapping, recipe.backend), "vision_activations": vision_act}
+        beside = {"nccl_buffers": nccl_buffer_bytes(mapping) if backend_for(recipe).nccl else 0,
+                  "vision_activations": vision_act}
         free = memory - reserve - weight_bytes["total"] - activations - sum(workspaces.values()) - sum(beside.values())
         pools = pool_sizes(free, block_size=recipe.limits.block_size, num_slots=recipe.limits.max_batch,
                            bytes_per_slot=sum(recurrent_bytes_per_sequence(cfg, recipe, mapping).values()),
@@ -488,8 +448,8 @@ def _tower_bytes(cfg: ModelConfig, recipe: Recipe, patches: int) -> int:
     if vc is None or images == 0:
         return 0
     group = recipe.parallel.tp  # an attention group is tp ranks in both layouts
-    cpu = recipe.backend != "tensorrt"  # fp32 activations on both (the tower graph computes in fp32)
-    return tower_activation_bytes(vc, patches * -(-images // group), 4, scores_of=patches if cpu else 0)
+    scores = backend_for(recipe).tower_scores  # fp32 activations on every backend (the tower graph computes in fp32)
+    return tower_activation_bytes(vc, patches * -(-images // group), 4, scores_of=patches if scores else 0)
 
 
 def vision_activation_bytes(cfg: ModelConfig, recipe: Recipe) -> int:
@@ -507,6 +467,13 @@ def engine_pool_sizes(recipe: Recipe, cfg: ModelConfig, num_slots: int | None = 
     if num_slots is not None:
         recipe = recipe.model_copy(update={"limits": recipe.limits.model_copy(update={"max_batch": num_slots})})
     return make_plan(recipe, cfg).pool_sizes()
+
+
+def engine_memory(recipe: Recipe, cfg: ModelConfig) -> EngineMemory:
+    """What the build records in config.json for the runners: each rank's pool budget and the image patch limit."""
+    plan = make_plan(recipe, cfg)
+    ranks = tuple(PoolBudget(r.free_bytes, r.pools.bytes_per_slot, r.pools.bytes_per_token) for r in plan.per_rank)
+    return EngineMemory(ranks, image_patch_limit(cfg, recipe))
 
 
 def reference_fp32_bytes(cfg: ModelConfig) -> int:

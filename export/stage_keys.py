@@ -27,40 +27,37 @@ from moe_export.common.manifest import library_versions
 from moe_export.common.mapping import Mapping
 from moe_export.common.model_config import GENERATION_CONFIG
 from moe_export.common.recipe import Recipe
+from moe_export.export.backends import all_backends, backend_for
 
-# Recipe fields (dotted paths into the recipe) each stage's output depends on, beyond its upstream keys.
-STAGE_FIELDS: dict[str, tuple[str, ...]] = {
+# Recipe fields (dotted paths into the recipe) each stage's output depends on, beyond its upstream keys; the
+# stages a backend adds (`export/backends/`) declare theirs.
+_COMMON_FIELDS: dict[str, tuple[str, ...]] = {
     "convert": ("quantization", "parallel", "target.gpu", "target.nodes", "target.gpus_per_node"),
     "graph": ("attention", "limits"),
-    "lower": (),
-    "engine": ("limits", "target", "workspace_reserve_gib", "tensorrt"),
     "vision": ("vision",),
-    "vision_engine": ("limits.max_images_per_request", "limits.max_image_patches", "target", "workspace_reserve_gib",
-                      "parallel.tp"),
 }
 _MODEL_CODE = (("common", "model_config.py"), ("common", "mapping.py"), ("graphs", "sharding.py"), ("graphs", "weights.py"))
 # Source files each stage runs, as (subpackage of moe_export, glob inside it).
-STAGE_CODE: dict[str, tuple[tuple[str, str], ...]] = {
+_COMMON_CODE: dict[str, tuple[tuple[str, str], ...]] = {
     "convert": (("export", "convert.py"), ("export", "checkpoint.py"), ("export", "transforms.py"), ("quantize", "*.py"),
                 *_MODEL_CODE),
     "graph": (("graphs", "onnx_export.py"), ("graphs", "vision.py"), ("plugins", "*.py"), ("plugins", "*/onnx_schema.py"),
               *_MODEL_CODE),
-    "lower": (("export", "backends.py"), ("plugins", "*.py"), ("plugins", "*/onnx_schema.py"), ("plugins", "*/ort.py")),
-    "engine": (("export", "tensorrt_*.py"), ("export", "planner.py"), ("plugins", "**/*.py")),
-    "config": (("export", "build.py"), ("common", "manifest.py"), ("common", "engine_config.py"), *_MODEL_CODE),
+    "config": (("export", "build*.py"), ("export", "planner.py"), ("common", "manifest.py"), ("common", "engine_config.py"),
+               ("common", "pools.py"), *_MODEL_CODE),
     "vision": (("graphs", "vision.py"), ("graphs", "vision_export.py"), ("graphs", "onnx_export.py"), *_MODEL_CODE),
-    "vision_engine": (("export", "tensorrt_*.py"), ("export", "planner.py"), ("graphs", "vision.py")),
 }
 # Distributions whose version shapes each stage's output.
-STAGE_LIBRARIES: dict[str, tuple[str, ...]] = {
+_COMMON_LIBRARIES: dict[str, tuple[str, ...]] = {
     "convert": ("torch", "safetensors", "numpy"),
     "graph": ("onnx", "numpy"),
-    "lower": ("onnx", "onnxruntime", "onnx-ir", "numpy"),
-    "engine": ("onnx", "tensorrt", "numpy"),
     "config": ("safetensors",),
     "vision": ("onnx", "torch", "safetensors", "numpy"),
-    "vision_engine": ("onnx", "tensorrt", "numpy"),
 }
+_BACKEND_STAGES = {stage.name: stage for backend in all_backends() for stage in backend.stages}
+STAGE_FIELDS = {**_COMMON_FIELDS, **{name: st.fields for name, st in _BACKEND_STAGES.items()}}
+STAGE_CODE = {**_COMMON_CODE, **{name: st.code for name, st in _BACKEND_STAGES.items()}}
+STAGE_LIBRARIES = {**_COMMON_LIBRARIES, **{name: st.libraries for name, st in _BACKEND_STAGES.items()}}
 
 
 def code_roots() -> dict[str, Path]:
@@ -96,10 +93,8 @@ def _key(stage: str, fields: dict, upstream: list[str], code: dict | None, extra
 
 
 def rank_stage_names(recipe: Recipe) -> tuple[str, ...]:
-    """A rank's stages in order; backend torch runs the converted weights as they are (no graph)."""
-    if recipe.backend == "torch":
-        return ("convert",)
-    return ("convert", "graph", "lower" if recipe.backend == "onnxruntime" else "engine")
+    """A rank's stages in build order (the recipe's backend decides those after convert)."""
+    return backend_for(recipe).rank_stage_names
 
 
 def source_identity(config_sha256: str, layout_sha256: str) -> str:
@@ -130,12 +125,11 @@ def convert_identity(key: str, reads_digest: str) -> str:
 
 
 def rank_keys(recipe: Recipe, rank: int, identity: str, code: dict) -> dict[str, str]:
-    """Keys of the graph and backend stages of `rank`, given its convert identity (none for backend torch)."""
-    if recipe.backend == "torch":
-        return {}
-    last = rank_stage_names(recipe)[-1]
-    graph = _key("graph", _fields(recipe, "graph"), [identity], code["graph"])
-    return {f"graph/rank{rank}": graph, f"{last}/rank{rank}": _key(last, _fields(recipe, last), [graph], code[last])}
+    """Keys of the stages of `rank` after convert (each keyed by its upstream's), given its convert identity."""
+    keys, upstream = {}, identity
+    for stage in rank_stage_names(recipe)[1:]:
+        upstream = keys[f"{stage}/rank{rank}"] = _key(stage, _fields(recipe, stage), [upstream], code[stage])
+    return keys
 
 
 def vision_key(recipe: Recipe, source_id: str, vision_stamps: dict[str, list[int]], code: dict) -> str:
@@ -144,11 +138,11 @@ def vision_key(recipe: Recipe, source_id: str, vision_stamps: dict[str, list[int
     return _key("vision", _fields(recipe, "vision"), [], code["vision"], {"source": source_id, "shards": vision_stamps})
 
 
-def vision_engine_key(recipe: Recipe, vision: str, code: dict) -> str:
-    """Key of the vision_engine stage (backend tensorrt: the tower graph built into `vision.engine`): the
-    vision stage's key and what the profile and the memory budget come from: images per request, the patch
-    limit (or the reserve it is derived from), target and tp (images per rank)."""
-    return _key("vision_engine", _fields(recipe, "vision_engine"), [vision], code["vision_engine"])
+def tower_key(recipe: Recipe, stage: str, vision: str, code: dict) -> str:
+    """Key of a backend's tower stage (tensorrt: `vision_engine`, the tower graph built into `vision.engine`):
+    the vision stage's key and the recipe fields the stage declares (tensorrt: what the profile and the memory
+    budget come from: images per request, the patch limit or the reserve it is derived from, target, tp)."""
+    return _key(stage, _fields(recipe, stage), [vision], code[stage])
 
 
 def global_keys(recipe: Recipe, source_id: str, identities: list[str], license_sha256: str | None,

@@ -6,11 +6,11 @@ have the static bound the graph carries) become plugins (`plugins/collectives/te
 while the engine is being built (`plugins.collectives.nccl.building()` around `build_serialized_network`;
 contract PLUGIN_RUNS_WHILE_BUILDING) and run NCCL at execution with the communicator the runner registers
 (from MPI). So ranks build independently, a step is one enqueue, and the ONNX Runtime backend keeps its
-segments (`export/backends.py`). The vocab gather stays where it is cheapest: after the last-token rows and
-the lm_head, [N, V/tp] per rank.
+segments (`export/backends/onnxruntime.py`). The vocab gather stays where it is cheapest: after the last-token
+rows and the lm_head, [N, V/tp] per rank.
 
-Placement. The build runs on the GPU of its local rank (`export.mpi.local_rank` -> device), so ranks of one
-node under mpiexec build on their own GPUs; `recipe.tensorrt.prefer_aot` picks AOT or JIT plugins, and the AOT
+Placement. The build runs on the GPU of its local rank (`plugins.tensorrt_runtime.select_device`), so ranks of
+one node under mpiexec build on their own GPUs; `recipe.tensorrt.prefer_aot` picks AOT or JIT plugins, and the AOT
 kernels are cubins for the recipe's GPU (`plugins/tensorrt_target.py`; PTX only as a fallback).
 
 Memory. The build refuses a recipe whose per-GPU total (weights, pools for max_batch sequences with at least
@@ -20,7 +20,7 @@ USER_MANAGED_DEVICE_MEMORY; it includes the MoE and indexer plugins' workspace o
 than the planner set aside for it. The
 builder's workspace limit is that budget too.
 
-File. `rank{N}.engine` is a safetensors file (safetensors only, never pickle): one uint8 tensor `engine`
+File. `rank{N}.engine` is a safetensors file (`common/engine_file.py`; never pickle): one uint8 tensor `engine`
 holding TensorRT's serialized engine, and in the metadata `trt_engine` (JSON: rank, input and output names, the
 optimization profile [min, opt, max] of every input, `pool_limits` (the most state slots and cache blocks the
 runner may allocate: the planner's pool sizes, slots plus the decode graphs' padding slot), the engine's device
@@ -37,13 +37,10 @@ Builder settings, each for a reason:
     their maxima, the block-table width B from 1 to one max_seq_len sequence's blocks; the pools are not engine
     inputs, so tactic timing never allocates them.
 Supported: TensorRT 10.9+ (AOT plugins, network preference flags), any NumPy (see plugins/tensorrt_common.py).
-NOT RUN HERE: TensorRT's libraries are not installable on this project's machines; what is checked on CPU is
-listed in the README's backend section.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
@@ -58,44 +55,11 @@ from moe_export.common.engine_file import (
 )
 from moe_export.common.errors import InputError
 from moe_export.export.planner import GIB, make_plan
-from moe_export.plugins.registry import OP_FOLDERS
+from moe_export.plugins.tensorrt_runtime import import_tensorrt, register_plugins, select_device
 from moe_export.plugins.tensorrt_target import GPU_CAPABILITY, set_target_capability
 
 DECODE_PAD_SLOTS = 1  # the runner's decode CUDA graphs pad batches onto one spare recurrent-state slot
-MIN_TENSORRT = (10, 9)
 ENGINE_WORKSPACES = ("moe_mxfp4", "dsa_indexer", "moe_all_to_all")  # planner parts that are plugin outputs
-TENSORRT_PLUGIN_FOLDERS = sorted(set(OP_FOLDERS.values()))  # collectives included: inside the engine
-
-
-def import_tensorrt(recipe_name: str):
-    """The `tensorrt` module (>= 10.9), or an InputError saying what to install."""
-    try:
-        import tensorrt as trt
-    except ImportError as exc:
-        raise InputError(
-            f"recipe {recipe_name}: backend 'tensorrt' needs the TensorRT Python package (import failed: {exc}); "
-            "install TensorRT >= 10.9 on a GPU machine, or use backend: onnxruntime"
-        ) from None
-    version = tuple(int(x) for x in trt.__version__.split(".")[:2])
-    if version < MIN_TENSORRT:
-        raise InputError(f"recipe {recipe_name}: TensorRT {trt.__version__} is too old; the plugins need >= 10.9")
-    return trt
-
-
-def register_plugins() -> None:
-    """Import every plugin folder's `tensorrt_plugin` module (each registers its QDP plugins on import)."""
-    for folder in TENSORRT_PLUGIN_FOLDERS:
-        importlib.import_module(f"moe_export.plugins.{folder}.tensorrt_plugin")
-
-
-def select_device() -> int:
-    """Make this rank's GPU (local rank -> device) the current CUDA device; returns its index."""
-    import torch
-    from moe_export.common.mpi import device_for_local_rank, local_rank
-
-    index = device_for_local_rank(local_rank(), torch.cuda.device_count())
-    torch.cuda.set_device(index)
-    return index
 
 
 def profile_range(name: str, axis: int, dim: str | int, limits, pools) -> tuple[int, int, int]:

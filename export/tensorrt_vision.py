@@ -14,8 +14,6 @@ rope_sin rows), N_plus_1 = images + 1 (cu_seqlens) and M merged tokens (merge_in
 Memory: the engine's device memory must fit the planner's `vision_activation_bytes` (counted without
 materialized attention scores, as a fused attention runs on a GPU); an engine that needs more is refused,
 naming limits.max_image_patches.
-NOT RUN HERE: no machine of this project has TensorRT; what is checked on CPU (with a recording stand-in of
-the builder API) is listed in the README's backend section.
 """
 
 from __future__ import annotations
@@ -35,8 +33,6 @@ from moe_export.export.tensorrt_build import (
     select_device,
     serialize_engine,
 )
-
-VISION_ENGINE = "vision.engine"
 
 
 def vision_profile(model: onnx.ModelProto, recipe, cfg) -> dict[str, list[list[int]]]:

@@ -17,7 +17,7 @@ One graph per rank handles a packed batch of N sequences (prefill chunks and dec
            which the runtime writes into its pools in place; per MLA layer the step's new cache rows
            (`mla_cache.i.out` [T, kv_lora+rope], `index_cache.i.out` [T, Di], fp32 values already rounded to
            the storage dtype), which the runtime writes at each token's block-table row.
-  TensorRT graphs (backend tensorrt) take no pool and return none (issue 18, defect 4; TensorRT "may insert
+  TensorRT graphs (backend tensorrt) take no pool and return none (TensorRT "may insert
            copies" for aliased plugin I/O): one input `pool_table` [P, 3] int64 holds every pool's device address
            (`plugins/pool_table.py`; the runner owns the pools, one allocation each), the pool ops name their row
            with the attribute `pool` (paged caches also `block_size`, `pool_dtype`), GatedDeltaScan / ShortConv
@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import json
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -262,25 +263,34 @@ class GraphBuilder:
         return x if size == 1 else self.plugin("AllReduce", [x], name, group=group, reduce_op="sum")
 
 
+@dataclass(frozen=True)
+class GraphForm:
+    """What a backend asks of a rank graph. compute_dtype: ONNX element type of activations (and of weights used
+    as stored); pools_in_place: no state pool is a graph input or output, the plugins reach the pools through the
+    pool table input [P, 3] int64 (`plugins/pool_table.py`) and update them in place, MoE receive buffers are
+    static (bounded by the recipe's limits) and plugin scratch is a plugin output; otherwise the pools are graph
+    inputs and the step's new states and cache rows graph outputs, which the runtime writes back."""
+
+    compute_dtype: int = TensorProto.FLOAT
+    pools_in_place: bool = False
+
+
 class RankGraph:
     """Emits one rank's decoder (gpt-fast style: one method per block, in forward order)."""
 
     def __init__(self, cfg: ModelConfig, mapping: Mapping, weights_path: Path, topk_override: int | None = None,
-                 use_indexer: bool = True, kv_cache: str = "fp32", compute_dtype: int = TensorProto.FLOAT,
-                 state_in_place: bool = False, limits=None):
+                 use_indexer: bool = True, kv_cache: str = "fp32", form: GraphForm = GraphForm(), limits=None):
         self.cfg, self.m = cfg, mapping
-        self.limits = limits  # TensorRT: the recipe's limits size the MoE / indexer plugins' workspace outputs
-        # TensorRT: no pool is a graph input or output; the plugins reach the pools through the pool table
-        # (`plugins/pool_table.py`) and update them in place (issue 18, defect 4)
-        self.state_in_place = state_in_place
+        self.limits = limits  # pools in place: the recipe's limits size the MoE / indexer plugins' workspace outputs
+        self.form = form
         self.kv_cache = kv_cache
-        self.pools: list[tuple[str, int, list]] = []  # TensorRT: (name, element type, dims) in table row order
-        # MXFP4 bytes (and their E8M0 scales) as the MoE plugin receives them: uint8 for ONNX Runtime; int8 views of
-        # the same bytes for TensorRT, whose ONNX parser would widen uint8 initializers to int32
-        # (plugins/tensorrt_contracts.py: PARSER_UINT8_WEIGHTS_BECOME_INT32)
-        self.mxfp4_type = TensorProto.INT8 if state_in_place else TensorProto.UINT8
+        self.pools: list[tuple[str, int, list]] = []  # pools in place: (name, element type, dims) in table row order
+        # MXFP4 bytes (and their E8M0 scales) as the MoE plugin receives them: uint8, or int8 views of the same bytes
+        # where the pools are in place (TensorRT's ONNX parser would widen uint8 initializers to int32;
+        # plugins/tensorrt_contracts.py: PARSER_UINT8_WEIGHTS_BECOME_INT32)
+        self.mxfp4_type = TensorProto.INT8 if form.pools_in_place else TensorProto.UINT8
         self.cache_type = cache_storage_type(kv_cache)
-        self.g = GraphBuilder(weights_path, compute_dtype)
+        self.g = GraphBuilder(weights_path, form.compute_dtype)
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
         self.use_indexer = use_indexer and cfg.has_dsa
@@ -360,7 +370,7 @@ class RankGraph:
         qkv = g.op("Concat", [g.linear(x, f"{a}{c}_proj.weight", f"{n}.{c}_proj") for c in "qkv"], f"{n}.qkv", axis=-1)
         conv_w = g.op("Concat", [g.reshape(g.weight(f"{a}{c}_conv1d.weight", dtype=TensorProto.FLOAT), [p_l, w],
                                            f"{n}.{c}_conv_w") for c in "qkv"], f"{n}.conv_w", axis=0)  # fmt: skip
-        if self.state_in_place:  # TensorRT: the plugins update the pools' slots in place, through the pool table
+        if self.form.pools_in_place:  # TensorRT: the plugins update the pools' slots in place, through the pool table
             conv_y = g.plugin("ShortConv", [qkv, conv_w, POOL_TABLE, io["cu"], io["slots"]], f"{n}.short_conv",
                               pool=io["conv"])
             conv_out = None
@@ -387,7 +397,7 @@ class RankGraph:
             log_decay = g.op("Neg", [g.op("Mul", [decay, sp], f"{n}.A_sp")], f"{n}.g")
         beta = g.op("Sigmoid", [g.to_f32(g.linear(x, f"{a}b_proj.weight", f"{n}.b_proj"), f"{n}.b_proj")], f"{n}.beta")
         scan = dict(scale=float(dh**-0.5), use_qk_l2norm=1)
-        if self.state_in_place:
+        if self.form.pools_in_place:
             o = g.plugin("GatedDeltaScan", [q, k, v, log_decay, beta, POOL_TABLE, io["cu"], io["slots"]],
                          f"{n}.gated_delta_scan", pool=io["state"], **scan)
             state_out = None
@@ -402,7 +412,7 @@ class RankGraph:
         gate = g.reshape(gate, [-1, hl, dh], f"{n}.gate_heads")
         normed = g.rms_norm(o, f"{a}o_norm.weight", cfg.rms_norm_eps, f"{n}.o_norm")
         y = g.reshape(g.sigmoid_mul(normed, gate, f"{n}.gated"), [-1, p_l], f"{n}.o_flat")
-        if not self.state_in_place:
+        if not self.form.pools_in_place:
             io["conv_out"], io["state_out"] = conv_out, state_out
         return g.all_reduce(g.linear(y, f"{a}o_proj.weight", f"{n}.o_proj"), "tp", m.tp, f"{n}.all_reduce")
 
@@ -431,7 +441,7 @@ class RankGraph:
         c = g.rms_norm(g.slice_last(ckv, 0, r, f"{n}.c"), f"{a}kv_a_layernorm.weight", MLA_LATENT_NORM_EPS, f"{n}.c_norm")
         entry = g.op("Concat", [c, g.slice_last(ckv, r, r + rope, f"{n}.k_pe")], f"{n}.cache_entry", axis=-1)
         entry = self.round_to_storage(g.to_f32(entry, f"{n}.cache_entry"), f"{n}.cache_rows")
-        if self.state_in_place:  # written into the pool first; the attention takes the rows from the write
+        if self.form.pools_in_place:  # written into the pool first; the attention takes the rows from the write
             entry = self.write_cache(io["mla"], entry, io, f"{n}.cache_write")
         else:
             io["mla_out"] = entry
@@ -443,7 +453,7 @@ class RankGraph:
             indices = self.last_indices
         else:
             indices = g.const(np.zeros((0, 0)), np.int64, "dense")
-        pool = POOL_TABLE if self.state_in_place else io["mla"]
+        pool = POOL_TABLE if self.form.pools_in_place else io["mla"]
         attn_inputs = [g.to_f32(q_full, f"{n}.q_lat"), pool, entry, io["cu"], io["tables"], io["positions"], indices]
         o_lat = g.plugin("SparseMLAAttention", attn_inputs, f"{n}.attention",
                          scale=float((nope + rope) ** -0.5), kv_lora_rank=r, **self.pool_attributes(io["mla"]))
@@ -466,16 +476,16 @@ class RankGraph:
                                         g.weight(f"{a}k_norm.bias", dtype=TensorProto.FLOAT)],
                  f"{n}.k_norm", axis=-1, epsilon=INDEXER_KNORM_EPS)  # fmt: skip
         k = self.round_to_storage(k, f"{n}.cache_rows")
-        if self.state_in_place:  # written into the pool first; the indexer takes the keys from the write
+        if self.form.pools_in_place:  # written into the pool first; the indexer takes the keys from the write
             k = self.write_cache(io["index"], k, io, f"{n}.cache_write")
         else:
             io["index_out"] = k
         # score[t, s] = sum_h (w[t, h] * Hi^-0.5 * Di^-0.5) * relu(q[t, h] . k[s]); the op applies relu and sums.
         weights = g.op("Mul", [g.to_f32(g.linear(x, f"{a}weights_proj.weight", f"{n}.weights_proj"), f"{n}.weights_proj"),
                                g.const((hi**-0.5) * (di**-0.5), np.float32, "index_scale")], f"{n}.head_weights")
-        pool = POOL_TABLE if self.state_in_place else io["index"]
+        pool = POOL_TABLE if self.form.pools_in_place else io["index"]
         inputs = [q, weights, pool, k, io["cu"], io["tables"], io["positions"]]
-        if not self.state_in_place:
+        if not self.form.pools_in_place:
             return g.plugin("DSAIndexer", inputs, f"{n}.topk", topk=int(self.topk))
         # TensorRT: the chunk buffers are the plugin's second output, in the engine's device memory
         from moe_export.plugins.dsa_indexer.sizes import workspace_bytes
@@ -489,14 +499,14 @@ class RankGraph:
     def pool(self, name: str, elem: int, dims: list):
         """A pool of the layer: on ONNX Runtime a graph input (its name); on TensorRT a row of the pool table (its
         row index), listed in the graph's metadata for the runner, which owns the pools."""
-        if not self.state_in_place:
+        if not self.form.pools_in_place:
             return self._input(name, elem, dims)
         self.pools.append((name, elem, dims))
         return len(self.pools) - 1
 
     def pool_attributes(self, pool) -> dict:
         """A paged-cache op's attributes for its pool on TensorRT (row, block size, storage); none on ONNX Runtime."""
-        if not self.state_in_place:
+        if not self.form.pools_in_place:
             return {}
         return dict(pool=pool, block_size=int(self.limits.block_size), pool_dtype=self.kv_cache)
 
@@ -589,12 +599,12 @@ class RankGraph:
         if m.all_to_all:  # the tokens go to their experts' ranks; the expert op sees the rows it received
             dispatched = z
             bound = {}
-            if self.state_in_place:  # TensorRT: static shapes, receive buffers bounded by the recipe's limits
+            if self.form.pools_in_place:  # TensorRT: static shapes, receive buffers bounded by the recipe's limits
                 bound = dict(group_size=m.ep, max_recv_rows=m.max_recv_rows(self.limits.max_num_tokens))
             z, ids, w, *layout = g.plugin("MoEDispatch", [z, ids, w], f"{n}.dispatch", 6, group="ep",
                                           num_experts=cfg.num_experts, **bound)
         workspace = {}
-        if self.state_in_place:  # TensorRT: the plugin's scratch is its second output, in the engine's memory
+        if self.form.pools_in_place:  # TensorRT: the plugin's scratch is its second output, in the engine's memory
             from moe_export.plugins.moe_mxfp4.sizes import workspace_bytes
 
             local = len(m.local_experts(cfg.num_experts))
@@ -631,58 +641,23 @@ class RankGraph:
 
     # ---- the decoder ----
     def build(self) -> onnx.ModelProto:
+        """The rank's decoder over one step: inputs (`_step_inputs`, the pools), every layer, the last tokens' logits
+        [N, vocab] fp32, and where the pools are graph I/O the step's new states and cache rows."""
         g, cfg = self.g, self.cfg
-        f32, i64 = TensorProto.FLOAT, TensorProto.INT64
-        ids = self._input("input_ids", i64, ["T"])
-        io_common = {
-            "positions": self._input("positions", i64, ["T"]),
-            "cu": self._input("cu_seqlens", i64, ["N_plus_1"]),
-            "slots": self._input("slot_ids", i64, ["N"]),
-        }
-        if cfg.mla_layers:
-            io_common["tables"] = self._input("block_tables", i64, ["N", "B"])
-        last = self._input("last_token_index", i64, ["N"])
-        num_seqs = g.op("Squeeze", [g.op("Shape", [io_common["slots"]], "num_seqs.shape"), g.const([0])], "num_seqs")
-        io_common["local_slots"] = g.op("Range", [g.const(0), num_seqs, g.const(1)], "local_slots")  # [N] 0..N-1
+        ids, io_common, last = self._step_inputs()
         h = self.embed(ids)
         if self.has_vision:
             h = self.splice_images(h)
         snaps: list[str] = []
         state_outputs = []
-        eps = cfg.rms_norm_eps
         for i in range(cfg.num_layers):
-            lp = layer_prefix(cfg, i)
-            io = dict(io_common)
-            if cfg.is_kda(i):
-                hl, dh = self.kda_heads, cfg.kda_head_dim
-                io["state"] = self.pool(f"kda_state.{i}", f32, ["S", hl, dh, dh])
-                io["conv"] = self.pool(f"conv_state.{i}", f32, ["S", 3 * hl * dh, cfg.conv_kernel_size - 1])
-            else:
-                io["mla"] = self.pool(f"mla_cache.{i}", self.cache_type, ["NB", "BS", self.row_bytes(cfg.latent_cache_dim)])
-                if self.use_indexer and cfg.has_indexer(i):
-                    io["index"] = self.pool(f"index_cache.{i}", self.cache_type,
-                                            ["NB", "BS", self.row_bytes(cfg.index_head_dim)])
-            attend = self.kda if cfg.is_kda(i) else self.mla
-            if cfg.attn_res_block_size is None:
-                a = attend(i, g.rms_norm(h, lp + "input_layernorm.weight", eps, f"layers.{i}.input_norm"), io)
-                h = g.op("Add", [h, a], f"layers.{i}.attn_residual")
-                mixed, prefix = h, h
-            else:
-                mixed = self.attn_res(h, snaps, lp + "self_attention", f"layers.{i}.attn_res") if snaps else h
-                prefix = h
-                if i % cfg.attn_res_block_size == 0:
-                    snaps.append(h)
-                    prefix = None
-                a = attend(i, g.rms_norm(mixed, lp + "input_layernorm.weight", eps, f"layers.{i}.input_norm"), io)
-                prefix = a if prefix is None else g.op("Add", [prefix, a], f"layers.{i}.attn_residual")
-                mixed = self.attn_res(prefix, snaps, lp + "mlp", f"layers.{i}.mlp_res")
-            x = g.rms_norm(mixed, lp + "post_attention_layernorm.weight", eps, f"layers.{i}.post_norm")
-            f = self.moe(i, x) if cfg.is_moe(i) else self.mlp(x, lp + "mlp.", f"layers.{i}.mlp", self.m.tp)
-            h = g.op("Add", [prefix, f], f"layers.{i}.mlp_residual")
+            io = self._layer_pools(i, io_common)
+            h = self._decoder_layer(i, h, snaps, io)
             for key, pool in (("state_out", f"kda_state.{i}"), ("conv_out", f"conv_state.{i}"),
                               ("mla_out", f"mla_cache.{i}"), ("index_out", f"index_cache.{i}")):
-                if key in io:  # ONNX Runtime: the step's new states / rows, which the runtime writes
+                if key in io:  # pools as graph I/O: the step's new states / rows, which the runtime writes
                     state_outputs.append((io[key], f"{pool}.out"))
+
         def rows(value: str, name: str) -> str:  # the rows of each sequence's last token
             return g.op("Gather", [value, last], name, axis=0)
 
@@ -691,9 +666,71 @@ class RankGraph:
             h = self.attn_res(rows(h, "final.prefix"), last_snaps, model_prefix(cfg) + "output_attn", "final.attn_res")
         else:
             h = rows(h, "final.last_tokens")
-        self._output(self.head(h), "logits", f32, ["N", cfg.vocab_size])
-        if self.state_in_place and self.pools:
-            self._input(POOL_TABLE, i64, [len(self.pools), 3])
+        self._output(self.head(h), "logits", TensorProto.FLOAT, ["N", cfg.vocab_size])
+        if self.form.pools_in_place and self.pools:
+            self._input(POOL_TABLE, TensorProto.INT64, [len(self.pools), 3])
+        self._state_outputs(state_outputs)
+        return self._model()
+
+    def _step_inputs(self) -> tuple[str, dict[str, str], str]:
+        """(input_ids [T], the inputs every layer reads, last_token_index [N]): positions [T], cu_seqlens [N+1],
+        slot_ids [N], block_tables [N, B] (with MLA layers), and local_slots [N] = 0..N-1."""
+        g, i64 = self.g, TensorProto.INT64
+        ids = self._input("input_ids", i64, ["T"])
+        io_common = {
+            "positions": self._input("positions", i64, ["T"]),
+            "cu": self._input("cu_seqlens", i64, ["N_plus_1"]),
+            "slots": self._input("slot_ids", i64, ["N"]),
+        }
+        if self.cfg.mla_layers:
+            io_common["tables"] = self._input("block_tables", i64, ["N", "B"])
+        last = self._input("last_token_index", i64, ["N"])
+        num_seqs = g.op("Squeeze", [g.op("Shape", [io_common["slots"]], "num_seqs.shape"), g.const([0])], "num_seqs")
+        io_common["local_slots"] = g.op("Range", [g.const(0), num_seqs, g.const(1)], "local_slots")  # [N] 0..N-1
+        return ids, io_common, last
+
+    def _layer_pools(self, i: int, io_common: dict[str, str]) -> dict[str, str]:
+        """Layer i's inputs: the common ones and its pools (KDA state [S, H, D, D] fp32 and conv windows
+        [S, 3 H D, W-1]; MLA latent cache [NB, BS, row] and the indexer's key cache)."""
+        cfg, f32 = self.cfg, TensorProto.FLOAT
+        io = dict(io_common)
+        if cfg.is_kda(i):
+            hl, dh = self.kda_heads, cfg.kda_head_dim
+            io["state"] = self.pool(f"kda_state.{i}", f32, ["S", hl, dh, dh])
+            io["conv"] = self.pool(f"conv_state.{i}", f32, ["S", 3 * hl * dh, cfg.conv_kernel_size - 1])
+        else:
+            io["mla"] = self.pool(f"mla_cache.{i}", self.cache_type, ["NB", "BS", self.row_bytes(cfg.latent_cache_dim)])
+            if self.use_indexer and cfg.has_indexer(i):
+                io["index"] = self.pool(f"index_cache.{i}", self.cache_type,
+                                        ["NB", "BS", self.row_bytes(cfg.index_head_dim)])
+        return io
+
+    def _decoder_layer(self, i: int, h: str, snaps: list[str], io: dict[str, str]) -> str:
+        """Layer i over the residual stream h [T, hidden]: attention (KDA or MLA) and FFN (MoE or dense), with
+        plain residuals or, with attention residuals, over the block snapshots `snaps` (appended to here)."""
+        g, cfg = self.g, self.cfg
+        lp, eps = layer_prefix(cfg, i), cfg.rms_norm_eps
+        attend = self.kda if cfg.is_kda(i) else self.mla
+        if cfg.attn_res_block_size is None:
+            a = attend(i, g.rms_norm(h, lp + "input_layernorm.weight", eps, f"layers.{i}.input_norm"), io)
+            h = g.op("Add", [h, a], f"layers.{i}.attn_residual")
+            mixed, prefix = h, h
+        else:
+            mixed = self.attn_res(h, snaps, lp + "self_attention", f"layers.{i}.attn_res") if snaps else h
+            prefix = h
+            if i % cfg.attn_res_block_size == 0:
+                snaps.append(h)
+                prefix = None
+            a = attend(i, g.rms_norm(mixed, lp + "input_layernorm.weight", eps, f"layers.{i}.input_norm"), io)
+            prefix = a if prefix is None else g.op("Add", [prefix, a], f"layers.{i}.attn_residual")
+            mixed = self.attn_res(prefix, snaps, lp + "mlp", f"layers.{i}.mlp_res")
+        x = g.rms_norm(mixed, lp + "post_attention_layernorm.weight", eps, f"layers.{i}.post_norm")
+        f = self.moe(i, x) if cfg.is_moe(i) else self.mlp(x, lp + "mlp.", f"layers.{i}.mlp", self.m.tp)
+        return g.op("Add", [prefix, f], f"layers.{i}.mlp_residual")
+
+    def _state_outputs(self, state_outputs: list[tuple[str, str]]) -> None:
+        """Pools as graph I/O: `<pool>.out` outputs, the step's sequences' new states [N, ...] and new cache rows
+        [T, width] fp32."""
         for value, out_name in state_outputs:
             src = next(v for v in self.inputs if v.name == out_name[: -len(".out")])
             dims = [d.dim_param or d.dim_value for d in src.type.tensor_type.shape.dim]
@@ -701,7 +738,12 @@ class RankGraph:
                 dims[0] = "N"  # the step's sequences only
             else:  # the step's new cache rows, fp32 values
                 dims = ["T", self.cfg.latent_cache_dim if out_name.startswith("mla_cache.") else self.cfg.index_head_dim]
-            self._output(value, out_name, f32, dims)
+            self._output(value, out_name, TensorProto.FLOAT, dims)
+
+    def _model(self) -> onnx.ModelProto:
+        """The graph built so far as a model, with metadata: the rank's mapping, its weights file and (pools in
+        place) the pool table's rows."""
+        g = self.g
         graph = helper.make_graph(g.nodes, f"rank{self.m.rank}", self.inputs, self.outputs, g.initializers)
         model = helper.make_model(
             graph,
@@ -710,7 +752,7 @@ class RankGraph:
         )
         model.ir_version = 10
         meta = [("mapping", json.dumps(self.m.to_dict(), sort_keys=True)), ("weights", g.weights_file)]
-        if self.state_in_place:
+        if self.form.pools_in_place:
             meta.append((POOLS_KEY, json.dumps([{"name": n, "elem_type": e, "dims": d} for n, e, d in self.pools])))
         for k, v in meta:
             entry = model.metadata_props.add()
@@ -718,18 +760,14 @@ class RankGraph:
         return model
 
 
-def compute_dtype(recipe) -> int:
-    """ONNX element type the rank graph computes in: bf16 for GPU (TensorRT) builds, fp32 on CPU."""
-    return TensorProto.BFLOAT16 if recipe.backend == "tensorrt" else TensorProto.FLOAT
-
-
-def export_rank_graph(cfg: ModelConfig, recipe, mapping: Mapping, weights_path: Path, out_path: Path) -> dict:
-    """Write this rank's decoder graph to `out_path` (initializers point into `weights_path` by file name,
-    so both must live in the same folder). Returns a summary: op counts by type and plugin nodes."""
+def export_rank_graph(cfg: ModelConfig, recipe, mapping: Mapping, weights_path: Path, out_path: Path,
+                      form: GraphForm) -> dict:
+    """Write this rank's decoder graph, in the `form` its backend asks for, to `out_path` (initializers point into
+    `weights_path` by file name, so both must live in the same folder). Returns a summary: op counts by type and
+    plugin nodes."""
     use_indexer = recipe.attention.indexer == "auto"
     model = RankGraph(cfg, mapping, Path(weights_path), recipe.attention.sparse_topk, use_indexer,
-                      recipe.quantization.kv_cache, compute_dtype(recipe),
-                      state_in_place=recipe.backend == "tensorrt", limits=recipe.limits).build()
+                      recipe.quantization.kv_cache, form, limits=recipe.limits).build()
     Path(out_path).write_bytes(model.SerializeToString(deterministic=True))
     return graph_summary(model)
 

@@ -7,6 +7,7 @@ writer, the planner's byte counts and the converter. Names are the on-disk HF na
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from moe_export.common.model_config import ModelConfig
@@ -88,7 +89,7 @@ def layer_tensor_specs(cfg: ModelConfig, layer: int, include_experts: bool = Tru
     h = cfg.hidden_size
     specs: list[TensorSpec] = []
 
-    def add(name: str, shape: tuple[int, ...], cls: str, dtype: str = "BF16") -> None:
+    def add(name: str, shape: tuple[int, ...], cls: str, dtype: str = "BF16") -> None:  # dtype: safetensors dtype
         specs.append(TensorSpec(pre + name, shape, dtype, cls, layer))
 
     add("input_layernorm.weight", (h,), "norms")
@@ -98,50 +99,71 @@ def layer_tensor_specs(cfg: ModelConfig, layer: int, include_experts: bool = Tru
             add(f"{which}_res_norm.weight", (h,), "attn_res")
             add(f"{which}_res_proj.weight", (1, h), "attn_res")
 
-    a = "self_attn."
-    if cfg.is_kda(layer):
-        p, hd, nh = cfg.kda_proj_dim, cfg.kda_head_dim, cfg.kda_num_heads
-        for x in "qkv":
-            add(f"{a}{x}_proj.weight", (p, h), "kda")
-        for x in "qkv":
-            add(f"{a}{x}_conv1d.weight", (p, 1, cfg.conv_kernel_size), "kda", "F32")
-        add(f"{a}f_a_proj.weight", (hd, h), "kda")
-        add(f"{a}f_b_proj.weight", (p, hd), "kda")
-        add(f"{a}b_proj.weight", (nh, h), "kda")
-        if cfg.use_full_rank_gate:
-            add(f"{a}g_proj.weight", (p, h), "kda")
-        else:
-            add(f"{a}g_a_proj.weight", (hd, h), "kda")
-            add(f"{a}g_b_proj.weight", (p, hd), "kda")
-        # K3 stores A_log as [head_dim] fp32 with the first num_heads entries meaningful (tail zero);
-        # Kimi Linear stores [1, 1, H, 1].
-        a_log_shape = (max(hd, nh),) if cfg.model_type == "kimi_k3" else (1, 1, nh, 1)
-        add(f"{a}A_log", a_log_shape, "kda", "F32")
-        add(f"{a}dt_bias", (p,), "kda", "F32")
-        add(f"{a}o_norm.weight", (hd,), "kda", "F32")
-        add(f"{a}o_proj.weight", (h, p), "kda")
-    else:
-        nh, qk = cfg.num_heads, cfg.qk_head_dim
-        if cfg.q_lora_rank:
-            add(f"{a}q_a_proj.weight", (cfg.q_lora_rank, h), "mla")
-            add(f"{a}q_a_layernorm.weight", (cfg.q_lora_rank,), "mla")
-            add(f"{a}q_b_proj.weight", (nh * qk, cfg.q_lora_rank), "mla")
-        else:
-            add(f"{a}q_proj.weight", (nh * qk, h), "mla")
-        add(f"{a}kv_a_proj_with_mqa.weight", (cfg.latent_cache_dim, h), "mla")
-        add(f"{a}kv_a_layernorm.weight", (cfg.kv_lora_rank,), "mla")
-        add(f"{a}kv_b_proj.weight", (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), "mla")
-        if cfg.mla_use_output_gate:
-            add(f"{a}g_proj.weight", (nh * cfg.v_head_dim, h), "mla")
-        add(f"{a}o_proj.weight", (h, nh * cfg.v_head_dim), "mla")
-        if cfg.has_indexer(layer):
-            ih, idim = cfg.index_n_heads, cfg.index_head_dim
-            add(f"{a}indexer.wq_b.weight", (ih * idim, cfg.q_lora_rank), "indexer")
-            add(f"{a}indexer.wk.weight", (idim, h), "indexer")
-            add(f"{a}indexer.k_norm.weight", (idim,), "indexer")
-            add(f"{a}indexer.k_norm.bias", (idim,), "indexer")
-            add(f"{a}indexer.weights_proj.weight", (ih, h), "indexer")
+    (_kda_specs if cfg.is_kda(layer) else _mla_specs)(cfg, layer, add)
+    _ffn_specs(cfg, layer, add)
+    if cfg.is_moe(layer) and include_experts:
+        for e in range(cfg.num_experts):
+            specs.extend(expert_tensor_specs(cfg, layer, e))
+    return specs
 
+
+_AddSpec = Callable[..., None]  # add(name inside the layer, shape, weight class[, dtype])
+
+
+def _kda_specs(cfg: ModelConfig, layer: int, add: _AddSpec) -> None:
+    """A KDA layer's attention tensors."""
+    h, a = cfg.hidden_size, "self_attn."
+    p, hd, nh = cfg.kda_proj_dim, cfg.kda_head_dim, cfg.kda_num_heads
+    for x in "qkv":
+        add(f"{a}{x}_proj.weight", (p, h), "kda")
+    for x in "qkv":
+        add(f"{a}{x}_conv1d.weight", (p, 1, cfg.conv_kernel_size), "kda", "F32")
+    add(f"{a}f_a_proj.weight", (hd, h), "kda")
+    add(f"{a}f_b_proj.weight", (p, hd), "kda")
+    add(f"{a}b_proj.weight", (nh, h), "kda")
+    if cfg.use_full_rank_gate:
+        add(f"{a}g_proj.weight", (p, h), "kda")
+    else:
+        add(f"{a}g_a_proj.weight", (hd, h), "kda")
+        add(f"{a}g_b_proj.weight", (p, hd), "kda")
+    # K3 stores A_log as [head_dim] fp32 with the first num_heads entries meaningful (tail zero);
+    # Kimi Linear stores [1, 1, H, 1].
+    a_log_shape = (max(hd, nh),) if cfg.model_type == "kimi_k3" else (1, 1, nh, 1)
+    add(f"{a}A_log", a_log_shape, "kda", "F32")
+    add(f"{a}dt_bias", (p,), "kda", "F32")
+    add(f"{a}o_norm.weight", (hd,), "kda", "F32")
+    add(f"{a}o_proj.weight", (h, p), "kda")
+
+
+def _mla_specs(cfg: ModelConfig, layer: int, add: _AddSpec) -> None:
+    """An MLA layer's attention tensors (and its DSA indexer's)."""
+    h, a = cfg.hidden_size, "self_attn."
+    nh, qk = cfg.num_heads, cfg.qk_head_dim
+    if cfg.q_lora_rank:
+        add(f"{a}q_a_proj.weight", (cfg.q_lora_rank, h), "mla")
+        add(f"{a}q_a_layernorm.weight", (cfg.q_lora_rank,), "mla")
+        add(f"{a}q_b_proj.weight", (nh * qk, cfg.q_lora_rank), "mla")
+    else:
+        add(f"{a}q_proj.weight", (nh * qk, h), "mla")
+    add(f"{a}kv_a_proj_with_mqa.weight", (cfg.latent_cache_dim, h), "mla")
+    add(f"{a}kv_a_layernorm.weight", (cfg.kv_lora_rank,), "mla")
+    add(f"{a}kv_b_proj.weight", (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), "mla")
+    if cfg.mla_use_output_gate:
+        add(f"{a}g_proj.weight", (nh * cfg.v_head_dim, h), "mla")
+    add(f"{a}o_proj.weight", (h, nh * cfg.v_head_dim), "mla")
+    if cfg.has_indexer(layer):
+        ih, idim = cfg.index_n_heads, cfg.index_head_dim
+        add(f"{a}indexer.wq_b.weight", (ih * idim, cfg.q_lora_rank), "indexer")
+        add(f"{a}indexer.wk.weight", (idim, h), "indexer")
+        add(f"{a}indexer.k_norm.weight", (idim,), "indexer")
+        add(f"{a}indexer.k_norm.bias", (idim,), "indexer")
+        add(f"{a}indexer.weights_proj.weight", (ih, h), "indexer")
+
+
+def _ffn_specs(cfg: ModelConfig, layer: int, add: _AddSpec) -> None:
+    """The layer's feed-forward tensors: the MoE block's router, latent projections and shared experts (routed
+    experts: `expert_tensor_specs`), or the dense MLP."""
+    h = cfg.hidden_size
     if cfg.is_moe(layer):
         m = "block_sparse_moe."
         add(f"{m}gate.weight", (cfg.num_experts, h), "router")
@@ -157,14 +179,10 @@ def layer_tensor_specs(cfg: ModelConfig, layer: int, include_experts: bool = Tru
             add(f"{m}shared_experts.gate_proj.weight", (s, h), "shared_experts")
             add(f"{m}shared_experts.up_proj.weight", (s, h), "shared_experts")
             add(f"{m}shared_experts.down_proj.weight", (h, s), "shared_experts")
-        if include_experts:
-            for e in range(cfg.num_experts):
-                specs.extend(expert_tensor_specs(cfg, layer, e))
     else:
         add("mlp.gate_proj.weight", (cfg.intermediate_size, h), "dense")
         add("mlp.up_proj.weight", (cfg.intermediate_size, h), "dense")
         add("mlp.down_proj.weight", (h, cfg.intermediate_size), "dense")
-    return specs
 
 
 def global_tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:

@@ -334,9 +334,12 @@ def write_engine_config(folder, backend: str = "onnxruntime"):
     returns its EngineConfig."""
     from moe_export.common.engine_config import EngineConfig
     from moe_export.common.recipe import load_recipe
+    from moe_export.export.planner import engine_memory
     from moe_export.export.synth import preset_config
 
     recipe = load_recipe("tiny-cpu.yaml")[0].model_copy(update={"backend": backend})
-    cfg = EngineConfig.from_recipe(recipe, preset_config("tiny-k3"), version="test", files={}, weight_classes={})
+    model = preset_config("tiny-k3")
+    cfg = EngineConfig.from_recipe(recipe, model, version="test", files={}, weight_classes={},
+                                   memory=engine_memory(recipe, model))
     cfg.write(folder)
     return cfg

@@ -46,7 +46,7 @@ assert VERSION in standin.PINNED_WHEELS, f"MOE_EXPORT_TRT_VERSION={VERSION!r}: r
 assert GRAPHS, "MOE_EXPORT_TRT_GRAPHS is empty: run via test_tensorrt_plugins.py"
 trt, trtp = standin.install(VERSION)
 
-from moe_export.export.backends import _value_types  # noqa: E402
+from moe_export.export.backends.onnxruntime import _value_types  # noqa: E402
 from moe_export.export.tensorrt_build import register_plugins  # noqa: E402
 from moe_export.plugins import (
     DOMAIN,  # noqa: E402

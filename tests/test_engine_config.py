@@ -28,7 +28,7 @@ def test_round_trip(tmp_path):
     raw = json.loads((tmp_path / CONFIG).read_text())
     assert raw["format"] == ENGINE_FORMAT and raw["backend"] == "tensorrt" == back.backend
     assert raw["limits"] == back.recipe.limits.model_dump(mode="json")
-    assert back.mapping.world_size == len(back.ranks) == 4 and (back.mapping.tp_size, back.mapping.ep_size) == (2, 2)
+    assert back.mapping.world_size == len(back.ranks) == 4 and (back.mapping.tp, back.mapping.ep) == (2, 2)
     assert back.thinking == raw["thinking"] and back.model.vocab_size == raw["pretrained_config"]["text_config"]["vocab_size"]
     assert is_engine_config(tmp_path)
     with pytest.raises(Exception):

@@ -7,10 +7,11 @@ import json
 import onnx
 import pytest
 from moe_export.common.recipe import load_recipe
-from moe_export.export.backends import lower_for_onnxruntime
+from moe_export.export.backends.onnxruntime import lower_for_onnxruntime
 from moe_export.export.checkpoint import open_checkpoint
 from moe_export.export.convert import convert_rank
 from moe_export.export.synth import write_synthetic_checkpoint
+from moe_export.export.backends import backend_for
 from moe_export.graphs.onnx_export import export_rank_graph
 from moe_export.graphs.sharding import Mapping
 from moe_export.plugins import DOMAIN
@@ -26,7 +27,8 @@ def rank_graph(request, tmp_path_factory):
     out = root / "rank1"
     out.mkdir()
     convert_rank(reader, reader.config, recipe, mapping, out / "weights.safetensors")
-    summary = export_rank_graph(reader.config, recipe, mapping, out / "weights.safetensors", out / "model.onnx")
+    summary = export_rank_graph(reader.config, recipe, mapping, out / "weights.safetensors", out / "model.onnx",
+                                backend_for(recipe).graph_form)
     return reader.config, out, summary
 
 

@@ -24,6 +24,7 @@ from moe_export.common.recipe import load_recipe
 from moe_export.export.checkpoint import open_checkpoint
 from moe_export.export.convert import convert_rank
 from moe_export.export.synth import write_synthetic_checkpoint
+from moe_export.export.backends import backend_for
 from moe_export.graphs.onnx_export import export_rank_graph
 from moe_export.graphs.sharding import Mapping
 from tensorrt_standin import PINNED_WHEELS, WHEEL_DIR, plugin_package_dir
@@ -44,7 +45,8 @@ def tiny_graphs(tmp_path_factory) -> list[Path]:
         root = tmp_path_factory.mktemp(f"{preset}-{recipe.backend}-{mapping.attention}")
         reader = open_checkpoint(write_synthetic_checkpoint(preset, root / "ckpt", 0))
         convert_rank(reader, reader.config, recipe, mapping, root / "weights.safetensors")
-        export_rank_graph(reader.config, recipe, mapping, root / "weights.safetensors", root / "model.onnx")
+        export_rank_graph(reader.config, recipe, mapping, root / "weights.safetensors", root / "model.onnx",
+                          backend_for(recipe).graph_form)
         paths.append(root / "model.onnx")
     return paths
 

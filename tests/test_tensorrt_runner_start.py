@@ -15,9 +15,10 @@ import tensorrt_runtime_standin as rt
 from moe_export.common.engine_config import EngineConfig
 from moe_export.common.recipe import load_recipe
 from moe_export.export import tensorrt_build
-from moe_export.export.planner import make_plan
+from moe_export.export.planner import engine_memory, make_plan
 from moe_export.export.synth import preset_config
 from moe_export.graphs.sharding import Mapping
+from moe_export.plugins import tensorrt_runtime
 from moe_export.runtime.engine import tensorrt as runner
 from test_build_tensorrt import fake_tensorrt
 from test_tensorrt_plugins import tiny_graphs  # noqa: F401  (module fixture: real tiny rank graphs)
@@ -37,7 +38,7 @@ def trt_recipe(layout: str):
 class FakeGroups:
     """`_NcclGroups` without MPI or NCCL: the groups' communicators, and the warm-up recorded."""
 
-    def __init__(self, rank, world_size, tp, ep, dp_layout):
+    def __init__(self, mapping):
         self.nccl = {name: types.SimpleNamespace(idle=False, expert_counts=[]) for name in ("tp", "ep")}
 
     def warm_up(self, torch, device):
@@ -51,7 +52,9 @@ def engine_dir(tmp_path, monkeypatch, graph, layout: str, rank: int):
     folder = tmp_path / layout
     (folder / f"rank{rank}").mkdir(parents=True)
     shutil.copy(graph, folder / f"rank{rank}" / "model.onnx")
-    EngineConfig.from_recipe(recipe, preset_config("tiny-k3"), version="test", files={}, weight_classes={}).write(folder)
+    model = preset_config("tiny-k3")
+    EngineConfig.from_recipe(recipe, model, version="test", files={}, weight_classes={},
+                             memory=engine_memory(recipe, model)).write(folder)
     view = make_plan(recipe).per_rank[rank].memory
     planned = view["activations"] + sum(view.get(f"workspace.{k}", 0) for k in tensorrt_build.ENGINE_WORKSPACES)
     with monkeypatch.context() as m:
@@ -71,8 +74,8 @@ def test_runner_constructor_streams_allocates_and_warms_up(tiny_graphs, tmp_path
     vocab = preset_config("tiny-k3").vocab_size
     monkeypatch.setitem(sys.modules, "tensorrt", rt.runtime_module(b"engine-bytes", meta, vocab))
     monkeypatch.setitem(sys.modules, "torch", rt.cpu_torch())
-    monkeypatch.setattr(tensorrt_build, "register_plugins", lambda: rt.LOG.append(("plugins",)))
-    monkeypatch.setattr(tensorrt_build, "select_device", lambda: 0)
+    monkeypatch.setattr(tensorrt_runtime, "register_plugins", lambda: rt.LOG.append(("plugins",)))
+    monkeypatch.setattr(tensorrt_runtime, "select_device", lambda: 0)
     monkeypatch.setattr(runner, "mpi_world", lambda: (rank, recipe.target.world_size))
     monkeypatch.setattr(runner, "_NcclGroups", FakeGroups)
     monkeypatch.setattr("moe_export.common.engine_file.READ_CHUNK", 5)  # the plan arrives in several reads

@@ -19,7 +19,7 @@
         rows) goes back to the rows' sources and is summed per token: y [T, D] T, T = x's rows (x: the
         dispatched tokens, only its shape is read).
 
-The ONNX Runtime backend splits graphs at these nodes (`export/backends.py`) and the runtime performs the
+The ONNX Runtime backend splits graphs at these nodes (`export/backends/onnxruntime.py`) and the runtime performs the
 collective between segments (MPI or in process); the TensorRT backend keeps them inside one engine per rank as
 plugins that run NCCL (`tensorrt_plugin.py`, `nccl.py`).
 """

@@ -33,8 +33,9 @@ import onnx
 import torch
 from moe_export.common.engine_config import EngineConfig
 from moe_export.common.errors import InputError
-from moe_export.common.mpi import mpi_world
-from moe_export.export.planner import CHECKPOINTS_PER_SLOT, GIB, engine_pool_sizes
+from moe_export.common.pools import CHECKPOINTS_PER_SLOT, GIB
+from moe_export.common.mapping import Mapping
+from moe_export.common.mpi import mpi_group_comms, mpi_world
 from moe_export.graphs.vision_export import VISION_GRAPH
 from moe_export.plugins.collectives import all_to_all
 from moe_export.plugins.paged_cache_write.cpu import paged_cache_write_
@@ -126,14 +127,14 @@ class MPICommunicator:
     layout `broadcast` reaches this rank's attention group (its tp group, from the group's first rank), and
     `leaders` joins the groups' first ranks (world rank 0 first; None on the other ranks)."""
 
-    def __init__(self, tp: int, ep: int, dp_layout: bool = False):
+    def __init__(self, mapping: Mapping):
         from mpi4py import MPI
 
         self.world = MPI.COMM_WORLD
-        rank = self.world.Get_rank()
-        self.groups = {"tp": self.world.Split(rank // tp, rank), "ep": self.world.Split(rank // ep, rank)}
-        self.dp_layout = dp_layout
-        leaders = self.world.Split(0 if dp_layout and rank % tp == 0 else MPI.UNDEFINED, rank)
+        self.groups = mpi_group_comms(mapping)
+        self.dp_layout = mapping.all_to_all
+        leader = self.dp_layout and mapping.tp_rank == 0
+        leaders = self.world.Split(0 if leader else MPI.UNDEFINED, mapping.rank)
         self.leaders = None if leaders == MPI.COMM_NULL else leaders
 
     def all_reduce(self, x: np.ndarray, group: str) -> np.ndarray:
@@ -287,7 +288,7 @@ class Engine:
         limits = self.config.limits
         self.num_slots = num_slots or limits.max_batch
         self.max_seq_len, self.max_num_tokens, self.block_size = limits.max_seq_len, limits.max_num_tokens, limits.block_size
-        self.num_blocks = num_blocks or engine_pool_sizes(self.config.recipe, self.config.model, self.num_slots).num_blocks
+        self.num_blocks = num_blocks or self.config.memory.pool_sizes(self.block_size, self.num_slots).num_blocks
         if max_step_pairs is not None and max_step_pairs < 1:
             raise InputError(f"max_step_pairs must be at least 1, got {max_step_pairs}")
         self.max_step_pairs = max_step_pairs or step_pair_budget(self.config)
@@ -317,11 +318,11 @@ class Engine:
         self.checkpoint_interval = checkpoint_interval(
             {name: (pool.shape, pool.itemsize) for name, pool in self.ranks[0].pools.items()}, self.block_size,
             self.max_num_tokens)
-        m = self.ranks[0].mapping
-        self.tp, self.ep = int(m["tp_size"]), int(m["ep_size"])
-        self.dp_layout = m.get("attention") == "dp"
-        self.dp = int(m.get("dp_size", 1))  # attention groups with their own batches (dp layout)
-        self.comm = MPICommunicator(self.tp, self.ep, self.dp_layout) if len(local) == 1 and self.world_size > 1 else None
+        m = Mapping.from_dict(self.ranks[0].mapping)
+        self.tp, self.ep = m.tp, m.ep
+        self.dp_layout = m.all_to_all
+        self.dp = m.dp  # attention groups with their own batches (dp layout)
+        self.comm = MPICommunicator(m) if len(local) == 1 and self.world_size > 1 else None
         self.model_config: dict = self.config.pretrained_config
         cfg = self.config.model
         self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_token
@@ -349,7 +350,7 @@ class Engine:
     @property
     def group(self) -> int:
         """This process's attention group (dp layout under mpiexec; 0 otherwise)."""
-        return self.ranks[0].rank // self.tp if self.dp_layout and self.comm is not None else 0
+        return Mapping.from_dict(self.ranks[0].mapping).dp_rank if self.comm is not None else 0
 
     @property
     def traffic(self) -> all_to_all.Traffic:
@@ -537,6 +538,6 @@ class Engine:
             raise InputError("step_groups runs every attention group of a dp-layout engine in one process")
         if len(batches) != self.dp:
             raise InputError(f"the engine has {self.dp} attention groups, got {len(batches)} batches")
-        envs = self._run({r.rank: batches[r.rank // self.tp] for r in self.ranks})
+        envs = self._run({r.rank: batches[Mapping.from_dict(r.mapping).dp_rank] for r in self.ranks})
         return [None if b is None else envs[g * self.tp]["logits"] for g, b in enumerate(batches)]
 

@@ -8,7 +8,7 @@ import copy
 import numpy as np
 import torch
 
-from moe_export.export.planner import CHECKPOINTS_PER_SLOT
+from moe_export.common.pools import CHECKPOINTS_PER_SLOT
 from moe_export.runtime.engine.batch import StepBatch, check_checkpoint, check_slot, check_step_batch
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
 

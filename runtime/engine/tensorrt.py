@@ -8,14 +8,14 @@ and of torch.cuda), the import guard.
 
 As TensorRT-LLM runs its engines:
   - Placement: one process per GPU under `mpiexec -n world_size`; the local rank picks the GPU
-    (`export.mpi.local_rank` -> device), at build and here.
+    (`plugins.tensorrt_runtime.select_device`), at build and here.
   - One engine per rank (`rank{N}.engine`, see `export/tensorrt_build.py`) with its collectives inside as
     plugins; this runner registers the NCCL communicators they use (`plugins.collectives.nccl`: tp and ep
     groups of consecutive ranks, rendezvous from MPI) before deserializing it. A step is one enqueue.
   - Memory: the execution context is created with ExecutionContextAllocationStrategy.USER_MANAGED and given
     one activation buffer of the engine's `device_memory_size_v2` (contract USER_MANAGED_DEVICE_MEMORY), the
     size the planner set aside (the build refused anything larger).
-  - Pools (issue 18, defect 4): the runner owns them, one torch allocation per pool ([S, ...] per KDA layer,
+  - Pools: the runner owns them, one torch allocation per pool ([S, ...] per KDA layer,
     paged [NB, BS, W] caches in the recipe's cache dtype; the list is the graph's metadata `pools`). They are
     not engine inputs or outputs: the engine gets one small input, the pool table [P, 3] int64 of their device
     addresses (`plugins/pool_table.py`, checked on the host when it is made), as TensorRT-LLM passes its
@@ -53,7 +53,6 @@ As TensorRT-LLM runs its engines:
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -61,8 +60,10 @@ from moe_export.common.engine_config import EngineConfig
 from moe_export.common.engine_file import read_engine_meta, stream_reader
 from moe_export.common.errors import InputError
 from moe_export.common.model_config import ModelConfig
-from moe_export.common.mpi import mpi_world
-from moe_export.export.planner import CHECKPOINTS_PER_SLOT
+from moe_export.common.mapping import Mapping
+from moe_export.common.mpi import mpi_world, torch_group_comms
+from moe_export.common.engine_file import VISION_ENGINE, rank_engine_name
+from moe_export.common.pools import CHECKPOINTS_PER_SLOT
 from moe_export.graphs.onnx_export import POOL_TABLE, POOLS_KEY
 from moe_export.plugins.pool_table import device_pool_table
 from moe_export.runtime.engine.batch import (
@@ -168,11 +169,7 @@ class TensorRTEngine:
         self.config = EngineConfig.read(self.dir)
         if self.config.backend != "tensorrt":
             raise InputError(f"{self.dir}: built for backend {self.config.backend!r}, not tensorrt")
-        from moe_export.export.tensorrt_build import (
-            import_tensorrt,
-            register_plugins,
-            select_device,
-        )
+        from moe_export.plugins.tensorrt_runtime import import_tensorrt, register_plugins, select_device
 
         trt = import_tensorrt(self.config.name)
         import torch
@@ -185,7 +182,7 @@ class TensorRTEngine:
         self._trt, self._torch = trt, torch
         register_plugins()  # the plugins' Python callbacks must exist before deserialization
         multi = self.world_size > 1 or self.dp_layout  # a dp graph holds all-to-alls even at world 1
-        self.comm = _NcclGroups(self.rank, self.world_size, self.tp, self.ep, self.dp_layout) if multi else None
+        self.comm = _NcclGroups(self.mapping) if multi else None
         num_experts = ModelConfig.from_hf_dict(self.model_config, source="engine config.json").num_experts
         # tokens routed to each expert per dispatching MoE layer (dp layout): the last step's, the running total,
         # and on a group's first rank the last step's of its whole attention group
@@ -203,16 +200,17 @@ class TensorRTEngine:
         limits = self.config.limits
         self.model_config: dict = self.config.pretrained_config
         self.world_size = self.config.mapping.world_size
-        self.tp, self.ep = self.config.mapping.tp_size, self.config.mapping.ep_size
-        self.dp_layout = self.config.mapping.attention == "dp"
-        self.dp = self.world_size // self.tp if self.dp_layout else 1  # attention groups with their own batches
+        self.tp, self.ep = self.config.mapping.tp, self.config.mapping.ep
+        self.dp_layout = self.config.mapping.all_to_all
+        self.dp = self.config.mapping.dp  # attention groups with their own batches
         world = mpi_world() or (0, 1)
         if world[1] != self.world_size:
             raise InputError(f"{self.dir}: engine has {self.world_size} ranks; run it under mpiexec -n {self.world_size}")
         self.rank = world[0]
-        self.group = self.rank // self.tp if self.dp_layout else 0
+        self.mapping = self.config.rank_mapping(self.rank)
+        self.group = self.mapping.dp_rank
         rank_dir = self.dir / f"rank{self.rank}"
-        self._engine_file = rank_dir / f"rank{self.rank}.engine"
+        self._engine_file = rank_dir / rank_engine_name(self.rank)
         self.meta, self._plan_offset, self._plan_size = read_engine_meta(self._engine_file)
         self.num_slots, self.num_blocks = runner_pool_sizes(self.meta, limits.max_batch, num_slots, num_blocks)
         self.max_seq_len = limits.max_seq_len
@@ -287,8 +285,6 @@ class TensorRTEngine:
     def _start_vision_tower(self, trt, torch) -> None:
         """K3: the replicated tower engine (`vision.engine`, `runtime.engine.tensorrt_vision`) and the MPI
         communicator of this rank's attention group its images are spread over; `vision` None without one."""
-        from moe_export.export.tensorrt_vision import VISION_ENGINE
-
         self.media_pad_id = self.model_config.get("media_placeholder_token_id")
         self.vision, self._image_group, self.image_width = None, None, None
         if not (self.dir / VISION_ENGINE).is_file():
@@ -300,9 +296,7 @@ class TensorRTEngine:
         self.vision = VisionEncoder(self.dir, self.config, 0, tower=tower)
         self.image_width = self.vision.vc.text_hidden_size  # the step's image_embeds rows
         if self.world_size > 1 and self.tp > 1:
-            from mpi4py import MPI
-
-            self._image_group = MPI.COMM_WORLD.Split(self.rank // self.tp, self.rank)
+            self._image_group = self.comm.groups["tp"]
 
     def encode_images(self, items: list) -> list[np.ndarray]:
         """Tower embeddings of images given as (pixel_values, grid), spread over this rank's attention group
@@ -529,29 +523,12 @@ class _NcclGroups(MPICommunicator):
     MPI's launch: rank 0's host and a free port are broadcast over MPI (or MASTER_ADDR / MASTER_PORT if set).
     Registers a communicator per group (`nccl`) for the engine's collective plugins."""
 
-    def __init__(self, rank: int, world_size: int, tp: int, ep: int, dp_layout: bool):
-        import socket
-
-        import torch.distributed as dist
+    def __init__(self, mapping: Mapping):
         from moe_export.plugins.collectives.nccl import Communicator, set_communicators
-        from mpi4py import MPI
 
-        super().__init__(tp, ep, dp_layout)
-
-        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-        if not (addr and port):
-            if rank == 0:
-                with socket.socket() as s:
-                    s.bind(("", 0))
-                    addr, port = socket.gethostname(), str(s.getsockname()[1])
-            addr, port = MPI.COMM_WORLD.bcast((addr, port), root=0)
-        dist.init_process_group("nccl", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size)
-        self.nccl = {}
-        for name, size in (("tp", tp), ("ep", ep)):
-            for start in range(0, world_size, size):
-                group = dist.new_group(list(range(start, start + size)))  # every rank creates every group
-                if start <= rank < start + size:
-                    self.nccl[name] = Communicator(group, size)
+        super().__init__(mapping)
+        groups = torch_group_comms(mapping, "nccl")
+        self.nccl = {kind: Communicator(group, mapping.group_size(kind)) for kind, group in groups.items()}
         set_communicators(self.nccl)
 
     def warm_up(self, torch, device) -> None:

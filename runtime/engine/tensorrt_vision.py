@@ -9,8 +9,6 @@ shape checked against the engine's profile first: images per rank and the patch 
 PROFILE_BOUNDS), enqueues, copies `image_embeds` [M, hidden] fp32 back and waits for it (the scheduler places
 the embeddings in the next steps' inputs). Images are spread over the attention group by
 `runtime.engine.vision.encode_spread`, as under ONNX Runtime.
-NOT RUN HERE: no machine of this project has TensorRT; what is checked on CPU (stand-ins of the execution
-context and torch.cuda) is listed in the README's backend section.
 """
 
 from __future__ import annotations

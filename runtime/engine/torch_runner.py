@@ -24,8 +24,7 @@ import torch
 from moe_export.common.engine_config import EngineConfig
 from moe_export.common.errors import InputError
 from moe_export.common.mpi import local_rank, mpi_world
-from moe_export.export.planner import CHECKPOINTS_PER_SLOT, engine_pool_sizes
-from moe_export.common.mapping import Mapping
+from moe_export.common.pools import CHECKPOINTS_PER_SLOT
 from moe_export.graphs.vision_export import VISION_WEIGHTS
 from moe_export.quantize import fp8_cache
 from moe_export.runtime.engine.batch import (RESET_ON_NEW_SEQUENCE, StepBatch, check_checkpoint, check_slot,
@@ -83,7 +82,7 @@ class TorchEngine:
         limits = recipe.limits
         self.num_slots = num_slots or limits.max_batch
         self.max_seq_len, self.max_num_tokens, self.block_size = limits.max_seq_len, limits.max_num_tokens, limits.block_size
-        self.num_blocks = num_blocks or engine_pool_sizes(recipe, cfg, self.num_slots).num_blocks
+        self.num_blocks = num_blocks or self.config.memory.pool_sizes(self.block_size, self.num_slots).num_blocks
         if self.num_blocks < 1:
             raise InputError(f"{self.dir}: no memory left for cache blocks with {self.num_slots} slots "
                              "(see `moe-export plan`); pass fewer slots or num_blocks")
@@ -101,9 +100,9 @@ class TorchEngine:
         self.max_step_pairs = max_step_pairs or (step_pair_budget(self.config) if self.device.type == "cpu" else None)
         act = torch.float32 if self.device.type == "cpu" else torch.bfloat16
         m = self.config.mapping
-        self.tp, self.ep, self.dp_layout = m.tp_size, m.ep_size, m.attention == "dp"
+        self.tp, self.ep, self.dp_layout = m.tp, m.ep, m.all_to_all
         self.dp = self.world_size // self.tp if self.dp_layout else 1
-        self.models = {r: RankModel(cfg, Mapping(self.world_size, r, self.tp, self.ep, m.attention),
+        self.models = {r: RankModel(cfg, self.config.rank_mapping(r),
                                     RankWeights(rank_dirs[r] / "weights.safetensors", self.device, act), self.device, act,
                                     use_indexer=recipe.attention.indexer == "auto",
                                     topk=recipe.attention.sparse_topk or cfg.index_topk or 0,
@@ -124,7 +123,7 @@ class TorchEngine:
             {n: (tuple(p.shape), p.element_size()) for n, p in first.items()}, self.block_size, self.max_num_tokens)
         self.comm, self.world = None, None
         if under_mpi:
-            self.comm = MPICommunicator(self.tp, self.ep, self.dp_layout)
+            self.comm = MPICommunicator(self.config.rank_mapping(mpi[0]))
             self.world = DistributedWorld(mpi[0], self.world_size, self.tp, self.ep, self.device, self.comm.world)
         self.model_config: dict = self.config.pretrained_config
         self.num_experts = cfg.num_experts

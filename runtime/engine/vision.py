@@ -1,5 +1,5 @@
 """The engine's vision tower: ONNX Runtime over `vision.onnx`, an embedding cache by content hash, and the image
-processor the engine ships (`preprocessor_config.json`, with the planner's patch limit `image_patch_limit`).
+processor the engine ships (`preprocessor_config.json`, with the patch limit the build recorded in config.json).
 
 The tower is replicated: under mpiexec the images of a call are spread over the ranks of rank 0's attention
 group (`encode_spread`: image i on group rank i mod tp, data-parallel as vLLM / SGLang run the ViT when its
@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 from moe_export.common.engine_config import EngineConfig
 from moe_export.common.errors import InputError
-from moe_export.export.planner import image_patch_limit
 from moe_export.graphs.vision import vision_config
 from moe_export.graphs.vision_export import VISION_GRAPH, tower_inputs
 from moe_export.runtime.images import ImageProcessor, PreparedImage
@@ -37,7 +36,7 @@ class VisionEncoder:
         if self.vc is None:
             raise InputError(f"{engine_dir}: {VISION_GRAPH} present but config.json has no vision_config")
         recipe = config.recipe
-        self.processor = ImageProcessor.from_folder(engine_dir).with_patch_limit(image_patch_limit(cfg, recipe))
+        self.processor = ImageProcessor.from_folder(engine_dir).with_patch_limit(config.memory.image_patch_limit)
         self.max_images = recipe.limits.max_images_per_request
         self.tower = tower if tower is not None else _onnxruntime_tower(engine_dir / VISION_GRAPH, threads)
         self.cache: OrderedDict[str, np.ndarray] = OrderedDict()

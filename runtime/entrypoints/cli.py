@@ -37,7 +37,8 @@ def plan(
     import json
 
     from moe_export.common.recipe import load_recipe
-    from moe_export.export.planner import CHECKPOINTS_PER_SLOT, GIB, make_plan
+    from moe_export.common.pools import CHECKPOINTS_PER_SLOT, GIB
+    from moe_export.export.planner import make_plan
 
     rec, path = load_recipe(recipe)
     p = make_plan(rec)

@@ -1,14 +1,11 @@
-"""Backends: cutting a rank's exported graph at its collectives, and lowering it for ONNX Runtime (CPU).
+"""The ONNX Runtime backend (CPU): a rank's exported graph cut at its collectives into segments.
 
-ONNX Runtime lowering. ORT cannot run Python kernels in our domain at useful speed and we have no
-ORT C headers here, so each plugin ships its ONNX Runtime kernel as a model-local ONNX function in
-standard ops (`plugins/<op>/ort.py`), which ORT inlines. Collectives cannot live inside an ORT
-graph, so the graph is split at every `AllReduce` / `AllGather` node into segments; the runtime
-runs a segment, performs the collective with MPI (or in process), and feeds the next segment.
-The TensorRT backend (`tensorrt_build.py`) does not cut: it builds the whole exported `model.onnx` into one
-engine per rank, its collectives inside as NCCL plugins (`plugins/collectives/tensorrt_plugin.py`).
+ONNX Runtime cannot run Python kernels in our domain at useful speed and we have no ORT C headers here, so each
+plugin ships its ONNX Runtime kernel as a model-local ONNX function in standard ops (`plugins/<op>/ort.py`), which
+ORT inlines. Collectives cannot live inside an ORT graph, so the graph is split at every `AllReduce` /
+`AllGather` / `MoEDispatch` / `MoECombine` node into segments; the runner (`runtime/engine/ort.py`) runs a segment,
+performs the collective with MPI (or in process), and feeds the next segment.
 
-    rank{N}/model.onnx             the exported graph (TensorRT input)
     rank{N}/ort_segment_000.onnx   segments, each referencing rank{N}/weights.safetensors
     rank{N}/ort_plan.json          [{"segment": file, "inputs": [...], "outputs": [...]},
                                     {"collective": op, "group": g, "input": x, "output": y, "axis": a}, ...]
@@ -21,10 +18,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import onnx
 from onnx import TensorProto, helper
 
+from moe_export.common.errors import BuildError
+from moe_export.common.manifest import GRAPH, WEIGHTS
+from moe_export.export.backends import Backend, BackendStage
+from moe_export.export.build_records import QUANT_REPORT, move_into, scratch
+from moe_export.graphs.onnx_export import GraphForm
 from moe_export.plugins import DOMAIN
 from moe_export.plugins.collectives.onnx_schema import COLLECTIVE_OPS
 from moe_export.plugins.registry import ort_function, register_all_schemas
@@ -163,3 +166,27 @@ def lower_for_onnxruntime(graph_path: Path, out_dir: Path) -> list[str]:
                                                sort_keys=True))
     written.append(ORT_PLAN)
     return written
+
+
+def run_lower(ctx, n: int, mapping) -> tuple[list[str], Any, None]:
+    """Stage `lower` of rank n (`ctx`: a `build_stages.BuildContext`): lower into a scratch folder that sees the weights under their name, then rename the files out."""
+    rdir = ctx.state.build / f"rank{n}"
+    graph = ctx.state.output(f"graph/rank{n}", f"rank{n}/{GRAPH}")
+    weights = ctx.state.output(f"convert/rank{n}", f"rank{n}/{WEIGHTS}")
+    with scratch(rdir, "lower", {WEIGHTS: weights}) as tmp, ctx.progress.task(f"lower rank {n}", tmp):
+        names = list(ctx.stages.lower_for_onnxruntime(graph, tmp))
+        bad = [x for x in names if Path(x).name != x or x in (WEIGHTS, GRAPH, QUANT_REPORT) or not (tmp / x).is_file()]
+        if bad:
+            raise BuildError(f"lower rank {n}: the lowering reported unusable file names {bad}")
+        for name in names:
+            move_into(tmp / name, rdir / name)
+    return [f"rank{n}/{x}" for x in sorted(names)], {"files": sorted(names)}, None
+
+
+BACKEND = Backend(
+    name="onnxruntime",
+    graph_form=GraphForm(TensorProto.FLOAT, pools_in_place=False),
+    rank_stage=BackendStage("lower", fields=(), libraries=("onnx", "onnxruntime", "onnx-ir", "numpy"), run=run_lower,
+                            code=(("export", "backends/onnxruntime.py"), ("plugins", "*.py"),
+                                  ("plugins", "*/onnx_schema.py"), ("plugins", "*/ort.py"))),
+)
