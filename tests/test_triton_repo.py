@@ -477,3 +477,33 @@ def test_cancellation_is_noticed_while_a_request_waits_for_a_slot(model, pb_util
     while model.llm.stats()["running"] and time.time() - cancelled_at < 10:  # aborts reach the scheduler's thread
         time.sleep(0.01)
     assert model.llm.stats()["running"] == 0
+
+
+def test_a_request_that_fails_in_the_engine_fails_alone(model, pb_utils):
+    """Fault injection: the runner raises during one request's step; that request ends with INTERNAL, the model
+    stays healthy and the next request is answered."""
+    runner = model.llm.llm.engine
+    real, calls = runner.sample, []
+
+    def fails_once(batch, sampling):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected runner failure")
+        return real(batch, sampling)
+
+    runner.sample = fails_once
+    try:
+        params = {"max_tokens": 4, "temperature": 0}
+        failed = make_request(pb_utils, model, "fault-1", prompt="hello", params=params, stream=False)
+        model.execute([failed])
+        assert failed.sender.done.wait(60)
+        error = failed.sender.responses[-1].error()
+        assert error is not None and error.code() == pb_utils.TritonError.INTERNAL, error
+        assert "injected runner failure" in error.message()
+        answered = make_request(pb_utils, model, "fault-2", prompt="hello", params=params, stream=False)
+        model.execute([answered])
+        assert answered.sender.done.wait(60)
+        assert not any(r.has_error() for r in answered.sender.responses)
+        assert text_of(answered.sender.responses[-1]) and model.llm.healthy
+    finally:
+        del runner.sample

@@ -106,7 +106,7 @@ class Service:
     @property
     def healthy(self) -> bool:
         """The engine core can run requests (False once it died: /health answers 503, the server exits)."""
-        return bool(getattr(self.llm, "healthy", True))
+        return bool(self.llm.healthy)
 
     async def aclose(self) -> None:
         """Close the store and the image downloads (the runtime is its owner's to shut down)."""

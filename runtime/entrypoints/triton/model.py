@@ -230,7 +230,7 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
 
     async def _serve(self, request) -> None:
-        from moe_export.common.errors import InputError
+        from moe_export.common.errors import EngineDead, InputError
 
         sender = request.get_response_sender()
         request_id = f"triton-{next(self.ids)}-{request.request_id() or 'anon'}"
@@ -269,7 +269,9 @@ class TritonPythonModel:
                         flags=FINAL)
         except InputError as exc:
             sender.send(self._error(str(exc), pb_utils.TritonError.INVALID_ARG), flags=FINAL)
-        except Exception as exc:  # any failure is this request's error, never the model's crash
+        except EngineDead as exc:  # the engine core stopped: no request can run until the model is reloaded
+            sender.send(self._error(f"the engine core stopped ({exc})", pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
+        except Exception as exc:  # any failure is this request's error (RequestFailed among them), never the model's
             self.llm.abort(request_id)
             sender.send(self._error(f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL), flags=FINAL)
         finally:
