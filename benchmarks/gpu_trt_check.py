@@ -65,7 +65,7 @@ def dp_moe_full_buffer(device: torch.device, shapes: dict, repeats: int) -> dict
         torch.cuda.synchronize(device)
     ms = (time.perf_counter() - start) / repeats * 1e3
     model = full_buffer_moe_op(rows, k, dim, inter, local)
-    moved = model["zeroed_bytes"] + model["summed_bytes"]
+    moved = model["partial_sum_bytes"] + model["output_bytes"]
     return {"dp_moe_full_buffer_ms": ms, "model": model, "model_pass_bytes": moved,
             "implied_pass_gb_per_s": moved / ms / 1e6, "shapes": shapes}  # fmt: skip
 

@@ -6,8 +6,9 @@ Per MoE layer and rank (the TensorRT graph, `graphs/onnx_export.py` `RankGraph.m
     rows; then -1 / 0 written into the ids and weights past the rows received, up to the static bound R;
   - the graph's Cast of the receive buffer [R, D] bf16 -> fp32 (the expert op's input);
   - MoEMXFP4 (`plugins/moe_mxfp4/triton_kernel.py` `moe_mxfp4_triton`) over all R rows in chunks of
-    `chunk_tokens` rows: per chunk a zero_ of the fp32 partial sums [rows x k, D], the two kernels (grids from the
-    chunk's pair capacity) and a sum over the partial sums into y [rows, D] fp32;
+    `chunk_tokens` rows: per chunk the pair layout (one program), the up and down kernels (grids from the chunk's
+    pair capacity and `tile_config`) writing fp32 partial sums [rows x k, D], and the combine kernel reading them
+    into y [rows, D];
   - the graph's Cast of y [R, D] fp32 -> bf16, and MoECombine's all-to-all-v of the counted rows back.
 R = `Mapping.max_recv_rows(max_num_tokens)` whatever the step's batch, so these bytes and launches are paid at
 every decode step. Launches count the kernels, passes, Casts, fills and NCCL calls named (at least: the
@@ -17,28 +18,36 @@ counted-rows op and are given apart. Bytes are device-memory traffic (written + 
 
 from __future__ import annotations
 
-from moe_export.plugins.moe_mxfp4 import triton_kernel as moe
+from moe_export.plugins.moe_mxfp4 import sizes as moe
 
-BLOCK_M, BLOCK_N = 16, 32  # moe_mxfp4_triton's defaults (its grids)
+COMBINE_BLOCK_D = 512  # moe_mxfp4_triton's combine kernel: one program per row and 512 columns
 EXPERT_BITS_PER_WEIGHT = 4.25  # MXFP4
 NCCL_CALLS_PER_LAYER = 5  # dispatch: counts, rows, ids, weights; combine: rows
 
 
 def full_buffer_moe_op(rows: int, top_k: int, dim: int, inter: int, num_local: int,
                        budget_bytes: int = moe.DEFAULT_SCRATCH_BUDGET) -> dict[str, int]:  # fmt: skip
-    """What `moe_mxfp4_triton` does over `rows` received rows: chunks, kernel launches and their programs, and
-    the full-buffer passes (zero_ and sum over the fp32 partial sums) with their bytes."""
+    """What `moe_mxfp4_triton` does over `rows` received rows: chunks, kernel launches and their programs, and the
+    bytes of the fp32 partial sums its down kernel writes and its combine reads (a pass over the whole buffer)."""
     step = moe.chunk_tokens(top_k, dim, inter, budget_bytes)
-    sizes = [min(step, rows - t0) for t0 in range(0, rows, step)]
-    programs = sum(moe.pair_capacity(n * top_k, num_local, BLOCK_M) // BLOCK_M
-                   * (-(-inter // BLOCK_N) + -(-dim // BLOCK_N)) for n in sizes)  # fmt: skip
+    launches = programs = 0
+    for t0 in range(0, rows, step):
+        n = min(step, rows - t0)
+        tiles = moe.tile_config(n * top_k, num_local, dim, inter)
+        bm, bn = tiles["block_m"], tiles["block_n"]
+        cap = moe.pair_capacity(n * top_k, num_local, bm)
+        if cap:
+            launches += 3  # pair layout, up, down
+            programs += 1 + cap // bm * (-(-inter // bn) + -(-dim // bn))
+        launches += 1  # combine
+        programs += n * -(-dim // COMBINE_BLOCK_D)
     return {
-        "chunks": len(sizes),
-        "kernel_launches": 2 * len(sizes),
+        "chunks": -(-rows // step),
+        "kernel_launches": launches,
         "kernel_programs": programs,
-        "full_buffer_passes": 2 * len(sizes),  # zero_ and sum per chunk
-        "zeroed_bytes": rows * top_k * dim * 4,
-        "summed_bytes": rows * top_k * dim * 4 + rows * dim * 4,  # read the partial sums, write y
+        "full_buffer_passes": 1,  # the partial sums: written by the down kernel, read by the combine
+        "partial_sum_bytes": 2 * rows * top_k * dim * 4,
+        "output_bytes": rows * dim * 4,
     }
 
 
@@ -58,10 +67,10 @@ def dp_decode_step(cfg, recipe, mapping) -> dict:
         "receive_rows": rows,
         "rows_with_tokens": counted_rows,
         "host_syncs": 1,
-        "launches_at_least": op["kernel_launches"] + op["full_buffer_passes"] + 2 + 2 + NCCL_CALLS_PER_LAYER,
+        "launches_at_least": op["kernel_launches"] + 2 + 2 + NCCL_CALLS_PER_LAYER,
         "kernel_programs": op["kernel_programs"],
         "full_buffer_passes": op["full_buffer_passes"] + 2 + 2,  # + the two Casts and the two tail fills
-        "full_buffer_bytes": op["zeroed_bytes"] + op["summed_bytes"] + casts + tails,
+        "full_buffer_bytes": op["partial_sum_bytes"] + op["output_bytes"] + casts + tails,
         "counted_rows_bytes": counted_rows * (dim * 2 * 2 + k * 12),  # bf16 rows in and out, ids and weights
         "expert_weight_bytes": int(min(local, counted_rows * k) * 3 * dim * inter * EXPERT_BITS_PER_WEIGHT / 8),
         "expert_op": op,

@@ -153,7 +153,8 @@ def test_kimi_linear_engine_matches_transformers(engines):
 
 
 def test_mpiexec_generate_cli_equals_reference(engines):
-    """`mpiexec -n 4 moe-export generate OUT --prompt-ids ... --json` (tp=2, ep=2) == reference generate."""
+    """`mpiexec -n 4 moe-export generate OUT --prompt-ids ... --json` (tp=2, ep=2) == reference generate (both with
+    the stop ids of the model and its tokenizer, sampling only ids the tokenizer decodes, as LLM does)."""
     mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
     engine_dir = engines("tiny-k3", 2, 2, 4)
     ids = ",".join(map(str, PROMPT))
@@ -168,7 +169,7 @@ def test_mpiexec_generate_cli_equals_reference(engines):
     lines = [line for line in eng.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, "only rank 0 prints"
     assert json.loads(lines[0]) == json.loads(ref.stdout)
-    assert len(json.loads(lines[0])["tokens"]) == 12
+    assert 8 <= len(json.loads(lines[0])["tokens"]) <= 12  # stops at a stop id of the model or its tokenizer
 
 
 class FP8RoundTrip:

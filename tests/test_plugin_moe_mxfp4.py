@@ -284,12 +284,12 @@ def test_inner_triton_block_layout_repeated_expert_and_off_rank():
 def test_tile_config_fills_the_gpu_at_decode():
     """Decode shapes (one EP rank of K3: 14 experts, D 3584, I 3072) shrink BLOCK_N towards two programs per SM of
     an H200 (one token, one expert: 16, so every SM gets one); prefill takes the 64 x 128 tensor-core tiles."""
-    from moe_export.plugins.moe_mxfp4 import triton_kernel
+    from moe_export.plugins.moe_mxfp4 import sizes
 
-    one = triton_kernel.tile_config(1, 14, 3584, 3072)
-    assert one["block_m"] == 16 and one["block_n"] == 16 and 3072 // 16 >= triton_kernel.H200_SMS  # every SM reads
-    assert triton_kernel.tile_config(256, 14, 3584, 3072)["block_n"] == 128
-    assert triton_kernel.tile_config(4096 * 4, 14, 3584, 3072)["block_m"] == 64
+    one = sizes.tile_config(1, 14, 3584, 3072)
+    assert one["block_m"] == 16 and one["block_n"] == 16 and 3072 // 16 >= sizes.H200_SMS  # every SM reads
+    assert sizes.tile_config(256, 14, 3584, 3072)["block_n"] == 128
+    assert sizes.tile_config(4096 * 4, 14, 3584, 3072)["block_m"] == 64
 
 
 def test_scratch_bytes_bounded_by_the_budget():

@@ -245,7 +245,8 @@ def test_server_image_parts(tmp_path):
             model=model, max_tokens=3, messages=[{"role": "user", "content": [
                 {"type": "text", "text": "What is it?"},
                 {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}}]}])
-        assert msg.usage.input_tokens > text_only.usage.prompt_tokens
+        u = msg.usage  # Anthropic's prompt total: input + cache creation + cache read
+        assert u.input_tokens + u.cache_creation_input_tokens + u.cache_read_input_tokens > text_only.usage.prompt_tokens
         bad = [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
         with pytest.raises(openai.BadRequestError, match=r"content\[1\]: not a readable image"):
             client.chat.completions.create(model=model, messages=[{"role": "user", "content": bad}], max_tokens=3)

@@ -1,6 +1,7 @@
 """MoEMXFP4 scratch arithmetic (bytes), pure Python: the planner and the graph exporter size the plugin's
 workspace from here without importing Triton."""
 
+H200_SMS = 132  # programs wanted per launch: two per SM of an H200 / H100 (132 SMs)
 DEFAULT_SCRATCH_BUDGET = 256 * 2**20  # bytes of chunk scratch (partial sums + activations) per call
 
 
@@ -39,3 +40,17 @@ def workspace_bytes(num_tokens: int, top_k: int, dim: int, inter: int, num_local
     cap = pair_capacity(pairs, num_local, bm)
     most_blocks = max(cap // bm, pair_capacity(pairs, num_local, block_m or 16) // (block_m or 16))
     return aligned(4 * pairs * dim) + aligned(4 * cap * inter) + aligned(8 * cap) + aligned(4 * most_blocks)
+
+
+def tile_config(num_pairs: int, num_local: int, dim: int, inter: int) -> dict:
+    """Launch tiles for a chunk of `num_pairs` pairs: BLOCK_M from `sizes.block_m_for`; BLOCK_N 128, halved (to
+    16 at least) while the up or down grid over the experts that can be present has fewer than two programs
+    per SM; BLOCK_K 128 (prefill) or 256 (decode: longer streams per program); warps and stages for Hopper."""
+    block_m = block_m_for(num_pairs, num_local)
+    blocks = min(num_local, num_pairs)
+    block_n = 128
+    while block_n > 16 and blocks * -(-min(dim, inter) // block_n) < 2 * H200_SMS:
+        block_n //= 2
+    if block_m >= 64:
+        return dict(block_m=block_m, block_n=block_n, block_k=128, num_warps=8, num_stages=3)
+    return dict(block_m=block_m, block_n=block_n, block_k=256, num_warps=4, num_stages=4)

@@ -26,9 +26,8 @@ import triton.language as tl
 
 from ..triton_dot import INTERPRETED, mma
 from .reference import ACTIVATIONS
-from .sizes import DEFAULT_SCRATCH_BUDGET, aligned, block_m_for, chunk_tokens, pair_capacity
+from .sizes import DEFAULT_SCRATCH_BUDGET, aligned, chunk_tokens, pair_capacity, tile_config
 
-H200_SMS = 132  # programs wanted per launch: two per SM of an H200 / H100 (132 SMs)
 @triton.jit
 def _e2m1_f32(code):
     """int32 E2M1 codes (sign in bit 3) -> fp32, exactly, by building the bits: magnitude t = eem;
@@ -201,20 +200,6 @@ def pair_layout(expert_ids: torch.Tensor, expert_offset: int, num_local: int, bl
             BLOCK_M=block_m, BLOCK_P=max(16, min(256, 8192 // block_e)), BLOCK_E=block_e,
         )  # fmt: skip
     return pair_rows, block_expert
-
-
-def tile_config(num_pairs: int, num_local: int, dim: int, inter: int) -> dict:
-    """Launch tiles for a chunk of `num_pairs` pairs: BLOCK_M from `sizes.block_m_for`; BLOCK_N 128, halved (to
-    16 at least) while the up or down grid over the experts that can be present has fewer than two programs
-    per SM; BLOCK_K 128 (prefill) or 256 (decode: longer streams per program); warps and stages for Hopper."""
-    block_m = block_m_for(num_pairs, num_local)
-    blocks = min(num_local, num_pairs)
-    block_n = 128
-    while block_n > 16 and blocks * triton.cdiv(min(dim, inter), block_n) < 2 * H200_SMS:
-        block_n //= 2
-    if block_m >= 64:
-        return dict(block_m=block_m, block_n=block_n, block_k=128, num_warps=8, num_stages=3)
-    return dict(block_m=block_m, block_n=block_n, block_k=256, num_warps=4, num_stages=4)
 
 
 def _workspace_views(workspace, pairs: int, dim: int, cap: int, inter: int, act_dtype, block_m: int, device):

@@ -14,6 +14,7 @@ from moe_export.common.errors import InputError, RequestFailed
 from moe_export.runtime.core.scheduler import Request
 from moe_export.runtime.engine.reference import ReferenceEngine
 from moe_export.runtime.sampling import SamplingParams
+from moe_export.runtime.tokenizer import load_tokenizer
 
 
 def generate_tokens(engine, prompt_ids: list[int], sampling: SamplingParams | None = None,
@@ -111,5 +112,11 @@ def generate_command(path: str | Path, prompt_ids: str | None, prompt: str | Non
     check_reference_fits(cfg, str(path))  # before reading any weights
     sampling = SamplingParams.from_flags(model_defaults(read_generation_config(path)), **flags)
     ids = resolve_prompt(path, prompt_ids, prompt, cfg.vocab_size, sampling.max_tokens)
+    eos, vocab = list(cfg.eos_token_ids), None
+    try:  # as LLM on an engine: the tokenizer's stop ids too, and only ids it can decode are sampled
+        tokenizer = load_tokenizer(path)
+        eos, vocab = sorted(set(eos) | set(tokenizer.eos_token_ids)), tokenizer.vocab_size
+    except InputError:  # a checkpoint without a tokenizer: the model's own
+        pass
     engine = ReferenceEngine(load_model(path), max_seq_len=len(ids) + sampling.max_tokens)
-    return generate_tokens(engine, ids, sampling, cfg.eos_token_ids)
+    return generate_tokens(engine, ids, sampling, eos, sample_vocab=vocab)
