@@ -37,6 +37,7 @@ def test_gpu_sampler_check_dry_run_on_cpu(tmp_path):
         assert fig[f"sampler_ms_greedy_{n}"] > 0 and fig[f"sampler_ms_top_p_{n}"] > 0
         assert fig[f"sampler_top_p_over_greedy_{n}"] == fig[f"sampler_ms_top_p_{n}"] / fig[f"sampler_ms_greedy_{n}"]
     assert fig["sampler_seeded_alone_equals_batch"] is True and fig["sampler_seeded_rows_checked"] == 4
+    assert fig["sampler_greedy_equals_torch_argmax"] is True
     assert fig["sampler_seeded_device_equals_cpu_frac"] == 1.0  # the CPU against itself
 
 
