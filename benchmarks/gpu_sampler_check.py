@@ -4,14 +4,16 @@ Part of `benchmarks/gpu_check.sh` (the one prepared GPU run); `--device cpu` is 
 (tests/test_gpu_check.py) so that this script is known to run before a GPU is lent.
 
 For batch sizes 1 / 16 / 64 / 256 (`--batches`) over logits [B, 163,840] (K3's vocabulary, `--vocab`) on the
-device: milliseconds per `sample` call for greedy rows (temperature 0) and for temperature 1 / top-p 0.95 rows,
-and their ratio (`sampler_ms_greedy_B`, `sampler_ms_top_p_B`, `sampler_top_p_over_greedy_B`). Each call gets a
-fresh copy of the logits (untimed; the sampler may work in place) and ends with the ids copied to the host, as in
-the runner, so the wall time of a call is the device time plus that copy.
-Then the seeded-sampling check on the device: every row of a seeded batch draws the same token when sampled
-alone as in the batch (`sampler_seeded_alone_equals_batch`, must be true), and how many of them the CPU
-draws too for the same logits (`sampler_seeded_device_equals_cpu_frac`: the draw is a hash of seed and counter,
-so only rounding of the device's softmax can move a draw across a boundary).
+device (on CUDA the Triton kernels of `runtime/engine/sampler_kernels.py`): milliseconds per `sample` call for
+greedy rows (temperature 0) and for temperature 1 / top-p 0.95 rows, and their ratio (`sampler_ms_greedy_B`,
+`sampler_ms_top_p_B`, `sampler_top_p_over_greedy_B`). Each call gets a fresh copy of the logits (untimed; the
+sampler may work in place) and ends with the ids copied to the host, as in the runner, so the wall time of a
+call is the device time plus that copy.
+Then the checks on the device: the greedy ids equal torch.argmax's (`sampler_greedy_equals_torch_argmax`);
+every row of a seeded batch draws the same token when sampled alone as in the batch
+(`sampler_seeded_alone_equals_batch`, must be true), and how many of them the CPU draws too for the same logits
+(`sampler_seeded_device_equals_cpu_frac`: the draw is a hash of seed and counter, so only rounding of the
+device's softmax can move a draw across a boundary).
 `--json PATH` writes the figures as one flat object.
 """
 
@@ -87,6 +89,8 @@ def check_sampler(fig: dict, device: torch.device, batches: list[int], vocab: in
     n = max(batches)
     logits = logits_for(n, vocab, device, seed=1)
     sb = sampling_batch(n, 1.0, 0.95)
+    greedy = sample(logits.clone(), sampling_batch(n, 0.0, 1.0).to(device)).ids
+    fig["sampler_greedy_equals_torch_argmax"] = bool((torch.from_numpy(greedy) == logits.argmax(dim=1).cpu()).all())
     together = sample(logits.clone(), sb.to(device)).ids
     rows = sorted({0, n // 3, n // 2, n - 1})
     alone = [int(sample(logits[r : r + 1].clone(), row_batch(sb, r).to(device)).ids[0]) for r in rows]

@@ -111,16 +111,15 @@ def test_top_p_nucleus_over_several_blocks_and_a_tail():
     assert together == alone
 
 
-def test_both_acceptance_mass_kernels_agree():
-    """The top-p acceptance mass: the batched pass (GPU) and the per-row pass (CPU) sum the same weights,
-    strictly above each row's pivot (a weight equal to the pivot is left out)."""
-    from moe_export.runtime.engine.sampler import _mass_above_batched, _mass_above_rows
+def test_acceptance_mass_sums_strictly_above_the_pivot():
+    """The top-p acceptance mass of the CPU path sums each row's weights strictly above its pivot (a weight
+    equal to the pivot is left out)."""
+    from moe_export.runtime.engine.sampler import _mass_above
 
     p = torch.rand(5, 3000, generator=torch.Generator().manual_seed(4))
     ps = p[:, 7].clone()
     want = torch.tensor([float(row[row > v].double().sum()) for row, v in zip(p, ps)], dtype=torch.float64)
-    for got in (_mass_above_batched(p, ps), _mass_above_rows(p, ps)):
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0)
+    torch.testing.assert_close(_mass_above(p, ps).double(), want, rtol=1e-5, atol=0)
 
 
 def test_a_row_draws_the_same_token_alone_or_in_any_batch():

@@ -16,6 +16,9 @@ of the row's total, i.e. when it lies in the top-p set; a rejected draw's weight
 bound (every token no more likely is outside the set too) and the row draws again from what is left, so the
 accepted draw follows the renormalized top-p distribution exactly, with acceptance >= top_p per round.
 Flat and peaked rows take the same path.
+On CUDA the same draw runs as one Triton kernel per step (`sampler_kernels.sample_rows`: one program per row,
+the weights recomputed from the logits at each pass, top-k and min-p by the same rejection), and greedy rows
+take one fused argmax pass (`sampler_kernels.argmax_rows`).
 
 Randomness is counter-based: a row's uniform numbers are a hash (splitmix64) of (its request's seed, the
 index of the token in its output, the draw round), so a request draws the same tokens alone or in any batch,
@@ -91,7 +94,16 @@ class SampledTokens:
 
 def uniforms(seed: torch.Tensor, counter: torch.Tensor, round_: int) -> torch.Tensor:
     """[R] float64 in [0, 1): splitmix64 of (seed, counter, round), 53 random bits each."""
-    x = seed * _GOLDEN + counter * _MIX1 + torch.full_like(seed, round_ + 1) * _MIX2
+    return _splitmix_uniform(seed * _GOLDEN + counter * _MIX1 + torch.full_like(seed, round_ + 1) * _MIX2)
+
+
+def uniform_table(seed: torch.Tensor, counter: torch.Tensor, rounds: int) -> torch.Tensor:
+    """[R, rounds] float64: column r is uniforms(seed, counter, r)."""
+    r = torch.arange(1, rounds + 1, dtype=torch.long, device=seed.device)
+    return _splitmix_uniform(seed[:, None] * _GOLDEN + counter[:, None] * _MIX1 + r * _MIX2)
+
+
+def _splitmix_uniform(x: torch.Tensor) -> torch.Tensor:
     x = x ^ ((x >> 30) & ((1 << 34) - 1))
     x = x * _MIX1
     x = x ^ ((x >> 27) & ((1 << 37) - 1))
@@ -196,18 +208,10 @@ def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def _mass_above(p: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
-    """[R]: the sum of each row's weights strictly above its ps [R]. On a GPU one batched pass; on CPU a
-    scalar threshold per row through one reused row buffer (at [64, 163840] on 2 quiet cores: 2.8 ms, against
-    7 ms single-threaded in NumPy and ~60 ms for one [R, 1]-broadcast `torch.where`; under CPU contention each
-    row's parallel op may wait for the second core)."""
-    return _mass_above_batched(p, ps) if p.is_cuda else _mass_above_rows(p, ps)
-
-
-def _mass_above_batched(p: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
-    return torch.where(p > ps[:, None], p, 0).sum(dim=1)
-
-
-def _mass_above_rows(p: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
+    """[R]: the sum of each row's weights strictly above its ps [R]: a scalar threshold per row through one
+    reused row buffer (at [64, 163840] on 2 quiet cores: 2.8 ms, against 7 ms single-threaded in NumPy and
+    ~60 ms for one [R, 1]-broadcast `torch.where`; under CPU contention each row's parallel op may wait for the
+    second core)."""
     buf = torch.empty(p.shape[1], dtype=p.dtype, device=p.device)
     out = torch.empty(p.shape[0], dtype=p.dtype, device=p.device)
     for r, v in enumerate(ps.tolist()):
@@ -248,14 +252,13 @@ def _draw_top_p(p: torch.Tensor, z: torch.Tensor, top_p: torch.Tensor, seed: tor
 def _draw(x: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
     """Draws for the sampled rows `rows` of the processed logits x [R, V] (row_max [R]: each row's largest
     logit, finite), in place on those rows of x: kept = top-k, the top-p set of the top-k distribution, and min-p
-    (probability >= min_p x the most likely one's), renormalized."""
+    (probability >= min_p x the most likely one's), renormalized. CUDA logits go to the Triton kernel."""
+    if x.is_cuda:
+        return _draw_kernel(x, sb, rows, row_max)
     t = sb.temperature[rows].to(x.dtype)
     xs = x.index_select(0, rows) if rows.numel() != x.shape[0] else x
     top_k, min_p, top_p = sb.top_k[rows], sb.min_p[rows], sb.top_p[rows].to(torch.float64)
-    has_k = top_k > 0
-    if bool(has_k.any()):
-        kth = xs.topk(int(top_k.max()), dim=1).values.gather(1, (top_k.clamp(min=1) - 1)[:, None])
-        xs.masked_fill_((xs < kth) & has_k[:, None], float("-inf"))
+    _mask_top_k(xs, top_k, top_k > 0)
     xs.sub_(row_max[rows, None])
     if bool((t != 1).any()):
         xs.div_(t[:, None])
@@ -264,6 +267,34 @@ def _draw(x: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor, row_max: torch
     if bool((min_p > 0).any()):
         p.masked_fill_(p < min_p[:, None].to(p.dtype), 0)
     return _draw_top_p(p, z, top_p, sb.seed[rows], sb.counter[rows])
+
+
+def _mask_top_k(xs: torch.Tensor, top_k: torch.Tensor, on: torch.Tensor) -> None:
+    """Logits below the top_k-th largest of each row where `on` [R] (bool) become -inf, in place on xs [R, V]."""
+    if bool(on.any()):
+        kth = xs.topk(int(top_k[on].max()), dim=1).values.gather(1, (top_k.clamp(min=1) - 1)[:, None])
+        xs.masked_fill_((xs < kth) & on[:, None], float("-inf"))
+
+
+def _draw_kernel(x: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """`_draw` by `sampler_kernels.sample_rows`: top-k, min-p and top-p by rejection, sorting nothing; only
+    rows with both top-k and top-p < 1 get their top-k mask first (their top-p set is taken of the top-k mass)."""
+    from moe_export.runtime.engine.sampler_kernels import ROUNDS, sample_rows
+
+    xs = x.index_select(0, rows) if rows.numel() != x.shape[0] else x
+    top_k, top_p = sb.top_k[rows], sb.top_p[rows]
+    _mask_top_k(xs, top_k, (top_k > 0) & (top_p < 1))
+    u = uniform_table(sb.seed[rows], sb.counter[rows], ROUNDS)
+    return sample_rows(xs, row_max[rows], sb.temperature[rows], top_k, top_p, sb.min_p[rows], u)
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """[R] each row's argmax of x [R, V] (lowest index on ties): one Triton pass on CUDA."""
+    if x.is_cuda:
+        from moe_export.runtime.engine.sampler_kernels import argmax_rows
+
+        return argmax_rows(x)
+    return x.argmax(dim=1)
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampledTokens:
@@ -280,7 +311,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampledTokens:
     greedy = sb.temperature == 0
     g = greedy.nonzero().flatten()
     if g.numel():
-        ids[g] = x[g].argmax(dim=1) if g.numel() != x.shape[0] else x.argmax(dim=1)
+        ids[g] = _argmax(x[g] if g.numel() != x.shape[0] else x)
     allowed = torch.isfinite(x.gather(1, ids[:, None]).squeeze(1)) | forced
     sampled = ~greedy & ~forced
     if bool(sampled.any()):

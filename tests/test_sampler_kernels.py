@@ -1,0 +1,101 @@
+"""The sampler's GPU kernels (`runtime.engine.sampler_kernels`) under Triton's interpreter on CPU: the fused
+argmax equals torch.argmax exactly (ties: the lowest index); the rejection-sampling draw, called as the GPU path
+calls it (`sampler._draw_kernel`), draws only tokens of the kept set (the definition with a full sort, from
+test_sampler) and in its renormalized proportions (Pearson's chi-square, p > 1e-3), with per-row seeds: a row
+draws the same token alone or in a batch, and the same as the CPU path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import run_triton_inner_tests
+from test_sampler import SMALL, batch, chi_square_p, kept_probs
+
+
+def test_triton_in_interpreter_subprocess():
+    """Run this file's ``triton_inner`` tests in a fresh process with TRITON_INTERPRET=1."""
+    run_triton_inner_tests(__file__)
+
+
+inner_triton = pytest.mark.triton_inner  # deselected outside the interpreter subprocess (see conftest)
+
+
+def draw_kernel(logits: torch.Tensor, sb) -> torch.Tensor:
+    """The GPU path's draw (`sampler._draw_kernel`) on CPU tensors: ids [R] for every row of logits [R, V]."""
+    from moe_export.runtime.engine.sampler import _draw_kernel
+
+    x = logits.clone()
+    return _draw_kernel(x, sb, torch.arange(x.shape[0]), x.amax(dim=1))
+
+
+@inner_triton
+@pytest.mark.parametrize("block", [128, 4096])
+def test_inner_triton_argmax_equals_torch(block):
+    from moe_export.runtime.engine.sampler_kernels import argmax_rows
+
+    x = torch.randn(6, 1000, generator=torch.Generator().manual_seed(1))
+    x[1, 3] = x[1, 700] = x[1, 999] = 50.0  # ties in different blocks: the lowest index
+    x[2] = float("-inf")  # nothing allowed: index 0, as torch
+    x[3, 500:] = float("-inf")
+    x[4, 129] = x[4, 130] = 60.0  # a tie inside one lane's neighbourhood
+    assert torch.equal(argmax_rows(x, block=block), x.argmax(dim=1))
+
+
+@inner_triton
+@pytest.mark.parametrize("kw", [{"top_p": 0.78}, {"temperature": 1.5, "top_k": 6, "top_p": 0.9, "min_p": 0.1},
+                                {"top_k": 3, "min_p": 0.2}])
+def test_inner_triton_draws_follow_the_kept_distribution(kw):
+    n = 500
+    ids = draw_kernel(SMALL.expand(n, -1), batch(n, seed=torch.arange(n, dtype=torch.long) * 31 + 5, **kw))
+    counts = torch.bincount(ids, minlength=SMALL.shape[0])
+    assert chi_square_p(counts, kept_probs(SMALL, **kw)) > 1e-3  # asserts membership too
+
+
+@inner_triton
+def test_inner_triton_nucleus_over_several_blocks_seeded():
+    """2,600 tokens in blocks of 256, 40 likely ones spread over the row, top-p 0.8 (about a fifth of the
+    first draws rejected): every draw lies in the nucleus; rows draw the same alone, in the batch and on the
+    CPU path (same uniforms; only float rounding could move a draw)."""
+    from moe_export.runtime.engine.sampler import sample, uniform_table
+    from moe_export.runtime.engine.sampler_kernels import ROUNDS, sample_rows
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2600, generator=gen) * 0.5 - 6
+    hot = torch.randperm(2600, generator=gen)[:40]
+    logits[hot] = torch.randn(40, generator=gen) * 0.5 + 2
+    nucleus = kept_probs(logits, top_p=0.8) > 0
+    n = 60
+    x = logits.expand(n, -1).contiguous()
+    seed, counter = torch.arange(n, dtype=torch.long) + 40, torch.arange(n, dtype=torch.long) % 7
+
+    def draw(rows: slice) -> torch.Tensor:
+        m = x[rows].shape[0]
+        return sample_rows(x[rows], x[rows].amax(dim=1), torch.ones(m), torch.zeros(m, dtype=torch.long),
+                           torch.full((m,), 0.8), torch.zeros(m), uniform_table(seed[rows], counter[rows], ROUNDS),
+                           block=256)  # fmt: skip
+
+    together = draw(slice(0, n))
+    assert bool(nucleus[together].all())
+    assert len(set(together.tolist())) > 10
+    assert [int(draw(slice(i, i + 1))[0]) for i in (0, 57, n - 1)] == [int(together[i]) for i in (0, 57, n - 1)]
+    on_cpu = sample(x.clone(), batch(n, top_p=0.8, seed=seed, counter=counter)).ids
+    assert (torch.from_numpy(on_cpu) == together).float().mean() >= 0.97
+
+
+def test_kernels_compile_for_hopper():
+    """Both kernels compile for sm_90 (the H200) at the block size the runtime launches, no GPU needed."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from moe_export.runtime.engine import sampler_kernels as sk
+
+    rows = dict(x_ptr="*fp32", stride="i32")
+    cases = [(sk._argmax_kernel, dict(**rows, out_ptr="*i64", V="i32"), dict(BLOCK=sk.BLOCK)),
+             (sk._sample_kernel, dict(**rows, max_ptr="*fp32", t_ptr="*fp32", k_ptr="*i64", p_ptr="*fp32",
+                                      min_p_ptr="*fp32", u_ptr="*fp64", out_ptr="*i64", V="i32"),
+              dict(ROUNDS=sk.ROUNDS, BLOCK=sk.BLOCK))]  # fmt: skip
+    for fn, signature, constexprs in cases:
+        signature.update({name: "constexpr" for name in constexprs})
+        src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=sk.WARPS))
+        assert ".entry" in compiled.asm["ptx"] and compiled.asm["cubin"]
