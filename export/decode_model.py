@@ -1,6 +1,6 @@
 """The dp layout's MoE cost per decode step as the code runs it, readable before a GPU exists (`moe-export plan`).
 
-Per MoE layer and rank (the TensorRT graph, `graphs/onnx_export.py` `RankGraph.moe`):
+Per MoE layer and rank (the TensorRT graph, `graphs/onnx_moe.py` `FeedForwardLayers.moe`):
   - MoEDispatch (`plugins/collectives/all_to_all.py` `torch_dispatch_into`): the counts all-to-all, ONE READ-BACK
     of the counts to the host (NCCL's all-to-all-v takes host split sizes), three all-to-all-v of the counted
     rows; then -1 / 0 written into the ids and weights past the rows received, up to the static bound R;

@@ -282,7 +282,7 @@ def state_bytes_per_sequence(cfg: ModelConfig, recipe: Recipe, mapping: Mapping)
     return out
 
 
-ACTIVATION_DTYPE_BYTES = 2  # GPU builds compute in bf16 (graphs/onnx_export.py: compute_dtype)
+ACTIVATION_DTYPE_BYTES = 2  # GPU builds compute in bf16 (graphs/onnx_form.py: compute_dtype)
 
 
 def activation_bytes(cfg: ModelConfig, recipe: Recipe, mapping: Mapping) -> int:

@@ -41,11 +41,11 @@ _MODEL_CODE = (("common", "model_config.py"), ("common", "mapping.py"), ("graphs
 _COMMON_CODE: dict[str, tuple[tuple[str, str], ...]] = {
     "convert": (("export", "convert.py"), ("export", "checkpoint.py"), ("export", "transforms.py"), ("quantize", "*.py"),
                 *_MODEL_CODE),
-    "graph": (("graphs", "onnx_export.py"), ("graphs", "vision.py"), ("plugins", "*.py"), ("plugins", "*/onnx_schema.py"),
-              *_MODEL_CODE),
+    "graph": (("graphs", "onnx_*.py"), ("graphs", "fp8_rows.py"), ("graphs", "vision.py"), ("plugins", "*.py"),
+              ("plugins", "*/onnx_schema.py"), *_MODEL_CODE),
     "config": (("export", "build*.py"), ("export", "planner.py"), ("common", "manifest.py"), ("common", "engine_config.py"),
                ("common", "pools.py"), *_MODEL_CODE),
-    "vision": (("graphs", "vision.py"), ("graphs", "vision_export.py"), ("graphs", "onnx_export.py"), *_MODEL_CODE),
+    "vision": (("graphs", "vision.py"), ("graphs", "vision_export.py"), ("graphs", "onnx_*.py"), *_MODEL_CODE),
 }
 # Distributions whose version shapes each stage's output.
 _COMMON_LIBRARIES: dict[str, tuple[str, ...]] = {

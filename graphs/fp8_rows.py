@@ -15,7 +15,7 @@ from moe_export.quantize import fp8_cache
 
 
 def round_to_fp8_rows(g, rows: str, name: str) -> str:
-    """`fp8_cache.round_rows` in ONNX ops appended to `g` (`onnx_export.GraphBuilder`): rows [T, D] fp32 ->
+    """`fp8_cache.round_rows` in ONNX ops appended to `g` (`onnx_builder.GraphBuilder`): rows [T, D] fp32 ->
     E4M3(rows / 2^e) * 2^e with the row exponent e [T, 1] = the smallest integer in [-127, 127] with
     max|row| <= 448 * 2^e (Log's rounding corrected by one exact step either way)."""
 

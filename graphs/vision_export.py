@@ -23,7 +23,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
-from moe_export.graphs.onnx_export import ONNX_OPSET, GraphBuilder, graph_summary
+from moe_export.graphs.onnx_builder import ONNX_OPSET, GraphBuilder, graph_summary
 from moe_export.graphs.vision import (
     PROJECTOR_PREFIX, TOWER_PREFIX, VisionConfig, position_taps, rope_angles,
 )
