@@ -116,3 +116,35 @@ def test_ruff_pyflakes_rules_pass():
     assert ruff, "ruff is not installed (test extra)"
     r = subprocess.run([ruff, "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-4000:]
+
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 600, 80
+
+
+def oversized(root: Path) -> list[str]:
+    """Modules of the package over MAX_MODULE_LINES lines and functions over MAX_FUNCTION_LINES."""
+    import ast
+
+    found = []
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            text = path.read_text()
+            where = path.relative_to(root)
+            if text.count("\n") > MAX_MODULE_LINES:
+                found.append(f"{where}: {text.count(chr(10))} lines")
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    length = node.end_lineno - node.lineno + 1
+                    if length > MAX_FUNCTION_LINES:
+                        found.append(f"{where}:{node.lineno} {node.name}: {length} lines")
+    return found
+
+
+def test_no_module_over_600_lines_and_no_function_over_80(tmp_path):
+    assert oversized(ROOT) == []
+    (tmp_path / "common").mkdir()
+    body = "def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES
+    (tmp_path / "common" / "big.py").write_text(body + "\n" * MAX_MODULE_LINES)
+    for package in PACKAGES[1:]:
+        (tmp_path / package).mkdir()
+    assert [line.split(":")[0] for line in oversized(tmp_path)] == ["common/big.py", "common/big.py"]
