@@ -225,6 +225,14 @@ def segments_to_ids(tokenizer: Tokenizer, segments: list[Segment], images=None) 
     return ids
 
 
+def prompt_starts_in_reasoning(family: str, thinking: bool) -> bool:
+    """Whether the generation prompt itself opened the think block: K3's `<|open|>think<|sep|>` with thinking on;
+    never K2's (K2-Thinking's generation prompt is `<|im_assistant|>assistant<|im_middle|>`; the model writes
+    `<think>` itself). `output_starts_in_reasoning` says how the output is read."""
+    check_family(family)
+    return family == "k3" and bool(thinking)
+
+
 def output_starts_in_reasoning(family: str, thinking: bool) -> bool:
     """Whether the model's output is read as starting inside reasoning: with thinking on, in both families.
     K3's generation prompt opens the think element; K2-Thinking's (`<|im_assistant|>assistant<|im_middle|>`)

@@ -10,9 +10,10 @@ from moe_export.common.errors import InputError
 from moe_export.graphs.tokens import CLOSE
 from moe_export.runtime.chat import (
     OutputParser,
-    generation_prompt_ids,
     parse_output,
+    generation_prompt_ids,
     output_starts_in_reasoning,
+    prompt_starts_in_reasoning,
     render,
     render_ids,
 )
@@ -86,6 +87,10 @@ def test_history_plus_generation_prompt_is_a_prefix_of_the_next_turn(toks, famil
     assert follow[: len(prompt)] == prompt
     # with thinking on the output is read as reasoning first (K3: the prompt opened it; K2: as vLLM reads it)
     assert output_starts_in_reasoning(family, True) and not output_starts_in_reasoning(family, False)
+    # whether the generation prompt itself opened the think block: its rendered text ends in the open marker
+    for thinking in (True, False):
+        opened = tok.decode(generation_prompt_ids(tok, family, thinking)).endswith(("think<|sep|>", "<think>"))
+        assert prompt_starts_in_reasoning(family, thinking) == opened == (family == "k3" and thinking)
 
 
 def _find(ids: list[int], sub: list[int]) -> int:
