@@ -122,6 +122,32 @@ def test_a_refused_seed_fails_its_line_alone(engine, tmp_path, capsys):
     assert code == 2 and "is a folder" in err and "Errno" not in err
 
 
+def test_an_engine_failure_fails_its_line_alone(engine, tmp_path, capsys, monkeypatch):
+    """Fault injection: the runner raises during the first line's step; that line is an error line (status 500),
+    the engine goes on and the later lines are answered, and the run exits 1 (an item failed)."""
+    from moe_export.runtime.engine.ort import Engine
+
+    real, calls = Engine.sample, []
+
+    def fails_once(self, batch, sampling):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected runner failure")
+        return real(self, batch, sampling)
+
+    monkeypatch.setattr(Engine, "sample", fails_once)
+    chat = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 3, "reasoning_effort": "none"}
+    lines = [{"custom_id": f"chat-{i}", "method": "POST", "url": "/v1/chat/completions", "body": chat} for i in range(3)]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    code, _, _ = run_cli(capsys, "batch", str(engine), "--input", str(src), "--output", str(out), "--concurrency", "1")
+    assert code == 1
+    records = {r["custom_id"]: r for r in read_lines(out)}
+    assert records["chat-0"]["response"]["status_code"] == 500
+    assert "injected runner failure" in records["chat-0"]["error"]["message"]
+    assert records["chat-1"]["error"] is None and records["chat-2"]["error"] is None
+
+
 def make_collection(root: Path) -> tuple[set[str], dict[str, str]]:
     """~200 small documents of every kind, one that needs several chunks, and bad files (name -> error code)."""
     root.mkdir()
