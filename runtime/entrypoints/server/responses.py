@@ -174,22 +174,25 @@ class ResponseTurn:
         yield self.event("response.completed" if obj["status"] == "completed" else "response.incomplete", response=obj)
 
 
-@router.get(ROUTE + "/{response_id}")
-async def get_response(response_id: str, request: Request):
+def stored(request: Request, response_id: str):
+    """(service, the stored response of the caller's key) or a 404 naming the id."""
     svc, scope = service_of(request), authorize(request)
     rec = svc.store.get(response_id, scope)
     if rec is None:
         raise APIError(404, f"response {response_id!r} not found")
+    return svc, rec
+
+
+@router.get(ROUTE + "/{response_id}")
+async def get_response(response_id: str, request: Request):
+    svc, rec = stored(request, response_id)
     svc.metrics.requests.labels("/v1/responses/{id}", "200").inc()
     return rec.response
 
 
 @router.get(ROUTE + "/{response_id}/input_items")
 async def response_input_items(response_id: str, request: Request):
-    svc, scope = service_of(request), authorize(request)
-    rec = svc.store.get(response_id, scope)
-    if rec is None:
-        raise APIError(404, f"response {response_id!r} not found")
+    svc, rec = stored(request, response_id)
     items = convert.responses_input_items(rec.input_items, response_id)
     order = request.query_params.get("order", "desc")
     if order not in ("asc", "desc"):
