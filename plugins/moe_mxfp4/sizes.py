@@ -34,13 +34,14 @@ def workspace_bytes(num_tokens: int, top_k: int, dim: int, inter: int, num_local
     """Bytes of the caller-provided workspace (`moe_mxfp4_triton(workspace=...)`) for steps of up to
     `num_tokens`, each part 256-byte aligned: the largest chunk's partial sums [Tc*k, D] fp32, activations
     [C, I] (4 bytes counted: fp32 or bf16), pair rows [C] int64, block experts [C / block_m] int32 and the
-    used-block count [1] int32, with C = pair_capacity(Tc*k) at `block_m` (None: `block_m_for` each chunk). TensorRT engines declare it as the
-    plugin's second output, so it lives in the engine's device memory."""
+    used-block count [1] int32, with C = pair_capacity(Tc*k) at `block_m` (None: `block_m_for` each chunk).
+    TensorRT engines declare it as the plugin's second output, so it lives in the engine's device memory."""
     pairs = min(num_tokens, chunk_tokens(top_k, dim, inter, budget_bytes)) * top_k
     bm = block_m or block_m_for(pairs, num_local)
     cap = pair_capacity(pairs, num_local, bm)
     most_blocks = max(cap // bm, pair_capacity(pairs, num_local, block_m or 16) // (block_m or 16))
-    return aligned(4 * pairs * dim) + aligned(4 * cap * inter) + aligned(8 * cap) + aligned(4 * most_blocks) + aligned(4)
+    layout = aligned(8 * cap) + aligned(4 * most_blocks) + aligned(4)  # pair rows, block experts, used blocks
+    return aligned(4 * pairs * dim) + aligned(4 * cap * inter) + layout
 
 
 def block_programs(num_pairs: int, num_local: int, block_m: int, counted: bool) -> int:

@@ -2,18 +2,24 @@
 
 Four launches, no host synchronization (every size comes from shapes, so they run inside a TensorRT enqueue and
 a CUDA graph capture), tokens in chunks of at most `sizes.chunk_tokens` (bounded workspace):
-1. `_pair_layout_kernel` (one program): the (token, choice) pairs routed to this rank grouped by local expert
-   once, each expert's run padded to BLOCK_M -> pair rows [C] (flat pair index, -1 = padding) and the local expert
-   of each M-block [C / BLOCK_M] (-1 past the used blocks: those programs exit at once), C = `sizes.pair_capacity`.
-2. `_moe_up_kernel`, grid (M-blocks, I / BLOCK_N): the block's token rows of x gathered once per K step
-   [BLOCK_M, BLOCK_K], its expert's gate and up rows [BLOCK_N, BLOCK_K] decoded from bytes in registers
-   (low nibble = even column, high = odd; E2M1 and the E8M0 block scale bit-exactly) into x's dtype and fed to
-   `tl.dot` (bf16 x: tensor-core MMA with fp32 accumulation; fp32 x: exact fp32 dots), the gated activation
-   (SiLU or SiTU) fused in the epilogue -> act [C, I] in x's dtype.
-3. `_moe_down_kernel`, grid (M-blocks, D / BLOCK_N): act @ W2^T the same way, times the routing weight -> the
+1. `_pair_layout_kernel` (one program): the (token, choice) pairs of the valid rows routed to this rank grouped by
+   local expert once, each expert's run padded to BLOCK_M -> pair rows [C] (flat pair index, -1 = padding), the
+   local expert of each used M-block and the used-block count [1] (on the device), C = `sizes.pair_capacity`.
+2. `_moe_up_kernel`, grid (`sizes.block_programs`, I / BLOCK_N), each program looping over the used M-blocks: the
+   block's token rows of x gathered once per K step [BLOCK_M, BLOCK_K], its expert's gate and up rows
+   [BLOCK_N, BLOCK_K] decoded from bytes in registers (low nibble = even column, high = odd; E2M1 and the E8M0
+   block scale bit-exactly) into x's dtype and fed to `tl.dot` (bf16 x: tensor-core MMA with fp32 accumulation;
+   fp32 x: exact fp32 dots), the gated activation (SiLU or SiTU) fused in the epilogue -> act [C, I] in x's dtype.
+3. `_moe_down_kernel`, the same grid rows x D / BLOCK_N: act @ W2^T the same way, times the routing weight -> the
    pair's row of partial [T*k, D] fp32.
-4. `_combine_kernel`, grid (T, D / BLOCK_D): y[t] = sum of token t's local pair rows, in y's dtype
-   (deterministic: no atomics, and rows of pairs of other ranks are never read, so partial needs no zeroing).
+4. `_combine_kernel`, grid (`sizes.combine_programs`, D / BLOCK_D), each program looping over the valid rows:
+   y[t] = sum of token t's local pair rows, in y's dtype (deterministic: no atomics, and rows of pairs of other
+   ranks are never read, so partial needs no zeroing).
+Valid rows: every row, or with `recv_counts` (the MoE all-to-all's receive counts, wide expert parallelism) the
+head [0, n) of the receive buffer, n = sum(recv_counts) read inside the kernels: the host only knows a bound
+`row_bound` >= n, the chunks cover [0, row_bound), and the up / down / combine grids are fixed sizes (one M-block
+program per expert that can be present, two combine programs per SM), so a decode step costs the same whatever
+the buffer's rows; rows >= n are never read for anything that matters, nor written.
 Tiles (`tile_config`): prefill (many pairs per expert) BLOCK_M 64 x BLOCK_N 128 x BLOCK_K 128, 8 warps, 3
 stages; decode BLOCK_M 16 and BLOCK_N shrunk (down to 16) until the grid has two programs per SM, so that every
 SM streams a slice of the touched experts' weights (split along N keeps the activation fused).
@@ -308,12 +314,13 @@ def moe_mxfp4_triton(
     experts = [t.contiguous() for t in (w13_packed, w13_scale, w2_packed, w2_scale)]
     y = torch.empty(num_tokens, dim, dtype=x.dtype, device=x.device) if out is None else out
     step = chunk_tokens(top_k, dim, inter, budget_bytes)
+    betas = (float(situ_beta), float(situ_linear_beta))
     for t0 in range(0, bound, step):
         t1 = min(bound, t0 + step)
         _run_chunk(x[t0:t1].contiguous(), expert_ids[t0:t1].contiguous(),
                    expert_weights[t0:t1].contiguous().view(-1), experts, y[t0:t1],
-                   expert_offset=expert_offset, activation=activation, betas=(float(situ_beta), float(situ_linear_beta)),
-                   tiles=tiles, workspace=workspace, recv_counts=recv_counts, row_start=t0)  # fmt: skip
+                   expert_offset=expert_offset, activation=activation, betas=betas, tiles=tiles, workspace=workspace,
+                   recv_counts=recv_counts, row_start=t0)  # fmt: skip
     return y
 
 
