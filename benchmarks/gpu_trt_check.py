@@ -9,7 +9,9 @@
   - `dp_moe_counted_ms`: the same op, inputs and weights in its counted-rows mode (`recv_counts` of 64 ranks
     making the `rows_with_tokens` head rows valid, `row_bound` 192, bf16 in and out; `counted_model`), timed in
     the same rounds, alternated with the full-buffer run; `dp_moe_counted_speedup` = full / counted, and
-    `dp_moe_counted_max_rel_diff`, its valid rows against the full-buffer run's (bf16 roundings only).
+    `dp_moe_counted_max_rel_diff`, its valid rows against the full-buffer run's (bf16 roundings only);
+    `dp_moe_counted_graph_replay_equal`: the counted op captured in a CUDA graph with no host wait, replayed at
+    other receive counts, equals its eager run.
 Run from the repo root: `python3 benchmarks/gpu_trt_check.py --json $OUT/gpu_trt_check.json`;
 `--device cpu` (TRITON_INTERPRET=1) runs the same code at tiny shapes.
 """
@@ -24,6 +26,7 @@ import time
 import torch
 from moe_export.export.decode_model import counted_moe_op, full_buffer_moe_op
 from moe_export.export.plan_memory import EXPOSED_GPU_BYTES
+from moe_export.plugins.moe_mxfp4.sizes import workspace_bytes
 from moe_export.plugins.moe_mxfp4.triton_kernel import moe_mxfp4_triton
 
 K3_SHAPES = {"rows": 65536, "top_k": 16, "dim": 3584, "inter": 3072, "num_local": 14, "rows_with_tokens": 48,
@@ -74,13 +77,12 @@ def wall_ms(fn, device: torch.device, calls: int = 1) -> float:
     return (time.perf_counter() - start) / calls * 1e3
 
 
-def dp_moe_full_and_counted(device: torch.device, shapes: dict, repeats: int) -> dict:
+def dp_moe_full_and_counted(device: torch.device, shapes: dict, inp: dict, repeats: int) -> dict:
     """Time the expert op over the whole receive buffer (fp32 in and out, as the graph casts today) and in its
     counted-rows mode (recv_counts making `rows_with_tokens` rows valid, `row_bound` rows chunked, bf16 in and
     out), in interleaved rounds (median of each), with the decode-step model's bytes for the full-buffer run and
     the bandwidth they imply, and the counted rows' largest difference from the full-buffer ones."""
     rows, k, dim, inter, local = (shapes[n] for n in ("rows", "top_k", "dim", "inter", "num_local"))
-    inp = moe_inputs(device, shapes)
     x32, used = inp["x"].float(), shapes["rows_with_tokens"]
     full_out = torch.empty(rows, dim, dtype=torch.float32, device=device)
     counted_out = torch.empty(rows, dim, dtype=torch.bfloat16, device=device)
@@ -105,6 +107,45 @@ def dp_moe_full_and_counted(device: torch.device, shapes: dict, repeats: int) ->
             "model_pass_bytes": moved, "implied_pass_gb_per_s": moved / full_ms / 1e6, "shapes": shapes}  # fmt: skip
 
 
+def counted_graph_replay(device: torch.device, shapes: dict, inp: dict) -> dict:
+    """CUDA only: the counted op (in a caller's workspace) captured into a CUDA graph under sync debug mode "error"
+    (a host wait raises), then replayed after the receive counts change in place: its valid rows equal the eager
+    run at the new counts, the rows past them unwritten."""
+    if device.type != "cuda":
+        return {}
+    rows, k, dim, inter, local = (shapes[n] for n in ("rows", "top_k", "dim", "inter", "num_local"))
+    out = torch.empty(rows, dim, dtype=torch.bfloat16, device=device)
+    workspace = torch.empty(workspace_bytes(shapes["row_bound"], k, dim, inter, local), dtype=torch.uint8,
+                            device=device)  # fmt: skip
+
+    def run():
+        moe_mxfp4_triton(inp["x"], inp["ids"], inp["weights"], *inp["packed"], expert_offset=0, out=out,
+                         workspace=workspace, recv_counts=inp["recv_counts"],
+                         row_bound=shapes["row_bound"])  # fmt: skip
+
+    run()  # compile, outside the checked region
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    n = shapes["rows_with_tokens"] // 2
+    inp["recv_counts"].zero_()
+    inp["recv_counts"][0] = n
+    out.fill_(float("nan"))
+    graph.replay()
+    replayed = out.clone()
+    out.fill_(float("nan"))
+    run()
+    torch.cuda.synchronize(device)
+    equal = torch.equal(replayed[:n], out[:n]) and bool(replayed[n:].isnan().all())
+    return {"dp_moe_counted_graph_replay_equal": equal}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the results here")
@@ -113,8 +154,10 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     shapes = K3_SHAPES if device.type == "cuda" else TINY_SHAPES
+    inp = moe_inputs(device, shapes)  # the graph replay, last, changes its receive counts
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              **usable_memory(device), **dp_moe_full_and_counted(device, shapes, args.repeats)}  # fmt: skip
+              **usable_memory(device), **dp_moe_full_and_counted(device, shapes, inp, args.repeats),
+              **counted_graph_replay(device, shapes, inp)}  # fmt: skip
     print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w") as f:
