@@ -360,6 +360,41 @@ def test_inner_triton_counted_all_rows_and_none():
         triton_kernel.moe_mxfp4_triton(**case, expert_offset=offset, recv_counts=torch.tensor([1.0]))
 
 
+def test_kernels_compile_for_sm90_static_and_counted():
+    """The four kernels compile to sm_90 PTX with no GPU (the interpreter does not run Triton's code generation):
+    static and counted modes (counts pointer absent or given), the decode and the K3 row-bound tiles, bf16 dots on
+    the tensor cores (wgmma at BLOCK_M 64)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from moe_export.plugins.moe_mxfp4 import sizes, triton_kernel as tk
+
+    pointers = dict(x_ptr="*bf16", act_ptr="*bf16", y_ptr="*bf16", partial_ptr="*fp32", out_ptr="*fp32",
+                    route_w_ptr="*fp32", w_ptr="*u8", s_ptr="*u8", pair_rows_ptr="*i64", pair_ptr="*i64",
+                    ids_ptr="*i64", counts_ptr="*i64", block_expert_ptr="*i32", num_blocks_ptr="*i32")  # fmt: skip
+
+    def ptx(kernel, constexprs, **options):
+        signature = {a: pointers.get(a, "fp32" if "beta" in a else "i32") for a in kernel.arg_names}
+        signature.update(dict.fromkeys(constexprs, "constexpr"))
+        src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+        code = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+        assert f".entry {kernel.__name__}(" in code and ".target sm_90" in code
+        return code
+
+    for counted in (False, True):
+        absent = {} if counted else {"counts_ptr": None}
+        ptx(tk._pair_layout_kernel, dict(COUNTED=counted, BLOCK_M=16, BLOCK_P=256, BLOCK_E=16, BLOCK_S=64, **absent))
+        ptx(tk._combine_kernel, dict(COUNTED=counted, BLOCK_D=512, BLOCK_S=64, **absent))
+    for pairs in (16, 192 * 16):  # one token; K3's decode row bound
+        cfg = sizes.tile_config(pairs, 14, 3584, 3072)
+        tiles = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], UPCAST=False)
+        launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        up = ptx(tk._moe_up_kernel, dict(ACT_SILU=False, **tiles), **launch)
+        down = ptx(tk._moe_down_kernel, tiles, **launch)
+        if cfg["block_m"] == 64:
+            assert "wgmma.mma_async" in up and "wgmma.mma_async" in down
+
+
 def test_tile_config_fills_the_gpu_at_decode():
     """Decode shapes (one EP rank of K3: 14 experts, D 3584, I 3072) shrink BLOCK_N towards two programs per SM of
     an H200 (one token, one expert: 16, so every SM gets one); prefill takes the 64 x 128 tensor-core tiles."""
