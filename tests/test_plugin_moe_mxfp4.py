@@ -338,14 +338,14 @@ def test_inner_triton_counted_rows(name, monkeypatch):
 
 @inner_triton
 def test_inner_triton_counted_all_rows_and_none():
-    """n = every row: the same bits as without recv_counts (also in a poisoned caller's workspace); n = 0:
+    """n = every row (int32 counts): the same bits as without recv_counts (in a poisoned caller's workspace); n = 0:
     nothing written; row_bound without recv_counts, or past the buffer: clear errors."""
     from moe_export.plugins.moe_mxfp4 import sizes, triton_kernel
 
     case, offset = make_case(seed=11, T=9, k=3)
     full = triton_kernel.moe_mxfp4_triton(**case, expert_offset=offset)
     workspace = torch.full((sizes.workspace_bytes(9, 3, 64, 96, 5),), 0xFF, dtype=torch.uint8)
-    counted = triton_kernel.moe_mxfp4_triton(**case, expert_offset=offset, recv_counts=torch.tensor([4, 5]),
+    counted = triton_kernel.moe_mxfp4_triton(**case, expert_offset=offset, recv_counts=torch.tensor([4, 5]).int(),
                                              workspace=workspace)  # fmt: skip
     assert torch.equal(counted, full) and full.abs().max() > 0
     out = torch.full((9, 64), float("nan"))
