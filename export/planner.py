@@ -347,14 +347,22 @@ def plugin_workspace_bytes(cfg: ModelConfig, recipe: Recipe, mapping: Mapping) -
 
 
 def moe_all_to_all_bytes(cfg: ModelConfig, mapping: Mapping, max_num_tokens: int) -> int:
-    """dp layout, TensorRT: one MoE layer's all-to-all tensors, all sized by the static receive bound
-    R = `Mapping.max_recv_rows` (the engine's device memory; TensorRT reuses them between layers): the received
-    rows (bf16), their top-k ids (int64) and weights (fp32), the expert op's fp32 input and fp32 partial sums and
-    their bf16 copy sent back, plus send_rows [T * K] int64. Only the received rows are sent and computed; the
-    bound is memory."""
+    """dp layout, TensorRT: one MoE layer's all-to-all memory at the static receive bound R = `Mapping.max_recv_rows`.
+    In the engine (TensorRT reuses them between layers): the received rows (bf16), their top-k ids (int64) and
+    weights (fp32), the expert op's partial sums (bf16), send_rows [T * K] int64. Beside it, the plugins' torch
+    temporaries at their largest (an eager prefill step, counted transport; `plugins/collectives/all_to_all.py`):
+    the packed rows sent (S <= ceil(T / tp) x min(K, ep), plus one) and received (R), the rows sent back and their
+    padded copy (S), and the combine's gather [ceil(T / tp), K, D]. Only the received rows are sent and computed;
+    the bound is memory."""
+    from moe_export.plugins.collectives.all_to_all import packed_row_bytes
+
     rows, d, k = mapping.max_recv_rows(max_num_tokens), cfg.expert_in_dim, cfg.num_experts_per_token
     a = ACTIVATION_DTYPE_BYTES
-    return rows * (d * a + k * (8 + 4) + d * 4 + d * 4 + d * a) + max_num_tokens * k * 8
+    share = -(-max_num_tokens // mapping.tp)
+    sent = share * min(k, mapping.ep) + 1
+    engine = rows * (2 * d * a + k * (8 + 4)) + max_num_tokens * k * 8
+    temporaries = (sent + rows) * packed_row_bytes(d, a, k) + 2 * sent * d * a + share * k * d * a
+    return engine + temporaries
 
 
 def memory_view(weights: int, pools: PoolSizes, activations: int, workspaces: dict[str, int], beside: dict[str, int],

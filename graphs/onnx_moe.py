@@ -81,7 +81,7 @@ class FeedForwardLayers:
         n = f"layers.{i}.moe"
         tokens = x
         if m.all_to_all and m.tp > 1:  # each tp rank routes and dispatches its share of the group's tokens
-            x, rows, short = self.token_share(x, f"{n}.token_share")
+            x, rows_taken, short = self.token_share(x, f"{n}.token_share")
         router = g.to_f32(g.linear(x, f"{p}gate.weight", f"{n}.router"), f"{n}.router")  # fp32-accumulated logits
         scores = g.op("Sigmoid", [router], f"{n}.scores")  # fp32 [T, E]
         choice = g.op("Add", [scores, g.weight(f"{p}gate.e_score_correction_bias", dtype=TensorProto.FLOAT)], f"{n}.choice")
@@ -103,34 +103,43 @@ class FeedForwardLayers:
                 bound = dict(group_size=m.ep, max_recv_rows=m.max_recv_rows(self.limits.max_num_tokens))
             z, ids, w, *layout = g.plugin("MoEDispatch", [z, ids, w], f"{n}.dispatch", 6, group="ep",
                                           num_experts=cfg.num_experts, **bound)
-        workspace = {}
-        if self.form.pools_in_place:  # TensorRT: the plugin's scratch is its second output, in the engine's memory
+        experts = [g.weight(e + t, as_float=False, byte_view=self.mxfp4_type)
+                   for t in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")]
+        act_in = g.to_f32(z, f"{n}.experts_in")
+        extra = {}
+        if self.form.pools_in_place:  # TensorRT: activations in and out as they are, rows with tokens counted on
+            # the device (after a dispatch: the rows received; else one count covering every row), and the
+            # plugin's scratch as its second output, in the engine's device memory
             from moe_export.plugins.moe_mxfp4.sizes import workspace_bytes
 
+            act_in = z
+            rows = (layout[2] if m.all_to_all
+                    else g.const([self.limits.max_num_tokens], hint="moe_all_rows"))
+            experts.append(rows)
             local = len(m.local_experts(cfg.num_experts))
             expert_rows = m.max_recv_rows(self.limits.max_num_tokens) if m.all_to_all else self.limits.max_num_tokens
-            workspace = dict(n_out=2, scratch_bytes=workspace_bytes(expert_rows, cfg.num_experts_per_token, cfg.expert_in_dim,
-                                                                    cfg.moe_intermediate_size, local))
+            extra = dict(n_out=2, scratch_bytes=workspace_bytes(expert_rows, cfg.num_experts_per_token, cfg.expert_in_dim,
+                                                                cfg.moe_intermediate_size, local))
         partial = g.plugin(
             "MoEMXFP4",
-            [g.to_f32(z, f"{n}.experts_in"), ids, w] + [g.weight(e + t, as_float=False, byte_view=self.mxfp4_type)
-                                                        for t in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")],
+            [act_in, ids, w] + experts,
             f"{n}.experts",
             expert_offset=m.local_experts(cfg.num_experts).start,
             activation=cfg.hidden_act,
             situ_beta=float(cfg.situ_beta or 0.0),
             situ_linear_beta=float(cfg.situ_linear_beta or 0.0),
-            **workspace,
+            **extra,
         )
-        if workspace:
+        if extra:
             partial = partial[0]  # output 1, the workspace, is only written and read by the plugin itself
-        if m.all_to_all:  # back to the tokens' ranks, summed per token (latent space)
-            y = g.plugin("MoECombine", [g.to_act(partial, f"{n}.experts"), *layout, dispatched], f"{n}.combine",
-                         group="ep")
-            if m.tp > 1:
-                y = self.gather_shares(y, rows, short, f"{n}.token_all_gather")
         else:
-            y = g.all_reduce(g.to_act(partial, f"{n}.experts"), "ep", m.ep, f"{n}.experts_all_reduce")  # latent space
+            partial = g.to_act(partial, f"{n}.experts")
+        if m.all_to_all:  # back to the tokens' ranks, summed per token (latent space)
+            y = g.plugin("MoECombine", [partial, *layout, dispatched], f"{n}.combine", group="ep")
+            if m.tp > 1:
+                y = self.gather_shares(y, rows_taken, short, f"{n}.token_all_gather")
+        else:
+            y = g.all_reduce(partial, "ep", m.ep, f"{n}.experts_all_reduce")  # latent space
         if cfg.routed_expert_hidden_size:
             if cfg.latent_moe_use_norm:
                 y = g.rms_norm(y, f"{p}routed_expert_norm.weight", cfg.rms_norm_eps, f"{n}.latent_norm")

@@ -2,14 +2,17 @@
 its experts -> MoECombine with MPI (`all_to_all.mpi_*`) and with torch.distributed over gloo through the TensorRT
 plugins' enqueue: the QDP impls of `plugins/collectives/tensorrt_plugin.py` under TensorRT's real pure-Python
 `tensorrt.plugin` (over `tensorrt_standin.py`'s core), called as TensorRT calls them with the static output
-buffers TensorRT would hand them (filled with garbage), and the `nccl.Communicator` they take by group name. What
-is not TensorRT here: buffers are CPU tensors (`as_torch` maps a handle to one; TensorRT's are CUDA views) and
-the stream is not entered. The idle rank runs a dummy token with the communicator marked idle, as the TensorRT
-runner's idle step does. Everything is compared with the in-process reference. Rank 0 prints one JSON line
-{"mpi_max_err", "plugin_max_err", "rows_received" [per rank], "shapes_match", "padding_ok", "counts_ok"}."""
+buffers TensorRT would hand them (filled with garbage), and the `nccl.Communicator` they take by group name, in
+both transports (counted, and fixed blocks). What is not TensorRT here: buffers are CPU tensors (`as_torch` maps a
+handle to one; TensorRT's are CUDA views) and the stream is not entered. The idle rank runs a dummy token with no
+real token, as the TensorRT runner's idle step does; the others carry two padding tokens past their real ones, as
+a padded decode step does. Everything is compared with the in-process reference. Rank 0 prints one JSON line
+{"mpi_max_err", "rows_received" [per rank], "mpi_shapes_match", "counted" / "blocks": {"plugin_max_err",
+"shapes_match", "rows_ok", "counts_ok"}}."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import sys
@@ -80,47 +83,89 @@ def main() -> None:
     torch.cuda.ExternalStream = lambda stream: None  # torch.cuda.stream(None) enters nothing
 
     max_tokens = max(d[0].shape[0] for d in data)
-    bound = ep * max_tokens  # Mapping.max_recv_rows at tp 1
+    bound = ep * (max_tokens + 2) + 5  # Mapping.max_recv_rows at tp 1 (padded shares), and a few rows more
+    comm.reserve(torch.device("cpu"), 1, EXPERTS)
     x, ids, w = (torch.from_numpy(a) for a in data[rank])
-    comm.idle = rank == 1
-    if comm.idle:  # TensorRT's profile starts at one token: the idle step carries a dummy one
+    idle = rank == 1
+    if idle:  # TensorRT's profile starts at one token: the idle step carries a dummy one, none of it real
         x, ids, w = torch.ones(1, DIM), torch.tensor([[0, 3, 5]]), torch.ones(1, TOP_K)
+    else:  # a decode-graph step pads its share: two padding tokens past the real ones, routed but never sent
+        pad_ids = torch.tensor([[1, 2, 7], [4, 5, 6]])
+        x, ids, w = torch.cat([x, torch.ones(2, DIM)]), torch.cat([ids, pad_ids]), torch.cat([w, torch.ones(2, TOP_K)])
+    results = {}
+    for transport, block in (("counted", 0), ("blocks", max_tokens + 2)):
+        comm.begin_step(0 if idle else data[rank][0].shape[0], block)
+        results[transport] = run_plugins(comm, qdp, tensorrt_plugin, handle, x, ids, w, bound, ep, rank, block > 0)
+    dist.destroy_process_group()
+    real = data[rank][0].shape[0]
+    want_routed = np.bincount(data[rank][1].ravel(), minlength=EXPERTS).tolist()
+    row = [float(np.abs(mpi_out - want).max(initial=0.0)), int(rx.shape[0]), mpi_out.shape == want.shape]
+    for transport, (y, copied_ok, got, sent, send_counts, routed, rows_ok) in results.items():
+        plugin_out = y.numpy()[:real]
+        row += [float(np.abs(plugin_out - want).max(initial=0.0)), plugin_out.shape == want.shape and got == int(rx.shape[0]),
+                rows_ok and (not idle or (sent == 0 and not y.any())),
+                routed == want_routed and send_counts == lay.send_counts.tolist() and copied_ok]
+    errs = world.gather(row, root=0)
+    if rank == 0:
+        out = {"mpi_max_err": max(e[0] for e in errs), "rows_received": [e[1] for e in errs],
+               "mpi_shapes_match": all(e[2] for e in errs)}
+        for i, transport in enumerate(results):
+            at = 3 + 4 * i
+            out[transport] = {"plugin_max_err": max(e[at] for e in errs), "shapes_match": all(e[at + 1] for e in errs),
+                              "rows_ok": all(e[at + 2] for e in errs), "counts_ok": all(e[at + 3] for e in errs)}
+        print(json.dumps(out))
+
+
+@contextlib.contextmanager
+def no_host_reads(on: bool):
+    """While `on`: a tensor's value read by the host (`tolist`, `item`, `bool`, `int`, `numpy`, `cpu`) raises, as
+    it would synchronize with a GPU (the block transport must not: CUDA graphs capture it). The script's own
+    checks run outside."""
+    names = ("tolist", "item", "__bool__", "__int__", "numpy", "cpu")
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+
+    def refuse(name):
+        def read(*args, **kwargs):
+            raise AssertionError(f"host read of a tensor ({name}) in the block transport")
+        return read
+
+    if on:
+        for n in names:
+            setattr(torch.Tensor, n, refuse(n))
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+def run_plugins(comm, qdp, tensorrt_plugin, handle, x, ids, w, bound, ep, rank, no_reads):
+    """Dispatch -> this rank's experts on the received head rows -> combine, through the QDP impls, into
+    garbage-filled static buffers; the combine runs twice, once handed copies of the count buffers. `no_reads`:
+    the impls run under `no_host_reads`."""
     outs = (torch.full((bound, DIM), float("nan")), torch.full((bound, TOP_K), 12345, dtype=torch.int64),
             torch.full((bound, TOP_K), 7.0), torch.full((x.shape[0] * TOP_K,), 99, dtype=torch.int64),
             torch.full((ep,), 99, dtype=torch.int64), torch.full((ep,), 99, dtype=torch.int64))
     fields = ("ep\0", np.array([EXPERTS], np.int32), np.array([ep], np.int32), np.array([bound], np.int32))
-    qdp[tensorrt_plugin.MOE_DISPATCH].impl_func(handle(x), handle(ids), handle(w), *fields,
-                                                 [handle(o) for o in outs], stream=7)
+    with no_host_reads(no_reads):
+        qdp[tensorrt_plugin.MOE_DISPATCH].impl_func(handle(x), handle(ids), handle(w), *fields,
+                                                     [handle(o) for o in outs], stream=7)
     recv_x, recv_ids, recv_w, send_rows, send_counts, recv_counts = outs
     got = int(recv_counts.sum())
+    bound_ok = comm.recv_bound is not None and got <= comm.recv_bound <= bound - 5
     partial = torch.full((bound, DIM), float("nan"))
     partial[:got] = torch.from_numpy(experts(recv_x[:got].numpy(), recv_ids[:got].numpy(), recv_w[:got].numpy(), rank, ep))
     combine = qdp[tensorrt_plugin.MOE_COMBINE].impl_func
-    # a copy of the counts (TensorRT may hand one): the combine reads them back itself, and the dispatch's host
-    # counts stay for the buffer it wrote, which the second combine uses
-    copied = torch.full(x.shape, float("nan"))
-    combine(handle(partial), handle(send_rows), handle(send_counts.clone()), handle(recv_counts.clone()), handle(x),
-            "ep\0", [handle(copied)], stream=7)
-    y = torch.full(x.shape, float("nan"))
-    combine(handle(partial), handle(send_rows), handle(send_counts), handle(recv_counts), handle(x), "ep\0",
-            [handle(y)], stream=7)
-    dist.destroy_process_group()
-    plugin_out = y.numpy()[: data[rank][0].shape[0]]
-    copied_ok = torch.equal(copied, y)
+    copied, y = torch.full(x.shape, float("nan")), torch.full(x.shape, float("nan"))
+    with no_host_reads(no_reads):
+        combine(handle(partial), handle(send_rows), handle(send_counts.clone()), handle(recv_counts.clone()),
+                handle(x), "ep\0", [handle(copied)], stream=7)
+        combine(handle(partial), handle(send_rows), handle(send_counts), handle(recv_counts), handle(x), "ep\0",
+                [handle(y)], stream=7)
     sent = int(send_counts.sum())
-    padding_ok = (bool((recv_ids[got:] == -1).all()) and bool((recv_w[got:] == 0).all())
-                  and bool((send_rows[sent:] == -1).all()) and (not comm.idle or (sent == 0 and not y.any())))
-    want_routed = np.bincount(data[rank][1].ravel(), minlength=EXPERTS).tolist()
-    counts_ok = (comm.expert_counts == [want_routed] and send_counts.tolist() == lay.send_counts.tolist()
-                 and copied_ok)
-
-    errs = world.gather((float(np.abs(mpi_out - want).max(initial=0.0)), float(np.abs(plugin_out - want).max(initial=0.0)),
-                         int(rx.shape[0]), mpi_out.shape == want.shape == plugin_out.shape, padding_ok, counts_ok,
-                         got == int(rx.shape[0])), root=0)
-    if rank == 0:
-        print(json.dumps({"mpi_max_err": max(e[0] for e in errs), "plugin_max_err": max(e[1] for e in errs),
-                          "rows_received": [e[2] for e in errs], "shapes_match": all(e[3] and e[6] for e in errs),
-                          "padding_ok": all(e[4] for e in errs), "counts_ok": all(e[5] for e in errs)}))
+    rows_ok = (bound_ok and comm.recv_bound is None and bool(torch.isnan(recv_x[-1]).all())
+               and bool((send_rows >= -1).all()) and int((send_rows >= 0).sum()) == sent)
+    return y, torch.equal(copied, y), got, sent, send_counts.tolist(), comm.routed[0].tolist(), rows_ok
 
 
 if __name__ == "__main__":

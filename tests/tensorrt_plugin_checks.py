@@ -326,13 +326,13 @@ def test_parser_refuses_a_uint8_weight_feeding_a_plugin():
     (contract PARSER_UINT8_WEIGHTS_BECOME_INT32) and match no combination; our TensorRT graphs pass int8 views."""
     label, node, types = next((x for x in NODES if x[1].op_type == "MoEMXFP4"), (None, None, None))
     parsed = standin.parsed_input_types(node, types, types["__initializers__"])
-    weights = [t for name, t in zip(node.input, parsed) if name in types["__initializers__"]]
-    assert weights and all(t in (trt.int8, trt.uint8) for t in weights)  # uint8 would have become INT32
+    weights = [t for name, t in zip(node.input[3:7], parsed[3:7]) if name in types["__initializers__"]]
+    assert len(weights) == 4 and all(t in (trt.int8, trt.uint8) for t in weights)  # uint8 would have become INT32
     as_uint8 = dict(types)
-    for name in node.input[3:]:
+    for name in node.input[3:7]:  # the four MXFP4 byte tensors (input 7 is the int64 row counts)
         as_uint8[name] = onnx.helper.make_tensor_type_proto(onnx.TensorProto.UINT8, [1])
     widened = standin.parsed_input_types(node, as_uint8, types["__initializers__"])
-    assert widened[3:] == [trt.int32] * 4
+    assert widened[3:7] == [trt.int32] * 4
     _, plugin = create(node)
     in_types, in_dims, out_types, _ = io_of(node, types)
     built = standin.build_phase(plugin, in_types, in_dims, ENV)

@@ -90,9 +90,11 @@ def test_dp_step_model_matches_the_dp_graph_and_buffer_sizes(tiny_graphs):  # no
     assert model["moe_layers"] == len(dispatches) > 0
     for d in dispatches:
         assert {a.name: a.i for a in d.attribute}["max_recv_rows"] == model["per_layer"]["receive_rows"]
-    for n in nodes.values():  # the two Casts of the receive buffer the model counts, around each expert op
+    for n in nodes.values():  # the expert op reads the received rows as they are, their count from the dispatch
         if n.op_type == "MoEMXFP4":
-            assert producers[n.input[0]].op_type == "Cast" and consumers[n.output[0]].op_type == "Cast"
+            dispatch = producers[n.input[0]]
+            assert dispatch.op_type == "MoEDispatch" and n.input[7] == dispatch.output[5]
+            assert consumers[n.output[0]].op_type == "MoECombine"
     layer = model["per_layer"]
     rows, dim, k = layer["receive_rows"], cfg.expert_in_dim, cfg.num_experts_per_token
     assert rows == mapping.max_recv_rows(recipe.limits.max_num_tokens)

@@ -213,7 +213,7 @@ def test_one_stream_for_every_copy_reset_and_enqueue():
     engine.num_slots, engine.num_blocks, engine.block_size = 8, 9000, 64
     engine.max_num_tokens, engine.max_seq_len = 8192, 4096
     engine._buckets = []  # the eager path (the profile leaves no padding slot for decode graphs)
-    engine.step_expert_tokens = np.zeros((0, 4), np.int64)  # tp layout: no dispatching MoE layer
+    engine.dp_layout = False
     RECORD.clear()
     engine.reset_slot(3)
     batch = StepBatch(input_ids=np.array([5], np.int64), positions=np.array([0], np.int64),
@@ -273,7 +273,7 @@ def test_decode_steps_replay_a_cuda_graph_per_bucket():
     engine.num_slots, engine.num_blocks, engine.block_size = 8, 9000, 64
     engine.max_num_tokens, engine.max_seq_len = 8192, 4096
     engine._pad_slot, engine._graphs, engine._buckets = 8, {}, decode_buckets(8)
-    engine.step_expert_tokens = np.zeros((0, 4), np.int64)
+    engine.dp_layout = False
     batch = StepBatch(np.array([5, 6, 7]), np.array([3, 4, 5]), np.array([0, 1, 2, 3]), np.array([0, 1, 2]),
                       np.array([[0], [1], [2]]))  # fmt: skip
     RECORD.clear()
@@ -310,77 +310,100 @@ def test_open_engine_picks_the_runner_of_the_built_backend(tmp_path):
         open_engine(tmp_path)
 
 
-class DispatchingContext(StepContext):
-    """Each enqueue runs the engine's two MoEDispatch plugins as the plugin does with its communicator: counts per
-    expert of the tokens it sends (none when the communicator is marked idle)."""
+class FakeEp:
+    """The ep communicator as the runner drives it: records `begin_step`; `routed` as the dispatches left it."""
 
-    def __init__(self, comm, ids_per_token):
-        super().__init__()
-        self.comm, self.ids_per_token, self.idle_seen = comm, ids_per_token, []
+    def __init__(self, routed):
+        self.steps, self.routed = [], FakeTensor(routed.shape, routed)
 
-    def execute_async_v3(self, handle):
-        ep = self.comm.nccl["ep"]
-        self.idle_seen.append(ep.idle)
-        tokens = 0 if ep.idle else self.tokens
-        for _ in range(2):
-            ep.expert_counts.append(np.bincount(np.tile(self.ids_per_token, tokens), minlength=4).tolist())
-        return super().execute_async_v3(handle)
-
-    def set_input_shape(self, name, shape):
-        if name == "input_ids":
-            self.tokens = shape[0]
-        return super().set_input_shape(name, shape)
+    def begin_step(self, valid, block_rows):
+        self.steps.append((valid, block_rows))
 
 
-def test_dp_idle_step_joins_the_all_to_alls_with_nothing_sent():
-    """Issue 19: a dp-layout group with nothing to run still runs one engine step (its MoE all-to-alls need every
-    rank): one dummy token on the spare slot (TensorRT's profile starts at one token) at position 0 with a -1
-    block-table row, its state slot cleared first, the ep communicator marked idle during the enqueue only (the
-    dispatch sends none of its rows); nothing comes back. The dispatches' per-expert counts become the step's
-    expert load. No decode CUDA graphs in this layout (the dispatch reads its counts back to the host)."""
+class FakeWorld:
+    """MPI's world as `_agree_bucket` uses it: this rank's bids recorded, the other ranks' largest is `others`."""
+
+    def __init__(self):
+        self.bids, self.others = [], 0
+
+    def allreduce(self, bid, op=None):
+        self.bids.append(bid)
+        return max(bid, self.others)
+
+
+class HostBuf(FakeTensor):
+    def copy_(self, other, **kwargs):
+        self.data = np.array(other.data)
+        return self._op("copy")
+
+
+def dp_engine(routed):
+    """A tp-2 dp-layout rank (tp rank 1) over stand-ins, decode buckets of up to 8, the spare slot 8."""
     from types import SimpleNamespace
 
-    from moe_export.plugins.collectives.nccl import Communicator
+    from moe_export.runtime.engine.tensorrt import EAGER_STEP
 
-    stream = FakeStream()
     engine = object.__new__(TensorRTEngine)
-    engine._torch, engine.stream, engine.device = FakeTorch, stream, "cuda:0"
+    engine._torch, engine.stream, engine.device = FakeTorch, FakeStream(), "cuda:0"
     engine._empty = FakeTensor((256,))
     profile = {**META["profile"],
                "block_tables": [[1, 1], [1, 64], [8, 16]], "positions": [[1], [1], [8192]],
                "cu_seqlens": [[2], [9], [9]], "slot_ids": [[1], [8], [8]], "last_token_index": [[1], [8], [8]]}  # fmt: skip
     engine.meta = {**META, "profile": profile, "pool_limits": {"slots": 9, "blocks": 9000}}
     engine.pool_table = {"pool_table": FakeTensor((2, 3))}
-    pool = FakeTensor((9, 2, 4, 4))
-    zeroed = []
-    pool.__class__ = type("Pool", (FakeTensor,), {"__getitem__": lambda self, i: zeroed.append(i) or FakeTensor((2, 4, 4))})
-    engine.pools = {"kda_state.0": pool}
-    ep = object.__new__(Communicator)
-    ep.idle, ep.expert_counts = False, []
-    engine.comm = SimpleNamespace(nccl={"ep": ep}, group_sum=lambda x: 2 * x)
-    engine._context = DispatchingContext(engine.comm, np.array([1, 3]))
-    engine._engine = type("E", (), {"get_tensor_dtype": lambda self, n: "f32"})()
+    engine.pools = {"kda_state.0": FakeTensor((9, 2, 4, 4))}
+    engine.comm = SimpleNamespace(nccl={"ep": FakeEp(routed)}, group_sum=lambda x: 2 * x, world=FakeWorld())
+    engine._context = StepContext()
+    engine._engine = type("E", (), {"get_tensor_dtype": lambda self, n: "f32",
+                                    "create_execution_context": lambda self, strategy: GraphContext()})()  # fmt: skip
+    engine._trt = type("T", (), {"ExecutionContextAllocationStrategy": type("S", (), {"USER_MANAGED": 2})})
     engine._torch_dtype = lambda dtype: dtype
+    engine._activations, engine._activation_size = FakeTensor((1,)), 4096
     engine.num_slots, engine.num_blocks, engine.block_size = 8, 9000, 64
     engine.max_num_tokens, engine.max_seq_len = 8192, 4096
-    engine.dp_layout, engine.tp, engine._pad_slot = True, 2, 8
-    engine._buckets = graph_buckets(8, 8, dp_layout=True)
-    assert engine._buckets == [] and graph_buckets(8, 8, dp_layout=False) == decode_buckets(8)
-    engine.step_expert_tokens = np.zeros((2, 4), np.int64)
-    engine.expert_tokens = np.zeros((2, 4), np.int64)
+    engine.dp_layout, engine.tp, engine.mapping = True, 2, SimpleNamespace(tp_rank=1)
+    engine._pad_slot, engine._graphs, engine._buckets = 8, {}, graph_buckets(8, 8)
+    engine.step_expert_tokens = np.zeros(routed.shape, np.int64)
+    engine.expert_tokens = np.zeros(routed.shape, np.int64)
+    engine._routed_host = HostBuf(routed.shape)
+    return engine, EAGER_STEP
+
+
+def test_dp_steps_agree_on_the_world_bucket_and_set_the_dispatch_state():
+    """dp layout: every rank runs one engine step per world step, of one kind agreed by a host all-reduce of bids
+    (its decode bucket, or eager): all replay the largest bucket's CUDA graph, padded to it, with blocks of
+    ceil(bucket / tp) rows per peer, or all run eagerly (counted transport, block 0). Before each enqueue or replay
+    the ep communicator gets the real tokens of this rank's share (tp rank 1 of 2: rows from ceil(T/2)); an idle
+    group has none. The step's per-expert counts come from the device with the step's one wait."""
+    routed = np.array([[0, 3, 0, 3], [1, 0, 0, 2]])
+    engine, eager = dp_engine(routed)
+    ep, world = engine.comm.nccl["ep"], engine.comm.world
+    world.others = eager  # another group prefills: an eager idle step (one dummy token, nothing real)
     RECORD.clear()
     assert engine.step(None) is None
+    assert world.bids == [1] and ep.steps == [(0, 0)] and engine._graphs == {}
     shapes = {c[1]: c[2] for c in engine._context.calls if c[0] == "shape"}
     assert shapes["input_ids"] == (1,) and shapes["slot_ids"] == (1,) and shapes["block_tables"] == (1, 1)
-    assert zeroed == [8] and engine._context.idle_seen == [True] and ep.idle is False
-    assert engine.step_expert_tokens.tolist() == [[0] * 4] * 2 and ep.expert_counts == []
-    assert all(r[1] is stream for r in RECORD if r[0] not in ("synchronize",))
+    assert [r[0] for r in RECORD].count("synchronize") == 1 and RECORD[-1][0] == "synchronize"
+    assert engine.step_expert_tokens.tolist() == routed.tolist()
+    assert engine.group_step_expert_tokens.tolist() == (2 * routed).tolist()  # summed over the tp group
+    world.others = 4  # another group decodes 3 or 4 sequences: the idle group replays bucket 4 with no real row
+    ep.steps.clear()
+    engine.step(None)
+    assert ep.steps == [(0, 2), (0, 2)] and list(engine._graphs) == [4]  # eager first run, then the capture
+    world.others = 1
     batch = StepBatch(np.array([5, 6, 7]), np.array([3, 4, 5]), np.array([0, 1, 2, 3]), np.array([0, 1, 2]),
                       np.array([[0], [1], [2]]))  # fmt: skip
-    engine.step(batch)  # a decode step runs eagerly (no graph), not idle, and counts its routed tokens
-    assert engine._context.idle_seen == [True, False] and "capture_begin" not in [r[0] for r in RECORD]
-    assert engine.step_expert_tokens.tolist() == [[0, 3, 0, 3]] * 2 and engine.expert_tokens.tolist() == [[0, 3, 0, 3]] * 2
-    assert engine.group_step_expert_tokens.tolist() == [[0, 6, 0, 6]] * 2  # summed over the tp group
+    ep.steps.clear()
+    RECORD.clear()
+    engine.step(batch)  # its own bucket 4 is the world's: a replay, 1 real token in rows 2..3 of the padded 4
+    assert world.bids[-1] == 4 and ep.steps == [(1, 2)] and [r[0] for r in RECORD].count("replay") == 1
+    assert engine.expert_tokens.tolist() == (3 * routed).tolist()
+    prefill = StepBatch(np.array([1, 2, 3, 4, 5]), np.array([0, 1, 2, 3, 4]), np.array([0, 5]), np.array([0]),
+                        np.array([[0]]))  # fmt: skip
+    ep.steps.clear()
+    engine.step(prefill)  # eager: 5 tokens, rows 3..4 are this rank's, all real
+    assert world.bids[-1] == eager and ep.steps == [(2, 0)]
     engine.dp_layout = False
     with pytest.raises(InputError, match="only in the dp layout"):
         engine.step(None)

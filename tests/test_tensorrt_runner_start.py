@@ -35,11 +35,28 @@ def trt_recipe(layout: str):
     return recipe.model_copy(update=update)
 
 
+class FakeCommunicator:
+    """A group's communicator as the runner drives it: the step state's buffers and `begin_step` recorded."""
+
+    def __init__(self):
+        self.steps, self.routed = [], None
+
+    def reserve(self, device, layers, num_experts):
+        import torch
+
+        self.routed = torch.zeros((layers, num_experts), dtype=torch.int64)
+
+    def begin_step(self, valid, block_rows):
+        self.steps.append((valid, block_rows))
+
+
 class FakeGroups:
-    """`_NcclGroups` without MPI or NCCL: the groups' communicators, and the warm-up recorded."""
+    """`_NcclGroups` without MPI or NCCL: the groups' communicators, and the warm-up recorded; the world's bucket
+    agreement as a world of one."""
 
     def __init__(self, mapping):
-        self.nccl = {name: types.SimpleNamespace(idle=False, expert_counts=[]) for name in ("tp", "ep")}
+        self.nccl = {name: FakeCommunicator() for name in ("tp", "ep")}
+        self.world = types.SimpleNamespace(allreduce=lambda bid, op=None: bid)
 
     def warm_up(self, torch, device):
         rt.LOG.append(("nccl_warm_up",))
@@ -91,12 +108,11 @@ def test_runner_constructor_streams_allocates_and_warms_up(tiny_graphs, tmp_path
     warm = kinds.index("nccl_warm_up")
     steps = [e for e in rt.LOG[warm:] if e[0] == "enqueue"]
     assert warm < kinds.index("enqueue") and all(e[2] is not None for e in steps)
-    if layout == "tp":  # one eager step, then each decode bucket: its eager step and the captured one
-        assert engine._buckets == [1, 2, 4, 8] and sorted(engine._graphs) == engine._buckets
-        assert [e[1] for e in steps] == [1, 1, 1, 2, 2, 4, 4, 8, 8] and kinds.count("capture") == 4
-    else:  # the idle step (decode graphs are off in the dp layout), counted as no request's tokens
-        assert engine._buckets == [] and [e[1] for e in steps] == [1] and "capture" not in kinds
-        assert engine.comm.nccl["ep"].expert_counts == [] and not engine.comm.nccl["ep"].idle
+    # one eager step (dp: the idle step), then each decode bucket: its eager step and the captured one
+    assert engine._buckets == [1, 2, 4, 8] and sorted(engine._graphs) == engine._buckets
+    assert [e[1] for e in steps] == [1, 1, 1, 2, 2, 4, 4, 8, 8] and kinds.count("capture") == 4
+    if layout == "dp":  # nothing real; the counted transport for the eager step, then blocks of a tp-2 share
+        assert engine.comm.nccl["ep"].steps == [(0, 0)] + [(0, -(-b // 2)) for b in (1, 2, 4, 8) for _ in "ec"]
     assert kinds[-1] == "synchronize"
 
 

@@ -108,28 +108,33 @@ def test_dispatch_expert_combine_equals_the_all_reduce_of_partial_sums():
 def test_mpi_and_torch_distributed_all_to_all_match_the_reference():
     """`mpiexec -n 4`: the MPI implementation (ONNX Runtime path) and the TensorRT MoEDispatch / MoECombine plugins'
     enqueue (QDP impls under the real `tensorrt.plugin`, static garbage-filled output buffers, the
-    `nccl.Communicator` over gloo) give the reference's combined sums, rank 1 idle (a dummy token, nothing sent);
-    rows past the received / sent ones are padded (-1 ids, 0 weights, -1 rows) and per-expert counts recorded; a
-    combine handed copies of the count buffers reads them back and gives the same sums."""
+    `nccl.Communicator` over gloo), in the counted and the block transport, give the reference's combined sums,
+    rank 1 idle (a dummy token, nothing sent) and the others' padding tokens unsent; the buffers' rows past the
+    received head stay untouched, per-expert counts are recorded on the device, the host bound covers the rows
+    received; a combine handed copies of the count buffers gives the same sums."""
     mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
     r = subprocess.run([mpiexec, "-n", "4", sys.executable, str(HERE / "mpi_all_to_all_run.py")], capture_output=True,
                        text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert got["mpi_max_err"] == 0.0 and got["plugin_max_err"] == 0.0 and got["shapes_match"]
-    assert got["padding_ok"] and got["counts_ok"]
+    assert got["mpi_max_err"] == 0.0 and got["mpi_shapes_match"]
+    for transport in ("counted", "blocks"):
+        t = got[transport]
+        assert t["plugin_max_err"] < 1e-5 and t["shapes_match"] and t["rows_ok"] and t["counts_ok"], (transport, t)
     assert got["rows_received"][1] > 0  # the idle rank's experts still get the others' tokens
 
 
-def test_static_send_plan_matches_numpy():
-    """The TensorRT path's send plan (no host sync, a static [T * K] buffer) holds `send_plan`'s rows, then -1."""
-    ids = np.array([[7, 0], [2, 3], [6, 7]])
-    rows = torch.full((6,), 99, dtype=torch.int64)
-    counts = all_to_all.torch_static_send_plan(torch.from_numpy(ids), 8, 4, rows)
-    want_rows, want_counts = all_to_all.send_plan(ids, 8, 4)
-    assert rows.tolist() == want_rows.tolist() + [-1, -1] and counts.tolist() == want_counts.tolist()
-    empty = torch.full((0,), 99, dtype=torch.int64)
-    assert all_to_all.torch_static_send_plan(torch.zeros((0, 2), dtype=torch.int64), 8, 4, empty).tolist() == [0] * 4
+def test_torch_route_marks_each_tokens_first_choice_per_rank_and_its_slot():
+    """The TensorRT path's routing on the device (no host sync): the ranks each token goes to, its row among them
+    (`send_plan`'s order: by destination, then token), and which choice's partial sum comes back; tokens past
+    `valid` go nowhere."""
+    ids = np.array([[7, 0], [2, 3], [6, 7], [1, 2]])  # 8 experts on 4 ranks: (3, 0), (1, 1), (3, 3), (0, 1)
+    goes, slot, first = all_to_all.torch_route(torch.from_numpy(ids), torch.tensor([3]), 8, 4)
+    rows, counts = all_to_all.send_plan(ids[:3], 8, 4)
+    dest, tok = np.nonzero(goes.numpy())
+    assert tok.tolist() == rows.tolist() and goes.sum(1).tolist() == counts.tolist()
+    assert slot[3, 2].item() == 1 and slot[1, 1].item() == 0
+    assert first.tolist() == [[True, True], [True, False], [True, False], [False, False]]
 
 
 def test_send_plan_orders_rows_by_destination_then_token():

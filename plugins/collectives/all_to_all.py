@@ -184,76 +184,160 @@ def all_reduce_ring_bytes(nbytes: int, group_size: int) -> int:
 # ---- torch.distributed into static buffers (the TensorRT path's NCCL `nccl.Communicator`; gloo on CPU) ------------
 #
 # A TensorRT plugin's outputs have shapes fixed from its inputs' shapes and its fields, so the receive buffers are
-# sized for the worst case while only the counted rows move and compute:
-#   - each source routes at most ceil(max_num_tokens / tp) tokens and sends each at most once to a rank, so a rank
-#     receives at most `max_recv_rows` = ep * ceil(max_num_tokens / tp) rows (the graph exporter's field; the
-#     other groups' batches are not visible to a shape expression);
-#   - `send_rows` [T * K] holds each sent row's token index, by destination then token, -1 past the S sent rows;
-#   - the counts go first (an all-to-all of ep int64 on the device), then one read-back of the counts to the host
-#     (NCCL's all-to-all-v takes host split sizes: one host sync per dispatch), then the rows, int32 ids and fp32
-#     weights with exact split sizes into the head of the buffers; rows past the R received get expert id -1 and
-#     weight 0, for which the expert op forms no (token, expert) pair: the bound costs memory, never bytes on the
-#     wire or expert FLOPs. DeepEP's low-latency mode avoids the host sync by sending fixed-size (padded) blocks.
+# sized for the worst case (`max_recv_rows` = ep * ceil(max_num_tokens / tp): each source routes at most its share
+# of its group's tokens and sends each at most once to a rank) while only counted rows move and compute. Both
+# transports below fill the same buffers the same way: the R rows received sit at the HEAD of recv_x / recv_ids /
+# recv_w (source 0's, then source 1's, ...), R = sum(recv_counts) on the device; rows past R are neither written
+# nor read (the expert op bounds itself by recv_counts on the device). A row travels packed: its activations, its
+# K int32 expert ids and K fp32 weights in one byte row, so rows, ids and weights are one exchange.
+#   - counted (`block_rows` 0; eager steps): the counts all-to-all, ONE read-back of the counts (NCCL's
+#     all-to-all-v takes host split sizes), then the rows with exact split sizes: no padding on the wire.
+#   - blocks (`block_rows` B > 0; decode steps, which CUDA graphs replay): every rank sends every peer a block of
+#     B packed rows, the first send_counts[d] of which carry tokens, with equal split sizes, so no host value is
+#     needed; the received blocks are compacted to the head on the device. B must be the same on every rank and
+#     at least any rank's tokens: the runners agree on it per world step (ceil(bucket / tp) of the world's decode
+#     bucket). Costs the blocks' padding on the wire: at most ep / min(K, ep) times the counted rows.
+# `send_rows` [T * K] int64 tells the combine where each (token, choice)'s partial sum comes back: the row of the
+# returned rows (as sent: by destination, then token) for the token's first choice on each destination rank, -1 for
+# the other choices and for tokens past `valid`; the combine sums a token's rows over its K choices (deterministic).
+# The per-expert token counts stay on the device (`routed`), read with the step's one wait.
+
+_ROW_ALIGN = 16  # bytes a packed row is padded to
 
 
-def torch_static_send_plan(ids, num_experts: int, ep: int, out_rows):
-    """`send_plan` without a host sync, into `out_rows` [T * K] int64 (token index per sent row, by destination
-    rank then token; -1 past the sent rows); returns send_counts [ep] int64 (on the ids' device)."""
+def packed_row_bytes(dim: int, act_bytes: int, top_k: int) -> int:
+    """Bytes of one packed dispatch row: activations, int32 ids and fp32 weights, padded to 16."""
+    return -(-(dim * act_bytes + 8 * top_k) // _ROW_ALIGN) * _ROW_ALIGN
+
+
+def _pack(x, ids, weights):
+    """x [T, D], ids [T, K], weights [T, K] -> uint8 [T, packed_row_bytes]."""
     import torch
 
-    num_tokens, device = ids.shape[0], ids.device
+    parts = [x.contiguous().view(torch.uint8), ids.to(torch.int32).view(torch.uint8),
+             weights.to(torch.float32).contiguous().view(torch.uint8)]  # fmt: skip
+    width = packed_row_bytes(x.shape[1], x.element_size(), ids.shape[1])
+    pad = width - sum(p.shape[1] for p in parts)
+    if pad:
+        parts.append(torch.zeros((x.shape[0], pad), dtype=torch.uint8, device=x.device))
+    return torch.cat(parts, dim=1)
+
+
+def _unpack_into(rows, recv_x, recv_ids, recv_w) -> None:
+    """Packed rows [N, W] uint8 -> the first N rows of recv_x [., D], recv_ids [., K] int64, recv_w [., K] fp32."""
+    import torch
+
+    n, width_x, k = rows.shape[0], recv_x.shape[1] * recv_x.element_size(), recv_ids.shape[1]
+    recv_x[:n].view(torch.uint8).copy_(rows[:, :width_x])
+    recv_ids[:n].copy_(rows[:, width_x: width_x + 4 * k].contiguous().view(torch.int32))
+    recv_w[:n].copy_(rows[:, width_x + 4 * k: width_x + 8 * k].contiguous().view(torch.float32))
+
+
+def torch_route(ids, valid, num_experts: int, ep: int):
+    """This rank's routing on the device for ids [T, K] (global expert ids), the tokens at or past `valid` ([1]
+    int64) sending nothing: (goes [ep, T] bool: token t goes to rank d; slot [ep, T] int64: its row among the
+    tokens going to d; first [T, K] bool: choice k is token t's first on its rank)."""
+    import torch
+
+    num_tokens, top_k, device = ids.shape[0], ids.shape[1], ids.device
+    dest = ids // (num_experts // ep)
+    live = torch.arange(num_tokens, device=device) < valid  # [T]
     goes = torch.zeros((ep, num_tokens), dtype=torch.bool, device=device)
     if num_tokens:
-        goes[ids // (num_experts // ep), torch.arange(num_tokens, device=device)[:, None]] = True
-    flat = goes.reshape(-1)
-    slot = torch.where(flat, torch.cumsum(flat, 0) - 1, out_rows.shape[0])  # unsent pairs land past the end
-    spill = torch.full((out_rows.shape[0] + 1,), -1, dtype=torch.int64, device=device)
-    spill.scatter_(0, slot, torch.arange(ep * num_tokens, device=device) % max(num_tokens, 1))
-    out_rows.copy_(spill[:-1])
-    return goes.sum(dim=1)
+        goes[dest, torch.arange(num_tokens, device=device)[:, None]] = True
+    goes &= live[None, :]
+    earlier = torch.ones((top_k, top_k), dtype=torch.bool, device=device).tril(-1)  # [k, j]: j < k
+    first = ~((dest[:, :, None] == dest[:, None, :]) & earlier).any(-1) & live[:, None]
+    return goes, torch.cumsum(goes, 1) - 1, first
 
 
-def torch_dispatch_into(group, ep: int, x, ids, weights, num_experts: int, outputs, *, idle: bool = False):
+def torch_dispatch_into(group, ep: int, x, ids, weights, num_experts: int, outputs, *, valid, block_rows: int = 0):
     """MoEDispatch over a torch.distributed group into static buffers `outputs` = (recv_x [R_max, D],
     recv_ids [R_max, K] int64, recv_w [R_max, K] fp32, send_rows [T * K] int64, send_counts [ep] int64,
-    recv_counts [ep] int64). `idle`: this rank's group has nothing to run (its engine step carries a dummy token):
-    it sends no row and still receives what the others send its experts. Returns the host counts
-    (send_counts, recv_counts, tokens routed to each expert [E]) read back in one copy."""
+    recv_counts [ep] int64), the tokens at or past `valid` ([1] int64 on the device; 0 for an idle group) sending
+    nothing. `block_rows` 0: the counted transport (returns the host counts (sends, recvs) the combine needs, from
+    the step's one read-back); B > 0: blocks of B rows per peer (returns None: no host value). Also returns the
+    tokens routed to each expert [E] (device)."""
     import torch
     import torch.distributed as dist
 
     recv_x, recv_ids, recv_w, send_rows, send_counts, recv_counts = outputs
-    if idle:
-        x, ids, weights = x[:0], ids[:0], weights[:0]
-    send_counts.copy_(torch_static_send_plan(ids, num_experts, ep, send_rows))
+    goes, slot, first = torch_route(ids, valid, num_experts, ep)
+    send_counts.copy_(goes.sum(dim=1))
     dist.all_to_all_single(recv_counts, send_counts, group=group)
-    routed = torch.bincount(ids.reshape(-1), minlength=num_experts)
-    host = torch.cat([send_counts, recv_counts, routed]).tolist()  # the one read-back
-    sends, recvs, per_expert = host[:ep], host[ep:2 * ep], host[2 * ep:]
-    total, capacity = sum(recvs), recv_x.shape[0]
-    if total > capacity:
-        raise RuntimeError(f"MoEDispatch: {total} rows received, the engine's bound is {capacity} (max_recv_rows = "
-                           "ep x ceil(max_num_tokens / tp)): a source sent more rows than its tokens")
-    rows = send_rows[: sum(sends)]
-    dist.all_to_all_single(recv_x[:total], x[rows].contiguous(), recvs, sends, group=group)
-    wire_ids = torch.empty((total, ids.shape[1]), dtype=torch.int32, device=ids.device)
-    dist.all_to_all_single(wire_ids, ids[rows].to(torch.int32), recvs, sends, group=group)
-    recv_ids[:total].copy_(wire_ids)
-    recv_ids[total:].fill_(-1)
-    dist.all_to_all_single(recv_w[:total], weights[rows].to(torch.float32).contiguous(), recvs, sends, group=group)
-    recv_w[total:].zero_()
-    return sends, recvs, per_expert
+    live = first[:, :1]  # a live token's first choice is always its first on that rank
+    routed = torch.bincount(torch.where(live, ids, num_experts).reshape(-1), minlength=num_experts + 1)[:num_experts]
+    if block_rows:
+        if ep * block_rows > recv_x.shape[0]:
+            raise RuntimeError(f"MoEDispatch: blocks of {block_rows} rows from {ep} ranks exceed the receive bound "
+                               f"{recv_x.shape[0]} (max_recv_rows)")
+        if x.shape[0] > block_rows:
+            raise RuntimeError(f"MoEDispatch: {x.shape[0]} tokens do not fit blocks of {block_rows} rows")
+        counts, base, sent = None, torch.arange(ep, device=ids.device) * block_rows, ep * block_rows
+    else:
+        host = torch.cat([send_counts, recv_counts]).tolist()  # the one read-back of the counted transport
+        counts = (host[:ep], host[ep:])
+        if sum(counts[1]) > recv_x.shape[0]:
+            raise RuntimeError(f"MoEDispatch: {sum(counts[1])} rows received, the engine's bound is "
+                               f"{recv_x.shape[0]} (max_recv_rows = ep x ceil(max_num_tokens / tp))")
+        base, sent = torch.cumsum(send_counts, 0) - send_counts, sum(counts[0])
+    at = torch.where(goes, base[:, None] + slot, sent)  # [ep, T]: the sent row of (rank, token); `sent` = none
+    dest = ids // (num_experts // ep)
+    back = at.gather(0, dest.t()).t()  # [T, K]: the row token t's choice k comes back on
+    send_rows.copy_(torch.where(first, back, -1).reshape(-1))
+    packed = _pack(x, ids, weights)
+    send = torch.zeros((sent + 1, packed.shape[1]), dtype=torch.uint8, device=x.device)
+    send[at] = packed.unsqueeze(0).expand(ep, -1, -1)  # every (rank, token) pair; the unsent ones on row `sent`
+    if block_rows:
+        stage = torch.empty((sent, packed.shape[1]), dtype=torch.uint8, device=x.device)
+        dist.all_to_all_single(stage, send[:sent], group=group)
+        _unpack_into(stage[_head_to_block(recv_counts, block_rows)], recv_x, recv_ids, recv_w)
+    else:
+        received = torch.empty((sum(counts[1]), packed.shape[1]), dtype=torch.uint8, device=x.device)
+        dist.all_to_all_single(received, send[:sent], counts[1], counts[0], group=group)
+        _unpack_into(received, recv_x, recv_ids, recv_w)
+    return counts, routed
 
 
-def torch_combine_into(group, partial, send_rows, sends: list[int], recvs: list[int], out) -> None:
-    """MoECombine over a torch.distributed group: the R received rows' partial sums (head of `partial`
-    [R_max, D]) back to their sources, which add them per token into `out` [T, D] at `send_rows`. `sends` /
-    `recvs`: this rank's host counts of the matching dispatch."""
+def _head_to_block(recv_counts, block_rows: int):
+    """For each head row i < ep * B of the received rows (source s's j-th row at i = start_s + j): its row in the
+    received blocks, s * B + j (rows past R map into the blocks' unused rows: garbage, never read)."""
+    import torch
+
+    ep = recv_counts.shape[0]
+    ends = torch.cumsum(recv_counts, 0)
+    head = torch.arange(ep * block_rows, device=recv_counts.device)
+    src = torch.searchsorted(ends, head, right=True).clamp(max=ep - 1)
+    return (src * block_rows + head - (ends[src] - recv_counts[src])).clamp(0, ep * block_rows - 1)
+
+
+def _block_to_head(recv_counts, block_rows: int, rows: int):
+    """For each row s * B + j of the blocks sent back: the head row start_s + j of the partial sums (clamped to
+    the buffer's `rows`; rows past source s's count carry garbage its source never reads)."""
+    import torch
+
+    ep = recv_counts.shape[0]
+    block = torch.arange(ep * block_rows, device=recv_counts.device)
+    start = torch.cumsum(recv_counts, 0) - recv_counts
+    return (start[block // block_rows] + block % block_rows).clamp(max=rows - 1)
+
+
+def torch_combine_into(group, partial, send_rows, recv_counts, out, *, counts=None, block_rows: int = 0) -> None:
+    """MoECombine over a torch.distributed group: the received rows' partial sums (the head of `partial`
+    [R_max, D]) back to their sources, where each token's rows are summed over its choices (`send_rows` [T * K])
+    into `out` [T, D]. `block_rows` B > 0: blocks of B rows per peer; else the counted transport with the host
+    `counts` (sends, recvs) of the matching dispatch."""
     import torch
     import torch.distributed as dist
 
-    sent = sum(sends)
-    back = torch.empty((sent, partial.shape[1]), dtype=partial.dtype, device=partial.device)
-    dist.all_to_all_single(back, partial[: sum(recvs)].contiguous(), sends, recvs, group=group)
-    out.zero_()
-    out.index_add_(0, send_rows[:sent], back)
+    if block_rows:
+        rows = recv_counts.shape[0] * block_rows
+        back = torch.empty((rows, partial.shape[1]), dtype=partial.dtype, device=partial.device)
+        dist.all_to_all_single(back, partial[_block_to_head(recv_counts, block_rows, partial.shape[0])], group=group)
+    else:
+        sends, recvs = counts
+        back = torch.empty((sum(sends), partial.shape[1]), dtype=partial.dtype, device=partial.device)
+        dist.all_to_all_single(back, partial[: sum(recvs)].contiguous(), sends, recvs, group=group)
+    padded = torch.cat([back, torch.zeros((1, back.shape[1]), dtype=back.dtype, device=back.device)])
+    rows = torch.where(send_rows >= 0, send_rows, back.shape[0]).view(out.shape[0], -1)
+    out.copy_(padded[rows].sum(dim=1, dtype=torch.float32))  # [T, K, D] gathered, summed in fp32

@@ -11,10 +11,10 @@ NCCL on TensorRT's stream. The communicators are torch.distributed NCCL groups w
 
 The wide-EP all-to-alls (`MoEDispatch` / `MoECombine`, the `dp` layout) follow the same pattern: QDP plugins
 with a `group` field, no-ops while building, `Communicator.moe_dispatch` / `moe_combine` at run time into the
-plugins' static output buffers (`all_to_all.torch_dispatch_into`: counts first on the device, one read-back of
-the counts, exact rows). The communicator carries what the runner tells it about the step (`idle`: the rank's
-attention group has nothing to run, so its dispatch sends no row) and what the dispatches saw (`expert_counts`:
-tokens routed to each expert, one list per MoE layer in order).
+plugins' static output buffers (`all_to_all.torch_dispatch_into`: the counted transport with one read-back of
+the counts, or fixed blocks with none). The communicator carries what the runner tells it about the step
+(`begin_step`: the real tokens of the rank's share, 0 for an idle group, and the transport) and what the
+dispatches saw (`routed`: tokens routed to each expert, per MoE layer, on the device).
 
 No tensorrt import here: the communicators and the switch are tested on CPU with torch.distributed's gloo.
 """
@@ -73,15 +73,40 @@ def concat_gathered(gathered: torch.Tensor, axis: int) -> torch.Tensor:
 
 class Communicator:
     """One process group (torch.distributed), its collectives written into caller-provided outputs on the
-    current stream (the plugin enters TensorRT's stream first)."""
+    current stream (the plugin enters TensorRT's stream first).
+
+    The MoE all-to-alls (ep group) also carry the step's state the runner sets (`begin_step`): the tokens of
+    this rank's share that are real (a device value, so a captured CUDA graph reads each replay's), and the
+    transport (`block_rows`: 0 counted, B > 0 blocks of B rows per peer; see `all_to_all`). Between a dispatch
+    and its combine, `recv_bound` is what the host knows of the rows received (B x ep, or the exact count), the
+    expert op's chunk bound; `routed` [layers, E] holds the tokens routed to each expert by each dispatch of the
+    step, on the device."""
 
     def __init__(self, group, size: int):
         import torch.distributed as dist
 
         self.group, self.size, self._dist = group, size, dist
-        self.idle = False  # set by the runner for an idle step of this rank's attention group (dp layout)
-        self.expert_counts: list[list[int]] = []  # tokens routed to each expert, per dispatch since the last clear
-        self._pending: dict[int, tuple[list[int], list[int]]] = {}  # the last dispatch: send_counts buffer -> counts
+        self.block_rows = 0
+        self.recv_bound: int | None = None
+        self.routed = None  # [dispatching layers, E] int64 on the device (`reserve`)
+        self._valid = self._valid_host = None
+        self._layer = 0
+        self._pending: dict[int, tuple[list[int], list[int]] | None] = {}  # send_counts buffer -> host counts
+
+    def reserve(self, device, layers: int, num_experts: int) -> None:
+        """The device buffers of the MoE all-to-alls' step state, made once (CUDA graphs keep their addresses)."""
+        self._valid = torch.zeros(1, dtype=torch.int64, device=device)
+        self._valid_host = torch.zeros(1, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.routed = torch.zeros((max(layers, 1), num_experts), dtype=torch.int64, device=device)
+
+    def begin_step(self, valid_tokens: int, block_rows: int) -> None:
+        """Before a step's enqueue (or graph replay), on its stream: the real tokens of this rank's share (rows of
+        its dispatch input from the first; 0 for an idle group) and the step's transport."""
+        if self._valid is None:
+            raise RuntimeError("Communicator.reserve must run before the first MoE step")
+        self._valid_host.fill_(valid_tokens)
+        self._valid.copy_(self._valid_host, non_blocking=True)
+        self.block_rows, self._layer = block_rows, 0
 
     def all_reduce(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """out = sum over the group of x (out may be x)."""
@@ -97,22 +122,41 @@ class Communicator:
 
     def moe_dispatch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
                      outputs: tuple[torch.Tensor, ...]) -> None:
-        """MoEDispatch over this group into the plugin's static outputs (`all_to_all.torch_dispatch_into`); keeps
-        the host counts for the matching combine (keyed by its send_counts buffer; only the last dispatch's) and the per-expert counts."""
+        """MoEDispatch over this group into the plugin's static outputs (`all_to_all.torch_dispatch_into`) with the
+        step's state; keeps the host counts (counted transport) for the matching combine, keyed by its
+        send_counts buffer, and the layer's routed tokens."""
         from .all_to_all import torch_dispatch_into
 
-        sends, recvs, per_expert = torch_dispatch_into(self.group, self.size, x, ids, weights, num_experts, outputs,
-                                                       idle=self.idle)
-        self._pending = {outputs[4].data_ptr(): (sends, recvs)}  # layers alternate dispatch, combine
-        self.expert_counts.append(per_expert)
+        if self._valid is None:
+            raise RuntimeError("Communicator.reserve and begin_step must run before a MoE dispatch")
+        if self._layer >= self.routed.shape[0]:
+            raise RuntimeError(f"MoEDispatch: more dispatches in a step than the {self.routed.shape[0]} reserved")
+        counts, routed = torch_dispatch_into(self.group, self.size, x, ids, weights, num_experts, outputs,
+                                             valid=self._valid, block_rows=self.block_rows)  # fmt: skip
+        self._pending = {outputs[4].data_ptr(): counts}  # layers alternate dispatch, combine
+        self.recv_bound = self.size * self.block_rows if counts is None else sum(counts[1])
+        self.routed[self._layer].copy_(routed)
+        self._layer += 1
 
     def moe_combine(self, partial: torch.Tensor, send_rows: torch.Tensor, send_counts: torch.Tensor,
                     recv_counts: torch.Tensor, out: torch.Tensor) -> None:
-        """MoECombine over this group into `out` [T, D]: the host counts of the dispatch that wrote `send_counts`,
-        or, if TensorRT handed a copy of that buffer, the counts read back again (one more host sync)."""
+        """MoECombine over this group into `out` [T, D] with the matching dispatch's transport: blocks, or the
+        host counts of the dispatch that wrote `send_counts` (if TensorRT handed a copy of that buffer, the counts
+        read back again: one more host sync)."""
         from .all_to_all import torch_combine_into
 
+        self.recv_bound = None
+        if self.block_rows:
+            torch_combine_into(self.group, partial, send_rows, recv_counts, out, block_rows=self.block_rows)
+            return
         counts = self._pending.pop(send_counts.data_ptr(), None)
         if counts is None:
             counts = (send_counts.tolist(), recv_counts.tolist())
-        torch_combine_into(self.group, partial, send_rows, *counts, out)
+        torch_combine_into(self.group, partial, send_rows, recv_counts, out, counts=counts)
+
+
+def received_rows_bound() -> int | None:
+    """Rows the ep group's pending dispatch can have placed at the head of its receive buffers, as the host knows
+    it (None outside a dispatch .. combine: the expert op then takes all of its input rows)."""
+    comm = _communicators.get("ep")
+    return None if comm is None else comm.recv_bound

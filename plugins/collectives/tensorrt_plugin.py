@@ -17,8 +17,10 @@ known at build time). The design, as TensorRT-LLM's NCCL plugins (contract PLUGI
 `moe_export::MoEDispatch` (fields `group`, `num_experts`, `group_size`, `max_recv_rows`) and `moe_export::MoECombine`
 (field `group`) are the `dp` layout's all-to-alls with static shapes: recv_x [max_recv_rows, D], recv_ids /
 recv_w [max_recv_rows, K], send_rows [T * K], send_counts / recv_counts [group_size]; the combine's output has the
-dispatched tokens' shape. At run time only the counted rows move (`nccl.Communicator.moe_dispatch`, the README's
-Parallelism section says how the bound is set and what it costs).
+dispatched tokens' shape. At run time the received rows fill the head of the buffers and only they are computed
+(`nccl.Communicator.moe_dispatch`: the counted transport in eager steps, fixed blocks without a host value in
+decode steps, which CUDA graphs replay; the README's Parallelism section says how the bound is set and what it
+costs).
 One engine per rank, the collectives inside: no segment boundaries, one enqueue per step. The JIT impl needs
 Python in the engine (as every plugin here has). The ONNX Runtime backend keeps cutting the graph at these nodes.
 """
@@ -97,7 +99,8 @@ _DispatchBuffers = tuple[trtp.Tensor, trtp.Tensor, trtp.Tensor, trtp.Tensor, trt
 def _describe_dispatch(x: trtp.TensorDesc, expert_ids: trtp.TensorDesc, expert_weights: trtp.TensorDesc, group: str,
                        num_experts: Int32Field, group_size: Int32Field, max_recv_rows: Int32Field) -> _DispatchOut:  # fmt: skip
     """recv_x [R, D] like x, recv_ids [R, K] int64, recv_w [R, K] fp32 (R = max_recv_rows, the static bound),
-    send_rows [T * K] int64, send_counts / recv_counts [group_size] int64. A bound of 0 (a graph exported for ONNX
+    send_rows [T * K] int64 (where each token's choice comes back in the combine), send_counts / recv_counts
+    [group_size] int64. A bound of 0 (a graph exported for ONNX
     Runtime, whose receive buffers are exact) or experts not divisible by the group fail the build here."""
     rows, ep, experts = scalar(max_recv_rows), scalar(group_size), scalar(num_experts)
     if rows <= 0:

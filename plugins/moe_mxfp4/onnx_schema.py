@@ -3,16 +3,19 @@
 Node contract (semantics in `reference.py`):
 
     y = MoEMXFP4(x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packed, w2_scale)
-    inputs   x               [T, D]            float   expert input (K3: the latent, D = 3584)
+    inputs   x               [T, D]            T       expert input (K3: the latent, D = 3584); T = float, or
+                                                       bfloat16 (TensorRT graphs of bf16 builds)
              expert_ids      [T, k]            int64   global expert ids chosen per token
              expert_weights  [T, k]            float   routing weights
              w13_packed      [E, 2I, D/2]      bytes   MXFP4 gate rows (0..I-1) then up rows (I..2I-1)
              w13_scale       [E, 2I, D/32]     bytes   E8M0 scales
              w2_packed       [E, D, I/2]       bytes   MXFP4 down projection
              w2_scale        [E, D, I/32]      bytes   E8M0 scales
+             row_counts      [S]               int64   (TensorRT graphs only) the leading sum(row_counts) rows of x
+                                                       carry tokens; the others are neither read nor written
     bytes: uint8, or int8 over the same bytes (TensorRT graphs: its ONNX parser widens uint8 initializers to
     int32, see plugins/tensorrt_contracts.py); all four share one type.
-    output   y               [T, D]            float   weighted sum over the choices held by this rank
+    output   y               [T, D]            T       weighted sum over the choices held by this rank
              scratch         [scratch_bytes]   int8    (TensorRT graphs only) the plugin's workspace: a declared
                                                        output so that it lives in the engine's device memory
     attributes  expert_offset (int, required): global id of local expert 0 (this rank holds E experts)
@@ -38,7 +41,8 @@ OP_TYPE = "MoEMXFP4"
 
 
 def _infer(ctx) -> None:
-    ctx.set_output_type(0, tensor_type(onnx.TensorProto.FLOAT, [input_dim(ctx, 0, 0), input_dim(ctx, 0, 1)]))
+    elem = ctx.get_input_type(0).tensor_type.elem_type or onnx.TensorProto.FLOAT
+    ctx.set_output_type(0, tensor_type(elem, [input_dim(ctx, 0, 0), input_dim(ctx, 0, 1)]))
     if ctx.get_num_outputs() > 1:  # TensorRT graphs: the workspace output, `scratch_bytes` int8
         size = helper.get_attribute_value(ctx.get_attribute("scratch_bytes"))
         ctx.set_output_type(1, tensor_type(onnx.TensorProto.INT8, [size]))
@@ -55,18 +59,21 @@ def schema() -> defs.OpSchema:
         OPSET_VERSION,
         "Routed experts with MXFP4 weights (W4A16): this rank's weighted partial sum over the chosen experts.",
         inputs=[
-            p("x", "tensor(float)", "[T, D]"),
+            p("x", "T", "[T, D]"),
             p("expert_ids", "tensor(int64)", "[T, k] global expert ids"),
             p("expert_weights", "tensor(float)", "[T, k]"),
             p("w13_packed", "B", "[E, 2I, D/2]"),
             p("w13_scale", "B", "[E, 2I, D/32]"),
             p("w2_packed", "B", "[E, D, I/2]"),
             p("w2_scale", "B", "[E, D, I/32]"),
+            p("row_counts", "tensor(int64)", "[S] rows of x with tokens, summed (TensorRT graphs)",
+              param_option=defs.OpSchema.FormalParameterOption.Optional),
         ],
-        outputs=[p("y", "tensor(float)", "[T, D]"),
+        outputs=[p("y", "T", "[T, D]"),
                  p("scratch", "tensor(int8)", "[scratch_bytes] workspace (TensorRT graphs; never read)",
                    param_option=defs.OpSchema.FormalParameterOption.Optional)],
-        type_constraints=[("B", ["tensor(uint8)", "tensor(int8)"], "MXFP4 bytes: uint8, or int8 views (TensorRT)")],
+        type_constraints=[("T", ["tensor(float)", "tensor(bfloat16)"], "activations: fp32, or bf16 (TensorRT)"),
+                          ("B", ["tensor(uint8)", "tensor(int8)"], "MXFP4 bytes: uint8, or int8 views (TensorRT)")],
         attributes=[
             attr("expert_offset", kind.INT, "global id of local expert 0"),
             attr("activation", kind.STRING, '"situ" or "silu"'),

@@ -17,6 +17,11 @@ because the ONNX parser widens uint8 initializers to int32 (`plugins/tensorrt_co
 PARSER_UINT8_WEIGHTS_BECOME_INT32, ADD_CONSTANT_NO_UINT8); the impl views them back as uint8 (no copy). The
 engine holds them at 4.25 bits per weight, as the planner counts.
 
+Rows on the device: the eighth input `row_counts` (int64) says, summed, how many leading rows of x carry tokens.
+After a MoEDispatch (dp layout) it is the dispatch's recv_counts, so the op computes the rows received and never
+the rest of the static receive buffer; in the all-reduce layout the graph feeds one constant count of at least the
+step's tokens (every row). bf16 in and out on GPU builds: no Casts around the op.
+
 No host synchronization in `impl` (the pair layout is one kernel sized from shapes, `triton_kernel.pair_layout`)
 and bounded scratch (tokens in chunks), so the launches can be captured in a CUDA graph. The result is written
 straight into TensorRT's output buffer. QDP plugins get no TensorRT workspace (contract QDP_NO_WORKSPACE), so the
@@ -36,6 +41,7 @@ import tensorrt.plugin as trtp
 import torch
 
 from .. import PLUGIN_NAMESPACE
+from ..collectives.nccl import received_rows_bound
 from ..tensorrt_common import Float32Field, Int32Field, as_torch, scalar, text
 from .onnx_schema import OP_TYPE
 from .reference import ACTIVATIONS
@@ -53,17 +59,18 @@ def _describe(
     w13_scale: trtp.TensorDesc,
     w2_packed: trtp.TensorDesc,
     w2_scale: trtp.TensorDesc,
+    row_counts: trtp.TensorDesc,
     expert_offset: Int32Field,
     activation: str,
     situ_beta: Float32Field,
     situ_linear_beta: Float32Field,
     scratch_bytes: Int32Field,
 ) -> tuple[trtp.TensorDesc, trtp.TensorDesc]:
-    """y [T, D] fp32, the shape of x, and the workspace [scratch_bytes] int8; an unknown activation fails the
+    """y [T, D] like x (fp32 or bf16), and the workspace [scratch_bytes] int8; an unknown activation fails the
     build here, not at run time."""
     if text(activation) not in ACTIVATIONS:
         raise ValueError(f"{PLUGIN_ID}: activation must be one of {ACTIVATIONS}, got {text(activation)!r}")
-    return (trtp.from_shape_expr((x.shape_expr[0], x.shape_expr[1]), dtype=trt.float32),
+    return (trtp.from_shape_expr((x.shape_expr[0], x.shape_expr[1]), dtype=x.dtype),
             trtp.from_shape_expr((scalar(scratch_bytes),), dtype=trt.int8))  # fmt: skip
 
 
@@ -76,11 +83,12 @@ def _formats(
     w13_scale: trtp.TensorDesc,
     w2_packed: trtp.TensorDesc,
     w2_scale: trtp.TensorDesc,
+    row_counts: trtp.TensorDesc,
     outputs: tuple[trtp.TensorDesc, trtp.TensorDesc],
 ) -> list[trtp.AutoTuneCombination]:
-    """fp32 activations, int64 ids, fp32 routing weights, MXFP4 bytes as INT8 (views of the uint8 bytes), fp32
-    output, INT8 workspace; linear layout."""
-    return [trtp.AutoTuneCombination("FP32, INT64, FP32, INT8, INT8, INT8, INT8, FP32, INT8")]
+    """Activations in and out in bf16 (GPU builds) or fp32, int64 ids, fp32 routing weights, MXFP4 bytes as INT8
+    (views of the uint8 bytes), int64 row counts, INT8 workspace; linear layout."""
+    return [trtp.AutoTuneCombination(f"{t}, INT64, FP32, INT8, INT8, INT8, INT8, INT64, {t}, INT8") for t in ("BF16", "FP32")]
 
 
 @trtp.impl(PLUGIN_ID)
@@ -92,6 +100,7 @@ def _run(
     w13_scale: trtp.Tensor,
     w2_packed: trtp.Tensor,
     w2_scale: trtp.Tensor,
+    row_counts: trtp.Tensor,
     expert_offset: Int32Field,
     activation: str,
     situ_beta: Float32Field,
@@ -101,14 +110,18 @@ def _run(
     stream: int,
 ) -> None:
     """Run the Triton kernels on TensorRT's stream, writing into the output buffer, with the partial sums and
-    activations in the workspace output (no host synchronization). x arrives fp32 holding the engine's bf16
-    activations (GPU builds compute in bf16), so its bf16 copy is exact and the kernels take the tensor-core
-    path (bf16 operands, fp32 accumulation, bf16 activations; y written fp32)."""
+    activations in the workspace output (no host synchronization). The rows computed are the first
+    sum(row_counts) of x, a device value (after a MoEDispatch: the rows received; else all of them), over chunks
+    bounded on the host by the pending dispatch's `received_rows_bound` (else x's rows). bf16 x (GPU builds) takes
+    the tensor-core path (bf16 operands, fp32 accumulation)."""
     x_t, ids, w = (as_torch(t) for t in (x, expert_ids, expert_weights))
     weights = [as_torch(t).view(torch.uint8) for t in (w13_packed, w13_scale, w2_packed, w2_scale)]
+    bound = received_rows_bound()
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
         moe_mxfp4_triton(
-            x_t.to(torch.bfloat16), ids, w, *weights,
+            x_t, ids, w, *weights,
+            recv_counts=as_torch(row_counts),
+            row_bound=x_t.shape[0] if bound is None else min(bound, x_t.shape[0]),
             expert_offset=scalar(expert_offset),
             activation=text(activation),
             situ_beta=scalar(situ_beta),

@@ -32,14 +32,18 @@ As TensorRT-LLM runs its engines:
   - Wide EP (`parallel.attention: dp`): each attention group (tp consecutive ranks) runs its own requests with
     the engine core's per-group scheduling (`runtime/core/wide_ep.py`: the group's first rank schedules and
     broadcasts the plan in the group over MPI, rank 0 spreads requests over the groups), as the ONNX Runtime
-    engine does; the engine's MoEDispatch / MoECombine plugins run NCCL all-to-alls over the world. A group with
-    nothing to run still runs one engine step per world step (`step(None)`, the idle step): TensorRT's profile
-    starts at one token, so the step carries one dummy token on the spare slot (position 0, block-table row -1:
-    no cache row written) whose logits are dropped, and the ep communicator is marked idle so the dispatch sends
-    none of its rows; the rank still receives and computes what the other groups send its experts. The
-    dispatches report the tokens routed to each expert (`step_expert_tokens`, per MoE layer). Decode CUDA graphs
-    are off in this layout: the dispatch reads its counts back to the host (NCCL's all-to-all-v takes host split
-    sizes), which a graph capture cannot hold.
+    engine does; the engine's MoEDispatch / MoECombine plugins run NCCL all-to-alls over the world. Every rank
+    runs one engine step per world step, a group with nothing to run an idle one (`step(None)`), and the ranks
+    agree on the step's kind with one host all-reduce over MPI (`_agree_bucket`, no device wait): when every
+    rank's step is a decode step (or idle), all run the largest decode bucket among them through its CUDA graph,
+    their batches padded to it, and the all-to-alls move fixed blocks of ceil(bucket / tp) rows per peer with no
+    host value (`plugins/collectives/all_to_all.py`); otherwise every rank runs eagerly and the all-to-alls use
+    the counted transport (one read-back of the counts per MoE layer). The real tokens of the rank's share are a
+    device value set before each enqueue or replay (`Communicator.begin_step`), so padding rows, and the idle
+    group's dummy rows, are routed nowhere; the rank still receives and computes what the others send its
+    experts, and its expert op computes only the rows received (their count read on the device). The dispatches
+    count the tokens routed to each expert on the device (`step_expert_tokens`, per MoE layer), copied back
+    with the step's one wait.
   - CUDA graphs: decode steps (one token per sequence) run through a CUDA graph per batch-size bucket
     (`decode_buckets`: powers of two up to max_batch). Each bucket has its own execution context sharing the
     rank's one activation buffer (they never run concurrently: one stream), static input buffers and a fixed
@@ -47,7 +51,8 @@ As TensorRT-LLM runs its engines:
     (`pad_decode_feeds`; the profile admits max_batch + 1 slots) whose table rows are -1, so they write no cache
     row. A bucket's first step runs eagerly (the JIT plugins compile their kernels), then is captured; later
     steps copy their inputs into the static buffers and replay. Possible because no plugin synchronizes with
-    the host inside its enqueue. Prefill and mixed steps run eagerly on the main context.
+    the host inside its enqueue (in the dp layout: the block transport). Prefill and mixed steps run eagerly on
+    the main context.
 """
 
 from __future__ import annotations
@@ -128,10 +133,25 @@ def decode_buckets(max_batch: int) -> list[int]:
     return out + [max_batch]
 
 
-def graph_buckets(num_slots: int, pad_slot: int | None, dp_layout: bool) -> list[int]:
-    """The decode CUDA graphs' buckets: none without a spare slot to pad onto, and none in the dp layout, whose
-    all-to-all reads its counts back to the host inside the enqueue (a graph capture cannot hold that)."""
-    return decode_buckets(num_slots) if pad_slot is not None and not dp_layout else []
+def graph_buckets(num_slots: int, pad_slot: int | None) -> list[int]:
+    """The decode CUDA graphs' buckets: none without a spare slot to pad onto."""
+    return decode_buckets(num_slots) if pad_slot is not None else []
+
+
+EAGER_STEP = 1 << 30  # a rank's bid in the world's bucket agreement when its step cannot replay a graph
+
+
+def world_bucket(bids: list[int]) -> int | None:
+    """dp layout: the decode bucket every rank of a world step runs (the largest bid), None when some rank's step
+    runs eagerly (then every rank does: the all-to-alls' transport must be the same on every rank)."""
+    most = max(bids)
+    return None if most >= EAGER_STEP else most
+
+
+def share_tokens(real: int, step_tokens: int, tp: int, tp_rank: int) -> int:
+    """Real tokens in a tp rank's share of its group's step (the dispatch input: rows r*c .. of the step's
+    tokens, c = ceil(step_tokens / tp), the first `real` of which are real; padding tokens follow)."""
+    return max(0, real - tp_rank * -(-step_tokens // tp))
 
 
 def is_decode(batch: StepBatch) -> bool:
@@ -189,6 +209,9 @@ class TensorRTEngine:
         self.step_expert_tokens = np.zeros((dispatch_layers(rank_dir / "model.onnx"), num_experts), np.int64)
         self.expert_tokens = np.zeros_like(self.step_expert_tokens)
         self.group_step_expert_tokens = self.step_expert_tokens
+        if self.dp_layout:
+            self.comm.nccl["ep"].reserve(self.device, len(self.step_expert_tokens), num_experts)
+            self._routed_host = torch.zeros(self.step_expert_tokens.shape, dtype=torch.int64, pin_memory=True)
         self._open_engine(rank_dir)
         self._allocate(rank_dir, num_checkpoints)
         self._start_vision_tower(trt, torch)
@@ -220,7 +243,7 @@ class TensorRTEngine:
         # decode CUDA graphs pad batches onto one spare slot (the build's limits admit max_batch + 1 slots)
         self._pad_slot = self.num_slots if int(self.meta["pool_limits"]["slots"]) > self.num_slots else None
         self._graphs: dict[int, _DecodeGraph] = {}
-        self._buckets = graph_buckets(self.num_slots, self._pad_slot, self.dp_layout)
+        self._buckets = graph_buckets(self.num_slots, self._pad_slot)
         return rank_dir
 
     def _open_engine(self, rank_dir: Path) -> None:
@@ -276,7 +299,6 @@ class TensorRTEngine:
             return
         if self.dp_layout:
             self._idle_enqueue()
-            self.comm.nccl["ep"].expert_counts = []  # no request's tokens
         else:
             self._enqueue(self._with_images(pad_decode_feeds(_empty_decode(), 1, self._pad_slot, 1)))
         for bucket in self._buckets:
@@ -352,6 +374,7 @@ class TensorRTEngine:
             return None
         with self._torch.cuda.stream(self.stream):
             logits = self._forward(batch).float().to("cpu", non_blocking=True)
+            self._routed_to_host()
         self.stream.synchronize()  # the one wait of a step: the host needs the logits
         self._count_experts()
         return logits.numpy()
@@ -365,57 +388,81 @@ class TensorRTEngine:
             return None
         with self._torch.cuda.stream(self.stream):
             logits = self._forward(batch)
+            self._routed_to_host()
             out = sample(logits, sampling) if sampling is not None else None
-        if out is None:
+        if out is None or self.dp_layout:
             self.stream.synchronize()
         self._count_experts()
         return out
 
     def _idle_step(self) -> None:
-        """dp layout: join this step's MoE all-to-alls without tokens (see the module doc): one dummy token on the
-        spare slot, the dispatch sending none of its rows."""
+        """dp layout: join this step's MoE all-to-alls without tokens (see the module doc): the world's decode
+        bucket with no real row, or one eager dummy token on the spare slot, the dispatch sending none of its rows."""
         if not self.dp_layout:
             raise InputError("an idle step (no batch) exists only in the dp layout, where groups join the MoE "
                              "all-to-alls without tokens")
         if self._pad_slot is None:
             raise InputError(f"num_slots={self.num_slots}: an idle step needs the spare state slot the profile "
                              "admits beyond the runner's slots; open the engine with fewer slots")
-        self._idle_enqueue()
+        bucket = self._agree_bucket(self._buckets[0] if self._buckets else EAGER_STEP)
+        with self._torch.cuda.stream(self.stream):
+            if bucket is None:
+                self._idle_enqueue()
+            else:
+                self._bucket_step(bucket, _empty_decode())
+            self._routed_to_host()
         self.stream.synchronize()
         self._count_experts()
 
     def _idle_enqueue(self) -> None:
-        """Enqueue the idle step: one dummy token on the spare slot, the ep communicator marked idle."""
-        ep = self.comm.nccl["ep"]
+        """Enqueue an eager idle step: one dummy token on the spare slot, none of it real."""
         with self._torch.cuda.stream(self.stream):
             for name, pool in self.pools.items():
                 if name.startswith(RESET_ON_NEW_SEQUENCE):
                     pool[self._pad_slot].zero_()
-            ep.idle = True
-            try:
-                self._enqueue(self._with_images(pad_decode_feeds(_empty_decode(), 1, self._pad_slot, 1)))
-            finally:
-                ep.idle = False
+            self.comm.nccl["ep"].begin_step(0, 0)
+            self._enqueue(self._with_images(pad_decode_feeds(_empty_decode(), 1, self._pad_slot, 1)))
+
+    def _agree_bucket(self, bid: int) -> int | None:
+        """The world step's decode bucket from this rank's `bid` (its own bucket, or EAGER_STEP): in the dp layout
+        every rank runs the same one (one host all-reduce over MPI, no device wait); None: an eager step."""
+        if self.dp_layout:
+            from mpi4py import MPI
+
+            return world_bucket([self.comm.world.allreduce(bid, op=MPI.MAX)])
+        return None if bid >= EAGER_STEP else bid
+
+    def _begin_moe_step(self, real: int, step_tokens: int, block_rows: int) -> None:
+        """dp layout: the ep communicator's state for the next enqueue or replay (see `share_tokens`)."""
+        if self.dp_layout:
+            valid = share_tokens(real, step_tokens, self.tp, self.mapping.tp_rank)
+            self.comm.nccl["ep"].begin_step(valid, block_rows)
+
+    def _routed_to_host(self) -> None:
+        """dp layout: the step's per-expert token counts copied back on the stream (read after its one wait)."""
+        if self.dp_layout:
+            self._routed_host.copy_(self.comm.nccl["ep"].routed, non_blocking=True)
 
     def _count_experts(self) -> None:
         """The step's per-expert token counts from the dispatch plugins (dp layout; nothing otherwise)."""
-        if not len(self.step_expert_tokens):
+        if not self.dp_layout:
             return
-        ep = self.comm.nccl["ep"]
-        counts, ep.expert_counts = ep.expert_counts, []
-        if len(counts) != len(self.step_expert_tokens):
-            raise RuntimeError(f"the step ran {len(counts)} MoE dispatches, the engine has "
-                               f"{len(self.step_expert_tokens)} dispatching layers")
-        self.step_expert_tokens = np.asarray(counts, dtype=np.int64)
+        self.step_expert_tokens = self._routed_host.numpy().copy()
         self.expert_tokens += self.step_expert_tokens
         self.group_step_expert_tokens = (self.comm.group_sum(self.step_expert_tokens) if self.tp > 1
                                          else self.step_expert_tokens)
 
     def _forward(self, batch: StepBatch):
-        """Enqueue one packed step on `self.stream`: its logits [N, vocab] on the device (not waited for)."""
+        """Enqueue one packed step on `self.stream`: its logits [N, vocab] on the device (not waited for). Decode
+        steps replay their bucket's CUDA graph (in the dp layout the world's bucket, see `_agree_bucket`)."""
         check_step_batch(self, batch)
-        if is_decode(batch) and self._buckets and batch.num_sequences <= self._buckets[-1]:
-            return self._decode_graph_step(batch)
+        n = batch.num_sequences
+        fits = is_decode(batch) and self._buckets and n <= self._buckets[-1]
+        bucket = self._agree_bucket(next(b for b in self._buckets if b >= n) if fits else EAGER_STEP)
+        if bucket is not None:
+            return self._bucket_step(bucket, batch)
+        tokens = int(batch.input_ids.shape[0])
+        self._begin_moe_step(tokens, tokens, 0)
         return self._enqueue(self._feeds(batch))
 
     def _enqueue(self, feeds: dict[str, np.ndarray]):
@@ -439,12 +486,6 @@ class TensorRTEngine:
         return outputs["logits"]
 
     # ---- internals ----
-    def _decode_graph_step(self, batch: StepBatch):
-        """A decode step through its bucket's CUDA graph (captured after the bucket's first, eager, step): the
-        logits rows of the step on the device (not waited for)."""
-        bucket = next(b for b in self._buckets if b >= batch.num_sequences)
-        return self._bucket_step(bucket, batch)
-
     def _bucket_step(self, bucket: int, batch: StepBatch):
         """`batch` padded to `bucket` through the bucket's graph (eager and captured the first time)."""
         torch = self._torch
@@ -457,9 +498,12 @@ class TensorRTEngine:
             for name, pool in self.pools.items():
                 if name.startswith(RESET_ON_NEW_SEQUENCE):
                     pool[self._pad_slot].zero_()  # padding rows start from a clean state every step
+            block = -(-bucket // self.tp) if self.dp_layout else 0  # dp: blocks hold a share of the bucket
+            self._begin_moe_step(n, bucket, block)
             if graph.cuda_graph is None:  # first step of the bucket: run it, then capture it
                 if not graph.context.execute_async_v3(self.stream.cuda_stream):
                     raise RuntimeError("TensorRT failed to enqueue the step (see the log above)")
+                self._begin_moe_step(n, bucket, block)  # the capture's dispatches count layers from the first
                 cuda_graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(cuda_graph, stream=self.stream):
                     if not graph.context.execute_async_v3(self.stream.cuda_stream):
