@@ -3,11 +3,16 @@
   - `usable_gpu_bytes`: what CUDA reports as the device's total (torch.cuda.mem_get_info) and what is free once
     a context exists, next to the planner's NVML figure (`export/plan_memory.py` EXPOSED_GPU_BYTES);
   - `dp_moe_full_buffer_ms`: the MoE expert op as the dp layout runs it today (`moe_mxfp4_triton` over the whole
-    static receive buffer, K3's shapes: 65,536 rows x 3,584, top-16, 14 local experts of 3,072), at a decode
-    step whose rows with tokens are `rows_with_tokens`, with the decode-step model's bytes for it
-    (`export/decode_model.py`) and the bandwidth they imply.
-The counted-rows op (`dp_moe_counted_speedup`) is not here: it needs the new MoE kernel (see the README's TensorRT
-section). Run from the repo root: `python3 benchmarks/gpu_trt_check.py --json $OUT/gpu_trt_check.json`;
+    static receive buffer, fp32 in and out, K3's shapes: 65,536 rows x 3,584, top-16, 14 local experts of 3,072),
+    at a decode step whose rows with tokens are `rows_with_tokens`, with the decode-step model's bytes for it
+    (`export/decode_model.py`) and the bandwidth they imply;
+  - `dp_moe_counted_ms`: the same op, inputs and weights in its counted-rows mode (`recv_counts` of 64 ranks
+    making the `rows_with_tokens` head rows valid, `row_bound` 192, bf16 in and out; `counted_model`), timed in
+    the same rounds, alternated with the full-buffer run; `dp_moe_counted_speedup` = full / counted, and
+    `dp_moe_counted_max_rel_diff`, its valid rows against the full-buffer run's (bf16 roundings only);
+    `dp_moe_counted_graph_replay_equal`: the counted op captured in a CUDA graph with no host wait, replayed at
+    other receive counts, equals its eager run.
+Run from the repo root: `python3 benchmarks/gpu_trt_check.py --json $OUT/gpu_trt_check.json`;
 `--device cpu` (TRITON_INTERPRET=1) runs the same code at tiny shapes.
 """
 
@@ -15,15 +20,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
-from moe_export.export.decode_model import full_buffer_moe_op
+from moe_export.export.decode_model import counted_moe_op, full_buffer_moe_op
 from moe_export.export.plan_memory import EXPOSED_GPU_BYTES
+from moe_export.plugins.moe_mxfp4.sizes import workspace_bytes
 from moe_export.plugins.moe_mxfp4.triton_kernel import moe_mxfp4_triton
 
-K3_SHAPES = {"rows": 65536, "top_k": 16, "dim": 3584, "inter": 3072, "num_local": 14, "rows_with_tokens": 48}
-TINY_SHAPES = {"rows": 64, "top_k": 2, "dim": 64, "inter": 32, "num_local": 2, "rows_with_tokens": 3}
+K3_SHAPES = {"rows": 65536, "top_k": 16, "dim": 3584, "inter": 3072, "num_local": 14, "rows_with_tokens": 48,
+             "recv_ranks": 64, "row_bound": 192}  # fmt: skip
+TINY_SHAPES = {"rows": 64, "top_k": 2, "dim": 64, "inter": 32, "num_local": 2, "rows_with_tokens": 3, "recv_ranks": 4,
+               "row_bound": 8}  # fmt: skip
+COUNTED_CALLS_PER_ROUND = 10  # the counted op is short: several calls per timed round
 
 
 def usable_memory(device: torch.device) -> dict:
@@ -35,39 +45,105 @@ def usable_memory(device: torch.device) -> dict:
             "planner_exposed_bytes": EXPOSED_GPU_BYTES["h200"]}  # fmt: skip
 
 
-def dp_moe_full_buffer(device: torch.device, shapes: dict, repeats: int) -> dict:
-    """Time the expert op over the whole receive buffer with `rows_with_tokens` rows routed here (the rest -1,
-    as the dispatch leaves them), and the model's bytes for it."""
+def moe_inputs(device: torch.device, shapes: dict) -> dict:
+    """The receive buffer as the dispatch leaves it: `rows_with_tokens` rows routed here, the rest ids -1; x
+    rounded to bf16 (the all-to-all's dtype), random MXFP4 experts with E8M0 scales near 1."""
     rows, k, dim, inter, local = (shapes[n] for n in ("rows", "top_k", "dim", "inter", "num_local"))
     gen = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(rows, dim, generator=gen).to(device=device, dtype=torch.bfloat16).float()
+    x = torch.randn(rows, dim, generator=gen).to(device=device, dtype=torch.bfloat16)
     ids = torch.full((rows, k), -1, dtype=torch.int64)
     used = shapes["rows_with_tokens"]
     ids[:used] = torch.randint(0, local, (used, k), generator=gen)
-    ids, weights = ids.to(device), torch.rand(rows, k, generator=gen).to(device)
     packed = [torch.randint(0, 256, s, generator=gen, dtype=torch.int32).to(torch.uint8).to(device)
               for s in ((local, 2 * inter, dim // 2), (local, 2 * inter, dim // 32), (local, dim, inter // 2),
                         (local, dim, inter // 32))]  # fmt: skip
     for s in (packed[1], packed[3]):
         s.clamp_(118, 130)  # E8M0 scales near 1
-    out = torch.empty(rows, dim, dtype=torch.float32, device=device)
+    ranks = shapes["recv_ranks"]  # the receive counts of the ep group, summing to rows_with_tokens
+    counts = torch.tensor([used // ranks + (r < used % ranks) for r in range(ranks)], dtype=torch.int64)
+    return {"x": x, "ids": ids.to(device), "weights": torch.rand(rows, k, generator=gen).to(device),
+            "packed": packed, "recv_counts": counts.to(device)}  # fmt: skip
 
-    def run():
-        moe_mxfp4_triton(x, ids, weights, *packed, expert_offset=0, out=out)
 
-    run()  # compile
+def wall_ms(fn, device: torch.device, calls: int = 1) -> float:
+    """Milliseconds per call of `calls` calls of fn, the device synchronized before and after."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
-    for _ in range(repeats):
-        run()
+    for _ in range(calls):
+        fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    ms = (time.perf_counter() - start) / repeats * 1e3
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def dp_moe_full_and_counted(device: torch.device, shapes: dict, inp: dict, repeats: int) -> dict:
+    """Time the expert op over the whole receive buffer (fp32 in and out, as the graph casts today) and in its
+    counted-rows mode (recv_counts making `rows_with_tokens` rows valid, `row_bound` rows chunked, bf16 in and
+    out), in interleaved rounds (median of each), with the decode-step model's bytes for the full-buffer run and
+    the bandwidth they imply, and the counted rows' largest difference from the full-buffer ones."""
+    rows, k, dim, inter, local = (shapes[n] for n in ("rows", "top_k", "dim", "inter", "num_local"))
+    x32, used = inp["x"].float(), shapes["rows_with_tokens"]
+    full_out = torch.empty(rows, dim, dtype=torch.float32, device=device)
+    counted_out = torch.empty(rows, dim, dtype=torch.bfloat16, device=device)
+
+    def full():
+        moe_mxfp4_triton(x32, inp["ids"], inp["weights"], *inp["packed"], expert_offset=0, out=full_out)
+
+    def counted():
+        moe_mxfp4_triton(inp["x"], inp["ids"], inp["weights"], *inp["packed"], expert_offset=0, out=counted_out,
+                         recv_counts=inp["recv_counts"], row_bound=shapes["row_bound"])  # fmt: skip
+
+    full(), counted()  # compile
+    rounds = [(wall_ms(full, device), wall_ms(counted, device, COUNTED_CALLS_PER_ROUND)) for _ in range(repeats)]
+    full_ms, counted_ms = (statistics.median(times) for times in zip(*rounds))
+    scale = max(float(full_out[:used].abs().max()), 1.0)
     model = full_buffer_moe_op(rows, k, dim, inter, local)
     moved = model["partial_sum_bytes"] + model["output_bytes"]
-    return {"dp_moe_full_buffer_ms": ms, "model": model, "model_pass_bytes": moved,
-            "implied_pass_gb_per_s": moved / ms / 1e6, "shapes": shapes}  # fmt: skip
+    return {"dp_moe_full_buffer_ms": full_ms, "dp_moe_counted_ms": counted_ms,
+            "dp_moe_counted_speedup": full_ms / counted_ms,
+            "dp_moe_counted_max_rel_diff": float((counted_out[:used].float() - full_out[:used]).abs().max()) / scale,
+            "model": model, "counted_model": counted_moe_op(shapes["row_bound"], k, dim, inter, local),
+            "model_pass_bytes": moved, "implied_pass_gb_per_s": moved / full_ms / 1e6, "shapes": shapes}  # fmt: skip
+
+
+def counted_graph_replay(device: torch.device, shapes: dict, inp: dict) -> dict:
+    """CUDA only: the counted op (in a caller's workspace) captured into a CUDA graph under sync debug mode "error"
+    (a host wait raises), then replayed after the receive counts change in place: its valid rows equal the eager
+    run at the new counts, the rows past them unwritten."""
+    if device.type != "cuda":
+        return {}
+    rows, k, dim, inter, local = (shapes[n] for n in ("rows", "top_k", "dim", "inter", "num_local"))
+    out = torch.empty(rows, dim, dtype=torch.bfloat16, device=device)
+    workspace = torch.empty(workspace_bytes(shapes["row_bound"], k, dim, inter, local), dtype=torch.uint8,
+                            device=device)  # fmt: skip
+
+    def run():
+        moe_mxfp4_triton(inp["x"], inp["ids"], inp["weights"], *inp["packed"], expert_offset=0, out=out,
+                         workspace=workspace, recv_counts=inp["recv_counts"],
+                         row_bound=shapes["row_bound"])  # fmt: skip
+
+    run()  # compile, outside the checked region
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    n = shapes["rows_with_tokens"] // 2
+    inp["recv_counts"].zero_()
+    inp["recv_counts"][0] = n
+    out.fill_(float("nan"))
+    graph.replay()
+    replayed = out.clone()
+    out.fill_(float("nan"))
+    run()
+    torch.cuda.synchronize(device)
+    equal = torch.equal(replayed[:n], out[:n]) and bool(replayed[n:].isnan().all())
+    return {"dp_moe_counted_graph_replay_equal": equal}
 
 
 def main() -> None:
@@ -78,8 +154,10 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     shapes = K3_SHAPES if device.type == "cuda" else TINY_SHAPES
+    inp = moe_inputs(device, shapes)  # the graph replay, last, changes its receive counts
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              **usable_memory(device), **dp_moe_full_buffer(device, shapes, args.repeats)}  # fmt: skip
+              **usable_memory(device), **dp_moe_full_and_counted(device, shapes, inp, args.repeats),
+              **counted_graph_replay(device, shapes, inp)}  # fmt: skip
     print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w") as f:

@@ -11,43 +11,67 @@ Per MoE layer and rank (the TensorRT graph, `graphs/onnx_moe.py` `FeedForwardLay
     into y [rows, D];
   - the graph's Cast of y [R, D] fp32 -> bf16, and MoECombine's all-to-all-v of the counted rows back.
 R = `Mapping.max_recv_rows(max_num_tokens)` whatever the step's batch, so these bytes and launches are paid at
-every decode step. Launches count the kernels, passes, Casts, fills and NCCL calls named (at least: the
-chunk's pair-layout ops are more). The expert weights read (every local expert a token was routed to) are the same for a
+every decode step. Launches count the kernels, passes, Casts, fills and NCCL calls named (at least: the chunk's
+pair-layout ops are more). The expert weights read (every local expert a token was routed to) are the same for a
 counted-rows op and are given apart. Bytes are device-memory traffic (written + read) of the passes named.
+`counted_moe_op` is the same expert op in its counted-rows mode (`recv_counts`, `row_bound`): valid rows read on
+the device, chunks and grids bounded by the step's row bound, not by R.
 """
 
 from __future__ import annotations
 
 from moe_export.plugins.moe_mxfp4 import sizes as moe
 
-COMBINE_BLOCK_D = 512  # moe_mxfp4_triton's combine kernel: one program per row and 512 columns
 EXPERT_BITS_PER_WEIGHT = 4.25  # MXFP4
 NCCL_CALLS_PER_LAYER = 5  # dispatch: counts, rows, ids, weights; combine: rows
 
 
-def full_buffer_moe_op(rows: int, top_k: int, dim: int, inter: int, num_local: int,
-                       budget_bytes: int = moe.DEFAULT_SCRATCH_BUDGET) -> dict[str, int]:  # fmt: skip
-    """What `moe_mxfp4_triton` does over `rows` received rows: chunks, kernel launches and their programs, and the
-    bytes of the fp32 partial sums its down kernel writes and its combine reads (a pass over the whole buffer)."""
+def _expert_op_launches(rows: int, top_k: int, dim: int, inter: int, num_local: int, budget_bytes: int,
+                        counted: bool) -> tuple[int, int]:  # fmt: skip
+    """(kernel launches, programs as launched) of `moe_mxfp4_triton` over `rows` rows in chunks, with static grids
+    or (counted) the bounded grids of `recv_counts` mode (`sizes.block_programs`, `sizes.combine_programs`)."""
     step = moe.chunk_tokens(top_k, dim, inter, budget_bytes)
     launches = programs = 0
     for t0 in range(0, rows, step):
         n = min(step, rows - t0)
         tiles = moe.tile_config(n * top_k, num_local, dim, inter)
         bm, bn = tiles["block_m"], tiles["block_n"]
-        cap = moe.pair_capacity(n * top_k, num_local, bm)
-        if cap:
+        if moe.pair_capacity(n * top_k, num_local, bm):
             launches += 3  # pair layout, up, down
-            programs += 1 + cap // bm * (-(-inter // bn) + -(-dim // bn))
+            programs += 1 + moe.block_programs(n * top_k, num_local, bm, counted) * (-(-inter // bn) + -(-dim // bn))
         launches += 1  # combine
-        programs += n * -(-dim // COMBINE_BLOCK_D)
+        programs += moe.combine_programs(n, dim, counted) * -(-dim // moe.COMBINE_BLOCK_D)
+    return launches, programs
+
+
+def full_buffer_moe_op(rows: int, top_k: int, dim: int, inter: int, num_local: int,
+                       budget_bytes: int = moe.DEFAULT_SCRATCH_BUDGET) -> dict[str, int]:  # fmt: skip
+    """What `moe_mxfp4_triton` does over `rows` received rows: chunks, kernel launches and their programs, and the
+    bytes of the fp32 partial sums its down kernel writes and its combine reads (a pass over the whole buffer)."""
+    launches, programs = _expert_op_launches(rows, top_k, dim, inter, num_local, budget_bytes, counted=False)
     return {
-        "chunks": -(-rows // step),
+        "chunks": -(-rows // moe.chunk_tokens(top_k, dim, inter, budget_bytes)),
         "kernel_launches": launches,
         "kernel_programs": programs,
         "full_buffer_passes": 1,  # the partial sums: written by the down kernel, read by the combine
         "partial_sum_bytes": 2 * rows * top_k * dim * 4,
         "output_bytes": rows * dim * 4,
+    }
+
+
+def counted_moe_op(row_bound: int, top_k: int, dim: int, inter: int, num_local: int,
+                   budget_bytes: int = moe.DEFAULT_SCRATCH_BUDGET) -> dict[str, int]:  # fmt: skip
+    """What `moe_mxfp4_triton(recv_counts=..., row_bound=row_bound)` does whatever the receive buffer's rows: the
+    chunks of [0, row_bound), launches and programs of its bounded grids, no pass over the buffer, and at most the
+    bytes of the rows bound: fp32 partial sums of their pairs (written and read), their bf16 output."""
+    launches, programs = _expert_op_launches(row_bound, top_k, dim, inter, num_local, budget_bytes, counted=True)
+    return {
+        "chunks": -(-row_bound // moe.chunk_tokens(top_k, dim, inter, budget_bytes)),
+        "kernel_launches": launches,
+        "kernel_programs": programs,
+        "full_buffer_passes": 0,
+        "partial_sum_bytes": 2 * row_bound * top_k * dim * 4,
+        "output_bytes": row_bound * dim * 2,
     }
 
 

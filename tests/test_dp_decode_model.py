@@ -8,10 +8,11 @@ from __future__ import annotations
 import onnx
 import torch
 from moe_export.common.recipe import load_recipe
-from moe_export.export.decode_model import dp_decode_step, full_buffer_moe_op
+from moe_export.export.decode_model import counted_moe_op, dp_decode_step, full_buffer_moe_op
 from moe_export.export.planner import make_plan, moe_all_to_all_bytes
 from moe_export.export.synth import preset_config
 from moe_export.graphs.sharding import Mapping
+from moe_export.plugins.moe_mxfp4 import sizes as moe_sizes
 from moe_export.plugins.moe_mxfp4 import triton_kernel
 from test_tensorrt_plugins import tiny_graphs  # noqa: F401  (module fixture: real tiny rank graphs)
 
@@ -24,9 +25,8 @@ class Recorder:
         return lambda *args, **kwargs: self.log.append((self.name, grid))
 
 
-def test_expert_op_model_counts_what_moe_mxfp4_triton_does(monkeypatch):
-    rows, k, dim, inter, local = 40, 2, 64, 32, 2
-    budget = 4 * k * (dim + inter) * 8  # chunks of 8 rows
+def record_launches(monkeypatch, rows, k, dim, inter, local, budget, **counted):
+    """[(kernel, grid)] of one `moe_mxfp4_triton` call over `rows` rows, its four kernels replaced by recorders."""
     log: list = []
     for name in ("_pair_layout_kernel", "_moe_up_kernel", "_moe_down_kernel", "_combine_kernel"):
         monkeypatch.setattr(triton_kernel, name, Recorder(log, name))
@@ -36,12 +36,43 @@ def test_expert_op_model_counts_what_moe_mxfp4_triton_does(monkeypatch):
     weights = [torch.zeros(local, 2 * inter, dim // 2, dtype=torch.uint8), torch.zeros(local, 2 * inter, dim // 32, dtype=torch.uint8),
                torch.zeros(local, dim, inter // 2, dtype=torch.uint8), torch.zeros(local, dim, inter // 32, dtype=torch.uint8)]  # fmt: skip
     triton_kernel.moe_mxfp4_triton(torch.randn(rows, dim, generator=gen), ids, torch.rand(rows, k, generator=gen),
-                                   *weights, expert_offset=0, budget_bytes=budget)  # fmt: skip
+                                   *weights, expert_offset=0, budget_bytes=budget, **counted)  # fmt: skip
+    return log
+
+
+def programs(log):
+    return sum(g[0] * (g[1] if len(g) > 1 else 1) for _, g in log)
+
+
+def test_expert_op_model_counts_what_moe_mxfp4_triton_does(monkeypatch):
+    rows, k, dim, inter, local = 40, 2, 64, 32, 2
+    budget = 4 * k * (dim + inter) * 8  # chunks of 8 rows
+    log = record_launches(monkeypatch, rows, k, dim, inter, local, budget)
     model = full_buffer_moe_op(rows, k, dim, inter, local, budget)
     assert model["chunks"] == 5 == sum(e[0] == "_combine_kernel" for e in log)
     assert model["kernel_launches"] == len(log)
-    assert model["kernel_programs"] == sum(g[0] * (g[1] if len(g) > 1 else 1) for _, g in log)
+    assert model["kernel_programs"] == programs(log)
     assert model["partial_sum_bytes"] == 2 * rows * k * dim * 4
+
+
+def test_counted_expert_op_model_counts_what_moe_mxfp4_triton_does(monkeypatch):
+    """recv_counts mode: the launches and their grids depend on row_bound alone, not on the buffer's rows, and
+    are what `counted_moe_op` says; the full-buffer op over the big buffer launches far more."""
+    k, dim, inter, local, bound = 2, 64, 32, 4, 20
+    budget = 4 * k * (dim + inter) * 8  # chunks of 8 rows
+    counted = dict(recv_counts=torch.tensor([3, 0, 4]), row_bound=bound)
+    logs = {rows: record_launches(monkeypatch, rows, k, dim, inter, local, budget, **counted) for rows in (24, 400)}
+    assert logs[24] == logs[400]
+    model = counted_moe_op(bound, k, dim, inter, local, budget)
+    log = logs[400]
+    assert model["chunks"] == 3 == sum(e[0] == "_combine_kernel" for e in log)
+    assert model["kernel_launches"] == len(log) == 12 and model["kernel_programs"] == programs(log)
+    up = [g for name, g in log if name == "_moe_up_kernel"]
+    assert up[0][0] == min(local, moe_sizes.pair_capacity(8 * k, local, 16) // 16)  # one program row per expert
+    assert model["full_buffer_passes"] == 0 and model["output_bytes"] == bound * dim * 2
+    full = full_buffer_moe_op(400, k, dim, inter, local, budget)
+    assert full["kernel_programs"] == programs(record_launches(monkeypatch, 400, k, dim, inter, local, budget))
+    assert full["kernel_programs"] > 10 * model["kernel_programs"] and full["kernel_launches"] > 10 * len(log)
 
 
 def test_dp_step_model_matches_the_dp_graph_and_buffer_sizes(tiny_graphs):  # noqa: F811
@@ -92,3 +123,7 @@ def test_gpu_trt_check_dry_run_on_cpu(tmp_path):
     result = json.loads(out.read_text())
     assert result["dp_moe_full_buffer_ms"] > 0 and result["model"]["chunks"] == 1
     assert result["model_pass_bytes"] == 64 * 2 * 64 * 4 * 2 + 64 * 64 * 4
+    assert result["dp_moe_counted_ms"] > 0
+    assert result["dp_moe_counted_speedup"] == result["dp_moe_full_buffer_ms"] / result["dp_moe_counted_ms"]
+    assert result["counted_model"] == counted_moe_op(8, 2, 64, 32, 2) and result["shapes"]["row_bound"] == 8
+    assert 0 < result["dp_moe_counted_max_rel_diff"] < 2e-2  # bf16 x, activations and y against the fp32 run

@@ -254,16 +254,14 @@ def test_inner_triton_block_layout_repeated_expert_and_off_rank():
         ids = torch.randint(0, 12, (9, 3), generator=gen)
         if trial == 0:
             ids[:] = 5  # every pair on one expert
-        rows, experts = triton_kernel.pair_layout(ids, 4, 5, 4)
+        rows, experts, num_blocks = triton_kernel.pair_layout(ids, 4, 5, 4)
         assert rows.numel() == sizes.pair_capacity(27, 5, 4) == 4 * experts.numel()
         local = ids.view(-1) - 4
         grouped = {e: [p for p in range(27) if local[p] == e] for e in range(5)}
+        assert int(num_blocks) == sum(-(-len(v) // 4) for v in grouped.values())  # the used blocks, counted
         got_groups: dict[int, list[int]] = {}
-        for b, e in enumerate(experts.tolist()):
+        for b, e in enumerate(experts[: int(num_blocks)].tolist()):  # the blocks past them are never read
             block = rows[4 * b : 4 * b + 4].tolist()
-            if e < 0:  # past the used blocks: empty, the kernels return at once
-                assert block == [-1] * 4
-                continue
             real = [r for r in block if r >= 0]
             assert block == real + [-1] * (4 - len(real)) and real  # pairs first, then padding
             got_groups.setdefault(e, []).extend(real)
@@ -279,6 +277,122 @@ def test_inner_triton_block_layout_repeated_expert_and_off_rank():
     with pytest.raises(ValueError, match="workspace"):
         triton_kernel.moe_mxfp4_triton(**case, expert_offset=offset, tiles=tiles, budget_bytes=1,
                                        workspace=workspace[:16])  # fmt: skip
+
+
+def counted_case(seed, n, rows, garbage, dtype, E=5, k=3, offset=4):
+    """`rows` receive-buffer rows whose first n are valid (make_case's, each with its first two choices on this
+    rank, so experts span several blocks) and the rest garbage: x and weights NaN ("nan") or large finite values
+    ("finite"), ids of every kind (-1, negative, off rank, this rank's, this rank's plus 2^40). -> (case, offset,
+    recv_counts [3] summing to n, the reference over the n valid rows)."""
+    case, offset = make_case(seed=seed, T=max(n, 1), k=k, E=E, offset=offset)
+    case["expert_ids"][:, 0], case["expert_ids"][:, 1] = offset, offset + 1
+    valid = {name: t[:n] for name, t in case.items() if name in ("x", "expert_ids", "expert_weights")}
+    gen = torch.Generator().manual_seed(seed + 100)
+    junk_ids = torch.randint(-3, 16, (rows - n, k), generator=gen)
+    junk_ids[::2, 0] = 2**40 + offset  # this rank's expert in the low 32 bits
+    junk_ids[1::3, 1] = -(2**40)
+    fill = float("nan") if garbage == "nan" else 1e4
+    junk = dict(x=torch.randn(rows - n, case["x"].shape[1], generator=gen) * fill,
+                expert_ids=junk_ids, expert_weights=torch.rand(rows - n, k, generator=gen) * fill)  # fmt: skip
+    want = reference.moe_mxfp4_reference(**{**case, **valid, "x": valid["x"].to(dtype)}, expert_offset=offset)
+    case.update({name: torch.cat([valid[name], junk[name]]) for name in valid})
+    case["x"] = case["x"].to(dtype)
+    return case, offset, torch.tensor([n // 2, 0, n - n // 2]), want
+
+
+COUNTED = {  # dtype, garbage, rows per chunk (None: one chunk), BLOCK_M 4 tiles, one SM (combine programs loop)
+    "fp32_nan_one_chunk_looping_programs": (torch.float32, "nan", None, True, True),
+    "fp32_finite_chunks": (torch.float32, "finite", 2, True, False),
+    "bf16_nan_chunks": (torch.bfloat16, "nan", 2, False, True),
+    "bf16_finite_one_chunk": (torch.bfloat16, "finite", None, False, False),
+}
+
+
+@inner_triton
+@pytest.mark.parametrize("name", list(COUNTED))
+def test_inner_triton_counted_rows(name, monkeypatch):
+    """recv_counts: rows [0, n) equal the reference over those rows (fp32: 1e-5; bf16 x and out: 2e-2, as
+    `test_inner_triton_bf16_in_and_out`), garbage past n never read, y past n never written (NaN sentinel),
+    row_bound below the buffer's rows, in one chunk or in chunks (one half valid, one past n)."""
+    from moe_export.plugins.moe_mxfp4 import sizes, triton_kernel
+
+    dtype, garbage, chunk, small_tiles, one_sm = COUNTED[name]
+    if one_sm:
+        monkeypatch.setattr(sizes, "H200_SMS", 1)
+    n, rows, bound = 9, 16, 11
+    case, offset, counts, want = counted_case(3, n, rows, garbage, dtype)
+    tiles = dict(block_m=4, block_n=16, block_k=32) if small_tiles else None
+    budget = 4 * 3 * (64 + 96) * chunk if chunk else sizes.DEFAULT_SCRATCH_BUDGET
+    out = torch.full((rows, 64), float("nan"), dtype=dtype)
+    got = triton_kernel.moe_mxfp4_triton(**case, expert_offset=offset, tiles=tiles, budget_bytes=budget, out=out,
+                                         recv_counts=counts, row_bound=bound)  # fmt: skip
+    assert got is out and got.dtype == dtype
+    close(got[:n], want, tol=1e-5 if dtype == torch.float32 else 2e-2)
+    assert got[n:].isnan().all()
+    if small_tiles and not chunk:  # the up and down programs loop over more used blocks than there are programs
+        _, _, used = triton_kernel.pair_layout(case["expert_ids"][:bound], offset, 5, 4, recv_counts=counts)
+        assert int(used) > sizes.block_programs(bound * 3, 5, 4, counted=True)
+    if one_sm:
+        assert sizes.combine_programs(bound, 64, counted=True) < n
+
+
+@inner_triton
+def test_inner_triton_counted_all_rows_and_none():
+    """n = every row (int32 counts): the same bits as without recv_counts (in a poisoned caller's workspace); n = 0:
+    nothing written; row_bound without recv_counts, or past the buffer: clear errors."""
+    from moe_export.plugins.moe_mxfp4 import sizes, triton_kernel
+
+    case, offset = make_case(seed=11, T=9, k=3)
+    full = triton_kernel.moe_mxfp4_triton(**case, expert_offset=offset)
+    workspace = torch.full((sizes.workspace_bytes(9, 3, 64, 96, 5),), 0xFF, dtype=torch.uint8)
+    counted = triton_kernel.moe_mxfp4_triton(**case, expert_offset=offset, recv_counts=torch.tensor([4, 5]).int(),
+                                             workspace=workspace)  # fmt: skip
+    assert torch.equal(counted, full) and full.abs().max() > 0
+    out = torch.full((9, 64), float("nan"))
+    triton_kernel.moe_mxfp4_triton(**case, expert_offset=offset, out=out, recv_counts=torch.zeros(2, dtype=torch.int64),
+                                   row_bound=4)  # fmt: skip
+    assert out.isnan().all()
+    with pytest.raises(ValueError, match="row_bound"):
+        triton_kernel.moe_mxfp4_triton(**case, expert_offset=offset, row_bound=4)
+    with pytest.raises(ValueError, match="row_bound 10 outside"):
+        triton_kernel.moe_mxfp4_triton(**case, expert_offset=offset, recv_counts=torch.tensor([1]), row_bound=10)
+    with pytest.raises(ValueError, match="recv_counts"):
+        triton_kernel.moe_mxfp4_triton(**case, expert_offset=offset, recv_counts=torch.tensor([1.0]))
+
+
+def test_kernels_compile_for_sm90_static_and_counted():
+    """The four kernels compile to sm_90 PTX with no GPU (the interpreter does not run Triton's code generation):
+    static and counted modes (counts pointer absent or given), the decode and the K3 row-bound tiles, bf16 dots on
+    the tensor cores (wgmma at BLOCK_M 64)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from moe_export.plugins.moe_mxfp4 import sizes, triton_kernel as tk
+
+    pointers = dict(x_ptr="*bf16", act_ptr="*bf16", y_ptr="*bf16", partial_ptr="*fp32", out_ptr="*fp32",
+                    route_w_ptr="*fp32", w_ptr="*u8", s_ptr="*u8", pair_rows_ptr="*i64", pair_ptr="*i64",
+                    ids_ptr="*i64", counts_ptr="*i64", block_expert_ptr="*i32", num_blocks_ptr="*i32")  # fmt: skip
+
+    def ptx(kernel, constexprs, **options):
+        signature = {a: pointers.get(a, "fp32" if "beta" in a else "i32") for a in kernel.arg_names}
+        signature.update(dict.fromkeys(constexprs, "constexpr"))
+        src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+        code = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+        assert f".entry {kernel.__name__}(" in code and ".target sm_90" in code
+        return code
+
+    for counted in (False, True):
+        absent = {} if counted else {"counts_ptr": None}
+        ptx(tk._pair_layout_kernel, dict(COUNTED=counted, BLOCK_M=16, BLOCK_P=256, BLOCK_E=16, BLOCK_S=64, **absent))
+        ptx(tk._combine_kernel, dict(COUNTED=counted, BLOCK_D=512, BLOCK_S=64, **absent))
+    for pairs in (16, 192 * 16):  # one token; K3's decode row bound
+        cfg = sizes.tile_config(pairs, 14, 3584, 3072)
+        tiles = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], UPCAST=False)
+        launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        up = ptx(tk._moe_up_kernel, dict(ACT_SILU=False, **tiles), **launch)
+        down = ptx(tk._moe_down_kernel, tiles, **launch)
+        if cfg["block_m"] == 64:
+            assert "wgmma.mma_async" in up and "wgmma.mma_async" in down
 
 
 def test_tile_config_fills_the_gpu_at_decode():

@@ -3,6 +3,7 @@ workspace from here without importing Triton."""
 
 H200_SMS = 132  # programs wanted per launch: two per SM of an H200 / H100 (132 SMs)
 DEFAULT_SCRATCH_BUDGET = 256 * 2**20  # bytes of chunk scratch (partial sums + activations) per call
+COMBINE_BLOCK_D = 512  # columns per program of the combine kernel
 
 
 def pair_capacity(num_pairs: int, num_local: int, block_m: int) -> int:
@@ -32,14 +33,32 @@ def workspace_bytes(num_tokens: int, top_k: int, dim: int, inter: int, num_local
                     block_m: int | None = None, budget_bytes: int = DEFAULT_SCRATCH_BUDGET) -> int:
     """Bytes of the caller-provided workspace (`moe_mxfp4_triton(workspace=...)`) for steps of up to
     `num_tokens`, each part 256-byte aligned: the largest chunk's partial sums [Tc*k, D] fp32, activations
-    [C, I] (4 bytes counted: fp32 or bf16), pair rows [C] int64 and block experts [C / block_m] int32, with
-    C = pair_capacity(Tc*k) at `block_m` (None: `block_m_for` each chunk). TensorRT engines declare it as the
-    plugin's second output, so it lives in the engine's device memory."""
+    [C, I] (4 bytes counted: fp32 or bf16), pair rows [C] int64, block experts [C / block_m] int32 and the
+    used-block count [1] int32, with C = pair_capacity(Tc*k) at `block_m` (None: `block_m_for` each chunk).
+    TensorRT engines declare it as the plugin's second output, so it lives in the engine's device memory."""
     pairs = min(num_tokens, chunk_tokens(top_k, dim, inter, budget_bytes)) * top_k
     bm = block_m or block_m_for(pairs, num_local)
     cap = pair_capacity(pairs, num_local, bm)
     most_blocks = max(cap // bm, pair_capacity(pairs, num_local, block_m or 16) // (block_m or 16))
-    return aligned(4 * pairs * dim) + aligned(4 * cap * inter) + aligned(8 * cap) + aligned(4 * most_blocks)
+    layout = aligned(8 * cap) + aligned(4 * most_blocks) + aligned(4)  # pair rows, block experts, used blocks
+    return aligned(4 * pairs * dim) + aligned(4 * cap * inter) + layout
+
+
+def block_programs(num_pairs: int, num_local: int, block_m: int, counted: bool) -> int:
+    """Rows of the up and down grids for a chunk of `num_pairs` pairs, each program looping over the used
+    M-blocks i, i + rows, ... (their count read on the device): every block of the pair capacity, or (counted
+    rows) one per expert that can be present, so the grid does not grow with the buffer's rows and a decode step
+    (one block per expert) keeps `tile_config`'s programs per SM."""
+    blocks = pair_capacity(num_pairs, num_local, block_m) // block_m
+    return min(blocks, num_local, num_pairs) if counted else blocks
+
+
+def combine_programs(num_rows: int, dim: int, counted: bool) -> int:
+    """Rows of the combine grid (columns: dim / COMBINE_BLOCK_D) for a chunk of `num_rows` rows, each program
+    looping over the valid rows i, i + rows, ...: one per row, or (counted rows) about two programs per SM."""
+    if not counted:
+        return num_rows
+    return min(num_rows, -(-2 * H200_SMS // -(-dim // COMBINE_BLOCK_D)))
 
 
 def tile_config(num_pairs: int, num_local: int, dim: int, inter: int) -> dict:

@@ -2,18 +2,24 @@
 
 Four launches, no host synchronization (every size comes from shapes, so they run inside a TensorRT enqueue and
 a CUDA graph capture), tokens in chunks of at most `sizes.chunk_tokens` (bounded workspace):
-1. `_pair_layout_kernel` (one program): the (token, choice) pairs routed to this rank grouped by local expert
-   once, each expert's run padded to BLOCK_M -> pair rows [C] (flat pair index, -1 = padding) and the local expert
-   of each M-block [C / BLOCK_M] (-1 past the used blocks: those programs exit at once), C = `sizes.pair_capacity`.
-2. `_moe_up_kernel`, grid (M-blocks, I / BLOCK_N): the block's token rows of x gathered once per K step
-   [BLOCK_M, BLOCK_K], its expert's gate and up rows [BLOCK_N, BLOCK_K] decoded from bytes in registers
-   (low nibble = even column, high = odd; E2M1 and the E8M0 block scale bit-exactly) into x's dtype and fed to
-   `tl.dot` (bf16 x: tensor-core MMA with fp32 accumulation; fp32 x: exact fp32 dots), the gated activation
-   (SiLU or SiTU) fused in the epilogue -> act [C, I] in x's dtype.
-3. `_moe_down_kernel`, grid (M-blocks, D / BLOCK_N): act @ W2^T the same way, times the routing weight -> the
+1. `_pair_layout_kernel` (one program): the (token, choice) pairs of the valid rows routed to this rank grouped by
+   local expert once, each expert's run padded to BLOCK_M -> pair rows [C] (flat pair index, -1 = padding), the
+   local expert of each used M-block and the used-block count [1] (on the device), C = `sizes.pair_capacity`.
+2. `_moe_up_kernel`, grid (`sizes.block_programs`, I / BLOCK_N), each program looping over the used M-blocks: the
+   block's token rows of x gathered once per K step [BLOCK_M, BLOCK_K], its expert's gate and up rows
+   [BLOCK_N, BLOCK_K] decoded from bytes in registers (low nibble = even column, high = odd; E2M1 and the E8M0
+   block scale bit-exactly) into x's dtype and fed to `tl.dot` (bf16 x: tensor-core MMA with fp32 accumulation;
+   fp32 x: exact fp32 dots), the gated activation (SiLU or SiTU) fused in the epilogue -> act [C, I] in x's dtype.
+3. `_moe_down_kernel`, the same grid rows x D / BLOCK_N: act @ W2^T the same way, times the routing weight -> the
    pair's row of partial [T*k, D] fp32.
-4. `_combine_kernel`, grid (T, D / BLOCK_D): y[t] = sum of token t's local pair rows, in y's dtype
-   (deterministic: no atomics, and rows of pairs of other ranks are never read, so partial needs no zeroing).
+4. `_combine_kernel`, grid (`sizes.combine_programs`, D / BLOCK_D), each program looping over the valid rows:
+   y[t] = sum of token t's local pair rows, in y's dtype (deterministic: no atomics, and rows of pairs of other
+   ranks are never read, so partial needs no zeroing).
+Valid rows: every row, or with `recv_counts` (the MoE all-to-all's receive counts, wide expert parallelism) the
+head [0, n) of the receive buffer, n = sum(recv_counts) read inside the kernels: the host only knows a bound
+`row_bound` >= n, the chunks cover [0, row_bound), and the up / down / combine grids are fixed sizes (one M-block
+program per expert that can be present, two combine programs per SM), so a decode step costs the same whatever
+the buffer's rows; rows >= n are never read for anything that matters, nor written.
 Tiles (`tile_config`): prefill (many pairs per expert) BLOCK_M 64 x BLOCK_N 128 x BLOCK_K 128, 8 warps, 3
 stages; decode BLOCK_M 16 and BLOCK_N shrunk (down to 16) until the grid has two programs per SM, so that every
 SM streams a slice of the touched experts' weights (split along N keeps the activation fused).
@@ -26,7 +32,8 @@ import triton.language as tl
 
 from ..triton_dot import INTERPRETED, mma
 from .reference import ACTIVATIONS
-from .sizes import DEFAULT_SCRATCH_BUDGET, aligned, chunk_tokens, pair_capacity, tile_config
+from .sizes import (COMBINE_BLOCK_D, DEFAULT_SCRATCH_BUDGET, aligned, block_programs, chunk_tokens, combine_programs,
+                    pair_capacity, tile_config)
 
 @triton.jit
 def _e2m1_f32(code):
@@ -58,10 +65,26 @@ def _mxfp4_tile(w_ptrs, s_ptrs, w_mask, s_mask, DTYPE: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
-def _pair_layout_kernel(ids_ptr, pair_rows_ptr, block_expert_ptr, num_pairs, expert_offset, num_local, capacity,
-                        BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
-    """One program: count the local pairs per expert, pad the runs, write block_expert and the padding rows, then
-    place every local pair at run start + its rank among the expert's pairs (pair order kept)."""
+def _valid_rows(counts_ptr, num_counts, row_start, rows, COUNTED: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Valid rows of a chunk of `rows` rows starting at buffer row `row_start`: all of them, or (COUNTED) those
+    below n = sum(counts[0:num_counts]), read on the device."""
+    valid = rows
+    if COUNTED:
+        offs_s = tl.arange(0, BLOCK_S)
+        n = tl.sum(tl.load(counts_ptr + offs_s, mask=offs_s < num_counts, other=0).to(tl.int64), axis=0)
+        valid = tl.minimum(tl.maximum(n - row_start, 0), rows).to(tl.int32)
+    return valid
+
+
+@triton.jit
+def _pair_layout_kernel(ids_ptr, counts_ptr, pair_rows_ptr, block_expert_ptr, num_blocks_ptr,
+                        num_rows, top_k, num_counts, row_start, expert_offset, num_local,
+                        COUNTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                        BLOCK_S: tl.constexpr):  # fmt: skip
+    """One program over the pairs of the valid rows: count the local pairs per expert, pad the runs, write the
+    used blocks' experts, the padding rows and the used-block count, then place every local pair at run start +
+    its rank among the expert's pairs (pair order kept)."""
+    num_pairs = _valid_rows(counts_ptr, num_counts, row_start, num_rows, COUNTED, BLOCK_S) * top_k
     offs_e = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], tl.int32)
     for p0 in range(0, num_pairs, BLOCK_P):
@@ -72,14 +95,15 @@ def _pair_layout_kernel(ids_ptr, pair_rows_ptr, block_expert_ptr, num_pairs, exp
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     run_end = tl.cumsum(padded, axis=0)
     run_start = run_end - padded
-    for r0 in range(0, capacity, BLOCK_P):  # blocks' experts and the padding rows
+    used_rows = tl.sum(padded, axis=0)
+    tl.store(num_blocks_ptr, used_rows // BLOCK_M)
+    for r0 in range(0, used_rows, BLOCK_P):  # the used blocks' experts and padding rows
         rows = r0 + tl.arange(0, BLOCK_P)
         ex = tl.sum(((run_end[None, :] <= rows[:, None]) & (offs_e < num_local)[None, :]).to(tl.int32), axis=1)
         own = (ex[:, None] == offs_e[None, :]).to(tl.int32)
         used = rows - tl.sum(own * run_start[None, :], axis=1) < tl.sum(own * counts[None, :], axis=1)
-        tl.store(pair_rows_ptr + rows, -1, mask=(rows < capacity) & ((ex >= num_local) | ~used))
-        first = (rows % BLOCK_M == 0) & (rows < capacity)
-        tl.store(block_expert_ptr + rows // BLOCK_M, tl.where(ex < num_local, ex, -1), mask=first)
+        tl.store(pair_rows_ptr + rows, -1, mask=(rows < used_rows) & ~used)
+        tl.store(block_expert_ptr + rows // BLOCK_M, ex, mask=(rows % BLOCK_M == 0) & (rows < used_rows))
     seen = tl.zeros([BLOCK_E], tl.int32)
     for p0 in range(0, num_pairs, BLOCK_P):
         offs_p = p0 + tl.arange(0, BLOCK_P)
@@ -94,119 +118,137 @@ def _pair_layout_kernel(ids_ptr, pair_rows_ptr, block_expert_ptr, num_pairs, exp
 
 @triton.jit
 def _moe_up_kernel(
-    x_ptr, pair_ptr, block_expert_ptr, w_ptr, s_ptr, act_ptr,
+    x_ptr, pair_ptr, block_expert_ptr, num_blocks_ptr, w_ptr, s_ptr, act_ptr,
     dim, inter, top_k, situ_beta, situ_linear_beta,
     stride_xt, stride_we, stride_wr, stride_se, stride_sr, stride_at,
     ACT_SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
-    if expert < 0:  # past the used blocks (static grid)
-        return
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    """Program (i, j): N tile j of the used M-blocks i, i + grid rows, ... (the count read on the device)."""
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k, offs_kp, offs_ks = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 32)
-    pair = tl.load(pair_ptr + offs_m)
-    valid_m = pair >= 0
-    token = tl.where(valid_m, pair // top_k, 0)
     mask_n = offs_n < inter
     g_rows, u_rows = offs_n[:, None], offs_n[:, None] + inter
-    w_g = w_ptr + expert * stride_we + g_rows * stride_wr + offs_kp[None, :]
-    w_u = w_ptr + expert * stride_we + u_rows * stride_wr + offs_kp[None, :]
-    s_g = s_ptr + expert * stride_se + g_rows * stride_sr + offs_ks[None, :]
-    s_u = s_ptr + expert * stride_se + u_rows * stride_sr + offs_ks[None, :]
-    x_rows = x_ptr + token[:, None] * stride_xt + offs_k[None, :]
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, dim, BLOCK_K):
-        a = tl.load(x_rows + k0, mask=valid_m[:, None] & (k0 + offs_k < dim)[None, :], other=0.0)
-        w_mask = mask_n[:, None] & (k0 // 2 + offs_kp < dim // 2)[None, :]
-        s_mask = mask_n[:, None] & (k0 // 32 + offs_ks < dim // 32)[None, :]
-        wg = _mxfp4_tile(w_g + k0 // 2, s_g + k0 // 32, w_mask, s_mask, a.dtype, BLOCK_N, BLOCK_K)
-        wu = _mxfp4_tile(w_u + k0 // 2, s_u + k0 // 32, w_mask, s_mask, a.dtype, BLOCK_N, BLOCK_K)
-        acc_g = mma(a, tl.trans(wg), acc_g, UPCAST)
-        acc_u = mma(a, tl.trans(wu), acc_u, UPCAST)
-    sig = 1.0 / (1.0 + tl.exp(-acc_g))
-    if ACT_SILU:
-        act = acc_g * sig * acc_u
-    else:
-        tanh_g = 2.0 / (1.0 + tl.exp(-2.0 * acc_g / situ_beta)) - 1.0
-        tanh_u = 2.0 / (1.0 + tl.exp(-2.0 * acc_u / situ_linear_beta)) - 1.0
-        act = situ_beta * tanh_g * sig * (situ_linear_beta * tanh_u)
-    tl.store(act_ptr + offs_m[:, None] * stride_at + offs_n[None, :], act.to(act_ptr.dtype.element_ty),
-             mask=valid_m[:, None] & mask_n[None, :])  # fmt: skip
+    for block in range(tl.program_id(0), tl.load(num_blocks_ptr), tl.num_programs(0)):
+        expert = tl.load(block_expert_ptr + block).to(tl.int64)
+        offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(pair_ptr + offs_m)
+        valid_m = pair >= 0
+        token = tl.where(valid_m, pair // top_k, 0)
+        w_g = w_ptr + expert * stride_we + g_rows * stride_wr + offs_kp[None, :]
+        w_u = w_ptr + expert * stride_we + u_rows * stride_wr + offs_kp[None, :]
+        s_g = s_ptr + expert * stride_se + g_rows * stride_sr + offs_ks[None, :]
+        s_u = s_ptr + expert * stride_se + u_rows * stride_sr + offs_ks[None, :]
+        x_rows = x_ptr + token[:, None] * stride_xt + offs_k[None, :]
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, dim, BLOCK_K):
+            a = tl.load(x_rows + k0, mask=valid_m[:, None] & (k0 + offs_k < dim)[None, :], other=0.0)
+            w_mask = mask_n[:, None] & (k0 // 2 + offs_kp < dim // 2)[None, :]
+            s_mask = mask_n[:, None] & (k0 // 32 + offs_ks < dim // 32)[None, :]
+            wg = _mxfp4_tile(w_g + k0 // 2, s_g + k0 // 32, w_mask, s_mask, a.dtype, BLOCK_N, BLOCK_K)
+            wu = _mxfp4_tile(w_u + k0 // 2, s_u + k0 // 32, w_mask, s_mask, a.dtype, BLOCK_N, BLOCK_K)
+            acc_g = mma(a, tl.trans(wg), acc_g, UPCAST)
+            acc_u = mma(a, tl.trans(wu), acc_u, UPCAST)
+        sig = 1.0 / (1.0 + tl.exp(-acc_g))
+        if ACT_SILU:
+            act = acc_g * sig * acc_u
+        else:
+            tanh_g = 2.0 / (1.0 + tl.exp(-2.0 * acc_g / situ_beta)) - 1.0
+            tanh_u = 2.0 / (1.0 + tl.exp(-2.0 * acc_u / situ_linear_beta)) - 1.0
+            act = situ_beta * tanh_g * sig * (situ_linear_beta * tanh_u)
+        tl.store(act_ptr + offs_m[:, None] * stride_at + offs_n[None, :], act.to(act_ptr.dtype.element_ty),
+                 mask=valid_m[:, None] & mask_n[None, :])  # fmt: skip
 
 
 @triton.jit
 def _moe_down_kernel(
-    act_ptr, pair_ptr, block_expert_ptr, route_w_ptr, w_ptr, s_ptr, out_ptr,
+    act_ptr, pair_ptr, block_expert_ptr, num_blocks_ptr, route_w_ptr, w_ptr, s_ptr, out_ptr,
     dim, inter,
     stride_at, stride_we, stride_wr, stride_se, stride_sr, stride_ot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
-    if expert < 0:  # past the used blocks (static grid)
-        return
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    """Program (i, j): N tile j of the used M-blocks i, i + grid rows, ... -> rows of partial for their pairs."""
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k, offs_kp, offs_ks = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 32)
-    pair = tl.load(pair_ptr + offs_m)
-    valid_m = pair >= 0
     mask_n = offs_n < dim
-    w_rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wr + offs_kp[None, :]
-    s_rows = s_ptr + expert * stride_se + offs_n[:, None] * stride_sr + offs_ks[None, :]
-    a_rows = act_ptr + offs_m[:, None] * stride_at + offs_k[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        a = tl.load(a_rows + k0, mask=valid_m[:, None] & (k0 + offs_k < inter)[None, :], other=0.0)
-        w_mask = mask_n[:, None] & (k0 // 2 + offs_kp < inter // 2)[None, :]
-        s_mask = mask_n[:, None] & (k0 // 32 + offs_ks < inter // 32)[None, :]
-        w = _mxfp4_tile(w_rows + k0 // 2, s_rows + k0 // 32, w_mask, s_mask, a.dtype, BLOCK_N, BLOCK_K)
-        acc = mma(a, tl.trans(w), acc, UPCAST)
-    rows = tl.where(valid_m, pair, 0)
-    acc = acc * tl.load(route_w_ptr + rows, mask=valid_m, other=0.0)[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + offs_n[None, :], acc, mask=valid_m[:, None] & mask_n[None, :])
+    for block in range(tl.program_id(0), tl.load(num_blocks_ptr), tl.num_programs(0)):
+        expert = tl.load(block_expert_ptr + block).to(tl.int64)
+        offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(pair_ptr + offs_m)
+        valid_m = pair >= 0
+        w_rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wr + offs_kp[None, :]
+        s_rows = s_ptr + expert * stride_se + offs_n[:, None] * stride_sr + offs_ks[None, :]
+        a_rows = act_ptr + offs_m[:, None] * stride_at + offs_k[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            a = tl.load(a_rows + k0, mask=valid_m[:, None] & (k0 + offs_k < inter)[None, :], other=0.0)
+            w_mask = mask_n[:, None] & (k0 // 2 + offs_kp < inter // 2)[None, :]
+            s_mask = mask_n[:, None] & (k0 // 32 + offs_ks < inter // 32)[None, :]
+            w = _mxfp4_tile(w_rows + k0 // 2, s_rows + k0 // 32, w_mask, s_mask, a.dtype, BLOCK_N, BLOCK_K)
+            acc = mma(a, tl.trans(w), acc, UPCAST)
+        rows = tl.where(valid_m, pair, 0)
+        acc = acc * tl.load(route_w_ptr + rows, mask=valid_m, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + rows[:, None] * stride_ot + offs_n[None, :], acc,
+                 mask=valid_m[:, None] & mask_n[None, :])  # fmt: skip
 
 
 @triton.jit
-def _combine_kernel(partial_ptr, ids_ptr, y_ptr, dim, top_k, expert_offset, num_local, stride_pt, stride_yt,
-                    BLOCK_D: tl.constexpr):
-    """y[t, cols] = sum over token t's choices routed to this rank of partial[t*k + j, cols] (0 if none)."""
-    t = tl.program_id(0)
+def _combine_kernel(partial_ptr, ids_ptr, counts_ptr, y_ptr, num_rows, num_counts, row_start, dim, top_k,
+                    expert_offset, num_local, stride_pt, stride_yt,
+                    COUNTED: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):  # fmt: skip
+    """Program (i, j): y[t, cols j] for the valid rows t = i, i + grid rows, ... = sum of row t's choices routed
+    to this rank of partial[t*k + c, cols] (0 if none); rows past the valid ones are not written."""
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for j in range(top_k):
-        local = tl.load(ids_ptr + t * top_k + j) - expert_offset
-        if (local >= 0) & (local < num_local):
-            acc += tl.load(partial_ptr + (t * top_k + j) * stride_pt + offs, mask=offs < dim, other=0.0)
-    tl.store(y_ptr + t * stride_yt + offs, acc.to(y_ptr.dtype.element_ty), mask=offs < dim)
+    valid = _valid_rows(counts_ptr, num_counts, row_start, num_rows, COUNTED, BLOCK_S)
+    for t in range(tl.program_id(0), valid, tl.num_programs(0)):
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for j in range(top_k):
+            local = tl.load(ids_ptr + t * top_k + j) - expert_offset
+            if (local >= 0) & (local < num_local):
+                acc += tl.load(partial_ptr + (t * top_k + j) * stride_pt + offs, mask=offs < dim, other=0.0)
+        tl.store(y_ptr + t * stride_yt + offs, acc.to(y_ptr.dtype.element_ty), mask=offs < dim)
+
+
+def _counts_args(recv_counts: torch.Tensor | None, row_start: int) -> dict:
+    """The kernels' view of `recv_counts` for a chunk starting at buffer row `row_start`."""
+    num_counts = 0 if recv_counts is None else recv_counts.numel()
+    return dict(counts_ptr=recv_counts, num_counts=num_counts, row_start=row_start, COUNTED=recv_counts is not None,
+                BLOCK_S=triton.next_power_of_2(max(num_counts, 2)))  # fmt: skip
 
 
 def pair_layout(expert_ids: torch.Tensor, expert_offset: int, num_local: int, block_m: int,
-                pair_rows: torch.Tensor | None = None, block_expert: torch.Tensor | None = None):
-    """expert_ids [T, k] (global ids) -> (pair_rows [C] int64, block_expert [C / block_m] int32), C =
-    `pair_capacity(T*k, num_local, block_m)`: each present local expert's pairs contiguous, in pair order, padded
-    to block_m with -1; blocks past the used ones have expert -1. Written into the given buffers when passed."""
-    num_pairs = expert_ids.numel()
-    capacity = pair_capacity(num_pairs, num_local, block_m)
+                pair_rows: torch.Tensor | None = None, block_expert: torch.Tensor | None = None,
+                num_blocks: torch.Tensor | None = None, *, recv_counts: torch.Tensor | None = None,
+                row_start: int = 0):  # fmt: skip
+    """expert_ids [T, k] (global ids) -> (pair_rows [C] int64, block_expert [C / block_m] int32, num_blocks [1]
+    int32), C = `pair_capacity(T*k, num_local, block_m)`: each present local expert's pairs contiguous, in pair
+    order, padded to block_m with -1, over the first num_blocks blocks (the rest is not written). With
+    `recv_counts` only the rows below sum(recv_counts) - row_start are read (on the device). Written into the
+    given buffers when passed."""
+    num_rows, top_k = expert_ids.shape
+    capacity = pair_capacity(num_rows * top_k, num_local, block_m)
     device = expert_ids.device
     pair_rows = torch.empty(capacity, dtype=torch.int64, device=device) if pair_rows is None else pair_rows
     block_expert = (torch.empty(capacity // block_m, dtype=torch.int32, device=device)
                     if block_expert is None else block_expert)  # fmt: skip
+    num_blocks = torch.empty(1, dtype=torch.int32, device=device) if num_blocks is None else num_blocks
     if capacity:
         block_e = triton.next_power_of_2(max(num_local, 2))
         _pair_layout_kernel[(1,)](
-            expert_ids.contiguous(), pair_rows, block_expert, num_pairs, expert_offset, num_local, capacity,
+            expert_ids.contiguous(), pair_rows_ptr=pair_rows, block_expert_ptr=block_expert, num_blocks_ptr=num_blocks,
+            num_rows=num_rows, top_k=top_k, expert_offset=expert_offset, num_local=num_local,
             BLOCK_M=block_m, BLOCK_P=max(16, min(256, 8192 // block_e)), BLOCK_E=block_e,
+            **_counts_args(recv_counts, row_start),
         )  # fmt: skip
-    return pair_rows, block_expert
+    return pair_rows, block_expert, num_blocks
 
 
 def _workspace_views(workspace, pairs: int, dim: int, cap: int, inter: int, act_dtype, block_m: int, device):
-    """(partial [pairs, D] fp32, act [C, I], pair_rows [C] int64, block_expert [C / block_m] int32): views into
-    the uint8 `workspace` (laid out as `sizes.workspace_bytes` counts), or fresh tensors."""
+    """(partial [pairs, D] fp32, act [C, I], pair_rows [C] int64, block_expert [C / block_m] int32, num_blocks [1]
+    int32): views into the uint8 `workspace` (laid out as `sizes.workspace_bytes` counts), or fresh tensors."""
     shapes = [((pairs, dim), torch.float32), ((cap, inter), act_dtype), ((cap,), torch.int64),
-              ((cap // block_m,), torch.int32)]  # fmt: skip
+              ((cap // block_m,), torch.int32), ((1,), torch.int32)]  # fmt: skip
     if workspace is None:
         return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
     sizes = [aligned(dtype.itemsize * int(torch.Size(shape).numel())) for shape, dtype in shapes]
@@ -218,6 +260,21 @@ def _workspace_views(workspace, pairs: int, dim: int, cap: int, inter: int, act_
         views.append(workspace[at : at + n].view(dtype).view(shape))
         at += size
     return views
+
+
+def _rows_to_run(num_tokens: int, recv_counts: torch.Tensor | None, row_bound: int | None, device) -> int:
+    """The rows the chunk loop covers: all `num_tokens`, or with `recv_counts` the first `row_bound`."""
+    if recv_counts is None:
+        if row_bound is not None:
+            raise ValueError("moe_mxfp4_triton: row_bound is given without recv_counts")
+        return num_tokens
+    if recv_counts.dim() != 1 or recv_counts.dtype not in (torch.int32, torch.int64) or recv_counts.device != device:
+        raise ValueError(f"moe_mxfp4_triton: recv_counts must be a 1-D int32/int64 tensor on {device}, got "
+                         f"{recv_counts.dtype} {tuple(recv_counts.shape)} on {recv_counts.device}")  # fmt: skip
+    bound = num_tokens if row_bound is None else row_bound
+    if not 0 <= bound <= num_tokens:
+        raise ValueError(f"moe_mxfp4_triton: row_bound {row_bound} outside 0..{num_tokens} (the buffer's rows)")
+    return bound
 
 
 def moe_mxfp4_triton(
@@ -237,48 +294,66 @@ def moe_mxfp4_triton(
     budget_bytes: int = DEFAULT_SCRATCH_BUDGET,
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
+    recv_counts: torch.Tensor | None = None,
+    row_bound: int | None = None,
 ) -> torch.Tensor:
     """x [T, D] bf16 (tensor-core dots, bf16 activations) or fp32 (exact fp32 dots), expert_ids [T, k],
     expert_weights [T, k], weights as in `reference.py` -> y [T, D] in x's dtype (written into `out` when given,
     any float dtype). D and I multiples of 32 (MXFP4 blocks). `tiles`: `tile_config`'s keys (default: chosen
-    per chunk). `workspace`: uint8 device buffer of at least `sizes.workspace_bytes(T, ...)` (else allocated)."""
+    per chunk). `workspace`: uint8 device buffer of at least `sizes.workspace_bytes(T, ...)` (else allocated).
+    Every row is valid unless `recv_counts` [S] int (on x's device) is given: then only rows [0, n), n =
+    sum(recv_counts) read on the device, are read and written (rows >= n may hold anything, y's are left as they
+    are), the chunks cover rows [0, row_bound) only (row_bound >= n, default T) and the grids are bounded
+    (`sizes.block_programs`, `sizes.combine_programs`), whatever T."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if x.dtype not in (torch.bfloat16, torch.float32):
-        x = x.float()
     num_tokens, top_k = expert_ids.shape
-    num_local, two_inter, _ = w13_packed.shape
-    inter, dim = two_inter // 2, x.shape[1]
-    w13p, w13s, w2p, w2s = (t.contiguous() for t in (w13_packed, w13_scale, w2_packed, w2_scale))
+    bound = _rows_to_run(num_tokens, recv_counts, row_bound, x.device)
+    x = x[:bound] if x.dtype in (torch.bfloat16, torch.float32) else x[:bound].float()
+    inter, dim = w13_packed.shape[1] // 2, x.shape[1]
+    experts = [t.contiguous() for t in (w13_packed, w13_scale, w2_packed, w2_scale)]
     y = torch.empty(num_tokens, dim, dtype=x.dtype, device=x.device) if out is None else out
     step = chunk_tokens(top_k, dim, inter, budget_bytes)
-    for t0 in range(0, num_tokens, step):
-        t1 = min(num_tokens, t0 + step)
-        xc, ids = x[t0:t1].contiguous(), expert_ids[t0:t1].contiguous()
-        route_w = expert_weights[t0:t1].float().contiguous().view(-1)
-        cfg = tiles or tile_config(ids.numel(), num_local, dim, inter)
-        bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
-        launch = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
-        cap = pair_capacity(ids.numel(), num_local, bm)
-        partial, act, pair_rows, block_expert = _workspace_views(workspace, ids.numel(), dim, cap, inter, x.dtype,
-                                                                 bm, x.device)  # fmt: skip
-        if cap:
-            pair_layout(ids, expert_offset, num_local, bm, pair_rows, block_expert)
-            _moe_up_kernel[(cap // bm, triton.cdiv(inter, bn))](
-                xc, pair_rows, block_expert, w13p, w13s, act,
-                dim, inter, top_k, float(situ_beta), float(situ_linear_beta),
-                xc.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), act.stride(0),
-                ACT_SILU=activation == "silu", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=INTERPRETED, **launch,
-            )  # fmt: skip
-            _moe_down_kernel[(cap // bm, triton.cdiv(dim, bn))](
-                act, pair_rows, block_expert, route_w, w2p, w2s, partial,
-                dim, inter,
-                act.stride(0), w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1), partial.stride(0),
-                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=INTERPRETED, **launch,
-            )  # fmt: skip
-        if t1 > t0:
-            _combine_kernel[(t1 - t0, triton.cdiv(dim, 512))](
-                partial, ids, y[t0:t1], dim, top_k, expert_offset, num_local, partial.stride(0), y.stride(0),
-                BLOCK_D=512,
-            )  # fmt: skip
+    betas = (float(situ_beta), float(situ_linear_beta))
+    for t0 in range(0, bound, step):
+        t1 = min(bound, t0 + step)
+        _run_chunk(x[t0:t1].contiguous(), expert_ids[t0:t1].contiguous(),
+                   expert_weights[t0:t1].contiguous().view(-1), experts, y[t0:t1],
+                   expert_offset=expert_offset, activation=activation, betas=betas, tiles=tiles, workspace=workspace,
+                   recv_counts=recv_counts, row_start=t0)  # fmt: skip
     return y
+
+
+def _run_chunk(x, ids, route_w, experts, y, *, expert_offset, activation, betas, tiles, workspace, recv_counts,
+               row_start):  # fmt: skip
+    """The four launches over one chunk: x [Tc, D], ids [Tc, k], route_w [Tc*k] -> y [Tc, D] (a view)."""
+    w13p, w13s, w2p, w2s = experts
+    (num_rows, top_k), (num_local, two_inter, _), dim = ids.shape, w13p.shape, x.shape[1]
+    inter, counted = two_inter // 2, recv_counts is not None
+    cfg = tiles or tile_config(ids.numel(), num_local, dim, inter)
+    bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
+    launch = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
+    cap = pair_capacity(ids.numel(), num_local, bm)
+    partial, act, pair_rows, block_expert, num_blocks = _workspace_views(workspace, ids.numel(), dim, cap, inter,
+                                                                         x.dtype, bm, x.device)  # fmt: skip
+    if cap:
+        pair_layout(ids, expert_offset, num_local, bm, pair_rows, block_expert, num_blocks, recv_counts=recv_counts,
+                    row_start=row_start)  # fmt: skip
+        grid_m = block_programs(ids.numel(), num_local, bm, counted)
+        _moe_up_kernel[(grid_m, triton.cdiv(inter, bn))](
+            x, pair_rows, block_expert, num_blocks, w13p, w13s, act,
+            dim, inter, top_k, *betas,
+            x.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), act.stride(0),
+            ACT_SILU=activation == "silu", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=INTERPRETED, **launch,
+        )  # fmt: skip
+        _moe_down_kernel[(grid_m, triton.cdiv(dim, bn))](
+            act, pair_rows, block_expert, num_blocks, route_w, w2p, w2s, partial,
+            dim, inter,
+            act.stride(0), w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1), partial.stride(0),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=INTERPRETED, **launch,
+        )  # fmt: skip
+    _combine_kernel[(combine_programs(num_rows, dim, counted), triton.cdiv(dim, COMBINE_BLOCK_D))](
+        partial, ids, y_ptr=y, num_rows=num_rows, dim=dim, top_k=top_k, expert_offset=expert_offset,
+        num_local=num_local, stride_pt=partial.stride(0), stride_yt=y.stride(0), BLOCK_D=COMBINE_BLOCK_D,
+        **_counts_args(recv_counts, row_start),
+    )  # fmt: skip
