@@ -1,29 +1,33 @@
 """The dp layout's MoE cost per decode step as the code runs it, readable before a GPU exists (`moe-export plan`).
 
-Per MoE layer and rank (the TensorRT graph, `graphs/onnx_moe.py` `FeedForwardLayers.moe`):
-  - MoEDispatch (`plugins/collectives/all_to_all.py` `torch_dispatch_into`): the counts all-to-all, ONE READ-BACK
-    of the counts to the host (NCCL's all-to-all-v takes host split sizes), three all-to-all-v of the counted
-    rows; then -1 / 0 written into the ids and weights past the rows received, up to the static bound R;
-  - the graph's Cast of the receive buffer [R, D] bf16 -> fp32 (the expert op's input);
-  - MoEMXFP4 (`plugins/moe_mxfp4/triton_kernel.py` `moe_mxfp4_triton`) over all R rows in chunks of
-    `chunk_tokens` rows: per chunk the pair layout (one program), the up and down kernels (grids from the chunk's
-    pair capacity and `tile_config`) writing fp32 partial sums [rows x k, D], and the combine kernel reading them
-    into y [rows, D];
-  - the graph's Cast of y [R, D] fp32 -> bf16, and MoECombine's all-to-all-v of the counted rows back.
-R = `Mapping.max_recv_rows(max_num_tokens)` whatever the step's batch, so these bytes and launches are paid at
-every decode step. Launches count the kernels, passes, Casts, fills and NCCL calls named (at least: the chunk's
-pair-layout ops are more). The expert weights read (every local expert a token was routed to) are the same for a
-counted-rows op and are given apart. Bytes are device-memory traffic (written + read) of the passes named.
-`counted_moe_op` is the same expert op in its counted-rows mode (`recv_counts`, `row_bound`): valid rows read on
-the device, chunks and grids bounded by the step's row bound, not by R.
+A dp decode step replays the CUDA graph of the world's decode bucket (`runtime/engine/tensorrt.py`: every rank
+runs the largest bucket among the world's decode steps, max_batch at most); per MoE layer and rank (the
+TensorRT graph, `graphs/onnx_moe.py` `FeedForwardLayers.moe`):
+  - MoEDispatch (`plugins/collectives/all_to_all.py` `torch_dispatch_into`, block transport): the routing on the
+    device, the counts all-to-all and one all-to-all of blocks of B = ceil(bucket / tp) packed rows per peer,
+    the received blocks compacted to the head of the static receive buffer; no host value;
+  - MoEMXFP4 (`plugins/moe_mxfp4/triton_kernel.py` `moe_mxfp4_triton`, counted rows): bf16 in and out, the rows
+    received read from the dispatch's counts on the device, chunks and grids bounded by the host's bound ep x B
+    (`counted_moe_op`), never by the static bound R;
+  - MoECombine: the partial sums back in blocks, each token's rows summed over its choices.
+R = `Mapping.max_recv_rows(max_num_tokens)` is memory only. The transport's device ops (`TRANSPORT_OPS`: aten ops
+that launch work, counted with a TorchDispatchMode by `benchmarks/gpu_dp_step_check.py`, views excluded; a few
+may launch nothing, so launches are at most) and its collectives are constants of the code. Wire bytes are what
+the rank sends other ranks (its own block stays). An eager step (prefill, mixed) instead takes the counted
+transport: one read-back of the counts per MoE layer. `full_buffer_moe_op` is the expert op over the whole
+static buffer (the dp layout before counted rows), the baseline `benchmarks/gpu_trt_check.py` times.
 """
 
 from __future__ import annotations
 
+from moe_export.plugins.collectives.all_to_all import packed_row_bytes
 from moe_export.plugins.moe_mxfp4 import sizes as moe
 
 EXPERT_BITS_PER_WEIGHT = 4.25  # MXFP4
-NCCL_CALLS_PER_LAYER = 5  # dispatch: counts, rows, ids, weights; combine: rows
+ACT_BYTES = 2  # bf16 activations
+# the block transport's device ops and collectives per MoE layer (checked against the code by
+# tests/test_dp_decode_model.py through benchmarks/gpu_dp_step_check.py's dry run)
+TRANSPORT_OPS = {"dispatch_ops": 53, "dispatch_collectives": 2, "combine_ops": 17, "combine_collectives": 1}
 
 
 def _expert_op_launches(rows: int, top_k: int, dim: int, inter: int, num_local: int, budget_bytes: int,
@@ -76,31 +80,40 @@ def counted_moe_op(row_bound: int, top_k: int, dim: int, inter: int, num_local: 
 
 
 def dp_decode_step(cfg, recipe, mapping) -> dict:
-    """The dp layout's decode step on a rank of `mapping` at max_batch tokens per attention group: per MoE layer
-    and per step, host syncs, launches, bytes (see the module docstring), and the rows that carry tokens."""
+    """The dp layout's decode step on a rank of `mapping` at the largest decode bucket (max_batch tokens per
+    attention group): per MoE layer and per step, host syncs, launches, bytes (see the module docstring), and the
+    rows that carry tokens."""
     limits = recipe.limits
     rows = mapping.max_recv_rows(limits.max_num_tokens)
     k, dim, inter = cfg.num_experts_per_token, cfg.expert_in_dim, cfg.moe_intermediate_size
     local = len(mapping.local_experts(cfg.num_experts))
-    op = full_buffer_moe_op(rows, k, dim, inter, local)
+    block = -(-limits.max_batch // mapping.tp)
+    bound = min(rows, mapping.ep * block)
+    op = counted_moe_op(bound, k, dim, inter, local)
     groups = mapping.world_size // mapping.tp
-    counted_rows = min(rows, -(-limits.max_batch * groups * min(k, mapping.ep) // mapping.ep))
-    casts = rows * dim * (2 + 4) * 2  # [R, D] bf16 -> fp32 in, fp32 -> bf16 out (read + write each)
-    tails = rows * k * (8 + 4)  # ids (int64) and weights (fp32) set past the rows received, at most R rows
+    counted_rows = min(bound, -(-limits.max_batch * groups * min(k, mapping.ep) // mapping.ep))
+    peers = mapping.ep - 1
+    ops = TRANSPORT_OPS["dispatch_ops"] + TRANSPORT_OPS["combine_ops"]
+    collectives = TRANSPORT_OPS["dispatch_collectives"] + TRANSPORT_OPS["combine_collectives"]
     layer = {
         "receive_rows": rows,
+        "block_rows": block,
+        "rows_bound": bound,
         "rows_with_tokens": counted_rows,
-        "host_syncs": 1,
-        "launches_at_least": op["kernel_launches"] + 2 + 2 + NCCL_CALLS_PER_LAYER,
+        "host_syncs": 0,
+        "nccl_calls": collectives,
+        "launches_at_most": op["kernel_launches"] + ops + collectives,
         "kernel_programs": op["kernel_programs"],
-        "full_buffer_passes": op["full_buffer_passes"] + 2 + 2,  # + the two Casts and the two tail fills
-        "full_buffer_bytes": op["partial_sum_bytes"] + op["output_bytes"] + casts + tails,
-        "counted_rows_bytes": counted_rows * (dim * 2 * 2 + k * 12),  # bf16 rows in and out, ids and weights
+        "full_buffer_passes": op["full_buffer_passes"],
+        "wire_bytes": peers * (8 + block * packed_row_bytes(dim, ACT_BYTES, k) + block * dim * ACT_BYTES),
+        "counted_rows_bytes": counted_rows * (dim * ACT_BYTES * 2 + k * 12),  # rows in and out, ids and weights
         "expert_weight_bytes": int(min(local, counted_rows * k) * 3 * dim * inter * EXPERT_BITS_PER_WEIGHT / 8),
         "expert_op": op,
     }
     layers = sum(1 for i in range(cfg.num_layers) if cfg.is_moe(i))
-    step = {key: layer[key] * layers for key in ("host_syncs", "launches_at_least", "full_buffer_passes",
-                                                   "full_buffer_bytes", "counted_rows_bytes", "expert_weight_bytes")}
-    step["host_syncs"] += 1  # the logits (or sampled ids) the host waits for
-    return {"moe_layers": layers, "tokens_per_group": limits.max_batch, "per_layer": layer, "per_step": step}
+    step = {key: layer[key] * layers for key in ("host_syncs", "nccl_calls", "launches_at_most", "full_buffer_passes",
+                                                   "wire_bytes", "counted_rows_bytes", "expert_weight_bytes")}
+    step["host_syncs"] += 1  # the step's one wait: the logits (or sampled ids) and the expert counts
+    step["host_all_reduces"] = 1  # the world's bucket agreement over MPI (host values, no device wait)
+    return {"moe_layers": layers, "tokens_per_group": limits.max_batch, "per_layer": layer, "per_step": step,
+            "eager_step_host_syncs": layers + 1}  # fmt: skip

@@ -98,11 +98,57 @@ def test_dp_step_model_matches_the_dp_graph_and_buffer_sizes(tiny_graphs):  # no
     layer = model["per_layer"]
     rows, dim, k = layer["receive_rows"], cfg.expert_in_dim, cfg.num_experts_per_token
     assert rows == mapping.max_recv_rows(recipe.limits.max_num_tokens)
-    # the Casts' buffers are the all-to-all workspace's fp32 input and bf16 output rows the planner sets aside
-    assert moe_all_to_all_bytes(cfg, mapping, recipe.limits.max_num_tokens) >= rows * dim * (4 + 2) + rows * k * 12
-    assert layer["full_buffer_bytes"] > 100 * layer["counted_rows_bytes"]
-    assert model["per_step"]["host_syncs"] == model["moe_layers"] + 1  # one read-back per dispatch, the logits
+    assert layer["block_rows"] == -(-recipe.limits.max_batch // 2) and layer["rows_bound"] == 8 * layer["block_rows"]
+    local = len(mapping.local_experts(cfg.num_experts))
+    assert layer["expert_op"] == counted_moe_op(layer["rows_bound"], k, dim, cfg.moe_intermediate_size, local)
+    # the all-to-all workspace the planner sets aside holds the received rows and the bf16 partial sums at R rows
+    assert moe_all_to_all_bytes(cfg, mapping, recipe.limits.max_num_tokens) >= rows * dim * (2 + 2) + rows * k * 12
+    step = model["per_step"]
+    assert layer["host_syncs"] == 0 and layer["full_buffer_passes"] == 0 and step["full_buffer_passes"] == 0
+    assert step["host_syncs"] == 1 <= 2 and model["eager_step_host_syncs"] == model["moe_layers"] + 1
     assert make_plan(recipe).to_dict()["dp_decode_step"] == dp_decode_step(cfg, recipe, Mapping(8, 0, 2, 8, "dp"))
+
+
+def test_h100x64_dp_decode_step_has_no_host_sync_per_layer_and_no_full_buffer_pass(capsys):
+    """`plan --recipe h100x64.yaml --json`: a dp decode step waits once, passes over no full receive buffer, and its
+    expert op launches what `counted_moe_op` says at blocks of ceil(24 / 8) = 3 rows from 64 ranks."""
+    import json
+
+    from conftest import run_cli
+
+    code, out, err = run_cli(capsys, "plan", "--recipe", "h100x64.yaml", "--json")
+    assert code in (0, None), err
+    step = json.loads(out)["dp_decode_step"]
+    layer = step["per_layer"]
+    assert step["per_step"]["host_syncs"] <= 2 and step["per_step"]["full_buffer_passes"] == 0
+    assert layer["rows_bound"] == 64 * 3 == 192 and layer["receive_rows"] == 65536
+    assert layer["expert_op"]["kernel_launches"] == 4 and layer["expert_op"]["chunks"] == 1
+    assert layer["launches_at_most"] == 4 + 53 + 17 + 3
+
+
+def test_gpu_dp_step_check_dry_run_counts_the_transport_the_model_names(tmp_path):
+    """`benchmarks/gpu_dp_step_check.py --device cpu` (gloo, Triton's interpreter): the dp MoE layer in the block
+    transport reads no tensor on the host, equals the counted transport, leaves padding tokens' rows 0, and its
+    dispatch and combine run the device ops and collectives `decode_model.TRANSPORT_OPS` counts."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from moe_export.export.decode_model import TRANSPORT_OPS
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "dp.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, str(repo / "benchmarks" / "gpu_dp_step_check.py"), "--device", "cpu",
+                          "--json", str(out)], env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["dp_layer_no_host_sync"] and result["dp_layer_padding_rows_zero"]
+    assert result["dp_layer_vs_counted_max_err"] < 1e-5
+    counted = {key: value for key, value in result["dp_layer_transport_ops"].items() if key != "ops"}
+    assert counted == TRANSPORT_OPS
 
 
 def test_gpu_trt_check_dry_run_on_cpu(tmp_path):

@@ -23,7 +23,7 @@ def test_gpu_check_script_parses_and_runs_every_step():
     text = SCRIPT.read_text()
     steps = [line.split()[3] for line in text.splitlines() if line.startswith("timeout ")]
     assert steps == ["benchmarks/gpu_aot_check.py", "benchmarks/gpu_check.py", "benchmarks/gpu_sampler_check.py",
-                     "benchmarks/gpu_trt_check.py"]
+                     "benchmarks/gpu_trt_check.py", "benchmarks/gpu_dp_step_check.py"]
     # one device command runs at most 10 minutes: the steps' limits leave room for the start and the merge
     assert sum(int(line.split()[1]) for line in text.splitlines() if line.startswith("timeout ")) < 8 * 60
     for step in steps:

@@ -118,13 +118,13 @@ def _print_margins_and_dp_step(d: dict) -> None:
     if step is None:
         return
     layer, total = step["per_layer"], step["per_step"]
-    console.print(f"dp decode step ({step['tokens_per_group']} tokens per attention group, {step['moe_layers']} MoE "
-                  f"layers), per layer / per step: host syncs {layer['host_syncs']} / {total['host_syncs']}, launches "
-                  f">= {layer['launches_at_least']:,} / {total['launches_at_least']:,}, full-receive-buffer passes "
-                  f"{layer['full_buffer_passes']} over {layer['receive_rows']:,} rows = "
-                  f"{layer['full_buffer_bytes'] / 1e9:.1f} / {total['full_buffer_bytes'] / 1e9:,.0f} GB, for "
-                  f"{layer['rows_with_tokens']:,} rows with tokens ({layer['counted_rows_bytes'] / 2**20:.2f} MiB) "
-                  f"and {layer['expert_weight_bytes'] / 2**20:,.0f} MiB of expert weights per layer")
+    console.print(f"dp decode step ({step['tokens_per_group']} tokens per attention group, a CUDA graph; "
+                  f"{step['moe_layers']} MoE layers), per layer / per step: host syncs {layer['host_syncs']} / "
+                  f"{total['host_syncs']}, launches <= {layer['launches_at_most']:,} / {total['launches_at_most']:,}, "
+                  f"full-receive-buffer passes {layer['full_buffer_passes']}, rows computed <= {layer['rows_bound']:,} "
+                  f"of the {layer['receive_rows']:,}-row buffer for {layer['rows_with_tokens']:,} rows with tokens, "
+                  f"{layer['wire_bytes'] / 2**20:.2f} MiB sent, {layer['expert_weight_bytes'] / 2**20:,.0f} MiB of "
+                  f"expert weights per layer; an eager step (prefill) waits {step['eager_step_host_syncs']} times")
 
 
 @app.command()
