@@ -99,10 +99,10 @@ def main() -> None:
     dist.destroy_process_group()
     real = data[rank][0].shape[0]
     want_routed = np.bincount(data[rank][1].ravel(), minlength=EXPERTS).tolist()
-    row = [float(np.abs(mpi_out - want).max(initial=0.0)), int(rx.shape[0]), mpi_out.shape == want.shape]
+    row = [max_err(mpi_out, want), int(rx.shape[0]), mpi_out.shape == want.shape]
     for transport, (y, copied_ok, got, sent, send_counts, routed, rows_ok) in results.items():
         plugin_out = y.numpy()[:real]
-        row += [float(np.abs(plugin_out - want).max(initial=0.0)), plugin_out.shape == want.shape and got == int(rx.shape[0]),
+        row += [max_err(plugin_out, want), plugin_out.shape == want.shape and got == int(rx.shape[0]),
                 rows_ok and (not idle or (sent == 0 and not y.any())),
                 routed == want_routed and send_counts == lay.send_counts.tolist() and copied_ok]
     errs = world.gather(row, root=0)
@@ -114,6 +114,11 @@ def main() -> None:
             out[transport] = {"plugin_max_err": max(e[at] for e in errs), "shapes_match": all(e[at + 1] for e in errs),
                               "rows_ok": all(e[at + 2] for e in errs), "counts_ok": all(e[at + 3] for e in errs)}
         print(json.dumps(out))
+
+
+def max_err(got: np.ndarray, want: np.ndarray) -> float:
+    """Max abs error, inf where `got` is NaN (a NaN would drop out of the max over ranks)."""
+    return float(np.nan_to_num(np.abs(got - want), nan=np.inf).max(initial=0.0)) if got.shape == want.shape else np.inf
 
 
 @contextlib.contextmanager
