@@ -156,6 +156,7 @@ ROUTE_CASES = {  # T, K, E, ep, valid
     "prefill_many_blocks": (300, 3, 8, 4, 290),
     "one_rank": (6, 4, 4, 1, 6),
     "k3_like": (40, 16, 64, 16, 37),
+    "uneven_sizes": (20, 4, 12, 3, 17),  # E and ep not powers of 2
 }
 
 
@@ -256,6 +257,32 @@ def test_inner_triton_combine_expands_the_head_and_sums_each_tokens_rows(dtype):
     np.add.at(want, np.repeat(np.arange(4), 3)[live], back.double().numpy()[send_rows.numpy()[live]])
     np.testing.assert_allclose(out.double().numpy(), want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
     assert (out[1] == 0).all() and (out[3] == 0).all()
+
+
+def test_route_and_row_kernels_compile_for_sm90():
+    """The transport's five kernels compile to sm_90 PTX with no GPU (the interpreter runs no code generation), at
+    K3's tiles on 64 ranks (896 experts, top-16, 7,168-byte bf16 rows), both transports."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from moe_export.plugins.collectives import transport_kernels as tk
+
+    pointers = dict(x_ptr="*u8", send_ptr="*u8", recv_ptr="*u8", w_ptr="*fp32", partial_ptr="*bf16",
+                    blocks_ptr="*bf16", back_ptr="*bf16", out_ptr="*bf16")  # fmt: skip
+
+    def ptx(kernel, constexprs):
+        signature = {a: pointers.get(a, "*i64" if a.endswith("_ptr") else "i32") for a in kernel.arg_names}
+        signature.update(dict.fromkeys(constexprs, "constexpr"))
+        src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+        code = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        assert f".entry {kernel.__name__}(" in code and ".target sm_90" in code
+
+    for blocks in (True, False):
+        ptx(tk._route_kernel, dict(BLOCKS=blocks, **tk.route_tiles(16, 64, 896)))
+        ptx(tk._unpack_kernel, dict(BLOCKS=blocks, BLOCK_EP=64, BLOCK_K=16, BLOCK_B=1024))
+    ptx(tk._pack_kernel, dict(BLOCK_K=16, BLOCK_B=1024, BLOCK_M=128))
+    ptx(tk._expand_kernel, dict(BLOCK_EP=64, BLOCK_D=1024))
+    ptx(tk._sum_kernel, dict(BLOCK_D=256))
 
 
 def test_send_plan_orders_rows_by_destination_then_token():

@@ -22,6 +22,7 @@ import triton.language as tl
 
 KERNELS = ("_route_kernel", "_pack_kernel", "_unpack_kernel", "_expand_kernel", "_sum_kernel")  # launched here
 _TILE = 4096  # elements of the routing kernel's largest block tile
+_HISTOGRAM_PAIRS = 512  # (token, choice) pairs per step of the routed counts
 _BLOCK_BYTES = 1024  # bytes of a row copied per step
 _BLOCK_D = 256  # columns per program of the sum
 
@@ -70,14 +71,13 @@ def _route_kernel(ids_ptr, valid_ptr, send_counts_ptr, send_rows_ptr, routed_ptr
         tl.store(send_rows_ptr + offs_t[:, None] * top_k + offs_k[None, :], tl.where(dest >= 0, row, -1), mask=inside)
         seen += tl.sum(goes, axis=0)
     pairs = valid * top_k  # a live token's pairs come first: ids are row-major
-    for e0 in range(0, num_experts, BLOCK_E):
-        offs_e = e0 + tl.arange(0, BLOCK_E)
-        routed = tl.zeros([BLOCK_E], tl.int64)
-        for p0 in range(0, pairs, BLOCK_P):
-            offs_p = p0 + tl.arange(0, BLOCK_P)
-            ids = tl.load(ids_ptr + offs_p, mask=offs_p < pairs, other=-1).to(tl.int64)
-            routed += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int64), axis=0)
-        tl.store(routed_ptr + offs_e, routed, mask=offs_e < num_experts)
+    routed = tl.zeros([BLOCK_E], tl.int64)
+    for p0 in range(0, pairs, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        ids = tl.load(ids_ptr + offs_p, mask=offs_p < pairs, other=0).to(tl.int32)
+        routed += tl.histogram(ids, BLOCK_E, mask=offs_p < pairs).to(tl.int64)
+    offs_e = tl.arange(0, BLOCK_E)
+    tl.store(routed_ptr + offs_e, routed, mask=offs_e < num_experts)
 
 
 @triton.jit
@@ -188,15 +188,20 @@ def route(ids: torch.Tensor, valid: torch.Tensor, num_experts: int, ep: int, blo
     """ids [T, K] global expert ids, valid [1] int (device) -> send_counts [ep] and send_rows [T * K] (int64,
     written), and routed [E] int64 (returned): `block_rows` B > 0 places rank d's rows at d * B, 0 packs them."""
     num_tokens, top_k = ids.shape
-    block_k, block_ep, block_e = _pow2(top_k), _pow2(ep), min(_pow2(num_experts), 1024)
     routed = torch.empty(num_experts, dtype=torch.int64, device=ids.device)
     _route_kernel[(1,)](
         ids.contiguous(), valid, send_counts, send_rows, routed, num_tokens, top_k, ep, num_experts,
-        num_experts // ep, block_rows, BLOCKS=block_rows > 0,
-        BLOCK_T=max(1, _TILE // (block_k * max(block_k, block_ep))), BLOCK_K=block_k, BLOCK_EP=block_ep,
-        BLOCK_P=max(1, _TILE // block_e), BLOCK_E=block_e,
+        num_experts // ep, block_rows, BLOCKS=block_rows > 0, **route_tiles(top_k, ep, num_experts),
     )  # fmt: skip
     return routed
+
+
+def route_tiles(top_k: int, ep: int, num_experts: int) -> dict[str, int]:
+    """`_route_kernel`'s tiles: tokens per step (a [T, K, max(K, ep)] tile of `_TILE` elements), the K choices,
+    the ep ranks, pairs per histogram step, and the histogram's bins (E, a power of 2)."""
+    block_k, block_ep = _pow2(top_k), _pow2(ep)
+    return dict(BLOCK_T=max(1, _TILE // (block_k * max(block_k, block_ep))), BLOCK_K=block_k, BLOCK_EP=block_ep,
+                BLOCK_P=_HISTOGRAM_PAIRS, BLOCK_E=_pow2(num_experts))  # fmt: skip
 
 
 def pack(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, send_rows: torch.Tensor, send: torch.Tensor):
