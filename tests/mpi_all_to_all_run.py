@@ -4,7 +4,8 @@ plugins' enqueue: the QDP impls of `plugins/collectives/tensorrt_plugin.py` unde
 `tensorrt.plugin` (over `tensorrt_standin.py`'s core), called as TensorRT calls them with the static output
 buffers TensorRT would hand them (filled with garbage), and the `nccl.Communicator` they take by group name, in
 both transports (counted, and fixed blocks). What is not TensorRT here: buffers are CPU tensors (`as_torch` maps a
-handle to one; TensorRT's are CUDA views) and the stream is not entered. The idle rank runs a dummy token with no
+handle to one; TensorRT's are CUDA views), the stream is not entered, and the transport's Triton kernels run in
+Triton's interpreter (run with TRITON_INTERPRET=1, as tests/test_wide_ep.py does). The idle rank runs a dummy token with no
 real token, as the TensorRT runner's idle step does; the others carry two padding tokens past their real ones, as
 a padded decode step does. Everything is compared with the in-process reference. Rank 0 prints one JSON line
 {"mpi_max_err", "rows_received" [per rank], "mpi_shapes_match", "counted" / "blocks": {"plugin_max_err",
