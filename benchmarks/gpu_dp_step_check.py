@@ -11,9 +11,11 @@ bucket). Keys:
     transport equals the counted one;
   - `dp_layer_graph_ms` (replay) and `dp_layer_eager_counted_ms` (the eager counted transport: one read-back of
     the counts), timed in interleaved rounds, and their ratio `dp_layer_graph_speedup`;
-  - `dp_layer_transport_ops`: the device ops of the block transport's dispatch and combine (aten ops that
-    launch work, views excluded) and its collectives, counted with a TorchDispatchMode on any device: what
-    `export/decode_model.py` (`block_transport`) says a decode step's layer launches besides the expert op.
+  - `dp_layer_transport_ops`: the device work of the block transport's dispatch and combine: the Triton kernels
+    of `plugins/collectives/transport_kernels.py` launched (each launch recorded by a pass-through wrapper), the
+    aten ops that launch work (views excluded) and the collectives, the last two counted with a
+    TorchDispatchMode, on any device: what `export/decode_model.py` (`TRANSPORT_OPS`) says a decode step's
+    layer launches besides the expert op.
 Shapes: K3's latent width 3,584, intermediate 3,072, top-16, over 32 local experts (one GPU holds every expert
 at ep = 1). `--device cpu`: gloo, Triton's interpreter, tiny shapes, no graph and no sync guard
 (`tests/test_dp_decode_model.py` runs it). Run from the repo root:
@@ -30,10 +32,11 @@ import time
 
 import torch
 import torch.distributed as dist
+from moe_export.plugins.collectives import transport_kernels
 from moe_export.plugins.collectives.nccl import Communicator
 from moe_export.plugins.moe_mxfp4.sizes import workspace_bytes
 from moe_export.plugins.moe_mxfp4.triton_kernel import moe_mxfp4_triton
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 GPU_SHAPES = {"experts": 32, "top_k": 16, "dim": 3584, "inter": 3072, "tokens": 24, "real": 20, "replay_real": 13,
               "max_recv_rows": 1024}  # fmt: skip
@@ -81,14 +84,15 @@ def layer(comm: Communicator, b: dict, experts: int) -> None:
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts the aten ops that launch device work (views and metadata ops excluded) and the c10d collectives."""
+    """Counts the aten ops that launch device work (views and metadata ops excluded) and the c10d collectives;
+    `kernels` collects the transport's Triton launches (`recording_kernels`)."""
 
     VIEWS = {"view", "_unsafe_view", "slice", "select", "t", "expand", "unsqueeze", "squeeze", "reshape", "alias",
              "as_strided", "detach", "permute", "transpose", "split", "unbind", "empty", "lift_fresh", "_to_copy_view"}  # fmt: skip
 
     def __init__(self):
         super().__init__()
-        self.ops, self.collectives = [], []
+        self.ops, self.collectives, self.kernels = [], [], []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0]
@@ -99,18 +103,48 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class KernelLaunches:
+    """A pass-through of one Triton kernel: each launch appended to `log`, then run as is, outside any
+    TorchDispatchMode (Triton's interpreter copies its tensor arguments with torch ops: not the transport's)."""
+
+    def __init__(self, kernel, name: str, log: list):
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append(self.name)
+            with _disable_current_modes():
+                return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@contextlib.contextmanager
+def recording_kernels(log: list):
+    """The transport's kernels (`transport_kernels.KERNELS`) wrapped in `KernelLaunches` for the duration."""
+    saved = {name: getattr(transport_kernels, name) for name in transport_kernels.KERNELS}
+    for name, kernel in saved.items():
+        setattr(transport_kernels, name, KernelLaunches(kernel, name, log))
+    try:
+        yield
+    finally:
+        for name, kernel in saved.items():
+            setattr(transport_kernels, name, kernel)
+
+
 def transport_ops(comm: Communicator, b: dict, experts: int) -> dict:
-    """The block transport's dispatch and combine of one layer, their ops counted (the expert op not run: the
-    combine sends back whatever the partial sums hold)."""
+    """The block transport's dispatch and combine of one layer, their kernels, ops and collectives counted (the
+    expert op not run: the combine sends back whatever the partial sums hold)."""
     recv_x, recv_ids, recv_w, send_rows, send_counts, recv_counts = b["outs"]
     dispatch, combine = OpCounter(), OpCounter()
-    with dispatch:
+    with recording_kernels(dispatch.kernels), dispatch:
         comm.moe_dispatch(b["x"], b["ids"], b["w"], experts, b["outs"])
-    with combine:
+    with recording_kernels(combine.kernels), combine:
         comm.moe_combine(b["partial"], send_rows, send_counts, recv_counts, b["y"])
-    return {"dispatch_ops": len(dispatch.ops), "dispatch_collectives": len(dispatch.collectives),
+    return {"dispatch_kernels": len(dispatch.kernels), "dispatch_ops": len(dispatch.ops),
+            "dispatch_collectives": len(dispatch.collectives), "combine_kernels": len(combine.kernels),
             "combine_ops": len(combine.ops), "combine_collectives": len(combine.collectives),
-            "ops": sorted(dispatch.ops + combine.ops)}  # fmt: skip
+            "names": {"kernels": dispatch.kernels + combine.kernels, "ops": sorted(dispatch.ops + combine.ops)}}  # fmt: skip
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:

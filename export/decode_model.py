@@ -5,14 +5,18 @@ runs the largest bucket among the world's decode steps, max_batch at most); per 
 TensorRT graph, `graphs/onnx_moe.py` `FeedForwardLayers.moe`):
   - MoEDispatch (`plugins/collectives/all_to_all.py` `torch_dispatch_into`, block transport): the routing on the
     device, the counts all-to-all and one all-to-all of blocks of B = ceil(bucket / tp) packed rows per peer,
-    the received blocks compacted to the head of the static receive buffer; no host value;
+    the received blocks compacted to the head of the static receive buffer; no host value; three Triton kernels
+    (`plugins/collectives/transport_kernels.py`: route, pack, unpack);
   - MoEMXFP4 (`plugins/moe_mxfp4/triton_kernel.py` `moe_mxfp4_triton`, counted rows): bf16 in and out, the rows
     received read from the dispatch's counts on the device, chunks and grids bounded by the host's bound ep x B
     (`counted_moe_op`), never by the static bound R;
-  - MoECombine: the partial sums back in blocks, each token's rows summed over its choices.
-R = `Mapping.max_recv_rows(max_num_tokens)` is memory only. The transport's device ops (`TRANSPORT_OPS`: aten ops
-that launch work, counted with a TorchDispatchMode by `benchmarks/gpu_dp_step_check.py`, views excluded; a few
-may launch nothing, so launches are at most) and its collectives are constants of the code. Wire bytes are what
+  - MoECombine: the partial sums back in blocks, each token's rows summed over its choices (two Triton kernels:
+    expand, sum).
+R = `Mapping.max_recv_rows(max_num_tokens)` is memory only. The transport's Triton kernel launches, its other
+device ops (aten ops that launch work, views excluded: the dispatch's copy of the routed counts into the step's
+record; a few may launch nothing, so launches are at most) and its collectives (`TRANSPORT_OPS`, counted by
+`benchmarks/gpu_dp_step_check.py`: the kernels by a pass-through wrapper, the rest with a TorchDispatchMode) are
+constants of the code. Wire bytes are what
 the rank sends other ranks (its own block stays). An eager step (prefill, mixed) instead takes the counted
 transport: one read-back of the counts per MoE layer. `full_buffer_moe_op` is the expert op over the whole
 static buffer (the dp layout before counted rows), the baseline `benchmarks/gpu_trt_check.py` times.
@@ -27,7 +31,8 @@ EXPERT_BITS_PER_WEIGHT = 4.25  # MXFP4
 ACT_BYTES = 2  # bf16 activations
 # the block transport's device ops and collectives per MoE layer (checked against the code by
 # tests/test_dp_decode_model.py through benchmarks/gpu_dp_step_check.py's dry run)
-TRANSPORT_OPS = {"dispatch_ops": 53, "dispatch_collectives": 2, "combine_ops": 17, "combine_collectives": 1}
+TRANSPORT_OPS = {"dispatch_kernels": 3, "dispatch_ops": 1, "dispatch_collectives": 2,
+                 "combine_kernels": 2, "combine_ops": 0, "combine_collectives": 1}
 
 
 def _expert_op_launches(rows: int, top_k: int, dim: int, inter: int, num_local: int, budget_bytes: int,
@@ -93,7 +98,7 @@ def dp_decode_step(cfg, recipe, mapping) -> dict:
     groups = mapping.world_size // mapping.tp
     counted_rows = min(bound, -(-limits.max_batch * groups * min(k, mapping.ep) // mapping.ep))
     peers = mapping.ep - 1
-    ops = TRANSPORT_OPS["dispatch_ops"] + TRANSPORT_OPS["combine_ops"]
+    ops = sum(TRANSPORT_OPS[f"{side}_{kind}"] for side in ("dispatch", "combine") for kind in ("kernels", "ops"))
     collectives = TRANSPORT_OPS["dispatch_collectives"] + TRANSPORT_OPS["combine_collectives"]
     layer = {
         "receive_rows": rows,

@@ -4,7 +4,8 @@ plugins' enqueue: the QDP impls of `plugins/collectives/tensorrt_plugin.py` unde
 `tensorrt.plugin` (over `tensorrt_standin.py`'s core), called as TensorRT calls them with the static output
 buffers TensorRT would hand them (filled with garbage), and the `nccl.Communicator` they take by group name, in
 both transports (counted, and fixed blocks). What is not TensorRT here: buffers are CPU tensors (`as_torch` maps a
-handle to one; TensorRT's are CUDA views) and the stream is not entered. The idle rank runs a dummy token with no
+handle to one; TensorRT's are CUDA views), the stream is not entered, and the transport's Triton kernels run in
+Triton's interpreter (run with TRITON_INTERPRET=1, as tests/test_wide_ep.py does). The idle rank runs a dummy token with no
 real token, as the TensorRT runner's idle step does; the others carry two padding tokens past their real ones, as
 a padded decode step does. Everything is compared with the in-process reference. Rank 0 prints one JSON line
 {"mpi_max_err", "rows_received" [per rank], "mpi_shapes_match", "counted" / "blocks": {"plugin_max_err",
@@ -99,10 +100,10 @@ def main() -> None:
     dist.destroy_process_group()
     real = data[rank][0].shape[0]
     want_routed = np.bincount(data[rank][1].ravel(), minlength=EXPERTS).tolist()
-    row = [float(np.abs(mpi_out - want).max(initial=0.0)), int(rx.shape[0]), mpi_out.shape == want.shape]
+    row = [max_err(mpi_out, want), int(rx.shape[0]), mpi_out.shape == want.shape]
     for transport, (y, copied_ok, got, sent, send_counts, routed, rows_ok) in results.items():
         plugin_out = y.numpy()[:real]
-        row += [float(np.abs(plugin_out - want).max(initial=0.0)), plugin_out.shape == want.shape and got == int(rx.shape[0]),
+        row += [max_err(plugin_out, want), plugin_out.shape == want.shape and got == int(rx.shape[0]),
                 rows_ok and (not idle or (sent == 0 and not y.any())),
                 routed == want_routed and send_counts == lay.send_counts.tolist() and copied_ok]
     errs = world.gather(row, root=0)
@@ -114,6 +115,11 @@ def main() -> None:
             out[transport] = {"plugin_max_err": max(e[at] for e in errs), "shapes_match": all(e[at + 1] for e in errs),
                               "rows_ok": all(e[at + 2] for e in errs), "counts_ok": all(e[at + 3] for e in errs)}
         print(json.dumps(out))
+
+
+def max_err(got: np.ndarray, want: np.ndarray) -> float:
+    """Max abs error, inf where `got` is NaN (a NaN would drop out of the max over ranks)."""
+    return float(np.nan_to_num(np.abs(got - want), nan=np.inf).max(initial=0.0)) if got.shape == want.shape else np.inf
 
 
 @contextlib.contextmanager

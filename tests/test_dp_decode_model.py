@@ -123,13 +123,15 @@ def test_h100x64_dp_decode_step_has_no_host_sync_per_layer_and_no_full_buffer_pa
     assert step["per_step"]["host_syncs"] <= 2 and step["per_step"]["full_buffer_passes"] == 0
     assert layer["rows_bound"] == 64 * 3 == 192 and layer["receive_rows"] == 65536
     assert layer["expert_op"]["kernel_launches"] == 4 and layer["expert_op"]["chunks"] == 1
-    assert layer["launches_at_most"] == 4 + 53 + 17 + 3
+    # the expert op's 4, the transport's 5 Triton kernels (route, pack, unpack; expand, sum), 1 aten copy (the
+    # routed counts) and 3 collectives
+    assert layer["launches_at_most"] == 4 + 5 + 1 + 3
 
 
 def test_gpu_dp_step_check_dry_run_counts_the_transport_the_model_names(tmp_path):
     """`benchmarks/gpu_dp_step_check.py --device cpu` (gloo, Triton's interpreter): the dp MoE layer in the block
     transport reads no tensor on the host, equals the counted transport, leaves padding tokens' rows 0, and its
-    dispatch and combine run the device ops and collectives `decode_model.TRANSPORT_OPS` counts."""
+    dispatch and combine launch the Triton kernels, device ops and collectives `decode_model.TRANSPORT_OPS` counts."""
     import json
     import os
     import subprocess
@@ -147,8 +149,10 @@ def test_gpu_dp_step_check_dry_run_counts_the_transport_the_model_names(tmp_path
     result = json.loads(out.read_text())
     assert result["dp_layer_no_host_sync"] and result["dp_layer_padding_rows_zero"]
     assert result["dp_layer_vs_counted_max_err"] < 1e-5
-    counted = {key: value for key, value in result["dp_layer_transport_ops"].items() if key != "ops"}
+    counted = {key: value for key, value in result["dp_layer_transport_ops"].items() if key != "names"}
     assert counted == TRANSPORT_OPS
+    assert result["dp_layer_transport_ops"]["names"]["kernels"] == ["_route_kernel", "_pack_kernel", "_unpack_kernel",
+                                                                    "_expand_kernel", "_sum_kernel"]
 
 
 def test_gpu_trt_check_dry_run_on_cpu(tmp_path):

@@ -114,7 +114,7 @@ def test_mpi_and_torch_distributed_all_to_all_match_the_reference():
     received; a combine handed copies of the count buffers gives the same sums."""
     mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
     r = subprocess.run([mpiexec, "-n", "4", sys.executable, str(HERE / "mpi_all_to_all_run.py")], capture_output=True,
-                       text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["mpi_max_err"] == 0.0 and got["mpi_shapes_match"]
@@ -124,17 +124,165 @@ def test_mpi_and_torch_distributed_all_to_all_match_the_reference():
     assert got["rows_received"][1] > 0  # the idle rank's experts still get the others' tokens
 
 
-def test_torch_route_marks_each_tokens_first_choice_per_rank_and_its_slot():
-    """The TensorRT path's routing on the device (no host sync): the ranks each token goes to, its row among them
-    (`send_plan`'s order: by destination, then token), and which choice's partial sum comes back; tokens past
-    `valid` go nowhere."""
-    ids = np.array([[7, 0], [2, 3], [6, 7], [1, 2]])  # 8 experts on 4 ranks: (3, 0), (1, 1), (3, 3), (0, 1)
-    goes, slot, first = all_to_all.torch_route(torch.from_numpy(ids), torch.tensor([3]), 8, 4)
-    rows, counts = all_to_all.send_plan(ids[:3], 8, 4)
-    dest, tok = np.nonzero(goes.numpy())
-    assert tok.tolist() == rows.tolist() and goes.sum(1).tolist() == counts.tolist()
-    assert slot[3, 2].item() == 1 and slot[1, 1].item() == 0
-    assert first.tolist() == [[True, True], [True, False], [True, False], [False, False]]
+def expected_send_rows(ids: np.ndarray, valid: int, num_experts: int, ep: int, block_rows: int) -> np.ndarray:
+    """send_rows [T * K] from `send_plan` of the live tokens: the sent row of a token's first choice on each rank
+    (blocks: rank d's j-th row at d * B + j; counted: the rows in send order), -1 for the others."""
+    rows, counts = all_to_all.send_plan(ids[:valid], num_experts, ep)
+    dest = all_to_all.expert_rank(ids, num_experts, ep)
+    start = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    at = {}
+    for d in range(ep):
+        for j, t in enumerate(rows[start[d]: start[d] + counts[d]]):
+            at[int(t), d] = d * block_rows + j if block_rows else int(start[d]) + j
+    want = np.full(ids.shape, -1, dtype=np.int64)
+    for t in range(valid):
+        for k in range(ids.shape[1]):
+            if dest[t, k] not in dest[t, :k]:
+                want[t, k] = at[t, int(dest[t, k])]
+    return want.reshape(-1)
+
+
+def test_route_and_row_kernels_in_interpreter_subprocess():
+    """Run this file's `triton_inner` tests (the all-to-all's Triton kernels) with TRITON_INTERPRET=1."""
+    from conftest import run_triton_inner_tests
+
+    run_triton_inner_tests(__file__)
+
+
+ROUTE_CASES = {  # T, K, E, ep, valid
+    "decode": (4, 3, 8, 4, 3),
+    "all_dead": (3, 2, 8, 4, 0),
+    "no_tokens": (0, 3, 8, 4, 0),
+    "prefill_many_blocks": (300, 3, 8, 4, 290),
+    "one_rank": (6, 4, 4, 1, 6),
+    "k3_like": (40, 16, 64, 16, 37),
+    "uneven_sizes": (20, 4, 12, 3, 17),  # E and ep not powers of 2
+}
+
+
+@pytest.mark.triton_inner
+@pytest.mark.parametrize("block_rows", [0, 300])
+@pytest.mark.parametrize("case", list(ROUTE_CASES))
+def test_inner_triton_route_matches_send_plan(case, block_rows):
+    """`_route_kernel` against `send_plan` of the live tokens: counts per rank, every (token, choice)'s sent row
+    (a token's repeated ranks and the tokens at or past `valid` get -1), the live tokens' choices per expert;
+    every output element is written (the buffers start as garbage)."""
+    from moe_export.plugins.collectives import transport_kernels
+
+    num_tokens, k, num_experts, ep, valid = ROUTE_CASES[case]
+    rng = np.random.default_rng(num_tokens + k)
+    ids = rng.integers(0, num_experts, (num_tokens, k))  # repeats: experts and ranks among a token's choices
+    if num_tokens > 2:
+        ids[1] = [2] * k  # one expert k times
+    send_counts = torch.full((ep,), 99, dtype=torch.int64)
+    send_rows = torch.full((num_tokens * k,), 99, dtype=torch.int64)
+    routed = transport_kernels.route(torch.from_numpy(ids), torch.tensor([valid]), num_experts, ep, block_rows,
+                                     send_counts, send_rows)
+    _, counts = all_to_all.send_plan(ids[:valid], num_experts, ep)
+    assert send_counts.tolist() == counts.tolist()
+    assert send_rows.tolist() == expected_send_rows(ids, valid, num_experts, ep, block_rows).tolist()
+    assert routed.tolist() == np.bincount(ids[:valid].ravel(), minlength=num_experts).tolist()
+
+
+def numpy_packed(x: torch.Tensor, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The packed rows as `packed_row_bytes` lays them out: x's bytes, int32 ids, fp32 weights (little-endian)."""
+    raw = x.contiguous().view(torch.uint8).numpy()
+    return np.concatenate([raw, ids.astype("<i4").view(np.uint8), w.astype("<f4").view(np.uint8)], axis=1)
+
+
+@pytest.mark.triton_inner
+@pytest.mark.parametrize("block_rows", [0, 7])
+def test_inner_triton_pack_then_unpack_moves_the_sent_rows_to_the_head(block_rows):
+    """One rank sending to itself and 2 peers (ep 3), bf16 rows of 5 values (10 bytes: ids off 4-byte alignment):
+    `_pack_kernel` writes each sent row byte for byte as the layout says and nothing else; the rows as a peer
+    receives them from 3 sources, unpacked (blocks compacted by the counts, or counted rows), are the head of
+    recv_x / recv_ids / recv_w in source order, and the rows past it stay untouched."""
+    from moe_export.plugins.collectives import transport_kernels as tk
+
+    ep, num_experts, k, dim, num_tokens, valid = 3, 6, 2, 5, 6, 5
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, num_experts, (num_tokens, k))
+    x = torch.from_numpy(rng.standard_normal((num_tokens, dim)).astype(np.float32)).bfloat16()
+    w = rng.random((num_tokens, k)).astype(np.float32)
+    width = all_to_all.packed_row_bytes(dim, 2, k)
+    send_counts, send_rows = torch.zeros(ep, dtype=torch.int64), torch.zeros(num_tokens * k, dtype=torch.int64)
+    tk.route(torch.from_numpy(ids), torch.tensor([valid]), num_experts, ep, block_rows, send_counts, send_rows)
+    sent = ep * block_rows if block_rows else int(send_counts.sum())
+    send = torch.full((sent, width), 0xAB, dtype=torch.uint8)
+    tk.pack(x, torch.from_numpy(ids), torch.from_numpy(w), send_rows, send)
+    rows, counts = all_to_all.send_plan(ids[:valid], num_experts, ep)
+    packed = numpy_packed(x, ids, w)
+    start = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    at = [d * block_rows + j if block_rows else start[d] + j for d in range(ep) for j in range(counts[d])]
+    got = send.numpy()
+    np.testing.assert_array_equal(got[at, : packed.shape[1]], packed[rows])
+    assert (np.delete(got, at, axis=0) == 0xAB).all() and (got[:, packed.shape[1]:] == 0xAB).all()
+    # a peer receiving this rank's rows from each of 3 sources: source s sends it the rows it sends rank s
+    recv_counts = torch.from_numpy(counts.copy())
+    if block_rows:
+        stage = torch.from_numpy(np.concatenate([got[s * block_rows: (s + 1) * block_rows] for s in range(ep)]))
+    else:
+        stage = send.clone()
+    bound = sent + 3
+    recv_x = torch.full((bound, dim), float("nan"), dtype=torch.bfloat16)
+    recv_ids, recv_w = torch.full((bound, k), 12345), torch.full((bound, k), 7.0)
+    tk.unpack(stage, recv_x, recv_ids, recv_w, recv_counts, block_rows)
+    n = len(rows)
+    assert torch.equal(recv_x[:n], x[torch.from_numpy(rows)]) and bool(recv_x[n:].isnan().all())
+    assert recv_ids[:n].tolist() == ids[rows].tolist() and (recv_ids[n:] == 12345).all()
+    assert recv_w[:n].tolist() == w[rows].tolist() and (recv_w[n:] == 7.0).all()
+
+
+@pytest.mark.triton_inner
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inner_triton_combine_expands_the_head_and_sums_each_tokens_rows(dtype):
+    """`_expand_kernel`: the head rows back into per-source blocks (only the rows with tokens written);
+    `_sum_kernel`: each token's returned rows at send_rows summed in fp32, 0 for a token with none, in out's
+    dtype, against `reference_combine`'s np.add.at in float64."""
+    from moe_export.plugins.collectives import transport_kernels as tk
+
+    ep, block_rows, dim = 3, 4, 300  # two column programs
+    recv_counts = torch.tensor([2, 0, 3])
+    partial = torch.randn(9, dim).to(dtype)
+    blocks = torch.full((ep * block_rows, dim), 5.0).to(dtype)
+    tk.expand(partial, recv_counts, block_rows, blocks)
+    assert torch.equal(blocks[0:2], partial[0:2]) and torch.equal(blocks[8:11], partial[2:5])
+    assert (blocks[2:8] == 5).all() and (blocks[11:] == 5).all()
+    send_rows = torch.tensor([[3, -1, 0], [-1, -1, -1], [1, 4, 2], [-1, -1, -1]]).reshape(-1)
+    back = torch.randn(5, dim).to(dtype)
+    out = torch.full((4, dim), float("nan")).to(dtype)
+    tk.sum_returned(back, send_rows, out)
+    want = np.zeros((4, dim))
+    live = send_rows.numpy() >= 0
+    np.add.at(want, np.repeat(np.arange(4), 3)[live], back.double().numpy()[send_rows.numpy()[live]])
+    np.testing.assert_allclose(out.double().numpy(), want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
+    assert (out[1] == 0).all() and (out[3] == 0).all()
+
+
+def test_route_and_row_kernels_compile_for_sm90():
+    """The transport's five kernels compile to sm_90 PTX with no GPU (the interpreter runs no code generation), at
+    K3's tiles on 64 ranks (896 experts, top-16, 7,168-byte bf16 rows), both transports."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from moe_export.plugins.collectives import transport_kernels as tk
+
+    pointers = dict(x_ptr="*u8", send_ptr="*u8", recv_ptr="*u8", w_ptr="*fp32", partial_ptr="*bf16",
+                    blocks_ptr="*bf16", back_ptr="*bf16", out_ptr="*bf16")  # fmt: skip
+
+    def ptx(kernel, constexprs):
+        signature = {a: pointers.get(a, "*i64" if a.endswith("_ptr") else "i32") for a in kernel.arg_names}
+        signature.update(dict.fromkeys(constexprs, "constexpr"))
+        src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+        code = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        assert f".entry {kernel.__name__}(" in code and ".target sm_90" in code
+
+    for blocks in (True, False):
+        ptx(tk._route_kernel, dict(BLOCKS=blocks, **tk.route_tiles(16, 64, 896)))
+        ptx(tk._unpack_kernel, dict(BLOCKS=blocks, BLOCK_EP=64, BLOCK_K=16, BLOCK_B=1024))
+    ptx(tk._pack_kernel, dict(BLOCK_K=16, BLOCK_B=1024, BLOCK_M=128))
+    ptx(tk._expand_kernel, dict(BLOCK_EP=64, BLOCK_D=1024))
+    ptx(tk._sum_kernel, dict(BLOCK_D=256))
 
 
 def test_send_plan_orders_rows_by_destination_then_token():

@@ -201,6 +201,10 @@ def all_reduce_ring_bytes(nbytes: int, group_size: int) -> int:
 # returned rows (as sent: by destination, then token) for the token's first choice on each destination rank, -1 for
 # the other choices and for tokens past `valid`; the combine sums a token's rows over its K choices (deterministic).
 # The per-expert token counts stay on the device (`routed`), read with the step's one wait.
+# The device work is five Triton kernels (`transport_kernels`): routing, packing into the send buffer (the rows of
+# a block past its tokens are sent unwritten, never read) and unpacking to the head in the dispatch; the blocks'
+# expansion from the head and each token's sum in the combine. NCCL does the rest: 2 all-to-alls in the dispatch
+# (counts, packed rows), 1 in the combine.
 
 _ROW_ALIGN = 16  # bytes a packed row is padded to
 
@@ -208,47 +212,6 @@ _ROW_ALIGN = 16  # bytes a packed row is padded to
 def packed_row_bytes(dim: int, act_bytes: int, top_k: int) -> int:
     """Bytes of one packed dispatch row: activations, int32 ids and fp32 weights, padded to 16."""
     return -(-(dim * act_bytes + 8 * top_k) // _ROW_ALIGN) * _ROW_ALIGN
-
-
-def _pack(x, ids, weights):
-    """x [T, D], ids [T, K], weights [T, K] -> uint8 [T, packed_row_bytes]."""
-    import torch
-
-    parts = [x.contiguous().view(torch.uint8), ids.to(torch.int32).view(torch.uint8),
-             weights.to(torch.float32).contiguous().view(torch.uint8)]  # fmt: skip
-    width = packed_row_bytes(x.shape[1], x.element_size(), ids.shape[1])
-    pad = width - sum(p.shape[1] for p in parts)
-    if pad:
-        parts.append(torch.zeros((x.shape[0], pad), dtype=torch.uint8, device=x.device))
-    return torch.cat(parts, dim=1)
-
-
-def _unpack_into(rows, recv_x, recv_ids, recv_w) -> None:
-    """Packed rows [N, W] uint8 -> the first N rows of recv_x [., D], recv_ids [., K] int64, recv_w [., K] fp32."""
-    import torch
-
-    n, width_x, k = rows.shape[0], recv_x.shape[1] * recv_x.element_size(), recv_ids.shape[1]
-    recv_x[:n].view(torch.uint8).copy_(rows[:, :width_x])
-    recv_ids[:n].copy_(rows[:, width_x: width_x + 4 * k].contiguous().view(torch.int32))
-    recv_w[:n].copy_(rows[:, width_x + 4 * k: width_x + 8 * k].contiguous().view(torch.float32))
-
-
-def torch_route(ids, valid, num_experts: int, ep: int):
-    """This rank's routing on the device for ids [T, K] (global expert ids), the tokens at or past `valid` ([1]
-    int64) sending nothing: (goes [ep, T] bool: token t goes to rank d; slot [ep, T] int64: its row among the
-    tokens going to d; first [T, K] bool: choice k is token t's first on its rank)."""
-    import torch
-
-    num_tokens, top_k, device = ids.shape[0], ids.shape[1], ids.device
-    dest = ids // (num_experts // ep)
-    live = torch.arange(num_tokens, device=device) < valid  # [T]
-    goes = torch.zeros((ep, num_tokens), dtype=torch.bool, device=device)
-    if num_tokens:
-        goes[dest, torch.arange(num_tokens, device=device)[:, None]] = True
-    goes &= live[None, :]
-    earlier = torch.ones((top_k, top_k), dtype=torch.bool, device=device).tril(-1)  # [k, j]: j < k
-    first = ~((dest[:, :, None] == dest[:, None, :]) & earlier).any(-1) & live[:, None]
-    return goes, torch.cumsum(goes, 1) - 1, first
 
 
 def torch_dispatch_into(group, ep: int, x, ids, weights, num_experts: int, outputs, *, valid, block_rows: int = 0):
@@ -261,65 +224,36 @@ def torch_dispatch_into(group, ep: int, x, ids, weights, num_experts: int, outpu
     import torch
     import torch.distributed as dist
 
+    from . import transport_kernels as kernels
+
     recv_x, recv_ids, recv_w, send_rows, send_counts, recv_counts = outputs
-    goes, slot, first = torch_route(ids, valid, num_experts, ep)
-    send_counts.copy_(goes.sum(dim=1))
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
-    live = first[:, :1]  # a live token's first choice is always its first on that rank
-    routed = torch.bincount(torch.where(live, ids, num_experts).reshape(-1), minlength=num_experts + 1)[:num_experts]
     if block_rows:
         if ep * block_rows > recv_x.shape[0]:
             raise RuntimeError(f"MoEDispatch: blocks of {block_rows} rows from {ep} ranks exceed the receive bound "
                                f"{recv_x.shape[0]} (max_recv_rows)")
         if x.shape[0] > block_rows:
             raise RuntimeError(f"MoEDispatch: {x.shape[0]} tokens do not fit blocks of {block_rows} rows")
-        counts, base, sent = None, torch.arange(ep, device=ids.device) * block_rows, ep * block_rows
+    routed = kernels.route(ids, valid, num_experts, ep, block_rows, send_counts, send_rows)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    width = packed_row_bytes(x.shape[1], x.element_size(), ids.shape[1])
+    if block_rows:
+        counts, sent, received = None, ep * block_rows, ep * block_rows
     else:
         host = torch.cat([send_counts, recv_counts]).tolist()  # the one read-back of the counted transport
         counts = (host[:ep], host[ep:])
-        if sum(counts[1]) > recv_x.shape[0]:
-            raise RuntimeError(f"MoEDispatch: {sum(counts[1])} rows received, the engine's bound is "
+        sent, received = sum(counts[0]), sum(counts[1])
+        if received > recv_x.shape[0]:
+            raise RuntimeError(f"MoEDispatch: {received} rows received, the engine's bound is "
                                f"{recv_x.shape[0]} (max_recv_rows = ep x ceil(max_num_tokens / tp))")
-        base, sent = torch.cumsum(send_counts, 0) - send_counts, sum(counts[0])
-    at = torch.where(goes, base[:, None] + slot, sent)  # [ep, T]: the sent row of (rank, token); `sent` = none
-    dest = ids // (num_experts // ep)
-    back = at.gather(0, dest.t()).t()  # [T, K]: the row token t's choice k comes back on
-    send_rows.copy_(torch.where(first, back, -1).reshape(-1))
-    packed = _pack(x, ids, weights)
-    send = torch.zeros((sent + 1, packed.shape[1]), dtype=torch.uint8, device=x.device)
-    send[at] = packed.unsqueeze(0).expand(ep, -1, -1)  # every (rank, token) pair; the unsent ones on row `sent`
+    send = torch.empty((sent, width), dtype=torch.uint8, device=x.device)
+    kernels.pack(x, ids, weights, send_rows, send)
+    stage = torch.empty((received, width), dtype=torch.uint8, device=x.device)
     if block_rows:
-        stage = torch.empty((sent, packed.shape[1]), dtype=torch.uint8, device=x.device)
-        dist.all_to_all_single(stage, send[:sent], group=group)
-        _unpack_into(stage[_head_to_block(recv_counts, block_rows)], recv_x, recv_ids, recv_w)
+        dist.all_to_all_single(stage, send, group=group)
     else:
-        received = torch.empty((sum(counts[1]), packed.shape[1]), dtype=torch.uint8, device=x.device)
-        dist.all_to_all_single(received, send[:sent], counts[1], counts[0], group=group)
-        _unpack_into(received, recv_x, recv_ids, recv_w)
+        dist.all_to_all_single(stage, send, counts[1], counts[0], group=group)
+    kernels.unpack(stage, recv_x, recv_ids, recv_w, recv_counts, block_rows)
     return counts, routed
-
-
-def _head_to_block(recv_counts, block_rows: int):
-    """For each head row i < ep * B of the received rows (source s's j-th row at i = start_s + j): its row in the
-    received blocks, s * B + j (rows past R map into the blocks' unused rows: garbage, never read)."""
-    import torch
-
-    ep = recv_counts.shape[0]
-    ends = torch.cumsum(recv_counts, 0)
-    head = torch.arange(ep * block_rows, device=recv_counts.device)
-    src = torch.searchsorted(ends, head, right=True).clamp(max=ep - 1)
-    return (src * block_rows + head - (ends[src] - recv_counts[src])).clamp(0, ep * block_rows - 1)
-
-
-def _block_to_head(recv_counts, block_rows: int, rows: int):
-    """For each row s * B + j of the blocks sent back: the head row start_s + j of the partial sums (clamped to
-    the buffer's `rows`; rows past source s's count carry garbage its source never reads)."""
-    import torch
-
-    ep = recv_counts.shape[0]
-    block = torch.arange(ep * block_rows, device=recv_counts.device)
-    start = torch.cumsum(recv_counts, 0) - recv_counts
-    return (start[block // block_rows] + block % block_rows).clamp(max=rows - 1)
 
 
 def torch_combine_into(group, partial, send_rows, recv_counts, out, *, counts=None, block_rows: int = 0) -> None:
@@ -330,14 +264,16 @@ def torch_combine_into(group, partial, send_rows, recv_counts, out, *, counts=No
     import torch
     import torch.distributed as dist
 
+    from . import transport_kernels as kernels
+
     if block_rows:
         rows = recv_counts.shape[0] * block_rows
-        back = torch.empty((rows, partial.shape[1]), dtype=partial.dtype, device=partial.device)
-        dist.all_to_all_single(back, partial[_block_to_head(recv_counts, block_rows, partial.shape[0])], group=group)
+        blocks = torch.empty((rows, partial.shape[1]), dtype=partial.dtype, device=partial.device)
+        kernels.expand(partial, recv_counts, block_rows, blocks)
+        back = torch.empty_like(blocks)
+        dist.all_to_all_single(back, blocks, group=group)
     else:
         sends, recvs = counts
         back = torch.empty((sum(sends), partial.shape[1]), dtype=partial.dtype, device=partial.device)
-        dist.all_to_all_single(back, partial[: sum(recvs)].contiguous(), sends, recvs, group=group)
-    padded = torch.cat([back, torch.zeros((1, back.shape[1]), dtype=back.dtype, device=back.device)])
-    rows = torch.where(send_rows >= 0, send_rows, back.shape[0]).view(out.shape[0], -1)
-    out.copy_(padded[rows].sum(dim=1, dtype=torch.float32))  # [T, K, D] gathered, summed in fp32
+        dist.all_to_all_single(back, partial[: sum(recvs)], sends, recvs, group=group)
+    kernels.sum_returned(back, send_rows, out)
