@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import json
 import socket
-import time
 
 import torch
 import torch.distributed as dist
@@ -36,6 +35,7 @@ from moe_export.plugins.collectives import transport_kernels
 from moe_export.plugins.collectives.nccl import Communicator
 from moe_export.plugins.moe_mxfp4.sizes import workspace_bytes
 from moe_export.plugins.moe_mxfp4.triton_kernel import moe_mxfp4_triton
+from gpu_trt_check import wall_ms  # benchmarks/, the script's folder, is sys.path[0]
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 GPU_SHAPES = {"experts": 32, "top_k": 16, "dim": 3584, "inter": 3072, "tokens": 24, "real": 20, "replay_real": 13,
@@ -147,18 +147,6 @@ def transport_ops(comm: Communicator, b: dict, experts: int) -> dict:
             "names": {"kernels": dispatch.kernels + combine.kernels, "ops": sorted(dispatch.ops + combine.ops)}}  # fmt: skip
 
 
-def timed(fn, device: torch.device, repeats: int) -> float:
-    """Mean milliseconds of `fn` over `repeats` calls, the device drained before and after."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / repeats * 1e3
-
-
 def check(device: torch.device, shapes: dict, repeats: int) -> dict:
     comm = world_of_one(device)
     b = inputs(device, shapes)
@@ -203,8 +191,8 @@ def check(device: torch.device, shapes: dict, repeats: int) -> dict:
 
         rounds = {"graph": [], "counted": []}
         for _ in range(5):  # interleaved rounds
-            rounds["graph"].append(timed(replay, device, repeats))
-            rounds["counted"].append(timed(eager_counted, device, repeats))
+            rounds["graph"].append(wall_ms(replay, device, repeats))
+            rounds["counted"].append(wall_ms(eager_counted, device, repeats))
         result["dp_layer_graph_ms"] = min(rounds["graph"])
         result["dp_layer_eager_counted_ms"] = min(rounds["counted"])
         result["dp_layer_graph_speedup"] = result["dp_layer_eager_counted_ms"] / result["dp_layer_graph_ms"]
