@@ -13,11 +13,10 @@ TensorRT graph, `graphs/onnx_moe.py` `FeedForwardLayers.moe`):
   - MoECombine: the partial sums back in blocks, each token's rows summed over its choices (two Triton kernels:
     expand, sum).
 R = `Mapping.max_recv_rows(max_num_tokens)` is memory only. The transport's Triton kernel launches, its other
-device ops (aten ops that launch work, views excluded: the dispatch's copy of the routed counts into the step's
-record; a few may launch nothing, so launches are at most) and its collectives (`TRANSPORT_OPS`, counted by
+device ops (aten ops that launch work, views excluded; none now) and its collectives (`TRANSPORT_OPS`, counted by
 `benchmarks/gpu_dp_step_check.py`: the kernels by a pass-through wrapper, the rest with a TorchDispatchMode) are
-constants of the code. Wire bytes are what
-the rank sends other ranks (its own block stays). An eager step (prefill, mixed) instead takes the counted
+constants of the code; launches are at most their sum. Wire bytes are what the rank sends other ranks (its own
+block stays). An eager step (prefill, mixed) instead takes the counted
 transport: one read-back of the counts per MoE layer. `full_buffer_moe_op` is the expert op over the whole
 static buffer (the dp layout before counted rows), the baseline `benchmarks/gpu_trt_check.py` times.
 """
@@ -31,7 +30,7 @@ EXPERT_BITS_PER_WEIGHT = 4.25  # MXFP4
 ACT_BYTES = 2  # bf16 activations
 # the block transport's device ops and collectives per MoE layer (checked against the code by
 # tests/test_dp_decode_model.py through benchmarks/gpu_dp_step_check.py's dry run)
-TRANSPORT_OPS = {"dispatch_kernels": 3, "dispatch_ops": 1, "dispatch_collectives": 2,
+TRANSPORT_OPS = {"dispatch_kernels": 3, "dispatch_ops": 0, "dispatch_collectives": 2,
                  "combine_kernels": 2, "combine_ops": 0, "combine_collectives": 1}
 
 

@@ -176,8 +176,9 @@ def test_inner_triton_route_matches_send_plan(case, block_rows):
         ids[1] = [2] * k  # one expert k times
     send_counts = torch.full((ep,), 99, dtype=torch.int64)
     send_rows = torch.full((num_tokens * k,), 99, dtype=torch.int64)
-    routed = transport_kernels.route(torch.from_numpy(ids), torch.tensor([valid]), num_experts, ep, block_rows,
-                                     send_counts, send_rows)
+    routed = torch.full((num_experts,), 99, dtype=torch.int64)
+    transport_kernels.route(torch.from_numpy(ids), torch.tensor([valid]), num_experts, ep, block_rows, send_counts,
+                            send_rows, routed)
     _, counts = all_to_all.send_plan(ids[:valid], num_experts, ep)
     assert send_counts.tolist() == counts.tolist()
     assert send_rows.tolist() == expected_send_rows(ids, valid, num_experts, ep, block_rows).tolist()
@@ -206,7 +207,8 @@ def test_inner_triton_pack_then_unpack_moves_the_sent_rows_to_the_head(block_row
     w = rng.random((num_tokens, k)).astype(np.float32)
     width = all_to_all.packed_row_bytes(dim, 2, k)
     send_counts, send_rows = torch.zeros(ep, dtype=torch.int64), torch.zeros(num_tokens * k, dtype=torch.int64)
-    tk.route(torch.from_numpy(ids), torch.tensor([valid]), num_experts, ep, block_rows, send_counts, send_rows)
+    tk.route(torch.from_numpy(ids), torch.tensor([valid]), num_experts, ep, block_rows, send_counts, send_rows,
+             torch.zeros(num_experts, dtype=torch.int64))
     sent = ep * block_rows if block_rows else int(send_counts.sum())
     send = torch.full((sent, width), 0xAB, dtype=torch.uint8)
     tk.pack(x, torch.from_numpy(ids), torch.from_numpy(w), send_rows, send)

@@ -214,13 +214,14 @@ def packed_row_bytes(dim: int, act_bytes: int, top_k: int) -> int:
     return -(-(dim * act_bytes + 8 * top_k) // _ROW_ALIGN) * _ROW_ALIGN
 
 
-def torch_dispatch_into(group, ep: int, x, ids, weights, num_experts: int, outputs, *, valid, block_rows: int = 0):
+def torch_dispatch_into(group, ep: int, x, ids, weights, num_experts: int, outputs, *, valid, routed,
+                        block_rows: int = 0):  # fmt: skip
     """MoEDispatch over a torch.distributed group into static buffers `outputs` = (recv_x [R_max, D],
     recv_ids [R_max, K] int64, recv_w [R_max, K] fp32, send_rows [T * K] int64, send_counts [ep] int64,
     recv_counts [ep] int64), the tokens at or past `valid` ([1] int64 on the device; 0 for an idle group) sending
     nothing. `block_rows` 0: the counted transport (returns the host counts (sends, recvs) the combine needs, from
-    the step's one read-back); B > 0: blocks of B rows per peer (returns None: no host value). Also returns the
-    tokens routed to each expert [E] (device)."""
+    the step's one read-back); B > 0: blocks of B rows per peer (returns None: no host value). The tokens routed
+    to each expert are written into `routed` [E] int64 (device)."""
     import torch
     import torch.distributed as dist
 
@@ -233,7 +234,7 @@ def torch_dispatch_into(group, ep: int, x, ids, weights, num_experts: int, outpu
                                f"{recv_x.shape[0]} (max_recv_rows)")
         if x.shape[0] > block_rows:
             raise RuntimeError(f"MoEDispatch: {x.shape[0]} tokens do not fit blocks of {block_rows} rows")
-    routed = kernels.route(ids, valid, num_experts, ep, block_rows, send_counts, send_rows)
+    kernels.route(ids, valid, num_experts, ep, block_rows, send_counts, send_rows, routed)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
     width = packed_row_bytes(x.shape[1], x.element_size(), ids.shape[1])
     if block_rows:
@@ -253,7 +254,7 @@ def torch_dispatch_into(group, ep: int, x, ids, weights, num_experts: int, outpu
     else:
         dist.all_to_all_single(stage, send, counts[1], counts[0], group=group)
     kernels.unpack(stage, recv_x, recv_ids, recv_w, recv_counts, block_rows)
-    return counts, routed
+    return counts
 
 
 def torch_combine_into(group, partial, send_rows, recv_counts, out, *, counts=None, block_rows: int = 0) -> None:

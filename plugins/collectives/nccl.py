@@ -131,11 +131,10 @@ class Communicator:
             raise RuntimeError("Communicator.reserve and begin_step must run before a MoE dispatch")
         if self._layer >= self.routed.shape[0]:
             raise RuntimeError(f"MoEDispatch: more dispatches in a step than the {self.routed.shape[0]} reserved")
-        counts, routed = torch_dispatch_into(self.group, self.size, x, ids, weights, num_experts, outputs,
-                                             valid=self._valid, block_rows=self.block_rows)  # fmt: skip
+        counts = torch_dispatch_into(self.group, self.size, x, ids, weights, num_experts, outputs, valid=self._valid,
+                                     routed=self.routed[self._layer], block_rows=self.block_rows)  # fmt: skip
         self._pending = {outputs[4].data_ptr(): counts}  # layers alternate dispatch, combine
         self.recv_bound = self.size * self.block_rows if counts is None else sum(counts[1])
-        self.routed[self._layer].copy_(routed)
         self._layer += 1
 
     def moe_combine(self, partial: torch.Tensor, send_rows: torch.Tensor, send_counts: torch.Tensor,

@@ -184,16 +184,14 @@ def _pow2(n: int) -> int:
 
 
 def route(ids: torch.Tensor, valid: torch.Tensor, num_experts: int, ep: int, block_rows: int,
-          send_counts: torch.Tensor, send_rows: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """ids [T, K] global expert ids, valid [1] int (device) -> send_counts [ep] and send_rows [T * K] (int64,
-    written), and routed [E] int64 (returned): `block_rows` B > 0 places rank d's rows at d * B, 0 packs them."""
+          send_counts: torch.Tensor, send_rows: torch.Tensor, routed: torch.Tensor) -> None:  # fmt: skip
+    """ids [T, K] global expert ids, valid [1] int (device) -> send_counts [ep], send_rows [T * K] and routed [E]
+    (int64, contiguous, written): `block_rows` B > 0 places rank d's rows at d * B, 0 packs them."""
     num_tokens, top_k = ids.shape
-    routed = torch.empty(num_experts, dtype=torch.int64, device=ids.device)
     _route_kernel[(1,)](
         ids.contiguous(), valid, send_counts, send_rows, routed, num_tokens, top_k, ep, num_experts,
         num_experts // ep, block_rows, BLOCKS=block_rows > 0, **route_tiles(top_k, ep, num_experts),
     )  # fmt: skip
-    return routed
 
 
 def route_tiles(top_k: int, ep: int, num_experts: int) -> dict[str, int]:
