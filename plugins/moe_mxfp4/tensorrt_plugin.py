@@ -20,7 +20,8 @@ engine holds them at 4.25 bits per weight, as the planner counts.
 Rows on the device: the eighth input `row_counts` (int64) says, summed, how many leading rows of x carry tokens.
 After a MoEDispatch (dp layout) it is the dispatch's recv_counts, so the op computes the rows received and never
 the rest of the static receive buffer; in the all-reduce layout the graph feeds one constant count of at least the
-step's tokens (every row). bf16 in and out on GPU builds: no Casts around the op.
+step's tokens and the op takes every row, on its static grids. bf16 in and out on GPU builds: no Casts around the
+op.
 
 No host synchronization in `impl` (the pair layout is one kernel sized from shapes, `triton_kernel.pair_layout`)
 and bounded scratch (tokens in chunks), so the launches can be captured in a CUDA graph. The result is written
@@ -111,17 +112,17 @@ def _run(
 ) -> None:
     """Run the Triton kernels on TensorRT's stream, writing into the output buffer, with the partial sums and
     activations in the workspace output (no host synchronization). The rows computed are the first
-    sum(row_counts) of x, a device value (after a MoEDispatch: the rows received; else all of them), over chunks
-    bounded on the host by the pending dispatch's `received_rows_bound` (else x's rows). bf16 x (GPU builds) takes
-    the tensor-core path (bf16 operands, fp32 accumulation)."""
+    sum(row_counts) of x, a device value, after a MoEDispatch (the rows received, over chunks bounded on the host
+    by the pending dispatch's `received_rows_bound`, on device-bounded grids); else all of x's rows on static
+    grids. bf16 x (GPU builds) takes the tensor-core path (bf16 operands, fp32 accumulation)."""
     x_t, ids, w = (as_torch(t) for t in (x, expert_ids, expert_weights))
     weights = [as_torch(t).view(torch.uint8) for t in (w13_packed, w13_scale, w2_packed, w2_scale)]
-    bound = received_rows_bound()
+    bound = received_rows_bound()  # None outside a dispatch (all-reduce layout): every row, static grids
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
         moe_mxfp4_triton(
             x_t, ids, w, *weights,
-            recv_counts=as_torch(row_counts),
-            row_bound=x_t.shape[0] if bound is None else min(bound, x_t.shape[0]),
+            recv_counts=None if bound is None else as_torch(row_counts),
+            row_bound=None if bound is None else min(bound, x_t.shape[0]),
             expert_offset=scalar(expert_offset),
             activation=text(activation),
             situ_beta=scalar(situ_beta),
