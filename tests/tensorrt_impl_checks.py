@@ -6,7 +6,8 @@ functions of GatedDeltaScan, ShortConv, PagedCacheWrite, SparseMLAAttention and 
 TensorRT's QDP layer calls them (inputs, the fields as the ONNX parser encodes them, outputs, stream), with the
 pools reached only through a pool table of host addresses (two pools, the op's at row 1), against the naive
 references. Faked: `as_torch` returns the CPU tensor it is given (on a GPU it views TensorRT's device buffer) and
-TensorRT's stream is no stream (the interpreter runs on the host).
+TensorRT's stream is no stream (the interpreter runs on the host). MoEMXFP4's impl is run too, with and without
+a dispatch pending on the ep communicator.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -158,3 +160,33 @@ def test_dsa_indexer_impl_reads_its_key_pool_through_the_table():
     impl("DSAIndexer")(q, w, table, new, CU, TABLES, POSITIONS, i32(topk), i32(size), i32(1), i32(BS), "fp32\0",
                        outputs=[out, scratch], stream=0)  # fmt: skip
     assert torch.equal(out, want)
+
+
+def test_moe_mxfp4_impl_computes_the_rows_received_after_a_dispatch_and_every_row_otherwise(monkeypatch):
+    """MoEMXFP4's impl with its row counts (input 7): while the ep communicator has a dispatch pending
+    (`recv_bound`), only the first sum(row_counts) rows are computed, in bf16 (the rest of the output keeps what
+    it held); with none pending (the all-reduce layout) every row is. Against the fp32 reference."""
+    from moe_export.plugins.collectives import nccl
+    from moe_export.plugins.moe_mxfp4 import reference, sizes
+    from moe_export.quantize import mxfp4
+
+    monkeypatch.setattr(sys.modules["moe_export.plugins.moe_mxfp4.tensorrt_plugin"], "as_torch", lambda t: t)
+    rows, k, dim, inter, local, offset = 12, 2, 64, 32, 3, 3
+    x = torch.randn(rows, dim, generator=GEN).bfloat16()
+    ids = torch.randint(0, 8, (rows, k), generator=GEN)
+    w = torch.rand(rows, k, generator=GEN)
+    w13, s13 = mxfp4.encode(torch.randn(local, 2 * inter, dim, generator=GEN) * 0.1)
+    w2, s2 = mxfp4.encode(torch.randn(local, dim, inter, generator=GEN) * 0.1)
+    weights = [t.view(torch.int8) for t in (w13, s13, w2, s2)]  # TensorRT hands the bytes as INT8
+    counts = torch.tensor([3, 0, 4])  # 7 rows received from 3 sources
+    scratch = torch.zeros(sizes.workspace_bytes(rows, k, dim, inter, local), dtype=torch.int8)
+    fields = (i32(offset), "situ\0", f32(4.0), f32(25.0), i32(scratch.numel()))
+    want = reference.moe_mxfp4_reference(x.float(), ids, w, w13, s13, w2, s2, expert_offset=offset)
+    comm = types.SimpleNamespace(recv_bound=9)  # the host's bound: at least the 7 rows, less than the buffer
+    monkeypatch.setattr(nccl, "_communicators", {"ep": comm})
+    y = torch.full((rows, dim), float("nan"), dtype=torch.bfloat16)
+    impl("MoEMXFP4")(x, ids, w, *weights, counts, *fields, outputs=[y, scratch], stream=0)
+    assert torch.allclose(y[:7].float(), want[:7], atol=2e-2, rtol=2e-2) and torch.isnan(y[7:].float()).all()
+    comm.recv_bound = None  # no dispatch pending: every row
+    impl("MoEMXFP4")(x, ids, w, *weights, counts, *fields, outputs=[y, scratch], stream=0)
+    assert torch.allclose(y.float(), want, atol=2e-2, rtol=2e-2)
