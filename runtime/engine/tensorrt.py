@@ -38,7 +38,11 @@ As TensorRT-LLM runs its engines:
     rank's step is a decode step (or idle), all run the largest decode bucket among them through its CUDA graph,
     their batches padded to it, and the all-to-alls move fixed blocks of ceil(bucket / tp) rows per peer with no
     host value (`plugins/collectives/all_to_all.py`); otherwise every rank runs eagerly and the all-to-alls use
-    the counted transport (one read-back of the counts per MoE layer). The real tokens of the rank's share are a
+    the counted transport (one read-back of the counts per MoE layer). This is also what NCCL asks of captured
+    collectives: whether a launch is captured must be the same on every rank of the communicator, and a graph
+    holding captured NCCL operations must be launched by every rank that captured it (NCCL user guide, "Using
+    NCCL with CUDA Graphs"); captured and eager operations may be outstanding together. Warm-up captures each
+    bucket on every rank in the same order. The real tokens of the rank's share are a
     device value set before each enqueue or replay (`Communicator.begin_step`), so padding rows, and the idle
     group's dummy rows, are routed nowhere; the rank still receives and computes what the others send its
     experts, and its expert op computes only the rows received (their count read on the device). The dispatches
