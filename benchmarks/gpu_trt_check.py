@@ -10,6 +10,8 @@
     making the `rows_with_tokens` head rows valid, `row_bound` 192, bf16 in and out; `counted_model`), timed in
     the same rounds, alternated with the full-buffer run; `dp_moe_counted_speedup` = full / counted, and
     `dp_moe_counted_max_rel_diff`, its valid rows against the full-buffer run's (bf16 roundings only);
+    `dp_moe_counted_decode_tiles_ms`: the counted op with the tiles `tile_config` picks for the rows with tokens
+    (decode tiles) instead of for the row bound's pairs (its default), to choose between them;
     `dp_moe_counted_graph_replay_equal`: the counted op captured in a CUDA graph with no host wait, replayed at
     other receive counts, equals its eager run.
 Run from the repo root: `python3 benchmarks/gpu_trt_check.py --json $OUT/gpu_trt_check.json`;
@@ -26,7 +28,7 @@ import time
 import torch
 from moe_export.export.decode_model import counted_moe_op, full_buffer_moe_op
 from moe_export.export.plan_memory import EXPOSED_GPU_BYTES
-from moe_export.plugins.moe_mxfp4.sizes import workspace_bytes
+from moe_export.plugins.moe_mxfp4.sizes import tile_config, workspace_bytes
 from moe_export.plugins.moe_mxfp4.triton_kernel import moe_mxfp4_triton
 
 K3_SHAPES = {"rows": 65536, "top_k": 16, "dim": 3584, "inter": 3072, "num_local": 14, "rows_with_tokens": 48,
@@ -90,18 +92,25 @@ def dp_moe_full_and_counted(device: torch.device, shapes: dict, inp: dict, repea
     def full():
         moe_mxfp4_triton(x32, inp["ids"], inp["weights"], *inp["packed"], expert_offset=0, out=full_out)
 
-    def counted():
+    def counted(tiles=None):
         moe_mxfp4_triton(inp["x"], inp["ids"], inp["weights"], *inp["packed"], expert_offset=0, out=counted_out,
-                         recv_counts=inp["recv_counts"], row_bound=shapes["row_bound"])  # fmt: skip
+                         recv_counts=inp["recv_counts"], row_bound=shapes["row_bound"], tiles=tiles)  # fmt: skip
 
-    full(), counted()  # compile
-    rounds = [(wall_ms(full, device), wall_ms(counted, device, COUNTED_CALLS_PER_ROUND)) for _ in range(repeats)]
-    full_ms, counted_ms = (statistics.median(times) for times in zip(*rounds))
+    decode_tiles = tile_config(used, local, dim, inter)  # from the rows with tokens, not the row bound
+
+    def counted_decode_tiles():
+        counted(decode_tiles)
+
+    full(), counted(), counted_decode_tiles()  # compile
+    rounds = [(wall_ms(full, device), wall_ms(counted, device, COUNTED_CALLS_PER_ROUND),
+               wall_ms(counted_decode_tiles, device, COUNTED_CALLS_PER_ROUND)) for _ in range(repeats)]  # fmt: skip
+    full_ms, counted_ms, decode_tiles_ms = (statistics.median(times) for times in zip(*rounds))
     scale = max(float(full_out[:used].abs().max()), 1.0)
     model = full_buffer_moe_op(rows, k, dim, inter, local)
     moved = model["partial_sum_bytes"] + model["output_bytes"]
     return {"dp_moe_full_buffer_ms": full_ms, "dp_moe_counted_ms": counted_ms,
-            "dp_moe_counted_speedup": full_ms / counted_ms,
+            "dp_moe_counted_speedup": full_ms / counted_ms, "dp_moe_counted_decode_tiles_ms": decode_tiles_ms,
+            "decode_tiles": decode_tiles,
             "dp_moe_counted_max_rel_diff": float((counted_out[:used].float() - full_out[:used]).abs().max()) / scale,
             "model": model, "counted_model": counted_moe_op(shapes["row_bound"], k, dim, inter, local),
             "model_pass_bytes": moved, "implied_pass_gb_per_s": moved / full_ms / 1e6, "shapes": shapes}  # fmt: skip

@@ -174,6 +174,7 @@ def test_gpu_trt_check_dry_run_on_cpu(tmp_path):
     assert result["dp_moe_full_buffer_ms"] > 0 and result["model"]["chunks"] == 1
     assert result["model_pass_bytes"] == 64 * 2 * 64 * 4 * 2 + 64 * 64 * 4
     assert result["dp_moe_counted_ms"] > 0
+    assert result["dp_moe_counted_decode_tiles_ms"] > 0 and result["decode_tiles"]["block_m"] == 16
     assert result["dp_moe_counted_speedup"] == result["dp_moe_full_buffer_ms"] / result["dp_moe_counted_ms"]
     assert result["counted_model"] == counted_moe_op(8, 2, 64, 32, 2) and result["shapes"]["row_bound"] == 8
     assert 0 < result["dp_moe_counted_max_rel_diff"] < 2e-2  # bf16 x, activations and y against the fp32 run
