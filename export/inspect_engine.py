@@ -161,8 +161,12 @@ def render_engine_report(report: dict[str, Any], console) -> None:
         console.print(f"[red]no weights file for rank(s) {', '.join(missing)}[/]", highlight=False)
     for r in report["ranks"]:
         g = r["graph"]
+        if g is None and report.get("backend") == "torch":  # the PyTorch runner runs the weights as they are
+            console.print(f"rank {r['rank']}: no graph by design (backend torch: the PyTorch runner runs the "
+                          "converted weights)", highlight=False, soft_wrap=True)  # fmt: skip
+            continue
         if g is None:
-            console.print(f"rank {r['rank']}: no graph", highlight=False)
+            console.print(f"[red]rank {r['rank']}: no graph ({GRAPH} missing)[/]", highlight=False)
             continue
         plugins = ", ".join(f"{k.split('::', 1)[1]} x{v}" for k, v in g["plugin_nodes"].items()) or "none"
         backend = (f"{len(r['ort_segments'])} ORT segment(s)" if r["ort_segments"] else "") or ", ".join(r["engine"])

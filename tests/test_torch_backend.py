@@ -41,6 +41,8 @@ def test_build_converts_only_and_the_engine_verifies(runtime_engine, capsys):
         assert not list((engine / f"rank{n}").glob("*.onnx")) and not (engine / f"rank{n}" / "ort_plan.json").exists()
     code, _, err = run_cli(capsys, "verify", str(engine))
     assert code == 0, err
+    code, out, err = run_cli(capsys, "inspect", str(engine))  # no graph is the design, not a fault
+    assert code in (0, None) and out.count("no graph by design (backend torch") == 4, out + err
 
 
 @pytest.mark.parametrize("preset", ["tiny-k3", "tiny-k3-dsa", "tiny-kimi-linear"])
