@@ -145,13 +145,6 @@ def graph_buckets(num_slots: int, pad_slot: int | None) -> list[int]:
 EAGER_STEP = 1 << 30  # a rank's bid in the world's bucket agreement when its step cannot replay a graph
 
 
-def world_bucket(bids: list[int]) -> int | None:
-    """dp layout: the decode bucket every rank of a world step runs (the largest bid), None when some rank's step
-    runs eagerly (then every rank does: the all-to-alls' transport must be the same on every rank)."""
-    most = max(bids)
-    return None if most >= EAGER_STEP else most
-
-
 def share_tokens(real: int, step_tokens: int, tp: int, tp_rank: int) -> int:
     """Real tokens in a tp rank's share of its group's step (the dispatch input: rows r*c .. of the step's
     tokens, c = ceil(step_tokens / tp), the first `real` of which are real; padding tokens follow)."""
@@ -429,11 +422,12 @@ class TensorRTEngine:
 
     def _agree_bucket(self, bid: int) -> int | None:
         """The world step's decode bucket from this rank's `bid` (its own bucket, or EAGER_STEP): in the dp layout
-        every rank runs the same one (one host all-reduce over MPI, no device wait); None: an eager step."""
+        every rank runs the largest bid (one host all-reduce over MPI, no device wait), and if any rank's step is
+        eager every rank's is (the all-to-alls' transport must be the same on every rank); None: an eager step."""
         if self.dp_layout:
             from mpi4py import MPI
 
-            return world_bucket([self.comm.world.allreduce(bid, op=MPI.MAX)])
+            bid = self.comm.world.allreduce(bid, op=MPI.MAX)
         return None if bid >= EAGER_STEP else bid
 
     def _begin_moe_step(self, real: int, step_tokens: int, block_rows: int) -> None:
