@@ -351,17 +351,16 @@ def moe_all_to_all_bytes(cfg: ModelConfig, mapping: Mapping, max_num_tokens: int
     In the engine (TensorRT reuses them between layers): the received rows (bf16), their top-k ids (int64) and
     weights (fp32), the expert op's partial sums (bf16), send_rows [T * K] int64. Beside it, the plugins' torch
     temporaries at their largest (an eager prefill step, counted transport; `plugins/collectives/all_to_all.py`):
-    the packed rows sent (S <= ceil(T / tp) x min(K, ep), plus one) and received (R), the rows sent back and their
-    padded copy (S), and the combine's gather [ceil(T / tp), K, D]. Only the received rows are sent and computed;
-    the bound is memory."""
+    the packed rows sent (S <= ceil(T / tp) x min(K, ep)) and received (R), and the rows sent back (S). Only the
+    received rows are sent and computed; the bound is memory."""
     from moe_export.plugins.collectives.all_to_all import packed_row_bytes
 
     rows, d, k = mapping.max_recv_rows(max_num_tokens), cfg.expert_in_dim, cfg.num_experts_per_token
     a = ACTIVATION_DTYPE_BYTES
     share = -(-max_num_tokens // mapping.tp)
-    sent = share * min(k, mapping.ep) + 1
+    sent = share * min(k, mapping.ep)
     engine = rows * (2 * d * a + k * (8 + 4)) + max_num_tokens * k * 8
-    temporaries = (sent + rows) * packed_row_bytes(d, a, k) + 2 * sent * d * a + share * k * d * a
+    temporaries = (sent + rows) * packed_row_bytes(d, a, k) + sent * d * a
     return engine + temporaries
 
 

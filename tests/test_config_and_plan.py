@@ -234,11 +234,11 @@ def test_plan_memory_view_per_gpu_and_build_refusal(tmp_path):
     # wide EP (dp layout): the all-to-all's static buffers, R = 64 x ceil(8192 / 8) rows of K3's 3,584-wide latent
     # (received bf16, the expert op's bf16 partial sums) and top-16 ids (int64) and weights (fp32), plus
     # send_rows [T x 16] int64; and the plugins' temporaries: packed rows (3,584 x 2 + 16 x 8 bytes, padded to 16)
-    # sent (1,024 tokens x 16 ranks, plus one) and received (R), sent back twice, the combine's [1,024, 16, D] gather
-    rows, k, sent = 64 * -(-rec.limits.max_num_tokens // 8), 16, 1024 * 16 + 1
+    # sent (1,024 tokens x 16 ranks) and received (R), and the bf16 rows sent back
+    rows, k, sent = 64 * -(-rec.limits.max_num_tokens // 8), 16, 1024 * 16
     assert rec.limits.max_num_tokens == 8192
     engine = rows * (3584 * (2 + 2) + k * (8 + 4)) + 8192 * k * 8
-    temporaries = (sent + rows) * 7296 + 2 * sent * 3584 * 2 + 1024 * k * 3584 * 2
+    temporaries = (sent + rows) * 7296 + sent * 3584 * 2
     assert view["workspace.moe_all_to_all"] == engine + temporaries
     tp_layout = make_plan(rec.model_copy(update={"parallel": rec.parallel.model_copy(update={"attention": "tp"})}))
     assert "workspace.moe_all_to_all" not in tp_layout.per_rank[0].memory
