@@ -6,13 +6,45 @@ the runner's per-row tensors.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 from moe_export.common.errors import InputError
 
 MAX_TOP_LOGPROBS = 20
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # 3.4028235e38
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # 1.1754944e-38, the smallest normal float32
+
+
+class SamplingValueError(InputError):
+    """A sampling value out of its range; `field`: the parameter's name (the server's 400 names it)."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field} {problem}")
+        self.field = field
+
+
+def _int64(name: str, value) -> int:
+    """`value` as an int within int64 (the runner's tensors); SamplingValueError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise SamplingValueError(name, f"must be an integer, got {value!r}")
+    if not INT64_MIN <= int(value) <= INT64_MAX:
+        raise SamplingValueError(name, f"must be within the 64-bit integer range (|value| < 2^63), got {value}")
+    return int(value)
+
+
+def _float32(name: str, value) -> float:
+    """`value` as a float, finite and within float32's range; SamplingValueError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise SamplingValueError(name, f"must be a number, got {value!r}")
+    if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+        raise SamplingValueError(name, f"must be a finite number within float32's range (|value| <= "
+                                       f"{FLOAT32_MAX:.4g}), got {value}")
+    return float(value)
 
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
 """(output token ids so far, logits [vocab] fp32) -> logits [vocab]; applied to the request's row on rank 0
@@ -56,42 +88,64 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InputError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        """The one validation of sampling values (every entry point builds its requests' SamplingParams): each
+        integer within int64 (the runner's tensors), each float finite and within float32's range (the runner's
+        sampling tensors are float32); a bad value raises `SamplingValueError` naming the field. top_p below
+        float32's smallest normal number is raised to it (the top-p set is the most likely token either way)."""
+        for name in ("top_k", "max_tokens", "min_tokens", "top_logprobs"):
+            object.__setattr__(self, name, _int64(name, getattr(self, name)))
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            object.__setattr__(self, name, _float32(name, getattr(self, name)))
+        if self.temperature < 0:
+            raise SamplingValueError("temperature", f"must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise InputError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+            raise SamplingValueError("top_k", f"must be >= 0 (0 disables it; above the vocabulary keeps every token), "
+                                              f"got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise SamplingValueError("top_p", f"must be in (0, 1], got {self.top_p}")
+        object.__setattr__(self, "top_p", max(self.top_p, FLOAT32_TINY))
         if not 0 <= self.min_p <= 1:
-            raise InputError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise SamplingValueError("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 1 << 64):
-            raise InputError(f"seed must be an unsigned 64-bit integer (0 to 2^64 - 1) or None, got {self.seed!r}")
+            raise SamplingValueError("seed", f"must be an unsigned 64-bit integer (0 to 2^64 - 1) or None, "
+                                             f"got {self.seed!r}")
         if self.max_tokens < 1:
-            raise InputError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise SamplingValueError("max_tokens", f"must be >= 1, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:
-            raise InputError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+            raise SamplingValueError("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise InputError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
-        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise InputError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+            raise SamplingValueError("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if not FLOAT32_TINY <= self.repetition_penalty:
+            raise SamplingValueError("repetition_penalty", f"must be a number > 0 (at least float32's smallest "
+                                                           f"normal, {FLOAT32_TINY:.3g}), got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
-                raise InputError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+                raise SamplingValueError(name, f"must be in [-2, 2], got {getattr(self, name)}")
         if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
-            raise InputError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise InputError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            raise SamplingValueError("stop", f"must be a list of non-empty strings, got {self.stop!r}")
+        try:
+            stop_ids = tuple(_int64("stop_token_ids", t) for t in self.stop_token_ids)
+        except TypeError:
+            raise SamplingValueError("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}") from None
+        if any(t < 0 for t in stop_ids):
+            raise SamplingValueError("stop_token_ids", f"must be non-negative integers, got {self.stop_token_ids!r}")
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         try:
-            bias = tuple(sorted((int(t), float(v)) for t, v in bias))
+            bias = tuple(sorted((_int64("logit_bias", int(t) if isinstance(t, str) else t),
+                                 _float32("logit_bias", float(v) if isinstance(v, str) else v)) for t, v in bias))
         except (TypeError, ValueError):
-            raise InputError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
-        if any(t < 0 or not math.isfinite(v) for t, v in bias):
-            raise InputError("logit_bias: token ids must be >= 0 and biases finite numbers")
+            raise SamplingValueError("logit_bias", f"must map token ids to numbers, got {self.logit_bias!r}") from None
+        if any(t < 0 for t, _ in bias):
+            raise SamplingValueError("logit_bias", "token ids must be >= 0")
         object.__setattr__(self, "logit_bias", bias)
         object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", stop_ids)
+
+    def top_k_over(self, vocab: int | None) -> int:
+        """The top-k filter a runner applies over `vocab` logits: 0 (none) when top_k keeps them all (top_k >=
+        vocab: the top-k set of the whole vocabulary is the vocabulary)."""
+        return 0 if vocab is not None and self.top_k >= vocab else self.top_k
 
     @classmethod
     def from_flags(

@@ -348,6 +348,12 @@ def _eos_ids(config: dict, specials: dict[str, int], family: str | None) -> set[
     return {specials[n] for n in names if n in specials}
 
 
+def has_tokenizer(directory: str | Path) -> bool:
+    """Whether `directory` holds tokenizer files `load_tokenizer` reads."""
+    d = Path(directory)
+    return (d / TIKTOKEN_FILE).is_file() or (d / TOKENIZER_JSON).is_file()
+
+
 def load_tokenizer(directory: str | Path) -> Tokenizer:
     """Load `tiktoken.model` + `tokenizer_config.json` (Kimi), else `tokenizer.json`; InputError if neither."""
     d = Path(directory)

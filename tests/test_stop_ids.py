@@ -1,5 +1,6 @@
 """Stop ids: every eos id of config.json (a list too) and of generation_config.json is kept, the
-generation config travels into the engine folder, and `generate` stops at any of them."""
+generation config travels into the engine folder, and `generate` stops at any of them (also on an engine built
+from a checkpoint without tokenizer files: token ids need no tokenizer)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,28 @@ def test_engine_keeps_generation_config_and_stops_there(checkpoint_with_generati
                              "--max-new-tokens", "6", "--json")
     assert code == 0, err
     assert json.loads(out) == {"tokens": want}
+
+
+def test_engine_without_a_tokenizer_generates_from_token_ids(checkpoint_with_generation_stop, tmp_path, capsys):
+    """A checkpoint without tokenizer files builds an engine without one; `generate --prompt-ids` runs on it (the
+    engine's stop ids alone) and equals the reference model; a text prompt is refused with a clear message."""
+    path, want = checkpoint_with_generation_stop
+    bare = tmp_path / "ckpt"
+    shutil.copytree(path, bare)
+    for name in ("tiktoken.model", "tokenizer_config.json", "tokenizer.json", "chat_template.jinja"):
+        (bare / name).unlink(missing_ok=True)
+    base = yaml.safe_load(open(load_recipe("tiny-cpu.yaml")[1]).read())
+    base.update(name="no-tokenizer", model={"source": str(bare)})
+    base["target"]["gpus_per_node"] = 1
+    base["parallel"] = {"tp": 1, "ep": 1}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(base))
+    rec, _ = load_recipe(tmp_path / "r.yaml")
+    out_dir = tmp_path / "engine"
+    build(rec, out_dir)
+    assert not (out_dir / "tiktoken.model").exists() and not (out_dir / "tokenizer.json").exists()
+    code, out, err = run_cli(capsys, "generate", str(out_dir), "--prompt-ids", ",".join(map(str, PROMPT)),
+                             "--max-new-tokens", "6", "--json")
+    assert code == 0, err
+    assert json.loads(out) == {"tokens": want}
+    code, _, err = run_cli(capsys, "generate", str(out_dir), "--prompt", "Hi", "--max-new-tokens", "2")
+    assert code == 2 and "no tokenizer" in err and "Traceback" not in err

@@ -49,14 +49,14 @@ class SamplingRow:
     banned: list[int] = field(default_factory=list)
 
 
-def build_row(seq: Sequence, eos_token_ids: frozenset[int]) -> SamplingRow:
-    """`seq`'s sampling row for its next token. Raises whatever its parameters, budget or grammar raise (the
-    caller fails that request alone)."""
+def build_row(seq: Sequence, eos_token_ids: frozenset[int], vocab: int | None) -> SamplingRow:
+    """`seq`'s sampling row for its next token over `vocab` logits (top_k at or above it: no top-k filter).
+    Raises whatever its parameters, budget or grammar raise (the caller fails that request alone)."""
     req = seq.request
     p = req.sampling
     n_out = len(seq.tokens) + seq.pending - seq.prompt_len
     forced = req.budget.forced_token() if req.budget is not None else None
-    row = SamplingRow(float(p.temperature), int(p.top_k), float(p.top_p), float(p.min_p), seed_bits(seq.seed), n_out,
+    row = SamplingRow(float(p.temperature), p.top_k_over(vocab), float(p.top_p), float(p.min_p), seed_bits(seq.seed), n_out,
                       -1 if forced is None else int(forced), p.top_logprobs if p.logprobs else -1, p.penalized,
                       float(p.repetition_penalty), float(p.presence_penalty), float(p.frequency_penalty))
     for proc in req.logits_processors:

@@ -356,7 +356,7 @@ class Scheduler:
             if seq.num_computed + len(chunk.tokens) < len(seq.tokens) + seq.pending:
                 continue  # mid-prompt
             try:
-                rows[n] = build_row(seq, self.eos_token_ids)
+                rows[n] = build_row(seq, self.eos_token_ids, self.vocab_size)
             except Exception as exc:
                 self._ended.append(self._fail(seq, f"its sampling row could not be built: {_describe(exc)}"))
         return rows

@@ -48,7 +48,8 @@ from moe_export.runtime.engine.batch import (
     check_step_batch,
     checkpoint_interval,
 )
-from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
+from moe_export.runtime.engine.runner import choose_tokens
+from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch
 from onnx import TensorProto
 
 POOL_DTYPES = {TensorProto.FLOAT: np.float32, TensorProto.BFLOAT16: ml_dtypes.bfloat16,
@@ -529,7 +530,7 @@ class Engine:
     def sample(self, batch: StepBatch | None, sampling: SamplingBatch | None) -> SampledTokens | None:
         """`ModelRunner.sample`: one step, then the batched sampler on the logits (CPU torch, no copy)."""
         logits = self.step(batch)
-        return None if sampling is None or logits is None else sample(torch.from_numpy(logits), sampling)
+        return None if sampling is None or logits is None else choose_tokens(torch.from_numpy(logits), sampling)
 
     def step_groups(self, batches: list[StepBatch | None]) -> list[np.ndarray | None]:
         """dp layout in one process: one step of every attention group at once (None: that group idles);

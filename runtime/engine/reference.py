@@ -10,7 +10,8 @@ import torch
 
 from moe_export.common.pools import CHECKPOINTS_PER_SLOT
 from moe_export.runtime.engine.batch import StepBatch, check_checkpoint, check_slot, check_step_batch
-from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
+from moe_export.runtime.engine.runner import choose_tokens
+from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch
 
 
 class ReferenceEngine:
@@ -65,4 +66,4 @@ class ReferenceEngine:
     def sample(self, batch: StepBatch | None, sampling: SamplingBatch | None) -> SampledTokens | None:
         """`ModelRunner.sample`: one step, then the batched sampler on the logits."""
         logits = self.step(batch)
-        return None if sampling is None else sample(torch.from_numpy(logits), sampling)
+        return None if sampling is None else choose_tokens(torch.from_numpy(logits), sampling)

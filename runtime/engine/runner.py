@@ -8,7 +8,7 @@ from typing import Protocol
 import numpy as np
 from moe_export.common.engine_config import EngineConfig
 from moe_export.runtime.engine.batch import StepBatch
-from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch
+from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
 
 
 class ModelRunner(Protocol):
@@ -55,7 +55,8 @@ class ModelRunner(Protocol):
 
     def sample(self, batch: StepBatch | None, sampling: SamplingBatch | None) -> SampledTokens | None:
         """Run one step and choose the tokens of `sampling.rows` where the logits are (None: a follower
-        rank's step, or an idle step of a dp-layout group): only ids and asked-for logprobs come back."""
+        rank's step, or an idle step of a dp-layout group): only ids and asked-for logprobs come back. Choosing
+        (`choose_tokens`) fails requests, never the step: the step itself ran on every rank."""
 
 
 class StepCommunicator(Protocol):
@@ -90,3 +91,16 @@ class GroupedRunner(ModelRunner, Protocol):
     group: int
     expert_tokens: np.ndarray
     group_step_expert_tokens: np.ndarray
+
+
+def choose_tokens(logits, sampling: SamplingBatch) -> SampledTokens:
+    """The sampler on a step's logits [N, V] (`sampler.sample`, on their device), its failure kept to the requests
+    it chose for: choosing happens where the logits are (rank 0, or a dp group's leader) after everything collective
+    in the step, so an exception there fails the step's sampled rows (each with the error, `SampledTokens.errors`;
+    the sampler does not say which row caused it) while the engine and every other rank go on."""
+    try:
+        return sample(logits, sampling)
+    except Exception as exc:
+        n = int(sampling.rows.numel())
+        why = f"choosing its token failed: {type(exc).__name__}: {exc}"
+        return SampledTokens(np.zeros(n, dtype=np.int64), [None] * n, [None] * n, dict.fromkeys(range(n), why))

@@ -85,7 +85,8 @@ from moe_export.runtime.engine.batch import (
 )
 from moe_export.runtime.engine.ort import MPICommunicator
 from moe_export.runtime.engine.tensorrt_bind import bind
-from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
+from moe_export.runtime.engine.runner import choose_tokens
+from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch
 
 
 def pool_shapes(graph_path: Path, sizes: dict[str, int]) -> dict[str, tuple[list[int], int]]:
@@ -386,7 +387,7 @@ class TensorRTEngine:
         with self._torch.cuda.stream(self.stream):
             logits = self._forward(batch)
             self._routed_to_host()
-            out = sample(logits, sampling) if sampling is not None else None
+            out = choose_tokens(logits, sampling) if sampling is not None else None
         if out is None or self.dp_layout:
             self.stream.synchronize()
         self._count_experts()

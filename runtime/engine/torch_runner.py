@@ -30,7 +30,8 @@ from moe_export.quantize import fp8_cache
 from moe_export.runtime.engine.batch import (RESET_ON_NEW_SEQUENCE, StepBatch, check_checkpoint, check_slot,
                                             check_step_batch, checkpoint_interval)
 from moe_export.runtime.engine.ort import MPICommunicator, rank_folders, step_pair_budget
-from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
+from moe_export.runtime.engine.runner import choose_tokens
+from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch
 from moe_export.runtime.engine.torch_collectives import DistributedWorld, run_in_process
 from moe_export.runtime.engine.torch_kernels import kernels_for
 from moe_export.runtime.engine.torch_model import RankModel, RankWeights, StepInputs
@@ -234,7 +235,7 @@ class TorchEngine:
     def sample(self, batch: StepBatch | None, sampling: SamplingBatch | None) -> SampledTokens | None:
         """`ModelRunner.sample`: one step, then the batched sampler on the device's logits (one copy back)."""
         logits = self.step_logits(batch)
-        return None if sampling is None or logits is None else sample(logits, sampling)
+        return None if sampling is None or logits is None else choose_tokens(logits, sampling)
 
     def _groups(self, batches: list[StepBatch | None]) -> list[torch.Tensor | None]:
         results = self._run({r: batches[r // self.tp] for r in self.models})

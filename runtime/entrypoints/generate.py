@@ -14,7 +14,7 @@ from moe_export.common.errors import InputError, RequestFailed
 from moe_export.runtime.core.scheduler import Request
 from moe_export.runtime.engine.reference import ReferenceEngine
 from moe_export.runtime.sampling import SamplingParams
-from moe_export.runtime.tokenizer import load_tokenizer
+from moe_export.runtime.tokenizer import has_tokenizer, load_tokenizer
 
 
 def generate_tokens(engine, prompt_ids: list[int], sampling: SamplingParams | None = None,
@@ -96,7 +96,8 @@ def generate_command(path: str | Path, prompt_ids: str | None, prompt: str | Non
     if is_engine_config(path):
         from moe_export.runtime.entrypoints.llm import LLM
 
-        llm = LLM(path, num_slots=1, reuse_sessions=False)
+        # token ids need no tokenizer: an engine built from a checkpoint without tokenizer files generates from them
+        llm = LLM(path, num_slots=1, reuse_sessions=False, skip_tokenizer_init=prompt is None and not has_tokenizer(path))
         if not llm.engine.is_root:
             llm.run_follower()
             return None

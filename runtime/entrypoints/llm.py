@@ -54,23 +54,27 @@ class LLM:
     previous step's outputs (`Scheduler(overlap=True)`, see `runtime.core.scheduler`; default on, also under
     mpiexec; not in the dp layout; greedy outputs are the same either way).
     allow_image_urls: image parts may be http(s) URLs, fetched with a size and time limit (default: data URLs only).
+    skip_tokenizer_init: open no tokenizer (vLLM's name; for an engine built without tokenizer files): prompts are
+    token id lists, outputs carry ids and no text, the stop ids are the engine's; chats and stop strings need one.
 
     Failures: a request the engine fails raises `RequestFailed` (the others go on); once the engine core is dead
     (`healthy` False, `fatal_error` the `EngineDead`) every call raises that EngineDead."""
 
     def __init__(self, engine_dir: str | Path, *, default_effort: str = "max", num_slots: int | None = None,
                  num_blocks: int | None = None, threads: int | None = None, reuse_sessions: bool = True,
-                 prefix_caching: bool = True, allow_image_urls: bool = False, overlap: bool = True, runner=None) -> None:
+                 prefix_caching: bool = True, allow_image_urls: bool = False, overlap: bool = True, runner=None,
+                 skip_tokenizer_init: bool = False) -> None:
         from moe_export.runtime.engine import open_engine
 
         # runner: a ModelRunner to drive instead of the engine directory's own (which then provides the tokenizer)
         self.engine = runner or open_engine(engine_dir, num_slots=num_slots, num_blocks=num_blocks, threads=threads)
-        self.tokenizer = load_tokenizer(engine_dir)
-        self.family = self.tokenizer.family
+        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(engine_dir)
+        self.family = self.tokenizer.family if self.tokenizer is not None else None
         self.thinking_caps: dict[str, int] = self.engine.config.thinking if self.engine.config is not None else {}
         resolve_thinking(None, self.thinking_caps, default_effort)  # validates the default tier
         self.default_effort = default_effort
-        self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(engine_eos_ids(self.engine)))
+        tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
+        self.eos_token_ids = sorted(set(tokenizer_eos) | set(engine_eos_ids(self.engine)))
         self.reuse_sessions = reuse_sessions
         self.prefix_caching = prefix_caching
         self.overlap = overlap
@@ -81,7 +85,8 @@ class LLM:
                             for thinking in (True, False)} if self.family else {}
         self._ids = itertools.count()
         model = self.engine.model_config
-        self.vocab_size = int(model.get("vocab_size") or (model.get("text_config") or {}).get("vocab_size") or self.tokenizer.vocab_size)
+        self.vocab_size = int(model.get("vocab_size") or (model.get("text_config") or {}).get("vocab_size")
+                              or self.tokenizer.vocab_size)
         self._grammar_vocab: GrammarVocab | None = None
         # the one set of sampling defaults (requests without their own parameters use it)
         self.default_sampling = model_defaults(read_generation_config(engine_dir))
@@ -95,6 +100,8 @@ class LLM:
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InputError("this LLM has no tokenizer (skip_tokenizer_init): give the prompt as token ids")
             ids = self.tokenizer.encode(prompt)
             if not ids:
                 raise InputError("the prompt encodes to no tokens")
@@ -116,6 +123,9 @@ class LLM:
 
     def _render(self, messages: list[dict], plan, tools, tool_choice, response_format, add_generation_prompt=True,
                 images=None) -> list[int]:
+        if self.tokenizer is None:
+            raise InputError("this LLM has no tokenizer (skip_tokenizer_init): chats need one; use generate() with "
+                             "token ids")
         if self.family is None:
             raise InputError(f"{self.engine.dir}: the tokenizer has no K3 or K2 chat tokens: use generate()")
         vision = self.engine.vision
@@ -246,9 +256,10 @@ class LLM:
 
     def scheduler_kwargs(self) -> dict:
         """How this LLM's schedulers are set up (rank 0's, and in the dp layout every group leader's)."""
-        return {"eos_token_ids": self.eos_token_ids, "text_decoder": self.tokenizer.incremental_decoder,
+        tok = self.tokenizer
+        return {"eos_token_ids": self.eos_token_ids, "text_decoder": tok.incremental_decoder if tok is not None else None,
                 "keep_sessions": self.reuse_sessions, "prefix_caching": self.prefix_caching,
-                "sample_vocab": self.tokenizer.vocab_size, "overlap": self.overlap}
+                "sample_vocab": tok.vocab_size if tok is not None else None, "overlap": self.overlap}
 
     def _budget(self, spec: BudgetSpec) -> ReasoningBudget:
         return ReasoningBudget(self.tokenizer, spec.family, spec.cap, starts_in_reasoning=spec.starts_in_reasoning)
