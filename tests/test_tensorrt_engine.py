@@ -409,6 +409,32 @@ def test_dp_steps_agree_on_the_world_bucket_and_set_the_dispatch_state():
         engine.step(None)
 
 
+def test_dp_step_failing_validation_on_one_rank_is_refused_by_every_rank():
+    """dp layout: a rank whose step fails validation still joins the bucket agreement (bidding REFUSED_STEP) before
+    raising, so no other rank waits in the all-reduce for it; every rank then raises StepRefused (the failing one
+    with its reason), nothing is enqueued, and the next world step runs as usual."""
+    from moe_export.runtime.engine.runner import StepRefused
+    from moe_export.runtime.engine.tensorrt import REFUSED_STEP
+
+    engine, eager = dp_engine(np.zeros((2, 4), np.int64))
+    world = engine.comm.world
+    bad = StepBatch(np.array([5]), np.array([3]), np.array([0, 1]), np.array([99]), np.array([[0]]))  # slot 99
+    RECORD.clear()
+    with pytest.raises(StepRefused, match="failed validation: .*slot 99"):
+        engine.step(bad)
+    assert world.bids == [REFUSED_STEP] and engine._context.calls == [] and RECORD == []
+    world.others = REFUSED_STEP  # another group's step failed validation: this rank's good step and idle step refuse
+    good = StepBatch(np.array([5]), np.array([3]), np.array([0, 1]), np.array([0]), np.array([[0]]))
+    with pytest.raises(StepRefused, match="another rank's step"):
+        engine.step(good)
+    with pytest.raises(StepRefused, match="another rank's step"):
+        engine.step(None)
+    assert world.bids[1:] == [1, 1] and engine._context.calls == []
+    world.others = eager
+    engine.step(good)  # the next world step (another group prefills): eager everywhere
+    assert world.bids[-1] == 1 and engine._context.calls
+
+
 def test_context_memory_binding_names_are_in_the_pinned_wheels():
     """Contract USER_MANAGED_DEVICE_MEMORY: every Python name the runner uses for user-managed context memory is
     in the pinned TensorRT bindings wheels' compiled module, and `set_device_memory` is their binding of

@@ -1,19 +1,38 @@
 """Running step plans: `run_plan` on any rank, `StepExecutor` on rank 0 (broadcast, then run; with overlap in one
-worker thread, in order), `follow` on the other ranks of a group, `stop_the_world` when a rank fails under mpiexec
-(a failed step there leaves the other ranks inside a collective: every rank is aborted, none hangs)."""
+worker thread, in order), `follow` on the other ranks of a group, and the end of the world when a step's collective
+part fails under mpiexec (`stop_the_world`, `FaultWatch`).
+
+Failure classes under mpiexec. Choosing tokens happens on the rank holding the logits after everything collective
+in the step (`runner.choose_tokens`), so a request's own failures (its sampling row, sampler, grammar, output)
+never reach this module. A step every rank refused by agreement (`StepRefused`) fails the step's requests and the
+ranks go on. Any other failure of a step, on any rank, may have left the other ranks inside a collective: the
+failed rank reports itself (stderr) and sends a fault notice to world rank 0, whose `FaultWatch` marks the engine
+core dead (the API answers 503, /health too), waits FAULT_LINGER_S for those answers to go out and aborts every
+rank (exit status 1). A failed rank other than 0 aborts the world itself after FAULT_GRACE_S, should rank 0 not
+(no rank is ever left waiting)."""
 
 from __future__ import annotations
 
+import atexit
 import sys
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import cast
 
 import numpy as np
+from moe_export.common.errors import EngineDead
 from moe_export.runtime.core.contracts import RunnerOutput, StepPlan, VisionPlan
 from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
-from moe_export.runtime.engine.runner import ModelRunner, VisionRunner
+from moe_export.runtime.engine.runner import ModelRunner, StepRefused, VisionRunner
 from moe_export.runtime.engine.sampler import SamplingBatch
+
+FAULT_TAG = 7301  # MPI tag of a rank's fault notice to world rank 0
+FAULT_POLL_S = 0.05  # how often rank 0's FaultWatch looks for a notice
+FAULT_LINGER_S = 2.0  # rank 0: from marking the core dead (503) to aborting the world
+FAULT_GRACE_S = 6.0  # a failed rank other than 0: how long rank 0 has to end the world before this rank aborts it
+WORLD_BROKEN = threading.Event()  # set in this process once a step's collective part failed on some rank
 
 
 def run_plan(engine: ModelRunner, plan: StepPlan | VisionPlan, sampling: SamplingBatch | None = None) -> RunnerOutput:
@@ -51,7 +70,8 @@ class StepExecutor:
         self.failed = False
 
     def execute(self, plan: StepPlan | VisionPlan, sampling: SamplingBatch | None = None) -> RunnerOutput:
-        """Broadcast `plan` (multi-rank) and run it on this rank. A failure under mpiexec stops every rank."""
+        """Broadcast `plan` (multi-rank) and run it on this rank. Under mpiexec a failure other than an agreed
+        refusal ends the world (`stop_the_world`) and raises EngineDead: the engine core cannot go on."""
         step = isinstance(plan, StepPlan)
         if step:
             self.steps += 1
@@ -62,8 +82,10 @@ class StepExecutor:
             out = run_plan(self.engine, plan, sampling)
         except BaseException as exc:
             self.failed = self.failed or step
-            stop_the_world(self.engine, exc)
-            raise
+            if comm is None or isinstance(exc, StepRefused):
+                raise
+            reason = stop_the_world(self.engine, exc)
+            raise EngineDead(f"the engine stops: {reason}") from exc
         self.failed = self.failed and not step
         if out.sampled is not None:
             self.last_ids = out.sampled.ids
@@ -107,7 +129,8 @@ class StepExecutor:
 
 
 def follow(engine: ModelRunner) -> int:
-    """Non-root ranks: execute rank 0's plans until it shuts down; returns the number of steps run."""
+    """Non-root ranks: execute rank 0's plans until it shuts down; returns the number of steps run (a step every
+    rank refused by agreement counts; any other failure ends the world)."""
     steps = 0
     while True:
         try:
@@ -115,19 +138,63 @@ def follow(engine: ModelRunner) -> int:
             if plan is None:
                 return steps
             run_plan(engine, plan)
+        except StepRefused:
+            pass
         except BaseException as exc:
             stop_the_world(engine, exc)
             raise
         steps += 1
 
 
-def stop_the_world(engine: ModelRunner, exc: BaseException) -> None:
-    """Multi-rank: report which rank failed and why, then abort every rank (MPI Abort), never hang."""
-    comm = engine.comm
-    if comm is None:
-        return
-    rank = comm.world.Get_rank()
-    print(f"moe-export: rank {rank} of {comm.world.Get_size()} failed, stopping all ranks: "
-          f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-    time.sleep(1.0)  # let the launcher forward that line before the abort tears its I/O down
-    comm.world.Abort(1)
+def stop_the_world(engine: ModelRunner, exc: BaseException) -> str:
+    """A step's collective part failed on this rank under mpiexec (see the module doc): report which rank and why
+    (stderr), send world rank 0 the fault notice (its `FaultWatch` ends the world), and on another rank abort the
+    world after FAULT_GRACE_S should rank 0 not have. Returns the reason (rank 0 goes on to fail its core)."""
+    world = engine.comm.world
+    rank = world.Get_rank()
+    reason = f"rank {rank} of {world.Get_size()} failed: {type(exc).__name__}: {exc}"
+    if not WORLD_BROKEN.is_set():
+        WORLD_BROKEN.set()
+        atexit.register(world.Abort, 1)  # a broken world cannot finalize (its collectives are out of step)
+        print(f"moe-export: {reason}; stopping all ranks", file=sys.stderr, flush=True)
+        _NOTICES.append(world.isend(reason, dest=0, tag=FAULT_TAG))
+    if rank != 0:
+        time.sleep(FAULT_GRACE_S)
+        world.Abort(1)
+    return reason
+
+
+_NOTICES: list = []  # the fault notices sent (their MPI requests stay alive until the world ends)
+
+
+class FaultWatch:
+    """World rank 0 under mpiexec: a thread polling for a rank's fault notice (`stop_the_world`). On one it calls
+    `on_fault(reason)` (the API marks its engine core dead: /health and every request answer 503), waits
+    FAULT_LINGER_S for those answers to go out, then aborts every rank (exit status 1)."""
+
+    def __init__(self, world, on_fault: Callable[[str], None]) -> None:
+        self.world, self.on_fault = world, on_fault
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="moe-export-fault-watch", daemon=True)
+        self.thread.start()
+        atexit.register(self.stop)  # (registered after MPI's start: runs before its finalize)
+
+    def _watch(self) -> None:
+        from mpi4py import MPI
+
+        while not self.stopped.wait(FAULT_POLL_S):
+            if not self.world.Iprobe(source=MPI.ANY_SOURCE, tag=FAULT_TAG):
+                continue
+            reason = self.world.recv(source=MPI.ANY_SOURCE, tag=FAULT_TAG)
+            WORLD_BROKEN.set()
+            try:
+                self.on_fault(reason)
+            finally:
+                time.sleep(FAULT_LINGER_S)
+                self.world.Abort(1)
+
+    def stop(self) -> None:
+        """End the watch (rank 0's shutdown; a fault being handled still ends the world)."""
+        self.stopped.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join()

@@ -25,19 +25,22 @@ its row of N+1 run anyway: that row feeds N's real last token into the sequence'
 then covers) and its sampled token is dropped; a finish by length is known at planning and gets no row.
 
 Failures stay with the request that caused them: a request whose sampling row cannot be built (its parameters,
-reasoning budget or grammar raise), whose logits processor fails or whose output cannot be detokenized ends
-alone (finish_reason "abort", `SequenceUpdate.error`; its slot and blocks freed). A runner exception fails the
-requests of that step (their slots are freed, so their state is reset for the next user; with overlap, a step
-already planned on its tokens fails too) and the scheduler goes on; `max_failed_steps` failed steps in a row
-raise `EngineDead`. Any other exception out of `step()` means the scheduler itself broke. Under mpiexec a failed
-step stops every rank instead (see below).
+reasoning budget or grammar raise), whose logits processor fails, whose token cannot be chosen (the runner's
+sampler failing fails the step's sampled rows: `runner.choose_tokens`) or whose output cannot be detokenized ends
+without its step failing (finish_reason "abort", `SequenceUpdate.error`; its slot and blocks freed). A runner
+exception fails the requests of that step (their slots are freed, so their state is reset for the next user;
+with overlap, a step already planned on its tokens fails too) and the scheduler goes on; `max_failed_steps`
+failed steps in a row raise `EngineDead`. Any other exception out of `step()` means the scheduler itself broke.
+Under mpiexec a failed step ends the world at once instead, unless every rank refused it by agreement
+(`core.execution`).
 
 Multi-rank (under mpiexec): rank 0 runs this scheduler and broadcasts every step's plan (slot resets,
 checkpoint restores and saves, chunks with tokens, positions, slots, block tables); the sampled tokens travel
 in the next plan (future tokens are filled in before the broadcast). With overlap, every broadcast and step of
 rank 0 runs in the worker thread.
-Other ranks run `execution.follow()`, executing the same plans in lockstep. A rank that fails prints which rank
-and why, then aborts the MPI world, so no rank is left waiting in a collective.
+Other ranks run `execution.follow()`, executing the same plans in lockstep. A rank whose step fails prints which
+rank and why and tells rank 0, which answers 503 and then aborts the MPI world, so no rank is left waiting in a
+collective (`core.execution`).
 
 Modules: this one schedules (admission order, chunking, planning ahead, applying tokens); `core.resources` holds
 slots, blocks, the prefix cache and sessions; `core.rows` builds sampling rows; `core.execution` runs plans.
@@ -411,7 +414,10 @@ class Scheduler:
         return flight.updates
 
     def _count_failure(self, exc: BaseException) -> None:
-        """One more runner failure in a row (a step skipped for its predecessor's failure is not one)."""
+        """One more runner failure in a row (a step skipped for its predecessor's failure is not one); an
+        EngineDead (under mpiexec: a step failed on some rank, the world ends) kills the core at once."""
+        if isinstance(exc, EngineDead):
+            raise exc
         if not isinstance(exc, PreviousStepFailed):
             self.failed_steps += 1
         if self.failed_steps >= self.max_failed_steps:

@@ -41,7 +41,7 @@ from moe_export.runtime.core.contracts import (
 from moe_export.runtime.core.execution import follow, stop_the_world
 from moe_export.runtime.core.scheduler import Scheduler
 from moe_export.runtime.core.sequence import Sequence
-from moe_export.runtime.engine.runner import GroupedRunner, ModelRunner
+from moe_export.runtime.engine.runner import GroupedRunner, ModelRunner, StepRefused
 
 PLACEMENT_HISTORY = 4096  # finished requests' prompts remembered for placing follow-up turns
 
@@ -59,7 +59,10 @@ class LockstepScheduler:
         before = executor.steps
         updates = self.scheduler.step()
         if executor.steps == before:
-            executor.execute(StepPlan())
+            try:
+                executor.execute(StepPlan())
+            except StepRefused:  # every rank refused this world step by agreement: this group had nothing in it
+                pass
         return updates
 
     def add(self, request: Request) -> None:

@@ -93,6 +93,12 @@ class GroupedRunner(ModelRunner, Protocol):
     group_step_expert_tokens: np.ndarray
 
 
+class StepRefused(RuntimeError):
+    """Every rank of a world step refused to run it, by agreement before any collective (one rank's step failed
+    validation, `TensorRTEngine._agree_bucket`): nothing collective is half done, so the step's requests fail and
+    every rank goes on (`core.execution`)."""
+
+
 def choose_tokens(logits, sampling: SamplingBatch) -> SampledTokens:
     """The sampler on a step's logits [N, V] (`sampler.sample`, on their device), its failure kept to the requests
     it chose for: choosing happens where the logits are (rank 0, or a dp group's leader) after everything collective

@@ -85,7 +85,7 @@ from moe_export.runtime.engine.batch import (
 )
 from moe_export.runtime.engine.ort import MPICommunicator
 from moe_export.runtime.engine.tensorrt_bind import bind
-from moe_export.runtime.engine.runner import choose_tokens
+from moe_export.runtime.engine.runner import StepRefused, choose_tokens
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch
 
 
@@ -144,6 +144,7 @@ def graph_buckets(num_slots: int, pad_slot: int | None) -> list[int]:
 
 
 EAGER_STEP = 1 << 30  # a rank's bid in the world's bucket agreement when its step cannot replay a graph
+REFUSED_STEP = EAGER_STEP + 1  # a rank's bid when its step failed validation: every rank refuses the step
 
 
 def share_tokens(real: int, step_tokens: int, tp: int, tp_rank: int) -> int:
@@ -421,14 +422,19 @@ class TensorRTEngine:
             self.comm.nccl["ep"].begin_step(0, 0)
             self._enqueue(self._with_images(pad_decode_feeds(_empty_decode(), 1, self._pad_slot, 1)))
 
-    def _agree_bucket(self, bid: int) -> int | None:
+    def _agree_bucket(self, bid: int, refusal: InputError | None = None) -> int | None:
         """The world step's decode bucket from this rank's `bid` (its own bucket, or EAGER_STEP): in the dp layout
         every rank runs the largest bid (one host all-reduce over MPI, no device wait), and if any rank's step is
-        eager every rank's is (the all-to-alls' transport must be the same on every rank); None: an eager step."""
+        eager every rank's is (the all-to-alls' transport must be the same on every rank); None: an eager step.
+        A rank whose step failed validation (`refusal`) bids REFUSED_STEP: then every rank raises StepRefused (the
+        verdict is agreed before any collective, so no rank waits for one that left)."""
         if self.dp_layout:
             from mpi4py import MPI
 
             bid = self.comm.world.allreduce(bid, op=MPI.MAX)
+        if bid >= REFUSED_STEP:
+            raise StepRefused(f"the step failed validation: {refusal}" if refusal is not None
+                              else "another rank's step failed validation: every rank refused the world step")
         return None if bid >= EAGER_STEP else bid
 
     def _begin_moe_step(self, real: int, step_tokens: int, block_rows: int) -> None:
@@ -454,7 +460,10 @@ class TensorRTEngine:
     def _forward(self, batch: StepBatch):
         """Enqueue one packed step on `self.stream`: its logits [N, vocab] on the device (not waited for). Decode
         steps replay their bucket's CUDA graph (in the dp layout the world's bucket, see `_agree_bucket`)."""
-        check_step_batch(self, batch)
+        try:
+            check_step_batch(self, batch)
+        except InputError as exc:
+            self._agree_bucket(REFUSED_STEP, exc)  # raises StepRefused here and on every other rank
         n = batch.num_sequences
         fits = is_decode(batch) and self._buckets and n <= self._buckets[-1]
         bucket = self._agree_bucket(next(b for b in self._buckets if b >= n) if fits else EAGER_STEP)

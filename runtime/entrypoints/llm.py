@@ -296,6 +296,7 @@ class AsyncLLM:
         self._commands: list = []
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._closing = False
+        self._core.on_dead.append(self._end_streams)  # a rank's fault (the scheduler thread may wait in a collective)
         self._thread = threading.Thread(target=self._loop, name="moe-export-scheduler", daemon=True)
         self._thread.start()
 
@@ -316,10 +317,13 @@ class AsyncLLM:
             while self._turn():
                 pass
         except BaseException as exc:  # the engine core died: every open stream ends with its EngineDead
-            dead = self._core.die(exc)
-            with self._cv:
-                for rid in list(self._queues):
-                    self._push(rid, dead)
+            self._end_streams(self._core.die(exc))
+
+    def _end_streams(self, dead: EngineDead) -> None:
+        """Every open stream ends with `dead`."""
+        with self._cv:
+            for rid in list(self._queues):
+                self._push(rid, dead)
 
     def _turn(self) -> bool:
         """Run the queued commands and one step; False when the thread is done (shut down)."""

@@ -8,6 +8,7 @@ final delta with `error` set; any exception out of the scheduler's step kills th
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,7 @@ from moe_export.common.errors import EngineDead
 from moe_export.runtime.chat import OutputParser, ParsedDelta, ParsedMessage
 from moe_export.runtime.core.budget import ReasoningBudget
 from moe_export.runtime.core.contracts import Request, SequenceUpdate
+from moe_export.runtime.core.execution import WORLD_BROKEN, FaultWatch
 from moe_export.runtime.core.sessions import TurnMemory
 from moe_export.runtime.core.wide_ep import open_scheduler
 from moe_export.runtime.engine.runner import ModelRunner
@@ -188,7 +190,18 @@ class RequestCore:
         self.sched = open_scheduler(engine, **scheduler_kwargs)
         self.tracked: dict[str, Tracked] = {}
         self.fatal_error: EngineDead | None = None
+        self.on_dead: list[Callable[[EngineDead], None]] = []  # called (any thread) when a rank's fault kills the core
         self._released = False
+        # under mpiexec: a step failing on any rank ends the world through rank 0 (`core.execution`)
+        self.watch = FaultWatch(engine.comm.world, self._world_fault) if engine.comm is not None else None
+
+    def _world_fault(self, reason: str) -> None:
+        """A rank's step failed (the FaultWatch thread; the world is aborted after this): the core is dead, its
+        open requests end with the EngineDead, and every later call raises it."""
+        if self.fatal_error is None:
+            self.fatal_error = EngineDead(f"the engine stops: {reason}")
+        for listener in self.on_dead:
+            listener(self.fatal_error)
 
     def submit(self, tracked: Tracked, processors: list[LogitsProcessor] | None) -> None:
         if self.fatal_error is not None:
@@ -233,7 +246,7 @@ class RequestCore:
                 dead.__cause__ = exc
             self.fatal_error = dead
             self.tracked.clear()
-            if self.engine.comm is not None:  # (a failed collective step has already stopped every rank)
+            if self.engine.comm is not None and not WORLD_BROKEN.is_set():  # (a broken world is being aborted)
                 self.shutdown()
         return self.fatal_error
 
@@ -241,6 +254,8 @@ class RequestCore:
         """Release follower ranks (once) and the step worker."""
         if not self._released:
             self._released = True
+            if self.watch is not None:
+                self.watch.stop()
             try:
                 self.sched.shutdown()
             except Exception:
