@@ -277,6 +277,18 @@ def page_cache(
 
 
 @pytest.fixture(scope="session")
+def default_engine(tmp_path_factory: pytest.TempPathFactory):
+    """The embedded default recipe (tiny-cpu.yaml) built as shipped: tiny-k3 on 4 ranks (tp 2, ep 2)."""
+    from moe_export.common.recipe import load_recipe
+    from moe_export.export.build import build
+
+    rec, _ = load_recipe("tiny-cpu.yaml")
+    out = tmp_path_factory.mktemp("default-engine") / rec.name
+    build(rec, out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def runtime_engine(tmp_path_factory: pytest.TempPathFactory):
     """(preset, tp, ep, world, max_num_tokens=64, attention="tp", backend="onnxruntime") -> engine directory built
     once per session from tiny-cpu.yaml with small runtime limits (max_batch 6, max_seq_len 1024, max_num_tokens,

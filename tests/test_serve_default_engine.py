@@ -8,21 +8,9 @@ import json
 
 import httpx
 import jsonschema
-import pytest
 
 SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "maximum": 9}},
           "required": ["city", "days"], "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def default_engine(tmp_path_factory):
-    from moe_export.common.recipe import load_recipe
-    from moe_export.export.build import build
-
-    rec, _ = load_recipe("tiny-cpu.yaml")
-    out = tmp_path_factory.mktemp("default-engine") / rec.name
-    build(rec, out)
-    return out
 
 
 def test_json_schema_and_a_four_turn_responses_chain_fit_the_default_engine(default_engine):

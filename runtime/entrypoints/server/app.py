@@ -29,6 +29,7 @@ __all__ = ["EngineInfo", "ServerSettings", "create_app"]
 
 log = logging.getLogger("moe_export.serve")
 HEALTH_POLL_S = 0.5  # how often the app checks that the engine core still runs
+DEAD_LINGER_S = 1.0  # /health answers 503 this long before the server stops (load balancers and clients see it)
 
 
 def route_label(request: Request) -> str:
@@ -84,6 +85,7 @@ async def watch_engine(svc: Service, on_engine_dead: Callable[[], None]) -> None
     while svc.healthy:
         await asyncio.sleep(HEALTH_POLL_S)
     log.error("the engine core is dead (%s); stopping the server", getattr(svc.llm, "fatal_error", None))
+    await asyncio.sleep(DEAD_LINGER_S)
     on_engine_dead()
 
 

@@ -187,8 +187,8 @@ class Service:
                 seed=None if seed is None else int(seed) % SEED_MOD, max_tokens=max_tokens, stop=stops,
                 logprobs=bool(logprobs), ignore_eos=bool(ignore_eos), top_logprobs=int(top_logprobs or 0), **extras,
             )
-        except InputError as exc:
-            raise APIError(400, str(exc)) from None
+        except InputError as exc:  # (`SamplingValueError` names its field)
+            raise APIError(400, str(exc), getattr(exc, "field", None)) from None
 
     # ---- generation --------------------------------------------------------------------------------
     def prompt_length(self, messages: list[dict], *, tools, tool_choice, response_format, effort) -> int:
