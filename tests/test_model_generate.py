@@ -123,6 +123,8 @@ def test_cli_generate_json_and_text(k3, capsys):
         (("--prompt-ids", "1", "--top-p", "0"), "top_p"),
         (("--prompt-ids", "1", "--seed", "18446744073709551616"), "an unsigned 64-bit integer"),
         (("--prompt-ids", "1", "--seed", "-1"), "an unsigned 64-bit integer"),
+        (("--prompt-ids", "1", "--top-k", str(1 << 63)), "top_k must be within the 64-bit integer range"),
+        (("--prompt-ids", "1", "--temperature", "nan"), "temperature must be a finite number"),
         (("--prompt-ids", "1,530"), "outside the vocabulary [0, 528)"),  # the model knows 576 ids, the tokenizer 528
     ],
 )

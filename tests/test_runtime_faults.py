@@ -5,12 +5,13 @@ or a broken scheduler, kills the engine core (EngineDead for every open and late
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 from moe_export.common.errors import EngineDead, InputError, InternalError, RequestFailed
 from moe_export.runtime.engine import open_engine
 from moe_export.runtime.entrypoints.llm import LLM, AsyncLLM
-from moe_export.runtime.sampling import SamplingParams
+from moe_export.runtime.sampling import FLOAT32_TINY, SamplingParams, SamplingValueError
 
 PROMPT = list(range(5, 45))  # 40 tokens: 2 full 16-token blocks (prefix-cache checkpoints in its prefill)
 OTHER = [7, 8, 9, 10, 11]
@@ -310,3 +311,73 @@ def test_under_mpiexec_a_dead_core_releases_the_follower_ranks(engine_dir):
     assert r.stdout.count("released") == 3, r.stdout  # (the ranks' lines may interleave)
     root = json.loads(re.search(r"\{.*?\}", r.stdout).group())
     assert root == {"error": "EngineDead", "later": "EngineDead", "healthy": False}
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("top_k", 1 << 63, "64-bit integer range"), ("top_k", -1, ">= 0"), ("top_k", 2.5, "an integer"),
+    ("max_tokens", 1 << 64, "64-bit integer range"), ("top_p", 0.0, "(0, 1]"), ("top_p", float("nan"), "finite"),
+    ("temperature", float("inf"), "finite"), ("temperature", 1e39, "float32"), ("min_p", float("nan"), "finite"),
+    ("repetition_penalty", 1e-300, "> 0"), ("repetition_penalty", float("inf"), "finite"),
+    ("stop_token_ids", (1 << 63,), "64-bit integer range"), ("logit_bias", {5: 1e300}, "float32"),
+    ("logit_bias", {1 << 64: 1.0}, "64-bit integer range"), ("logit_bias", {"x": 1.0}, "map token ids"),
+])
+def test_sampling_values_are_validated_once_naming_the_field(field, value, says):
+    """SamplingParams is the one validator every entry point builds its requests with: each integer within int64,
+    each float finite and within float32 (the runner's tensors); the error names the field."""
+    with pytest.raises(SamplingValueError) as bad:
+        SamplingParams(**{field: value})
+    assert bad.value.field == field and str(bad.value).startswith(field) and says in str(bad.value)
+    assert isinstance(bad.value, InputError)
+
+
+def test_sampling_values_at_the_edges_sample_and_never_hurt_the_engine(make_llm):
+    """Values the validator lets through, at their edges, through the real sampler: top_k at or above the vocabulary
+    keeps every token (the same draws as no top-k), top_p below float32's range is its smallest normal (the most likely
+    token: greedy), and extreme temperatures, penalties and biases either sample or fail their request alone."""
+    llm, _ = make_llm()
+    vocab = llm.vocab_size
+    base = SamplingParams(temperature=1.0, seed=7, max_tokens=4, ignore_eos=True)
+    free = llm.generate([OTHER], base)[0].output_ids
+    for top_k in (vocab, vocab + 1, (1 << 63) - 1):
+        assert llm.generate([OTHER], replace(base, top_k=top_k))[0].output_ids == free, top_k
+    tiny = SamplingParams(temperature=1.0, top_p=1e-300, max_tokens=4, ignore_eos=True)
+    assert tiny.top_p == FLOAT32_TINY
+    assert llm.generate([OTHER], tiny)[0].output_ids == llm.generate([OTHER], GREEDY)[0].output_ids[:4]
+    edges = [dict(temperature=1e-30), dict(temperature=3e38), dict(min_p=1.0), dict(top_k=1, top_p=FLOAT32_TINY),
+             dict(repetition_penalty=FLOAT32_TINY), dict(repetition_penalty=3e38), dict(logit_bias={5: 3e38}),
+             dict(logit_bias={5: -3e38, 6: 3e38}), dict(presence_penalty=2.0, frequency_penalty=-2.0)]
+    for edge in edges:
+        try:
+            out = llm.generate([OTHER], replace(base, **edge))[0].output_ids
+            assert len(out) == 4 and all(0 <= t < vocab for t in out), edge
+        except RequestFailed:  # a value the sampler cannot choose from fails its request, nothing else
+            pass
+        assert llm.healthy and llm._root().sched.failed_steps == 0, edge
+        assert llm.generate([OTHER], base)[0].output_ids == free, edge
+    assert_nothing_held(llm)
+
+
+def test_a_sampler_failure_fails_its_requests_not_the_step_or_the_engine(make_llm, clean, monkeypatch):
+    """The sampler raising (after the step ran) fails the requests it was choosing for, as request failures: the
+    step counts as run (no failed step toward EngineDead, so a client cannot kill the engine with it), and the next
+    request gets the tokens of a clean engine."""
+    from moe_export.runtime.engine import runner as runner_module
+
+    llm, _ = make_llm()
+    real, calls = runner_module.sample, []
+
+    def failing(logits, sb):
+        calls.append(1)
+        if len(calls) == 2:  # the first decode step
+            raise RuntimeError("selected index k out of range")
+        return real(logits, sb)
+
+    monkeypatch.setattr(runner_module, "sample", failing)
+    for _ in range(4):  # more than max_failed_steps
+        calls.clear()
+        with pytest.raises(RequestFailed, match="choosing its token failed: RuntimeError: selected index k"):
+            llm.generate([PROMPT], GREEDY)
+        assert llm.healthy and llm._root().sched.failed_steps == 0
+    monkeypatch.setattr(runner_module, "sample", real)
+    assert llm.generate([PROMPT], GREEDY)[0].output_ids == clean[tuple(PROMPT)]
+    assert_nothing_held(llm)

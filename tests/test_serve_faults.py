@@ -16,6 +16,7 @@ from fake_llm import VOCAB, FakeLLM
 from moe_export.common.errors import EngineDead, InputError, RequestFailed
 from moe_export.runtime.entrypoints.server.app import create_app
 from moe_export.runtime.entrypoints.server.service import EngineInfo, ServerSettings
+from moe_export.runtime.sampling import FLOAT32_TINY
 
 PNG_1PX = bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010806000000"
                         "1f15c4890000000d49444154789c6360000002000154a24f5d0000000049454e44ae426082")
@@ -52,6 +53,22 @@ def test_seed_is_an_unsigned_64_bit_integer(tmp_path, path, body):
     assert llm.seen[-1][1].seed == (1 << 64) - 1
     r = post(app, path, {**body, "seed": (1 << 64) - 1, "n": 2})  # choice i uses seed + i, within 64 bits
     assert r.status_code == 200 and [s.seed for _, s, _ in llm.seen[-2:]] == [(1 << 64) - 1, 0]
+
+
+@pytest.mark.parametrize("path,body", [("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "hi", "max_tokens": 4}),
+                                       ("/v1/messages", {"messages": CHAT["messages"], "max_tokens": 4})])
+def test_sampling_values_outside_int64_or_float32_are_a_400_naming_the_field(tmp_path, path, body):
+    """The runtime's one sampling validator behind every route: top_k 2^63 (which killed the engine core) is a 400
+    with param top_k; top_p 1e-300 is taken as float32's smallest normal (the most likely token)."""
+    llm = FakeLLM()
+    app, dead = make_app(tmp_path, llm)
+    r = post(app, path, {**body, "temperature": 1, "top_k": 1 << 63})
+    assert r.status_code == 400 and "64-bit integer range" in r.text and "Traceback" not in r.text, r.text
+    if path != "/v1/messages":  # (Anthropic's error shape has no param)
+        assert r.json()["error"]["param"] == "top_k"
+    r = post(app, path, {**body, "temperature": 1, "top_p": 1e-300})
+    assert r.status_code == 200 and llm.seen[-1][1].top_p == FLOAT32_TINY, r.text
+    assert not dead
 
 
 def test_logit_bias_range_and_token_ids(tmp_path):
