@@ -33,6 +33,7 @@ FAULT_POLL_S = 0.05  # how often rank 0's FaultWatch looks for a notice
 FAULT_LINGER_S = 2.0  # rank 0: from marking the core dead (503) to aborting the world
 FAULT_GRACE_S = 6.0  # a failed rank other than 0: how long rank 0 has to end the world before this rank aborts it
 WORLD_BROKEN = threading.Event()  # set in this process once a step's collective part failed on some rank
+_NOTICES: list = []  # the fault notices this rank sent (their MPI requests stay alive until the world ends)
 
 
 def run_plan(engine: ModelRunner, plan: StepPlan | VisionPlan, sampling: SamplingBatch | None = None) -> RunnerOutput:
@@ -162,9 +163,6 @@ def stop_the_world(engine: ModelRunner, exc: BaseException) -> str:
         time.sleep(FAULT_GRACE_S)
         world.Abort(1)
     return reason
-
-
-_NOTICES: list = []  # the fault notices sent (their MPI requests stay alive until the world ends)
 
 
 class FaultWatch:
