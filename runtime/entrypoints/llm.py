@@ -85,8 +85,7 @@ class LLM:
                             for thinking in (True, False)} if self.family else {}
         self._ids = itertools.count()
         model = self.engine.model_config
-        self.vocab_size = int(model.get("vocab_size") or (model.get("text_config") or {}).get("vocab_size")
-                              or self.tokenizer.vocab_size)
+        self.vocab_size = int(model.get("vocab_size") or (model.get("text_config") or {}).get("vocab_size") or self.tokenizer.vocab_size)
         self._grammar_vocab: GrammarVocab | None = None
         # the one set of sampling defaults (requests without their own parameters use it)
         self.default_sampling = model_defaults(read_generation_config(engine_dir))
