@@ -308,6 +308,7 @@ def test_no_grammar_for_auto_tools_or_text():
     (["serve", ".", "--port", "0"], "--port"),
     (["serve", ".", "--default-effort", "extreme"], "--default-effort"),
     (["serve", ".", "--host", "example.com"], "--host"),
+    (["serve", ".", "--allow-private-image-urls"], "--allow-private-image-urls needs --allow-image-urls"),
 ])
 def test_serve_cli_bad_input_exits_2(capsys, tmp_path, monkeypatch, args, message):
     """Bad arguments are refused before any engine is loaded."""

@@ -400,7 +400,8 @@ def serve(
     default_effort: str = typer.Option("max", "--default-effort", help="thinking tier when a request names none: low, high, max or none"),
     max_queue: int = typer.Option(256, "--max-queue", help="waiting requests before new ones get 429"),
     served_model_name: list[str] = typer.Option(None, "--served-model-name", help="model name(s) requests may give (repeatable; the first is reported); others get 404. Default: the engine folder's name"),
-    allow_image_urls: bool = typer.Option(False, "--allow-image-urls", help="K3 engines: fetch http(s) image URLs (32 MiB, 10 s limits); default: data URLs only"),
+    allow_image_urls: bool = typer.Option(False, "--allow-image-urls", help="K3 engines: fetch http(s) image URLs from public addresses (32 MiB, 10 s limits, every redirect checked); default: data URLs only"),
+    allow_private_image_urls: bool = typer.Option(False, "--allow-private-image-urls", help="with --allow-image-urls: also fetch from loopback, private and link-local addresses (never cloud metadata addresses)"),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="do not share cached prompt prefixes (cache blocks + recurrent-state checkpoints) across requests"),
 ) -> None:
     """OpenAI- and Anthropic-compatible HTTP server (rank 0; other ranks follow under `mpiexec -n WORLD`).
@@ -410,7 +411,8 @@ def serve(
 
     run_server(engine, host=host, port=port, api_keys=resolve_api_keys(api_key), store=store,
                default_effort=default_effort, max_queue=max_queue, served_model_names=tuple(served_model_name or ()),
-               allow_image_urls=allow_image_urls, prefix_caching=not no_prefix_caching)
+               allow_image_urls=allow_image_urls, allow_private_image_urls=allow_private_image_urls,
+               prefix_caching=not no_prefix_caching)
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ from moe_export.runtime.entrypoints.server.errors import APIError, ClientGone
 from moe_export.runtime.entrypoints.server.image_fetch import ImageFetcher
 from moe_export.runtime.entrypoints.server.metrics import ServerMetrics
 from moe_export.runtime.entrypoints.server.store import ResponseStore
+from moe_export.runtime.image_urls import private_allowed, public_address
 from moe_export.runtime.sampling import SamplingParams, with_defaults
 
 MAX_CHOICES = 64  # most sequences one completions request may start (prompts x n)
@@ -34,7 +35,8 @@ class ServerSettings:
     """Serving limits and options. api_keys: accepted keys (empty: no auth). max_body_bytes: request body
     limit (413 above). max_queue: waiting requests before 429. default_max_tokens: generation length when a
     request gives none. allow_image_urls: fetch http(s) image parts (`image_fetch`), within
-    image_fetch_timeout_s seconds in all and image_fetch_max_bytes bytes."""
+    image_fetch_timeout_s seconds in all and image_fetch_max_bytes bytes, from public addresses only unless
+    allow_private_image_urls (`runtime.image_urls`)."""
 
     engine_dir: Path
     api_keys: tuple[str, ...] = ()
@@ -48,6 +50,7 @@ class ServerSettings:
     served_model_names: tuple[str, ...] = ()
     accept_any_model: bool = False
     allow_image_urls: bool = False
+    allow_private_image_urls: bool = False
     image_fetch_timeout_s: float = 10.0
     image_fetch_max_bytes: int = 32 << 20
 
@@ -101,7 +104,8 @@ class Service:
         self.store = ResponseStore(settings.store_path)
         self.metrics = ServerMetrics(llm.stats)
         self.in_flight = 0  # generation requests accepted and not finished
-        self.images = ImageFetcher(settings.image_fetch_timeout_s, settings.image_fetch_max_bytes)
+        self.images = ImageFetcher(settings.image_fetch_timeout_s, settings.image_fetch_max_bytes,
+                                   private_allowed if settings.allow_private_image_urls else public_address)
 
     @property
     def healthy(self) -> bool:
