@@ -32,7 +32,7 @@ async def count_tokens_route(request: Request):
     svc.check_model(req.model)
     svc.check_limits(req.messages, req.tools, None)
     messages, tools, tool_choice, effort = anthropic_chat(req)
-    count = svc.prompt_length(messages, tools=tools, tool_choice=tool_choice, response_format=None, effort=effort)
+    count = await svc.prompt_length(messages, tools=tools, tool_choice=tool_choice, response_format=None, effort=effort)
     svc.metrics.requests.labels(ROUTE + "/count_tokens", "200").inc()
     return {"input_tokens": count}
 

@@ -31,7 +31,7 @@ async def completion(svc: Service, req: CompletionRequest, disconnected: Disconn
     model = svc.check_model(req.model)
     svc.check_limits(None, None, req.max_tokens)
     extras = svc.sampler_extras(req)
-    prompts = completion_prompts(svc, req.prompt)
+    prompts = await svc.off_loop(completion_prompts, svc, req.prompt)
     if len(prompts) * req.n > MAX_CHOICES:
         raise APIError(400, f"prompt: {len(prompts)} prompts x n={req.n} is over the limit of {MAX_CHOICES} choices", "prompt")
     request_id = convert.new_id("cmpl-")

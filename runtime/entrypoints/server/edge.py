@@ -55,13 +55,19 @@ def validate(body: object, model: type[BaseModel]):
         raise APIError(400, message, where) from None
 
 
-async def parse(request: Request, model: type[BaseModel]):
-    raw = await request.body()
+def decode(raw: bytes, model: type[BaseModel]):
+    """A request body's bytes as `model`; 400 for JSON that does not parse (or nests too deep to parse)."""
     try:
         body = json.loads(raw or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"request body is not valid JSON ({exc})") from None
     return validate(body, model)
+
+
+async def parse(request: Request, model: type[BaseModel]):
+    """The request's body as `model`, decoded and validated off the event loop (bodies run to megabytes)."""
+    raw = await request.body()
+    return await service_of(request).off_loop(decode, raw, model)
 
 
 def sse(events: AsyncIterator[dict]) -> EventSourceResponse:

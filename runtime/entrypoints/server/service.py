@@ -8,8 +8,10 @@ measured the same way for streamed and whole answers)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,6 +108,10 @@ class Service:
         self.in_flight = 0  # generation requests accepted and not finished
         self.images = ImageFetcher(settings.image_fetch_timeout_s, settings.image_fetch_max_bytes,
                                    private_allowed if settings.allow_private_image_urls else public_address)
+        # one worker thread for the CPU-bound work of requests (JSON decoding and validation, tokenizing, chat
+        # rendering and image decoding): the event loop stays free for other clients (/health among them), and
+        # the renderer runs one request at a time, as it did on the loop
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="moe-export-request")
 
     @property
     def healthy(self) -> bool:
@@ -116,6 +122,11 @@ class Service:
         """Close the store and the image downloads (the runtime is its owner's to shut down)."""
         self.store.close()
         await self.images.aclose()
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(self, fn: Callable, *args, **kwargs):
+        """`fn(*args, **kwargs)` run in the request worker thread, awaited without blocking the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, functools.partial(fn, *args, **kwargs))
 
     async def inline_image_urls(self, messages: list[dict]) -> list[dict]:
         """With allow_image_urls, `messages` with their http(s) images downloaded (off the runtime's thread and
@@ -195,21 +206,21 @@ class Service:
             raise APIError(400, str(exc)) from None
 
     # ---- generation --------------------------------------------------------------------------------
-    def prompt_length(self, messages: list[dict], *, tools, tool_choice, response_format, effort) -> int:
-        """Tokens of the rendered conversation (what the runtime will prefill)."""
-        return len(self.llm.render_chat(messages, tools=tools, reasoning_effort=effort, tool_choice=tool_choice,
-                                        response_format=response_format))
+    async def prompt_length(self, messages: list[dict], *, tools, tool_choice, response_format, effort) -> int:
+        """Tokens of the rendered conversation (what the runtime will prefill), rendered off the event loop."""
+        return len(await self.off_loop(self.llm.render_chat, messages, tools=tools, reasoning_effort=effort,
+                                       tool_choice=tool_choice, response_format=response_format))
 
     async def run_chat(self, request_id: str, messages: list[dict], sampling: dict, *, max_tokens: int | None, tools,
                        tool_choice, response_format, effort, parallel: bool, max_tokens_param: str = "max_tokens") -> ChatRun:
         """Start a chat generation (`sampling`: sampling_params' arguments but max_tokens). Bad requests raise
         here, before any response byte is sent."""
-        prompt_tokens = self.prompt_length(messages, tools=tools, tool_choice=tool_choice,
-                                           response_format=response_format, effort=effort)
+        prompt_tokens = await self.prompt_length(messages, tools=tools, tool_choice=tool_choice,
+                                                 response_format=response_format, effort=effort)
         params = self.sampling_params(**sampling, max_tokens=self.fit_max_tokens(prompt_tokens, max_tokens, max_tokens_param))
         self.check_queue()
-        stream = self.llm.chat_stream(
-            messages, params, tools=tools, reasoning_effort=effort, tool_choice=tool_choice,
+        stream = await self.off_loop(  # chat_stream renders the prompt (and decodes its images) before it returns
+            self.llm.chat_stream, messages, params, tools=tools, reasoning_effort=effort, tool_choice=tool_choice,
             response_format=response_format, parallel_tool_calls=parallel, request_id=request_id,
         )
         first, deltas = await self.timed(stream, calls_before(messages))

@@ -73,11 +73,11 @@ async def tokenize(request: Request):
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of `prompt` or `messages`")
     if req.prompt is not None:
-        ids = svc.tokenizer.encode(req.prompt)
+        ids = await svc.off_loop(svc.tokenizer.encode, req.prompt)
     else:
         svc.check_limits(req.messages, req.tools, None)
-        ids = svc.llm.render_chat(
-            convert.chat_messages_from_openai(req.messages), tools=convert.openai_tools(req.tools),
+        ids = await svc.off_loop(
+            svc.llm.render_chat, convert.chat_messages_from_openai(req.messages), tools=convert.openai_tools(req.tools),
             reasoning_effort=convert.openai_effort(req.reasoning_effort), add_generation_prompt=req.add_generation_prompt,
             tool_choice=convert.normalize_tool_choice(req.tool_choice, req.tools), response_format=req.response_format,
         )
@@ -93,4 +93,4 @@ async def detokenize(request: Request):
     svc.check_model(req.model)
     svc.check_token_ids(req.tokens, "tokens", "tokens")
     svc.metrics.requests.labels("/detokenize", "200").inc()
-    return {"prompt": svc.tokenizer.decode(req.tokens)}
+    return {"prompt": await svc.off_loop(svc.tokenizer.decode, req.tokens)}
