@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
 
 log = logging.getLogger("moe_export.serve")
+MAX_JSON_DEPTH = 128  # arrays and objects inside one another in a request body (real requests nest < 20 deep)
 
 
 def key_digest(key: str) -> bytes:
@@ -55,12 +56,28 @@ def validate(body: object, model: type[BaseModel]):
         raise APIError(400, message, where) from None
 
 
+def json_depth(value) -> int:
+    """How deep arrays and objects nest in a decoded JSON value (a scalar: 0, `[[1]]`: 2), level by level."""
+    depth, level = 0, [value]
+    while True:
+        containers = [c for c in level if isinstance(c, (dict, list))]
+        if not containers:
+            return depth
+        depth += 1
+        level = [v for c in containers for v in (c.values() if isinstance(c, dict) else c)]
+
+
 def decode(raw: bytes, model: type[BaseModel]):
-    """A request body's bytes as `model`; 400 for JSON that does not parse (or nests too deep to parse)."""
+    """A request body's bytes as `model`; 400 for JSON that does not parse or nests over MAX_JSON_DEPTH."""
+    too_deep = APIError(400, f"request body nests arrays / objects more than {MAX_JSON_DEPTH} deep")
     try:
         body = json.loads(raw or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"request body is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise too_deep from None
+    if json_depth(body) > MAX_JSON_DEPTH:
+        raise too_deep
     return validate(body, model)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from moe_export.common.engine_config import EngineConfig
 from moe_export.common.errors import InputError
-from moe_export.runtime.entrypoints.server.errors import APIError, ClientGone
+from moe_export.runtime.entrypoints.server.errors import APIError, ClientGone, shown
 from moe_export.runtime.entrypoints.server.image_fetch import ImageFetcher
 from moe_export.runtime.entrypoints.server.metrics import ServerMetrics
 from moe_export.runtime.entrypoints.server.store import ResponseStore
@@ -139,7 +139,7 @@ class Service:
         if model is None or self.settings.accept_any_model:
             return model or self.settings.model_name
         if model not in self.settings.served_model_names:
-            raise APIError(404, f"The model `{model}` does not exist.", "model")
+            raise APIError(404, f"The model `{shown(model)}` does not exist.", "model")
         return model
 
     def check_limits(self, messages: list | None, tools: list | None, max_tokens: int | None,

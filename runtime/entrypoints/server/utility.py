@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from moe_export.runtime.entrypoints.server import convert
 from moe_export.runtime.entrypoints.server.edge import authorize, parse, service_of
-from moe_export.runtime.entrypoints.server.errors import APIError
+from moe_export.runtime.entrypoints.server.errors import APIError, shown
 from moe_export.runtime.entrypoints.server.protocol import DetokenizeRequest, TokenizeRequest
 from moe_export.runtime.entrypoints.server.service import Service
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -48,7 +48,7 @@ async def model(model_id: str, request: Request):
     authorize(request)
     svc = service_of(request)
     if model_id not in svc.settings.served_model_names:
-        raise APIError(404, f"The model `{model_id}` does not exist.", "model")
+        raise APIError(404, f"The model `{shown(model_id)}` does not exist.", "model")
     svc.metrics.requests.labels("/v1/models/{id}", "200").inc()
     return model_card(svc, model_id)
 
