@@ -155,11 +155,12 @@ class ImageURLFetcher:
 
 
 def image_media_type(data: bytes) -> str:
-    """`image/png` etc. of PNG / JPEG / WebP / GIF bytes (their header read); ValueError for anything else."""
+    """`image/png` etc. of PNG / JPEG / WebP / GIF bytes, decoded (so that a truncated or damaged image fails
+    here, with the one error text, not later with the decoder's); ValueError for anything else."""
     from moe_export.runtime.images import open_image
 
     try:
-        image = open_image(data, "image")
+        image = open_image(data, "image", load=True)
     except InputError as exc:
         raise ValueError(str(exc)) from None
     return Image.MIME[image.format]

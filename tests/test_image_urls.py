@@ -18,8 +18,8 @@ from test_serve_faults import PNG_1PX, image_chat, make_app, post
 
 
 class ImageSite:
-    """A threaded HTTP server on `host`: /cat.png (a PNG), /text (text/plain), /slow (never answers in time),
-    /to?u=URL (302 to URL); anything else 404. `hosts` records the Host header of each request."""
+    """A threaded HTTP server on `host`: /cat.png (a PNG), /cut.png (its first 40 bytes), /text (text/plain),
+    /slow (never answers in time), /to?u=URL (302 to URL); anything else 404. `hosts` records the Host header of each request."""
 
     def __init__(self, host: str = "127.0.0.1") -> None:
         site = self
@@ -39,7 +39,8 @@ class ImageSite:
                     return
                 if path == "/slow":
                     time.sleep(3)
-                body, kind = {"/cat.png": (PNG_1PX, "image/png"), "/text": (b"hello", "text/plain"),
+                body, kind = {"/cat.png": (PNG_1PX, "image/png"), "/cut.png": (PNG_1PX[:40], "image/png"),
+                              "/text": (b"hello", "text/plain"),
                               "/slow": (PNG_1PX, "image/png")}.get(path, (b"", None))
                 self.send_response(200 if kind else 404)
                 self.send_header("Content-Type", kind or "text/html")
@@ -109,7 +110,7 @@ def test_the_server_refuses_loopback_urls_by_default_with_the_one_error_text(tmp
     private, _ = make_app(tmp_path, FakeLLM(), allow_image_urls=True, allow_private_image_urls=True,
                           image_fetch_timeout_s=1.0)
     assert post(private, "/v1/chat/completions", image_chat(f"{a.base}/cat.png")).status_code == 200
-    for url in (f"{a.base}/missing", f"{a.base}/text", f"{a.base}/slow", f"http://127.0.0.1:{free_port()}/x.png",
+    for url in (f"{a.base}/missing", f"{a.base}/text", f"{a.base}/cut.png", f"{a.base}/slow", f"http://127.0.0.1:{free_port()}/x.png",
                 f"{a.base}/to?u=http://169.254.169.254/latest/meta-data/"):
         r = post(private, "/v1/chat/completions", image_chat(url))
         assert r.status_code == 400, r.text

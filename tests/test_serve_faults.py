@@ -17,8 +17,18 @@ from moe_export.common.errors import EngineDead, InputError, RequestFailed
 from moe_export.runtime.entrypoints.server.app import create_app
 from moe_export.runtime.entrypoints.server.service import EngineInfo, ServerSettings
 
-PNG_1PX = bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010806000000"
-                        "1f15c4890000000d49444154789c6360000002000154a24f5d0000000049454e44ae426082")
+def png_1px() -> bytes:
+    """A 1x1 RGBA PNG, as Pillow writes it."""
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGBA", (1, 1), (255, 0, 0, 255)).save(out, "PNG")
+    return out.getvalue()
+
+
+PNG_1PX = png_1px()
 
 
 def make_app(tmp_path, llm: FakeLLM, **settings):
