@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from moe_export.runtime.entrypoints.server import convert
-from moe_export.runtime.entrypoints.server.edge import answer, authorize, parse, service_of
+from moe_export.runtime.entrypoints.server.edge import answer, authorize, documented, parse, service_of
 from moe_export.runtime.entrypoints.server.errors import APIError
 from moe_export.runtime.entrypoints.server.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
 from moe_export.runtime.entrypoints.server.service import ChatRun, Disconnected, Service
@@ -24,7 +24,7 @@ def anthropic_chat(req) -> tuple[list[dict], list | None, object, object]:
     return messages, tools, convert.anthropic_tool_choice(req.tool_choice, tools), convert.anthropic_effort(req.thinking)
 
 
-@router.post(ROUTE + "/count_tokens")
+@router.post(ROUTE + "/count_tokens", openapi_extra=documented(AnthropicCountTokensRequest))
 async def count_tokens_route(request: Request):
     authorize(request)
     req = await parse(request, AnthropicCountTokensRequest)
@@ -37,7 +37,7 @@ async def count_tokens_route(request: Request):
     return {"input_tokens": count}
 
 
-@router.post(ROUTE)
+@router.post(ROUTE, openapi_extra=documented(AnthropicMessagesRequest))
 async def messages_route(request: Request):
     authorize(request)
     req = await parse(request, AnthropicMessagesRequest)

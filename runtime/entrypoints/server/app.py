@@ -1,5 +1,6 @@
 """The HTTP application: OpenAI Chat Completions / Completions / Responses, Anthropic Messages, vLLM's
-/tokenize and /detokenize, /v1/models, /health and /metrics, over one `AsyncLLM`.
+/tokenize and /detokenize, /v1/models, /health and /metrics, over one `AsyncLLM`; its OpenAPI document (request
+bodies included) at /openapi.json.
 
 The routes live in one module per API family and call the `Service` below HTTP (which `batch` calls directly).
 Errors use OpenAI's shape on OpenAI routes and Anthropic's on /v1/messages; no handler ever returns a traceback.
@@ -109,7 +110,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None,
             llm.shutdown()
             await svc.aclose()
 
-    app = FastAPI(title="moe-export", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="moe-export", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.service = svc
     app.state.key_digests = [key_digest(k) for k in settings.api_keys]
     add_error_handlers(app, svc)

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from moe_export.runtime.entrypoints.server import convert
-from moe_export.runtime.entrypoints.server.edge import answer, authorize, parse, service_of
+from moe_export.runtime.entrypoints.server.edge import answer, authorize, documented, parse, service_of
 from moe_export.runtime.entrypoints.server.errors import APIError, shown
 from moe_export.runtime.entrypoints.server.protocol import ResponsesRequest
 from moe_export.runtime.entrypoints.server.service import ChatRun, Disconnected, Service
@@ -18,7 +18,7 @@ ROUTE = "/v1/responses"
 router = APIRouter()
 
 
-@router.post(ROUTE)
+@router.post(ROUTE, openapi_extra=documented(ResponsesRequest))
 async def create_response_route(request: Request):
     scope = authorize(request)
     req = await parse(request, ResponsesRequest)

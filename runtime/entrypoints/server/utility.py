@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from moe_export.runtime.entrypoints.server import convert
-from moe_export.runtime.entrypoints.server.edge import authorize, parse, service_of
+from moe_export.runtime.entrypoints.server.edge import authorize, documented, parse, service_of
 from moe_export.runtime.entrypoints.server.errors import APIError, shown
 from moe_export.runtime.entrypoints.server.protocol import DetokenizeRequest, TokenizeRequest
 from moe_export.runtime.entrypoints.server.service import Service
@@ -64,7 +64,7 @@ async def version():
         return {"version": "unknown"}
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", openapi_extra=documented(TokenizeRequest))
 async def tokenize(request: Request):
     authorize(request)
     req = await parse(request, TokenizeRequest)
@@ -85,7 +85,7 @@ async def tokenize(request: Request):
     return {"count": len(ids), "max_model_len": svc.info.max_seq_len, "tokens": ids}
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", openapi_extra=documented(DetokenizeRequest))
 async def detokenize(request: Request):
     authorize(request)
     req = await parse(request, DetokenizeRequest)
