@@ -218,11 +218,15 @@ class Service:
         prompt_tokens = await self.prompt_length(messages, tools=tools, tool_choice=tool_choice,
                                                  response_format=response_format, effort=effort)
         params = self.sampling_params(**sampling, max_tokens=self.fit_max_tokens(prompt_tokens, max_tokens, max_tokens_param))
-        self.check_queue()
         stream = await self.off_loop(  # chat_stream renders the prompt (and decodes its images) before it returns
             self.llm.chat_stream, messages, params, tools=tools, reasoning_effort=effort, tool_choice=tool_choice,
             response_format=response_format, parallel_tool_calls=parallel, request_id=request_id,
         )
+        try:  # the queue check and the count in timed() with no await between them: requests rendered at once
+            self.check_queue()  # cannot all pass the check before any of them is counted
+        except APIError:
+            await stream.aclose()  # not started: nothing was submitted
+            raise
         first, deltas = await self.timed(stream, calls_before(messages))
         self.metrics.requests_by_tier.labels(first.thinking_tier).inc()
         return ChatRun(deltas, first.thinking_tier, prompt_tokens)
