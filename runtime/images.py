@@ -310,35 +310,11 @@ IMAGE_PART_TYPES = ("image", "image_url", "input_image")
 URL_FETCH_TIMEOUT_S = 10.0
 
 
-def fetch_image_url(url: str, where: str, max_bytes: int = MAX_IMAGE_BYTES, timeout: float = URL_FETCH_TIMEOUT_S) -> bytes:
-    """GET an http(s) image URL, at most `max_bytes` bytes within `timeout` seconds for the whole download (a
-    read past the deadline ends it); InputError naming `where` on any failure. The server downloads off its event
-    loop instead (`server.image_fetch`)."""
-    import time
-
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    try:
-        with httpx.stream("GET", url, timeout=timeout, follow_redirects=True) as r:
-            if r.status_code != 200:
-                raise InputError(f"{where}: fetching {url} answered HTTP {r.status_code}")
-            data = bytearray()
-            for chunk in r.iter_bytes():
-                data += chunk
-                if len(data) > max_bytes:
-                    raise InputError(f"{where}: the image at {url} is larger than {max_bytes} bytes")
-                if time.monotonic() > deadline:
-                    raise InputError(f"{where}: fetching {url} took longer than {timeout:g} s")
-            return bytes(data)
-    except httpx.HTTPError as exc:
-        raise InputError(f"{where}: fetching {url} failed ({type(exc).__name__})") from None
-
-
-def image_part_bytes(part: dict, where: str, allow_urls: bool = False) -> bytes:
+def image_part_bytes(part: dict, where: str, url_policy=None) -> bytes:
     """The encoded image of a content part: OpenAI `image_url` ({"url": data URL} or the URL string),
     Responses `input_image` (`image_url`), Anthropic `image` ({"source": {"type": "base64", "data": ...}});
-    http(s) URLs are fetched only with `allow_urls`."""
+    http(s) URLs are fetched only with a `url_policy` (`runtime.image_urls.public_address` or `private_allowed`:
+    the addresses they may be fetched from)."""
     kind = part.get("type")
     if kind == "image" and isinstance(part.get("source"), dict):
         src = part["source"]
@@ -352,10 +328,12 @@ def image_part_bytes(part: dict, where: str, allow_urls: bool = False) -> bytes:
     if not isinstance(url, str):
         raise InputError(f"{where}: an image part needs image_url.url (a data:image/...;base64 URL)")
     if url.startswith(("http://", "https://")):
-        if not allow_urls:
+        if url_policy is None:
             raise InputError(f"{where}.image_url: http(s) image URLs are off (the server's --allow-image-urls turns "
                              "them on); send the image as a data:image/...;base64 URL")
-        return fetch_image_url(url, f"{where}.image_url")
+        from moe_export.runtime.image_urls import fetch_image_url  # every redirect hop checked
+
+        return fetch_image_url(url, f"{where}.image_url", MAX_IMAGE_BYTES, URL_FETCH_TIMEOUT_S, url_policy)
     return data_url_bytes(url, f"{where}.image_url")
 
 
@@ -365,7 +343,7 @@ class PromptImages:
     prompt holds them (`order`: the images of the prompt's `<|media_pad|>` runs, in order)."""
 
     def __init__(self, tokenizer, processor: ImageProcessor, messages: list, max_images: int | None = None,
-                 allow_urls: bool = False, known=None) -> None:
+                 url_policy=None, known=None) -> None:
         self.tokenizer = tokenizer
         self.parts: dict[str, PreparedImage] = {}
         self.order: list[PreparedImage] = []
@@ -379,7 +357,7 @@ class PromptImages:
                     if max_images is not None and len(self.parts) >= max_images:
                         raise InputError(f"{where}: too many images: the engine takes at most {max_images} per request "
                                          "(limits.max_images_per_request)")
-                    self.parts[where] = processor.prepare_bytes(image_part_bytes(part, where, allow_urls), where, known)
+                    self.parts[where] = processor.prepare_bytes(image_part_bytes(part, where, url_policy), where, known)
 
     def expand(self, where: str) -> list[int]:
         image = self.parts[where]

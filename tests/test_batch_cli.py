@@ -226,9 +226,12 @@ def test_document_collection_killed_and_resumed_processes_each_document_once(eng
     code, _, err = run_cli(capsys, *batch_command(engine, docs, out)[1:])
     assert len(read_lines(out)) == len(records)  # nothing left to do, but the output holds failed items: exit 1
     assert code == 1 and f"{len(bad)} item(s) failed ({len(bad)} in earlier runs)" in " ".join(err.split())
-    (docs / "doc000.txt").write_text("Document 0 was edited.")  # changed content: done again
-    code, _, _ = run_cli(capsys, *batch_command(engine, docs, out)[1:])
-    assert code == 1 and [r["custom_id"] for r in read_lines(out)[len(records):]] == ["doc000.txt"]
+    (docs / "doc000.txt").write_text("Document 0 was edited.")  # changed content: done again, its old line replaced
+    code, _, err = run_cli(capsys, *batch_command(engine, docs, out)[1:])
+    after = read_lines(out)
+    assert code == 1 and len(after) == len(records) and after[-1]["custom_id"] == "doc000.txt"
+    assert after[-1]["content_hash"] != by_id["doc000.txt"]["content_hash"]
+    assert re.search(r"changed since their line: redone\s*│\s*1\b", err), err
 
 
 def test_prompt_template_tasks_and_bad_options(engine, tmp_path, capsys):
@@ -236,6 +239,7 @@ def test_prompt_template_tasks_and_bad_options(engine, tmp_path, capsys):
     docs.mkdir()
     (docs / "a.txt").write_text("Alice met Bob in Paris on 3 May.")
     (docs / "b.txt").write_text("Carol paid 12 euros.")
+    (docs / "table.csv").write_text("1,2")  # not a document type: counted as ignored
     template = tmp_path / "t.j2"
     template.write_text("File {{ path }} part {{ chunk_index + 1 }}/{{ num_chunks }}: {{ document }}\nTL;DR:")
     out = tmp_path / "t.jsonl"
@@ -243,6 +247,7 @@ def test_prompt_template_tasks_and_bad_options(engine, tmp_path, capsys):
                            "--prompt-file", str(template), "--max-tokens", "3")
     assert code == 0, err
     assert {r["custom_id"] for r in read_lines(out)} == {"a.txt", "b.txt"}
+    assert re.search(r"files of other types ignored\s*│\s*1\b", err), err
     out = tmp_path / "e.jsonl"
     code, _, err = run_cli(capsys, "batch", str(engine), "--input", str(docs), "--output", str(out),
                            "--task", "extract", "--max-tokens", "3")

@@ -9,7 +9,7 @@ import os
 import pytest
 from moe_export.common.errors import InputError
 from moe_export.runtime.entrypoints.batch.chunking import chunk_text
-from moe_export.runtime.entrypoints.batch.documents import read_documents
+from moe_export.runtime.entrypoints.batch.documents import files_of_other_types, read_documents
 from moe_export.runtime.entrypoints.batch.openai_batch import parse_input_line
 from moe_export.runtime.entrypoints.batch.output import ResultLog
 
@@ -304,3 +304,59 @@ def test_a_failing_request_is_its_error_line_and_the_next_succeeds(tmp_path):
     assert failed["response"]["status_code"] == 500 and failed["error"]["code"] == "server_error"
     assert "RequestFailed" in failed["error"]["message"]
     assert bad_seed["response"]["status_code"] == 400 and "seed" in bad_seed["error"]["message"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--task", "summarize", "--reasoning-effort", "ultra"], "--reasoning-effort must be low, high, max, none"),
+    (["--task", "summarize", "--overlap", "-1"], "--overlap must be >= 0"),
+    (["--task", "summarize", "--max-chunks", "0"], "--max-chunks must be >= 1"),
+    (["--task", "summarize", "--max-tokens", "0"], "--max-tokens must be >= 1"),
+    (["--task", "summarize", "--max-file-bytes", "0"], "--max-file-bytes must be >= 1"),
+    (["--task", "summarize", "--ray", "auto", "--ray-actors", "0"], "--ray-actors must be >= 1"),
+    (["--task", "summarize", "--overlap", "100000"], "need more than the overlap (100000)"),
+])
+def test_every_batch_option_is_checked_before_the_engine_loads_or_the_output_is_touched(tmp_path, capsys, args, message):
+    """An engine folder with its config and tokenizer but no engine: a refused option exits 2 naming it, and the
+    output (an earlier run's line in it) is left exactly as it was, so no item is marked as failed."""
+    from conftest import run_cli, write_engine_config
+    from moe_export.export.synth import write_synthetic_tokenizer
+
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    write_engine_config(engine)
+    write_synthetic_tokenizer(engine, "k3", 576)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("Alice met Bob.")
+    out = tmp_path / "out.jsonl"
+    earlier = b'{"id":"x","custom_id":"b.txt","content_hash":"sha256:00","response":null,"error":{"code":"c","message":"m"}}\n'
+    out.write_bytes(earlier + b'{"id":"y","custom_id":"cut')  # and a line cut by a kill: left too
+    code, _, err = run_cli(capsys, "batch", str(engine), "--input", str(docs), "--output", str(out), *args)
+    assert code == 2 and message in " ".join(err.split()) and "Traceback" not in err, err
+    assert out.read_bytes() == earlier + b'{"id":"y","custom_id":"cut'
+
+
+def test_a_changed_document_replaces_its_line_and_other_types_are_counted(tmp_path):
+    from moe_export.runtime.entrypoints.batch.runner import collect_items
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("first version")
+    (docs / "b.md").write_text("unchanged")
+    (docs / "sheet.csv").write_text("1,2")
+    (docs / "notes.docx").write_bytes(b"PK")
+    out = tmp_path / "out.jsonl"
+    log = ResultLog(out)
+    pending, _, _, replaced = collect_items(docs, log, 1 << 20)
+    assert replaced == 0
+    for item in pending:
+        log.append({"id": item["custom_id"], "custom_id": item["custom_id"], "content_hash": item["content_hash"],
+                    "response": None, "error": {"code": "failed", "message": "injected"}})
+    log.close()
+    (docs / "a.txt").write_text("second version")
+    log = ResultLog(out)
+    pending, _, skipped, replaced = collect_items(docs, log, 1 << 20)
+    log.close()
+    assert [p["custom_id"] for p in pending] == ["a.txt"] and replaced == 1 and len(skipped) == 1
+    assert [json.loads(line)["custom_id"] for line in out.read_text().splitlines()] == ["b.md"]  # a.txt's old line gone
+    assert [p.name for p in files_of_other_types(docs)] == ["notes.docx", "sheet.csv"]

@@ -536,7 +536,7 @@ def test_json_schema_with_strings_parses_for_every_seed(oai, effort):
 def test_bad_schemas_and_tools_are_400_and_valid_ones_work(oai):
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200}
     bad = [{"type": "objekt"}, {"type": "object", "properties": {"a": {"$ref": "#/$defs/Nowhere"}}},
-           {"type": "string", "pattern": "(("}]
+           {"type": "string", "pattern": "(("}, {"$ref": "http://169.254.169.254/schema.json"}, {"not": {}}]
     for schema in bad:
         with pytest.raises(openai.BadRequestError):
             oai.chat.completions.create(**chat, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})

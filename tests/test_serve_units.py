@@ -284,6 +284,10 @@ def test_k3_tool_arguments_honour_max_length_and_optional_and_nested_pydantic_mo
     ({"type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}}, "Missing"),
     ({"type": "string", "pattern": "(("}, "not a valid JSON schema"),
     ("a string", "JSON schema"),
+    ({"$ref": "https://example.com/schema.json"}, "not a reference inside the schema"),  # never fetched
+    ({"type": "object", "properties": {"a": {"$ref": "http://169.254.169.254/s.json"}}}, "not a reference inside"),
+    ({"not": {}}, "no value satisfies the schema"),
+    ({"type": "object", "properties": {"a": {"not": True}}}, "no value satisfies the schema"),
 ])
 def test_bad_schemas_are_input_errors(tokenizers, schema, message):
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
@@ -308,6 +312,7 @@ def test_no_grammar_for_auto_tools_or_text():
     (["serve", ".", "--port", "0"], "--port"),
     (["serve", ".", "--default-effort", "extreme"], "--default-effort"),
     (["serve", ".", "--host", "example.com"], "--host"),
+    (["serve", ".", "--allow-private-image-urls"], "--allow-private-image-urls needs --allow-image-urls"),
 ])
 def test_serve_cli_bad_input_exits_2(capsys, tmp_path, monkeypatch, args, message):
     """Bad arguments are refused before any engine is loaded."""

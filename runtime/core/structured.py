@@ -72,6 +72,35 @@ def check_json_schema(schema, where: str) -> None:
     except schema_exceptions.SchemaError as exc:
         at = "/".join(str(p) for p in exc.absolute_path)
         raise InputError(f"{where}: not a valid JSON schema: {exc.message}" + (f" (at {at})" if at else "")) from None
+    check_enforceable(schema, where)
+
+
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+DATA_KEYWORDS = ("enum", "const", "default", "examples")  # values, not schemas
+
+
+def check_enforceable(schema, where: str) -> None:
+    """InputError naming `where` for a `$ref` outside the schema (never fetched; xgrammar would ignore it and
+    allow any value) and for a `not` that every value fails (`not: {}`: no value satisfies the schema)."""
+    stack = [(schema, "")]
+    while stack:
+        node, at = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        ref = node.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            raise InputError(f"{where}: $ref {ref!r} is not a reference inside the schema (#/$defs/...)"
+                             + (f" (at {at})" if at else ""))
+        if node.get("not") is True or node.get("not") == {}:
+            raise InputError(f"{where}: no value satisfies the schema (`not` of a schema every value satisfies)"
+                             + (f" (at {at}/not)" if at else ""))
+        for key, value in node.items():
+            if key in SCHEMA_MAPS and isinstance(value, dict):
+                stack.extend((v, f"{at}/{key}/{name}") for name, v in value.items())
+            elif isinstance(value, dict) and key not in DATA_KEYWORDS:
+                stack.append((value, f"{at}/{key}"))
+            elif isinstance(value, list) and key not in DATA_KEYWORDS:
+                stack.extend((v, f"{at}/{key}/{i}") for i, v in enumerate(value))
 
 
 def check_tool_parameters(parameters, where: str) -> None:

@@ -10,8 +10,29 @@ import typer
 from moe_export.common.errors import EngineDead, InputError
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperCommand, TyperGroup
+
+class FlagsShownAsFlags:
+    """typer's help with boolean flags shown as flags (`--json`), not as options taking a `<bool>`."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for param in params:
+            if getattr(param, "is_bool_flag", False) and param.metavar is None:
+                param.metavar = ""  # the help's type column shows the metavar when one is set
+        return params
+
+
+class Command(FlagsShownAsFlags, TyperCommand):
+    pass
+
+
+class Group(FlagsShownAsFlags, TyperGroup):
+    pass
+
 
 app = typer.Typer(
+    cls=Group,
     name="moe-export",
     help="Export hybrid linear/sparse-attention MoE checkpoints (Kimi K3, Kimi Linear, DSA) to per-rank engines.",
     no_args_is_help=True,
@@ -28,7 +49,7 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for
     _state["debug"] = debug
 
 
-@app.command()
+@app.command(cls=Command)
 def plan(
     recipe: str = typer.Option(..., "--recipe", "-r", help="recipe YAML (path, or name in the shipped recipes/)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
@@ -127,9 +148,12 @@ def _print_margins_and_dp_step(d: dict) -> None:
                   f"expert weights per layer; an eager step (prefill) waits {step['eager_step_host_syncs']} times")
 
 
-@app.command()
+@app.command(cls=Command)
 def synth(
-    preset: str = typer.Option(..., "--preset", help="tiny-k3, tiny-k3-dsa or tiny-kimi-linear"),
+    preset: str = typer.Option(..., "--preset", help="tiny-k3 (real K3 names and dtypes), tiny-k3-dsa (+ the DSA "
+                               "indexer), tiny-kimi-linear (loads in transformers), tiny-dsa-grouped (DSA with grouped "
+                               "top-k routing, SwiGLU experts), mid-k3 (K3's real widths, 3 layers, 16 experts, about "
+                               "10 GB: for GPU checks)"),
     out: str = typer.Option(..., "--out", help="output checkpoint directory"),
     seed: int = typer.Option(0, "--seed", help="random seed (same seed, same bytes)"),
     force: bool = typer.Option(False, "--force", help="replace a non-empty output directory"),
@@ -141,7 +165,7 @@ def synth(
     console.print(f"wrote synthetic checkpoint {preset} (seed {seed}) to {path}", highlight=False)
 
 
-@app.command()
+@app.command(cls=Command)
 def inspect(
     path: str = typer.Argument(..., help="checkpoint directory, or engine directory written by `build`"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
@@ -203,11 +227,11 @@ def _check_seed(seed: int | None) -> None:
         raise InputError(f"--seed must be in 0..{MAX_SEED} (an unsigned 64-bit integer), got {seed}")
 
 
-@app.command()
+@app.command(cls=Command)
 def generate(
     path: str = typer.Argument(..., help="checkpoint directory, or engine directory built by `moe-export build`"),
-    prompt_ids: str | None = typer.Option(None, "--prompt-ids", help="comma-separated token ids, e.g. 1,2,3"),
-    prompt: str | None = typer.Option(None, "--prompt", help="prompt text, tokenized with the checkpoint's tokenizer"),
+    prompt_ids: str | None = typer.Option(None, "--prompt-ids", help="comma-separated token ids, e.g. 1,2,3 (this or --prompt is required)"),
+    prompt: str | None = typer.Option(None, "--prompt", help="prompt text, tokenized with the checkpoint's tokenizer (this or --prompt-ids is required)"),
     max_new_tokens: int = typer.Option(..., "--max-new-tokens", help="tokens to generate (stops early at eos)"),
     temperature: float | None = typer.Option(None, "--temperature", help="sampling temperature (0 = greedy)"),
     top_p: float | None = typer.Option(None, "--top-p", help="nucleus sampling mass in (0, 1]"),
@@ -223,6 +247,8 @@ def generate(
     from moe_export.runtime.entrypoints.generate import generate_command
     from moe_export.runtime.tokenizer import load_tokenizer
 
+    if (prompt_ids is None) == (prompt is None):
+        raise InputError("give one of --prompt-ids 1,2,3 (token ids) or --prompt TEXT")
     if max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     _check_seed(seed)
@@ -236,7 +262,7 @@ def generate(
         print(load_tokenizer(path).decode(tokens))
 
 
-@app.command()
+@app.command(cls=Command)
 def chat(
     engine: str = typer.Argument(..., help="engine directory built by `moe-export build`"),
     effort: str = typer.Option("max", "--effort", help="thinking effort: low, high, max, none, or a number of reasoning tokens"),
@@ -259,7 +285,7 @@ def chat(
                          "max_tokens": max_tokens})
 
 
-@app.command()
+@app.command(cls=Command)
 def build(
     recipe: str = typer.Option(..., "--recipe", "-r", help="recipe YAML (path, or name in the shipped recipes/)"),
     out: str | None = typer.Option(None, "--out", help="engine directory (default: the recipe's `output`)"),
@@ -282,7 +308,7 @@ def build(
         console.print(driver.describe(result), highlight=False, soft_wrap=True, markup=False)
 
 
-@app.command()
+@app.command(cls=Command)
 def verify(
     path: str = typer.Argument(..., help="engine directory written by `build`"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
@@ -311,7 +337,7 @@ def verify(
         )
 
 
-@app.command("triton-repo")
+@app.command("triton-repo", cls=Command)
 def triton_repo(
     engine: str = typer.Argument(..., help="engine directory written by `build`"),
     out: str = typer.Option(..., "--out", help="Triton model repository folder (created if absent)"),
@@ -331,7 +357,7 @@ def triton_repo(
                   highlight=False, markup=False)
 
 
-@app.command()
+@app.command(cls=Command)
 def batch(
     engine: str = typer.Argument(..., help="engine directory written by `build`"),
     input_path: str = typer.Option(..., "--input", help="OpenAI batch JSONL file, or a folder of documents"),
@@ -369,7 +395,7 @@ def batch(
         raise typer.Exit(1)
 
 
-@app.command("eval")
+@app.command("eval", cls=Command)
 def eval_(
     engine: str = typer.Argument(..., help="engine directory written by `build`"),
     tasks: str = typer.Option(..., "--tasks", help="tasks JSONL (see moe_export.runtime.entrypoints.eval)"),
@@ -390,7 +416,7 @@ def eval_(
     console.print(table)
 
 
-@app.command()
+@app.command(cls=Command)
 def serve(
     engine: str = typer.Argument(..., help="engine directory built by `moe-export build`"),
     host: str = typer.Option("127.0.0.1", "--host", help="address to bind (loopback by default)"),
@@ -400,8 +426,10 @@ def serve(
     default_effort: str = typer.Option("max", "--default-effort", help="thinking tier when a request names none: low, high, max or none"),
     max_queue: int = typer.Option(256, "--max-queue", help="waiting requests before new ones get 429"),
     served_model_name: list[str] = typer.Option(None, "--served-model-name", help="model name(s) requests may give (repeatable; the first is reported); others get 404. Default: the engine folder's name"),
-    allow_image_urls: bool = typer.Option(False, "--allow-image-urls", help="K3 engines: fetch http(s) image URLs (32 MiB, 10 s limits); default: data URLs only"),
+    allow_image_urls: bool = typer.Option(False, "--allow-image-urls", help="K3 engines: fetch http(s) image URLs from public addresses (32 MiB, 10 s limits, every redirect checked); default: data URLs only"),
+    allow_private_image_urls: bool = typer.Option(False, "--allow-private-image-urls", help="with --allow-image-urls: also fetch from loopback, private and link-local addresses (never cloud metadata addresses)"),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="do not share cached prompt prefixes (cache blocks + recurrent-state checkpoints) across requests"),
+    no_access_log: bool = typer.Option(False, "--no-access-log", help="no line per request on stdout (uvicorn's access log: client, method, path, status)"),
 ) -> None:
     """OpenAI- and Anthropic-compatible HTTP server (rank 0; other ranks follow under `mpiexec -n WORLD`).
     Ready when GET /health answers 200; SIGTERM drains running requests and exits 0."""
@@ -410,7 +438,8 @@ def serve(
 
     run_server(engine, host=host, port=port, api_keys=resolve_api_keys(api_key), store=store,
                default_effort=default_effort, max_queue=max_queue, served_model_names=tuple(served_model_name or ()),
-               allow_image_urls=allow_image_urls, prefix_caching=not no_prefix_caching)
+               allow_image_urls=allow_image_urls, allow_private_image_urls=allow_private_image_urls,
+               prefix_caching=not no_prefix_caching, access_log=not no_access_log)
 
 
 def main() -> None:

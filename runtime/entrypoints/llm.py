@@ -32,6 +32,7 @@ from moe_export.runtime.core.sessions import TurnMemory
 from moe_export.runtime.core.wide_ep import run_rank
 from moe_export.runtime.engine import engine_eos_ids
 from moe_export.runtime.entrypoints.llm_core import ChatOutput, RequestCore, StreamDelta, Tracked
+from moe_export.runtime.image_urls import private_allowed, public_address
 from moe_export.runtime.images import PromptImages
 from moe_export.runtime.sampling import LogitsProcessor, SamplingParams, model_defaults
 from moe_export.runtime.tokenizer import load_tokenizer
@@ -53,17 +54,18 @@ class LLM:
     overlap: run each model step in a worker thread while the host plans the next step and processes the
     previous step's outputs (`Scheduler(overlap=True)`, see `runtime.core.scheduler`; default on, also under
     mpiexec; not in the dp layout; greedy outputs are the same either way).
-    allow_image_urls: image parts may be http(s) URLs, fetched with a size and time limit (default: data URLs only).
     skip_tokenizer_init: open no tokenizer (vLLM's name; for an engine built without tokenizer files): prompts are
     token id lists, outputs carry ids and no text, the stop ids are the engine's; chats and stop strings need one.
+    allow_image_urls: image parts may be http(s) URLs, fetched with a size and time limit from public addresses
+    (`runtime.image_urls`; default: data URLs only); allow_private_image_urls: from any address but cloud metadata.
 
     Failures: a request the engine fails raises `RequestFailed` (the others go on); once the engine core is dead
     (`healthy` False, `fatal_error` the `EngineDead`) every call raises that EngineDead."""
 
     def __init__(self, engine_dir: str | Path, *, default_effort: str = "max", num_slots: int | None = None,
                  num_blocks: int | None = None, threads: int | None = None, reuse_sessions: bool = True,
-                 prefix_caching: bool = True, allow_image_urls: bool = False, overlap: bool = True, runner=None,
-                 skip_tokenizer_init: bool = False) -> None:
+                 prefix_caching: bool = True, allow_image_urls: bool = False, allow_private_image_urls: bool = False,
+                 overlap: bool = True, runner=None, skip_tokenizer_init: bool = False) -> None:
         from moe_export.runtime.engine import open_engine
 
         # runner: a ModelRunner to drive instead of the engine directory's own (which then provides the tokenizer)
@@ -78,7 +80,8 @@ class LLM:
         self.reuse_sessions = reuse_sessions
         self.prefix_caching = prefix_caching
         self.overlap = overlap
-        self.allow_image_urls = allow_image_urls  # fetch http(s) image parts (`runtime.images.fetch_image_url`)
+        # the addresses http(s) image parts may be fetched from (`runtime.image_urls`); None: URLs refused
+        self.image_url_policy = None if not allow_image_urls else private_allowed if allow_private_image_urls else public_address
         # finished turns' tokens, as many as the cache pools hold, so turns sent back as text render as generated
         self.turns = TurnMemory(self.engine.num_blocks * self.engine.block_size) if reuse_sessions else None
         self._turn_start = {thinking: len(generation_prompt_ids(self.tokenizer, self.family, thinking))
@@ -129,7 +132,7 @@ class LLM:
             raise InputError(f"{self.engine.dir}: the tokenizer has no K3 or K2 chat tokens: use generate()")
         vision = self.engine.vision
         if vision is not None and images is None:  # image parts become their media tokens (`runtime.images`)
-            images = PromptImages(self.tokenizer, vision.processor, messages, vision.max_images, self.allow_image_urls,
+            images = PromptImages(self.tokenizer, vision.processor, messages, vision.max_images, self.image_url_policy,
                                   vision.cached)
         carried = []
         if self.turns is not None and isinstance(messages, list):
@@ -157,7 +160,7 @@ class LLM:
         way for every entry point (LLM.chat, AsyncLLM, the server, Triton, batch)."""
         plan = resolve_thinking(reasoning_effort, self.thinking_caps, self.default_effort)
         vision = self.engine.vision
-        images = (PromptImages(self.tokenizer, vision.processor, messages, vision.max_images, self.allow_image_urls,
+        images = (PromptImages(self.tokenizer, vision.processor, messages, vision.max_images, self.image_url_policy,
                                vision.cached) if vision else None)
         ids = self._render(messages, plan, tools, tool_choice, response_format, images=images)
         starts = output_starts_in_reasoning(self.family, plan.enabled)

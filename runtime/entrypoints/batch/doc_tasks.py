@@ -73,6 +73,21 @@ class DocJob:
     reasoning_effort: str | None = None
     images: bool = False  # --images: image files and PDF images go with the documents
 
+    def __post_init__(self) -> None:
+        """The numeric options and the effort checked before anything runs (no error line per item)."""
+        from moe_export.runtime.core.budget import resolve_thinking
+
+        for flag, value, least in (("--overlap", self.overlap, 0), ("--max-chunks", self.max_chunks, 1),
+                                   ("--max-tokens", self.max_tokens, 1)):
+            if value < least:
+                raise InputError(f"{flag} must be >= {least}, got {value}")
+        if self.reasoning_effort is not None:
+            try:
+                resolve_thinking(self.reasoning_effort, {}, "max")
+            except InputError:
+                raise InputError(f"--reasoning-effort must be low, high, max, none or a number of tokens, got "
+                                 f"{self.reasoning_effort!r}") from None
+
     @classmethod
     def make(cls, task: str | None, prompt_file: str | None, question: str | None, **kw) -> DocJob:
         if (task is None) == (prompt_file is None):
@@ -96,11 +111,28 @@ class DocJob:
         return cls(template=source, task=task, question=question, **kw)
 
 
+def chunk_budget(job: DocJob, tokenizer, family: str | None, max_seq_len: int) -> int:
+    """Document tokens per chunk: the context less the empty prompt's tokens (+ a margin) and max_tokens;
+    InputError when that leaves no more than the overlap (checked before the engine loads, and by DocRunner)."""
+    from moe_export.runtime.chat import render_ids
+
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False)
+    empty = [{"role": "user", "content": env.from_string(job.template).render(
+        document="", path="", chunk_index=0, num_chunks=1, question=job.question or "")}]
+    overhead = len(render_ids(tokenizer, empty, family=family)) + OVERHEAD_MARGIN
+    budget = max_seq_len - overhead - job.max_tokens
+    if budget <= job.overlap:
+        raise InputError(
+            f"the engine's context ({max_seq_len} tokens) leaves {budget} document tokens per chunk after the "
+            f"prompt ({overhead}) and max_tokens ({job.max_tokens}); need more than the overlap ({job.overlap})"
+        )
+    return budget
+
+
 class DocRunner:
     """Runs a DocJob's documents on one AsyncLLM; `semaphore` bounds the requests in flight."""
 
     def __init__(self, llm, job: DocJob, max_seq_len: int, semaphore) -> None:
-        from moe_export.runtime.chat import render_ids
         from moe_export.runtime.sampling import with_defaults
 
         self.llm, self.job, self.semaphore = llm, job, semaphore
@@ -110,15 +142,7 @@ class DocRunner:
         self.reduce = env.from_string(REDUCE_TEMPLATES[job.task]) if job.task in REDUCE_TEMPLATES else None
         self.sampling = with_defaults(llm.default_sampling, max_tokens=job.max_tokens)
         self.count = lambda text: len(llm.tokenizer.encode(text))
-        empty = [{"role": "user", "content": self.prompt.render(document="", path="", chunk_index=0, num_chunks=1,
-                                                                question=job.question or "")}]
-        overhead = len(render_ids(llm.tokenizer, empty, family=llm.family)) + OVERHEAD_MARGIN
-        self.budget = max_seq_len - overhead - job.max_tokens
-        if self.budget <= job.overlap:
-            raise InputError(
-                f"the engine's context ({max_seq_len} tokens) leaves {self.budget} document tokens per chunk after the "
-                f"prompt ({overhead}) and max_tokens ({job.max_tokens}); need more than the overlap ({job.overlap})"
-            )
+        self.budget = chunk_budget(job, llm.tokenizer, llm.family, max_seq_len)
 
     def image_tokens(self, path: str, images: list[dict]) -> int:
         """Prompt tokens the images take (pads + markers; the plans from each image's size alone), or

@@ -164,7 +164,17 @@ def image_files(folder: Path) -> list[Path]:
 
 
 def _files(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in suffixes
+    return [p for p in _files_all(folder) if p.suffix.lower() in suffixes]
+
+
+def files_of_other_types(folder: Path) -> list[Path]:
+    """The files under `folder` of a type no run reads (image files, read with --images only, are not among
+    them: `image_files`), hidden ones left out."""
+    return [p for p in _files_all(folder) if p.suffix.lower() not in SUFFIXES + IMAGE_SUFFIXES]
+
+
+def _files_all(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file()
                   and not any(part.startswith(".") for part in p.relative_to(folder).parts))
 
 

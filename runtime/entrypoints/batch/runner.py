@@ -3,7 +3,9 @@
 Every request goes through one AsyncLLM (continuous batching): `concurrency` items are in flight at once
 and the scheduler packs their prefill and decode steps together. Items already in the output (by
 custom_id, or custom_id + content hash for documents) are skipped, so a killed run resumes where it
-stopped; refused items become error lines and the run goes on. With `ray_address` the same items run on
+stopped; a document whose content changed since its line was written is done again and its old line removed
+(one line per document); refused items become error lines and the run goes on. Every option is checked
+before the engine loads and before the output is touched. With `ray_address` the same items run on
 Ray Data instead (`ray_runner`), one engine replica per actor; both run items through `replica`.
 """
 
@@ -17,8 +19,8 @@ from pathlib import Path
 
 from moe_export.common.engine_config import EngineConfig
 from moe_export.common.errors import InputError
-from moe_export.runtime.entrypoints.batch.doc_tasks import DocJob
-from moe_export.runtime.entrypoints.batch.documents import image_files, read_documents
+from moe_export.runtime.entrypoints.batch.doc_tasks import DocJob, chunk_budget
+from moe_export.runtime.entrypoints.batch.documents import files_of_other_types, image_files, read_documents
 from moe_export.runtime.entrypoints.batch.openai_batch import (
     custom_id_of,
     parse_input_line,
@@ -40,6 +42,8 @@ class BatchSummary:
     completion_tokens: int = 0
     images: int = 0  # images sent with the documents that succeeded (--images)
     images_ignored: int = 0  # image files left out of a document folder run without --images
+    other_files: int = 0  # files of a type no run reads (.docx, .csv, ...) left out of a document folder
+    replaced: int = 0  # documents changed since their line was written: the old line removed, done again
     seconds: float = 0.0
     errors: dict[str, int] = field(default_factory=dict)
 
@@ -56,13 +60,16 @@ class BatchSummary:
 
 
 def collect_items(input_path: Path, log: ResultLog, max_file_bytes: int,
-                  images: bool = False) -> tuple[list[dict], list[dict], list[str]]:
-    """(pending items, error records of refused inputs, keys already done). Items are plain dicts:
-    {"kind": "openai", custom_id, url, body} or {"kind": "doc", custom_id, content_hash, text, warnings?,
-    images?: [{url, source, offset}]}."""
+                  images: bool = False) -> tuple[list[dict], list[dict], list[str], int]:
+    """(pending items, error records of refused inputs, keys already done, documents whose old lines were
+    removed because their content changed). Items are plain dicts: {"kind": "openai", custom_id, url, body} or
+    {"kind": "doc", custom_id, content_hash, text, warnings?, images?: [{url, source, offset}]}."""
     pending, refused, skipped = [], [], []
     if input_path.is_dir():
-        for doc in read_documents(input_path, max_file_bytes, images):
+        docs = list(read_documents(input_path, max_file_bytes, images))
+        stale = log.stale({doc.custom_id: doc.key for doc in docs})
+        log.drop(stale)
+        for doc in docs:
             if doc.key in log.done:
                 skipped.append(doc.key)
             elif doc.error_code:
@@ -74,7 +81,7 @@ def collect_items(input_path: Path, log: ResultLog, max_file_bytes: int,
                 if doc.images:
                     item["images"] = [{"url": im.url, "source": im.source, "offset": im.offset} for im in doc.images]
                 pending.append(item)
-        return pending, refused, skipped
+        return pending, refused, skipped, len({key.rpartition("@")[0] for key in stale})
     if not input_path.is_file():
         raise InputError(f"--input {input_path}: no such file or folder")
     seen: set[str] = set()
@@ -103,7 +110,7 @@ def collect_items(input_path: Path, log: ResultLog, max_file_bytes: int,
         else:
             seen.add(item["custom_id"])
             pending.append({"kind": "openai", **item})
-    return pending, refused, skipped
+    return pending, refused, skipped, 0
 
 
 async def run_local(engine_dir: str, pending: list[dict], doc_job: DocJob | None, concurrency: int,
@@ -157,16 +164,26 @@ def run_batch(engine_dir: str, input_path: str, output: str, *, concurrency: int
         raise InputError("--task / --prompt-file apply to a folder of documents, not to a batch JSONL file")
     if concurrency is not None and concurrency < 1:
         raise InputError(f"--concurrency must be >= 1, got {concurrency}")
+    if max_file_bytes < 1:
+        raise InputError(f"--max-file-bytes must be >= 1, got {max_file_bytes}")
+    if ray_address is not None and ray_actors < 1:
+        raise InputError(f"--ray-actors must be >= 1, got {ray_actors}")
     images = doc_job is not None and doc_job.images
     if images:
         require_tower(engine_dir)
+    if doc_job is not None:  # the chunk budget the options leave in the engine's context (tokenizer only)
+        from moe_export.runtime.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(engine_dir)
+        chunk_budget(doc_job, tokenizer, tokenizer.family, EngineConfig.read(engine_dir).limits.max_seq_len)
     log = ResultLog(output)
     summary = BatchSummary()
-    if src.is_dir() and not images:
-        summary.images_ignored = len(image_files(src))
+    if src.is_dir():
+        summary.other_files = len(files_of_other_types(src))
+        summary.images_ignored = 0 if images else len(image_files(src))
     start = time.perf_counter()
     try:
-        pending, refused, skipped = collect_items(src, log, max_file_bytes, images)
+        pending, refused, skipped, summary.replaced = collect_items(src, log, max_file_bytes, images)
         summary.skipped = len(skipped)
         summary.failed_earlier = len(set(skipped) & log.failed)
         for record in refused:
@@ -209,7 +226,9 @@ def render_summary(summary: BatchSummary, console) -> None:
     for name, value in (("succeeded", summary.ok), ("failed", summary.failed), ("skipped (already done)", summary.skipped),
                         ("of them failed (earlier runs)", summary.failed_earlier),
                         ("prompt tokens", summary.prompt_tokens), ("completion tokens", summary.completion_tokens),
+                        ("changed since their line: redone", summary.replaced),
                         ("images sent", summary.images), ("image files ignored (no --images)", summary.images_ignored),
+                        ("files of other types ignored", summary.other_files),
                         ("seconds", f"{summary.seconds:.1f}"), ("items/s", f"{rate:.2f}"),
                         ("completion tok/s", f"{summary.completion_tokens / summary.seconds if summary.seconds else 0:.1f}")):
         table.add_row(name, str(value))

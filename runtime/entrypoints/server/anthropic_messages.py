@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from moe_export.runtime.entrypoints.server import convert
-from moe_export.runtime.entrypoints.server.edge import answer, authorize, parse, service_of
+from moe_export.runtime.entrypoints.server.edge import answer, authorize, documented, parse, service_of
 from moe_export.runtime.entrypoints.server.errors import APIError
 from moe_export.runtime.entrypoints.server.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
 from moe_export.runtime.entrypoints.server.service import ChatRun, Disconnected, Service
@@ -24,7 +24,7 @@ def anthropic_chat(req) -> tuple[list[dict], list | None, object, object]:
     return messages, tools, convert.anthropic_tool_choice(req.tool_choice, tools), convert.anthropic_effort(req.thinking)
 
 
-@router.post(ROUTE + "/count_tokens")
+@router.post(ROUTE + "/count_tokens", openapi_extra=documented(AnthropicCountTokensRequest))
 async def count_tokens_route(request: Request):
     authorize(request)
     req = await parse(request, AnthropicCountTokensRequest)
@@ -32,12 +32,12 @@ async def count_tokens_route(request: Request):
     svc.check_model(req.model)
     svc.check_limits(req.messages, req.tools, None)
     messages, tools, tool_choice, effort = anthropic_chat(req)
-    count = svc.prompt_length(messages, tools=tools, tool_choice=tool_choice, response_format=None, effort=effort)
+    count = await svc.prompt_length(messages, tools=tools, tool_choice=tool_choice, response_format=None, effort=effort)
     svc.metrics.requests.labels(ROUTE + "/count_tokens", "200").inc()
     return {"input_tokens": count}
 
 
-@router.post(ROUTE)
+@router.post(ROUTE, openapi_extra=documented(AnthropicMessagesRequest))
 async def messages_route(request: Request):
     authorize(request)
     req = await parse(request, AnthropicMessagesRequest)

@@ -1,5 +1,6 @@
 """The HTTP application: OpenAI Chat Completions / Completions / Responses, Anthropic Messages, vLLM's
-/tokenize and /detokenize, /v1/models, /health and /metrics, over one `AsyncLLM`.
+/tokenize and /detokenize, /v1/models, /health and /metrics, over one `AsyncLLM`; its OpenAPI document (request
+bodies included) at /openapi.json.
 
 The routes live in one module per API family and call the `Service` below HTTP (which `batch` calls directly).
 Errors use OpenAI's shape on OpenAI routes and Anthropic's on /v1/messages; no handler ever returns a traceback.
@@ -24,12 +25,14 @@ from moe_export.runtime.entrypoints.server.edge import key_digest
 from moe_export.runtime.entrypoints.server.errors import APIError, BodySizeLimit, ClientGone, error_body
 from moe_export.runtime.entrypoints.server.service import EngineInfo, ServerSettings, Service
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 __all__ = ["EngineInfo", "ServerSettings", "create_app"]
 
 log = logging.getLogger("moe_export.serve")
 HEALTH_POLL_S = 0.5  # how often the app checks that the engine core still runs
 DEAD_LINGER_S = 1.0  # /health answers 503 this long before the server stops (load balancers and clients see it)
+RETRY_AFTER_S = 1  # a 429's Retry-After: the queue moves on as requests finish, within seconds
 
 
 def route_label(request: Request) -> str:
@@ -42,7 +45,8 @@ def route_label(request: Request) -> str:
 def add_error_handlers(app: FastAPI, svc: Service) -> None:
     def error_response(request: Request, status: int, message: str, param: str | None = None) -> JSONResponse:
         svc.metrics.requests.labels(route_label(request), str(status)).inc()
-        return JSONResponse(error_body(request.url.path, status, message, param), status_code=status)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+        return JSONResponse(error_body(request.url.path, status, message, param), status_code=status, headers=headers)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -56,8 +60,9 @@ def add_error_handlers(app: FastAPI, svc: Service) -> None:
     async def _http_error(request: Request, exc: StarletteHTTPException):
         return error_response(request, exc.status_code, str(exc.detail))
 
-    @app.exception_handler(ClientGone)
-    async def _client_gone(request: Request, exc: ClientGone):
+    @app.exception_handler(ClientGone)  # a whole answer's client went away
+    @app.exception_handler(ClientDisconnect)  # the client went away while sending its body
+    async def _client_gone(request: Request, exc: Exception):
         svc.metrics.requests.labels(route_label(request), "499").inc()
         return Response(status_code=499)
 
@@ -107,7 +112,7 @@ def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None,
             llm.shutdown()
             await svc.aclose()
 
-    app = FastAPI(title="moe-export", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="moe-export", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.service = svc
     app.state.key_digests = [key_digest(k) for k in settings.api_keys]
     add_error_handlers(app, svc)

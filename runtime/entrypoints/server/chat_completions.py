@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from moe_export.runtime.entrypoints.server import convert
-from moe_export.runtime.entrypoints.server.edge import answer, authorize, parse, service_of
+from moe_export.runtime.entrypoints.server.edge import answer, authorize, documented, parse, service_of
 from moe_export.runtime.entrypoints.server.errors import APIError
 from moe_export.runtime.entrypoints.server.protocol import ChatCompletionRequest
 from moe_export.runtime.entrypoints.server.service import ChatRun, Disconnected, Service, merged
@@ -17,7 +17,7 @@ ROUTE = "/v1/chat/completions"
 router = APIRouter()
 
 
-@router.post(ROUTE)
+@router.post(ROUTE, openapi_extra=documented(ChatCompletionRequest))
 async def chat_completions_route(request: Request):
     authorize(request)
     req = await parse(request, ChatCompletionRequest)

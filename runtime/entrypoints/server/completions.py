@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from moe_export.runtime.entrypoints.server import convert
-from moe_export.runtime.entrypoints.server.edge import answer, authorize, parse, service_of
+from moe_export.runtime.entrypoints.server.edge import answer, authorize, documented, parse, service_of
 from moe_export.runtime.entrypoints.server.errors import APIError
 from moe_export.runtime.entrypoints.server.protocol import CompletionRequest
 from moe_export.runtime.entrypoints.server.service import MAX_CHOICES, Disconnected, Service, merged
@@ -18,7 +18,7 @@ ROUTE = "/v1/completions"
 router = APIRouter()
 
 
-@router.post(ROUTE)
+@router.post(ROUTE, openapi_extra=documented(CompletionRequest))
 async def completions_route(request: Request):
     authorize(request)
     req = await parse(request, CompletionRequest)
@@ -31,7 +31,7 @@ async def completion(svc: Service, req: CompletionRequest, disconnected: Disconn
     model = svc.check_model(req.model)
     svc.check_limits(None, None, req.max_tokens)
     extras = svc.sampler_extras(req)
-    prompts = completion_prompts(svc, req.prompt)
+    prompts = await svc.off_loop(completion_prompts, svc, req.prompt)
     if len(prompts) * req.n > MAX_CHOICES:
         raise APIError(400, f"prompt: {len(prompts)} prompts x n={req.n} is over the limit of {MAX_CHOICES} choices", "prompt")
     request_id = convert.new_id("cmpl-")

@@ -1,5 +1,5 @@
 """Errors of the served APIs and their JSON shapes: OpenAI's on OpenAI routes, Anthropic's on /v1/messages; the
-request-body size limit."""
+request-body size limit. An error never echoes more than a bounded part of what the client sent."""
 
 from __future__ import annotations
 
@@ -12,6 +12,15 @@ OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                          405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error",
                          500: "api_error", 503: "overloaded_error"}
+
+
+MAX_SHOWN_CHARS = 64  # of a client's name (a model, a response id) in an error message
+MAX_MESSAGE_CHARS = 2048  # of any error message (they quote request values)
+
+
+def shown(value: str, limit: int = MAX_SHOWN_CHARS) -> str:
+    """A client-given name as an error message quotes it: cut to `limit` characters, saying how long it was."""
+    return value if len(value) <= limit else f"{value[:limit]}... ({len(value)} characters)"
 
 
 class ClientGone(Exception):
@@ -28,6 +37,7 @@ class APIError(Exception):
 
 def error_body(path: str, status: int, message: str, param: str | None = None) -> dict:
     """The JSON error body of a route (`path`): Anthropic's shape under /v1/messages, OpenAI's elsewhere."""
+    message = shown(message, MAX_MESSAGE_CHARS)
     if path.startswith("/v1/messages"):
         return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message}}
     return {"error": {"message": message, "type": OPENAI_ERROR_TYPES.get(status, "server_error"), "param": param,

@@ -1,5 +1,6 @@
 """http(s) image parts fetched for a request before it reaches the runtime (`--allow-image-urls`): on the event
-loop's own I/O (httpx's AsyncClient), never blocking it, each download within a total deadline and a size cap.
+loop's own I/O (httpx's AsyncClient), never blocking it, each download within a total deadline and a size cap,
+under the URL policy of `runtime.image_urls` (public addresses only unless `--allow-private-image-urls`).
 A fetched image replaces its URL by a data URL, so the runtime decodes it like any inline image."""
 
 from __future__ import annotations
@@ -7,8 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 
-import httpx
-from moe_export.common.errors import InputError
+from moe_export.runtime.image_urls import ImageURLFetcher
 
 
 def url_parts(messages: list[dict]) -> list[tuple[str, dict]]:
@@ -26,39 +26,9 @@ def url_parts(messages: list[dict]) -> list[tuple[str, dict]]:
     return found
 
 
-class ImageFetcher:
-    """Downloads image URLs: at most `max_bytes` bytes each, all of one download within `timeout_s` seconds."""
-
-    def __init__(self, timeout_s: float, max_bytes: int) -> None:
-        self.timeout_s, self.max_bytes = timeout_s, max_bytes
-        self._client: httpx.AsyncClient | None = None
-
-    async def fetch(self, url: str, where: str) -> tuple[bytes, str]:
-        """(bytes, media type) of the image at `url`; InputError naming `where` on any failure."""
-        if self._client is None:
-            self._client = httpx.AsyncClient(follow_redirects=True, timeout=self.timeout_s)
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                return await self._download(url, where)
-        except TimeoutError:
-            raise InputError(f"{where}.image_url: fetching {url} took longer than {self.timeout_s:g} s") from None
-        except httpx.HTTPError as exc:
-            raise InputError(f"{where}.image_url: fetching {url} failed ({type(exc).__name__})") from None
-
-    async def _download(self, url: str, where: str) -> tuple[bytes, str]:
-        async with self._client.stream("GET", url) as r:
-            if r.status_code != 200:
-                raise InputError(f"{where}.image_url: fetching {url} answered HTTP {r.status_code}")
-            declared = r.headers.get("content-length", "")
-            if declared.isdigit() and int(declared) > self.max_bytes:
-                raise InputError(f"{where}.image_url: the image at {url} is larger than {self.max_bytes} bytes")
-            data = bytearray()
-            async for chunk in r.aiter_bytes():
-                data += chunk
-                if len(data) > self.max_bytes:
-                    raise InputError(f"{where}.image_url: the image at {url} is larger than {self.max_bytes} bytes")
-            media = r.headers.get("content-type", "").split(";")[0].strip()
-            return bytes(data), media if media.startswith("image/") else "image/unknown"
+class ImageFetcher(ImageURLFetcher):
+    """Downloads the image URLs of a request's messages (`runtime.image_urls`: public addresses only unless
+    `allow_private`, every redirect hop checked, one error text for every failure)."""
 
     async def inline(self, messages: list[dict]) -> list[dict]:
         """`messages` with every http(s) image part's URL replaced by a data URL of its downloaded bytes (the
@@ -66,7 +36,7 @@ class ImageFetcher:
         found = url_parts(messages)
         if not found:
             return messages
-        fetched = await asyncio.gather(*(self.fetch(self._url(part), where) for where, part in found))
+        fetched = await asyncio.gather(*(self.fetch(self._url(part), f"{where}.image_url") for where, part in found))
         inlined = {id(part): (data, media) for (where, part), (data, media) in zip(found, fetched)}
         out = []
         for m in messages:
@@ -86,6 +56,3 @@ class ImageFetcher:
         url = f"data:{media};base64,{base64.b64encode(data).decode()}"
         return {**part, "image_url": {**part["image_url"], "url": url} if isinstance(part["image_url"], dict) else url}
 
-    async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()

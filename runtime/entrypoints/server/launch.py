@@ -6,6 +6,7 @@ core dies, the server stops the same way and `serve` raises EngineDead (the comm
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import signal
 import socket
@@ -45,9 +46,13 @@ def check_serve_args(engine_dir: str, host: str, port: int, store: str | None, d
 
 def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_keys: tuple[str, ...] = (),
           store: str | None = None, default_effort: str = "max", max_queue: int = 256,
-          served_model_names: tuple[str, ...] = (), allow_image_urls: bool = False, prefix_caching: bool = True) -> None:
-    """Run the server until SIGTERM / SIGINT (blocks). Under mpiexec, ranks > 0 run the follower loop."""
+          served_model_names: tuple[str, ...] = (), allow_image_urls: bool = False, allow_private_image_urls: bool = False,
+          prefix_caching: bool = True, access_log: bool = True) -> None:
+    """Run the server until SIGTERM / SIGINT (blocks). Under mpiexec, ranks > 0 run the follower loop. access_log:
+    uvicorn's line per request on stdout (client, method, path, status); its other messages from warnings up."""
     check_serve_args(engine_dir, host, port, store, default_effort, max_queue)
+    if allow_private_image_urls and not allow_image_urls:
+        raise InputError("--allow-private-image-urls needs --allow-image-urls")
     if any(not name.strip() for name in served_model_names):
         raise InputError("--served-model-name must not be empty")
     from moe_export.common.mpi import mpi_world
@@ -69,6 +74,7 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
     settings = ServerSettings(
         engine_dir=Path(engine_dir), api_keys=api_keys, store_path=store or ":memory:",
         max_queue=max_queue, served_model_names=served_model_names, allow_image_urls=allow_image_urls,
+        allow_private_image_urls=allow_private_image_urls,
     )
     sock = listening_socket(host, port)  # before loading: a busy port fails fast, with no engine loaded
     # image URLs are downloaded by the server (`image_fetch`, off the event loop), never by the runtime
@@ -84,7 +90,9 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
     except BaseException:
         llm.shutdown()
         raise
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=600)
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=600, access_log=access_log)
+    if access_log:
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     server = uvicorn.Server(config)
     print(f"serving {settings.model_name} on http://{host}:{port} (store: {settings.store_path})", file=sys.stderr, flush=True)
     # uvicorn handles SIGTERM / SIGINT while it runs (stop accepting, drain, lifespan shutdown) and re-raises

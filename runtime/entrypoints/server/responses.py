@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from moe_export.runtime.entrypoints.server import convert
-from moe_export.runtime.entrypoints.server.edge import answer, authorize, parse, service_of
-from moe_export.runtime.entrypoints.server.errors import APIError
+from moe_export.runtime.entrypoints.server.edge import answer, authorize, documented, parse, service_of
+from moe_export.runtime.entrypoints.server.errors import APIError, shown
 from moe_export.runtime.entrypoints.server.protocol import ResponsesRequest
 from moe_export.runtime.entrypoints.server.service import ChatRun, Disconnected, Service
 from moe_export.runtime.entrypoints.server.store import MissingResponse, StoredResponse
@@ -18,7 +18,7 @@ ROUTE = "/v1/responses"
 router = APIRouter()
 
 
-@router.post(ROUTE)
+@router.post(ROUTE, openapi_extra=documented(ResponsesRequest))
 async def create_response_route(request: Request):
     scope = authorize(request)
     req = await parse(request, ResponsesRequest)
@@ -179,7 +179,7 @@ def stored(request: Request, response_id: str):
     svc, scope = service_of(request), authorize(request)
     rec = svc.store.get(response_id, scope)
     if rec is None:
-        raise APIError(404, f"response {response_id!r} not found")
+        raise APIError(404, f"response {shown(response_id)!r} not found")
     return svc, rec
 
 
@@ -208,6 +208,6 @@ async def response_input_items(response_id: str, request: Request):
 async def delete_response(response_id: str, request: Request):
     svc, scope = service_of(request), authorize(request)
     if not svc.store.delete(response_id, scope):
-        raise APIError(404, f"response {response_id!r} not found")
+        raise APIError(404, f"response {shown(response_id)!r} not found")
     svc.metrics.requests.labels("/v1/responses/{id}", "200").inc()
     return {"id": response_id, "object": "response.deleted", "deleted": True}

@@ -8,18 +8,21 @@ measured the same way for streamed and whole answers)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_export.common.engine_config import EngineConfig
 from moe_export.common.errors import InputError
-from moe_export.runtime.entrypoints.server.errors import APIError, ClientGone
+from moe_export.runtime.entrypoints.server.errors import APIError, ClientGone, shown
 from moe_export.runtime.entrypoints.server.image_fetch import ImageFetcher
 from moe_export.runtime.entrypoints.server.metrics import ServerMetrics
 from moe_export.runtime.entrypoints.server.store import ResponseStore
+from moe_export.runtime.image_urls import private_allowed, public_address
 from moe_export.runtime.sampling import SamplingParams, with_defaults
 
 MAX_CHOICES = 64  # most sequences one completions request may start (prompts x n)
@@ -34,7 +37,8 @@ class ServerSettings:
     """Serving limits and options. api_keys: accepted keys (empty: no auth). max_body_bytes: request body
     limit (413 above). max_queue: waiting requests before 429. default_max_tokens: generation length when a
     request gives none. allow_image_urls: fetch http(s) image parts (`image_fetch`), within
-    image_fetch_timeout_s seconds in all and image_fetch_max_bytes bytes."""
+    image_fetch_timeout_s seconds in all and image_fetch_max_bytes bytes, from public addresses only unless
+    allow_private_image_urls (`runtime.image_urls`)."""
 
     engine_dir: Path
     api_keys: tuple[str, ...] = ()
@@ -48,6 +52,7 @@ class ServerSettings:
     served_model_names: tuple[str, ...] = ()
     accept_any_model: bool = False
     allow_image_urls: bool = False
+    allow_private_image_urls: bool = False
     image_fetch_timeout_s: float = 10.0
     image_fetch_max_bytes: int = 32 << 20
 
@@ -101,7 +106,12 @@ class Service:
         self.store = ResponseStore(settings.store_path)
         self.metrics = ServerMetrics(llm.stats)
         self.in_flight = 0  # generation requests accepted and not finished
-        self.images = ImageFetcher(settings.image_fetch_timeout_s, settings.image_fetch_max_bytes)
+        self.images = ImageFetcher(settings.image_fetch_timeout_s, settings.image_fetch_max_bytes,
+                                   private_allowed if settings.allow_private_image_urls else public_address)
+        # one worker thread for the CPU-bound work of requests (JSON decoding and validation, tokenizing, chat
+        # rendering and image decoding): the event loop stays free for other clients (/health among them), and
+        # the renderer runs one request at a time, as it did on the loop
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="moe-export-request")
 
     @property
     def healthy(self) -> bool:
@@ -112,6 +122,11 @@ class Service:
         """Close the store and the image downloads (the runtime is its owner's to shut down)."""
         self.store.close()
         await self.images.aclose()
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(self, fn: Callable, *args, **kwargs):
+        """`fn(*args, **kwargs)` run in the request worker thread, awaited without blocking the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, functools.partial(fn, *args, **kwargs))
 
     async def inline_image_urls(self, messages: list[dict]) -> list[dict]:
         """With allow_image_urls, `messages` with their http(s) images downloaded (off the runtime's thread and
@@ -124,7 +139,7 @@ class Service:
         if model is None or self.settings.accept_any_model:
             return model or self.settings.model_name
         if model not in self.settings.served_model_names:
-            raise APIError(404, f"The model `{model}` does not exist.", "model")
+            raise APIError(404, f"The model `{shown(model)}` does not exist.", "model")
         return model
 
     def check_limits(self, messages: list | None, tools: list | None, max_tokens: int | None,
@@ -191,23 +206,27 @@ class Service:
             raise APIError(400, str(exc), getattr(exc, "field", None)) from None
 
     # ---- generation --------------------------------------------------------------------------------
-    def prompt_length(self, messages: list[dict], *, tools, tool_choice, response_format, effort) -> int:
-        """Tokens of the rendered conversation (what the runtime will prefill)."""
-        return len(self.llm.render_chat(messages, tools=tools, reasoning_effort=effort, tool_choice=tool_choice,
-                                        response_format=response_format))
+    async def prompt_length(self, messages: list[dict], *, tools, tool_choice, response_format, effort) -> int:
+        """Tokens of the rendered conversation (what the runtime will prefill), rendered off the event loop."""
+        return len(await self.off_loop(self.llm.render_chat, messages, tools=tools, reasoning_effort=effort,
+                                       tool_choice=tool_choice, response_format=response_format))
 
     async def run_chat(self, request_id: str, messages: list[dict], sampling: dict, *, max_tokens: int | None, tools,
                        tool_choice, response_format, effort, parallel: bool, max_tokens_param: str = "max_tokens") -> ChatRun:
         """Start a chat generation (`sampling`: sampling_params' arguments but max_tokens). Bad requests raise
         here, before any response byte is sent."""
-        prompt_tokens = self.prompt_length(messages, tools=tools, tool_choice=tool_choice,
-                                           response_format=response_format, effort=effort)
+        prompt_tokens = await self.prompt_length(messages, tools=tools, tool_choice=tool_choice,
+                                                 response_format=response_format, effort=effort)
         params = self.sampling_params(**sampling, max_tokens=self.fit_max_tokens(prompt_tokens, max_tokens, max_tokens_param))
-        self.check_queue()
-        stream = self.llm.chat_stream(
-            messages, params, tools=tools, reasoning_effort=effort, tool_choice=tool_choice,
+        stream = await self.off_loop(  # chat_stream renders the prompt (and decodes its images) before it returns
+            self.llm.chat_stream, messages, params, tools=tools, reasoning_effort=effort, tool_choice=tool_choice,
             response_format=response_format, parallel_tool_calls=parallel, request_id=request_id,
         )
+        try:  # the queue check and the count in timed() with no await between them: requests rendered at once
+            self.check_queue()  # cannot all pass the check before any of them is counted
+        except APIError:
+            await stream.aclose()  # not started: nothing was submitted
+            raise
         first, deltas = await self.timed(stream, calls_before(messages))
         self.metrics.requests_by_tier.labels(first.thinking_tier).inc()
         return ChatRun(deltas, first.thinking_tier, prompt_tokens)

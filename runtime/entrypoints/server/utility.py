@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from moe_export.runtime.entrypoints.server import convert
-from moe_export.runtime.entrypoints.server.edge import authorize, parse, service_of
-from moe_export.runtime.entrypoints.server.errors import APIError
+from moe_export.runtime.entrypoints.server.edge import authorize, documented, parse, service_of
+from moe_export.runtime.entrypoints.server.errors import APIError, shown
 from moe_export.runtime.entrypoints.server.protocol import DetokenizeRequest, TokenizeRequest
 from moe_export.runtime.entrypoints.server.service import Service
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -48,7 +48,7 @@ async def model(model_id: str, request: Request):
     authorize(request)
     svc = service_of(request)
     if model_id not in svc.settings.served_model_names:
-        raise APIError(404, f"The model `{model_id}` does not exist.", "model")
+        raise APIError(404, f"The model `{shown(model_id)}` does not exist.", "model")
     svc.metrics.requests.labels("/v1/models/{id}", "200").inc()
     return model_card(svc, model_id)
 
@@ -64,7 +64,7 @@ async def version():
         return {"version": "unknown"}
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", openapi_extra=documented(TokenizeRequest))
 async def tokenize(request: Request):
     authorize(request)
     req = await parse(request, TokenizeRequest)
@@ -73,11 +73,11 @@ async def tokenize(request: Request):
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of `prompt` or `messages`")
     if req.prompt is not None:
-        ids = svc.tokenizer.encode(req.prompt)
+        ids = await svc.off_loop(svc.tokenizer.encode, req.prompt)
     else:
         svc.check_limits(req.messages, req.tools, None)
-        ids = svc.llm.render_chat(
-            convert.chat_messages_from_openai(req.messages), tools=convert.openai_tools(req.tools),
+        ids = await svc.off_loop(
+            svc.llm.render_chat, convert.chat_messages_from_openai(req.messages), tools=convert.openai_tools(req.tools),
             reasoning_effort=convert.openai_effort(req.reasoning_effort), add_generation_prompt=req.add_generation_prompt,
             tool_choice=convert.normalize_tool_choice(req.tool_choice, req.tools), response_format=req.response_format,
         )
@@ -85,7 +85,7 @@ async def tokenize(request: Request):
     return {"count": len(ids), "max_model_len": svc.info.max_seq_len, "tokens": ids}
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", openapi_extra=documented(DetokenizeRequest))
 async def detokenize(request: Request):
     authorize(request)
     req = await parse(request, DetokenizeRequest)
@@ -93,4 +93,4 @@ async def detokenize(request: Request):
     svc.check_model(req.model)
     svc.check_token_ids(req.tokens, "tokens", "tokens")
     svc.metrics.requests.labels("/detokenize", "200").inc()
-    return {"prompt": svc.tokenizer.decode(req.tokens)}
+    return {"prompt": await svc.off_loop(svc.tokenizer.decode, req.tokens)}
