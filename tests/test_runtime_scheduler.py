@@ -256,14 +256,17 @@ def test_batched_equals_unbatched_under_mpiexec(runtime_engine, engine, overlap)
     assert got.get("planned_ahead", 0) >= (8 if overlap else 0)
 
 
-def test_a_failing_rank_stops_the_world(runtime_engine):
+@pytest.mark.parametrize("rank", [0, 2])
+def test_a_failing_rank_stops_the_world(runtime_engine, rank):
+    """A step failing on a rank (a bare Scheduler on rank 0, no API): the world is aborted, exit status 1 (rank 2
+    after its grace period, rank 0 as its EngineDead ends the process)."""
     engine_dir = runtime_engine("tiny-k3", 2, 2, 4)
     spec = [{"prompt": p, "max_tokens": n} for p, n in zip(PROMPTS, MAX_TOKENS)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FAIL_RANK": "2", "FAIL_AT_STEP": "3"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FAIL_RANK": str(rank), "FAIL_AT_STEP": "3"}
     r = subprocess.run([mpiexec(), "-n", "4", sys.executable, str(MPI_SCRIPT), str(engine_dir), json.dumps(spec)],
                        capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 1  # (no API on rank 0 here: rank 2 aborts the world itself after its grace period)
-    assert "rank 2 of 4 failed: RuntimeError: injected failure at step 3; stopping all ranks" in r.stderr
+    assert r.returncode == 1
+    assert f"rank {rank} of 4 failed: RuntimeError: injected failure at step 3; stopping all ranks" in r.stderr
     assert not r.stdout.strip()
 
 
