@@ -39,7 +39,7 @@ def test_generate_says_a_prompt_is_required(capsys, tmp_path):
 
     write_engine_config(tmp_path)
     code, _, err = run_cli(capsys, "generate", str(tmp_path), "--max-new-tokens", "2")
-    assert code == 2 and "give one of --prompt-ids 1,2,3 (token ids) or --prompt TEXT" in err, err
+    assert code == 2 and "give exactly one of --prompt-ids 1,2,3 (token ids) or --prompt TEXT" in err, err
 
 
 SERVER_OVER_A_FAKE_ENGINE = """

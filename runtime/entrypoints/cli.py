@@ -248,7 +248,7 @@ def generate(
     from moe_export.runtime.tokenizer import load_tokenizer
 
     if (prompt_ids is None) == (prompt is None):
-        raise InputError("give one of --prompt-ids 1,2,3 (token ids) or --prompt TEXT")
+        raise InputError("give exactly one of --prompt-ids 1,2,3 (token ids) or --prompt TEXT")
     if max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     _check_seed(seed)
