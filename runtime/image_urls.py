@@ -26,11 +26,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 from moe_export.common.errors import InputError
+from moe_export.runtime.images import MAX_IMAGE_BYTES, open_image
 from PIL import Image
 
 log = logging.getLogger("moe_export.image_urls")
 
 MAX_REDIRECTS = 5
+FETCH_TIMEOUT_S = 10.0  # all hops of one image URL
 REDIRECT_STATUSES = (301, 302, 303, 307, 308)
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 # instance metadata services: AWS / GCP / Azure IMDS / Oracle / OpenStack (169.254.169.254), AWS IPv6 IMDS,
@@ -157,8 +159,6 @@ class ImageURLFetcher:
 def image_media_type(data: bytes) -> str:
     """`image/png` etc. of PNG / JPEG / WebP / GIF bytes, decoded (so that a truncated or damaged image fails
     here, with the one error text, not later with the decoder's); ValueError for anything else."""
-    from moe_export.runtime.images import open_image
-
     try:
         image = open_image(data, "image", load=True)
     except InputError as exc:
@@ -166,9 +166,10 @@ def image_media_type(data: bytes) -> str:
     return Image.MIME[image.format]
 
 
-def fetch_image_url(url: str, where: str, max_bytes: int, timeout_s: float, allowed: AddressCheck = public_address) -> bytes:
-    """The blocking form of `ImageURLFetcher.fetch` (the in-process `LLM`), run on its own event loop in a
-    worker thread (so it may be called from a thread that runs a loop)."""
+def fetch_image_url(url: str, where: str, allowed: AddressCheck = public_address, max_bytes: int = MAX_IMAGE_BYTES,
+                    timeout_s: float = FETCH_TIMEOUT_S) -> bytes:
+    """The blocking form of `ImageURLFetcher.fetch` (the in-process `LLM`'s image parts), run on its own event
+    loop in a worker thread (so it may be called from a thread that runs a loop)."""
 
     async def once() -> bytes:
         fetcher = ImageURLFetcher(timeout_s, max_bytes, allowed)

@@ -307,14 +307,11 @@ def image_token_ids(tokenizer, width: int, height: int, num_tokens: int) -> list
 IMAGE_PART_TYPES = ("image", "image_url", "input_image")
 
 
-URL_FETCH_TIMEOUT_S = 10.0
-
-
-def image_part_bytes(part: dict, where: str, url_policy=None) -> bytes:
+def image_part_bytes(part: dict, where: str, fetch_url=None) -> bytes:
     """The encoded image of a content part: OpenAI `image_url` ({"url": data URL} or the URL string),
     Responses `input_image` (`image_url`), Anthropic `image` ({"source": {"type": "base64", "data": ...}});
-    http(s) URLs are fetched only with a `url_policy` (`runtime.image_urls.public_address` or `private_allowed`:
-    the addresses they may be fetched from)."""
+    http(s) URLs are fetched only with `fetch_url` ((url, where) -> bytes: `runtime.image_urls.fetch_image_url`
+    under an address policy)."""
     kind = part.get("type")
     if kind == "image" and isinstance(part.get("source"), dict):
         src = part["source"]
@@ -328,12 +325,10 @@ def image_part_bytes(part: dict, where: str, url_policy=None) -> bytes:
     if not isinstance(url, str):
         raise InputError(f"{where}: an image part needs image_url.url (a data:image/...;base64 URL)")
     if url.startswith(("http://", "https://")):
-        if url_policy is None:
+        if fetch_url is None:
             raise InputError(f"{where}.image_url: http(s) image URLs are off (the server's --allow-image-urls turns "
                              "them on); send the image as a data:image/...;base64 URL")
-        from moe_export.runtime.image_urls import fetch_image_url  # every redirect hop checked
-
-        return fetch_image_url(url, f"{where}.image_url", MAX_IMAGE_BYTES, URL_FETCH_TIMEOUT_S, url_policy)
+        return fetch_url(url, f"{where}.image_url")
     return data_url_bytes(url, f"{where}.image_url")
 
 
@@ -343,7 +338,7 @@ class PromptImages:
     prompt holds them (`order`: the images of the prompt's `<|media_pad|>` runs, in order)."""
 
     def __init__(self, tokenizer, processor: ImageProcessor, messages: list, max_images: int | None = None,
-                 url_policy=None, known=None) -> None:
+                 fetch_url=None, known=None) -> None:
         self.tokenizer = tokenizer
         self.parts: dict[str, PreparedImage] = {}
         self.order: list[PreparedImage] = []
@@ -357,7 +352,7 @@ class PromptImages:
                     if max_images is not None and len(self.parts) >= max_images:
                         raise InputError(f"{where}: too many images: the engine takes at most {max_images} per request "
                                          "(limits.max_images_per_request)")
-                    self.parts[where] = processor.prepare_bytes(image_part_bytes(part, where, url_policy), where, known)
+                    self.parts[where] = processor.prepare_bytes(image_part_bytes(part, where, fetch_url), where, known)
 
     def expand(self, where: str) -> list[int]:
         image = self.parts[where]

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from fake_llm import FakeLLM
 from moe_export.common.errors import InputError
-from moe_export.runtime.image_urls import ImageURLFetcher, address_allowed, public_address
+from moe_export.runtime.image_urls import ImageURLFetcher, address_allowed, fetch_image_url
 from test_serve_faults import PNG_1PX, image_chat, make_app, post
 
 
@@ -162,7 +162,7 @@ def test_the_in_process_llm_path_uses_the_same_policy(sites):
     a, _ = sites
     part = {"type": "image_url", "image_url": {"url": f"{a.base}/cat.png"}}
     with pytest.raises(InputError, match="could not be fetched"):
-        image_part_bytes(part, "messages[0].content[1]", public_address)
+        image_part_bytes(part, "messages[0].content[1]", fetch_image_url)
     assert not a.hosts
 
 

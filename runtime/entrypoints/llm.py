@@ -12,6 +12,7 @@ Requests run through `llm_core.RequestCore` (the scheduler and each request's ou
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -32,7 +33,7 @@ from moe_export.runtime.core.sessions import TurnMemory
 from moe_export.runtime.core.wide_ep import run_rank
 from moe_export.runtime.engine import engine_eos_ids
 from moe_export.runtime.entrypoints.llm_core import ChatOutput, RequestCore, StreamDelta, Tracked
-from moe_export.runtime.image_urls import private_allowed, public_address
+from moe_export.runtime.image_urls import fetch_image_url, private_allowed, public_address
 from moe_export.runtime.images import PromptImages
 from moe_export.runtime.sampling import LogitsProcessor, SamplingParams, model_defaults
 from moe_export.runtime.tokenizer import load_tokenizer
@@ -80,8 +81,9 @@ class LLM:
         self.reuse_sessions = reuse_sessions
         self.prefix_caching = prefix_caching
         self.overlap = overlap
-        # the addresses http(s) image parts may be fetched from (`runtime.image_urls`); None: URLs refused
-        self.image_url_policy = None if not allow_image_urls else private_allowed if allow_private_image_urls else public_address
+        # how http(s) image parts are fetched (`runtime.image_urls`: the addresses allowed); None: URLs refused
+        self.fetch_image_url = None if not allow_image_urls else functools.partial(
+            fetch_image_url, allowed=private_allowed if allow_private_image_urls else public_address)
         # finished turns' tokens, as many as the cache pools hold, so turns sent back as text render as generated
         self.turns = TurnMemory(self.engine.num_blocks * self.engine.block_size) if reuse_sessions else None
         self._turn_start = {thinking: len(generation_prompt_ids(self.tokenizer, self.family, thinking))
@@ -132,7 +134,7 @@ class LLM:
             raise InputError(f"{self.engine.dir}: the tokenizer has no K3 or K2 chat tokens: use generate()")
         vision = self.engine.vision
         if vision is not None and images is None:  # image parts become their media tokens (`runtime.images`)
-            images = PromptImages(self.tokenizer, vision.processor, messages, vision.max_images, self.image_url_policy,
+            images = PromptImages(self.tokenizer, vision.processor, messages, vision.max_images, self.fetch_image_url,
                                   vision.cached)
         carried = []
         if self.turns is not None and isinstance(messages, list):
@@ -160,7 +162,7 @@ class LLM:
         way for every entry point (LLM.chat, AsyncLLM, the server, Triton, batch)."""
         plan = resolve_thinking(reasoning_effort, self.thinking_caps, self.default_effort)
         vision = self.engine.vision
-        images = (PromptImages(self.tokenizer, vision.processor, messages, vision.max_images, self.image_url_policy,
+        images = (PromptImages(self.tokenizer, vision.processor, messages, vision.max_images, self.fetch_image_url,
                                vision.cached) if vision else None)
         ids = self._render(messages, plan, tools, tool_choice, response_format, images=images)
         starts = output_starts_in_reasoning(self.family, plan.enabled)
