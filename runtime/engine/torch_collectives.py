@@ -6,8 +6,8 @@ with the result. Two worlds answer:
   - `run_in_process`: every rank of the world in this process, resumed in lockstep; a request is answered when
     every member of its group has asked it (sums in rank order, the order the ONNX Runtime engine adds in);
   - `DistributedWorld`: one rank per process over torch.distributed (NCCL on GPUs, gloo on CPU), its tp and ep
-    groups of consecutive ranks; the rendezvous is rank 0's address, broadcast over MPI (or MASTER_ADDR /
-    MASTER_PORT).
+    groups of consecutive ranks, formed by `common.mpi.torch_group_comms` (the one rendezvous, as the TensorRT
+    runner's).
 The MoE all-to-all follows `plugins/collectives/all_to_all.py`: each token goes once to every rank holding one of
 its experts (rows by destination, then token), counts first so the rows move exactly, and the combine adds the
 returned rows per token in destination-rank order.
@@ -15,13 +15,14 @@ returned rows per token in destination-rank order.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Generator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from moe_export.common.mapping import Mapping
+from moe_export.common.mpi import torch_group_comms
 from moe_export.plugins.collectives.all_to_all import ID_WIRE_DTYPE, DispatchLayout, send_plan
 
 
@@ -136,28 +137,12 @@ def run_in_process(steps: dict[int, Step], tp: int, ep: int, num_experts: int, c
 class DistributedWorld:
     """One rank per process over torch.distributed: the tp and ep groups of this rank (consecutive ranks)."""
 
-    def __init__(self, rank: int, world_size: int, tp: int, ep: int, device: torch.device, mpi_world) -> None:
+    def __init__(self, mapping: Mapping, device: torch.device) -> None:
         import torch.distributed as dist
 
-        self.dist, self.rank, self.device = dist, rank, device
-        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-        if not (addr and port):
-            if rank == 0:
-                import socket
-
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", 0))
-                    addr, port = "127.0.0.1", str(s.getsockname()[1])
-            addr, port = mpi_world.bcast((addr, port), root=0)
-        if not dist.is_initialized():
-            backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size)
-        self.groups, self.sizes = {}, {"tp": tp, "ep": ep}
-        for name, size in self.sizes.items():
-            for start in range(0, world_size, size):
-                group = dist.new_group(list(range(start, start + size)))  # every rank creates every group
-                if start <= rank < start + size:
-                    self.groups[name] = group
+        self.dist, self.rank, self.device = dist, mapping.rank, device
+        self.groups = torch_group_comms(mapping, "nccl" if device.type == "cuda" else "gloo", device)
+        self.sizes = {"tp": mapping.tp, "ep": mapping.ep}
 
     def run(self, step: Step, num_experts: int, counts: list) -> object:
         """Run this rank's step, answering its requests over torch.distributed."""

@@ -124,7 +124,7 @@ class TorchEngine:
         self.comm, self.world = None, None
         if under_mpi:
             self.comm = MPICommunicator(self.config.rank_mapping(mpi[0]))
-            self.world = DistributedWorld(mpi[0], self.world_size, self.tp, self.ep, self.device, self.comm.world)
+            self.world = DistributedWorld(self.config.rank_mapping(mpi[0]), self.device)
         self.model_config: dict = self.config.pretrained_config
         self.num_experts = cfg.num_experts
         moe_layers = sum(cfg.is_moe(i) for i in range(cfg.num_layers)) if self.dp_layout else 0
