@@ -3,9 +3,11 @@
 Per rank a `torch_model.RankModel` over `rank{N}/weights.safetensors` and the rank's pools, owned here and updated
 in place: recurrent state by slot (`kda_state.i` [S, H, V, K] fp32, `conv_state.i` [S, 3P, W-1] fp32), paged caches
 by block (`mla_cache.i`, `index_cache.i` [NB, BS, D] in the recipe's kv_cache dtype); prefix-cache checkpoints are
-copies of a slot's recurrent rows. The device is the recipe's target: CPU for `gpu: cpu` (fp32 activations, the
-plugins' CPU kernels: the ONNX Runtime engine's arithmetic, so greedy tokens match it), else the rank's GPU (bf16
-activations, the plugins' Triton kernels, decode steps replayed from CUDA graphs: `torch_graphs`).
+copies of a slot's recurrent rows, in host memory as the planner counts them (pinned on a GPU: `host_zeros`). The
+device is the recipe's target: CPU for `gpu: cpu` (fp32 activations, the plugins' CPU kernels: the ONNX Runtime
+engine's arithmetic, so greedy tokens match it), else the rank's GPU (bf16 activations, the plugins' Triton kernels,
+decode steps replayed from CUDA graphs: `torch_graphs`), made the current device of every thread that launches
+(`use_device`).
 
 Worlds as in the ONNX Runtime runner: under `mpiexec -n R` this process is one rank (collectives over
 torch.distributed, step plans over MPI: `ort.MPICommunicator`, so `runtime/core` runs unchanged); in one process
@@ -46,6 +48,14 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
         return torch.zeros(shape, dtype=dtype, device=device)
     host = torch.from_numpy(np.zeros(shape, dtype=HOST_DTYPES[dtype]))
     return host.view(dtype)
+
+
+def host_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed host buffer that `device` copies to and from: pinned (page-locked, so the copies are asynchronous
+    DMA) for a GPU, a `zeros` pool for CPU. Prefix-cache checkpoints live here, as the planner counts them."""
+    if device.type == "cuda":
+        return torch.zeros(shape, dtype=dtype, pin_memory=True)
+    return zeros(shape, dtype, device)
 
 
 def rank_pools(model: RankModel, num_slots: int, num_blocks: int, block_size: int) -> dict[str, torch.Tensor]:
@@ -93,6 +103,7 @@ class TorchEngine:
         local = [mpi[0]] if under_mpi else list(range(self.world_size))
         self.device = torch.device(device or ("cpu" if recipe.target.gpu == "cpu" else
                                               f"cuda:{local_rank() if under_mpi else 0}"))
+        self.use_device()
         if self.device.type == "cpu" and (threads or under_mpi):
             torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // mpi[1]))
         if max_step_pairs is not None and max_step_pairs < 1:
@@ -115,7 +126,7 @@ class TorchEngine:
         if num_checkpoints is not None and num_checkpoints < 0:
             raise InputError(f"num_checkpoints must be at least 0, got {num_checkpoints}")
         self.num_checkpoints = CHECKPOINTS_PER_SLOT * self.num_slots if num_checkpoints is None else num_checkpoints
-        self.checkpoints = {r: {n: zeros((self.num_checkpoints, *p.shape[1:]), p.dtype, p.device)
+        self.checkpoints = {r: {n: host_zeros((self.num_checkpoints, *p.shape[1:]), p.dtype, self.device)
                                 for n, p in pools.items() if n.startswith(RESET_ON_NEW_SEQUENCE)}
                             for r, pools in self.pools.items()}
         first = self.pools[local[0]]
@@ -140,6 +151,13 @@ class TorchEngine:
 
             self.graphs = DecodeGraphs.for_engine(self)
 
+    def use_device(self) -> None:
+        """Make the engine's GPU the calling thread's current device (`torch.cuda.set_device`, as vLLM's
+        `Worker.init_device`): Triton kernels and CUDA graphs launch on the current device, which is per thread
+        (device 0 in a new thread, e.g. the step worker's). Every entry point that launches calls it first."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     @property
     def is_root(self) -> bool:
         return self.comm is None or self.comm.world.Get_rank() == 0
@@ -153,34 +171,38 @@ class TorchEngine:
         """K3's tower (`vision.VisionEncoder`) run by PyTorch (`torch_vision`), when the engine has one."""
         if not (self.dir / VISION_WEIGHTS).is_file():
             return None
-        from moe_export.runtime.engine.torch_vision import torch_tower
+        from moe_export.runtime.engine.torch_vision import TorchTower
         from moe_export.runtime.engine.vision import VisionEncoder
 
-        tower = torch_tower(self.dir / VISION_WEIGHTS, self.config, self.device)
+        tower = TorchTower(self.dir / VISION_WEIGHTS, self.config, self.device)
         return VisionEncoder(self.dir, self.config, threads or 1, tower=tower)
 
     # ---- slots and checkpoints ----
     def reset_slot(self, slot: int) -> None:
         """Start a new sequence in `slot`: zero its recurrent state."""
         check_slot(self, slot)
+        self.use_device()
         for pools in self.pools.values():
             for name, pool in pools.items():
                 if name.startswith(RESET_ON_NEW_SEQUENCE):
                     pool[slot] = 0
 
     def save_state(self, slot: int, checkpoint: int) -> None:
-        """`ModelRunner.save_state`: the slot's recurrent rows into the checkpoint, on every local rank."""
+        """`ModelRunner.save_state`: the slot's recurrent rows into the checkpoint, on every local rank (an
+        asynchronous copy into pinned host memory on a GPU, in stream order with the steps)."""
         check_checkpoint(self, slot, checkpoint)
+        self.use_device()
         for r, rows in self.checkpoints.items():
             for name, saved in rows.items():
-                saved[checkpoint] = self.pools[r][name][slot]
+                saved[checkpoint].copy_(self.pools[r][name][slot], non_blocking=True)
 
     def restore_state(self, slot: int, checkpoint: int) -> None:
         """`ModelRunner.restore_state`: the checkpoint into the slot's recurrent rows, on every local rank."""
         check_checkpoint(self, slot, checkpoint)
+        self.use_device()
         for r, rows in self.checkpoints.items():
             for name, saved in rows.items():
-                self.pools[r][name][slot] = saved[checkpoint]
+                self.pools[r][name][slot].copy_(saved[checkpoint], non_blocking=True)
 
     # ---- steps ----
     def inputs(self, batch: StepBatch) -> StepInputs:
@@ -219,6 +241,7 @@ class TorchEngine:
         if batch is None and not self.dp_layout:
             raise InputError("an idle step (no batch) exists only in the dp layout, where groups join the MoE "
                              "all-to-alls without tokens")
+        self.use_device()
         if self.comm is None and self.dp_layout:
             return self._groups([batch] + [None] * (self.dp - 1))[0]
         if self.graphs is not None and batch is not None and self.graphs.covers(batch):
@@ -246,6 +269,7 @@ class TorchEngine:
             raise InputError("step_groups runs every attention group of a dp-layout engine in one process")
         if len(batches) != self.dp:
             raise InputError(f"the engine has {self.dp} attention groups, got {len(batches)} batches")
+        self.use_device()
         return [None if x is None else x.cpu().numpy() for x in self._groups(batches)]
 
     def encode_images(self, items: list) -> list[np.ndarray]:
@@ -254,4 +278,5 @@ class TorchEngine:
 
         if self.vision is None:
             raise InputError(f"{self.dir}: this engine has no vision tower (text only)")
+        self.use_device()
         return encode_spread(self.vision, items, None if self.comm is None or self.tp == 1 else self.comm.groups["tp"])
