@@ -192,3 +192,16 @@ def test_decode_graph_buckets_pad_with_the_spare_slot_and_block(runtime_engine):
         got, want = graphs.replay(batch).numpy(), eager.step(batch)
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)  # a padded batch sums in another order
         assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_openmp_threads_wait_passively():
+    """`moe_export.runtime` sets OMP_WAIT_POLICY=PASSIVE (unless set) before torch loads its OpenMP runtime, which
+    reads it once: torch's CPU threads then sleep between ops instead of spinning on shared cores."""
+    code = ("import os, sys; import moe_export.runtime; assert 'torch' not in sys.modules; "
+            "from moe_export.runtime.engine import torch_runner; print(os.environ['OMP_WAIT_POLICY'])")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "PASSIVE", out.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**env, "OMP_WAIT_POLICY": "ACTIVE"})
+    assert out.stdout.strip() == "ACTIVE"  # a user's choice stands

@@ -16,7 +16,7 @@ from moe_export.runtime.engine import torch_runner
 from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
 from moe_export.runtime.engine.torch_runner import TorchEngine
 
-from torch_device_support import ShapeKernels, fake_cuda, in_fake_mode
+from torch_device_support import ShapeKernels, count_syncs, fake_cuda, in_fake_mode
 
 RANK_DEVICE = torch.device("cuda:1")
 
@@ -76,3 +76,18 @@ def test_image_step_on_cuda_1(runtime_engine, current_devices, monkeypatch):
         logits = engine.step_logits(batch)
         assert logits.device == RANK_DEVICE
     assert current_devices and all(d == RANK_DEVICE for _, d in current_devices)
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 1), (2, 2, 4)], ids=["world1", "tp2_ep2"])
+def test_no_host_sync_in_a_tp_decode_step(runtime_engine, current_devices, monkeypatch, layout):
+    """The runner's decode step (`step_logits`, what `sample` runs before the sampler; the sampler is counted by its
+    own tests) reads nothing back from the device: no item / tolist / cpu / numpy / conversion, no blocking copy,
+    no synchronize (`HostSyncs`), after a prefill."""
+    engine_dir = runtime_engine("tiny-k3-dsa", *layout, backend="torch")
+    with fake_cuda(monkeypatch):
+        engine = fake_engine(engine_dir)
+        engine.step_logits(StepBatch.from_sequences([SequenceChunk(0, 0, [5, 17, 99, 3], [0]),
+                                                     SequenceChunk(1, 0, [7, 8], [1])]))
+        with count_syncs(monkeypatch) as syncs:
+            engine.step_logits(StepBatch.from_sequences([SequenceChunk(0, 4, [11], [0]), SequenceChunk(1, 2, [12], [1])]))
+    assert syncs.calls == []

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
@@ -133,6 +134,54 @@ def in_fake_mode(mode: FakeTensorMode, fn, *args):
     """fn(*args) under `mode` in the calling thread (torch's modes are per thread: a step worker enters it too)."""
     with mode, FakeCudaIndexing():
         return fn(*args)
+
+
+SYNC_METHODS = {torch.Tensor.item: "item", torch.Tensor.tolist: "tolist", torch.Tensor.cpu: "cpu",
+                torch.Tensor.numpy: "numpy", torch.Tensor.__bool__: "bool", torch.Tensor.__int__: "int",
+                torch.Tensor.__float__: "float", torch.Tensor.__index__: "index"}
+
+
+class HostSyncs(TorchFunctionMode):
+    """Counts what makes the host wait for a fake CUDA tensor's value: `item`, `tolist`, `cpu`, `numpy`, `bool` /
+    `int` / `float` / index conversions, blocking copies between the device and the host (`to` / `copy_` without
+    non_blocking), and `torch.cuda.synchronize` (patched by `count_syncs`). A value read is answered with zeros of
+    its shape, so the step runs on and every read is counted. Enter it inside `fake_cuda`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        x = args[0] if args else None
+        on_device = isinstance(x, FakeTensor) and x.device.type == "cuda"
+        if func in SYNC_METHODS and on_device:
+            self.calls.append(SYNC_METHODS[func])
+            if func is torch.Tensor.cpu:
+                return torch.zeros(x.shape, dtype=x.dtype)
+            host = np.zeros(x.shape, dtype=np.int64 if not x.is_floating_point() else np.float32)
+            return {torch.Tensor.tolist: host.tolist, torch.Tensor.numpy: lambda: host}.get(func, lambda: 0)()
+        if func in (torch.Tensor.to, torch.Tensor.copy_) and not kwargs.get("non_blocking") and self._crosses(func, args,
+                                                                                                              kwargs):
+            self.calls.append(f"blocking {func.__name__}")
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _crosses(func, args, kwargs) -> bool:
+        """A copy between a CUDA tensor and the host."""
+        if func is torch.Tensor.copy_:
+            return {args[0].device.type, args[1].device.type} == {"cuda", "cpu"}
+        target = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (torch.device, str))), None))
+        return target is not None and {args[0].device.type, torch.device(target).type} == {"cuda", "cpu"}
+
+
+@contextlib.contextmanager
+def count_syncs(monkeypatch) -> Iterator[HostSyncs]:
+    """`HostSyncs` with torch.cuda.synchronize counted too."""
+    counter = HostSyncs()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: counter.calls.append("synchronize"))
+    with counter:
+        yield counter
 
 
 class ShapeKernels:
