@@ -192,6 +192,8 @@ def test_decode_graph_buckets_pad_with_the_spare_slot_and_block(runtime_engine):
         got, want = graphs.replay(batch).numpy(), eager.step(batch)
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)  # a padded batch sums in another order
         assert (got.argmax(-1) == want.argmax(-1)).all()
+        size = graphs.bucket(len(slots))
+        np.testing.assert_array_equal(graphs.graphs[size][1].tables.numpy(), graphs.tables[size])  # only changes copied
 
 
 def test_openmp_threads_wait_passively():

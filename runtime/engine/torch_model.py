@@ -27,7 +27,7 @@ from moe_export.common.model_config import ModelConfig
 from moe_export.common.mapping import Mapping
 from moe_export.graphs.weights import layer_prefix, lm_head_name, model_prefix
 from moe_export.quantize import fp8_cache
-from moe_export.runtime.engine.torch_collectives import AllGather, AllReduce, Combine, Dispatch
+from moe_export.runtime.engine.torch_collectives import AllGather, AllReduce, Combine, DeviceLayout, Dispatch
 
 FP8_BLOCK = 128
 INDEXER_KNORM_EPS = 1e-6
@@ -309,8 +309,10 @@ class RankModel:
         return y
 
     def experts(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: RankMoE, kernels):
-        """dp layout: z [T, W] to its experts' ranks, this rank's experts on the rows received, the weighted sums
-        back and added per token -> [T, W]."""
+        """dp layout: z [T, W] to its experts' ranks, this rank's experts on the rows received (the head of the
+        receive buffers on the device transport: `DeviceLayout`), the weighted sums back and added per token ->
+        [T, W]."""
         recv_x, recv_ids, recv_w, layout = yield Dispatch(z, ids, weights)
-        partial = kernels.moe(recv_x, recv_ids, recv_w, w.packed, **self.expert_attrs)
+        bounds = layout.expert_bounds() if isinstance(layout, DeviceLayout) else {}
+        partial = kernels.moe(recv_x, recv_ids, recv_w, w.packed, **self.expert_attrs, **bounds)
         return (yield Combine(partial.to(self.act), layout, z.shape[0]))

@@ -34,7 +34,9 @@ from moe_export.runtime.engine.batch import (RESET_ON_NEW_SEQUENCE, StepBatch, c
 from moe_export.runtime.engine.ort import MPICommunicator, rank_folders, step_pair_budget
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
 from moe_export.runtime.engine.torch_collectives import DistributedWorld, run_in_process
-from moe_export.runtime.engine.torch_kernels import kernels_for
+from moe_export.runtime.engine.tensorrt import is_decode, share_tokens
+from moe_export.runtime.engine.torch_graphs import EAGER_STEP, DecodeGraphs, buckets
+from moe_export.runtime.engine.torch_kernels import CUDAKernels, kernels_for
 from moe_export.runtime.engine.torch_model import RankModel, RankWeights, StepInputs
 
 CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.uint8}  # fp8: codes + a scale byte
@@ -129,6 +131,7 @@ class TorchEngine:
         self.checkpoints = {r: {n: host_zeros((self.num_checkpoints, *p.shape[1:]), p.dtype, self.device)
                                 for n, p in pools.items() if n.startswith(RESET_ON_NEW_SEQUENCE)}
                             for r, pools in self.pools.items()}
+        self.rank = local[0]  # this process's first rank (its only one under mpiexec)
         first = self.pools[local[0]]
         self.checkpoint_interval = checkpoint_interval(
             {n: (tuple(p.shape), p.element_size()) for n, p in first.items()}, self.block_size, self.max_num_tokens)
@@ -147,8 +150,6 @@ class TorchEngine:
         self.media_pad_id = self.model_config.get("media_placeholder_token_id")
         self.graphs = None
         if graphs:
-            from moe_export.runtime.engine.torch_graphs import DecodeGraphs
-
             self.graphs = DecodeGraphs.for_engine(self)
 
     def use_device(self) -> None:
@@ -229,12 +230,61 @@ class TorchEngine:
             else:
                 results = run_in_process(steps, self.tp, self.ep, self.num_experts, counts)
         if self.dp_layout and counts:
-            self.step_expert_tokens[:] = np.stack(counts)
-            self.expert_tokens += self.step_expert_tokens
-            grouped = self.comm is not None and self.tp > 1
-            self.group_step_expert_tokens = (self.comm.group_sum(self.step_expert_tokens) if grouped
-                                             else self.step_expert_tokens)
+            self._count_experts(np.stack(counts))
         return results
+
+    def _count_experts(self, step_counts: np.ndarray) -> None:
+        """The step's tokens routed to each expert [MoE layers, E] (dp layout), summed over the group."""
+        self.step_expert_tokens[:] = step_counts
+        self.expert_tokens += self.step_expert_tokens
+        grouped = self.comm is not None and self.tp > 1
+        self.group_step_expert_tokens = (self.comm.group_sum(self.step_expert_tokens) if grouped
+                                         else self.step_expert_tokens)
+
+    # ---- the dp layout's MoE all-to-alls on the device (under mpiexec, with the Triton kernels) ----
+    def device_transport(self) -> bool:
+        """Whether this rank's MoE all-to-alls run on the device (`DistributedWorld.use_device_transport`): the dp
+        layout under mpiexec with the Triton kernel table (CUDA, or Triton's interpreter). Reserved on first use:
+        receive buffers for the largest of the planner's bound and the decode buckets' blocks."""
+        if not (self.dp_layout and self.world is not None and isinstance(self.kernels[self.rank], CUDAKernels)):
+            return False
+        if self.world.ep_comm is None:
+            model = self.models[self.rank]
+            rows = max(self.max_num_tokens, buckets(self.num_slots)[-1])
+            self.world.use_device_transport(len(self.step_expert_tokens), self.num_experts,
+                                            self.ep * -(-rows // self.tp), model.moe_dim,
+                                            self.config.model.num_experts_per_token, model.act)
+            self.routed_host = torch.zeros(self.step_expert_tokens.shape, dtype=torch.int64,
+                                           pin_memory=self.device.type == "cuda")
+        return True
+
+    def agree_rows(self, batch: StepBatch | None) -> int:
+        """The world's MoE transport for this step, agreed over MPI (host values only; every rank calls it, idle
+        ones too): the most rows any rank's step dispatches from (its decode graph's bucket, or its tokens in an
+        eager decode step; 0 idle), or EAGER_STEP when any rank's step is not a decode step (then every rank
+        counts)."""
+        from mpi4py import MPI
+
+        if batch is None:
+            rows = self.graphs.smallest if self.graphs is not None else 0
+        elif self.graphs is not None and self.graphs.covers(batch):
+            rows = self.graphs.bucket(batch.num_sequences)
+        else:
+            rows = batch.num_sequences if is_decode(batch) and self.graphs is None else EAGER_STEP
+        return self.comm.world.allreduce(rows, op=MPI.MAX)
+
+    def begin_moe_step(self, real: int, step_tokens: int, rows: int) -> None:
+        """Before a device-transport step: this rank's real dispatch rows (`share_tokens` of the step's `real`
+        tokens out of `step_tokens`) and the transport: blocks of ceil(rows / tp) rows, or counted (EAGER_STEP)."""
+        block_rows = 0 if rows >= EAGER_STEP else max(1, -(-rows // self.tp))
+        self.world.begin_step(share_tokens(real, step_tokens, self.tp, self.rank % self.tp), block_rows)
+
+    def _routed_to_host(self) -> None:
+        """After a device-transport step: its per-expert counts copied back, read after the step's one wait."""
+        self.routed_host.copy_(self.world.ep_comm.routed, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self._count_experts(self.routed_host.numpy())
 
     def step_logits(self, batch: StepBatch | None) -> torch.Tensor | None:
         """One step (the decode CUDA graph of its bucket when there is one); logits [N, vocab] fp32 on the device."""
@@ -244,10 +294,27 @@ class TorchEngine:
         self.use_device()
         if self.comm is None and self.dp_layout:
             return self._groups([batch] + [None] * (self.dp - 1))[0]
+        if self.device_transport():
+            return self._device_transport_step(batch)
         if self.graphs is not None and batch is not None and self.graphs.covers(batch):
             check_step_batch(self, batch)
             return self.graphs.replay(batch)
-        return self._run(dict.fromkeys(self.models, batch))[next(iter(self.models))]
+        return self._run(dict.fromkeys(self.models, batch))[self.rank]
+
+    def _device_transport_step(self, batch: StepBatch | None) -> torch.Tensor | None:
+        """dp layout on the device transport: the world's agreed step (`agree_rows`): every rank replays the same
+        decode bucket (idle ranks too, all rows padding), or runs eagerly; then the step's one wait."""
+        rows = self.agree_rows(batch)
+        if batch is not None:
+            check_step_batch(self, batch)
+        if self.graphs is not None and rows < EAGER_STEP:
+            logits = self.graphs.replay(batch, rows)
+        else:
+            real = 0 if batch is None else int(batch.input_ids.shape[0])
+            self.begin_moe_step(real, real, rows)
+            logits = self._run({self.rank: batch})[self.rank]
+        self._routed_to_host()
+        return logits
 
     def step(self, batch: StepBatch | None) -> np.ndarray | None:
         """Run one packed step; logits [N, vocab] fp32 on the host (None for an idle dp-layout step)."""
