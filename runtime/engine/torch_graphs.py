@@ -104,12 +104,13 @@ class DecodeGraphs:
     def capture(self, size: int, pool) -> None:
         """Capture bucket `size` into the shared memory `pool` (after one eager run on the capture stream)."""
         inputs = self._static(size)
+        self._begin(size)  # on the current stream, before the side stream waits for it
         stream = torch.cuda.Stream(self.engine.device)
         stream.wait_stream(torch.cuda.current_stream(self.engine.device))
-        self._begin(size)
         with torch.cuda.stream(stream), torch.no_grad():
             self._eager(inputs)  # allocator warm-up on the capture stream
         torch.cuda.current_stream(self.engine.device).wait_stream(stream)
+        self._begin(size)  # the dispatches' layer count starts again; never inside the capture (a copy would be baked)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool), torch.no_grad():
             logits = self._eager(inputs)
