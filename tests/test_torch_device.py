@@ -78,16 +78,41 @@ def test_image_step_on_cuda_1(runtime_engine, current_devices, monkeypatch):
     assert current_devices and all(d == RANK_DEVICE for _, d in current_devices)
 
 
+class EagerGraph:
+    """A captured graph's stand-in (no GPU): a replay runs the step on the bucket's static inputs."""
+
+    def __init__(self, graphs, inputs, logits) -> None:
+        self.graphs, self.inputs, self.logits = graphs, inputs, logits
+
+    def replay(self) -> None:
+        self.logits.copy_(self.graphs._eager(self.inputs))
+
+
 @pytest.mark.parametrize("layout", [(1, 1, 1), (2, 2, 4)], ids=["world1", "tp2_ep2"])
 def test_no_host_sync_in_a_tp_decode_step(runtime_engine, current_devices, monkeypatch, layout):
     """The runner's decode step (`step_logits`, what `sample` runs before the sampler; the sampler is counted by its
     own tests) reads nothing back from the device: no item / tolist / cpu / numpy / conversion, no blocking copy,
-    no synchronize (`HostSyncs`), after a prefill."""
+    no synchronize (`HostSyncs`), after a prefill; eagerly, and (world 1) through the decode graphs' replay (eager
+    stand-ins for the graphs: the static inputs' copies and the block table's changed rows are what is counted)."""
+    from moe_export.runtime.engine.torch_graphs import DecodeGraphs
+
     engine_dir = runtime_engine("tiny-k3-dsa", *layout, backend="torch")
+    decode = [StepBatch.from_sequences([SequenceChunk(0, 4 + i, [11], [0]), SequenceChunk(1, 2 + i, [12], [1, 2])])
+              for i in range(2)]
     with fake_cuda(monkeypatch):
         engine = fake_engine(engine_dir)
         engine.step_logits(StepBatch.from_sequences([SequenceChunk(0, 0, [5, 17, 99, 3], [0]),
                                                      SequenceChunk(1, 0, [7, 8], [1])]))
         with count_syncs(monkeypatch) as syncs:
-            engine.step_logits(StepBatch.from_sequences([SequenceChunk(0, 4, [11], [0]), SequenceChunk(1, 2, [12], [1])]))
-    assert syncs.calls == []
+            engine.step_logits(decode[0])
+        assert syncs.calls == []
+        if len(engine.models) == 1:
+            graphs = DecodeGraphs(engine)
+            for size in (2, 1):
+                inputs = graphs._static(size)
+                logits = graphs._eager(inputs)
+                graphs.graphs[size] = (EagerGraph(graphs, inputs, logits), inputs, logits)
+            engine.graphs = graphs
+            with count_syncs(monkeypatch) as syncs:
+                assert engine.step_logits(decode[1]).shape == (2, engine.config.model.vocab_size)
+            assert syncs.calls == []

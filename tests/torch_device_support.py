@@ -71,6 +71,8 @@ class FakeCudaIndexing(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.pin_memory:  # no pinned memory without CUDA: the host tensor stands for it
+            return args[0]
         if _is_host_call(args, kwargs):
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
