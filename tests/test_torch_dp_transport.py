@@ -1,7 +1,7 @@
 """The torch runner's dp layout on the device transport (`DistributedWorld.use_device_transport`: the MoE
 all-to-alls as the TensorRT runner's plugins run them) under `mpiexec -n 4` (tp 2 x 2 attention groups, experts over
-4 ranks; gloo, the Triton kernels in Triton's interpreter): a prefill (counted transport), an eager decode step
-(blocks), and decode steps replayed from `DecodeGraphs` (eager stand-ins for the CUDA graphs: the world's agreed
+4 ranks; gloo, the Triton kernels in Triton's interpreter): a prefill (counted transport), eager decode steps
+(blocks; one with group 1 idle), and decode steps replayed from `DecodeGraphs` (eager stand-ins for the CUDA graphs: the world's agreed
 bucket, group 1 idle replaying padding) give the ONNX Runtime engine's logits, and a decode step reads back at
 most one value on each rank (the step's per-expert counts, its one wait), none in the step itself."""
 
@@ -21,12 +21,13 @@ from moe_export.runtime.engine.ort import Engine
 
 P0, P1, P2 = [5, 17, 99, 3, 250, 42, 7, 8, 300, 11, 12, 77, 1, 400], list(range(3, 40)), [60, 61, 62]
 STEPS = [  # per step, per group: chunks [slot, start, tokens, blocks], or None (idle)
-    [[[0, 0, P0, [0]], [1, 0, P2, [2, 4]]], [[0, 0, P1, [5, 3, 9]]]],  # prefill: counted
-    [[[0, 14, [7], [0]], [1, 3, [6], [2, 4]]], [[0, 37, [8], [5, 3, 9]]]],  # eager decode: blocks of 1 row
-    [[[0, 15, [9], [0]], [1, 4, [10], [2, 4]]], None],  # graphs: bucket 2 agreed, group 1 replays padding
+    [[[0, 0, P0, [0, 6]], [1, 0, P2, [2, 4]]], [[0, 0, P1, [5, 3, 9]]]],  # prefill: counted
+    [[[0, 14, [7], [0, 6]], [1, 3, [6], [2, 4]]], [[0, 37, [8], [5, 3, 9]]]],  # eager decode: blocks of 1 row
+    [[[0, 15, [9], [0, 6]]], None],  # eager decode, group 1 idle (no token: its dispatches send nothing)
+    [[[0, 16, [10], [0, 6]], [1, 4, [10], [2, 4]]], None],  # graphs: bucket 2 agreed, group 1 replays padding
     [[[1, 5, [11], [2, 4]]], [[0, 38, [12], [5, 3, 9]]]],  # graphs: bucket 1
 ]
-GRAPHS_FROM = 2
+GRAPHS_FROM = 3
 
 
 def test_dp_decode_steps_on_the_device_transport(runtime_engine):
@@ -46,5 +47,5 @@ def test_dp_decode_steps_on_the_device_transport(runtime_engine):
             if b is not None:  # fp32 both; the interpreter's expert dots sum in another order than ORT's
                 np.testing.assert_allclose(np.asarray(a), b, atol=1e-4, rtol=0, err_msg=f"step {n} group {g}")
         assert got["expert_tokens"][n] > 0
-    for n in (1, 2, 3):  # decode steps: the per-expert counts' read, nothing else
+    for n in (1, 2, 3, 4):  # decode steps: the per-expert counts' read, nothing else
         assert all(calls in ([], ["numpy"]) for calls in got["reads"][n]), got["reads"][n]
