@@ -61,3 +61,25 @@ def test_two_nodes_form_the_group_under_plain_mpiexec(two_nodes):
     assert r.returncode == 0, r.stderr[-3000:]
     got = sorted((json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")), key=lambda d: d["rank"])
     assert got == [{"rank": 0, "host": "node-a", "sum": 3.0}, {"rank": 1, "host": "node-b", "sum": 3.0}]
+
+
+def test_reach_joins_only_rank_0s_store():
+    """`reach` refuses a port where nothing listens and a store that is not rank 0's (another nonce), and joins
+    rank 0's, returning this host's address on the route."""
+    import socket
+
+    import torch.distributed as dist
+
+    from moe_export.common.mpi import NONCE_KEY, reach
+
+    master = dist.TCPStore("0.0.0.0", 0, 1, True, wait_for_workers=False)
+    master.set(NONCE_KEY, "rank0")
+    with socket.socket() as s:  # a port with no listener
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    with pytest.raises(RuntimeError, match="answers on none of its addresses"):
+        reach(["127.0.0.1"], closed, 1, "rank0")
+    with pytest.raises(RuntimeError, match="answers on none of its addresses"):
+        reach(["127.0.0.1"], master.port, 1, "another job")
+    store, local = reach(["127.0.0.1"], master.port, 1, "rank0")
+    assert local.startswith("127.") and store.get(NONCE_KEY) == b"rank0"
