@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
+from ipaddress import ip_address
+from pathlib import Path
 from typing import Any
 
 from moe_export.common.mapping import Mapping as RankMapping
@@ -114,13 +116,28 @@ NONCE_KEY = "moe_export/rendezvous"
 
 
 def host_addresses() -> list[str]:
-    """This host's IPv4 addresses on interfaces that are up: others first (in interface order), loopback last."""
+    """This host's IPv4 addresses on interfaces that are up, in interface order."""
     import psutil
 
     up = {name for name, st in psutil.net_if_stats().items() if st.isup}
-    found = [a.address for name, addrs in psutil.net_if_addrs().items() if name in up
-             for a in addrs if a.family == socket.AF_INET]
-    return sorted(found, key=lambda a: a.startswith("127."))
+    return [a.address for name, addrs in psutil.net_if_addrs().items() if name in up
+            for a in addrs if a.family == socket.AF_INET]
+
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")  # random per boot of a Linux kernel
+
+
+def host_identity() -> tuple[str, str]:
+    """(hostname, kernel boot id): equal for two processes only on one host (network namespaces with their own
+    hostname, as containers, count as other hosts)."""
+    return socket.gethostname(), BOOT_ID.read_text().strip()
+
+
+def store_candidates(addresses: list[str], same_host: bool) -> list[str]:
+    """Rank 0's `addresses` in the order a rank tries them: on rank 0's host loopback first (then the others),
+    on another host the others only (loopback there is that host's own)."""
+    others = [a for a in addresses if not ip_address(a).is_loopback]
+    return [a for a in addresses if ip_address(a).is_loopback] + others if same_host else others
 
 
 def interface_of(address: str) -> str:
@@ -134,8 +151,9 @@ def interface_of(address: str) -> str:
 
 
 def reach(candidates: list[str], port: int, world_size: int, nonce: str):
-    """(rank 0's TCPStore, this host's address on the route to it) over the first of `candidates` where a store on
-    `port` answers with rank 0's `nonce` (a port of another host's server is skipped, not joined)."""
+    """(rank 0's TCPStore, the candidate it answered on, this host's address on the route to it) over the first of
+    `candidates` where a store on `port` answers with rank 0's `nonce` (a port of another host's server is
+    skipped, not joined)."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -147,7 +165,7 @@ def reach(candidates: list[str], port: int, world_size: int, nonce: str):
             store = dist.TCPStore(addr, port, world_size, False, timeout=timedelta(seconds=PROBE_TIMEOUT_S))
             if store.get(NONCE_KEY).decode() == nonce:
                 store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
-                return store, local
+                return store, addr, local
         except (OSError, RuntimeError):
             continue
     raise RuntimeError(f"rank 0's rendezvous (port {port}) answers on none of its addresses {candidates}: "
@@ -161,16 +179,28 @@ def rendezvous_store(mapping: RankMapping, backend: str):
     import torch.distributed as dist
     from mpi4py import MPI
 
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    world = MPI.COMM_WORLD
     offer = None
     if mapping.rank == 0:
+        port = os.environ.get("MASTER_PORT")
         master = dist.TCPStore("0.0.0.0", int(port or 0), mapping.world_size, True, wait_for_workers=False)
         master.set(NONCE_KEY, secrets.token_hex(8))
-        offer = ([addr] if addr else host_addresses(), master.port, master.get(NONCE_KEY).decode())
-    candidates, port, nonce = MPI.COMM_WORLD.bcast(offer, root=0)
-    store, local = reach(candidates, port, mapping.world_size, nonce)
+        offer = (os.environ.get("MASTER_ADDR"), host_addresses(), master.port, master.get(NONCE_KEY).decode())
+    master_addr, addresses, port, nonce = world.bcast(offer, root=0)
+    hosts = world.allgather(host_identity())
+    same_host = hosts[mapping.rank] == hosts[0]
+    candidates = [master_addr] if master_addr else store_candidates(addresses, same_host)
+    store, used, local = reach(candidates, port, mapping.world_size, nonce)
+    one_host = all(h == hosts[0] for h in hosts)
+    ifname = interface_of(local)
+    if not master_addr and not one_host:  # ranks on rank 0's host came over loopback: their interface for gloo is
+        reached = world.allgather(used)  # the one holding the address that the other hosts reached
+        if same_host:
+            ifname = interface_of(next(a for a, h in zip(reached, hosts) if h != hosts[0]))
     if backend == "gloo":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface_of(local))
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
+    elif one_host:  # NCCL's bootstrap on loopback too (across hosts it picks its own interfaces)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", ifname)
     return master if mapping.rank == 0 else store
 
 
@@ -180,9 +210,11 @@ def torch_group_comms(mapping: RankMapping, backend: str, device=None) -> dict[s
     `Worker.init_device`), so NCCL's communicators are made on it.
 
     The rendezvous is a TCPStore served by rank 0 on every interface, on MASTER_PORT or a free port; rank 0
-    broadcasts over COMM_WORLD its port and its addresses (MASTER_ADDR when set, else every up interface's, loopback
-    last), and each rank takes the first it reaches (`reach`). gloo then binds each rank to its interface on that
-    route (GLOO_SOCKET_IFNAME, unless set), so ranks on several hosts find each other whatever their hostnames
+    broadcasts over COMM_WORLD its port and its addresses (MASTER_ADDR when set, else every up interface's). A rank
+    on rank 0's host (`host_identity`) tries loopback first, a rank on another host the other addresses only, and
+    each takes the first it reaches (`reach`). gloo then binds each rank to one interface (GLOO_SOCKET_IFNAME, unless
+    set): loopback when the whole world is on one host (NCCL's bootstrap too: NCCL_SOCKET_IFNAME, unless set), else
+    the interface on the route between the hosts, so ranks on several hosts find each other whatever their hostnames
     resolve to. Collective: every rank calls it, and every rank creates every group (torch.distributed requires it)."""
     import torch
     import torch.distributed as dist

@@ -1,7 +1,8 @@
-"""The torch.distributed rendezvous (`common.mpi.torch_group_comms`, used by the torch and TensorRT runners) forms a
-group of ranks on two "nodes": under plain `mpiexec` (no MASTER_ADDR), each rank in its own network namespace with
-its own hostname, joined by a veth pair (namespace addresses only; loopback of one is not the other's). Needs root
-(`ip netns`); skipped where namespaces cannot be made."""
+"""The torch.distributed rendezvous (`common.mpi.torch_group_comms`, used by the torch and TensorRT runners) under
+plain `mpiexec` (no MASTER_ADDR): ranks on two "nodes", network namespaces with their own hostnames joined by a veth
+pair (namespace addresses only; loopback of one is not the other's), form the group over the veth; ranks on one
+node form it over loopback (no traffic to the node's own interface address). Needs root (`ip netns`); skipped
+where namespaces cannot be made."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from ipaddress import ip_address
 from pathlib import Path
 
 import pytest
@@ -47,25 +49,48 @@ def two_nodes():
         subprocess.run(["ip", "netns", "del", n], capture_output=True)
 
 
-def test_two_nodes_form_the_group_under_plain_mpiexec(two_nodes):
-    """Rank 0 on node-a (10.251.7.1), rank 1 on node-b (10.251.7.2): the group forms and all-reduces 1 + 2."""
+@pytest.mark.parametrize("placement", ["ab", "aa", "aab"])
+def test_the_group_forms_under_plain_mpiexec(two_nodes, placement):
+    """Rank r on node placement[r] (node-a: 10.251.7.1, node-b: 10.251.7.2; one kernel, so only the hostname tells
+    the nodes apart): the group forms and all-reduces 1 + ... + world. A rank on rank 0's node joins the store
+    over 127.0.0.1, a rank on the other node over node-a's veth address and never over loopback; gloo binds to lo
+    when the world is on one node (every connection then over loopback), else to the node's veth."""
     mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
     script = Path(__file__).with_name("mpi_rendezvous_run.py")
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")}
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "GLOO_SOCKET_IFNAME")}
+    env.update(OMP_NUM_THREADS="1", MASTER_PORT="29517")  # a port in the test's namespaces: nothing else listens
     args = [mpiexec]
-    for i, ns in enumerate(two_nodes):
-        host = f"node-{'ab'[i]}"
-        args += [":"] * (i > 0) + ["-n", "1", "ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
-                                   f"hostname {host} && exec {sys.executable} {script}"]
-    r = subprocess.run(args, capture_output=True, text=True, timeout=120, env={**env, "OMP_NUM_THREADS": "1"})
+    for rank, node in enumerate(placement):
+        args += [":"] * (rank > 0) + ["-n", "1", "ip", "netns", "exec", two_nodes["ab".index(node)], "unshare",
+                                      "--uts", "sh", "-c", f"hostname node-{node} && exec {sys.executable} {script}"]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    got = sorted((json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")), key=lambda d: d["rank"])
-    assert got == [{"rank": 0, "host": "node-a", "sum": 3.0}, {"rank": 1, "host": "node-b", "sum": 3.0}]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    world, one_node = len(placement), len(set(placement)) == 1
+    assert [(d["rank"], d["host"], d["sum"]) for d in got] == [
+        (rank, f"node-{node}", world * (world + 1) / 2) for rank, node in enumerate(placement)]
+    for d, node in zip(got, placement):
+        assert d["ifname"] == ("lo" if one_node else two_nodes["ab".index(node)] + "v"), d
+        if d["rank"] > 0:
+            assert d["store"] == ["127.0.0.1" if node == placement[0] else f"{NET}.1"], d
+        if one_node:
+            assert d["peers"] and all(ip_address(p).is_loopback for p in d["peers"]), d
+        if node != placement[0]:
+            assert d["peers"] and not any(ip_address(p).is_loopback for p in d["peers"]), d
+
+
+def test_store_candidates_loopback_only_on_rank_0s_host():
+    """Rank 0's addresses (interface order): its host's ranks try loopback first, other hosts' never."""
+    from moe_export.common.mpi import store_candidates
+
+    addresses = ["127.0.0.1", "10.0.0.5", "192.168.1.2"]
+    assert store_candidates(addresses, same_host=True) == ["127.0.0.1", "10.0.0.5", "192.168.1.2"]
+    assert store_candidates(addresses, same_host=False) == ["10.0.0.5", "192.168.1.2"]
 
 
 def test_reach_joins_only_rank_0s_store():
     """`reach` refuses a port where nothing listens and a store that is not rank 0's (another nonce), and joins
-    rank 0's, returning this host's address on the route."""
+    rank 0's, returning the address it answered on and this host's address on the route."""
     import socket
 
     import torch.distributed as dist
@@ -81,5 +106,25 @@ def test_reach_joins_only_rank_0s_store():
         reach(["127.0.0.1"], closed, 1, "rank0")
     with pytest.raises(RuntimeError, match="answers on none of its addresses"):
         reach(["127.0.0.1"], master.port, 1, "another job")
-    store, local = reach(["127.0.0.1"], master.port, 1, "rank0")
-    assert local.startswith("127.") and store.get(NONCE_KEY) == b"rank0"
+    store, used, local = reach(["127.0.0.1"], master.port, 1, "rank0")
+    assert used == "127.0.0.1" and local.startswith("127.") and store.get(NONCE_KEY) == b"rank0"
+
+
+ONE_RANK = """import json, os
+from moe_export.common.mapping import Mapping
+from moe_export.common.mpi import rendezvous_store
+rendezvous_store(Mapping(1, 0, 1, 1), {backend!r})
+print(json.dumps([os.environ.get("GLOO_SOCKET_IFNAME"), os.environ.get("NCCL_SOCKET_IFNAME")]))
+"""
+
+
+@pytest.mark.parametrize("backend, want", [("gloo", ["lo", None]), ("nccl", [None, "lo"])])
+def test_one_host_binds_the_backend_to_loopback(backend, want):
+    """A world on one host (one rank, MPI singleton) joins over loopback and binds its backend there: gloo's
+    interface, or NCCL's bootstrap interface; the other backend's variable is left unset."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    r = subprocess.run([sys.executable, "-c", ONE_RANK.format(backend=backend)], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == want
