@@ -15,7 +15,10 @@ OMPI_COMM_WORLD_LOCAL_RANK (Open MPI), PMIX_LOCAL_RANK (PMIx) or SLURM_LOCALID (
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Mapping
+from ipaddress import ip_address
+from pathlib import Path
 from typing import Any
 
 from moe_export.common.mapping import Mapping as RankMapping
@@ -107,25 +110,120 @@ def mpi_group_comms(mapping: RankMapping) -> dict[str, Any]:
     return {kind: world.Split(mapping.group_index(kind), mapping.rank) for kind in ("tp", "ep")}
 
 
-def torch_group_comms(mapping: RankMapping, backend: str) -> dict[str, Any]:
-    """torch.distributed process groups of this rank's "tp" and "ep" groups over `backend` ("nccl" on GPUs,
-    "gloo" on CPU). The default group is initialized from MPI's launch: rank 0's host and a free port are
-    broadcast over COMM_WORLD (or MASTER_ADDR / MASTER_PORT when set). Collective: every rank calls it, and every
-    rank creates every group (torch.distributed requires it)."""
-    import socket
+PROBE_TIMEOUT_S = 2.0  # a TCP connect to one of rank 0's addresses: refused / unreachable fail at once
+STORE_TIMEOUT_S = 300  # torch.distributed's default store timeout, once the store is found
+NONCE_KEY = "moe_export/rendezvous"
+
+
+def host_addresses() -> list[str]:
+    """This host's IPv4 addresses on interfaces that are up, in interface order."""
+    import psutil
+
+    up = {name for name, st in psutil.net_if_stats().items() if st.isup}
+    return [a.address for name, addrs in psutil.net_if_addrs().items() if name in up
+            for a in addrs if a.family == socket.AF_INET]
+
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")  # random per boot of a Linux kernel
+
+
+def host_identity() -> tuple[str, str]:
+    """(hostname, kernel boot id): equal for two processes only on one host (network namespaces with their own
+    hostname, as containers, count as other hosts)."""
+    return socket.gethostname(), BOOT_ID.read_text().strip()
+
+
+def store_candidates(addresses: list[str], same_host: bool) -> list[str]:
+    """Rank 0's `addresses` in the order a rank tries them: on rank 0's host loopback first (then the others),
+    on another host the others only (loopback there is that host's own)."""
+    others = [a for a in addresses if not ip_address(a).is_loopback]
+    return [a for a in addresses if ip_address(a).is_loopback] + others if same_host else others
+
+
+def interface_of(address: str) -> str:
+    """The name of the interface holding local IPv4 `address`."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == address for a in addrs):
+            return name
+    raise RuntimeError(f"no network interface of this host holds {address}")
+
+
+def reach(candidates: list[str], port: int, world_size: int, nonce: str):
+    """(rank 0's TCPStore, the candidate it answered on, this host's address on the route to it) over the first of
+    `candidates` where a store on `port` answers with rank 0's `nonce` (a port of another host's server is
+    skipped, not joined)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    for addr in candidates:
+        try:
+            with socket.create_connection((addr, port), timeout=PROBE_TIMEOUT_S) as s:
+                local = s.getsockname()[0]
+            store = dist.TCPStore(addr, port, world_size, False, timeout=timedelta(seconds=PROBE_TIMEOUT_S))
+            if store.get(NONCE_KEY).decode() == nonce:
+                store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
+                return store, addr, local
+        except (OSError, RuntimeError):
+            continue
+    raise RuntimeError(f"rank 0's rendezvous (port {port}) answers on none of its addresses {candidates}: "
+                       "set MASTER_ADDR to an address of rank 0's host that every node reaches")
+
+
+def rendezvous_store(mapping: RankMapping, backend: str):
+    """The world's TCPStore (see `torch_group_comms`). Collective over COMM_WORLD."""
+    import secrets
 
     import torch.distributed as dist
     from mpi4py import MPI
 
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not (addr and port):
-        if mapping.rank == 0:
-            with socket.socket() as s:
-                s.bind(("", 0))
-                addr, port = socket.gethostname(), str(s.getsockname()[1])
-        addr, port = MPI.COMM_WORLD.bcast((addr, port), root=0)
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=mapping.rank,
-                            world_size=mapping.world_size)
+    world = MPI.COMM_WORLD
+    offer = None
+    if mapping.rank == 0:
+        port = os.environ.get("MASTER_PORT")
+        master = dist.TCPStore("0.0.0.0", int(port or 0), mapping.world_size, True, wait_for_workers=False)
+        master.set(NONCE_KEY, secrets.token_hex(8))
+        offer = (os.environ.get("MASTER_ADDR"), host_addresses(), master.port, master.get(NONCE_KEY).decode())
+    master_addr, addresses, port, nonce = world.bcast(offer, root=0)
+    hosts = world.allgather(host_identity())
+    same_host = hosts[mapping.rank] == hosts[0]
+    candidates = [master_addr] if master_addr else store_candidates(addresses, same_host)
+    store, used, local = reach(candidates, port, mapping.world_size, nonce)
+    one_host = all(h == hosts[0] for h in hosts)
+    ifname = interface_of(local)
+    if not master_addr and not one_host:  # ranks on rank 0's host came over loopback: their interface for gloo is
+        reached = world.allgather(used)  # the one holding the address that the other hosts reached
+        if same_host:
+            ifname = interface_of(next(a for a, h in zip(reached, hosts) if h != hosts[0]))
+    if backend == "gloo":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
+    elif one_host:  # NCCL's bootstrap on loopback too (across hosts it picks its own interfaces)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", ifname)
+    return master if mapping.rank == 0 else store
+
+
+def torch_group_comms(mapping: RankMapping, backend: str, device=None) -> dict[str, Any]:
+    """torch.distributed process groups of this rank's "tp" and "ep" groups over `backend` ("nccl" on GPUs,
+    "gloo" on CPU). `device`: this rank's torch.device; a CUDA one is made the current device first (as vLLM's
+    `Worker.init_device`), so NCCL's communicators are made on it.
+
+    The rendezvous is a TCPStore served by rank 0 on every interface, on MASTER_PORT or a free port; rank 0
+    broadcasts over COMM_WORLD its port and its addresses (MASTER_ADDR when set, else every up interface's). A rank
+    on rank 0's host (`host_identity`) tries loopback first, a rank on another host the other addresses only, and
+    each takes the first it reaches (`reach`). gloo then binds each rank to one interface (GLOO_SOCKET_IFNAME, unless
+    set): loopback when the whole world is on one host (NCCL's bootstrap too: NCCL_SOCKET_IFNAME, unless set), else
+    the interface on the route between the hosts, so ranks on several hosts find each other whatever their hostnames
+    resolve to. Collective: every rank calls it, and every rank creates every group (torch.distributed requires it)."""
+    import torch
+    import torch.distributed as dist
+
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, store=rendezvous_store(mapping, backend), rank=mapping.rank,
+                                world_size=mapping.world_size)
     mine = {}
     for kind in ("tp", "ep"):
         for ranks in mapping.groups(kind):

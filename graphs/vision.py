@@ -228,27 +228,31 @@ def position_taps(vc: VisionConfig, h: int, w: int) -> tuple[torch.Tensor, torch
     return torch.stack(idx, 1), torch.stack(wts, 1)
 
 
-def rope_angles(h: int, w: int, head_dim: int, t: int = 1) -> torch.Tensor:
-    """[t*h*w, head_dim/2] rotation angle of each complex pair: pair 2j turns by col * f_j, pair 2j+1 by
-    row * f_j, f_j = theta^(-4j / head_dim) (Rope2DPosEmbRepeated's [x_j, y_j] interleave, column = x)."""
+def rope_angles(h: int, w: int, head_dim: int, t: int = 1, device: torch.device | str | None = None) -> torch.Tensor:
+    """[t*h*w, head_dim/2] fp32 rotation angle of each complex pair, made on `device` (default CPU): pair 2j turns by
+    col * f_j, pair 2j+1 by row * f_j, f_j = theta^(-4j / head_dim) (Rope2DPosEmbRepeated's [x_j, y_j] interleave,
+    column = x)."""
     if h > ROPE_MAX_GRID or w > ROPE_MAX_GRID:
         raise InputError(f"a {h}x{w} patch grid exceeds the 2-D RoPE table ({ROPE_MAX_GRID}x{ROPE_MAX_GRID})")
-    freqs = 1.0 / ROPE_THETA ** (torch.arange(0, head_dim, 4, dtype=torch.float32)[: head_dim // 4] / head_dim)
-    ys, xs = torch.meshgrid(torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32), indexing="ij")
+    f32 = dict(dtype=torch.float32, device=device)
+    freqs = 1.0 / ROPE_THETA ** (torch.arange(0, head_dim, 4, **f32)[: head_dim // 4] / head_dim)
+    ys, xs = torch.meshgrid(torch.arange(h, **f32), torch.arange(w, **f32), indexing="ij")
     ang = torch.stack([xs.reshape(-1, 1) * freqs, ys.reshape(-1, 1) * freqs], dim=-1).reshape(h * w, head_dim // 2)
     return ang.repeat(t, 1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [L, heads, hd] with complex pairs (2k, 2k+1) rotated by angle k: cos / sin [L, hd/2]."""
-    even, odd = x[..., 0::2], x[..., 1::2]
+    """x [L, heads, hd] with complex pairs (2k, 2k+1) rotated by angle k: cos / sin [L, hd/2] fp32; the rotation
+    in fp32, the result in x's dtype (as the reference's complex product on `x.float()`, then `type_as(x)`)."""
+    even, odd = x[..., 0::2].float(), x[..., 1::2].float()
     c, s = cos[:, None, :], sin[:, None, :]
-    return torch.stack([even * c - odd * s, even * s + odd * c], dim=-1).flatten(-2)
+    return torch.stack([even * c - odd * s, even * s + odd * c], dim=-1).flatten(-2).to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """nn.RMSNorm: x * rsqrt(mean(x^2) + eps) * weight, in fp32."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    """nn.RMSNorm: x * rsqrt(mean(x^2) + eps) * weight, in fp32; the result in x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
 def tpool_merge(x: torch.Tensor, t: int, h: int, w: int, kernel: tuple[int, int]) -> torch.Tensor:
@@ -264,8 +268,9 @@ def tpool_merge(x: torch.Tensor, t: int, h: int, w: int, kernel: tuple[int, int]
 
 @dataclass
 class VisionTower:
-    """The fp32 reference: `forward(pixel_values [L, 3, p, p], grid_thws [N, 3])` -> [sum of merged tokens,
-    text hidden], images in order, each image's tokens row-major."""
+    """The reference: `forward(pixel_values [L, 3, p, p], grid_thws [N, 3])` -> [sum of merged tokens, text hidden],
+    images in order, each image's tokens row-major. Activations in the weights' dtype (fp32 for the reference,
+    bf16 for the torch runner on a GPU), on their device; norms and rotations computed in fp32."""
 
     vc: VisionConfig
     weights: dict[str, torch.Tensor]
@@ -275,6 +280,11 @@ class VisionTower:
     def from_source(cls, src, vc: VisionConfig, norm_eps: str = "float32") -> VisionTower:
         """Load every tower tensor from a checkpoint reader (`.get(name)`), as fp32."""
         return cls(vc, {s.name: src.get(s.name).float() for s in vision_tensor_specs(vc)}, VISION_NORM_EPS[norm_eps])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype: the weights' (fp32 for the reference, bf16 for the torch runner on a GPU)."""
+        return self.w(PROJECTOR_PREFIX + "post_norm.weight").dtype
 
     def w(self, name: str) -> torch.Tensor:
         return self.weights[name]
@@ -306,7 +316,7 @@ class VisionTower:
         d = self.vc.hidden_size
         x = patches.reshape(patches.shape[0], -1) @ self.w(TOWER_PREFIX + "patch_embed.proj.weight").reshape(d, -1).T
         x = x + self.position(h, w)
-        ang = rope_angles(h, w, self.vc.head_dim)
+        ang = rope_angles(h, w, self.vc.head_dim, device=x.device)
         cos, sin = ang.cos(), ang.sin()
         for i in range(self.vc.num_layers):
             x = self.block(i, x, cos, sin)
@@ -325,11 +335,11 @@ class VisionTower:
         out, start = [], 0
         for t, h, w in grid_thws.tolist():
             n = t * h * w
-            out.append(self.project(self.encode_image(pixel_values[start:start + n].float(), t, h, w)))
+            out.append(self.project(self.encode_image(pixel_values[start:start + n].to(self.dtype), t, h, w)))
             start += n
         if start != pixel_values.shape[0]:
             raise InputError(f"grid_thws covers {start} patches, pixel_values has {pixel_values.shape[0]}")
-        return torch.cat(out) if out else torch.zeros(0, self.vc.text_hidden_size)
+        return torch.cat(out) if out else pixel_values.new_zeros(0, self.vc.text_hidden_size, dtype=self.dtype)
 
     __call__ = forward
 

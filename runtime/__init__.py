@@ -3,7 +3,15 @@ structured decoding), entry points (`entrypoints`: LLM / AsyncLLM, generate, ter
 Triton, batch), sampling parameters, tokenizer and chat formats.
 
 `from moe_export.runtime import LLM, AsyncLLM, SamplingParams` (imported on first use, so that importing
-a submodule such as runtime.engine stays light)."""
+a submodule such as runtime.engine stays light).
+
+OpenMP threads wait passively (OMP_WAIT_POLICY=PASSIVE unless set): the OpenMP runtime reads it once, when torch
+loads it, so it is set here, before any runner imports torch. Spinning threads of the torch runner's CPU ops
+otherwise take the cores other ranks and processes need (16 tokens took 41 s on a loaded machine)."""
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 _LAZY = {"LLM": "moe_export.runtime.entrypoints.llm", "AsyncLLM": "moe_export.runtime.entrypoints.llm",
          "SamplingParams": "moe_export.runtime.sampling"}

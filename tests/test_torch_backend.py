@@ -196,3 +196,44 @@ def test_decode_graph_buckets_pad_with_the_spare_slot_and_block(runtime_engine):
         np.testing.assert_allclose(got, want, atol=reorder_atol(want, num_layers(eager.model_config), eager.max_seq_len),
                                    rtol=0)
         assert (got.argmax(-1) == want.argmax(-1)).all()
+        size = graphs.bucket(len(slots))
+        np.testing.assert_array_equal(graphs.graphs[size][1].tables.numpy(), graphs.tables[size])  # only changes copied
+
+
+def test_openmp_threads_wait_passively():
+    """`moe_export.runtime` sets OMP_WAIT_POLICY=PASSIVE (unless set) before torch loads its OpenMP runtime, which
+    reads it once: torch's CPU threads then sleep between ops instead of spinning on shared cores."""
+    code = ("import os, sys; import moe_export.runtime; assert 'torch' not in sys.modules; "
+            "from moe_export.runtime.engine import torch_runner; print(os.environ['OMP_WAIT_POLICY'])")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "PASSIVE", out.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**env, "OMP_WAIT_POLICY": "ACTIVE"})
+    assert out.stdout.strip() == "ACTIVE"  # a user's choice stands
+
+
+def test_cuda_kernel_table_runs_kda_through_fla_where_fla_runs():
+    """`CUDAKernels.gated_delta_scan` takes the TensorRT plugin's fla path (`fla_path.kda_pool_fla`) when it has fla's
+    kernels (on CUDA pools; CPU pools keep the Triton kernel): a prefill through chunk_kda's varlen API (fla's naive
+    recurrence standing in: its chunked kernel needs a GPU) advances the pool's slots as the CPU kernels do."""
+    import torch
+
+    from moe_export.runtime.engine.torch_kernels import CPUKernels, CUDAKernels
+    from test_plugin_gated_delta_scan import _unused, _varlen_chunk_standin
+
+    gen = torch.Generator().manual_seed(3)
+    H, K, S, lengths = 2, 16, 5, [5, 1, 9]
+    T = sum(lengths)
+    cu, slots = torch.tensor([0, *np.cumsum(lengths)]), torch.tensor([4, 0, 2])
+    q, k, v = (torch.randn(T, H, K, generator=gen) for _ in range(3))
+    g, beta = -torch.rand(T, H, K, generator=gen) * 2, torch.rand(T, H, generator=gen)
+    pool0 = torch.randn(S, H, K, K, generator=gen) * 0.1
+    pool, want_pool = pool0.clone(), pool0.clone()
+    table = CUDAKernels([pool])
+    assert table.fla is None  # CPU pools: our Triton kernel
+    table.fla = (_varlen_chunk_standin, _unused)  # prefill: chunk_kda's API; the decode kernel must not run
+    got = table.gated_delta_scan(q, k, v, g, beta, pool, cu, slots, K**-0.5)
+    want = CPUKernels().gated_delta_scan(q, k, v, g, beta, want_pool, cu, slots, K**-0.5)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # fp32 recurrences in two orders, O(1) values
+    torch.testing.assert_close(pool, want_pool, rtol=0, atol=1e-5)

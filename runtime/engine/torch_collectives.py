@@ -6,8 +6,8 @@ with the result. Two worlds answer:
   - `run_in_process`: every rank of the world in this process, resumed in lockstep; a request is answered when
     every member of its group has asked it (sums in rank order, the order the ONNX Runtime engine adds in);
   - `DistributedWorld`: one rank per process over torch.distributed (NCCL on GPUs, gloo on CPU), its tp and ep
-    groups of consecutive ranks; the rendezvous is rank 0's address, broadcast over MPI (or MASTER_ADDR /
-    MASTER_PORT).
+    groups of consecutive ranks, formed by `common.mpi.torch_group_comms` (the one rendezvous, as the TensorRT
+    runner's).
 The MoE all-to-all follows `plugins/collectives/all_to_all.py`: each token goes once to every rank holding one of
 its experts (rows by destination, then token), counts first so the rows move exactly, and the combine adds the
 returned rows per token in destination-rank order.
@@ -15,13 +15,14 @@ returned rows per token in destination-rank order.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Generator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from moe_export.common.mapping import Mapping
+from moe_export.common.mpi import torch_group_comms
 from moe_export.plugins.collectives.all_to_all import ID_WIRE_DTYPE, DispatchLayout, send_plan
 
 
@@ -133,31 +134,57 @@ def run_in_process(steps: dict[int, Step], tp: int, ep: int, num_experts: int, c
     return results
 
 
-class DistributedWorld:
-    """One rank per process over torch.distributed: the tp and ep groups of this rank (consecutive ranks)."""
+@dataclass
+class DeviceLayout:
+    """A dispatch on the device transport (`all_to_all.torch_dispatch_into`), for its experts and its combine: the
+    returned row of each (token, choice) (`send_rows` [T*K] int64), the counts (on the device) and what the host
+    knows of the rows received (`row_bound`: B x ep for blocks, the exact count for the counted transport)."""
 
-    def __init__(self, rank: int, world_size: int, tp: int, ep: int, device: torch.device, mpi_world) -> None:
+    send_rows: torch.Tensor
+    send_counts: torch.Tensor
+    recv_counts: torch.Tensor
+    row_bound: int
+
+    def expert_bounds(self) -> dict:
+        """The expert op's bounds (`moe_mxfp4_triton`): the head sum(recv_counts) rows, read on the device."""
+        return {"recv_counts": self.recv_counts, "row_bound": self.row_bound}
+
+
+class DistributedWorld:
+    """One rank per process over torch.distributed: the tp and ep groups of this rank (consecutive ranks).
+
+    The MoE all-to-alls (dp layout) run on the host's plan (`send_plan`, exact split sizes: the CPU path, the ONNX
+    Runtime engine's order) until `use_device_transport`: then on the device, as the TensorRT runner's plugins
+    (`nccl.Communicator`: Triton routing and packing, NCCL all-to-alls), in blocks of `begin_step`'s rows per peer
+    with no host read (decode steps, which CUDA graphs replay) or counted with one read-back (other steps)."""
+
+    def __init__(self, mapping: Mapping, device: torch.device) -> None:
         import torch.distributed as dist
 
-        self.dist, self.rank, self.device = dist, rank, device
-        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-        if not (addr and port):
-            if rank == 0:
-                import socket
+        self.dist, self.rank, self.device = dist, mapping.rank, device
+        self.groups = torch_group_comms(mapping, "nccl" if device.type == "cuda" else "gloo", device)
+        self.sizes = {"tp": mapping.tp, "ep": mapping.ep}
+        self.ep_comm = None  # the device transport's communicator (`use_device_transport`)
 
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", 0))
-                    addr, port = "127.0.0.1", str(s.getsockname()[1])
-            addr, port = mpi_world.bcast((addr, port), root=0)
-        if not dist.is_initialized():
-            backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size)
-        self.groups, self.sizes = {}, {"tp": tp, "ep": ep}
-        for name, size in self.sizes.items():
-            for start in range(0, world_size, size):
-                group = dist.new_group(list(range(start, start + size)))  # every rank creates every group
-                if start <= rank < start + size:
-                    self.groups[name] = group
+    def use_device_transport(self, moe_layers: int, num_experts: int, recv_rows: int, width: int, top_k: int,
+                             act: torch.dtype) -> None:
+        """The MoE all-to-alls on the device from now on, into receive buffers of `recv_rows` rows
+        (`Mapping.max_recv_rows`) made here once and reused by every MoE layer; the tokens routed to each expert
+        stay on the device (`ep_comm.routed` [moe_layers, E])."""
+        from moe_export.plugins.collectives.nccl import Communicator
+
+        dev, ep = self.device, self.sizes["ep"]
+        self.ep_comm = Communicator(self.groups["ep"], ep)
+        self.ep_comm.reserve(dev, moe_layers, num_experts)
+        self.recv = (torch.empty((recv_rows, width), dtype=act, device=dev),
+                     torch.empty((recv_rows, top_k), dtype=torch.int64, device=dev),
+                     torch.empty((recv_rows, top_k), dtype=torch.float32, device=dev))
+        self.counts = (torch.zeros(ep, dtype=torch.int64, device=dev), torch.zeros(ep, dtype=torch.int64, device=dev))
+
+    def begin_step(self, valid: int, block_rows: int) -> None:
+        """Device transport, before a step (or its graph's replay): the real tokens of this rank's dispatch input
+        (from its first row; 0 idle) and the transport (`block_rows` B > 0: blocks, the same on every rank)."""
+        self.ep_comm.begin_step(valid, block_rows)
 
     def run(self, step: Step, num_experts: int, counts: list) -> object:
         """Run this rank's step, answering its requests over torch.distributed."""
@@ -180,9 +207,23 @@ class DistributedWorld:
             self.dist.all_gather(parts, x, group=group)
             return torch.cat(parts, dim=req.axis)
         if isinstance(req, Dispatch):
+            if self.ep_comm is not None:
+                return self.device_dispatch(req, num_experts)
             return self.dispatch(req, size, num_experts, counts)
+        if isinstance(req.layout, DeviceLayout):
+            out = torch.empty((req.num_tokens, req.partial.shape[1]), dtype=req.partial.dtype, device=self.device)
+            lay = req.layout
+            self.ep_comm.moe_combine(req.partial, lay.send_rows, lay.send_counts, lay.recv_counts, out)
+            return out
         back = self._exchange(req.partial, req.layout.recv_counts.tolist(), req.layout.send_counts.tolist(), group)
         return _combine_rows(req.num_tokens, back, req.layout.send_rows)
+
+    def device_dispatch(self, req: Dispatch, num_experts: int) -> tuple:
+        """The device transport's dispatch into the receive buffers (rows past the received head are stale)."""
+        send_rows = torch.empty(req.ids.numel(), dtype=torch.int64, device=self.device)
+        self.ep_comm.moe_dispatch(req.x.contiguous(), req.ids.contiguous(), req.weights.float().contiguous(),
+                                  num_experts, (*self.recv, send_rows, *self.counts))
+        return (*self.recv, DeviceLayout(send_rows, *self.counts, self.ep_comm.recv_bound))
 
     def dispatch(self, req: Dispatch, ep: int, num_experts: int, counts: list) -> tuple:
         ids = req.ids.cpu().numpy()

@@ -5,7 +5,8 @@ One interface, two implementations, picked by the device (`kernels_for`):
     runs, and scatters the new state back (O(tokens)); the paged-cache write is `paged_cache_write_`;
   - `CUDAKernels`: the plugins' Triton kernels, launched on the runner's pools through one device pool table
     (`plugins/pool_table.py`) built once at load (the pools never move), with no host synchronisation, so a
-    decode step can be captured in a CUDA graph.
+    decode step can be captured in a CUDA graph; KDA through fla's kernels where fla runs (CUDA), as the TensorRT
+    plugin does (`gated_delta_scan.fla_path`).
 
 Pools (per rank, as the ONNX Runtime runner lays them out): `kda_state.i` [S, H, V, K] fp32 (V-first),
 `conv_state.i` [S, 3P, W-1] fp32, `mla_cache.i` / `index_cache.i` [NB, BS, D] in the cache storage dtype
@@ -18,6 +19,7 @@ import torch
 
 from moe_export.plugins.dsa_indexer.cpu import dsa_indexer_cpu
 from moe_export.plugins.gated_delta_scan.cpu import gated_delta_scan
+from moe_export.plugins.gated_delta_scan.fla_path import fla_kernels, kda_pool_fla
 from moe_export.plugins.moe_mxfp4.cpu import moe_mxfp4_cpu
 from moe_export.plugins.paged_cache_write.cpu import paged_cache_write_
 from moe_export.plugins.short_conv.cpu import short_conv
@@ -77,6 +79,7 @@ class CUDAKernels:
 
         self.table = device_pool_table(pools)
         self.row = {p.data_ptr(): i for i, p in enumerate(pools)}
+        self.fla = fla_kernels() if pools and pools[0].is_cuda else None  # (chunk_kda, fused_recurrent_kda_fwd)
 
     def short_conv(self, x, weight, pool, cu, slots):
         from moe_export.plugins.short_conv.triton_kernel import launch
@@ -86,6 +89,10 @@ class CUDAKernels:
         return y
 
     def gated_delta_scan(self, q, k, v, g, beta, pool, cu, slots, scale):
+        """fla's KDA on the pool where fla runs (`fla_path.kda_pool_fla`, the TensorRT plugin's path: `chunk_kda`
+        for prefill, the fused recurrent kernel in place at the slots for decode), else our Triton kernel."""
+        if self.fla is not None:
+            return kda_pool_fla(q, k, v, g, beta, pool, cu, slots, scale, True, kernels=self.fla)
         from moe_export.plugins.gated_delta_scan.triton_kernel import launch
 
         o = torch.empty_like(v)

@@ -6,7 +6,9 @@ attn_res, all on a config whose head counts are this rank's) and the plugins' ke
 
 `RankModel.step` is a generator yielding its collectives (`torch_collectives`). Compute dtype: the tensors' `act`
 (fp32 on CPU, as the ONNX Runtime graphs compute; bf16 on GPUs); fp32 where the model needs it (router scores,
-KDA gates and state, conv taps, norms' arithmetic, attention residual mixing, cache rows, logits).
+KDA gates and state, conv taps, norms' arithmetic, attention residual mixing, cache rows, logits); the router
+is made fp32 once at load (routing computes in fp32), the routed experts take the activations as they are (bf16
+into the W4A16 kernel on GPUs: tensor-core dots).
 Shapes: T packed tokens, N sequences, D hidden.
 """
 
@@ -25,7 +27,7 @@ from moe_export.common.model_config import ModelConfig
 from moe_export.common.mapping import Mapping
 from moe_export.graphs.weights import layer_prefix, lm_head_name, model_prefix
 from moe_export.quantize import fp8_cache
-from moe_export.runtime.engine.torch_collectives import AllGather, AllReduce, Combine, Dispatch
+from moe_export.runtime.engine.torch_collectives import AllGather, AllReduce, Combine, DeviceLayout, Dispatch
 
 FP8_BLOCK = 128
 INDEXER_KNORM_EPS = 1e-6
@@ -160,7 +162,7 @@ class RankModel:
     def _moe(self, src: RankWeights, p: str) -> RankMoE:
         cfg, latent = self.cfg, self.cfg.routed_expert_hidden_size is not None
         return RankMoE(
-            router=src.get(p + "gate.weight"), router_bias=src.get(p + "gate.e_score_correction_bias", True),
+            router=src.get(p + "gate.weight", True), router_bias=src.get(p + "gate.e_score_correction_bias", True),
             latent_down=src.get(p + "routed_expert_down_proj.weight") if latent else None,
             latent_norm=src.get(p + "routed_expert_norm.weight") if latent and cfg.latent_moe_use_norm else None,
             latent_up=src.get(p + "routed_expert_up_proj.weight") if latent else None,
@@ -299,7 +301,7 @@ class RankModel:
                 padded = torch.cat([y, y.new_zeros(c - y.shape[0], y.shape[1])])
                 y = (yield AllGather(padded, "tp", 0))[: tokens.shape[0]]
         else:
-            partial = kernels.moe(z.float(), ids, weights, w.packed, **self.expert_attrs)
+            partial = kernels.moe(z, ids, weights, w.packed, **self.expert_attrs)
             y = yield from self.all_reduce(partial.to(self.act), "ep")
         y = ref.moe_combine(y, tokens, w, self.cfg)
         if w.shared_tp is not None:
@@ -307,8 +309,10 @@ class RankModel:
         return y
 
     def experts(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: RankMoE, kernels):
-        """dp layout: z [T, W] to its experts' ranks, this rank's experts on the rows received, the weighted sums
-        back and added per token -> [T, W]."""
+        """dp layout: z [T, W] to its experts' ranks, this rank's experts on the rows received (the head of the
+        receive buffers on the device transport: `DeviceLayout`), the weighted sums back and added per token ->
+        [T, W]."""
         recv_x, recv_ids, recv_w, layout = yield Dispatch(z, ids, weights)
-        partial = kernels.moe(recv_x.float(), recv_ids, recv_w, w.packed, **self.expert_attrs)
+        bounds = layout.expert_bounds() if isinstance(layout, DeviceLayout) else {}
+        partial = kernels.moe(recv_x, recv_ids, recv_w, w.packed, **self.expert_attrs, **bounds)
         return (yield Combine(partial.to(self.act), layout, z.shape[0]))

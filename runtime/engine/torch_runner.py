@@ -3,9 +3,11 @@
 Per rank a `torch_model.RankModel` over `rank{N}/weights.safetensors` and the rank's pools, owned here and updated
 in place: recurrent state by slot (`kda_state.i` [S, H, V, K] fp32, `conv_state.i` [S, 3P, W-1] fp32), paged caches
 by block (`mla_cache.i`, `index_cache.i` [NB, BS, D] in the recipe's kv_cache dtype); prefix-cache checkpoints are
-copies of a slot's recurrent rows. The device is the recipe's target: CPU for `gpu: cpu` (fp32 activations, the
-plugins' CPU kernels: the ONNX Runtime engine's arithmetic, so greedy tokens match it), else the rank's GPU (bf16
-activations, the plugins' Triton kernels, decode steps replayed from CUDA graphs: `torch_graphs`).
+copies of a slot's recurrent rows, in host memory as the planner counts them (pinned on a GPU: `host_zeros`). The
+device is the recipe's target: CPU for `gpu: cpu` (fp32 activations, the plugins' CPU kernels: the ONNX Runtime
+engine's arithmetic, so greedy tokens match it), else the rank's GPU (bf16 activations, the plugins' Triton kernels,
+decode steps replayed from CUDA graphs: `torch_graphs`), made the current device of every thread that launches
+(`use_device`).
 
 Worlds as in the ONNX Runtime runner: under `mpiexec -n R` this process is one rank (collectives over
 torch.distributed, step plans over MPI: `ort.MPICommunicator`, so `runtime/core` runs unchanged); in one process
@@ -33,7 +35,9 @@ from moe_export.runtime.engine.ort import MPICommunicator, rank_folders, step_pa
 from moe_export.runtime.engine.runner import choose_tokens
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch
 from moe_export.runtime.engine.torch_collectives import DistributedWorld, run_in_process
-from moe_export.runtime.engine.torch_kernels import kernels_for
+from moe_export.runtime.engine.tensorrt import is_decode, share_tokens
+from moe_export.runtime.engine.torch_graphs import EAGER_STEP, DecodeGraphs, buckets
+from moe_export.runtime.engine.torch_kernels import CUDAKernels, kernels_for
 from moe_export.runtime.engine.torch_model import RankModel, RankWeights, StepInputs
 
 CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.uint8}  # fp8: codes + a scale byte
@@ -47,6 +51,14 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
         return torch.zeros(shape, dtype=dtype, device=device)
     host = torch.from_numpy(np.zeros(shape, dtype=HOST_DTYPES[dtype]))
     return host.view(dtype)
+
+
+def host_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed host buffer that `device` copies to and from: pinned (page-locked, so the copies are asynchronous
+    DMA) for a GPU, a `zeros` pool for CPU. Prefix-cache checkpoints live here, as the planner counts them."""
+    if device.type == "cuda":
+        return torch.zeros(shape, dtype=dtype, pin_memory=True)
+    return zeros(shape, dtype, device)
 
 
 def rank_pools(model: RankModel, num_slots: int, num_blocks: int, block_size: int) -> dict[str, torch.Tensor]:
@@ -94,6 +106,7 @@ class TorchEngine:
         local = [mpi[0]] if under_mpi else list(range(self.world_size))
         self.device = torch.device(device or ("cpu" if recipe.target.gpu == "cpu" else
                                               f"cuda:{local_rank() if under_mpi else 0}"))
+        self.use_device()
         if self.device.type == "cpu" and (threads or under_mpi):
             torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // mpi[1]))
         if max_step_pairs is not None and max_step_pairs < 1:
@@ -116,16 +129,17 @@ class TorchEngine:
         if num_checkpoints is not None and num_checkpoints < 0:
             raise InputError(f"num_checkpoints must be at least 0, got {num_checkpoints}")
         self.num_checkpoints = CHECKPOINTS_PER_SLOT * self.num_slots if num_checkpoints is None else num_checkpoints
-        self.checkpoints = {r: {n: zeros((self.num_checkpoints, *p.shape[1:]), p.dtype, p.device)
+        self.checkpoints = {r: {n: host_zeros((self.num_checkpoints, *p.shape[1:]), p.dtype, self.device)
                                 for n, p in pools.items() if n.startswith(RESET_ON_NEW_SEQUENCE)}
                             for r, pools in self.pools.items()}
+        self.rank = local[0]  # this process's first rank (its only one under mpiexec)
         first = self.pools[local[0]]
         self.checkpoint_interval = checkpoint_interval(
             {n: (tuple(p.shape), p.element_size()) for n, p in first.items()}, self.block_size, self.max_num_tokens)
         self.comm, self.world = None, None
         if under_mpi:
             self.comm = MPICommunicator(self.config.rank_mapping(mpi[0]))
-            self.world = DistributedWorld(mpi[0], self.world_size, self.tp, self.ep, self.device, self.comm.world)
+            self.world = DistributedWorld(self.config.rank_mapping(mpi[0]), self.device)
         self.model_config: dict = self.config.pretrained_config
         self.num_experts = cfg.num_experts
         moe_layers = sum(cfg.is_moe(i) for i in range(cfg.num_layers)) if self.dp_layout else 0
@@ -137,9 +151,14 @@ class TorchEngine:
         self.media_pad_id = self.model_config.get("media_placeholder_token_id")
         self.graphs = None
         if graphs:
-            from moe_export.runtime.engine.torch_graphs import DecodeGraphs
-
             self.graphs = DecodeGraphs.for_engine(self)
+
+    def use_device(self) -> None:
+        """Make the engine's GPU the calling thread's current device (`torch.cuda.set_device`, as vLLM's
+        `Worker.init_device`): Triton kernels and CUDA graphs launch on the current device, which is per thread
+        (device 0 in a new thread, e.g. the step worker's). Every entry point that launches calls it first."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
     @property
     def is_root(self) -> bool:
@@ -154,34 +173,38 @@ class TorchEngine:
         """K3's tower (`vision.VisionEncoder`) run by PyTorch (`torch_vision`), when the engine has one."""
         if not (self.dir / VISION_WEIGHTS).is_file():
             return None
-        from moe_export.runtime.engine.torch_vision import torch_tower
+        from moe_export.runtime.engine.torch_vision import TorchTower
         from moe_export.runtime.engine.vision import VisionEncoder
 
-        tower = torch_tower(self.dir / VISION_WEIGHTS, self.config, self.device)
+        tower = TorchTower(self.dir / VISION_WEIGHTS, self.config, self.device)
         return VisionEncoder(self.dir, self.config, threads or 1, tower=tower)
 
     # ---- slots and checkpoints ----
     def reset_slot(self, slot: int) -> None:
         """Start a new sequence in `slot`: zero its recurrent state."""
         check_slot(self, slot)
+        self.use_device()
         for pools in self.pools.values():
             for name, pool in pools.items():
                 if name.startswith(RESET_ON_NEW_SEQUENCE):
                     pool[slot] = 0
 
     def save_state(self, slot: int, checkpoint: int) -> None:
-        """`ModelRunner.save_state`: the slot's recurrent rows into the checkpoint, on every local rank."""
+        """`ModelRunner.save_state`: the slot's recurrent rows into the checkpoint, on every local rank (an
+        asynchronous copy into pinned host memory on a GPU, in stream order with the steps)."""
         check_checkpoint(self, slot, checkpoint)
+        self.use_device()
         for r, rows in self.checkpoints.items():
             for name, saved in rows.items():
-                saved[checkpoint] = self.pools[r][name][slot]
+                saved[checkpoint].copy_(self.pools[r][name][slot], non_blocking=True)
 
     def restore_state(self, slot: int, checkpoint: int) -> None:
         """`ModelRunner.restore_state`: the checkpoint into the slot's recurrent rows, on every local rank."""
         check_checkpoint(self, slot, checkpoint)
+        self.use_device()
         for r, rows in self.checkpoints.items():
             for name, saved in rows.items():
-                self.pools[r][name][slot] = saved[checkpoint]
+                self.pools[r][name][slot].copy_(saved[checkpoint], non_blocking=True)
 
     # ---- steps ----
     def inputs(self, batch: StepBatch) -> StepInputs:
@@ -208,24 +231,91 @@ class TorchEngine:
             else:
                 results = run_in_process(steps, self.tp, self.ep, self.num_experts, counts)
         if self.dp_layout and counts:
-            self.step_expert_tokens[:] = np.stack(counts)
-            self.expert_tokens += self.step_expert_tokens
-            grouped = self.comm is not None and self.tp > 1
-            self.group_step_expert_tokens = (self.comm.group_sum(self.step_expert_tokens) if grouped
-                                             else self.step_expert_tokens)
+            self._count_experts(np.stack(counts))
         return results
+
+    def _count_experts(self, step_counts: np.ndarray) -> None:
+        """The step's tokens routed to each expert [MoE layers, E] (dp layout), summed over the group."""
+        self.step_expert_tokens[:] = step_counts
+        self.expert_tokens += self.step_expert_tokens
+        grouped = self.comm is not None and self.tp > 1
+        self.group_step_expert_tokens = (self.comm.group_sum(self.step_expert_tokens) if grouped
+                                         else self.step_expert_tokens)
+
+    # ---- the dp layout's MoE all-to-alls on the device (under mpiexec, with the Triton kernels) ----
+    def device_transport(self) -> bool:
+        """Whether this rank's MoE all-to-alls run on the device (`DistributedWorld.use_device_transport`): the dp
+        layout under mpiexec with the Triton kernel table (CUDA, or Triton's interpreter). Reserved on first use:
+        receive buffers for the largest of the planner's bound and the decode buckets' blocks."""
+        if not (self.dp_layout and self.world is not None and isinstance(self.kernels[self.rank], CUDAKernels)):
+            return False
+        if self.world.ep_comm is None:
+            model = self.models[self.rank]
+            rows = max(self.max_num_tokens, buckets(self.num_slots)[-1])
+            self.world.use_device_transport(len(self.step_expert_tokens), self.num_experts,
+                                            self.ep * -(-rows // self.tp), model.moe_dim,
+                                            self.config.model.num_experts_per_token, model.act)
+            self.routed_host = torch.zeros(self.step_expert_tokens.shape, dtype=torch.int64,
+                                           pin_memory=self.device.type == "cuda")
+        return True
+
+    def agree_rows(self, batch: StepBatch | None) -> int:
+        """The world's MoE transport for this step, agreed over MPI (host values only; every rank calls it, idle
+        ones too): the most rows any rank's step dispatches from (its decode graph's bucket, or its tokens in an
+        eager decode step; 0 idle), or EAGER_STEP when any rank's step is not a decode step (then every rank
+        counts)."""
+        from mpi4py import MPI
+
+        if batch is None:
+            rows = self.graphs.smallest if self.graphs is not None else 0
+        elif self.graphs is not None and self.graphs.covers(batch):
+            rows = self.graphs.bucket(batch.num_sequences)
+        else:
+            rows = batch.num_sequences if is_decode(batch) and self.graphs is None else EAGER_STEP
+        return self.comm.world.allreduce(rows, op=MPI.MAX)
+
+    def begin_moe_step(self, real: int, step_tokens: int, rows: int) -> None:
+        """Before a device-transport step: this rank's real dispatch rows (`share_tokens` of the step's `real`
+        tokens out of `step_tokens`) and the transport: blocks of ceil(rows / tp) rows, or counted (EAGER_STEP)."""
+        block_rows = 0 if rows >= EAGER_STEP else max(1, -(-rows // self.tp))
+        self.world.begin_step(share_tokens(real, step_tokens, self.tp, self.rank % self.tp), block_rows)
+
+    def _routed_to_host(self) -> None:
+        """After a device-transport step: its per-expert counts copied back, read after the step's one wait."""
+        self.routed_host.copy_(self.world.ep_comm.routed, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self._count_experts(self.routed_host.numpy())
 
     def step_logits(self, batch: StepBatch | None) -> torch.Tensor | None:
         """One step (the decode CUDA graph of its bucket when there is one); logits [N, vocab] fp32 on the device."""
         if batch is None and not self.dp_layout:
             raise InputError("an idle step (no batch) exists only in the dp layout, where groups join the MoE "
                              "all-to-alls without tokens")
+        self.use_device()
         if self.comm is None and self.dp_layout:
             return self._groups([batch] + [None] * (self.dp - 1))[0]
+        if self.device_transport():
+            return self._device_transport_step(batch)
         if self.graphs is not None and batch is not None and self.graphs.covers(batch):
             check_step_batch(self, batch)
             return self.graphs.replay(batch)
-        return self._run(dict.fromkeys(self.models, batch))[next(iter(self.models))]
+        return self._run(dict.fromkeys(self.models, batch))[self.rank]
+
+    def _device_transport_step(self, batch: StepBatch | None) -> torch.Tensor | None:
+        """dp layout on the device transport: the world's agreed step (`agree_rows`): every rank replays the same
+        decode bucket (idle ranks too, all rows padding), or runs eagerly; then the step's one wait."""
+        rows = self.agree_rows(batch)
+        if batch is not None:
+            check_step_batch(self, batch)
+        if self.graphs is not None and rows < EAGER_STEP:
+            logits = self.graphs.replay(batch, rows)
+        else:
+            real = 0 if batch is None else int(batch.input_ids.shape[0])
+            self.begin_moe_step(real, real, rows)
+            logits = self._run({self.rank: batch})[self.rank]
+        self._routed_to_host()
+        return logits
 
     def step(self, batch: StepBatch | None) -> np.ndarray | None:
         """Run one packed step; logits [N, vocab] fp32 on the host (None for an idle dp-layout step)."""
@@ -247,6 +337,7 @@ class TorchEngine:
             raise InputError("step_groups runs every attention group of a dp-layout engine in one process")
         if len(batches) != self.dp:
             raise InputError(f"the engine has {self.dp} attention groups, got {len(batches)} batches")
+        self.use_device()
         return [None if x is None else x.cpu().numpy() for x in self._groups(batches)]
 
     def encode_images(self, items: list) -> list[np.ndarray]:
@@ -255,4 +346,5 @@ class TorchEngine:
 
         if self.vision is None:
             raise InputError(f"{self.dir}: this engine has no vision tower (text only)")
+        self.use_device()
         return encode_spread(self.vision, items, None if self.comm is None or self.tp == 1 else self.comm.groups["tp"])

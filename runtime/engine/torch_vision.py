@@ -1,4 +1,4 @@
-"""The torch runner's vision tower: K3's MoonViT + projector (`graphs.vision.VisionTower`, fp32) over the engine's
+"""The torch runner's vision tower: K3's MoonViT + projector (`graphs.vision.VisionTower`; bf16 on a GPU, fp32 on CPU) over the engine's
 `vision.safetensors` on the rank's device, behind `vision.VisionEncoder`'s `tower(feeds) -> image_embeds` hook
 (the processor, the patch limit, the embedding cache and the spread over an attention group stay the encoder's)."""
 
@@ -27,15 +27,21 @@ def grids_from_feeds(feeds: dict[str, np.ndarray]) -> list[tuple[int, int, int]]
     return grids
 
 
-def torch_tower(weights_path: Path, config: EngineConfig, device: torch.device):
-    """`feeds -> image_embeds` [M, hidden] fp32 (host) over the reference tower on `device`."""
-    vc = vision_config(config.model)
-    weights = {k: v.to(device=device, dtype=torch.float32) for k, v in load_file(str(weights_path)).items()}
-    tower = VisionTower(vc, weights, VISION_NORM_EPS[config.recipe.vision.rms_norm_eps])
+class TorchTower:
+    """`feeds -> image_embeds` [M, hidden] fp32 (host) over the reference tower (`tower`) on `device`: bf16
+    weights and activations on a GPU, fp32 on CPU (the ONNX Runtime tower's arithmetic)."""
 
-    def run(feeds: dict[str, np.ndarray]) -> np.ndarray:
-        pixels = torch.from_numpy(feeds["pixel_values"]).to(device)
-        grids = torch.tensor(grids_from_feeds(feeds), dtype=torch.int64)
-        return tower(pixels, grids).cpu().numpy()
+    def __init__(self, weights_path: Path, config: EngineConfig, device: torch.device) -> None:
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        weights = {k: v.to(device=device, dtype=dtype) for k, v in load_file(str(weights_path)).items()}
+        self.device = device
+        self.tower = VisionTower(vision_config(config.model), weights,
+                                 VISION_NORM_EPS[config.recipe.vision.rms_norm_eps])
 
-    return run
+    def embed(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """pixel_values [L, 3, p, p] on the device, each image's (t, h, w) -> embeddings [M, hidden] on the device."""
+        return self.tower(pixels, torch.tensor(grids, dtype=torch.int64))
+
+    def __call__(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        pixels = torch.from_numpy(feeds["pixel_values"]).to(self.device)
+        return self.embed(pixels, grids_from_feeds(feeds)).float().cpu().numpy()
