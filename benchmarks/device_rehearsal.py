@@ -2,10 +2,10 @@
 
     python benchmarks/device_rehearsal.py bash benchmarks/gpu_check.sh
 
-runs the command with a `sitecustomize` first on PYTHONPATH, so that every Python process it starts puts
-`DeviceOnlyFinder` first on its meta path: a top-level module of an installed distribution that is neither on the
-H200 (`device_packages.txt`) nor carried to it as a wheel (`device_wheels.txt`) is refused with
-ModuleNotFoundError, as it would be there. The standard library, our package (`moe_export`, from the source
+runs the command with a `sitecustomize` first on PYTHONPATH, so that every Python process it starts finds modules
+through `DeviceOnlyFinder`: a top-level module of an installed distribution that is neither on the H200
+(`device_packages.txt`) nor carried to it as a wheel (`device_wheels.txt`) is not found (ModuleNotFoundError), and
+its distribution not listed by importlib.metadata, as there. The standard library, our package (`moe_export`, from the source
 folders) and modules of no distribution (the benchmarks' own) pass. CUDA stays absent (torch's CPU build); where a
 package of the H200's list that wraps the CUDA driver is not installed here (cuda-bindings), a stand-in whose every
 driver call raises `CudaAbsent` takes its place (its types are empty classes, for isinstance checks in libraries). A command that imports cleanly thus fails at its first CUDA call;
@@ -21,6 +21,7 @@ import os
 import re
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import types
 from pathlib import Path
@@ -29,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 DEVICE_PACKAGES = HERE / "device_packages.txt"
 DEVICE_WHEELS = HERE / "device_wheels.txt"
 ENV_FLAG = "MOE_EXPORT_DEVICE_REHEARSAL"
-OUR_PACKAGE = "moe_export"
+OUR_PACKAGE, OUR_DISTRIBUTION = "moe_export", "moe-export"
 CUDA_DRIVER_MODULES = ("cuda", "cuda.bindings", "cuda.bindings.driver")  # cuda-bindings, on the H200's list
 
 
@@ -84,38 +85,57 @@ class _DriverStandIn(importlib.abc.Loader):
         return None
 
 
-class DeviceOnlyFinder(importlib.abc.MetaPathFinder):
-    """Refuses top-level modules of distributions the device machine does not have (see the module docstring)."""
-
-    def __init__(self, allowed: set[str]) -> None:
-        self.allowed = allowed
-        self.owners = importlib.metadata.packages_distributions()  # top-level module -> distributions
-        self.driver_installed = "cuda-bindings" in {normalized(d) for names in self.owners.values() for d in names}
+class _DriverFinder(importlib.abc.MetaPathFinder):
+    """The driver stand-in's modules (where cuda-bindings is not installed here)."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname in CUDA_DRIVER_MODULES:
-            return self._driver_spec(fullname)
-        if "." in fullname:
-            return None
-        top = fullname
-        if top in sys.stdlib_module_names or top == OUR_PACKAGE or top.startswith("__editable__"):
-            return None
-        owners = {normalized(d) for d in self.owners.get(top, ())}
-        if not owners or owners & self.allowed:
-            return None
-        raise ModuleNotFoundError(f"No module named {top!r} on the device machine (distribution "
-                                  f"{', '.join(sorted(owners))}: neither on the H200 nor a carried wheel)", name=top)
-
-    def _driver_spec(self, fullname: str):
-        """The stand-in's spec where cuda-bindings is not installed here, else None (the real one)."""
-        if self.driver_installed:
+        if fullname not in CUDA_DRIVER_MODULES:
             return None
         return importlib.machinery.ModuleSpec(fullname, _DriverStandIn(), is_package=fullname != "cuda.bindings.driver")
 
 
+class DeviceOnlyFinder(importlib.abc.MetaPathFinder):
+    """Stands in for the path finder (`importlib.machinery.PathFinder`) with its answers, except that a top-level
+    module whose every distribution is off the device machine is not found (an import raises ModuleNotFoundError,
+    `importlib.util.find_spec` gives None: optional imports behave as there) and `importlib.metadata` does not list
+    those distributions."""
+
+    def __init__(self, allowed: set[str]) -> None:
+        owners = importlib.metadata.packages_distributions()  # top-level module -> distributions
+        self.refused = {top for top, dists in owners.items()
+                        if top not in sys.stdlib_module_names and top != OUR_PACKAGE
+                        and not {normalized(d) for d in dists} & allowed}
+        installed = {normalized(d) for dists in owners.values() for d in dists}
+        self.refused_distributions = installed - allowed
+        self.driver_installed = "cuda-bindings" in installed
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.partition(".")[0] in self.refused:
+            return None
+        return importlib.machinery.PathFinder.find_spec(fullname, path, target)
+
+    def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
+        installed_here = Path(sysconfig.get_paths()["purelib"]).resolve()
+        for dist in importlib.machinery.PathFinder.find_distributions(context):
+            name = normalized(dist.metadata["Name"] or "")
+            if name == OUR_DISTRIBUTION:  # only the metadata the device command writes, not this venv's install
+                where = Path(str(dist.locate_file(""))).resolve()
+                if where != installed_here and installed_here not in where.parents:
+                    yield dist
+            elif name not in self.refused_distributions:
+                yield dist
+
+    def invalidate_caches(self) -> None:
+        importlib.machinery.PathFinder.invalidate_caches()
+
+
 def install() -> None:
-    """Put the finder first on this process's meta path (the sitecustomize's one call)."""
-    sys.meta_path.insert(0, DeviceOnlyFinder(device_distributions()))
+    """Put the finder in the path finder's place on this process's meta path (the sitecustomize's one call)."""
+    finder = DeviceOnlyFinder(device_distributions())
+    at = sys.meta_path.index(importlib.machinery.PathFinder)
+    sys.meta_path[at] = finder
+    if not finder.driver_installed:
+        sys.meta_path.insert(0, _DriverFinder())
 
 
 def rehearsal_env(site_dir: Path, env: dict | None = None) -> dict:
