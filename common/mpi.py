@@ -107,11 +107,13 @@ def mpi_group_comms(mapping: RankMapping) -> dict[str, Any]:
     return {kind: world.Split(mapping.group_index(kind), mapping.rank) for kind in ("tp", "ep")}
 
 
-def torch_group_comms(mapping: RankMapping, backend: str) -> dict[str, Any]:
+def torch_group_comms(mapping: RankMapping, backend: str, timeout_s: float | None = None) -> dict[str, Any]:
     """torch.distributed process groups of this rank's "tp" and "ep" groups over `backend` ("nccl" on GPUs,
     "gloo" on CPU). The default group is initialized from MPI's launch: rank 0's host and a free port are
     broadcast over COMM_WORLD (or MASTER_ADDR / MASTER_PORT when set). Collective: every rank calls it, and every
-    rank creates every group (torch.distributed requires it)."""
+    rank creates every group (torch.distributed requires it). `timeout_s`: the collectives' timeout (torch's
+    default when None)."""
+    import datetime
     import socket
 
     import torch.distributed as dist
@@ -124,8 +126,9 @@ def torch_group_comms(mapping: RankMapping, backend: str) -> dict[str, Any]:
                 s.bind(("", 0))
                 addr, port = socket.gethostname(), str(s.getsockname()[1])
         addr, port = MPI.COMM_WORLD.bcast((addr, port), root=0)
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=mapping.rank,
-                            world_size=mapping.world_size)
+                            world_size=mapping.world_size, timeout=timeout)
     mine = {}
     for kind in ("tp", "ep"):
         for ranks in mapping.groups(kind):

@@ -153,6 +153,21 @@ CONTRACTS = {c.name: c for c in (
        IBuilderConfig.max_aux_streams (in the 10.9 and 11.4 bindings).""",
        "TensorRT include/NvInfer.h:11170-11197 (setMaxAuxStreams), python/src/infer/pyCore.cpp:1757; "
        "tensorrt_bindings/tensorrt.so (10.9.0.34, 11.4.0.106): `max_aux_streams`"),
+    _c("TRT_ORDERS_BY_DATA_DEPENDENCIES",
+       """A built engine runs a layer after the layers that produce its inputs; no other order is promised: the
+       builder fuses, reorders and (without setMaxAuxStreams(0)) spreads independent layers over streams by its own
+       heuristics and timings, so two independent plugin layers may run in either order, differently in engines
+       built separately (every rank builds its own). NCCL, for its part, needs every communicator's collectives
+       submitted in the same order on all its ranks, and operations on different communicators ordered alike
+       ("applications should ensure operations are submitted in the same order across ranks"), else a hang.
+       So each collective plugin of a rank graph takes the graph's previous collective's output as a last input,
+       `after` (`GraphForm.ordered_collectives`, `GraphBuilder.collective`): every two collectives are ordered
+       by a data path, the graph's order, the same on every rank (tests/test_collective_order.py).""",
+       "TensorRT include/NvInfer.h:11170-11197 (setMaxAuxStreams: the only execution-order control; independent "
+       "layers on auxiliary streams otherwise), no ordering of independent layers in INetworkDefinition / "
+       "IBuilderConfig; NCCL user guide, usage/communicators.html \"Using multiple NCCL communicators "
+       "concurrently\"; NVIDIA/nccl issue #195 (the maintainers: operations on two communicators in different "
+       "orders across ranks can deadlock)"),
     _c("ENGINE_STREAMS",
        """Building to a stream: IBuilder::buildSerializedNetworkToStream(network, config, IStreamWriter&) writes
        the plan in chunks through the writer's write(data) -> bytes written (Python:

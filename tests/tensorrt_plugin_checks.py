@@ -253,19 +253,20 @@ def test_collectives_are_in_engine_plugins_that_do_nothing_while_building():
     out = _tensor(trt.bfloat16, (5, 16), (16, 1), 0x8000)
     nccl.set_communicators({})
     with nccl.building():
-        assert reduce(x, "tp\0", "sum\0", [out], stream=7) is None
-        assert gather(x, "tp\0", np.array([-1], np.int32), np.array([2], np.int32), [out], stream=7) is None
+        assert reduce(x, x, "tp\0", "sum\0", [out], stream=7) is None  # `after`: any earlier tensor, never read
+        assert gather(x, x, "tp\0", np.array([-1], np.int32), np.array([2], np.int32), [out], stream=7) is None
     assert not nccl.is_building()
     with pytest.raises(RuntimeError, match="no communicator for group 'ep'"):
-        reduce(x, "ep\0", "sum\0", [out], stream=7)
+        reduce(x, x, "ep\0", "sum\0", [out], stream=7)
     dispatch = QDP[f"{DOMAIN}::MoEDispatch"].impl_func
     combine = QDP[f"{DOMAIN}::MoECombine"].impl_func
     ids = _tensor(trt.int64, (5, 2), (2, 1), 0x9000)
     with nccl.building():  # TensorRT times the all-to-alls too: nothing may be sent then
-        assert dispatch(x, ids, out, "ep\0", *(np.array([v], np.int32) for v in (8, 8, 40)), [out] * 6, stream=7) is None
-        assert combine(out, ids, ids, ids, x, "ep\0", [out], stream=7) is None
+        assert dispatch(x, ids, out, x, "ep\0", *(np.array([v], np.int32) for v in (8, 8, 40)), [out] * 6,
+                        stream=7) is None
+        assert combine(out, ids, ids, ids, x, x, "ep\0", [out], stream=7) is None
     with pytest.raises(RuntimeError, match="no communicator for group 'ep'"):
-        dispatch(x, ids, out, "ep\0", *(np.array([v], np.int32) for v in (8, 8, 40)), [out] * 6, stream=7)
+        dispatch(x, ids, out, x, "ep\0", *(np.array([v], np.int32) for v in (8, 8, 40)), [out] * 6, stream=7)
     groups = {n.op_type: {a.name for a in n.attribute} for _, n, _ in NODES
               if n.op_type in ("AllReduce", "AllGather", "MoEDispatch", "MoECombine")}
     assert groups["AllReduce"] >= {"group", "reduce_op"} and groups["AllGather"] >= {"group", "axis", "group_size"}
