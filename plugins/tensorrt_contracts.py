@@ -168,6 +168,16 @@ CONTRACTS = {c.name: c for c in (
        "IBuilderConfig; NCCL user guide, usage/communicators.html \"Using multiple NCCL communicators "
        "concurrently\"; NVIDIA/nccl issue #195 (the maintainers: operations on two communicators in different "
        "orders across ranks can deadlock)"),
+    _c("AOT_PTX_ISA_FOR_THE_DRIVER",
+       """An AOT plugin's PTX is compiled by the driver when the engine loads (cuModuleLoadData JIT), and a driver
+       refuses PTX of an ISA newer than its CUDA version (CUDA_ERROR_UNSUPPORTED_PTX_VERSION): ISA 8.0 came with
+       CUDA 12.0, 9.0 with CUDA 13.0. TensorRT 10.13's CUDA-12 build runs on CUDA 12.0 to 12.9 drivers, so its AOT
+       PTX is ISA 8.0 (`aot_contract.TENSORRT_PTX_VERSION`). Triton writes the ISA of the ptxas it ships unless
+       told (`ptx_version` option): Triton 3.9's (CUDA 13) gives 9.4, which no CUDA-12 driver loads.""",
+       "CUDA Driver API cuModuleLoadData / CUDA_ERROR_UNSUPPORTED_PTX_VERSION (cuda.h); PTX ISA reference, "
+       "release notes table (ISA 8.0: CUDA 12.0; ISA 9.0: CUDA 13.0); TensorRT 10.13 support matrix (CUDA 12.0-12.9 "
+       "for the cu12 packages); triton backends/nvidia/compiler.py (3.9.0) lines 58-85 (ptx_get_version from the "
+       "ptxas version, overridden by options.ptx_version) and 563-564 (the PTX's .version line)"),
     _c("ENGINE_STREAMS",
        """Building to a stream: IBuilder::buildSerializedNetworkToStream(network, config, IStreamWriter&) writes
        the plan in chunks through the writer's write(data) -> bytes written (Python:

@@ -205,6 +205,7 @@ def test_aot_launch_parameters_and_extra_args(node, types, monkeypatch):
     # scratch pointers, which the compiled kernel declares after them, removed: aot_kernel_code's contract)
     ptx = launch["ptx"].decode() if isinstance(launch["ptx"], bytes) else launch["ptx"]
     assert ".target sm_90" in ptx and not ptx.startswith("\x7fELF") and launch["shared"] == compiled[-1].metadata.shared
+    assert ".version 8.0\n" in ptx  # the ISA a CUDA-12 driver loads (contract AOT_PTX_ISA_FOR_THE_DRIVER), not 9.x
     kinds = _ptx_param_kinds(ptx, launch["kernel"])
     n_in, n_out, n_extra = len(node.input), len(node.output), len(launch["extras"])
     assert kinds == ["ptr"] * n_in + [".u32"] * n_extra + ["ptr"] * n_out
@@ -303,7 +304,7 @@ def test_aot_kernel_above_48_kib_of_shared_memory_is_refused():
     scratch, or reads a parameter TensorRT does not pass, is refused too."""
     from types import SimpleNamespace
 
-    ptx = ".entry k(\n\t.param .u64 .ptr .global k_param_0,\n\t.param .u32 k_param_1,\n\t.param .u64 k_param_2,\n" \
+    ptx = ".version 8.0\n.target sm_90\n.entry k(\n\t.param .u64 .ptr .global k_param_0,\n\t.param .u32 k_param_1,\n\t.param .u64 k_param_2,\n" \
           "\t.param .u64 k_param_3\n)\n{\n\tld.param.b32 %r1, [k_param_1];\n}\n"  # fmt: skip
 
     def kernel(shared=48 * 1024, scratch=0, code=ptx):
@@ -320,6 +321,8 @@ def test_aot_kernel_above_48_kib_of_shared_memory_is_refused():
         tensorrt_common.aot_kernel_code(kernel(), "x", 1)
     with pytest.raises(ValueError, match="TensorRT passes 5"):
         tensorrt_common.aot_kernel_code(kernel(), "x", 5)
+    with pytest.raises(ValueError, match="PTX ISA 9.4; TensorRT's CUDA-12 drivers load PTX ISA up to 8.0"):
+        tensorrt_common.aot_kernel_code(kernel(code=ptx.replace(".version 8.0", ".version 9.4")), "x", 2)
 
 
 def test_parser_refuses_a_uint8_weight_feeding_a_plugin():
