@@ -17,8 +17,8 @@ Memory. The build refuses a recipe whose per-GPU total (weights, pools for max_b
 one max_seq_len, activation memory, plugin workspaces, reserve; `export/planner.py`) does not fit, before
 parsing. Then, before the whole rank is built, a probe engine of its first layers (`probe_graph`: up to the first
 layer of each kind, KDA, MLA and MoE; 4 of K3's 93) is built with the same profile and settings and its activation
-memory (`device_memory_size_v2`, contract USER_MANAGED_DEVICE_MEMORY) checked against the plan: TensorRT reuses
-activation memory from layer to layer, so a probe over budget means the engine is, found in minutes rather than
+memory (`device_memory_size_v2`, contract USER_MANAGED_DEVICE_MEMORY) checked against the plan: a probe over
+budget means the engine is (contract PROBE_MEMORY_BOUNDS_THE_ENGINE_BELOW), found in minutes rather than
 after the rank's whole build (its tactics land in the timing cache the whole build then reads). After the build
 the engine's own activation memory (it includes the MoE and indexer plugins' workspace outputs, and the head) is
 checked the same way. The builder's workspace limit is that budget too.

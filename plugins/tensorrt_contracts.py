@@ -178,6 +178,15 @@ CONTRACTS = {c.name: c for c in (
        "release notes table (ISA 8.0: CUDA 12.0; ISA 9.0: CUDA 13.0); TensorRT 10.13 support matrix (CUDA 12.0-12.9 "
        "for the cu12 packages); triton backends/nvidia/compiler.py (3.9.0) lines 58-85 (ptx_get_version from the "
        "ptxas version, overridden by options.ptx_version) and 563-564 (the PTX's .version line)"),
+    _c("PROBE_MEMORY_BOUNDS_THE_ENGINE_BELOW",
+       """An engine's device memory (getDeviceMemorySizeV2: activations and the scratch of its layers, shared between
+       tensors whose lifetimes do not overlap) is the peak over its layers' needs, so an engine of the first layers
+       of a network, built with the same profile and settings, needs no more than the whole network's engine: a
+       probe over the plan's budget means the whole engine is too (`tensorrt_build.probe_memory`). Not the
+       converse: the whole engine is still checked after its build.""",
+       "TensorRT include/NvInferRuntime.h (ICudaEngine::getDeviceMemorySizeV2: the device memory an execution "
+       "context needs, the user-managed allocation the runner makes); TensorRT developer guide, \"Memory\" "
+       "(activation memory: intermediate tensors, reused between layers whose lifetimes do not overlap)"),
     _c("ENGINE_STREAMS",
        """Building to a stream: IBuilder::buildSerializedNetworkToStream(network, config, IStreamWriter&) writes
        the plan in chunks through the writer's write(data) -> bytes written (Python:
