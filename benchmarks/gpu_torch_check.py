@@ -22,7 +22,8 @@ mid-k3's recipe, `recipes/mid-k3-h200.yaml`, sizes its pools for 141 GB) each:
     (B / step time: one GPU serving B sequences of this 3-layer model), `mid_k3_cuda_graph_speedup_32` (eager /
     replayed) and one eager 8,192-token prefill chunk (`mid_k3_prefill_ms_8k`, `mid_k3_prefill_tokens_per_s_8k`).
 Every stage writes the JSON (`--json PATH`) when it ends; a failed stage leaves `<stage>_error`.
-`--work DIR` keeps the checkpoints and engines.
+`--work DIR` keeps the checkpoints and engines. `--device cpu` is the CPU tests' dry run of command 2 (tiny-k3 on
+the CPU, fp32: every stage's code runs, serve included; tests/test_device_rehearsal.py).
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ TIMED_STEPS = 5
 SERVE_DEADLINE_S = 240
 
 
-def one_gpu_recipe(work: Path, preset: str) -> Path:
-    """The preset on one H200 with backend torch (mid-k3: its shipped recipe)."""
+def one_gpu_recipe(work: Path, preset: str, device: str = "cuda") -> Path:
+    """The preset on one H200 with backend torch (mid-k3: its shipped recipe); `device` cpu: on the CPU."""
     if preset == "mid-k3":
         data = yaml.safe_load(Path(load_recipe("mid-k3-h200.yaml")[1]).read_text())
     else:
@@ -63,6 +64,8 @@ def one_gpu_recipe(work: Path, preset: str) -> Path:
                     target={"gpu": "h200", "nodes": 1, "gpus_per_node": 1, "memory_gib": 141},
                     parallel={"tp": 1, "ep": 1})
         data["limits"]["max_batch"] = 8
+    if device == "cpu":
+        data["target"] = {"gpu": "cpu", "nodes": 1, "gpus_per_node": 1, "memory_gib": 8}
     path = work / f"{data['name']}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -208,13 +211,13 @@ def decode_timing(fig: Figures, engine, key: str) -> None:
     fig[f"{key}_prefill_tokens_per_s_8k"] = PREFILL_CHUNK / (fig[f"{key}_prefill_ms_8k"] / 1e3)
 
 
-def run(fig: Figures, work: Path, preset: str, serve: bool, timing: bool) -> None:
+def run(fig: Figures, work: Path, preset: str, serve: bool, timing: bool, device: str = "cuda") -> None:
     from moe_export.runtime import LLM, SamplingParams
 
     key = preset.replace("-", "_")
     with fig.stage(f"{key}_build"):
         start = time.perf_counter()
-        rec, _ = load_recipe(one_gpu_recipe(work, preset))
+        rec, _ = load_recipe(one_gpu_recipe(work, preset, device))
         engine = work / rec.name
         build(rec, engine)
         fig[f"{key}_build_s"] = time.perf_counter() - start
@@ -255,15 +258,19 @@ def main() -> None:
     ap.add_argument("--serve", action="store_true", help="then `moe-export serve` answering the openai client")
     ap.add_argument("--decode-timing", action="store_true", help="then decode steps timed on the runtime's path")
     ap.add_argument("--work", type=Path)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: the dry run of the CPU tests (tiny-k3 on the CPU; its figures mean nothing)")
     args = ap.parse_args()
+    if args.device == "cpu" and (args.preset != "tiny-k3" or args.decode_timing):
+        ap.error("--device cpu runs tiny-k3 without --decode-timing (CUDA graphs) only")
     work = args.work or Path(tempfile.mkdtemp(prefix="gpu-torch-"))
     work.mkdir(parents=True, exist_ok=True)
     fig = Figures(args.json, preset=args.preset)
     with fig.stage("device"):
-        fig["device"] = torch.cuda.get_device_name(0)
+        fig["device"] = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     if "device_error" in fig and args.preset == "mid-k3":
         return  # no GPU: building 10 GB for it would only spend the command's minutes (tiny-k3 goes on, on the CPU)
-    run(fig, work, args.preset, args.serve, args.decode_timing)
+    run(fig, work, args.preset, args.serve, args.decode_timing, args.device)
 
 
 if __name__ == "__main__":

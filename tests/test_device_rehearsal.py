@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import re
 import subprocess
 import sys
@@ -127,3 +128,19 @@ def test_device_commands_fit_their_minutes(script):
         assert sum(limits) + SETUP_SECONDS <= COMMAND_SECONDS, (script, limits)
     for step in set(re.findall(r"python3 (benchmarks/\S+\.py)", text)):
         py_compile.compile(str(REPO / step), doraise=True)
+
+
+def test_tiny_k3_command_stages_run_on_cpu(tmp_path):
+    """Command 2's stages for real on the CPU (`gpu_torch_check.py --device cpu`): build, load, greedy generate,
+    the fp32 reference and its comparison, and `moe-export serve` answering the openai client."""
+    out = tmp_path / "tiny.json"
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks/gpu_torch_check.py"), "--device", "cpu", "--serve",
+                          "--work", str(tmp_path / "work"), "--json", str(out)], cwd=REPO, capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    fig = json.loads(out.read_text())
+    assert not {k: v for k, v in fig.items() if k.endswith("_error")}, fig
+    assert len(fig["tiny_k3_engine_tokens"]) == len(fig["tiny_k3_reference_tokens"]) == 16
+    divergence = fig["tiny_k3_first_divergence"]
+    assert divergence is None or fig["tiny_k3_engine_tokens"][:divergence] == fig["tiny_k3_reference_tokens"][:divergence]
+    assert fig["serve"] == "ok" and fig["serve_completion_tokens"] == 8
