@@ -185,7 +185,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     fig = Figures(args.json)
-    with fig.stage("device"):
+    with fig.stage("aot_device"):
         torch.manual_seed(0)
         torch.cuda.init()
         _check(driver.cuInit(0))

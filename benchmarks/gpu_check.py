@@ -316,7 +316,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     fig = Figures(args.json, gpu_check_smoke=SMOKE)  # written after every check: a timeout keeps what was measured
-    with fig.stage("device"):
+    with fig.stage("kernels_device"):
         fig["device"] = "cpu (smoke)" if SMOKE else torch.cuda.get_device_name()
     for check in CHECKS + ([] if SMOKE else [check_no_host_sync]):
         with fig.stage(check.__name__.removeprefix("check_")):
