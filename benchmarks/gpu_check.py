@@ -28,12 +28,12 @@ for fla, so that the script is known to run before a GPU is lent (tests/test_gpu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
 
 import torch
+from device_figures import Figures  # benchmarks/, the script's folder, is sys.path[0]
 
 from moe_export.plugins.dsa_indexer.triton_kernel import dsa_indexer_launch
 from moe_export.plugins.gated_delta_scan import reference as kda_ref
@@ -162,8 +162,9 @@ def check_kda_decode(fig: dict) -> None:
 def _moe_case(T: int, k: int):
     E, D, I = (SHAPES["moe"][x] for x in "EDI")
     gen = torch.Generator().manual_seed(T)
-    w13p, w13s = mxfp4.encode(torch.randn(E, 2 * I, D, generator=gen) / D**0.5)
-    w2p, w2s = mxfp4.encode(torch.randn(E, D, I, generator=gen) / I**0.5)
+    dev_gen = torch.Generator(DEV).manual_seed(T)  # the experts made and encoded on the device: seconds, not minutes
+    w13p, w13s = mxfp4.encode(torch.randn(E, 2 * I, D, generator=dev_gen, device=DEV) / D**0.5)
+    w2p, w2s = mxfp4.encode(torch.randn(E, D, I, generator=dev_gen, device=DEV) / I**0.5)
     dense = [mxfp4.decode(p, s).to(DEV, torch.bfloat16) for p, s in ((w13p, w13s), (w2p, w2s))]
     w = [t.to(DEV) for t in (w13p, w13s, w2p, w2s)]
     x = torch.randn(T, D, generator=gen).to(DEV, torch.bfloat16)
@@ -314,19 +315,14 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
-    fig: dict = {"device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(), "gpu_check_smoke": SMOKE}
+    fig = Figures(args.json, gpu_check_smoke=SMOKE)  # written after every check: a timeout keeps what was measured
+    with fig.stage("kernels_device"):
+        fig["device"] = "cpu (smoke)" if SMOKE else torch.cuda.get_device_name()
     for check in CHECKS + ([] if SMOKE else [check_no_host_sync]):
-        start = time.perf_counter()
-        try:
+        with fig.stage(check.__name__.removeprefix("check_")):
             check(fig)
-        except Exception as exc:  # the finding: record it, run the other checks
-            fig[f"{check.__name__.removeprefix('check_')}_error"] = repr(exc)[:500]
-        fig[f"{check.__name__.removeprefix('check_')}_seconds"] = round(time.perf_counter() - start, 2)
-        if not SMOKE:
+        if not SMOKE and torch.cuda.is_available():
             torch.cuda.empty_cache()
-        print(json.dumps(fig, sort_keys=True), flush=True)
-        if args.json:  # after every check: a run stopped by its time limit keeps what it measured
-            args.json.write_text(json.dumps(fig, indent=2, sort_keys=True))
 
 
 if __name__ == "__main__":

@@ -1,36 +1,29 @@
 #!/usr/bin/env bash
-# One short GPU run (< 6 minutes) for a lent H200: the TensorRT AOT kernels launched as TensorRT launches them
+# One short GPU run (< 8 minutes) for a lent H200: the TensorRT AOT kernels launched as TensorRT launches them
 # (cuda-python; gpu_aot_check.py: `*_aot_vs_jit`), then the Triton kernels against the measured read bandwidth and
 # bf16 matmul rate, fla and the bf16 / torch baselines, each checked for correctness at its shape (gpu_check.py:
 # kda_*_vs_fla, moe_*_frac, sparse_mla_*, indexer_*), then the runner's batched sampler on the GPU
 # (gpu_sampler_check.py: sampler_ms_top_p_256, sampler_top_p_over_greedy_256, ...), then the dp-layout MoE op on the
 # full receive buffer and on the counted rows at K3's shapes (gpu_trt_check.py: dp_moe_counted_speedup), then the
 # dp decode step's MoE layer without a host sync and as a CUDA graph (gpu_dp_step_check.py: dp_layer_*). Time limits
-# sum to 475 s.
+# sum to 450 s.
 # A failing check records `<check>_error` and the others still run. All figures end up in one flat object,
 # $OUT/gpu_check.json (each step's own file beside it).
-# Run from the repo root on the device machine, e.g. through the `device` tool:
+# Device command 1 of 4 (benchmarks/README.md "Device commands"): at most 8 minutes, any lent GPU.
+# Run from the repo root on the device machine, e.g. through the `device` tool with `carry: [".whl"]`:
 #   bash benchmarks/gpu_check.sh            (figures printed; written to $OUT/gpu_check.json, OUT defaults to /tmp)
-# The machine needs torch (CUDA), triton and fla; missing pure-Python wheels can be carried in .whl/ and
-# installed with --no-deps --target (see the device tool's README).
+# The wheels it needs beyond the machine's packages (benchmarks/device_wheels.txt: pydantic and its deps, fla) are
+# fetched here by `bash benchmarks/device_wheels.sh` and installed there by benchmarks/device_env.sh.
+# Rehearsal here (no GPU, only the device's packages importable): tests/test_device_rehearsal.py.
 # CPU smoke run (tests/test_gpu_check.py): GPU_CHECK_SMOKE=1 TRITON_INTERPRET=1 python benchmarks/gpu_check.py
-set -euo pipefail
+set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-/tmp}"
-export PYTHONPATH="$PWD/.device-src:${PYTHONPATH:-}"
-mkdir -p .device-src/moe_export
-for d in common export graphs quantize plugins runtime recipes; do
-  if [ -d "$d" ]; then ln -sfn "$PWD/$d" ".device-src/moe_export/$d"; fi
-done
-# fla (the KDA path and its anchors) is not on the H200 image: its pure-Python wheels, when carried in .whl/
-wheels=$(ls .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl 2>/dev/null || true)
-if [ -n "$wheels" ]; then python3 -m pip install -q --no-deps --no-index --target .device-src $wheels || true; fi
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+. benchmarks/device_env.sh
 timeout 50 python3 benchmarks/gpu_aot_check.py --json "$OUT/gpu_aot_check.json" || echo "gpu_aot_check failed"
-timeout 250 python3 benchmarks/gpu_check.py --json "$OUT/gpu_kernels_check.json" || echo "gpu_check failed"
+timeout 240 python3 benchmarks/gpu_check.py --json "$OUT/gpu_kernels_check.json" || echo "gpu_check failed"
 timeout 45 python3 benchmarks/gpu_sampler_check.py --json "$OUT/gpu_sampler_check.json" || echo "gpu_sampler_check failed"
-timeout 90 python3 benchmarks/gpu_trt_check.py --json "$OUT/gpu_trt_check.json" || echo "gpu_trt_check failed"
-timeout 40 python3 benchmarks/gpu_dp_step_check.py --json "$OUT/gpu_dp_step_check.json" || echo "gpu_dp_step_check failed"
+timeout 80 python3 benchmarks/gpu_trt_check.py --json "$OUT/gpu_trt_check.json" || echo "gpu_trt_check failed"
+timeout 35 python3 benchmarks/gpu_dp_step_check.py --json "$OUT/gpu_dp_step_check.json" || echo "gpu_dp_step_check failed"
 python3 - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import socket
 
 import torch
@@ -35,7 +34,8 @@ from moe_export.plugins.collectives import transport_kernels
 from moe_export.plugins.collectives.nccl import Communicator
 from moe_export.plugins.moe_mxfp4.sizes import workspace_bytes
 from moe_export.plugins.moe_mxfp4.triton_kernel import moe_mxfp4_triton
-from gpu_trt_check import wall_ms  # benchmarks/, the script's folder, is sys.path[0]
+from device_figures import Figures  # benchmarks/, the script's folder, is sys.path[0]
+from gpu_trt_check import wall_ms
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 GPU_SHAPES = {"experts": 32, "top_k": 16, "dim": 3584, "inter": 3072, "tokens": 24, "real": 20, "replay_real": 13,
@@ -147,57 +147,72 @@ def transport_ops(comm: Communicator, b: dict, experts: int) -> dict:
             "names": {"kernels": dispatch.kernels + combine.kernels, "ops": sorted(dispatch.ops + combine.ops)}}  # fmt: skip
 
 
-def check(device: torch.device, shapes: dict, repeats: int) -> dict:
-    comm = world_of_one(device)
-    b = inputs(device, shapes)
-    comm.reserve(device, 1, shapes["experts"])
-    experts, tokens, real = shapes["experts"], shapes["tokens"], shapes["real"]
-    comm.begin_step(real, 0)  # the counted transport (eager steps), also compiling the kernels
-    layer(comm, b, experts)
-    counted = b["y"].clone()
-    comm.begin_step(real, tokens)  # blocks of `tokens` rows: a decode bucket of `tokens` at tp 1
-    guard = torch.cuda.set_sync_debug_mode if device.type == "cuda" else (lambda mode: None)
-    guard("error")
+def check(fig: Figures, device: torch.device, shapes: dict, repeats: int) -> None:
+    """The stages of the module docstring, each recorded in `fig` (and written) as it ends."""
+    fig["dp_layer_shapes"] = shapes
+    with fig.stage("dp_layer_world"):
+        comm = world_of_one(device)
+        b = inputs(device, shapes)
+        comm.reserve(device, 1, shapes["experts"])
+    if "dp_layer_world_error" in fig:
+        return
     try:
-        layer(comm, b, experts)
-        result = {"dp_layer_no_host_sync": True}
-    except RuntimeError as err:
-        result = {"dp_layer_no_host_sync": False, "dp_layer_sync_error": str(err)[:300]}
-    finally:
-        guard("default")
-    result["dp_layer_vs_counted_max_err"] = float((b["y"] - counted).abs().max())
-    comm.begin_step(real, tokens)
-    result["dp_layer_transport_ops"] = transport_ops(comm, b, experts)
-    result["dp_layer_padding_rows_zero"] = bool((b["y"][real:] == 0).all())
-    if device.type == "cuda":
-        graph = torch.cuda.CUDAGraph()
-        comm.begin_step(real, tokens)
-        with torch.cuda.graph(graph):
+        experts, tokens, real = shapes["experts"], shapes["tokens"], shapes["real"]
+        with fig.stage("dp_layer_eager"):
+            comm.begin_step(real, 0)  # the counted transport (eager steps), also compiling the kernels
             layer(comm, b, experts)
-        comm.begin_step(shapes["replay_real"], tokens)  # as the runner sets the step before a replay
-        graph.replay()
-        replayed = b["y"].clone()
-        comm.begin_step(shapes["replay_real"], tokens)
-        layer(comm, b, experts)
-        result["dp_layer_graph_max_err"] = float((replayed - b["y"]).abs().max())
-
-        def eager_counted():
-            comm.begin_step(real, 0)
-            layer(comm, b, experts)
-
-        def replay():
+            counted = b["y"].clone()
+            comm.begin_step(real, tokens)  # blocks of `tokens` rows: a decode bucket of `tokens` at tp 1
+            guard = torch.cuda.set_sync_debug_mode if device.type == "cuda" else (lambda mode: None)
+            guard("error")
+            try:
+                layer(comm, b, experts)
+                fig["dp_layer_no_host_sync"] = True
+            except RuntimeError as err:
+                fig.update(dp_layer_no_host_sync=False, dp_layer_sync_error=str(err)[:300])
+            finally:
+                guard("default")
+            fig["dp_layer_vs_counted_max_err"] = float((b["y"] - counted).abs().max())
             comm.begin_step(real, tokens)
-            graph.replay()
+            fig["dp_layer_transport_ops"] = transport_ops(comm, b, experts)
+            fig["dp_layer_padding_rows_zero"] = bool((b["y"][real:] == 0).all())
+        if device.type == "cuda":
+            with fig.stage("dp_layer_graph"):
+                graph_figures(fig, comm, b, shapes, repeats, device)
+    finally:
+        dist.destroy_process_group()
 
-        rounds = {"graph": [], "counted": []}
-        for _ in range(5):  # interleaved rounds
-            rounds["graph"].append(wall_ms(replay, device, repeats))
-            rounds["counted"].append(wall_ms(eager_counted, device, repeats))
-        result["dp_layer_graph_ms"] = min(rounds["graph"])
-        result["dp_layer_eager_counted_ms"] = min(rounds["counted"])
-        result["dp_layer_graph_speedup"] = result["dp_layer_eager_counted_ms"] / result["dp_layer_graph_ms"]
-    dist.destroy_process_group()
-    return {**result, "dp_layer_shapes": shapes}
+
+def graph_figures(fig: Figures, comm: Communicator, b: dict, shapes: dict, repeats: int, device) -> None:
+    """The layer captured in a CUDA graph, replayed with another count of real tokens, against its eager run; then
+    the replay and the eager counted transport timed in interleaved rounds."""
+    experts, tokens, real = shapes["experts"], shapes["tokens"], shapes["real"]
+    graph = torch.cuda.CUDAGraph()
+    comm.begin_step(real, tokens)
+    with torch.cuda.graph(graph):
+        layer(comm, b, experts)
+    comm.begin_step(shapes["replay_real"], tokens)  # as the runner sets the step before a replay
+    graph.replay()
+    replayed = b["y"].clone()
+    comm.begin_step(shapes["replay_real"], tokens)
+    layer(comm, b, experts)
+    fig["dp_layer_graph_max_err"] = float((replayed - b["y"]).abs().max())
+
+    def eager_counted():
+        comm.begin_step(real, 0)
+        layer(comm, b, experts)
+
+    def replay():
+        comm.begin_step(real, tokens)
+        graph.replay()
+
+    rounds = {"graph": [], "counted": []}
+    for _ in range(5):  # interleaved rounds
+        rounds["graph"].append(wall_ms(replay, device, repeats))
+        rounds["counted"].append(wall_ms(eager_counted, device, repeats))
+    fig["dp_layer_graph_ms"] = min(rounds["graph"])
+    fig["dp_layer_eager_counted_ms"] = min(rounds["counted"])
+    fig["dp_layer_graph_speedup"] = fig["dp_layer_eager_counted_ms"] / fig["dp_layer_graph_ms"]
 
 
 def main() -> None:
@@ -206,13 +221,13 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run at tiny shapes")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    device = torch.device(args.device)
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        result = check(device, GPU_SHAPES if device.type == "cuda" else CPU_SHAPES, args.repeats)
-    print(json.dumps(result, sort_keys=True))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2, sort_keys=True)
+    device = torch.device("cuda:0" if args.device == "cuda" else args.device)
+    fig = Figures(args.json)  # written after every stage
+    with fig.stage("dp_layer_device"):
+        fig["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+    check(fig, device, GPU_SHAPES if device.type == "cuda" else CPU_SHAPES, args.repeats)
 
 
 if __name__ == "__main__":

@@ -20,11 +20,11 @@ device's softmax can move a draw across a boundary).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
+from device_figures import Figures  # benchmarks/, the script's folder, is sys.path[0]
 
 from moe_export.runtime.engine.sampler import SamplingBatch, sample
 
@@ -113,16 +113,16 @@ def main() -> None:
         device = torch.device(args.device)
     except (ValueError, RuntimeError) as exc:
         parser.error(str(exc))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here (use --device cpu for the dry run)")
     if min(batches) < 1 or args.vocab < 2 or args.repeats < 1:
         parser.error("batch sizes and repeats must be >= 1, the vocabulary >= 2")
-    fig: dict = {"sampler_device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                 "sampler_vocab": args.vocab}  # fmt: skip
-    check_sampler(fig, device, batches, args.vocab, args.repeats)
-    print(json.dumps(fig, sort_keys=True), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(fig, indent=2, sort_keys=True))
+    fig = Figures(args.json, sampler_vocab=args.vocab)  # written after every stage
+    if device.type == "cuda" and not torch.cuda.is_available():
+        fig["sampler_error"] = "RuntimeError: --device cuda: no CUDA device here (use --device cpu for the dry run)"
+        fig.write()
+        parser.error(fig["sampler_error"].removeprefix("RuntimeError: "))
+    with fig.stage("sampler"):
+        fig["sampler_device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        check_sampler(fig, device, batches, args.vocab, args.repeats)
 
 
 if __name__ == "__main__":

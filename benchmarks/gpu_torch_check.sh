@@ -1,21 +1,26 @@
 #!/usr/bin/env bash
-# The torch backend on a lent H200 (< 13 minutes; time limits sum to 780 s): tiny-k3 and mid-k3 (K3's real widths)
-# built with backend torch, greedy tokens against the fp32 reference, `moe-export serve` answering the openai client
-# (gpu_torch_check.py), then one K3 rank of h100x64 in the dp layout: decode step at 32 / 256 sequences with 8k
-# contexts against its bandwidth bound, CUDA graphs on / off, prefill of one 8k chunk (gpu_rank_step.py).
-# Run from the repo root on the device machine, e.g. through the `device` tool:
-#   bash benchmarks/gpu_torch_check.sh      (figures printed; also written to $OUT/*.json if OUT is set)
-# Wheels missing there (pydantic + pydantic_core cp312 + annotated-types + typing-inspection; for the serve step
-# fastapi, starlette, uvicorn, h11, anyio, sniffio, click, openai, httpx, httpcore, jiter cp312, distro) are carried
-# in .whl/ and installed with --no-deps into .device-deps/.
-set -euo pipefail
+# The torch backend on a lent GPU (gpu_torch_check.py), two device commands of at most 8 minutes each
+# (benchmarks/README.md "Device commands"):
+#   bash benchmarks/gpu_torch_check.sh tiny-k3   command 2, any lent GPU (< 7 min): tiny-k3 built with backend
+#                                                torch, greedy tokens against the fp32 reference, then
+#                                                `moe-export serve` answering the openai client;
+#                                                $OUT/gpu_torch_tiny_k3.json
+#   bash benchmarks/gpu_torch_check.sh mid-k3    command 3, an H200 (`kind: nvidia-h200`: mid-k3's recipe sizes
+#                                                its pools for 141 GB) (< 8 min): mid-k3 (K3's real widths) the
+#                                                same, then decode steps at 32 sequences x 8k contexts and one 8k
+#                                                prefill chunk timed on the runtime's own step path against their
+#                                                bandwidth bound; $OUT/gpu_torch_mid_k3.json
+# Every stage writes the JSON when it ends (a timeout keeps what was measured). Run from the repo root on the
+# device machine with `carry: [".whl"]` (the wheels of benchmarks/device_wheels.txt, fetched here by
+# `bash benchmarks/device_wheels.sh`; pydantic, fastapi, uvicorn, openai, xgrammar, jsonschema and their deps).
+set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD/.device-src:$PWD/.device-deps:${PYTHONPATH:-}"
-mkdir -p .device-src/moe_export
-for d in common export graphs quantize plugins runtime recipes; do
-  if [ -d "$d" ]; then ln -sfn "$PWD/$d" ".device-src/moe_export/$d"; fi
-done
-if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-deps --target .device-deps .whl/*.whl; fi
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-timeout 480 python3 benchmarks/gpu_torch_check.py --json "${OUT:-/tmp}/gpu_torch_check.json" || echo "gpu_torch_check failed"
-timeout 300 python3 benchmarks/gpu_rank_step.py --json "${OUT:-/tmp}/gpu_rank_step.json"
+preset="${1:-tiny-k3}"
+. benchmarks/device_env.sh
+case "$preset" in
+  tiny-k3) timeout 420 python3 benchmarks/gpu_torch_check.py --preset tiny-k3 --serve \
+             --json "$OUT/gpu_torch_tiny_k3.json" || echo "gpu_torch_check tiny-k3 failed" ;;
+  mid-k3) timeout 450 python3 benchmarks/gpu_torch_check.py --preset mid-k3 --decode-timing \
+            --json "$OUT/gpu_torch_mid_k3.json" || echo "gpu_torch_check mid-k3 failed" ;;
+  *) echo "usage: bash benchmarks/gpu_torch_check.sh tiny-k3|mid-k3" >&2; exit 2 ;;
+esac

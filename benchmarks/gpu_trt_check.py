@@ -2,10 +2,10 @@
 
   - `usable_gpu_bytes`: what CUDA reports as the device's total (torch.cuda.mem_get_info) and what is free once
     a context exists, next to the planner's NVML figure (`export/plan_memory.py` EXPOSED_GPU_BYTES);
-  - `dp_moe_full_buffer_ms`: the MoE expert op as the dp layout runs it today (`moe_mxfp4_triton` over the whole
-    static receive buffer, fp32 in and out, K3's shapes: 65,536 rows x 3,584, top-16, 14 local experts of 3,072),
-    at a decode step whose rows with tokens are `rows_with_tokens`, with the decode-step model's bytes for it
-    (`export/decode_model.py`) and the bandwidth they imply;
+  - `dp_moe_full_buffer_ms`: the MoE expert op over the whole static receive buffer (`moe_mxfp4_triton`, bf16 in
+    and out as the dp graph hands it the rows, K3's shapes: 65,536 rows x 3,584, top-16, 14 local experts of
+    3,072), at a decode step whose rows with tokens are `rows_with_tokens`, with the decode-step model's bytes for
+    it (`export/decode_model.py`: its fp32 partial sums, the bf16 output) and the bandwidth they imply;
   - `dp_moe_counted_ms`: the same op, inputs and weights in its counted-rows mode (`recv_counts` of 64 ranks
     making the `rows_with_tokens` head rows valid, `row_bound` 192, bf16 in and out; `counted_model`), timed in
     the same rounds, alternated with the full-buffer run; `dp_moe_counted_speedup` = full / counted, and
@@ -21,11 +21,11 @@ Run from the repo root: `python3 benchmarks/gpu_trt_check.py --json $OUT/gpu_trt
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
+from device_figures import Figures  # benchmarks/, the script's folder, is sys.path[0]
 from moe_export.export.decode_model import counted_moe_op, full_buffer_moe_op
 from moe_export.export.plan_memory import EXPOSED_GPU_BYTES
 from moe_export.plugins.moe_mxfp4.sizes import tile_config, workspace_bytes
@@ -80,17 +80,17 @@ def wall_ms(fn, device: torch.device, calls: int = 1) -> float:
 
 
 def dp_moe_full_and_counted(device: torch.device, shapes: dict, inp: dict, repeats: int) -> dict:
-    """Time the expert op over the whole receive buffer (fp32 in and out, as the graph casts today) and in its
+    """Time the expert op over the whole receive buffer (bf16 in and out, as the graph hands it) and in its
     counted-rows mode (recv_counts making `rows_with_tokens` rows valid, `row_bound` rows chunked, bf16 in and
     out), in interleaved rounds (median of each), with the decode-step model's bytes for the full-buffer run and
     the bandwidth they imply, and the counted rows' largest difference from the full-buffer ones."""
     rows, k, dim, inter, local = (shapes[n] for n in ("rows", "top_k", "dim", "inter", "num_local"))
-    x32, used = inp["x"].float(), shapes["rows_with_tokens"]
-    full_out = torch.empty(rows, dim, dtype=torch.float32, device=device)
+    used = shapes["rows_with_tokens"]
+    full_out = torch.empty(rows, dim, dtype=torch.bfloat16, device=device)
     counted_out = torch.empty(rows, dim, dtype=torch.bfloat16, device=device)
 
     def full():
-        moe_mxfp4_triton(x32, inp["ids"], inp["weights"], *inp["packed"], expert_offset=0, out=full_out)
+        moe_mxfp4_triton(inp["x"], inp["ids"], inp["weights"], *inp["packed"], expert_offset=0, out=full_out)
 
     def counted(tiles=None):
         moe_mxfp4_triton(inp["x"], inp["ids"], inp["weights"], *inp["packed"], expert_offset=0, out=counted_out,
@@ -105,13 +105,13 @@ def dp_moe_full_and_counted(device: torch.device, shapes: dict, inp: dict, repea
     rounds = [(wall_ms(full, device), wall_ms(counted, device, COUNTED_CALLS_PER_ROUND),
                wall_ms(counted_decode_tiles, device, COUNTED_CALLS_PER_ROUND)) for _ in range(repeats)]  # fmt: skip
     full_ms, counted_ms, decode_tiles_ms = (statistics.median(times) for times in zip(*rounds))
-    scale = max(float(full_out[:used].abs().max()), 1.0)
+    scale = max(float(full_out[:used].float().abs().max()), 1.0)
     model = full_buffer_moe_op(rows, k, dim, inter, local)
-    moved = model["partial_sum_bytes"] + model["output_bytes"]
+    moved = model["partial_sum_bytes"] + rows * dim * full_out.element_size()  # the model's output is fp32; ours bf16
     return {"dp_moe_full_buffer_ms": full_ms, "dp_moe_counted_ms": counted_ms,
             "dp_moe_counted_speedup": full_ms / counted_ms, "dp_moe_counted_decode_tiles_ms": decode_tiles_ms,
             "decode_tiles": decode_tiles,
-            "dp_moe_counted_max_rel_diff": float((counted_out[:used].float() - full_out[:used]).abs().max()) / scale,
+            "dp_moe_counted_max_rel_diff": float((counted_out[:used].float() - full_out[:used].float()).abs().max()) / scale,
             "model": model, "counted_model": counted_moe_op(shapes["row_bound"], k, dim, inter, local),
             "model_pass_bytes": moved, "implied_pass_gb_per_s": moved / full_ms / 1e6, "shapes": shapes}  # fmt: skip
 
@@ -163,14 +163,18 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     shapes = K3_SHAPES if device.type == "cuda" else TINY_SHAPES
-    inp = moe_inputs(device, shapes)  # the graph replay, last, changes its receive counts
-    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              **usable_memory(device), **dp_moe_full_and_counted(device, shapes, inp, args.repeats),
-              **counted_graph_replay(device, shapes, inp)}  # fmt: skip
-    print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    fig = Figures(args.json)  # written after every stage
+    with fig.stage("dp_moe_device"):
+        fig["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        fig.update(usable_memory(device))
+    with fig.stage("dp_moe_inputs"):
+        inp = moe_inputs(device, shapes)  # the graph replay, last, changes its receive counts
+    if "dp_moe_inputs_error" in fig:
+        return
+    with fig.stage("dp_moe_timing"):
+        fig.update(dp_moe_full_and_counted(device, shapes, inp, args.repeats))
+    with fig.stage("dp_moe_graph"):
+        fig.update(counted_graph_replay(device, shapes, inp))
 
 
 if __name__ == "__main__":

@@ -204,7 +204,7 @@ def rendezvous_store(mapping: RankMapping, backend: str):
     return master if mapping.rank == 0 else store
 
 
-def torch_group_comms(mapping: RankMapping, backend: str, device=None) -> dict[str, Any]:
+def torch_group_comms(mapping: RankMapping, backend: str, device=None, timeout_s: float | None = None) -> dict[str, Any]:
     """torch.distributed process groups of this rank's "tp" and "ep" groups over `backend` ("nccl" on GPUs,
     "gloo" on CPU). `device`: this rank's torch.device; a CUDA one is made the current device first (as vLLM's
     `Worker.init_device`), so NCCL's communicators are made on it.
@@ -215,15 +215,19 @@ def torch_group_comms(mapping: RankMapping, backend: str, device=None) -> dict[s
     each takes the first it reaches (`reach`). gloo then binds each rank to one interface (GLOO_SOCKET_IFNAME, unless
     set): loopback when the whole world is on one host (NCCL's bootstrap too: NCCL_SOCKET_IFNAME, unless set), else
     the interface on the route between the hosts, so ranks on several hosts find each other whatever their hostnames
-    resolve to. Collective: every rank calls it, and every rank creates every group (torch.distributed requires it)."""
+    resolve to. Collective: every rank calls it, and every rank creates every group (torch.distributed requires it).
+    `timeout_s`: the collectives' timeout (torch's default when None)."""
+    import datetime
+
     import torch
     import torch.distributed as dist
 
     if device is not None and torch.device(device).type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend, store=rendezvous_store(mapping, backend), rank=mapping.rank,
-                                world_size=mapping.world_size)
+                                world_size=mapping.world_size, timeout=timeout)
     mine = {}
     for kind in ("tp", "ep"):
         for ranks in mapping.groups(kind):

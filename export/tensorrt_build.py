@@ -15,10 +15,13 @@ kernels are cubins for the recipe's GPU (`plugins/tensorrt_target.py`; PTX only 
 
 Memory. The build refuses a recipe whose per-GPU total (weights, pools for max_batch sequences with at least
 one max_seq_len, activation memory, plugin workspaces, reserve; `export/planner.py`) does not fit, before
-parsing; after the build it reads the engine's real activation memory (`device_memory_size_v2`, contract
-USER_MANAGED_DEVICE_MEMORY; it includes the MoE and indexer plugins' workspace outputs) and refuses an engine that needs more
-than the planner set aside for it. The
-builder's workspace limit is that budget too.
+parsing. Then, before the whole rank is built, a probe engine of its first layers (`probe_graph`: up to the first
+layer of each kind, KDA, MLA and MoE; 4 of K3's 93) is built with the same profile and settings and its activation
+memory (`device_memory_size_v2`, contract USER_MANAGED_DEVICE_MEMORY) checked against the plan: a probe over
+budget means the engine is (contract PROBE_MEMORY_BOUNDS_THE_ENGINE_BELOW), found in minutes rather than
+after the rank's whole build (its tactics land in the timing cache the whole build then reads). After the build
+the engine's own activation memory (it includes the MoE and indexer plugins' workspace outputs, and the head) is
+checked the same way. The builder's workspace limit is that budget too.
 
 File. `rank{N}.engine` is a safetensors file (`common/engine_file.py`; never pickle): one uint8 tensor `engine`
 holding TensorRT's serialized engine, and in the metadata `trt_engine` (JSON: rank, input and output names, the
@@ -42,6 +45,7 @@ Supported: TensorRT 10.9+ (AOT plugins, network preference flags), any NumPy (se
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import onnx
@@ -55,6 +59,7 @@ from moe_export.common.engine_file import (
 )
 from moe_export.common.errors import InputError
 from moe_export.export.planner import GIB, make_plan
+from moe_export.plugins.collectives.onnx_schema import COLLECTIVE_OPS
 from moe_export.plugins.tensorrt_runtime import import_tensorrt, register_plugins, select_device
 from moe_export.plugins.tensorrt_target import GPU_CAPABILITY, set_target_capability
 
@@ -137,6 +142,104 @@ def parse_network(trt, builder, logger, graph_path: Path, rank: int, prefer_aot:
     return network, parser
 
 
+PROBE_GRAPH = "probe.onnx"  # written beside the rank graph (its initializers point into the same weights file)
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def probe_graph(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The rank graph's first layers as a graph of their own: layers 0..k, k the first layer by which every layer
+    plugin of the graph (KDA, MLA, MoE, ...) has appeared; the nodes that need a later layer dropped, every tensor
+    of the kept part that a later layer reads an output (the residual stream, its snapshots, the last collective),
+    then only what those outputs need kept (the head goes). Types of the outputs from ONNX shape inference; initializers stay external."""
+    from moe_export.plugins.registry import register_all_schemas
+
+    register_all_schemas()
+    nodes = list(model.graph.node)
+    layer_of = [int(m.group(1)) if (m := _LAYER.search(n.name)) else None for n in nodes]
+    kinds: dict[int, set[str]] = {}
+    for node, layer in zip(nodes, layer_of):
+        if layer is not None and node.domain and node.op_type not in COLLECTIVE_OPS:
+            kinds.setdefault(layer, set()).add(node.op_type)
+    every, seen, last = set().union(*kinds.values()), set(), max(kinds)
+    for layer in sorted(kinds):
+        seen |= kinds[layer]
+        if seen == every:
+            last = layer
+            break
+    dropped_tensors: set[str] = set()
+    kept: list[onnx.NodeProto] = []
+    for node, layer in zip(nodes, layer_of):  # topological order: a node needing a dropped tensor is dropped
+        if (layer is not None and layer > last) or any(i in dropped_tensors for i in node.input):
+            dropped_tensors.update(node.output)
+        else:
+            kept.append(node)
+    produced = {o for n in kept for o in n.output}
+    crossing = sorted({i for n, layer in zip(nodes, layer_of) if layer is not None and layer > last
+                       for i in n.input if i in produced})  # what the later layers read of the kept part
+    needed, closure = set(crossing), []
+    for node in reversed(kept):  # only what the outputs need
+        if any(o in needed for o in node.output):
+            closure.append(node)
+            needed.update(node.input)
+    closure.reverse()
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v.type for v in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]}
+    outputs = []
+    for name in crossing:
+        if name not in types:
+            raise InputError(f"probe graph: no type for {name!r}, which crosses from layer {last} to the next")
+        outputs.append(onnx.ValueInfoProto(name=name, type=types[name]))
+    graph = onnx.helper.make_graph(
+        closure, f"{model.graph.name}.probe", [v for v in model.graph.input if v.name in needed], outputs,
+        [t for t in model.graph.initializer if t.name in needed])
+    probe = onnx.helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
+    probe.metadata_props.extend(model.metadata_props)
+    probe.metadata_props.add(key="probe_layers", value=str(last + 1))
+    return probe
+
+
+def probe_memory(trt, builder, logger, graph_path: Path, recipe, mapping, memory: dict, prefer_aot: bool,
+                 cache_path: Path) -> int:
+    """Build the probe engine of the rank's first layers (`probe_graph`) and return its activation memory; an
+    InputError when it is already more than the plan set aside for the whole engine."""
+    from moe_export.plugins.collectives.nccl import building
+
+    model = onnx.load(str(graph_path), load_external_data=False)
+    probe = probe_graph(model)
+    path = graph_path.with_name(PROBE_GRAPH)
+    path.write_bytes(probe.SerializeToString())
+    layers = next(p.value for p in probe.metadata_props if p.key == "probe_layers")
+    network, parser = parse_network(trt, builder, logger, path, mapping.rank, prefer_aot)
+    config, timing_cache = builder_config(trt, builder, network, memory["activations"] + memory["plugin_workspaces"],
+                                          engine_profile(probe, recipe), cache_path)  # fmt: skip
+    plan = path.with_suffix(".engine")
+    with EngineFileWriter(plan) as sink:  # streamed to disk and back as the whole engine is (ENGINE_STREAMS)
+        with building():
+            _checked(serialize_engine(trt, builder, network, config, sink),
+                     f"building rank {mapping.rank}'s probe engine ({layers} layers)")
+        sink.flush()
+        del network, parser
+        engine = trt.Runtime(logger).deserialize_cuda_engine(stream_reader(trt, plan, sink.data_offset, sink.size))
+        _checked(engine is not None, "deserializing the probe engine")
+        device_memory = int(engine.device_memory_size_v2)
+        del engine
+    cache_path.write_bytes(bytes(timing_cache.serialize()))  # the whole build reuses the probe's tactics
+    path.unlink()
+    plan.unlink()
+    planned = planned_engine_memory(memory)
+    if device_memory > planned:
+        raise InputError(
+            f"recipe {recipe.name}: rank {mapping.rank}'s first {layers} layers alone need {device_memory / GIB:.2f} "
+            f"GiB of activation memory (probe engine), the plan set aside {planned / GIB:.2f} GiB for the whole "
+            "engine: lower limits.max_num_tokens (found before building the whole rank)")
+    return device_memory
+
+
+def planned_engine_memory(memory: dict) -> int:
+    """The plan's bytes for an engine's device memory: activations and the workspaces that are plugin outputs."""
+    return memory["activations"] + sum(memory.get(f"workspace.{k}", 0) for k in ENGINE_WORKSPACES)
+
+
 def builder_config(trt, builder, network, workspace: int, profile_dims: dict, cache_path: Path):
     """(config, timing cache): the workspace limit, one auxiliary-stream-free stream (contract MAX_AUX_STREAMS:
     each MoE layer's tp all-reduce and ep all-to-all are independent branches, and NCCL needs the same
@@ -172,7 +275,7 @@ def engine_meta(recipe, mapping, memory: dict, engine, io_names: tuple[list, lis
     the plan set aside (the MoE and indexer workspaces and the dp layout's all-to-all buffers are plugin
     outputs, so inside the engine's device memory)."""
     device_memory = int(engine.device_memory_size_v2)
-    planned = memory["activations"] + sum(memory.get(f"workspace.{k}", 0) for k in ENGINE_WORKSPACES)
+    planned = planned_engine_memory(memory)
     if device_memory > planned:
         raise InputError(
             f"recipe {recipe.name}: rank {mapping.rank}'s engine needs {device_memory / GIB:.2f} GiB of activation "
@@ -209,8 +312,9 @@ def build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path, *, 
     profile_dims = engine_profile(onnx.load(str(graph_path), load_external_data=False), recipe)
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
-    network, parser = parse_network(trt, builder, logger, graph_path, mapping.rank, prefer_aot)
     cache_path = out_path.with_suffix(".timing_cache")
+    probe = probe_memory(trt, builder, logger, graph_path, recipe, mapping, memory, prefer_aot, cache_path)
+    network, parser = parse_network(trt, builder, logger, graph_path, mapping.rank, prefer_aot)
     config, timing_cache = builder_config(trt, builder, network, memory["activations"] + memory["plugin_workspaces"],
                                           profile_dims, cache_path)  # fmt: skip
     io_names = ([network.get_input(i).name for i in range(network.num_inputs)],
@@ -222,7 +326,8 @@ def build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path, *, 
         del network, parser  # the parser's weights, before the plan is read back
         engine = trt.Runtime(logger).deserialize_cuda_engine(stream_reader(trt, tmp, sink.data_offset, sink.size))
         _checked(engine is not None, "deserializing the engine just built")
-        meta = engine_meta(recipe, mapping, memory, engine, io_names, profile_dims, prefer_aot)
+        meta = {**engine_meta(recipe, mapping, memory, engine, io_names, profile_dims, prefer_aot),
+                "probe_device_memory_bytes": probe}
         sink.finish({ENGINE_KEY: json.dumps(meta, sort_keys=True), "tensorrt_version": trt.__version__})
     with atomic_path(cache_path) as tmp:
         tmp.write_bytes(bytes(timing_cache.serialize()))

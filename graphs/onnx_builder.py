@@ -50,8 +50,10 @@ def read_safetensors_index(path: Path) -> dict[str, tuple[str, list[int], int, i
 class GraphBuilder:
     """Accumulates nodes, initializers (external, from the weights file) and small constants."""
 
-    def __init__(self, weights_path: Path, compute_dtype: int = TensorProto.FLOAT):
+    def __init__(self, weights_path: Path, compute_dtype: int = TensorProto.FLOAT, ordered_collectives: bool = False):
         self.act = compute_dtype  # element type of activations and of weights used as stored
+        self.ordered_collectives = ordered_collectives  # `collective`: each collective after the previous one
+        self._last_collective: str | None = None
         self.weights_file = weights_path.name
         self.index = read_safetensors_index(weights_path)
         self.nodes: list[onnx.NodeProto] = []
@@ -206,8 +208,20 @@ class GraphBuilder:
     def slice_last(self, x: str, start: int, end: int, name: str) -> str:
         return self.op("Slice", [x, self.const([start]), self.const([end]), self.const([-1])], name)
 
+    def collective(self, op_type: str, inputs: list[str], name: str, n_out: int = 1, **attrs):
+        """A collective node (`plugin`). With ordered collectives (`GraphForm.ordered_collectives`: TensorRT
+        graphs) it takes one more input, `after`: the previous collective's first output (the first collective's:
+        its own first input), of the activations' type; the plugin never reads it. Every two collectives of the
+        graph are then ordered by a data path (contract TRT_ORDERS_BY_DATA_DEPENDENCIES)."""
+        if self.ordered_collectives:
+            inputs = [*inputs, self._last_collective or inputs[0]]
+        out = self.plugin(op_type, inputs, name, n_out, **attrs)
+        if self.ordered_collectives:
+            self._last_collective = out if n_out == 1 else out[0]
+        return out
+
     def all_reduce(self, x: str, group: str, size: int, name: str) -> str:
-        return x if size == 1 else self.plugin("AllReduce", [x], name, group=group, reduce_op="sum")
+        return x if size == 1 else self.collective("AllReduce", [x], name, group=group, reduce_op="sum")
 
 
 def graph_summary(model: onnx.ModelProto) -> dict:

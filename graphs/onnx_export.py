@@ -78,7 +78,7 @@ class RankGraph(AttentionLayers, FeedForwardLayers):
         # plugins/tensorrt_contracts.py: PARSER_UINT8_WEIGHTS_BECOME_INT32)
         self.mxfp4_type = TensorProto.INT8 if form.pools_in_place else TensorProto.UINT8
         self.cache_type = cache_storage_type(kv_cache)
-        self.g = GraphBuilder(weights_path, form.compute_dtype)
+        self.g = GraphBuilder(weights_path, form.compute_dtype, form.ordered_collectives)
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
         self.use_indexer = use_indexer and cfg.has_dsa
@@ -128,7 +128,7 @@ class RankGraph(AttentionLayers, FeedForwardLayers):
         normed = g.rms_norm(h, model_prefix(cfg) + "norm.weight", cfg.rms_norm_eps, "final_norm")
         name = model_prefix(cfg) + "embed_tokens.weight" if cfg.tie_word_embeddings else lm_head_name(cfg)
         logits = g.to_f32(g.linear(normed, name, "lm_head"), "lm_head")
-        return logits if m.tp == 1 else g.plugin("AllGather", [logits], "lm_head.all_gather", group="tp", axis=-1,
+        return logits if m.tp == 1 else g.collective("AllGather", [logits], "lm_head.all_gather", group="tp", axis=-1,
                                                    group_size=m.tp)
 
     # ---- attention residuals ----

@@ -29,10 +29,15 @@ class GraphForm:
     as stored); pools_in_place: no state pool is a graph input or output, the plugins reach the pools through the
     pool table input [P, 3] int64 (`plugins/pool_table.py`) and update them in place, MoE receive buffers are
     static (bounded by the recipe's limits) and plugin scratch is a plugin output; otherwise the pools are graph
-    inputs and the step's new states and cache rows graph outputs, which the runtime writes back."""
+    inputs and the step's new states and cache rows graph outputs, which the runtime writes back;
+    ordered_collectives: every collective node takes one more input, `after` (the graph's previous collective's
+    first output; the first one's: its own input), so that every two collectives are ordered by a data path: an
+    engine that orders its layers by data dependencies alone runs them in the graph's order, the same on every rank
+    (`GraphBuilder.collective`; the ONNX Runtime backend runs them between segments in the graph's order anyway)."""
 
     compute_dtype: int = TensorProto.FLOAT
     pools_in_place: bool = False
+    ordered_collectives: bool = False
 
 
 def cache_storage_type(kv_cache: str) -> int:

@@ -72,7 +72,7 @@ class FeedForwardLayers:
         g, m = self.g, self.m
         pads = g.op("Concat", [g.const([0, 0]), short, g.const([0])], f"{name}.pads", axis=0)
         padded = g.op("Pad", [y, pads], f"{name}.padded")
-        gathered = g.plugin("AllGather", [padded], name, group="tp", axis=0, group_size=m.tp)
+        gathered = g.collective("AllGather", [padded], name, group="tp", axis=0, group_size=m.tp)
         return g.op("Slice", [gathered, g.const([0]), rows, g.const([0])], f"{name}.rows")
 
     def moe(self, i: int, x: str) -> str:
@@ -101,7 +101,7 @@ class FeedForwardLayers:
             bound = {}
             if self.form.pools_in_place:  # TensorRT: static shapes, receive buffers bounded by the recipe's limits
                 bound = dict(group_size=m.ep, max_recv_rows=m.max_recv_rows(self.limits.max_num_tokens))
-            z, ids, w, *layout = g.plugin("MoEDispatch", [z, ids, w], f"{n}.dispatch", 6, group="ep",
+            z, ids, w, *layout = g.collective("MoEDispatch", [z, ids, w], f"{n}.dispatch", 6, group="ep",
                                           num_experts=cfg.num_experts, **bound)
         experts = [g.weight(e + t, as_float=False, byte_view=self.mxfp4_type)
                    for t in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")]
@@ -135,7 +135,7 @@ class FeedForwardLayers:
         else:
             partial = g.to_act(partial, f"{n}.experts")
         if m.all_to_all:  # back to the tokens' ranks, summed per token (latent space)
-            y = g.plugin("MoECombine", [partial, *layout, dispatched], f"{n}.combine", group="ep")
+            y = g.collective("MoECombine", [partial, *layout, dispatched], f"{n}.combine", group="ep")
             if m.tp > 1:
                 y = self.gather_shares(y, rows_taken, short, f"{n}.token_all_gather")
         else:

@@ -12,10 +12,20 @@ reads two parameters past TensorRT's list (the segfault seen on the H200).
 They are satisfied here by removing them from the PTX entry, which is exact only when the kernel needs no
 scratch (both sizes 0) and its body never names them; anything else is refused (ValueError), as is an entry with
 fewer parameters than TensorRT passes. PTX, not the cubin (whose entry cannot be edited): the driver compiles it
-for the GPU when the engine loads.
+for the GPU when the engine loads, and a driver refuses PTX of a newer ISA than its CUDA version knows
+(contract AOT_PTX_ISA_FOR_THE_DRIVER): Triton writes the ISA of the ptxas it ships (Triton 3.9's, CUDA 13: 9.4),
+which no CUDA-12 driver loads. So every AOT compile asks Triton for `TENSORRT_PTX_VERSION` (`aot_compile_options`)
+and `tensorrt_ptx` refuses PTX of a later ISA.
 """
 
 import re
+
+TENSORRT_PTX_VERSION = 80  # PTX ISA 8.0 (CUDA 12.0): what every driver TensorRT 10.13's CUDA-12 build runs on loads
+
+
+def aot_compile_options(**options) -> dict:
+    """Triton compile options of an AOT kernel for TensorRT: `options` with the PTX ISA pinned."""
+    return {**options, "ptx_version": TENSORRT_PTX_VERSION}
 
 
 def tensorrt_ptx(kernel, plugin_id: str, num_params: int) -> str:
@@ -30,7 +40,13 @@ def tensorrt_ptx(kernel, plugin_id: str, num_params: int) -> str:
 
 def ptx_with_parameters(ptx: str, entry: str, num_params: int, plugin_id: str) -> str:
     """`ptx` with the parameters of `.entry entry` past the first `num_params` removed; ValueError when it has
-    fewer, or when the body names a removed one."""
+    fewer, when the body names a removed one, or when its ISA is later than `TENSORRT_PTX_VERSION`."""
+    version = re.search(r"^\.version (\d+)\.(\d+)", ptx, re.M)
+    if version is None or int(version.group(1)) * 10 + int(version.group(2)) > TENSORRT_PTX_VERSION:
+        found = "no .version" if version is None else f"PTX ISA {version.group(1)}.{version.group(2)}"
+        raise ValueError(f"{plugin_id}: {found}; TensorRT's CUDA-12 drivers load PTX ISA up to "
+                         f"{TENSORRT_PTX_VERSION // 10}.{TENSORRT_PTX_VERSION % 10} (compile with "
+                         "aot_contract.aot_compile_options)")
     head = re.search(rf"\.entry\s+{re.escape(entry)}\s*\((.*?)\)", ptx, re.S)
     if head is None:
         raise ValueError(f"{plugin_id}: no .entry {entry} in the PTX")

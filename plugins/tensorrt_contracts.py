@@ -153,6 +153,40 @@ CONTRACTS = {c.name: c for c in (
        IBuilderConfig.max_aux_streams (in the 10.9 and 11.4 bindings).""",
        "TensorRT include/NvInfer.h:11170-11197 (setMaxAuxStreams), python/src/infer/pyCore.cpp:1757; "
        "tensorrt_bindings/tensorrt.so (10.9.0.34, 11.4.0.106): `max_aux_streams`"),
+    _c("TRT_ORDERS_BY_DATA_DEPENDENCIES",
+       """A built engine runs a layer after the layers that produce its inputs; no other order is promised: the
+       builder fuses, reorders and (without setMaxAuxStreams(0)) spreads independent layers over streams by its own
+       heuristics and timings, so two independent plugin layers may run in either order, differently in engines
+       built separately (every rank builds its own). NCCL, for its part, needs every communicator's collectives
+       submitted in the same order on all its ranks, and operations on different communicators ordered alike
+       ("applications should ensure operations are submitted in the same order across ranks"), else a hang.
+       So each collective plugin of a rank graph takes the graph's previous collective's output as a last input,
+       `after` (`GraphForm.ordered_collectives`, `GraphBuilder.collective`): every two collectives are ordered
+       by a data path, the graph's order, the same on every rank (tests/test_collective_order.py).""",
+       "TensorRT include/NvInfer.h:11170-11197 (setMaxAuxStreams: the only execution-order control; independent "
+       "layers on auxiliary streams otherwise), no ordering of independent layers in INetworkDefinition / "
+       "IBuilderConfig; NCCL user guide, usage/communicators.html \"Using multiple NCCL communicators "
+       "concurrently\"; NVIDIA/nccl issue #195 (the maintainers: operations on two communicators in different "
+       "orders across ranks can deadlock)"),
+    _c("AOT_PTX_ISA_FOR_THE_DRIVER",
+       """An AOT plugin's PTX is compiled by the driver when the engine loads (cuModuleLoadData JIT), and a driver
+       refuses PTX of an ISA newer than its CUDA version (CUDA_ERROR_UNSUPPORTED_PTX_VERSION): ISA 8.0 came with
+       CUDA 12.0, 9.0 with CUDA 13.0. TensorRT 10.13's CUDA-12 build runs on CUDA 12.0 to 12.9 drivers, so its AOT
+       PTX is ISA 8.0 (`aot_contract.TENSORRT_PTX_VERSION`). Triton writes the ISA of the ptxas it ships unless
+       told (`ptx_version` option): Triton 3.9's (CUDA 13) gives 9.4, which no CUDA-12 driver loads.""",
+       "CUDA Driver API cuModuleLoadData / CUDA_ERROR_UNSUPPORTED_PTX_VERSION (cuda.h); PTX ISA reference, "
+       "release notes table (ISA 8.0: CUDA 12.0; ISA 9.0: CUDA 13.0); TensorRT 10.13 support matrix (CUDA 12.0-12.9 "
+       "for the cu12 packages); triton backends/nvidia/compiler.py (3.9.0) lines 58-85 (ptx_get_version from the "
+       "ptxas version, overridden by options.ptx_version) and 563-564 (the PTX's .version line)"),
+    _c("PROBE_MEMORY_BOUNDS_THE_ENGINE_BELOW",
+       """An engine's device memory (getDeviceMemorySizeV2: activations and the scratch of its layers, shared between
+       tensors whose lifetimes do not overlap) is the peak over its layers' needs, so an engine of the first layers
+       of a network, built with the same profile and settings, needs no more than the whole network's engine: a
+       probe over the plan's budget means the whole engine is too (`tensorrt_build.probe_memory`). Not the
+       converse: the whole engine is still checked after its build.""",
+       "TensorRT include/NvInferRuntime.h (ICudaEngine::getDeviceMemorySizeV2: the device memory an execution "
+       "context needs, the user-managed allocation the runner makes); TensorRT developer guide, \"Memory\" "
+       "(activation memory: intermediate tensors, reused between layers whose lifetimes do not overlap)"),
     _c("ENGINE_STREAMS",
        """Building to a stream: IBuilder::buildSerializedNetworkToStream(network, config, IStreamWriter&) writes
        the plan in chunks through the writer's write(data) -> bytes written (Python:

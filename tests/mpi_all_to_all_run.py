@@ -154,7 +154,7 @@ def run_plugins(comm, qdp, tensorrt_plugin, handle, x, ids, w, bound, ep, rank, 
             torch.full((ep,), 99, dtype=torch.int64), torch.full((ep,), 99, dtype=torch.int64))
     fields = ("ep\0", np.array([EXPERTS], np.int32), np.array([ep], np.int32), np.array([bound], np.int32))
     with no_host_reads(no_reads):
-        qdp[tensorrt_plugin.MOE_DISPATCH].impl_func(handle(x), handle(ids), handle(w), *fields,
+        qdp[tensorrt_plugin.MOE_DISPATCH].impl_func(handle(x), handle(ids), handle(w), handle(x), *fields,
                                                      [handle(o) for o in outs], stream=7)
     recv_x, recv_ids, recv_w, send_rows, send_counts, recv_counts = outs
     got = int(recv_counts.sum())
@@ -165,9 +165,9 @@ def run_plugins(comm, qdp, tensorrt_plugin, handle, x, ids, w, bound, ep, rank, 
     copied, y = torch.full(x.shape, float("nan")), torch.full(x.shape, float("nan"))
     with no_host_reads(no_reads):
         combine(handle(partial), handle(send_rows), handle(send_counts.clone()), handle(recv_counts.clone()),
-                handle(x), "ep\0", [handle(copied)], stream=7)
-        combine(handle(partial), handle(send_rows), handle(send_counts), handle(recv_counts), handle(x), "ep\0",
-                [handle(y)], stream=7)
+                handle(x), handle(x), "ep\0", [handle(copied)], stream=7)  # `after` (never read): any tensor
+        combine(handle(partial), handle(send_rows), handle(send_counts), handle(recv_counts), handle(x), handle(x),
+                "ep\0", [handle(y)], stream=7)
     sent = int(send_counts.sum())
     rows_ok = (bound_ok and comm.recv_bound is None and bool(torch.isnan(recv_x[-1]).all())
                and bool((send_rows >= -1).all()) and int((send_rows >= 0).sum()) == sent)

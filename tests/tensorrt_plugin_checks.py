@@ -205,6 +205,7 @@ def test_aot_launch_parameters_and_extra_args(node, types, monkeypatch):
     # scratch pointers, which the compiled kernel declares after them, removed: aot_kernel_code's contract)
     ptx = launch["ptx"].decode() if isinstance(launch["ptx"], bytes) else launch["ptx"]
     assert ".target sm_90" in ptx and not ptx.startswith("\x7fELF") and launch["shared"] == compiled[-1].metadata.shared
+    assert ".version 8.0\n" in ptx  # the ISA a CUDA-12 driver loads (contract AOT_PTX_ISA_FOR_THE_DRIVER), not 9.x
     kinds = _ptx_param_kinds(ptx, launch["kernel"])
     n_in, n_out, n_extra = len(node.input), len(node.output), len(launch["extras"])
     assert kinds == ["ptr"] * n_in + [".u32"] * n_extra + ["ptr"] * n_out
@@ -253,19 +254,20 @@ def test_collectives_are_in_engine_plugins_that_do_nothing_while_building():
     out = _tensor(trt.bfloat16, (5, 16), (16, 1), 0x8000)
     nccl.set_communicators({})
     with nccl.building():
-        assert reduce(x, "tp\0", "sum\0", [out], stream=7) is None
-        assert gather(x, "tp\0", np.array([-1], np.int32), np.array([2], np.int32), [out], stream=7) is None
+        assert reduce(x, x, "tp\0", "sum\0", [out], stream=7) is None  # `after`: any earlier tensor, never read
+        assert gather(x, x, "tp\0", np.array([-1], np.int32), np.array([2], np.int32), [out], stream=7) is None
     assert not nccl.is_building()
     with pytest.raises(RuntimeError, match="no communicator for group 'ep'"):
-        reduce(x, "ep\0", "sum\0", [out], stream=7)
+        reduce(x, x, "ep\0", "sum\0", [out], stream=7)
     dispatch = QDP[f"{DOMAIN}::MoEDispatch"].impl_func
     combine = QDP[f"{DOMAIN}::MoECombine"].impl_func
     ids = _tensor(trt.int64, (5, 2), (2, 1), 0x9000)
     with nccl.building():  # TensorRT times the all-to-alls too: nothing may be sent then
-        assert dispatch(x, ids, out, "ep\0", *(np.array([v], np.int32) for v in (8, 8, 40)), [out] * 6, stream=7) is None
-        assert combine(out, ids, ids, ids, x, "ep\0", [out], stream=7) is None
+        assert dispatch(x, ids, out, x, "ep\0", *(np.array([v], np.int32) for v in (8, 8, 40)), [out] * 6,
+                        stream=7) is None
+        assert combine(out, ids, ids, ids, x, x, "ep\0", [out], stream=7) is None
     with pytest.raises(RuntimeError, match="no communicator for group 'ep'"):
-        dispatch(x, ids, out, "ep\0", *(np.array([v], np.int32) for v in (8, 8, 40)), [out] * 6, stream=7)
+        dispatch(x, ids, out, x, "ep\0", *(np.array([v], np.int32) for v in (8, 8, 40)), [out] * 6, stream=7)
     groups = {n.op_type: {a.name for a in n.attribute} for _, n, _ in NODES
               if n.op_type in ("AllReduce", "AllGather", "MoEDispatch", "MoECombine")}
     assert groups["AllReduce"] >= {"group", "reduce_op"} and groups["AllGather"] >= {"group", "axis", "group_size"}
@@ -302,7 +304,7 @@ def test_aot_kernel_above_48_kib_of_shared_memory_is_refused():
     scratch, or reads a parameter TensorRT does not pass, is refused too."""
     from types import SimpleNamespace
 
-    ptx = ".entry k(\n\t.param .u64 .ptr .global k_param_0,\n\t.param .u32 k_param_1,\n\t.param .u64 k_param_2,\n" \
+    ptx = ".version 8.0\n.target sm_90\n.entry k(\n\t.param .u64 .ptr .global k_param_0,\n\t.param .u32 k_param_1,\n\t.param .u64 k_param_2,\n" \
           "\t.param .u64 k_param_3\n)\n{\n\tld.param.b32 %r1, [k_param_1];\n}\n"  # fmt: skip
 
     def kernel(shared=48 * 1024, scratch=0, code=ptx):
@@ -319,6 +321,8 @@ def test_aot_kernel_above_48_kib_of_shared_memory_is_refused():
         tensorrt_common.aot_kernel_code(kernel(), "x", 1)
     with pytest.raises(ValueError, match="TensorRT passes 5"):
         tensorrt_common.aot_kernel_code(kernel(), "x", 5)
+    with pytest.raises(ValueError, match="PTX ISA 9.4; TensorRT's CUDA-12 drivers load PTX ISA up to 8.0"):
+        tensorrt_common.aot_kernel_code(kernel(code=ptx.replace(".version 8.0", ".version 9.4")), "x", 2)
 
 
 def test_parser_refuses_a_uint8_weight_feeding_a_plugin():
@@ -642,9 +646,12 @@ def test_dp_recipe_builds_at_world_8_through_the_standin(tmp_path, monkeypatch):
     out = tmp_path / "engine"
     build(recipe, out)
     ranks = [e for e in log if e[0] == "parse" and "MoEDispatch" in e[2]]  # (the tower graph is parsed too)
+    probes = [e for e in ranks if e[1].endswith("probe.onnx")]  # each rank's first layers, built and checked first
+    ranks = [e for e in ranks if e not in probes]
     assert len(ranks) == 8 and all({"MoEDispatch", "MoECombine", "MoEMXFP4", "AllGather"} <= set(e[2]) for e in ranks)
-    rank_builds = [e[2] for e in log if e[0] == "build" and e[1] in {r[1] for r in ranks}]
-    assert rank_builds == [True] * 8  # every rank's collectives idle while building
+    assert len(probes) == 8 and all({"MoEDispatch", "MoECombine", "MoEMXFP4"} <= set(e[2]) for e in probes)
+    rank_builds = [e[2] for e in log if e[0] == "build" and e[1] in {r[1] for r in ranks + probes}]
+    assert rank_builds == [True] * 16  # every rank's collectives idle while building (probe and whole engine)
     for rank in range(8):
         meta, _ = read_engine_file(out / f"rank{rank}" / f"rank{rank}.engine")
         assert meta["rank"] == rank and meta["device_memory_bytes"] == planned[rank]

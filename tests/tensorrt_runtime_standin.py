@@ -130,7 +130,7 @@ class _Cuda:
 
     @staticmethod
     @contextlib.contextmanager
-    def graph(g, stream=None):
+    def graph(g, stream=None, capture_error_mode="global"):
         LOG.append(("capture",))
         yield
 

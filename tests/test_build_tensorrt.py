@@ -161,7 +161,9 @@ def fake_tensorrt(log: list, device_memory: int):
 def test_one_engine_per_rank_built_with_collectives_idle(tiny_graphs, tmp_path, monkeypatch, prefer_aot):  # noqa: F811
     """The whole rank graph is one network (collective nodes included), built on
     the rank's GPU with the collective plugins in their no-op build state, AOT or JIT from the recipe; the
-    engine's device memory is checked against the plan and recorded."""
+    engine's device memory is checked against the plan and recorded. Before it, a probe engine of the first
+    layers (one of each kind) is built the same way and its activation memory checked: over budget, the rank is
+    refused before its whole graph is even parsed."""
     gpu_path = tiny_graphs[2]
     recipe, _ = load_recipe("tiny-cpu.yaml")
     recipe = recipe.model_copy(update={"backend": "tensorrt", "target": recipe.target.model_copy(
@@ -175,21 +177,26 @@ def test_one_engine_per_rank_built_with_collectives_idle(tiny_graphs, tmp_path, 
     out = tmp_path / "rank1.engine"
     build_tensorrt_engine(gpu_path, recipe, Mapping(4, 1, 2, 2), out)
     kinds = [e[0] for e in log]
-    assert kinds.count("parse") == 1 and log[kinds.index("parse")][1] == str(gpu_path)  # the whole graph, once
+    parses = [e[1] for e in log if e[0] == "parse"]
+    assert parses == [str(gpu_path.with_name("probe.onnx")), str(gpu_path)]  # the probe, then the whole graph once
+    assert not gpu_path.with_name("probe.onnx").exists() and not gpu_path.with_name("probe.engine").exists()
     assert kinds.index("device") < kinds.index("build")
-    assert ("build", True, 0) in log  # collectives idle while building; one stream (contract MAX_AUX_STREAMS)
+    assert [e for e in log if e[0] == "build"] == [("build", True, 0)] * 2  # collectives idle; one stream (MAX_AUX_STREAMS)
     assert ("deserialize", b"engine-bytes") in log  # the plan read back from the file it was streamed to
     flags = next(e[1] for e in log if e[0] == "network_flags")
     assert flags == (1 << 0) | (1 << (5 if prefer_aot else 4))
     meta, blob = read_engine_file(out)
     assert blob == b"engine-bytes" and meta["prefer_aot"] is prefer_aot and meta["device_memory_bytes"] == budget
+    assert meta["probe_device_memory_bytes"] == budget
     graph = onnx.load(str(gpu_path), load_external_data=False)
     assert set(meta["profile"]) == {v.name for v in graph.graph.input}
     assert {n.op_type for n in graph.graph.node} >= {"AllReduce", "AllGather"}  # inside the engine
-    # an engine needing more activation memory than the plan set aside is refused
+    # an engine needing more activation memory than the plan set aside is refused, at its probe
+    log.clear()
     monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt(log, device_memory=budget + 1))
-    with pytest.raises(InputError, match="activation memory"):
+    with pytest.raises(InputError, match=r"first \d+ layers alone need .* activation memory \(probe engine\)"):
         build_tensorrt_engine(gpu_path, recipe, Mapping(4, 1, 2, 2), tmp_path / "again.engine")
+    assert [e[1] for e in log if e[0] == "parse"] == [str(gpu_path.with_name("probe.onnx"))]  # never the whole
     # a recipe that does not fit is refused before anything is parsed
     small = recipe.model_copy(update={"target": recipe.target.model_copy(update={"memory_gib": 0.05})})
     log.clear()
@@ -369,3 +376,29 @@ def test_stream_and_aux_stream_bindings_are_where_the_pinned_wheels_have_them():
             so = zf.read("tensorrt_bindings/tensorrt.so")
         for name, versions in STREAM_BINDINGS.items():
             assert ((b"\0" + name.encode() + b"\0") in so) == (version in versions), (version, name)
+
+
+def test_probe_graph_is_the_first_layer_of_each_kind_and_parses(tiny_graphs):  # noqa: F811
+    """The probe (`tensorrt_build.probe_graph`) of each TensorRT rank graph: its layers up to the first of every
+    layer plugin (KDA, MLA, MoE; the indexer where there is one), no head, the residual stream and what later
+    layers read as outputs; a valid ONNX model (checker, full) holding nothing TensorRT's parser refuses."""
+    from moe_export.export.tensorrt_build import probe_graph
+    from moe_export.plugins.registry import register_all_schemas
+    from tensorrt_parser_rules import parser_refusals
+
+    register_all_schemas()
+    for path in tiny_graphs[2:]:  # tiny-k3-dsa tp, tiny-k3 tp, tiny-k3 dp: backend tensorrt
+        model = onnx.load(str(path), load_external_data=False)
+        probe = probe_graph(model)
+        layers = int(next(p.value for p in probe.metadata_props if p.key == "probe_layers"))
+        plugins = {n.op_type for n in model.graph.node if n.domain and n.name.startswith("layers.")}
+        assert plugins <= {n.op_type for n in probe.graph.node if n.domain}  # every layer plugin, collectives too
+        assert plugins >= {"GatedDeltaScan", "SparseMLAAttention", "MoEMXFP4"}
+        assert 0 < layers < max(int(n.name.split(".")[1]) for n in model.graph.node if n.name.startswith("layers.")) + 1
+        assert not [n for n in probe.graph.node if n.name.startswith(("lm_head", "final", "logits"))]
+        assert f"layers.{layers - 1}.mlp_residual" in {o.name for o in probe.graph.output}
+        assert parser_refusals(probe) == [], path
+        probe_path = path.with_name("probe_check.onnx")
+        probe_path.write_bytes(probe.SerializeToString())
+        onnx.checker.check_model(str(probe_path), full_check=True)
+        probe_path.unlink()

@@ -147,6 +147,7 @@ def test_gpu_dp_step_check_dry_run_counts_the_transport_the_model_names(tmp_path
                           "--json", str(out)], env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads(out.read_text())
+    assert not [k for k in result if k.endswith("_error")], result  # every stage ran
     assert result["dp_layer_no_host_sync"] and result["dp_layer_padding_rows_zero"]
     assert result["dp_layer_vs_counted_max_err"] < 1e-5
     counted = {key: value for key, value in result["dp_layer_transport_ops"].items() if key != "names"}
@@ -171,10 +172,12 @@ def test_gpu_trt_check_dry_run_on_cpu(tmp_path):
                           "--repeats", "1", "--json", str(out)], env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads(out.read_text())
+    assert not [k for k in result if k.endswith("_error")], result  # every stage ran
     assert result["dp_moe_full_buffer_ms"] > 0 and result["model"]["chunks"] == 1
-    assert result["model_pass_bytes"] == 64 * 2 * 64 * 4 * 2 + 64 * 64 * 4
+    assert result["model_pass_bytes"] == 64 * 2 * 64 * 4 * 2 + 64 * 64 * 2  # fp32 partial sums, bf16 output
     assert result["dp_moe_counted_ms"] > 0
     assert result["dp_moe_counted_decode_tiles_ms"] > 0 and result["decode_tiles"]["block_m"] == 16
     assert result["dp_moe_counted_speedup"] == result["dp_moe_full_buffer_ms"] / result["dp_moe_counted_ms"]
     assert result["counted_model"] == counted_moe_op(8, 2, 64, 32, 2) and result["shapes"]["row_bound"] == 8
-    assert 0 < result["dp_moe_counted_max_rel_diff"] < 2e-2  # bf16 x, activations and y against the fp32 run
+    # both runs bf16 in and out: only the order of the fp32 partial sums may differ, then one bf16 rounding (2^-8)
+    assert 0 <= result["dp_moe_counted_max_rel_diff"] < 2e-2

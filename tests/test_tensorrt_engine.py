@@ -173,8 +173,8 @@ class FakeTorch:
 
         @staticmethod
         @contextlib.contextmanager
-        def graph(g, stream=None):
-            RECORD.append(("capture_begin", stream))
+        def graph(g, stream=None, capture_error_mode="global"):
+            RECORD.append(("capture_begin", stream, capture_error_mode))
             with FakeTorch.cuda.stream(stream):
                 yield
             RECORD.append(("capture_end", stream))
@@ -281,6 +281,7 @@ def test_decode_steps_replay_a_cuda_graph_per_bucket():
     kinds = [r[0] for r in RECORD]
     assert ("device_memory", 0x2000, 4096) in RECORD  # the shared activation buffer
     assert kinds.count("enqueue") == 2 and kinds.index("capture_begin") < len(kinds) - kinds[::-1].index("enqueue")
+    assert ("capture_begin", stream, "thread_local") in RECORD  # as TensorRT-LLM: other threads' CUDA calls allowed
     RECORD.clear()
     engine.step(batch)
     assert [r[0] for r in RECORD].count("replay") == 1 and "enqueue" not in [r[0] for r in RECORD]

@@ -128,36 +128,6 @@ def test_cuda_kernel_table_equals_cpu_kernels_in_the_triton_interpreter(runtime_
     assert got["same_tokens"] and got["max_err"] < 1e-4
 
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def test_gpu_rank_step_smoke_on_cpu(tmp_path):
-    """`benchmarks/gpu_rank_step.py --smoke`: the H200 benchmark's code at tiny-k3's sizes on CPU writes every key."""
-    out = tmp_path / "rank_step.json"
-    subprocess.run([sys.executable, str(REPO / "benchmarks/gpu_rank_step.py"), "--smoke", "--json", str(out)],
-                   check=True, capture_output=True, timeout=300)
-    fig = json.loads(out.read_text())
-    for key in ("rank_step_ms_32", "rank_step_ms_256", "rank_step_bound_ms_32", "rank_step_over_bound_32",
-                "tokens_per_s_per_gpu_32", "prefill_tokens_per_s_8k"):
-        assert fig[key] > 0, key
-    assert fig["cuda_graph_speedup_32"] is None and fig["smoke"] is True  # no CUDA graphs on CPU
-    assert fig["rank_step_over_bound_32"] == fig["rank_step_ms_32"] / fig["rank_step_bound_ms_32"]
-    assert 0 < fig["dispatch_rows_32"] < fig["dispatch_rows_256"]
-
-
-def test_gpu_torch_check_script_parses():
-    """The prepared H200 run: the shell script parses, runs both steps within 13 minutes, its Python compiles."""
-    import py_compile
-
-    script = REPO / "benchmarks/gpu_torch_check.sh"
-    subprocess.run(["bash", "-n", str(script)], check=True)
-    lines = [line.split() for line in script.read_text().splitlines() if line.startswith("timeout ")]
-    assert [line[3] for line in lines] == ["benchmarks/gpu_torch_check.py", "benchmarks/gpu_rank_step.py"]
-    assert sum(int(line[1]) for line in lines) <= 13 * 60
-    for step in lines:
-        py_compile.compile(str(REPO / step[3]), doraise=True)
-
-
 class EagerGraph:
     """Stands in for a captured CUDA graph on CPU: a replay runs the step again on the static inputs into the static
     logits."""

@@ -72,7 +72,7 @@ _ENGINE_CODE = (("export", "tensorrt_*.py"), ("export", "planner.py"), ("export"
                 ("common", "engine_file.py"))
 BACKEND = Backend(
     name="tensorrt",
-    graph_form=GraphForm(TensorProto.BFLOAT16, pools_in_place=True),
+    graph_form=GraphForm(TensorProto.BFLOAT16, pools_in_place=True, ordered_collectives=True),
     rank_stage=BackendStage("engine", fields=("limits", "target", "workspace_reserve_gib", "tensorrt"),
                             code=(*_ENGINE_CODE, ("plugins", "**/*.py")), libraries=("onnx", "tensorrt", "numpy"),
                             run=run_engine),

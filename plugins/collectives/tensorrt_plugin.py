@@ -21,6 +21,9 @@ dispatched tokens' shape. At run time the received rows fill the head of the buf
 (`nccl.Communicator.moe_dispatch`: the counted transport in eager steps, fixed blocks without a host value in
 decode steps, which CUDA graphs replay; the README's Parallelism section says how the bound is set and what it
 costs).
+Each of the four takes a last input `after` (the graph's previous collective's first output; never read): TensorRT
+orders layers by data dependencies alone (contract TRT_ORDERS_BY_DATA_DEPENDENCIES), so that path is what makes
+every rank's engine run its collectives in the graph's order, as NCCL requires of each communicator.
 One engine per rank, the collectives inside: no segment boundaries, one enqueue per step. The JIT impl needs
 Python in the engine (as every plugin here has). The ONNX Runtime backend keeps cutting the graph at these nodes.
 """
@@ -39,7 +42,7 @@ _FLOATS = ("FP32", "FP16", "BF16")
 
 
 @trtp.register(ALL_REDUCE)
-def _describe_reduce(x: trtp.TensorDesc, group: str, reduce_op: str) -> trtp.TensorDesc:
+def _describe_reduce(x: trtp.TensorDesc, after: trtp.TensorDesc, group: str, reduce_op: str) -> trtp.TensorDesc:
     """y like x; only `sum` is defined (an unknown reduction fails the build here)."""
     if text(reduce_op) != "sum":
         raise ValueError(f"{ALL_REDUCE}: reduce_op must be 'sum', got {text(reduce_op)!r}")
@@ -47,13 +50,15 @@ def _describe_reduce(x: trtp.TensorDesc, group: str, reduce_op: str) -> trtp.Ten
 
 
 @trtp.autotune(ALL_REDUCE)
-def _reduce_formats(x: trtp.TensorDesc, outputs: tuple[trtp.TensorDesc]) -> list[trtp.AutoTuneCombination]:
-    """Input and output share one of fp32 / fp16 / bf16; linear."""
-    return [trtp.AutoTuneCombination(f"{t}, {t}") for t in _FLOATS]
+def _reduce_formats(x: trtp.TensorDesc, after: trtp.TensorDesc,
+                    outputs: tuple[trtp.TensorDesc]) -> list[trtp.AutoTuneCombination]:  # fmt: skip
+    """Input and output share one of fp32 / fp16 / bf16, `after` any of them; linear."""
+    return [trtp.AutoTuneCombination(f"{t}, {a}, {t}") for t in _FLOATS for a in _FLOATS]
 
 
 @trtp.impl(ALL_REDUCE)
-def _run_reduce(x: trtp.Tensor, group: str, reduce_op: str, outputs: tuple[trtp.Tensor], stream: int) -> None:
+def _run_reduce(x: trtp.Tensor, after: trtp.Tensor, group: str, reduce_op: str, outputs: tuple[trtp.Tensor],
+                stream: int) -> None:  # fmt: skip
     """Nothing while building; else the group's NCCL all-reduce on TensorRT's stream into the output."""
     if is_building():
         return
@@ -63,7 +68,8 @@ def _run_reduce(x: trtp.Tensor, group: str, reduce_op: str, outputs: tuple[trtp.
 
 
 @trtp.register(ALL_GATHER)
-def _describe_gather(x: trtp.TensorDesc, group: str, axis: Int32Field, group_size: Int32Field) -> trtp.TensorDesc:
+def _describe_gather(x: trtp.TensorDesc, after: trtp.TensorDesc, group: str, axis: Int32Field,
+                     group_size: Int32Field) -> trtp.TensorDesc:  # fmt: skip
     """y = x with dim `axis` times group_size."""
     rank = len(x.shape_expr)
     a = scalar(axis) % rank
@@ -72,14 +78,15 @@ def _describe_gather(x: trtp.TensorDesc, group: str, axis: Int32Field, group_siz
 
 
 @trtp.autotune(ALL_GATHER)
-def _gather_formats(x: trtp.TensorDesc, outputs: tuple[trtp.TensorDesc]) -> list[trtp.AutoTuneCombination]:
-    """Input and output share one of fp32 / fp16 / bf16; linear."""
-    return [trtp.AutoTuneCombination(f"{t}, {t}") for t in _FLOATS]
+def _gather_formats(x: trtp.TensorDesc, after: trtp.TensorDesc,
+                    outputs: tuple[trtp.TensorDesc]) -> list[trtp.AutoTuneCombination]:  # fmt: skip
+    """Input and output share one of fp32 / fp16 / bf16, `after` any of them; linear."""
+    return [trtp.AutoTuneCombination(f"{t}, {a}, {t}") for t in _FLOATS for a in _FLOATS]
 
 
 @trtp.impl(ALL_GATHER)
-def _run_gather(x: trtp.Tensor, group: str, axis: Int32Field, group_size: Int32Field, outputs: tuple[trtp.Tensor],
-                stream: int) -> None:  # fmt: skip
+def _run_gather(x: trtp.Tensor, after: trtp.Tensor, group: str, axis: Int32Field, group_size: Int32Field,
+                outputs: tuple[trtp.Tensor], stream: int) -> None:  # fmt: skip
     """Nothing while building; else the group's NCCL all-gather on TensorRT's stream into the output."""
     if is_building():
         return
@@ -96,8 +103,9 @@ _DispatchBuffers = tuple[trtp.Tensor, trtp.Tensor, trtp.Tensor, trtp.Tensor, trt
 
 
 @trtp.register(MOE_DISPATCH)
-def _describe_dispatch(x: trtp.TensorDesc, expert_ids: trtp.TensorDesc, expert_weights: trtp.TensorDesc, group: str,
-                       num_experts: Int32Field, group_size: Int32Field, max_recv_rows: Int32Field) -> _DispatchOut:  # fmt: skip
+def _describe_dispatch(x: trtp.TensorDesc, expert_ids: trtp.TensorDesc, expert_weights: trtp.TensorDesc,
+                       after: trtp.TensorDesc, group: str, num_experts: Int32Field, group_size: Int32Field,
+                       max_recv_rows: Int32Field) -> _DispatchOut:  # fmt: skip
     """recv_x [R, D] like x, recv_ids [R, K] int64, recv_w [R, K] fp32 (R = max_recv_rows, the static bound),
     send_rows [T * K] int64 (where each token's choice comes back in the combine), send_counts / recv_counts
     [group_size] int64. A bound of 0 (a graph exported for ONNX
@@ -119,14 +127,16 @@ def _describe_dispatch(x: trtp.TensorDesc, expert_ids: trtp.TensorDesc, expert_w
 
 @trtp.autotune(MOE_DISPATCH)
 def _dispatch_formats(x: trtp.TensorDesc, expert_ids: trtp.TensorDesc, expert_weights: trtp.TensorDesc,
-                      outputs: _DispatchOut) -> list[trtp.AutoTuneCombination]:  # fmt: skip
-    """Activations in fp32 / fp16 / bf16 (received rows alike), int64 ids, rows and counts, fp32 weights."""
-    return [trtp.AutoTuneCombination(f"{t}, INT64, FP32, {t}, INT64, FP32, INT64, INT64, INT64") for t in _FLOATS]
+                      after: trtp.TensorDesc, outputs: _DispatchOut) -> list[trtp.AutoTuneCombination]:  # fmt: skip
+    """Activations in fp32 / fp16 / bf16 (the received rows alike, `after` any of them), int64 ids, rows and
+    counts, fp32 weights."""
+    return [trtp.AutoTuneCombination(f"{t}, INT64, FP32, {a}, {t}, INT64, FP32, INT64, INT64, INT64")
+            for t in _FLOATS for a in _FLOATS]
 
 
 @trtp.impl(MOE_DISPATCH)
-def _run_dispatch(x: trtp.Tensor, expert_ids: trtp.Tensor, expert_weights: trtp.Tensor, group: str,
-                  num_experts: Int32Field, group_size: Int32Field, max_recv_rows: Int32Field,
+def _run_dispatch(x: trtp.Tensor, expert_ids: trtp.Tensor, expert_weights: trtp.Tensor, after: trtp.Tensor,
+                  group: str, num_experts: Int32Field, group_size: Int32Field, max_recv_rows: Int32Field,
                   outputs: _DispatchBuffers, stream: int) -> None:  # fmt: skip
     """Nothing while building; else the group's all-to-all dispatch on TensorRT's stream into the outputs."""
     if is_building():
@@ -139,22 +149,25 @@ def _run_dispatch(x: trtp.Tensor, expert_ids: trtp.Tensor, expert_weights: trtp.
 
 @trtp.register(MOE_COMBINE)
 def _describe_combine(partial: trtp.TensorDesc, send_rows: trtp.TensorDesc, send_counts: trtp.TensorDesc,
-                      recv_counts: trtp.TensorDesc, x: trtp.TensorDesc, group: str) -> trtp.TensorDesc:  # fmt: skip
+                      recv_counts: trtp.TensorDesc, x: trtp.TensorDesc, after: trtp.TensorDesc,
+                      group: str) -> trtp.TensorDesc:  # fmt: skip
     """y [T, D]: the dispatched tokens' rows, the partial sums' width and type."""
     return trtp.from_shape_expr((x.shape_expr[0], partial.shape_expr[1]), dtype=partial.dtype)
 
 
 @trtp.autotune(MOE_COMBINE)
 def _combine_formats(partial: trtp.TensorDesc, send_rows: trtp.TensorDesc, send_counts: trtp.TensorDesc,
-                     recv_counts: trtp.TensorDesc, x: trtp.TensorDesc,
+                     recv_counts: trtp.TensorDesc, x: trtp.TensorDesc, after: trtp.TensorDesc,
                      outputs: tuple[trtp.TensorDesc]) -> list[trtp.AutoTuneCombination]:  # fmt: skip
-    """Partial sums, tokens and output share one of fp32 / fp16 / bf16; int64 rows and counts."""
-    return [trtp.AutoTuneCombination(f"{t}, INT64, INT64, INT64, {t}, {t}") for t in _FLOATS]
+    """Partial sums, tokens and output share one of fp32 / fp16 / bf16, `after` any of them; int64 rows and
+    counts."""
+    return [trtp.AutoTuneCombination(f"{t}, INT64, INT64, INT64, {t}, {a}, {t}") for t in _FLOATS for a in _FLOATS]
 
 
 @trtp.impl(MOE_COMBINE)
 def _run_combine(partial: trtp.Tensor, send_rows: trtp.Tensor, send_counts: trtp.Tensor, recv_counts: trtp.Tensor,
-                 x: trtp.Tensor, group: str, outputs: tuple[trtp.Tensor], stream: int) -> None:  # fmt: skip
+                 x: trtp.Tensor, after: trtp.Tensor, group: str, outputs: tuple[trtp.Tensor],
+                 stream: int) -> None:  # fmt: skip
     """Nothing while building; else the group's all-to-all combine on TensorRT's stream into the output."""
     if is_building():
         return

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..aot_contract import aot_compile_options
 from ..pool_table import check_pool_offsets, device_pool_table, in_pool, pool_entry, pool_table
 
 from .common import L2NORM_EPS, check_inputs
@@ -188,4 +189,5 @@ def aot_compile(
     )  # fmt: skip
     signature.update({name: "constexpr" for name in constexprs})
     src = triton.compiler.ASTSource(fn=gated_delta_scan_kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(enable_fp_fusion=True))
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                          options=aot_compile_options(enable_fp_fusion=True))  # PTX TensorRT's driver loads

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..aot_contract import aot_compile_options
 from ..pool_table import TRITON_DTYPES, check_pool_offsets, in_pool, pool_entry, pool_table
 from ..sparse_mla_attention.triton_kernel import token_sequence
 
@@ -142,4 +143,5 @@ def aot_compile(dim: int, capability: int, pool_dtype: torch.dtype = torch.float
                       POOL_DTYPE=TRITON_DTYPES[pool_dtype])
     signature.update({name: "constexpr" for name in constexprs})
     src = triton.compiler.ASTSource(fn=_paged_cache_write_kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(enable_fp_fusion=True))
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                          options=aot_compile_options(enable_fp_fusion=True))  # PTX TensorRT's driver loads

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..aot_contract import aot_compile_options
 from ..pool_table import check_pool_offsets, device_pool_table, in_pool, pool_entry, pool_table
 from .common import check_inputs
 from .sizes import block_sizes
@@ -154,4 +155,5 @@ def aot_compile(act_dtype: str, C: int, W: int, capability: int):
     constexprs = dict(C=C, W=W, BT=BT, BC=BC, BW=BW)
     signature.update({name: "constexpr" for name in constexprs})
     src = triton.compiler.ASTSource(fn=short_conv_kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(enable_fp_fusion=True))
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                          options=aot_compile_options(enable_fp_fusion=True))  # PTX TensorRT's driver loads

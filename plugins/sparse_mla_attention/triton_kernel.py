@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..aot_contract import aot_compile_options
 from ..pool_table import TRITON_DTYPES, check_pool_offsets, in_pool, pool_entry, pool_table
 from ..triton_dot import INTERPRETED, mma
 from .sizes import block_sizes, num_splits
@@ -298,4 +299,4 @@ def aot_compile(
     signature.update({name: "constexpr" for name in constexprs})
     src = triton.compiler.ASTSource(fn=_sparse_mla_kernel, signature=signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32),
-                          options=dict(enable_fp_fusion=True, num_stages=pipeline_stages(pool_dtype)))
+                          options=aot_compile_options(enable_fp_fusion=True, num_stages=pipeline_stages(pool_dtype)))

@@ -62,6 +62,7 @@ As TensorRT-LLM runs its engines:
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -143,6 +144,20 @@ def graph_buckets(num_slots: int, pad_slot: int | None) -> list[int]:
     return decode_buckets(num_slots) if pad_slot is not None else []
 
 
+# NCCL settings of the engine's communicators, set before they exist (an explicit environment setting wins):
+#  - NCCL_NVLS_ENABLE=0: NVLink SHARP (NCCL's default on NVSwitch systems of Hopper GPUs, as the H100 and H200
+#    nodes) allocates multicast buffers per communicator that `plan` does not count (plan_memory counts the ring
+#    and p2p buffers of NCCL_BUFFSIZE); the engine's collectives are decode-sized, latency-bound all-reduces and
+#    all-to-alls that the ring / tree LL protocols serve, so it is turned off rather than counted (NCCL user
+#    guide, env.html NCCL_NVLS_ENABLE; usage/bufferreg.html "NVLink Sharp Buffer Registration").
+#  - NCCL_GRAPH_MIXING_SUPPORT=1 (NCCL's default, pinned): the runner mixes eager steps (prefills, each decode
+#    bucket's first step) and CUDA-graph replays on the same communicators, which NCCL supports only with it on
+#    (NCCL user guide, env.html NCCL_GRAPH_MIXING_SUPPORT; usage/cudagraph.html "Using NCCL with CUDA Graphs").
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "NCCL_GRAPH_MIXING_SUPPORT": "1"}
+# The NCCL watchdog's timeout (torch's default for NCCL: 10 minutes). The first eager step JIT-compiles the
+# plugins' Triton kernels between its collectives (every kernel variant of 93 layers' plugins, minutes on a cold
+# cache), so a rank that compiled first waits inside a collective for the slowest; 30 minutes covers that warm-up.
+NCCL_TIMEOUT_S = 30 * 60
 EAGER_STEP = 1 << 30  # a rank's bid in the world's bucket agreement when its step cannot replay a graph
 REFUSED_STEP = EAGER_STEP + 1  # a rank's bid when its step failed validation: every rank refuses the step
 
@@ -513,7 +528,9 @@ class TensorRTEngine:
                     raise RuntimeError("TensorRT failed to enqueue the step (see the log above)")
                 self._begin_moe_step(n, bucket, block)  # the capture's dispatches count layers from the first
                 cuda_graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(cuda_graph, stream=self.stream):
+                # thread-local capture (as TensorRT-LLM's runtime): CUDA calls of the engine core's other threads
+                # while this one captures (host copies, allocations) are theirs, not errors that void the capture
+                with torch.cuda.graph(cuda_graph, stream=self.stream, capture_error_mode="thread_local"):
                     if not graph.context.execute_async_v3(self.stream.cuda_stream):
                         raise RuntimeError("TensorRT failed to enqueue the step while capturing a CUDA graph")
                 graph.cuda_graph = cuda_graph
@@ -579,7 +596,9 @@ class _NcclGroups(MPICommunicator):
         from moe_export.plugins.collectives.nccl import Communicator, set_communicators
 
         super().__init__(mapping)
-        groups = torch_group_comms(mapping, "nccl")
+        for name, value in NCCL_ENV.items():
+            os.environ.setdefault(name, value)  # before any communicator exists; an explicit setting wins
+        groups = torch_group_comms(mapping, "nccl", timeout_s=NCCL_TIMEOUT_S)
         self.nccl = {kind: Communicator(group, mapping.group_size(kind)) for kind, group in groups.items()}
         set_communicators(self.nccl)
 
