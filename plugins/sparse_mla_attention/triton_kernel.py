@@ -45,20 +45,26 @@ def token_sequence(cu_seqlens_ptr, num_seqs, t):
 
 
 @triton.jit
-def fp8_rows_to_f32(codes, scale_bytes):
-    """fp8 cache rows -> fp32: E4M3 codes [R, C] (uint8) x 2^(scale byte - 127) per row (scale_bytes [R] uint8),
-    by bit arithmetic (`moe_export.quantize.fp8_cache`); NaN codes (0x7F, 0xFF) and scale byte 255 give NaN."""
-    b = codes.to(tl.int32)
-    exponent = (b >> 3) & 0xF
-    mantissa = b & 0x7
-    normal = ((exponent + 120) << 23 | mantissa << 20).to(tl.float32, bitcast=True)  # (1 + m/8) 2^(e-7)
-    magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)  # subnormal: m 2^-9
-    value = tl.where(b >= 128, -magnitude, magnitude)
-    value = tl.where((b & 0x7F) == 0x7F, float("nan"), value)
+def fp8_codes(codes, DTYPE: tl.constexpr):
+    """E4M3 codes (uint8, any shape) -> their values in DTYPE (bf16 or fp32: exact) by the hardware conversion;
+    NaN codes (0x7F, 0xFF) give NaN (set explicitly: Triton's interpreter decodes them as +-480)."""
+    value = codes.to(tl.float8e4nv, bitcast=True).to(DTYPE)
+    return tl.where((codes & 0x7F) == 0x7F, float("nan"), value)
+
+
+@triton.jit
+def e8m0_scale(scale_bytes):
+    """E8M0 scale bytes (uint8) -> fp32 2^(byte - 127) by bit arithmetic (2^-127 is an fp32 subnormal); 255 gives NaN."""
     s = scale_bytes.to(tl.int32)
-    scale = tl.where(s == 0, 5.877471754111438e-39, (s << 23).to(tl.float32, bitcast=True))  # 2^(s-127); 2^-127
-    scale = tl.where(s == 255, float("nan"), scale)
-    return value * scale[:, None]
+    scale = tl.where(s == 0, 5.877471754111438e-39, (s << 23).to(tl.float32, bitcast=True))
+    return tl.where(s == 255, float("nan"), scale)
+
+
+@triton.jit
+def fp8_rows_to_f32(codes, scale_bytes):
+    """fp8 cache rows -> fp32: E4M3 codes [R, C] (uint8) x 2^(scale byte - 127) per row (scale_bytes [R] uint8)
+    (`moe_export.quantize.fp8_cache`); NaN codes (0x7F, 0xFF) and scale byte 255 give NaN."""
+    return fp8_codes(codes, tl.float32) * e8m0_scale(scale_bytes)[:, None]
 
 
 @triton.jit
