@@ -99,3 +99,25 @@ def test_kernels_compile_for_hopper():
         src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=sk.WARPS))
         assert ".entry" in compiled.asm["ptx"] and compiled.asm["cubin"]
+
+
+@inner_triton
+def test_inner_triton_guards_masked_rows_and_out_of_range_top_k():
+    """The draw kernel guards itself: a row whose logits are all -inf gets -1 (no NaN weight is formed), the
+    other rows draw as alone; a top_k above the vocabulary is no filter (the same draws as top_k 0)."""
+    from moe_export.runtime.engine.sampler import uniform_table
+    from moe_export.runtime.engine.sampler_kernels import ROUNDS, sample_rows
+
+    x = torch.randn(3, 300, generator=torch.Generator().manual_seed(5))
+    x[1] = float("-inf")
+    seed, counter = torch.tensor([3, 4, 5]), torch.zeros(3, dtype=torch.long)
+
+    def draw(rows, top_k):
+        m = len(rows)
+        return sample_rows(x[rows].contiguous(), x[rows].amax(dim=1), torch.ones(m), torch.full((m,), top_k),
+                           torch.full((m,), 0.9), torch.zeros(m), uniform_table(seed[rows], counter[rows], ROUNDS),
+                           block=128)  # fmt: skip
+
+    together = draw([0, 1, 2], 0)
+    assert together[1] == -1 and together[0] == draw([0], 0)[0] and together[2] == draw([2], 0)[0]
+    assert torch.equal(draw([0, 1, 2], 301), together)

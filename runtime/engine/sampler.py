@@ -257,7 +257,8 @@ def _draw(x: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor, row_max: torch
         return _draw_kernel(x, sb, rows, row_max)
     t = sb.temperature[rows].to(x.dtype)
     xs = x.index_select(0, rows) if rows.numel() != x.shape[0] else x
-    top_k, min_p, top_p = sb.top_k[rows], sb.min_p[rows], sb.top_p[rows].to(torch.float64)
+    top_k, top_p = _guarded_top_k_p(sb.top_k[rows], sb.top_p[rows].to(torch.float64))
+    min_p = sb.min_p[rows]
     _mask_top_k(xs, top_k, top_k > 0)
     xs.sub_(row_max[rows, None])
     if bool((t != 1).any()):
@@ -269,8 +270,18 @@ def _draw(x: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor, row_max: torch
     return _draw_top_p(p, z, top_p, sb.seed[rows], sb.counter[rows])
 
 
+def _guarded_top_k_p(top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top_k, top_p) [R] as the draws take them: a top_p of 0 (below the smallest mass its dtype represents,
+    e.g. 1e-300 in fp32) keeps the most likely token alone (top_k 1, top_p 1); a top_k at or above the
+    vocabulary filters nothing (`_mask_top_k`, the kernel's count)."""
+    none = top_p <= 0
+    return torch.where(none, 1, top_k), torch.where(none, 1.0, top_p)
+
+
 def _mask_top_k(xs: torch.Tensor, top_k: torch.Tensor, on: torch.Tensor) -> None:
-    """Logits below the top_k-th largest of each row where `on` [R] (bool) become -inf, in place on xs [R, V]."""
+    """Logits below the top_k-th largest of each row where `on` [R] (bool) become -inf, in place on xs [R, V];
+    a top_k at or above V keeps the row (no top-k filter)."""
+    on = on & (top_k < xs.shape[1])
     if bool(on.any()):
         kth = xs.topk(int(top_k[on].max()), dim=1).values.gather(1, (top_k.clamp(min=1) - 1)[:, None])
         xs.masked_fill_((xs < kth) & on[:, None], float("-inf"))
@@ -282,7 +293,7 @@ def _draw_kernel(x: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor, row_max
     from moe_export.runtime.engine.sampler_kernels import ROUNDS, sample_rows
 
     xs = x.index_select(0, rows) if rows.numel() != x.shape[0] else x
-    top_k, top_p = sb.top_k[rows], sb.top_p[rows]
+    top_k, top_p = _guarded_top_k_p(sb.top_k[rows], sb.top_p[rows])
     _mask_top_k(xs, top_k, (top_k > 0) & (top_p < 1))
     u = uniform_table(sb.seed[rows], sb.counter[rows], ROUNDS)
     return sample_rows(xs, row_max[rows], sb.temperature[rows], top_k, top_p, sb.min_p[rows], u)
