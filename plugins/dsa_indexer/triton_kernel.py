@@ -6,8 +6,8 @@ key tile by `tl.dot`, relu, head-weighted sum; positions beyond the token get -i
 load nothing). Keys of earlier steps come from the paged pool (reached through the pool table,
 `plugins/pool_table.py`) through the sequence's block table, the step's own from `k_new`. Precision follows the
 pool, as in SparseMLA: bf16 and fp8 pools give bf16 operands (q rounded to bf16; fp8 codes converted exactly,
-their per-row E8M0 scale applied to the row's dot products) with fp32 accumulation; fp32 / fp16 pools exact fp32
-dots (`input_precision="ieee"`).
+their per-row E8M0 scale applied to the row's dot products) with fp32 accumulation; fp32 / fp16 pools three
+tf32 products per fp32 one (`input_precision="tf32x3"`, about fp32's accuracy; exact fp32 in the interpreter).
 
 `_select_topk_kernel` keeps each token's `topk` best without sorting its row (one program per token): the
 candidates are the token's running best (`topk` values with their positions) and the chunk's scores; four
