@@ -230,6 +230,7 @@ def chunked_topk(score_chunk, num_tokens: int, length: int, topk: int, chunk: tu
     from `workspace` when given."""
     tc, lc = chunk
     bufs = _Buffers(workspace, tc, lc, topk, device)
+    block = min(SELECT_BLOCK, triton.next_power_of_2(topk + lc))  # candidates per step of the select passes
     out = torch.empty((num_tokens, topk), dtype=torch.int64, device=device) if out is None else out
     for t0 in range(0, num_tokens, tc):
         t1 = min(num_tokens, t0 + tc)
@@ -240,7 +241,7 @@ def chunked_topk(score_chunk, num_tokens: int, length: int, topk: int, chunk: tu
             c1 = min(length, c0 + lc)
             scores = score_chunk(t0, t1, c0, c1, bufs.scores)
             _select_topk_kernel[(n,)](vals, idx, scores, bufs.sel, topk, c1 - c0, c0, vals.stride(0), idx.stride(0),
-                                      scores.stride(0), KP=padded_topk(topk), BLOCK=SELECT_BLOCK, num_warps=8)  # fmt: skip
+                                      scores.stride(0), KP=padded_topk(topk), BLOCK=block, num_warps=8)  # fmt: skip
     return out
 
 
