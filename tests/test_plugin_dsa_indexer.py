@@ -28,7 +28,8 @@ def make_case(seed=0, Hi=4, Di=16, L=40, slots=(3, 0, 1), starts=(0, 17, 39), le
 
     `integer`: q and k in {-2..2}, weights in {0.25, 0.5, 0.75, 1}, so every implementation computes the scores
     exactly and many positions tie (exercising the lower-position-first rule); every slot's key at position 5
-    also equals its key at position 2.
+    also equals its key at position 2. With a bf16 or fp8 pool q is rounded to bf16 (what the Triton kernel
+    multiplies on the tensor cores for those pools), so the fp32 reference stays the oracle.
     Returns dict(q_idx [T,Hi,Di], weights [T,Hi], k_pool [NB,BS,Di], k_new [T,Di], cu_seqlens, block_tables,
     positions); with `with_cache` also the unpaged key table and the slots, (case, k_cache, slot_ids).
     """
@@ -45,6 +46,8 @@ def make_case(seed=0, Hi=4, Di=16, L=40, slots=(3, 0, 1), starts=(0, 17, 39), le
         weights = torch.rand(T, Hi, generator=gen) + 0.1
     cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64)
     positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(torch.int64)
+    if dtype in (torch.bfloat16, torch.uint8):
+        q_idx = q_idx.bfloat16().float()
     slot_ids = torch.tensor(slots, dtype=torch.int64)
     pool, new, tables = page_cache(k_cache, slot_ids, cu, positions, block_size, seed, dtype)
     case = dict(q_idx=q_idx, weights=weights, k_pool=pool, k_new=new, cu_seqlens=cu, block_tables=tables,
@@ -61,6 +64,9 @@ CASES = {
     "block_size_1": dict(block_size=1),
     "bf16_pool": dict(dtype=torch.bfloat16),
     "fp8_pool": dict(dtype=torch.uint8),  # uint8 rows: E4M3 codes + an E8M0 scale byte (quantize.fp8_cache)
+    # blocks of 16: a 16-position Triton tile lies in one cache block (its rows read from one scalar address)
+    "bf16_pool_blocks_of_16": dict(dtype=torch.bfloat16, block_size=16),
+    "fp8_pool_blocks_of_16": dict(dtype=torch.uint8, block_size=16),
 }
 
 
@@ -306,28 +312,31 @@ def test_inner_triton_small_chunks_match_reference():
         assert torch.equal(got, reference.dsa_indexer_reference(**case, topk=topk))
 
 
-def test_chunked_topk_matches_one_sort_without_host_sync():
-    """The indexer's top-k runs in bounded chunks (a running top-k merged chunk by chunk,
-    ties to the lower position) with no value read back to the host; equal to one stable sort of all scores."""
+@inner_triton
+def test_inner_triton_chunked_topk_matches_one_sort_without_host_sync():
+    """The indexer's top-k runs in bounded chunks (the select kernel merges each chunk into a running top-k,
+    ties to the lower position) with no value read back to the host; equal to one stable sort of all scores,
+    at edge shapes: one candidate, topk larger than the row, a row with no candidate, NaN-free exact ties."""
     from host_sync import no_host_sync
 
-    from moe_export.plugins.dsa_indexer import cpu, triton_kernel
+    from moe_export.plugins.dsa_indexer import cpu, sizes, triton_kernel
 
     gen = torch.Generator().manual_seed(4)
     scores = torch.randint(-3, 4, (11, 70), generator=gen).float()  # many exact ties
     scores[scores < -2] = float("-inf")  # not candidates
     scores[3] = float("-inf")  # a token with no candidate at all
-    for topk in (1, 5, 80):
+    scores[4, 1:] = float("-inf")  # one candidate
+    scores[5, :7] = -0.0  # -0 and +0 tie: both are zero scores
+    for topk, chunks in ((1, [(11, 70)]), (5, [(1, 7)]), (80, [(3, 16)])):
         want = cpu.select_topk(scores, topk)
-        for chunk in ((3, 16), (11, 70), (1, 7)):
+        for chunk in chunks:
             with no_host_sync():
                 got = triton_kernel.chunked_topk(lambda t0, t1, c0, c1, buf: scores[t0:t1, c0:c1], 11, 70, topk, chunk,
                                                  scores.device)  # fmt: skip
             assert torch.equal(got, want), (topk, chunk)
     # every buffer in a caller's workspace (TensorRT: the plugin's second output), poisoned first
     tc, lc = 3, 16
-    per_token = 4 * lc + 12 * 5 + 24 * (5 + lc)
-    workspace = torch.full((tc * per_token + 8 * lc + 7 * 256,), 0xFF, dtype=torch.uint8)
+    workspace = torch.full((tc * sizes.per_token_bytes(lc, 5) + 3 * 256,), 0xFF, dtype=torch.uint8)
     with no_host_sync():
         got = triton_kernel.chunked_topk(lambda t0, t1, c0, c1, buf: scores[t0:t1, c0:c1], 11, 70, 5, (tc, lc),
                                          scores.device, workspace=workspace)  # fmt: skip

@@ -449,7 +449,8 @@ def test_inner_triton_split_keys_combined(splits):
         close(run_all(split, case, mode), run_all(reference.sparse_mla_attention_reference, case, mode))
     from moe_export.plugins.sparse_mla_attention.sizes import num_splits
 
-    assert num_splits(1, 2048, 32) == 16 and num_splits(64, 2048, 32) == 8 and num_splits(4096, 2048, 32) == 1
+    assert num_splits(1, 2048, 32) == 64 and num_splits(64, 2048, 32) == 8 and num_splits(4096, 2048, 32) == 1
+    assert num_splits(1, 2048, 16) == 64  # fp8 pools' 16-key steps: still 64 programs for one query at top-2048
 
 
 @inner_triton

@@ -193,3 +193,21 @@ def test_logprobs_and_top_logprobs_come_from_the_processed_logits_before_tempera
     top = lp.topk(3)
     assert [t for t, _ in out.top_logprobs[0]] == top.indices.tolist()
     assert [v for _, v in out.top_logprobs[0]] == pytest.approx(top.values.tolist(), abs=1e-5)
+
+
+def test_top_k_at_or_above_the_vocabulary_filters_nothing():
+    """top_k 577 (or 576) over a vocabulary of 576 (a request that once ended a whole mpiexec world with
+    `selected index k out of range`) draws exactly what no top-k draws, alone and with top-p."""
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(6))
+    for top_p in (1.0, 0.9):
+        want = sample(x.clone(), batch(5, top_p=top_p)).ids.tolist()
+        for top_k in (576, 577, 1 << 40):
+            assert sample(x.clone(), batch(5, top_k=top_k, top_p=top_p)).ids.tolist() == want
+
+
+def test_top_p_below_the_smallest_representable_mass_keeps_the_top_token():
+    """top_p 1e-300 is 0 in fp32 (no token's mass is below it): the most likely token alone is kept, as the
+    definition's smallest prefix holding top_p; a tiny positive fp32 top_p keeps it too."""
+    x = torch.randn(6, 576, generator=torch.Generator().manual_seed(7))
+    for top_p in (1e-300, 1e-44, 0.0):
+        assert sample(x.clone(), batch(6, top_p=top_p)).ids.tolist() == x.argmax(dim=1).tolist()

@@ -25,7 +25,7 @@ def draw_kernel(logits: torch.Tensor, sb) -> torch.Tensor:
     from moe_export.runtime.engine.sampler import _draw_kernel
 
     x = logits.clone()
-    return _draw_kernel(x, sb, torch.arange(x.shape[0]), x.amax(dim=1))
+    return _draw_kernel(x, sb, sb, torch.arange(x.shape[0]))
 
 
 @inner_triton
@@ -99,3 +99,91 @@ def test_kernels_compile_for_hopper():
         src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=sk.WARPS))
         assert ".entry" in compiled.asm["ptx"] and compiled.asm["cubin"]
+
+
+@inner_triton
+def test_inner_triton_guards_masked_rows_and_out_of_range_top_k():
+    """The draw kernel guards itself: a row whose logits are all -inf gets -1 (no NaN weight is formed), the
+    other rows draw as alone; a top_k above the vocabulary is no filter (the same draws as top_k 0)."""
+    from moe_export.runtime.engine.sampler import uniform_table
+    from moe_export.runtime.engine.sampler_kernels import ROUNDS, sample_rows
+
+    x = torch.randn(3, 300, generator=torch.Generator().manual_seed(5))
+    x[1] = float("-inf")
+    seed, counter = torch.tensor([3, 4, 5]), torch.zeros(3, dtype=torch.long)
+
+    def draw(rows, top_k):
+        m = len(rows)
+        return sample_rows(x[rows].contiguous(), x[rows].amax(dim=1), torch.ones(m), torch.full((m,), top_k),
+                           torch.full((m,), 0.9), torch.zeros(m), uniform_table(seed[rows], counter[rows], ROUNDS),
+                           block=128)  # fmt: skip
+
+    together = draw([0, 1, 2], 0)
+    assert together[1] == -1 and together[0] == draw([0], 0)[0] and together[2] == draw([2], 0)[0]
+    assert torch.equal(draw([0, 1, 2], 301), together)
+
+
+class OnDevice(torch.Tensor):
+    """A CPU tensor standing in for one on the GPU (ops on it give OnDevice tensors): every call that would make
+    the host wait for the device is recorded in `waits`: a read-back (`item`, `tolist`, `cpu`, `numpy`, `bool`,
+    `int`, `float`), an op whose output size depends on values (`nonzero`, boolean-mask indexing) or a
+    blocking `.to()` copy."""
+
+    waits: list[str] = []
+    _READBACK = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero",
+                 "argwhere", "masked_select", "unique", "bincount"}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        if name in cls._READBACK:
+            cls.waits.append(name)
+        elif name == "to" and not kwargs.get("non_blocking", False):
+            cls.waits.append("blocking to")
+        elif name in ("__getitem__", "__setitem__"):
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index):
+                cls.waits.append(f"{name} with a boolean mask")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+@inner_triton
+def test_inner_triton_sample_waits_for_nothing(monkeypatch):
+    """`sample` on the kernel path (the GPU's, run here on CPU tensors that stand for device ones: the logits and
+    the batch as `SamplingBatch.to` moves it) makes no host wait: greedy, sampled, forced and masked rows, top-k,
+    top-p, penalties, bias, bans and logprobs; the ids, errors and logprobs come from its asynchronous copies
+    when first read, equal to the same call on plain tensors. torch.cuda.synchronize is counted too."""
+    from moe_export.runtime.engine import sampler
+
+    monkeypatch.setattr(sampler, "_use_kernels", lambda x: True)
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(6, 300, generator=gen)
+    sb = batch(6, temperature=torch.tensor([0.0, 1.0, 0.7, 0.0, 1.0, 1.0]), top_k=torch.tensor([0, 5, 0, 0, 400, 0]),
+               top_p=torch.tensor([1.0, 0.9, 0.8, 1.0, 1.0, 1.0]), forced=torch.tensor([-1, -1, -1, 7, -1, -1]),
+               logprobs=torch.tensor([2, -1, 0, -1, 3, -1]), penalty_rows=torch.tensor([1]),
+               repetition=torch.full((6,), 1.3), presence=torch.full((6,), 0.2), frequency=torch.full((6,), 0.1),
+               seen=(torch.tensor([1, 1]), torch.tensor([4, 9])),
+               output_counts=(torch.tensor([1]), torch.tensor([4]), torch.tensor([2.0])),
+               logit_bias=(torch.tensor([2]), torch.tensor([11]), torch.tensor([3.0])),
+               banned=(torch.full((300,), 5), torch.arange(300)))  # row 5: every token banned
+    want = sampler.sample(logits.clone(), sb)
+    want = (want.ids.tolist(), want.logprobs, want.top_logprobs, want.errors)
+    moved = sampler.SamplingBatch.to
+
+    def to_device(self, device):
+        out = moved(self, device)
+        for name, value in out.__dict__.items():
+            if isinstance(value, torch.Tensor):
+                setattr(out, name, value.as_subclass(OnDevice))
+            elif isinstance(value, tuple):
+                setattr(out, name, tuple(v.as_subclass(OnDevice) for v in value))
+        return out
+
+    monkeypatch.setattr(sampler.SamplingBatch, "to", to_device)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: OnDevice.waits.append("synchronize"))
+    OnDevice.waits.clear()
+    out = sampler.sample(logits.clone().as_subclass(OnDevice), sb)
+    assert OnDevice.waits == []
+    assert (out.ids.tolist(), out.logprobs, out.top_logprobs, out.errors) == want
+    assert set(want[3]) == {5} and want[0][3] == 7 and want[0][0] == int(logits[0].argmax())

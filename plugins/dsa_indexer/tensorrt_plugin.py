@@ -1,4 +1,4 @@
-"""TensorRT quickly-deployable plugin (QDP) for DSAIndexer: the Triton score kernel plus torch top-k selection.
+"""TensorRT quickly-deployable plugin (QDP) for DSAIndexer: the Triton score and top-k select kernels.
 
 NOT RUN ON A GPU HERE: TensorRT's libraries cannot be installed on this project's machines. What runs here
 (`tests/test_tensorrt_plugins.py`): this module under TensorRT's real pure-Python `tensorrt.plugin` package
@@ -13,17 +13,15 @@ table row. The key pool is no tensor of the network: input 2 is the pool table
 (`plugins/pool_table.py`), fields `pool` (its row), `block_size` and `pool_dtype` describe the pool.
 
 No host synchronization and bounded scratch: candidates span the block table's capacity (from shapes), and
-scores are made and reduced in chunks of tokens x positions (`triton_kernel.chunked_topk`, near 256 MiB whatever
+scores are made and selected in chunks of tokens x positions (`triton_kernel.chunked_topk`, near 256 MiB whatever
 the context length); the indices are written straight into TensorRT's output buffer, and every chunk buffer lives
 in the plugin's second output `scratch` [scratch_bytes] int8 (`sizes.workspace_bytes` at the recipe's
 limits, set by the graph exporter), so TensorRT places it in the engine's device memory (QDP plugins get no
 workspace: contract QDP_NO_WORKSPACE).
 
 Why there is no `aot_impl`: a QDP AOT implementation is one kernel launch whose only tensors are the plugin's
-inputs and outputs; the chunked score kernel plus the torch top-k merge is several. An AOT version needs a
-device top-k kernel: one program per token computing its scores over positions 0..pos and keeping the `topk`
-best (2048 for DeepSeek-V3.2) with the same tie rule, e.g. a radix / threshold select over the row held in
-shared memory or recomputed per pass.
+inputs and outputs; the chunked score kernel plus the select kernel (a radix select per chunk) is several
+launches per chunk.
 """
 
 import tensorrt as trt

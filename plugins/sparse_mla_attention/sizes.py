@@ -14,9 +14,10 @@ MAX_SPLITS = 64
 
 def num_splits(programs: int, keys: int, block_k: int) -> int:
     """Splits of each token's `keys` (flash decoding) so that `programs` (tokens x head blocks) x splits reaches
-    SPLIT_TARGET_PROGRAMS, each split at least 4 BLOCK_K steps: a power of two in [1, MAX_SPLITS]."""
+    SPLIT_TARGET_PROGRAMS, each split at least one BLOCK_K step: a power of two in [1, MAX_SPLITS] (one query
+    at top-2048 in 32-key steps: 64 programs, as FlashMLA's split decode spreads one query over the SMs)."""
     splits = 1
     while (programs * splits < SPLIT_TARGET_PROGRAMS and splits < MAX_SPLITS
-           and keys >= 2 * splits * 4 * block_k):  # fmt: skip
+           and keys >= 2 * splits * block_k):  # fmt: skip
         splits *= 2
     return splits

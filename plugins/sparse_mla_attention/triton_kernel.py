@@ -30,7 +30,8 @@ from ..pool_table import TRITON_DTYPES, check_pool_offsets, in_pool, pool_entry,
 from ..triton_dot import INTERPRETED, mma
 from .sizes import block_sizes, num_splits
 
-_SEQ_BLOCK = tl.constexpr(64)  # cu_seqlens entries compared per step of the token -> sequence search
+_SEQ_BLOCK = tl.constexpr(64)
+COMBINE_COLUMNS = 64  # latent columns per combine program  # cu_seqlens entries compared per step of the token -> sequence search
 
 
 @triton.jit
@@ -46,33 +47,37 @@ def token_sequence(cu_seqlens_ptr, num_seqs, t):
 
 
 @triton.jit
-def fp8_rows_to_f32(codes, scale_bytes):
-    """fp8 cache rows -> fp32: E4M3 codes [R, C] (uint8) x 2^(scale byte - 127) per row (scale_bytes [R] uint8),
-    by bit arithmetic (`moe_export.quantize.fp8_cache`); NaN codes (0x7F, 0xFF) and scale byte 255 give NaN."""
-    b = codes.to(tl.int32)
-    exponent = (b >> 3) & 0xF
-    mantissa = b & 0x7
-    normal = ((exponent + 120) << 23 | mantissa << 20).to(tl.float32, bitcast=True)  # (1 + m/8) 2^(e-7)
-    magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)  # subnormal: m 2^-9
-    value = tl.where(b >= 128, -magnitude, magnitude)
-    value = tl.where((b & 0x7F) == 0x7F, float("nan"), value)
-    s = scale_bytes.to(tl.int32)
-    scale = tl.where(s == 0, 5.877471754111438e-39, (s << 23).to(tl.float32, bitcast=True))  # 2^(s-127); 2^-127
-    scale = tl.where(s == 255, float("nan"), scale)
-    return value * scale[:, None]
+def fp8_codes(codes, DTYPE: tl.constexpr):
+    """E4M3 codes (uint8, any shape) -> their values in DTYPE (bf16 or fp32: exact) by the hardware conversion;
+    NaN codes (0x7F, 0xFF) give NaN (set explicitly: Triton's interpreter decodes them as +-480)."""
+    value = codes.to(tl.float8e4nv, bitcast=True).to(DTYPE)
+    return tl.where((codes & 0x7F) == 0x7F, float("nan"), value)
 
 
 @triton.jit
-def _latent_rows(pool_row, new_row, past, own, offs, mask, scale_at, POOL_FP8: tl.constexpr):
-    """fp32 columns `offs` of the key rows [BLOCK_K, len(offs)]: from the pool (`pool_row` [BLOCK_K] pointers,
-    where `past`; fp8 rows decoded with their scale byte at pool_row + `scale_at`) plus the step's own rows
-    (`new_row`, where `own`)."""
+def e8m0_scale(scale_bytes):
+    """E8M0 scale bytes (uint8) -> fp32 2^(byte - 127) by bit arithmetic (2^-127 is an fp32 subnormal); 255 gives NaN."""
+    s = scale_bytes.to(tl.int32)
+    scale = tl.where(s == 0, 5.877471754111438e-39, (s << 23).to(tl.float32, bitcast=True))
+    return tl.where(s == 255, float("nan"), scale)
+
+
+@triton.jit
+def fp8_rows_to_f32(codes, scale_bytes):
+    """fp8 cache rows -> fp32: E4M3 codes [R, C] (uint8) x 2^(scale byte - 127) per row (scale_bytes [R] uint8)
+    (`moe_export.quantize.fp8_cache`); NaN codes (0x7F, 0xFF) and scale byte 255 give NaN."""
+    return fp8_codes(codes, tl.float32) * e8m0_scale(scale_bytes)[:, None]
+
+
+@triton.jit
+def _key_tile(pool_row, new_row, past, own, offs, mask, K_DTYPE: tl.constexpr, POOL_FP8: tl.constexpr):
+    """Columns `offs` of the key rows [BLOCK_K, len(offs)] in K_DTYPE: from the pool (`pool_row` [BLOCK_K]
+    pointers, where `past`; fp8 rows as their codes' values, the row scale applied by the caller) or the step's
+    own rows (`new_row`, where `own`)."""
     k = tl.load(pool_row[:, None] + offs[None, :], mask=past[:, None] & mask[None, :], other=0)
-    if POOL_FP8:
-        k = fp8_rows_to_f32(k, tl.load(pool_row + scale_at, mask=past, other=127))
-    else:
-        k = k.to(tl.float32)
-    return k + tl.load(new_row[:, None] + offs[None, :], mask=own[:, None] & mask[None, :], other=0.0).to(tl.float32)
+    k = fp8_codes(k, K_DTYPE) if POOL_FP8 else k.to(K_DTYPE)
+    new = tl.load(new_row[:, None] + offs[None, :], mask=own[:, None] & mask[None, :], other=0.0)
+    return tl.where(own[:, None], new.to(K_DTYPE), k)
 
 
 @triton.jit
@@ -87,12 +92,14 @@ def _sparse_mla_kernel(
 ):
     """q [T, H, DC+DR]; the pool [NB, block_size, DC+DR] of POOL_DTYPE (POOL_FP8: uint8 [NB, block_size,
     DC+DR+1]) is row `pool_index` of the pool table (NB its capacity; an invalid row: no pool row is read);
-    new [T, DC+DR], cu_seqlens [num_seqs+1], block_tables [num_seqs, table_width], pos [T], idx [T, num_idx]
-    (num_idx = 0: dense causal; idx is then not read). Program (t, head block, split) takes split's share of the
-    token's keys: SPLITS = 1 -> o [T, H, DC] fp32; else its normalized partial -> part [T, SPLITS, H, DC] and its
-    log-sum-exp -> lse [T, SPLITS, H] (-inf: no key), combined by `_combine_splits_kernel`."""
+    new [T, DC+DR] (fp32, or bf16 when DOT_BF16), cu_seqlens [num_seqs+1], block_tables [num_seqs,
+    table_width], pos [T], idx [T, num_idx] (num_idx = 0: dense causal; idx is then not read). Program (t, head
+    block, split) takes split's share of the token's keys: SPLITS = 1 -> o [T, H, DC] fp32; else its
+    normalized partial -> part [T, SPLITS, H, DC] and its log-sum-exp -> lse [T, SPLITS, H] (-inf: no key),
+    combined by `_combine_splits_kernel`."""
     t = tl.program_id(0).to(tl.int64)
     pool_ptr, num_blocks, pool_ok = pool_entry(pool_table_ptr, pool_index, POOL_DTYPE)
+    pool_ptr = tl.multiple_of(pool_ptr, 16)  # `pool_entry` masks every access unless the address is 16-byte aligned
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_c = tl.arange(0, BLOCK_DC)
     offs_r = tl.arange(0, BLOCK_DR)
@@ -108,11 +115,10 @@ def _sparse_mla_kernel(
     pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t).to(tl.int64), 0), max_pos)
     table = block_tables_ptr + seq * table_width
 
+    k_dtype = tl.bfloat16 if DOT_BF16 else tl.float32  # 16-bit and fp8 pools: bf16 operands, fp32 accumulation
     q_row = q_ptr + (t * H + offs_h[:, None]) * (DC + DR)
-    q_c = tl.load(q_row + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
-    q_r = tl.load(q_row + DC + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
-    if DOT_BF16:  # 16-bit and fp8 pools: bf16 operands on the tensor cores, fp32 accumulation
-        q_c, q_r = q_c.to(tl.bfloat16), q_r.to(tl.bfloat16)
+    q_c = tl.load(q_row + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0).to(k_dtype)
+    q_r = tl.load(q_row + DC + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0).to(k_dtype)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -133,18 +139,21 @@ def _sparse_mla_kernel(
         block = tl.minimum(tl.maximum(block, 0), num_blocks - 1)
         pool_row = pool_ptr + (block * block_size + idx % block_size) * (DC + DR + POOL_FP8)  # [BLOCK_K]
         new_row = new_ptr + (first + idx - chunk_start) * (DC + DR)
-        k_c = _latent_rows(pool_row, new_row, past, own, offs_c, mask_c, DC + DR, POOL_FP8)
-        k_r = _latent_rows(pool_row + DC, new_row + DC, past, own, offs_r, mask_r, DR, POOL_FP8)
-        if DOT_BF16:
-            k_c, k_r = k_c.to(tl.bfloat16), k_r.to(tl.bfloat16)
+        k_c = _key_tile(pool_row, new_row, past, own, offs_c, mask_c, k_dtype, POOL_FP8)
+        k_r = _key_tile(pool_row + DC, new_row + DC, past, own, offs_r, mask_r, k_dtype, POOL_FP8)
         s = mma(q_r, tl.trans(k_r), mma(q_c, tl.trans(k_c), tl.zeros([BLOCK_H, BLOCK_K], tl.float32), UPCAST), UPCAST)
+        if POOL_FP8:  # the rows' E8M0 scales, on the products (their codes went to the tensor cores)
+            row_scale = tl.where(own, 1.0, e8m0_scale(tl.load(pool_row + DC + DR, mask=past, other=127)))
+            s = s * row_scale[None, :]
         s = tl.where(valid[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = mma(p.to(k_c.dtype), k_c, acc * alpha[:, None], UPCAST)
+        if POOL_FP8:
+            p = p * row_scale[None, :]
+        acc = mma(p.to(k_dtype), k_c, acc * alpha[:, None], UPCAST)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     mask_o = mask_h[:, None] & mask_c[None, :]
@@ -159,19 +168,19 @@ def _sparse_mla_kernel(
 
 @triton.jit
 def _combine_splits_kernel(part_ptr, lse_ptr, o_ptr, H: tl.constexpr, DC: tl.constexpr, SPLITS: tl.constexpr,
-                           BLOCK_H: tl.constexpr, BLOCK_DC: tl.constexpr):
-    """o[t, heads] = sum_s w_s part[t, s] / sum_s w_s, w_s = exp(lse[t, s] - max_s lse) (0 when no split saw a
-    key: o = 0, as the one-split kernel writes)."""
+                           BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
+    """o[t, heads, columns] = sum_s w_s part[t, s] / sum_s w_s, w_s = exp(lse[t, s] - max_s lse) (0 when no split
+    saw a key: o = 0, as the one-split kernel writes); program (t, head block, block of BLOCK_C columns)."""
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_c = tl.arange(0, BLOCK_DC)
+    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_h = offs_h < H
     mask_o = mask_h[:, None] & (offs_c < DC)[None, :]
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     for s in range(SPLITS):
         m = tl.maximum(m, tl.load(lse_ptr + (t * SPLITS + s) * H + offs_h, mask=mask_h, other=float("-inf")))
     m = tl.where(m == float("-inf"), 0.0, m)
-    acc = tl.zeros([BLOCK_H, BLOCK_DC], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
     total = tl.zeros([BLOCK_H], tl.float32)
     for s in range(SPLITS):
         row = (t * SPLITS + s) * H + offs_h
@@ -194,7 +203,7 @@ def sparse_mla_attention_triton(
     scale: float,
     kv_lora_rank: int,
     block_h: int = 16,
-    block_k: int = 32,
+    block_k: int | None = None,
     splits: int | None = None,
 ) -> torch.Tensor:
     """q_lat [T, H, Dc+Dr] fp32, kv_pool [NB, BS, Dc+Dr] (fp32 / bf16 / fp16, or uint8 fp8 rows [NB, BS, Dc+Dr+1]),
@@ -221,25 +230,37 @@ def sparse_mla_attention_triton(
     return out
 
 
-def pipeline_stages(pool_dtype: torch.dtype) -> int:
-    """Software-pipelining depth of the key loop: 1 for fp32 / fp16 pools (fp32 tiles [BLOCK_K, 576] take ~110
-    KiB of shared memory at sm_90 unpipelined, over the 227 KiB limit at 2 stages), 2 for bf16 / fp8 pools."""
-    return 1 if pool_dtype in (torch.float32, torch.float16) else 2
+KEY_WARPS = 8
+
+
+def key_tiles(pool_dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_K, stages) of the key loop as compiled for sm_90 at K3's shapes (8 warps): bf16 rows 32 keys, 2
+    deep (asynchronous copies of the gathered rows); fp32 / fp16 rows 32 keys unpipelined (fp32 tiles [32, 576]
+    take ~110 KiB of shared memory); fp8 rows (577 bytes, byte loads) 16 keys unpipelined."""
+    if pool_dtype == torch.uint8:
+        return 16, 1
+    return 32, 2 if pool_dtype == torch.bfloat16 else 1
 
 
 def sparse_mla_attention_launch(q, pool_table, pool_index, block_size, pool_dtype, new, cu, tables, pos, idx, out, *,
-                                scale: float, kv_lora_rank: int, block_h: int = 16, block_k: int = 32,
+                                scale: float, kv_lora_rank: int, block_h: int = 16, block_k: int | None = None,
                                 splits: int | None = None) -> None:
     """The kernel over contiguous fp32 q [T, H, Dc+Dr] / new [T, Dc+Dr], int64 cu / tables / pos / idx (None:
     dense) into out [T, H, Dc]; the pool [NB, block_size, W] of `pool_dtype` is row `pool_index` of `pool_table`.
     The keys of a token are split across `splits` programs (default `sizes.num_splits`, from shapes only), whose
-    partial softmaxes one more launch combines. Nothing is checked on the host (the TensorRT plugin's path);
-    whoever builds the table checks it."""
+    partial softmaxes one more launch combines, in parallel over heads and blocks of latent columns. With bf16
+    and fp8 pools the new rows go to the kernel in bf16 (exact: the graph rounds them to the pool's values).
+    Nothing is checked on the host (the TensorRT plugin's path); whoever builds the table checks it."""
     num_tokens, num_heads, dim = q.shape
     if num_tokens == 0 or cu.numel() < 2 or tables.shape[1] == 0:
         out.zero_()
         return
     block_dc, block_dr = block_sizes(kv_lora_rank, dim - kv_lora_rank)
+    default_k, stages = key_tiles(pool_dtype)
+    block_k = block_k or default_k
+    dot_bf16 = pool_dtype in (torch.bfloat16, torch.uint8)
+    if dot_bf16:
+        new = new.to(torch.bfloat16)
     keys = idx.shape[1] if idx is not None else tables.shape[1] * block_size
     head_blocks = triton.cdiv(num_heads, block_h)
     splits = splits or num_splits(num_tokens * head_blocks, keys, block_k)
@@ -253,12 +274,13 @@ def sparse_mla_attention_launch(q, pool_table, pool_index, block_size, pool_dtyp
         out, part, lse,
         scale=float(scale), H=num_heads, DC=kv_lora_rank, DR=dim - kv_lora_rank,
         BLOCK_DC=block_dc, BLOCK_DR=block_dr, BLOCK_H=block_h, BLOCK_K=block_k, POOL_FP8=pool_dtype == torch.uint8,
-        POOL_DTYPE=TRITON_DTYPES[pool_dtype], SPLITS=splits, DOT_BF16=pool_dtype in (torch.bfloat16, torch.uint8),
-        UPCAST=INTERPRETED, enable_fp_fusion=True, num_stages=pipeline_stages(pool_dtype),
+        POOL_DTYPE=TRITON_DTYPES[pool_dtype], SPLITS=splits, DOT_BF16=dot_bf16,
+        UPCAST=INTERPRETED, enable_fp_fusion=True, num_warps=KEY_WARPS, num_stages=stages,
     )  # fmt: skip
     if splits > 1:
-        _combine_splits_kernel[(num_tokens, head_blocks)](
-            part, lse, out, H=num_heads, DC=kv_lora_rank, SPLITS=splits, BLOCK_H=block_h, BLOCK_DC=block_dc,
+        block_c = min(COMBINE_COLUMNS, block_dc)
+        _combine_splits_kernel[(num_tokens, head_blocks, triton.cdiv(kv_lora_rank, block_c))](
+            part, lse, out, H=num_heads, DC=kv_lora_rank, SPLITS=splits, BLOCK_H=block_h, BLOCK_C=block_c,
         )  # fmt: skip
 
 
@@ -269,7 +291,7 @@ def aot_compile(
     scale: float,
     capability: int,
     block_h: int = 16,
-    block_k: int = 32,
+    block_k: int | None = None,
     pool_dtype: torch.dtype = torch.float32,
 ):
     """Compile the kernel ahead of time for CUDA ``sm_<capability>`` (needs no GPU); fp32 q, new rows and
@@ -284,6 +306,8 @@ def aot_compile(
     from triton.backends.compiler import GPUTarget
 
     block_dc, block_dr = block_sizes(kv_lora_rank, rope_dim)
+    default_k, stages = key_tiles(pool_dtype)
+    block_k = block_k or default_k
     signature = dict(
         q_ptr="*fp32", pool_table_ptr="*i64", new_ptr="*fp32", cu_seqlens_ptr="*i64", block_tables_ptr="*i64",
         pos_ptr="*i64", idx_ptr="*i64", pool_index="i32", num_seqs="i32", num_tokens="i32", block_size="i32",
@@ -299,4 +323,4 @@ def aot_compile(
     signature.update({name: "constexpr" for name in constexprs})
     src = triton.compiler.ASTSource(fn=_sparse_mla_kernel, signature=signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32),
-                          options=aot_compile_options(enable_fp_fusion=True, num_stages=pipeline_stages(pool_dtype)))
+                          options=aot_compile_options(enable_fp_fusion=True, num_warps=KEY_WARPS, num_stages=stages))

@@ -18,7 +18,12 @@ accepted draw follows the renormalized top-p distribution exactly, with acceptan
 Flat and peaked rows take the same path.
 On CUDA the same draw runs as one Triton kernel per step (`sampler_kernels.sample_rows`: one program per row,
 the weights recomputed from the logits at each pass, top-k and min-p by the same rejection), and greedy rows
-take one fused argmax pass (`sampler_kernels.argmax_rows`).
+take one fused argmax pass (`sampler_kernels.argmax_rows`). There `sample` never waits for the device: which
+rows are greedy, forced, sampled, top-k masked or asking for logprobs is read from the host batch, a row with
+nothing left to sample is flagged by the kernel (-1) rather than found by a read-back, and the ids, those
+flags and the logprobs are copied to the host without waiting; `SampledTokens` waits for that copy when first
+read (a request's logits processor is the exception: its row goes to the host). Guards: a top_k at or above
+the vocabulary filters nothing; a top_p of 0 (1e-300 in fp32) keeps the most likely token.
 
 Randomness is counter-based: a row's uniform numbers are a hash (splitmix64) of (its request's seed, the
 index of the token in its output, the draw round), so a request draws the same tokens alone or in any batch,
@@ -81,15 +86,43 @@ class SamplingBatch:
         return SamplingBatch(**moved)
 
 
-@dataclass
 class SampledTokens:
     """The chosen ids [R] (host); for rows that asked, their logprob and top logprobs; errors: rows that got
-    no token (a logits processor failed, or every token was masked) -> why."""
+    no token (a logits processor failed, or every token was masked) -> why. Made by `sample` from device
+    results whose copy to the host is under way (`pending`): the first read of a field waits for that copy."""
 
-    ids: np.ndarray
-    logprobs: list[float | None]
-    top_logprobs: list[list[tuple[int, float]] | None]
-    errors: dict[int, str] = field(default_factory=dict)
+    def __init__(self, ids: np.ndarray, logprobs: list[float | None], top_logprobs: list[list[tuple[int, float]] | None],
+                 errors: dict[int, str] | None = None) -> None:  # fmt: skip
+        self._fields = (ids, logprobs, top_logprobs, {} if errors is None else errors)
+        self._finish: Callable[[], tuple] | None = None
+
+    @classmethod
+    def pending(cls, finish: Callable[[], tuple]) -> SampledTokens:
+        """Fields made by `finish()` -> (ids, logprobs, top_logprobs, errors) at the first read."""
+        out = cls.__new__(cls)
+        out._fields, out._finish = None, finish
+        return out
+
+    def _get(self) -> tuple:
+        if self._fields is None:
+            self._fields, self._finish = self._finish(), None
+        return self._fields
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self._get()[0]
+
+    @property
+    def logprobs(self) -> list[float | None]:
+        return self._get()[1]
+
+    @property
+    def top_logprobs(self) -> list[list[tuple[int, float]] | None]:
+        return self._get()[2]
+
+    @property
+    def errors(self) -> dict[int, str]:
+        return self._get()[3]
 
 
 def uniforms(seed: torch.Tensor, counter: torch.Tensor, round_: int) -> torch.Tensor:
@@ -112,13 +145,12 @@ def _splitmix_uniform(x: torch.Tensor) -> torch.Tensor:
     return ((x >> 11) & ((1 << 53) - 1)).double() * (1.0 / (1 << 53))
 
 
-def _mask_rows(x: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor) -> None:
-    """x[rows] = where(keep, x[rows], -inf), in place."""
-    x[rows] = x[rows].masked_fill(~keep, float("-inf"))
-
-
-def process_logits(x: torch.Tensor, sb: SamplingBatch, errors: dict[int, str]) -> torch.Tensor:
-    """Everything before temperature, in place on x [R, V] fp32; a failing processor's row goes to `errors`."""
+def process_logits(x: torch.Tensor, sb: SamplingBatch, errors: dict[int, str], host: SamplingBatch | None = None
+                   ) -> torch.Tensor:
+    """Everything before temperature, in place on x [R, V] fp32 (sb on x's device; `host`: the same batch on
+    the host, default sb, for the grammar rows' list); a failing processor's row goes to `errors`. Nothing is
+    read back from the device unless a request brings a logits processor (its row goes to the host)."""
+    host = sb if host is None else host
     if sb.vocab is not None and sb.vocab < x.shape[1]:
         x[:, sb.vocab:] = float("-inf")
     width = x.shape[1] if sb.vocab is None else min(sb.vocab, x.shape[1])
@@ -150,7 +182,7 @@ def process_logits(x: torch.Tensor, sb: SamplingBatch, errors: dict[int, str]) -
 
         width = min(x.shape[1], sb.bitmask.shape[1] * 32)
         if x.is_cuda or sb.bitmask_rows.numel() == x.shape[0]:
-            xgr.apply_token_bitmask_inplace(x, sb.bitmask.to(x.device), indices=sb.bitmask_rows.tolist(), vocab_size=width)
+            xgr.apply_token_bitmask_inplace(x, sb.bitmask, indices=host.bitmask_rows.tolist(), vocab_size=width)
         else:
             sub = x[sb.bitmask_rows]
             xgr.apply_token_bitmask_inplace(sub, sb.bitmask, vocab_size=width)
@@ -158,26 +190,38 @@ def process_logits(x: torch.Tensor, sb: SamplingBatch, errors: dict[int, str]) -
     return x
 
 
-def _log_softmax_rows(x: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rows asking for logprobs, their log-softmax [n, V]) of the processed logits; None when no row asks."""
-    rows = (sb.logprobs >= 0).nonzero().flatten()
-    return None if rows.numel() == 0 else (rows, torch.log_softmax(x[rows], dim=-1))
+def _log_softmax_rows(x: torch.Tensor, host: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows asking for logprobs (host), their log-softmax [n, V]) of the processed logits; None when no row
+    asks (decided on the host batch)."""
+    rows = (host.logprobs >= 0).nonzero().flatten()
+    if rows.numel() == 0:
+        return None
+    return rows, torch.log_softmax(x.index_select(0, rows.to(x.device, non_blocking=True)), dim=-1)
 
 
-def _top_logprobs(lp: tuple[torch.Tensor, torch.Tensor] | None, sb: SamplingBatch, ids: torch.Tensor) -> tuple[list, list]:
-    n = ids.shape[0]
+def _logprob_tensors(lp: tuple[torch.Tensor, torch.Tensor] | None, host: SamplingBatch, ids: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(chosen token's logprob [n], top values [n, k], top ids [n, k]) on the device for the rows asking
+    (k: the most any asks, read from the host batch)."""
+    if lp is None:
+        return None
+    rows, lp = lp
+    chosen = lp.gather(1, ids.index_select(0, rows.to(ids.device, non_blocking=True))[:, None]).squeeze(1)
+    k = int(host.logprobs[rows].max())
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    return chosen, top_v, top_i
+
+
+def _logprob_lists(rows: torch.Tensor | None, host: SamplingBatch, n: int, chosen, top_v, top_i) -> tuple[list, list]:
+    """The per-row logprob and top-logprob lists from host copies of `_logprob_tensors`."""
     logprobs: list[float | None] = [None] * n
     tops: list[list[tuple[int, float]] | None] = [None] * n
-    if lp is None:
+    if rows is None:
         return logprobs, tops
-    rows, lp = lp
-    chosen = lp.gather(1, ids[rows, None]).squeeze(1).cpu().tolist()
-    k = int(sb.logprobs[rows].max())
-    top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
-    top_v, top_i = top_v.cpu().tolist(), top_i.cpu().tolist()
-    for j, r in enumerate(rows.cpu().tolist()):
+    chosen, top_v, top_i = chosen.tolist(), top_v.tolist(), top_i.tolist()
+    for j, r in enumerate(rows.tolist()):
         logprobs[r] = chosen[j]
-        k = int(sb.logprobs[r])
+        k = int(host.logprobs[r])
         tops[r] = list(zip(top_i[j][:k], top_v[j][:k]))
     return logprobs, tops
 
@@ -249,81 +293,131 @@ def _draw_top_p(p: torch.Tensor, z: torch.Tensor, top_p: torch.Tensor, seed: tor
     return out
 
 
-def _draw(x: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
-    """Draws for the sampled rows `rows` of the processed logits x [R, V] (row_max [R]: each row's largest
-    logit, finite), in place on those rows of x: kept = top-k, the top-p set of the top-k distribution, and min-p
-    (probability >= min_p x the most likely one's), renormalized. CUDA logits go to the Triton kernel."""
-    if x.is_cuda:
-        return _draw_kernel(x, sb, rows, row_max)
+def _draw(x: torch.Tensor, sb: SamplingBatch, host: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
+    """Draws [n] for the sampled rows `rows` [n] (host) of the processed logits x [R, V] (sb on x's device, host
+    the same batch on the host), in place on those rows of x: kept = top-k, the top-p set of the top-k
+    distribution, and min-p (probability >= min_p x the most likely one's), renormalized; -1 for a row whose
+    logits are all -inf. On CUDA (`_use_kernels`) the Triton kernel, with nothing read back; on the CPU torch."""
+    if _use_kernels(x):
+        return _draw_kernel(x, sb, host, rows)
+    out = torch.full((rows.numel(),), -1, dtype=torch.long)
+    row_max = x.amax(dim=1).index_select(0, rows)
+    finite = torch.isfinite(row_max)
+    rows, row_max = rows[finite], row_max[finite]
+    if rows.numel() == 0:
+        return out
     t = sb.temperature[rows].to(x.dtype)
     xs = x.index_select(0, rows) if rows.numel() != x.shape[0] else x
-    top_k, min_p, top_p = sb.top_k[rows], sb.min_p[rows], sb.top_p[rows].to(torch.float64)
-    _mask_top_k(xs, top_k, top_k > 0)
-    xs.sub_(row_max[rows, None])
+    top_k, top_p = _guarded_top_k_p(sb.top_k[rows], sb.top_p[rows].to(torch.float64))
+    min_p = sb.min_p[rows]
+    _mask_top_k(xs, top_k, top_k > 0, top_k)
+    xs.sub_(row_max[:, None])
     if bool((t != 1).any()):
         xs.div_(t[:, None])
     p = xs.exp_()  # the top-k distribution's weights, the most likely token's 1
     z = p.sum(dim=1).double()
     if bool((min_p > 0).any()):
         p.masked_fill_(p < min_p[:, None].to(p.dtype), 0)
-    return _draw_top_p(p, z, top_p, sb.seed[rows], sb.counter[rows])
+    out[finite] = _draw_top_p(p, z, top_p, sb.seed[rows], sb.counter[rows])
+    return out
 
 
-def _mask_top_k(xs: torch.Tensor, top_k: torch.Tensor, on: torch.Tensor) -> None:
-    """Logits below the top_k-th largest of each row where `on` [R] (bool) become -inf, in place on xs [R, V]."""
+def _guarded_top_k_p(top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top_k, top_p) [R] as the draws take them: a top_p of 0 (below the smallest mass its dtype represents,
+    e.g. 1e-300 in fp32) keeps the most likely token alone (top_k 1, top_p 1); a top_k at or above the
+    vocabulary filters nothing (`_mask_top_k`, the kernel's count)."""
+    none = top_p <= 0
+    return torch.where(none, 1, top_k), torch.where(none, 1.0, top_p)
+
+
+def _mask_top_k(xs: torch.Tensor, top_k: torch.Tensor, on: torch.Tensor, host_top_k: torch.Tensor) -> None:
+    """Logits below the top_k-th largest of each row where `on` [R] (bool, host) become -inf, in place on xs
+    [R, V] (top_k [R] on xs's device, host_top_k the same on the host: the largest k is read there); a top_k at
+    or above V keeps the row (no top-k filter)."""
+    on = on & (host_top_k < xs.shape[1])
     if bool(on.any()):
-        kth = xs.topk(int(top_k[on].max()), dim=1).values.gather(1, (top_k.clamp(min=1) - 1)[:, None])
-        xs.masked_fill_((xs < kth) & on[:, None], float("-inf"))
+        k = int(host_top_k[on].max())
+        kth = xs.topk(k, dim=1).values.gather(1, (top_k.clamp(1, k) - 1)[:, None])  # rows not `on`: any column
+        xs.masked_fill_((xs < kth) & on.to(xs.device, non_blocking=True)[:, None], float("-inf"))
 
 
-def _draw_kernel(x: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
-    """`_draw` by `sampler_kernels.sample_rows`: top-k, min-p and top-p by rejection, sorting nothing; only
-    rows with both top-k and top-p < 1 get their top-k mask first (their top-p set is taken of the top-k mass)."""
+def _draw_kernel(x: torch.Tensor, sb: SamplingBatch, host: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
+    """`_draw` by `sampler_kernels.sample_rows` (rows [n] host): top-k, min-p and top-p by rejection, sorting
+    nothing; only rows with both top-k and top-p < 1 get their top-k mask first (their top-p set is taken of
+    the top-k mass). The decisions are read from the host batch: nothing waits for the device."""
     from moe_export.runtime.engine.sampler_kernels import ROUNDS, sample_rows
 
-    xs = x.index_select(0, rows) if rows.numel() != x.shape[0] else x
-    top_k, top_p = sb.top_k[rows], sb.top_p[rows]
-    _mask_top_k(xs, top_k, (top_k > 0) & (top_p < 1))
-    u = uniform_table(sb.seed[rows], sb.counter[rows], ROUNDS)
-    return sample_rows(xs, row_max[rows], sb.temperature[rows], top_k, top_p, sb.min_p[rows], u)
+    on_device = rows.to(x.device, non_blocking=True)
+    xs = x.index_select(0, on_device) if rows.numel() != x.shape[0] else x
+    top_k, top_p = _guarded_top_k_p(sb.top_k[on_device], sb.top_p[on_device])
+    host_k, host_p = _guarded_top_k_p(host.top_k[rows], host.top_p[rows])
+    _mask_top_k(xs, top_k, (host_k > 0) & (host_p < 1), host_k)
+    u = uniform_table(sb.seed[on_device], sb.counter[on_device], ROUNDS)
+    return sample_rows(xs, xs.amax(dim=1), sb.temperature[on_device], top_k, top_p, sb.min_p[on_device], u)
+
+
+def _use_kernels(x: torch.Tensor) -> bool:
+    """Whether the draws take the Triton kernels (CUDA logits) or torch on the CPU."""
+    return x.is_cuda
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
-    """[R] each row's argmax of x [R, V] (lowest index on ties): one Triton pass on CUDA."""
-    if x.is_cuda:
+    """[R] each row's argmax of x [R, V] (lowest index on ties): one Triton pass with the kernels."""
+    if _use_kernels(x):
         from moe_export.runtime.engine.sampler_kernels import argmax_rows
 
         return argmax_rows(x)
     return x.argmax(dim=1)
 
 
+_MASKED = "every token was masked (logits processors, grammar, bans): nothing can be sampled"
+
+
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampledTokens:
-    """Choose the tokens of `sb.rows` from a step's logits [N, V] (any float dtype, any device); fp32 logits
-    of every row are used in place."""
-    if sb.rows.device != logits.device:
-        sb = sb.to(logits.device)
-    x = logits.index_select(0, sb.rows).float() if sb.rows.numel() != logits.shape[0] else logits.float()
+    """Choose the tokens of `sb.rows` (a batch of host tensors) from a step's logits [N, V] (any float dtype,
+    any device); fp32 logits of every row are used in place. Every decision that depends on the requests is
+    read from the host batch and nothing is read back from the device (unless a request brings a logits
+    processor): the ids, the rows with nothing to sample and the asked-for logprobs are copied to the host
+    without waiting, and the returned `SampledTokens` waits for that copy when first read."""
+    host = sb
+    sb = sb.to(logits.device)
+    x = logits.index_select(0, sb.rows).float() if host.rows.numel() != logits.shape[0] else logits.float()
     errors: dict[int, str] = {}
-    x = process_logits(x, sb, errors)
-    lp = _log_softmax_rows(x, sb)  # before the draws change x
-    ids = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
-    forced = sb.forced >= 0
-    greedy = sb.temperature == 0
-    g = greedy.nonzero().flatten()
-    if g.numel():
-        ids[g] = _argmax(x[g] if g.numel() != x.shape[0] else x)
-    allowed = torch.isfinite(x.gather(1, ids[:, None]).squeeze(1)) | forced
+    x = process_logits(x, sb, errors, host)
+    lp = _log_softmax_rows(x, host)  # before the draws change x
+    n = x.shape[0]
+    ids = torch.zeros(n, dtype=torch.long, device=x.device)
+    greedy, forced = host.temperature == 0, host.forced >= 0
+    allowed = sb.forced >= 0
+    if bool(greedy.any()):
+        g = greedy.nonzero().flatten()
+        on_device = g.to(x.device, non_blocking=True)
+        ids[on_device] = _argmax(x.index_select(0, on_device) if g.numel() != n else x)
+        allowed[on_device] |= torch.isfinite(x.gather(1, ids[on_device, None]).squeeze(1))
     sampled = ~greedy & ~forced
     if bool(sampled.any()):
-        row_max = x.amax(dim=1)
-        allowed |= sampled & torch.isfinite(row_max)
-        s = (sampled & torch.isfinite(row_max)).nonzero().flatten()
-        if s.numel():
-            ids[s] = _draw(x, sb, s, row_max)
+        s = sampled.nonzero().flatten()
+        on_device = s.to(x.device, non_blocking=True)
+        drawn = _draw(x, sb, host, s)
+        allowed[on_device] |= drawn >= 0
+        ids[on_device] = drawn.clamp(min=0)
     if bool(forced.any()):
-        ids = torch.where(forced, sb.forced, ids)
-    if not bool(allowed.all()):
-        for r in (~allowed).nonzero().flatten().cpu().tolist():
-            errors.setdefault(r, "every token was masked (logits processors, grammar, bans): nothing can be sampled")
-    logprobs, tops = _top_logprobs(lp, sb, ids)
-    return SampledTokens(ids.cpu().numpy(), logprobs, tops, errors)
+        ids = torch.where(sb.forced >= 0, sb.forced, ids)
+    logprob_rows = None if lp is None else lp[0]
+    results = [ids, allowed, *(_logprob_tensors(lp, host, ids) or ())]
+    copies = [t.to("cpu", non_blocking=True) for t in results]
+    done = None
+    if x.is_cuda:
+        done = torch.cuda.Event()
+        done.record()
+
+    def finish() -> tuple:
+        if done is not None:
+            done.synchronize()
+        ids_h, allowed_h, *lps = copies
+        for r in (~allowed_h).nonzero().flatten().tolist():
+            errors.setdefault(r, _MASKED)
+        logprobs, tops = _logprob_lists(logprob_rows, host, n, *(lps or (None, None, None)))
+        return ids_h.numpy(), logprobs, tops, errors
+
+    return SampledTokens.pending(finish)

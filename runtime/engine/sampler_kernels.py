@@ -55,6 +55,8 @@ def _sample_kernel(x_ptr, stride, max_ptr, t_ptr, k_ptr, p_ptr, min_p_ptr, u_ptr
     row = tl.program_id(0)
     base = x_ptr + row.to(tl.int64) * stride
     m = tl.load(max_ptr + row)
+    no_token = m == float("-inf")  # every logit masked: no weight is computed from it (-inf - -inf is NaN)
+    m = tl.where(no_token, 0.0, m)
     t = tl.load(t_ptr + row)
     top_k = tl.load(k_ptr + row)
     top_p = tl.load(p_ptr + row).to(tl.float64)
@@ -113,7 +115,7 @@ def _sample_kernel(x_ptr, stride, max_ptr, t_ptr, k_ptr, p_ptr, min_p_ptr, u_ptr
             else:
                 out = s
                 done = 1
-    tl.store(out_ptr + row, out.to(tl.int64))
+    tl.store(out_ptr + row, tl.where(no_token, -1, out.to(tl.int64)))
 
 
 def argmax_rows(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
@@ -128,8 +130,9 @@ def argmax_rows(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
 
 def sample_rows(x: torch.Tensor, row_max: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                 top_p: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """[R] int64 token ids drawn from logits x [R, V] (fp32, rows contiguous; -inf: never drawn), per row:
-    row_max (its largest logit, finite), temperature (> 0), top_k (int64, 0: off), top_p, min_p (fp32) and
+    """[R] int64 token ids drawn from logits x [R, V] (fp32, rows contiguous; -inf: never drawn; -1 for a row
+    whose logits are all -inf), per row: row_max (its largest logit), temperature (> 0), top_k (int64, 0: off;
+    at or above V: no filter), top_p, min_p (fp32) and
     u [R, ROUNDS] float64 (the uniforms of its draw rounds). top_p applies to the distribution after top-k
     only when the row holds no more than its top-k tokens (the caller masks the rest when both are set)."""
     assert x.dim() == 2 and x.stride(1) == 1, "sample_rows takes [R, V] logits with contiguous rows"
