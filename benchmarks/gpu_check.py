@@ -39,6 +39,7 @@ from moe_export.plugins.dsa_indexer.triton_kernel import dsa_indexer_launch
 from moe_export.plugins.gated_delta_scan import reference as kda_ref
 from moe_export.plugins.gated_delta_scan.fla_path import kda_pool_fla
 from moe_export.plugins.gated_delta_scan.triton_kernel import gated_delta_scan_pool
+from moe_export.plugins.moe_mxfp4.layout import kernel_experts
 from moe_export.plugins.moe_mxfp4.triton_kernel import moe_mxfp4_triton
 from moe_export.plugins.pool_table import device_pool_table
 from moe_export.plugins.sparse_mla_attention.triton_kernel import sparse_mla_attention_launch
@@ -166,7 +167,7 @@ def _moe_case(T: int, k: int):
     w13p, w13s = mxfp4.encode(torch.randn(E, 2 * I, D, generator=dev_gen, device=DEV) / D**0.5)
     w2p, w2s = mxfp4.encode(torch.randn(E, D, I, generator=dev_gen, device=DEV) / I**0.5)
     dense = [mxfp4.decode(p, s).to(DEV, torch.bfloat16) for p, s in ((w13p, w13s), (w2p, w2s))]
-    w = [t.to(DEV) for t in (w13p, w13s, w2p, w2s)]
+    w = [t.to(DEV) for t in kernel_experts(w13p, w13s, w2p, w2s)]  # the layout the kernels read
     x = torch.randn(T, D, generator=gen).to(DEV, torch.bfloat16)
     ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(DEV)
     wts = torch.softmax(torch.randn(T, k, generator=gen), -1).to(DEV)

@@ -19,7 +19,7 @@ Compiled results (metadata, ptxas log, SASS) are cached by the request (Triton's
 callees, constants and specialization; the options; the Triton version), so an unchanged kernel is not compiled again (`--cache DIR`, default
 ~/.cache/moe_export/sm90_report). These are static facts (what ptxas made), not measurements.
 
-  python benchmarks/sm90_report.py [--json] [--kernels moe,indexer] [--cache DIR]
+  python benchmarks/sm90_report.py [--json] [--kernels moe,indexer] [--cache DIR] [--jobs N]
 
 Groups: moe, indexer, mla, sampler, transport, gds, conv, cache_write.
 """
@@ -433,6 +433,22 @@ def report(groups: list[str], cache: Path | None) -> list[dict]:
     return rows
 
 
+def report_in_processes(groups: list[str], cache: str, jobs: int) -> list[dict]:
+    """`report` of each group in its own process (`jobs` at once: compiling is single-threaded), rows in group
+    order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(group: str) -> list[dict]:
+        run = subprocess.run([sys.executable, __file__, "--json", "--jobs", "1", "--kernels", group, "--cache", cache],
+                             capture_output=True, text=True)  # fmt: skip
+        if run.returncode:
+            raise RuntimeError(f"sm90_report --kernels {group} failed:\n{run.stderr[-3000:]}")
+        return json.loads(run.stdout)
+
+    with ThreadPoolExecutor(jobs) as pool:
+        return [row for rows in pool.map(one, groups) for row in rows]
+
+
 _COLUMNS = ("kernel", "case", "warps", "stages", "regs", "spill st/ld", "shared", "wgmma", "mma.sync", "cp.async",
             "bulk", "per unit")  # fmt: skip
 
@@ -457,12 +473,17 @@ def main() -> None:
     parser.add_argument("--kernels", default=",".join(GROUPS), help=f"comma-separated groups of {', '.join(GROUPS)}")
     parser.add_argument("--cache", default=str(Path.home() / ".cache" / "moe_export" / "sm90_report"),
                         help="folder of cached results ('' for none)")  # fmt: skip
+    parser.add_argument("--jobs", type=int, default=min(len(GROUPS), os.cpu_count() or 1),
+                        help="groups compiled at once, each in its own process (default: one per CPU)")  # fmt: skip
     args = parser.parse_args()
     groups = [g.strip() for g in args.kernels.split(",") if g.strip()]
     unknown = sorted(set(groups) - set(GROUPS))
     if unknown:
         sys.exit(f"sm90_report: unknown kernel group(s) {', '.join(unknown)}; known: {', '.join(GROUPS)}")
-    rows = report(groups, Path(args.cache) if args.cache else None)
+    if args.jobs > 1 and len(groups) > 1:
+        rows = report_in_processes(groups, args.cache, args.jobs)
+    else:
+        rows = report(groups, Path(args.cache) if args.cache else None)
     print(json.dumps(rows, indent=1) if args.json else table(rows))
 
 

@@ -7,6 +7,10 @@ rank's expert ids, gate and up fused (`w13`: I gate rows then I up rows), as MXF
     <layer>.block_sparse_moe.experts.w13_packed [E_local, 2I, D/2] U8   w13_scale [E_local, 2I, D/32] U8
     <layer>.block_sparse_moe.experts.w2_packed  [E_local, D, I/2]  U8   w2_scale  [E_local, D, I/32]  U8
 
+For TensorRT engines (recipe backend `tensorrt`, whose MoE plugin runs the Triton kernels) the `*_packed` bytes are
+in the kernel's layout (`plugins/moe_mxfp4/layout.py`: the bits of each 32-bit word placed for a cheap bf16 decode,
+same shape and dtype, scales untouched and at most 2); the file's metadata says which (`mxfp4_layout`).
+
 With `quantization.{dense,attention,shared_experts}: fp8`, those classes' 2-D weights are stored
 FP8 E4M3 with fp32 128x128 block scales `<name>_scale_inv`, quantized per rank shard.
 
@@ -35,6 +39,7 @@ from moe_export.graphs.weights import (
     layer_prefix,
 )
 from moe_export.export import transforms
+from moe_export.plugins.moe_mxfp4 import layout as mxfp4_layout
 from moe_export.quantize import fp8
 
 _TORCH_TO_ST = {
@@ -93,10 +98,12 @@ def fp8_scale_name(name: str) -> str:
 
 
 def plan_rank_tensors(reader, cfg: ModelConfig, mapping: Mapping, allow_nonfinite: bool,
-                      reports: list[transforms.QuantReport], fp8_classes: frozenset[str] = frozenset()
-                      ) -> tuple[list[OutTensor], list[Job]]:
+                      reports: list[transforms.QuantReport], fp8_classes: frozenset[str] = frozenset(),
+                      kernel_layout: bool = False) -> tuple[list[OutTensor], list[Job]]:
     """This rank's tensors in file order, and the producers that fill them (each source tensor read once).
-    2-D BF16 weights of `fp8_classes` are quantized per shard to FP8 + `_scale_inv` block scales."""
+    2-D BF16 weights of `fp8_classes` are quantized per shard to FP8 + `_scale_inv` block scales. With
+    `kernel_layout` the experts' packed bytes are in the Triton kernel's layout (`mxfp4_layout.kernel_experts`,
+    ValueError naming the tensor on a block scale above 2)."""
     tensors: list[OutTensor] = []
     jobs: list[Job] = []
     for spec in all_tensor_specs(cfg, include_experts=False):
@@ -140,7 +147,11 @@ def plan_rank_tensors(reader, cfg: ModelConfig, mapping: Mapping, allow_nonfinit
                     q = transforms.expert_mxfp4(reader, cfg, layer, e, fuse_gate_up=fused,
                                                 allow_nonfinite=allow_nonfinite)
                     reports.extend(q.reports)
-                    for part, data in (("packed", q.packed), ("scale", q.scales)):
+                    packed = q.packed
+                    if kernel_layout:
+                        mxfp4_layout.check_scales(q.scales, f"layer {layer} expert {e} {what}")
+                        packed = mxfp4_layout.to_kernel_layout(packed)
+                    for part, data in (("packed", packed), ("scale", q.scales)):
                         yield expert_stack_name(cfg, layer, f"{what}_{part}"), slot * data.numel(), data
 
         sources = [s.name for e in experts for s in expert_tensor_specs(cfg, layer, e)]
@@ -230,10 +241,12 @@ def convert_rank(reader, cfg: ModelConfig, recipe, mapping: Mapping, out_path: P
     """Stream, shard and quantize the checkpoint into this rank's safetensors file at `out_path`.
     Returns a JSON-able quantization report: per-tensor entries and a summary."""
     reports: list[transforms.QuantReport] = []
+    kernel_layout = recipe.backend == "tensorrt"  # the MoE plugin runs the Triton kernels
     tensors, jobs = plan_rank_tensors(reader, cfg, mapping, recipe.quantization.allow_nonfinite, reports,
-                                      frozenset(fp8_weight_classes(recipe)))
+                                      frozenset(fp8_weight_classes(recipe)), kernel_layout)
     producers = (job.produce for job in storage_order(reader, jobs))
-    meta = {"format": "moe-export-rank", "rank": str(mapping.rank), "mapping": json.dumps(mapping.to_dict(), sort_keys=True)}
+    meta = {"format": "moe-export-rank", "rank": str(mapping.rank), "mapping": json.dumps(mapping.to_dict(), sort_keys=True),
+            "mxfp4_layout": "triton-kernel" if kernel_layout else "standard"}
     write_safetensors_stream(tensors, producers, Path(out_path), meta, progress)
     entries = [r.to_dict() for r in reports]
     finite = [e["sqnr_db"] for e in entries if e.get("sqnr_db") is not None]

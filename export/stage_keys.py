@@ -32,7 +32,7 @@ from moe_export.export.backends import all_backends, backend_for
 # Recipe fields (dotted paths into the recipe) each stage's output depends on, beyond its upstream keys; the
 # stages a backend adds (`export/backends/`) declare theirs.
 _COMMON_FIELDS: dict[str, tuple[str, ...]] = {
-    "convert": ("quantization", "parallel", "target.gpu", "target.nodes", "target.gpus_per_node"),
+    "convert": ("quantization", "parallel", "target.gpu", "target.nodes", "target.gpus_per_node", "backend"),
     "graph": ("attention", "limits"),
     "vision": ("vision",),
 }
@@ -40,7 +40,7 @@ _MODEL_CODE = (("common", "model_config.py"), ("common", "mapping.py"), ("graphs
 # Source files each stage runs, as (subpackage of moe_export, glob inside it).
 _COMMON_CODE: dict[str, tuple[tuple[str, str], ...]] = {
     "convert": (("export", "convert.py"), ("export", "checkpoint.py"), ("export", "transforms.py"), ("quantize", "*.py"),
-                *_MODEL_CODE),
+                ("plugins", "moe_mxfp4/layout.py"), *_MODEL_CODE),
     "graph": (("graphs", "onnx_*.py"), ("graphs", "fp8_rows.py"), ("graphs", "vision.py"), ("plugins", "*.py"),
               ("plugins", "*/onnx_schema.py"), *_MODEL_CODE),
     "config": (("export", "build*.py"), ("export", "planner.py"), ("common", "manifest.py"), ("common", "engine_config.py"),

@@ -167,7 +167,7 @@ def test_moe_mxfp4_impl_computes_the_rows_received_after_a_dispatch_and_every_ro
     (`recv_bound`), only the first sum(row_counts) rows are computed, in bf16 (the rest of the output keeps what
     it held); with none pending (the all-reduce layout) every row is. Against the fp32 reference."""
     from moe_export.plugins.collectives import nccl
-    from moe_export.plugins.moe_mxfp4 import reference, sizes
+    from moe_export.plugins.moe_mxfp4 import layout, reference, sizes
     from moe_export.quantize import mxfp4
 
     monkeypatch.setattr(sys.modules["moe_export.plugins.moe_mxfp4.tensorrt_plugin"], "as_torch", lambda t: t)
@@ -177,7 +177,7 @@ def test_moe_mxfp4_impl_computes_the_rows_received_after_a_dispatch_and_every_ro
     w = torch.rand(rows, k, generator=GEN)
     w13, s13 = mxfp4.encode(torch.randn(local, 2 * inter, dim, generator=GEN) * 0.1)
     w2, s2 = mxfp4.encode(torch.randn(local, dim, inter, generator=GEN) * 0.1)
-    weights = [t.view(torch.int8) for t in (w13, s13, w2, s2)]  # TensorRT hands the bytes as INT8
+    weights = [t.view(torch.int8) for t in layout.kernel_experts(w13, s13, w2, s2)]  # as the engine holds them, INT8
     counts = torch.tensor([3, 0, 4])  # 7 rows received from 3 sources
     scratch = torch.zeros(sizes.workspace_bytes(rows, k, dim, inter, local), dtype=torch.int8)
     fields = (i32(offset), "situ\0", f32(4.0), f32(25.0), i32(scratch.numel()))

@@ -35,7 +35,7 @@ def record_launches(monkeypatch, rows, k, dim, inter, local, budget, **counted):
     ids[:, 0] = torch.arange(rows) % local  # every chunk has pairs of this rank's experts
     weights = [torch.zeros(local, 2 * inter, dim // 2, dtype=torch.uint8), torch.zeros(local, 2 * inter, dim // 32, dtype=torch.uint8),
                torch.zeros(local, dim, inter // 2, dtype=torch.uint8), torch.zeros(local, dim, inter // 32, dtype=torch.uint8)]  # fmt: skip
-    triton_kernel.moe_mxfp4_triton(torch.randn(rows, dim, generator=gen), ids, torch.rand(rows, k, generator=gen),
+    triton_kernel.moe_mxfp4_triton(torch.randn(rows, dim, generator=gen).bfloat16(), ids, torch.rand(rows, k, generator=gen),
                                    *weights, expert_offset=0, budget_bytes=budget, **counted)  # fmt: skip
     return log
 

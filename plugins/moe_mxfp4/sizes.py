@@ -64,12 +64,15 @@ def combine_programs(num_rows: int, dim: int, counted: bool) -> int:
 def tile_config(num_pairs: int, num_local: int, dim: int, inter: int) -> dict:
     """Launch tiles for a chunk of `num_pairs` pairs: BLOCK_M from `sizes.block_m_for`; BLOCK_N 128, halved (to
     16 at least) while the up or down grid over the experts that can be present has fewer than two programs
-    per SM; BLOCK_K 128 (prefill) or 256 (decode: longer streams per program); warps and stages for Hopper."""
+    per SM; BLOCK_K 128 (prefill) or 256 (decode: longer streams per program), at most the shorter of D and I; warps for Hopper: prefill 8 (the
+    gate and up accumulators and decoded tiles of 64 x 128 held without spills), decode one per 16 columns (a
+    warp's mma.sync tiles decode 16 x 256 weights per K step), 3 stages."""
     block_m = block_m_for(num_pairs, num_local)
     blocks = min(num_local, num_pairs)
     block_n = 128
     while block_n > 16 and blocks * -(-min(dim, inter) // block_n) < 2 * H200_SMS:
         block_n //= 2
+    widest = 1 << (min(dim, inter).bit_length() - 1)  # K steps no longer than the shorter weight row
     if block_m >= 64:
-        return dict(block_m=block_m, block_n=block_n, block_k=128, num_warps=8, num_stages=3)
-    return dict(block_m=block_m, block_n=block_n, block_k=256, num_warps=4, num_stages=4)
+        return dict(block_m=block_m, block_n=block_n, block_k=min(128, widest), num_warps=8, num_stages=3)
+    return dict(block_m=block_m, block_n=block_n, block_k=min(256, widest), num_warps=block_n // 16, num_stages=3)

@@ -12,6 +12,8 @@ Importing this module registers `moe_export::MoEMXFP4` (name = op type, namespac
 Python at runtime. Expert ids outside this rank's range are ignored by design, so the garbage inputs of
 TensorRT's tactic runs stay in bounds.
 
+The packed MXFP4 bytes are in the Triton kernel's layout (`layout.py`), written so by the convert stage of
+TensorRT builds (engines built before that layout need a rebuild).
 MXFP4 bytes arrive as INT8: TensorRT graphs declare the experts' uint8 bytes as int8 views of the same bytes,
 because the ONNX parser widens uint8 initializers to int32 (`plugins/tensorrt_contracts.py`:
 PARSER_UINT8_WEIGHTS_BECOME_INT32, ADD_CONSTANT_NO_UINT8); the impl views them back as uint8 (no copy). The
@@ -20,8 +22,8 @@ engine holds them at 4.25 bits per weight, as the planner counts.
 Rows on the device: the eighth input `row_counts` (int64) says, summed, how many leading rows of x carry tokens.
 After a MoEDispatch (dp layout) it is the dispatch's recv_counts, so the op computes the rows received and never
 the rest of the static receive buffer; in the all-reduce layout the graph feeds one constant count of at least the
-step's tokens and the op takes every row, on its static grids. bf16 in and out on GPU builds: no Casts around the
-op.
+step's tokens and the op takes every row, on its static grids. bf16 in and out (the only format the kernels
+take): no Casts around the op.
 
 No host synchronization in `impl` (the pair layout is one kernel sized from shapes, `triton_kernel.pair_layout`)
 and bounded scratch (tokens in chunks), so the launches can be captured in a CUDA graph. The result is written
@@ -67,7 +69,7 @@ def _describe(
     situ_linear_beta: Float32Field,
     scratch_bytes: Int32Field,
 ) -> tuple[trtp.TensorDesc, trtp.TensorDesc]:
-    """y [T, D] like x (fp32 or bf16), and the workspace [scratch_bytes] int8; an unknown activation fails the
+    """y [T, D] like x (bf16), and the workspace [scratch_bytes] int8; an unknown activation fails the
     build here, not at run time."""
     if text(activation) not in ACTIVATIONS:
         raise ValueError(f"{PLUGIN_ID}: activation must be one of {ACTIVATIONS}, got {text(activation)!r}")
@@ -87,9 +89,9 @@ def _formats(
     row_counts: trtp.TensorDesc,
     outputs: tuple[trtp.TensorDesc, trtp.TensorDesc],
 ) -> list[trtp.AutoTuneCombination]:
-    """Activations in and out in bf16 (GPU builds) or fp32, int64 ids, fp32 routing weights, MXFP4 bytes as INT8
-    (views of the uint8 bytes), int64 row counts, INT8 workspace; linear layout."""
-    return [trtp.AutoTuneCombination(f"{t}, INT64, FP32, INT8, INT8, INT8, INT8, INT64, {t}, INT8") for t in ("BF16", "FP32")]
+    """Activations in and out in bf16, int64 ids, fp32 routing weights, MXFP4 bytes as INT8 (views of the uint8
+    bytes), int64 row counts, INT8 workspace; linear layout."""
+    return [trtp.AutoTuneCombination("BF16, INT64, FP32, INT8, INT8, INT8, INT8, INT64, BF16, INT8")]
 
 
 @trtp.impl(PLUGIN_ID)
@@ -114,7 +116,7 @@ def _run(
     activations in the workspace output (no host synchronization). The rows computed are the first
     sum(row_counts) of x, a device value, after a MoEDispatch (the rows received, over chunks bounded on the host
     by the pending dispatch's `received_rows_bound`, on device-bounded grids); else all of x's rows on static
-    grids. bf16 x (GPU builds) takes the tensor-core path (bf16 operands, fp32 accumulation)."""
+    grids. bf16 x on the tensor cores (bf16 operands, fp32 accumulation)."""
     x_t, ids, w = (as_torch(t) for t in (x, expert_ids, expert_weights))
     weights = [as_torch(t).view(torch.uint8) for t in (w13_packed, w13_scale, w2_packed, w2_scale)]
     bound = received_rows_bound()  # None outside a dispatch (all-reduce layout): every row, static grids

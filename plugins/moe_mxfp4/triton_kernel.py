@@ -6,10 +6,11 @@ a CUDA graph capture), tokens in chunks of at most `sizes.chunk_tokens` (bounded
    local expert once, each expert's run padded to BLOCK_M -> pair rows [C] (flat pair index, -1 = padding), the
    local expert of each used M-block and the used-block count [1] (on the device), C = `sizes.pair_capacity`.
 2. `_moe_up_kernel`, grid (`sizes.block_programs`, I / BLOCK_N), each program looping over the used M-blocks: the
-   block's token rows of x gathered once per K step [BLOCK_M, BLOCK_K], its expert's gate and up rows
-   [BLOCK_N, BLOCK_K] decoded from bytes in registers (low nibble = even column, high = odd; E2M1 and the E8M0
-   block scale bit-exactly) into x's dtype and fed to `tl.dot` (bf16 x: tensor-core MMA with fp32 accumulation;
-   fp32 x: exact fp32 dots), the gated activation (SiLU or SiTU) fused in the epilogue -> act [C, I] in x's dtype.
+   block's token rows of x (bf16) gathered once per K step [BLOCK_M, BLOCK_K], its expert's gate and up rows
+   [BLOCK_N, BLOCK_K] decoded from the kernel layout (`layout.py`: int32 words of 8 values whose bits sit where
+   one mask, or two shifts and masks, make bf16 pairs; one bf16x2 multiply by 2^(s-1) per pair, inline PTX on the
+   GPU, the same arithmetic in plain Triton under the interpreter) and fed to `tl.dot` (tensor-core MMA, fp32
+   accumulation), the gated activation (SiLU or SiTU) fused in the epilogue -> act [C, I] bf16.
 3. `_moe_down_kernel`, the same grid rows x D / BLOCK_N: act @ W2^T the same way, times the routing weight -> the
    pair's row of partial [T*k, D] fp32.
 4. `_combine_kernel`, grid (`sizes.combine_programs`, D / BLOCK_D), each program looping over the valid rows:
@@ -20,9 +21,11 @@ head [0, n) of the receive buffer, n = sum(recv_counts) read inside the kernels:
 `row_bound` >= n, the chunks cover [0, row_bound), and the up / down / combine grids are fixed sizes (one M-block
 program per expert that can be present, two combine programs per SM), so a decode step costs the same whatever
 the buffer's rows; rows >= n are never read for anything that matters, nor written.
-Tiles (`tile_config`): prefill (many pairs per expert) BLOCK_M 64 x BLOCK_N 128 x BLOCK_K 128, 8 warps, 3
-stages; decode BLOCK_M 16 and BLOCK_N shrunk (down to 16) until the grid has two programs per SM, so that every
-SM streams a slice of the touched experts' weights (split along N keeps the activation fused).
+Tiles (`tile_config`): prefill (many pairs per expert) BLOCK_M 64 x BLOCK_N 128 x BLOCK_K 128, 8 warps (wgmma),
+3 stages; decode BLOCK_M 16 (mma.sync) and BLOCK_N shrunk (down to 16) until the grid has two programs per SM, so
+that every SM streams a slice of the touched experts' weights (split along N keeps the activation fused), one
+warp per 16 columns. x is bf16 and so are y and the activations: no fp32 variant (an fp32 tile of x needed more
+shared memory than a block has). `benchmarks/sm90_report.py` shows what each tile compiles to.
 Runs on CUDA tensors or under TRITON_INTERPRET=1.
 """
 
@@ -36,32 +39,78 @@ from .sizes import (COMBINE_BLOCK_D, DEFAULT_SCRATCH_BUDGET, aligned, block_prog
                     pair_capacity, tile_config)
 
 @triton.jit
-def _e2m1_f32(code):
-    """int32 E2M1 codes (sign in bit 3) -> fp32, exactly, by building the bits: magnitude t = eem;
-    t >= 2: exponent e + 126 and mantissa m, i.e. (t << 22) + (126 << 23); t = 1: 0.5; t = 0: 0."""
-    t = code & 7
-    bits = tl.where(t >= 2, (t << 22) + (126 << 23), t * (126 << 23)) | ((code & 8) << 28)
-    return bits.to(tl.float32, bitcast=True)
+def _pairs_asm(w, scale):
+    """GPU: uint32 words [...] of the kernel layout (`layout.py`) and bf16x2 scales 2^(s-1) [...] -> the word's 8
+    values as 8 bf16 [...]: per pair one mask (two shifts and masks for pairs 2, 3) and one bf16x2 multiply."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, u, p;
+        and.b32 p, $8, 0x81c081c0;
+        mul.rn.bf16x2 p, p, $9;
+        mov.b32 {$0, $1}, p;
+        shl.b32 t, $8, 3;
+        and.b32 p, t, 0x81c081c0;
+        mul.rn.bf16x2 p, p, $9;
+        mov.b32 {$2, $3}, p;
+        shr.b32 t, $8, 6;
+        and.b32 t, t, 0x01800180;
+        shl.b32 u, $8, 4;
+        and.b32 u, u, 0x80408040;
+        or.b32 p, t, u;
+        mul.rn.bf16x2 p, p, $9;
+        mov.b32 {$4, $5}, p;
+        shr.b32 t, $8, 2;
+        and.b32 t, t, 0x01000100;
+        shl.b32 u, $8, 6;
+        and.b32 u, u, 0x80c080c0;
+        or.b32 p, t, u;
+        mul.rn.bf16x2 p, p, $9;
+        mov.b32 {$6, $7}, p;
+        }""",
+        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[w, scale], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
 
 
 @triton.jit
-def _e8m0(s):
-    """int32 E8M0 bytes -> 2^(s-127) fp32 exactly (0 -> 2^-127 subnormal, 255 -> NaN)."""
-    bits = tl.where(s == 0, 1 << 22, s << 23)
-    bits = tl.where(s == 255, 0x7FC00000, bits)
-    return bits.to(tl.float32, bitcast=True)
+def _lanes(p, scale):
+    """Interpreter: bf16 pair bits p (uint32) times the scale lane -> (low, high) bf16, each lane widened to fp32
+    bits (exact, subnormals kept), multiplied in fp32 (exact: two bf16 significands) and rounded once, as
+    mul.rn.bf16x2 does (the interpreter's bf16 multiply works on raw integers)."""
+    sc = ((scale & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    lo = ((p & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    hi = (p & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return (lo * sc).to(tl.bfloat16), (hi * sc).to(tl.bfloat16)
 
 
 @triton.jit
-def _mxfp4_tile(w_ptrs, s_ptrs, w_mask, s_mask, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Weight tile [BLOCK_N, BLOCK_K] in DTYPE from w_ptrs -> bytes [BLOCK_N, BLOCK_K/2] and s_ptrs -> the scale
-    bytes [BLOCK_N, BLOCK_K/32]; column 2j is byte j's low nibble, 2j+1 its high nibble."""
-    byte = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32)
-    scale = _e8m0(tl.load(s_ptrs, mask=s_mask, other=127).to(tl.int32))
-    scale = tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)).reshape(BLOCK_N, BLOCK_K // 2)
-    lo = _e2m1_f32(byte & 15) * scale
-    hi = _e2m1_f32(byte >> 4) * scale
-    return tl.join(lo, hi).reshape(BLOCK_N, BLOCK_K).to(DTYPE)
+def _pairs_interpreted(w, scale):
+    """`_pairs_asm` in plain Triton ops (the interpreter runs no inline PTX): the same masks and shifts."""
+    v0, v1 = _lanes(w & 0x81C081C0, scale)
+    v2, v3 = _lanes((w << 3) & 0x81C081C0, scale)
+    v4, v5 = _lanes(((w >> 6) & 0x01800180) | ((w << 4) & 0x80408040), scale)
+    v6, v7 = _lanes(((w >> 2) & 0x01000100) | ((w << 6) & 0x80C080C0), scale)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def _mxfp4_tile(w_ptrs, s_ptrs, w_mask, s_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+                INTERPRETED_: tl.constexpr):  # fmt: skip
+    """Weight tile [BLOCK_N, BLOCK_K] bf16 from w_ptrs -> int32 words [BLOCK_N, BLOCK_K/32, 4] of the kernel
+    layout and s_ptrs -> E8M0 scale bytes [BLOCK_N, BLOCK_K/32] (<= 128, `layout.check_scales`); the masks are
+    not applied when EVEN (the tile lies inside the weights)."""
+    if EVEN:
+        w = tl.load(w_ptrs).to(tl.uint32, bitcast=True)
+        s = tl.load(s_ptrs).to(tl.uint32)
+    else:
+        w = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.uint32, bitcast=True)
+        s = tl.load(s_ptrs, mask=s_mask, other=0).to(tl.uint32)
+    scale = tl.broadcast_to(((s + 126) * 0x00800080)[:, :, None], w.shape)  # bf16 2^(s-1) in both lanes
+    if INTERPRETED_:
+        v0, v1, v2, v3, v4, v5, v6, v7 = _pairs_interpreted(w, scale)
+    else:
+        v0, v1, v2, v3, v4, v5, v6, v7 = _pairs_asm(w, scale)
+    low = tl.join(tl.join(v0, v1), tl.join(v2, v3)).permute(0, 1, 2, 4, 3)  # values 0..3 of each word
+    high = tl.join(tl.join(v4, v5), tl.join(v6, v7)).permute(0, 1, 2, 4, 3)
+    return tl.join(low, high).permute(0, 1, 2, 5, 3, 4).reshape(BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -122,11 +171,13 @@ def _moe_up_kernel(
     dim, inter, top_k, situ_beta, situ_linear_beta,
     stride_xt, stride_we, stride_wr, stride_se, stride_sr, stride_at,
     ACT_SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr,
+    EVEN: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Program (i, j): N tile j of the used M-blocks i, i + grid rows, ... (the count read on the device)."""
+    """Program (i, j): N tile j of the used M-blocks i, i + grid rows, ... (the count read on the device). EVEN:
+    BLOCK_K divides D and BLOCK_N divides I (no masks on the K steps)."""
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k, offs_kp, offs_ks = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 32)
+    offs_k, offs_ks = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_K // 32)
+    offs_kw = offs_ks[:, None] * 4 + tl.arange(0, 4)[None, :]  # words [BLOCK_K/32, 4] of a K step
     mask_n = offs_n < inter
     g_rows, u_rows = offs_n[:, None], offs_n[:, None] + inter
     for block in range(tl.program_id(0), tl.load(num_blocks_ptr), tl.num_programs(0)):
@@ -135,19 +186,22 @@ def _moe_up_kernel(
         pair = tl.load(pair_ptr + offs_m)
         valid_m = pair >= 0
         token = tl.where(valid_m, pair // top_k, 0)
-        w_g = w_ptr + expert * stride_we + g_rows * stride_wr + offs_kp[None, :]
-        w_u = w_ptr + expert * stride_we + u_rows * stride_wr + offs_kp[None, :]
+        w_g = w_ptr + expert * stride_we + g_rows[:, :, None] * stride_wr + offs_kw[None, :, :]
+        w_u = w_ptr + expert * stride_we + u_rows[:, :, None] * stride_wr + offs_kw[None, :, :]
         s_g = s_ptr + expert * stride_se + g_rows * stride_sr + offs_ks[None, :]
         s_u = s_ptr + expert * stride_se + u_rows * stride_sr + offs_ks[None, :]
         x_rows = x_ptr + token[:, None] * stride_xt + offs_k[None, :]
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, dim, BLOCK_K):
-            a = tl.load(x_rows + k0, mask=valid_m[:, None] & (k0 + offs_k < dim)[None, :], other=0.0)
-            w_mask = mask_n[:, None] & (k0 // 2 + offs_kp < dim // 2)[None, :]
+            if EVEN:
+                a = tl.load(x_rows + k0, mask=valid_m[:, None], other=0.0)
+            else:
+                a = tl.load(x_rows + k0, mask=valid_m[:, None] & (k0 + offs_k < dim)[None, :], other=0.0)
+            w_mask = mask_n[:, None, None] & (k0 // 8 + offs_kw < dim // 8)[None, :, :]
             s_mask = mask_n[:, None] & (k0 // 32 + offs_ks < dim // 32)[None, :]
-            wg = _mxfp4_tile(w_g + k0 // 2, s_g + k0 // 32, w_mask, s_mask, a.dtype, BLOCK_N, BLOCK_K)
-            wu = _mxfp4_tile(w_u + k0 // 2, s_u + k0 // 32, w_mask, s_mask, a.dtype, BLOCK_N, BLOCK_K)
+            wg = _mxfp4_tile(w_g + k0 // 8, s_g + k0 // 32, w_mask, s_mask, BLOCK_N, BLOCK_K, EVEN, UPCAST)
+            wu = _mxfp4_tile(w_u + k0 // 8, s_u + k0 // 32, w_mask, s_mask, BLOCK_N, BLOCK_K, EVEN, UPCAST)
             acc_g = mma(a, tl.trans(wg), acc_g, UPCAST)
             acc_u = mma(a, tl.trans(wu), acc_u, UPCAST)
         sig = 1.0 / (1.0 + tl.exp(-acc_g))
@@ -166,26 +220,31 @@ def _moe_down_kernel(
     act_ptr, pair_ptr, block_expert_ptr, num_blocks_ptr, route_w_ptr, w_ptr, s_ptr, out_ptr,
     dim, inter,
     stride_at, stride_we, stride_wr, stride_se, stride_sr, stride_ot,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Program (i, j): N tile j of the used M-blocks i, i + grid rows, ... -> rows of partial for their pairs."""
+    """Program (i, j): N tile j of the used M-blocks i, i + grid rows, ... -> rows of partial for their pairs.
+    EVEN: BLOCK_K divides I and BLOCK_N divides D (no masks on the K steps)."""
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k, offs_kp, offs_ks = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 32)
+    offs_k, offs_ks = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_K // 32)
+    offs_kw = offs_ks[:, None] * 4 + tl.arange(0, 4)[None, :]  # words [BLOCK_K/32, 4] of a K step
     mask_n = offs_n < dim
     for block in range(tl.program_id(0), tl.load(num_blocks_ptr), tl.num_programs(0)):
         expert = tl.load(block_expert_ptr + block).to(tl.int64)
         offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
         pair = tl.load(pair_ptr + offs_m)
         valid_m = pair >= 0
-        w_rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wr + offs_kp[None, :]
+        w_rows = w_ptr + expert * stride_we + offs_n[:, None, None] * stride_wr + offs_kw[None, :, :]
         s_rows = s_ptr + expert * stride_se + offs_n[:, None] * stride_sr + offs_ks[None, :]
         a_rows = act_ptr + offs_m[:, None] * stride_at + offs_k[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, inter, BLOCK_K):
-            a = tl.load(a_rows + k0, mask=valid_m[:, None] & (k0 + offs_k < inter)[None, :], other=0.0)
-            w_mask = mask_n[:, None] & (k0 // 2 + offs_kp < inter // 2)[None, :]
+            if EVEN:
+                a = tl.load(a_rows + k0, mask=valid_m[:, None], other=0.0)
+            else:
+                a = tl.load(a_rows + k0, mask=valid_m[:, None] & (k0 + offs_k < inter)[None, :], other=0.0)
+            w_mask = mask_n[:, None, None] & (k0 // 8 + offs_kw < inter // 8)[None, :, :]
             s_mask = mask_n[:, None] & (k0 // 32 + offs_ks < inter // 32)[None, :]
-            w = _mxfp4_tile(w_rows + k0 // 2, s_rows + k0 // 32, w_mask, s_mask, a.dtype, BLOCK_N, BLOCK_K)
+            w = _mxfp4_tile(w_rows + k0 // 8, s_rows + k0 // 32, w_mask, s_mask, BLOCK_N, BLOCK_K, EVEN, UPCAST)
             acc = mma(a, tl.trans(w), acc, UPCAST)
         rows = tl.where(valid_m, pair, 0)
         acc = acc * tl.load(route_w_ptr + rows, mask=valid_m, other=0.0).to(tl.float32)[:, None]
@@ -297,9 +356,9 @@ def moe_mxfp4_triton(
     recv_counts: torch.Tensor | None = None,
     row_bound: int | None = None,
 ) -> torch.Tensor:
-    """x [T, D] bf16 (tensor-core dots, bf16 activations) or fp32 (exact fp32 dots), expert_ids [T, k],
-    expert_weights [T, k], weights as in `reference.py` -> y [T, D] in x's dtype (written into `out` when given,
-    any float dtype). D and I multiples of 32 (MXFP4 blocks). `tiles`: `tile_config`'s keys (default: chosen
+    """x [T, D] bf16 (ValueError otherwise), expert_ids [T, k], expert_weights [T, k], the weights of `reference.py`
+    with the packed bytes in the kernel layout (`layout.kernel_experts`: block scales at most 2) -> y [T, D] bf16
+    (written into `out` when given, any float dtype). D and I multiples of 32 (MXFP4 blocks). `tiles`: `tile_config`'s keys (default: chosen
     per chunk). `workspace`: uint8 device buffer of at least `sizes.workspace_bytes(T, ...)` (else allocated).
     Every row is valid unless `recv_counts` [S] int (on x's device) is given: then only rows [0, n), n =
     sum(recv_counts) read on the device, are read and written (rows >= n may hold anything, y's are left as they
@@ -307,11 +366,14 @@ def moe_mxfp4_triton(
     (`sizes.block_programs`, `sizes.combine_programs`), whatever T."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"moe_mxfp4_triton: x must be bf16 (the tensor-core path, bf16 in and out), got {x.dtype}")
     num_tokens, top_k = expert_ids.shape
     bound = _rows_to_run(num_tokens, recv_counts, row_bound, x.device)
-    x = x[:bound] if x.dtype in (torch.bfloat16, torch.float32) else x[:bound].float()
+    x = x[:bound]
     inter, dim = w13_packed.shape[1] // 2, x.shape[1]
     experts = [t.contiguous() for t in (w13_packed, w13_scale, w2_packed, w2_scale)]
+    experts[0], experts[2] = experts[0].view(torch.int32), experts[2].view(torch.int32)  # words of 8 values
     y = torch.empty(num_tokens, dim, dtype=x.dtype, device=x.device) if out is None else out
     step = chunk_tokens(top_k, dim, inter, budget_bytes)
     betas = (float(situ_beta), float(situ_linear_beta))
@@ -344,13 +406,14 @@ def _run_chunk(x, ids, route_w, experts, y, *, expert_offset, activation, betas,
             x, pair_rows, block_expert, num_blocks, w13p, w13s, act,
             dim, inter, top_k, *betas,
             x.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), act.stride(0),
-            ACT_SILU=activation == "silu", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=INTERPRETED, **launch,
+            ACT_SILU=activation == "silu", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN=dim % bk == 0 and inter % bn == 0,
+            UPCAST=INTERPRETED, **launch,
         )  # fmt: skip
         _moe_down_kernel[(grid_m, triton.cdiv(dim, bn))](
             act, pair_rows, block_expert, num_blocks, route_w, w2p, w2s, partial,
             dim, inter,
             act.stride(0), w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1), partial.stride(0),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=INTERPRETED, **launch,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN=inter % bk == 0 and dim % bn == 0, UPCAST=INTERPRETED, **launch,
         )  # fmt: skip
     _combine_kernel[(combine_programs(num_rows, dim, counted), triton.cdiv(dim, COMBINE_BLOCK_D))](
         partial, ids, y_ptr=y, num_rows=num_rows, dim=dim, top_k=top_k, expert_offset=expert_offset,
