@@ -218,6 +218,9 @@ def case_mla(rec: Recorder) -> None:
                                                     kv_lora_rank=512)  # fmt: skip
     with rec.group("mla", "aot fp32 pool H=12"):  # the TensorRT plugin's aot_impl (gpu_aot_check's shape)
         mla.aot_compile(12, 512, 64, 192**-0.5, 90, block_h=16)
+    for name, pool in (("bf16", torch.bfloat16), ("fp8", torch.uint8)):  # K3's pools: h100x64 bf16, h200x32 fp8
+        with rec.group("mla", f"aot {name} pool H=12"):
+            mla.aot_compile(12, 512, 64, 192**-0.5, 90, block_h=16, pool_dtype=pool)
 
 
 def case_sampler(rec: Recorder) -> None:

@@ -30,6 +30,12 @@ KERNELS = {
     "conv": {"short_conv_kernel"},
     "cache_write": {"_paged_cache_write_kernel"},
 }
+# AOT forms that need more shared memory than TensorRT's AOT launch gives: refused with the way out by
+# `plugins.tensorrt_common.aot_kernel_code` (contract AOT_SHARED_MEMORY_OPT_IN_UNKNOWN), as issue 36 designs it
+# (recipes default to tensorrt.prefer_aot: false, the JIT launch, which opts in); K3's bf16 pool form needs
+# 166,656 B, its fp8 form 53,248 B (and spills 240 B: never launched, since refused). A known gap: no SparseMLA AOT
+# form fits TensorRT's AOT launch today (benchmarks/README.md).
+AOT_REFUSED = {f"_sparse_mla_kernel (aot {pool} pool H=12)" for pool in ("fp32", "bf16", "fp8")}
 MATMUL_KERNELS = {"moe": ("_moe_up_kernel", "_moe_down_kernel"), "indexer": ("_index_scores_kernel",),
                   "mla": ("_sparse_mla_kernel",)}  # fmt: skip
 
@@ -63,7 +69,7 @@ def test_every_launched_kernel_is_reported(report, group):
 @pytest.mark.parametrize("group", GROUPS)
 def test_no_kernel_spills(report, group):
     spilling = [f"{_name(r)}: {r['spill_stores']} / {r['spill_loads']} B" for r in _rows(report, group)
-                if r["spill_stores"] or r["spill_loads"]]  # fmt: skip
+                if (r["spill_stores"] or r["spill_loads"]) and _name(r) not in AOT_REFUSED]  # fmt: skip
     assert not spilling
 
 
@@ -99,9 +105,21 @@ def test_aot_kernels_fit_the_tensorrt_launch(report, group):
 
     rows = _rows(report, group, aot=True)
     assert rows
-    unfit = [_name(r) for r in rows if r["shared"] > DEFAULT_DYNAMIC_SHARED_MEMORY or r["global_scratch"]
+    handed = [r for r in rows if _name(r) not in AOT_REFUSED]  # the refused ones are never handed over
+    unfit = [_name(r) for r in handed if r["shared"] > DEFAULT_DYNAMIC_SHARED_MEMORY or r["global_scratch"]
              or r["profile_scratch"] or r["spill_stores"]]  # fmt: skip
     assert not unfit
+
+
+def test_aot_forms_over_the_shared_limit_are_the_refused_ones(report):
+    """The AOT forms above the launch's shared memory are exactly those `aot_kernel_code` refuses by design (the
+    builds run the JIT launch, which opts in); the report has K3's bf16 and fp8 pool forms."""
+    from moe_export.plugins.tensorrt_contracts import DEFAULT_DYNAMIC_SHARED_MEMORY
+
+    over = {_name(r) for r in report if r["aot"] and r["shared"] > DEFAULT_DYNAMIC_SHARED_MEMORY}
+    assert over <= AOT_REFUSED
+    assert {"_sparse_mla_kernel (aot bf16 pool H=12)", "_sparse_mla_kernel (aot fp8 pool H=12)"} <= {
+        _name(r) for r in report if r["aot"]}
 
 
 def test_sparse_mla_spreads_one_query_over_64_programs(report):
