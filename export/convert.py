@@ -246,7 +246,7 @@ def convert_rank(reader, cfg: ModelConfig, recipe, mapping: Mapping, out_path: P
                                       frozenset(fp8_weight_classes(recipe)), kernel_layout)
     producers = (job.produce for job in storage_order(reader, jobs))
     meta = {"format": "moe-export-rank", "rank": str(mapping.rank), "mapping": json.dumps(mapping.to_dict(), sort_keys=True),
-            "mxfp4_layout": "triton-kernel" if kernel_layout else "standard"}
+            "mxfp4_layout": mxfp4_layout.KERNEL if kernel_layout else mxfp4_layout.STANDARD}
     write_safetensors_stream(tensors, producers, Path(out_path), meta, progress)
     entries = [r.to_dict() for r in reports]
     finite = [e["sqnr_db"] for e in entries if e.get("sqnr_db") is not None]

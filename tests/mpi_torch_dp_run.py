@@ -1,5 +1,7 @@
-"""Run under `mpiexec -n WORLD` with TRITON_INTERPRET=1 on a dp-layout torch engine (argv[1]): every rank swaps in
-the Triton kernel table (`CUDAKernels` on CPU tensors, as `torch_interpreter_run.py`), so its MoE all-to-alls run
+"""Run under `mpiexec -n WORLD` with TRITON_INTERPRET=1 on a dp-layout torch engine (argv[1]): every rank loads with
+the Triton kernel table (`CUDAKernels` on CPU tensors, as `torch_interpreter_run.py`: the experts in the W4A16
+kernel's layout, each MoE call checked against the CPU kernel and the CPU result passed on: `checked_moe`), so its
+MoE all-to-alls run
 on the device transport (`DistributedWorld.use_device_transport`: Triton routing / packing under the interpreter,
 gloo all-to-alls), and runs its group's steps in argv[2] (a JSON list of steps, each a list per group of chunks
 [slot, start, tokens, blocks], or null: idle); from step argv[3] on, decode steps replay `DecodeGraphs` (buckets 1
@@ -8,7 +10,8 @@ the world agrees on a bucket and idle ranks replay padding. Counted over each st
 values (`item`, `tolist`, `cpu`, `numpy`, conversions) and `torch.cuda.synchronize`, outside the kernels (the Triton
 kernels' and the transport kernels' host side is the interpreter's) and outside the runner's checks of its numpy
 inputs. Rank 0 prints one JSON line {"logits": [step][group] -> [N, vocab] list or null, "reads": [step][rank]
--> list of read names, "expert_tokens": [step] -> sum of the group's per-expert counts}."""
+-> list of read names, "expert_tokens": [step] -> sum of the group's per-expert counts, "moe_err": the largest
+MoE error of any rank relative to max(1, max |y|)}."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
 from moe_export.runtime.engine.torch_graphs import DecodeGraphs
 from moe_export.runtime.engine.torch_kernels import CUDAKernels
 from moe_export.runtime.engine.torch_runner import TorchEngine
+from torch_interpreter_run import checked_moe
 
 READS = {"item": torch.Tensor.item, "tolist": torch.Tensor.tolist, "cpu": torch.Tensor.cpu,
          "numpy": torch.Tensor.numpy, "bool": torch.Tensor.__bool__, "int": torch.Tensor.__int__,
@@ -88,12 +92,13 @@ def main() -> None:
     syncs = HostSyncs()
     for name in ("route", "pack", "unpack", "expand", "sum_returned"):
         setattr(transport_kernels, name, syncs.pausing(getattr(transport_kernels, name)))
+    moe_errors: list[float] = []
+    CUDAKernels.moe = checked_moe(CUDAKernels.moe, moe_errors)
     for name in ("short_conv", "gated_delta_scan", "cache_write", "sparse_mla", "dsa_indexer", "moe"):
         setattr(CUDAKernels, name, syncs.pausing(getattr(CUDAKernels, name)))
     torch_runner.check_step_batch = syncs.pausing(torch_runner.check_step_batch)
+    torch_runner.kernels_for = lambda device, pools: CUDAKernels(pools)  # the experts loaded in the kernel's layout
     engine = TorchEngine(sys.argv[1], num_slots=3, num_blocks=16, threads=1)
-    for r, pools in engine.pools.items():
-        engine.kernels[r] = CUDAKernels(list(pools.values()))
     logits, reads, experts = [], [], []
     for n, step in enumerate(json.loads(sys.argv[2])):
         if n == int(sys.argv[3]):
@@ -108,8 +113,9 @@ def main() -> None:
         logits.append(None if gathered is None else gathered[::engine.tp])
         reads.append(world.gather(syncs.calls, root=0))
         experts.append(int(engine.group_step_expert_tokens.sum()))
+    moe_err = world.gather(max(moe_errors, default=0.0), root=0)
     if world.Get_rank() == 0:
-        print(json.dumps({"logits": logits, "reads": reads, "expert_tokens": experts}))
+        print(json.dumps({"logits": logits, "reads": reads, "expert_tokens": experts, "moe_err": max(moe_err)}))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from fp32_reorder import num_layers, reorder_atol
 
 from moe_export.runtime import LLM, SamplingParams
@@ -22,6 +23,7 @@ from moe_export.runtime.engine.ort import Engine
 from moe_export.runtime.engine.torch_runner import TorchEngine
 
 from conftest import run_cli
+from test_plugin_moe_mxfp4 import BF16_TOL
 from test_vision_engine import THREE
 
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7, 8, 300, 11, 12, 77, 1, 400], [60, 61, 62], list(range(3, 40))]
@@ -118,14 +120,57 @@ def test_mpiexec_equals_onnxruntime(runtime_engine, attention, ep):
 
 def test_cuda_kernel_table_equals_cpu_kernels_in_the_triton_interpreter(runtime_engine):
     """The GPU path's kernel table (Triton kernels over the runner's pools through one pool table) on CPU under
-    TRITON_INTERPRET=1, against the CPU kernels: DSA model, tp 2 x ep 2, prefill then decode."""
+    TRITON_INTERPRET=1, against the CPU kernels: DSA model, tp 2 x ep 2, prefill then decode; the engine loads its
+    experts for that table (the W4A16 kernel's layout, converted once) and the MoE takes bf16 x."""
     engine = runtime_engine("tiny-k3-dsa", 2, 2, 4, backend="torch")
     r = subprocess.run([sys.executable, str(Path(__file__).with_name("torch_interpreter_run.py")), str(engine)],
                        capture_output=True, text=True, timeout=900,
                        env={**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["experts_converted_once"] and got["moe_calls"] > 0
+    assert got["moe_err"] < BF16_TOL  # the bf16 W4A16 kernel against the fp32 one on the same bf16 x
     assert got["same_tokens"] and got["max_err"] < 1e-4
+
+
+def moe_experts(engine: TorchEngine) -> list[tuple]:
+    """(w13_packed, w2_packed) of every MoE layer of every rank of the engine, in one order."""
+    return [layer.ffn.packed[::2] for model in engine.models.values() for i, layer in enumerate(model.layers)
+            if model.cfg.is_moe(i)]
+
+
+def test_experts_are_put_once_in_the_layout_the_kernel_table_reads(runtime_engine, tmp_path, monkeypatch):
+    """The torch backend's file holds standard MXFP4 bytes (the CPU kernels read them as they are); the Triton table
+    gets them in its layout at load; a file already in that layout (`mxfp4_layout` metadata, as a TensorRT build
+    writes it) is not converted again, and the CPU kernels refuse it by name."""
+    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+
+    from moe_export.common.errors import InputError
+    from moe_export.plugins.moe_mxfp4 import layout
+    from moe_export.runtime.engine import torch_runner
+    from moe_export.runtime.engine.torch_kernels import CUDAKernels
+
+    standard_dir = runtime_engine("tiny-k3-dsa", 2, 2, 4, backend="torch")
+    kernel_dir = tmp_path / "kernel-layout"
+    shutil.copytree(standard_dir, kernel_dir)
+    for path in kernel_dir.glob("rank*/weights.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata()
+        assert meta["mxfp4_layout"] == layout.STANDARD
+        tensors = {n: layout.to_kernel_layout(t) if n.endswith(("w13_packed", "w2_packed")) else t
+                   for n, t in load_file(path).items()}
+        save_file(tensors, path, metadata={**meta, "mxfp4_layout": layout.KERNEL})
+    kw = dict(num_slots=2, num_blocks=8, cuda_graphs=False)
+    stored = moe_experts(TorchEngine(standard_dir, **kw))
+    with pytest.raises(InputError, match="'triton-kernel' layout, the kernels read 'standard'"):
+        TorchEngine(kernel_dir, **kw)
+    monkeypatch.setattr(torch_runner, "kernels_for", lambda device, pools: CUDAKernels(pools))
+    moved = [tuple(layout.to_kernel_layout(t) for t in pair) for pair in stored]
+    for engine_dir in (standard_dir, kernel_dir):
+        got = moe_experts(TorchEngine(engine_dir, **kw))
+        assert len(got) == len(moved) > 0
+        assert all(torch.equal(a, b) for pair, want in zip(got, moved) for a, b in zip(pair, want)), engine_dir
 
 
 class EagerGraph:

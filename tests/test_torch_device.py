@@ -31,8 +31,11 @@ def current_devices(monkeypatch):
     return calls
 
 
-def fake_engine(engine_dir) -> TorchEngine:
-    return TorchEngine(engine_dir, num_slots=2, num_blocks=8, device=str(RANK_DEVICE), cuda_graphs=False)
+def fake_engine(engine_dir, monkeypatch) -> TorchEngine:
+    """The engine on cuda:1 (inside `fake_cuda`); the load's value reads (the experts' scale check before they
+    are put in the W4A16 kernel's layout) answered with zeros (`count_syncs`: a load may read, a step may not)."""
+    with count_syncs(monkeypatch):
+        return TorchEngine(engine_dir, num_slots=2, num_blocks=8, device=str(RANK_DEVICE), cuda_graphs=False)
 
 
 def test_text_step_on_cuda_1_in_a_worker_thread(runtime_engine, current_devices, monkeypatch):
@@ -40,7 +43,7 @@ def test_text_step_on_cuda_1_in_a_worker_thread(runtime_engine, current_devices,
     and a decode step in a step worker thread, as `StepExecutor` runs them with overlap."""
     engine_dir = runtime_engine("tiny-k3-dsa", 2, 2, 4, backend="torch")
     with fake_cuda(monkeypatch) as mode:
-        engine = fake_engine(engine_dir)
+        engine = fake_engine(engine_dir, monkeypatch)
         assert {d for _, d in current_devices} == {RANK_DEVICE}
         saved = [t for rows in engine.checkpoints.values() for t in rows.values()]
         assert saved and all(t.device.type == "cpu" for t in saved)  # host memory, as the planner counts them
@@ -61,7 +64,7 @@ def test_image_step_on_cuda_1(runtime_engine, current_devices, monkeypatch):
     embeddings."""
     engine_dir = runtime_engine("tiny-k3", 1, 1, 1, backend="torch")
     with fake_cuda(monkeypatch):
-        engine = fake_engine(engine_dir)
+        engine = fake_engine(engine_dir, monkeypatch)
         tower = engine.vision.tower
         patch = tower.tower.vc.patch_size
         grids = [(1, 4, 6), (1, 2, 2)]
@@ -100,7 +103,7 @@ def test_no_host_sync_in_a_tp_decode_step(runtime_engine, current_devices, monke
     decode = [StepBatch.from_sequences([SequenceChunk(0, 4 + i, [11], [0]), SequenceChunk(1, 2 + i, [12], [1, 2])])
               for i in range(2)]
     with fake_cuda(monkeypatch):
-        engine = fake_engine(engine_dir)
+        engine = fake_engine(engine_dir, monkeypatch)
         engine.step_logits(StepBatch.from_sequences([SequenceChunk(0, 0, [5, 17, 99, 3], [0]),
                                                      SequenceChunk(1, 0, [7, 8], [1])]))
         with count_syncs(monkeypatch) as syncs:

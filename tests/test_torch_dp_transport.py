@@ -19,6 +19,8 @@ import numpy as np
 from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
 from moe_export.runtime.engine.ort import Engine
 
+from test_plugin_moe_mxfp4 import BF16_TOL
+
 P0, P1, P2 = [5, 17, 99, 3, 250, 42, 7, 8, 300, 11, 12, 77, 1, 400], list(range(3, 40)), [60, 61, 62]
 STEPS = [  # per step, per group: chunks [slot, start, tokens, blocks], or None (idle)
     [[[0, 0, P0, [0, 6]], [1, 0, P2, [2, 4]]], [[0, 0, P1, [5, 3, 9]]]],  # prefill: counted
@@ -38,6 +40,7 @@ def test_dp_decode_steps_on_the_device_transport(runtime_engine):
                        env={**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["moe_err"] < BF16_TOL  # the bf16 W4A16 kernel against the fp32 one on the same bf16 x
     ort = Engine(runtime_engine("tiny-k3", 2, 4, 4, attention="dp"), num_slots=2, num_blocks=16, threads=1)
     for n, step in enumerate(STEPS):
         want = ort.step_groups([None if cs is None else StepBatch.from_sequences([SequenceChunk(*c) for c in cs])

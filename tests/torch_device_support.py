@@ -24,6 +24,8 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
 
+from moe_export.runtime.engine.torch_kernels import CUDAKernels
+
 
 class DeviceMismatch(AssertionError):
     """A tensor met a tensor of another device where CUDA would refuse it (or copy it through the host)."""
@@ -100,6 +102,9 @@ class RealFile:
 
     def keys(self):
         return self.file.keys()
+
+    def metadata(self):
+        return self.file.metadata()
 
     def get_tensor(self, name: str) -> torch.Tensor:
         with unset_fake_temporarily():
@@ -189,6 +194,8 @@ def count_syncs(monkeypatch) -> Iterator[HostSyncs]:
 class ShapeKernels:
     """`CUDAKernels`' interface as output shapes on the pools' device (see the module docstring)."""
 
+    expert_layout = CUDAKernels.expert_layout  # the runner converts the experts on the device at load, as for CUDA
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
@@ -216,4 +223,5 @@ class ShapeKernels:
 
     def moe(self, x, ids, weights, experts, **attrs):
         self._args("moe", x, ids, weights, *experts)
+        assert x.dtype == torch.bfloat16, f"kernel moe: x is {x.dtype}, the W4A16 kernel takes bf16"
         return torch.empty_like(x)  # in x's dtype, as `moe_mxfp4_triton`

@@ -22,6 +22,8 @@ positions prepared so that a mask and a multiply decode); the placement here is 
 
 import torch
 
+STANDARD = "standard"  # a weights file's `mxfp4_layout` metadata: the bytes of `reference.py` (CPU and ORT kernels)
+KERNEL = "triton-kernel"  # ... this module's layout (the Triton kernels: TensorRT builds, the torch runner on GPUs)
 # (pair X, lane L) -> the bit of the lane holding each of the value's E2M1 bits m, e0, e1, s
 _BITS = {0: (6, 7, 8, 15), 1: (3, 4, 5, 12), 2: (2, 13, 14, 11), 3: (0, 1, 10, 9)}
 MAX_SCALE_BYTE = 128  # 2^(s-1) must be a finite bf16

@@ -6,7 +6,9 @@ One interface, two implementations, picked by the device (`kernels_for`):
   - `CUDAKernels`: the plugins' Triton kernels, launched on the runner's pools through one device pool table
     (`plugins/pool_table.py`) built once at load (the pools never move), with no host synchronisation, so a
     decode step can be captured in a CUDA graph; KDA through fla's kernels where fla runs (CUDA), as the TensorRT
-    plugin does (`gated_delta_scan.fla_path`).
+    plugin does (`gated_delta_scan.fla_path`); the MoE on bf16 activations and the experts in the W4A16 kernel's
+    layout (`plugins/moe_mxfp4/layout.py`).
+Each table names the MXFP4 layout its `moe` reads (`expert_layout`); the runner puts the experts in it at load.
 
 Pools (per rank, as the ONNX Runtime runner lays them out): `kda_state.i` [S, H, V, K] fp32 (V-first),
 `conv_state.i` [S, 3P, W-1] fp32, `mla_cache.i` / `index_cache.i` [NB, BS, D] in the cache storage dtype
@@ -20,6 +22,7 @@ import torch
 from moe_export.plugins.dsa_indexer.cpu import dsa_indexer_cpu
 from moe_export.plugins.gated_delta_scan.cpu import gated_delta_scan
 from moe_export.plugins.gated_delta_scan.fla_path import fla_kernels, kda_pool_fla
+from moe_export.plugins.moe_mxfp4 import layout as mxfp4_layout
 from moe_export.plugins.moe_mxfp4.cpu import moe_mxfp4_cpu
 from moe_export.plugins.paged_cache_write.cpu import paged_cache_write_
 from moe_export.plugins.short_conv.cpu import short_conv
@@ -28,6 +31,8 @@ from moe_export.plugins.sparse_mla_attention.cpu import sparse_mla_attention_cpu
 
 class CPUKernels:
     """The plugins' CPU kernels over the pools (fp32 arithmetic)."""
+
+    expert_layout = mxfp4_layout.STANDARD  # the MXFP4 experts' bytes `moe` reads (`RankModel.use_expert_layout`)
 
     def short_conv(self, x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, cu: torch.Tensor,
                    slots: torch.Tensor) -> torch.Tensor:
@@ -73,6 +78,8 @@ class CPUKernels:
 class CUDAKernels:
     """The plugins' Triton kernels over the pools, reached through one device pool table (`pools`: every pool of
     the rank, in a fixed order; a pool's row is looked up by its address)."""
+
+    expert_layout = mxfp4_layout.KERNEL  # the W4A16 kernel's (`layout.kernel_experts`), made once at load
 
     def __init__(self, pools: list[torch.Tensor]) -> None:
         from moe_export.plugins.pool_table import device_pool_table
@@ -124,9 +131,11 @@ class CUDAKernels:
                                   cu, tables, positions, topk=topk)
 
     def moe(self, x, ids, weights, experts, **attrs):
+        """The W4A16 kernel on x in bf16 (its only input: the GPU runner's activations are bf16 already) and the
+        experts in its layout -> [T, D] bf16."""
         from moe_export.plugins.moe_mxfp4.triton_kernel import moe_mxfp4_triton
 
-        return moe_mxfp4_triton(x, ids, weights, *experts, **attrs)
+        return moe_mxfp4_triton(x.to(torch.bfloat16), ids, weights, *experts, **attrs)
 
 
 def kernels_for(device: torch.device, pools: list[torch.Tensor]) -> CPUKernels | CUDAKernels:

@@ -25,7 +25,9 @@ from safetensors import safe_open
 from moe_export.graphs import model as ref
 from moe_export.common.model_config import ModelConfig
 from moe_export.common.mapping import Mapping
+from moe_export.common.errors import InputError
 from moe_export.graphs.weights import layer_prefix, lm_head_name, model_prefix
+from moe_export.plugins.moe_mxfp4 import layout as mxfp4_layout
 from moe_export.quantize import fp8_cache
 from moe_export.runtime.engine.torch_collectives import AllGather, AllReduce, Combine, DeviceLayout, Dispatch
 
@@ -65,12 +67,14 @@ class RankMoE(ref.MoEWeights):
 
 class RankWeights:
     """Tensors of one rank's weights file on `device`: floats in `act` (fp32 where stored fp32 or asked), FP8
-    E4M3 weights dequantized with their 128x128 block scales, bytes (MXFP4) as stored."""
+    E4M3 weights dequantized with their 128x128 block scales, bytes (MXFP4) as stored, in the file's
+    `mxfp4_layout` (`plugins/moe_mxfp4/layout.py`: standard, or the Triton kernel's for TensorRT builds)."""
 
     def __init__(self, path: Path, device: torch.device, act: torch.dtype) -> None:
         self.file = safe_open(str(path), framework="pt", device="cpu")
         self.names = set(self.file.keys())
         self.device, self.act = device, act
+        self.mxfp4_layout = (self.file.metadata() or {}).get("mxfp4_layout", mxfp4_layout.STANDARD)
 
     def __contains__(self, name: str) -> bool:
         return name in self.names
@@ -88,7 +92,7 @@ class RankWeights:
 
 class RankModel:
     """One rank's layers (see the module docstring) from `src` (`RankWeights`, or any source of the rank's tensors
-    by name with the same `get`). `topk`: the DSA indexer's top-k; `use_indexer`: False for a recipe with
+    by name with the same `get` and `mxfp4_layout`). `topk`: the DSA indexer's top-k; `use_indexer`: False for a recipe with
     `attention.indexer: none` (MLA layers then attend densely); `cache_dtype`: the pools' storage."""
 
     def __init__(self, cfg: ModelConfig, mapping: Mapping, src: RankWeights, device: torch.device, act: torch.dtype,
@@ -103,10 +107,33 @@ class RankModel:
         self.lm_head = self.embed if cfg.tie_word_embeddings else src.get(lm_head_name(cfg))
         self.output_res = self._attn_res(src, pre + "output_attn_res") if cfg.attn_res_block_size else None
         self.layers = [self._layer(src, i) for i in range(cfg.num_layers)]
+        self.expert_layout = src.mxfp4_layout  # of the routed experts' packed bytes (`use_expert_layout`)
         self.moe_dim = cfg.routed_expert_hidden_size or cfg.hidden_size
         self.expert_attrs = dict(expert_offset=mapping.local_experts(cfg.num_experts).start if cfg.num_experts else 0,
                                  activation=cfg.hidden_act, situ_beta=float(cfg.situ_beta or 0.0),
                                  situ_linear_beta=float(cfg.situ_linear_beta or 0.0))
+
+    def use_expert_layout(self, layout: str) -> None:
+        """Put the routed experts' packed bytes in `layout`, the one the kernel table's `moe` reads: as they are
+        when the file has it, else the standard bytes moved once into the Triton kernel's (`kernel_experts`,
+        expert by expert in place: no second copy of the experts; InputError on a block scale above 2)."""
+        if layout == self.expert_layout:
+            return
+        if (self.expert_layout, layout) != (mxfp4_layout.STANDARD, mxfp4_layout.KERNEL):
+            raise InputError(f"rank {self.m.rank}: the weights' MXFP4 experts are in the {self.expert_layout!r} "
+                             f"layout, the kernels read {layout!r} (run the engine on the backend it was built for)")
+        for i, layer in enumerate(self.layers):
+            if not self.cfg.is_moe(i):
+                continue
+            w13_packed, w13_scale, w2_packed, w2_scale = layer.ffn.packed
+            for e in range(w13_packed.shape[0]):
+                try:
+                    w13_packed[e], _, w2_packed[e], _ = mxfp4_layout.kernel_experts(w13_packed[e], w13_scale[e],
+                                                                                    w2_packed[e], w2_scale[e])
+                except ValueError as err:
+                    raise InputError(f"rank {self.m.rank} layer {i} expert "
+                                     f"{self.expert_attrs['expert_offset'] + e}: {err}") from None
+        self.expert_layout = layout
 
     # ---- weights ----
     def _attn_res(self, src: RankWeights, prefix: str) -> ref.AttnResWeights:

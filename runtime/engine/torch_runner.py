@@ -7,7 +7,9 @@ copies of a slot's recurrent rows, in host memory as the planner counts them (pi
 device is the recipe's target: CPU for `gpu: cpu` (fp32 activations, the plugins' CPU kernels: the ONNX Runtime
 engine's arithmetic, so greedy tokens match it), else the rank's GPU (bf16 activations, the plugins' Triton kernels,
 decode steps replayed from CUDA graphs: `torch_graphs`), made the current device of every thread that launches
-(`use_device`).
+(`use_device`). The routed experts' MXFP4 bytes are put once at load in the layout the kernel table reads
+(`RankModel.use_expert_layout`: standard for the CPU kernels, as the torch backend's convert writes them; the
+W4A16 Triton kernel's on GPUs).
 
 Worlds as in the ONNX Runtime runner: under `mpiexec -n R` this process is one rank (collectives over
 torch.distributed, step plans over MPI: `ort.MPICommunicator`, so `runtime/core` runs unchanged); in one process
@@ -126,6 +128,8 @@ class TorchEngine:
         self.pools = {r: rank_pools(mod, self.num_slots + spare, self.num_blocks + spare, self.block_size)
                       for r, mod in self.models.items()}
         self.kernels = {r: kernels_for(self.device, list(p.values())) for r, p in self.pools.items()}
+        for r, model in self.models.items():
+            model.use_expert_layout(self.kernels[r].expert_layout)  # converted at most once, here
         if num_checkpoints is not None and num_checkpoints < 0:
             raise InputError(f"num_checkpoints must be at least 0, got {num_checkpoints}")
         self.num_checkpoints = CHECKPOINTS_PER_SLOT * self.num_slots if num_checkpoints is None else num_checkpoints
