@@ -32,6 +32,7 @@ on any device; the core gives unseeded requests a random seed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -125,15 +126,23 @@ class SampledTokens:
         return self._get()[3]
 
 
-def uniforms(seed: torch.Tensor, counter: torch.Tensor, round_: int) -> torch.Tensor:
-    """[R] float64 in [0, 1): splitmix64 of (seed, counter, round), 53 random bits each."""
-    return _splitmix_uniform(seed * _GOLDEN + counter * _MIX1 + torch.full_like(seed, round_ + 1) * _MIX2)
+BLOCK = 1024  # tokens per block of a proposal's draw (the kernel's step): the draws depend on it
+PROPOSALS = 8  # tokens proposed per pass over a row
+ROUNDS = 32  # passes over a row at most
+STREAM_BLOCKS = 1 << 24  # blocks per (pass, proposal) in the uniform streams: vocabularies up to 2^34
 
 
-def uniform_table(seed: torch.Tensor, counter: torch.Tensor, rounds: int) -> torch.Tensor:
-    """[R, rounds] float64: column r is uniforms(seed, counter, r)."""
-    r = torch.arange(1, rounds + 1, dtype=torch.long, device=seed.device)
-    return _splitmix_uniform(seed[:, None] * _GOLDEN + counter[:, None] * _MIX1 + r * _MIX2)
+def draw_keys(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """[R] int64: the key of each row's uniforms, a hash input of (its request's seed, the token's index)."""
+    return seed * _GOLDEN + counter * _MIX1
+
+
+def stream_uniforms(key: torch.Tensor, round_: int, k: torch.Tensor, block: torch.Tensor, which: int) -> torch.Tensor:
+    """float64 in [0, 1) (the broadcast shape of key, k and block): splitmix64 of key + s x MIX2, the stream s
+    naming the pass `round_`, the proposal k, the block and which of its two uniforms (0: whether the block
+    takes the proposal, 1: where in the block); 53 random bits each. `sampler_kernels._uniform` hashes the same."""
+    s = ((k + round_ * PROPOSALS) * STREAM_BLOCKS + block) * 2 + (which + 1)
+    return _splitmix_uniform(key + s * _MIX2)
 
 
 def _splitmix_uniform(x: torch.Tensor) -> torch.Tensor:
@@ -226,29 +235,27 @@ def _logprob_lists(rows: torch.Tensor | None, host: SamplingBatch, n: int, chose
     return logprobs, tops
 
 
-BLOCK = 1024  # tokens per block of the two-level inverse CDF
-
-
-def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Token ids [R] drawn from the weights p [R, V] (>= 0, each row with a positive sum) at the uniforms u [R]:
-    the first token whose running sum exceeds u x the row's sum, found in two levels (the block sums, then the
-    chosen block's running sum) so that no pass writes a [R, V] prefix sum."""
-    rows, width = p.shape
-    nb = width // BLOCK
-    sums = p.as_strided((rows, nb, BLOCK), (p.stride(0), BLOCK, 1)).sum(2) if nb else p.new_zeros(rows, 0)
-    if width % BLOCK:
-        sums = torch.cat([sums, p[:, nb * BLOCK:].sum(1, keepdim=True)], dim=1)
-    c = sums.double().cumsum(dim=1)
-    target = u * c[:, -1]
-    b = torch.searchsorted(c, target[:, None], right=True).clamp_(max=c.shape[1] - 1)
-    before = torch.where(b > 0, c.gather(1, (b - 1).clamp(min=0)), 0.0).squeeze(1)
-    idx = b * BLOCK + torch.arange(BLOCK, device=p.device)
-    inside = idx < width
-    w = p.gather(1, idx.clamp(max=width - 1)).double().masked_fill_(~inside, 0)
-    cc = w.cumsum(dim=1)
-    t = torch.minimum((target - before).clamp(min=0), torch.nextafter(cc[:, -1], torch.zeros_like(cc[:, -1])))
-    j = torch.searchsorted(cc, t[:, None], right=True).clamp_(max=BLOCK - 1)
-    return idx.gather(1, j).squeeze(1)
+def _proposals(w: torch.Tensor, key: torch.Tensor, round_: int) -> torch.Tensor:
+    """[n, PROPOSALS] token ids, each drawn independently from the weights w [n, V] (>= 0, each row with a
+    positive sum) as the kernel draws in one streaming pass: block b (BLOCK tokens) takes proposal k when
+    u(k, b) x (the weight of blocks 0..b) < (block b's weight), the last block taking it keeps it (so block b
+    holds it with probability its share of the row), and the token is the first of that block whose running
+    sum exceeds v(k, b) x the block's weight (u, v: `stream_uniforms` of the pass `round_`)."""
+    n, width = w.shape
+    nb = -(-width // BLOCK)
+    blocks = w.view(n, 1, width) if nb == 1 else torch.nn.functional.pad(w, (0, nb * BLOCK - width)).view(n, nb, BLOCK)
+    sums = blocks.sum(2).double()
+    k = torch.arange(PROPOSALS)[None, :, None]
+    u = stream_uniforms(key[:, None, None], round_, k, torch.arange(nb)[None, None, :], 0)
+    takes = u * sums.cumsum(1)[:, None, :] < sums[:, None, :]
+    b = torch.where(takes, torch.arange(nb), -1).amax(2).clamp_(min=0)  # [n, K]
+    target = stream_uniforms(key[:, None, None], round_, k, torch.arange(nb)[None, None, :], 1) * sums[:, None, :]
+    running = blocks.cumsum(2)  # [n, nb, block] fp32: each block searched at each proposal's target, one kept
+    below = target.float()  # the largest fp32 <= target: running <= it exactly where running <= target
+    below = torch.where(below.double() > target, torch.nextafter(below, torch.tensor(-math.inf)), below)
+    j = torch.searchsorted(running, below.transpose(1, 2).contiguous(), right=True).gather(1, b[:, None, :]).squeeze(1)
+    last = torch.searchsorted(running, running[..., -1:].contiguous())[..., 0].gather(1, b)  # rounding: the
+    return b * BLOCK + torch.minimum(j, last)  # block's last kept token
 
 
 def _mass_above(p: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
@@ -264,32 +271,50 @@ def _mass_above(p: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _draw_top_p(p: torch.Tensor, z: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor
-                ) -> torch.Tensor:
-    """Token ids [R] drawn from the weights p [R, V] restricted to each row's top-p set, sorting nothing
-    (FlashInfer's rejection sampling with pivots): draw from the row; accept when the weight strictly above
-    the draw's is below top_p x z (z [R]: the sum of the distribution the top-p set is taken of), i.e. when
-    the draw lies in the set; else every token no more likely than the draw is outside the set too, so the
-    draw's weight becomes the lower bound and the row draws again from what is left (exact: the accepted draw
-    follows the renormalized set; acceptance >= top_p per round). p is modified."""
-    out = torch.empty(p.shape[0], dtype=torch.long, device=p.device)
-    todo = torch.arange(p.shape[0], device=p.device)
-    for round_ in range(64):
-        s = _inverse_cdf(p, uniforms(seed[todo], counter[todo], round_))
-        ps = p.gather(1, s[:, None]).squeeze(1)
-        check = top_p[todo] < 1
-        accept = ~check
-        if bool(check.any()):
-            c = check.nonzero().flatten()
-            accept[c] = _mass_above(p[c] if c.numel() != p.shape[0] else p, ps[c]) < (top_p[todo] * z[todo])[c]
-        out[todo[accept]] = s[accept]
-        if bool(accept.all()):
+def _draw_rejection(p: torch.Tensor, z: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, key: torch.Tensor
+                    ) -> torch.Tensor:
+    """Token ids [R] drawn from the weights p [R, V] (the most likely token's 1) restricted to each row's top-p
+    set (of the distribution whose sum is z [R]) and min-p set (weight >= min_p), sorting nothing, the same
+    draws as the kernel (`sampler_kernels`, which see): per pass `PROPOSALS` proposals from the tokens above
+    the pivot (pass 0: all; later: min-p's too); a top-p row checks a pass's proposals in the next pass (the
+    weight strictly above each < top_p x z, and min-p), others at once (min-p); the first kept proposal is the
+    draw; when none is, the most likely of them becomes the pivot (for top-p rows, from the pass after next)."""
+    n = p.shape[0]
+    out = torch.empty(n, dtype=torch.long)
+    todo = torch.arange(n)
+    low = torch.full((n,), -1.0, dtype=p.dtype)
+    check = top_p < 1
+    prev_i = prev_p = None
+    for round_ in range(ROUNDS):
+        q = p.index_select(0, todo) if todo.numel() != n else p
+        floor = min_p[todo, None] if round_ else 0.0
+        w = torch.where((q > low[:, None]) & (q >= floor), q, 0)
+        cand_i = _proposals(w, key[todo], round_)
+        cand_p = q.gather(1, cand_i)
+        chk = check[todo]
+        if prev_i is None:
+            prev_i, prev_p = cand_i, torch.full_like(cand_p, 2.0)
+        seen_i = torch.where(chk[:, None], prev_i, cand_i)
+        seen_p = torch.where(chk[:, None], prev_p, cand_p)
+        kept = seen_p >= min_p[todo, None]
+        if round_ == 0:
+            kept &= ~chk[:, None]
+        pick = torch.full((todo.numel(),), PROPOSALS)
+        for k in range(PROPOSALS):  # the top-p sums only for rows whose earlier proposals were all rejected
+            ask = chk & (pick == PROPOSALS) & kept[:, k]
+            if bool(ask.any()):
+                a = ask.nonzero().flatten()
+                pz = (top_p[todo] * z[todo])[a]
+                kept[a, k] = _mass_above(q.index_select(0, a), seen_p[a, k]).double() < pz
+            pick = torch.where((pick == PROPOSALS) & kept[:, k], k, pick)
+        found = pick < PROPOSALS
+        out[todo[found]] = seen_i[found].gather(1, pick[found, None]).squeeze(1)
+        low = torch.maximum(low, seen_p.masked_fill(seen_p > 1, -1.0).amax(1))
+        rest = ~found
+        todo, low, prev_i, prev_p = todo[rest], low[rest], cand_i[rest], cand_p[rest]
+        if todo.numel() == 0:
             return out
-        rej = (~accept).nonzero().flatten()
-        p = p.index_select(0, rej)
-        p.masked_fill_(p <= ps[rej, None], 0)  # the new lower bound: these tokens are outside the set
-        todo = todo[rej]
-    out[todo] = p.argmax(dim=1)  # only after 64 rejections (float ties): the most likely remaining token
+    out[todo] = p.index_select(0, todo).argmax(dim=1)  # after ROUNDS passes (float ties): the most likely token
     return out
 
 
@@ -316,9 +341,7 @@ def _draw(x: torch.Tensor, sb: SamplingBatch, host: SamplingBatch, rows: torch.T
         xs.div_(t[:, None])
     p = xs.exp_()  # the top-k distribution's weights, the most likely token's 1
     z = p.sum(dim=1).double()
-    if bool((min_p > 0).any()):
-        p.masked_fill_(p < min_p[:, None].to(p.dtype), 0)
-    out[finite] = _draw_top_p(p, z, top_p, sb.seed[rows], sb.counter[rows])
+    out[finite] = _draw_rejection(p, z, top_p, min_p.to(p.dtype), draw_keys(sb.seed[rows], sb.counter[rows]))
     return out
 
 
@@ -345,15 +368,15 @@ def _draw_kernel(x: torch.Tensor, sb: SamplingBatch, host: SamplingBatch, rows: 
     """`_draw` by `sampler_kernels.sample_rows` (rows [n] host): top-k, min-p and top-p by rejection, sorting
     nothing; only rows with both top-k and top-p < 1 get their top-k mask first (their top-p set is taken of
     the top-k mass). The decisions are read from the host batch: nothing waits for the device."""
-    from moe_export.runtime.engine.sampler_kernels import ROUNDS, sample_rows
+    from moe_export.runtime.engine.sampler_kernels import sample_rows
 
     on_device = rows.to(x.device, non_blocking=True)
     xs = x.index_select(0, on_device) if rows.numel() != x.shape[0] else x
     top_k, top_p = _guarded_top_k_p(sb.top_k[on_device], sb.top_p[on_device])
     host_k, host_p = _guarded_top_k_p(host.top_k[rows], host.top_p[rows])
     _mask_top_k(xs, top_k, (host_k > 0) & (host_p < 1), host_k)
-    u = uniform_table(sb.seed[on_device], sb.counter[on_device], ROUNDS)
-    return sample_rows(xs, xs.amax(dim=1), sb.temperature[on_device], top_k, top_p, sb.min_p[on_device], u)
+    keys = draw_keys(sb.seed[on_device], sb.counter[on_device])
+    return sample_rows(xs, sb.temperature[on_device], top_k, top_p, sb.min_p[on_device], keys)
 
 
 def _use_kernels(x: torch.Tensor) -> bool:
