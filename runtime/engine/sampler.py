@@ -9,16 +9,18 @@ allows token 32 i + j), then the chosen token's logprob and top logprobs from th
 processed logits (before temperature); then temperature 0 -> argmax, else temperature -> top-k -> min-p ->
 top-p and a draw. A forced token (thinking budget) replaces the draw.
 
-Top-p sorts nothing (FlashInfer's rejection sampling with pivots): a row's logits become its weights in place
-(exp(x - max), one pass each), a token is drawn by a two-level inverse CDF (block sums, then one block's
-running sum: no [R, V] prefix sum), and the draw is accepted when the weight strictly above it is below top_p
-of the row's total, i.e. when it lies in the top-p set; a rejected draw's weight becomes the row's lower
-bound (every token no more likely is outside the set too) and the row draws again from what is left, so the
-accepted draw follows the renormalized top-p distribution exactly, with acceptance >= top_p per round.
-Flat and peaked rows take the same path.
-On CUDA the same draw runs as one Triton kernel per step (`sampler_kernels.sample_rows`: one program per row,
-the weights recomputed from the logits at each pass, top-k and min-p by the same rejection), and greedy rows
-take one fused argmax pass (`sampler_kernels.argmax_rows`). There `sample` never waits for the device: which
+Top-k (CPU: a mask), top-p and min-p sort nothing (FlashInfer's rejection sampling with pivots): the kept set
+is an upper set of the weights exp((x - max) / temperature), so a draw from the row (or from the tokens above a
+pivot) is kept when it lies in the set (top-p: the weight strictly above it is below top_p of the row's total;
+min-p: its weight >= min_p, the most likely token's being 1), and when all of a pass's draws are rejected,
+every token no more likely than the most likely of them is outside the set too: it becomes the pivot. A pass
+makes `PROPOSALS` independent draws, each in one streaming pass over the row (`_proposals`: block by block,
+no [R, V] prefix sum), and a top-p row checks them in the next pass, which draws the next proposals with the
+same loads: so top-p takes two passes over the logits unless all 8 first proposals are rejected (probability
+(1 - kept mass)^8 <= (1 - top_p)^8). The accepted draw follows the renormalized kept distribution exactly.
+On CUDA the same draws run as one Triton kernel per step (`sampler_kernels.sample_rows`: one program per row,
+the row max found in its first pass, top-k by the same rejection), and greedy rows take one fused argmax pass
+(`sampler_kernels.argmax_rows`). There `sample` never waits for the device: which
 rows are greedy, forced, sampled, top-k masked or asking for logprobs is read from the host batch, a row with
 nothing left to sample is flagged by the kernel (-1) rather than found by a read-back, and the ids, those
 flags and the logprobs are copied to the host without waiting; `SampledTokens` waits for that copy when first
@@ -26,8 +28,9 @@ read (a request's logits processor is the exception: its row goes to the host). 
 the vocabulary filters nothing; a top_p of 0 (1e-300 in fp32) keeps the most likely token.
 
 Randomness is counter-based: a row's uniform numbers are a hash (splitmix64) of (its request's seed, the
-index of the token in its output, the draw round), so a request draws the same tokens alone or in any batch,
-on any device; the core gives unseeded requests a random seed.
+index of the token in its output, the pass, the proposal, the block), so a request draws the same tokens
+alone or in any batch, and the CPU and the kernel the same ones (but for float rounding; top-k only rows
+differ: the CPU masks, the kernel counts); the core gives unseeded requests a random seed.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from moe_export.runtime.engine.sampler import _MIX1, _MIX2, BLOCK, PROPOSALS, RO
 
 ARGMAX_BLOCK = 4096  # tokens per program step of the argmax
 ARGMAX_WARPS = 16
-WARPS = 8  # the draw: BLOCK tokens per step, 4 per thread
+WARPS = 16  # the draw: BLOCK tokens per step, 2 per thread
 
 MIX1 = tl.constexpr(_MIX1)
 MIX2 = tl.constexpr(_MIX2)
