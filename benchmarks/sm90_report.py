@@ -230,8 +230,8 @@ def case_sampler(rec: Recorder) -> None:
         x = torch.empty(R, V)
         with rec.group("sampler", name):
             sk.argmax_rows(x)
-            sk.sample_rows(x, torch.empty(R), torch.ones(R), torch.zeros(R, dtype=torch.int64), torch.ones(R),
-                           torch.zeros(R), torch.empty(R, sk.ROUNDS, dtype=torch.float64))  # fmt: skip
+            sk.sample_rows(x, torch.ones(R), torch.zeros(R, dtype=torch.int64), torch.ones(R), torch.zeros(R),
+                           torch.zeros(R, dtype=torch.int64))  # fmt: skip
 
 
 def case_transport(rec: Recorder) -> None:

@@ -53,11 +53,11 @@ def test_inner_triton_draws_follow_the_kept_distribution(kw):
 
 @inner_triton
 def test_inner_triton_nucleus_over_several_blocks_seeded():
-    """2,600 tokens in blocks of 256, 40 likely ones spread over the row, top-p 0.8 (about a fifth of the
-    first draws rejected): every draw lies in the nucleus; rows draw the same alone, in the batch and on the
-    CPU path (same uniforms; only float rounding could move a draw)."""
-    from moe_export.runtime.engine.sampler import sample, uniform_table
-    from moe_export.runtime.engine.sampler_kernels import ROUNDS, sample_rows
+    """2,600 tokens (three blocks, the last partial), 40 likely ones spread over the row, top-p 0.8 (about a
+    fifth of the proposals rejected): every draw lies in the nucleus; rows draw the same alone, in the batch and
+    on the CPU path (same uniforms; only float rounding could move a draw)."""
+    from moe_export.runtime.engine.sampler import draw_keys, sample
+    from moe_export.runtime.engine.sampler_kernels import sample_rows
 
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(2600, generator=gen) * 0.5 - 6
@@ -70,9 +70,8 @@ def test_inner_triton_nucleus_over_several_blocks_seeded():
 
     def draw(rows: slice) -> torch.Tensor:
         m = x[rows].shape[0]
-        return sample_rows(x[rows], x[rows].amax(dim=1), torch.ones(m), torch.zeros(m, dtype=torch.long),
-                           torch.full((m,), 0.8), torch.zeros(m), uniform_table(seed[rows], counter[rows], ROUNDS),
-                           block=256)  # fmt: skip
+        return sample_rows(x[rows], torch.ones(m), torch.zeros(m, dtype=torch.long), torch.full((m,), 0.8),
+                           torch.zeros(m), draw_keys(seed[rows], counter[rows]))  # fmt: skip
 
     together = draw(slice(0, n))
     assert bool(nucleus[together].all())
@@ -80,6 +79,55 @@ def test_inner_triton_nucleus_over_several_blocks_seeded():
     assert [int(draw(slice(i, i + 1))[0]) for i in (0, 57, n - 1)] == [int(together[i]) for i in (0, 57, n - 1)]
     on_cpu = sample(x.clone(), batch(n, top_p=0.8, seed=seed, counter=counter)).ids
     assert (torch.from_numpy(on_cpu) == together).float().mean() >= 0.97
+
+
+@inner_triton
+def test_inner_triton_pivot_rounds_follow_the_kept_distribution():
+    """A flat row of 64 tokens at top-p 0.1 (4 tokens kept): a proposal is kept with probability ~0.1, so
+    all 8 of a pass are rejected in ~40 % of the rows and those rows go on from the pivot (later passes, their
+    proposals above it and checked in the pass after): the draws still follow the kept distribution
+    (chi-square, p > 1e-3: a correct sampler fails with probability 1e-3 over the choice of seeds)."""
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(11)) * 0.3
+    n = 400
+    ids = draw_kernel(logits.expand(n, -1), batch(n, top_p=0.1, seed=torch.arange(n, dtype=torch.long) * 17 + 1))
+    counts = torch.bincount(ids, minlength=64)
+    want = kept_probs(logits, top_p=0.1)
+    assert int((want > 0).sum()) == 4
+    assert chi_square_p(counts, want) > 1e-3
+
+
+@inner_triton
+def test_inner_triton_top_p_reads_each_logit_at_most_twice(monkeypatch):
+    """Passes over the logits, counted as the kernel's loads of each row under the interpreter (the GPU path,
+    `sampler._draw_kernel`, no torch pass over the rows either: no top-k mask unless top-k and top-p meet): a
+    top-p row, alone or with min-p, temperature or a top-k at or above the vocabulary, reads each of its
+    3,000 logits (three blocks) exactly twice: pass 0 finds the max, the sum and 8 proposals, pass 1 checks
+    them (a third pass needs all 8 outside the top-p set: probability (1 - 0.9)^8 here); a row with temperature
+    alone reads them once."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    from moe_export.runtime.engine.sampler import _draw_kernel
+
+    x = (torch.randn(8, 3000, generator=torch.Generator().manual_seed(12)) * 2).contiguous()
+    lo, row_bytes = x.data_ptr(), x.stride(0) * x.element_size()
+    reads = np.zeros(8, dtype=np.int64)
+    load = interpreter.interpreter_builder.create_masked_load
+
+    def counting_load(ptrs, mask, other, *args):
+        addr = ptrs.data.astype(np.int64) - lo
+        hit = mask.data.astype(bool) & (addr >= 0) & (addr < 8 * row_bytes)
+        np.add.at(reads, addr[hit] // row_bytes, 1)
+        return load(ptrs, mask, other, *args)
+
+    monkeypatch.setattr(interpreter.interpreter_builder, "create_masked_load", counting_load)
+    sb = batch(8, top_p=torch.tensor([0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 1.0, 1.0]),
+               temperature=torch.tensor([1.0, 1.0, 0.7, 1.3, 1.0, 1.0, 1.0, 0.8]),
+               min_p=torch.tensor([0.0, 0.0, 0.0, 0.0, 0.05, 0.0, 0.0, 0.0]),
+               top_k=torch.tensor([0, 0, 0, 0, 0, 3000, 0, 0]))  # fmt: skip
+    ids = _draw_kernel(x, sb, sb, torch.arange(8))
+    assert bool((ids >= 0).all())
+    assert (reads // 3000).tolist() == [2, 2, 2, 2, 2, 2, 1, 1] and bool((reads % 3000 == 0).all())
 
 
 def test_kernels_compile_for_hopper():
@@ -90,14 +138,14 @@ def test_kernels_compile_for_hopper():
     from moe_export.runtime.engine import sampler_kernels as sk
 
     rows = dict(x_ptr="*fp32", stride="i32")
-    cases = [(sk._argmax_kernel, dict(**rows, out_ptr="*i64", V="i32"), dict(BLOCK=sk.BLOCK)),
-             (sk._sample_kernel, dict(**rows, max_ptr="*fp32", t_ptr="*fp32", k_ptr="*i64", p_ptr="*fp32",
-                                      min_p_ptr="*fp32", u_ptr="*fp64", out_ptr="*i64", V="i32"),
-              dict(ROUNDS=sk.ROUNDS, BLOCK=sk.BLOCK))]  # fmt: skip
-    for fn, signature, constexprs in cases:
+    cases = [(sk._argmax_kernel, dict(**rows, out_ptr="*i64", V="i32"), dict(BLOCK=sk.ARGMAX_BLOCK), sk.ARGMAX_WARPS),
+             (sk._sample_kernel, dict(**rows, t_ptr="*fp32", k_ptr="*i64", p_ptr="*fp32", min_p_ptr="*fp32",
+                                      key_ptr="*i64", out_ptr="*i64", V="i32"),
+              dict(ROUNDS=sk.ROUNDS, K=sk.PROPOSALS, BLOCK=sk.BLOCK), sk.WARPS)]  # fmt: skip
+    for fn, signature, constexprs, warps in cases:
         signature.update({name: "constexpr" for name in constexprs})
         src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=sk.WARPS))
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
         assert ".entry" in compiled.asm["ptx"] and compiled.asm["cubin"]
 
 
@@ -105,8 +153,8 @@ def test_kernels_compile_for_hopper():
 def test_inner_triton_guards_masked_rows_and_out_of_range_top_k():
     """The draw kernel guards itself: a row whose logits are all -inf gets -1 (no NaN weight is formed), the
     other rows draw as alone; a top_k above the vocabulary is no filter (the same draws as top_k 0)."""
-    from moe_export.runtime.engine.sampler import uniform_table
-    from moe_export.runtime.engine.sampler_kernels import ROUNDS, sample_rows
+    from moe_export.runtime.engine.sampler import draw_keys
+    from moe_export.runtime.engine.sampler_kernels import sample_rows
 
     x = torch.randn(3, 300, generator=torch.Generator().manual_seed(5))
     x[1] = float("-inf")
@@ -114,9 +162,8 @@ def test_inner_triton_guards_masked_rows_and_out_of_range_top_k():
 
     def draw(rows, top_k):
         m = len(rows)
-        return sample_rows(x[rows].contiguous(), x[rows].amax(dim=1), torch.ones(m), torch.full((m,), top_k),
-                           torch.full((m,), 0.9), torch.zeros(m), uniform_table(seed[rows], counter[rows], ROUNDS),
-                           block=128)  # fmt: skip
+        return sample_rows(x[rows].contiguous(), torch.ones(m), torch.full((m,), top_k), torch.full((m,), 0.9),
+                           torch.zeros(m), draw_keys(seed[rows], counter[rows]))  # fmt: skip
 
     together = draw([0, 1, 2], 0)
     assert together[1] == -1 and together[0] == draw([0], 0)[0] and together[2] == draw([2], 0)[0]

@@ -9,16 +9,18 @@ allows token 32 i + j), then the chosen token's logprob and top logprobs from th
 processed logits (before temperature); then temperature 0 -> argmax, else temperature -> top-k -> min-p ->
 top-p and a draw. A forced token (thinking budget) replaces the draw.
 
-Top-p sorts nothing (FlashInfer's rejection sampling with pivots): a row's logits become its weights in place
-(exp(x - max), one pass each), a token is drawn by a two-level inverse CDF (block sums, then one block's
-running sum: no [R, V] prefix sum), and the draw is accepted when the weight strictly above it is below top_p
-of the row's total, i.e. when it lies in the top-p set; a rejected draw's weight becomes the row's lower
-bound (every token no more likely is outside the set too) and the row draws again from what is left, so the
-accepted draw follows the renormalized top-p distribution exactly, with acceptance >= top_p per round.
-Flat and peaked rows take the same path.
-On CUDA the same draw runs as one Triton kernel per step (`sampler_kernels.sample_rows`: one program per row,
-the weights recomputed from the logits at each pass, top-k and min-p by the same rejection), and greedy rows
-take one fused argmax pass (`sampler_kernels.argmax_rows`). There `sample` never waits for the device: which
+Top-k (CPU: a mask), top-p and min-p sort nothing (FlashInfer's rejection sampling with pivots): the kept set
+is an upper set of the weights exp((x - max) / temperature), so a draw from the row (or from the tokens above a
+pivot) is kept when it lies in the set (top-p: the weight strictly above it is below top_p of the row's total;
+min-p: its weight >= min_p, the most likely token's being 1), and when all of a pass's draws are rejected,
+every token no more likely than the most likely of them is outside the set too: it becomes the pivot. A pass
+makes `PROPOSALS` independent draws, each in one streaming pass over the row (`_proposals`: block by block,
+no [R, V] prefix sum), and a top-p row checks them in the next pass, which draws the next proposals with the
+same loads: so top-p takes two passes over the logits unless all 8 first proposals are rejected (probability
+(1 - kept mass)^8 <= (1 - top_p)^8). The accepted draw follows the renormalized kept distribution exactly.
+On CUDA the same draws run as one Triton kernel per step (`sampler_kernels.sample_rows`: one program per row,
+the row max found in its first pass, top-k by the same rejection), and greedy rows take one fused argmax pass
+(`sampler_kernels.argmax_rows`). There `sample` never waits for the device: which
 rows are greedy, forced, sampled, top-k masked or asking for logprobs is read from the host batch, a row with
 nothing left to sample is flagged by the kernel (-1) rather than found by a read-back, and the ids, those
 flags and the logprobs are copied to the host without waiting; `SampledTokens` waits for that copy when first
@@ -26,12 +28,14 @@ read (a request's logits processor is the exception: its row goes to the host). 
 the vocabulary filters nothing; a top_p of 0 (1e-300 in fp32) keeps the most likely token.
 
 Randomness is counter-based: a row's uniform numbers are a hash (splitmix64) of (its request's seed, the
-index of the token in its output, the draw round), so a request draws the same tokens alone or in any batch,
-on any device; the core gives unseeded requests a random seed.
+index of the token in its output, the pass, the proposal, the block), so a request draws the same tokens
+alone or in any batch, and the CPU and the kernel the same ones (but for float rounding; top-k only rows
+differ: the CPU masks, the kernel counts); the core gives unseeded requests a random seed.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -125,15 +129,23 @@ class SampledTokens:
         return self._get()[3]
 
 
-def uniforms(seed: torch.Tensor, counter: torch.Tensor, round_: int) -> torch.Tensor:
-    """[R] float64 in [0, 1): splitmix64 of (seed, counter, round), 53 random bits each."""
-    return _splitmix_uniform(seed * _GOLDEN + counter * _MIX1 + torch.full_like(seed, round_ + 1) * _MIX2)
+BLOCK = 1024  # tokens per block of a proposal's draw (the kernel's step): the draws depend on it
+PROPOSALS = 8  # tokens proposed per pass over a row
+ROUNDS = 32  # passes over a row at most
+STREAM_BLOCKS = 1 << 24  # blocks per (pass, proposal) in the uniform streams: vocabularies up to 2^34
 
 
-def uniform_table(seed: torch.Tensor, counter: torch.Tensor, rounds: int) -> torch.Tensor:
-    """[R, rounds] float64: column r is uniforms(seed, counter, r)."""
-    r = torch.arange(1, rounds + 1, dtype=torch.long, device=seed.device)
-    return _splitmix_uniform(seed[:, None] * _GOLDEN + counter[:, None] * _MIX1 + r * _MIX2)
+def draw_keys(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """[R] int64: the key of each row's uniforms, a hash input of (its request's seed, the token's index)."""
+    return seed * _GOLDEN + counter * _MIX1
+
+
+def stream_uniforms(key: torch.Tensor, round_: int, k: torch.Tensor, block: torch.Tensor, which: int) -> torch.Tensor:
+    """float64 in [0, 1) (the broadcast shape of key, k and block): splitmix64 of key + s x MIX2, the stream s
+    naming the pass `round_`, the proposal k, the block and which of its two uniforms (0: whether the block
+    takes the proposal, 1: where in the block); 53 random bits each. `sampler_kernels._uniform` hashes the same."""
+    s = ((k + round_ * PROPOSALS) * STREAM_BLOCKS + block) * 2 + (which + 1)
+    return _splitmix_uniform(key + s * _MIX2)
 
 
 def _splitmix_uniform(x: torch.Tensor) -> torch.Tensor:
@@ -226,70 +238,88 @@ def _logprob_lists(rows: torch.Tensor | None, host: SamplingBatch, n: int, chose
     return logprobs, tops
 
 
-BLOCK = 1024  # tokens per block of the two-level inverse CDF
+def _proposals(w: torch.Tensor, key: torch.Tensor, round_: int) -> torch.Tensor:
+    """[n, PROPOSALS] token ids, each drawn independently from the weights w [n, V] (>= 0, each row with a
+    positive sum) as the kernel draws in one streaming pass: block b (BLOCK tokens) takes proposal k when
+    u(k, b) x (the weight of blocks 0..b) < (block b's weight), the last block taking it keeps it (so block b
+    holds it with probability its share of the row), and the token is the first of that block whose running
+    sum exceeds v(k, b) x the block's weight (u, v: `stream_uniforms` of the pass `round_`)."""
+    n, width = w.shape
+    nb = -(-width // BLOCK)
+    blocks = w if width % BLOCK == 0 or nb == 1 else torch.nn.functional.pad(w, (0, nb * BLOCK - width))
+    blocks = blocks.view(n, nb, -1)
+    sums = blocks.sum(2).double()
+    k = torch.arange(PROPOSALS)[None, :, None]
+    u = stream_uniforms(key[:, None, None], round_, k, torch.arange(nb)[None, None, :], 0)
+    takes = u * sums.cumsum(1)[:, None, :] < sums[:, None, :]
+    b = torch.where(takes, torch.arange(nb), -1).amax(2).clamp_(min=0)  # [n, K]
+    target = stream_uniforms(key[:, None], round_, k[..., 0], b, 1) * sums.gather(1, b)
+    running = blocks[torch.arange(n)[:, None], b].cumsum(2)  # [n, K, block] fp32: the chosen blocks
+    below = target.float()  # the largest fp32 <= target: running <= it exactly where running <= target
+    below = torch.where(below.double() > target, torch.nextafter(below, torch.tensor(-math.inf)), below)
+    j = torch.searchsorted(running, below[..., None], right=True)[..., 0]
+    last = torch.searchsorted(running, running[..., -1:].contiguous())[..., 0]  # rounding: the
+    return b * BLOCK + torch.minimum(j, last)  # block's last kept token
 
 
-def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Token ids [R] drawn from the weights p [R, V] (>= 0, each row with a positive sum) at the uniforms u [R]:
-    the first token whose running sum exceeds u x the row's sum, found in two levels (the block sums, then the
-    chosen block's running sum) so that no pass writes a [R, V] prefix sum."""
-    rows, width = p.shape
-    nb = width // BLOCK
-    sums = p.as_strided((rows, nb, BLOCK), (p.stride(0), BLOCK, 1)).sum(2) if nb else p.new_zeros(rows, 0)
-    if width % BLOCK:
-        sums = torch.cat([sums, p[:, nb * BLOCK:].sum(1, keepdim=True)], dim=1)
-    c = sums.double().cumsum(dim=1)
-    target = u * c[:, -1]
-    b = torch.searchsorted(c, target[:, None], right=True).clamp_(max=c.shape[1] - 1)
-    before = torch.where(b > 0, c.gather(1, (b - 1).clamp(min=0)), 0.0).squeeze(1)
-    idx = b * BLOCK + torch.arange(BLOCK, device=p.device)
-    inside = idx < width
-    w = p.gather(1, idx.clamp(max=width - 1)).double().masked_fill_(~inside, 0)
-    cc = w.cumsum(dim=1)
-    t = torch.minimum((target - before).clamp(min=0), torch.nextafter(cc[:, -1], torch.zeros_like(cc[:, -1])))
-    j = torch.searchsorted(cc, t[:, None], right=True).clamp_(max=BLOCK - 1)
-    return idx.gather(1, j).squeeze(1)
-
-
-def _mass_above(p: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
-    """[R]: the sum of each row's weights strictly above its ps [R]: a scalar threshold per row through one
-    reused row buffer (at [64, 163840] on 2 quiet cores: 2.8 ms, against 7 ms single-threaded in NumPy and
+def _mass_above(p: torch.Tensor, ps: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """[n]: the sum of the weights strictly above ps [n] in each of p's rows `rows` [n] (default: all): a scalar
+    threshold per row through one reused row buffer (at [64, 163840] on 2 quiet cores: 2.8 ms, against 7 ms single-threaded in NumPy and
     ~60 ms for one [R, 1]-broadcast `torch.where`; under CPU contention each row's parallel op may wait for the
     second core)."""
     buf = torch.empty(p.shape[1], dtype=p.dtype, device=p.device)
-    out = torch.empty(p.shape[0], dtype=p.dtype, device=p.device)
-    for r, v in enumerate(ps.tolist()):
+    rows = range(p.shape[0]) if rows is None else rows.tolist()
+    out = torch.empty(len(rows), dtype=p.dtype, device=p.device)
+    for i, (r, v) in enumerate(zip(rows, ps.tolist())):
         torch.nn.functional.threshold_(buf.copy_(p[r]), v, 0.0)
-        out[r] = buf.sum()
+        out[i] = buf.sum()
     return out
 
 
-def _draw_top_p(p: torch.Tensor, z: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor
-                ) -> torch.Tensor:
-    """Token ids [R] drawn from the weights p [R, V] restricted to each row's top-p set, sorting nothing
-    (FlashInfer's rejection sampling with pivots): draw from the row; accept when the weight strictly above
-    the draw's is below top_p x z (z [R]: the sum of the distribution the top-p set is taken of), i.e. when
-    the draw lies in the set; else every token no more likely than the draw is outside the set too, so the
-    draw's weight becomes the lower bound and the row draws again from what is left (exact: the accepted draw
-    follows the renormalized set; acceptance >= top_p per round). p is modified."""
-    out = torch.empty(p.shape[0], dtype=torch.long, device=p.device)
-    todo = torch.arange(p.shape[0], device=p.device)
-    for round_ in range(64):
-        s = _inverse_cdf(p, uniforms(seed[todo], counter[todo], round_))
-        ps = p.gather(1, s[:, None]).squeeze(1)
-        check = top_p[todo] < 1
-        accept = ~check
-        if bool(check.any()):
-            c = check.nonzero().flatten()
-            accept[c] = _mass_above(p[c] if c.numel() != p.shape[0] else p, ps[c]) < (top_p[todo] * z[todo])[c]
-        out[todo[accept]] = s[accept]
-        if bool(accept.all()):
+def _draw_rejection(p: torch.Tensor, z: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, key: torch.Tensor
+                    ) -> torch.Tensor:
+    """Token ids [R] drawn from the weights p [R, V] (the most likely token's 1) restricted to each row's top-p
+    set (of the distribution whose sum is z [R]) and min-p set (weight >= min_p), sorting nothing, the same
+    draws as the kernel (`sampler_kernels`, which see): per pass `PROPOSALS` proposals from the tokens above
+    the pivot (pass 0: all; later: min-p's too); a top-p row checks a pass's proposals in the next pass (the
+    weight strictly above each < top_p x z, and min-p), others at once (min-p); the first kept proposal is the
+    draw; when none is, the most likely of them becomes the pivot (for top-p rows, from the pass after next)."""
+    n = p.shape[0]
+    out = torch.empty(n, dtype=torch.long)
+    todo = torch.arange(n)
+    low = torch.full((n,), -1.0, dtype=p.dtype)
+    check = top_p < 1
+    prev_i = prev_p = None
+    for round_ in range(ROUNDS):
+        q = p.index_select(0, todo) if todo.numel() != n else p
+        floor = min_p[todo, None] if round_ else 0.0
+        w = torch.where((q > low[:, None]) & (q >= floor), q, 0) if round_ else q  # pass 0: the whole row
+        cand_i = _proposals(w, key[todo], round_)
+        cand_p = q.gather(1, cand_i)
+        chk = check[todo]
+        if prev_i is None:
+            prev_i, prev_p = cand_i, torch.full_like(cand_p, 2.0)
+        seen_i = torch.where(chk[:, None], prev_i, cand_i)
+        seen_p = torch.where(chk[:, None], prev_p, cand_p)
+        kept = seen_p >= min_p[todo, None]
+        if round_ == 0:
+            kept &= ~chk[:, None]
+        pick = torch.full((todo.numel(),), PROPOSALS)
+        for k in range(PROPOSALS):  # the top-p sums only for rows whose earlier proposals were all rejected
+            ask = chk & (pick == PROPOSALS) & kept[:, k]
+            if bool(ask.any()):
+                a = ask.nonzero().flatten()
+                pz = (top_p[todo] * z[todo])[a]
+                kept[a, k] = _mass_above(q, seen_p[a, k], a).double() < pz
+            pick = torch.where((pick == PROPOSALS) & kept[:, k], k, pick)
+        found = pick < PROPOSALS
+        out[todo[found]] = seen_i[found].gather(1, pick[found, None]).squeeze(1)
+        low = torch.maximum(low, seen_p.masked_fill(seen_p > 1, -1.0).amax(1))
+        rest = ~found
+        todo, low, prev_i, prev_p = todo[rest], low[rest], cand_i[rest], cand_p[rest]
+        if todo.numel() == 0:
             return out
-        rej = (~accept).nonzero().flatten()
-        p = p.index_select(0, rej)
-        p.masked_fill_(p <= ps[rej, None], 0)  # the new lower bound: these tokens are outside the set
-        todo = todo[rej]
-    out[todo] = p.argmax(dim=1)  # only after 64 rejections (float ties): the most likely remaining token
+    out[todo] = p.index_select(0, todo).argmax(dim=1)  # after ROUNDS passes (float ties): the most likely token
     return out
 
 
@@ -316,9 +346,7 @@ def _draw(x: torch.Tensor, sb: SamplingBatch, host: SamplingBatch, rows: torch.T
         xs.div_(t[:, None])
     p = xs.exp_()  # the top-k distribution's weights, the most likely token's 1
     z = p.sum(dim=1).double()
-    if bool((min_p > 0).any()):
-        p.masked_fill_(p < min_p[:, None].to(p.dtype), 0)
-    out[finite] = _draw_top_p(p, z, top_p, sb.seed[rows], sb.counter[rows])
+    out[finite] = _draw_rejection(p, z, top_p, min_p.to(p.dtype), draw_keys(sb.seed[rows], sb.counter[rows]))
     return out
 
 
@@ -345,15 +373,15 @@ def _draw_kernel(x: torch.Tensor, sb: SamplingBatch, host: SamplingBatch, rows: 
     """`_draw` by `sampler_kernels.sample_rows` (rows [n] host): top-k, min-p and top-p by rejection, sorting
     nothing; only rows with both top-k and top-p < 1 get their top-k mask first (their top-p set is taken of
     the top-k mass). The decisions are read from the host batch: nothing waits for the device."""
-    from moe_export.runtime.engine.sampler_kernels import ROUNDS, sample_rows
+    from moe_export.runtime.engine.sampler_kernels import sample_rows
 
     on_device = rows.to(x.device, non_blocking=True)
     xs = x.index_select(0, on_device) if rows.numel() != x.shape[0] else x
     top_k, top_p = _guarded_top_k_p(sb.top_k[on_device], sb.top_p[on_device])
     host_k, host_p = _guarded_top_k_p(host.top_k[rows], host.top_p[rows])
     _mask_top_k(xs, top_k, (host_k > 0) & (host_p < 1), host_k)
-    u = uniform_table(sb.seed[on_device], sb.counter[on_device], ROUNDS)
-    return sample_rows(xs, xs.amax(dim=1), sb.temperature[on_device], top_k, top_p, sb.min_p[on_device], u)
+    keys = draw_keys(sb.seed[on_device], sb.counter[on_device])
+    return sample_rows(xs, sb.temperature[on_device], top_k, top_p, sb.min_p[on_device], keys)
 
 
 def _use_kernels(x: torch.Tensor) -> bool:
