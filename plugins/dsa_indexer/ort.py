@@ -1,45 +1,64 @@
 """ONNX Runtime lowering of DSAIndexer: a model-local FunctionProto (domain DOMAIN, same op type) in standard
 ONNX (opset 21) that ORT inlines; the TensorRT graph keeps the bare node.
 
-Body: token -> sequence, gather each token's keys at positions 0..B*BS-1 (B*BS = what the step's block tables
-cover; the step's own keys from `k_new`, earlier ones from the pool, fp32 after the gather or the fp8 decode) [T, L, Di], scores = weights @ relu(q_idx @ keys^T)
-([T, 1, Hi] x [T, Hi, L]), positions beyond the token -> -inf, TopK(k = min(topk, L), largest, sorted; ONNX
-breaks ties towards the lower index, as the op does), -inf picks -> -1, Pad with -1 to `topk` columns.
-Memory T*L*(Di + Hi) with L the used context, never the pool: fine for small models.
+Body: a Loop over key tiles of the step's context (`sparse_mla_attention.ort.key_tiles`: about TILE_ELEMS floats
+per tile whatever the context; a tile's rows read once per sequence, the step's own keys from `k_new`, earlier ones
+from the pool, fp32 after the gather or the fp8 decode), each tile scored as weights @ relu(q_idx @ keys^T)
+([T, 1, Hi] x [T, Hi, X]), positions of other sequences or beyond the token -> -inf, and merged into a running
+top-k: TopK(topk) over [running values | tile scores] (largest, sorted; ONNX breaks ties towards the lower index,
+and the running columns hold lower positions than the tile's, in order: ties go to the lower position, as the op
+says). No full sort; memory O(T x tile), never the context or the pool. -inf picks -> -1.
 """
 
 import onnx
-from onnx import helper
+from onnx import TensorProto, helper
 
 from .. import DOMAIN
-from ..sparse_mla_attention.ort import ONNX_OPSET, FunctionBuilder
+from ..sparse_mla_attention.ort import (
+    ONNX_OPSET,
+    SHARED_MACS_PER_GATHER,
+    TILE_ELEMS,
+    FunctionBuilder,
+    key_loop,
+    key_tiles,
+    sequence_rows,
+    tile_scores,
+)
 from .onnx_schema import OP_TYPE
 
 
-def function_proto(fp8_pool: bool = False) -> onnx.FunctionProto:
-    """FunctionProto implementing DSAIndexer (`fp8_pool`: for a uint8 fp8 key pool [NB, BS, Di + 1])."""
+def function_proto(fp8_pool: bool = False, tile_elems: int = TILE_ELEMS,
+                   shared_macs: int = SHARED_MACS_PER_GATHER) -> onnx.FunctionProto:
+    """FunctionProto implementing DSAIndexer (`fp8_pool`: for a uint8 fp8 key pool [NB, BS, Di + 1]; `tile_elems`,
+    `shared_macs`: the key tiles, `key_tiles`)."""
     b = FunctionBuilder("dsa")
-    num_tokens = b.dim("q_idx", 0)
-    max_len = b.op("Mul", b.dim("block_tables", 1), b.dim("k_pool", 1))
-    seq = b.token_sequences(num_tokens, "cu_seqlens")
-    span = b.op("Unsqueeze", b.op("Range", b.int_scalar(0), max_len, b.int_scalar(1)), b.ints([0]))  # [1, L]
-    shape = b.op("Concat", b.op("Shape", "positions"), b.op("Unsqueeze", max_len, b.ints([0])), axis=0)
-    span_t = b.op("Expand", span, shape)  # [T, L]
-    keys = b.context_rows("k_pool", "k_new", "cu_seqlens", "block_tables", "positions", seq, span_t, fp8_pool)  # [T, L, Di]
-    causal = b.op("LessOrEqual", span, b.op("Unsqueeze", "positions", b.ints([1])))
-    keys = b.op("Where", b.op("Unsqueeze", causal, b.ints([2])), keys, b.float_scalar(0.0))
-    per_head = b.op("Relu", b.op("MatMul", "q_idx", b.op("Transpose", keys, perm=[0, 2, 1])))  # [T, Hi, L]
-    weights = b.op("Unsqueeze", "weights", b.ints([1]))  # [T, 1, Hi]
-    scores = b.op("Squeeze", b.op("MatMul", weights, per_head), b.ints([1]))  # [T, L]
-    scores = b.op("Where", causal, scores, b.float_scalar(float("-inf")))
+    shared, tile, count, seq = key_tiles(b, b.dim("q_idx", 1), b.dim("k_new", 1), tile_elems, shared_macs)
     topk = b.attr("topk", "int")
-    keep = b.op("Min", topk, max_len)
-    values, order = b.op("TopK", scores, b.op("Unsqueeze", keep, b.ints([0])), outputs=2, axis=-1, largest=1, sorted=1)
-    is_pad = b.op("IsInf", values, detect_positive=0)
-    order = b.op("Where", is_pad, b.int_scalar(-1), order)
-    pad_cols = b.op("Unsqueeze", b.op("Sub", topk, keep), b.ints([0]))
-    pads = b.op("Concat", b.ints([0, 0, 0]), pad_cols, axis=0)
-    b.op("Pad", order, pads, b.int_scalar(-1), out="indices")
+    shape = b.op("Concat", b.op("Shape", "positions"), b.op("Unsqueeze", topk, b.ints([0])), axis=0)  # [T, topk]
+    init_values = b.op("Expand", b.float_scalar(float("-inf")), shape)
+    init_order = b.op("Expand", b.int_scalar(-1), shape)
+    weights = b.op("Unsqueeze", "weights", b.ints([1]))  # [T, 1, Hi]
+
+    def body(sub: FunctionBuilder, i: str, values: list[str]) -> list[str]:
+        best, order = values
+        span = sub.op("Range", sub.op("Mul", i, tile), sub.op("Mul", sub.op("Add", i, sub.int_scalar(1)), tile),
+                      sub.int_scalar(1))  # [C]
+        rows = sequence_rows(sub, "k_pool", "k_new", span, fp8_pool)
+
+        def score(s: FunctionBuilder, keys: str, shared_keys: bool) -> str:
+            per_head = s.op("Relu", s.op("MatMul", "q_idx", s.op("Transpose", keys, perm=[1, 0] if shared_keys else [0, 2, 1])))
+            return s.op("Squeeze", s.op("MatMul", weights, per_head), s.ints([1]))  # [T, X]
+
+        scores, valid, _, cols = tile_scores(sub, shared, seq, span, rows, score)
+        scores = sub.op("Where", valid, scores, sub.float_scalar(float("-inf")))
+        cols = sub.op("Expand", cols, sub.op("Shape", scores))
+        candidates = sub.op("Concat", best, scores, axis=1)
+        kept, picked = sub.op("TopK", candidates, sub.op("Unsqueeze", topk, sub.ints([0])), outputs=2, axis=-1,
+                              largest=1, sorted=1)
+        return [kept, sub.op("GatherElements", sub.op("Concat", order, cols, axis=1), picked, axis=1)]
+
+    best, order = key_loop(b, count, [(init_values, TensorProto.FLOAT), (init_order, TensorProto.INT64)], body)
+    b.op("Where", b.op("IsInf", best, detect_positive=0), b.int_scalar(-1), order, out="indices")
     return helper.make_function(
         DOMAIN,
         OP_TYPE,

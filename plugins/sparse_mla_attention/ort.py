@@ -20,6 +20,7 @@ A model holds one function per op type, so the exporter picks the variant per mo
 and sparse layers uses the sparse body and gives its dense layers an empty [T, 0] (or [0, 0]) index tensor.
 """
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
@@ -143,40 +144,165 @@ def _indexed_attention(b: FunctionBuilder, idx: str, seq: str, scale: str, rank:
     return b.op("MatMul", probs, b.op("Slice", rows, b.ints([0]), rank, b.ints([2])), out=out)
 
 
-def _dense_attention(b: FunctionBuilder, seq: str, scale: str, rank: str, fp8_pool: bool, out: str) -> str:
-    """o_lat [T, H, Dc] attending each token to every position 0..pos of its sequence. The rows are gathered
-    once per sequence ([N, B*BS, D]: the step's block tables cover the same positions for all its tokens) and
-    handed to the tokens with one Gather, instead of once per token. Every row is finite, so a token's masked
-    positions contribute exact zeros: before the chunk start the pool's written rows, from it on kv_new's rows
-    (beyond a sequence's last token those of later sequences, or the zero row appended to kv_new)."""
-    q, pool, new, cu, tables, pos = "q_lat", "kv_pool", "kv_new", "cu_seqlens", "block_tables", "positions"
+def sequence_rows(b: FunctionBuilder, pool: str, new: str, span: str, fp8_pool: bool) -> str:
+    """fp32 rows [N, C, D] of every sequence of the step at positions `span` [C] (>= 0): before a sequence's
+    chunk start from `pool` [NB, BS, D] through its block table, from it on from `new` [T, D]; zero beyond its last
+    token (and for a sequence without tokens), so that what no token may read is never NaN and masked positions
+    contribute exact zeros."""
+    cu, tables, pos = "cu_seqlens", "block_tables", "positions"
     block_size = b.dim(pool, 1)
-    span = b.op("Range", b.int_scalar(0), b.op("Mul", b.dim(tables, 1), block_size), b.int_scalar(1))  # [K]
-    span_row = b.op("Unsqueeze", span, b.ints([0]))  # [1, K]
+    span_row = b.op("Unsqueeze", span, b.ints([0]))  # [1, C]
     # per sequence: first token in the step and chunk start (one padding entry: an empty last sequence's first
     # token is T)
     pos_pad = b.op("Concat", pos, b.ints([0]), axis=0)  # [T + 1]
     head = b.op("Slice", cu, b.ints([0]), b.ints([-1]))  # [N]
     start = b.op("Unsqueeze", b.op("Gather", pos_pad, head), b.ints([1]))  # [N, 1]
-    own = b.op("GreaterOrEqual", span_row, start)  # [N, K] the step's own rows, from kv_new
+    own = b.op("GreaterOrEqual", span_row, start)  # [N, C] the step's own rows, from kv_new
     new_row = b.op("Clip", b.op("Sub", b.op("Add", b.op("Unsqueeze", head, b.ints([1])), span_row), start),
-                   b.int_scalar(0), b.dim(q, 0))  # [N, K] into kv_new plus one zero row
+                   b.int_scalar(0), b.dim(new, 0))  # [N, C] into kv_new plus one zero row
     width = b.op("Shape", new, start=1, end=2)
-    zero_row = b.op("Expand", b.op("Cast", b.float_scalar(0.0), to=TensorProto.FLOAT),
-                    b.op("Concat", b.ints([1]), width, axis=0))
+    zero_row = b.op("Expand", b.float_scalar(0.0), b.op("Concat", b.ints([1]), width, axis=0))
     new_pad = b.op("Concat", b.op("Cast", new, to=TensorProto.FLOAT), zero_row, axis=0)  # [T + 1, D]
-    block = b.op("Max", b.op("Gather", tables, b.op("Div", span, block_size), axis=1), b.int_scalar(0))  # [N, K]
+    last_col = b.op("Sub", b.dim(tables, 1), b.int_scalar(1))
+    col = b.op("Min", b.op("Div", span, block_size), last_col)
+    block = b.op("Max", b.op("Gather", tables, col, axis=1), b.int_scalar(0))  # [N, C]
     offset = b.op("Expand", b.op("Mod", span_row, block_size), b.op("Shape", block))
     where = b.op("Concat", b.op("Unsqueeze", block, b.ints([2])), b.op("Unsqueeze", offset, b.ints([2])), axis=2)
-    gathered = b.op("GatherND", pool, where)  # [N, K, D] (fp8: D + 1 bytes)
+    gathered = b.op("GatherND", pool, where)  # [N, C, D] (fp8: D + 1 bytes)
     from_pool = b.fp8_rows(gathered) if fp8_pool else b.op("Cast", gathered, to=TensorProto.FLOAT)
     rows = b.op("Where", b.op("Unsqueeze", own, b.ints([2])), b.op("Gather", new_pad, new_row, axis=0), from_pool)
-    keys = b.op("Gather", rows, seq, axis=0)  # [T, K, D]
-    scores = b.op("Mul", b.op("MatMul", q, b.op("Transpose", keys, perm=[0, 2, 1])), scale)  # [T, H, K]
-    valid = b.op("LessOrEqual", span_row, b.op("Unsqueeze", pos, b.ints([1])))  # [T, K] causal
-    probs = b.masked_softmax(scores, b.op("Unsqueeze", valid, b.ints([1])))
-    values = b.op("Gather", b.op("Slice", rows, b.ints([0]), rank, b.ints([2])), seq, axis=0)  # [T, K, Dc]
-    return b.op("MatMul", probs, values, out=out)
+    length = b.op("Unsqueeze", b.op("Sub", b.op("Slice", cu, b.ints([1]), b.ints([_INT64_MAX])), head), b.ints([1]))
+    end = b.op("Where", b.op("Greater", length, b.int_scalar(0)), b.op("Add", start, length), b.int_scalar(0))
+    return b.op("Where", b.op("Unsqueeze", b.op("Less", span_row, end), b.ints([2])), rows, b.float_scalar(0.0))
+
+
+# Streaming over the keys (dense attention, the DSA indexer): the context is read in tiles of C positions with a
+# running state (online softmax; a running top-k), so a step's temporaries are about TILE_ELEMS floats whatever
+# the context, and a prefill chunk never shrinks as it grows. Two forms of a tile, chosen per step:
+#   - shared: the tile's rows of every sequence [N*C, D] scored by every token with one matmul ([T, H, N*C]; a token's
+#     other sequences are masked), so a sequence's rows are read once for all its tokens (a prefill chunk);
+#   - per token: each token's own sequence's rows [T, C, D] (a Gather), as many sequences as tokens (decode).
+# Shared costs (N - 1) x T x H x D extra multiply-adds per key position, per token T x D gathered values; shared is
+# used while (N - 1) x H <= SHARED_MACS_PER_GATHER (a gathered fp32 value moved through memory costs about that
+# many multiply-adds of a matmul).
+TILE_ELEMS = 1 << 23
+SHARED_MACS_PER_GATHER = 8
+
+
+def key_tiles(b: FunctionBuilder, heads: str, width: str, tile_elems: int, shared_macs: int) -> tuple[str, str, str, str]:
+    """(shared: bool scalar, tile C, number of tiles, seq [T] each token's sequence) of a step whose scores have
+    `heads` rows per token and whose rows `width` values: C keeps the tile's largest temporary near `tile_elems`
+    floats (shared: [T, heads, N*C] and [N, C, width]; per token: [T, C, max(heads, width)]); the tiles cover
+    positions 0..(the step's last position)."""
+    num_tokens, num_seqs = b.dim("positions", 0), b.op("Sub", b.dim("cu_seqlens", 0), b.int_scalar(1))
+    seq = b.token_sequences(num_tokens, "cu_seqlens")
+    extra = b.op("Mul", b.op("Sub", num_seqs, b.int_scalar(1)), heads)
+    shared = b.op("LessOrEqual", extra, b.int_scalar(shared_macs))
+    per_col = b.op("Where", shared, b.op("Max", b.op("Mul", b.op("Mul", num_tokens, num_seqs), heads),
+                                         b.op("Mul", num_seqs, width)),
+                   b.op("Mul", num_tokens, b.op("Max", heads, width)))
+    length = b.op("Add", b.op("ReduceMax", b.op("Concat", "positions", b.ints([0]), axis=0), keepdims=0),
+                  b.int_scalar(1))
+    tile = b.op("Min", b.op("Max", b.op("Div", b.int_scalar(tile_elems), b.op("Max", per_col, b.int_scalar(1))),
+                            b.int_scalar(1)), length)
+    count = b.op("Div", b.op("Sub", b.op("Add", length, tile), b.int_scalar(1)), tile)
+    return shared, tile, count, seq
+
+
+def tile_scores(b: FunctionBuilder, shared: str, seq: str, span: str, rows: str, score) -> tuple[str, str, str, str]:
+    """(scores [T, ..., X], valid [T, X] (the token's own sequence, causal), rows [X, D] or [T, X, D], their
+    positions [1, X]) of one key tile
+    whose rows of every sequence are `rows` [N, C, D] at positions `span` [C]; `score(sub, keys, shared)` scores the
+    tokens against keys [X, D] (shared) or [T, X, D] in builder `sub`."""
+    def branch(name: str, build) -> onnx.GraphProto:
+        sub = FunctionBuilder(name)
+        outs = build(sub)
+        types = (TensorProto.FLOAT, TensorProto.BOOL, TensorProto.FLOAT, TensorProto.INT64)
+        return helper.make_graph(sub.nodes, name, [], [helper.make_tensor_value_info(o, t, None) for o, t in zip(outs, types)])
+
+    pos_col = b.op("Unsqueeze", "positions", b.ints([1]))  # [T, 1]
+
+    def across(sub: FunctionBuilder) -> list[str]:
+        width = sub.op("Shape", rows, start=2, end=3)
+        keys = sub.op("Reshape", rows, sub.op("Concat", sub.ints([-1]), width, axis=0))  # [N*C, D]
+        n_seq = sub.op("Shape", rows, start=0, end=1)
+        col_seq = sub.op("Reshape", sub.op("Expand", sub.op("Unsqueeze", sub.op("Range", sub.int_scalar(0),
+                         sub.op("Squeeze", n_seq, sub.ints([0])), sub.int_scalar(1)), sub.ints([1])),
+                         sub.op("Concat", n_seq, sub.op("Shape", span), axis=0)), sub.ints([1, -1]))  # [1, N*C]
+        col_pos = sub.op("Reshape", sub.op("Expand", sub.op("Unsqueeze", span, sub.ints([0])),
+                                           sub.op("Concat", n_seq, sub.op("Shape", span), axis=0)), sub.ints([1, -1]))
+        valid = sub.op("And", sub.op("Equal", col_seq, sub.op("Unsqueeze", seq, sub.ints([1]))),
+                       sub.op("LessOrEqual", col_pos, pos_col))
+        return [sub.op("Identity", score(sub, keys, True)), valid, sub.op("Identity", keys), col_pos]
+
+    def per_token(sub: FunctionBuilder) -> list[str]:
+        keys = sub.op("Gather", rows, seq, axis=0)  # [T, C, D]
+        valid = sub.op("LessOrEqual", sub.op("Unsqueeze", span, sub.ints([0])), pos_col)
+        return [sub.op("Identity", score(sub, keys, False)), valid, sub.op("Identity", keys),
+                sub.op("Unsqueeze", span, sub.ints([0]))]
+
+    return b.op("If", shared, then_branch=branch(f"{b._prefix}_shared", across),
+                else_branch=branch(f"{b._prefix}_per_token", per_token), outputs=4)
+
+
+def key_loop(b: FunctionBuilder, count: str, carried: list[tuple[str, int]], body) -> list[str]:
+    """A Loop over `count` key tiles carrying `carried` ((initial value, element type) pairs); `body(sub, i,
+    values)` appends tile i's nodes to `sub` and returns the carried values' next names. Returns the final values."""
+    sub = FunctionBuilder(f"{b._prefix}_tile")
+    i, cond = f"{b._prefix}_i", f"{b._prefix}_cond"
+    values = [f"{b._prefix}_carried_{k}" for k in range(len(carried))]
+    nexts = [sub.op("Identity", v) for v in body(sub, i, values)]
+    cond_out = sub.op("Identity", cond)
+    graph = helper.make_graph(
+        sub.nodes, f"{b._prefix}_tile",
+        [helper.make_tensor_value_info(i, TensorProto.INT64, []), helper.make_tensor_value_info(cond, TensorProto.BOOL, []),
+         *[helper.make_tensor_value_info(v, t, None) for v, (_, t) in zip(values, carried)]],
+        [helper.make_tensor_value_info(cond_out, TensorProto.BOOL, []),
+         *[helper.make_tensor_value_info(v, t, None) for v, (_, t) in zip(nexts, carried)]])
+    b._count += 1
+    names = [f"{b._prefix}_Loop_{b._count}_{k}" for k in range(len(carried))]
+    b.nodes.append(helper.make_node("Loop", [count, "", *[v for v, _ in carried]], names, body=graph))
+    return names
+
+
+def _dense_attention(b: FunctionBuilder, scale: str, rank: str, fp8_pool: bool, out: str, tile_elems: int,
+                     shared_macs: int) -> str:
+    """o_lat [T, H, Dc] attending each token to every position 0..pos of its sequence, streaming over key tiles
+    with an online softmax: running max m [T, H, 1] (from the lowest finite float, so no inf - inf), denominator
+    l and weighted sum acc [T, H, Dc], rescaled by exp(m_old - m_new) per tile. A token attends at least to
+    itself, so l > 0 at the end."""
+    q = "q_lat"
+    shared, tile, count, seq = key_tiles(b, b.dim(q, 1), b.dim("kv_new", 1), tile_elems, shared_macs)
+    rows_shape = b.op("Concat", b.op("Shape", q, start=0, end=2), b.ints([1]), axis=0)  # [T, H, 1]
+    acc_shape = b.op("Concat", b.op("Shape", q, start=0, end=2), rank, axis=0)
+    lowest = float(np.finfo(np.float32).min)
+    init_m = b.op("Expand", b.float_scalar(lowest), rows_shape)
+    init_l = b.op("Expand", b.float_scalar(0.0), rows_shape)
+    init_acc = b.op("Expand", b.float_scalar(0.0), acc_shape)
+
+    def body(sub: FunctionBuilder, i: str, values: list[str]) -> list[str]:
+        m, l, acc = values
+        span = sub.op("Range", sub.op("Mul", i, tile), sub.op("Mul", sub.op("Add", i, sub.int_scalar(1)), tile),
+                      sub.int_scalar(1))  # [C]
+        rows = sequence_rows(sub, "kv_pool", "kv_new", span, fp8_pool)
+
+        def score(s: FunctionBuilder, keys: str, shared_keys: bool) -> str:
+            perm = [1, 0] if shared_keys else [0, 2, 1]
+            return s.op("Mul", s.op("MatMul", q, s.op("Transpose", keys, perm=perm)), scale)  # [T, H, X]
+
+        scores, valid, keys, _ = tile_scores(sub, shared, seq, span, rows, score)
+        masked = sub.op("Where", sub.op("Unsqueeze", valid, sub.ints([1])), scores, sub.float_scalar(float("-inf")))
+        m_new = sub.op("Max", m, sub.op("ReduceMax", masked, sub.ints([-1]), keepdims=1))
+        corr = sub.op("Exp", sub.op("Sub", m, m_new))
+        probs = sub.op("Exp", sub.op("Sub", masked, m_new))  # masked: exp(-inf) = 0
+        l_new = sub.op("Add", sub.op("Mul", l, corr), sub.op("ReduceSum", probs, sub.ints([-1]), keepdims=1))
+        values_c = sub.op("Slice", keys, sub.ints([0]), rank, sub.ints([-1]))  # [X, Dc] or [T, X, Dc]
+        acc_new = sub.op("Add", sub.op("Mul", acc, corr), sub.op("MatMul", probs, values_c))
+        return [m_new, l_new, acc_new]
+
+    _, l, acc = key_loop(b, count, [(init_m, TensorProto.FLOAT), (init_l, TensorProto.FLOAT),
+                                     (init_acc, TensorProto.FLOAT)], body)
+    return b.op("Div", acc, l, out=out)
 
 
 def _branch(name: str, build) -> onnx.GraphProto:
@@ -187,17 +313,20 @@ def _branch(name: str, build) -> onnx.GraphProto:
     return helper.make_graph(b.nodes, name, [], [out])
 
 
-def function_proto(dense: bool = False, fp8_pool: bool = False) -> onnx.FunctionProto:
+def function_proto(dense: bool = False, fp8_pool: bool = False, tile_elems: int = TILE_ELEMS,
+                   shared_macs: int = SHARED_MACS_PER_GATHER) -> onnx.FunctionProto:
     """FunctionProto for SparseMLAAttention; `dense=True` gives the body that ignores `topk_indices`, `fp8_pool`
-    the body for a uint8 fp8 pool [NB, BS, Dc+Dr+1]."""
+    the body for a uint8 fp8 pool [NB, BS, Dc+Dr+1]; `tile_elems`, `shared_macs`: the dense path's key tiles
+    (`key_tiles`)."""
     b = FunctionBuilder("smla")
-    seq = b.token_sequences(b.dim("q_lat", 0), "cu_seqlens")
     scale = b.attr("scale", "float")
     rank = b.op("Unsqueeze", b.attr("kv_lora_rank", "int"), b.ints([0]))
     if dense:
-        _dense_attention(b, seq, scale, rank, fp8_pool, out="o_lat")
+        _dense_attention(b, scale, rank, fp8_pool, "o_lat", tile_elems, shared_macs)
     else:
-        all_pos = _branch("smla_dense", lambda sub, out: _dense_attention(sub, seq, scale, rank, fp8_pool, out))
+        seq = b.token_sequences(b.dim("q_lat", 0), "cu_seqlens")
+        all_pos = _branch("smla_dense", lambda sub, out: _dense_attention(sub, scale, rank, fp8_pool, out, tile_elems,
+                                                                          shared_macs))
         given = _branch("smla_given", lambda sub, out: _indexed_attention(sub, "topk_indices", seq, scale, rank,
                                                                           fp8_pool, out))
         no_cols = b.op("Equal", b.dim("topk_indices", 1), b.int_scalar(0))
