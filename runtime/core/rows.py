@@ -49,6 +49,54 @@ class SamplingRow:
     banned: list[int] = field(default_factory=list)
 
 
+class PenaltyCounts:
+    """A sequence's penalty inputs, kept up to date a token at a time: its distinct tokens (prompt and output:
+    repetition) and its output tokens with their counts (presence / frequency), in first-seen order. `absorb`
+    takes the tokens added since its last call, so a step costs O(new tokens), not O(context); the arrays it hands
+    out are views of O(distinct tokens) (at most the vocabulary)."""
+
+    def __init__(self) -> None:
+        self.absorbed = 0  # tokens [0, absorbed) counted
+        self._seen: dict[int, None] = {}
+        self._seen_ids = np.empty(64, dtype=np.int64)
+        self._out_slot: dict[int, int] = {}  # output token -> its index in _out_ids / _out_counts
+        self._out_ids = np.empty(16, dtype=np.int64)
+        self._out_counts = np.zeros(16, dtype=np.int64)
+
+    def absorb(self, tokens: list[int], prompt_len: int) -> None:
+        """Count tokens[absorbed:] (positions from prompt_len on are output)."""
+        for pos in range(self.absorbed, len(tokens)):
+            t = int(tokens[pos])
+            if t not in self._seen:
+                n = len(self._seen)
+                if n == len(self._seen_ids):
+                    self._seen_ids = np.resize(self._seen_ids, 2 * n)
+                self._seen_ids[n] = t
+                self._seen[t] = None
+            if pos >= prompt_len:
+                j = self._out_slot.get(t)
+                if j is None:
+                    j = self._out_slot[t] = len(self._out_slot)
+                    if j == len(self._out_ids):
+                        self._out_ids = np.resize(self._out_ids, 2 * j)
+                        self._out_counts = np.resize(self._out_counts, 2 * j)
+                    self._out_ids[j], self._out_counts[j] = t, 0
+                self._out_counts[j] += 1
+        self.absorbed = len(tokens)
+
+    @property
+    def seen(self) -> np.ndarray:
+        return self._seen_ids[:len(self._seen)]
+
+    @property
+    def output_ids(self) -> np.ndarray:
+        return self._out_ids[:len(self._out_slot)]
+
+    @property
+    def output_counts(self) -> np.ndarray:
+        return self._out_counts[:len(self._out_slot)]
+
+
 def build_row(seq: Sequence, eos_token_ids: frozenset[int]) -> SamplingRow:
     """`seq`'s sampling row for its next token. Raises whatever its parameters, budget or grammar raise (the
     caller fails that request alone)."""
@@ -67,10 +115,14 @@ def build_row(seq: Sequence, eos_token_ids: frozenset[int]) -> SamplingRow:
         else:
             row.processors.append(lambda logits, proc=proc, seq=seq: proc(seq.output_ids, logits))
     if p.penalized:
+        if seq.penalties is None:
+            seq.penalties = PenaltyCounts()
+        counts = seq.penalties
+        counts.absorb(seq.tokens, seq.prompt_len)
         if p.repetition_penalty != 1:
-            row.seen = np.unique(np.asarray(seq.tokens, dtype=np.int64))
+            row.seen = counts.seen
         if p.presence_penalty != 0 or p.frequency_penalty != 0:
-            row.output_ids, row.output_counts = np.unique(np.asarray(seq.output_ids, dtype=np.int64), return_counts=True)
+            row.output_ids, row.output_counts = counts.output_ids, counts.output_counts
     row.bias = [(int(t), float(v)) for t, v in p.logit_bias]
     if n_out < p.min_tokens:
         row.banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids))
