@@ -144,117 +144,28 @@ def _indexed_attention(b: FunctionBuilder, idx: str, seq: str, scale: str, rank:
     return b.op("MatMul", probs, b.op("Slice", rows, b.ints([0]), rank, b.ints([2])), out=out)
 
 
-def sequence_rows(b: FunctionBuilder, pool: str, new: str, span: str, fp8_pool: bool) -> str:
-    """fp32 rows [N, C, D] of every sequence of the step at positions `span` [C] (>= 0): before a sequence's
-    chunk start from `pool` [NB, BS, D] through its block table, from it on from `new` [T, D]; zero beyond its last
-    token (and for a sequence without tokens), so that what no token may read is never NaN and masked positions
-    contribute exact zeros."""
-    cu, tables, pos = "cu_seqlens", "block_tables", "positions"
-    block_size = b.dim(pool, 1)
-    span_row = b.op("Unsqueeze", span, b.ints([0]))  # [1, C]
-    # per sequence: first token in the step and chunk start (one padding entry: an empty last sequence's first
-    # token is T)
-    pos_pad = b.op("Concat", pos, b.ints([0]), axis=0)  # [T + 1]
-    head = b.op("Slice", cu, b.ints([0]), b.ints([-1]))  # [N]
-    start = b.op("Unsqueeze", b.op("Gather", pos_pad, head), b.ints([1]))  # [N, 1]
-    own = b.op("GreaterOrEqual", span_row, start)  # [N, C] the step's own rows, from kv_new
-    new_row = b.op("Clip", b.op("Sub", b.op("Add", b.op("Unsqueeze", head, b.ints([1])), span_row), start),
-                   b.int_scalar(0), b.dim(new, 0))  # [N, C] into kv_new plus one zero row
-    width = b.op("Shape", new, start=1, end=2)
-    zero_row = b.op("Expand", b.float_scalar(0.0), b.op("Concat", b.ints([1]), width, axis=0))
-    new_pad = b.op("Concat", b.op("Cast", new, to=TensorProto.FLOAT), zero_row, axis=0)  # [T + 1, D]
-    last_col = b.op("Sub", b.dim(tables, 1), b.int_scalar(1))
-    col = b.op("Min", b.op("Div", span, block_size), last_col)
-    block = b.op("Max", b.op("Gather", tables, col, axis=1), b.int_scalar(0))  # [N, C]
-    offset = b.op("Expand", b.op("Mod", span_row, block_size), b.op("Shape", block))
-    where = b.op("Concat", b.op("Unsqueeze", block, b.ints([2])), b.op("Unsqueeze", offset, b.ints([2])), axis=2)
-    gathered = b.op("GatherND", pool, where)  # [N, C, D] (fp8: D + 1 bytes)
-    from_pool = b.fp8_rows(gathered) if fp8_pool else b.op("Cast", gathered, to=TensorProto.FLOAT)
-    rows = b.op("Where", b.op("Unsqueeze", own, b.ints([2])), b.op("Gather", new_pad, new_row, axis=0), from_pool)
-    length = b.op("Unsqueeze", b.op("Sub", b.op("Slice", cu, b.ints([1]), b.ints([_INT64_MAX])), head), b.ints([1]))
-    end = b.op("Where", b.op("Greater", length, b.int_scalar(0)), b.op("Add", start, length), b.int_scalar(0))
-    return b.op("Where", b.op("Unsqueeze", b.op("Less", span_row, end), b.ints([2])), rows, b.float_scalar(0.0))
-
-
-# Streaming over the keys (dense attention, the DSA indexer): the context is read in tiles of C positions with a
-# running state (online softmax; a running top-k), so a step's temporaries are about TILE_ELEMS floats whatever
-# the context, and a prefill chunk never shrinks as it grows. Two forms of a tile, chosen per step:
-#   - shared: the tile's rows of every sequence [N*C, D] scored by every token with one matmul ([T, H, N*C]; a token's
-#     other sequences are masked), so a sequence's rows are read once for all its tokens (a prefill chunk);
-#   - per token: each token's own sequence's rows [T, C, D] (a Gather), as many sequences as tokens (decode).
-# Shared costs (N - 1) x T x H x D extra multiply-adds per key position, per token T x D gathered values; shared is
-# used while (N - 1) x H <= SHARED_MACS_PER_GATHER (a gathered fp32 value moved through memory costs about that
-# many multiply-adds of a matmul).
+# Streaming over the keys (dense attention, the DSA indexer): one sequence at a time (a Loop over the step's
+# sequences, each one's token results appended), its context in two parts: the whole blocks before its chunk, all in
+# the pool and attended by every token of the chunk (no mask needed), read in tiles of C positions (whole blocks
+# gathered through its block table, one copy per block), then the rest: the pool rows of the block holding its start
+# and its own rows from kv_new [Tn, D], under the causal mask. A
+# running state (online softmax; a running top-k) carries over the tiles, so a step's temporaries stay near
+# TILE_ELEMS floats whatever the context, and a prefill chunk never shrinks as it grows. Positions after a token,
+# and pool rows not written yet, are never read.
 TILE_ELEMS = 1 << 23
-SHARED_MACS_PER_GATHER = 8
-
-
-def key_tiles(b: FunctionBuilder, heads: str, width: str, tile_elems: int, shared_macs: int) -> tuple[str, str, str, str]:
-    """(shared: bool scalar, tile C, number of tiles, seq [T] each token's sequence) of a step whose scores have
-    `heads` rows per token and whose rows `width` values: C keeps the tile's largest temporary near `tile_elems`
-    floats (shared: [T, heads, N*C] and [N, C, width]; per token: [T, C, max(heads, width)]); the tiles cover
-    positions 0..(the step's last position)."""
-    num_tokens, num_seqs = b.dim("positions", 0), b.op("Sub", b.dim("cu_seqlens", 0), b.int_scalar(1))
-    seq = b.token_sequences(num_tokens, "cu_seqlens")
-    extra = b.op("Mul", b.op("Sub", num_seqs, b.int_scalar(1)), heads)
-    shared = b.op("LessOrEqual", extra, b.int_scalar(shared_macs))
-    per_col = b.op("Where", shared, b.op("Max", b.op("Mul", b.op("Mul", num_tokens, num_seqs), heads),
-                                         b.op("Mul", num_seqs, width)),
-                   b.op("Mul", num_tokens, b.op("Max", heads, width)))
-    length = b.op("Add", b.op("ReduceMax", b.op("Concat", "positions", b.ints([0]), axis=0), keepdims=0),
-                  b.int_scalar(1))
-    tile = b.op("Min", b.op("Max", b.op("Div", b.int_scalar(tile_elems), b.op("Max", per_col, b.int_scalar(1))),
-                            b.int_scalar(1)), length)
-    count = b.op("Div", b.op("Sub", b.op("Add", length, tile), b.int_scalar(1)), tile)
-    return shared, tile, count, seq
-
-
-def tile_scores(b: FunctionBuilder, shared: str, seq: str, span: str, rows: str, score) -> tuple[str, str, str, str]:
-    """(scores [T, ..., X], valid [T, X] (the token's own sequence, causal), rows [X, D] or [T, X, D], their
-    positions [1, X]) of one key tile
-    whose rows of every sequence are `rows` [N, C, D] at positions `span` [C]; `score(sub, keys, shared)` scores the
-    tokens against keys [X, D] (shared) or [T, X, D] in builder `sub`."""
-    def branch(name: str, build) -> onnx.GraphProto:
-        sub = FunctionBuilder(name)
-        outs = build(sub)
-        types = (TensorProto.FLOAT, TensorProto.BOOL, TensorProto.FLOAT, TensorProto.INT64)
-        return helper.make_graph(sub.nodes, name, [], [helper.make_tensor_value_info(o, t, None) for o, t in zip(outs, types)])
-
-    pos_col = b.op("Unsqueeze", "positions", b.ints([1]))  # [T, 1]
-
-    def across(sub: FunctionBuilder) -> list[str]:
-        width = sub.op("Shape", rows, start=2, end=3)
-        keys = sub.op("Reshape", rows, sub.op("Concat", sub.ints([-1]), width, axis=0))  # [N*C, D]
-        n_seq = sub.op("Shape", rows, start=0, end=1)
-        col_seq = sub.op("Reshape", sub.op("Expand", sub.op("Unsqueeze", sub.op("Range", sub.int_scalar(0),
-                         sub.op("Squeeze", n_seq, sub.ints([0])), sub.int_scalar(1)), sub.ints([1])),
-                         sub.op("Concat", n_seq, sub.op("Shape", span), axis=0)), sub.ints([1, -1]))  # [1, N*C]
-        col_pos = sub.op("Reshape", sub.op("Expand", sub.op("Unsqueeze", span, sub.ints([0])),
-                                           sub.op("Concat", n_seq, sub.op("Shape", span), axis=0)), sub.ints([1, -1]))
-        valid = sub.op("And", sub.op("Equal", col_seq, sub.op("Unsqueeze", seq, sub.ints([1]))),
-                       sub.op("LessOrEqual", col_pos, pos_col))
-        return [sub.op("Identity", score(sub, keys, True)), valid, sub.op("Identity", keys), col_pos]
-
-    def per_token(sub: FunctionBuilder) -> list[str]:
-        keys = sub.op("Gather", rows, seq, axis=0)  # [T, C, D]
-        valid = sub.op("LessOrEqual", sub.op("Unsqueeze", span, sub.ints([0])), pos_col)
-        return [sub.op("Identity", score(sub, keys, False)), valid, sub.op("Identity", keys),
-                sub.op("Unsqueeze", span, sub.ints([0]))]
-
-    return b.op("If", shared, then_branch=branch(f"{b._prefix}_shared", across),
-                else_branch=branch(f"{b._prefix}_per_token", per_token), outputs=4)
 
 
 def key_loop(b: FunctionBuilder, count: str, carried: list[tuple[str, int]], body) -> list[str]:
-    """A Loop over `count` key tiles carrying `carried` ((initial value, element type) pairs); `body(sub, i,
-    values)` appends tile i's nodes to `sub` and returns the carried values' next names. Returns the final values."""
-    sub = FunctionBuilder(f"{b._prefix}_tile")
-    i, cond = f"{b._prefix}_i", f"{b._prefix}_cond"
-    values = [f"{b._prefix}_carried_{k}" for k in range(len(carried))]
+    """A Loop of `count` iterations carrying `carried` ((initial value, element type) pairs, shapes free to change);
+    `body(sub, i, values)` appends iteration i's nodes to `sub` and returns the carried values' next names. Returns
+    the final values."""
+    sub = FunctionBuilder(f"{b._prefix}_loop{b._count + 1}")
+    i, cond = f"{sub._prefix}_i", f"{sub._prefix}_cond"
+    values = [f"{sub._prefix}_in{k}" for k in range(len(carried))]
     nexts = [sub.op("Identity", v) for v in body(sub, i, values)]
     cond_out = sub.op("Identity", cond)
     graph = helper.make_graph(
-        sub.nodes, f"{b._prefix}_tile",
+        sub.nodes, sub._prefix,
         [helper.make_tensor_value_info(i, TensorProto.INT64, []), helper.make_tensor_value_info(cond, TensorProto.BOOL, []),
          *[helper.make_tensor_value_info(v, t, None) for v, (_, t) in zip(values, carried)]],
         [helper.make_tensor_value_info(cond_out, TensorProto.BOOL, []),
@@ -265,44 +176,114 @@ def key_loop(b: FunctionBuilder, count: str, carried: list[tuple[str, int]], bod
     return names
 
 
-def _dense_attention(b: FunctionBuilder, scale: str, rank: str, fp8_pool: bool, out: str, tile_elems: int,
-                     shared_macs: int) -> str:
-    """o_lat [T, H, Dc] attending each token to every position 0..pos of its sequence, streaming over key tiles
-    with an online softmax: running max m [T, H, 1] (from the lowest finite float, so no inf - inf), denominator
-    l and weighted sum acc [T, H, Dc], rescaled by exp(m_old - m_new) per tile. A token attends at least to
-    itself, so l > 0 at the end."""
-    q = "q_lat"
-    shared, tile, count, seq = key_tiles(b, b.dim(q, 1), b.dim("kv_new", 1), tile_elems, shared_macs)
-    rows_shape = b.op("Concat", b.op("Shape", q, start=0, end=2), b.ints([1]), axis=0)  # [T, H, 1]
-    acc_shape = b.op("Concat", b.op("Shape", q, start=0, end=2), rank, axis=0)
+def per_sequence(b: FunctionBuilder, empty: list[tuple[str, int]], body) -> list[str]:
+    """Results per token [T, ...], computed one sequence of the step at a time: `body(sub, seq)` returns the
+    sequence's results ([Tn, ...] each; `seq` = dict of scalars first, last, count (= Tn), start (its chunk's first
+    position, 0 without tokens) and its block table row `table` [B]), appended in order to `empty` (the [0, ...]
+    initial values with their element types)."""
+    def one(sub: FunctionBuilder, n: str, values: list[str]) -> list[str]:
+        first = sub.op("Gather", "cu_seqlens", n)
+        last = sub.op("Gather", "cu_seqlens", sub.op("Add", n, sub.int_scalar(1)))
+        count = sub.op("Sub", last, first)
+        some = sub.op("Greater", count, sub.int_scalar(0))
+        at = sub.op("Min", first, sub.op("Sub", sub.dim("positions", 0), sub.int_scalar(1)))
+        start = sub.op("Where", some, sub.op("Gather", "positions", at), sub.int_scalar(0))
+        seq = dict(first=first, last=last, count=count, start=start, table=sub.op("Gather", "block_tables", n, axis=0))
+        return [sub.op("Concat", v, r, axis=0) for v, r in zip(values, body(sub, seq))]
+
+    return key_loop(b, b.op("Sub", b.dim("cu_seqlens", 0), b.int_scalar(1)), empty, one)
+
+
+def take_rows(b: FunctionBuilder, value: str, seq: dict) -> str:
+    """The sequence's tokens' rows of a per-token value [T, ...] -> [Tn, ...]."""
+    return b.op("Slice", value, b.op("Unsqueeze", seq["first"], b.ints([0])),
+                b.op("Unsqueeze", seq["last"], b.ints([0])), b.ints([0]))
+
+
+def pool_tiles(b: FunctionBuilder, seq: dict, pool: str, heads: str, fp8_pool: bool, tile_elems: int,
+               carried: list[tuple[str, int]], body) -> list[str]:
+    """Loop over the sequence's whole pool blocks before its chunk (positions [0, start // BS x BS)) in tiles of C
+    positions, C a multiple of the block size near tile_elems / max(Tn x heads, row width): `body(sub, keys, p0, p1,
+    values)` merges the tile's fp32 rows `keys` [p1 - p0, D] (positions p0 .. p1-1; fp8 pools decoded) into the
+    carried values. The partial block before the chunk is `own_rows`'."""
+    block_size = b.dim(pool, 1)
+    width = b.dim(pool, 2)
+    per_position = b.op("Max", b.op("Mul", seq["count"], heads), width)
+    blocks_per_tile = b.op("Max", b.op("Div", b.op("Div", b.int_scalar(tile_elems), per_position), block_size),
+                           b.int_scalar(1))
+    full_blocks = b.op("Div", seq["start"], block_size)
+    tiles = b.op("Div", b.op("Sub", b.op("Add", full_blocks, blocks_per_tile), b.int_scalar(1)), blocks_per_tile)
+    row_shape = b.op("Concat", b.ints([-1]), b.op("Shape", pool, start=2), axis=0)
+
+    def tile(sub: FunctionBuilder, i: str, values: list[str]) -> list[str]:
+        first_block = sub.op("Mul", i, blocks_per_tile)
+        end_block = sub.op("Min", sub.op("Add", first_block, blocks_per_tile), full_blocks)
+        blocks = sub.op("Slice", seq["table"], sub.op("Unsqueeze", first_block, sub.ints([0])),
+                        sub.op("Unsqueeze", end_block, sub.ints([0])), sub.ints([0]))
+        rows = sub.op("Reshape", sub.op("Gather", pool, sub.op("Max", blocks, sub.int_scalar(0)), axis=0), row_shape)
+        keys = sub.fp8_rows(rows) if fp8_pool else sub.op("Cast", rows, to=TensorProto.FLOAT)  # [X, D]
+        return body(sub, keys, sub.op("Mul", first_block, block_size), sub.op("Mul", end_block, block_size), values)
+
+    return key_loop(b, tiles, carried, tile)
+
+
+def own_rows(b: FunctionBuilder, pool: str, new: str, seq: dict, fp8_pool: bool) -> tuple[str, str, str]:
+    """What the chunk reads beyond `pool_tiles`: (rows [R + Tn, D] fp32: the R = start mod BS pool rows of the block
+    holding its start, then its own rows from `new`; the mask [Tn, R + Tn] (token i reads every pool row and own row
+    j <= i); the first row's position, start - R)."""
+    block_size = b.dim(pool, 1)
+    full = b.op("Mul", b.op("Div", seq["start"], block_size), block_size)
+    partial = b.op("Sub", seq["start"], full)
+    block = b.op("Max", b.op("Gather", seq["table"], b.op("Div", seq["start"], block_size)), b.int_scalar(0))
+    rows = b.op("Slice", b.op("Gather", pool, block, axis=0), b.ints([0]), b.op("Unsqueeze", partial, b.ints([0])),
+                b.ints([0]))  # [R, D] (fp8: D + 1 bytes)
+    rows = b.fp8_rows(rows) if fp8_pool else b.op("Cast", rows, to=TensorProto.FLOAT)
+    keys = b.op("Concat", rows, b.op("Cast", take_rows(b, new, seq), to=TensorProto.FLOAT), axis=0)
+    steps = b.op("Range", b.int_scalar(0), seq["count"], b.int_scalar(1))
+    cols = b.op("Range", b.op("Sub", b.int_scalar(0), partial), seq["count"], b.int_scalar(1))
+    mask = b.op("LessOrEqual", b.op("Unsqueeze", cols, b.ints([0])), b.op("Unsqueeze", steps, b.ints([1])))
+    return keys, mask, full
+
+
+def _dense_attention(b: FunctionBuilder, scale: str, rank: str, fp8_pool: bool, out: str, tile_elems: int) -> str:
+    """o_lat [T, H, Dc] attending each token to every position 0..pos of its sequence, per sequence over its pool
+    tiles and then its own rows (`pool_tiles`, `own_rows`), with an online softmax: running max m [Tn, H, 1] (from
+    the lowest finite float, so no inf - inf), denominator l and weighted sum acc [Tn, H, Dc], rescaled by
+    exp(m_old - m_new) per tile. A token attends at least to itself, so l > 0 at the end."""
+    heads = b.dim("q_lat", 1)
+    empty = b.op("Expand", b.float_scalar(0.0), b.op("Concat", b.ints([0]), b.op("Shape", "q_lat", start=1, end=2),
+                                                      rank, axis=0))
     lowest = float(np.finfo(np.float32).min)
-    init_m = b.op("Expand", b.float_scalar(lowest), rows_shape)
-    init_l = b.op("Expand", b.float_scalar(0.0), rows_shape)
-    init_acc = b.op("Expand", b.float_scalar(0.0), acc_shape)
 
-    def body(sub: FunctionBuilder, i: str, values: list[str]) -> list[str]:
-        m, l, acc = values
-        span = sub.op("Range", sub.op("Mul", i, tile), sub.op("Mul", sub.op("Add", i, sub.int_scalar(1)), tile),
-                      sub.int_scalar(1))  # [C]
-        rows = sequence_rows(sub, "kv_pool", "kv_new", span, fp8_pool)
+    def sequence(sub: FunctionBuilder, seq: dict) -> list[str]:
+        q = take_rows(sub, "q_lat", seq)  # [Tn, H, D]
+        rows_shape = sub.op("Concat", sub.op("Shape", q, start=0, end=2), sub.ints([1]), axis=0)
+        acc_shape = sub.op("Concat", sub.op("Shape", q, start=0, end=2), rank, axis=0)
+        init = [(sub.op("Expand", sub.float_scalar(lowest), rows_shape), TensorProto.FLOAT),
+                (sub.op("Expand", sub.float_scalar(0.0), rows_shape), TensorProto.FLOAT),
+                (sub.op("Expand", sub.float_scalar(0.0), acc_shape), TensorProto.FLOAT)]
 
-        def score(s: FunctionBuilder, keys: str, shared_keys: bool) -> str:
-            perm = [1, 0] if shared_keys else [0, 2, 1]
-            return s.op("Mul", s.op("MatMul", q, s.op("Transpose", keys, perm=perm)), scale)  # [T, H, X]
+        def merge(s: FunctionBuilder, scores: str, keys: str, values: list[str]) -> list[str]:
+            m, l, acc = values
+            m_new = s.op("Max", m, s.op("ReduceMax", scores, s.ints([-1]), keepdims=1))
+            corr = s.op("Exp", s.op("Sub", m, m_new))
+            probs = s.op("Exp", s.op("Sub", scores, m_new))  # masked: exp(-inf) = 0
+            l_new = s.op("Add", s.op("Mul", l, corr), s.op("ReduceSum", probs, s.ints([-1]), keepdims=1))
+            v = s.op("Slice", keys, s.ints([0]), rank, s.ints([1]))  # [X, Dc]
+            return [m_new, l_new, s.op("Add", s.op("Mul", acc, corr), s.op("MatMul", probs, v))]
 
-        scores, valid, keys, _ = tile_scores(sub, shared, seq, span, rows, score)
-        masked = sub.op("Where", sub.op("Unsqueeze", valid, sub.ints([1])), scores, sub.float_scalar(float("-inf")))
-        m_new = sub.op("Max", m, sub.op("ReduceMax", masked, sub.ints([-1]), keepdims=1))
-        corr = sub.op("Exp", sub.op("Sub", m, m_new))
-        probs = sub.op("Exp", sub.op("Sub", masked, m_new))  # masked: exp(-inf) = 0
-        l_new = sub.op("Add", sub.op("Mul", l, corr), sub.op("ReduceSum", probs, sub.ints([-1]), keepdims=1))
-        values_c = sub.op("Slice", keys, sub.ints([0]), rank, sub.ints([-1]))  # [X, Dc] or [T, X, Dc]
-        acc_new = sub.op("Add", sub.op("Mul", acc, corr), sub.op("MatMul", probs, values_c))
-        return [m_new, l_new, acc_new]
+        def score(s: FunctionBuilder, keys: str) -> str:
+            return s.op("Mul", s.op("MatMul", q, s.op("Transpose", keys, perm=[1, 0])), scale)  # [Tn, H, X]
 
-    _, l, acc = key_loop(b, count, [(init_m, TensorProto.FLOAT), (init_l, TensorProto.FLOAT),
-                                     (init_acc, TensorProto.FLOAT)], body)
-    return b.op("Div", acc, l, out=out)
+        state = pool_tiles(sub, seq, "kv_pool", heads, fp8_pool, tile_elems, init,
+                           lambda s, keys, p0, p1, values: merge(s, score(s, keys), keys, values))
+        keys, causal, _ = own_rows(sub, "kv_pool", "kv_new", seq, fp8_pool)
+        masked = sub.op("Where", sub.op("Unsqueeze", causal, sub.ints([1])), score(sub, keys),
+                        sub.float_scalar(float("-inf")))
+        _, l, acc = merge(sub, masked, keys, state)
+        return [sub.op("Div", acc, l)]
+
+    return b.op("Identity", per_sequence(b, [(empty, TensorProto.FLOAT)], sequence)[0], out=out)
 
 
 def _branch(name: str, build) -> onnx.GraphProto:
@@ -313,20 +294,17 @@ def _branch(name: str, build) -> onnx.GraphProto:
     return helper.make_graph(b.nodes, name, [], [out])
 
 
-def function_proto(dense: bool = False, fp8_pool: bool = False, tile_elems: int = TILE_ELEMS,
-                   shared_macs: int = SHARED_MACS_PER_GATHER) -> onnx.FunctionProto:
+def function_proto(dense: bool = False, fp8_pool: bool = False, tile_elems: int = TILE_ELEMS) -> onnx.FunctionProto:
     """FunctionProto for SparseMLAAttention; `dense=True` gives the body that ignores `topk_indices`, `fp8_pool`
-    the body for a uint8 fp8 pool [NB, BS, Dc+Dr+1]; `tile_elems`, `shared_macs`: the dense path's key tiles
-    (`key_tiles`)."""
+    the body for a uint8 fp8 pool [NB, BS, Dc+Dr+1]; `tile_elems`: the dense path's key tiles (`pool_tiles`)."""
     b = FunctionBuilder("smla")
     scale = b.attr("scale", "float")
     rank = b.op("Unsqueeze", b.attr("kv_lora_rank", "int"), b.ints([0]))
     if dense:
-        _dense_attention(b, scale, rank, fp8_pool, "o_lat", tile_elems, shared_macs)
+        _dense_attention(b, scale, rank, fp8_pool, "o_lat", tile_elems)
     else:
         seq = b.token_sequences(b.dim("q_lat", 0), "cu_seqlens")
-        all_pos = _branch("smla_dense", lambda sub, out: _dense_attention(sub, scale, rank, fp8_pool, out, tile_elems,
-                                                                          shared_macs))
+        all_pos = _branch("smla_dense", lambda sub, out: _dense_attention(sub, scale, rank, fp8_pool, out, tile_elems))
         given = _branch("smla_given", lambda sub, out: _indexed_attention(sub, "topk_indices", seq, scale, rank,
                                                                           fp8_pool, out))
         no_cols = b.op("Equal", b.dim("topk_indices", 1), b.int_scalar(0))
