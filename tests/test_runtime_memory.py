@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -113,3 +114,19 @@ def test_steps_reuse_the_heap_instead_of_faulting_in_fresh_pages(runtime_engine)
     assert out.returncode == 0, out.stderr
     faults = json.loads(out.stdout.strip().splitlines()[-1])
     assert faults < 3000, f"{faults:.0f} minor page faults per step"
+
+
+def test_long_context_benchmark_smoke(tmp_path):
+    """`benchmarks/long_context.py --smoke` (tiny-k3-dsa, 512 and 2,048 tokens): every key of each point, and every
+    prefill step but the last (and the one ending at the prompt's last block boundary, a prefix-cache checkpoint)
+    has max_num_tokens tokens."""
+    out = tmp_path / "long.json"
+    subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks/long_context.py"), "--smoke",
+                    "--work", str(tmp_path / "work"), "--json", str(out)], check=True, capture_output=True, timeout=600)
+    got = json.loads(out.read_text())
+    assert got["smoke"] is True and len(got["loadavg_before"]) == 3
+    for context, point in got["points"]["tiny-k3-dsa"].items():
+        assert point["prefill_s"] > 0 and point["prefilled_tokens"] == int(context), point
+        assert point["short_prefill_steps"] == 0, point
+        assert point["decode_ms_per_token"] > 0 and point["host_ms_per_step"] > 0 and point["peak_rss_mb"] >= 0
+    assert set(got["ratios"]) == {"host_ms_tiny-k3-dsa_2048_over_512", "decode_tiny-k3-dsa_2048_over_512"}
