@@ -4,9 +4,9 @@ ONNX (opset 21) that ORT inlines; the TensorRT graph keeps the bare node.
 Body (`sparse_mla_attention.ort`'s streaming: one sequence at a time, its whole pool blocks before the chunk in
 tiles of about TILE_ELEMS floats, then the rest of its context, the chunk's own keys from `k_new` included, under
 the causal mask; fp32 after the gather or the fp8 decode): each tile scored as weights @ relu(q_idx @ keys^T) ([Tn, 1, Hi] x [Tn, Hi, X])
-and merged into a running top-k: TopK(topk) over [running values | tile scores] (largest, sorted; ONNX breaks ties
-towards the lower index, and the running columns hold lower positions than the tile's, in order: ties go to the
-lower position, as the op says). No full sort; memory O(Tn x tile), never the context or the pool. -inf picks
+and merged into a running top-k: the tile's own TopK, then TopK(topk) over [running values | the tile's best]
+(largest, sorted; ONNX breaks ties towards the lower index, and the running columns hold lower positions than the
+tile's, in order: ties go to the lower position, as the op says). No full sort; memory O(Tn x tile), never the context or the pool. -inf picks
 (fewer candidates than topk) -> -1.
 """
 
@@ -38,18 +38,25 @@ def function_proto(fp8_pool: bool = False, tile_elems: int = TILE_ELEMS) -> onnx
             per_head = s.op("Relu", s.op("MatMul", q, s.op("Transpose", keys, perm=[1, 0])))  # [Tn, Hi, X]
             return s.op("Squeeze", s.op("MatMul", weights, per_head), s.ints([1]))  # [Tn, X]
 
-        def merge(s: FunctionBuilder, scores: str, p0: str, p1: str, values: list[str]) -> list[str]:
+        def merge(s: FunctionBuilder, scores: str, p0: str, values: list[str]) -> list[str]:
+            """The tile's own top min(topk, X) (positions p0 + column), then the best topk of [running | those]."""
             best, order = values
-            cols = s.op("Expand", s.op("Unsqueeze", s.op("Range", p0, p1, s.int_scalar(1)), s.ints([0])),
-                        s.op("Shape", scores))  # [Tn, X] the tile's positions
-            kept, picked = s.op("TopK", s.op("Concat", best, scores, axis=1), k, outputs=2, axis=-1, largest=1, sorted=1)
-            return [kept, s.op("GatherElements", s.op("Concat", order, cols, axis=1), picked, axis=1)]
+            width = s.op("Shape", scores, start=1, end=2)
+            tile_best, tile_cols = s.op("TopK", scores, s.op("Min", k, width), outputs=2, axis=-1, largest=1, sorted=1)
+            kept, picked = s.op("TopK", s.op("Concat", best, tile_best, axis=1), k, outputs=2, axis=-1, largest=1,
+                                sorted=1)
+            running = s.op("Less", picked, k)
+            from_running = s.op("GatherElements", order, s.op("Min", picked, s.op("Sub", k, s.int_scalar(1))), axis=1)
+            tile_at = s.op("Max", s.op("Sub", picked, k), s.int_scalar(0))
+            from_tile = s.op("Add", s.op("GatherElements", tile_cols, s.op("Min", tile_at, s.op("Sub", s.op(
+                "Shape", tile_cols, start=1, end=2), s.int_scalar(1))), axis=1), p0)
+            return [kept, s.op("Where", running, from_running, from_tile)]
 
         state = pool_tiles(sub, seq, "k_pool", heads, fp8_pool, tile_elems, init,
-                           lambda s, keys, p0, p1, values: merge(s, score(s, keys), p0, p1, values))
+                           lambda s, keys, p0, p1, values: merge(s, score(s, keys), p0, values))
         keys, causal, first = own_rows(sub, "k_pool", "k_new", seq, fp8_pool)
         masked = sub.op("Where", causal, score(sub, keys), sub.float_scalar(float("-inf")))
-        best, order = merge(sub, masked, first, sub.op("Add", seq["start"], seq["count"]), state)
+        best, order = merge(sub, masked, first, state)
         return [sub.op("Where", sub.op("IsInf", best, detect_positive=0), sub.int_scalar(-1), order)]
 
     b.op("Identity", per_sequence(b, [(empty, TensorProto.INT64)], sequence)[0], out="indices")

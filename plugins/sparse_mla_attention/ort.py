@@ -248,7 +248,8 @@ def own_rows(b: FunctionBuilder, pool: str, new: str, seq: dict, fp8_pool: bool)
 def _dense_attention(b: FunctionBuilder, scale: str, rank: str, fp8_pool: bool, out: str, tile_elems: int) -> str:
     """o_lat [T, H, Dc] attending each token to every position 0..pos of its sequence, per sequence over its pool
     tiles and then its own rows (`pool_tiles`, `own_rows`), with an online softmax: running max m [Tn, H, 1] (from
-    the lowest finite float, so no inf - inf), denominator l and weighted sum acc [Tn, H, Dc], rescaled by
+    the lowest finite float, so no inf - inf), denominator l and weighted sum acc [Tn, H, Dc+Dr] (whole rows: no copy
+    of a tile's latent part; o_lat is its first Dc values), rescaled by
     exp(m_old - m_new) per tile. A token attends at least to itself, so l > 0 at the end."""
     heads = b.dim("q_lat", 1)
     empty = b.op("Expand", b.float_scalar(0.0), b.op("Concat", b.ints([0]), b.op("Shape", "q_lat", start=1, end=2),
@@ -258,7 +259,7 @@ def _dense_attention(b: FunctionBuilder, scale: str, rank: str, fp8_pool: bool, 
     def sequence(sub: FunctionBuilder, seq: dict) -> list[str]:
         q = take_rows(sub, "q_lat", seq)  # [Tn, H, D]
         rows_shape = sub.op("Concat", sub.op("Shape", q, start=0, end=2), sub.ints([1]), axis=0)
-        acc_shape = sub.op("Concat", sub.op("Shape", q, start=0, end=2), rank, axis=0)
+        acc_shape = sub.op("Shape", q)  # the weighted sum of whole rows; its first Dc values are o_lat
         init = [(sub.op("Expand", sub.float_scalar(lowest), rows_shape), TensorProto.FLOAT),
                 (sub.op("Expand", sub.float_scalar(0.0), rows_shape), TensorProto.FLOAT),
                 (sub.op("Expand", sub.float_scalar(0.0), acc_shape), TensorProto.FLOAT)]
@@ -269,8 +270,7 @@ def _dense_attention(b: FunctionBuilder, scale: str, rank: str, fp8_pool: bool, 
             corr = s.op("Exp", s.op("Sub", m, m_new))
             probs = s.op("Exp", s.op("Sub", scores, m_new))  # masked: exp(-inf) = 0
             l_new = s.op("Add", s.op("Mul", l, corr), s.op("ReduceSum", probs, s.ints([-1]), keepdims=1))
-            v = s.op("Slice", keys, s.ints([0]), rank, s.ints([1]))  # [X, Dc]
-            return [m_new, l_new, s.op("Add", s.op("Mul", acc, corr), s.op("MatMul", probs, v))]
+            return [m_new, l_new, s.op("Add", s.op("Mul", acc, corr), s.op("MatMul", probs, keys))]
 
         def score(s: FunctionBuilder, keys: str) -> str:
             return s.op("Mul", s.op("MatMul", q, s.op("Transpose", keys, perm=[1, 0])), scale)  # [Tn, H, X]
@@ -281,7 +281,7 @@ def _dense_attention(b: FunctionBuilder, scale: str, rank: str, fp8_pool: bool, 
         masked = sub.op("Where", sub.op("Unsqueeze", causal, sub.ints([1])), score(sub, keys),
                         sub.float_scalar(float("-inf")))
         _, l, acc = merge(sub, masked, keys, state)
-        return [sub.op("Div", acc, l)]
+        return [sub.op("Div", sub.op("Slice", acc, sub.ints([0]), rank, sub.ints([2])), l)]
 
     return b.op("Identity", per_sequence(b, [(empty, TensorProto.FLOAT)], sequence)[0], out=out)
 
