@@ -36,6 +36,11 @@ a MILLION_SEED-token prompt is prefilled, then its cache rows (MLA latent and in
 block by block over positions MILLION_SEED .. 1,048,575 (a tiled copy of real rows; the KDA state is the one after
 the seed prompt), and `Engine.step` decodes at position 1,048,576 (`decode_ms_per_token_1m`).
 
+Also, quick and free of prefill time: `decode_ms_per_token_tiled_cache` at each context (the --million method: a
+tiled copy of a MILLION_SEED-token prefill's cache, `Engine.step` alone), and `host_instant`: host ms per decode step
+of the engine core over a model-free runner at each context (K3's vocabulary, a prompt drawn from all of it,
+penalties, prefix caching and kept sessions on; `host_ms_per_step_instant_{hi}_over_{lo}`, goal <= 1.2).
+
 `loadavg` is read before and after; numbers taken while other work loads the machine are not evidence.
 """
 
@@ -180,20 +185,20 @@ def run_million_decode(engine_dir: Path, decode_steps: int, context: int = MILLI
     eng = Engine(engine_dir, num_slots=1, num_blocks=blocks)
     table = list(range(blocks))
     vocab = int(eng.model_config.get("vocab_size") or eng.model_config.get("text_config", {}).get("vocab_size"))
-    seed = prompt_ids(MILLION_SEED, vocab)
+    seed = prompt_ids(min(MILLION_SEED, context), vocab)
     eng.reset_slot(0)
     t0 = time.perf_counter()
-    for start in range(0, MILLION_SEED, eng.max_num_tokens):
+    for start in range(0, len(seed), eng.max_num_tokens):
         chunk = seed[start:start + eng.max_num_tokens]
         need = -(-(start + len(chunk)) // bs)
         eng.step(StepBatch.from_sequences([SequenceChunk(0, start, chunk, table[:need])], eng.image_width))
     seed_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    seed_blocks = MILLION_SEED // bs
+    seed_blocks = len(seed) // bs
     for runner in eng.ranks:
         for name, pool in runner.pools.items():
             if pool.ndim == 3 and pool.shape[0] == blocks:  # a paged cache pool [NB, BS, D]
-                for b in range(seed_blocks, context // bs, seed_blocks):
+                for b in range(seed_blocks, context // bs, max(seed_blocks, 1)):
                     n = min(seed_blocks, context // bs - b)
                     pool[b:b + n] = pool[:n]
     fill_s = time.perf_counter() - t0
@@ -208,8 +213,59 @@ def run_million_decode(engine_dir: Path, decode_steps: int, context: int = MILLI
         token = int(np.argmax(logits[-1]))
     return {"seed_prefill_s": round(seed_s, 2), "cache_fill_s": round(fill_s, 2),
             "decode_ms_per_token_1m": round(1e3 * sum(times[1:] or times) / len(times[1:] or times), 2),
-            "cache_filled_by": f"{MILLION_SEED}-token prefill's cache rows tiled over positions "
-                               f"{MILLION_SEED}..{context - 1}; KDA state after the {MILLION_SEED} tokens"}
+            "cache_filled_by": f"{len(seed)}-token prefill's cache rows tiled over positions "
+                               f"{len(seed)}..{context - 1}; KDA state after the {len(seed)} tokens"}
+
+
+class InstantRunner:
+    """A model-free runner (`ModelRunner`'s fields; no pools): every step samples token 7 at once, so a scheduler
+    over it costs its host work alone."""
+
+    def __init__(self, max_seq_len: int, vocab: int) -> None:
+        self.num_slots, self.block_size, self.max_seq_len = 1, 64, max_seq_len
+        self.num_blocks = -(-max_seq_len // self.block_size) + 1
+        self.max_num_tokens, self.max_step_pairs = MAX_NUM_TOKENS, None
+        self.num_checkpoints, self.checkpoint_interval = 4, MAX_NUM_TOKENS
+        self.world_size, self.comm, self.is_root, self.vision = 1, None, True, None
+        self.config, self.model_config = None, {"vocab_size": vocab}
+
+    def reset_slot(self, slot: int) -> None:
+        pass
+
+    def save_state(self, slot: int, checkpoint: int) -> None:
+        pass
+
+    def restore_state(self, slot: int, checkpoint: int) -> None:
+        pass
+
+    def sample(self, batch, sampling):
+        import numpy as np
+        from moe_export.runtime.engine.sampler import SampledTokens
+
+        n = 0 if sampling is None else int(sampling.rows.shape[0])
+        return SampledTokens(np.full(n, 7), [None] * n, [None] * n)
+
+
+def run_host_point(context: int, steps: int = 200, vocab: int = 163_840) -> dict:
+    """Host ms per decode step of the engine core over `InstantRunner` (K3's vocabulary, a prompt of `context` ids
+    drawn from all of it, penalties on, prefix caching and kept sessions on): the scheduler's, the sampling rows'
+    and the step packing's work at that context, free of model time and of the machine's load on a model step."""
+    import numpy as np
+    from moe_export.runtime.core.scheduler import Request, Scheduler
+    from moe_export.runtime.sampling import SamplingParams
+
+    sched = Scheduler(InstantRunner(context + steps + 16, vocab), keep_sessions=True, prefix_caching=True)
+    prompt = np.random.default_rng(0).integers(0, vocab - 1024, context).tolist()
+    sched.add(Request("long", prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True, **PENALTIES)))
+    while not sched.running or sched.running[0].num_computed < context:
+        sched.step()
+    for _ in range(3):
+        sched.step()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        sched.step()
+    return {"host_ms_per_step_instant": round(1e3 * (time.perf_counter() - t0) / steps, 4),
+            "host_cpu_ms_per_step_instant": round(1e3 * (time.process_time() - c0) / steps, 4)}
 
 
 def point_process(python_path: str | None, *args: str, timeout: float) -> dict:
@@ -248,12 +304,24 @@ def main() -> None:
     ap.add_argument("--point", nargs=4, metavar=("PRESET", "MAX_SEQ_LEN", "CONTEXT", "WORK"), help=argparse.SUPPRESS)
     ap.add_argument("--prefill-limit-s", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--million-decode", nargs=2, metavar=("PRESET", "WORK"), help=argparse.SUPPRESS)
+    ap.add_argument("--tiled-decode", nargs=3, metavar=("PRESET", "MAX_SEQ_LEN", "WORK"), help=argparse.SUPPRESS)
+    ap.add_argument("--host-point", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args.point:  # one point, in its own process
         preset, max_seq_len, context, work = args.point
         engine = build_engine(Path(work), preset, int(max_seq_len))
         print(json.dumps(run_point(engine, int(context), args.decode_steps, args.prefill_limit_s)))
+        return
+    if args.host_point:
+        print(json.dumps(run_host_point(args.host_point)))
+        return
+    if args.tiled_decode:
+        preset, max_seq_len, work = args.tiled_decode
+        engine = build_engine(Path(work), preset, int(max_seq_len))
+        contexts = [int(c) for c in args.contexts.split(",")]
+        print(json.dumps({str(c): run_million_decode(engine, args.decode_steps, c)["decode_ms_per_token_1m"]
+                          for c in contexts}))
         return
     if args.million_decode:
         preset, work = args.million_decode
@@ -298,12 +366,21 @@ def main() -> None:
                     **point_process(None, "--million-decode", preset, str(work), "--decode-steps", "3",
                                     timeout=6 * 3600)}
                 print(preset, MILLION, json.dumps(pts[str(MILLION)]), flush=True)
+            tiled = point_process(None, "--tiled-decode", preset, str(max_seq_len), str(work), "--contexts",
+                                  ",".join(map(str, contexts)), "--decode-steps", "4", timeout=3600)
+            for context in contexts:
+                pts[str(context)]["decode_ms_per_token_tiled_cache"] = tiled.get(str(context))
             lo, hi = str(min(contexts)), str(max(contexts))
             a, b = pts.get(lo, {}), pts.get(hi, {})
             for key, name in (("host_ms_per_step", "host_ms"), ("host_cpu_ms_per_step", "host_cpu_ms"),
                               ("decode_ms_per_token", "decode"), ("decode_cpu_ms_per_token", "decode_cpu")):
                 if a.get(key) and b.get(key):
                     report["ratios"][f"{name}_{preset}_{hi}_over_{lo}"] = round(b[key] / a[key], 2)
+        report["host_instant"] = {str(c): point_process(None, "--host-point", str(c), timeout=3600) for c in contexts}
+        a, b = report["host_instant"][str(min(contexts))], report["host_instant"][str(max(contexts))]
+        for key in ("host_ms_per_step_instant", "host_cpu_ms_per_step_instant"):
+            if a.get(key) and b.get(key):
+                report["ratios"][f"{key}_{max(contexts)}_over_{min(contexts)}"] = round(b[key] / a[key], 2)
     report["loadavg_after"] = loadavg()
     print(json.dumps(report, indent=1))
     if args.json:

@@ -117,7 +117,8 @@ def test_steps_reuse_the_heap_instead_of_faulting_in_fresh_pages(runtime_engine)
 
 
 def test_long_context_benchmark_smoke(tmp_path):
-    """`benchmarks/long_context.py --smoke` (tiny-k3-dsa, 512 and 2,048 tokens): every key of each point, and every
+    """`benchmarks/long_context.py --smoke` (tiny-k3-dsa, 512 and 2,048 tokens; the tiled-cache decode and the
+    model-free host points too): every key of each point, and every
     prefill step but the last (and the one ending at the prompt's last block boundary, a prefix-cache checkpoint)
     has max_num_tokens tokens."""
     out = tmp_path / "long.json"
@@ -129,4 +130,6 @@ def test_long_context_benchmark_smoke(tmp_path):
         assert point["prefill_s"] > 0 and point["prefilled_tokens"] == int(context), point
         assert point["short_prefill_steps"] == 0, point
         assert point["decode_ms_per_token"] > 0 and point["host_ms_per_step"] > 0 and point["peak_rss_mb"] >= 0
-    assert {f"{m}_tiny-k3-dsa_2048_over_512" for m in ("host_ms", "host_cpu_ms", "decode", "decode_cpu")} == set(got["ratios"])
+        assert point["decode_ms_per_token_tiled_cache"] > 0 and got["host_instant"][context]["host_ms_per_step_instant"] > 0
+    assert {f"{m}_tiny-k3-dsa_2048_over_512" for m in ("host_ms", "host_cpu_ms", "decode", "decode_cpu")} | {
+        f"{m}_2048_over_512" for m in ("host_ms_per_step_instant", "host_cpu_ms_per_step_instant")} == set(got["ratios"])
