@@ -5,6 +5,7 @@ Each is checked against the direct computation (np.unique, tuples, hashing the w
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from moe_export.runtime.core.contracts import Request
 from moe_export.runtime.core.prefix_cache import block_hashes
@@ -67,3 +68,24 @@ def test_block_hashes_continue_from_stored_ones():
     whole = block_hashes(tuple(key.tolist()), 64)
     first = block_hashes(key[:640], 64)
     assert first + block_hashes(key, 64, len(first), first[-1]) == whole == block_hashes(key, 64)
+
+
+def test_packed_seen_ids_are_views_that_never_change():
+    """The repetition penalty's (row, token) pairs of a lone penalized row come from buffers kept across steps:
+    equal to the direct packing, and a pair handed to an earlier step is not altered by later steps (a step in
+    flight may still read it), also when the sequence's batch row changes."""
+    from moe_export.runtime.core.rows import pack_rows
+
+    prompt = list(range(40))
+    seq = Sequence(Request("r", prompt, SamplingParams(max_tokens=64, repetition_penalty=1.3)), list(prompt), 40, 0)
+    handed = []
+    for step, token in enumerate([7, 99, 100, 7, 101]):
+        seq.tokens.append(token)
+        row = build_row(seq, frozenset())
+        others = [build_row(Sequence(Request("o", [1]), [1], 1, 0), frozenset())] * (step % 2)  # moves our row
+        sb = pack_rows(others + [row], list(range(len(others) + 1)), None)
+        rows, ids = sb.seen
+        assert rows.tolist() == [len(others)] * len(set(seq.tokens)) and sorted(ids.tolist()) == sorted(set(seq.tokens))
+        handed.append((rows, ids, rows.clone(), ids.clone()))
+    for rows, ids, rows_then, ids_then in handed:
+        assert torch.equal(rows, rows_then) and torch.equal(ids, ids_then)
