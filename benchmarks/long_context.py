@@ -6,7 +6,8 @@
 
 Engines: `synthetic:PRESET` (the `moe-export synth` checkpoint) built by `moe-export build`'s code path from
 tiny-cpu.yaml with world 1 (tp 1, ep 1), backend onnxruntime, max_batch 1, max_num_tokens 512 and max_seq_len
-262,144 (1,048,576 + 1,024 with --million), bf16 cache pools; built once into --work and reused.
+262,144 + 1,024 (1,048,576, the schema's most, with --million), bf16 cache pools; built once into --work and
+reused.
 
 Each point runs in a fresh process (its RSS is that point's alone) through the engine core's `Scheduler` as `serve`
 uses it (prefix caching and kept sessions on, no overlap), one request: a CONTEXT-token prompt, then
@@ -30,11 +31,12 @@ on), `decode_{preset}_262144_over_4096` (tiny-k3-dsa: goal <= 3), and their CPU-
 its engine built by its own code, alternated with this checkout's point by point in the same minutes;
 `prefill_speedup_{preset}_{context}` = baseline prefill_s / ours (goal at tiny-k3-dsa 64k: >= 10).
 
---million: a 1,048,576-token point per preset: the prompt's prefill run for at most --million-prefill-s seconds
-(tokens reached and tokens/s reported), and decode steps on a 1,048,576-token cache filled without prefilling it:
-a MILLION_SEED-token prompt is prefilled, then its cache rows (MLA latent and indexer keys, every pool) are copied
-block by block over positions MILLION_SEED .. 1,048,575 (a tiled copy of real rows; the KDA state is the one after
-the seed prompt), and `Engine.step` decodes at position 1,048,576 (`decode_ms_per_token_1m`).
+--million: a 1M point per preset (MILLION = 1,048,512 tokens: one block below max_seq_len 1,048,576): the prompt's
+prefill run for at most --million-prefill-s seconds (tokens reached and tokens/s reported), and decode steps on a
+MILLION-token cache filled without prefilling it: a MILLION_SEED-token prompt is prefilled, then its cache rows (MLA
+latent and indexer keys, every pool) are copied block by block over positions MILLION_SEED .. MILLION - 1 (a tiled
+copy of real rows; the KDA state is the one after the seed prompt), and `Engine.step` decodes at position MILLION
+(`decode_ms_per_token_1m`, the mean of the steps after the first).
 
 Also, quick and free of prefill time: `decode_ms_per_token_tiled_cache` at each context (the --million method: a
 tiled copy of a MILLION_SEED-token prefill's cache, `Engine.step` alone), and `host_instant`: host ms per decode step
@@ -59,7 +61,7 @@ from pathlib import Path
 PRESETS = ("tiny-k3-dsa", "tiny-k3")
 CONTEXTS = (4096, 16384, 65536, 262144)
 MAX_NUM_TOKENS = 512
-MILLION = 1 << 20
+MILLION = (1 << 20) - 64  # the 1M point's cache: one block short of max_seq_len 1,048,576, room to decode
 MILLION_SEED = 4096
 PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.1)
 
@@ -325,13 +327,13 @@ def main() -> None:
         return
     if args.million_decode:
         preset, work = args.million_decode
-        print(json.dumps(run_million_decode(build_engine(Path(work), preset, MILLION + 1024), args.decode_steps)))
+        print(json.dumps(run_million_decode(build_engine(Path(work), preset, 1 << 20), args.decode_steps)))
         return
 
     contexts = [512, 2048] if args.smoke else [int(c) for c in args.contexts.split(",")]
     presets = ["tiny-k3-dsa"] if args.smoke else args.presets.split(",")
     decode_steps = 2 if args.smoke else args.decode_steps
-    max_seq_len = MILLION + 1024 if args.million else max(max(contexts) + 1024, 262144 if not args.smoke else 4096)
+    max_seq_len = 1 << 20 if args.million else max(max(contexts) + 1024, 262144 if not args.smoke else 4096)
     baseline_contexts = [int(c) for c in args.baseline_contexts.split(",")] if args.baseline else []
     report: dict = {"smoke": args.smoke, "loadavg_before": loadavg(), "cpus": os.cpu_count(), "max_num_tokens": MAX_NUM_TOKENS,
                     "max_seq_len": max_seq_len, "points": {}, "ratios": {}}
