@@ -152,7 +152,7 @@ def _indexed_attention(b: FunctionBuilder, idx: str, seq: str, scale: str, rank:
 # running state (online softmax; a running top-k) carries over the tiles, so a step's temporaries stay near
 # TILE_ELEMS floats whatever the context, and a prefill chunk never shrinks as it grows. Positions after a token,
 # and pool rows not written yet, are never read.
-TILE_ELEMS = 1 << 23
+TILE_ELEMS = 1 << 21
 
 
 def key_loop(b: FunctionBuilder, count: str, carried: list[tuple[str, int]], body) -> list[str]:

@@ -66,7 +66,7 @@ def torch_view(pool: np.ndarray) -> torch.Tensor:
 # glibc adapts its mmap threshold (from 128 KiB up to 32 MiB) and trims the heap's free top above twice it, so a
 # step's MB-sized temporaries went back to the kernel op after op and came back as fresh zeroed pages (~30,000
 # minor page faults per 192-token prefill step of tiny-k3 on 4 ranks in process). Fixed: every temporary under
-# 32 MiB (glibc's own maximum threshold; the attention bodies' key tiles are about that size) comes from the
+# 32 MiB (glibc's own maximum threshold; the attention bodies' key tiles are a quarter of it) comes from the
 # heap, and up to 128 MiB of free heap top is kept for the next op instead of trimmed (a few faults per step).
 MALLOC_MMAP_THRESHOLD = 32 << 20
 MALLOC_TRIM_THRESHOLD = 128 << 20
