@@ -38,8 +38,9 @@ latent and indexer keys, every pool) are copied block by block over positions MI
 copy of real rows; the KDA state is the one after the seed prompt), and `Engine.step` decodes at position MILLION
 (`decode_ms_per_token_1m`, the mean of the steps after the first).
 
-Also, quick and free of prefill time: `decode_ms_per_token_tiled_cache` at each context (the --million method: a
-tiled copy of a MILLION_SEED-token prefill's cache, `Engine.step` alone), and `host_instant`: host ms per decode step
+Also, quick and free of prefill time: `decode_ms_per_token_tiled_cache` [wall, CPU] ms at each context (the
+--million method: a tiled copy of a MILLION_SEED-token prefill's cache, `Engine.step` alone; ratios
+`decode_tiled_...` / `decode_cpu_tiled_...`), and `host_instant`: host ms per decode step
 of the engine core over a model-free runner at each context (K3's vocabulary, a prompt drawn from all of it,
 penalties, prefix caching and kept sessions on; `host_ms_per_step_instant_{hi}_over_{lo}`, goal <= 1.2).
 
@@ -204,17 +205,19 @@ def run_million_decode(engine_dir: Path, decode_steps: int, context: int = MILLI
                     n = min(seed_blocks, context // bs - b)
                     pool[b:b + n] = pool[:n]
     fill_s = time.perf_counter() - t0
-    times = []
+    times, cpu = [], []
     token = seed[-1]
     for k in range(decode_steps):
         pos = context + k
         batch = StepBatch.from_sequences([SequenceChunk(0, pos, [token], table[:pos // bs + 1])], eng.image_width)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         logits = eng.step(batch)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         token = int(np.argmax(logits[-1]))
     return {"seed_prefill_s": round(seed_s, 2), "cache_fill_s": round(fill_s, 2),
             "decode_ms_per_token_1m": round(1e3 * sum(times[1:] or times) / len(times[1:] or times), 2),
+            "decode_cpu_ms_per_token_1m": round(1e3 * sum(cpu[1:] or cpu) / len(cpu[1:] or cpu), 2),
             "cache_filled_by": f"{len(seed)}-token prefill's cache rows tiled over positions "
                                f"{len(seed)}..{context - 1}; KDA state after the {len(seed)} tokens"}
 
@@ -322,8 +325,8 @@ def main() -> None:
         preset, max_seq_len, work = args.tiled_decode
         engine = build_engine(Path(work), preset, int(max_seq_len))
         contexts = [int(c) for c in args.contexts.split(",")]
-        print(json.dumps({str(c): run_million_decode(engine, args.decode_steps, c)["decode_ms_per_token_1m"]
-                          for c in contexts}))
+        runs = {c: run_million_decode(engine, args.decode_steps, c) for c in contexts}
+        print(json.dumps({str(c): [r["decode_ms_per_token_1m"], r["decode_cpu_ms_per_token_1m"]] for c, r in runs.items()}))
         return
     if args.million_decode:
         preset, work = args.million_decode
@@ -370,8 +373,12 @@ def main() -> None:
                 print(preset, MILLION, json.dumps(pts[str(MILLION)]), flush=True)
             tiled = point_process(None, "--tiled-decode", preset, str(max_seq_len), str(work), "--contexts",
                                   ",".join(map(str, contexts)), "--decode-steps", "4", timeout=3600)
-            for context in contexts:
+            for context in contexts:  # [wall, CPU] ms
                 pts[str(context)]["decode_ms_per_token_tiled_cache"] = tiled.get(str(context))
+            lo, hi = str(min(contexts)), str(max(contexts))
+            if tiled.get(lo) and tiled.get(hi):
+                report["ratios"][f"decode_tiled_{preset}_{hi}_over_{lo}"] = round(tiled[hi][0] / tiled[lo][0], 2)
+                report["ratios"][f"decode_cpu_tiled_{preset}_{hi}_over_{lo}"] = round(tiled[hi][1] / tiled[lo][1], 2)
             lo, hi = str(min(contexts)), str(max(contexts))
             a, b = pts.get(lo, {}), pts.get(hi, {})
             for key, name in (("host_ms_per_step", "host_ms"), ("host_cpu_ms_per_step", "host_cpu_ms"),

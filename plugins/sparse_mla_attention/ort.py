@@ -153,6 +153,7 @@ def _indexed_attention(b: FunctionBuilder, idx: str, seq: str, scale: str, rank:
 # TILE_ELEMS floats whatever the context, and a prefill chunk never shrinks as it grows. Positions after a token,
 # and pool rows not written yet, are never read.
 TILE_ELEMS = 1 << 21
+TILE_POSITIONS = 1 << 14  # at most per tile: a decode step's tile of rows stays cache-sized (16k x D fp32)
 
 
 def key_loop(b: FunctionBuilder, count: str, carried: list[tuple[str, int]], body) -> list[str]:
@@ -203,14 +204,15 @@ def take_rows(b: FunctionBuilder, value: str, seq: dict) -> str:
 def pool_tiles(b: FunctionBuilder, seq: dict, pool: str, heads: str, fp8_pool: bool, tile_elems: int,
                carried: list[tuple[str, int]], body) -> list[str]:
     """Loop over the sequence's whole pool blocks before its chunk (positions [0, start // BS x BS)) in tiles of C
-    positions, C a multiple of the block size near tile_elems / max(Tn x heads, row width): `body(sub, keys, p0, p1,
+    positions, C a multiple of the block size near tile_elems / max(Tn x heads, row width), at most TILE_POSITIONS:
+    `body(sub, keys, p0, p1,
     values)` merges the tile's fp32 rows `keys` [p1 - p0, D] (positions p0 .. p1-1; fp8 pools decoded) into the
     carried values. The partial block before the chunk is `own_rows`'."""
     block_size = b.dim(pool, 1)
     width = b.dim(pool, 2)
     per_position = b.op("Max", b.op("Mul", seq["count"], heads), width)
-    blocks_per_tile = b.op("Max", b.op("Div", b.op("Div", b.int_scalar(tile_elems), per_position), block_size),
-                           b.int_scalar(1))
+    positions = b.op("Min", b.op("Div", b.int_scalar(tile_elems), per_position), b.int_scalar(TILE_POSITIONS))
+    blocks_per_tile = b.op("Max", b.op("Div", positions, block_size), b.int_scalar(1))
     full_blocks = b.op("Div", seq["start"], block_size)
     tiles = b.op("Div", b.op("Sub", b.op("Add", full_blocks, blocks_per_tile), b.int_scalar(1)), blocks_per_tile)
     row_shape = b.op("Concat", b.ints([-1]), b.op("Shape", pool, start=2), axis=0)
