@@ -198,8 +198,8 @@ def test_cpu_chunking(monkeypatch):
 # ------------------------------------------------------------------------------ ONNX + ORT path
 
 
-def onnx_model(case, topk, with_function=True):
-    """Model with one DSAIndexer node (+ its function)."""
+def onnx_model(case, topk, with_function=True, **tiles):
+    """Model with one DSAIndexer node (+ its function, `tiles`: its key-tile arguments)."""
     onnx_schema.register()
     Hi, Di = case["q_idx"].shape[1:]
     cache_type = {torch.float32: TensorProto.FLOAT, torch.bfloat16: TensorProto.BFLOAT16,
@@ -217,7 +217,7 @@ def onnx_model(case, topk, with_function=True):
     out = helper.make_tensor_value_info("indices", TensorProto.INT64, ["T", topk])
     graph = helper.make_graph([node], "dsa", inputs, [out])
     opsets = [helper.make_opsetid("", ort.ONNX_OPSET), helper.make_opsetid(DOMAIN, OPSET_VERSION)]
-    functions = [ort.function_proto(fp8_pool=cache_type == TensorProto.UINT8)] if with_function else []
+    functions = [ort.function_proto(fp8_pool=cache_type == TensorProto.UINT8, **tiles)] if with_function else []
     return helper.make_model(graph, opset_imports=opsets, functions=functions)
 
 
@@ -234,13 +234,20 @@ def test_schema_checker_and_strict_shape_inference(with_function):
     assert {a.name for a in model.graph.node[0].attribute} == {"topk", "plugin_version", "plugin_namespace"}
 
 
+# default key tiles, and tiles of one block (many Loop iterations)
+TILE_FORMS = {"default": {}, "one_block_tiles": dict(tile_elems=1)}
+
+
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("topk", [1, 6, 64])
-def test_ort_function_matches_reference(name, topk):
+@pytest.mark.parametrize("form", list(TILE_FORMS))
+def test_ort_function_matches_reference(name, topk, form):
+    """Equal to the reference, also with a running top-k merged over key tiles of one block each."""
     import onnxruntime
 
     case = make_case(seed=6, **CASES[name])
-    sess = onnxruntime.InferenceSession(onnx_model(case, topk).SerializeToString(), providers=["CPUExecutionProvider"])
+    model = onnx_model(case, topk, **TILE_FORMS[form])
+    sess = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     feed = {}
     for k, v in case.items():
         if v.dtype == torch.bfloat16:  # numpy has no bf16: feed the bits as an OrtValue

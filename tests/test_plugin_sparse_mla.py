@@ -233,8 +233,8 @@ def test_cpu_chunking_and_all_invalid_rows(monkeypatch):
 ONNX_CACHE_TYPES = {torch.float32: TensorProto.FLOAT, torch.bfloat16: TensorProto.BFLOAT16, torch.uint8: TensorProto.UINT8}
 
 
-def onnx_model(case, mode, with_function=True):
-    """Model with one SparseMLAAttention node (+ its function); mode as in run_all."""
+def onnx_model(case, mode, with_function=True, **tiles):
+    """Model with one SparseMLAAttention node (+ its function, `tiles`: its key-tile arguments); mode as in run_all."""
     onnx_schema.register()
     H, D = case["q_lat"].shape[1:]
     cache_type = ONNX_CACHE_TYPES[case["kv_pool"].dtype]
@@ -254,7 +254,7 @@ def onnx_model(case, mode, with_function=True):
     out = helper.make_tensor_value_info("o_lat", TensorProto.FLOAT, ["T", H, D - 16])
     graph = helper.make_graph([node], "smla", inputs, [out])
     fp8_pool = cache_type == TensorProto.UINT8
-    functions = [ort.function_proto(dense=mode == "dense", fp8_pool=fp8_pool)] if with_function else []
+    functions = [ort.function_proto(dense=mode == "dense", fp8_pool=fp8_pool, **tiles)] if with_function else []
     opsets = [helper.make_opsetid("", ort.ONNX_OPSET), helper.make_opsetid(DOMAIN, OPSET_VERSION)]
     return helper.make_model(graph, opset_imports=opsets, functions=functions)
 
@@ -281,11 +281,12 @@ def test_ort_function_matches_reference(name, mode):
     close(got, run_all(reference.sparse_mla_attention_reference, case, "sparse" if mode == "sparse" else "dense"))
 
 
-def run_ort(case, mode):
+def run_ort(case, mode, **tiles):
     """The ORT function on a case (bf16 pools fed as OrtValues: numpy has no bf16)."""
     import onnxruntime
 
-    sess = onnxruntime.InferenceSession(onnx_model(case, mode).SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = onnxruntime.InferenceSession(onnx_model(case, mode, **tiles).SerializeToString(),
+                                        providers=["CPUExecutionProvider"])
     feed = {}
     for k, v in case.items():
         if k == "topk_indices":
@@ -298,6 +299,22 @@ def run_ort(case, mode):
     if mode != "dense":
         feed["topk_indices"] = case["topk_indices"][:, : 0 if mode == "k0" else None].numpy()
     return torch.from_numpy(sess.run(None, feed)[0])
+
+
+# key tiles of one block (many Loop iterations)
+TILE_FORMS = {"one_block_tiles": dict(tile_elems=1)}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("form", list(TILE_FORMS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.uint8])
+def test_ort_dense_streams_over_key_tiles(name, form, dtype):
+    """The dense body's online softmax over key tiles of one block each equals the reference (fp8 pools too: the
+    rows no token may read, NaN in the pool, are never read)."""
+    case = make_case(seed=7, dtype=dtype, **CASES[name])
+    want = run_all(reference.sparse_mla_attention_reference, case, "dense")
+    close(run_ort(case, "dense", **TILE_FORMS[form]), want)
+    close(run_ort(case, "k0", **TILE_FORMS[form]), want)
 
 
 @pytest.mark.parametrize("mode", ["sparse", "dense"])

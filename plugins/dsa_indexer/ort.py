@@ -1,45 +1,65 @@
 """ONNX Runtime lowering of DSAIndexer: a model-local FunctionProto (domain DOMAIN, same op type) in standard
 ONNX (opset 21) that ORT inlines; the TensorRT graph keeps the bare node.
 
-Body: token -> sequence, gather each token's keys at positions 0..B*BS-1 (B*BS = what the step's block tables
-cover; the step's own keys from `k_new`, earlier ones from the pool, fp32 after the gather or the fp8 decode) [T, L, Di], scores = weights @ relu(q_idx @ keys^T)
-([T, 1, Hi] x [T, Hi, L]), positions beyond the token -> -inf, TopK(k = min(topk, L), largest, sorted; ONNX
-breaks ties towards the lower index, as the op does), -inf picks -> -1, Pad with -1 to `topk` columns.
-Memory T*L*(Di + Hi) with L the used context, never the pool: fine for small models.
+Body (`sparse_mla_attention.ort`'s streaming: one sequence at a time, its whole pool blocks before the chunk in
+tiles of about TILE_ELEMS floats, then the rest of its context, the chunk's own keys from `k_new` included, under
+the causal mask; fp32 after the gather or the fp8 decode): each tile scored as weights @ relu(q_idx @ keys^T) ([Tn, 1, Hi] x [Tn, Hi, X])
+and merged into a running top-k: the tile's own TopK, then TopK(topk) over [running values | the tile's best]
+(largest, sorted; ONNX breaks ties towards the lower index, and the running columns hold lower positions than the
+tile's, in order: ties go to the lower position, as the op says). No full sort; memory O(Tn x tile), never the context or the pool. -inf picks
+(fewer candidates than topk) -> -1.
 """
 
 import onnx
-from onnx import helper
+from onnx import TensorProto, helper
 
 from .. import DOMAIN
-from ..sparse_mla_attention.ort import ONNX_OPSET, FunctionBuilder
+from ..sparse_mla_attention.ort import ONNX_OPSET, TILE_ELEMS, FunctionBuilder, own_rows, per_sequence, pool_tiles, take_rows
 from .onnx_schema import OP_TYPE
 
 
-def function_proto(fp8_pool: bool = False) -> onnx.FunctionProto:
-    """FunctionProto implementing DSAIndexer (`fp8_pool`: for a uint8 fp8 key pool [NB, BS, Di + 1])."""
+def function_proto(fp8_pool: bool = False, tile_elems: int = TILE_ELEMS) -> onnx.FunctionProto:
+    """FunctionProto implementing DSAIndexer (`fp8_pool`: for a uint8 fp8 key pool [NB, BS, Di + 1]; `tile_elems`:
+    the key tiles, `pool_tiles`)."""
     b = FunctionBuilder("dsa")
-    num_tokens = b.dim("q_idx", 0)
-    max_len = b.op("Mul", b.dim("block_tables", 1), b.dim("k_pool", 1))
-    seq = b.token_sequences(num_tokens, "cu_seqlens")
-    span = b.op("Unsqueeze", b.op("Range", b.int_scalar(0), max_len, b.int_scalar(1)), b.ints([0]))  # [1, L]
-    shape = b.op("Concat", b.op("Shape", "positions"), b.op("Unsqueeze", max_len, b.ints([0])), axis=0)
-    span_t = b.op("Expand", span, shape)  # [T, L]
-    keys = b.context_rows("k_pool", "k_new", "cu_seqlens", "block_tables", "positions", seq, span_t, fp8_pool)  # [T, L, Di]
-    causal = b.op("LessOrEqual", span, b.op("Unsqueeze", "positions", b.ints([1])))
-    keys = b.op("Where", b.op("Unsqueeze", causal, b.ints([2])), keys, b.float_scalar(0.0))
-    per_head = b.op("Relu", b.op("MatMul", "q_idx", b.op("Transpose", keys, perm=[0, 2, 1])))  # [T, Hi, L]
-    weights = b.op("Unsqueeze", "weights", b.ints([1]))  # [T, 1, Hi]
-    scores = b.op("Squeeze", b.op("MatMul", weights, per_head), b.ints([1]))  # [T, L]
-    scores = b.op("Where", causal, scores, b.float_scalar(float("-inf")))
     topk = b.attr("topk", "int")
-    keep = b.op("Min", topk, max_len)
-    values, order = b.op("TopK", scores, b.op("Unsqueeze", keep, b.ints([0])), outputs=2, axis=-1, largest=1, sorted=1)
-    is_pad = b.op("IsInf", values, detect_positive=0)
-    order = b.op("Where", is_pad, b.int_scalar(-1), order)
-    pad_cols = b.op("Unsqueeze", b.op("Sub", topk, keep), b.ints([0]))
-    pads = b.op("Concat", b.ints([0, 0, 0]), pad_cols, axis=0)
-    b.op("Pad", order, pads, b.int_scalar(-1), out="indices")
+    k = b.op("Unsqueeze", topk, b.ints([0]))
+    heads = b.dim("q_idx", 1)
+    empty = b.op("Expand", b.int_scalar(-1), b.op("Concat", b.ints([0]), k, axis=0))
+
+    def sequence(sub: FunctionBuilder, seq: dict) -> list[str]:
+        q = take_rows(sub, "q_idx", seq)  # [Tn, Hi, Di]
+        weights = sub.op("Unsqueeze", take_rows(sub, "weights", seq), sub.ints([1]))  # [Tn, 1, Hi]
+        shape = sub.op("Concat", sub.op("Unsqueeze", seq["count"], sub.ints([0])), k, axis=0)  # [Tn, topk]
+        init = [(sub.op("Expand", sub.float_scalar(float("-inf")), shape), TensorProto.FLOAT),
+                (sub.op("Expand", sub.int_scalar(-1), shape), TensorProto.INT64)]
+
+        def score(s: FunctionBuilder, keys: str) -> str:
+            per_head = s.op("Relu", s.op("MatMul", q, s.op("Transpose", keys, perm=[1, 0])))  # [Tn, Hi, X]
+            return s.op("Squeeze", s.op("MatMul", weights, per_head), s.ints([1]))  # [Tn, X]
+
+        def merge(s: FunctionBuilder, scores: str, p0: str, values: list[str]) -> list[str]:
+            """The tile's own top min(topk, X) (positions p0 + column), then the best topk of [running | those]."""
+            best, order = values
+            width = s.op("Shape", scores, start=1, end=2)
+            tile_best, tile_cols = s.op("TopK", scores, s.op("Min", k, width), outputs=2, axis=-1, largest=1, sorted=1)
+            kept, picked = s.op("TopK", s.op("Concat", best, tile_best, axis=1), k, outputs=2, axis=-1, largest=1,
+                                sorted=1)
+            running = s.op("Less", picked, k)
+            from_running = s.op("GatherElements", order, s.op("Min", picked, s.op("Sub", k, s.int_scalar(1))), axis=1)
+            tile_at = s.op("Max", s.op("Sub", picked, k), s.int_scalar(0))
+            from_tile = s.op("Add", s.op("GatherElements", tile_cols, s.op("Min", tile_at, s.op("Sub", s.op(
+                "Shape", tile_cols, start=1, end=2), s.int_scalar(1))), axis=1), p0)
+            return [kept, s.op("Where", running, from_running, from_tile)]
+
+        state = pool_tiles(sub, seq, "k_pool", heads, fp8_pool, tile_elems, init,
+                           lambda s, keys, p0, p1, values: merge(s, score(s, keys), p0, values))
+        keys, causal, first = own_rows(sub, "k_pool", "k_new", seq, fp8_pool)
+        masked = sub.op("Where", causal, score(sub, keys), sub.float_scalar(float("-inf")))
+        best, order = merge(sub, masked, first, state)
+        return [sub.op("Where", sub.op("IsInf", best, detect_positive=0), sub.int_scalar(-1), order)]
+
+    b.op("Identity", per_sequence(b, [(empty, TensorProto.INT64)], sequence)[0], out="indices")
     return helper.make_function(
         DOMAIN,
         OP_TYPE,

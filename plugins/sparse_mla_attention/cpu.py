@@ -2,8 +2,9 @@
 
 Sparse path: gathers only the K selected latent rows per token through the block tables (cost independent of
 the context length and of the pool size) and runs two batched matmuls per token chunk. Dense path (no indices):
-per sequence, gathers its rows 0..(last position) once and runs one matmul of the chunk's queries against them
-with a causal mask. Rows are cast (fp8 pools: decoded) to fp32 after the gather. Chunks keep temporaries near `_CHUNK_ELEMS` floats.
+per sequence, gathers its rows 0..(last position) once and streams each chunk of its queries over tiles of them
+(online softmax, causal mask). Rows are cast (fp8 pools: decoded) to fp32 after the gather. Chunks and tiles keep
+temporaries near `_CHUNK_ELEMS` floats.
 """
 
 import torch
@@ -45,6 +46,8 @@ def _sparse(q, ctx, seqs, positions, topk_indices, scale, kv_lora_rank):
 
 
 def _dense(q, ctx, cu_seqlens, positions, scale, kv_lora_rank):
+    """Per sequence and chunk of its tokens, an online softmax over tiles of its keys: running max, denominator and
+    weighted sum, rescaled per tile; temporaries near `_CHUNK_ELEMS` floats at any context."""
     num_tokens, num_heads, dim = q.shape
     out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=torch.float32)
     for n in range(cu_seqlens.shape[0] - 1):
@@ -53,12 +56,25 @@ def _dense(q, ctx, cu_seqlens, positions, scale, kv_lora_rank):
             continue
         length = int(positions[b:e].max()) + 1
         keys = gather_context(*ctx, torch.tensor(n), torch.arange(length))  # [Lq, Dc+Dr] fp32
-        chunk = max(1, _CHUNK_ELEMS // max(1, length * num_heads))
+        chunk = max(1, min(e - b, _CHUNK_ELEMS // max(1, length * num_heads)))
+        tile = max(1, _CHUNK_ELEMS // (chunk * num_heads))
         for t0 in range(b, e, chunk):
             t1 = min(e, t0 + chunk)
-            scores = torch.matmul(q[t0:t1], keys.T).mul_(scale)  # [c, H, Lq]
-            valid = torch.arange(length)[None, None, :] <= positions[t0:t1, None, None]
-            out[t0:t1] = masked_softmax_combine(scores, valid, keys[:, :kv_lora_rank])
+            m = torch.full((t1 - t0, num_heads, 1), float("-inf"))
+            denom = torch.zeros(t1 - t0, num_heads, 1)
+            acc = torch.zeros(t1 - t0, num_heads, kv_lora_rank)
+            for k0 in range(0, int(positions[t1 - 1]) + 1, tile):
+                k1 = min(length, k0 + tile)
+                scores = torch.matmul(q[t0:t1], keys[k0:k1].T).mul_(scale)  # [c, H, tile]
+                causal = torch.arange(k0, k1)[None, None, :] <= positions[t0:t1, None, None]
+                scores.masked_fill_(~causal, float("-inf"))
+                m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))  # finite: position k0 <= every token's
+                probs = torch.exp(scores - m_new)
+                corr = torch.exp(m - m_new)
+                denom = denom * corr + probs.sum(dim=-1, keepdim=True)
+                acc = acc * corr + torch.matmul(probs, keys[k0:k1, :kv_lora_rank])
+                m = m_new
+            out[t0:t1] = acc / denom
     return out
 
 

@@ -20,6 +20,7 @@ A model holds one function per op type, so the exporter picks the variant per mo
 and sparse layers uses the sparse body and gives its dense layers an empty [T, 0] (or [0, 0]) index tensor.
 """
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
@@ -143,40 +144,148 @@ def _indexed_attention(b: FunctionBuilder, idx: str, seq: str, scale: str, rank:
     return b.op("MatMul", probs, b.op("Slice", rows, b.ints([0]), rank, b.ints([2])), out=out)
 
 
-def _dense_attention(b: FunctionBuilder, seq: str, scale: str, rank: str, fp8_pool: bool, out: str) -> str:
-    """o_lat [T, H, Dc] attending each token to every position 0..pos of its sequence. The rows are gathered
-    once per sequence ([N, B*BS, D]: the step's block tables cover the same positions for all its tokens) and
-    handed to the tokens with one Gather, instead of once per token. Every row is finite, so a token's masked
-    positions contribute exact zeros: before the chunk start the pool's written rows, from it on kv_new's rows
-    (beyond a sequence's last token those of later sequences, or the zero row appended to kv_new)."""
-    q, pool, new, cu, tables, pos = "q_lat", "kv_pool", "kv_new", "cu_seqlens", "block_tables", "positions"
+# Streaming over the keys (dense attention, the DSA indexer): one sequence at a time (a Loop over the step's
+# sequences, each one's token results appended), its context in two parts: the whole blocks before its chunk, all in
+# the pool and attended by every token of the chunk (no mask needed), read in tiles of C positions (whole blocks
+# gathered through its block table, one copy per block), then the rest: the pool rows of the block holding its start
+# and its own rows from kv_new [Tn, D], under the causal mask. A
+# running state (online softmax; a running top-k) carries over the tiles, so a step's temporaries stay near
+# TILE_ELEMS floats whatever the context, and a prefill chunk never shrinks as it grows. Positions after a token,
+# and pool rows not written yet, are never read.
+TILE_ELEMS = 1 << 21
+TILE_POSITIONS = 1 << 14  # at most per tile: a decode step's tile of rows stays cache-sized (16k x D fp32)
+
+
+def key_loop(b: FunctionBuilder, count: str, carried: list[tuple[str, int]], body) -> list[str]:
+    """A Loop of `count` iterations carrying `carried` ((initial value, element type) pairs, shapes free to change);
+    `body(sub, i, values)` appends iteration i's nodes to `sub` and returns the carried values' next names. Returns
+    the final values."""
+    sub = FunctionBuilder(f"{b._prefix}_loop{b._count + 1}")
+    i, cond = f"{sub._prefix}_i", f"{sub._prefix}_cond"
+    values = [f"{sub._prefix}_in{k}" for k in range(len(carried))]
+    nexts = [sub.op("Identity", v) for v in body(sub, i, values)]
+    cond_out = sub.op("Identity", cond)
+    graph = helper.make_graph(
+        sub.nodes, sub._prefix,
+        [helper.make_tensor_value_info(i, TensorProto.INT64, []), helper.make_tensor_value_info(cond, TensorProto.BOOL, []),
+         *[helper.make_tensor_value_info(v, t, None) for v, (_, t) in zip(values, carried)]],
+        [helper.make_tensor_value_info(cond_out, TensorProto.BOOL, []),
+         *[helper.make_tensor_value_info(v, t, None) for v, (_, t) in zip(nexts, carried)]])
+    b._count += 1
+    names = [f"{b._prefix}_Loop_{b._count}_{k}" for k in range(len(carried))]
+    b.nodes.append(helper.make_node("Loop", [count, "", *[v for v, _ in carried]], names, body=graph))
+    return names
+
+
+def per_sequence(b: FunctionBuilder, empty: list[tuple[str, int]], body) -> list[str]:
+    """Results per token [T, ...], computed one sequence of the step at a time: `body(sub, seq)` returns the
+    sequence's results ([Tn, ...] each; `seq` = dict of scalars first, last, count (= Tn), start (its chunk's first
+    position, 0 without tokens) and its block table row `table` [B]), appended in order to `empty` (the [0, ...]
+    initial values with their element types)."""
+    def one(sub: FunctionBuilder, n: str, values: list[str]) -> list[str]:
+        first = sub.op("Gather", "cu_seqlens", n)
+        last = sub.op("Gather", "cu_seqlens", sub.op("Add", n, sub.int_scalar(1)))
+        count = sub.op("Sub", last, first)
+        some = sub.op("Greater", count, sub.int_scalar(0))
+        at = sub.op("Min", first, sub.op("Sub", sub.dim("positions", 0), sub.int_scalar(1)))
+        start = sub.op("Where", some, sub.op("Gather", "positions", at), sub.int_scalar(0))
+        seq = dict(first=first, last=last, count=count, start=start, table=sub.op("Gather", "block_tables", n, axis=0))
+        return [sub.op("Concat", v, r, axis=0) for v, r in zip(values, body(sub, seq))]
+
+    return key_loop(b, b.op("Sub", b.dim("cu_seqlens", 0), b.int_scalar(1)), empty, one)
+
+
+def take_rows(b: FunctionBuilder, value: str, seq: dict) -> str:
+    """The sequence's tokens' rows of a per-token value [T, ...] -> [Tn, ...]."""
+    return b.op("Slice", value, b.op("Unsqueeze", seq["first"], b.ints([0])),
+                b.op("Unsqueeze", seq["last"], b.ints([0])), b.ints([0]))
+
+
+def pool_tiles(b: FunctionBuilder, seq: dict, pool: str, heads: str, fp8_pool: bool, tile_elems: int,
+               carried: list[tuple[str, int]], body) -> list[str]:
+    """Loop over the sequence's whole pool blocks before its chunk (positions [0, start // BS x BS)) in tiles of C
+    positions, C a multiple of the block size near tile_elems / max(Tn x heads, row width), at most TILE_POSITIONS:
+    `body(sub, keys, p0, p1,
+    values)` merges the tile's fp32 rows `keys` [p1 - p0, D] (positions p0 .. p1-1; fp8 pools decoded) into the
+    carried values. The partial block before the chunk is `own_rows`'."""
     block_size = b.dim(pool, 1)
-    span = b.op("Range", b.int_scalar(0), b.op("Mul", b.dim(tables, 1), block_size), b.int_scalar(1))  # [K]
-    span_row = b.op("Unsqueeze", span, b.ints([0]))  # [1, K]
-    # per sequence: first token in the step and chunk start (one padding entry: an empty last sequence's first
-    # token is T)
-    pos_pad = b.op("Concat", pos, b.ints([0]), axis=0)  # [T + 1]
-    head = b.op("Slice", cu, b.ints([0]), b.ints([-1]))  # [N]
-    start = b.op("Unsqueeze", b.op("Gather", pos_pad, head), b.ints([1]))  # [N, 1]
-    own = b.op("GreaterOrEqual", span_row, start)  # [N, K] the step's own rows, from kv_new
-    new_row = b.op("Clip", b.op("Sub", b.op("Add", b.op("Unsqueeze", head, b.ints([1])), span_row), start),
-                   b.int_scalar(0), b.dim(q, 0))  # [N, K] into kv_new plus one zero row
-    width = b.op("Shape", new, start=1, end=2)
-    zero_row = b.op("Expand", b.op("Cast", b.float_scalar(0.0), to=TensorProto.FLOAT),
-                    b.op("Concat", b.ints([1]), width, axis=0))
-    new_pad = b.op("Concat", b.op("Cast", new, to=TensorProto.FLOAT), zero_row, axis=0)  # [T + 1, D]
-    block = b.op("Max", b.op("Gather", tables, b.op("Div", span, block_size), axis=1), b.int_scalar(0))  # [N, K]
-    offset = b.op("Expand", b.op("Mod", span_row, block_size), b.op("Shape", block))
-    where = b.op("Concat", b.op("Unsqueeze", block, b.ints([2])), b.op("Unsqueeze", offset, b.ints([2])), axis=2)
-    gathered = b.op("GatherND", pool, where)  # [N, K, D] (fp8: D + 1 bytes)
-    from_pool = b.fp8_rows(gathered) if fp8_pool else b.op("Cast", gathered, to=TensorProto.FLOAT)
-    rows = b.op("Where", b.op("Unsqueeze", own, b.ints([2])), b.op("Gather", new_pad, new_row, axis=0), from_pool)
-    keys = b.op("Gather", rows, seq, axis=0)  # [T, K, D]
-    scores = b.op("Mul", b.op("MatMul", q, b.op("Transpose", keys, perm=[0, 2, 1])), scale)  # [T, H, K]
-    valid = b.op("LessOrEqual", span_row, b.op("Unsqueeze", pos, b.ints([1])))  # [T, K] causal
-    probs = b.masked_softmax(scores, b.op("Unsqueeze", valid, b.ints([1])))
-    values = b.op("Gather", b.op("Slice", rows, b.ints([0]), rank, b.ints([2])), seq, axis=0)  # [T, K, Dc]
-    return b.op("MatMul", probs, values, out=out)
+    width = b.dim(pool, 2)
+    per_position = b.op("Max", b.op("Mul", seq["count"], heads), width)
+    positions = b.op("Min", b.op("Div", b.int_scalar(tile_elems), per_position), b.int_scalar(TILE_POSITIONS))
+    blocks_per_tile = b.op("Max", b.op("Div", positions, block_size), b.int_scalar(1))
+    full_blocks = b.op("Div", seq["start"], block_size)
+    tiles = b.op("Div", b.op("Sub", b.op("Add", full_blocks, blocks_per_tile), b.int_scalar(1)), blocks_per_tile)
+    row_shape = b.op("Concat", b.ints([-1]), b.op("Shape", pool, start=2), axis=0)
+
+    def tile(sub: FunctionBuilder, i: str, values: list[str]) -> list[str]:
+        first_block = sub.op("Mul", i, blocks_per_tile)
+        end_block = sub.op("Min", sub.op("Add", first_block, blocks_per_tile), full_blocks)
+        blocks = sub.op("Slice", seq["table"], sub.op("Unsqueeze", first_block, sub.ints([0])),
+                        sub.op("Unsqueeze", end_block, sub.ints([0])), sub.ints([0]))
+        rows = sub.op("Reshape", sub.op("Gather", pool, sub.op("Max", blocks, sub.int_scalar(0)), axis=0), row_shape)
+        keys = sub.fp8_rows(rows) if fp8_pool else sub.op("Cast", rows, to=TensorProto.FLOAT)  # [X, D]
+        return body(sub, keys, sub.op("Mul", first_block, block_size), sub.op("Mul", end_block, block_size), values)
+
+    return key_loop(b, tiles, carried, tile)
+
+
+def own_rows(b: FunctionBuilder, pool: str, new: str, seq: dict, fp8_pool: bool) -> tuple[str, str, str]:
+    """What the chunk reads beyond `pool_tiles`: (rows [R + Tn, D] fp32: the R = start mod BS pool rows of the block
+    holding its start, then its own rows from `new`; the mask [Tn, R + Tn] (token i reads every pool row and own row
+    j <= i); the first row's position, start - R)."""
+    block_size = b.dim(pool, 1)
+    full = b.op("Mul", b.op("Div", seq["start"], block_size), block_size)
+    partial = b.op("Sub", seq["start"], full)
+    block = b.op("Max", b.op("Gather", seq["table"], b.op("Div", seq["start"], block_size)), b.int_scalar(0))
+    rows = b.op("Slice", b.op("Gather", pool, block, axis=0), b.ints([0]), b.op("Unsqueeze", partial, b.ints([0])),
+                b.ints([0]))  # [R, D] (fp8: D + 1 bytes)
+    rows = b.fp8_rows(rows) if fp8_pool else b.op("Cast", rows, to=TensorProto.FLOAT)
+    keys = b.op("Concat", rows, b.op("Cast", take_rows(b, new, seq), to=TensorProto.FLOAT), axis=0)
+    steps = b.op("Range", b.int_scalar(0), seq["count"], b.int_scalar(1))
+    cols = b.op("Range", b.op("Sub", b.int_scalar(0), partial), seq["count"], b.int_scalar(1))
+    mask = b.op("LessOrEqual", b.op("Unsqueeze", cols, b.ints([0])), b.op("Unsqueeze", steps, b.ints([1])))
+    return keys, mask, full
+
+
+def _dense_attention(b: FunctionBuilder, scale: str, rank: str, fp8_pool: bool, out: str, tile_elems: int) -> str:
+    """o_lat [T, H, Dc] attending each token to every position 0..pos of its sequence, per sequence over its pool
+    tiles and then its own rows (`pool_tiles`, `own_rows`), with an online softmax: running max m [Tn, H, 1] (from
+    the lowest finite float, so no inf - inf), denominator l and weighted sum acc [Tn, H, Dc+Dr] (whole rows: no copy
+    of a tile's latent part; o_lat is its first Dc values), rescaled by
+    exp(m_old - m_new) per tile. A token attends at least to itself, so l > 0 at the end."""
+    heads = b.dim("q_lat", 1)
+    empty = b.op("Expand", b.float_scalar(0.0), b.op("Concat", b.ints([0]), b.op("Shape", "q_lat", start=1, end=2),
+                                                      rank, axis=0))
+    lowest = float(np.finfo(np.float32).min)
+
+    def sequence(sub: FunctionBuilder, seq: dict) -> list[str]:
+        q = take_rows(sub, "q_lat", seq)  # [Tn, H, D]
+        rows_shape = sub.op("Concat", sub.op("Shape", q, start=0, end=2), sub.ints([1]), axis=0)
+        acc_shape = sub.op("Shape", q)  # the weighted sum of whole rows; its first Dc values are o_lat
+        init = [(sub.op("Expand", sub.float_scalar(lowest), rows_shape), TensorProto.FLOAT),
+                (sub.op("Expand", sub.float_scalar(0.0), rows_shape), TensorProto.FLOAT),
+                (sub.op("Expand", sub.float_scalar(0.0), acc_shape), TensorProto.FLOAT)]
+
+        def merge(s: FunctionBuilder, scores: str, keys: str, values: list[str]) -> list[str]:
+            m, l, acc = values
+            m_new = s.op("Max", m, s.op("ReduceMax", scores, s.ints([-1]), keepdims=1))
+            corr = s.op("Exp", s.op("Sub", m, m_new))
+            probs = s.op("Exp", s.op("Sub", scores, m_new))  # masked: exp(-inf) = 0
+            l_new = s.op("Add", s.op("Mul", l, corr), s.op("ReduceSum", probs, s.ints([-1]), keepdims=1))
+            return [m_new, l_new, s.op("Add", s.op("Mul", acc, corr), s.op("MatMul", probs, keys))]
+
+        def score(s: FunctionBuilder, keys: str) -> str:
+            return s.op("Mul", s.op("MatMul", q, s.op("Transpose", keys, perm=[1, 0])), scale)  # [Tn, H, X]
+
+        state = pool_tiles(sub, seq, "kv_pool", heads, fp8_pool, tile_elems, init,
+                           lambda s, keys, p0, p1, values: merge(s, score(s, keys), keys, values))
+        keys, causal, _ = own_rows(sub, "kv_pool", "kv_new", seq, fp8_pool)
+        masked = sub.op("Where", sub.op("Unsqueeze", causal, sub.ints([1])), score(sub, keys),
+                        sub.float_scalar(float("-inf")))
+        _, l, acc = merge(sub, masked, keys, state)
+        return [sub.op("Div", sub.op("Slice", acc, sub.ints([0]), rank, sub.ints([2])), l)]
+
+    return b.op("Identity", per_sequence(b, [(empty, TensorProto.FLOAT)], sequence)[0], out=out)
 
 
 def _branch(name: str, build) -> onnx.GraphProto:
@@ -187,17 +296,17 @@ def _branch(name: str, build) -> onnx.GraphProto:
     return helper.make_graph(b.nodes, name, [], [out])
 
 
-def function_proto(dense: bool = False, fp8_pool: bool = False) -> onnx.FunctionProto:
+def function_proto(dense: bool = False, fp8_pool: bool = False, tile_elems: int = TILE_ELEMS) -> onnx.FunctionProto:
     """FunctionProto for SparseMLAAttention; `dense=True` gives the body that ignores `topk_indices`, `fp8_pool`
-    the body for a uint8 fp8 pool [NB, BS, Dc+Dr+1]."""
+    the body for a uint8 fp8 pool [NB, BS, Dc+Dr+1]; `tile_elems`: the dense path's key tiles (`pool_tiles`)."""
     b = FunctionBuilder("smla")
-    seq = b.token_sequences(b.dim("q_lat", 0), "cu_seqlens")
     scale = b.attr("scale", "float")
     rank = b.op("Unsqueeze", b.attr("kv_lora_rank", "int"), b.ints([0]))
     if dense:
-        _dense_attention(b, seq, scale, rank, fp8_pool, out="o_lat")
+        _dense_attention(b, scale, rank, fp8_pool, "o_lat", tile_elems)
     else:
-        all_pos = _branch("smla_dense", lambda sub, out: _dense_attention(sub, seq, scale, rank, fp8_pool, out))
+        seq = b.token_sequences(b.dim("q_lat", 0), "cu_seqlens")
+        all_pos = _branch("smla_dense", lambda sub, out: _dense_attention(sub, scale, rank, fp8_pool, out, tile_elems))
         given = _branch("smla_given", lambda sub, out: _indexed_attention(sub, "topk_indices", seq, scale, rank,
                                                                           fp8_pool, out))
         no_cols = b.op("Equal", b.dim("topk_indices", 1), b.int_scalar(0))

@@ -30,9 +30,10 @@ import numpy as np
 from moe_export.runtime.core.blocks import BlockAllocator
 
 
-def block_hashes(key: tuple[int, ...], block_size: int, start: int = 0, parent: bytes = b"") -> list[bytes]:
-    """Chained hashes of the full blocks of `key` from block `start` on (`parent`: the hash of block start-1).
-    Key entries may be negative (an image's content stands in for its pad tokens)."""
+def block_hashes(key, block_size: int, start: int = 0, parent: bytes = b"") -> list[bytes]:
+    """Chained hashes of the full blocks of `key` (a sequence of ints, or an int64 array: the same names) from block
+    `start` on (`parent`: the hash of block start-1); the work is that of those blocks alone. Key entries may be
+    negative (an image's content stands in for its pad tokens)."""
     out = []
     for i in range(start, len(key) // block_size):
         data = np.asarray(key[i * block_size:(i + 1) * block_size], dtype=np.int64).tobytes()

@@ -71,10 +71,11 @@ class Resources:
         is longer (a restored (checkpoint, slot) goes to `restores`, a fresh slot to `resets`); False: must wait."""
         need = self.blocks_for(seq)
         key = seq.session_key(len(seq.tokens))
-        kept = self.sessions.take_longest_prefix(list(key)) if self.keep_sessions else None
+        kept = self.sessions.take_longest_prefix(key) if self.keep_sessions else None
         resume, shared, checkpoint, matched = 0, [], None, 0
-        if self.prefix is not None:
-            seq.hashes = block_hashes(key, self.allocator.block_size)
+        if self.prefix is not None:  # the kept session's block names are reused: only the new blocks are hashed
+            known = kept.hashes if kept is not None else []
+            seq.hashes = known + block_hashes(key, self.allocator.block_size, len(known), known[-1] if known else b"")
             resume, shared, checkpoint, matched = self.prefix.match(seq.hashes, len(seq.tokens))
             if resume and kept is not None and len(kept.tokens) >= resume:
                 self.allocator.decref(shared)
@@ -115,7 +116,9 @@ class Resources:
         if keep and self.keep_sessions and seq.num_computed > 0:
             used = self.allocator.blocks_needed(seq.num_computed)
             self.allocator.decref(seq.blocks[used:])
-            replaced = self.sessions.keep(KeptSequence(seq.session_key(seq.num_computed), seq.slot, seq.blocks[:used]))
+            hashes = seq.hashes[:seq.num_computed // self.allocator.block_size]
+            replaced = self.sessions.keep(KeptSequence(seq.session_key(seq.num_computed).copy(), seq.slot,
+                                                       seq.blocks[:used], hashes))
             if replaced is not None:
                 self._release_kept(replaced)
         else:
@@ -163,7 +166,7 @@ class Resources:
         if len(seq.hashes) < full:
             parent = seq.hashes[-1] if seq.hashes else b""
             seq.hashes += block_hashes(seq.session_key(full * self.allocator.block_size), self.allocator.block_size,
-                                       len(seq.hashes), parent)
+                                       len(seq.hashes), parent)  # only the blocks not hashed yet
         self.prefix.add_blocks(seq.hashes[seq.named:full], seq.blocks[seq.named:full])
         seq.named = full
 

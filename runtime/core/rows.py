@@ -47,6 +47,67 @@ class SamplingRow:
     output_counts: np.ndarray | None = None
     bias: list[tuple[int, float]] = field(default_factory=list)
     banned: list[int] = field(default_factory=list)
+    counts: PenaltyCounts | None = None  # where `seen` comes from (its packed form is kept there across steps)
+
+
+class PenaltyCounts:
+    """A sequence's penalty inputs, kept up to date a token at a time: its distinct tokens (prompt and output:
+    repetition) and its output tokens with their counts (presence / frequency), in first-seen order. `absorb`
+    takes the tokens added since its last call, so a step costs O(new tokens), not O(context); the arrays it hands
+    out are views of O(distinct tokens) (at most the vocabulary)."""
+
+    def __init__(self) -> None:
+        self.absorbed = 0  # tokens [0, absorbed) counted
+        self._seen: dict[int, None] = {}
+        self._seen_ids = np.empty(64, dtype=np.int64)
+        self._out_slot: dict[int, int] = {}  # output token -> its index in _out_ids / _out_counts
+        self._out_ids = np.empty(16, dtype=np.int64)
+        self._out_counts = np.zeros(16, dtype=np.int64)
+        self._row = torch.empty(0, dtype=torch.long)  # the batch row of `seen` as packed last, one per seen id
+        self._row_of = -1
+
+    def absorb(self, tokens: list[int], prompt_len: int) -> None:
+        """Count tokens[absorbed:] (positions from prompt_len on are output)."""
+        for pos in range(self.absorbed, len(tokens)):
+            t = int(tokens[pos])
+            if t not in self._seen:
+                n = len(self._seen)
+                if n == len(self._seen_ids):
+                    self._seen_ids = np.resize(self._seen_ids, 2 * n)
+                self._seen_ids[n] = t
+                self._seen[t] = None
+            if pos >= prompt_len:
+                j = self._out_slot.get(t)
+                if j is None:
+                    j = self._out_slot[t] = len(self._out_slot)
+                    if j == len(self._out_ids):
+                        self._out_ids = np.resize(self._out_ids, 2 * j)
+                        self._out_counts = np.resize(self._out_counts, 2 * j)
+                    self._out_ids[j], self._out_counts[j] = t, 0
+                self._out_counts[j] += 1
+        self.absorbed = len(tokens)
+
+    @property
+    def seen(self) -> np.ndarray:
+        return self._seen_ids[:len(self._seen)]
+
+    def packed_seen(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row [n], token [n]) of the seen ids for batch row `row`, as `SamplingBatch.seen` takes them: views of
+        buffers that only grow at their ends (the row buffer is remade, doubling, when it is full or the sequence's
+        batch row changes), so a step costs O(new ids) and what an earlier step was handed never changes."""
+        n = len(self._seen)
+        if n > len(self._row) or row != self._row_of:  # a new buffer: a step in flight may still read the old one
+            self._row = torch.full((max(n, 2 * len(self._row)),), row, dtype=torch.long)
+            self._row_of = row
+        return self._row[:n], torch.from_numpy(self.seen)
+
+    @property
+    def output_ids(self) -> np.ndarray:
+        return self._out_ids[:len(self._out_slot)]
+
+    @property
+    def output_counts(self) -> np.ndarray:
+        return self._out_counts[:len(self._out_slot)]
 
 
 def build_row(seq: Sequence, eos_token_ids: frozenset[int], vocab: int | None) -> SamplingRow:
@@ -67,10 +128,14 @@ def build_row(seq: Sequence, eos_token_ids: frozenset[int], vocab: int | None) -
         else:
             row.processors.append(lambda logits, proc=proc, seq=seq: proc(seq.output_ids, logits))
     if p.penalized:
+        if seq.penalties is None:
+            seq.penalties = PenaltyCounts()
+        counts = seq.penalties
+        counts.absorb(seq.tokens, seq.prompt_len)
         if p.repetition_penalty != 1:
-            row.seen = np.unique(np.asarray(seq.tokens, dtype=np.int64))
+            row.seen, row.counts = counts.seen, counts
         if p.presence_penalty != 0 or p.frequency_penalty != 0:
-            row.output_ids, row.output_counts = np.unique(np.asarray(seq.output_ids, dtype=np.int64), return_counts=True)
+            row.output_ids, row.output_counts = counts.output_ids, counts.output_counts
     row.bias = [(int(t), float(v)) for t, v in p.logit_bias]
     if n_out < p.min_tokens:
         row.banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids))
@@ -116,7 +181,9 @@ def _pack_penalties(sb: SamplingBatch, rows: list[SamplingRow], penalized: list[
     sb.presence = torch.tensor([r.presence for r in rows], dtype=torch.float32)
     sb.frequency = torch.tensor([r.frequency for r in rows], dtype=torch.float32)
     seen = [(j, rows[j].seen) for j in penalized if rows[j].seen is not None]
-    if seen:
+    if len(seen) == 1 and rows[seen[0][0]].counts is not None:  # one row: its packed form, kept across steps
+        sb.seen = rows[seen[0][0]].counts.packed_seen(seen[0][0])
+    elif seen:
         sb.seen = (torch.from_numpy(np.concatenate([np.full(ids.shape, j) for j, ids in seen])),
                    torch.from_numpy(np.concatenate([ids for _, ids in seen])))
     out = [(j, rows[j].output_ids, rows[j].output_counts) for j in penalized if rows[j].output_ids is not None]

@@ -284,7 +284,7 @@ class Scheduler:
             n = self._chunk_len(seq, step_tokens, step_blocks)
             if n == 0:
                 return False
-            table = seq.blocks[: self.resources.allocator.blocks_needed(seq.num_computed + n)]
+            table = seq.block_ids[: self.resources.allocator.blocks_needed(seq.num_computed + n)]
             tokens = seq.tokens[seq.num_computed: seq.num_computed + n]
             chunk = SequenceChunk(seq.slot, seq.num_computed, tokens, table)
             if len(tokens) < n:  # planned ahead: its input is the token the step in flight is choosing

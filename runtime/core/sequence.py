@@ -30,12 +30,35 @@ class Sequence:
     pad_positions: np.ndarray | None = None  # prompt positions of the image rows (`<|media_pad|>`), in order
     image_embeds: np.ndarray | None = None  # [len(pad_positions), hidden] once the tower has run
     key_prefix: tuple[int, ...] = ()  # the prompt with each image's pads replaced by a key of its content
+    _key: np.ndarray | None = field(default=None, repr=False)  # int64 buffer: the key of tokens[:_key_len]
+    _key_len: int = 0
+    penalties: object = None  # its `rows.PenaltyCounts` once sampled with a penalty
+    _block_ids: tuple[list[int], np.ndarray] | None = field(default=None, repr=False)  # (blocks it was made of, array)
 
-    def session_key(self, n: int) -> tuple[int, ...]:
-        """The first n tokens as a session key: an image's `<|media_pad|>` rows stand for its content hash, so a
-        kept session is reused only by a prompt with the same images."""
-        k = len(self.key_prefix)
-        return self.key_prefix[:n] + tuple(self.tokens[k:n]) if k else tuple(self.tokens[:n])
+    @property
+    def block_ids(self) -> np.ndarray:
+        """`blocks` as an int64 array, converted once per block list (a step's block table is a view of it: no
+        per-step conversion of a long context's table)."""
+        made = self._block_ids
+        if made is None or made[0] is not self.blocks or len(made[1]) != len(self.blocks):
+            made = self._block_ids = (self.blocks, np.asarray(self.blocks, dtype=np.int64))
+        return made[1]
+
+    def session_key(self, n: int) -> np.ndarray:
+        """The first n tokens as a session key [n] int64 (a view: copy to keep it): an image's `<|media_pad|>` rows
+        stand for its content hash, so a kept session is reused only by a prompt with the same images. Built
+        once: each call converts only the tokens added since the last one (amortized O(new tokens))."""
+        if self._key is None:
+            self._key = np.asarray(self.key_prefix or self.tokens, dtype=np.int64)
+            self._key_len = len(self._key)
+        if n > self._key_len:
+            if n > len(self._key):
+                grown = np.empty(max(n, 2 * len(self._key)), dtype=np.int64)
+                grown[:self._key_len] = self._key[:self._key_len]
+                self._key = grown
+            self._key[self._key_len:n] = self.tokens[self._key_len:n]
+            self._key_len = n
+        return self._key[:n]
 
     @property
     def output_ids(self) -> list[int]:

@@ -19,23 +19,34 @@ import json
 import threading
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass
 class KeptSequence:
-    """State of `tokens` (positions [0, len(tokens))) in `slot`, cache in `blocks` (one reference held)."""
+    """State of `tokens` [n] int64 (positions [0, n), a session key: `Sequence.session_key`) in `slot`, cache in
+    `blocks` (one reference held); `hashes`: the prefix-cache names of its full blocks, when computed (a prompt
+    that continues it reuses them and hashes only its new blocks)."""
 
-    tokens: tuple[int, ...]
+    tokens: np.ndarray
     slot: int
     blocks: list[int]
+    hashes: list[bytes] = field(default_factory=list)
+
+    @property
+    def digest(self) -> bytes:
+        return hashlib.blake2b(self.tokens.tobytes(), digest_size=16).digest()
 
 
 class SessionCache:
-    """LRU map token sequence -> KeptSequence; at most one entry per slot."""
+    """LRU map token sequence (by its digest) -> KeptSequence; at most one entry per slot. A prompt is matched
+    against the kept sequences by comparing int64 arrays (a memcmp: ~1 ms per million tokens), never by building
+    tuples of its tokens."""
 
     def __init__(self) -> None:
-        self._entries: OrderedDict[tuple[int, ...], KeptSequence] = OrderedDict()
+        self._entries: OrderedDict[bytes, KeptSequence] = OrderedDict()
         self.hits = 0
         self.reused_tokens = 0
 
@@ -44,20 +55,23 @@ class SessionCache:
 
     def keep(self, seq: KeptSequence) -> KeptSequence | None:
         """Remember `seq` as most recently used; returns an entry it replaced (same tokens), to release."""
-        old = self._entries.pop(seq.tokens, None)
-        self._entries[seq.tokens] = seq
+        key = seq.digest
+        old = self._entries.pop(key, None)
+        self._entries[key] = seq
         return old
 
-    def take_longest_prefix(self, prompt: list[int]) -> KeptSequence | None:
-        """Remove and return the longest kept sequence that is a proper prefix of `prompt` (None: miss)."""
+    def take_longest_prefix(self, prompt: np.ndarray) -> KeptSequence | None:
+        """Remove and return the longest kept sequence that is a proper prefix of `prompt` [n] int64 (None: miss)."""
         best = None
-        for key in self._entries:
-            if len(key) < len(prompt) and (best is None or len(key) > len(best)) and tuple(prompt[: len(key)]) == key:
+        for key, kept in self._entries.items():
+            n = len(kept.tokens)
+            if n < len(prompt) and (best is None or n > len(self._entries[best].tokens)) \
+                    and np.array_equal(prompt[:n], kept.tokens):
                 best = key
         if best is None:
             return None
         self.hits += 1
-        self.reused_tokens += len(best)
+        self.reused_tokens += len(self._entries[best].tokens)
         return self._entries.pop(best)
 
     def evict_lru(self) -> KeptSequence | None:

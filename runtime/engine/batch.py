@@ -26,7 +26,7 @@ class SequenceChunk:
     slot: int
     start: int
     tokens: list[int]
-    block_table: list[int]
+    block_table: list[int] | np.ndarray  # [B] int64 array or list (an array is copied with one memcpy)
     image_rows: list[int] = field(default_factory=list)  # indices into `tokens` that take image embeddings
     image_embeds: np.ndarray | None = None  # [len(image_rows), hidden] fp32, in that order
 

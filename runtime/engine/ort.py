@@ -33,7 +33,7 @@ import onnx
 import torch
 from moe_export.common.engine_config import EngineConfig
 from moe_export.common.errors import InputError
-from moe_export.common.pools import CHECKPOINTS_PER_SLOT, GIB
+from moe_export.common.pools import CHECKPOINTS_PER_SLOT
 from moe_export.common.mapping import Mapping
 from moe_export.common.mpi import mpi_group_comms, mpi_world
 from moe_export.graphs.vision_export import VISION_GRAPH
@@ -63,31 +63,11 @@ def torch_view(pool: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(pool)
 
 
-# Peak RSS per (step token, attended position) pair of the ONNX Runtime bodies of SparseMLAAttention (dense) and
-# DSAIndexer, which gather every attended latent row for every token. Live at once: ~5 fp32 copies of the row plus
-# int64 index tensors (~1.0 KB per pair with 40-value rows, ~4.8 KB with 232, when each temporary is above glibc's
-# 32 MB mmap threshold); temporaries below it come from the heap, whose fragmentation held up to ~2.5x that within
-# a step (measured on tiny-k3 builds, fp32 / bf16 / fp8 pools: up to 2.6 KB with 40 values, 15 KB with 232).
-PAIR_BYTES_PER_VALUE = 64
-PAIR_BYTES_FIXED = 2048
-
-
-def step_pair_budget(engine_config: EngineConfig) -> int | None:
-    """(step token, attended position) pairs whose attention temporaries fit in the recipe's per-rank workspace
-    reserve: bytes / (PAIR_BYTES_PER_VALUE x latent row width + PAIR_BYTES_FIXED); None for a model without MLA
-    layers. A step attends every token to B x block_size positions, B = its longest block table."""
-    cfg = engine_config.model
-    if not cfg.mla_layers:
-        return None
-    reserve = float(engine_config.recipe.workspace_reserve_gib) * GIB
-    return int(reserve // (PAIR_BYTES_PER_VALUE * cfg.latent_cache_dim + PAIR_BYTES_FIXED))
-
-
 # glibc malloc for the step temporaries (the sessions run without ORT arenas, see `RankRunner.load`): by default
 # glibc adapts its mmap threshold (from 128 KiB up to 32 MiB) and trims the heap's free top above twice it, so a
 # step's MB-sized temporaries went back to the kernel op after op and came back as fresh zeroed pages (~30,000
 # minor page faults per 192-token prefill step of tiny-k3 on 4 ranks in process). Fixed: every temporary under
-# 32 MiB (glibc's own maximum threshold, as the pair budget above assumes for the largest ones) comes from the
+# 32 MiB (glibc's own maximum threshold; the attention bodies' key tiles are a quarter of it) comes from the
 # heap, and up to 128 MiB of free heap top is kept for the next op instead of trimmed (a few faults per step).
 MALLOC_MMAP_THRESHOLD = 32 << 20
 MALLOC_TRIM_THRESHOLD = 128 << 20
@@ -276,8 +256,8 @@ class Engine:
     num_slots: concurrent sequences (recurrent-state slots, default the recipe's max_batch); num_blocks:
     cache blocks of `block_size` tokens in each paged pool (default: the planner's `pool_sizes`, i.e.
     the rank's memory left after weights, workspace and the slots, per block); max_step_pairs: most (step token,
-    attended position) pairs the scheduler packs into one step (default `step_pair_budget`: the attention
-    temporaries fit in the recipe's workspace reserve); num_checkpoints: recurrent-state checkpoints for prefix
+    attended position) pairs the scheduler packs into one step (default None: no such bound, the attention bodies
+    stream over key tiles, so a step's temporaries do not grow with its context); num_checkpoints: recurrent-state checkpoints for prefix
     caching (default CHECKPOINTS_PER_SLOT x num_slots; host memory, like every pool of this runner)."""
 
     def __init__(self, engine_dir: str | Path, *, num_slots: int | None = None, num_blocks: int | None = None,
@@ -292,7 +272,7 @@ class Engine:
         self.num_blocks = num_blocks or self.config.memory.pool_sizes(self.block_size, self.num_slots).num_blocks
         if max_step_pairs is not None and max_step_pairs < 1:
             raise InputError(f"max_step_pairs must be at least 1, got {max_step_pairs}")
-        self.max_step_pairs = max_step_pairs or step_pair_budget(self.config)
+        self.max_step_pairs = max_step_pairs
         if self.num_blocks < 1:
             raise InputError(f"{self.dir}: no memory left for cache blocks with {self.num_slots} slots "
                              "(see `moe-export plan`); pass fewer slots or num_blocks")

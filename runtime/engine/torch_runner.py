@@ -33,7 +33,7 @@ from moe_export.graphs.vision_export import VISION_WEIGHTS
 from moe_export.quantize import fp8_cache
 from moe_export.runtime.engine.batch import (RESET_ON_NEW_SEQUENCE, StepBatch, check_checkpoint, check_slot,
                                             check_step_batch, checkpoint_interval)
-from moe_export.runtime.engine.ort import MPICommunicator, rank_folders, step_pair_budget
+from moe_export.runtime.engine.ort import MPICommunicator, rank_folders
 from moe_export.runtime.engine.runner import choose_tokens
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch
 from moe_export.runtime.engine.torch_collectives import DistributedWorld, run_in_process
@@ -113,7 +113,7 @@ class TorchEngine:
             torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // mpi[1]))
         if max_step_pairs is not None and max_step_pairs < 1:
             raise InputError(f"max_step_pairs must be at least 1, got {max_step_pairs}")
-        self.max_step_pairs = max_step_pairs or (step_pair_budget(self.config) if self.device.type == "cpu" else None)
+        self.max_step_pairs = max_step_pairs  # the CPU kernels bound their temporaries by token chunks
         act = torch.float32 if self.device.type == "cpu" else torch.bfloat16
         m = self.config.mapping
         self.tp, self.ep, self.dp_layout = m.tp, m.ep, m.all_to_all
