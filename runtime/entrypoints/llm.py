@@ -52,7 +52,7 @@ class LLM:
     turn sent back as text is rendered as generated and the prompt continues the kept state (default on).
     prefix_caching: share cached prompt prefixes across requests (`runtime.core.prefix_cache`; default on).
     overlap: run each model step in a worker thread while the host plans the next step and processes the
-    previous step's outputs (`Scheduler(overlap=True)`, see `runtime.core.scheduler`; default on, also under
+    previous step's outputs (`EngineCore(overlap=True)`, see `runtime.core.scheduler`; default on, also under
     mpiexec; not in the dp layout; greedy outputs are the same either way).
     skip_tokenizer_init: open no tokenizer (vLLM's name; for an engine built without tokenizer files): prompts are
     token id lists, outputs carry ids and no text, the stop ids are the engine's; chats and stop strings need one.
@@ -225,9 +225,9 @@ class LLM:
         finally:  # an error, or a consumer that stopped iterating: the rest must not hold slots and blocks
             if core.fatal_error is None:
                 for rid in pending:
-                    core.sched.abort(rid)
+                    core.abort(rid)
                     core.tracked.pop(rid, None)
-                while pending and core.sched.has_work:  # drain the abort notices and any step still in flight
+                while pending and core.has_work:  # drain the abort notices and any step still in flight
                     core.step()
 
     def _collect(self, tracked: list[Tracked], processors=None) -> list[ChatOutput]:
@@ -254,7 +254,7 @@ class LLM:
         return self._run([self.prepare_chat(messages, sampling, **kwargs)], processors)
 
     def stats(self) -> dict:
-        return self._root().sched.stats()
+        return self._root().stats()
 
     def scheduler_kwargs(self) -> dict:
         """How this LLM's schedulers are set up (rank 0's, and in the dp layout every group leader's)."""
@@ -330,18 +330,18 @@ class AsyncLLM:
     def _turn(self) -> bool:
         """Run the queued commands and one step; False when the thread is done (shut down)."""
         with self._cv:
-            while not self._commands and not self._core.sched.has_work and not self._closing:
+            while not self._commands and not self._core.has_work and not self._closing:
                 self._cv.wait()
             commands, self._commands = self._commands, []
             if self._closing and not commands:
                 for rid in list(self._queues):
-                    self._core.sched.abort(rid)
+                    self._core.abort(rid)
         for command in commands:
             command()
-        deltas = self._core.step() if self._core.sched.has_work else []
+        deltas = self._core.step() if self._core.has_work else []
         for d in deltas:
             self._push(d.request_id, d)
-        return not (self._closing and not self._core.sched.has_work and not self._commands)
+        return not (self._closing and not self._core.has_work and not self._commands)
 
     def _push(self, request_id: str, item) -> None:
         target = self._queues.get(request_id)
@@ -438,11 +438,11 @@ class AsyncLLM:
         with self._cv:
             if self._closing or self._core.fatal_error is not None:
                 return
-            self._commands.append(lambda: self._core.sched.abort(request_id))
+            self._commands.append(lambda: self._core.abort(request_id))
             self._cv.notify()
 
     def stats(self) -> dict:
-        return self._core.sched.stats()
+        return self._core.stats()
 
     def shutdown(self) -> None:
         """Abort open requests and stop the thread; an LLM this AsyncLLM created is shut down too (follower

@@ -1,4 +1,4 @@
-"""Rank 0's request core behind `LLM` and `AsyncLLM`: the scheduler plus each request's output stage (its text
+"""Rank 0's request core behind `LLM` and `AsyncLLM`: the engine core plus each request's output stage (its text
 streamed and parsed step by step), turning one scheduler step into `StreamDelta`s and finished `ChatOutput`s.
 
 A failure confined to one request (its output stage raising, or the scheduler ending it) becomes that request's
@@ -18,7 +18,7 @@ from moe_export.runtime.core.budget import ReasoningBudget
 from moe_export.runtime.core.contracts import Request, SequenceUpdate
 from moe_export.runtime.core.execution import WORLD_BROKEN, FaultWatch
 from moe_export.runtime.core.sessions import TurnMemory
-from moe_export.runtime.core.wide_ep import open_scheduler
+from moe_export.runtime.core.wide_ep import open_engine_core
 from moe_export.runtime.engine.runner import ModelRunner
 from moe_export.runtime.sampling import LogitsProcessor, SamplingParams
 
@@ -179,15 +179,15 @@ class Tracked:
 
 
 class RequestCore:
-    """Scheduler + per-request detokenizing, parsing and budgets: one step -> StreamDeltas. One thread.
+    """Engine core + per-request detokenizing, parsing and budgets: one step -> StreamDeltas. One thread.
 
     A failure confined to one request (its output stage raising here, or the scheduler ending it) becomes a final
     delta with `error` set; any exception out of the scheduler's step kills the core: `fatal_error` is then an
     `EngineDead`, raised by every later call, and follower ranks are released."""
 
-    def __init__(self, engine: ModelRunner, tokenizer, turns: TurnMemory | None, **scheduler_kwargs) -> None:
+    def __init__(self, engine: ModelRunner, tokenizer, turns: TurnMemory | None, **core_kwargs) -> None:
         self.engine, self.tokenizer, self.turns = engine, tokenizer, turns
-        self.sched = open_scheduler(engine, **scheduler_kwargs)
+        self.engine_core = open_engine_core(engine, **core_kwargs)
         self.tracked: dict[str, Tracked] = {}
         self.fatal_error: EngineDead | None = None
         self.on_dead: list[Callable[[EngineDead], None]] = []  # called (any thread) when a rank's fault kills the core
@@ -207,16 +207,27 @@ class RequestCore:
         if self.fatal_error is not None:
             raise self.fatal_error
         processors = list(processors or ()) + ([tracked.grammar] if tracked.grammar is not None else [])
-        self.sched.add(Request(tracked.request_id, tracked.prompt_ids, tracked.sampling, processors, tracked.budget,
+        self.engine_core.add(Request(tracked.request_id, tracked.prompt_ids, tracked.sampling, processors, tracked.budget,
                                tracked.images))
         tracked.out = OutputText(self.tokenizer, tracked.sampling.stop, tracked.parser)
         self.tracked[tracked.request_id] = tracked
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request in the engine core (its final update comes with a later step)."""
+        return self.engine_core.abort(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return self.engine_core.has_work
+
+    def stats(self) -> dict:
+        return self.engine_core.stats()
 
     def step(self) -> list[StreamDelta]:
         if self.fatal_error is not None:
             raise self.fatal_error
         try:
-            updates = self.sched.step()
+            updates = self.engine_core.step()
         except Exception as exc:  # (a KeyboardInterrupt stops the caller, not the core)
             raise self.die(exc) from exc
         deltas = []
@@ -233,7 +244,7 @@ class RequestCore:
         """End a request whose output stage raised (the scheduler frees its slot and blocks)."""
         tr = self.tracked.pop(u.request_id)
         if not u.finished:
-            self.sched.abort(u.request_id)
+            self.engine_core.abort(u.request_id)
         return StreamDelta(u.request_id, [], finished=True, thinking_tier=tr.thinking_tier,
                            error=f"request {u.request_id}: its output could not be processed: {type(exc).__name__}: {exc}")
 
@@ -257,7 +268,7 @@ class RequestCore:
             if self.watch is not None:
                 self.watch.stop()
             try:
-                self.sched.shutdown()
+                self.engine_core.shutdown()
             except Exception:
                 if self.fatal_error is None:
                     raise
