@@ -237,7 +237,7 @@ def test_an_output_parser_failure_fails_that_request_only(make_llm):
                 return delta.output
 
     async def main():
-        return await asyncio.gather(collect(allm._stream(broken, None)),
+        return await asyncio.gather(collect(allm.stream(broken)),
                                     allm.chat(chat, params, reasoning_effort="none"), return_exceptions=True)
 
     try:

@@ -94,7 +94,7 @@ def generate_command(path: str | Path, prompt_ids: str | None, prompt: str | Non
     from moe_export.runtime.sampling import model_defaults
 
     if is_engine_config(path):
-        from moe_export.runtime.entrypoints.llm import LLM
+        from moe_export.runtime.client.llm import LLM
 
         # token ids need no tokenizer: an engine built from a checkpoint without tokenizer files generates from them
         llm = LLM(path, num_slots=1, reuse_sessions=False, skip_tokenizer_init=prompt is None and not has_tokenizer(path))
