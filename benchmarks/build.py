@@ -225,7 +225,10 @@ def main() -> None:
     parser.add_argument("--layer-scale", type=int, default=4, help="layer-count multiplier of the large model")
     parser.add_argument("--no-mpi", action="store_true", help="build the ranks in one process")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (seconds): checks the script runs, no figures")
     args = parser.parse_args()
+    if args.smoke:
+        args.scale, args.layer_scale = 1, 1
     if args.scale < 2 or math.log2(args.scale) % 1:
         parser.error("--scale must be a power of two >= 2 (keeps every width a multiple of 32 and divisible by tp/ep)")
     figures = run(args.scale, args.layer_scale, use_mpi=False if args.no_mpi else None)

@@ -36,7 +36,7 @@ import torch
 
 from moe_export.export.synth import write_synthetic_tokenizer
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
-from moe_export.runtime.entrypoints.llm import LLM
+from moe_export.runtime.client.llm import LLM
 from moe_export.runtime.sampling import SamplingParams
 from moe_export.runtime.tokenizer import load_tokenizer
 
