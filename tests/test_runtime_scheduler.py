@@ -375,3 +375,15 @@ def test_the_next_step_is_planned_while_the_runner_runs(engine, monkeypatch):
     run_all(sched, [Request("p", PROMPTS[1], SamplingParams(max_tokens=6, ignore_eos=True), [lambda ids, x: x])])
     sched.shutdown()
     assert sched.planned_ahead == 0
+
+
+def test_the_scheduler_holds_no_runner_or_executor(engine):
+    """The scheduler plans and applies; the engine core alone runs the model (`EngineCore`: the only holder of the
+    executor). Neither the scheduler nor its resources keep the runner (they read its limits at construction)."""
+    from moe_export.runtime.core.execution import StepExecutor
+
+    core = EngineCore(engine)
+    for owner in (core.scheduler, core.scheduler.resources):
+        for name, value in vars(owner).items():
+            assert value is not engine and not isinstance(value, StepExecutor), (type(owner).__name__, name)
+    core.shutdown()
