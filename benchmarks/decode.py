@@ -209,7 +209,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (seconds): checks the script runs, no figures")
     args = parser.parse_args()
     if args.smoke:
-        args.steps, args.rounds, args.max_seq_len = 2, 1, 256
+        args.steps, args.rounds, args.max_seq_len = 2, 1, 1024
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
         out = build_engine(Path(tmp), args.max_seq_len)

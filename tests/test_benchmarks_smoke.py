@@ -38,9 +38,14 @@ def test_host_overhead_smoke(tmp_path):
 SMOKE_RUNS = [
     pytest.param("runtime.py", ["--quick"], "batching_speedup_16", id="runtime"),
     pytest.param("batch.py", ["--smoke"], "batch_speedup", id="batch"),
+    pytest.param("quantize.py", ["--smoke"], "encode_gbps", id="quantize"),
+    pytest.param("convert.py", ["--smoke"], "convert_gbps", id="convert"),
+    pytest.param("serve.py", ["--smoke"], "prefix_cache_ttft_speedup", id="serve", marks=pytest.mark.slow),
+    pytest.param("wide_ep.py", ["--smoke"], "wide_ep_throughput_ratio", id="wide_ep", marks=pytest.mark.slow),
     pytest.param("vision.py", ["--quick", "--rounds", "1"], "cache", id="vision", marks=pytest.mark.slow),
     pytest.param("plugins.py", ["--quick"], None, id="plugins", marks=pytest.mark.slow),
     pytest.param("decode.py", ["--smoke"], None, id="decode", marks=pytest.mark.slow),
+    pytest.param("build.py", ["--smoke"], "checkpoint_growth_x", id="build", marks=pytest.mark.slow),
 ]
 
 
