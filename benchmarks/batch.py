@@ -93,7 +93,10 @@ def main() -> None:
     parser.add_argument("--effort", default="none", help="reasoning effort of every request (both sides)")
     parser.add_argument("--engine", type=Path, default=None, help="engine directory (default: build tiny-cpu)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (seconds): checks the script runs, no figures")
     args = parser.parse_args()
+    if args.smoke:
+        args.docs, args.max_tokens, args.rounds = 4, 4, 1
 
     import httpx
     import jinja2

@@ -126,6 +126,8 @@ def scaled_hf_config(scale: int, layer_scale: int) -> dict:
     for key in ("kda_layers", "full_attn_layers"):
         lac[key] = [layer + r * n for r in range(layer_scale) for layer in lac[key]]
     text["num_hidden_layers"] = n * layer_scale
+    if "vision_config" in cfg:  # the tower projects into the text model's width
+        cfg["vision_config"]["text_hidden_size"] = text["hidden_size"]
     return cfg
 
 
@@ -225,7 +227,10 @@ def main() -> None:
     parser.add_argument("--layer-scale", type=int, default=4, help="layer-count multiplier of the large model")
     parser.add_argument("--no-mpi", action="store_true", help="build the ranks in one process")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (seconds): checks the script runs, no figures")
     args = parser.parse_args()
+    if args.smoke:
+        args.scale, args.layer_scale = 2, 1
     if args.scale < 2 or math.log2(args.scale) % 1:
         parser.error("--scale must be a power of two >= 2 (keeps every width a multiple of 32 and divisible by tp/ep)")
     figures = run(args.scale, args.layer_scale, use_mpi=False if args.no_mpi else None)

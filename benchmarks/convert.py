@@ -218,7 +218,10 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint and output")
     ap.add_argument("--json", metavar="PATH", help="write the figures as a flat JSON object")
     ap.add_argument("--child", nargs=3, metavar=("MODE", "CKPT", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (seconds): checks the script runs, no figures")
     args = ap.parse_args()
+    if args.smoke:
+        args.experts, args.vocab, args.rounds = 2, 512, 1
     if args.child:
         mode, ckpt, out = args.child
         print(json.dumps(child(mode, Path(ckpt), Path(out))))

@@ -206,7 +206,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each method keeps its best")
     parser.add_argument("--max-seq-len", type=int, default=4096, help="recipe limit: sizes the engine's pools")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (seconds): checks the script runs, no figures")
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.rounds, args.max_seq_len = 2, 1, 1024
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
         out = build_engine(Path(tmp), args.max_seq_len)

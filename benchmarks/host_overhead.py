@@ -1,6 +1,7 @@
 """Host overhead per decode step: what the runtime's host side costs when the model step itself is free.
 
     python benchmarks/host_overhead.py [--steps 20] [--rounds 5] [--threads T] [--device-ms 3] [--json out.json]
+    python benchmarks/host_overhead.py --smoke   # tiny sizes (seconds): the code path only, no figure to read
 
 Part 1, the engine core over a runner that returns sampled ids at once (no model, no sampling): `LLM`'s core
 (scheduler, sampling-batch packing, step packing, output processing, detokenization, stop checks) driving B
@@ -35,12 +36,13 @@ import torch
 
 from moe_export.export.synth import write_synthetic_tokenizer
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
-from moe_export.runtime.entrypoints.llm import LLM
+from moe_export.runtime.client.llm import LLM
 from moe_export.runtime.sampling import SamplingParams
 from moe_export.runtime.tokenizer import load_tokenizer
 
 VOCAB = 163_840
 BATCHES = (1, 16, 64, 256)
+SMOKE_BATCHES = (1, 4)  # --smoke: the batches of every part (the overlap part runs at the largest)
 
 
 class InstantRunner:
@@ -50,8 +52,10 @@ class InstantRunner:
         self.num_slots, self.block_size, self.max_seq_len = num_slots, 64, 1 << 16
         self.num_blocks = num_slots * (self.max_seq_len // self.block_size)
         self.max_num_tokens, self.max_step_pairs = 1 << 16, None
+        self.num_checkpoints, self.checkpoint_interval = 0, 0  # no checkpoint pool: no prefix caching
         self.world_size, self.comm, self.is_root = 1, None, True
         self.config, self.model_config = None, {"vocab_size": VOCAB}  # no EngineConfig: not built
+        self.vision, self.dp_layout = None, False
         self.tokens, self.at = token_ids, 0
 
     def reset_slot(self, slot: int) -> None:
@@ -127,7 +131,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device-ms", type=float, default=3.0, help="part 3: the simulated device step (ms)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (seconds): checks the code runs, no figures")
     args = ap.parse_args()
+    batches, big = (SMOKE_BATCHES, SMOKE_BATCHES[-1]) if args.smoke else (BATCHES, 256)
+    if args.smoke:
+        args.steps, args.rounds, args.device_ms = 2, 1, 0.5
     if args.threads:
         torch.set_num_threads(args.threads)
     result: dict = {"loadavg_1min_before": os.getloadavg()[0], "threads": torch.get_num_threads(), "vocab": VOCAB}
@@ -135,19 +143,19 @@ def main() -> int:
         write_synthetic_tokenizer(Path(tmp), "k3", 4096)
         tok = load_tokenizer(tmp)
         ordinary = np.array([i for i in range(32, tok.vocab_size) if not tok.is_special(i)], dtype=np.int64)
-        for b in BATCHES:
+        for b in batches:
             result[f"host_ms_per_step_{b}"] = round(host_ms_per_step(Path(tmp), b, args.steps, args.rounds, ordinary), 3)
             print(f"host_ms_per_step_{b}: {result[f'host_ms_per_step_{b}']}", flush=True)
         result["device_ms"] = args.device_ms
         for _ in range(2):  # interleaved rounds: serial, overlap, serial, overlap (best of each)
             for key, overlap in (("serial_ms_per_step_256", False), ("overlap_ms_per_step_256", True)):
-                ms = host_ms_per_step(Path(tmp), 256, args.steps, args.rounds, ordinary, args.device_ms, overlap)
+                ms = host_ms_per_step(Path(tmp), big, args.steps, args.rounds, ordinary, args.device_ms, overlap)
                 result[key] = round(min(ms, result.get(key, float("inf"))), 3)
         result["overlap_speedup_256"] = round(result["serial_ms_per_step_256"] / result["overlap_ms_per_step_256"], 2)
         print(f"device step {args.device_ms} ms at B=256: serial {result['serial_ms_per_step_256']} ms, overlap "
               f"{result['overlap_ms_per_step_256']} ms per step ({result['overlap_speedup_256']}x)", flush=True)
     gen = torch.Generator().manual_seed(0)
-    for b in BATCHES:
+    for b in batches:
         flat = torch.randn(b, VOCAB, generator=gen)
         for suffix, logits in (("", flat), ("_peaked", flat * 4)):
             result[f"sampler_ms_{b}_greedy{suffix}"] = round(sampler_ms(logits, 0.0, 1.0, args.rounds), 3)
@@ -156,8 +164,9 @@ def main() -> int:
                   f"sampled {result[f'sampler_ms_{b}_sampled{suffix}']}", flush=True)
         del flat
     for suffix in ("", "_peaked"):
-        result[f"sampled_over_greedy_64{suffix}"] = round(result[f"sampler_ms_64_sampled{suffix}"]
-                                                          / result[f"sampler_ms_64_greedy{suffix}"], 2)
+        mid = 64 if 64 in batches else batches[-1]
+        result[f"sampled_over_greedy_64{suffix}"] = round(result[f"sampler_ms_{mid}_sampled{suffix}"]
+                                                          / result[f"sampler_ms_{mid}_greedy{suffix}"], 2)
     result["legacy_ms_per_step_256_sampled"] = None
     result["legacy_path"] = "gone: the per-request sampler was replaced by the runner's batched sampler"
     result["loadavg_1min"] = os.getloadavg()[0]

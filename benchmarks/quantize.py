@@ -98,7 +98,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     ap.add_argument("--json", metavar="PATH", help="write the figures as a flat JSON object")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (seconds): checks the script runs, no figures")
     args = ap.parse_args()
+    if args.smoke:
+        args.experts, args.rounds = 1, 1
     if args.threads:
         torch.set_num_threads(args.threads)
     r = run(args.experts, args.rounds, args.seed)

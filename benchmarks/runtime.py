@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 from moe_export.common.recipe import load_recipe
 from moe_export.export.build import build
-from moe_export.runtime.entrypoints.llm import LLM
+from moe_export.runtime.client.llm import LLM
 from moe_export.runtime.sampling import SamplingParams
 
 BATCH = 16

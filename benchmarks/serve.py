@@ -180,7 +180,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run(tokens: int, rounds: int, structured: int, prefix_requests: int) -> dict:
-    from moe_export.runtime.entrypoints.llm import LLM
+    from moe_export.runtime.client.llm import LLM
 
     load_start = os.getloadavg()[0]
 
@@ -241,7 +241,10 @@ def main() -> None:
     parser.add_argument("--prefix-requests", type=int, default=32,
                         help="requests sharing a 2,000-token preamble for prefix_cache_ttft_speedup (0: skip)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (seconds): checks the script runs, no figures")
     args = parser.parse_args()
+    if args.smoke:
+        args.tokens, args.rounds, args.structured, args.prefix_requests = 2, 1, 2, 2
     start = time.perf_counter()
     result = run(args.tokens, args.rounds, args.structured, args.prefix_requests)
     result["wall_s"] = time.perf_counter() - start

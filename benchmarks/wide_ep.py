@@ -182,7 +182,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--paper", action="store_true")
     parser.add_argument("--rank-run", help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (seconds): checks the script runs, no figures")
     args = parser.parse_args()
+    if args.smoke:
+        args.requests, args.prompt, args.tokens = 4, 8, 2
     if args.rank_run:
         rank_main(args.rank_run, args.requests, args.prompt, args.tokens)
         return

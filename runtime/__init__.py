@@ -1,6 +1,6 @@
 """moe_export.runtime: model runners (`engine`), the engine core (`core`: scheduler, blocks, sessions, budgets,
-structured decoding), entry points (`entrypoints`: LLM / AsyncLLM, generate, terminal chat, eval, server,
-Triton, batch), sampling parameters, tokenizer and chat formats.
+structured decoding), the input processor (`processor`), the engine clients (`client`: LLM / AsyncLLM, the
+`EngineClient` protocol), entry points (`entrypoints`: generate, terminal chat, eval, server, Triton, batch), sampling parameters, tokenizer and chat formats.
 
 `from moe_export.runtime import LLM, AsyncLLM, SamplingParams` (imported on first use, so that importing
 a submodule such as runtime.engine stays light).
@@ -13,7 +13,7 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-_LAZY = {"LLM": "moe_export.runtime.entrypoints.llm", "AsyncLLM": "moe_export.runtime.entrypoints.llm",
+_LAZY = {"LLM": "moe_export.runtime.client.llm", "AsyncLLM": "moe_export.runtime.client.async_llm",
          "SamplingParams": "moe_export.runtime.sampling"}
 
 

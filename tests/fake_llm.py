@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from moe_export.common.errors import InputError
-from moe_export.runtime.entrypoints.llm import ChatOutput, StreamDelta
+from moe_export.runtime.client.request_core import ChatOutput, StreamDelta, Tracked
+from moe_export.runtime.core.budget import ThinkingPlan
+from moe_export.runtime.processor import RenderedChat
 from moe_export.runtime.sampling import SamplingParams
 
 VOCAB = 100
@@ -23,6 +25,33 @@ class FakeTokenizer:
         return text.replace("<|im_end|>", "")
 
 
+class FakeProcessor:
+    """The input processor's interface: a conversation renders to 10 tokens a message (`render_error`: an
+    InputError it raises); `seen` gets (messages or prompt ids, SamplingParams, effort) of each request."""
+
+    vision = None
+
+    def __init__(self, llm: FakeLLM) -> None:
+        self.llm = llm
+
+    def render(self, messages, *, reasoning_effort=None, **kwargs) -> RenderedChat:
+        if self.llm.render_error is not None:
+            raise self.llm.render_error
+        tier = "none" if reasoning_effort == "none" else "low"
+        rendered = RenderedChat([1] * (10 * len(messages)), [], ThinkingPlan(tier != "none", None, tier))
+        self.llm.rendered.append((rendered, messages, reasoning_effort))
+        return rendered
+
+    def chat_request(self, rendered: RenderedChat, sampling, *, parallel_tool_calls=True, request_id=None) -> Tracked:
+        messages, effort = next((m, e) for r, m, e in self.llm.rendered if r is rendered)
+        self.llm.seen.append((messages, sampling, effort))
+        return Tracked(request_id, list(rendered.prompt_ids), sampling, None, None, thinking_tier=rendered.plan.tier)
+
+    def generate(self, prompt, sampling, request_id=None) -> Tracked:
+        self.llm.seen.append((prompt, sampling, None))
+        return Tracked(request_id, list(prompt), sampling, None, None)
+
+
 class FakeLLM:
     """What the server uses of an AsyncLLM. `fail_next`: an exception the next request raises (at its first delta,
     or after it with `fail_late`); `render_error`: an InputError that rendering raises; `cached`: prompt tokens
@@ -39,25 +68,28 @@ class FakeLLM:
         self.family = "k3"
         self.tool_calls: list[dict] = []  # the calls each answer makes (K3 ids, numbered from 0 in every turn)
         self.seen: list[tuple] = []  # (messages or prompt ids, SamplingParams, effort)
+        self.rendered: list[tuple] = []  # (RenderedChat, messages, effort) of each rendering
+        self.processor = FakeProcessor(self)
 
     def stats(self) -> dict:
         keys = ("waiting", "running", "blocks_used", "blocks_total", "reuse_hits", "reuse_tokens",
                 "prefix_queried_tokens", "prefix_hit_tokens")
         return dict.fromkeys(keys, 0)
 
-    def render_chat(self, messages, **kwargs) -> list[int]:
-        if self.render_error is not None:
-            raise self.render_error
-        return [1] * (10 * len(messages))
+    def stream(self, request: Tracked, logits_processors=None):
+        chat = request.thinking_tier is not None  # (plain prompts' alternatives only: `_stream`)
+        return self._stream(request.request_id, len(request.prompt_ids), request.thinking_tier or "none",
+                            not chat and request.sampling.logprobs)
 
-    def chat_stream(self, messages, sampling, *, reasoning_effort=None, request_id=None, **kwargs):
-        self.seen.append((messages, sampling, reasoning_effort))
-        tier = "none" if reasoning_effort == "none" else "low"
-        return self._stream(request_id, 10 * len(messages), tier)
+    def chat_stream(self, messages, sampling, **kwargs):
+        rendered = self.processor.render(messages, reasoning_effort=kwargs.pop("reasoning_effort", None))
+        return self.stream(self.processor.chat_request(rendered, sampling, request_id=kwargs.get("request_id")))
 
-    def generate_stream(self, prompt, sampling, *, request_id=None):
-        self.seen.append((prompt, sampling, None))
-        return self._stream(request_id, len(prompt), "none", sampling.logprobs)
+    def generate_stream(self, prompt, sampling, *, request_id=None, logits_processors=None):
+        return self.stream(self.processor.generate(prompt, sampling, request_id))
+
+    def abort(self, request_id: str) -> None:
+        pass
 
     async def _stream(self, rid: str, prompt_tokens: int, tier: str, logprobs: bool = False):
         """Two tokens, 5 and 6 ("fg"); with logprobs, each with two alternatives that decode alike (i, i + 26)."""

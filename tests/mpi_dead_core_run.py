@@ -19,10 +19,10 @@ def main() -> None:
         print("released", flush=True)
         return
 
-    def broken_plan():
+    def broken_plan(resets, restores):
         raise AssertionError("two sequences hold one slot")
 
-    llm._root().sched._plan = broken_plan
+    llm._root().engine_core.scheduler._plan = broken_plan
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     out = {}
     for key in ("error", "later"):

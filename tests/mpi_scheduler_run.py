@@ -3,7 +3,7 @@ max_tokens}) together on the engine argv[1]; other ranks follow. Rank 0 prints o
 {"tokens": [...per request], "root_steps": N, "follower_steps": [...]}.
 With PREFIX_CACHING=1 the requests run one after another with prefix caching on, and the line also holds
 "cached": [...per request] (prompt tokens resumed from the prefix cache). With OVERLAP=1 rank 0 plans each
-step while the previous one runs (`Scheduler(overlap=True)`: broadcasts and steps in its worker thread), and
+step while the previous one runs (`EngineCore(overlap=True)`: broadcasts and steps in its worker thread), and
 the line also holds "planned_ahead".
 
 Failure injection for the stop-the-world test: FAIL_RANK / FAIL_AT_STEP make that rank's engine.step
@@ -16,7 +16,8 @@ import os
 import sys
 
 from moe_export.runtime.core.execution import follow
-from moe_export.runtime.core.scheduler import Request, Scheduler
+from moe_export.runtime.core.engine_core import EngineCore
+from moe_export.runtime.core.scheduler import Request
 from moe_export.runtime.engine.ort import Engine
 from moe_export.runtime.sampling import SamplingParams
 
@@ -40,7 +41,7 @@ def main() -> None:
         return
     spec = json.loads(sys.argv[2])
     one_by_one = os.environ.get("PREFIX_CACHING") == "1"
-    sched = Scheduler(engine, keep_sessions=False, prefix_caching=one_by_one, overlap=os.environ.get("OVERLAP") == "1")
+    sched = EngineCore(engine, keep_sessions=False, prefix_caching=one_by_one, overlap=os.environ.get("OVERLAP") == "1")
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(spec))}
     cached: dict[str, int] = {str(i): 0 for i in range(len(spec))}
     steps = 0

@@ -44,7 +44,7 @@ def abort_phase(llm) -> dict:
     out = asyncio.run(run())
     engine.shutdown()  # the LLM was passed in: it stays usable
     out["after"] = llm.stats()["running"]
-    history = llm._core.sched.history  # finished (not aborted) prompts -> their group
+    history = llm._core.engine_core.history  # finished (not aborted) prompts -> their group
     out["groups"] = [history.get((11, 12, 13)), history.get((31, 32, 33))]
     return out
 
@@ -60,7 +60,7 @@ def main() -> None:
     for spec in json.loads(sys.argv[2]):
         results = llm.generate(spec["prompts"], SamplingParams(max_tokens=spec["max_tokens"], ignore_eos=True))
         rounds.append([r.output_ids for r in results])
-        history = llm._core.sched.history
+        history = llm._core.engine_core.history
         groups.append([history.get(tuple(p)) for p in spec["prompts"]])
     stats = llm.stats()  # before the abort phase
     aborted = abort_phase(llm) if sys.argv[3:] == ["abort"] else None

@@ -46,7 +46,7 @@ SERVER_OVER_A_FAKE_ENGINE = """
 import sys
 sys.path.insert(0, sys.argv[1])
 from fake_llm import FakeLLM
-import moe_export.runtime.entrypoints.llm as llm_module
+import moe_export.runtime.client.async_llm as llm_module
 
 llm_module.AsyncLLM = lambda *args, **kwargs: FakeLLM()
 from moe_export.runtime.entrypoints.cli import main

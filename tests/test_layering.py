@@ -2,10 +2,13 @@
 
 Floors, lowest first: common < recipes < quantize < plugins < graphs < export < runtime; inside runtime only the entry
 points import the build package. A cycle is a strongly connected component of more than one module in the import
-graph (grimp's, the graph import-linter checks)."""
+graph: grimp's (the graph import-linter checks; it holds the imports inside functions too) plus the modules
+`importlib.import_module` calls may import (`dynamic_imports`)."""
 
 from __future__ import annotations
 
+import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -72,11 +75,75 @@ def test_import_contracts_hold():
     assert "broken" in r.stdout and " 0 broken" in r.stdout
 
 
-def test_no_import_cycles():
+def module_file(module: str) -> Path:
+    parts = module.split(".")[1:]  # (the package moe_export is the repository root)
+    path = ROOT.joinpath(*parts)
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def dynamic_imports(module: str, known: set[str]) -> set[str]:
+    """The modules of `known` that `module`'s `importlib.import_module` calls may import: a literal name; an
+    f-string matched as a pattern (`{__name__}`: the module's own name, any other field: one name part); any other
+    argument: every module named by a string constant in the module (e.g. a table of lazy imports)."""
+    tree = ast.parse(module_file(module).read_text())
+    found: set[str] = set()
+    computed = False
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and node.args and getattr(node.func, "attr", getattr(node.func, "id", None))
+                == "import_module"):
+            continue
+        arg = node.args[0]
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            found.add(arg.value)
+        elif isinstance(arg, ast.JoinedStr):
+            pattern = "".join(
+                re.escape(part.value) if isinstance(part, ast.Constant)
+                else re.escape(module) if isinstance(part.value, ast.Name) and part.value.id == "__name__"
+                else r"[A-Za-z0-9_]+" for part in arg.values)
+            found |= {m for m in known if re.fullmatch(pattern, m)}
+        else:
+            computed = True
+    if computed:
+        found |= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                  and n.value in known}
+    return (found & known) - {module}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the modules it imports: at its top, inside functions, or through importlib."""
     g = grimp.build_graph(*(f"moe_export.{p}" for p in PACKAGES))
     graph = {m: set(g.find_modules_directly_imported_by(m)) for m in g.modules}
+    known = set(graph)
+    for m in graph:
+        graph[m] |= dynamic_imports(m, known)
+    return graph
+
+
+def test_dynamic_imports_are_edges():
+    """The importlib imports the graph must see (a lazy table, a computed name, an f-string pattern)."""
+    graph = import_graph()
+    assert "moe_export.runtime.client.llm" in graph["moe_export.runtime"]  # runtime.__init__'s lazy LLM
+    assert "moe_export.runtime.engine.ort" in graph["moe_export.runtime.engine"]  # the runners table
+    assert "moe_export.export.backends.tensorrt" in graph["moe_export.export.backends"]  # f"{__name__}.{name}"
+    assert "moe_export.plugins.moe_mxfp4.reference" in graph["moe_export.plugins.registry"]
+
+
+# Cycles this test found when it began counting imports inside functions and through importlib, left to their
+# owners (issue 37 item 5: the TensorRT build behind `importlib` in export/backends; the image URL fetcher's
+# decode check and the image parts' URL fetch). The list only shrinks: a new cycle fails the test.
+KNOWN_CYCLES = [
+    ["moe_export.export.backends", "moe_export.export.backends.onnxruntime", "moe_export.export.backends.tensorrt",
+     "moe_export.export.backends.torch", "moe_export.export.build_source", "moe_export.export.build_stages",
+     "moe_export.export.planner", "moe_export.export.stage_keys", "moe_export.export.tensorrt_build",
+     "moe_export.export.tensorrt_vision"],
+    ["moe_export.runtime.image_urls", "moe_export.runtime.images"],
+]
+
+
+def test_no_import_cycles():
+    graph = import_graph()
     assert len(graph) > 100  # the walk found the package
-    assert strongly_connected(graph) == []
+    assert strongly_connected(graph) == KNOWN_CYCLES
 
 
 def test_cycle_finder_finds_cycles():

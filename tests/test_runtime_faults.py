@@ -69,10 +69,10 @@ def make_llm(engine_dir):
 
 def assert_nothing_held(llm: LLM) -> None:
     """No request is left waiting or running, and every slot is free or a kept session's."""
-    sched = llm._root().sched
+    sched = llm._root().engine_core
     stats = sched.stats()
     assert stats["waiting"] == stats["running"] == 0
-    assert len(sched.resources.free_slots) + stats["kept_sessions"] == llm.engine.num_slots
+    assert len(sched.scheduler.resources.free_slots) + stats["kept_sessions"] == llm.engine.num_slots
 
 
 def run(coro):
@@ -179,8 +179,8 @@ def test_a_detokenizer_failure_fails_that_request_only(make_llm, clean):
     """The core's incremental decoder of one request raises at its third token: that request ends, the one
     sharing its steps does not."""
     llm, _ = make_llm()
-    sched = llm._root().sched
-    make_decoder, made = sched.text_decoder, []
+    sched = llm._root().engine_core
+    make_decoder, made = sched.scheduler.text_decoder, []
 
     class Broken:
         def __init__(self, inner):
@@ -199,7 +199,7 @@ def test_a_detokenizer_failure_fails_that_request_only(make_llm, clean):
         made.append(None)
         return Broken(make_decoder()) if len(made) == 1 else make_decoder()
 
-    sched.text_decoder = first_one_broken
+    sched.scheduler.text_decoder = first_one_broken
     allm = AsyncLLM(llm)
 
     async def main():
@@ -237,7 +237,7 @@ def test_an_output_parser_failure_fails_that_request_only(make_llm):
                 return delta.output
 
     async def main():
-        return await asyncio.gather(collect(allm._stream(broken, None)),
+        return await asyncio.gather(collect(allm.stream(broken)),
                                     allm.chat(chat, params, reasoning_effort="none"), return_exceptions=True)
 
     try:
@@ -279,12 +279,12 @@ def test_a_broken_scheduler_kills_the_engine_at_once(make_llm):
     """An exception out of the scheduler itself (an invariant broken) is no request's fault: the core is dead
     at once and the open requests end with EngineDead."""
     llm, _ = make_llm(overlap=False)
-    sched = llm._root().sched
+    sched = llm._root().engine_core
 
-    def broken_plan():
+    def broken_plan(resets, restores):
         raise AssertionError("two sequences hold one slot")
 
-    sched._plan = broken_plan
+    sched.scheduler._plan = broken_plan
     with pytest.raises(EngineDead, match="two sequences hold one slot"):
         llm.generate([OTHER, PROMPT], GREEDY)
     assert not llm.healthy and isinstance(llm.fatal_error, EngineDead)
@@ -352,7 +352,7 @@ def test_sampling_values_at_the_edges_sample_and_never_hurt_the_engine(make_llm)
             assert len(out) == 4 and all(0 <= t < vocab for t in out), edge
         except RequestFailed:  # a value the sampler cannot choose from fails its request, nothing else
             pass
-        assert llm.healthy and llm._root().sched.failed_steps == 0, edge
+        assert llm.healthy and llm._root().engine_core.failed_steps == 0, edge
         assert llm.generate([OTHER], base)[0].output_ids == free, edge
     assert_nothing_held(llm)
 
@@ -377,7 +377,7 @@ def test_a_sampler_failure_fails_its_requests_not_the_step_or_the_engine(make_ll
         calls.clear()
         with pytest.raises(RequestFailed, match="choosing its token failed: RuntimeError: selected index k"):
             llm.generate([PROMPT], GREEDY)
-        assert llm.healthy and llm._root().sched.failed_steps == 0
+        assert llm.healthy and llm._root().engine_core.failed_steps == 0
     monkeypatch.setattr(runner_module, "sample", real)
     assert llm.generate([PROMPT], GREEDY)[0].output_ids == clean[tuple(PROMPT)]
     assert_nothing_held(llm)

@@ -367,7 +367,7 @@ def test_overlap_on_and_off_give_the_same_outputs(runtime_engine):
     for overlap in (False, True):
         llm = LLM(engine_dir, threads=1, overlap=overlap)
         try:
-            assert llm._root().sched.overlap is overlap
+            assert llm._root().engine_core.overlap is overlap
             outs[overlap] = [(o.output_ids, o.text, o.finish_reason, o.stop_string)
                              for p, s in zip(prompts, params) for o in llm.generate([p], s)]
             outs[overlap].append([(o.output_ids, o.text) for o in llm.generate(prompts, params[0])])
@@ -376,7 +376,7 @@ def test_overlap_on_and_off_give_the_same_outputs(runtime_engine):
     assert outs[True] == outs[False]
 
     llm = LLM(engine_dir, threads=1, overlap=True)
-    sched = llm._root().sched
+    sched = llm._root().engine_core
     started, sample = [], llm.engine.sample
 
     def recording(batch, sampling):

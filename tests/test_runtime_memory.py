@@ -16,7 +16,8 @@ import pytest
 
 PROBE = r"""
 import ctypes, json, re, sys
-from moe_export.runtime.core.scheduler import Request, Scheduler
+from moe_export.runtime.core.engine_core import EngineCore
+from moe_export.runtime.core.scheduler import Request
 from moe_export.runtime.engine.ort import Engine
 from moe_export.runtime.sampling import SamplingParams
 
@@ -26,7 +27,7 @@ def status(key):
 
 
 eng = Engine(sys.argv[1], num_slots=1, threads=1, max_step_pairs=int(sys.argv[3]) or None)
-sched = Scheduler(eng, keep_sessions=False, prefix_caching=False)  # chunks of max_num_tokens, none cut at checkpoints
+sched = EngineCore(eng, keep_sessions=False, prefix_caching=False)  # chunks of max_num_tokens, none cut at checkpoints
 one = SamplingParams(max_tokens=1, ignore_eos=True)
 sched.add(Request("warm-up", [1, 2, 3], one))
 while sched.has_work:

@@ -18,7 +18,8 @@ from test_runtime_sessions import Recorder, assert_same, run
 
 from moe_export.runtime.core.blocks import BlockAllocator
 from moe_export.runtime.core.prefix_cache import PrefixCache, block_hashes
-from moe_export.runtime.core.scheduler import Request, Scheduler
+from moe_export.runtime.core.engine_core import EngineCore
+from moe_export.runtime.core.scheduler import Request
 from moe_export.runtime.engine.ort import Engine
 from moe_export.runtime.sampling import SamplingParams
 
@@ -33,12 +34,12 @@ def tail(n: int, seed: int) -> list[int]:
 
 def oracle(eng: Engine, prompt: list[int], n: int) -> tuple[list[int], Recorder]:
     """Greedy tokens and logits of a full prefill (no cache of any kind)."""
-    tokens, rec, cached = run(Scheduler(eng, keep_sessions=False, prefix_caching=False), "oracle", prompt, n)
+    tokens, rec, cached = run(EngineCore(eng, keep_sessions=False, prefix_caching=False), "oracle", prompt, n)
     assert cached == 0
     return tokens, rec
 
 
-def check(sched: Scheduler, fresh: Engine, rid: str, prompt: list[int], want_cached: int, n: int = 5) -> None:
+def check(sched: EngineCore, fresh: Engine, rid: str, prompt: list[int], want_cached: int, n: int = 5) -> None:
     got, rec, cached = run(sched, rid, prompt, n)
     assert cached == want_cached, rid
     want, frec = oracle(fresh, prompt, n)
@@ -51,7 +52,7 @@ def test_cached_prefixes_equal_full_prefill(runtime_engine, preset):
     engine_dir = runtime_engine(preset, 2, 2, 4)
     eng, fresh = Engine(engine_dir, threads=1), Engine(engine_dir, num_slots=1, threads=1)
     assert eng.checkpoint_interval == 64
-    sched = Scheduler(eng, keep_sessions=False)
+    sched = EngineCore(eng, keep_sessions=False)
     a = BASE[:70] + tail(20, 1)  # 90 tokens: checkpoints at 64 (interval) and 80 (its last block boundary)
     check(sched, fresh, "a", a, 0)
     check(sched, fresh, "mid-block", BASE[:70] + tail(25, 2), 64)  # shares 70 tokens: resumes at 64
@@ -72,7 +73,7 @@ def test_requests_sharing_a_prefix_in_the_same_step(runtime_engine, preset):
     two hits restoring the same checkpoint in one step."""
     engine_dir = runtime_engine(preset, 2, 2, 4)
     eng, fresh = Engine(engine_dir, threads=1), Engine(engine_dir, num_slots=1, threads=1)
-    sched = Scheduler(eng, keep_sessions=False)
+    sched = EngineCore(eng, keep_sessions=False)
     for wave, (shared, want_cached) in enumerate([(BASE[:50], 0), (BASE[:50], 48)]):
         prompts = {f"w{wave}-{i}": shared + tail(12 + i, 10 * wave + i) for i in range(2)}
         recs = {rid: Recorder() for rid in prompts}
@@ -84,7 +85,7 @@ def test_requests_sharing_a_prefix_in_the_same_step(runtime_engine, preset):
         while sched.has_work:
             updates = sched.step()
             if first:
-                assert len(sched.running) == 2  # both in the first step
+                assert len(sched.scheduler.running) == 2  # both in the first step
                 first = False
             for u in updates:
                 got[u.request_id] += u.token_ids
@@ -102,7 +103,7 @@ def test_eviction_then_reuse(runtime_engine):
     engine_dir = runtime_engine("tiny-k3", 2, 2, 4)
     eng = Engine(engine_dir, num_slots=2, num_blocks=12, num_checkpoints=1, threads=1)
     fresh = Engine(engine_dir, num_slots=1, threads=1)
-    sched = Scheduler(eng, keep_sessions=False)
+    sched = EngineCore(eng, keep_sessions=False)
     a = BASE[:70] + tail(4, 20)  # 74 tokens + 4: 5 blocks; checkpoint 64 only (the last boundary)
     check(sched, fresh, "a", a, 0, n=4)
     assert sched.stats()["prefix_cached_blocks"] == 4 and sched.stats()["prefix_checkpoints"] == 1

@@ -16,7 +16,8 @@ import torch
 from fp32_reorder import num_layers, reorder_atol
 from moe_export.export.checkpoint import load_model
 from moe_export.common.errors import InputError
-from moe_export.runtime.core.scheduler import Request, Scheduler
+from moe_export.runtime.core.engine_core import EngineCore
+from moe_export.runtime.core.scheduler import Request
 from moe_export.runtime.engine.ort import Engine
 from moe_export.runtime.entrypoints.generate import generate_tokens
 from moe_export.runtime.sampling import SamplingParams
@@ -32,7 +33,7 @@ PROMPTS = [
 MAX_TOKENS = [9, 14, 6, 11, 8]
 
 
-def run_all(sched: Scheduler, requests: list[Request], join_late: dict[int, list[Request]] | None = None) -> dict:
+def run_all(sched: EngineCore, requests: list[Request], join_late: dict[int, list[Request]] | None = None) -> dict:
     """Drive `sched` to completion; requests in join_late[k] are added before step k. -> id -> (tokens, updates)."""
     out: dict[str, list] = {}
     for r in requests:
@@ -59,7 +60,7 @@ def alone(engine, prompt, params) -> list[int]:
 def test_batched_equals_unbatched_greedy_with_late_joins(engine):
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     want = [alone(engine, p, s) for p, s in zip(PROMPTS, params)]
-    sched = Scheduler(engine, keep_sessions=False)
+    sched = EngineCore(engine, keep_sessions=False)
     reqs = [Request(f"r{i}", p, s) for i, (p, s) in enumerate(zip(PROMPTS, params))]
     got = run_all(sched, reqs[:3], join_late={2: [reqs[3]], 5: [reqs[4]]})
     for i, w in enumerate(want):
@@ -67,14 +68,14 @@ def test_batched_equals_unbatched_greedy_with_late_joins(engine):
         assert tokens == w, f"request {i}"
         assert updates[-1].finished and updates[-1].finish_reason == "length"
     # nothing leaked: the blocks still in use are the prefix cache's alone
-    assert sched.resources.allocator.used_blocks == sched.stats()["prefix_cached_blocks"] and len(sched.resources.free_slots) == engine.num_slots
+    assert sched.scheduler.resources.allocator.used_blocks == sched.stats()["prefix_cached_blocks"] and len(sched.scheduler.resources.free_slots) == engine.num_slots
 
 
 def test_seeded_sampling_is_per_request(engine):
     params = [SamplingParams(temperature=1.0, top_p=0.9, seed=s, max_tokens=7, ignore_eos=True) for s in (1, 2, 1)]
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0]]
     want = [alone(engine, p, s) for p, s in zip(prompts, params)]
-    got = run_all(Scheduler(engine, keep_sessions=False), [Request(f"s{i}", p, s) for i, (p, s) in enumerate(zip(prompts, params))])
+    got = run_all(EngineCore(engine, keep_sessions=False), [Request(f"s{i}", p, s) for i, (p, s) in enumerate(zip(prompts, params))])
     assert [got[f"s{i}"][0] for i in range(3)] == want
     assert want[0] == want[2] and want[0] != want[1]
 
@@ -84,7 +85,7 @@ def test_admission_is_bounded_by_blocks_and_waits(runtime_engine):
     eng = Engine(runtime_engine("tiny-k3", 2, 2, 4), num_blocks=5, threads=1)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     prompts = [PROMPTS[0][:20], PROMPTS[4][:18], PROMPTS[2][:12], PROMPTS[3] + [1, 2, 3, 4]]
-    sched = Scheduler(eng, keep_sessions=False)
+    sched = EngineCore(eng, keep_sessions=False)
     for i, p in enumerate(prompts):
         sched.add(Request(f"b{i}", p, params))
     got: dict[str, list[int]] = {}
@@ -95,7 +96,7 @@ def test_admission_is_bounded_by_blocks_and_waits(runtime_engine):
     while sched.has_work:
         for u in sched.step():
             got.setdefault(u.request_id, []).extend(u.token_ids)
-        seen_blocks.append(sched.resources.allocator.used_blocks)
+        seen_blocks.append(sched.scheduler.resources.allocator.used_blocks)
     assert max(seen_blocks) <= 5
     for i, p in enumerate(prompts):
         assert got[f"b{i}"] == alone(eng, p, params)
@@ -104,25 +105,25 @@ def test_admission_is_bounded_by_blocks_and_waits(runtime_engine):
 
 
 def test_abort_frees_state_at_once(engine):
-    sched = Scheduler(engine, keep_sessions=False)
+    sched = EngineCore(engine, keep_sessions=False)
     sched.add(Request("a", PROMPTS[0], SamplingParams(max_tokens=20)))
     sched.add(Request("b", PROMPTS[1], SamplingParams(max_tokens=20, ignore_eos=True)))
     sched.step()
-    used = sched.resources.allocator.used_blocks
+    used = sched.scheduler.resources.allocator.used_blocks
     assert sched.abort("a")
-    assert sched.resources.allocator.used_blocks < used and len(sched.resources.free_slots) == engine.num_slots - 1
+    assert sched.scheduler.resources.allocator.used_blocks < used and len(sched.scheduler.resources.free_slots) == engine.num_slots - 1
     updates = sched.step()
     assert any(u.request_id == "a" and u.finished and u.finish_reason == "abort" for u in updates)
     assert not sched.abort("a")
     while sched.has_work:
         sched.step()
-    assert sched.resources.allocator.used_blocks == sched.stats()["prefix_cached_blocks"]  # the prefix cache's alone
+    assert sched.scheduler.resources.allocator.used_blocks == sched.stats()["prefix_cached_blocks"]  # the prefix cache's alone
 
 
 def test_stop_ids_stop_strings_and_bad_requests(engine):
     free = alone(engine, PROMPTS[3], SamplingParams(max_tokens=12, ignore_eos=True))
     i = next(i for i in range(1, 12) if free[i] not in free[:i])
-    got = run_all(Scheduler(engine), [Request("s", PROMPTS[3], SamplingParams(max_tokens=12, stop_token_ids=(free[i],)))])
+    got = run_all(EngineCore(engine), [Request("s", PROMPTS[3], SamplingParams(max_tokens=12, stop_token_ids=(free[i],)))])
     assert got["s"][0] == free[: i + 1] and got["s"][1][-1].finish_reason == "stop"
 
     class Tags(IncrementalDecoder):  # each id as "<id>"
@@ -135,7 +136,7 @@ def test_stop_ids_stop_strings_and_bad_requests(engine):
         holding = False
 
     stop = f"{free[i - 1]}><{free[i]}"
-    sched = Scheduler(engine, text_decoder=Tags)
+    sched = EngineCore(engine, text_decoder=Tags)
     got = run_all(sched, [Request("t", PROMPTS[3], SamplingParams(max_tokens=12, stop=("never", stop)))])
     last = got["t"][1][-1]
     assert got["t"][0] == free[: i + 1] and last.finish_reason == "stop"
@@ -146,14 +147,14 @@ def test_stop_ids_stop_strings_and_bad_requests(engine):
     with pytest.raises(InputError, match="outside the vocabulary"):
         sched.add(Request("oov", [1, 10**7]))
     with pytest.raises(InputError, match="need a tokenizer"):
-        Scheduler(engine).add(Request("x", [1], SamplingParams(stop=("a",))))
+        EngineCore(engine).add(Request("x", [1], SamplingParams(stop=("a",))))
 
 
 def test_logprobs_match_the_reference_model(runtime_engine):
 
     engine_dir = runtime_engine("tiny-k3", 2, 2, 4)
     eng = Engine(engine_dir, threads=1)
-    sched = Scheduler(eng)
+    sched = EngineCore(eng)
     got = run_all(sched, [Request("l", PROMPTS[1], SamplingParams(max_tokens=4, logprobs=True, ignore_eos=True))])
     tokens, updates = got["l"]
     logprobs = [lp for u in updates for lp in u.logprobs]
@@ -176,7 +177,7 @@ def test_logits_processors(engine):
     def broken(_ids, _logits):
         raise ValueError("grammar exploded")
 
-    sched = Scheduler(engine)
+    sched = EngineCore(engine)
     got = run_all(sched, [Request("ban", PROMPTS[1], SamplingParams(max_tokens=6, ignore_eos=True), [ban]),
                           Request("broken", PROMPTS[3], SamplingParams(max_tokens=6), [broken]),
                           Request("plain", PROMPTS[1], SamplingParams(max_tokens=6, ignore_eos=True))])
@@ -210,7 +211,7 @@ def test_prefill_chunked_under_a_pair_budget_equals_one_step(runtime_engine):
         return Request(rid, prompt, params[rid], [lambda _ids, x: logits.setdefault(rid, []).append(x.clone()) or x])
 
     got: dict[str, list] = {}
-    sched = Scheduler(chunked)
+    sched = EngineCore(chunked)
     out1 = run_all(sched, [request("bg1", PROMPTS[0], got)], join_late={1: [request("a1", turn1, got)]})
     turn2 = turn1 + out1["a1"][0] + [3 + (11 * i) % 500 for i in range(100)]
     out2 = run_all(sched, [request("bg2", PROMPTS[4], got)], join_late={1: [request("a2", turn2, got)]})
@@ -221,7 +222,7 @@ def test_prefill_chunked_under_a_pair_budget_equals_one_step(runtime_engine):
 
     want: dict[str, list] = {}
     for rid, prompt in (("a1", turn1), ("a2", turn2), ("bg1", PROMPTS[0]), ("bg2", PROMPTS[4])):
-        run_all(Scheduler(whole, keep_sessions=False), [request(rid, prompt, want)])
+        run_all(EngineCore(whole, keep_sessions=False), [request(rid, prompt, want)])
     for rid in want:
         assert len(got[rid]) == len(want[rid]) == params[rid].max_tokens, rid
         for k, (x, y) in enumerate(zip(got[rid], want[rid])):
@@ -291,7 +292,7 @@ def test_one_process_hands_the_step_plan_over_unserialized(engine, monkeypatch):
     monkeypatch.setattr(execution_module, "run_plan", spy)
     monkeypatch.setattr(pickle, "dumps", no_pickling)
     monkeypatch.setattr(pickle, "Pickler", no_pickling)
-    run_all(Scheduler(engine), [Request("a", PROMPTS[1], SamplingParams(max_tokens=3, ignore_eos=True))])
+    run_all(EngineCore(engine), [Request("a", PROMPTS[1], SamplingParams(max_tokens=3, ignore_eos=True))])
     assert len(seen) == 3 and all(plan.chunks for plan in seen)
     assert all(type(c).__name__ == "SequenceChunk" for plan in seen for c in plan.chunks)
 
@@ -315,7 +316,7 @@ def test_planning_ahead_changes_no_token(engine):
 
     runs = {}
     for overlap in (False, True):
-        sched = Scheduler(engine, overlap=overlap)
+        sched = EngineCore(engine, overlap=overlap)
         reqs = requests()
         got = run_all(sched, reqs[:3], join_late={3: reqs[3:]})
         tokens = got["stop"][0]
@@ -331,7 +332,7 @@ def test_planning_ahead_changes_no_token(engine):
     n = len(PROMPTS[3]) + stop_at + 1
     assert (cached, cached_ahead) == (n - 1, n)  # planned ahead, the stop token's row fed it into the kept state
     assert sched.planned_ahead >= 10
-    assert len(sched.resources.free_slots) + len(sched.resources.sessions) == engine.num_slots and not sched.running
+    assert len(sched.scheduler.resources.free_slots) + len(sched.scheduler.resources.sessions) == engine.num_slots and not sched.scheduler.running
 
 
 def test_the_next_step_is_planned_while_the_runner_runs(engine, monkeypatch):
@@ -340,10 +341,10 @@ def test_the_next_step_is_planned_while_the_runner_runs(engine, monkeypatch):
     sampling row needs its token (a logits processor) makes the scheduler plan after the step instead."""
     import time
 
-    sched = Scheduler(engine, overlap=True)
+    sched = EngineCore(engine, overlap=True)
     counts = {"submitted": 0, "done": 0}
     plans_during_a_step = []
-    sample, submit, plan = engine.sample, sched.executor.pool.submit, sched._plan
+    sample, submit, plan = engine.sample, sched.executor.pool.submit, sched.scheduler.schedule
 
     def slow_sample(batch, sampling):
         assert batch.input_ids.min() >= 0, "a future token reached the runner"
@@ -362,7 +363,7 @@ def test_the_next_step_is_planned_while_the_runner_runs(engine, monkeypatch):
 
     monkeypatch.setattr(engine, "sample", slow_sample)
     monkeypatch.setattr(sched.executor.pool, "submit", counting_submit)
-    monkeypatch.setattr(sched, "_plan", recording_plan)
+    monkeypatch.setattr(sched.scheduler, "schedule", recording_plan)
     got = run_all(sched, [Request("a", PROMPTS[1], SamplingParams(max_tokens=6, ignore_eos=True)),
                           Request("b", PROMPTS[3], SamplingParams(max_tokens=6, ignore_eos=True))])
     monkeypatch.undo()
@@ -370,7 +371,19 @@ def test_the_next_step_is_planned_while_the_runner_runs(engine, monkeypatch):
     assert plans_during_a_step[0] is False and all(plans_during_a_step[1:6])  # each later step: while one ran
     assert got["a"][0] == alone(engine, PROMPTS[1], SamplingParams(max_tokens=6, ignore_eos=True))
 
-    sched = Scheduler(engine, overlap=True)
+    sched = EngineCore(engine, overlap=True)
     run_all(sched, [Request("p", PROMPTS[1], SamplingParams(max_tokens=6, ignore_eos=True), [lambda ids, x: x])])
     sched.shutdown()
     assert sched.planned_ahead == 0
+
+
+def test_the_scheduler_holds_no_runner_or_executor(engine):
+    """The scheduler plans and applies; the engine core alone runs the model (`EngineCore`: the only holder of the
+    executor). Neither the scheduler nor its resources keep the runner (they read its limits at construction)."""
+    from moe_export.runtime.core.execution import StepExecutor
+
+    core = EngineCore(engine)
+    for owner in (core.scheduler, core.scheduler.resources):
+        for name, value in vars(owner).items():
+            assert value is not engine and not isinstance(value, StepExecutor), (type(owner).__name__, name)
+    core.shutdown()

@@ -9,7 +9,8 @@ import pytest
 import torch
 from fp32_reorder import num_layers, reorder_atol
 
-from moe_export.runtime.core.scheduler import Request, Scheduler
+from moe_export.runtime.core.engine_core import EngineCore
+from moe_export.runtime.core.scheduler import Request
 from moe_export.runtime.core.sessions import TurnMemory
 from moe_export.runtime.engine.ort import Engine
 from moe_export.runtime.entrypoints.llm import LLM
@@ -30,7 +31,7 @@ class Recorder:
         return logits
 
 
-def run(sched: Scheduler, request_id: str, prompt: list[int], n: int) -> tuple[list[int], Recorder, int]:
+def run(sched: EngineCore, request_id: str, prompt: list[int], n: int) -> tuple[list[int], Recorder, int]:
     rec = Recorder()
     sched.add(Request(request_id, prompt, SamplingParams(max_tokens=n, ignore_eos=True), [rec]))
     tokens, cached = [], 0
@@ -56,7 +57,7 @@ def assert_same(a: Recorder, b: Recorder, engine) -> None:
 def test_follow_up_turns_with_reuse_equal_full_prefill(runtime_engine, preset, tp, ep, world):
     """Three turns: each follow-up prompt = everything so far + new tokens (crossing block and chunk bounds)."""
     eng = Engine(runtime_engine(preset, tp, ep, world), threads=1)
-    kept = Scheduler(eng)
+    kept = EngineCore(eng)
     out1, _, cached = run(kept, "t1", TURN1, 6)
     assert cached == 0
     prompt2 = TURN1 + out1 + TOOL_RESULT
@@ -67,7 +68,7 @@ def test_follow_up_turns_with_reuse_equal_full_prefill(runtime_engine, preset, t
     assert cached3 == len(prompt2) + len(out2) - 1
     assert kept.stats()["reuse_hits"] == 2
 
-    fresh = Scheduler(eng, keep_sessions=False, prefix_caching=False)  # the oracle: full prefills
+    fresh = EngineCore(eng, keep_sessions=False, prefix_caching=False)  # the oracle: full prefills
     full2, frec2, c2 = run(fresh, "f2", prompt2, 5)
     full3, frec3, c3 = run(fresh, "f3", prompt3, 4)
     assert c2 == c3 == 0 and fresh.stats()["reuse_hits"] == 0
@@ -78,7 +79,7 @@ def test_follow_up_turns_with_reuse_equal_full_prefill(runtime_engine, preset, t
 
 def test_no_reuse_without_an_exact_prefix_and_lru_eviction(runtime_engine):
     eng = Engine(runtime_engine("tiny-k3", 2, 2, 4), num_slots=2, threads=1)
-    sched = Scheduler(eng, prefix_caching=False)  # kept sessions alone (the prefix cache: test_runtime_prefix_cache)
+    sched = EngineCore(eng, prefix_caching=False)  # kept sessions alone (the prefix cache: test_runtime_prefix_cache)
     out_a, _, _ = run(sched, "a", TURN1, 3)
     out_b, _, _ = run(sched, "b", TOOL_RESULT, 3)
     assert sched.stats()["kept_sessions"] == 2
@@ -92,7 +93,7 @@ def test_no_reuse_without_an_exact_prefix_and_lru_eviction(runtime_engine):
     _, _, cached_a = run(sched, "a2", TURN1 + out_a + [4, 5], 2)
     assert cached_a == 0
     other = Engine(runtime_engine("tiny-k3", 2, 2, 4), num_slots=1, threads=1)  # its own state pools
-    want, frec, _ = run(Scheduler(other, keep_sessions=False, prefix_caching=False), "fc", changed, 3)
+    want, frec, _ = run(EngineCore(other, keep_sessions=False, prefix_caching=False), "fc", changed, 3)
     assert got == want
     assert_same(rec, frec, eng)
 

@@ -48,17 +48,17 @@ def test_server_endpoints_use_the_engine_defaults_and_the_core_tier(engine):
     allm = AsyncLLM(engine, default_effort="low")
     assert _defaults_of(allm.default_sampling) == GENERATION
     seen: list[SamplingParams] = []
-    prepare_chat, prepare_generate = allm.llm.prepare_chat, allm.llm.prepare_generate
+    chat_request, generate = allm.processor.chat_request, allm.processor.generate
 
-    def chat_spy(messages, sampling=None, **kw):
+    def chat_spy(rendered, sampling=None, **kw):
         seen.append(sampling)
-        return prepare_chat(messages, sampling, **kw)
+        return chat_request(rendered, sampling, **kw)
 
     def generate_spy(prompt, sampling=None, *a, **kw):
         seen.append(sampling)
-        return prepare_generate(prompt, sampling, *a, **kw)
+        return generate(prompt, sampling, *a, **kw)
 
-    allm.llm.prepare_chat, allm.llm.prepare_generate = chat_spy, generate_spy
+    allm.processor.chat_request, allm.processor.generate = chat_spy, generate_spy
     app = create_app(allm, ServerSettings(engine, accept_any_model=True))
     user = [{"role": "user", "content": "hi"}]
     calls = [("/v1/chat/completions", {"messages": user, "max_tokens": 2}),

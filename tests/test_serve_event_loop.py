@@ -9,13 +9,25 @@ import time
 
 import httpx
 import pytest
-from fake_llm import FakeLLM
+from fake_llm import FakeLLM, FakeProcessor
 from moe_export.export.synth import write_synthetic_tokenizer
 from moe_export.runtime.chat import render_ids
+from moe_export.runtime.core.budget import ThinkingPlan
+from moe_export.runtime.processor import RenderedChat
 from moe_export.runtime.tokenizer import load_tokenizer
 from test_serve_faults import make_app
 
 HEALTH_LIMIT_S = 0.1  # the issue's bound on /health's answer while a big request is worked on
+
+
+class RenderingProcessor(FakeProcessor):
+    """The fake's processor rendering with the runtime's chat renderer."""
+
+    def render(self, messages, *, tools=None, reasoning_effort=None, tool_choice=None, response_format=None,
+               add_generation_prompt=True) -> RenderedChat:
+        ids = render_ids(self.llm.tokenizer, messages, family="k3", tools=tools, thinking=False, tool_choice=tool_choice,
+                         response_format=response_format, add_generation_prompt=add_generation_prompt)
+        return RenderedChat(ids, [], ThinkingPlan(False, None, "none"), tools, tool_choice, response_format)
 
 
 class RenderingLLM(FakeLLM):
@@ -24,11 +36,7 @@ class RenderingLLM(FakeLLM):
     def __init__(self, tokenizer) -> None:
         super().__init__()
         self.tokenizer = tokenizer
-
-    def render_chat(self, messages, *, tools=None, reasoning_effort=None, tool_choice=None, response_format=None,
-                    add_generation_prompt=True) -> list[int]:
-        return render_ids(self.tokenizer, messages, family="k3", tools=tools, thinking=False, tool_choice=tool_choice,
-                          response_format=response_format, add_generation_prompt=add_generation_prompt)
+        self.processor = RenderingProcessor(self)
 
 
 @pytest.fixture(scope="module")

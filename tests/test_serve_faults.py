@@ -301,7 +301,7 @@ sys.path.insert(0, sys.argv[1])
 DIES_AFTER_S = float(sys.argv[2])
 from fake_llm import FakeLLM
 from moe_export.common.errors import EngineDead
-import moe_export.runtime.entrypoints.llm as llm_module
+import moe_export.runtime.client.async_llm as llm_module
 
 class DyingLLM(FakeLLM):
     def __init__(self, *args, **kwargs):

@@ -507,3 +507,26 @@ def test_a_request_that_fails_in_the_engine_fails_alone(model, pb_utils):
         assert text_of(answered.sender.responses[-1]) and model.llm.healthy
     finally:
         del runner.sample
+
+
+def test_each_request_is_rendered_once_off_the_runtime_loop(model, pb_utils, monkeypatch):
+    """A chat request renders once (`InputProcessor.render`, counted at `render_ids`), in the client's request
+    worker, not on the runtime's event loop thread."""
+    import threading
+
+    import moe_export.runtime.processor as processor
+
+    threads: list[str] = []
+    real = processor.render_ids
+
+    def counting(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(processor, "render_ids", counting)
+    request = make_request(pb_utils, model, "once", messages=[{"role": "user", "content": "hi"}],
+                           params={"max_tokens": 2}, stream=False)
+    model.execute([request])
+    assert request.sender.done.wait(120)
+    assert text_of(request.sender.responses[-1]) is not None
+    assert len(threads) == 1 and threads[0] != model.thread.name, threads

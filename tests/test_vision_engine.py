@@ -96,7 +96,7 @@ def test_image_chat_equals_reference(runtime_engine, reference, layout, messages
     want, ref_logits = reference_run(reference, llm, messages, out.prompt_ids, len(out.output_ids))
     assert out.output_ids == want
     # prefill logits of the engine itself, one step over the whole prompt
-    seq = llm._root().sched.check(_request(llm, messages))
+    seq = llm._root().engine_core.check(_request(llm, messages))
     llm.engine.reset_slot(0)
     n = llm.engine.max_num_tokens = len(out.prompt_ids)  # the whole prompt in one step
     blocks = list(range(-(-n // llm.engine.block_size)))
@@ -124,7 +124,7 @@ def _run(llm: LLM, request_id: str, ids: list[int], images: list) -> tuple[list[
     """One request through the LLM's scheduler: (output ids, prompt tokens taken from a kept session)."""
     from moe_export.runtime.core.scheduler import Request
 
-    sched = llm._root().sched
+    sched = llm._root().engine_core
     sched.add(Request(request_id, ids, GREEDY, images=images))
     out, cached = [], 0
     while sched.has_work:

@@ -1,6 +1,8 @@
-"""Iteration-level continuous batching over an engine's `step` (the runtime's one generation loop).
+"""Iteration-level continuous batching: which tokens each engine step runs (`Scheduler.schedule`) and what its
+sampled tokens do to the requests (`Scheduler.update`). `core.engine_core.EngineCore` runs the loop (schedule,
+execute, update); the scheduler never runs the model.
 
-Each `step()` packs the decode token of every running sequence, then prefill chunks of sequences
+Each step packs the decode token of every running sequence, then prefill chunks of sequences
 still reading their prompt and of newly admitted ones, up to the engine's `max_num_tokens` and, where the
 engine sets `max_step_pairs`, up to that many (step token, attended position) pairs: every token of a step
 attends to the positions of the step's longest block table, so a long prompt's chunks shrink as its
@@ -29,8 +31,9 @@ reasoning budget or grammar raise), whose logits processor fails, whose token ca
 sampler failing fails the step's sampled rows: `runner.choose_tokens`) or whose output cannot be detokenized ends
 without its step failing (finish_reason "abort", `SequenceUpdate.error`; its slot and blocks freed). A runner
 exception fails the requests of that step (their slots are freed, so their state is reset for the next user;
-with overlap, a step already planned on its tokens fails too) and the scheduler goes on; `max_failed_steps`
-failed steps in a row raise `EngineDead`. Any other exception out of `step()` means the scheduler itself broke.
+with overlap, a step already planned on its tokens fails too) and the core goes on; `max_failed_steps`
+failed steps in a row raise `EngineDead` (`core.engine_core`). Any other exception out of a step means the
+scheduler itself broke.
 Under mpiexec a failed step ends the world at once instead, unless every rank refused it by agreement
 (`core.execution`).
 
@@ -43,78 +46,115 @@ rank and why and tells rank 0, which answers 503 and then aborts the MPI world, 
 collective (`core.execution`).
 
 Modules: this one schedules (admission order, chunking, planning ahead, applying tokens); `core.resources` holds
-slots, blocks, the prefix cache and sessions; `core.rows` builds sampling rows; `core.execution` runs plans.
+slots, blocks, the prefix cache and sessions; `core.rows` builds sampling rows; `core.execution` runs plans;
+`core.engine_core` composes them into one step.
 """
 
 from __future__ import annotations
 
 import secrets
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import cast
 
 import numpy as np
-from moe_export.common.errors import EngineDead, InputError
+from moe_export.common.errors import InputError
 from moe_export.runtime.core.contracts import (
     Request,
     SequenceUpdate,
     StepPlan,
-    VisionPlan,
     future_token,
 )
-from moe_export.runtime.core.execution import PreviousStepFailed, StepExecutor
 from moe_export.runtime.core.resources import CheckpointSave, Resources
 from moe_export.runtime.core.rows import SamplingRow, build_row, pack_rows
 from moe_export.runtime.core.sequence import Sequence
 from moe_export.runtime.engine.batch import SequenceChunk
 from moe_export.runtime.engine.runner import ModelRunner, VisionRunner
+from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch
 
-MAX_FAILED_STEPS = 3  # runner failures in a row after which the engine core is dead
 
-
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+@dataclass(frozen=True)
+class RunnerLimits:
+    """What the scheduler plans against, read from the runner once (the scheduler holds no runner).
+    max_seq_len / max_num_tokens: tokens; max_step_pairs: (step token, attended position) pairs per step or None;
+    vocab_size: the model's vocabulary (None when its config has none); vision: the engine has a tower;
+    media_pad_id: the `<|media_pad|>` token id of a vision engine."""
+
+    max_seq_len: int
+    max_num_tokens: int
+    max_step_pairs: int | None
+    vocab_size: int | None
+    vision: bool
+    media_pad_id: int | None
+
+    @classmethod
+    def of(cls, engine: ModelRunner) -> RunnerLimits:
+        cfg = engine.model_config or {}
+        vocab = cfg.get("vocab_size", (cfg.get("text_config") or {}).get("vocab_size"))
+        return cls(engine.max_seq_len, engine.max_num_tokens, engine.max_step_pairs, int(vocab) if vocab else None,
+                   engine.vision is not None, cast(VisionRunner, engine).media_pad_id if engine.vision else None)
+
+
 @dataclass
-class _Flight:
-    """A started step: the updates it carries (requests that ended before it), what it runs, and its future."""
+class ScheduledRow:
+    """One sequence's part in a step: its chunk, its sampling row when the step chooses its next token (None
+    mid-prompt), that row's index among the step's sampled rows, and whether the chunk's last token is a future
+    token (overlap: the token the step in flight is choosing)."""
+
+    seq: Sequence
+    chunk: SequenceChunk
+    future: bool = False
+    sampling: SamplingRow | None = None
+    sample_index: int = -1
+
+
+@dataclass
+class ScheduledStep:
+    """What `Scheduler.schedule()` decided for one step: the updates of requests that ended before it (aborts,
+    failures), its rows (none: nothing runnable), the plan every rank runs, the packed sampling rows (rank 0) and
+    the checkpoint saves the plan makes."""
 
     updates: list[SequenceUpdate]
-    scheduled: list[Sequence] = field(default_factory=list)
-    chunks: list[SequenceChunk] = field(default_factory=list)
-    rows: list[int] = field(default_factory=list)
+    rows: list[ScheduledRow] = field(default_factory=list)
+    plan: StepPlan = field(default_factory=StepPlan)
+    sampling: SamplingBatch | None = None
     saves: list[CheckpointSave] = field(default_factory=list)
-    future: Future | None = None
+
+    @property
+    def futures(self) -> list[SequenceChunk]:
+        """The chunks whose last token is a future token (filled in by the executor before the step runs)."""
+        return [r.chunk for r in self.rows if r.future]
+
+    @property
+    def sampled(self) -> list[ScheduledRow]:
+        return [r for r in self.rows if r.sampling is not None]
 
 
 class Scheduler:
-    """Continuous batching on rank 0 of `engine`.
+    """Continuous batching on rank 0: plans steps (`schedule`) and applies what they sampled (`update`); it never
+    runs the model (`core.engine_core.EngineCore` does, through its executor).
 
+    engine: the runner whose limits, slots and blocks are planned for (read at construction, not kept).
     eos_token_ids: the model's stop ids (ignored per request with `ignore_eos`). text_decoder: makes an
     `IncrementalDecoder` (output ids -> text, a step at a time): each output is detokenized once, here, for its
     stop strings and its `SequenceUpdate.text` alike. keep_sessions: keep finished sequences' state for reuse.
     prefix_caching: share cached prefixes across requests (`core.prefix_cache`; off when the runner has no
     checkpoint pool). sample_vocab: sample among ids below it only (the tokenizer's size when the model's
-    vocabulary has padding rows). max_failed_steps: runner failures in a row that make `step()` raise EngineDead."""
+    vocabulary has padding rows). overlap: plan a step while the previous one runs (future tokens, see the
+    module doc)."""
 
     def __init__(self, engine: ModelRunner, *, eos_token_ids=(), text_decoder=None, keep_sessions: bool = True,
-                 prefix_caching: bool = True, sample_vocab: int | None = None, overlap: bool = False,
-                 max_failed_steps: int = MAX_FAILED_STEPS) -> None:
-        self.engine = engine
-        # overlap: model steps (and, multi-rank, their broadcasts) run in one worker thread, in order; `step()`
-        # returns with the next step already started (see the module doc)
+                 prefix_caching: bool = True, sample_vocab: int | None = None, overlap: bool = False) -> None:
+        self.limits = RunnerLimits.of(engine)
         self.overlap = overlap
-        self.executor = StepExecutor(engine, overlap=overlap)
         self.resources = Resources(engine, keep_sessions=keep_sessions, prefix_caching=prefix_caching)
-        self._flight: _Flight | None = None
-        self.planned_ahead = 0  # steps planned while the previous one ran (overlap)
         self.sample_vocab = sample_vocab
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.text_decoder = text_decoder
-        self.max_failed_steps = max_failed_steps
-        self.failed_steps = 0  # runner failures in a row
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._ids: set[str] = set()
@@ -132,7 +172,7 @@ class Scheduler:
         n, rid = len(request.prompt_ids), request.request_id
         if n == 0:
             raise InputError(f"request {rid}: the prompt must contain at least one token")
-        limit = self.engine.max_seq_len
+        limit = self.limits.max_seq_len
         if n >= limit:
             raise InputError(
                 f"request {rid}: the prompt has {n} tokens; the engine's max_seq_len is {limit} "
@@ -162,11 +202,11 @@ class Scheduler:
     def _check_images(self, seq: Sequence) -> None:
         """An image request: the engine has a tower, and the prompt's `<|media_pad|>` runs match the images."""
         req = seq.request
-        if self.engine.vision is None:
+        if not self.limits.vision:
             raise InputError(f"request {req.request_id}: this engine has no vision tower (text only); "
                              "image input needs a K3 engine built with its vision_config")
         ids = np.asarray(seq.tokens)
-        pads = np.flatnonzero(ids == cast(VisionRunner, self.engine).media_pad_id)
+        pads = np.flatnonzero(ids == self.limits.media_pad_id)
         want = sum(im.num_tokens for im in req.images)
         if len(pads) != want:
             raise InputError(f"request {req.request_id}: the prompt holds {len(pads)} <|media_pad|> tokens, its "
@@ -181,34 +221,23 @@ class Scheduler:
             start += im.num_tokens
         seq.key_prefix = tuple(key)
 
-    def _encode_images(self) -> None:
-        """Run the tower for waiting requests whose images have no embeddings yet (cache hits first, the rest in
-        one packed call). A failing call fails those requests, like a failing step."""
-        pending = [s for s in self.waiting if s.request.images and s.image_embeds is None]
-        if not pending:
-            return
-        vision = self.engine.vision
-        images = [im for s in pending for im in s.request.images]
-        found, missing = vision.lookup(images)
-        if missing:
-            try:
-                out = self.executor.encode(VisionPlan([(im.pixel_values, list(im.plan.grid)) for im in missing]))
-            except Exception as exc:
-                self._count_failure(exc)
-                for s in pending:
-                    self._ended.append(self._fail(s, f"the vision tower failed: {_describe(exc)}"))
-                return
-            for im, emb in zip(missing, out):
-                found[im.digest] = emb
-                vision.store(im.digest, emb)
-        for s in pending:
-            s.image_embeds = np.concatenate([found[im.digest] for im in s.request.images])
+    def awaiting_images(self) -> list[Sequence]:
+        """Waiting sequences whose images have no embeddings yet (the engine core runs the tower for them)."""
+        return [s for s in self.waiting if s.request.images and s.image_embeds is None]
+
+    def images_encoded(self, seqs: list[Sequence], embeds: dict[str, np.ndarray]) -> None:
+        """Give `seqs` their images' embeddings (`embeds`: image digest -> [tokens, hidden])."""
+        for s in seqs:
+            s.image_embeds = np.concatenate([embeds[im.digest] for im in s.request.images])
+
+    def images_failed(self, seqs: list[Sequence], exc: BaseException) -> None:
+        """The tower call for `seqs` failed: those requests fail, like a failing step's."""
+        for s in seqs:
+            self._ended.append(self._fail(s, f"the vision tower failed: {describe(exc)}"))
 
     @property
     def vocab_size(self) -> int | None:
-        cfg = self.engine.model_config or {}
-        vocab = cfg.get("vocab_size", (cfg.get("text_config") or {}).get("vocab_size"))
-        return int(vocab) if vocab else None
+        return self.limits.vocab_size
 
     def abort(self, request_id: str) -> bool:
         """Drop a request now (its slot and blocks freed); reported as finished with reason "abort"."""
@@ -229,13 +258,17 @@ class Scheduler:
         self._release(seq, keep=False)
         return SequenceUpdate(seq.request_id, [], None, True, "abort", error=error, cached_tokens=seq.cached_tokens)
 
+    def requeue_ended(self, updates: list[SequenceUpdate]) -> None:
+        """Updates of a step that was not run (nothing runnable yet): they go out with the next step."""
+        self._ended[:0] = updates
+
     def _release(self, seq: Sequence, keep: bool) -> None:
         self._ids.discard(seq.request_id)
         self.resources.release(seq, keep)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._ended or self._flight is not None)
+        return bool(self.waiting or self.running or self._ended)
 
     @property
     def load(self) -> int:
@@ -250,10 +283,10 @@ class Scheduler:
     def _chunk_len(self, seq: Sequence, step_tokens: int, step_blocks: int) -> int:
         """How many of `seq`'s pending tokens join a step already holding `step_tokens` tokens whose longest
         block table has `step_blocks` blocks: within max_num_tokens and max_step_pairs (at least 1 in an empty step)."""
-        n = min(len(seq.tokens) + seq.pending - seq.num_computed, self.engine.max_num_tokens - step_tokens)
+        n = min(len(seq.tokens) + seq.pending - seq.num_computed, self.limits.max_num_tokens - step_tokens)
         if seq.targets:  # a prefill chunk ends at the next checkpoint target
             n = min(n, seq.targets[0] - seq.num_computed)
-        max_pairs = self.engine.max_step_pairs
+        max_pairs = self.limits.max_step_pairs
         if max_pairs is None or n <= 0:
             return max(n, 0)
         allocator = self.resources.allocator
@@ -268,14 +301,10 @@ class Scheduler:
             lo, hi = (mid, hi) if pairs(mid) <= max_pairs else (lo, mid - 1)
         return lo if lo > 0 or step_tokens > 0 else 1
 
-    def _plan(self) -> tuple[list[int], list[tuple[int, int]], list[Sequence], list[SequenceChunk], list[SequenceChunk]]:
-        """(slots to reset, (checkpoint, slot) restores, scheduled sequences, their chunks, the chunks whose last
-        token is a future token)."""
-        resets: list[int] = []
-        restores: list[tuple[int, int]] = []
-        scheduled: list[Sequence] = []
-        chunks: list[SequenceChunk] = []
-        futures: list[SequenceChunk] = []
+    def _plan(self, resets: list[int], restores: list[tuple[int, int]]) -> list[ScheduledRow]:
+        """The step's rows, in step order: decode rows, prefill chunks, then newly admitted sequences (their slot
+        resets and checkpoint restores appended to `resets` / `restores`)."""
+        rows: list[ScheduledRow] = []
         step_tokens = step_blocks = 0
 
         def add_chunk(seq: Sequence) -> bool:
@@ -286,155 +315,115 @@ class Scheduler:
                 return False
             table = seq.block_ids[: self.resources.allocator.blocks_needed(seq.num_computed + n)]
             tokens = seq.tokens[seq.num_computed: seq.num_computed + n]
-            chunk = SequenceChunk(seq.slot, seq.num_computed, tokens, table)
+            row = ScheduledRow(seq, SequenceChunk(seq.slot, seq.num_computed, tokens, table))
             if len(tokens) < n:  # planned ahead: its input is the token the step in flight is choosing
                 tokens.append(future_token(seq.future_row))
-                futures.append(chunk)
+                row.future = True
             if seq.pad_positions is not None:  # the chunk's image rows and their embeddings
                 lo, hi = np.searchsorted(seq.pad_positions, [seq.num_computed, seq.num_computed + n])
-                chunk.image_rows = (seq.pad_positions[lo:hi] - seq.num_computed).tolist()
-                chunk.image_embeds = seq.image_embeds[lo:hi]
-            chunks.append(chunk)
-            scheduled.append(seq)
+                row.chunk.image_rows = (seq.pad_positions[lo:hi] - seq.num_computed).tolist()
+                row.chunk.image_embeds = seq.image_embeds[lo:hi]
+            rows.append(row)
             step_tokens, step_blocks = step_tokens + n, max(step_blocks, len(table))
             return True
 
         decoding = [s for s in self.running if len(s.tokens) + s.pending - s.num_computed == 1]
         prefilling = [s for s in self.running if len(s.tokens) + s.pending - s.num_computed > 1]
         if self.overlap:  # a pending token that ends its sequence by length (known now, unlike an eos): no row
-            limit = self.engine.max_seq_len
+            limit = self.limits.max_seq_len
             decoding = [s for s in decoding if not s.pending or (
                 len(s.tokens) + 1 - s.prompt_len < s.request.sampling.max_tokens and len(s.tokens) + 1 < limit)]
         for seq in decoding + prefilling:
             if not add_chunk(seq):
-                return resets, restores, scheduled, chunks, futures
-        while (self.waiting and step_tokens < self.engine.max_num_tokens
+                return rows
+        while (self.waiting and step_tokens < self.limits.max_num_tokens
                and self.resources.admit(self.waiting[0], resets, restores)):
             seq = self.waiting.popleft()
             self.running.append(seq)
             if not add_chunk(seq):
                 break
-        return resets, restores, scheduled, chunks, futures
+        return rows
 
-    def step(self) -> list[SequenceUpdate]:
-        """Run one engine step (if anything is runnable); returns the updates it produced. With overlap the
-        step after it is already running when this returns (planned while this one ran where nothing in it
-        needed this step's tokens, else planned from them), so processing the updates overlaps it; a request
-        aborted meanwhile has its token of that step dropped. EngineDead after `max_failed_steps` failed steps
-        in a row."""
-        flight = self._flight if self._flight is not None else self._start()
-        self._flight = None
-        if self._can_plan_ahead(flight):
-            ahead = self._start()
-            if ahead.chunks:
-                self._flight = ahead
-                self.planned_ahead += 1
-            else:  # nothing runnable before the flight's tokens are in: plan again after them
-                self._ended[:0] = ahead.updates
-        updates = self._finish(flight)
-        if self.overlap and self._flight is None and self.has_work:
-            self._flight = self._start()
-        return updates
-
-    def _can_plan_ahead(self, flight: _Flight) -> bool:
-        """Whether the step after `flight` can be planned before its tokens are known: overlap is on, the last
-        step run did not fail, and no sequence sampled in `flight` needs its token to build its next sampling
-        row (grammar bitmask, logits processor, output penalties, a reasoning budget that may force the next
-        token)."""
-        if not (self.overlap and flight.rows) or self.executor.failed:
+    def can_plan_ahead(self, step: ScheduledStep) -> bool:
+        """Whether the step after `step` (started, its tokens not in) can be planned now: overlap is on and no
+        sequence sampled in `step` needs its token to build its next sampling row (grammar bitmask, logits
+        processor, output penalties, a reasoning budget that may force the next token)."""
+        if not self.overlap:
             return False
-        for n in flight.rows:
-            req = flight.scheduled[n].request
+        sampled = step.sampled
+        if not sampled:
+            return False
+        for row in sampled:
+            req = row.seq.request
             if req.logits_processors or req.sampling.penalized:
                 return False
             if req.budget is not None and req.budget.may_force_next():
                 return False
         return True
 
-    def _sampled(self, scheduled: list[Sequence], chunks: list[SequenceChunk]) -> dict[int, SamplingRow]:
-        """The sampling rows of the step's sequences that get a token, by step position; a sequence whose row
-        cannot be built is failed (and left out)."""
-        rows: dict[int, SamplingRow] = {}
-        for n, (seq, chunk) in enumerate(zip(scheduled, chunks)):
-            if seq.num_computed + len(chunk.tokens) < len(seq.tokens) + seq.pending:
+    def _build_rows(self, rows: list[ScheduledRow]) -> None:
+        """The sampling rows of the step's sequences that get a token; a sequence whose row cannot be built is
+        failed (its slot released)."""
+        for row in rows:
+            seq = row.seq
+            if seq.num_computed + len(row.chunk.tokens) < len(seq.tokens) + seq.pending:
                 continue  # mid-prompt
             try:
-                rows[n] = build_row(seq, self.eos_token_ids, self.vocab_size)
+                row.sampling = build_row(seq, self.eos_token_ids, self.vocab_size)
             except Exception as exc:
-                self._ended.append(self._fail(seq, f"its sampling row could not be built: {_describe(exc)}"))
-        return rows
+                self._ended.append(self._fail(seq, f"its sampling row could not be built: {describe(exc)}"))
 
-    def _start(self) -> _Flight:
-        """Plan one step and start it (in the worker thread with overlap)."""
-        self._encode_images()
-        resets, restores, scheduled, chunks, futures = self._plan()
-        rows = self._sampled(scheduled, chunks)
-        keep = [n for n, seq in enumerate(scheduled) if seq.slot >= 0]  # (a failed row's sequence is released)
-        if len(keep) < len(scheduled):
-            dropped = {id(chunks[n]) for n in range(len(chunks)) if n not in keep}
-            futures = [c for c in futures if id(c) not in dropped]
-            rows = {keep.index(n): row for n, row in rows.items()}
-            scheduled, chunks = [scheduled[n] for n in keep], [chunks[n] for n in keep]
+    def schedule(self) -> ScheduledStep:
+        """Plan one step: admission, chunks, sampling rows packed, checkpoint saves. A step without rows has
+        nothing to run (it carries the updates of requests that ended before it)."""
+        resets: list[int] = []
+        restores: list[tuple[int, int]] = []
+        rows = self._plan(resets, restores)
+        self._build_rows(rows)
+        rows = [r for r in rows if r.seq.slot >= 0]  # (a failed row's sequence is released)
         updates, self._ended = self._ended, []
-        if not chunks:
+        if not rows:
             if self.waiting and not self.running and not updates:
                 raise RuntimeError("the scheduler cannot admit any waiting request although nothing runs")
-            return _Flight(updates)
-        saves = self.resources.checkpoint_saves(scheduled, chunks)
-        for seq, chunk in zip(scheduled, chunks):
-            seq.num_computed += len(chunk.tokens)
-        positions = sorted(rows)
-        sampling = pack_rows([rows[n] for n in positions], positions, self.sample_vocab) if positions else None
-        if self.overlap:  # (without overlap no step is planned before the previous one's tokens are in)
-            for j, n in enumerate(positions):
-                scheduled[n].pending += 1
-                scheduled[n].future_row = j
-        plan = StepPlan(resets, restores, chunks, [(s.slot, s.checkpoint) for s in saves])
-        future = self.executor.submit(plan, sampling, futures)
-        return _Flight(updates, scheduled, chunks, positions, saves, future)
+            return ScheduledStep(updates)
+        saves = self.resources.checkpoint_saves([r.seq for r in rows], [r.chunk for r in rows])
+        for r in rows:
+            r.seq.num_computed += len(r.chunk.tokens)
+        positions = [n for n, r in enumerate(rows) if r.sampling is not None]
+        for j, n in enumerate(positions):
+            rows[n].sample_index = j
+            if self.overlap:  # (without overlap no step is planned before the previous one's tokens are in)
+                rows[n].seq.pending += 1
+                rows[n].seq.future_row = j
+        sampling = (pack_rows([rows[n].sampling for n in positions], positions, self.sample_vocab)
+                    if positions else None)
+        plan = StepPlan(resets, restores, [r.chunk for r in rows], [(s.slot, s.checkpoint) for s in saves])
+        return ScheduledStep(updates, rows, plan, sampling, saves)
 
-    def _finish(self, flight: _Flight) -> list[SequenceUpdate]:
-        """Wait for a started step and apply its tokens (sequences aborted while it ran are skipped); a failed
-        step fails its sequences instead."""
-        if not flight.chunks:
-            return flight.updates
-        try:
-            out = flight.future.result().sampled
-        except Exception as exc:
-            return self._step_failed(flight, exc)
-        self.failed_steps = 0
-        for seq, chunk in zip(flight.scheduled, flight.chunks):
-            if seq.slot >= 0:  # (a released sequence's state is no longer followed)
-                self.resources.name_blocks(seq, chunk.start + len(chunk.tokens))
+    def update(self, step: ScheduledStep, sampled: SampledTokens | None) -> list[SequenceUpdate]:
+        """Apply a step that ran: name its blocks, commit its checkpoints and take its sampled tokens (sequences
+        aborted while it ran are skipped); the updates of the step."""
+        for r in step.rows:
+            if r.seq.slot >= 0:  # (a released sequence's state is no longer followed)
+                self.resources.name_blocks(r.seq, r.chunk.start + len(r.chunk.tokens))
         if self.resources.prefix is not None:
-            self.resources.commit_saves(flight.saves)
-        for j, n in enumerate(flight.rows):
-            if flight.scheduled[n].slot >= 0:
-                flight.updates.append(self._take(flight.scheduled[n], out, j))
-        return flight.updates
+            self.resources.commit_saves(step.saves)
+        for r in step.sampled:
+            if r.seq.slot >= 0:
+                step.updates.append(self._take(r.seq, sampled, r.sample_index))
+        return step.updates
 
-    def _count_failure(self, exc: BaseException) -> None:
-        """One more runner failure in a row (a step skipped for its predecessor's failure is not one); an
-        EngineDead (under mpiexec: a step failed on some rank, the world ends) kills the core at once."""
-        if isinstance(exc, EngineDead):
-            raise exc
-        if not isinstance(exc, PreviousStepFailed):
-            self.failed_steps += 1
-        if self.failed_steps >= self.max_failed_steps:
-            raise EngineDead(f"{self.failed_steps} engine steps in a row failed, the last with {_describe(exc)}") from exc
-
-    def _step_failed(self, flight: _Flight, exc: Exception) -> list[SequenceUpdate]:
+    def step_failed(self, step: ScheduledStep, exc: BaseException) -> list[SequenceUpdate]:
         """A step raised: its sequences fail (their slots and blocks freed, so their state is reset for the next
-        user), its checkpoints are given back unnamed."""
+        user), its checkpoints are given back unnamed; the updates of the step."""
         if self.resources.prefix is not None:
-            self.resources.drop_saves(flight.saves)
-        for seq in flight.scheduled:
-            if seq.slot >= 0:
-                flight.updates.append(self._fail(seq, f"an engine step it was in failed: {_describe(exc)}"))
-        self._count_failure(exc)
-        return flight.updates
+            self.resources.drop_saves(step.saves)
+        for r in step.rows:
+            if r.seq.slot >= 0:
+                step.updates.append(self._fail(r.seq, f"an engine step it was in failed: {describe(exc)}"))
+        return step.updates
 
-    def _take(self, seq: Sequence, out, j: int) -> SequenceUpdate:
+    def _take(self, seq: Sequence, out: SampledTokens, j: int) -> SequenceUpdate:
         """Apply row j of the step's sampled tokens to `seq`: stop checks, budget, the update."""
         req, params = seq.request, seq.request.sampling
         if j in out.errors:  # a failing request-supplied logits processor, or nothing allowed: that request ends
@@ -452,9 +441,9 @@ class Scheduler:
                 req.budget.observe(token)
             self._stop_check(seq, update, token)
         except Exception as exc:
-            return self._fail(seq, f"its output could not be decoded: {_describe(exc)}")
+            return self._fail(seq, f"its output could not be decoded: {describe(exc)}")
         n_out = len(seq.tokens) - seq.prompt_len
-        if update.finish_reason is None and (n_out >= params.max_tokens or len(seq.tokens) >= self.engine.max_seq_len):
+        if update.finish_reason is None and (n_out >= params.max_tokens or len(seq.tokens) >= self.limits.max_seq_len):
             update.finish_reason = "length"
         if update.finish_reason is not None:
             update.finished = True
@@ -487,12 +476,6 @@ class Scheduler:
             try:
                 update.text += seq.text.flush()
             except Exception as exc:
-                update.finish_reason, update.error = "abort", f"its output could not be decoded: {_describe(exc)}"
+                update.finish_reason, update.error = "abort", f"its output could not be decoded: {describe(exc)}"
             update.text_complete = True
         return update
-
-    def shutdown(self) -> None:
-        """Let a step still running finish (overlap), then tell follower ranks to leave `follow()` (rank 0,
-        multi-rank only)."""
-        self._flight = None
-        self.executor.shutdown()

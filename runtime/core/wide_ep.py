@@ -1,7 +1,7 @@
 """Data-parallel attention groups at run time (the `dp` layout of `graphs/sharding.py`) under mpiexec.
 
 Roles. World rank 0 holds the API (`LLM`, `AsyncLLM`, `moe-export serve`) and is the first rank of group 0.
-The first rank of every attention group (its leader) runs a `LockstepScheduler` over the group's requests
+The first rank of every attention group (its leader) runs a lockstep `EngineCore` over the group's requests
 and broadcasts each step's plan inside the group; the group's other ranks follow those plans
 (`execution.follow`: in the dp layout the engine's broadcast reaches the group only).
 
@@ -36,57 +36,12 @@ from moe_export.runtime.core.contracts import (
     RemoteRequest,
     Request,
     SequenceUpdate,
-    StepPlan,
 )
+from moe_export.runtime.core.engine_core import EngineCore
 from moe_export.runtime.core.execution import follow, stop_the_world
-from moe_export.runtime.core.scheduler import Scheduler
-from moe_export.runtime.core.sequence import Sequence
-from moe_export.runtime.engine.runner import GroupedRunner, ModelRunner, StepRefused
+from moe_export.runtime.engine.runner import GroupedRunner, ModelRunner
 
 PLACEMENT_HISTORY = 4096  # finished requests' prompts remembered for placing follow-up turns
-
-
-class LockstepScheduler:
-    """A group's scheduler: every `step()` runs exactly one engine step, an idle one when nothing is runnable
-    (a `Scheduler` without overlap: its idle steps run from `step()` itself, in lockstep with the other groups;
-    a tower call is the group's own business, no collective across groups, and does not count)."""
-
-    def __init__(self, engine: ModelRunner, **scheduler_kwargs) -> None:
-        self.scheduler = Scheduler(engine, **{**scheduler_kwargs, "overlap": False})
-
-    def step(self) -> list[SequenceUpdate]:
-        executor = self.scheduler.executor
-        before = executor.steps
-        updates = self.scheduler.step()
-        if executor.steps == before:
-            try:
-                executor.execute(StepPlan())
-            except StepRefused:  # every rank refused this world step by agreement: this group had nothing in it
-                pass
-        return updates
-
-    def add(self, request: Request) -> None:
-        self.scheduler.add(request)
-
-    def check(self, request: Request) -> Sequence:
-        return self.scheduler.check(request)
-
-    def abort(self, request_id: str) -> bool:
-        return self.scheduler.abort(request_id)
-
-    @property
-    def has_work(self) -> bool:
-        return self.scheduler.has_work
-
-    @property
-    def load(self) -> int:
-        return self.scheduler.load
-
-    def stats(self) -> dict:
-        return self.scheduler.stats()
-
-    def shutdown(self) -> None:
-        self.scheduler.shutdown()
 
 
 def budget_spec(budget) -> BudgetSpec | None:
@@ -95,12 +50,12 @@ def budget_spec(budget) -> BudgetSpec | None:
 
 
 class GroupedScheduler:
-    """Rank 0's scheduler over every attention group (the `Scheduler` interface the LLM front ends use):
+    """Rank 0's engine core over every attention group (the `EngineCore` interface the LLM front ends use):
     group 0 runs here, the others on their leaders; each `step()` is one world step."""
 
     def __init__(self, engine: GroupedRunner, **scheduler_kwargs) -> None:
         self.engine = engine
-        self.local = LockstepScheduler(engine, **scheduler_kwargs)
+        self.local = EngineCore(engine, lockstep=True, **scheduler_kwargs)
         self.leaders = engine.comm.leaders
         self.groups = engine.dp
         self.loads = [0] * self.groups
@@ -212,7 +167,7 @@ def expert_load_summary(tokens: np.ndarray) -> dict:
 def lead_group(engine: GroupedRunner, budget_factory=None, **scheduler_kwargs) -> int:
     """A group leader other than world rank 0: run its group's requests in world steps until rank 0 shuts
     down; returns the number of steps run. `budget_factory(spec)` rebuilds a request's thinking budget."""
-    sched = LockstepScheduler(engine, **scheduler_kwargs)
+    sched = EngineCore(engine, lockstep=True, **scheduler_kwargs)
     leaders, steps = engine.comm.leaders, 0
     while True:
         try:
@@ -243,11 +198,11 @@ def is_grouped(engine: ModelRunner) -> bool:
     return engine.dp_layout and engine.comm is not None
 
 
-def open_scheduler(engine: ModelRunner, **scheduler_kwargs) -> Scheduler | GroupedScheduler:
-    """Rank 0's scheduler: `GroupedScheduler` for a dp-layout engine under mpiexec, else a `Scheduler`."""
+def open_engine_core(engine: ModelRunner, **core_kwargs) -> EngineCore | GroupedScheduler:
+    """Rank 0's engine core: `GroupedScheduler` for a dp-layout engine under mpiexec, else an `EngineCore`."""
     if is_grouped(engine):
-        return GroupedScheduler(cast(GroupedRunner, engine), **scheduler_kwargs)
-    return Scheduler(engine, **scheduler_kwargs)
+        return GroupedScheduler(cast(GroupedRunner, engine), **core_kwargs)
+    return EngineCore(engine, **core_kwargs)
 
 
 def release_ranks(engine: ModelRunner) -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_export.common.errors import InputError
+from moe_export.runtime.client.protocol import EngineClient
 
 CHECK_TYPES = ("exact", "regex", "json_schema", "tool_call")
 
@@ -161,7 +162,7 @@ def _scripted_result(task: EvalTask, name: str, calls_so_far: dict[str, int]) ->
     return given[index] if index < len(given) else json.dumps({"error": f"tool {name} called more often than scripted"})
 
 
-async def run_task(llm, task: EvalTask, tier: str) -> dict:
+async def run_task(llm: EngineClient, task: EvalTask, tier: str) -> dict:
     """One task at one tier -> {id, passed, rounds, reasoning_tokens, output_tokens, latency_s, error}."""
     from moe_export.runtime.sampling import with_defaults
 
@@ -213,7 +214,7 @@ def summarize_tier(results: list[dict]) -> dict:
 
 
 async def run_eval_async(engine_dir: str, tasks: list[EvalTask], tiers: list[str]) -> dict:
-    from moe_export.runtime.entrypoints.llm import AsyncLLM
+    from moe_export.runtime.client.async_llm import AsyncLLM
 
     llm = AsyncLLM(engine_dir)
     try:

@@ -20,9 +20,9 @@ from moe_export.runtime.tokenizer import has_tokenizer, load_tokenizer
 def generate_tokens(engine, prompt_ids: list[int], sampling: SamplingParams | None = None,
                     eos_token_ids=(), sample_vocab: int | None = None) -> list[int]:
     """New token ids of one prompt (rank 0 of `engine`), through the scheduler; the stop token is included."""
-    from moe_export.runtime.core.wide_ep import open_scheduler
+    from moe_export.runtime.core.wide_ep import open_engine_core
 
-    sched = open_scheduler(engine, eos_token_ids=eos_token_ids, keep_sessions=False, sample_vocab=sample_vocab)
+    sched = open_engine_core(engine, eos_token_ids=eos_token_ids, keep_sessions=False, sample_vocab=sample_vocab)
     sched.add(Request("generate", list(prompt_ids), sampling or SamplingParams()))
     out: list[int] = []
     while sched.has_work:
@@ -94,7 +94,7 @@ def generate_command(path: str | Path, prompt_ids: str | None, prompt: str | Non
     from moe_export.runtime.sampling import model_defaults
 
     if is_engine_config(path):
-        from moe_export.runtime.entrypoints.llm import LLM
+        from moe_export.runtime.client.llm import LLM
 
         # token ids need no tokenizer: an engine built from a checkpoint without tokenizer files generates from them
         llm = LLM(path, num_slots=1, reuse_sessions=False, skip_tokenizer_init=prompt is None and not has_tokenizer(path))

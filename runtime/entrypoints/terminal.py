@@ -25,7 +25,7 @@ from typing import TextIO
 
 from moe_export.common.errors import InputError
 from moe_export.runtime.core.budget import resolve_thinking
-from moe_export.runtime.entrypoints.llm import LLM
+from moe_export.runtime.client.llm import LLM
 from moe_export.runtime.images import image_file_part
 from moe_export.runtime.sampling import SamplingParams
 from rich.console import Console

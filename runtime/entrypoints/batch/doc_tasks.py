@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
+from moe_export.runtime.client.protocol import EngineClient
 from moe_export.common.errors import InputError
 from moe_export.runtime.entrypoints.batch.chunking import chunk_text
 
@@ -132,11 +133,11 @@ def chunk_budget(job: DocJob, tokenizer, family: str | None, max_seq_len: int) -
 class DocRunner:
     """Runs a DocJob's documents on one AsyncLLM; `semaphore` bounds the requests in flight."""
 
-    def __init__(self, llm, job: DocJob, max_seq_len: int, semaphore) -> None:
+    def __init__(self, llm: EngineClient, job: DocJob, max_seq_len: int, semaphore) -> None:
         from moe_export.runtime.sampling import with_defaults
 
         self.llm, self.job, self.semaphore = llm, job, semaphore
-        self.vision = getattr(getattr(getattr(llm, "llm", llm), "engine", None), "vision", None)
+        self.vision = llm.processor.vision
         env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False)
         self.prompt = env.from_string(job.template)
         self.reduce = env.from_string(REDUCE_TEMPLATES[job.task]) if job.task in REDUCE_TEMPLATES else None

@@ -8,6 +8,7 @@ import gc
 import uuid
 
 from moe_export.common.errors import InputError
+from moe_export.runtime.client.protocol import EngineClient
 from moe_export.runtime.entrypoints.batch.doc_tasks import (
     DocJob,
     DocRunner,
@@ -40,7 +41,7 @@ class ItemProcessor:
     """Turns items into output records on one AsyncLLM (shared by the local and the Ray runner): batch API
     lines through the server's endpoints in process, documents through a DocRunner."""
 
-    def __init__(self, llm, engine_dir: str, max_seq_len: int, doc_job: DocJob | None, concurrency: int) -> None:
+    def __init__(self, llm: EngineClient, engine_dir: str, max_seq_len: int, doc_job: DocJob | None, concurrency: int) -> None:
         self.concurrency = concurrency
         self.semaphore = asyncio.Semaphore(concurrency)
         self.docs = DocRunner(llm, doc_job, max_seq_len, self.semaphore) if doc_job is not None else None
@@ -80,11 +81,12 @@ class ItemProcessor:
 def start_llm(engine_dir: str, default_effort: str | None, concurrency: int, doc_job: DocJob | None):
     """(LLM, AsyncLLM over it, ItemProcessor) on `engine_dir`; call inside the event loop that will use them.
     concurrency 0 means twice the engine's sequence slots (the scheduler always has a queue to fill from)."""
-    from moe_export.runtime.entrypoints.llm import LLM, AsyncLLM
+    from moe_export.runtime.client.async_llm import AsyncLLM
+    from moe_export.runtime.client.llm import LLM
 
     llm = LLM(engine_dir, **({} if default_effort is None else {"default_effort": default_effort}))
     try:
-        if doc_job is not None and doc_job.images and getattr(llm.engine, "vision", None) is None:
+        if doc_job is not None and doc_job.images and llm.engine.vision is None:
             raise InputError(f"--images: the runner of {engine_dir} has no vision tower, so it takes no images")
         allm = AsyncLLM(llm)
         processor = ItemProcessor(allm, engine_dir, llm.engine.max_seq_len, doc_job,

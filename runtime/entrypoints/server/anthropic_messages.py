@@ -32,7 +32,8 @@ async def count_tokens_route(request: Request):
     svc.check_model(req.model)
     svc.check_limits(req.messages, req.tools, None)
     messages, tools, tool_choice, effort = anthropic_chat(req)
-    count = await svc.prompt_length(messages, tools=tools, tool_choice=tool_choice, response_format=None, effort=effort)
+    count = len((await svc.render(messages, tools=tools, tool_choice=tool_choice, response_format=None,
+                                  effort=effort)).prompt_ids)
     svc.metrics.requests.labels(ROUTE + "/count_tokens", "200").inc()
     return {"input_tokens": count}
 
@@ -57,8 +58,8 @@ async def create_message(svc: Service, req: AnthropicMessagesRequest, disconnect
     parallel = not (req.tool_choice or {}).get("disable_parallel_tool_use", False)
     sampling = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=None, stop=req.stop_sequences)
     message_id = convert.new_id("msg_")
-    run = await svc.run_chat(message_id, messages, sampling, max_tokens=req.max_tokens, tools=tools,
-                             tool_choice=tool_choice, response_format=None, effort=effort, parallel=parallel)
+    rendered = await svc.render(messages, tools=tools, tool_choice=tool_choice, response_format=None, effort=effort)
+    run = await svc.run_chat(message_id, messages, rendered, sampling, max_tokens=req.max_tokens, parallel=parallel)
     if req.stream:
         return message_events(svc, run, message_id, model)
     out = await svc.final_output(run.deltas, disconnected)

@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager, suppress
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from moe_export.common.errors import EngineDead, InputError, InternalError
+from moe_export.runtime.client.protocol import EngineClient
 from moe_export.runtime.entrypoints.server import anthropic_messages, chat_completions, completions, responses, utility
 from moe_export.runtime.entrypoints.server.edge import key_digest
 from moe_export.runtime.entrypoints.server.errors import APIError, BodySizeLimit, ClientGone, error_body
@@ -89,12 +90,12 @@ async def watch_engine(svc: Service, on_engine_dead: Callable[[], None]) -> None
     """Call `on_engine_dead` once, as soon as the engine core stops running."""
     while svc.healthy:
         await asyncio.sleep(HEALTH_POLL_S)
-    log.error("the engine core is dead (%s); stopping the server", getattr(svc.llm, "fatal_error", None))
+    log.error("the engine core is dead (%s); stopping the server", svc.llm.fatal_error)
     await asyncio.sleep(DEAD_LINGER_S)
     on_engine_dead()
 
 
-def create_app(llm, settings: ServerSettings, info: EngineInfo | None = None,
+def create_app(llm: EngineClient, settings: ServerSettings, info: EngineInfo | None = None,
                on_engine_dead: Callable[[], None] | None = None):
     """The ASGI app over a started AsyncLLM (`llm`). The app shuts the runtime down at exit."""
     svc = Service(llm, settings, info)

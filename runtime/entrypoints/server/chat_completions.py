@@ -38,6 +38,8 @@ async def chat_completion(svc: Service, req: ChatCompletionRequest, disconnected
     tool_choice = convert.normalize_tool_choice(req.tool_choice, tools)
     effort = convert.openai_effort(req.reasoning_effort)
     request_id = convert.new_id("chatcmpl-")
+    rendered = await svc.render(messages, tools=tools, tool_choice=tool_choice, response_format=req.response_format,
+                                effort=effort)  # once for all n choices
     runs: list[ChatRun] = []
     try:
         for i in range(req.n):  # n choices: n sequences, each seeded apart (seed + i when a seed is given)
@@ -45,8 +47,7 @@ async def chat_completion(svc: Service, req: ChatCompletionRequest, disconnected
                             seed=None if req.seed is None else req.seed + i, stop=req.stop, logprobs=req.logprobs,
                             ignore_eos=req.ignore_eos, top_logprobs=req.top_logprobs or 0, extras=extras)
             runs.append(await svc.run_chat(
-                request_id if req.n == 1 else f"{request_id}-{i}", messages, sampling, max_tokens=max_tokens,
-                tools=tools, tool_choice=tool_choice, response_format=req.response_format, effort=effort,
+                request_id if req.n == 1 else f"{request_id}-{i}", messages, rendered, sampling, max_tokens=max_tokens,
                 parallel=req.parallel_tool_calls,
                 max_tokens_param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
             ))

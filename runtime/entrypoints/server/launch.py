@@ -56,7 +56,8 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
     if any(not name.strip() for name in served_model_names):
         raise InputError("--served-model-name must not be empty")
     from moe_export.common.mpi import mpi_world
-    from moe_export.runtime.entrypoints.llm import LLM, AsyncLLM
+    from moe_export.runtime.client.async_llm import AsyncLLM
+    from moe_export.runtime.client.llm import LLM
 
     world = mpi_world()
     if world is not None and world[0] != 0:
@@ -102,7 +103,7 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
         signal.signal(sig, lambda *_: None)
     server.run(sockets=[sock])
     if dead:
-        raise EngineDead(f"the engine core stopped ({getattr(llm, 'fatal_error', None)}); "
+        raise EngineDead(f"the engine core stopped ({llm.fatal_error}); "
                          "the server exited for its supervisor to restart it")
 
 

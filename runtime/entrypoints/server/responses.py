@@ -58,11 +58,10 @@ async def create_response(svc: Service, req: ResponsesRequest, scope: str, disco
     renames = {"response_format.json_schema": "text.format", "response_format": "text.format", "max_tokens": "max_output_tokens"}
     with convert.user_field_names(names, renames):
         messages = await svc.inline_image_urls(messages)
-        run = await svc.run_chat(
-            response_id, messages, sampling, max_tokens=req.max_output_tokens, tools=tools, tool_choice=tool_choice,
-            response_format=convert.response_format_from_text(req.text), effort=effort,
-            parallel=req.parallel_tool_calls, max_tokens_param="max_output_tokens",
-        )
+        rendered = await svc.render(messages, tools=tools, tool_choice=tool_choice,
+                                    response_format=convert.response_format_from_text(req.text), effort=effort)
+        run = await svc.run_chat(response_id, messages, rendered, sampling, max_tokens=req.max_output_tokens,
+                                 parallel=req.parallel_tool_calls, max_tokens_param="max_output_tokens")
     turn = ResponseTurn(svc, req, scope, response_id, model, input_messages,
                         (req.reasoning or {}).get("effort") if isinstance(effort, str) else run.tier, run)
     if req.stream:

@@ -22,7 +22,9 @@ from moe_export.runtime.entrypoints.server.errors import APIError, ClientGone, s
 from moe_export.runtime.entrypoints.server.image_fetch import ImageFetcher
 from moe_export.runtime.entrypoints.server.metrics import ServerMetrics
 from moe_export.runtime.entrypoints.server.store import ResponseStore
+from moe_export.runtime.client.protocol import EngineClient
 from moe_export.runtime.image_urls import private_allowed, public_address
+from moe_export.runtime.processor import RenderedChat
 from moe_export.runtime.sampling import SamplingParams, with_defaults
 
 MAX_CHOICES = 64  # most sequences one completions request may start (prompts x n)
@@ -94,10 +96,10 @@ class ChatRun:
 
 
 class Service:
-    """The served model: `llm` (a started AsyncLLM), the serving `settings`, the engine's limits (`info`), the
+    """The served model: `llm` (a started engine client: `AsyncLLM`), the serving `settings`, the engine's limits (`info`), the
     Responses store and the metrics."""
 
-    def __init__(self, llm, settings: ServerSettings, info: EngineInfo | None = None) -> None:
+    def __init__(self, llm: EngineClient, settings: ServerSettings, info: EngineInfo | None = None) -> None:
         self.llm = llm
         self.settings = settings
         self.info = info or EngineInfo.from_engine_dir(settings.engine_dir)
@@ -206,22 +208,21 @@ class Service:
             raise APIError(400, str(exc), getattr(exc, "field", None)) from None
 
     # ---- generation --------------------------------------------------------------------------------
-    async def prompt_length(self, messages: list[dict], *, tools, tool_choice, response_format, effort) -> int:
-        """Tokens of the rendered conversation (what the runtime will prefill), rendered off the event loop."""
-        return len(await self.off_loop(self.llm.render_chat, messages, tools=tools, reasoning_effort=effort,
-                                       tool_choice=tool_choice, response_format=response_format))
+    async def render(self, messages: list[dict], *, tools, tool_choice, response_format, effort) -> RenderedChat:
+        """A conversation rendered once per request (its images decoded; `prompt_ids` is what the runtime will
+        prefill), in the request worker, off the event loop."""
+        return await self.off_loop(self.llm.processor.render, messages, tools=tools, reasoning_effort=effort,
+                                   tool_choice=tool_choice, response_format=response_format)
 
-    async def run_chat(self, request_id: str, messages: list[dict], sampling: dict, *, max_tokens: int | None, tools,
-                       tool_choice, response_format, effort, parallel: bool, max_tokens_param: str = "max_tokens") -> ChatRun:
-        """Start a chat generation (`sampling`: sampling_params' arguments but max_tokens). Bad requests raise
-        here, before any response byte is sent."""
-        prompt_tokens = await self.prompt_length(messages, tools=tools, tool_choice=tool_choice,
-                                                 response_format=response_format, effort=effort)
+    async def run_chat(self, request_id: str, messages: list[dict], rendered: RenderedChat, sampling: dict, *,
+                       max_tokens: int | None, parallel: bool, max_tokens_param: str = "max_tokens") -> ChatRun:
+        """Start one chat generation (a choice) of a rendered conversation (`sampling`: sampling_params' arguments
+        but max_tokens). Bad requests raise here, before any response byte is sent."""
+        prompt_tokens = len(rendered.prompt_ids)
         params = self.sampling_params(**sampling, max_tokens=self.fit_max_tokens(prompt_tokens, max_tokens, max_tokens_param))
-        stream = await self.off_loop(  # chat_stream renders the prompt (and decodes its images) before it returns
-            self.llm.chat_stream, messages, params, tools=tools, reasoning_effort=effort, tool_choice=tool_choice,
-            response_format=response_format, parallel_tool_calls=parallel, request_id=request_id,
-        )
+        request = await self.off_loop(  # its budget, parser and grammar (compiled for a forced tool call / format)
+            self.llm.processor.chat_request, rendered, params, parallel_tool_calls=parallel, request_id=request_id)
+        stream = self.llm.stream(request)
         try:  # the queue check and the count in timed() with no await between them: requests rendered at once
             self.check_queue()  # cannot all pass the check before any of them is counted
         except APIError:
@@ -296,7 +297,7 @@ class Service:
     def _number_calls(self, out, calls_before: int) -> None:
         """K3 names a turn's calls `functions.NAME:i` from i = 0 in every turn: number them on from the
         conversation's earlier calls, so that call ids are unique across turns (K2's model writes its own)."""
-        if getattr(self.llm, "family", None) != "k3" or out is None:
+        if self.llm.family != "k3" or out is None:
             return
         for i, call in enumerate(out.tool_calls or []):
             call["id"] = f"functions.{call['function']['name']}:{calls_before + i}"

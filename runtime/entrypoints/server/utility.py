@@ -20,7 +20,7 @@ async def health(request: Request):
     svc = service_of(request)
     if svc.healthy:
         return {"status": "ok"}
-    error = getattr(svc.llm, "fatal_error", None)
+    error = svc.llm.fatal_error
     return JSONResponse({"status": "engine_dead", "error": str(error) if error is not None else "the engine core stopped"},
                         status_code=503)
 
@@ -76,11 +76,12 @@ async def tokenize(request: Request):
         ids = await svc.off_loop(svc.tokenizer.encode, req.prompt)
     else:
         svc.check_limits(req.messages, req.tools, None)
-        ids = await svc.off_loop(
-            svc.llm.render_chat, convert.chat_messages_from_openai(req.messages), tools=convert.openai_tools(req.tools),
-            reasoning_effort=convert.openai_effort(req.reasoning_effort), add_generation_prompt=req.add_generation_prompt,
+        ids = (await svc.off_loop(
+            svc.llm.processor.render, convert.chat_messages_from_openai(req.messages),
+            tools=convert.openai_tools(req.tools), reasoning_effort=convert.openai_effort(req.reasoning_effort),
+            add_generation_prompt=req.add_generation_prompt,
             tool_choice=convert.normalize_tool_choice(req.tool_choice, req.tools), response_format=req.response_format,
-        )
+        )).prompt_ids
     svc.metrics.requests.labels("/tokenize", "200").inc()
     return {"count": len(ids), "max_model_len": svc.info.max_seq_len, "tokens": ids}
 

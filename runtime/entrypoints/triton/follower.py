@@ -10,7 +10,7 @@ import sys
 def main(argv: list[str]) -> int:
     from moe_export.common.errors import InputError
     from moe_export.common.mpi import mpi_world
-    from moe_export.runtime.entrypoints.llm import LLM
+    from moe_export.runtime.client.llm import LLM
 
     if len(argv) != 1:
         print("usage: python -m moe_export.runtime.entrypoints.triton.follower ENGINE_DIR", file=sys.stderr)

@@ -134,7 +134,7 @@ class TritonPythonModel:
     """One model instance: one AsyncLLM on one engine, all requests of the instance batched together."""
 
     def initialize(self, args: dict) -> None:
-        from moe_export.runtime.entrypoints.llm import AsyncLLM
+        from moe_export.runtime.client.async_llm import AsyncLLM
 
         self.model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
@@ -244,10 +244,12 @@ class TritonPythonModel:
         deltas = None
         watcher = asyncio.ensure_future(self._watch_cancellation(sender, request_id))
         try:
-            if chat:
-                deltas = self.llm.chat_stream(job["messages"], opts.sampling, request_id=request_id, **opts.chat_kwargs)
+            if chat:  # rendered once, in the client's request worker (off the runtime loop)
+                prepared = await self.llm.off_loop(self.llm.processor.chat, job["messages"], opts.sampling,
+                                                   request_id=request_id, **opts.chat_kwargs)
             else:
-                deltas = self.llm.generate_stream(job["prompt"], opts.sampling, request_id=request_id)
+                prepared = await self.llm.off_loop(self.llm.processor.generate, job["prompt"], opts.sampling, request_id)
+            deltas = self.llm.stream(prepared)
             async for delta in deltas:
                 if sender.is_cancelled():
                     self.llm.abort(request_id)
@@ -276,7 +278,7 @@ class TritonPythonModel:
             sender.send(self._error(f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL), flags=FINAL)
         finally:
             watcher.cancel()
-            if deltas is not None and hasattr(deltas, "aclose"):
+            if deltas is not None:
                 await deltas.aclose()
 
     async def _watch_cancellation(self, sender, request_id: str) -> None:

@@ -1,0 +1,164 @@
+"""The one input processor: a request (a prompt, or messages with tools, response format, effort and images, plus
+its sampling values) -> the engine request (`Tracked`) every front end submits: token ids rendered once, the
+thinking plan resolved once, the reasoning budget, output parser and grammar set up.
+
+A chat is processed in two parts, so that a request with n choices renders once: `render` (token ids, images,
+thinking plan; CPU-bound: the server calls it in its request worker, off the event loop) and `chat_request` (per
+choice: its sampling values, budget, parser, grammar). `chat` does both."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from moe_export.common.errors import InputError
+from moe_export.runtime.chat import (
+    OutputParser,
+    generation_prompt_ids,
+    output_starts_in_reasoning,
+    render_ids,
+)
+from moe_export.runtime.client.request_core import Tracked
+from moe_export.runtime.core.budget import ReasoningBudget, ThinkingPlan, resolve_thinking
+from moe_export.runtime.core.sessions import TurnMemory
+from moe_export.runtime.images import PromptImages
+from moe_export.runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from moe_export.runtime.core.structured import GrammarVocab
+
+
+@dataclass
+class RenderedChat:
+    """A conversation rendered once: its prompt ids, the images of its `<|media_pad|>` runs in order, the
+    thinking plan its effort resolved to, and what its choices' grammars need (tools, tool_choice,
+    response_format)."""
+
+    prompt_ids: list[int]
+    images: list
+    plan: ThinkingPlan
+    tools: list | None = None
+    tool_choice: object = None
+    response_format: dict | None = None
+
+
+class InputProcessor:
+    """Turns requests into engine requests for one engine: its tokenizer and chat family (None: token ids only),
+    its vision tower (or None), thinking caps and default effort, the turn memory (finished turns' tokens), the
+    image URL fetcher, the model's vocabulary and the engine's sampling defaults."""
+
+    def __init__(self, tokenizer, *, vision, thinking_caps: dict[str, int], default_effort: str,
+                 turns: TurnMemory | None, fetch_image_url, vocab_size: int, default_sampling: SamplingParams,
+                 engine_dir) -> None:
+        self.tokenizer = tokenizer
+        self.family = tokenizer.family if tokenizer is not None else None
+        self.vision = vision
+        self.thinking_caps, self.default_effort = thinking_caps, default_effort
+        resolve_thinking(None, thinking_caps, default_effort)  # validates the default tier
+        self.turns = turns
+        self.fetch_image_url = fetch_image_url  # (url, where) -> bytes, or None: http(s) image parts refused
+        self.vocab_size = vocab_size
+        self.default_sampling = default_sampling
+        self.engine_dir = engine_dir
+        self._turn_start = {thinking: len(generation_prompt_ids(tokenizer, self.family, thinking))
+                            for thinking in (True, False)} if self.family else {}
+        self._ids = itertools.count()
+        self._grammar_vocab: GrammarVocab | None = None
+
+    def new_id(self, request_id: str | None) -> str:
+        return request_id if request_id is not None else f"req-{next(self._ids)}"
+
+    # ---- plain prompts ----------------------------------------------------------------------------
+
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """A prompt's token ids (text encoded; ids as given); InputError for anything else."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InputError("this LLM has no tokenizer (skip_tokenizer_init): give the prompt as token ids")
+            ids = self.tokenizer.encode(prompt)
+            if not ids:
+                raise InputError("the prompt encodes to no tokens")
+            return ids
+        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+            raise InputError("a prompt is a string or a list of token ids")
+        return list(prompt)
+
+    def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None,
+                 request_id: str | None = None) -> Tracked:
+        """The engine request of a plain prompt."""
+        return Tracked(self.new_id(request_id), self.prompt_ids(prompt), sampling or self.default_sampling, None, None)
+
+    # ---- chats ------------------------------------------------------------------------------------
+
+    def render(self, messages: list[dict], *, tools=None, reasoning_effort=None, tool_choice=None,
+               response_format=None, add_generation_prompt: bool = True) -> RenderedChat:
+        """Render a conversation (once per request): an assistant message that is a turn this engine generated
+        (or that carries `turn_ids`) is rendered as the turn's tokens (`chat.render_ids`); image parts become
+        their media tokens (`runtime.images`)."""
+        plan = resolve_thinking(reasoning_effort, self.thinking_caps, self.default_effort)
+        if self.tokenizer is None:
+            raise InputError("this LLM has no tokenizer (skip_tokenizer_init): chats need one; use generate() with "
+                             "token ids")
+        if self.family is None:
+            raise InputError(f"{self.engine_dir}: the tokenizer has no K3 or K2 chat tokens: use generate()")
+        vision = self.vision
+        images = (PromptImages(self.tokenizer, vision.processor, messages, vision.max_images, self.fetch_image_url,
+                               vision.cached) if vision is not None else None)
+        carried = []
+        if self.turns is not None and isinstance(messages, list):
+            carried = [m for m in messages if isinstance(m, dict) and m.get("role") == "assistant" and m.get("turn_ids") is not None]
+            messages = [self._recalled(m) for m in messages]
+        ids = render_ids(self.tokenizer, messages, family=self.family, tools=tools, thinking=plan.enabled,
+                         thinking_effort=plan.tier, tool_choice=tool_choice, response_format=response_format,
+                         add_generation_prompt=add_generation_prompt, vision=vision is not None, images=images)
+        for m in carried:  # e.g. a stored Responses chain: the same turn sent back as text renders the same way
+            self.turns.remember(m, m["turn_ids"])
+        return RenderedChat(ids, images.order if images else [], plan, tools, tool_choice, response_format)
+
+    def _recalled(self, message):
+        """`message` with the turn_ids remembered for it, if it is an assistant message without any."""
+        if not isinstance(message, dict) or message.get("role") != "assistant" or message.get("turn_ids") is not None:
+            return message
+        ids = self.turns.recall(message)
+        return message if ids is None else {**message, "turn_ids": ids}
+
+    def chat_request(self, rendered: RenderedChat, sampling: SamplingParams | None = None, *,
+                     parallel_tool_calls: bool = True, request_id: str | None = None) -> Tracked:
+        """One choice of a rendered chat: its budget, output parser and grammar (a forced or required tool call
+        or a JSON `response_format` is enforced by grammar-constrained decoding, the same way for every entry
+        point)."""
+        plan = rendered.plan
+        starts = output_starts_in_reasoning(self.family, plan.enabled)
+        budget = ReasoningBudget(self.tokenizer, self.family, plan.cap if plan.enabled else None, starts_in_reasoning=starts)
+        parser = OutputParser(self.tokenizer, self.family, starts_in_reasoning=starts, tools_declared=bool(rendered.tools))
+        tracked = Tracked(self.new_id(request_id), list(rendered.prompt_ids), sampling or self.default_sampling, parser,
+                          budget, self._turn_start[plan.enabled], images=list(rendered.images), thinking_tier=plan.tier)
+        if rendered.tools or rendered.response_format is not None:  # only these may need a grammar
+            self._constrain(tracked, rendered, starts, parallel_tool_calls)
+        return tracked
+
+    def chat(self, messages: list[dict], sampling: SamplingParams | None = None, *, tools=None,
+             reasoning_effort=None, tool_choice=None, response_format=None, parallel_tool_calls: bool = True,
+             request_id: str | None = None) -> Tracked:
+        """The engine request of a conversation (`render` + `chat_request`)."""
+        rendered = self.render(messages, tools=tools, reasoning_effort=reasoning_effort, tool_choice=tool_choice,
+                               response_format=response_format)
+        return self.chat_request(rendered, sampling, parallel_tool_calls=parallel_tool_calls, request_id=request_id)
+
+    def _constrain(self, tracked: Tracked, rendered: RenderedChat, starts: bool, parallel_tool_calls: bool) -> None:
+        """Attach the grammar a request's tools or response_format enforce, if any (xgrammar, which pulls in
+        transformers, is imported here: requests without either never load it)."""
+        from moe_export.runtime.core.structured import (
+            GrammarLogitsProcessor,
+            GrammarVocab,
+            structural_tag_for,
+        )
+
+        tag = structural_tag_for(self.family, tools=rendered.tools, tool_choice=rendered.tool_choice,
+                                 response_format=rendered.response_format, thinking=rendered.plan.enabled,
+                                 starts_in_reasoning=starts, parallel_tool_calls=parallel_tool_calls)
+        if tag is not None:
+            if self._grammar_vocab is None:  # built on the first constrained request
+                self._grammar_vocab = GrammarVocab(self.tokenizer, self.family, self.vocab_size)
+            tracked.grammar = GrammarLogitsProcessor(self._grammar_vocab, self._grammar_vocab.compile(tag))
