@@ -9,7 +9,7 @@ Beside the engine, outside the workspace reserve (which keeps the CUDA context, 
     the GPU after warm-up: ring collectives (tp all-reduce / all-gather; the ep all-reduce of the tp layout) use
     RING_CHANNELS channels with a SIMPLE and an LL128 buffer each; the dp layout's all-to-all holds, per peer,
     P2P_CHANNELS_PER_PEER channels with a send and a receive buffer each. NVLink SHARP's multicast buffers are not
-    counted: the TensorRT runner turns NVLS off (`runtime/engine/tensorrt.py` NCCL_ENV, with why).
+    counted: the TensorRT runner turns NVLS off (`runtime/engine/tensorrt_nccl.py` NCCL_ENV, with why).
   - the vision tower's activations (`planner.vision_activation_bytes`), one call at a time.
 Host, per rank (`host_peak_bytes`): building, the ONNX parser holds the rank's weights and the plan streams to
 disk (`common/engine_file.py`: a chunk at a time with bindings that have build_serialized_network_to_stream,

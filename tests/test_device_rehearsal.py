@@ -32,7 +32,8 @@ COMMAND_SECONDS = 8 * 60
 SETUP_SECONDS = 30  # device_env.sh (symlinks, pip install of ~15 MB of wheels) and the merge, generously
 # What torch's CPU build, torch.distributed without NCCL and the driver stand-in say at a first CUDA call
 CUDA_ABSENT = re.compile(r"Torch not compiled with CUDA enabled|Cannot get CUDA generator|no CUDA device here"
-                         r"|doesn't have NCCL built in|no CUDA driver here")
+                         r"|doesn't have NCCL built in|no CUDA driver here"
+                         r"|has no attribute '_cuda_\w+'")  # a CPU build of torch lacks torch._C's CUDA calls
 IMPORT_FAILURE = re.compile(r"ModuleNotFoundError|ImportError|No module named")
 # Markers as the H200's Python evaluates them (3.12.3, x86-64 Linux)
 DEVICE_MARKERS = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",

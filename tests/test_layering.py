@@ -136,7 +136,6 @@ KNOWN_CYCLES = [
      "moe_export.export.backends.torch", "moe_export.export.build_source", "moe_export.export.build_stages",
      "moe_export.export.planner", "moe_export.export.stage_keys", "moe_export.export.tensorrt_build",
      "moe_export.export.tensorrt_vision"],
-    ["moe_export.runtime.image_urls", "moe_export.runtime.images"],
 ]
 
 

@@ -9,26 +9,26 @@ import datetime
 import torch.distributed as dist
 from moe_export.common import mpi
 from moe_export.graphs.sharding import Mapping
-from moe_export.runtime.engine import ort, tensorrt
+from moe_export.runtime.engine import ort, tensorrt_nccl
 
 TORCH_NCCL_DEFAULT_TIMEOUT_S = 10 * 60  # torch.distributed's default for NCCL process groups
 
 
 def test_engine_communicators_turn_nvls_off_keep_graph_mixing_and_outwait_the_warm_up(monkeypatch):
     seen = {}
-    monkeypatch.setattr(tensorrt.os, "environ", {"NCCL_DEBUG": "WARN"})
+    monkeypatch.setattr(tensorrt_nccl.os, "environ", {"NCCL_DEBUG": "WARN"})
     monkeypatch.setattr(ort.MPICommunicator, "__init__", lambda self, mapping: None)
 
     def groups(mapping, backend, timeout_s=None):
-        seen.update(backend=backend, timeout_s=timeout_s, env=dict(tensorrt.os.environ))
+        seen.update(backend=backend, timeout_s=timeout_s, env=dict(tensorrt_nccl.os.environ))
         return {}
 
-    monkeypatch.setattr(tensorrt, "torch_group_comms", groups)
-    tensorrt._NcclGroups(Mapping(2, 0, 2, 2))
+    monkeypatch.setattr(tensorrt_nccl, "torch_group_comms", groups)
+    tensorrt_nccl.NcclGroups(Mapping(2, 0, 2, 2))
     assert seen["env"] == {"NCCL_DEBUG": "WARN", "NCCL_NVLS_ENABLE": "0", "NCCL_GRAPH_MIXING_SUPPORT": "1"}
     assert seen["backend"] == "nccl" and seen["timeout_s"] > TORCH_NCCL_DEFAULT_TIMEOUT_S
-    monkeypatch.setattr(tensorrt.os, "environ", {"NCCL_NVLS_ENABLE": "1"})  # an explicit setting wins
-    tensorrt._NcclGroups(Mapping(2, 0, 2, 2))
+    monkeypatch.setattr(tensorrt_nccl.os, "environ", {"NCCL_NVLS_ENABLE": "1"})  # an explicit setting wins
+    tensorrt_nccl.NcclGroups(Mapping(2, 0, 2, 2))
     assert seen["env"]["NCCL_NVLS_ENABLE"] == "1"
 
 

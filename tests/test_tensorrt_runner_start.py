@@ -51,7 +51,7 @@ class FakeCommunicator:
 
 
 class FakeGroups:
-    """`_NcclGroups` without MPI or NCCL: the groups' communicators, and the warm-up recorded; the world's bucket
+    """`NcclGroups` without MPI or NCCL: the groups' communicators, and the warm-up recorded; the world's bucket
     agreement as a world of one."""
 
     def __init__(self, mapping):
@@ -94,7 +94,7 @@ def test_runner_constructor_streams_allocates_and_warms_up(tiny_graphs, tmp_path
     monkeypatch.setattr(tensorrt_runtime, "register_plugins", lambda: rt.LOG.append(("plugins",)))
     monkeypatch.setattr(tensorrt_runtime, "select_device", lambda: 0)
     monkeypatch.setattr(runner, "mpi_world", lambda: (rank, recipe.target.world_size))
-    monkeypatch.setattr(runner, "_NcclGroups", FakeGroups)
+    monkeypatch.setattr(runner, "NcclGroups", FakeGroups)
     monkeypatch.setattr("moe_export.common.engine_file.READ_CHUNK", 5)  # the plan arrives in several reads
     rt.LOG.clear()
     engine = runner.TensorRTEngine(folder)
@@ -120,5 +120,5 @@ def test_nccl_groups_warm_up_every_group_in_one_order():
     calls = []
     comm = types.SimpleNamespace(nccl={n: types.SimpleNamespace(all_reduce=lambda x, out, n=n: calls.append(n))
                                        for n in ("ep", "tp")})  # fmt: skip
-    runner._NcclGroups.warm_up(comm, rt.torch, "cpu")
+    runner.NcclGroups.warm_up(comm, rt.torch, "cpu")
     assert calls == ["tp", "ep"]

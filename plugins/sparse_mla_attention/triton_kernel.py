@@ -103,9 +103,7 @@ def _sparse_mla_kernel(
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_c = tl.arange(0, BLOCK_DC)
     offs_r = tl.arange(0, BLOCK_DR)
-    mask_h = offs_h < H
-    mask_c = offs_c < DC
-    mask_r = offs_r < DR
+    mask_h, mask_c, mask_r = offs_h < H, offs_c < DC, offs_r < DR
 
     seq = token_sequence(cu_seqlens_ptr, num_seqs, t)
     first = tl.load(cu_seqlens_ptr + seq).to(tl.int64)  # the sequence's first token in this step
@@ -120,8 +118,7 @@ def _sparse_mla_kernel(
     q_c = tl.load(q_row + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0).to(k_dtype)
     q_r = tl.load(q_row + DC + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0).to(k_dtype)
 
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
+    m_i, l_i = tl.full([BLOCK_H], float("-inf"), tl.float32), tl.zeros([BLOCK_H], tl.float32)  # running max, sum
     acc = tl.zeros([BLOCK_H, BLOCK_DC], tl.float32)
     sparse = num_idx > 0
     n_iter = tl.where(sparse, num_idx, pos + 1)

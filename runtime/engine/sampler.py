@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-_GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+from moe_export.runtime.engine.sampler_streams import _GOLDEN, _MIX1, _MIX2, BLOCK, PROPOSALS, ROUNDS, STREAM_BLOCKS
 
 
 @dataclass
@@ -127,12 +127,6 @@ class SampledTokens:
     @property
     def errors(self) -> dict[int, str]:
         return self._get()[3]
-
-
-BLOCK = 1024  # tokens per block of a proposal's draw (the kernel's step): the draws depend on it
-PROPOSALS = 8  # tokens proposed per pass over a row
-ROUNDS = 32  # passes over a row at most
-STREAM_BLOCKS = 1 << 24  # blocks per (pass, proposal) in the uniform streams: vocabularies up to 2^34
 
 
 def draw_keys(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:

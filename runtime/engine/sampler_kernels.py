@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_export.runtime.engine.sampler import _MIX1, _MIX2, BLOCK, PROPOSALS, ROUNDS, STREAM_BLOCKS
+from moe_export.runtime.engine.sampler_streams import _MIX1, _MIX2, BLOCK, PROPOSALS, ROUNDS, STREAM_BLOCKS
 
 ARGMAX_BLOCK = 4096  # tokens per program step of the argmax
 ARGMAX_WARPS = 16

@@ -62,7 +62,6 @@ As TensorRT-LLM runs its engines:
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -70,8 +69,7 @@ from moe_export.common.engine_config import EngineConfig
 from moe_export.common.engine_file import read_engine_meta, stream_reader
 from moe_export.common.errors import InputError
 from moe_export.common.model_config import ModelConfig
-from moe_export.common.mapping import Mapping
-from moe_export.common.mpi import mpi_world, torch_group_comms
+from moe_export.common.mpi import mpi_world
 from moe_export.common.engine_file import VISION_ENGINE, rank_engine_name
 from moe_export.common.pools import CHECKPOINTS_PER_SLOT
 from moe_export.graphs.onnx_export import POOL_TABLE, POOLS_KEY
@@ -84,7 +82,7 @@ from moe_export.runtime.engine.batch import (
     check_step_batch,
     checkpoint_interval,
 )
-from moe_export.runtime.engine.ort import MPICommunicator
+from moe_export.runtime.engine.tensorrt_nccl import NcclGroups
 from moe_export.runtime.engine.tensorrt_bind import bind
 from moe_export.runtime.engine.runner import StepRefused, choose_tokens
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch
@@ -144,20 +142,6 @@ def graph_buckets(num_slots: int, pad_slot: int | None) -> list[int]:
     return decode_buckets(num_slots) if pad_slot is not None else []
 
 
-# NCCL settings of the engine's communicators, set before they exist (an explicit environment setting wins):
-#  - NCCL_NVLS_ENABLE=0: NVLink SHARP (NCCL's default on NVSwitch systems of Hopper GPUs, as the H100 and H200
-#    nodes) allocates multicast buffers per communicator that `plan` does not count (plan_memory counts the ring
-#    and p2p buffers of NCCL_BUFFSIZE); the engine's collectives are decode-sized, latency-bound all-reduces and
-#    all-to-alls that the ring / tree LL protocols serve, so it is turned off rather than counted (NCCL user
-#    guide, env.html NCCL_NVLS_ENABLE; usage/bufferreg.html "NVLink Sharp Buffer Registration").
-#  - NCCL_GRAPH_MIXING_SUPPORT=1 (NCCL's default, pinned): the runner mixes eager steps (prefills, each decode
-#    bucket's first step) and CUDA-graph replays on the same communicators, which NCCL supports only with it on
-#    (NCCL user guide, env.html NCCL_GRAPH_MIXING_SUPPORT; usage/cudagraph.html "Using NCCL with CUDA Graphs").
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "NCCL_GRAPH_MIXING_SUPPORT": "1"}
-# The NCCL watchdog's timeout (torch's default for NCCL: 10 minutes). The first eager step JIT-compiles the
-# plugins' Triton kernels between its collectives (every kernel variant of 93 layers' plugins, minutes on a cold
-# cache), so a rank that compiled first waits inside a collective for the slowest; 30 minutes covers that warm-up.
-NCCL_TIMEOUT_S = 30 * 60
 EAGER_STEP = 1 << 30  # a rank's bid in the world's bucket agreement when its step cannot replay a graph
 REFUSED_STEP = EAGER_STEP + 1  # a rank's bid when its step failed validation: every rank refuses the step
 
@@ -216,7 +200,7 @@ class TensorRTEngine:
         self._trt, self._torch = trt, torch
         register_plugins()  # the plugins' Python callbacks must exist before deserialization
         multi = self.world_size > 1 or self.dp_layout  # a dp graph holds all-to-alls even at world 1
-        self.comm = _NcclGroups(self.mapping) if multi else None
+        self.comm = NcclGroups(self.mapping) if multi else None
         num_experts = ModelConfig.from_hf_dict(self.model_config, source="engine config.json").num_experts
         # tokens routed to each expert per dispatching MoE layer (dp layout): the last step's, the running total,
         # and on a group's first rank the last step's of its whole attention group
@@ -302,7 +286,7 @@ class TensorRTEngine:
         self._activation_size = size
 
     def _warm_up(self) -> None:
-        """Before the first request: the NCCL communicators made (`_NcclGroups.warm_up`: one small collective
+        """Before the first request: the NCCL communicators made (`NcclGroups.warm_up`: one small collective
         per group) and the plugin kernels compiled, by steps on the spare slot (block-table rows -1: no cache row
         written): one eager step of one token (in the dp layout the idle step, which every rank runs here in the
         same order), then every decode bucket's first step and CUDA graph capture. Without a spare slot (the
@@ -583,29 +567,3 @@ class _DecodeGraph:
     def __init__(self, context, inputs: dict, logits, table_width: int):
         self.context, self.inputs, self.logits, self.table_width = context, inputs, logits, table_width
         self.cuda_graph = None
-
-
-class _NcclGroups(MPICommunicator):
-    """The host side over MPI (step plans broadcast in the world, or in the attention group in the dp layout; the
-    group leaders' communicator; group sums: `ort.MPICommunicator`, so `runtime/core/wide_ep.py` runs as is) and
-    the engine's side: torch.distributed NCCL world plus the tp and ep groups (consecutive ranks), set up from
-    MPI's launch: rank 0's host and a free port are broadcast over MPI (or MASTER_ADDR / MASTER_PORT if set).
-    Registers a communicator per group (`nccl`) for the engine's collective plugins."""
-
-    def __init__(self, mapping: Mapping):
-        from moe_export.plugins.collectives.nccl import Communicator, set_communicators
-
-        super().__init__(mapping)
-        for name, value in NCCL_ENV.items():
-            os.environ.setdefault(name, value)  # before any communicator exists; an explicit setting wins
-        groups = torch_group_comms(mapping, "nccl", timeout_s=NCCL_TIMEOUT_S)
-        self.nccl = {kind: Communicator(group, mapping.group_size(kind)) for kind, group in groups.items()}
-        set_communicators(self.nccl)
-
-    def warm_up(self, torch, device) -> None:
-        """Make the groups' NCCL communicators now (torch.distributed makes one at a group's first collective,
-        which would otherwise be inside the first request's step): a one-element all-reduce per group, tp first,
-        then ep, the same order on every rank (the tp groups are disjoint, as are the ep groups)."""
-        for name in ("tp", "ep"):
-            probe = torch.zeros(1, device=device)
-            self.nccl[name].all_reduce(probe, probe)
