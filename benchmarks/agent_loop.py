@@ -27,7 +27,7 @@ Per round: `input` (prompt tokens: chat `prompt_tokens`, Responses `input_tokens
 prefilled), `output` (completion / output tokens), `new` = input - the previous round's input (the growth of the
 prompt), `ideal` = new - the previous round's output (the tokens no cache can hold), `ttft_s` (time to the first
 streamed delta) and `wall_s`.
-Over rounds 2..N per (API, choice): medians and maxima of uncached / new / ideal and of the per-round ratios
+Over rounds 2..N per (API, choice), the round after a restart excepted: medians and maxima of uncached / new / ideal and of the per-round ratios
 uncached / ideal and uncached / new. Goals (issue 38): `named`: uncached / ideal median <= 1.2 and max <= 1.8
 (1.5x the median goal; the next prompt continues the previous prompt and output); `required` / `any`: uncached /
 new median <= 1.1 and max <= 1.65 (the format inserts the tool-choice text before the continuation, so the cache
@@ -234,9 +234,10 @@ def add_growth(rounds: list[dict]) -> None:
         cur["ideal"] = cur["new"] - prev["output"]
 
 
-def summarize(rounds: list[dict], choice: str) -> dict:
-    """Medians / maxima over rounds 2..N and the goal of `choice`."""
-    later = rounds[1:]
+def summarize(rounds: list[dict], choice: str, restart_round: int | None) -> dict:
+    """Medians / maxima over rounds 2..N but the one after a restart (reported on its own) and the goal of
+    `choice`."""
+    later = [r for i, r in enumerate(rounds[1:], start=2) if i != restart_round]
     out = {}
     for key in ("uncached", "new", "ideal", "ttft_s"):
         values = [r[key] for r in later]
@@ -267,7 +268,7 @@ def run_loop(api: str, choice: str, server: Server, rounds: int, restart_round: 
             figures.append(conv.step(tool_text))
         print(f"  {api}/{choice} round {r}: " + " ".join(f"{k}={v}" for k, v in figures[-1].items()), flush=True)
     add_growth(figures)
-    out = {"rounds": figures, **summarize(figures, choice)}
+    out = {"rounds": figures, **summarize(figures, choice, restart["round"] if restart else None)}
     if restart is not None:
         cur = figures[restart["round"] - 1]
         base, goal = GOALS[choice]
