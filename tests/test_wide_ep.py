@@ -117,10 +117,10 @@ def test_mpi_and_torch_distributed_all_to_all_match_the_reference():
                        text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert got["mpi_max_err"] == 0.0 and got["mpi_shapes_match"]
+    assert got["mpi_max_err"] == 0.0 and got["mpi_shapes_match"]  # exact: the reference's own np.add.at order
     for transport in ("counted", "blocks"):
-        t = got[transport]
-        assert t["plugin_max_err"] < 1e-5 and t["shapes_match"] and t["rows_ok"] and t["counts_ok"], (transport, t)
+        t = got[transport]  # the sum kernel adds each token's partial rows in its own order: the reordering bound
+        assert t["plugin_max_err"] <= got["plugin_err_bound"] and t["shapes_match"] and t["rows_ok"] and t["counts_ok"], (transport, t)
     assert got["rows_received"][1] > 0  # the idle rank's experts still get the others' tokens
 
 
