@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import SYNTHETIC_PRESETS
-from fp32_reorder import reorder_atol
+from fp32_reorder import longest_sum, reorder_atol
 
 from moe_export.export.checkpoint import load_model
 from moe_export.graphs.model import KDACache, KimiModel, MLACache
@@ -23,8 +23,7 @@ def test_prefill_chunks_and_decode_agree(model):
     full = model(ids)
     assert full.shape == (2, T, model.cfg.vocab_size) and full.dtype == torch.float32
     # chunks, single tokens and a smaller batch change the matmuls' shapes, so their sums' order (float32)
-    cfg = model.cfg
-    atol = reorder_atol(full.numpy(), cfg.num_layers, max(T, cfg.hidden_size, cfg.intermediate_size, cfg.moe_intermediate_size))
+    atol = reorder_atol(full.numpy(), model.cfg.num_layers, longest_sum(model.cfg, T))
 
     cache = model.new_cache(2)
     chunked = torch.cat([model.prefill(ids[:, :5], cache), model.prefill(ids[:, 5:], cache)], dim=1)
