@@ -25,3 +25,17 @@ def reorder_atol(reference: np.ndarray, layers: int, longest_sum: int) -> float:
 def num_layers(model_config: dict) -> int:
     """The decoder layers of an engine's HF config (a K3 config nests them in text_config)."""
     return int((model_config.get("text_config") or model_config)["num_hidden_layers"])
+
+
+def longest_sum(cfg, positions: int) -> int:
+    """The longest sum of a reference model's forward over `positions` tokens: attention over the positions, or a
+    matmul over the hidden, dense or expert width (`cfg`: a ModelConfig)."""
+    return max(positions, cfg.hidden_size, cfg.intermediate_size, cfg.moe_intermediate_size)
+
+
+def vision_reorder_atol(reference: np.ndarray, vc, tokens: int) -> float:
+    """reorder_atol for a vision tower's output over `tokens` patches (`vc`: a VisionConfig): its blocks, the patch
+    embedding and the projector each a layer; the longest sum over the patches, a patch's pixels or a width."""
+    longest = max(tokens, 3 * vc.patch_size**2, vc.hidden_size, vc.qkv_hidden_size, vc.intermediate_size,
+                  vc.mm_hidden_size)
+    return reorder_atol(reference, vc.num_layers + 2, longest)

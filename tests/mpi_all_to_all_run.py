@@ -8,8 +8,8 @@ handle to one; TensorRT's are CUDA views), the stream is not entered, and the tr
 Triton's interpreter (run with TRITON_INTERPRET=1, as tests/test_wide_ep.py does). The idle rank runs a dummy token with no
 real token, as the TensorRT runner's idle step does; the others carry two padding tokens past their real ones, as
 a padded decode step does. Everything is compared with the in-process reference. Rank 0 prints one JSON line
-{"mpi_max_err", "rows_received" [per rank], "mpi_shapes_match", "counted" / "blocks": {"plugin_max_err",
-"shapes_match", "rows_ok", "counts_ok"}}."""
+{"mpi_max_err", "rows_received" [per rank], "mpi_shapes_match", "plugin_err_bound", "counted" / "blocks":
+{"plugin_max_err", "shapes_match", "rows_ok", "counts_ok"}}."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from moe_export.plugins.collectives import all_to_all, nccl
 
 sys.path.insert(0, str(Path(__file__).parent))
 import tensorrt_standin  # noqa: E402
+from fp32_reorder import U32  # noqa: E402
 
 EXPERTS, TOP_K, DIM = 8, 3, 6
 
@@ -100,7 +101,7 @@ def main() -> None:
     dist.destroy_process_group()
     real = data[rank][0].shape[0]
     want_routed = np.bincount(data[rank][1].ravel(), minlength=EXPERTS).tolist()
-    row = [max_err(mpi_out, want), int(rx.shape[0]), mpi_out.shape == want.shape]
+    row = [max_err(mpi_out, want), int(rx.shape[0]), mpi_out.shape == want.shape, combine_err_bound(*data[rank])]
     for transport, (y, copied_ok, got, sent, send_counts, routed, rows_ok) in results.items():
         plugin_out = y.numpy()[:real]
         row += [max_err(plugin_out, want), plugin_out.shape == want.shape and got == int(rx.shape[0]),
@@ -109,12 +110,20 @@ def main() -> None:
     errs = world.gather(row, root=0)
     if rank == 0:
         out = {"mpi_max_err": max(e[0] for e in errs), "rows_received": [e[1] for e in errs],
-               "mpi_shapes_match": all(e[2] for e in errs)}
+               "mpi_shapes_match": all(e[2] for e in errs), "plugin_err_bound": max(e[3] for e in errs)}
         for i, transport in enumerate(results):
-            at = 3 + 4 * i
+            at = 4 + 4 * i
             out[transport] = {"plugin_max_err": max(e[at] for e in errs), "shapes_match": all(e[at + 1] for e in errs),
                               "rows_ok": all(e[at + 2] for e in errs), "counts_ok": all(e[at + 3] for e in errs)}
         print(json.dumps(out))
+
+
+def combine_err_bound(x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> float:
+    """|plugin - reference| bound for this rank's combined rows: each is a float32 sum of at most TOP_K partial
+    rows (one per expert choice) that the plugin's sum kernel may add in another order than the reference's
+    np.add.at, which moves it by at most 2 (TOP_K - 1) u sum|terms| (Higham 4.2; 2: both sums round)."""
+    terms = np.abs(w[:, :, None].astype(np.float64) * (x[:, None, :] * (ids[:, :, None] + 1) + ids[:, :, None]))
+    return 2 * (TOP_K - 1) * U32 * float(terms.sum(axis=1).max(initial=0.0))
 
 
 def max_err(got: np.ndarray, want: np.ndarray) -> float:

@@ -9,6 +9,7 @@ import pytest
 import torch
 import yaml
 from conftest import import_hf
+from fp32_reorder import num_layers, reorder_atol
 from moe_export.export.checkpoint import load_model
 from moe_export.common.recipe import load_recipe
 from moe_export.export.build import build
@@ -68,7 +69,9 @@ def test_reference_moe_equals_transformers_deepseek_v32(reader):
     with torch.no_grad():
         want = hf(x)
     got = M.moe_layer(x, ours, cfg)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # one MoE layer in float32, HF's sums in other orders: their longest runs over the hidden or expert width
+    atol = reorder_atol(want.numpy(), 1, max(cfg.hidden_size, cfg.moe_intermediate_size))
+    torch.testing.assert_close(got, want, atol=atol, rtol=0)
 
 
 def test_engine_graph_routes_by_group(synthetic_checkpoint, tmp_path):
@@ -88,7 +91,9 @@ def test_engine_graph_routes_by_group(synthetic_checkpoint, tmp_path):
     want = ref.prefill(torch.tensor([PROMPT]), cache)[0, -1]
     got = eng.step(StepBatch.from_sequences([whole_chunk(eng, 0, 0, PROMPT)]))[0]
     for step in range(4):
-        np.testing.assert_allclose(got, want.numpy(), atol=1e-4, rtol=0, err_msg=f"step {step}")
+        # ONNX Runtime's float32 sums in other orders than the reference's
+        atol = reorder_atol(want.numpy(), num_layers(eng.model_config), eng.max_seq_len)
+        np.testing.assert_allclose(got, want.numpy(), atol=atol, rtol=0, err_msg=f"step {step}")
         token = int(want.argmax())
         want = ref.decode(torch.tensor([token]), cache)[0]
         got = eng.step(StepBatch.from_sequences([whole_chunk(eng, 0, len(PROMPT) + step, [token])]))[0]

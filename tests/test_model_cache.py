@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import SYNTHETIC_PRESETS
+from fp32_reorder import longest_sum, reorder_atol
 
 from moe_export.export.checkpoint import load_model
 from moe_export.graphs.model import KDACache, KimiModel, MLACache
@@ -21,15 +22,17 @@ def test_prefill_chunks_and_decode_agree(model):
     ids = torch.randint(0, model.cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(0))
     full = model(ids)
     assert full.shape == (2, T, model.cfg.vocab_size) and full.dtype == torch.float32
+    # chunks, single tokens and a smaller batch change the matmuls' shapes, so their sums' order (float32)
+    atol = reorder_atol(full.numpy(), model.cfg.num_layers, longest_sum(model.cfg, T))
 
     cache = model.new_cache(2)
     chunked = torch.cat([model.prefill(ids[:, :5], cache), model.prefill(ids[:, 5:], cache)], dim=1)
-    torch.testing.assert_close(chunked, full, atol=1e-4, rtol=0)
+    torch.testing.assert_close(chunked, full, atol=atol, rtol=0)
     assert cache.length == T
 
     cache = model.new_cache(2)
     steps = torch.stack([model.decode(ids[:, i], cache) for i in range(T)], dim=1)
-    torch.testing.assert_close(steps, full, atol=1e-4, rtol=0)
+    torch.testing.assert_close(steps, full, atol=atol, rtol=0)
 
     for layer, c in enumerate(cache.layers):
         if isinstance(c, MLACache):
@@ -40,4 +43,4 @@ def test_prefill_chunks_and_decode_agree(model):
             assert c.state.dtype == torch.float32
             assert c.q_window.shape == (2, model.cfg.conv_kernel_size - 1, model.cfg.kda_proj_dim)
 
-    torch.testing.assert_close(model(ids[1:]), full[1:], atol=1e-4, rtol=0)
+    torch.testing.assert_close(model(ids[1:]), full[1:], atol=atol, rtol=0)

@@ -161,8 +161,10 @@ def test_logprobs_match_the_reference_model(runtime_engine):
     ref = load_model(next((Path(engine_dir) / ".cache").glob("source-*")))
     seq = PROMPTS[1] + tokens
     want = torch.log_softmax(ref(torch.tensor([seq]))[0], -1)
+    # a logprob is a logit less the logsumexp of its row: within twice the logits' float32 reordering bound
+    atol = 2 * reorder_atol(ref(torch.tensor([seq]))[0].numpy(), num_layers(eng.model_config), eng.max_seq_len)
     for k, t in enumerate(tokens):
-        assert abs(logprobs[k] - float(want[len(PROMPTS[1]) - 1 + k, t])) < 1e-4
+        assert abs(logprobs[k] - float(want[len(PROMPTS[1]) - 1 + k, t])) <= atol
 
 
 def test_logits_processors(engine):

@@ -742,7 +742,8 @@ def test_sampling_controls_reach_the_sampler(server, oai):
     for entry in r.choices[0].logprobs.content:
         alts = entry.top_logprobs
         assert len(alts) == 3 and alts[0].logprob >= alts[1].logprob >= alts[2].logprob
-        assert abs(alts[0].logprob - entry.logprob) < 1e-4  # greedy: the chosen token is the most likely one
+        # greedy: the chosen token is the most likely one; exact, both read from one log-softmax row
+        assert alts[0].logprob == entry.logprob
     with pytest.raises(openai.BadRequestError):
         oai.chat.completions.create(**chat, logprobs=True, top_logprobs=50)  # OpenAI's maximum is 20
     with pytest.raises(openai.BadRequestError, match="logit_bias"):

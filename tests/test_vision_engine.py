@@ -25,6 +25,8 @@ from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
 from moe_export.runtime.images import PromptImages
 from PIL import Image
 
+from fp32_reorder import num_layers, reorder_atol
+
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 
 
@@ -103,7 +105,10 @@ def test_image_chat_equals_reference(runtime_engine, reference, layout, messages
     embeds = llm.engine.encode_images([[im.pixel_values, list(im.plan.grid)] for im in seq.request.images])
     chunk = SequenceChunk(0, 0, out.prompt_ids, blocks, seq.pad_positions.tolist(), np.concatenate(embeds))
     logits = llm.engine.step(StepBatch.from_sequences([chunk], llm.engine.image_width))[0]
-    assert np.abs(logits - ref_logits.numpy()).max() < 1e-4
+    want = ref_logits.numpy()
+    # float32 in another summation order: the text layers and, through the image rows, the tower's layers
+    depth = num_layers(llm.engine.model_config) + reference[1].vc.num_layers
+    assert np.abs(logits - want).max() <= reorder_atol(want, depth, llm.engine.max_seq_len)
 
 
 def _request(llm: LLM, messages: list[dict]):

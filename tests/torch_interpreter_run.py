@@ -3,7 +3,8 @@ CPU kernel table and with the CUDA one (`torch_kernels.CUDAKernels`: the plugins
 table, interpreted on CPU tensors), the engine loading its experts for it (the W4A16 kernel's layout, made once at
 load: the bytes equal the CPU engine's standard ones moved once). The MoE is checked call by call (`checked_moe`),
 then the CPU kernel's result goes on, so that the bf16 MoE's roundings (within BF16_TOL of its output, not of the
-logits) leave the other kernels compared end to end as tightly as before. Prints {"max_err": largest logit difference, "same_tokens": bool,
+logits) leave the other kernels compared end to end as tightly as before. Prints {"max_err": largest logit difference,
+"atol": the float32 reordering bound of those logits (fp32_reorder.reorder_atol), "same_tokens": bool,
 "experts_converted_once": bool, "moe_calls": int, "moe_err": largest MoE error relative to max(1, max |y|)}."""
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from moe_export.plugins.moe_mxfp4.layout import from_kernel_layout, to_kernel_la
 from moe_export.runtime.engine import torch_runner
 from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
 from moe_export.runtime.engine.torch_kernels import CUDAKernels
+
+from fp32_reorder import num_layers, reorder_atol
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 8, 300, 11, 12, 77, 1, 400]
 
@@ -57,12 +60,13 @@ def main() -> None:
     converted_once = bool(pairs) and all(torch.equal(kern[0], to_kernel_layout(std[0])) and
                                          torch.equal(kern[2], to_kernel_layout(std[2])) for std, kern in pairs)
     blocks = [5, 2, 7]
-    tokens, worst, same = PROMPT, 0.0, True
+    tokens, worst, atol, same = PROMPT, 0.0, 0.0, True
     for start in (0, len(PROMPT), len(PROMPT) + 1, len(PROMPT) + 2):
         a, b = (e.step(StepBatch.from_sequences([SequenceChunk(1, start, tokens, blocks)]))[0] for e in (cpu, triton))
         worst, same = max(worst, float(np.abs(a - b).max())), same and int(a.argmax()) == int(b.argmax())
+        atol = max(atol, reorder_atol(a, num_layers(cpu.model_config), cpu.max_seq_len))
         tokens = [int(a.argmax())]
-    print(json.dumps({"max_err": worst, "same_tokens": same, "experts_converted_once": converted_once,
+    print(json.dumps({"max_err": worst, "atol": atol, "same_tokens": same, "experts_converted_once": converted_once,
                       "moe_calls": len(errors), "moe_err": max(errors, default=float("nan"))}))
 
 
