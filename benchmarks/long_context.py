@@ -100,10 +100,24 @@ def prompt_ids(n: int, vocab: int) -> list[int]:
     return [(i * 7919 + 13) % min(256, vocab) for i in range(n)]
 
 
+def engine_core(runner, **kwargs):
+    """The engine core stepping `runner` (`EngineCore`; in a checkout from before it, as `--baseline` may import,
+    the `Scheduler` that ran its own steps) and the scheduler it holds."""
+    try:
+        from moe_export.runtime.core.engine_core import EngineCore
+    except ImportError:  # the baseline's engine core
+        from moe_export.runtime.core.scheduler import Scheduler
+
+        core = Scheduler(runner, **kwargs)
+        return core, core
+    core = EngineCore(runner, **kwargs)
+    return core, core.scheduler
+
+
 def run_point(engine_dir: Path, context: int, decode_steps: int, prefill_limit_s: float | None) -> dict:
     """One point in this process (see the module doc); prefill_limit_s: stop the prefill after that long."""
     from moe_export.common.engine_config import EngineConfig
-    from moe_export.runtime.core.scheduler import Request, Scheduler
+    from moe_export.runtime.core.scheduler import Request
     from moe_export.runtime.engine.ort import Engine
     from moe_export.runtime.sampling import SamplingParams
 
@@ -124,7 +138,7 @@ def run_point(engine_dir: Path, context: int, decode_steps: int, prefill_limit_s
         return out
 
     eng.sample = timed_sample
-    sched = Scheduler(eng, keep_sessions=True, prefix_caching=True)
+    sched, _ = engine_core(eng, keep_sessions=True, prefix_caching=True)
     warm = SamplingParams(max_tokens=2, ignore_eos=True, **PENALTIES)
     sched.add(Request("warm-up", prompt_ids(64, vocab)[::-1], warm))  # shares no block with the long prompt
     while sched.has_work:
@@ -256,13 +270,13 @@ def run_host_point(context: int, steps: int = 200, vocab: int = 163_840) -> dict
     drawn from all of it, penalties on, prefix caching and kept sessions on): the scheduler's, the sampling rows'
     and the step packing's work at that context, free of model time and of the machine's load on a model step."""
     import numpy as np
-    from moe_export.runtime.core.scheduler import Request, Scheduler
+    from moe_export.runtime.core.scheduler import Request
     from moe_export.runtime.sampling import SamplingParams
 
-    sched = Scheduler(InstantRunner(context + steps + 16, vocab), keep_sessions=True, prefix_caching=True)
+    sched, scheduler = engine_core(InstantRunner(context + steps + 16, vocab), keep_sessions=True, prefix_caching=True)
     prompt = np.random.default_rng(0).integers(0, vocab - 1024, context).tolist()
     sched.add(Request("long", prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True, **PENALTIES)))
-    while not sched.running or sched.running[0].num_computed < context:
+    while not scheduler.running or scheduler.running[0].num_computed < context:
         sched.step()
     for _ in range(3):
         sched.step()

@@ -277,8 +277,11 @@ def test_gpu_graph_computes_in_bf16_with_fp32_where_needed(tiny_graphs):  # noqa
     assert experts and all(t.data_type == onnx.TensorProto.INT8 for t in experts)
     cpu = onnx.load(str(cpu_path), load_external_data=False)
     cpu_experts = {t.name: t for t in cpu.graph.initializer if ".experts." in t.name}
+    # the same number of bytes as the CPU build's (TensorRT builds hold them in the W4A16 kernel's layout,
+    # plugins/moe_mxfp4/layout.py: other bytes, so another place in another weights file)
+    length = lambda t: {e.key: e.value for e in t.external_data}.get("length")  # noqa: E731
     assert all(cpu_experts[t.name].data_type == onnx.TensorProto.UINT8 and list(cpu_experts[t.name].dims) == list(t.dims)
-               and cpu_experts[t.name].external_data == t.external_data for t in experts)  # fmt: skip
+               and length(t) is not None and length(cpu_experts[t.name]) == length(t) for t in experts)  # fmt: skip
     # activations between layers and the collectives are bf16; gates, state and plugin fp32 inputs stay fp32
     reduces = [n for n in gpu.graph.node if n.op_type == "AllReduce"]
     assert reduces and all(types_[n.output[0]] == onnx.TensorProto.BFLOAT16 for n in reduces)

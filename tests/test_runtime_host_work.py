@@ -24,7 +24,7 @@ def test_penalty_counts_follow_the_tokens_a_step_at_a_time():
     seq = Sequence(Request("r", prompt, params), list(prompt), len(prompt), seed=1)
     for added in [1, 1, 3, 1, 7, 1]:
         seq.tokens += rng.integers(0, 60, added).tolist()
-        row = build_row(seq, frozenset())
+        row = build_row(seq, frozenset(), None)
         assert seq.penalties.absorbed == len(seq.tokens)
         assert np.array_equal(np.sort(row.seen), np.unique(seq.tokens))
         want_ids, want_counts = np.unique(seq.tokens[len(prompt):], return_counts=True)
@@ -81,8 +81,8 @@ def test_packed_seen_ids_are_views_that_never_change():
     handed = []
     for step, token in enumerate([7, 99, 100, 7, 101]):
         seq.tokens.append(token)
-        row = build_row(seq, frozenset())
-        others = [build_row(Sequence(Request("o", [1]), [1], 1, 0), frozenset())] * (step % 2)  # moves our row
+        row = build_row(seq, frozenset(), None)
+        others = [build_row(Sequence(Request("o", [1]), [1], 1, 0), frozenset(), None)] * (step % 2)  # moves our row
         sb = pack_rows(others + [row], list(range(len(others) + 1)), None)
         rows, ids = sb.seen
         assert rows.tolist() == [len(others)] * len(set(seq.tokens)) and sorted(ids.tolist()) == sorted(set(seq.tokens))
