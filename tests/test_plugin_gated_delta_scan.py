@@ -3,7 +3,6 @@ Triton (interpreter, in a subprocess) and ONNX Runtime implementations vs the re
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from onnx import helper
 from moe_export.plugins import DOMAIN, OPSET_VERSION
 from moe_export.plugins.gated_delta_scan import cpu, onnx_schema, ort, reference
 from conftest import load_fla_naive, run_triton_inner_tests
+from fp32_reorder import scan_rtol
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,23 +31,6 @@ def make_inputs(B, T, H, K, V, g_low=-5.0, seed=0, dtype=torch.float32):
     g = torch.rand(B, T, H, K, generator=gen) * g_low
     beta = torch.rand(B, T, H, generator=gen)
     return q.to(dtype), k.to(dtype), v.to(dtype), g, beta
-
-
-UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
-
-
-def scan_rtol(T, K, V, dtype=torch.float32):
-    """Bound on max|a - b| / max|b| for two float32 evaluations of a T-token scan of [K, V] states in different
-    orders (recurrent, chunked, tiled), with activations (q, k, v, o) in `dtype`.
-
-    Each token's update and output round sums of at most K + V terms (S^T k over K, the rank-1 update and q^T S
-    over K, the chunked form's products over V), each within (K + V) u of exact (Higham 4.2) at the state's
-    scale; the gates and beta < 1 carry earlier errors forward without growth, and the T tokens' errors add as a
-    random walk (Higham 2.8): sqrt(T) (K + V) u per side, 2 sides. An output rounded to a 16-bit `dtype` adds
-    its unit roundoff on each side."""
-    u32 = UNIT_ROUNDOFF[torch.float32]
-    rounding = 0.0 if dtype == torch.float32 else 2 * UNIT_ROUNDOFF[dtype]
-    return 2 * math.sqrt(T) * (K + V) * u32 + rounding
 
 
 def close(a, b, rtol):

@@ -19,6 +19,7 @@ from onnx import helper
 from moe_export.plugins import DOMAIN, OPSET_VERSION
 from moe_export.plugins.short_conv import cpu, onnx_schema, ort, reference
 from conftest import run_triton_inner_tests
+from fp32_reorder import CONV_RTOL, U16
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,15 +28,6 @@ def make_inputs(B, T, C, W=4, seed=0, dtype=torch.float32):
     """x [B, T, C] (dtype), weight [C, 1, W] fp32 as on disk."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(B, T, C, generator=gen).to(dtype), torch.randn(C, 1, W, generator=gen)
-
-
-U32 = 2.0**-24  # float32 unit roundoff
-U16 = 2.0**-11  # float16 unit roundoff
-# A W <= 4 tap float32 depthwise sum in another order: each order within (W - 1) u sum|terms| of the exact sum
-# (Higham 4.2), 2 (W - 1) u = 6u between them; SiLU (exp, add, divide, multiply) adds ~4u per side, 8u: 14u.
-# Relative to max|y|: for these N(0,1) inputs the element with the largest |y| has sum|terms| ~ |y| (W <= 4 terms
-# of one sign dominate there), so 16u at the scale of max|y| covers it.
-CONV_RTOL = 16 * U32
 
 
 def close(a, b, rtol=CONV_RTOL):
