@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fp32_reorder import BF16_U
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
@@ -74,4 +75,7 @@ def test_gpu_check_smoke_mode_runs_every_check(tmp_path):
     for key in GOAL_KEYS:
         assert any(k.startswith(key) and isinstance(v, float) and v > 0 for k, v in fig.items()), key
     assert fig["indexer_topk_score_ok"] is True
-    assert max(v for k, v in fig.items() if "max_abs_diff" in k or "rel_diff" in k) < 2e-2
+    # bf16 outputs on both sides (2 u_bf16 at the output's scale) plus a bf16-rounded operand carried through one
+    # sum (the KDA state or the MoE activation, 2 u_bf16 more): 4 u_bf16 of max|output|, which gpu_check divides
+    # out where it exceeds 1 (rel_diff) and which is O(1) for KDA (l2-normed q, k); smoke run: worst 7.9e-3
+    assert max(v for k, v in fig.items() if "max_abs_diff" in k or "rel_diff" in k) < 4 * BF16_U
