@@ -42,7 +42,7 @@ SMOKE_RUNS = [
     pytest.param("convert.py", ["--smoke"], "convert_gbps", id="convert"),
     pytest.param("serve.py", ["--smoke"], "prefix_cache_ttft_speedup", id="serve", marks=pytest.mark.slow),
     pytest.param("wide_ep.py", ["--smoke"], "wide_ep_throughput_ratio", id="wide_ep", marks=pytest.mark.slow),
-    pytest.param("vision.py", ["--quick", "--rounds", "1"], "cache", id="vision", marks=pytest.mark.slow),
+    pytest.param("vision.py", ["--quick", "--rounds", "1"], "vision_cache_ttft_speedup", id="vision", marks=pytest.mark.slow),
     pytest.param("plugins.py", ["--quick"], None, id="plugins", marks=pytest.mark.slow),
     pytest.param("decode.py", ["--smoke"], None, id="decode", marks=pytest.mark.slow),
     pytest.param("build.py", ["--smoke"], "checkpoint_growth_x", id="build", marks=pytest.mark.slow),
