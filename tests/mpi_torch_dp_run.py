@@ -9,8 +9,9 @@ and 2) whose graphs are eager stand-ins (no GPU here: a replay runs the step on 
 the world agrees on a bucket and idle ranks replay padding. Counted over each step (`HostSyncs` below): reads of a tensor's
 values (`item`, `tolist`, `cpu`, `numpy`, conversions) and `torch.cuda.synchronize`, outside the kernels (the Triton
 kernels' and the transport kernels' host side is the interpreter's) and outside the runner's checks of its numpy
-inputs. Rank 0 prints one JSON line {"logits": [step][group] -> [N, vocab] list or null, "reads": [step][rank]
--> list of read names, "expert_tokens": [step] -> sum of the group's per-expert counts, "moe_err": the largest
+inputs; separately over `TorchEngine.finish_step` after it (the step's wait and its per-expert counts' read, as
+`sample` does after the sampler). Rank 0 prints one JSON line {"logits": [step][group] -> [N, vocab] list or null,
+"reads": [step][rank] -> list of read names in `step_logits`, "finish_reads": the same in `finish_step`, "expert_tokens": [step] -> sum of the group's per-expert counts, "moe_err": the largest
 MoE error of any rank relative to max(1, max |y|)}."""
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def main() -> None:
     torch_runner.check_step_batch = syncs.pausing(torch_runner.check_step_batch)
     torch_runner.kernels_for = lambda device, pools: CUDAKernels(pools)  # the experts loaded in the kernel's layout
     engine = TorchEngine(sys.argv[1], num_slots=3, num_blocks=16, threads=1)
-    logits, reads, experts = [], [], []
+    logits, reads, finish_reads, experts = [], [], [], []
     for n, step in enumerate(json.loads(sys.argv[2])):
         if n == int(sys.argv[3]):
             engine.graphs = stand_in_graphs(engine)
@@ -107,15 +108,19 @@ def main() -> None:
         batch = None if chunks is None else StepBatch.from_sequences([SequenceChunk(*c) for c in chunks])
         syncs.calls, syncs.counting = [], True
         out = engine.step_logits(batch)
+        step_calls, syncs.calls = syncs.calls, []
+        engine.finish_step()  # what `sample` does after the sampler (no sampling here: the stream's wait)
         syncs.counting = False
         mine = None if out is None or engine.rank % engine.tp else out.numpy().tolist()
         gathered = world.gather(mine, root=0)  # rank 0: every rank's; a group's logits from its first rank
         logits.append(None if gathered is None else gathered[::engine.tp])
-        reads.append(world.gather(syncs.calls, root=0))
+        reads.append(world.gather(step_calls, root=0))
+        finish_reads.append(world.gather(syncs.calls, root=0))
         experts.append(int(engine.group_step_expert_tokens.sum()))
     moe_err = world.gather(max(moe_errors, default=0.0), root=0)
     if world.Get_rank() == 0:
-        print(json.dumps({"logits": logits, "reads": reads, "expert_tokens": experts, "moe_err": max(moe_err)}))
+        print(json.dumps({"logits": logits, "reads": reads, "finish_reads": finish_reads, "expert_tokens": experts,
+                          "moe_err": max(moe_err)}))
 
 
 if __name__ == "__main__":

@@ -119,3 +119,39 @@ def test_no_host_sync_in_a_tp_decode_step(runtime_engine, current_devices, monke
             with count_syncs(monkeypatch) as syncs:
                 assert engine.step_logits(decode[1]).shape == (2, engine.config.model.vocab_size)
             assert syncs.calls == []
+
+
+def test_a_dp_step_waits_once_then_reads_its_expert_counts(monkeypatch):
+    """The dp layout's device-transport step (`finish_step`, as `sample` runs it after the sampler): one wait per
+    step: for the sampled ids' copy when the step sampled on the device (the counts' copy precedes it on the
+    stream), else the stream's (an idle or follower rank, or a sampler that failed and copied nothing); then the
+    per-expert counts from their host copy. No wait when no counts are pending or the caller already waited."""
+    from types import SimpleNamespace
+
+    from moe_export.runtime.engine.sampler import SampledTokens
+
+    engine = object.__new__(TorchEngine)
+    engine.device, engine.comm, engine.tp = torch.device("cuda", 1), None, 1
+    engine.routed_host = torch.tensor([[1, 2], [0, 3]])
+    engine.step_expert_tokens = np.zeros((2, 2), np.int64)
+    engine.expert_tokens = np.zeros((2, 2), np.int64)
+    waits: list[str] = []
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: SimpleNamespace(synchronize=lambda: waits.append(f"stream {device}")))
+
+    def sampled() -> SampledTokens:
+        return SampledTokens.pending(lambda: waits.append("ids") or (np.zeros(1, np.int64), [None], [None], {}))
+
+    failed = SampledTokens(np.zeros(1, np.int64), [None], [None], {0: "choosing its token failed"})
+    for out, want in ((sampled(), ["ids"]), (None, ["stream cuda:1"]), (failed, ["stream cuda:1"])):
+        waits.clear()
+        engine.counts_pending = True
+        engine.finish_step(out)
+        assert waits == want
+        assert engine.step_expert_tokens.tolist() == [[1, 2], [0, 3]] and not engine.counts_pending
+    assert engine.expert_tokens.tolist() == [[3, 6], [0, 9]]
+    waits.clear()
+    engine.finish_step(sampled())  # no device-transport step since: nothing to wait for or count
+    engine.counts_pending = True
+    engine.finish_step(waited=True)  # `step` read its logits with a blocking copy: that was the wait
+    assert waits == [] and engine.expert_tokens.tolist() == [[4, 8], [0, 12]]

@@ -3,6 +3,7 @@ and `reference.ReferenceEngine` implement it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -97,6 +98,16 @@ class StepRefused(RuntimeError):
     """Every rank of a world step refused to run it, by agreement before any collective (one rank's step failed
     validation, `TensorRTEngine._agree_bucket`): nothing collective is half done, so the step's requests fail and
     every rank goes on (`core.execution`)."""
+
+
+def wait_for_step(sampled: SampledTokens | None, synchronize: Callable[[], None]) -> None:
+    """A step's one host wait: for the sampled ids' copy when the step sampled on the device (`SampledTokens.copy_pending`:
+    that copy follows every other copy of the step in stream order, so the step's per-expert counts are on the host
+    too), else `synchronize()` (the step's stream)."""
+    if sampled is not None and sampled.copy_pending:
+        sampled.wait()
+    else:
+        synchronize()
 
 
 def choose_tokens(logits, sampling: SamplingBatch) -> SampledTokens:

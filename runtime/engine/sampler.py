@@ -113,6 +113,15 @@ class SampledTokens:
         return self._fields
 
     @property
+    def copy_pending(self) -> bool:
+        """Whether the fields still wait for their copy from the device (`sample`'s result before its first read)."""
+        return self._fields is None
+
+    def wait(self) -> None:
+        """Wait for the copy now (what the first read of a field would do)."""
+        self._get()
+
+    @property
     def ids(self) -> np.ndarray:
         return self._get()[0]
 

@@ -84,7 +84,7 @@ from moe_export.runtime.engine.batch import (
 )
 from moe_export.runtime.engine.tensorrt_nccl import NcclGroups
 from moe_export.runtime.engine.tensorrt_bind import bind
-from moe_export.runtime.engine.runner import StepRefused, choose_tokens
+from moe_export.runtime.engine.runner import StepRefused, choose_tokens, wait_for_step
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch
 
 
@@ -388,8 +388,8 @@ class TensorRTEngine:
             logits = self._forward(batch)
             self._routed_to_host()
             out = choose_tokens(logits, sampling) if sampling is not None else None
-        if out is None or self.dp_layout:
-            self.stream.synchronize()
+        if out is None or self.dp_layout:  # the dp layout's counts are read now: the step's one wait
+            wait_for_step(out, self.stream.synchronize)
         self._count_experts()
         return out
 

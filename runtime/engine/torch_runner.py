@@ -34,7 +34,7 @@ from moe_export.quantize import fp8_cache
 from moe_export.runtime.engine.batch import (RESET_ON_NEW_SEQUENCE, StepBatch, check_checkpoint, check_slot,
                                             check_step_batch, checkpoint_interval)
 from moe_export.runtime.engine.ort import MPICommunicator, rank_folders
-from moe_export.runtime.engine.runner import choose_tokens
+from moe_export.runtime.engine.runner import choose_tokens, wait_for_step
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch
 from moe_export.runtime.engine.torch_collectives import DistributedWorld, run_in_process
 from moe_export.runtime.engine.tensorrt import is_decode, share_tokens
@@ -150,6 +150,7 @@ class TorchEngine:
         self.step_expert_tokens = np.zeros((moe_layers, self.num_experts), dtype=np.int64)
         self.expert_tokens = np.zeros_like(self.step_expert_tokens)
         self.group_step_expert_tokens = self.step_expert_tokens
+        self.counts_pending = False  # a device-transport step's counts copied back, not read yet (`finish_step`)
         self.vision = self._vision(threads)
         self.image_width = cfg.hidden_size if self.vision is not None else None
         self.media_pad_id = self.model_config.get("media_placeholder_token_id")
@@ -285,11 +286,26 @@ class TorchEngine:
         self.world.begin_step(share_tokens(real, step_tokens, self.tp, self.rank % self.tp), block_rows)
 
     def _routed_to_host(self) -> None:
-        """After a device-transport step: its per-expert counts copied back, read after the step's one wait."""
+        """After a device-transport step: its per-expert counts copied back without waiting (`finish_step` reads
+        them after the step's one wait)."""
         self.routed_host.copy_(self.world.ep_comm.routed, non_blocking=True)
+        self.counts_pending = True
+
+    def finish_step(self, sampled: SampledTokens | None = None, *, waited: bool = False) -> None:
+        """After a device-transport step, on every rank (the counts are summed over the tp group): the step's one
+        wait (`wait_for_step`: the sampled ids' copy, else the stream; none when the caller `waited` already),
+        then its per-expert counts from their pinned copy. Nothing for other steps (their counts are read in
+        `_run`)."""
+        if not self.counts_pending:
+            return
+        self.counts_pending = False
+        if not waited:
+            wait_for_step(sampled, self._synchronize)
+        self._count_experts(self.routed_host.numpy())
+
+    def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        self._count_experts(self.routed_host.numpy())
 
     def step_logits(self, batch: StepBatch | None) -> torch.Tensor | None:
         """One step (the decode CUDA graph of its bucket when there is one); logits [N, vocab] fp32 on the device."""
@@ -324,12 +340,17 @@ class TorchEngine:
     def step(self, batch: StepBatch | None) -> np.ndarray | None:
         """Run one packed step; logits [N, vocab] fp32 on the host (None for an idle dp-layout step)."""
         logits = self.step_logits(batch)
-        return None if logits is None else logits.cpu().numpy()
+        host = None if logits is None else logits.cpu().numpy()  # a blocking copy: the step's wait
+        self.finish_step(waited=host is not None)
+        return host
 
     def sample(self, batch: StepBatch | None, sampling: SamplingBatch | None) -> SampledTokens | None:
-        """`ModelRunner.sample`: one step, then the batched sampler on the device's logits (one copy back)."""
+        """`ModelRunner.sample`: one step, then the batched sampler on the device's logits (one copy back: the
+        step's one wait, also in the dp layout, whose per-expert counts are read after it)."""
         logits = self.step_logits(batch)
-        return None if sampling is None or logits is None else choose_tokens(logits, sampling)
+        out = None if sampling is None or logits is None else choose_tokens(logits, sampling)
+        self.finish_step(out)
+        return out
 
     def _groups(self, batches: list[StepBatch | None]) -> list[torch.Tensor | None]:
         results = self._run({r: batches[r // self.tp] for r in self.models})
