@@ -71,7 +71,7 @@ RESTART_TTFT_GOAL = 0.1
 TOOL = {"name": "search", "description": "Search the project's notes for a short query.",
         "parameters": {"type": "object", "properties": {"query": {"type": "string", "maxLength": 24}},
                        "required": ["query"], "additionalProperties": False}}
-WORDS = ("kernel cache block prefill decode token router expert latent state chunk window scan sparse index "
+WORDS = ("kernel cache block prefill decode token router expert latent state chunk window scan sparse index "  # noqa: SIM905 (one string is easier to edit than 31 quoted words)
          "topk softmax rank shard queue batch stream sample logit prompt reply agent tool search result note").split()
 TASK = "Find out why the nightly build got slower. Search the notes one query at a time and report what you find."
 

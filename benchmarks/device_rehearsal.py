@@ -114,7 +114,7 @@ class DeviceOnlyFinder(importlib.abc.MetaPathFinder):
             return None
         return importlib.machinery.PathFinder.find_spec(fullname, path, target)
 
-    def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
+    def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):  # noqa: B008 (the stdlib finder's own signature)
         installed_here = Path(sysconfig.get_paths()["purelib"]).resolve()
         for dist in importlib.machinery.PathFinder.find_distributions(context):
             name = normalized(dist.metadata["Name"] or "")

@@ -82,9 +82,9 @@ def check_sampler(fig: dict, device: torch.device, batches: list[int], vocab: in
         work = torch.empty_like(logits)  # the sampler may work in place on the logits it gets: a fresh copy each call
         greedy = sampling_batch(n, 0.0, 1.0).to(device)
         top_p = sampling_batch(n, 1.0, 0.95).to(device)
-        refill = lambda: work.copy_(logits)  # noqa: E731
-        fig[f"sampler_ms_greedy_{n}"] = ms_per_call(lambda: sample(work, greedy), refill, device, repeats)
-        fig[f"sampler_ms_top_p_{n}"] = ms_per_call(lambda: sample(work, top_p), refill, device, repeats)
+        refill = lambda work=work, logits=logits: work.copy_(logits)  # noqa: E731
+        fig[f"sampler_ms_greedy_{n}"] = ms_per_call(lambda work=work, greedy=greedy: sample(work, greedy), refill, device, repeats)
+        fig[f"sampler_ms_top_p_{n}"] = ms_per_call(lambda work=work, top_p=top_p: sample(work, top_p), refill, device, repeats)
         fig[f"sampler_top_p_over_greedy_{n}"] = fig[f"sampler_ms_top_p_{n}"] / fig[f"sampler_ms_greedy_{n}"]
     n = max(batches)
     logits = logits_for(n, vocab, device, seed=1)

@@ -213,7 +213,7 @@ def run_million_decode(engine_dir: Path, decode_steps: int, context: int = MILLI
     t0 = time.perf_counter()
     seed_blocks = len(seed) // bs
     for runner in eng.ranks:
-        for name, pool in runner.pools.items():
+        for pool in runner.pools.values():
             if pool.ndim == 3 and pool.shape[0] == blocks:  # a paged cache pool [NB, BS, D]
                 for b in range(seed_blocks, context // bs, max(seed_blocks, 1)):
                     n = min(seed_blocks, context // bs - b)

@@ -92,14 +92,14 @@ def main() -> None:
         t_batch, t_single, t_reuse, t_full = [], [], [], []
         for _ in range(args.rounds):
             prompts = [random_ids(rng, PROMPT, vocab) for _ in range(BATCH)]
-            t_single.append(timed(lambda: batching.generate([prompts[0]], gen)))
-            t_batch.append(timed(lambda: batching.generate(prompts, gen)))
+            t_single.append(timed(lambda prompts=prompts: batching.generate([prompts[0]], gen)))
+            t_batch.append(timed(lambda prompts=prompts: batching.generate(prompts, gen)))
             history = random_ids(rng, args.history, vocab)
             turn = reuse.generate([history], SamplingParams(max_tokens=8, ignore_eos=True))[0]  # untimed first turn
             follow_up = history + turn.output_ids + random_ids(rng, NEW_TURN, vocab)
             out = []
-            t_full.append(timed(lambda: out.append(full.generate([follow_up], first_token)[0])))
-            t_reuse.append(timed(lambda: out.append(reuse.generate([follow_up], first_token)[0])))
+            t_full.append(timed(lambda out=out, follow_up=follow_up: out.append(full.generate([follow_up], first_token)[0])))
+            t_reuse.append(timed(lambda out=out, follow_up=follow_up: out.append(reuse.generate([follow_up], first_token)[0])))
             assert out[1].usage["cached_tokens"] == len(history) + 7, out[1].usage
             assert out[0].usage["cached_tokens"] == 0 and out[0].output_ids == out[1].output_ids
         for llm in (batching, reuse, full):

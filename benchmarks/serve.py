@@ -84,7 +84,7 @@ async def prefix_round(url: str, requests: int) -> list[float]:
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600) as client:
         await client.completions.create(model="m", prompt=rng.integers(100, 500, 64).tolist(), max_tokens=1)  # warm-up
         ttfts = []
-        for i in range(requests):
+        for _ in range(requests):
             prompt = preamble + rng.integers(100, 500, SUFFIX).tolist()
             start = time.perf_counter()
             stream = await client.completions.create(model="m", prompt=prompt, max_tokens=1, temperature=0, stream=True)

@@ -88,7 +88,7 @@ def throughput(rounds: int, quick: bool, patch_limit: int) -> dict:
             data = png(w, h)
             prep = proc.prepare_bytes(data, name)
             tokens = prep.num_tokens
-            sec = timed(lambda: proc.prepare_bytes(data, name).pixel_values, rounds)
+            sec = timed(lambda data=data, name=name: proc.prepare_bytes(data, name).pixel_values, rounds)
             out[f"preprocess_{name}"] = {"images_per_s": 1 / sec, "merged_tokens_per_s": tokens / sec, "tokens": tokens}
             for tname, vc in towers.items():
                 folder = Path(tmp) / tname
@@ -100,7 +100,7 @@ def throughput(rounds: int, quick: bool, patch_limit: int) -> dict:
                 sess = ort.InferenceSession(str(folder / "vision.onnx"), opts, providers=["CPUExecutionProvider"])
                 feeds = tower_inputs(vc, prep.pixel_values, [prep.plan.grid])
                 sess.run(None, feeds)  # warm-up
-                sec = timed(lambda: sess.run(None, feeds), rounds)
+                sec = timed(lambda sess=sess, feeds=feeds: sess.run(None, feeds), rounds)
                 out[f"tower_{tname}_{name}"] = {"images_per_s": 1 / sec, "merged_tokens_per_s": tokens / sec,
                                                 "tokens": tokens, "params": vc.params()}
     return out

@@ -38,7 +38,7 @@ class EngineFileWriter:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self._file = open(self.path, "wb")
+        self._file = open(self.path, "wb")  # noqa: SIM115 (held open across write() calls; finish() closes it)
         self._file.seek(HEADER_RESERVE)
         self.size = 0
 
@@ -116,7 +116,7 @@ def stream_reader(trt, path: Path, offset: int, size: int):
     class EngineReader(trt.IStreamReaderV2):
         def __init__(self):
             trt.IStreamReaderV2.__init__(self)
-            self.file = open(path, "rb")
+            self.file = open(path, "rb")  # noqa: SIM115 (held open across read() calls by TensorRT)
             self.file.seek(offset)
             self.position = 0
 

@@ -241,12 +241,11 @@ class ModelConfig:
         return conf
 
     def _check_divisibility(self, source: str) -> None:
-        if self.num_experts and self.num_expert_group != 1:
-            if self.num_experts % self.num_expert_group:
-                raise InputError(
-                    f"{source} field 'num_expert_group' ({self.num_expert_group}) must divide num_experts "
-                    f"({self.num_experts})"
-                )
+        if self.num_experts and self.num_expert_group != 1 and self.num_experts % self.num_expert_group:
+            raise InputError(
+                f"{source} field 'num_expert_group' ({self.num_expert_group}) must divide num_experts "
+                f"({self.num_experts})"
+            )
         for name, dim in (
             ("hidden_size", self.hidden_size),
             ("kv_lora_rank", self.kv_lora_rank),

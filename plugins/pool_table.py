@@ -53,7 +53,7 @@ def pool_table(pools: list[torch.Tensor]) -> np.ndarray:
     return table
 
 
-_TABLES: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+_TABLES: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
 def device_pool_table(pools: list[torch.Tensor]) -> torch.Tensor:

@@ -62,7 +62,7 @@ def split_long_runs(text: str, max_run: int = MAX_RUN_CHARS) -> list[str]:
     A run longer than `max_run` is cut every `max_run` characters from its start; other text is untouched."""
     cuts = [
         m.start() + k
-        for m in re.finditer(r"\s{%d,}|\S{%d,}" % (max_run + 1, max_run + 1), text)
+        for m in re.finditer(rf"\s{{{max_run + 1},}}|\S{{{max_run + 1},}}", text)
         for k in range(max_run, len(m.group()), max_run)
     ]
     bounds = [0, *cuts, len(text)]

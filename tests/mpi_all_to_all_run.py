@@ -102,7 +102,7 @@ def main() -> None:
     real = data[rank][0].shape[0]
     want_routed = np.bincount(data[rank][1].ravel(), minlength=EXPERTS).tolist()
     row = [max_err(mpi_out, want), int(rx.shape[0]), mpi_out.shape == want.shape, combine_err_bound(*data[rank])]
-    for transport, (y, copied_ok, got, sent, send_counts, routed, rows_ok) in results.items():
+    for y, copied_ok, got, sent, send_counts, routed, rows_ok in results.values():
         plugin_out = y.numpy()[:real]
         row += [max_err(plugin_out, want), plugin_out.shape == want.shape and got == int(rx.shape[0]),
                 rows_ok and (not idle or (sent == 0 and not y.any())),

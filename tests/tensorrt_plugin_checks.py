@@ -48,7 +48,7 @@ trt, trtp = standin.install(VERSION)
 
 from moe_export.export.backends.onnxruntime import _value_types  # noqa: E402
 from moe_export.export.tensorrt_build import register_plugins  # noqa: E402
-from moe_export.plugins import (
+from moe_export.plugins import (  # noqa: E402 (imported after standin.install, as the lines around)
     DOMAIN,  # noqa: E402
     tensorrt_common,  # noqa: E402
 )

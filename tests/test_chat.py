@@ -47,7 +47,7 @@ def test_every_turn_of_an_agent_loop_is_rendered_verbatim():
     for family in ("k3", "k2"):
         text = render(msgs, family=family)
         for k in range(3):
-            assert ("reasoning %d " % k) * 50 in text
+            assert f"reasoning {k} " * 50 in text
             assert f"result {k}" in text
         assert text.count("reasoning") == 150
         calls = text.count('<|open|>call tool="f"') if family == "k3" else text.count("<|tool_call_begin|>functions.f:")

@@ -171,7 +171,7 @@ def test_engine_carries_the_template_and_serve_tokenizes_with_it(tmp_path, capsy
 
     ckpt = write_synthetic_checkpoint("tiny-kimi-linear", tmp_path / "ckpt")
     (ckpt / "chat_template.jinja").write_text(ROLE_TEMPLATE)
-    data = yaml.safe_load(open(load_recipe("tiny-cpu.yaml")[1]).read())
+    data = yaml.safe_load(load_recipe("tiny-cpu.yaml")[1].read_text())
     data.update(name="kl-template", model={"source": str(ckpt)}, parallel={"tp": 1, "ep": 1},
                 limits={"max_batch": 2, "max_seq_len": 512, "max_num_tokens": 128, "block_size": 16})
     data["target"]["gpus_per_node"] = 1

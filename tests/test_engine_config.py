@@ -4,6 +4,7 @@ config.json past it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -31,7 +32,7 @@ def test_round_trip(tmp_path):
     assert back.mapping.world_size == len(back.ranks) == 4 and (back.mapping.tp, back.mapping.ep) == (2, 2)
     assert back.thinking == raw["thinking"] and back.model.vocab_size == raw["pretrained_config"]["text_config"]["vocab_size"]
     assert is_engine_config(tmp_path)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         back.backend = "onnxruntime"  # frozen
 
 

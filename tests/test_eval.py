@@ -130,7 +130,7 @@ def test_eval_cli_report_and_plot_per_tier(engine, tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     assert report["tier_order"] == ["low", "high", "max"] and set(report["tiers"]) == {"low", "high", "max"}
     assert json.loads((engine / "config.json").read_text())["thinking"] == THINKING_CAPS
-    for tier, row in report["tiers"].items():
+    for row in report["tiers"].values():
         assert row["tasks"] == 5 and 0.0 <= row["pass_rate"] <= 1.0 and row["avg_rounds"] >= 1, json.dumps(report["results"])
         assert row["latency_s"]["p50"] > 0 and row["latency_s"]["p95"] >= row["latency_s"]["p50"]
     by = {(r["id"], r["tier"]): r for r in report["results"]}

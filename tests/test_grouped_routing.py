@@ -76,7 +76,7 @@ def test_reference_moe_equals_transformers_deepseek_v32(reader):
 
 def test_engine_graph_routes_by_group(synthetic_checkpoint, tmp_path):
     """tp=1, ep=2 engine vs the reference over a prefill and greedy decode steps."""
-    base = yaml.safe_load(open(load_recipe("tiny-cpu.yaml")[1]).read())
+    base = yaml.safe_load(load_recipe("tiny-cpu.yaml")[1].read_text())
     base.update(name="grouped", model={"source": str(synthetic_checkpoint(PRESET))})
     base["quantization"]["kv_cache"] = "fp32"  # exact cache: the comparison is about the routing
     base["target"]["gpus_per_node"] = 2

@@ -49,10 +49,9 @@ def test_canonical_json_is_sorted_and_spells_nonfinite_floats():
 def test_atomic_path_keeps_the_old_file_on_failure_and_sweep_removes_leftovers(tmp_path):
     target = tmp_path / "f.json"
     atomic_write_json(target, {"v": 1})
-    with pytest.raises(RuntimeError):
-        with atomic_path(target) as tmp:
-            tmp.write_text("partial")
-            raise RuntimeError("killed")
+    with pytest.raises(RuntimeError), atomic_path(target) as tmp:
+        tmp.write_text("partial")
+        raise RuntimeError("killed")
     assert json.loads(target.read_text()) == {"v": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.json"]
     leftover = temp_path(tmp_path / "sub" / "w.bin")

@@ -105,7 +105,7 @@ def test_reference_matches_transformers_torch_kda(tmp_path):
     o, s = reference.gated_delta_scan(
         q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True
     )
-    for name, (o_ref, s_ref) in out.items():
+    for o_ref, s_ref in out.values():
         close(o, o_ref, scan_rtol(70, 16, 16))
         close(s, s_ref, scan_rtol(70, 16, 16))
 

@@ -250,7 +250,7 @@ def test_chat_stream_equals_whole_output_and_ends_with_what_the_parser_held(llm)
     else:
         call = [tok.encode_special("<|tool_calls_section_begin|>"), tok.encode_special("<|tool_call_begin|>"),
                 *tok.encode("functions.f:0"), tok.encode_special("<|tool_call_argument_begin|>"), *tok.encode('{"a"')]
-    script = list("done ".encode()) + call
+    script = list(b"done ") + call
     deltas, out = _stream(llm, [{"role": "user", "content": "hi"}], script, reasoning_effort="none")
     assert out.tool_call_parse_failures == 1 and out.content == "done " and out.tool_calls == []
     assert _joined(deltas)[2] == out.content

@@ -54,7 +54,7 @@ def test_reference_generate_stops_at_generation_config_eos(checkpoint_with_gener
 
 def test_engine_keeps_generation_config_and_stops_there(checkpoint_with_generation_stop, tmp_path, capsys):
     path, want = checkpoint_with_generation_stop
-    base = yaml.safe_load(open(load_recipe("tiny-cpu.yaml")[1]).read())
+    base = yaml.safe_load(load_recipe("tiny-cpu.yaml")[1].read_text())
     base.update(name="stop-ids", model={"source": str(path)})
     base["target"]["gpus_per_node"] = 1
     base["parallel"] = {"tp": 1, "ep": 1}
@@ -79,7 +79,7 @@ def test_engine_without_a_tokenizer_generates_from_token_ids(checkpoint_with_gen
     shutil.copytree(path, bare)
     for name in ("tiktoken.model", "tokenizer_config.json", "tokenizer.json", "chat_template.jinja"):
         (bare / name).unlink(missing_ok=True)
-    base = yaml.safe_load(open(load_recipe("tiny-cpu.yaml")[1]).read())
+    base = yaml.safe_load(load_recipe("tiny-cpu.yaml")[1].read_text())
     base.update(name="no-tokenizer", model={"source": str(bare)})
     base["target"]["gpus_per_node"] = 1
     base["parallel"] = {"tp": 1, "ep": 1}

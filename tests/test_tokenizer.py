@@ -135,7 +135,7 @@ def test_kimi_linear_258_special_ids(tmp_path):
     assert tok.decode([base + 257]) == "<|extra_257|>"
     cfg["added_tokens_decoder"][str(base + 258)] = {"content": "<|too_far|>", "special": True}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
-    with pytest.raises(InputError, match=r"outside the special range \[%d, %d\)" % (base, base + 258)):
+    with pytest.raises(InputError, match=rf"outside the special range \[{base}, {base + 258}\)"):
         load_tokenizer(tmp_path)
 
 
@@ -184,7 +184,7 @@ def test_incremental_decoder(kimi):
     ids = [b for b in text.encode()]  # one byte token per byte: characters split across tokens
     sep = kimi.encode_special("[EOS]")
     dec = kimi.incremental_decoder()
-    pieces = [dec.push([i]) for i in [*ids, sep, *"x".encode()]]
+    pieces = [dec.push([i]) for i in [*ids, sep, *b"x"]]
     assert "".join(pieces) + dec.flush() == text + "[EOS]x"
     assert all("\ufffd" not in p for p in pieces)
     assert pieces[1:4] == ["", "", "中"]

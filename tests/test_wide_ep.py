@@ -331,7 +331,7 @@ def test_groups_step_their_own_sequences_and_idle_groups_join(dp_engine, preset)
     caches = [ref.new_cache(1), ref.new_cache(1)]
     pos = [0, 0]
     pending: list[list[int] | None] = [prompts[0], None]
-    tables = [list(range(0, 8)), list(range(8, 16))]  # blocks of 16 tokens; both groups use slot 0
+    tables = [list(range(8)), list(range(8, 16))]  # blocks of 16 tokens; both groups use slot 0
     eng.reset_slot(0)
     for step in range(8):
         if step == 3:

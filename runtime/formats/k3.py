@@ -269,11 +269,11 @@ def render_k3(
         role = "system" if msg["role"] == "developer" else msg["role"]
         named = [("name", msg["name"])] if msg.get("name") else []
         if role == "user":
-            w.message([("role", "user"), *named], lambda: w.content(msg.get("content"), where))
+            w.message([("role", "user"), *named], lambda msg=msg, where=where: w.content(msg.get("content"), where))
         elif role == "system" and msg.get("tools"):
             w.tool_declare(deep_sorted(msg["tools"]), TOOL_DECLARE_DYNAMIC)
         elif role == "system":
-            w.message([("role", "system"), *named], lambda: w.content(msg.get("content"), where))
+            w.message([("role", "system"), *named], lambda msg=msg, where=where: w.content(msg.get("content"), where))
         elif role == "tool":
             tool_index += 1
             name = msg.get("tool", msg.get("name"))
@@ -281,11 +281,11 @@ def render_k3(
                 name = _call_function(calls[tool_index - 1], f"tool_calls[{tool_index - 1}]")["name"]
             if name is None:
                 raise InputError(f"{where}: {UNRESOLVED_TOOL}")
-            w.message([("role", "tool"), ("tool", name), ("index", tool_index)], lambda: w.content(msg.get("content"), where))
+            w.message([("role", "tool"), ("tool", name), ("index", tool_index)], lambda msg=msg, where=where: w.content(msg.get("content"), where))
         elif role == "assistant":
             calls, tool_index = msg.get("tool_calls"), 0
             start = len(w.out.segments)
-            w.message([("role", "assistant"), *named], lambda: w.assistant(msg, where, thinking))
+            w.message([("role", "assistant"), *named], lambda msg=msg, where=where: w.assistant(msg, where, thinking))
             w.out.assistant_spans.append((i, start, len(w.out.segments)))
         else:
             raise InputError(f"{where}.role must be system, developer, user, assistant or tool, got {role!r}")

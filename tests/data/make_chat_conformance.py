@@ -66,7 +66,7 @@ def main() -> None:
             text = hf.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False,
                                           add_generation_prompt=case["options"].get("add_generation_prompt", True))
             out["cases"][case["id"]] = {"text": text}
-    for cid, family, messages, tools, options in ERROR_CASES:
+    for cid, _family, messages, tools, options in ERROR_CASES:
         try:
             k3.build_chat_segments(copy.deepcopy(messages), tools, **k3_kwargs(options))
         except (ValueError, TypeError) as exc:

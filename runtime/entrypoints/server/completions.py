@@ -136,9 +136,7 @@ def top_entries(svc: Service, alternatives: list[tuple[int, float]]) -> dict[str
 def completion_prompts(svc: Service, prompt) -> list[list[int]]:
     """A completions `prompt` (a string, a list of strings, a token-id list or a list of them) as token-id
     lists, one per prompt."""
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    elif prompt and all(isinstance(t, int) for t in prompt):
+    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
         prompt = [prompt]
     if not prompt:
         raise APIError(400, "prompt: give a string, a list of strings, a list of token ids or a list of them", "prompt")

@@ -426,9 +426,7 @@ def messages_from_anthropic(system: str | list | None, messages: list[dict]) -> 
                     raise InputError(f"{where}.content[{j}]: tool_result needs `tool_use_id`")
                 result = _text_of(b.get("content"), f"{where}.content[{j}]", ("text",))
                 out.append({"role": "tool", "tool_call_id": str(b["tool_use_id"]), "content": result})
-            elif kind == "text":
-                texts.append(b)
-            elif kind == "image":
+            elif kind in ("text", "image"):
                 texts.append(b)
             else:
                 raise InputError(f"{where}.content[{j}].type: {kind!r} is not served (text, image, tool_result)")
