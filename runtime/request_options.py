@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from moe_export.common.errors import InputError
-from moe_export.runtime.sampling import SamplingParams, with_defaults
+from moe_export.runtime.sampling import SamplingParams, SamplingValueError, with_defaults
 
 # SamplingParams annotation -> the JSON types its option accepts
 JSON_TYPES: dict[str, tuple[type, ...]] = {
@@ -41,23 +41,24 @@ class RequestOptions:
     chat_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def _option(key: str, value, types: tuple[type, ...], where: str):
-    """One option's value checked against its JSON types and put in SamplingParams' form (InputError otherwise)."""
+def _option(key: str, value, types: tuple[type, ...]):
+    """One option's value checked against its JSON types and put in SamplingParams' form (SamplingValueError
+    naming the option otherwise)."""
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-        raise InputError(f"{where}{key} must be {' or '.join(t.__name__ for t in types)}, got {value!r}")
+        raise SamplingValueError(key, f"must be {' or '.join(t.__name__ for t in types)}, got {value!r}")
     if key == "stop":
         value = (value,) if isinstance(value, str) else value
         if not all(isinstance(s, str) and s for s in value):
-            raise InputError(f"{where}stop must be a non-empty string or a list of them, got {value!r}")
+            raise SamplingValueError(key, f"must be a non-empty string or a list of them, got {value!r}")
         return tuple(value)
     if key == "stop_token_ids":
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
-            raise InputError(f"{where}stop_token_ids must be a list of token ids, got {value!r}")
+            raise SamplingValueError(key, f"must be a list of token ids, got {value!r}")
         return tuple(value)
     if key == "top_k" and value == -1:  # vLLM's and OpenAI-compatible servers' "no top-k"
         return 0
     if key == "max_tokens" and value < 1:
-        raise InputError(f"{where}max_tokens must be >= 1, got {value}")
+        raise SamplingValueError(key, f"must be >= 1, got {value}")
     return float(value) if float in types else value
 
 
@@ -66,8 +67,8 @@ def parse_request_options(options: dict[str, Any], defaults: SamplingParams, *, 
     """`options`: a JSON object of sampling options (`SAMPLING_OPTIONS` but `excluded`: what this front end does
     not serve) and CHAT_KEYS; a None value leaves the engine's default (`defaults`: `LLM.default_sampling`). Keys in
     `ignored` are dropped; any other key, or a bad value, raises InputError naming it, after `where` when given
-    (e.g. 'sampling_parameters'); without `where` a bad sampling value raises SamplingParams' own
-    `SamplingValueError` (its `field` names the option)."""
+    (e.g. 'sampling_parameters'); without `where` a bad sampling value raises `SamplingValueError` (its `field`
+    names the option)."""
     prefix = f"{where}: " if where else ""
     if not isinstance(options, dict):
         raise InputError(f"{prefix}expected a JSON object, got {type(options).__name__}")
@@ -76,15 +77,15 @@ def parse_request_options(options: dict[str, Any], defaults: SamplingParams, *, 
     if unknown:
         raise InputError(f"{prefix}unsupported field(s) {', '.join(unknown)}; supported: "
                          f"{', '.join(sorted([*served, *CHAT_KEYS]))}")
-    given = {k: _option(k, options[k], types, prefix) for k, types in served.items() if options.get(k) is not None}
     chat = {k: options[k] for k in CHAT_KEYS if options.get(k) is not None}
     if "reasoning_effort" in chat and not isinstance(chat["reasoning_effort"], (str, int)):
         raise InputError(f"{prefix}reasoning_effort must be low, high, max, none or a token count")
     if "tools" in chat and not isinstance(chat["tools"], list):
         raise InputError(f"{prefix}tools must be a list of tool declarations")
     try:
+        given = {k: _option(k, options[k], types) for k, types in served.items() if options.get(k) is not None}
         sampling = with_defaults(defaults, **given)
-    except InputError as exc:
+    except InputError as exc:  # (a SamplingValueError names its option: `field`)
         if not where:
             raise
         raise InputError(f"{prefix}{exc}") from None

@@ -58,6 +58,9 @@ def test_every_sampling_field_is_a_request_option():
     with pytest.raises(SamplingValueError) as err:  # without `where`: SamplingParams' own error, naming the field
         parse_request_options({"min_p": 2.0}, SamplingParams())
     assert err.value.field == "min_p"
+    with pytest.raises(SamplingValueError) as err:  # the parser's own checks name their option too
+        parse_request_options({"stop": [""]}, SamplingParams())
+    assert err.value.field == "stop"
 
 
 def test_front_ends_build_sampling_through_the_one_parser():
@@ -102,7 +105,8 @@ p = parse_request_options({"typical_p": 0.5}, SamplingParams(), where="sampling_
 assert p.typical_p == 0.5, p
 
 def batch(*params):
-    rows = [build_row(Sequence(Request(str(j), [1], q), [1], 1, seed=j), frozenset(), None) for j, q in enumerate(params)]
+    rows = [build_row(Sequence(Request(str(j), [1], q), [1], 1, seed=j), frozenset(), None)
+            for j, q in enumerate(params)]
     return pack_rows(rows, list(range(len(rows))), None)
 
 sb = batch(p, SamplingParams())

@@ -167,7 +167,8 @@ async def run_task(llm: EngineClient, task: EvalTask, tier: str) -> dict:
     from moe_export.runtime.request_options import parse_request_options
 
     messages = [dict(m) for m in task.messages]
-    sampling = parse_request_options({"max_tokens": task.max_tokens}, llm.default_sampling, where=f"task {task.id}").sampling
+    sampling = parse_request_options({"max_tokens": task.max_tokens}, llm.default_sampling,
+                                     where=f"task {task.id}").sampling
     calls: list[dict] = []
     calls_by_name: dict[str, int] = {}
     result = {"id": task.id, "tier": tier, "passed": False, "rounds": 0, "reasoning_tokens": 0, "output_tokens": 0,

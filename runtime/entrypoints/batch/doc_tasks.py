@@ -141,7 +141,8 @@ class DocRunner:
         env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False)
         self.prompt = env.from_string(job.template)
         self.reduce = env.from_string(REDUCE_TEMPLATES[job.task]) if job.task in REDUCE_TEMPLATES else None
-        self.sampling = parse_request_options({"max_tokens": job.max_tokens}, llm.default_sampling, where="job").sampling
+        self.sampling = parse_request_options({"max_tokens": job.max_tokens}, llm.default_sampling,
+                                              where="job").sampling
         self.count = lambda text: len(llm.tokenizer.encode(text))
         self.budget = chunk_budget(job, llm.tokenizer, llm.family, max_seq_len)
 

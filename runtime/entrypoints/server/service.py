@@ -197,8 +197,9 @@ class Service:
         extras = dict(extras or {})
         if extras.get("min_tokens", 0) > max_tokens:
             raise APIError(400, f"min_tokens {extras['min_tokens']} is over max_tokens {max_tokens}", "min_tokens")
-        options = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=None if seed is None else seed % SEED_MOD,
-                       max_tokens=max_tokens, stop=stop or [], logprobs=bool(logprobs), ignore_eos=bool(ignore_eos),
+        seed = None if seed is None else seed % SEED_MOD
+        options = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens,
+                       stop=[] if stop is None else stop, logprobs=bool(logprobs), ignore_eos=bool(ignore_eos),
                        top_logprobs=int(top_logprobs or 0), **extras)
         try:
             return parse_request_options(options, self.llm.default_sampling).sampling
