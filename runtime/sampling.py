@@ -14,6 +14,7 @@ import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -174,7 +175,10 @@ class SamplingParams:
 
     def row_values(self, vocab: int | None) -> tuple:
         """This request's value of each of `ROW_COLUMNS`, in their order (top_k as `top_k_over(vocab)`)."""
-        return tuple(self.top_k_over(vocab) if name == "top_k" else getattr(self, name) for name in ROW_COLUMNS)
+        values = _row_values(self)
+        if vocab is not None and self.top_k >= vocab:
+            return values[:_TOP_K] + (0,) + values[_TOP_K + 1:]
+        return values
 
     @property
     def longest_stop(self) -> int:
@@ -193,6 +197,8 @@ class SamplingParams:
 ROW_COLUMNS: dict[str, tuple[torch.dtype, object]] = {
     f.name: (f.metadata["column"], f.metadata["off"]) for f in fields(SamplingParams) if "column" in f.metadata}
 """The SamplingParams fields declared `per_row`: name -> (the batch column's dtype, the value that disables it)."""
+_row_values = attrgetter(*ROW_COLUMNS)  # (one C call per row: the core builds a row per sampled sequence and step)
+_TOP_K = list(ROW_COLUMNS).index("top_k")
 
 
 def model_defaults(generation_config: dict | None) -> SamplingParams:

@@ -142,7 +142,7 @@ def pack_rows(rows: list[SamplingRow], positions: list[int], vocab: int | None) 
     """The runner's tensors for `rows`, the sampled sequences at step positions `positions`."""
     columns = {}
     for (name, (dtype, off)), values in zip(ROW_COLUMNS.items(), zip(*(r.values for r in rows))):
-        if off is None or any(v != off for v in values):  # (a column every row has off is left out: None)
+        if off is None or values.count(off) != len(values):  # (a column every row has off is left out: None)
             columns[name] = torch.tensor(values, dtype=dtype)
     sb = SamplingBatch(
         rows=torch.tensor(positions, dtype=torch.long),
