@@ -1,6 +1,11 @@
 """Per-request sampling parameters and the logits processor type. The tokens are chosen inside the model
-runner, for the whole batch at once (`runtime.engine.sampler`); the engine core turns these parameters into
-the runner's per-row tensors.
+runner, for the whole batch at once (`runtime.engine.sampler`).
+
+One shape from the request to the batch: a field declared with `per_row` is a column of the runner's
+`SamplingBatch` under the same name (`ROW_COLUMNS`; the core packs it, `runtime.core.rows`), and every field is a
+request option of the one request parser (`runtime.request_options`). Adding a sampling field: declare it here
+(default, range check), use it in `runtime/engine/sampler.py`, and, for the OpenAI / Anthropic routes, add it to
+the request bodies (`runtime/entrypoints/server/protocol.py`): three files.
 """
 
 from __future__ import annotations
@@ -8,7 +13,8 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -46,6 +52,14 @@ def _float32(name: str, value) -> float:
                                        f"{FLOAT32_MAX:.4g}), got {value}")
     return float(value)
 
+
+def per_row(default, dtype: torch.dtype, off=None):
+    """A SamplingParams field that the runner reads per row: `SamplingBatch` gets a column of this name, [R] of
+    `dtype`. off: the value that disables it; a step whose rows all hold it gets None instead of the column (the
+    sampler skips it). Without `off` the column is always there."""
+    return field(default=default, metadata={"column": dtype, "off": off})
+
+
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
 """(output token ids so far, logits [vocab] fp32) -> logits [vocab]; applied to the request's row on rank 0
 before sampling (a grammar is applied as a batched bitmask instead: `runtime.core.structured`)."""
@@ -70,9 +84,9 @@ class SamplingParams:
     semantics); logit_bias: {token id: value added to its logit}.
     """
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    temperature: float = per_row(0.0, torch.float32)
+    top_k: int = per_row(0, torch.long)
+    top_p: float = per_row(1.0, torch.float32)
     seed: int | None = None
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
@@ -80,22 +94,22 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
-    min_p: float = 0.0
+    min_p: float = per_row(0.0, torch.float32)
     min_tokens: int = 0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    repetition_penalty: float = per_row(1.0, torch.float32, off=1.0)
+    presence_penalty: float = per_row(0.0, torch.float32, off=0.0)
+    frequency_penalty: float = per_row(0.0, torch.float32, off=0.0)
     logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         """The one validation of sampling values (every entry point builds its requests' SamplingParams): each
-        integer within int64 (the runner's tensors), each float finite and within float32's range (the runner's
-        sampling tensors are float32); a bad value raises `SamplingValueError` naming the field. top_p below
-        float32's smallest normal number is raised to it (the top-p set is the most likely token either way)."""
-        for name in ("top_k", "max_tokens", "min_tokens", "top_logprobs"):
-            object.__setattr__(self, name, _int64(name, getattr(self, name)))
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-            object.__setattr__(self, name, _float32(name, getattr(self, name)))
+        `int` field within int64 (the runner's tensors), each `float` field finite and within float32's range (the
+        runner's sampling tensors are float32); a bad value raises `SamplingValueError` naming the field. top_p
+        below float32's smallest normal number is raised to it (the top-p set is the most likely token either way)."""
+        for kind, check in (("int", _int64), ("float", _float32)):  # by annotation: a new field is checked too
+            for f in fields(self):
+                if f.type == kind:
+                    object.__setattr__(self, f.name, check(f.name, getattr(self, f.name)))
         if self.temperature < 0:
             raise SamplingValueError("temperature", f"must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -159,6 +173,13 @@ class SamplingParams:
         return replace(defaults, **{k: v for k, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
                                                       ("seed", seed), ("max_tokens", max_tokens)) if v is not None})
 
+    def row_values(self, vocab: int | None) -> tuple:
+        """This request's value of each of `ROW_COLUMNS`, in their order (top_k as `top_k_over(vocab)`)."""
+        values = _row_values(self)
+        if vocab is not None and self.top_k >= vocab:
+            return values[:_TOP_K] + (0,) + values[_TOP_K + 1:]
+        return values
+
     @property
     def longest_stop(self) -> int:
         """Characters of the longest stop string (0 without stop strings)."""
@@ -171,6 +192,13 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+ROW_COLUMNS: dict[str, tuple[torch.dtype, object]] = {
+    f.name: (f.metadata["column"], f.metadata["off"]) for f in fields(SamplingParams) if "column" in f.metadata}
+"""The SamplingParams fields declared `per_row`: name -> (the batch column's dtype, the value that disables it)."""
+_row_values = attrgetter(*ROW_COLUMNS)  # (one C call per row: the core builds a row per sampled sequence and step)
+_TOP_K = list(ROW_COLUMNS).index("top_k")
 
 
 def model_defaults(generation_config: dict | None) -> SamplingParams:

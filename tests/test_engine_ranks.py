@@ -19,7 +19,8 @@ from moe_export.common.mpi import mpi_world
 from moe_export.common.recipe import load_recipe
 from moe_export.export.build import build
 from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
-from moe_export.runtime.engine.ort import Engine, rank_folders
+from moe_export.runtime.engine.ort import Engine
+from moe_export.runtime.engine.ranks import rank_folders
 
 WORLD = 12  # tp=2, ep=4: ranks 10 and 11 exist, so name order and number order differ
 
@@ -35,8 +36,8 @@ rank = MPI.COMM_WORLD.Get_rank()
 try:
     eng = Engine(sys.argv[1], num_slots=1, num_blocks=8, threads=1)
     mine = eng.ranks[0]
-    assert mine.mapping["rank"] == rank, f"MPI rank {rank} loaded the mapping of rank {mine.mapping['rank']}"
-    assert mine.mapping["tp_rank"] == rank % 2 and mine.mapping["ep_rank"] == rank % 4, mine.mapping
+    assert mine.mapping.rank == rank, f"MPI rank {rank} loaded the mapping of rank {mine.mapping.rank}"
+    assert mine.mapping.tp_rank == rank % 2 and mine.mapping.ep_rank == rank % 4, mine.mapping
 except Exception as exc:  # one rank failing must not leave the others waiting in a collective
     print(f"rank {rank}: {exc}", file=sys.stderr, flush=True)
     MPI.COMM_WORLD.Abort(1)
@@ -66,7 +67,7 @@ def test_rank_folders_are_ordered_by_number(engine12):
     dirs = rank_folders(engine12)
     assert [d.name for d in dirs] == [f"rank{n}" for n in range(WORLD)]
     eng = Engine(engine12, num_slots=1, num_blocks=8, threads=1)
-    assert [r.mapping["rank"] for r in eng.ranks] == list(range(WORLD))
+    assert [r.mapping.rank for r in eng.ranks] == list(range(WORLD))
 
 
 def test_missing_rank_folder_is_refused(tmp_path):

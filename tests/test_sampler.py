@@ -161,8 +161,8 @@ def test_greedy_rows_mixed_with_sampled_rows_take_the_argmax():
 
 def test_penalties_bias_bans_and_vocab_limit():
     x = torch.tensor([[4.0, 3.0, -1.0, 0.5, 2.0]])
-    sb = batch(1, temperature=0.0, penalty_rows=torch.tensor([0]), repetition=torch.tensor([2.0]),
-               presence=torch.tensor([0.5]), frequency=torch.tensor([0.25]),
+    sb = batch(1, temperature=0.0, repetition_penalty=torch.tensor([2.0]),
+               presence_penalty=torch.tensor([0.5]), frequency_penalty=torch.tensor([0.25]),
                seen=(torch.tensor([0, 0]), torch.tensor([0, 2])),
                output_counts=(torch.tensor([0]), torch.tensor([1]), torch.tensor([2.0])))
     from moe_export.runtime.engine.sampler import process_logits

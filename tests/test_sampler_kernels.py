@@ -208,8 +208,8 @@ def test_inner_triton_sample_waits_for_nothing(monkeypatch):
     logits = torch.randn(6, 300, generator=gen)
     sb = batch(6, temperature=torch.tensor([0.0, 1.0, 0.7, 0.0, 1.0, 1.0]), top_k=torch.tensor([0, 5, 0, 0, 400, 0]),
                top_p=torch.tensor([1.0, 0.9, 0.8, 1.0, 1.0, 1.0]), forced=torch.tensor([-1, -1, -1, 7, -1, -1]),
-               logprobs=torch.tensor([2, -1, 0, -1, 3, -1]), penalty_rows=torch.tensor([1]),
-               repetition=torch.full((6,), 1.3), presence=torch.full((6,), 0.2), frequency=torch.full((6,), 0.1),
+               logprobs=torch.tensor([2, -1, 0, -1, 3, -1]), repetition_penalty=torch.full((6,), 1.3),
+               presence_penalty=torch.full((6,), 0.2), frequency_penalty=torch.full((6,), 0.1),
                seen=(torch.tensor([1, 1]), torch.tensor([4, 9])),
                output_counts=(torch.tensor([1]), torch.tensor([4]), torch.tensor([2.0])),
                logit_bias=(torch.tensor([2]), torch.tensor([11]), torch.tensor([3.0])),

@@ -9,7 +9,7 @@ import datetime
 import torch.distributed as dist
 from moe_export.common import mpi
 from moe_export.graphs.sharding import Mapping
-from moe_export.runtime.engine import ort, tensorrt_nccl
+from moe_export.runtime.engine import ranks, tensorrt_nccl
 
 TORCH_NCCL_DEFAULT_TIMEOUT_S = 10 * 60  # torch.distributed's default for NCCL process groups
 
@@ -17,7 +17,7 @@ TORCH_NCCL_DEFAULT_TIMEOUT_S = 10 * 60  # torch.distributed's default for NCCL p
 def test_engine_communicators_turn_nvls_off_keep_graph_mixing_and_outwait_the_warm_up(monkeypatch):
     seen = {}
     monkeypatch.setattr(tensorrt_nccl.os, "environ", {"NCCL_DEBUG": "WARN"})
-    monkeypatch.setattr(ort.MPICommunicator, "__init__", lambda self, mapping: None)
+    monkeypatch.setattr(ranks.MPICommunicator, "__init__", lambda self, mapping: None)
 
     def groups(mapping, backend, timeout_s=None):
         seen.update(backend=backend, timeout_s=timeout_s, env=dict(tensorrt_nccl.os.environ))

@@ -7,15 +7,11 @@ ORT inlines. Collectives cannot live inside an ORT graph, so the graph is split 
 performs the collective with MPI (or in process), and feeds the next segment.
 
     rank{N}/ort_segment_000.onnx   segments, each referencing rank{N}/weights.safetensors
-    rank{N}/ort_plan.json          [{"segment": file, "inputs": [...], "outputs": [...]},
-                                    {"collective": op, "group": g, "input": x, "output": y, "axis": a}, ...]
-                                   (MoEDispatch / MoECombine steps also list all "inputs" / "outputs" in
-                                   node order, and the dispatch its "num_experts")
+    rank{N}/ort_plan.json          the steps in order (`common/ort_plan.py`: `OrtPlan`, the runner's contract)
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,14 +21,13 @@ from onnx import TensorProto, helper
 
 from moe_export.common.errors import BuildError
 from moe_export.common.manifest import GRAPH, WEIGHTS
+from moe_export.common.ort_plan import CollectiveStep, OrtPlan, PlanStep, SegmentStep
 from moe_export.export.backends import Backend, BackendStage
 from moe_export.export.build_records import QUANT_REPORT, move_into, scratch
 from moe_export.graphs.onnx_export import GraphForm
 from moe_export.plugins import DOMAIN
 from moe_export.plugins.collectives.onnx_schema import COLLECTIVE_OPS
 from moe_export.plugins.registry import ort_function, register_all_schemas
-
-ORT_PLAN = "ort_plan.json"
 
 
 def _value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
@@ -77,9 +72,8 @@ class Segment:
     initializers: list[onnx.TensorProto]
 
 
-def plan_segments(model: onnx.ModelProto) -> list[Segment | dict]:
-    """The graph cut at its collectives, in order: `Segment`s (empty ones dropped) and collective steps
-    {"collective": op, "input": x, "output": y, "group": g[, "axis": a]} (the plan both backends run)."""
+def plan_segments(model: onnx.ModelProto) -> list[Segment | CollectiveStep]:
+    """The graph cut at its collectives, in order: `Segment`s (empty ones dropped) and `CollectiveStep`s."""
     segments, collectives = split_at_collectives(model)
     inits = {t.name: t for t in model.graph.initializer}
     graph_outputs = [v.name for v in model.graph.output]
@@ -101,18 +95,18 @@ def plan_segments(model: onnx.ModelProto) -> list[Segment | dict]:
             later.update(i for i in item.input if i)
     consumers_after.reverse()
 
-    plan: list[Segment | dict] = []
+    plan: list[Segment | CollectiveStep] = []
     for (kind, item), needed_later in zip(steps, consumers_after):
         if kind == "collective":
-            entry = {"collective": item.op_type, "input": item.input[0], "output": item.output[0]}
-            if len(item.input) > 1 or len(item.output) > 1:  # MoEDispatch / MoECombine: every value in order
-                entry.update(inputs=list(item.input), outputs=list(item.output))
+            attrs = {}
             for a in item.attribute:
                 if a.name in ("group", "axis", "num_experts"):
-                    entry[a.name] = helper.get_attribute_value(a)
-                    if isinstance(entry[a.name], bytes):
-                        entry[a.name] = entry[a.name].decode()
-            plan.append(entry)
+                    value = helper.get_attribute_value(a)
+                    attrs[a.name] = value.decode() if isinstance(value, bytes) else value
+            every = len(item.input) > 1 or len(item.output) > 1  # MoEDispatch / MoECombine: every value in order
+            plan.append(CollectiveStep(item.op_type, item.input[0], item.output[0], **attrs,
+                                       inputs=tuple(item.input) if every else (),
+                                       outputs=tuple(item.output) if every else ()))
             continue
         if not item:
             continue
@@ -149,10 +143,10 @@ def lower_for_onnxruntime(graph_path: Path, out_dir: Path) -> list[str]:
     types = _value_types(model)
     fp8_cache = any(v.name.startswith(("mla_cache.", "index_cache.")) and v.type.tensor_type.elem_type == TensorProto.UINT8
                     for v in model.graph.input)  # uint8 pools hold fp8 rows
-    plan: list[dict] = []
+    plan: list[PlanStep] = []
     written: list[str] = []
     for step in plan_segments(model):
-        if isinstance(step, dict):
+        if isinstance(step, CollectiveStep):
             plan.append(step)
             continue
         funcs = [ort_function(op, fp8_cache) for op in sorted({n.op_type for n in step.nodes if n.domain == DOMAIN})]
@@ -160,11 +154,8 @@ def lower_for_onnxruntime(graph_path: Path, out_dir: Path) -> list[str]:
         seg = segment_model(model, step, types, funcs)
         (out_dir / name).write_bytes(seg.SerializeToString(deterministic=True))
         written.append(name)
-        plan.append({"segment": name, "inputs": step.inputs, "outputs": step.outputs})
-    graph_outputs = [v.name for v in model.graph.output]
-    (out_dir / ORT_PLAN).write_text(json.dumps({"steps": plan, "graph_outputs": graph_outputs}, indent=1,
-                                               sort_keys=True))
-    written.append(ORT_PLAN)
+        plan.append(SegmentStep(name, tuple(step.inputs), tuple(step.outputs)))
+    written.append(OrtPlan(tuple(plan), tuple(v.name for v in model.graph.output)).write(out_dir))
     return written
 
 

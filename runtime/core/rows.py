@@ -1,6 +1,7 @@
 """A step's sampling rows: each sampled sequence's row is built on its own (`build_row`: its parameters, forced
 token, grammar bitmask, processors, penalties, bias and bans), so a row that cannot be built fails its request
-only; the rows that were built are packed into the runner's `SamplingBatch` (`pack_rows`)."""
+only; the rows that were built are packed into the runner's `SamplingBatch` (`pack_rows`). The requests'
+`per_row` values (`SamplingParams`, `ROW_COLUMNS`) go through as they are declared: no field is named here."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 import torch
 from moe_export.runtime.core.sequence import Sequence
 from moe_export.runtime.engine.sampler import SamplingBatch
+from moe_export.runtime.sampling import ROW_COLUMNS
 
 U64 = 1 << 64
 
@@ -25,21 +27,16 @@ def seed_bits(seed: int) -> int:
 @dataclass
 class SamplingRow:
     """One sampled sequence's share of a step's `SamplingBatch` (host values; `pack_rows` makes the tensors).
-    bitmask: its grammar's mask of the next token [W] int32 (None: unconstrained); processors: logits -> logits;
-    seen: prompt + output ids (repetition penalty); output ids with their counts (presence / frequency)."""
+    values: its request's `SamplingParams.row_values` (one per `ROW_COLUMNS`); seed (int64 bits), counter, forced,
+    logprobs: its `SequenceColumns`. bitmask: its grammar's mask of the next token [W] int32 (None:
+    unconstrained); processors: logits -> logits; seen: prompt + output ids (repetition penalty); output ids with
+    their counts (presence / frequency)."""
 
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
+    values: tuple
     seed: int
     counter: int
     forced: int
     logprobs: int
-    penalized: bool
-    repetition: float
-    presence: float
-    frequency: float
     bitmask: torch.Tensor | None = None
     processors: list = field(default_factory=list)
     seen: np.ndarray | None = None
@@ -117,9 +114,8 @@ def build_row(seq: Sequence, eos_token_ids: frozenset[int], vocab: int | None) -
     p = req.sampling
     n_out = len(seq.tokens) + seq.pending - seq.prompt_len
     forced = req.budget.forced_token() if req.budget is not None else None
-    row = SamplingRow(float(p.temperature), p.top_k_over(vocab), float(p.top_p), float(p.min_p), seed_bits(seq.seed), n_out,
-                      -1 if forced is None else int(forced), p.top_logprobs if p.logprobs else -1, p.penalized,
-                      float(p.repetition_penalty), float(p.presence_penalty), float(p.frequency_penalty))
+    row = SamplingRow(p.row_values(vocab), seed_bits(seq.seed), n_out, -1 if forced is None else int(forced),
+                      p.top_logprobs if p.logprobs else -1)
     for proc in req.logits_processors:
         if hasattr(proc, "fill_bitmask"):  # a grammar: one row of the step's bitmask
             mask = torch.empty(proc.bitmask_width, dtype=torch.int32)
@@ -144,25 +140,23 @@ def build_row(seq: Sequence, eos_token_ids: frozenset[int], vocab: int | None) -
 
 def pack_rows(rows: list[SamplingRow], positions: list[int], vocab: int | None) -> SamplingBatch:
     """The runner's tensors for `rows`, the sampled sequences at step positions `positions`."""
+    columns = {}
+    for (name, (dtype, off)), values in zip(ROW_COLUMNS.items(), zip(*(r.values for r in rows))):
+        if off is None or values.count(off) != len(values):  # (a column every row has off is left out: None)
+            columns[name] = torch.tensor(values, dtype=dtype)
     sb = SamplingBatch(
         rows=torch.tensor(positions, dtype=torch.long),
-        temperature=torch.tensor([r.temperature for r in rows], dtype=torch.float32),
-        top_k=torch.tensor([r.top_k for r in rows], dtype=torch.long),
-        top_p=torch.tensor([r.top_p for r in rows], dtype=torch.float32),
-        min_p=torch.tensor([r.min_p for r in rows], dtype=torch.float32),
         seed=torch.tensor([r.seed for r in rows], dtype=torch.long),
         counter=torch.tensor([r.counter for r in rows], dtype=torch.long),
         forced=torch.tensor([r.forced for r in rows], dtype=torch.long),
         logprobs=torch.tensor([r.logprobs for r in rows], dtype=torch.long),
-        vocab=vocab, processors=[(j, fn) for j, r in enumerate(rows) for fn in r.processors],
+        vocab=vocab, processors=[(j, fn) for j, r in enumerate(rows) for fn in r.processors], **columns,
     )
     masked = [j for j, r in enumerate(rows) if r.bitmask is not None]
     if masked:
         sb.bitmask = torch.stack([rows[j].bitmask for j in masked])
         sb.bitmask_rows = torch.tensor(masked, dtype=torch.long)
-    penalized = [j for j, r in enumerate(rows) if r.penalized]
-    if penalized:
-        _pack_penalties(sb, rows, penalized)
+    _pack_penalties(sb, rows)
     bias = [(j, t, v) for j, r in enumerate(rows) for t, v in r.bias]
     if bias:
         r, t, v = zip(*bias)
@@ -174,19 +168,16 @@ def pack_rows(rows: list[SamplingRow], positions: list[int], vocab: int | None) 
     return sb
 
 
-def _pack_penalties(sb: SamplingBatch, rows: list[SamplingRow], penalized: list[int]) -> None:
-    """Repetition (prompt and output tokens) and presence / frequency (output token counts) penalties."""
-    sb.penalty_rows = torch.tensor(penalized)
-    sb.repetition = torch.tensor([r.repetition for r in rows], dtype=torch.float32)
-    sb.presence = torch.tensor([r.presence for r in rows], dtype=torch.float32)
-    sb.frequency = torch.tensor([r.frequency for r in rows], dtype=torch.float32)
-    seen = [(j, rows[j].seen) for j in penalized if rows[j].seen is not None]
+def _pack_penalties(sb: SamplingBatch, rows: list[SamplingRow]) -> None:
+    """The penalties' token inputs: prompt and output tokens (repetition), output token counts (presence /
+    frequency)."""
+    seen = [(j, r.seen) for j, r in enumerate(rows) if r.seen is not None]
     if len(seen) == 1 and rows[seen[0][0]].counts is not None:  # one row: its packed form, kept across steps
         sb.seen = rows[seen[0][0]].counts.packed_seen(seen[0][0])
     elif seen:
         sb.seen = (torch.from_numpy(np.concatenate([np.full(ids.shape, j) for j, ids in seen])),
                    torch.from_numpy(np.concatenate([ids for _, ids in seen])))
-    out = [(j, rows[j].output_ids, rows[j].output_counts) for j in penalized if rows[j].output_ids is not None]
+    out = [(j, r.output_ids, r.output_counts) for j, r in enumerate(rows) if r.output_ids is not None]
     if out and sum(len(ids) for _, ids, _ in out):
         sb.output_counts = (torch.from_numpy(np.concatenate([np.full(ids.shape, j) for j, ids, _ in out])),
                             torch.from_numpy(np.concatenate([ids for _, ids, _ in out])),

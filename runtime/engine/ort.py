@@ -35,7 +35,8 @@ from moe_export.common.engine_config import EngineConfig
 from moe_export.common.errors import InputError
 from moe_export.common.pools import CHECKPOINTS_PER_SLOT
 from moe_export.common.mapping import Mapping
-from moe_export.common.mpi import mpi_group_comms, mpi_world
+from moe_export.common.mpi import mpi_world
+from moe_export.common.ort_plan import CollectiveStep, OrtPlan, PlanStep, SegmentStep
 from moe_export.graphs.vision_export import VISION_GRAPH
 from moe_export.plugins.collectives import all_to_all
 from moe_export.plugins.paged_cache_write.cpu import paged_cache_write_
@@ -48,6 +49,7 @@ from moe_export.runtime.engine.batch import (
     check_step_batch,
     checkpoint_interval,
 )
+from moe_export.runtime.engine.ranks import MPICommunicator, rank_folders
 from moe_export.runtime.engine.runner import choose_tokens
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch
 from onnx import TensorProto
@@ -90,64 +92,12 @@ def keep_step_memory() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD))
 
 
-def rank_folders(engine_dir: Path) -> list[Path]:
-    """`rank{N}/` folders indexed by N (rank10 after rank9, not after rank1); InputError unless they are
-    exactly rank0 .. rank{R-1}."""
-    found = {int(p.name[4:]): p for p in engine_dir.glob("rank*") if p.is_dir() and p.name[4:].isdigit()}
-    if not found:
-        raise InputError(f"{engine_dir}: no rank*/ folders")
-    missing = sorted(set(range(max(found) + 1)) - set(found))
-    if missing:
-        raise InputError(f"{engine_dir}: rank folders {[f'rank{n}' for n in missing[:8]]} are missing "
-                         f"(found {len(found)} of rank0..rank{max(found)})")
-    return [found[n] for n in range(len(found))]
-
-
-class MPICommunicator:
-    """Collectives over MPI sub-communicators of the tp and ep groups (groups of consecutive ranks). In the dp
-    layout `broadcast` reaches this rank's attention group (its tp group, from the group's first rank), and
-    `leaders` joins the groups' first ranks (world rank 0 first; None on the other ranks)."""
-
-    def __init__(self, mapping: Mapping):
-        from mpi4py import MPI
-
-        self.world = MPI.COMM_WORLD
-        self.groups = mpi_group_comms(mapping)
-        self.dp_layout = mapping.all_to_all
-        leader = self.dp_layout and mapping.tp_rank == 0
-        leaders = self.world.Split(0 if leader else MPI.UNDEFINED, mapping.rank)
-        self.leaders = None if leaders == MPI.COMM_NULL else leaders
-
-    def all_reduce(self, x: np.ndarray, group: str) -> np.ndarray:
-        from mpi4py import MPI
-
-        out = np.empty_like(x)
-        self.groups[group].Allreduce(np.ascontiguousarray(x), out, op=MPI.SUM)
-        return out
-
-    def all_gather(self, x: np.ndarray, group: str, axis: int) -> np.ndarray:
-        parts = self.groups[group].allgather(np.ascontiguousarray(x))
-        return np.concatenate(parts, axis=axis)
-
-    def broadcast(self, obj):
-        return (self.groups["tp"] if self.dp_layout else self.world).bcast(obj, root=0)
-
-    def group_sum(self, x: np.ndarray) -> np.ndarray:
-        """x summed over this rank's tp group, on the group's first rank (the others get their own x back)."""
-        from mpi4py import MPI
-
-        out = np.empty_like(x)
-        self.groups["tp"].Reduce(np.ascontiguousarray(x), out, op=MPI.SUM, root=0)
-        return out if self.groups["tp"].Get_rank() == 0 else x
-
-
 @dataclass
 class RankRunner:
     """One rank's ORT sessions and state pools."""
 
-    rank: int
-    mapping: dict
-    steps: list[dict]
+    mapping: Mapping
+    steps: tuple[PlanStep, ...]
     sessions: dict[str, object]
     pools: dict[str, np.ndarray] = field(default_factory=dict)
     pool_feeds: dict[str, object] = field(default_factory=dict)  # what ORT is fed: the array, or a bf16 view of it
@@ -159,17 +109,19 @@ class RankRunner:
         # the dispatch's received rows value
         self.expert_segments: dict[str, str] = {}
         for prev, step in zip(self.steps, self.steps[1:]):
-            if prev.get("collective") == "MoEDispatch" and "segment" in step and set(step["inputs"]) <= set(prev["outputs"]):
-                self.expert_segments[step["segment"]] = prev["outputs"][0]
+            if (isinstance(prev, CollectiveStep) and prev.op == "MoEDispatch" and isinstance(step, SegmentStep)
+                    and set(step.inputs) <= set(prev.outputs)):
+                self.expert_segments[step.segment] = prev.outputs[0]
+
+    @property
+    def rank(self) -> int:
+        return self.mapping.rank
 
     @classmethod
     def load(cls, rank_dir: Path, num_slots: int, num_blocks: int, block_size: int, threads: int) -> RankRunner:
         import onnxruntime as ort
 
-        plan_path = rank_dir / "ort_plan.json"
-        if not plan_path.is_file():
-            raise InputError(f"{rank_dir}: no ort_plan.json (was this engine built with backend onnxruntime?)")
-        plan = json.loads(plan_path.read_text())
+        plan = OrtPlan.read(rank_dir)
         graph = onnx.load(str(rank_dir / "model.onnx"), load_external_data=False)
         meta = {p.key: p.value for p in graph.metadata_props}
         opts = ort.SessionOptions()
@@ -183,7 +135,7 @@ class RankRunner:
         # for good (4 ranks x 3 MLA layers of tiny-k3: 7.5 GB after a 2,000-token prefill). Freed to malloc,
         # the temporaries of one op at a time are live.
         opts.enable_cpu_mem_arena = False
-        segments = [step["segment"] for step in plan["steps"] if "segment" in step]
+        segments = [step.segment for step in plan.steps if isinstance(step, SegmentStep)]
         # ORT builds a session (graph optimization included) without holding the GIL: one thread per core loads
         # them (23 segments per rank of tiny-k3: 1.3 s one after another, 0.7 s on 2 cores)
         with ThreadPoolExecutor(max(1, min(len(segments), os.cpu_count() or 1))) as pool:
@@ -201,8 +153,7 @@ class RankRunner:
                 # in-place writes below are what the next step sees)
                 pool_feeds[vi.name] = pool if elem != TensorProto.BFLOAT16 else \
                     ort.OrtValue.ortvalue_from_numpy_with_onnx_type(pool.view(np.uint16), elem)
-        mapping = json.loads(meta["mapping"])
-        return cls(int(mapping["rank"]), mapping, plan["steps"], sessions, pools, pool_feeds)
+        return cls(Mapping.from_dict(json.loads(meta["mapping"])), plan.steps, sessions, pools, pool_feeds)
 
     def reset_slot(self, slot: int) -> None:
         for name, pool in self.pools.items():
@@ -236,18 +187,18 @@ class RankRunner:
             else:
                 paged_cache_write_(torch_view(pool), torch.from_numpy(new), feeds["cu"], feeds["tables"], feeds["positions"])
 
-    def run_experts(self, step: dict, env: dict[str, np.ndarray]) -> None:
+    def run_experts(self, step: SegmentStep, env: dict[str, np.ndarray]) -> None:
         """An expert segment; with no rows received its outputs are empty [0, D] (nothing to run)."""
-        recv_x = env[self.expert_segments[step["segment"]]]
+        recv_x = env[self.expert_segments[step.segment]]
         if recv_x.shape[0]:
             self.run_segment(step, env)
         else:
-            env.update({o: np.zeros((0, recv_x.shape[1]), dtype=recv_x.dtype) for o in step["outputs"]})
+            env.update({o: np.zeros((0, recv_x.shape[1]), dtype=recv_x.dtype) for o in step.outputs})
 
-    def run_segment(self, step: dict, env: dict[str, np.ndarray]) -> None:
-        sess = self.sessions[step["segment"]]
-        outs = sess.run(step["outputs"], {name: env[name] for name in step["inputs"]})
-        env.update(zip(step["outputs"], outs))
+    def run_segment(self, step: SegmentStep, env: dict[str, np.ndarray]) -> None:
+        sess = self.sessions[step.segment]
+        outs = sess.run(list(step.outputs), {name: env[name] for name in step.inputs})
+        env.update(zip(step.outputs, outs))
 
 
 class Engine:
@@ -299,7 +250,7 @@ class Engine:
         self.checkpoint_interval = checkpoint_interval(
             {name: (pool.shape, pool.itemsize) for name, pool in self.ranks[0].pools.items()}, self.block_size,
             self.max_num_tokens)
-        m = Mapping.from_dict(self.ranks[0].mapping)
+        m = self.ranks[0].mapping
         self.tp, self.ep = m.tp, m.ep
         self.dp_layout = m.all_to_all
         self.dp = m.dp  # attention groups with their own batches (dp layout)
@@ -315,7 +266,7 @@ class Engine:
             self.vision = VisionEncoder(self.dir, self.config, per_proc_threads)
         self.image_width = cfg.hidden_size if self.vision is not None else None
         self.media_pad_id = self.model_config.get("media_placeholder_token_id")
-        dispatches = [s["outputs"][0] for s in self.ranks[0].steps if s.get("collective") == "MoEDispatch"]
+        dispatches = [s.outputs[0] for s in self.ranks[0].steps if isinstance(s, CollectiveStep) and s.op == "MoEDispatch"]
         self._moe_layer = {name: k for k, name in enumerate(dispatches)}
         # tokens routed to each expert (rows of this process's ranks' dispatches), per MoE layer: the last step's
         # and the running total (dp layout: the runtime sees the routing at the dispatch); group_step_expert_tokens:
@@ -331,7 +282,7 @@ class Engine:
     @property
     def group(self) -> int:
         """This process's attention group (dp layout under mpiexec; 0 otherwise)."""
-        return Mapping.from_dict(self.ranks[0].mapping).dp_rank if self.comm is not None else 0
+        return self.ranks[0].mapping.dp_rank if self.comm is not None else 0
 
     @property
     def traffic(self) -> all_to_all.Traffic:
@@ -362,29 +313,29 @@ class Engine:
             r.restore_state(slot, checkpoint)
 
     @staticmethod
-    def _traffic_kind(step: dict) -> str:
+    def _traffic_kind(step: CollectiveStep) -> str:
         """Traffic key of a collective step: the routed experts' exchange (`moe_*`) or the tp group's own."""
-        if step["collective"] in ("MoEDispatch", "MoECombine"):
+        if step.all_to_all:
             return all_to_all.KIND
-        if step["group"] == "ep":
+        if step.group == "ep":
             return "moe_all_reduce"
-        return "moe_all_gather" if step["output"].endswith(".token_all_gather") else f"tp_{step['collective']}"
+        return "moe_all_gather" if step.output.endswith(".token_all_gather") else f"tp_{step.op}"
 
-    def _count(self, rank: int, step: dict, x: np.ndarray, size: int) -> None:
+    def _count(self, rank: int, step: CollectiveStep, x: np.ndarray, size: int) -> None:
         kind, nbytes = self._traffic_kind(step), x.nbytes
         runner = next(r for r in self.ranks if r.rank == rank)
-        if step["collective"] == "AllReduce":
+        if step.op == "AllReduce":
             runner.traffic.add(kind, all_to_all.all_reduce_ring_bytes(nbytes, size))
             if kind == "moe_all_reduce":  # every rank of the group holds the same T tokens: a 1/size share each
                 runner.traffic.moe_tokens += x.shape[0] / size
         else:
             runner.traffic.add(kind, (size - 1) * nbytes)
 
-    def _collective(self, step: dict, envs: dict[int, dict], active: dict[int, bool]) -> None:
-        if step["collective"] in ("MoEDispatch", "MoECombine"):
+    def _collective(self, step: CollectiveStep, envs: dict[int, dict], active: dict[int, bool]) -> None:
+        if step.all_to_all:
             self._all_to_all(step, envs, active)
             return
-        src, dst, group = step["input"], step["output"], step["group"]
+        src, dst, group = step.input, step.output, step.group
         size = self.tp if group == "tp" else self.ep
         if self.comm is not None:
             rank = self.ranks[0].rank
@@ -392,10 +343,10 @@ class Engine:
                 return
             env = envs[rank]
             self._count(rank, step, env[src], size)
-            if step["collective"] == "AllReduce":
+            if step.op == "AllReduce":
                 env[dst] = self.comm.all_reduce(env[src], group)
             else:
-                env[dst] = self.comm.all_gather(env[src], group, step["axis"])
+                env[dst] = self.comm.all_gather(env[src], group, step.axis)
             return
         for start in range(0, self.world_size, size):
             members = range(start, start + size)
@@ -403,19 +354,19 @@ class Engine:
                 continue
             for r in members:
                 self._count(r, step, envs[r][src], size)
-            if step["collective"] == "AllReduce":
+            if step.op == "AllReduce":
                 total = envs[members[0]][src].copy()
                 for r in members[1:]:
                     total += envs[r][src]
             else:
-                total = np.concatenate([envs[r][src] for r in members], axis=step["axis"])
+                total = np.concatenate([envs[r][src] for r in members], axis=step.axis)
             for r in members:
                 envs[r][dst] = total
 
-    def _all_to_all(self, step: dict, envs: dict[int, dict], active: dict[int, bool]) -> None:
+    def _all_to_all(self, step: CollectiveStep, envs: dict[int, dict], active: dict[int, bool]) -> None:
         """MoEDispatch / MoECombine over the ep group (= the world in the dp layout); idle ranks send nothing."""
-        ins, outs = step["inputs"], step["outputs"]
-        if step["collective"] == "MoEDispatch":
+        ins, outs = step.inputs, step.outputs
+        if step.op == "MoEDispatch":
             def inputs(r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                 if active[r]:
                     return tuple(envs[r][name] for name in ins)
@@ -463,9 +414,9 @@ class Engine:
         envs = {r.rank: {**self._feeds(batches[r.rank]), **r.pool_feeds} if active[r.rank] else {} for r in self.ranks}
         self.step_expert_tokens[:] = 0
         for step in self.ranks[0].steps:
-            if "segment" in step:
+            if isinstance(step, SegmentStep):
                 for r in self.ranks:
-                    if step["segment"] in r.expert_segments:
+                    if step.segment in r.expert_segments:
                         r.run_experts(step, envs[r.rank])
                     elif active[r.rank]:
                         r.run_segment(step, envs[r.rank])
@@ -519,6 +470,6 @@ class Engine:
             raise InputError("step_groups runs every attention group of a dp-layout engine in one process")
         if len(batches) != self.dp:
             raise InputError(f"the engine has {self.dp} attention groups, got {len(batches)} batches")
-        envs = self._run({r.rank: batches[Mapping.from_dict(r.mapping).dp_rank] for r in self.ranks})
+        envs = self._run({r.rank: batches[r.mapping.dp_rank] for r in self.ranks})
         return [None if b is None else envs[g * self.tp]["logits"] for g, b in enumerate(batches)]
 

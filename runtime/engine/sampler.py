@@ -37,40 +37,33 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 
 import numpy as np
 import torch
 
 from moe_export.runtime.engine.sampler_streams import _GOLDEN, _MIX1, _MIX2, BLOCK, PROPOSALS, ROUNDS, STREAM_BLOCKS
+from moe_export.runtime.sampling import ROW_COLUMNS
 
 
-@dataclass
-class SamplingBatch:
-    """What the runner needs to choose the step's tokens, as host tensors (R rows sampled of the step's N).
+@dataclass(kw_only=True)
+class SequenceColumns:
+    """The part of a step's `SamplingBatch` that the core adds to the requests' `per_row` values, as host tensors
+    (R rows sampled of the step's N).
 
     rows [R]: the step's sequences that get a token (their last chunk reached the end of their tokens), in
-    order. Per row: temperature, top_k (0: off), top_p, min_p, seed, counter (the token's index in its
-    output), forced (-1: sample), logprobs (-1: none, else how many top logprobs, 0..20). Penalties: rows with
-    any, their repetition / presence / frequency values, and the (row, token, count) triples of their output
-    tokens (repetition also counts prompt tokens: `seen`). logit_bias and banned: (row, token[, value]).
-    bitmask [G, W] int32 for rows `bitmask_rows` [G]. processors: (row, fn(logits [V] fp32) -> logits).
-    vocab: ids at or past it are never chosen."""
+    order. Per row: seed, counter (the token's index in its output), forced (-1: sample), logprobs (-1: none,
+    else how many top logprobs, 0..20). Penalty inputs: the (row, token, count) triples of the rows' output
+    tokens (presence / frequency) and the (row, token) pairs of their prompt and output tokens (repetition:
+    `seen`). logit_bias and banned: (row, token[, value]). bitmask [G, W] int32 for rows `bitmask_rows` [G].
+    processors: (row, fn(logits [V] fp32) -> logits). vocab: ids at or past it are never chosen."""
 
     rows: torch.Tensor
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    min_p: torch.Tensor
     seed: torch.Tensor
     counter: torch.Tensor
     forced: torch.Tensor
     logprobs: torch.Tensor
     vocab: int | None = None
-    penalty_rows: torch.Tensor | None = None
-    repetition: torch.Tensor | None = None
-    presence: torch.Tensor | None = None
-    frequency: torch.Tensor | None = None
     output_counts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (row, token, count)
     seen: tuple[torch.Tensor, torch.Tensor] | None = None  # (row, token) of prompt + output tokens
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -87,7 +80,19 @@ class SamplingBatch:
             elif isinstance(value, tuple):
                 value = tuple(v.to(device, non_blocking=True) for v in value)
             moved[name] = value
-        return SamplingBatch(**moved)
+        return type(self)(**moved)
+
+
+SamplingBatch = make_dataclass(
+    "SamplingBatch",
+    [(name, torch.Tensor) if off is None else (name, torch.Tensor | None, field(default=None))
+     for name, (_, off) in ROW_COLUMNS.items()],
+    bases=(SequenceColumns,), kw_only=True,
+    namespace={"__module__": __name__, "__doc__": """What the runner needs to choose the step's tokens: the
+    `SequenceColumns` and one column [R] per `per_row` field of `SamplingParams`, under its name (`ROW_COLUMNS`):
+    temperature, top_k (0: off), top_p, min_p; repetition_penalty, presence_penalty and frequency_penalty (None
+    when no row of the step uses them)."""},
+)
 
 
 class SampledTokens:
@@ -178,15 +183,17 @@ def process_logits(x: torch.Tensor, sb: SamplingBatch, errors: dict[int, str], h
             errors[r] = f"{type(exc).__name__}: {exc}"
             continue
         x[r, :width] = row.to(x.device)
-    if sb.penalty_rows is not None:
-        if sb.seen is not None:  # repetition: positive logits divided, negative ones multiplied
-            r, t = sb.seen
-            vals = x[r, t]
-            pen = sb.repetition[r]
-            x[r, t] = torch.where(vals > 0, vals / pen, vals * pen)
-        if sb.output_counts is not None:
-            r, t, c = sb.output_counts
-            x.index_put_((r, t), -(sb.frequency[r] * c + sb.presence[r]), accumulate=True)
+    if sb.seen is not None:  # repetition: positive logits divided, negative ones multiplied
+        r, t = sb.seen
+        vals = x[r, t]
+        pen = sb.repetition_penalty[r]
+        x[r, t] = torch.where(vals > 0, vals / pen, vals * pen)
+    if sb.output_counts is not None:  # frequency per occurrence, presence once (None: no row of the step has it)
+        r, t, c = sb.output_counts
+        sub = sb.frequency_penalty[r] * c if sb.frequency_penalty is not None else torch.zeros_like(c)
+        if sb.presence_penalty is not None:
+            sub = sub + sb.presence_penalty[r]
+        x.index_put_((r, t), -sub, accumulate=True)
     if sb.logit_bias is not None:
         r, t, v = sb.logit_bias
         x.index_put_((r, t), v, accumulate=True)

@@ -7,7 +7,7 @@ import os
 
 from moe_export.common.mpi import torch_group_comms
 from moe_export.common.mapping import Mapping
-from moe_export.runtime.engine.ort import MPICommunicator
+from moe_export.runtime.engine.ranks import MPICommunicator
 
 # NCCL settings of the engine's communicators, set before they exist (an explicit environment setting wins):
 #  - NCCL_NVLS_ENABLE=0: NVLink SHARP (NCCL's default on NVSwitch systems of Hopper GPUs, as the H100 and H200
@@ -27,7 +27,7 @@ NCCL_TIMEOUT_S = 30 * 60
 
 class NcclGroups(MPICommunicator):
     """The host side over MPI (step plans broadcast in the world, or in the attention group in the dp layout; the
-    group leaders' communicator; group sums: `ort.MPICommunicator`, so `runtime/core/wide_ep.py` runs as is) and
+    group leaders' communicator; group sums: `ranks.MPICommunicator`, so `runtime/core/wide_ep.py` runs as is) and
     the engine's side: torch.distributed NCCL world plus the tp and ep groups (consecutive ranks), set up from
     MPI's launch: rank 0's host and a free port are broadcast over MPI (or MASTER_ADDR / MASTER_PORT if set).
     Registers a communicator per group (`nccl`) for the engine's collective plugins."""

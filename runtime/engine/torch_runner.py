@@ -12,7 +12,7 @@ decode steps replayed from CUDA graphs: `torch_graphs`), made the current device
 W4A16 Triton kernel's on GPUs).
 
 Worlds as in the ONNX Runtime runner: under `mpiexec -n R` this process is one rank (collectives over
-torch.distributed, step plans over MPI: `ort.MPICommunicator`, so `runtime/core` runs unchanged); in one process
+torch.distributed, step plans over MPI: `ranks.MPICommunicator`, so `runtime/core` runs unchanged); in one process
 every rank runs here in lockstep. In the dp layout `step(batch)` is this rank's group's step and `step(None)` an
 idle one; in one process `step_groups` takes one batch (or None) per attention group.
 """
@@ -33,7 +33,7 @@ from moe_export.graphs.vision_export import VISION_WEIGHTS
 from moe_export.quantize import fp8_cache
 from moe_export.runtime.engine.batch import (RESET_ON_NEW_SEQUENCE, StepBatch, check_checkpoint, check_slot,
                                             check_step_batch, checkpoint_interval)
-from moe_export.runtime.engine.ort import MPICommunicator, rank_folders
+from moe_export.runtime.engine.ranks import MPICommunicator, rank_folders
 from moe_export.runtime.engine.runner import choose_tokens, wait_for_step
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch
 from moe_export.runtime.engine.torch_collectives import DistributedWorld, run_in_process

@@ -164,10 +164,11 @@ def _scripted_result(task: EvalTask, name: str, calls_so_far: dict[str, int]) ->
 
 async def run_task(llm: EngineClient, task: EvalTask, tier: str) -> dict:
     """One task at one tier -> {id, passed, rounds, reasoning_tokens, output_tokens, latency_s, error}."""
-    from moe_export.runtime.sampling import with_defaults
+    from moe_export.runtime.request_options import parse_request_options
 
     messages = [dict(m) for m in task.messages]
-    sampling = with_defaults(llm.default_sampling, max_tokens=task.max_tokens)
+    sampling = parse_request_options({"max_tokens": task.max_tokens}, llm.default_sampling,
+                                     where=f"task {task.id}").sampling
     calls: list[dict] = []
     calls_by_name: dict[str, int] = {}
     result = {"id": task.id, "tier": tier, "passed": False, "rounds": 0, "reasoning_tokens": 0, "output_tokens": 0,

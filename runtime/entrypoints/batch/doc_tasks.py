@@ -134,14 +134,15 @@ class DocRunner:
     """Runs a DocJob's documents on one AsyncLLM; `semaphore` bounds the requests in flight."""
 
     def __init__(self, llm: EngineClient, job: DocJob, max_seq_len: int, semaphore) -> None:
-        from moe_export.runtime.sampling import with_defaults
+        from moe_export.runtime.request_options import parse_request_options
 
         self.llm, self.job, self.semaphore = llm, job, semaphore
         self.vision = llm.processor.vision
         env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False)
         self.prompt = env.from_string(job.template)
         self.reduce = env.from_string(REDUCE_TEMPLATES[job.task]) if job.task in REDUCE_TEMPLATES else None
-        self.sampling = with_defaults(llm.default_sampling, max_tokens=job.max_tokens)
+        self.sampling = parse_request_options({"max_tokens": job.max_tokens}, llm.default_sampling,
+                                              where="job").sampling
         self.count = lambda text: len(llm.tokenizer.encode(text))
         self.budget = chunk_budget(job, llm.tokenizer, llm.family, max_seq_len)
 

@@ -25,7 +25,8 @@ from moe_export.runtime.entrypoints.server.store import ResponseStore
 from moe_export.runtime.client.protocol import EngineClient
 from moe_export.runtime.image_urls import private_allowed, public_address
 from moe_export.runtime.processor import RenderedChat
-from moe_export.runtime.sampling import SamplingParams, with_defaults
+from moe_export.runtime.request_options import parse_request_options
+from moe_export.runtime.sampling import SamplingParams
 
 MAX_CHOICES = 64  # most sequences one completions request may start (prompts x n)
 DISCONNECT_POLL_S = 0.1  # how often a whole (non-streamed) answer checks that its client is still there
@@ -193,17 +194,15 @@ class Service:
         generation_config.json, else greedy). No seed: the sampler draws a random one (identical unseeded
         sampled requests differ, as in vLLM / OpenAI). extras: penalties, min_p, min_tokens, logit_bias
         (`sampler_extras`)."""
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         extras = dict(extras or {})
         if extras.get("min_tokens", 0) > max_tokens:
             raise APIError(400, f"min_tokens {extras['min_tokens']} is over max_tokens {max_tokens}", "min_tokens")
+        seed = None if seed is None else seed % SEED_MOD
+        options = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens,
+                       stop=[] if stop is None else stop, logprobs=bool(logprobs), ignore_eos=bool(ignore_eos),
+                       top_logprobs=int(top_logprobs or 0), **extras)
         try:
-            return with_defaults(
-                self.llm.default_sampling, temperature=None if temperature is None else float(temperature),
-                top_p=None if top_p is None else float(top_p), top_k=None if top_k is None else max(int(top_k), 0),
-                seed=None if seed is None else int(seed) % SEED_MOD, max_tokens=max_tokens, stop=stops,
-                logprobs=bool(logprobs), ignore_eos=bool(ignore_eos), top_logprobs=int(top_logprobs or 0), **extras,
-            )
+            return parse_request_options(options, self.llm.default_sampling).sampling
         except InputError as exc:  # (`SamplingValueError` names its field)
             raise APIError(400, str(exc), getattr(exc, "field", None)) from None
 

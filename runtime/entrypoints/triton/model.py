@@ -51,24 +51,30 @@ CANCEL_POLL_S = 0.05  # how often a live request's sender is asked whether the c
 NEUTRAL_OPTIONS = {"n": (1,), "best_of": (1,), "logprobs": (False, 0), "skip_special_tokens": (True,)}
 # The vLLM backend's sample client (and its OpenAI frontend) send every sampling_parameters value as a string
 # ("temperature": "0.1"); the backend converts them by key, and so does this model.
-FLOAT_KEYS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
-INT_KEYS = ("top_k", "max_tokens", "min_tokens", "seed", "n", "best_of", "logprobs")
-BOOL_KEYS = ("ignore_eos", "skip_special_tokens")
+# The sampling options by the type of their SamplingParams field (`runtime.request_options.options_of_type`), and
+# vLLM's own: these integers and booleans.
+VLLM_INT_KEYS = ("n", "best_of", "logprobs")
+VLLM_BOOL_KEYS = ("skip_special_tokens",)
+UNSERVED = ("top_logprobs", "logit_bias")  # sampling options this model does not take (no logprobs output)
 
 
 def _typed_options(options: dict) -> dict:
     """`options` with the vLLM backend's string values converted to the type of their key (BadRequest naming
     the key when one does not convert)."""
+    from moe_export.runtime.request_options import options_of_type
+
+    floats, ints = options_of_type("float"), (*options_of_type("int"), *VLLM_INT_KEYS)
+    bools = (*options_of_type("bool"), *VLLM_BOOL_KEYS)
     out = dict(options)
     for key, value in options.items():
         if not isinstance(value, str):
             continue
         try:
-            if key in FLOAT_KEYS:
+            if key in floats:
                 out[key] = float(value)
-            elif key in INT_KEYS:
+            elif key in ints:
                 out[key] = int(value)
-            elif key in BOOL_KEYS:
+            elif key in bools:
                 if value.strip().lower() not in ("true", "false"):
                     raise ValueError(value)
                 out[key] = value.strip().lower() == "true"
@@ -175,6 +181,8 @@ class TritonPythonModel:
             self.inflight.discard(future)
 
     def _parse(self, request) -> dict:
+        from moe_export.runtime.request_options import parse_request_options
+
         prompt = _text(request, "text_input")
         messages = _json(request, "messages")
         if (prompt is None) == (messages is None):
@@ -187,10 +195,6 @@ class TritonPythonModel:
                 raise BadRequest("input images goes with the messages input (a chat), not text_input")
             messages = _with_images(messages, [bytes(b) for b in np.asarray(images.as_numpy()).reshape(-1)])
         options = _json(request, "sampling_parameters") or {}
-        from moe_export.runtime.entrypoints.triton.request_options import (
-            parse_request_options,
-        )
-
         if isinstance(options, dict):
             options = _typed_options(options)
             if options.get("seed") is None:  # unseeded requests differ (vLLM draws a random seed too)
@@ -198,8 +202,8 @@ class TritonPythonModel:
             for key, neutral in NEUTRAL_OPTIONS.items():
                 if options.get(key) is not None and options[key] not in neutral:
                     raise BadRequest(f"sampling_parameters: {key}={options[key]!r} is not supported (only {neutral[0]!r})")
-        opts = parse_request_options(options, "sampling_parameters", defaults=self.llm.default_sampling,
-                                     ignored=tuple(NEUTRAL_OPTIONS))
+        opts = parse_request_options(options, self.llm.default_sampling, where="sampling_parameters",
+                                     ignored=tuple(NEUTRAL_OPTIONS), excluded=UNSERVED)
         if prompt is not None and opts.chat_kwargs:
             raise BadRequest(f"{', '.join(sorted(opts.chat_kwargs))} apply to chat requests (the messages input), not text_input")
         stream = _scalar(request, "stream")
