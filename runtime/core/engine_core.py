@@ -113,13 +113,13 @@ class EngineCore:
         if flight.future is None:
             return flight.step.updates
         try:
-            out = flight.future.result().sampled
+            out = flight.future.result()
         except Exception as exc:
             updates = self.scheduler.step_failed(flight.step, exc)
             self._count_failure(exc)
             return updates
         self.failed_steps = 0
-        return self.scheduler.update(flight.step, out)
+        return self.scheduler.update(flight.step, out.sampled, out.reads)
 
     def _encode_images(self) -> None:
         """Run the tower for waiting requests whose images have no embeddings yet (cache hits first, the rest in
@@ -157,3 +157,4 @@ class EngineCore:
         multi-rank only)."""
         self._flight = None
         self.executor.shutdown()
+        self.scheduler.resources.flush_offload(self.engine)
