@@ -15,13 +15,17 @@ store (`StepPlan.loads`, written before the step's chunks run); the loaded full 
 again.
 
 An entry is one safetensors file (raw uint8 rows, never pickle) in the store's directory, written to a temporary
-name and renamed. Its header carries the engine identity (a hash of the runner class, the pool layout, the engine's
-config and the stat of its files: another engine, model, dtype or layout is another identity), what the entry is
+name and renamed. Its header carries the engine identity (a hash of the runner class, the pool layout and the
+engine's manifest.json, the sha256 of every file: another engine, model, dtype or layout is another identity), what
+the entry is
 (a block's chained hash, or a state's prefix hash and tail tokens: the token prefix it holds) and a hash of all of
 that and its contents. A file that does not parse, is truncated, names another identity or entry, or whose
 contents do not hash to its header is never loaded (ours are deleted; another identity's are left alone).
 
-Multi-rank runners under mpiexec are not offloaded (rank 0 would see only its own shards)."""
+Costs: a step that reads copies its rows to the host before it runs (on a GPU runner a wait for its stream: the
+write-through is synchronous, not on a copy stream of its own as HiCache's); hashing and files are the writer
+thread's. At admission the lookup walks the prompt's block names (dictionary lookups, no hashing). Multi-rank
+runners under mpiexec are not offloaded (rank 0 would see only its own shards)."""
 
 from __future__ import annotations
 
@@ -91,16 +95,15 @@ def run_load(engine, load: StateLoad) -> None:
 
 
 def engine_identity(engine, engine_dir: str | Path) -> bytes:
-    """What an offloaded row is valid for: the runner class, its pool layout (`state_layout`: key -> kind, dtype,
-    row shape), block size, the engine's config.json and the (name, size, mtime) of every file of the engine
-    directory (a rebuilt engine is another one)."""
+    """What an offloaded row is valid for: the runner class, its pool layout (`state_layout`: key -> kind, bytes,
+    dtype, row shape), block size, and the engine's manifest.json (every file's sha256, weights included: another
+    build is another engine; config.json where an engine has no manifest)."""
     root = Path(engine_dir)
-    files = sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
-                   for p in root.rglob("*") if p.is_file())
-    config = (root / "config.json").read_bytes() if (root / "config.json").is_file() else b""
+    manifest = root / "manifest.json"
+    files = manifest.read_bytes() if manifest.is_file() else (root / "config.json").read_bytes()
     desc = json.dumps([f"{type(engine).__module__}.{type(engine).__qualname__}", engine.block_size,
-                       engine.state_layout(), files], sort_keys=True, default=str)
-    return hashlib.blake2b(desc.encode() + config, digest_size=16).digest()
+                       engine.state_layout()], sort_keys=True, default=str)
+    return hashlib.blake2b(desc.encode() + files, digest_size=16).digest()
 
 
 def read_header(data: bytes) -> dict:
@@ -469,6 +472,8 @@ class StateOffload:
         cache (`cached_block(h)` not None) or in the store; None when there is none (or its files fail their
         checks)."""
         bs, last = self.block_size, prompt_len - 1
+        if beat >= last:
+            return None
         avail = 0
         while avail < len(hashes) and avail * bs < last and (
                 cached_block(hashes[avail]) is not None or self.store.has_block(hashes[avail])):
