@@ -122,3 +122,23 @@ def test_disk_cap_evicts_least_recently_used(tmp_path):
     again = OffloadStore(tmp_path, b"i" * 16, layout, host_bytes=0, disk_bytes=1 << 20)
     np.testing.assert_array_equal(again.get_block(names[0])["0/mla_cache.0"], rows["0/mla_cache.0"])
     again.close()
+
+
+def test_evicted_device_state_is_loaded_back(runtime_engine, tmp_path):
+    """Without a restart: turn 1's kept session and cached blocks are evicted from a small pool by another prompt;
+    the follow-up turn loads them back from the store (host memory) and answers as a full prefill does."""
+    engine_dir = runtime_engine("tiny-k3", 1, 1, 1)
+    eng = Engine(engine_dir, num_slots=2, num_blocks=12, threads=1)
+    offload = open_state_offload(eng, engine_dir, tmp_path / "state", host_bytes=1 << 30, disk_bytes=1 << 30)
+    core = EngineCore(eng, offload=offload)
+    out1, _, _ = run(core, "t1", TURN1, 6)
+    run(core, "other", tail(170, 23), 6)  # 11 of the 12 blocks: turn 1's session and blocks are evicted
+    assert core.stats()["kept_sessions"] == 1 and core.stats()["prefix_cached_blocks"] <= 11
+    prompt2 = TURN1 + out1 + TOOL
+    got, rec, cached = run(core, "t2", prompt2, 5)
+    assert cached == len(TURN1) + len(out1) - 1 and offload.loaded_tokens == cached
+    fresh = Engine(engine_dir, num_slots=1, threads=1)
+    want, frec = oracle(fresh, prompt2, 5)
+    assert got == want
+    assert_same(rec, frec, fresh)
+    core.shutdown()
