@@ -52,6 +52,8 @@ def test_restart_resumes_from_offloaded_state(runtime_engine, tmp_path, preset, 
     got, rec, cached = run(core, "t2", prompt2, 5)
     assert cached == len(TURN1) + len(out1) - 1  # the kept session: every token but the last sampled one was fed
     assert offload.store.loaded > 0 and offload.store.rejected == 0
+    stats = core.stats()
+    assert stats["offload_loaded_tokens"] == cached and stats["offload_files_rejected"] == 0
     fresh = open_engine(engine_dir, num_slots=1, threads=1)
     want, frec = oracle(fresh, prompt2, 5)
     assert got == want

@@ -243,4 +243,7 @@ class Resources:
             "prefix_cached_blocks": self.prefix.cached_blocks if self.prefix else 0,
             "prefix_checkpoints": self.prefix.cached_checkpoints if self.prefix else 0,
             "offload_loaded_tokens": self.offload.loaded_tokens if self.offload else 0,
+            "offload_files_written": self.offload.store.written if self.offload else 0,
+            "offload_files_rejected": self.offload.store.rejected if self.offload else 0,
+            "offload_disk_bytes": self.offload.store.disk_used if self.offload else 0,
         }

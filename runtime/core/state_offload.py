@@ -148,7 +148,9 @@ class OffloadStore:
         self._tails: dict[bytes, set[tuple[int, ...]]] = {}
         self._lock = threading.RLock()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="moe-export-offload")
-        self.loaded = self.rejected = self.written = self.evicted = 0
+        # files loaded, rejected by their check, written, evicted by the cap; writes that failed (and the last why)
+        self.loaded = self.rejected = self.written = self.evicted = self.write_errors = 0
+        self.last_write_error = ""
         self._scan()
 
     # ---- names ----
@@ -340,11 +342,18 @@ class OffloadStore:
         meta = {"identity": self.identity.hex(), "entry": entry, "digest": contents_digest(self.identity, entry, arrays)}
         data = save(arrays, metadata=meta)
         tmp = self.dir / f".{file}.{os.getpid()}.tmp"
-        with tmp.open("wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.dir / file)
+        try:
+            with tmp.open("wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.dir / file)
+        except OSError as exc:  # (a full disk): the entry stays in host memory only
+            tmp.unlink(missing_ok=True)
+            with self._lock:
+                self.write_errors += 1
+                self.last_write_error = f"{type(exc).__name__}: {exc}"
+            return
         with self._lock:
             self.written += 1
             if self._entries.get(file) != entry:  # (forgotten meanwhile: evicted from host memory before written)
