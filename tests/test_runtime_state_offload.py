@@ -11,10 +11,12 @@ import pytest
 from test_runtime_prefix_cache import oracle, tail
 from test_runtime_sessions import assert_same, run
 
+from moe_export.runtime.core.contracts import Request
 from moe_export.runtime.core.engine_core import EngineCore
 from moe_export.runtime.core.state_offload import OffloadStore, StateOffload, open_state_offload
 from moe_export.runtime.engine import open_engine
 from moe_export.runtime.engine.ort import Engine
+from moe_export.runtime.sampling import SamplingParams
 
 TURN1 = tail(70, 21)  # 4 full blocks of 16 and a tail of 6: a checkpoint at 64, the session ends mid-block
 TOOL = tail(30, 22)
@@ -139,6 +141,29 @@ def test_evicted_device_state_is_loaded_back(runtime_engine, tmp_path):
     prompt2 = TURN1 + out1 + TOOL
     got, rec, cached = run(core, "t2", prompt2, 5)
     assert cached == len(TURN1) + len(out1) - 1 and offload.loaded_tokens == cached
+    fresh = Engine(engine_dir, num_slots=1, threads=1)
+    want, frec = oracle(fresh, prompt2, 5)
+    assert got == want
+    assert_same(rec, frec, fresh)
+    core.shutdown()
+
+
+def test_restart_after_a_stop_token_with_overlap(runtime_engine, tmp_path):
+    """With overlap a turn ended by a stop token has its last token fed by the step after (the kept session covers
+    it): the offloaded state is read after that step, so the restart resumes after the stop token, exactly."""
+    engine_dir = runtime_engine("tiny-k3", 1, 1, 1)
+    probe, _, _ = run(EngineCore(Engine(engine_dir, threads=1), keep_sessions=False, prefix_caching=False), "p", TURN1, 6)
+    core, _ = open_core(engine_dir, tmp_path / "state", overlap=True)
+    core.add(Request("t1", TURN1, SamplingParams(max_tokens=6, ignore_eos=True, stop_token_ids=[probe[2]])))
+    out1 = []
+    while core.has_work:
+        out1 += [t for u in core.step() for t in u.token_ids]
+    assert out1 == probe[:3]
+    core.shutdown()
+    core, offload = open_core(engine_dir, tmp_path / "state", overlap=True)
+    prompt2 = TURN1 + out1 + TOOL
+    got, rec, cached = run(core, "t2", prompt2, 5)
+    assert cached == len(TURN1) + len(out1) and offload.store.loaded > 0  # the stop token's state included
     fresh = Engine(engine_dir, num_slots=1, threads=1)
     want, frec = oracle(fresh, prompt2, 5)
     assert got == want
