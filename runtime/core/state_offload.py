@@ -430,7 +430,8 @@ class StateOffload:
             self._reads.append(StateRead(blocks=[b for _, b in todo], names=[h for h, _ in todo]))
 
     def checkpoint_named(self, name: bytes, checkpoint: int) -> None:
-        """A checkpoint the prefix cache committed (the state after the block named `name`)."""
+        """A checkpoint the prefix cache committed: the state right after the full block named `name` (a block
+        boundary; a state past one is offloaded with its tail block, as `session_kept` does)."""
         self._state_read(StateRead(checkpoint=checkpoint, prefix=name))
 
     def session_kept(self, tokens: np.ndarray, hashes: list[bytes], slot: int, blocks: list[int]) -> None:
