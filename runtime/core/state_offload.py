@@ -148,10 +148,12 @@ class OffloadStore:
         self._tails: dict[bytes, set[tuple[int, ...]]] = {}
         self._lock = threading.RLock()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="moe-export-offload")
+        self.warmed = 0  # files read into host memory at start
         # files loaded, rejected by their check, written, evicted by the cap; writes that failed (and the last why)
         self.loaded = self.rejected = self.written = self.evicted = self.write_errors = 0
         self.last_write_error = ""
         self._scan()
+        self._warm()
 
     # ---- names ----
     def block_file(self, name: bytes) -> str:
@@ -217,6 +219,19 @@ class OffloadStore:
             self._index(name, entry)
         self._evict_disk()
 
+    def _warm(self) -> None:
+        """Read the most recently used files (checked) into host memory, up to `host_bytes` (HiCache's prefetch, at
+        start): a restarted server's first requests read memory, not disk. Their LRU order is left as it was."""
+        budget = self.host_bytes
+        for file in reversed(list(self._disk)):
+            size = self._disk.get(file, 0)
+            if size > budget:
+                break
+            budget -= size
+            entry = self._entries.get(file, "")
+            keys, prefix = (self.block_keys, "") if entry.startswith("block:") else (self.state_keys, STATE_PREFIX)
+            self.warmed += self._get(file, entry, keys, prefix, touch=False) is not None
+
     # ---- queries ----
     def has_block(self, name: bytes) -> bool:
         with self._lock:
@@ -249,15 +264,17 @@ class OffloadStore:
             return None
         return arrays
 
-    def _get(self, file: str, entry: str, keys: dict, prefix: str) -> dict[str, np.ndarray] | None:
-        """An entry's arrays from host memory, else from its file, checked (None: absent or rejected)."""
+    def _get(self, file: str, entry: str, keys: dict, prefix: str, touch: bool = True) -> dict[str, np.ndarray] | None:
+        """An entry's arrays from host memory, else from its file, checked (None: absent or rejected); `touch`: a
+        use (most recently used now)."""
         with self._lock:
             if self._entries.get(file) != entry:
                 return None
             if file in self._host:
-                self._host.move_to_end(file)
-                if file in self._disk:
-                    self._disk.move_to_end(file)
+                if touch:
+                    self._host.move_to_end(file)
+                    if file in self._disk:
+                        self._disk.move_to_end(file)
                 return self._host[file]
         path = self.dir / file
         try:
@@ -271,13 +288,14 @@ class OffloadStore:
             return None
         with self._lock:
             self.loaded += 1
-            if file in self._disk:
+            if file in self._disk and touch:
                 self._disk.move_to_end(file)
-            self._put_host(file, arrays)
-        try:
-            os.utime(path)  # its last use, for the LRU order after a restart
-        except OSError:
-            pass
+            self._put_host(file, arrays, front=not touch)
+        if touch:
+            try:
+                os.utime(path)  # its last use, for the LRU order after a restart
+            except OSError:
+                pass
         return arrays
 
     def _check(self, data: bytes, entry: str) -> dict[str, np.ndarray]:
@@ -324,10 +342,14 @@ class OffloadStore:
             self._put_host(file, arrays)
         self._writer.submit(self._write, file, entry, arrays)
 
-    def _put_host(self, file: str, arrays: dict[str, np.ndarray]) -> None:
+    def _put_host(self, file: str, arrays: dict[str, np.ndarray], front: bool = False) -> None:
+        """Keep an entry in host memory (most recently used; `front`: least, the warm-up's older files), evicting the
+        least recently used beyond `host_bytes`."""
         if file in self._host:
             return
         self._host[file] = arrays
+        if front:
+            self._host.move_to_end(file, last=False)
         self._host_used += sum(a.nbytes for a in arrays.values())
         while self._host_used > self.host_bytes and self._host:
             old, rows = self._host.popitem(last=False)
