@@ -169,3 +169,17 @@ def test_restart_after_a_stop_token_with_overlap(runtime_engine, tmp_path):
     assert got == want
     assert_same(rec, frec, fresh)
     core.shutdown()
+
+
+def test_an_idle_engine_has_its_last_turn_on_disk(runtime_engine, tmp_path):
+    """Once the engine core is idle after a turn, the turn's state is read and written without a next step or a
+    shutdown: a crash then (no shutdown here) still leaves it for the next engine."""
+    engine_dir = runtime_engine("tiny-k3", 1, 1, 1)
+    core, offload = open_core(engine_dir, tmp_path / "state", overlap=True)
+    out1, _, _ = run(core, "t1", TURN1, 6)
+    offload.store._writer.submit(lambda: None).result()  # the files queued so far are written
+    again, _ = open_core(engine_dir, tmp_path / "state")
+    _, _, cached = run(again, "t2", TURN1 + out1 + TOOL, 2)
+    assert cached == len(TURN1) + len(out1) - 1
+    again.shutdown()
+    core.shutdown()

@@ -92,6 +92,8 @@ class EngineCore:
         updates = self._finish(flight)
         if self.overlap and self._flight is None and self.has_work:
             self._flight = self._start()
+        if not self.has_work:  # idle: the offload store's queued reads now (`core.state_offload`), not at a next step
+            self.scheduler.resources.offload_idle(self.engine)
         return updates
 
     def _start(self) -> Flight:

@@ -226,10 +226,16 @@ class Resources:
         if self.offload is not None and reads:
             self.offload.reads_done(reads, rows)
 
+    def offload_idle(self, engine: ModelRunner) -> None:
+        """No step in flight: read what the offload store still waits for (kept sessions' last states)."""
+        if self.offload is not None:
+            self.offload.read_now(engine)
+
     def flush_offload(self, engine: ModelRunner) -> None:
         """At shutdown (no step in flight): read what is still queued and wait for the offload files."""
         if self.offload is not None:
-            self.offload.run_pending(engine)
+            self.offload.read_now(engine)
+            self.offload.store.close()
 
     def stats(self) -> dict:
         return {

@@ -490,12 +490,12 @@ class StateOffload:
                 if out is not None:
                     self.store.put_block(h, {k: v[i] for k, v in out.items()})
 
-    def run_pending(self, engine) -> None:
-        """Read what is queued now, straight from the runner (no step in flight: at shutdown), and wait for the
-        files."""
+    def read_now(self, engine) -> None:
+        """Read what is queued now, straight from the runner: only while no step is in flight (the engine core is
+        idle, or shutting down), so that an idle server's last turns are on disk without waiting for a next step."""
         reads = self.take_reads()
-        self.reads_done(reads, [run_read(engine, r) for r in reads])
-        self.store.close()
+        if reads:
+            self.reads_done(reads, [run_read(engine, r) for r in reads])
 
     # ---- loads ----
     def find(self, hashes: list[bytes], key, prompt_len: int, beat: int, cached_block) -> FoundState | None:
