@@ -7,7 +7,9 @@ What is offloaded (write-through, `StateOffload`): every cache block the prefix 
 hash, `core.prefix_cache`), every recurrent-state checkpoint it commits (at a block boundary), and every kept
 session's state at its exact end (`core.sessions`: the prompt plus the generated turn, a partial last block
 included). The runner's rows are read as raw bytes inside a step plan (`StepPlan.reads`, run before anything else
-in the plan), so each read is ordered after the steps that wrote those rows and before any step that reuses them.
+in the plan), so each read is ordered after the steps that wrote those rows and before any step that reuses them;
+when the engine core goes idle, what is queued is read at once (`StateOffload.read_now`: no step is in flight), so an
+idle server's last turn reaches disk without waiting for a next request or a shutdown.
 
 What is loaded: at admission, a prompt whose longest resumable prefix is deeper in the offload store than on the
 device (kept session or prefix cache) gets fresh blocks for the missing ones and its slot's recurrent state from the
