@@ -48,6 +48,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -286,8 +287,8 @@ def run(work: Path, rounds: int, apis: list[str], choices: list[str], restart_ro
     for api in apis:
         for choice in choices:
             store = work / f"responses-{api}-{choice}.sqlite"
-            for path in work.glob(f"{store.name}*"):
-                path.unlink()
+            for path in work.glob(f"{store.name}*"):  # the database, its WAL files and its offloaded state
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
             server = Server(engine, store)
             server.start()
             try:

@@ -22,12 +22,16 @@ from moe_export.runtime.client.request_core import ChatOutput, RequestCore, Stre
 from moe_export.runtime.core.budget import ReasoningBudget
 from moe_export.runtime.core.contracts import BudgetSpec
 from moe_export.runtime.core.sessions import TurnMemory
+from moe_export.runtime.core.state_offload import open_state_offload
 from moe_export.runtime.core.wide_ep import run_rank
 from moe_export.runtime.engine import engine_eos_ids
 from moe_export.runtime.image_urls import fetch_image_url, private_allowed, public_address
 from moe_export.runtime.processor import InputProcessor
 from moe_export.runtime.sampling import LogitsProcessor, SamplingParams, model_defaults
 from moe_export.runtime.tokenizer import load_tokenizer
+
+OFFLOAD_HOST_BYTES = 1 << 30  # the offload store's host-memory tier
+OFFLOAD_DISK_BYTES = 8 << 30  # and its directory on disk (`moe-export serve --offload-gib`)
 
 
 GenerationOutput = ChatOutput
@@ -45,6 +49,9 @@ class LLM:
     mpiexec; not in the dp layout; greedy outputs are the same either way).
     skip_tokenizer_init: open no tokenizer (vLLM's name; for an engine built without tokenizer files): prompts are
     token id lists, outputs carry ids and no text, the stop ids are the engine's; chats and stop strings need one.
+    offload_dir: keep the prefix cache's state (blocks, checkpoints, kept sessions) in host memory (at most
+    offload_host_bytes) and in this directory (at most offload_disk_bytes) too, so a restarted LLM resumes
+    conversations from it (`runtime.core.state_offload`; one-process engines, with prefix caching).
     allow_image_urls: image parts may be http(s) URLs, fetched with a size and time limit from public addresses
     (`runtime.image_urls`; default: data URLs only); allow_private_image_urls: from any address but cloud metadata.
 
@@ -54,7 +61,9 @@ class LLM:
     def __init__(self, engine_dir: str | Path, *, default_effort: str = "max", num_slots: int | None = None,
                  num_blocks: int | None = None, threads: int | None = None, reuse_sessions: bool = True,
                  prefix_caching: bool = True, allow_image_urls: bool = False, allow_private_image_urls: bool = False,
-                 overlap: bool = True, runner=None, skip_tokenizer_init: bool = False) -> None:
+                 overlap: bool = True, runner=None, skip_tokenizer_init: bool = False,
+                 offload_dir: str | Path | None = None, offload_host_bytes: int = OFFLOAD_HOST_BYTES,
+                 offload_disk_bytes: int = OFFLOAD_DISK_BYTES) -> None:
         from moe_export.runtime.engine import open_engine
 
         # runner: a ModelRunner to drive instead of the engine directory's own (which then provides the tokenizer)
@@ -68,6 +77,10 @@ class LLM:
         self.reuse_sessions = reuse_sessions
         self.prefix_caching = prefix_caching
         self.overlap = overlap
+        # prefix state offloaded to host memory and `offload_dir` (`core.state_offload`; rank 0, prefix caching on)
+        self.offload = (open_state_offload(self.engine, engine_dir, offload_dir, host_bytes=offload_host_bytes,
+                                           disk_bytes=offload_disk_bytes)
+                        if offload_dir is not None and prefix_caching and self.engine.is_root else None)
         # how http(s) image parts are fetched (`runtime.image_urls`: the addresses allowed); None: URLs refused
         self.fetch_image_url = None if not allow_image_urls else functools.partial(
             fetch_image_url, allowed=private_allowed if allow_private_image_urls else public_address)
@@ -173,7 +186,8 @@ class LLM:
         tok = self.tokenizer
         return {"eos_token_ids": self.eos_token_ids, "text_decoder": tok.incremental_decoder if tok is not None else None,
                 "keep_sessions": self.reuse_sessions, "prefix_caching": self.prefix_caching,
-                "sample_vocab": tok.vocab_size if tok is not None else None, "overlap": self.overlap}
+                "sample_vocab": tok.vocab_size if tok is not None else None, "overlap": self.overlap,
+                "offload": self.offload}
 
     def _budget(self, spec: BudgetSpec) -> ReasoningBudget:
         return ReasoningBudget(self.tokenizer, spec.family, spec.cap, starts_in_reasoning=spec.starts_in_reasoning)

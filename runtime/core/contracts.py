@@ -54,8 +54,9 @@ class SequenceUpdate:
 
 @dataclass
 class StepPlan:
-    """One engine step as every rank of a group runs it, in order: reset `resets` slots, restore
-    (checkpoint, slot) `restores`, run `chunks` (none: an idle step of a dp-layout group), then save
+    """One engine step as every rank of a group runs it, in order: read `reads` (offloaded state,
+    `core.state_offload`), reset `resets` slots, restore (checkpoint, slot) `restores`, write `loads` (state brought
+    back from the offload store), run `chunks` (none: an idle step of a dp-layout group), then save
     (slot, checkpoint) `saves`. Rank 0 broadcasts it under mpiexec; in one process the runner gets the
     scheduler's own chunk objects."""
 
@@ -63,6 +64,8 @@ class StepPlan:
     restores: list[tuple[int, int]] = field(default_factory=list)
     chunks: list[SequenceChunk] = field(default_factory=list)
     saves: list[tuple[int, int]] = field(default_factory=list)
+    reads: list = field(default_factory=list)  # state_offload.StateRead
+    loads: list = field(default_factory=list)  # state_offload.StateLoad
 
 
 @dataclass
@@ -79,6 +82,7 @@ class RunnerOutput:
 
     sampled: SampledTokens | None = None
     image_embeds: list[np.ndarray] | None = None
+    reads: list[dict[str, np.ndarray]] | None = None  # the rows of the plan's `reads`, in order
 
 
 @dataclass

@@ -92,6 +92,8 @@ class EngineCore:
         updates = self._finish(flight)
         if self.overlap and self._flight is None and self.has_work:
             self._flight = self._start()
+        if not self.has_work:  # idle: the offload store's queued reads now (`core.state_offload`), not at a next step
+            self.scheduler.resources.offload_idle(self.engine)
         return updates
 
     def _start(self) -> Flight:
@@ -113,13 +115,13 @@ class EngineCore:
         if flight.future is None:
             return flight.step.updates
         try:
-            out = flight.future.result().sampled
+            out = flight.future.result()
         except Exception as exc:
             updates = self.scheduler.step_failed(flight.step, exc)
             self._count_failure(exc)
             return updates
         self.failed_steps = 0
-        return self.scheduler.update(flight.step, out)
+        return self.scheduler.update(flight.step, out.sampled, out.reads)
 
     def _encode_images(self) -> None:
         """Run the tower for waiting requests whose images have no embeddings yet (cache hits first, the rest in
@@ -157,3 +159,4 @@ class EngineCore:
         multi-rank only)."""
         self._flight = None
         self.executor.shutdown()
+        self.scheduler.resources.flush_offload(self.engine)

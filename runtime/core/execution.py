@@ -24,6 +24,7 @@ from typing import cast
 import numpy as np
 from moe_export.common.errors import EngineDead
 from moe_export.runtime.core.contracts import RunnerOutput, StepPlan, VisionPlan
+from moe_export.runtime.core.state_offload import run_load, run_read
 from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
 from moe_export.runtime.engine.runner import ModelRunner, StepRefused, VisionRunner
 from moe_export.runtime.engine.sampler import SamplingBatch
@@ -37,18 +38,22 @@ _NOTICES: list = []  # the fault notices this rank sent (their MPI requests stay
 
 
 def run_plan(engine: ModelRunner, plan: StepPlan | VisionPlan, sampling: SamplingBatch | None = None) -> RunnerOutput:
-    """Apply a plan on this rank: a tower call -> the images' embeddings; a step -> reset and restore slots, one
-    runner step choosing the tokens of `sampling` (rank 0; None on followers), then the checkpoint saves. A step
-    without chunks is an idle step of a dp-layout group (see `runtime.core.wide_ep`)."""
+    """Apply a plan on this rank: a tower call -> the images' embeddings; a step -> offloaded rows read, slots reset
+    and restored, offloaded state loaded, one runner step choosing the tokens of `sampling` (rank 0; None on
+    followers), then the checkpoint saves. A step without chunks is an idle step of a dp-layout group (see
+    `runtime.core.wide_ep`)."""
     if isinstance(plan, VisionPlan):
         return RunnerOutput(image_embeds=cast(VisionRunner, engine).encode_images(plan.images))
+    reads = [run_read(engine, read) for read in plan.reads]
     for slot in plan.resets:
         engine.reset_slot(slot)
     for checkpoint, slot in plan.restores:
         engine.restore_state(slot, checkpoint)
+    for load in plan.loads:
+        run_load(engine, load)
     width = cast(VisionRunner, engine).image_width if engine.vision is not None else None
     batch = StepBatch.from_sequences(plan.chunks, width) if plan.chunks else None
-    out = RunnerOutput(sampled=engine.sample(batch, sampling))
+    out = RunnerOutput(sampled=engine.sample(batch, sampling), reads=reads)
     for slot, checkpoint in plan.saves:
         engine.save_state(slot, checkpoint)
     return out

@@ -104,6 +104,10 @@ class PrefixCache:
             self.allocator.incref([b])
             self._blocks[h] = b
 
+    def cached_block(self, h: bytes) -> int | None:
+        """The block named `h`, if cached (no reference taken, its LRU place unchanged)."""
+        return self._blocks.get(h)
+
     def has_checkpoint(self, h: bytes) -> bool:
         return h in self._checkpoints
 

@@ -13,6 +13,7 @@ from moe_export.runtime.core.blocks import BlockAllocator
 from moe_export.runtime.core.prefix_cache import PrefixCache, block_hashes
 from moe_export.runtime.core.sequence import Sequence
 from moe_export.runtime.core.sessions import KeptSequence, SessionCache
+from moe_export.runtime.core.state_offload import FoundState, StateLoad, StateOffload, StateRead
 from moe_export.runtime.engine.batch import SequenceChunk
 from moe_export.runtime.engine.runner import ModelRunner
 
@@ -30,7 +31,8 @@ class Resources:
     """Slots, cache blocks, the prefix cache (None when off or the runner has no checkpoint pool) and kept
     sessions of one scheduler over `engine`."""
 
-    def __init__(self, engine: ModelRunner, *, keep_sessions: bool, prefix_caching: bool) -> None:
+    def __init__(self, engine: ModelRunner, *, keep_sessions: bool, prefix_caching: bool,
+                 offload: StateOffload | None = None) -> None:
         self.max_seq_len = engine.max_seq_len
         self.keep_sessions = keep_sessions
         self.allocator = BlockAllocator(engine.num_blocks, engine.block_size)
@@ -38,6 +40,7 @@ class Resources:
         slots = engine.num_checkpoints
         self.prefix = PrefixCache(self.allocator, slots, engine.checkpoint_interval) if prefix_caching and slots else None
         self.free_slots = list(range(engine.num_slots - 1, -1, -1))
+        self.offload = offload if self.prefix is not None else None  # (its entries are named by the prefix cache's)
 
     def blocks_for(self, seq: Sequence) -> int:
         """Blocks covering every position this request may feed (the last sampled token is never fed)."""
@@ -83,6 +86,14 @@ class Resources:
             elif resume and kept is not None:
                 self._unkeep(kept)
                 kept = None
+        if self.offload is not None:
+            beat = len(kept.tokens) if kept is not None else resume
+            found = self.offload.find(seq.hashes, key, len(seq.tokens), beat, self.prefix.cached_block)
+            if found is not None:
+                if kept is not None:
+                    self._unkeep(kept)
+                self.allocator.decref(shared)
+                return self._admit_offloaded(seq, found, need, matched)
         have = len(kept.blocks) if kept is not None else len(shared)
         if not self._make_room(need - have, kept is None):
             if kept is not None:
@@ -109,6 +120,30 @@ class Resources:
             self.prefix.hit_tokens += seq.cached_tokens
         return True
 
+    def _admit_offloaded(self, seq: Sequence, found: FoundState, need: int, matched: int) -> bool:
+        """Admit `seq` resuming from a state of the offload store: the full blocks the prefix cache holds are
+        shared, the others and the tail block are fresh blocks the loads fill (the full ones named again)."""
+        names = seq.hashes[:found.blocks]
+        present = [self.prefix.cached_block(h) for h in names]
+        shared = [b for b in present if b is not None]
+        self.allocator.incref(shared)
+        if not self._make_room(need - len(shared), True):
+            self.allocator.decref(shared)
+            return False
+        fresh = iter(self.allocator.allocate(need - len(shared)))
+        seq.blocks = [b if b is not None else next(fresh) for b in present] + list(fresh)
+        seq.slot = self.free_slots.pop()
+        self.offload.load(seq.slot, found, seq.blocks)
+        loaded = [i for i, b in enumerate(present) if b is None]
+        self.prefix.add_blocks([names[i] for i in loaded], [seq.blocks[i] for i in loaded])
+        seq.num_computed = seq.cached_tokens = found.position
+        seq.named = found.blocks
+        seq.targets = self.prefix.checkpoint_targets(len(seq.tokens), seq.num_computed, max(matched, found.blocks))
+        self.prefix.queried_tokens += len(seq.tokens)
+        self.prefix.hit_tokens += seq.cached_tokens
+        self.offload.loaded_tokens += seq.cached_tokens
+        return True
+
     def release(self, seq: Sequence, keep: bool) -> None:
         """Hand a sequence's slot and blocks back, or keep them as a session keyed by its computed tokens."""
         if seq.slot < 0:
@@ -117,10 +152,16 @@ class Resources:
             used = self.allocator.blocks_needed(seq.num_computed)
             self.allocator.decref(seq.blocks[used:])
             hashes = seq.hashes[:seq.num_computed // self.allocator.block_size]
-            replaced = self.sessions.keep(KeptSequence(seq.session_key(seq.num_computed).copy(), seq.slot,
-                                                       seq.blocks[:used], hashes))
+            kept = KeptSequence(seq.session_key(seq.num_computed).copy(), seq.slot, seq.blocks[:used], hashes)
+            replaced = self.sessions.keep(kept)
             if replaced is not None:
                 self._release_kept(replaced)
+            if self.offload is not None:
+                full = seq.num_computed // self.allocator.block_size
+                if len(hashes) < full:  # (its last block was filled by a step after its last update)
+                    hashes = hashes + block_hashes(kept.tokens, self.allocator.block_size, len(hashes),
+                                                   hashes[-1] if hashes else b"")
+                self.offload.session_kept(kept.tokens, hashes, kept.slot, kept.blocks)
         else:
             self.allocator.decref(seq.blocks)
             self.free_slots.append(seq.slot)
@@ -149,6 +190,8 @@ class Resources:
         """Name the checkpoints a finished step wrote."""
         for save in saves:
             self.prefix.add_checkpoint(save.name, save.checkpoint)
+            if self.offload is not None:
+                self.offload.checkpoint_named(save.name, save.checkpoint)
 
     def drop_saves(self, saves: list[CheckpointSave]) -> None:
         """Give back the checkpoints of a step that failed (their contents are not the states they were to be)."""
@@ -168,7 +211,31 @@ class Resources:
             seq.hashes += block_hashes(seq.session_key(full * self.allocator.block_size), self.allocator.block_size,
                                        len(seq.hashes), parent)  # only the blocks not hashed yet
         self.prefix.add_blocks(seq.hashes[seq.named:full], seq.blocks[seq.named:full])
+        if self.offload is not None:
+            self.offload.blocks_named(seq.hashes[seq.named:full], seq.blocks[seq.named:full])
         seq.named = full
+
+    def offload_io(self) -> tuple[list[StateRead], list[StateLoad]]:
+        """The offload store's reads and loads for the step being planned (`StepPlan.reads` / `loads`)."""
+        if self.offload is None:
+            return [], []
+        return self.offload.take_reads(), self.offload.take_loads()
+
+    def offload_read(self, reads: list[StateRead], rows: list | None) -> None:
+        """Hand what a step read to the offload store (rows None: the step failed)."""
+        if self.offload is not None and reads:
+            self.offload.reads_done(reads, rows)
+
+    def offload_idle(self, engine: ModelRunner) -> None:
+        """No step in flight: read what the offload store still waits for (kept sessions' last states)."""
+        if self.offload is not None:
+            self.offload.read_now(engine)
+
+    def flush_offload(self, engine: ModelRunner) -> None:
+        """At shutdown (no step in flight): read what is still queued and wait for the offload files."""
+        if self.offload is not None:
+            self.offload.read_now(engine)
+            self.offload.store.close()
 
     def stats(self) -> dict:
         return {
@@ -181,4 +248,8 @@ class Resources:
             "prefix_hit_tokens": self.prefix.hit_tokens if self.prefix else 0,
             "prefix_cached_blocks": self.prefix.cached_blocks if self.prefix else 0,
             "prefix_checkpoints": self.prefix.cached_checkpoints if self.prefix else 0,
+            "offload_loaded_tokens": self.offload.loaded_tokens if self.offload else 0,
+            "offload_files_written": self.offload.store.written if self.offload else 0,
+            "offload_files_rejected": self.offload.store.rejected if self.offload else 0,
+            "offload_disk_bytes": self.offload.store.disk_used if self.offload else 0,
         }

@@ -68,6 +68,7 @@ from moe_export.runtime.core.contracts import (
 from moe_export.runtime.core.resources import CheckpointSave, Resources
 from moe_export.runtime.core.rows import SamplingRow, build_row, pack_rows
 from moe_export.runtime.core.sequence import Sequence
+from moe_export.runtime.core.state_offload import StateOffload
 from moe_export.runtime.engine.batch import SequenceChunk
 from moe_export.runtime.engine.runner import ModelRunner, VisionRunner
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch
@@ -143,15 +144,17 @@ class Scheduler:
     `IncrementalDecoder` (output ids -> text, a step at a time): each output is detokenized once, here, for its
     stop strings and its `SequenceUpdate.text` alike. keep_sessions: keep finished sequences' state for reuse.
     prefix_caching: share cached prefixes across requests (`core.prefix_cache`; off when the runner has no
-    checkpoint pool). sample_vocab: sample among ids below it only (the tokenizer's size when the model's
+    checkpoint pool). offload: the offload store of prefix state (`core.state_offload`; with prefix caching
+    only). sample_vocab: sample among ids below it only (the tokenizer's size when the model's
     vocabulary has padding rows). overlap: plan a step while the previous one runs (future tokens, see the
     module doc)."""
 
     def __init__(self, engine: ModelRunner, *, eos_token_ids=(), text_decoder=None, keep_sessions: bool = True,
-                 prefix_caching: bool = True, sample_vocab: int | None = None, overlap: bool = False) -> None:
+                 prefix_caching: bool = True, sample_vocab: int | None = None, overlap: bool = False,
+                 offload: StateOffload | None = None) -> None:
         self.limits = RunnerLimits.of(engine)
         self.overlap = overlap
-        self.resources = Resources(engine, keep_sessions=keep_sessions, prefix_caching=prefix_caching)
+        self.resources = Resources(engine, keep_sessions=keep_sessions, prefix_caching=prefix_caching, offload=offload)
         self.sample_vocab = sample_vocab
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.text_decoder = text_decoder
@@ -397,12 +400,15 @@ class Scheduler:
                 rows[n].seq.future_row = j
         sampling = (pack_rows([rows[n].sampling for n in positions], positions, self.sample_vocab)
                     if positions else None)
-        plan = StepPlan(resets, restores, [r.chunk for r in rows], [(s.slot, s.checkpoint) for s in saves])
+        plan = StepPlan(resets, restores, [r.chunk for r in rows], [(s.slot, s.checkpoint) for s in saves],
+                        *self.resources.offload_io())
         return ScheduledStep(updates, rows, plan, sampling, saves)
 
-    def update(self, step: ScheduledStep, sampled: SampledTokens | None) -> list[SequenceUpdate]:
-        """Apply a step that ran: name its blocks, commit its checkpoints and take its sampled tokens (sequences
-        aborted while it ran are skipped); the updates of the step."""
+    def update(self, step: ScheduledStep, sampled: SampledTokens | None, reads: list | None = None) -> list[SequenceUpdate]:
+        """Apply a step that ran: store the state rows it read for the offload store (`reads`), name its blocks,
+        commit its checkpoints and take its sampled tokens (sequences aborted while it ran are skipped); the updates
+        of the step."""
+        self.resources.offload_read(step.plan.reads, reads)
         for r in step.rows:
             if r.seq.slot >= 0:  # (a released sequence's state is no longer followed)
                 self.resources.name_blocks(r.seq, r.chunk.start + len(r.chunk.tokens))
@@ -418,6 +424,7 @@ class Scheduler:
         user), its checkpoints are given back unnamed; the updates of the step."""
         if self.resources.prefix is not None:
             self.resources.drop_saves(step.saves)
+        self.resources.offload_read(step.plan.reads, None)
         for r in step.rows:
             if r.seq.slot >= 0:
                 step.updates.append(self._fail(r.seq, f"an engine step it was in failed: {describe(exc)}"))

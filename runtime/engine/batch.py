@@ -115,6 +115,13 @@ def check_checkpoint(runner, slot: int, checkpoint: int) -> None:
         raise InputError(f"checkpoint {checkpoint} out of range: the engine has {runner.num_checkpoints} state checkpoints")
 
 
+def check_blocks(runner, blocks: list[int]) -> None:
+    """InputError unless every id of `blocks` is one of the runner's cache blocks."""
+    bad = [b for b in blocks if not 0 <= b < runner.num_blocks]
+    if bad:
+        raise InputError(f"cache blocks {bad[:8]} out of range: the engine has {runner.num_blocks} blocks")
+
+
 def checkpoint_interval(pools: dict[str, tuple[tuple[int, ...], int]], block_size: int, max_num_tokens: int) -> int:
     """Tokens between periodic recurrent-state checkpoints of a prefilling prompt, from the runner's pools
     ({name: (shape, bytes per element)}): a multiple of block_size that is at least (1) the tokens whose cache

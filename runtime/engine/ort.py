@@ -44,6 +44,7 @@ from moe_export.runtime.engine.batch import (
     RESET_ON_NEW_SEQUENCE,
     STATE_PREFIXES,
     StepBatch,
+    check_blocks,
     check_checkpoint,
     check_slot,
     check_step_batch,
@@ -173,6 +174,32 @@ class RankRunner:
     def restore_state(self, slot: int, checkpoint: int) -> None:
         for name, rows in self.checkpoints.items():
             self.pools[name][slot] = rows[checkpoint]
+
+    def state_layout(self) -> dict[str, list]:
+        """`OffloadRunner.state_layout` of this rank's pools (keys `{rank}/{pool}`)."""
+        return {f"{self.rank}/{name}": ["state" if name.startswith(RESET_ON_NEW_SEQUENCE) else "cache",
+                                        pool[0].nbytes, str(pool.dtype), list(pool.shape[1:])]
+                for name, pool in self.pools.items()}
+
+    def read_rows(self, kind: str, index) -> dict[str, np.ndarray]:
+        """Raw bytes of a slot's (`kind` "slot"), a checkpoint's ("checkpoint": [bytes] each) or blocks' ("blocks":
+        index a list, [n, bytes] each) rows, by `{rank}/{pool}`."""
+        if kind == "blocks":
+            return {f"{self.rank}/{n}": p[index].reshape(len(index), -1).view(np.uint8).copy()
+                    for n, p in self.pools.items() if not n.startswith(RESET_ON_NEW_SEQUENCE)}
+        pools = self.pools if kind == "slot" else self.checkpoints
+        return {f"{self.rank}/{n}": pools[n][index].reshape(-1).view(np.uint8).copy() for n in self.checkpoints}
+
+    def write_rows(self, kind: str, index, rows: dict[str, np.ndarray]) -> None:
+        """Write raw bytes read by `read_rows` back into a slot ("slot") or blocks ("blocks")."""
+        for n, pool in self.pools.items():
+            if n.startswith(RESET_ON_NEW_SEQUENCE) != (kind == "slot"):
+                continue
+            data = np.ascontiguousarray(rows[f"{self.rank}/{n}"], dtype=np.uint8).view(pool.dtype)
+            if kind == "slot":
+                pool[index] = data.reshape(pool.shape[1:])
+            else:
+                pool[index] = data.reshape(len(index), *pool.shape[1:])
 
     def write_back(self, env: dict[str, np.ndarray], batch: StepBatch) -> None:
         """Store the step's new state in place: the touched slots' recurrent state at `slot_ids`, the new
@@ -311,6 +338,32 @@ class Engine:
         check_checkpoint(self, slot, checkpoint)
         for r in self.ranks:
             r.restore_state(slot, checkpoint)
+
+    # ---- `OffloadRunner`: raw rows for the offload store (`runtime.core.state_offload`) ----
+    def state_layout(self) -> dict[str, list]:
+        return {k: v for r in self.ranks for k, v in r.state_layout().items()}
+
+    def read_slot(self, slot: int) -> dict[str, np.ndarray]:
+        check_slot(self, slot)
+        return {k: v for r in self.ranks for k, v in r.read_rows("slot", slot).items()}
+
+    def read_checkpoint(self, checkpoint: int) -> dict[str, np.ndarray]:
+        check_checkpoint(self, 0, checkpoint)
+        return {k: v for r in self.ranks for k, v in r.read_rows("checkpoint", checkpoint).items()}
+
+    def write_slot(self, slot: int, rows: dict[str, np.ndarray]) -> None:
+        check_slot(self, slot)
+        for r in self.ranks:
+            r.write_rows("slot", slot, rows)
+
+    def read_blocks(self, blocks: list[int]) -> dict[str, np.ndarray]:
+        check_blocks(self, blocks)
+        return {k: v for r in self.ranks for k, v in r.read_rows("blocks", list(blocks)).items()}
+
+    def write_blocks(self, blocks: list[int], rows: dict[str, np.ndarray]) -> None:
+        check_blocks(self, blocks)
+        for r in self.ranks:
+            r.write_rows("blocks", list(blocks), rows)
 
     @staticmethod
     def _traffic_kind(step: CollectiveStep) -> str:

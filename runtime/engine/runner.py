@@ -60,6 +60,32 @@ class ModelRunner(Protocol):
         (`choose_tokens`) fails requests, never the step: the step itself ran on every rank."""
 
 
+class OffloadRunner(ModelRunner, Protocol):
+    """A runner whose state rows can be read and written as raw bytes on the host, for the offload store
+    (`runtime.core.state_offload`; ONNX Runtime, torch and TensorRT runners). Rows are keyed `{rank}/{pool}` and
+    are uint8: a recurrent-state row [bytes], cache blocks [n, bytes] (any pool dtype). A read is ordered after the
+    work queued before it (a device runner waits for its stream)."""
+
+    def state_layout(self) -> dict[str, list]:
+        """Per pool key: [kind ("state": recurrent rows by slot | "cache": paged blocks), bytes of one row (a slot's or
+        a block's), dtype, row shape]."""
+
+    def read_slot(self, slot: int) -> dict[str, np.ndarray]:
+        """`slot`'s recurrent-state rows."""
+
+    def read_checkpoint(self, checkpoint: int) -> dict[str, np.ndarray]:
+        """Checkpoint `checkpoint`'s recurrent-state rows (as `save_state` wrote them)."""
+
+    def write_slot(self, slot: int, rows: dict[str, np.ndarray]) -> None:
+        """Set `slot`'s recurrent state to rows read by `read_slot` / `read_checkpoint` (instead of `reset_slot`)."""
+
+    def read_blocks(self, blocks: list[int]) -> dict[str, np.ndarray]:
+        """The cache pools' rows of `blocks`."""
+
+    def write_blocks(self, blocks: list[int], rows: dict[str, np.ndarray]) -> None:
+        """Write rows read by `read_blocks` into `blocks`."""
+
+
 class StepCommunicator(Protocol):
     """The host side of a multi-rank runner: `broadcast` of rank 0's step plans (in the world, or in the attention
     group in the dp layout), the MPI `world`, and `leaders` (the groups' first ranks; None elsewhere)."""

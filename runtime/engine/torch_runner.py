@@ -31,8 +31,8 @@ from moe_export.common.mpi import local_rank, mpi_world
 from moe_export.common.pools import CHECKPOINTS_PER_SLOT
 from moe_export.graphs.vision_export import VISION_WEIGHTS
 from moe_export.quantize import fp8_cache
-from moe_export.runtime.engine.batch import (RESET_ON_NEW_SEQUENCE, StepBatch, check_checkpoint, check_slot,
-                                            check_step_batch, checkpoint_interval)
+from moe_export.runtime.engine.batch import (RESET_ON_NEW_SEQUENCE, StepBatch, check_blocks, check_checkpoint,
+                                            check_slot, check_step_batch, checkpoint_interval)
 from moe_export.runtime.engine.ranks import MPICommunicator, rank_folders
 from moe_export.runtime.engine.runner import choose_tokens, wait_for_step
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch
@@ -41,6 +41,7 @@ from moe_export.runtime.engine.tensorrt import is_decode, share_tokens
 from moe_export.runtime.engine.torch_graphs import EAGER_STEP, DecodeGraphs, buckets
 from moe_export.runtime.engine.torch_kernels import CUDAKernels, kernels_for
 from moe_export.runtime.engine.torch_model import RankModel, RankWeights, StepInputs
+from moe_export.runtime.engine.torch_rows import pool_layout, read_row_bytes, write_row_bytes
 
 CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.uint8}  # fp8: codes + a scale byte
 HOST_DTYPES = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.uint8: np.uint8}  # bf16: the same 2 bytes
@@ -210,6 +211,49 @@ class TorchEngine:
         for r, rows in self.checkpoints.items():
             for name, saved in rows.items():
                 self.pools[r][name][slot].copy_(saved[checkpoint], non_blocking=True)
+
+    # ---- `OffloadRunner`: raw rows for the offload store (`runtime.core.state_offload`) ----
+    def state_layout(self) -> dict[str, list]:
+        return {f"{r}/{n}": pool_layout("state" if n.startswith(RESET_ON_NEW_SEQUENCE) else "cache", p)
+                for r, pools in self.pools.items() for n, p in pools.items()}
+
+    def _rows(self, kind: str, index) -> dict[str, np.ndarray]:
+        self.use_device()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # the steps and checkpoint copies queued before
+        out = {}
+        for r, pools in self.pools.items():
+            for n, p in pools.items():
+                if n.startswith(RESET_ON_NEW_SEQUENCE) == (kind != "blocks"):
+                    out[f"{r}/{n}"] = read_row_bytes(self.checkpoints[r][n] if kind == "checkpoint" else p, index)
+        return out
+
+    def read_slot(self, slot: int) -> dict[str, np.ndarray]:
+        check_slot(self, slot)
+        return self._rows("slot", slot)
+
+    def read_checkpoint(self, checkpoint: int) -> dict[str, np.ndarray]:
+        check_checkpoint(self, 0, checkpoint)
+        return self._rows("checkpoint", checkpoint)
+
+    def read_blocks(self, blocks: list[int]) -> dict[str, np.ndarray]:
+        check_blocks(self, blocks)
+        return self._rows("blocks", list(blocks))
+
+    def _write(self, kind: str, index, rows: dict[str, np.ndarray]) -> None:
+        self.use_device()
+        for r, pools in self.pools.items():
+            for n, p in pools.items():
+                if n.startswith(RESET_ON_NEW_SEQUENCE) == (kind == "slot"):
+                    write_row_bytes(p, index, rows[f"{r}/{n}"])
+
+    def write_slot(self, slot: int, rows: dict[str, np.ndarray]) -> None:
+        check_slot(self, slot)
+        self._write("slot", slot, rows)
+
+    def write_blocks(self, blocks: list[int], rows: dict[str, np.ndarray]) -> None:
+        check_blocks(self, blocks)
+        self._write("blocks", list(blocks), rows)
 
     # ---- steps ----
     def inputs(self, batch: StepBatch) -> StepInputs:

@@ -429,6 +429,7 @@ def serve(
     allow_image_urls: bool = typer.Option(False, "--allow-image-urls", help="K3 engines: fetch http(s) image URLs from public addresses (32 MiB, 10 s limits, every redirect checked); default: data URLs only"),
     allow_private_image_urls: bool = typer.Option(False, "--allow-private-image-urls", help="with --allow-image-urls: also fetch from loopback, private and link-local addresses (never cloud metadata addresses)"),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="do not share cached prompt prefixes (cache blocks + recurrent-state checkpoints) across requests"),
+    offload_gib: float = typer.Option(8.0, "--offload-gib", help="with --store FILE: disk cap of the prefix state (cache blocks, recurrent-state checkpoints, kept conversations) offloaded to FILE.state/, so stored Responses chains resume after a restart without prefilling again (0: off; one-process engines)"),
     no_access_log: bool = typer.Option(False, "--no-access-log", help="no line per request on stdout (uvicorn's access log: client, method, path, status)"),
 ) -> None:
     """OpenAI- and Anthropic-compatible HTTP server (rank 0; other ranks follow under `mpiexec -n WORLD`).
@@ -439,7 +440,7 @@ def serve(
     run_server(engine, host=host, port=port, api_keys=resolve_api_keys(api_key), store=store,
                default_effort=default_effort, max_queue=max_queue, served_model_names=tuple(served_model_name or ()),
                allow_image_urls=allow_image_urls, allow_private_image_urls=allow_private_image_urls,
-               prefix_caching=not no_prefix_caching, access_log=not no_access_log)
+               prefix_caching=not no_prefix_caching, access_log=not no_access_log, offload_gib=offload_gib)
 
 
 def main() -> None:

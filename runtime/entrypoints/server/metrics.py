@@ -16,7 +16,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 class RuntimeStatsCollector:
     """Scheduler gauges from `stats()`: waiting, running, blocks_used, blocks_total, reuse_hits, reuse_tokens,
-    prefix_queried_tokens, prefix_hit_tokens."""
+    prefix_queried_tokens, prefix_hit_tokens, and with a state offload offload_loaded_tokens, offload_files_rejected,
+    offload_disk_bytes."""
 
     def __init__(self, stats: Callable[[], dict]) -> None:
         self.stats = stats
@@ -37,6 +38,13 @@ class RuntimeStatsCollector:
         yield CounterMetricFamily("moe_export_prefix_cache_hit_tokens",
                                   "prompt tokens not prefilled thanks to a cached prefix or kept session",
                                   value=s["prefix_hit_tokens"])
+        if s.get("offload_files_written") or s.get("offload_loaded_tokens"):  # `serve --store`: the state offload
+            yield CounterMetricFamily("moe_export_offload_loaded_tokens",
+                                      "prompt tokens whose state was loaded from the offload store", value=s["offload_loaded_tokens"])
+            yield CounterMetricFamily("moe_export_offload_files_rejected",
+                                      "offload files that failed their check (never loaded)", value=s["offload_files_rejected"])
+            yield GaugeMetricFamily("moe_export_offload_disk_bytes", "bytes of offloaded state on disk",
+                                    value=s["offload_disk_bytes"])
         if "expert_load" in s:  # dp layout: routed expert load over the world (`runtime.wide_ep`)
             load = s["expert_load"]
             yield CounterMetricFamily("moe_export_expert_routed_tokens", "top-k expert choices routed", value=load["routed"])

@@ -1,0 +1,185 @@
+"""The offload store of prefix state (`runtime.core.state_offload`): a conversation resumed by a new engine (a
+restart) loads its kept session's state, cache blocks and recurrent state, from disk and gives the same greedy tokens
+and logits (up to float32 reordering) as a full prefill on an engine with no cache of any kind (the oracle); a
+tampered, truncated or foreign file is never loaded (the request is answered as without it); the disk cap evicts
+least recently used files."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_runtime_prefix_cache import oracle, tail
+from test_runtime_sessions import assert_same, run
+
+from moe_export.runtime.core.contracts import Request
+from moe_export.runtime.core.engine_core import EngineCore
+from moe_export.runtime.core.state_offload import OffloadStore, StateOffload, open_state_offload
+from moe_export.runtime.engine import open_engine
+from moe_export.runtime.engine.ort import Engine
+from moe_export.runtime.sampling import SamplingParams
+
+TURN1 = tail(70, 21)  # 4 full blocks of 16 and a tail of 6: a checkpoint at 64, the session ends mid-block
+TOOL = tail(30, 22)
+
+
+def open_core(engine_dir, directory, *, overlap: bool = False, **caps) -> tuple[EngineCore, StateOffload]:
+    """A new engine (as after a restart) whose scheduler offloads to `directory`."""
+    eng = open_engine(engine_dir, threads=1)
+    offload = open_state_offload(eng, engine_dir, directory, host_bytes=caps.get("host", 1 << 30),
+                                 disk_bytes=caps.get("disk", 1 << 30))
+    return EngineCore(eng, offload=offload, overlap=overlap), offload
+
+
+def first_turn(engine_dir, directory, overlap: bool = False) -> list[int]:
+    """Turn 1 on an engine that then shuts down (its queued rows read, its files written)."""
+    core, offload = open_core(engine_dir, directory, overlap=overlap)
+    out1, _, cached = run(core, "t1", TURN1, 6)
+    assert cached == 0
+    core.shutdown()
+    assert offload.store.written > 0
+    return out1
+
+
+@pytest.mark.parametrize("preset, overlap, backend", [
+    ("tiny-k3", False, "onnxruntime"), ("tiny-k3-dsa", True, "onnxruntime"), ("tiny-kimi-linear", False, "onnxruntime"),
+    ("tiny-k3", True, "torch"),
+])
+def test_restart_resumes_from_offloaded_state(runtime_engine, tmp_path, preset, overlap, backend):
+    """After a restart the follow-up turn (turn 1 + its output + a tool result) resumes at the end of turn 1's kept
+    session, its mid-block tail included, and answers as a full prefill does (ONNX Runtime and torch runners)."""
+    engine_dir = runtime_engine(preset, 1, 1, 1, backend=backend)
+    out1 = first_turn(engine_dir, tmp_path / "state", overlap)
+    core, offload = open_core(engine_dir, tmp_path / "state", overlap=overlap)  # the restart: empty device pools
+    prompt2 = TURN1 + out1 + TOOL
+    got, rec, cached = run(core, "t2", prompt2, 5)
+    assert cached == len(TURN1) + len(out1) - 1  # the kept session: every token but the last sampled one was fed
+    assert offload.store.warmed > 0 and offload.store.rejected == 0  # read into host memory at start
+    stats = core.stats()
+    assert stats["offload_loaded_tokens"] == cached and stats["offload_files_rejected"] == 0
+    fresh = open_engine(engine_dir, num_slots=1, threads=1)
+    want, frec = oracle(fresh, prompt2, 5)
+    assert got == want
+    assert_same(rec, frec, fresh)
+    core.shutdown()
+
+
+def damage(path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "tampered":  # one byte of the rows (the end of the file is tensor data)
+        data[-3] ^= 0x5A
+    else:
+        data = data[: len(data) // 2]
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["tampered", "truncated", "foreign"])
+def test_bad_or_foreign_files_are_never_loaded(runtime_engine, tmp_path, how):
+    """Every state file damaged (or the store opened as another engine): nothing is loaded, the request is prefilled
+    in full and answers as the oracle does; our damaged files are rejected, another engine's are left alone."""
+    engine_dir = runtime_engine("tiny-k3", 1, 1, 1)
+    out1 = first_turn(engine_dir, tmp_path / "state")
+    states = sorted((tmp_path / "state").glob("s-*.safetensors"))
+    assert states
+    if how != "foreign":
+        for path in states:
+            damage(path, how)
+    eng = Engine(engine_dir, threads=1)
+    if how == "foreign":  # the same files seen by another engine identity (other model, dtype, layout or build)
+        store = OffloadStore(tmp_path / "state", b"another engine!!", eng.state_layout(), host_bytes=1 << 30,
+                             disk_bytes=1 << 30)
+        offload = StateOffload(store, eng.block_size)
+    else:
+        offload = open_state_offload(eng, engine_dir, tmp_path / "state", host_bytes=1 << 30, disk_bytes=1 << 30)
+    core = EngineCore(eng, offload=offload)
+    prompt2 = TURN1 + out1 + TOOL
+    got, rec, cached = run(core, "t2", prompt2, 5)
+    assert cached == 0 and offload.loaded_tokens == 0  # (the undamaged block files alone resume nothing)
+    fresh = Engine(engine_dir, num_slots=1, threads=1)
+    want, frec = oracle(fresh, prompt2, 5)
+    assert got == want
+    assert_same(rec, frec, fresh)
+    if how == "foreign":
+        assert all(p.exists() for p in states) and offload.store.rejected == 0
+    else:
+        assert offload.store.rejected == len(states)  # each tried once, deleted (then written again by this run)
+    core.shutdown()
+
+
+def test_disk_cap_evicts_least_recently_used(tmp_path):
+    """Files beyond the disk cap are deleted least recently used first; one read since is kept; nothing is left in
+    host memory with a 0-byte host tier."""
+    layout = {"0/mla_cache.0": ["cache", 4096, "float32", [16, 64]]}
+    store = OffloadStore(tmp_path, b"i" * 16, layout, host_bytes=0, disk_bytes=3 * 4096 + 2000)
+    rows = {"0/mla_cache.0": np.full(4096, 7, np.uint8)}
+    names = [bytes([n]) * 16 for n in range(3)]
+    for h in names:
+        store.put_block(h, rows)
+    store._writer.submit(lambda: None).result()
+    assert all(store.has_block(h) for h in names)
+    assert store.get_block(names[0]) is not None  # names[0] is now the most recently used
+    store.put_block(b"\x09" * 16, rows)
+    store.close()
+    assert store.evicted == 1 and not store.has_block(names[1])
+    assert store.has_block(names[0]) and store.has_block(names[2]) and store.has_block(b"\x09" * 16)
+    assert len(list(tmp_path.glob("*.safetensors"))) == 3 and store.disk_used <= store.disk_bytes
+    # a restart indexes what is on disk, in the same order
+    again = OffloadStore(tmp_path, b"i" * 16, layout, host_bytes=0, disk_bytes=1 << 20)
+    np.testing.assert_array_equal(again.get_block(names[0])["0/mla_cache.0"], rows["0/mla_cache.0"])
+    again.close()
+
+
+def test_evicted_device_state_is_loaded_back(runtime_engine, tmp_path):
+    """Without a restart: turn 1's kept session and cached blocks are evicted from a small pool by another prompt;
+    the follow-up turn loads them back from the store (host memory) and answers as a full prefill does."""
+    engine_dir = runtime_engine("tiny-k3", 1, 1, 1)
+    eng = Engine(engine_dir, num_slots=2, num_blocks=12, threads=1)
+    offload = open_state_offload(eng, engine_dir, tmp_path / "state", host_bytes=1 << 30, disk_bytes=1 << 30)
+    core = EngineCore(eng, offload=offload)
+    out1, _, _ = run(core, "t1", TURN1, 6)
+    run(core, "other", tail(170, 23), 6)  # 11 of the 12 blocks: turn 1's session and blocks are evicted
+    assert core.stats()["kept_sessions"] == 1 and core.stats()["prefix_cached_blocks"] <= 11
+    prompt2 = TURN1 + out1 + TOOL
+    got, rec, cached = run(core, "t2", prompt2, 5)
+    assert cached == len(TURN1) + len(out1) - 1 and offload.loaded_tokens == cached
+    fresh = Engine(engine_dir, num_slots=1, threads=1)
+    want, frec = oracle(fresh, prompt2, 5)
+    assert got == want
+    assert_same(rec, frec, fresh)
+    core.shutdown()
+
+
+def test_restart_after_a_stop_token_with_overlap(runtime_engine, tmp_path):
+    """With overlap a turn ended by a stop token has its last token fed by the step after (the kept session covers
+    it): the offloaded state is read after that step, so the restart resumes after the stop token, exactly."""
+    engine_dir = runtime_engine("tiny-k3", 1, 1, 1)
+    probe, _, _ = run(EngineCore(Engine(engine_dir, threads=1), keep_sessions=False, prefix_caching=False), "p", TURN1, 6)
+    core, _ = open_core(engine_dir, tmp_path / "state", overlap=True)
+    core.add(Request("t1", TURN1, SamplingParams(max_tokens=6, ignore_eos=True, stop_token_ids=[probe[2]])))
+    out1 = []
+    while core.has_work:
+        out1 += [t for u in core.step() for t in u.token_ids]
+    assert out1 == probe[:3]
+    core.shutdown()
+    core, offload = open_core(engine_dir, tmp_path / "state", overlap=True)
+    prompt2 = TURN1 + out1 + TOOL
+    got, rec, cached = run(core, "t2", prompt2, 5)
+    assert cached == len(TURN1) + len(out1) and offload.store.loaded > 0  # the stop token's state included
+    fresh = Engine(engine_dir, num_slots=1, threads=1)
+    want, frec = oracle(fresh, prompt2, 5)
+    assert got == want
+    assert_same(rec, frec, fresh)
+    core.shutdown()
+
+
+def test_an_idle_engine_has_its_last_turn_on_disk(runtime_engine, tmp_path):
+    """Once the engine core is idle after a turn, the turn's state is read and written without a next step or a
+    shutdown: a crash then (no shutdown here) still leaves it for the next engine."""
+    engine_dir = runtime_engine("tiny-k3", 1, 1, 1)
+    core, offload = open_core(engine_dir, tmp_path / "state", overlap=True)
+    out1, _, _ = run(core, "t1", TURN1, 6)
+    offload.store._writer.submit(lambda: None).result()  # the files queued so far are written
+    again, _ = open_core(engine_dir, tmp_path / "state")
+    _, _, cached = run(again, "t2", TURN1 + out1 + TOOL, 2)
+    assert cached == len(TURN1) + len(out1) - 1
+    again.shutdown()
+    core.shutdown()
