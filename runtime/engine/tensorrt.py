@@ -61,6 +61,7 @@ As TensorRT-LLM runs its engines:
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -77,7 +78,6 @@ from moe_export.plugins.pool_table import device_pool_table
 from moe_export.runtime.engine.batch import (
     RESET_ON_NEW_SEQUENCE,
     StepBatch,
-    check_blocks,
     check_checkpoint,
     check_slot,
     check_step_batch,
@@ -85,6 +85,7 @@ from moe_export.runtime.engine.batch import (
 )
 from moe_export.runtime.engine.tensorrt_nccl import NcclGroups
 from moe_export.runtime.engine.tensorrt_bind import bind
+from moe_export.runtime.engine.torch_rows import PoolRows
 from moe_export.runtime.engine.runner import StepRefused, choose_tokens, wait_for_step
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch
 
@@ -179,7 +180,7 @@ def pad_decode_feeds(batch: StepBatch, bucket: int, pad_slot: int, table_width: 
             "last_token_index": rows[:-1]}  # fmt: skip
 
 
-class TensorRTEngine:
+class TensorRTEngine(PoolRows):
     """The `Engine` interface (RUNTIME_API.md section 1) over one TensorRT engine per rank, one rank per process."""
 
     def __init__(self, engine_dir: str | Path, *, num_slots: int | None = None, num_blocks: int | None = None,
@@ -353,48 +354,19 @@ class TensorRTEngine:
             for name, rows in self.checkpoints.items():
                 self.pools[name][slot].copy_(rows[checkpoint], non_blocking=True)
 
-    # ---- `OffloadRunner`: raw rows for the offload store (`runtime.core.state_offload`), on this rank's stream ----
-    def state_layout(self) -> dict[str, list]:
-        from moe_export.runtime.engine.torch_rows import pool_layout
+    # ---- `OffloadRunner` (`torch_rows.PoolRows`): raw rows for the offload store, on this rank's stream ----
+    def rank_pools(self) -> dict:
+        return {self.rank: self.pools}
 
-        return {f"{self.rank}/{n}": pool_layout("state" if n.startswith(RESET_ON_NEW_SEQUENCE) else "cache", p)
-                for n, p in self.pools.items()}
+    def rank_checkpoints(self) -> dict:
+        return {self.rank: self.checkpoints}
 
-    def _rows(self, kind: str, index) -> dict[str, np.ndarray]:
-        from moe_export.runtime.engine.torch_rows import read_row_bytes
-
+    @contextlib.contextmanager
+    def pool_stream(self, wait: bool):
         with self._torch.cuda.stream(self.stream):
-            self.stream.synchronize()  # the steps and checkpoint copies queued before
-            return {f"{self.rank}/{n}": read_row_bytes(self.checkpoints[n] if kind == "checkpoint" else p, index)
-                    for n, p in self.pools.items() if n.startswith(RESET_ON_NEW_SEQUENCE) == (kind != "blocks")}
-
-    def _write(self, kind: str, index, rows: dict[str, np.ndarray]) -> None:
-        from moe_export.runtime.engine.torch_rows import write_row_bytes
-
-        with self._torch.cuda.stream(self.stream):
-            for n, p in self.pools.items():
-                if n.startswith(RESET_ON_NEW_SEQUENCE) == (kind == "slot"):
-                    write_row_bytes(p, index, rows[f"{self.rank}/{n}"])
-
-    def read_slot(self, slot: int) -> dict[str, np.ndarray]:
-        check_slot(self, slot)
-        return self._rows("slot", slot)
-
-    def read_checkpoint(self, checkpoint: int) -> dict[str, np.ndarray]:
-        check_checkpoint(self, 0, checkpoint)
-        return self._rows("checkpoint", checkpoint)
-
-    def read_blocks(self, blocks: list[int]) -> dict[str, np.ndarray]:
-        check_blocks(self, blocks)
-        return self._rows("blocks", list(blocks))
-
-    def write_slot(self, slot: int, rows: dict[str, np.ndarray]) -> None:
-        check_slot(self, slot)
-        self._write("slot", slot, rows)
-
-    def write_blocks(self, blocks: list[int], rows: dict[str, np.ndarray]) -> None:
-        check_blocks(self, blocks)
-        self._write("blocks", list(blocks), rows)
+            if wait:
+                self.stream.synchronize()
+            yield
 
     def _feeds(self, batch: StepBatch) -> dict[str, np.ndarray]:
         """The batch's inputs; a K3 text graph's image rows are empty when the step carries none."""

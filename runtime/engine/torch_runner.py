@@ -19,6 +19,7 @@ idle one; in one process `step_groups` takes one batch (or None) per attention g
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from moe_export.common.mpi import local_rank, mpi_world
 from moe_export.common.pools import CHECKPOINTS_PER_SLOT
 from moe_export.graphs.vision_export import VISION_WEIGHTS
 from moe_export.quantize import fp8_cache
-from moe_export.runtime.engine.batch import (RESET_ON_NEW_SEQUENCE, StepBatch, check_blocks, check_checkpoint,
+from moe_export.runtime.engine.batch import (RESET_ON_NEW_SEQUENCE, StepBatch, check_checkpoint,
                                             check_slot, check_step_batch, checkpoint_interval)
 from moe_export.runtime.engine.ranks import MPICommunicator, rank_folders
 from moe_export.runtime.engine.runner import choose_tokens, wait_for_step
@@ -41,7 +42,7 @@ from moe_export.runtime.engine.tensorrt import is_decode, share_tokens
 from moe_export.runtime.engine.torch_graphs import EAGER_STEP, DecodeGraphs, buckets
 from moe_export.runtime.engine.torch_kernels import CUDAKernels, kernels_for
 from moe_export.runtime.engine.torch_model import RankModel, RankWeights, StepInputs
-from moe_export.runtime.engine.torch_rows import pool_layout, read_row_bytes, write_row_bytes
+from moe_export.runtime.engine.torch_rows import PoolRows
 
 CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.uint8}  # fp8: codes + a scale byte
 HOST_DTYPES = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.uint8: np.uint8}  # bf16: the same 2 bytes
@@ -82,7 +83,7 @@ def rank_pools(model: RankModel, num_slots: int, num_blocks: int, block_size: in
     return pools
 
 
-class TorchEngine:
+class TorchEngine(PoolRows):
     """A `backend: torch` engine directory with the ranks this process runs (all of them, or its MPI rank).
     Arguments as `ort.Engine`'s; `device` overrides the recipe's target (e.g. "cpu" on a GPU machine);
     `cuda_graphs`: replay decode steps from CUDA graphs on a GPU (`torch_graphs`; off: every step eager)."""
@@ -212,48 +213,19 @@ class TorchEngine:
             for name, saved in rows.items():
                 self.pools[r][name][slot].copy_(saved[checkpoint], non_blocking=True)
 
-    # ---- `OffloadRunner`: raw rows for the offload store (`runtime.core.state_offload`) ----
-    def state_layout(self) -> dict[str, list]:
-        return {f"{r}/{n}": pool_layout("state" if n.startswith(RESET_ON_NEW_SEQUENCE) else "cache", p)
-                for r, pools in self.pools.items() for n, p in pools.items()}
+    # ---- `OffloadRunner` (`torch_rows.PoolRows`): raw rows for the offload store ----
+    def rank_pools(self) -> dict:
+        return self.pools
 
-    def _rows(self, kind: str, index) -> dict[str, np.ndarray]:
+    def rank_checkpoints(self) -> dict:
+        return self.checkpoints
+
+    @contextlib.contextmanager
+    def pool_stream(self, wait: bool):
         self.use_device()
-        if self.device.type == "cuda":
+        if wait and self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the steps and checkpoint copies queued before
-        out = {}
-        for r, pools in self.pools.items():
-            for n, p in pools.items():
-                if n.startswith(RESET_ON_NEW_SEQUENCE) == (kind != "blocks"):
-                    out[f"{r}/{n}"] = read_row_bytes(self.checkpoints[r][n] if kind == "checkpoint" else p, index)
-        return out
-
-    def read_slot(self, slot: int) -> dict[str, np.ndarray]:
-        check_slot(self, slot)
-        return self._rows("slot", slot)
-
-    def read_checkpoint(self, checkpoint: int) -> dict[str, np.ndarray]:
-        check_checkpoint(self, 0, checkpoint)
-        return self._rows("checkpoint", checkpoint)
-
-    def read_blocks(self, blocks: list[int]) -> dict[str, np.ndarray]:
-        check_blocks(self, blocks)
-        return self._rows("blocks", list(blocks))
-
-    def _write(self, kind: str, index, rows: dict[str, np.ndarray]) -> None:
-        self.use_device()
-        for r, pools in self.pools.items():
-            for n, p in pools.items():
-                if n.startswith(RESET_ON_NEW_SEQUENCE) == (kind == "slot"):
-                    write_row_bytes(p, index, rows[f"{r}/{n}"])
-
-    def write_slot(self, slot: int, rows: dict[str, np.ndarray]) -> None:
-        check_slot(self, slot)
-        self._write("slot", slot, rows)
-
-    def write_blocks(self, blocks: list[int], rows: dict[str, np.ndarray]) -> None:
-        check_blocks(self, blocks)
-        self._write("blocks", list(blocks), rows)
+        yield
 
     # ---- steps ----
     def inputs(self, batch: StepBatch) -> StepInputs:
