@@ -185,7 +185,7 @@ def run_lower(ctx, n: int, mapping) -> tuple[list[str], Any, None]:
 
 BACKEND = Backend(
     name="onnxruntime",
-    graph_form=GraphForm(TensorProto.FLOAT, pools_in_place=False),
+    graph_form=GraphForm(TensorProto.FLOAT),
     rank_stage=BackendStage("lower", fields=(), libraries=("onnx", "onnxruntime", "onnx-ir", "numpy"), run=run_lower,
                             code=(("export", "backends/onnxruntime.py"), ("plugins", "*.py"),
                                   ("plugins", "*/onnx_schema.py"), ("plugins", "*/ort.py"))),

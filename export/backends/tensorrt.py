@@ -16,6 +16,7 @@ from moe_export.common.errors import BuildError, InputError
 from moe_export.common.manifest import GRAPH, WEIGHTS
 from moe_export.common.recipe import Recipe
 from moe_export.export.backends import Backend, BackendStage
+from moe_export.export.backends.tensorrt_graph import PoolsInPlace
 from moe_export.export.build_records import move_into, scratch
 from moe_export.graphs.onnx_export import GraphForm
 from onnx import TensorProto
@@ -72,7 +73,7 @@ _ENGINE_CODE = (("export", "tensorrt_*.py"), ("export", "planner.py"), ("export"
                 ("common", "engine_file.py"))
 BACKEND = Backend(
     name="tensorrt",
-    graph_form=GraphForm(TensorProto.BFLOAT16, pools_in_place=True, ordered_collectives=True),
+    graph_form=GraphForm(TensorProto.BFLOAT16, pools=PoolsInPlace(), ordered_collectives=True),
     rank_stage=BackendStage("engine", fields=("limits", "target", "workspace_reserve_gib", "tensorrt"),
                             code=(*_ENGINE_CODE, ("plugins", "**/*.py")), libraries=("onnx", "tensorrt", "numpy"),
                             run=run_engine),
