@@ -17,7 +17,7 @@ One graph per rank handles a packed batch of N sequences (prefill chunks and dec
            which the runtime writes into its pools in place; per MLA layer the step's new cache rows
            (`mla_cache.i.out` [T, kv_lora+rope], `index_cache.i.out` [T, Di], fp32 values already rounded to
            the storage dtype), which the runtime writes at each token's block-table row.
-  TensorRT graphs (the pools stay in place: the backend's form, `export/backends/tensorrt_graph.py`) take no pool
+  TensorRT graphs (the pools stay in place: the backend's form, `export/backends/tensorrt/graph_form.py`) take no pool
            and return none (TensorRT "may insert copies" for aliased plugin I/O): one input `pool_table` [P, 3] int64 holds every pool's device address
            (`plugins/pool_table.py`; the runner owns the pools, one allocation each), the pool ops name their row
            with the attribute `pool` (paged caches also `block_size`, `pool_dtype`), GatedDeltaScan / ShortConv
@@ -26,7 +26,7 @@ One graph per rank handles a packed batch of N sequences (prefill chunks and dec
            The pools, in table row order, are the model's metadata `pools` (name, element type, dims).
 
 S (slots), NB (blocks) and BS (block size) are symbolic; the runtime sizes the pools (see
-`moe_export.export.planner.pool_sizes`). No output is a whole pool, so a step costs O(tokens + context used).
+`moe_export.export.plan.planner.pool_sizes`). No output is a whole pool, so a step costs O(tokens + context used).
 
 Compute dtype and pool storage: `graphs.onnx_form`. Weights are external-data initializers into the rank's
 `weights.safetensors` (`graphs.onnx_builder`). The layers: `graphs.onnx_attention` (KDA, MLA, DSA indexer) and

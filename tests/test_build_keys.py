@@ -9,7 +9,7 @@ import shutil
 import pytest
 from test_build_driver import FAKE_STAGES, tiny_recipe
 
-from moe_export.export import stage_keys as keys_mod
+from moe_export.export.build import stage_keys as keys_mod
 from moe_export.export.build import build
 
 RANKS = 4
