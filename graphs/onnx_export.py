@@ -18,7 +18,8 @@ One graph per rank handles a packed batch of N sequences (prefill chunks and dec
            (`mla_cache.i.out` [T, kv_lora+rope], `index_cache.i.out` [T, Di], fp32 values already rounded to
            the storage dtype), which the runtime writes at each token's block-table row.
   TensorRT graphs (the pools stay in place: the backend's form, `export/backends/tensorrt/graph_form.py`) take no pool
-           and return none (TensorRT "may insert copies" for aliased plugin I/O): one input `pool_table` [P, 3] int64 holds every pool's device address
+           and return none (TensorRT "may insert copies" for aliased plugin I/O): one input `pool_table` [P, 3]
+           int64 holds every pool's device address
            (`plugins/pool_table.py`; the runner owns the pools, one allocation each), the pool ops name their row
            with the attribute `pool` (paged caches also `block_size`, `pool_dtype`), GatedDeltaScan / ShortConv
            update their slots in place, and a `PagedCacheWrite` per cache pool stores the step's rows, whose

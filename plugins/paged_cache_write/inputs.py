@@ -29,7 +29,7 @@ def write_inputs(new_rows: torch.Tensor, cu_seqlens: torch.Tensor, block_tables:
     if pool is not None:
         width = new_rows.shape[1] + (pool.dtype == torch.uint8)
         if pool.dim() != 3 or pool.shape[2] != width:
-            raise ValueError(f"{op}: a {pool.dtype} pool for rows of D = {new_rows.shape[1]} must be [NB, BS, {width}], "
-                             f"got {tuple(pool.shape)}")
+            raise ValueError(f"{op}: a {pool.dtype} pool for rows of D = {new_rows.shape[1]} must be "
+                             f"[NB, BS, {width}], got {tuple(pool.shape)}")
     steps = step_indices(cu_seqlens, block_tables, positions, new_rows.shape[0], op)
     return WriteInputs(new_rows.float().contiguous(), *steps)
