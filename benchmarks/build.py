@@ -51,8 +51,8 @@ def sample():
 import builtins, io, os, shutil
 from pathlib import Path
 import moe_export.export.build as build_mod
-from moe_export.export import checkpoint
-from moe_export.export.convert import rank_source_bytes
+from moe_export.export.convert import checkpoint
+from moe_export.export.convert.rank import rank_source_bytes
 from moe_export.common.mapping import Mapping
 source_root = Path(sys.argv[3])
 readers, hashed, file_read = [], [0], [0]
@@ -113,7 +113,7 @@ open(f"{sys.argv[2]}.process{comm.rank}.json", "w").write(json.dumps({"process":
 def scaled_hf_config(scale: int, layer_scale: int) -> dict:
     """tiny-k3's HF config with widths, head counts and the expert count multiplied by `scale`, and its
     layer pattern (KDA / MLA) repeated `layer_scale` times."""
-    from moe_export.export.synth import preset_hf_config
+    from moe_export.export.convert.synth import preset_hf_config
 
     cfg = preset_hf_config("tiny-k3")
     text = cfg["text_config"]
@@ -133,7 +133,7 @@ def scaled_hf_config(scale: int, layer_scale: int) -> dict:
 
 def write_checkpoint(name: str, scale: int, layer_scale: int, out: Path) -> Path:
     """A synthetic checkpoint (seed 0); scale 1, layer_scale 1 is the tiny-k3 preset itself."""
-    from moe_export.export import synth
+    from moe_export.export.convert import synth
 
     if (scale, layer_scale) != (1, 1):
         synth.PRESETS[name] = lambda: scaled_hf_config(scale, layer_scale)
@@ -171,7 +171,7 @@ def build_once(recipe: Path, out: Path, use_mpi: bool) -> list[dict]:
 def run(scale: int = 8, layer_scale: int = 4, use_mpi: bool | None = None) -> dict[str, float]:
     """Figures for both sizes: checkpoint size, parameters, build seconds, peak / baseline RSS per rank."""
     from moe_export.common.model_config import ModelConfig
-    from moe_export.export.planner import count_params
+    from moe_export.export.plan.planner import count_params
 
     if use_mpi is None:
         use_mpi = (Path(sys.executable).parent / "mpiexec").is_file()

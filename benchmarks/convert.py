@@ -139,7 +139,7 @@ def _status_mb(*keys: str) -> dict[str, float]:
 def child(mode: str, ckpt: Path, out_dir: Path) -> dict:
     """One measurement in this (fresh) process; returns seconds, peak RSS (total, and the sampled peaks
     of anonymous and file-backed pages) and the RSS before the work."""
-    from moe_export.export.checkpoint import CheckpointReader
+    from moe_export.export.convert.checkpoint import CheckpointReader
 
     base_rss = _status_mb("VmRSS")["VmRSS"]
     sampler = RssSampler()
@@ -167,7 +167,7 @@ def child(mode: str, ckpt: Path, out_dir: Path) -> dict:
     elif mode == "transforms":
         # the convert stage's transforms alone (no output file): finiteness checks of the trunk, each
         # expert read once, validated and fused into w13 / w2 buffers
-        from moe_export.export import transforms
+        from moe_export.export.convert import transforms
 
         cfg = reader.config
         for name in (n for n in reader.tensor_names() if transforms.parse_expert_name(n) is None):
@@ -179,7 +179,7 @@ def child(mode: str, ckpt: Path, out_dir: Path) -> dict:
         result = {}
     else:
         from moe_export.common.recipe import QuantizationSection
-        from moe_export.export.convert import convert_rank
+        from moe_export.export.convert.rank import convert_rank
         from moe_export.graphs.sharding import Mapping
 
         class BenchRecipe:

@@ -35,7 +35,7 @@ from pathlib import Path
 import psutil
 import torch
 import yaml
-from moe_export.export.checkpoint import load_model
+from moe_export.export.convert.checkpoint import load_model
 from moe_export.common.engine_config import EngineConfig
 from moe_export.common.recipe import load_recipe
 from moe_export.export.build import build
@@ -69,7 +69,7 @@ BENCH_PRESET = "bench-kimi-linear-h512"
 def bench_hf_config() -> dict:
     """tiny-kimi-linear widened to sizes where the matmuls, not per-op overhead, dominate a step: hidden 512,
     8 KDA / MLA heads of 64, 32 experts top-4 of width 256, vocabulary 512 (the byte tokenizer's)."""
-    from moe_export.export.synth import preset_hf_config
+    from moe_export.export.convert.synth import preset_hf_config
 
     cfg = preset_hf_config("tiny-kimi-linear")
     cfg.update(hidden_size=512, num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=128, qk_nope_head_dim=64,
@@ -80,7 +80,7 @@ def bench_hf_config() -> dict:
 
 
 def build_engine(root: Path, max_seq_len: int, kv_cache: str = "bf16") -> Path:
-    from moe_export.export import synth
+    from moe_export.export.convert import synth
 
     synth.PRESETS[BENCH_PRESET] = bench_hf_config
     recipe = yaml.safe_load(load_recipe("tiny-cpu.yaml")[1].read_text())
@@ -234,7 +234,7 @@ def main() -> None:
             figures[f"engine_vs_reference_b{batch}"] = (
                 figures[f"engine_tokens_per_s_b{batch}"] / figures[f"reference_tokens_per_s_b{batch}"]
             )
-        from moe_export.export.planner import engine_pool_sizes
+        from moe_export.export.plan.planner import engine_pool_sizes
 
         figures["decode_step_ratio_pool8x"] = decode_step_ratio_pool8x(out, args.steps)
         figures["rss_per_cached_token"], figures["rss_per_cached_token_first_fill"] = rss_per_cached_token(out)

@@ -14,7 +14,7 @@ bucket). Keys:
   - `dp_layer_transport_ops`: the device work of the block transport's dispatch and combine: the Triton kernels
     of `plugins/collectives/transport_kernels.py` launched (each launch recorded by a pass-through wrapper), the
     aten ops that launch work (views excluded) and the collectives, the last two counted with a
-    TorchDispatchMode, on any device: what `export/decode_model.py` (`TRANSPORT_OPS`) says a decode step's
+    TorchDispatchMode, on any device: what `export/plan/decode_model.py` (`TRANSPORT_OPS`) says a decode step's
     layer launches besides the expert op.
 Shapes: K3's latent width 3,584, intermediate 3,072, top-16, over 32 local experts (one GPU holds every expert
 at ep = 1). `--device cpu`: gloo, Triton's interpreter, tiny shapes, no graph and no sync guard

@@ -43,7 +43,7 @@ import yaml
 from device_figures import Figures  # benchmarks/, the script's folder, is sys.path[0]
 
 from moe_export.export.build import build
-from moe_export.export.checkpoint import load_model
+from moe_export.export.convert.checkpoint import load_model
 from moe_export.recipes.schema import load_recipe
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 8, 300, 11, 12, 77, 1, 400]

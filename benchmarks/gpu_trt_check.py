@@ -1,11 +1,11 @@
 """GPU measurements the TensorRT planner and the dp decode-step model stand on (one H200, < 2 minutes), as JSON.
 
   - `usable_gpu_bytes`: what CUDA reports as the device's total (torch.cuda.mem_get_info) and what is free once
-    a context exists, next to the planner's NVML figure (`export/plan_memory.py` EXPOSED_GPU_BYTES);
+    a context exists, next to the planner's NVML figure (`export/plan/memory.py` EXPOSED_GPU_BYTES);
   - `dp_moe_full_buffer_ms`: the MoE expert op over the whole static receive buffer (`moe_mxfp4_triton`, bf16 in
     and out as the dp graph hands it the rows, K3's shapes: 65,536 rows x 3,584, top-16, 14 local experts of
     3,072), at a decode step whose rows with tokens are `rows_with_tokens`, with the decode-step model's bytes for
-    it (`export/decode_model.py`: its fp32 partial sums, the bf16 output) and the bandwidth they imply;
+    it (`export/plan/decode_model.py`: its fp32 partial sums, the bf16 output) and the bandwidth they imply;
   - `dp_moe_counted_ms`: the same op, inputs and weights in its counted-rows mode (`recv_counts` of 64 ranks
     making the `rows_with_tokens` head rows valid, `row_bound` 192, bf16 in and out; `counted_model`), timed in
     the same rounds, alternated with the full-buffer run; `dp_moe_counted_speedup` = full / counted, and
@@ -26,8 +26,8 @@ import time
 
 import torch
 from device_figures import Figures  # benchmarks/, the script's folder, is sys.path[0]
-from moe_export.export.decode_model import counted_moe_op, full_buffer_moe_op
-from moe_export.export.plan_memory import EXPOSED_GPU_BYTES
+from moe_export.export.plan.decode_model import counted_moe_op, full_buffer_moe_op
+from moe_export.export.plan.memory import EXPOSED_GPU_BYTES
 from moe_export.plugins.moe_mxfp4.sizes import tile_config, workspace_bytes
 from moe_export.plugins.moe_mxfp4.triton_kernel import moe_mxfp4_triton
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moe_export.export.synth import write_synthetic_tokenizer
+from moe_export.export.convert.synth import write_synthetic_tokenizer
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch, sample
 from moe_export.runtime.client.llm import LLM
 from moe_export.runtime.sampling import SamplingParams

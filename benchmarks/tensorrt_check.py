@@ -132,7 +132,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     from moe_export.common.recipe import load_recipe
     from moe_export.export import build as driver
-    from moe_export.export.tensorrt_build import describe_engine
+    from moe_export.export.backends.tensorrt.engine import describe_engine
 
     for world, attention in ((1, "tp"), (2, "tp"), (2, "dp")):
         tag = f"w{world}" + ("dp" if attention == "dp" else "")

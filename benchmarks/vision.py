@@ -109,7 +109,7 @@ def throughput(rounds: int, quick: bool, patch_limit: int) -> dict:
 def cache_ttft(rounds: int) -> dict:
     from moe_export.common.recipe import load_recipe
     from moe_export.export.build import build
-    from moe_export.export.synth import write_synthetic_checkpoint
+    from moe_export.export.convert.synth import write_synthetic_checkpoint
     from moe_export.runtime import LLM, SamplingParams
 
     url = "data:image/png;base64," + base64.b64encode(png(1920, 1080, seed=1)).decode()

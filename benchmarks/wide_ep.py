@@ -23,7 +23,7 @@ included), after a warm-up request:
   loadavg_1min, loadavg_1min_end   the machine's load before and after the runs (figures at load > 1.5 are not
                              evidence)
 
-With --paper: the README's paper model for 8x8 H100 (`export/traffic.py`), no runs.
+With --paper: the README's paper model for 8x8 H100 (`export/plan/traffic.py`), no runs.
 
     python benchmarks/wide_ep.py [--requests 32] [--tokens 16] [--prompt 24] [--json PATH] [--paper]
 """
@@ -145,13 +145,13 @@ def run(engine_dir: Path, requests: int, prompt: int, tokens: int) -> dict:
 def paper() -> dict:
     """The README's paper model: K3 (h100x64 recipe's per-GPU bytes) on 8x8 H100, batch 256 per group."""
     from moe_export.common.recipe import load_recipe
-    from moe_export.export.planner import (
+    from moe_export.export.plan.planner import (
         GIB,
         cache_bytes_per_token,
         make_plan,
         recurrent_bytes_per_sequence,
     )
-    from moe_export.export.traffic import H100_8X8, decode_paper_model
+    from moe_export.export.plan.traffic import H100_8X8, decode_paper_model
     from moe_export.graphs.sharding import Mapping
 
     rec, _ = load_recipe("h100x64.yaml")

@@ -1,5 +1,6 @@
 """`rank{N}.engine` / `vision.engine` files: a safetensors file holding one uint8 tensor `engine` (TensorRT's
-serialized plan) and in the metadata `trt_engine` (JSON, see `export/tensorrt_build.py`) and `tensorrt_version`.
+serialized plan) and in the metadata `trt_engine` (JSON, see `export/backends/tensorrt/engine.py`) and
+`tensorrt_version`.
 
 Streamed both ways, so a rank never holds a second host copy of its plan (contract ENGINE_STREAMS,
 `plugins/tensorrt_contracts.py`):

@@ -9,7 +9,7 @@ import numpy as np
 from moe_export.common.model_config import ModelConfig
 from moe_export.graphs.fp8_rows import round_to_fp8_rows
 from moe_export.graphs.onnx_builder import GraphBuilder
-from moe_export.graphs.onnx_form import POOL_TABLE, GraphForm
+from moe_export.graphs.onnx_form import GraphForm
 from moe_export.graphs.sharding import Mapping
 from moe_export.graphs.weights import layer_prefix
 from onnx import TensorProto
@@ -27,7 +27,7 @@ class AttentionLayers:
     cfg: ModelConfig
     m: Mapping
     form: GraphForm
-    limits: object  # the recipe's limits (pools in place: plugin workspace and paged-cache attributes)
+    limits: object  # the recipe's limits (read by the form's pool lowering)
     kv_cache: str
     cache_type: int
     kda_heads: int
@@ -38,7 +38,7 @@ class AttentionLayers:
 
     # ---- KDA ----
     def kda(self, i: int, x: str, io: dict) -> str:
-        g, cfg, m = self.g, self.cfg, self.m
+        g, cfg, m, pools = self.g, self.cfg, self.m, self.form.pools
         a = layer_prefix(cfg, i) + "self_attn."
         n = f"layers.{i}.kda"
         hl, dh, w = self.kda_heads, cfg.kda_head_dim, cfg.conv_kernel_size
@@ -46,16 +46,8 @@ class AttentionLayers:
         qkv = g.op("Concat", [g.linear(x, f"{a}{c}_proj.weight", f"{n}.{c}_proj") for c in "qkv"], f"{n}.qkv", axis=-1)
         conv_w = g.op("Concat", [g.reshape(g.weight(f"{a}{c}_conv1d.weight", dtype=TensorProto.FLOAT), [p_l, w],
                                            f"{n}.{c}_conv_w") for c in "qkv"], f"{n}.conv_w", axis=0)  # fmt: skip
-        if self.form.pools_in_place:  # TensorRT: the plugins update the pools' slots in place, through the pool table
-            conv_y = g.plugin("ShortConv", [qkv, conv_w, POOL_TABLE, io["cu"], io["slots"]], f"{n}.short_conv",
-                              pool=io["conv"])
-            conv_out = None
-        else:
-            # The step's sequences' windows / states only ([N, ...], addressed by local slots 0..N-1): the plugin
-            # outputs are then the touched slots' new values, which the runtime writes back (O(tokens), not O(pool)).
-            conv_in = g.op("Gather", [io["conv"], io["slots"]], f"{n}.conv_windows", axis=0)
-            conv_y, conv_out = g.plugin("ShortConv", [qkv, conv_w, conv_in, io["cu"], io["local_slots"]],
-                                        f"{n}.short_conv", 2)
+        conv_y = pools.slot_op(self, "ShortConv", [qkv, conv_w], io, "conv", "conv_out", f"{n}.conv_windows",
+                               f"{n}.short_conv")
         q, k, v = (g.reshape(g.slice_last(conv_y, j * p_l, (j + 1) * p_l, f"{n}.{c}_conv"), [-1, hl, dh], f"{n}.{c}")
                    for j, c in enumerate("qkv"))
         f_b = g.to_f32(g.linear(g.linear(x, f"{a}f_a_proj.weight", f"{n}.f_a"), f"{a}f_b_proj.weight", f"{n}.f_b"), f"{n}.f_b")
@@ -73,14 +65,8 @@ class AttentionLayers:
             log_decay = g.op("Neg", [g.op("Mul", [decay, sp], f"{n}.A_sp")], f"{n}.g")
         beta = g.op("Sigmoid", [g.to_f32(g.linear(x, f"{a}b_proj.weight", f"{n}.b_proj"), f"{n}.b_proj")], f"{n}.beta")
         scan = dict(scale=float(dh**-0.5), use_qk_l2norm=1)
-        if self.form.pools_in_place:
-            o = g.plugin("GatedDeltaScan", [q, k, v, log_decay, beta, POOL_TABLE, io["cu"], io["slots"]],
-                         f"{n}.gated_delta_scan", pool=io["state"], **scan)
-            state_out = None
-        else:
-            state_in = g.op("Gather", [io["state"], io["slots"]], f"{n}.states", axis=0)
-            o, state_out = g.plugin("GatedDeltaScan", [q, k, v, log_decay, beta, state_in, io["cu"], io["local_slots"]],
-                                    f"{n}.gated_delta_scan", 2, **scan)
+        o = pools.slot_op(self, "GatedDeltaScan", [q, k, v, log_decay, beta], io, "state", "state_out",
+                          f"{n}.states", f"{n}.gated_delta_scan", **scan)
         if cfg.use_full_rank_gate:
             gate = g.linear(x, f"{a}g_proj.weight", f"{n}.g_proj")
         else:
@@ -88,13 +74,11 @@ class AttentionLayers:
         gate = g.reshape(gate, [-1, hl, dh], f"{n}.gate_heads")
         normed = g.rms_norm(o, f"{a}o_norm.weight", cfg.rms_norm_eps, f"{n}.o_norm")
         y = g.reshape(g.sigmoid_mul(normed, gate, f"{n}.gated"), [-1, p_l], f"{n}.o_flat")
-        if not self.form.pools_in_place:
-            io["conv_out"], io["state_out"] = conv_out, state_out
         return g.all_reduce(g.linear(y, f"{a}o_proj.weight", f"{n}.o_proj"), "tp", m.tp, f"{n}.all_reduce")
 
     # ---- MLA (NoPE, absorbed over the latent cache) + DSA ----
     def mla(self, i: int, x: str, io: dict) -> str:
-        g, cfg, m = self.g, self.cfg, self.m
+        g, cfg, m, pools = self.g, self.cfg, self.m, self.form.pools
         a = layer_prefix(cfg, i) + "self_attn."
         n = f"layers.{i}.mla"
         hl, nope, rope, vd, r = self.mla_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
@@ -117,10 +101,7 @@ class AttentionLayers:
         c = g.rms_norm(g.slice_last(ckv, 0, r, f"{n}.c"), f"{a}kv_a_layernorm.weight", MLA_LATENT_NORM_EPS, f"{n}.c_norm")
         entry = g.op("Concat", [c, g.slice_last(ckv, r, r + rope, f"{n}.k_pe")], f"{n}.cache_entry", axis=-1)
         entry = self.round_to_storage(g.to_f32(entry, f"{n}.cache_entry"), f"{n}.cache_rows")
-        if self.form.pools_in_place:  # written into the pool first; the attention takes the rows from the write
-            entry = self.write_cache(io["mla"], entry, io, f"{n}.cache_write")
-        else:
-            io["mla_out"] = entry
+        entry = pools.cache_rows(self, entry, io, "mla", "mla_out", f"{n}.cache_write")
         # Dense layers pass an empty [0, 0] index tensor (the op's "dense causal" form), so the node always
         # has the six inputs TensorRT's plugin signature fixes.
         if self.use_indexer and cfg.has_indexer(i):
@@ -129,10 +110,10 @@ class AttentionLayers:
             indices = self.last_indices
         else:
             indices = g.const(np.zeros((0, 0)), np.int64, "dense")
-        pool = POOL_TABLE if self.form.pools_in_place else io["mla"]
-        attn_inputs = [g.to_f32(q_full, f"{n}.q_lat"), pool, entry, io["cu"], io["tables"], io["positions"], indices]
+        attn_inputs = [g.to_f32(q_full, f"{n}.q_lat"), pools.paged_pool(io, "mla"), entry, io["cu"], io["tables"],
+                       io["positions"], indices]
         o_lat = g.plugin("SparseMLAAttention", attn_inputs, f"{n}.attention",
-                         scale=float((nope + rope) ** -0.5), kv_lora_rank=r, **self.pool_attributes(io["mla"]))
+                         scale=float((nope + rope) ** -0.5), kv_lora_rank=r, **pools.pool_attributes(self, io["mla"]))
         o_t = g.op("Transpose", [g.to_act(o_lat, f"{n}.attention")], f"{n}.o_latT", perm=[1, 0, 2])  # [H, T, r]
         o = g.op("MatMul", [o_t, g.op("Transpose", [w_vc], f"{n}.w_vcT", perm=[0, 2, 1])], f"{n}.v_up")  # [H, T, v]
         y = g.reshape(g.op("Transpose", [o], f"{n}.oT", perm=[1, 0, 2]), [-1, hl * vd], f"{n}.o_flat")
@@ -142,7 +123,7 @@ class AttentionLayers:
 
     def indexer(self, i: int, x: str, q_latent: str, io: dict) -> str:
         """DSA lightning indexer: writes this step's keys, returns top-k indices [T, topk] (-1 padded)."""
-        g, cfg = self.g, self.cfg
+        g, cfg, pools = self.g, self.cfg, self.form.pools
         a = layer_prefix(cfg, i) + "self_attn.indexer."
         n = f"layers.{i}.indexer"
         hi, di = cfg.index_n_heads, cfg.index_head_dim
@@ -152,37 +133,12 @@ class AttentionLayers:
                                         g.weight(f"{a}k_norm.bias", dtype=TensorProto.FLOAT)],
                  f"{n}.k_norm", axis=-1, epsilon=INDEXER_KNORM_EPS)  # fmt: skip
         k = self.round_to_storage(k, f"{n}.cache_rows")
-        if self.form.pools_in_place:  # written into the pool first; the indexer takes the keys from the write
-            k = self.write_cache(io["index"], k, io, f"{n}.cache_write")
-        else:
-            io["index_out"] = k
+        k = pools.cache_rows(self, k, io, "index", "index_out", f"{n}.cache_write")
         # score[t, s] = sum_h (w[t, h] * Hi^-0.5 * Di^-0.5) * relu(q[t, h] . k[s]); the op applies relu and sums.
         weights = g.op("Mul", [g.to_f32(g.linear(x, f"{a}weights_proj.weight", f"{n}.weights_proj"), f"{n}.weights_proj"),
                                g.const((hi**-0.5) * (di**-0.5), np.float32, "index_scale")], f"{n}.head_weights")
-        pool = POOL_TABLE if self.form.pools_in_place else io["index"]
-        inputs = [q, weights, pool, k, io["cu"], io["tables"], io["positions"]]
-        if not self.form.pools_in_place:
-            return g.plugin("DSAIndexer", inputs, f"{n}.topk", topk=int(self.topk))
-        # TensorRT: the chunk buffers are the plugin's second output, in the engine's device memory
-        from moe_export.plugins.dsa_indexer.sizes import workspace_bytes
-
-        limits = self.limits
-        length = -(-limits.max_seq_len // limits.block_size) * limits.block_size  # the tables' capacity
-        size = workspace_bytes(limits.max_num_tokens, length, int(self.topk))
-        return g.plugin("DSAIndexer", inputs, f"{n}.topk", 2, topk=int(self.topk), scratch_bytes=size,
-                        **self.pool_attributes(io["index"]))[0]
-
-    def pool_attributes(self, pool) -> dict:
-        """A paged-cache op's attributes for its pool on TensorRT (row, block size, storage); none on ONNX Runtime."""
-        if not self.form.pools_in_place:
-            return {}
-        return dict(pool=pool, block_size=int(self.limits.block_size), pool_dtype=self.kv_cache)
-
-    def write_cache(self, pool: int, rows: str, io: dict, name: str) -> str:
-        """TensorRT: PagedCacheWrite of the step's rounded rows into table row `pool`'s pool; returns the rows as
-        the node passes them on (the pool's readers take them from there, so they run after the write)."""
-        return self.g.plugin("PagedCacheWrite", [POOL_TABLE, rows, io["cu"], io["tables"], io["positions"]], name,
-                             **self.pool_attributes(pool))
+        inputs = [q, weights, pools.paged_pool(io, "index"), k, io["cu"], io["tables"], io["positions"]]
+        return pools.indexer(self, inputs, io, "index", f"{n}.topk")
 
     def round_to_storage(self, rows: str, name: str) -> str:
         """fp32 cache rows [T, D] rounded to the pool's storage dtype (kept fp32: the runtime stores them exactly)."""

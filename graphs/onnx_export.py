@@ -17,8 +17,9 @@ One graph per rank handles a packed batch of N sequences (prefill chunks and dec
            which the runtime writes into its pools in place; per MLA layer the step's new cache rows
            (`mla_cache.i.out` [T, kv_lora+rope], `index_cache.i.out` [T, Di], fp32 values already rounded to
            the storage dtype), which the runtime writes at each token's block-table row.
-  TensorRT graphs (backend tensorrt) take no pool and return none (TensorRT "may insert
-           copies" for aliased plugin I/O): one input `pool_table` [P, 3] int64 holds every pool's device address
+  TensorRT graphs (the pools stay in place: the backend's form, `export/backends/tensorrt/graph_form.py`) take no pool
+           and return none (TensorRT "may insert copies" for aliased plugin I/O): one input `pool_table` [P, 3]
+           int64 holds every pool's device address
            (`plugins/pool_table.py`; the runner owns the pools, one allocation each), the pool ops name their row
            with the attribute `pool` (paged caches also `block_size`, `pool_dtype`), GatedDeltaScan / ShortConv
            update their slots in place, and a `PagedCacheWrite` per cache pool stores the step's rows, whose
@@ -26,7 +27,7 @@ One graph per rank handles a packed batch of N sequences (prefill chunks and dec
            The pools, in table row order, are the model's metadata `pools` (name, element type, dims).
 
 S (slots), NB (blocks) and BS (block size) are symbolic; the runtime sizes the pools (see
-`moe_export.export.planner.pool_sizes`). No output is a whole pool, so a step costs O(tokens + context used).
+`moe_export.export.plan.planner.pool_sizes`). No output is a whole pool, so a step costs O(tokens + context used).
 
 Compute dtype and pool storage: `graphs.onnx_form`. Weights are external-data initializers into the rank's
 `weights.safetensors` (`graphs.onnx_builder`). The layers: `graphs.onnx_attention` (KDA, MLA, DSA indexer) and
@@ -69,14 +70,11 @@ class RankGraph(AttentionLayers, FeedForwardLayers):
     def __init__(self, cfg: ModelConfig, mapping: Mapping, weights_path: Path, topk_override: int | None = None,
                  use_indexer: bool = True, kv_cache: str = "fp32", form: GraphForm = GraphForm(), limits=None):
         self.cfg, self.m = cfg, mapping
-        self.limits = limits  # pools in place: the recipe's limits size the MoE / indexer plugins' workspace outputs
+        self.limits = limits  # the recipe's limits (the form's pool lowering may size plugin workspaces with them)
         self.form = form
         self.kv_cache = kv_cache
-        self.pools: list[tuple[str, int, list]] = []  # pools in place: (name, element type, dims) in table row order
-        # MXFP4 bytes (and their E8M0 scales) as the MoE plugin receives them: uint8, or int8 views of the same bytes
-        # where the pools are in place (TensorRT's ONNX parser would widen uint8 initializers to int32;
-        # plugins/tensorrt_contracts.py: PARSER_UINT8_WEIGHTS_BECOME_INT32)
-        self.mxfp4_type = TensorProto.INT8 if form.pools_in_place else TensorProto.UINT8
+        self.pools: list[tuple[str, int, list]] = []  # the form's pool lowering may list them: (name, type, dims)
+        self.mxfp4_type = form.pools.mxfp4_type  # MXFP4 bytes (and E8M0 scales) as the MoE plugin receives them
         self.cache_type = cache_storage_type(kv_cache)
         self.g = GraphBuilder(weights_path, form.compute_dtype, form.ordered_collectives)
         self.inputs: list[onnx.ValueInfoProto] = []
@@ -149,12 +147,9 @@ class RankGraph(AttentionLayers, FeedForwardLayers):
         return g.to_act(mixed, name)
 
     def pool(self, name: str, elem: int, dims: list):
-        """A pool of the layer: on ONNX Runtime a graph input (its name); on TensorRT a row of the pool table (its
-        row index), listed in the graph's metadata for the runner, which owns the pools."""
-        if not self.form.pools_in_place:
-            return self._input(name, elem, dims)
-        self.pools.append((name, elem, dims))
-        return len(self.pools) - 1
+        """A pool of the layer, as the form reaches it: a graph input (its name) or, where the pools stay in place,
+        a row of the pool table (its row index)."""
+        return self.form.pools.pool(self, name, elem, dims)
 
     # ---- the decoder ----
     def build(self) -> onnx.ModelProto:
@@ -184,10 +179,9 @@ class RankGraph(AttentionLayers, FeedForwardLayers):
         else:
             h = rows(h, "final.last_tokens")
         self._output(self.head(h), "logits", TensorProto.FLOAT, ["N", cfg.vocab_size])
-        if self.form.pools_in_place and self.pools:
-            self._input(POOL_TABLE, TensorProto.INT64, [len(self.pools), 3])
+        meta = self.form.pools.finish(self)
         self._state_outputs(state_outputs)
-        return self._model()
+        return self._model(meta)
 
     def _step_inputs(self) -> tuple[str, dict[str, str], str]:
         """(input_ids [T], the inputs every layer reads, last_token_index [N]): positions [T], cu_seqlens [N+1],
@@ -257,9 +251,9 @@ class RankGraph(AttentionLayers, FeedForwardLayers):
                 dims = ["T", self.cfg.latent_cache_dim if out_name.startswith("mla_cache.") else self.cfg.index_head_dim]
             self._output(value, out_name, TensorProto.FLOAT, dims)
 
-    def _model(self) -> onnx.ModelProto:
-        """The graph built so far as a model, with metadata: the rank's mapping, its weights file and (pools in
-        place) the pool table's rows."""
+    def _model(self, pool_meta: list[tuple[str, str]]) -> onnx.ModelProto:
+        """The graph built so far as a model, with metadata: the rank's mapping, its weights file and what the form's
+        pool lowering adds (`pool_meta`, e.g. the pool table's rows)."""
         g = self.g
         graph = helper.make_graph(g.nodes, f"rank{self.m.rank}", self.inputs, self.outputs, g.initializers)
         model = helper.make_model(
@@ -268,9 +262,7 @@ class RankGraph(AttentionLayers, FeedForwardLayers):
             producer_name="moe-export",
         )
         model.ir_version = 10
-        meta = [("mapping", json.dumps(self.m.to_dict(), sort_keys=True)), ("weights", g.weights_file)]
-        if self.form.pools_in_place:
-            meta.append((POOLS_KEY, json.dumps([{"name": n, "elem_type": e, "dims": d} for n, e, d in self.pools])))
+        meta = [("mapping", json.dumps(self.m.to_dict(), sort_keys=True)), ("weights", g.weights_file), *pool_meta]
         for k, v in meta:
             entry = model.metadata_props.add()
             entry.key, entry.value = k, v

@@ -23,7 +23,7 @@ class FeedForwardLayers:
     cfg: ModelConfig
     m: Mapping
     form: GraphForm
-    limits: object  # the recipe's limits (pools in place: MoE receive bounds and plugin workspace)
+    limits: object  # the recipe's limits (read by the form's pool lowering)
     mxfp4_type: int
 
     def mlp(self, x: str, prefix: str, name: str, group_size: int) -> str:
@@ -98,28 +98,13 @@ class FeedForwardLayers:
         e = f"{p}experts."
         if m.all_to_all:  # the tokens go to their experts' ranks; the expert op sees the rows it received
             dispatched = z
-            bound = {}
-            if self.form.pools_in_place:  # TensorRT: static shapes, receive buffers bounded by the recipe's limits
-                bound = dict(group_size=m.ep, max_recv_rows=m.max_recv_rows(self.limits.max_num_tokens))
             z, ids, w, *layout = g.collective("MoEDispatch", [z, ids, w], f"{n}.dispatch", 6, group="ep",
-                                          num_experts=cfg.num_experts, **bound)
+                                          num_experts=cfg.num_experts, **self.form.pools.dispatch_attributes(self))
         experts = [g.weight(e + t, as_float=False, byte_view=self.mxfp4_type)
                    for t in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")]
         act_in = g.to_f32(z, f"{n}.experts_in")
-        extra = {}
-        if self.form.pools_in_place:  # TensorRT: activations in and out as they are, rows with tokens counted on
-            # the device (after a dispatch: the rows received; else one count covering every row), and the
-            # plugin's scratch as its second output, in the engine's device memory
-            from moe_export.plugins.moe_mxfp4.sizes import workspace_bytes
-
-            act_in = z
-            rows = (layout[2] if m.all_to_all
-                    else g.const([self.limits.max_num_tokens], hint="moe_all_rows"))
-            experts.append(rows)
-            local = len(m.local_experts(cfg.num_experts))
-            expert_rows = m.max_recv_rows(self.limits.max_num_tokens) if m.all_to_all else self.limits.max_num_tokens
-            extra = dict(n_out=2, scratch_bytes=workspace_bytes(expert_rows, cfg.num_experts_per_token, cfg.expert_in_dim,
-                                                                cfg.moe_intermediate_size, local))
+        received = layout[2] if m.all_to_all else None  # after a dispatch: the count of rows received [1]
+        act_in, extra = self.form.pools.experts_inputs(self, z, act_in, experts, received)
         partial = g.plugin(
             "MoEMXFP4",
             [act_in, ids, w] + experts,

@@ -5,7 +5,7 @@ checkpoints import), their offsets in the special range, and the tokenizer files
 Sources: K3's `encoding_k3.py` (vllm-project/vllm `vllm/tokenizers/encoding_k3.py`), K2-Thinking's chat
 template (ggml-org/llama.cpp `models/templates/moonshotai-Kimi-K2-Thinking.jinja`) and the checkpoints'
 `tokenizer_config.json` (`added_tokens_decoder`). Ids are never hard-coded here: a real tokenizer reads
-them from its checkpoint; only the synthetic tokenizer (`moe_export.export.synth`) places names at the
+them from its checkpoint; only the synthetic tokenizer (`moe_export.export.convert.synth`) places names at the
 offsets below.
 """
 

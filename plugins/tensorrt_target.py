@@ -1,8 +1,9 @@
 """The GPU architecture the TensorRT AOT plugins compile for (no tensorrt import: the builder sets it first).
 
-`export/tensorrt_build.py` sets the target's compute capability from the recipe (`target.gpu`) before building;
-the plugins' `aot_impl`s compile their Triton kernels for it and hand TensorRT a cubin for that architecture (no
-driver JIT at load), PTX only when the compile produced no cubin (contract QDP_AOT_CODE_PTX_OR_CUBIN).
+`export/backends/tensorrt/engine.py` sets the target's compute capability from the recipe (`target.gpu`) before
+building; the plugins' `aot_impl`s compile their Triton kernels for it and hand TensorRT a cubin for that
+architecture (no driver JIT at load), PTX only when the compile produced no cubin (contract
+QDP_AOT_CODE_PTX_OR_CUBIN).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ never executed. A checkpoint chat template beside the tokenizer is loaded with i
 `encode(text)` treats every special-token string as ordinary text, so user, tool and document text can
 never inject a control token; structural markers are encoded one by one with `encode_special(name)`.
 The file names, the special range and the special-token strings come from `moe_export.graphs.tokens`; the
-synthetic presets' tokenizer is written by `moe_export.export.synth`.
+synthetic presets' tokenizer is written by `moe_export.export.convert.synth`.
 """
 
 from __future__ import annotations

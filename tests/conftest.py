@@ -138,7 +138,7 @@ def tiny_hf_config(kind: str) -> dict:
 @pytest.fixture(scope="session")
 def synthetic_checkpoint(tmp_path_factory: pytest.TempPathFactory):
     """preset name -> directory of a synthetic checkpoint written once per session (seed 0)."""
-    from moe_export.export.synth import write_synthetic_checkpoint
+    from moe_export.export.convert.synth import write_synthetic_checkpoint
 
     made: dict[str, object] = {}
 
@@ -329,7 +329,7 @@ def runtime_engine(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def toks(tmp_path_factory) -> dict:
     """family ("k3", "k2") -> the synthetic Kimi-format tokenizer of that family (vocab 4096)."""
-    from moe_export.export.synth import write_synthetic_tokenizer
+    from moe_export.export.convert.synth import write_synthetic_tokenizer
     from moe_export.runtime.tokenizer import load_tokenizer
 
     out = {}
@@ -346,8 +346,8 @@ def write_engine_config(folder, backend: str = "onnxruntime"):
     returns its EngineConfig."""
     from moe_export.common.engine_config import EngineConfig
     from moe_export.common.recipe import load_recipe
-    from moe_export.export.planner import engine_memory
-    from moe_export.export.synth import preset_config
+    from moe_export.export.plan.planner import engine_memory
+    from moe_export.export.convert.synth import preset_config
 
     recipe = load_recipe("tiny-cpu.yaml")[0].model_copy(update={"backend": backend})
     model = preset_config("tiny-k3")

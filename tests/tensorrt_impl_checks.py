@@ -31,7 +31,7 @@ assert VERSION in standin.PINNED_WHEELS, f"MOE_EXPORT_TRT_VERSION={VERSION!r}: r
 assert os.environ.get("TRITON_INTERPRET") == "1", "run via test_tensorrt_plugins.py (TRITON_INTERPRET=1)"
 trt, trtp = standin.install(VERSION)
 
-from moe_export.export.tensorrt_build import register_plugins  # noqa: E402
+from moe_export.export.backends.tensorrt.engine import register_plugins  # noqa: E402
 from moe_export.plugins import DOMAIN  # noqa: E402
 from moe_export.plugins.pool_table import device_pool_table  # noqa: E402
 

@@ -47,7 +47,7 @@ assert GRAPHS, "MOE_EXPORT_TRT_GRAPHS is empty: run via test_tensorrt_plugins.py
 trt, trtp = standin.install(VERSION)
 
 from moe_export.export.backends.onnxruntime import _value_types  # noqa: E402
-from moe_export.export.tensorrt_build import register_plugins  # noqa: E402
+from moe_export.export.backends.tensorrt.engine import register_plugins  # noqa: E402
 from moe_export.plugins import (  # noqa: E402 (imported after standin.install, as the lines around)
     DOMAIN,  # noqa: E402
     tensorrt_common,  # noqa: E402
@@ -468,7 +468,7 @@ class _Parsed:
 
 
 def builder_api(log: list, device_memory) -> dict:
-    """TensorRT's builder API over the stand-in core, as `export/tensorrt_build.py` drives it: the parser does
+    """TensorRT's builder API over the stand-in core, as `export/backends/tensorrt/engine.py` drives it: the parser does
     what TensorRT's ONNX parser does with each plugin node of the rank graph (lookup by `plugin_namespace`, fields
     by the parser's encoding, creation through the real `tensorrt.plugin` registry with the network's PREFER_*
     request) and the builder's calls on each created plugin (output types and shapes, format negotiation after
@@ -612,11 +612,11 @@ def test_dp_recipe_builds_at_world_8_through_the_standin(tmp_path, monkeypatch):
 
     import yaml
     from moe_export.common.recipe import load_recipe
-    from moe_export.export import tensorrt_build
+    from moe_export.export.backends.tensorrt import engine as tensorrt_build
     from moe_export.export.build import build
-    from moe_export.export.planner import make_plan, vision_activation_bytes
+    from moe_export.export.plan.planner import make_plan, vision_activation_bytes
     from moe_export.common.engine_file import read_engine_file
-    from moe_export.export.tensorrt_build import ENGINE_WORKSPACES
+    from moe_export.export.backends.tensorrt.engine import ENGINE_WORKSPACES
 
     data = yaml.safe_load(Path(load_recipe("tiny-cpu.yaml")[1]).read_text())
     data.update(name="tiny-dp-trt", backend="tensorrt", model={"source": "synthetic:tiny-k3"})

@@ -319,7 +319,7 @@ def test_every_batch_option_is_checked_before_the_engine_loads_or_the_output_is_
     """An engine folder with its config and tokenizer but no engine: a refused option exits 2 naming it, and the
     output (an earlier run's line in it) is left exactly as it was, so no item is marked as failed."""
     from conftest import run_cli, write_engine_config
-    from moe_export.export.synth import write_synthetic_tokenizer
+    from moe_export.export.convert.synth import write_synthetic_tokenizer
 
     engine = tmp_path / "engine"
     engine.mkdir()

@@ -20,10 +20,10 @@ import yaml
 from moe_export.common.errors import InputError
 from moe_export.common.manifest import artifact_files, verify_engine_dir
 from moe_export.common.recipe import Recipe
-from moe_export.export import source_reads
+from moe_export.export.build import source_reads
 from moe_export.export.build import BuildError, Stages, build, describe
-from moe_export.export.checkpoint import read_safetensors_header
-from moe_export.export.stage_keys import (
+from moe_export.export.convert.checkpoint import read_safetensors_header
+from moe_export.export.build.stage_keys import (
     STAGE_FIELDS,
     code_fingerprints,
     convert_identity,
@@ -117,7 +117,8 @@ def fake_vision_engine(graph_path, recipe, cfg, out_path):
     Path(out_path).write_bytes(Path(graph_path).read_bytes() + f"vision engine tp{recipe.parallel.tp}".encode())
 
 
-FAKE_STAGES = Stages(fake_convert, fake_graph, fake_lower, fake_engine, fake_vision_engine)
+FAKE_STAGES = Stages(fake_convert, fake_graph,
+                     {"lower": fake_lower, "engine": fake_engine, "vision_engine": fake_vision_engine})
 
 
 # ---- helpers ----
@@ -327,7 +328,7 @@ def test_fewer_segments_and_backend_switch_remove_stale_artifacts(ckpt, tmp_path
     assert verify_engine_dir(out)["ok"]
     assert_published_alone(out)
     res = build(tiny_recipe(ckpt, backend="tensorrt"), out, stages=FAKE_STAGES, progress=False)
-    # TensorRT engines hold the experts in the Triton kernel's layout (export/convert.py): converted again
+    # TensorRT engines hold the experts in the Triton kernel's layout (export/convert/rank.py): converted again
     assert res.ran == [f"{s}/rank{n}" for n in range(4) for s in ("convert", "graph", "engine")] + ["config",
                                                                                                    "vision_engine"]
     weights = inodes(out)["rank0/weights.safetensors"]
@@ -485,7 +486,7 @@ def test_failing_stage_leaves_previous_output_and_raises_build_error(tmp_path, c
     def broken_graph(*args):
         raise RuntimeError("exporter bug")
 
-    stages = Stages(fake_convert, broken_graph, fake_lower, fake_engine)
+    stages = Stages(fake_convert, broken_graph, {"lower": fake_lower, "engine": fake_engine})
     with pytest.raises(BuildError, match="graph of rank 0 failed: RuntimeError: exporter bug"):
         build(tiny_recipe(ckpt, **{"quantization.dense": "fp8"}), out, stages=stages, progress=False)
     assert snapshot(out) == before

@@ -9,7 +9,7 @@ import shutil
 import pytest
 from test_build_driver import FAKE_STAGES, tiny_recipe
 
-from moe_export.export import stage_keys as keys_mod
+from moe_export.export.build import stage_keys as keys_mod
 from moe_export.export.build import build
 
 RANKS = 4
@@ -63,3 +63,14 @@ def test_editing_a_stage_source_reruns_that_stage(tmp_path, code_copy, monkeypat
                         lambda names: {**real_versions(names), **({"onnxruntime": "0.0.1"} if "onnxruntime" in names else {})})
     assert ran_stages(build(recipe, out, stages=FAKE_STAGES, progress=False)) == {"lower": RANKS}
     assert build(recipe, out, stages=FAKE_STAGES, progress=False).up_to_date
+
+
+def test_every_code_glob_of_a_stage_names_files():
+    """A source file that moves keeps shaping its stage's key: every (subpackage, glob) of STAGE_CODE matches a
+    file, so a glob left behind by a move fails here instead of silently dropping code from the key."""
+    roots = keys_mod.code_roots()
+    empty = [(stage, sub, pattern) for stage, globs in keys_mod.STAGE_CODE.items() for sub, pattern in globs
+             if not any(p.is_file() for p in roots[sub].glob(pattern))]
+    assert empty == []
+    assert any(p.name == "graph_form.py" for sub, pattern in keys_mod.STAGE_CODE["graph"]
+               for p in roots[sub].glob(pattern))  # a backend's own pool lowering shapes its graphs

@@ -12,10 +12,10 @@ import onnx
 import pytest
 from moe_export.common.errors import InputError
 from moe_export.common.recipe import load_recipe
-from moe_export.export import tensorrt_build
-from moe_export.export.planner import make_plan
+from moe_export.export.backends.tensorrt import engine as tensorrt_build
+from moe_export.export.plan.planner import make_plan
 from moe_export.common.engine_file import read_engine_file
-from moe_export.export.tensorrt_build import (
+from moe_export.export.backends.tensorrt.engine import (
     build_tensorrt_engine,
     engine_profile,
     profile_range,
@@ -370,7 +370,7 @@ def test_stream_and_aux_stream_bindings_are_where_the_pinned_wheels_have_them():
     from tensorrt_standin import PINNED_WHEELS, WHEEL_DIR
 
     root = Path(__file__).resolve().parents[1]
-    code = "".join((root / f).read_text() for f in ("export/tensorrt_build.py", "common/engine_file.py"))
+    code = "".join((root / f).read_text() for f in ("export/backends/tensorrt/engine.py", "common/engine_file.py"))
     assert all(name in code for name in STREAM_BINDINGS if name != "stream_reader_v2")
     for version, stem in PINNED_WHEELS.items():
         wheels = sorted(WHEEL_DIR.glob(f"{stem}-*.whl"))
@@ -385,7 +385,7 @@ def test_probe_graph_is_the_first_layer_of_each_kind_and_parses(tiny_graphs):  #
     """The probe (`tensorrt_build.probe_graph`) of each TensorRT rank graph: its layers up to the first of every
     layer plugin (KDA, MLA, MoE; the indexer where there is one), no head, the residual stream and what later
     layers read as outputs; a valid ONNX model (checker, full) holding nothing TensorRT's parser refuses."""
-    from moe_export.export.tensorrt_build import probe_graph
+    from moe_export.export.backends.tensorrt.engine import probe_graph
     from moe_export.plugins.registry import register_all_schemas
     from tensorrt_parser_rules import parser_refusals
 

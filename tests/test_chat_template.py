@@ -10,7 +10,7 @@ import json
 
 import pytest
 from moe_export.common.errors import InputError
-from moe_export.export.synth import write_synthetic_tokenizer
+from moe_export.export.convert.synth import write_synthetic_tokenizer
 from moe_export.runtime.chat import generation_prompt_ids, render, render_ids
 from moe_export.runtime.formats.template import ChatTemplate
 from moe_export.runtime.tokenizer import load_tokenizer
@@ -166,7 +166,7 @@ def test_engine_carries_the_template_and_serve_tokenizes_with_it(tmp_path, capsy
     from conftest import run_cli
     from moe_export.common.recipe import load_recipe
     from moe_export.export.build import build
-    from moe_export.export.synth import write_synthetic_checkpoint
+    from moe_export.export.convert.synth import write_synthetic_checkpoint
     from serve_support import InProcessServer
 
     ckpt = write_synthetic_checkpoint("tiny-kimi-linear", tmp_path / "ckpt")

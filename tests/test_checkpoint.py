@@ -13,14 +13,14 @@ import pytest
 import torch
 from conftest import run_cli
 from moe_export.common.errors import InputError
-from moe_export.export.checkpoint import (
+from moe_export.export.convert.checkpoint import (
     INDEX_FILE,
     CheckpointReader,
     checkpoint_fingerprint,
     open_checkpoint,
     read_safetensors_header,
 )
-from moe_export.export.synth import synthetic_specs, write_synthetic_checkpoint
+from moe_export.export.convert.synth import synthetic_specs, write_synthetic_checkpoint
 from safetensors.torch import load_file, save_file
 
 LAYER1 = "model.layers.1."

@@ -26,7 +26,7 @@ def test_boolean_flags_are_shown_as_flags(capsys, monkeypatch, command):
 
 
 def test_synth_help_lists_every_preset(capsys, monkeypatch):
-    from moe_export.export.synth import PRESETS
+    from moe_export.export.convert.synth import PRESETS
 
     monkeypatch.setenv("COLUMNS", "200")
     _, out, _ = run_cli(capsys, "synth", "--help")

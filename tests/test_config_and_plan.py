@@ -9,7 +9,7 @@ import pytest
 from moe_export.common.errors import InputError
 from moe_export.common.model_config import ModelConfig, shipped_model_config
 from moe_export.common.recipe import load_recipe
-from moe_export.export.planner import make_plan
+from moe_export.export.plan.planner import make_plan
 from moe_export.graphs.sharding import Mapping
 from moe_export.graphs.weights import all_tensor_specs
 from moe_export.recipes import models_dir
@@ -176,7 +176,7 @@ def test_one_pool_arithmetic_and_k3_sequences_that_fit():
     """pool_sizes: memory after weights and reserve pays max_batch slots, the rest / bytes per block = blocks;
     the plan reports cache tokens per rank and how many 64k / 1M sequences fit (K3 on h100x64 and h200x32: fp8
     cache, 576 latent values x 24 MLA layers, 1 B per value + a 1-byte scale per row)."""
-    from moe_export.export.planner import pool_sizes
+    from moe_export.export.plan.planner import pool_sizes
 
     pools = pool_sizes(10_000, block_size=4, num_slots=3, bytes_per_slot=1000, bytes_per_token=100)
     assert (pools.num_blocks, pools.cache_tokens) == (17, 68)
@@ -212,8 +212,8 @@ def test_plan_memory_view_per_gpu_and_build_refusal(tmp_path):
     """The plan shows weights, pools, engine activation memory and plugin workspaces per GPU, and the
     TensorRT build refuses a recipe whose total does not fit (h100x64 with bf16 cache pools: the 1M-token
     sequence no longer fits once ~10 GiB of activations are counted)."""
-    from moe_export.export.planner import GIB
-    from moe_export.export.tensorrt_build import check_fits
+    from moe_export.export.plan.planner import GIB
+    from moe_export.export.backends.tensorrt.engine import check_fits
 
     rec, _ = load_recipe("h100x64.yaml")
     plan = make_plan(rec)
@@ -252,7 +252,7 @@ def test_plan_budgets_what_an_h100_exposes_and_reports_margins_and_host_peak():
     layout's all-to-all peers included) and the vision tower's activations beside the reserve, and reports the
     usable bytes, the margin beyond one max_seq_len sequence, and the host memory peak per rank (the plan streamed
     to disk: at most 1.5 x the rank's weights; twice them with bindings that build into one plan buffer)."""
-    from moe_export.export.plan_memory import NCCL_BUFFSIZE, nccl_buffer_bytes
+    from moe_export.export.plan.memory import NCCL_BUFFSIZE, nccl_buffer_bytes
 
     rec, _ = load_recipe("h100x64.yaml")
     res = run_cli("plan", "--recipe", "h100x64.yaml", "--json")
@@ -289,7 +289,7 @@ def test_planning_a_tensorrt_recipe_needs_no_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "from moe_export.common.recipe import load_recipe\n"
-        "from moe_export.export.planner import make_plan\n"
+        "from moe_export.export.plan.planner import make_plan\n"
         "import moe_export.graphs.onnx_export\n"
         "plan = make_plan(load_recipe('h100x64.yaml')[0])\n"
         "view = plan.per_rank[0].memory\n"

@@ -1,7 +1,7 @@
 """How much of the checkpoint a build reads: each rank reads its tensor-parallel slices (not whole tensors)
 and its own experts, a fresh build reads each needed byte once (hashed as it is converted, no hashing pass),
 an unchanged rebuild reads no weight data (only K3's A_log padding check), and a changed tensor is still
-found (see export/source_reads.py for the rule)."""
+found (see export/build/source_reads.py for the rule)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from moe_export.common.mapping import Mapping
 from moe_export.export import build as build_mod
-from moe_export.export import checkpoint as ckpt_mod
-from moe_export.export import source_reads
+from moe_export.export.convert import checkpoint as ckpt_mod
+from moe_export.export.build import source_reads
 from moe_export.export.build import Stages
-from moe_export.export.checkpoint import open_checkpoint
-from moe_export.export.convert import convert_rank, rank_source_bytes
+from moe_export.export.convert.checkpoint import open_checkpoint
+from moe_export.export.convert.rank import convert_rank, rank_source_bytes
 from test_build_driver import (
     FAKE_STAGES,
     fake_engine,
@@ -30,7 +30,7 @@ from test_build_driver import (
     tiny_recipe,
 )
 
-REAL_CONVERT = Stages(export_rank_graph=fake_graph, lower_for_onnxruntime=fake_lower, build_tensorrt_engine=fake_engine)
+REAL_CONVERT = Stages(export_rank_graph=fake_graph, backend_work={"lower": fake_lower, "engine": fake_engine})
 
 
 class _CountedFile:

@@ -1,4 +1,4 @@
-"""The dp decode-step model `plan` prints (`export/decode_model.py`) against the code it describes: the expert op's
+"""The dp decode-step model `plan` prints (`export/plan/decode_model.py`) against the code it describes: the expert op's
 chunks, kernel launches and programs counted through `moe_mxfp4_triton` itself on CPU (its four kernels replaced
 by recorders), and the per-layer Casts,
 dispatches and receive bound read from a real dp rank graph."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import onnx
 import torch
 from moe_export.common.recipe import load_recipe
-from moe_export.export.decode_model import counted_moe_op, dp_decode_step, full_buffer_moe_op
-from moe_export.export.planner import make_plan, moe_all_to_all_bytes
-from moe_export.export.synth import preset_config
+from moe_export.export.plan.decode_model import counted_moe_op, dp_decode_step, full_buffer_moe_op
+from moe_export.export.plan.planner import make_plan, moe_all_to_all_bytes
+from moe_export.export.convert.synth import preset_config
 from moe_export.graphs.sharding import Mapping
 from moe_export.plugins.moe_mxfp4 import sizes as moe_sizes
 from moe_export.plugins.moe_mxfp4 import triton_kernel
@@ -138,7 +138,7 @@ def test_gpu_dp_step_check_dry_run_counts_the_transport_the_model_names(tmp_path
     import sys
     from pathlib import Path
 
-    from moe_export.export.decode_model import TRANSPORT_OPS
+    from moe_export.export.plan.decode_model import TRANSPORT_OPS
 
     repo = Path(__file__).resolve().parents[1]
     out = tmp_path / "dp.json"

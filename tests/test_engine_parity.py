@@ -23,7 +23,7 @@ import pytest
 from fp32_reorder import num_layers, reorder_atol
 import torch
 import yaml
-from moe_export.export.checkpoint import load_model
+from moe_export.export.convert.checkpoint import load_model
 from moe_export.common.recipe import load_recipe
 from moe_export.export.build import build
 from moe_export.graphs.model import KimiModel
@@ -206,8 +206,8 @@ class FP8RoundTrip:
 def test_fp8_dense_attention_shared_engine_matches_fp8_reference(tmp_path):
     """quantization dense/attention/shared_experts: fp8 -> FP8 weights + block scales in the rank file,
     dequantized in the graph; equals the reference run on the same FP8-rounded weights."""
-    from moe_export.export.checkpoint import open_checkpoint
-    from moe_export.export.convert import fp8_weight_classes
+    from moe_export.export.convert.checkpoint import open_checkpoint
+    from moe_export.export.convert.rank import fp8_weight_classes
 
     path = make_recipe(tmp_path, "tiny-k3", 1, 1, 1)
     data = yaml.safe_load(path.read_text())
@@ -283,7 +283,7 @@ def test_fp8_cache_pools_match_a_reference_with_the_same_rounding(engines, monke
     D elements by one E4M3 spacing (2 E4M3_U of the row's scale), 2 E4M3_U / D of the row; taken as every row's
     error that is `cache_rounding_atol` at 2 E4M3_U / D (D: the narrowest cached row, the indexer key)."""
     import moe_export.graphs.model as reference_model
-    from moe_export.export.planner import engine_pool_sizes
+    from moe_export.export.plan.planner import engine_pool_sizes
     from moe_export.quantize import fp8_cache
 
     engine_dir = engines("tiny-k3-dsa", 2, 2, 4, kv_cache="fp8")

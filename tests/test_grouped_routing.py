@@ -10,10 +10,10 @@ import torch
 import yaml
 from conftest import import_hf
 from fp32_reorder import num_layers, reorder_atol
-from moe_export.export.checkpoint import load_model
+from moe_export.export.convert.checkpoint import load_model
 from moe_export.common.recipe import load_recipe
 from moe_export.export.build import build
-from moe_export.export.checkpoint import open_checkpoint
+from moe_export.export.convert.checkpoint import open_checkpoint
 from moe_export.graphs import model as M
 from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
 from moe_export.runtime.engine.ort import Engine

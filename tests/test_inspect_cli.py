@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from moe_export.runtime.entrypoints.cli import main
-from moe_export.export.synth import SMALL_PRESETS, preset_config, synthetic_specs
+from moe_export.export.convert.synth import SMALL_PRESETS, preset_config, synthetic_specs
 from conftest import run_cli
 
 

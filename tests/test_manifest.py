@@ -24,8 +24,8 @@ from moe_export.common.manifest import (
     verify_engine_dir,
 )
 from moe_export.export.build import build
-from moe_export.export.checkpoint import read_safetensors_header
-from moe_export.export.inspect_engine import inspect_engine
+from moe_export.export.convert.checkpoint import read_safetensors_header
+from moe_export.export.build.inspect_engine import inspect_engine
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import run_cli, write_engine_config

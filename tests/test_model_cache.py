@@ -7,7 +7,7 @@ import torch
 from conftest import SYNTHETIC_PRESETS
 from fp32_reorder import longest_sum, reorder_atol
 
-from moe_export.export.checkpoint import load_model
+from moe_export.export.convert.checkpoint import load_model
 from moe_export.graphs.model import KDACache, KimiModel, MLACache
 
 T = 13  # longer than the DSA preset's index_topk, so the indexer drops tokens

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from fp32_reorder import longest_sum, reorder_atol
 
-from moe_export.export.checkpoint import CheckpointReader
+from moe_export.export.convert.checkpoint import CheckpointReader
 from moe_export.graphs import model as M
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from conftest import run_cli
-from moe_export.export.checkpoint import load_model
+from moe_export.export.convert.checkpoint import load_model
 from moe_export.common.errors import InputError
 from moe_export.runtime.entrypoints.generate import (
     ReferenceEngine,
@@ -137,7 +137,7 @@ def test_cli_generate_bad_input_exits_2(k3, capsys, args, message):
 def test_generate_refuses_a_checkpoint_too_large_for_memory(tmp_path, capsys):
     """K3's config alone (no weights): refused up front, naming the fp32 memory it would need (~10 TiB)."""
     from moe_export.common.model_config import shipped_model_config
-    from moe_export.export.planner import GIB, reference_fp32_bytes
+    from moe_export.export.plan.planner import GIB, reference_fp32_bytes
     from moe_export.recipes import models_dir
 
     (tmp_path / "config.json").write_bytes((models_dir() / "kimi-k3.json").read_bytes())
@@ -149,7 +149,7 @@ def test_generate_refuses_a_checkpoint_too_large_for_memory(tmp_path, capsys):
 
 
 def test_generate_refuses_when_available_memory_is_short(k3, capsys, monkeypatch):
-    from moe_export.export import planner
+    from moe_export.export.plan import planner
 
     monkeypatch.setattr(planner, "available_memory_bytes", lambda: 1 << 20)
     code, _, err = run_cli(capsys, "generate", str(k3[0]), "--prompt-ids", "1,2", "--max-new-tokens", "1")

@@ -6,7 +6,7 @@ import torch
 from conftest import transformers_without_fla
 from fp32_reorder import longest_sum, reorder_atol
 
-from moe_export.export.checkpoint import CheckpointReader
+from moe_export.export.convert.checkpoint import CheckpointReader
 from moe_export.graphs import model as M
 from moe_export.graphs.weights import layer_prefix
 

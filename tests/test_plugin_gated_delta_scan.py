@@ -411,7 +411,7 @@ def _varlen_chunk_standin(q, k, v, g, beta, *, scale, initial_state, output_fina
                           use_qk_l2norm_in_kernel):  # fmt: skip
     """chunk_kda's varlen API (batch 1, cu_seqlens, V-first states) over fla's naive recurrent KDA per sequence
     (fla's chunked kernel needs a GPU driver even under the interpreter)."""
-    from moe_export.plugins.gated_delta_scan.common import l2norm
+    from moe_export.plugins.gated_delta_scan.inputs import l2norm
 
     assert state_v_first and output_final_state
     naive = load_fla_naive("ops/kda/naive.py")
@@ -477,7 +477,7 @@ def test_aot_compile_produces_ptx():
 def test_tensorrt_plugin_not_imported_by_package():
     code = (
         "import sys, moe_export.plugins.gated_delta_scan as p\n"
-        "from moe_export.plugins.gated_delta_scan import common, reference, cpu, onnx_schema, ort, triton_kernel\n"
+        "from moe_export.plugins.gated_delta_scan import inputs, reference, cpu, onnx_schema, ort, triton_kernel\n"
         "assert 'tensorrt' not in sys.modules, 'tensorrt imported'\n"
         "assert 'moe_export.plugins.gated_delta_scan.tensorrt_plugin' not in sys.modules\n"
     )

@@ -338,7 +338,7 @@ def test_aot_compile_produces_ptx():
 def test_tensorrt_plugin_not_imported_by_package():
     code = (
         "import sys, moe_export.plugins.short_conv as p\n"
-        "from moe_export.plugins.short_conv import common, reference, cpu, onnx_schema, ort, triton_kernel\n"
+        "from moe_export.plugins.short_conv import inputs, reference, cpu, onnx_schema, ort, triton_kernel\n"
         "assert 'tensorrt' not in sys.modules, 'tensorrt imported'\n"
         "assert 'moe_export.plugins.short_conv.tensorrt_plugin' not in sys.modules\n"
     )

@@ -92,7 +92,7 @@ def test_non_finite_rows_decode_as_nan():
 def test_graph_rounding_equals_round_rows_bit_for_bit(tmp_path):
     """The exporter's ONNX rounding of new cache rows (`RankGraph.round_to_storage` for kv_cache fp8), run in
     ONNX Runtime, gives exactly `round_rows`: Log's inexact log2 is corrected to the exact exponent."""
-    from moe_export.export.synth import preset_config
+    from moe_export.export.convert.synth import preset_config
     from moe_export.graphs.onnx_export import ONNX_OPSET, RankGraph
     from moe_export.graphs.sharding import Mapping
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import random_source
 from moe_export.common.errors import InputError
-from moe_export.export.synth import preset_config
+from moe_export.export.convert.synth import preset_config
 from moe_export.graphs.weights import all_tensor_specs, expert_tensor_specs
-from moe_export.export import transforms
+from moe_export.export.convert import transforms
 from moe_export.quantize import fp8, mxfp4
 
 

@@ -159,7 +159,7 @@ def test_prefix_caching_under_mpiexec(runtime_engine):
 
 def test_plan_counts_the_checkpoint_pool_the_runner_allocates(runtime_engine):
     """`moe-export plan`'s host memory for prefix-cache checkpoints is what each rank's runner allocates."""
-    from moe_export.export.planner import make_plan
+    from moe_export.export.plan.planner import make_plan
 
     eng = Engine(runtime_engine("tiny-k3", 2, 2, 4), threads=1)
     plan = make_plan(eng.config.recipe, eng.config.model)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from fp32_reorder import num_layers, reorder_atol
-from moe_export.export.checkpoint import load_model
+from moe_export.export.convert.checkpoint import load_model
 from moe_export.common.errors import InputError
 from moe_export.runtime.core.engine_core import EngineCore
 from moe_export.runtime.core.scheduler import Request

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 from fake_llm import FakeLLM, FakeProcessor
-from moe_export.export.synth import write_synthetic_tokenizer
+from moe_export.export.convert.synth import write_synthetic_tokenizer
 from moe_export.runtime.chat import render_ids
 from moe_export.runtime.core.budget import ThinkingPlan
 from moe_export.runtime.processor import RenderedChat

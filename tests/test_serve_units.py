@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import torch
 from moe_export.common.errors import InputError
-from moe_export.export.synth import write_synthetic_tokenizer
+from moe_export.export.convert.synth import write_synthetic_tokenizer
 from moe_export.runtime.chat import parse_output
 from moe_export.runtime.core.structured import (
     GrammarLogitsProcessor,

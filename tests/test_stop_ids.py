@@ -10,7 +10,7 @@ import shutil
 import pytest
 import yaml
 from conftest import run_cli
-from moe_export.export.checkpoint import load_model
+from moe_export.export.convert.checkpoint import load_model
 from moe_export.common.model_config import ModelConfig
 from moe_export.common.recipe import load_recipe
 from moe_export.export.build import build

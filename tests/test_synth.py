@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from moe_export.common.errors import InputError
-from moe_export.export.checkpoint import INDEX_FILE, open_checkpoint
-from moe_export.export.synth import (
+from moe_export.export.convert.checkpoint import INDEX_FILE, open_checkpoint
+from moe_export.export.convert.synth import (
     SMALL_PRESETS,
     preset_config,
     preset_hf_config,

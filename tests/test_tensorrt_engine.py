@@ -48,7 +48,7 @@ def test_pools_stay_within_the_build_profile():
     """Issue 18, defect 6: a runner opened with fewer slots than max_batch used to recompute the cache blocks from
     the memory the missing slots free (more than the profile's NB max); now blocks come from the profile."""
     from moe_export.common.recipe import load_recipe
-    from moe_export.export.planner import engine_pool_sizes
+    from moe_export.export.plan.planner import engine_pool_sizes
 
     assert runner_pool_sizes(META, 8, None, None) == (8, 9000)
     assert runner_pool_sizes(META, 8, 2, None) == (2, 9000)  # not more blocks for fewer slots
@@ -59,7 +59,7 @@ def test_pools_stay_within_the_build_profile():
         runner_pool_sizes(META, 8, None, 9001)
     # what the old rule would have allocated for a 2-slot runner of a real recipe: beyond the build's profile
     recipe, _ = load_recipe("tiny-cpu.yaml")
-    from moe_export.export.synth import preset_config
+    from moe_export.export.convert.synth import preset_config
 
     cfg = preset_config("tiny-k3")
     assert engine_pool_sizes(recipe, cfg, 2).num_blocks > engine_pool_sizes(recipe, cfg).num_blocks

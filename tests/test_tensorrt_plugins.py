@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 from moe_export.common.recipe import load_recipe
-from moe_export.export.checkpoint import open_checkpoint
-from moe_export.export.convert import convert_rank
-from moe_export.export.synth import write_synthetic_checkpoint
+from moe_export.export.convert.checkpoint import open_checkpoint
+from moe_export.export.convert.rank import convert_rank
+from moe_export.export.convert.synth import write_synthetic_checkpoint
 from moe_export.export.backends import backend_for
 from moe_export.graphs.onnx_export import export_rank_graph
 from moe_export.graphs.sharding import Mapping

@@ -14,9 +14,9 @@ import pytest
 import tensorrt_runtime_standin as rt
 from moe_export.common.engine_config import EngineConfig
 from moe_export.common.recipe import load_recipe
-from moe_export.export import tensorrt_build
-from moe_export.export.planner import engine_memory, make_plan
-from moe_export.export.synth import preset_config
+from moe_export.export.backends.tensorrt import engine as tensorrt_build
+from moe_export.export.plan.planner import engine_memory, make_plan
+from moe_export.export.convert.synth import preset_config
 from moe_export.graphs.sharding import Mapping
 from moe_export.plugins import tensorrt_runtime
 from moe_export.runtime.engine import tensorrt as runner

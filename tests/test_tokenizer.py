@@ -10,7 +10,7 @@ import pytest
 import regex
 import tiktoken
 from moe_export.common.errors import InputError
-from moe_export.export.synth import (
+from moe_export.export.convert.synth import (
     SYNTHETIC_MERGES,
     synthetic_special_ids,
     write_synthetic_tokenizer,

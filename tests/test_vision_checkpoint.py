@@ -6,14 +6,14 @@ import json
 
 import pytest
 from moe_export.common.recipe import load_recipe
-from moe_export.export.census import inspect_checkpoint
-from moe_export.export.checkpoint import CheckpointReader
-from moe_export.export.planner import (
+from moe_export.export.convert.census import inspect_checkpoint
+from moe_export.export.convert.checkpoint import CheckpointReader
+from moe_export.export.plan.planner import (
     image_patch_limit,
     make_plan,
     vision_activation_bytes,
 )
-from moe_export.export.synth import preset_config, write_synthetic_checkpoint
+from moe_export.export.convert.synth import preset_config, write_synthetic_checkpoint
 from moe_export.graphs.vision import vision_config, vision_tensor_specs
 from safetensors import safe_open
 from safetensors.torch import save_file

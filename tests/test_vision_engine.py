@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from moe_export.export.checkpoint import load_model
+from moe_export.export.convert.checkpoint import load_model
 from moe_export.common.errors import InputError
 from moe_export.graphs.vision import VisionTower, vision_config
 from moe_export.runtime import LLM, SamplingParams
@@ -57,7 +57,7 @@ THREE = chat(picture(1, 100, 150), picture(2, 70, 50, alpha=True), picture(3, 30
 
 @pytest.fixture(scope="module")
 def reference(synthetic_checkpoint):
-    from moe_export.export.checkpoint import open_checkpoint
+    from moe_export.export.convert.checkpoint import open_checkpoint
 
     ck = synthetic_checkpoint("tiny-k3")
     with open_checkpoint(ck) as reader:

@@ -10,8 +10,8 @@ import onnxruntime as ort
 import pytest
 import torch
 from fp32_reorder import vision_reorder_atol
-from moe_export.export.checkpoint import open_checkpoint
-from moe_export.export.synth import write_synthetic_checkpoint
+from moe_export.export.convert.checkpoint import open_checkpoint
+from moe_export.export.convert.synth import write_synthetic_checkpoint
 from moe_export.graphs.vision import VISION_NORM_EPS, VisionTower, vision_config
 from moe_export.graphs.vision_export import (
     export_vision_graph,

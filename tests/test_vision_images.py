@@ -126,7 +126,7 @@ def test_decoding_errors_name_the_part():
 
 
 def test_image_tokens(tmp_path):
-    from moe_export.export.synth import write_synthetic_tokenizer
+    from moe_export.export.convert.synth import write_synthetic_tokenizer
     from moe_export.runtime.tokenizer import load_tokenizer
 
     write_synthetic_tokenizer(tmp_path, "k3", 4096)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from fp32_reorder import vision_reorder_atol
 from moe_export.common.errors import InputError
 from moe_export.common.model_config import ModelConfig
-from moe_export.export.synth import (
+from moe_export.export.convert.synth import (
     preset_config,
     preset_hf_config,
     synth_tensor,

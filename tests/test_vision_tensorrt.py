@@ -15,9 +15,9 @@ import test_tensorrt_engine as trt_fakes
 import torch
 from moe_export.common.errors import InputError
 from moe_export.common.recipe import load_recipe
-from moe_export.export import tensorrt_vision
-from moe_export.export.planner import image_patch_limit, vision_activation_bytes
-from moe_export.export.synth import preset_config
+from moe_export.export.backends.tensorrt import vision as tensorrt_vision
+from moe_export.export.plan.planner import image_patch_limit, vision_activation_bytes
+from moe_export.export.convert.synth import preset_config
 from moe_export.common.engine_file import read_engine_file
 from moe_export.graphs.vision import VISION_NORM_EPS, vision_config, vision_tensor_specs
 from moe_export.graphs.vision_export import export_vision_graph, tower_inputs

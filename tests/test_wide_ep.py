@@ -16,7 +16,7 @@ import pytest
 from fp32_reorder import U32, num_layers, reorder_atol
 import torch
 import yaml
-from moe_export.export.checkpoint import load_model
+from moe_export.export.convert.checkpoint import load_model
 from moe_export.common.errors import InputError
 from moe_export.common.recipe import load_recipe
 from moe_export.export.build import build
@@ -417,7 +417,7 @@ def test_mpiexec_8_ranks_dp_layout_matches_single_rank_reference(dp_engine, pres
 def test_expected_destinations_matches_enumeration():
     from itertools import combinations
 
-    from moe_export.export.traffic import expected_destinations
+    from moe_export.export.plan.traffic import expected_destinations
 
     for experts, k, ep in ((8, 3, 4), (12, 2, 6), (6, 6, 3)):
         per = experts // ep
@@ -428,7 +428,7 @@ def test_expected_destinations_matches_enumeration():
 
 @pytest.mark.parametrize("recipe, world", [("h100x64.yaml", 64), ("h200x32.yaml", 32)])
 def test_plan_shows_both_layouts_and_the_recipes_choose_dp(recipe, world):
-    from moe_export.export.planner import make_plan
+    from moe_export.export.plan.planner import make_plan
 
     rec, _ = load_recipe(recipe)
     assert rec.parallel.attention == "dp" and rec.parallel.ep == world

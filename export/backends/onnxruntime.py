@@ -22,8 +22,8 @@ from onnx import TensorProto, helper
 from moe_export.common.errors import BuildError
 from moe_export.common.manifest import GRAPH, WEIGHTS
 from moe_export.common.ort_plan import CollectiveStep, OrtPlan, PlanStep, SegmentStep
-from moe_export.export.backends import Backend, BackendStage
-from moe_export.export.build_records import QUANT_REPORT, move_into, scratch
+from moe_export.export.backends.base import Backend, BackendStage
+from moe_export.export.build.records import QUANT_REPORT, move_into, scratch
 from moe_export.graphs.onnx_export import GraphForm
 from moe_export.plugins import DOMAIN
 from moe_export.plugins.collectives.onnx_schema import COLLECTIVE_OPS
@@ -160,12 +160,13 @@ def lower_for_onnxruntime(graph_path: Path, out_dir: Path) -> list[str]:
 
 
 def run_lower(ctx, n: int, mapping) -> tuple[list[str], Any, None]:
-    """Stage `lower` of rank n (`ctx`: a `build_stages.BuildContext`): lower into a scratch folder that sees the weights under their name, then rename the files out."""
+    """Stage `lower` of rank n (`ctx`: a `build.stages.BuildContext`): lower into a scratch folder that sees the
+    weights under their name, then rename the files out."""
     rdir = ctx.state.build / f"rank{n}"
     graph = ctx.state.output(f"graph/rank{n}", f"rank{n}/{GRAPH}")
     weights = ctx.state.output(f"convert/rank{n}", f"rank{n}/{WEIGHTS}")
     with scratch(rdir, "lower", {WEIGHTS: weights}) as tmp, ctx.progress.task(f"lower rank {n}", tmp):
-        names = list(ctx.stages.lower_for_onnxruntime(graph, tmp))
+        names = list(ctx.stages.work("lower", lower_for_onnxruntime)(graph, tmp))
         bad = [x for x in names if Path(x).name != x or x in (WEIGHTS, GRAPH, QUANT_REPORT) or not (tmp / x).is_file()]
         if bad:
             raise BuildError(f"lower rank {n}: the lowering reported unusable file names {bad}")
@@ -176,7 +177,7 @@ def run_lower(ctx, n: int, mapping) -> tuple[list[str], Any, None]:
 
 BACKEND = Backend(
     name="onnxruntime",
-    graph_form=GraphForm(TensorProto.FLOAT, pools_in_place=False),
+    graph_form=GraphForm(TensorProto.FLOAT),
     rank_stage=BackendStage("lower", fields=(), libraries=("onnx", "onnxruntime", "onnx-ir", "numpy"), run=run_lower,
                             code=(("export", "backends/onnxruntime.py"), ("plugins", "*.py"),
                                   ("plugins", "*/onnx_schema.py"), ("plugins", "*/ort.py"))),

@@ -9,7 +9,7 @@ fields, output types and shapes, and the build-time no-op.
 Importing this module registers `moe_export::AllReduce` (fields `group`, `reduce_op`) and `moe_export::AllGather`
 (fields `group`, `axis`, `group_size`; the gathered dim is `group_size` times the input's, so the output shape is
 known at build time). The design, as TensorRT-LLM's NCCL plugins (contract PLUGIN_RUNS_WHILE_BUILDING):
-  - while the engine is being built (`nccl.is_building()`, set by `export/tensorrt_build.py` around
+  - while the engine is being built (`nccl.is_building()`, set by `export/backends/tensorrt/engine.py` around
     `build_serialized_network`) the impl returns at once: TensorRT times plugins with garbage, and every rank
     builds on its own;
   - at run time the impl takes the communicator its `group` field names (registered by the runner from MPI:

@@ -10,6 +10,7 @@ TopK. Chunks and tiles keep the [c, Lq] scores and the [c, Hi, tile] temporary n
 import torch
 
 from ..sparse_mla_attention.reference import gather_context
+from .inputs import indexer_inputs
 
 _CHUNK_ELEMS = 1 << 24
 
@@ -43,16 +44,15 @@ def dsa_indexer_cpu(
 ) -> torch.Tensor:
     """q_idx [T, Hi, Di], weights [T, Hi], k_pool [NB, BS, Di], k_new [T, Di], cu_seqlens [N+1],
     block_tables [N, B], positions [T] -> indices [T, topk] int64."""
-    num_tokens, num_heads, _ = q_idx.shape
-    q = q_idx.float()
-    w = weights.float()
+    q, w, new, cu, tables, positions = indexer_inputs(q_idx, weights, k_new, cu_seqlens, block_tables, positions, topk)
+    num_tokens, num_heads, _ = q.shape
     out = torch.full((num_tokens, topk), -1, dtype=torch.int64)
-    for n in range(cu_seqlens.shape[0] - 1):
-        b, e = int(cu_seqlens[n]), int(cu_seqlens[n + 1])
+    for n in range(cu.shape[0] - 1):
+        b, e = int(cu[n]), int(cu[n + 1])
         if e == b:
             continue
         length = int(positions[b:e].max()) + 1
-        keys = gather_context(k_pool, k_new, cu_seqlens, block_tables, positions, torch.tensor(n), torch.arange(length))
+        keys = gather_context(k_pool, new, cu, tables, positions, torch.tensor(n), torch.arange(length))
         chunk = max(1, min(e - b, _CHUNK_ELEMS // length))
         tile = max(1, _CHUNK_ELEMS // (chunk * num_heads))
         for t0 in range(b, e, chunk):

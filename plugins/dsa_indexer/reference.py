@@ -25,7 +25,9 @@ both attention nodes; nothing is recomputed). GLM-5-Next's own indexer additiona
 
 import torch
 
-from ..sparse_mla_attention.reference import gather_context, token_sequences
+from ..sparse_mla_attention.inputs import token_sequences
+from ..sparse_mla_attention.reference import gather_context
+from .inputs import indexer_inputs
 
 
 def dsa_indexer_reference(
@@ -44,15 +46,16 @@ def dsa_indexer_reference(
     q_idx [T, Hi, Di], weights [T, Hi], k_pool [NB, BS, Di], k_new [T, Di], cu_seqlens [N+1], block_tables [N, B],
     positions [T] -> indices [T, topk] int64 (positions within the sequence, best first, -1 padding).
     """
-    num_tokens = q_idx.shape[0]
-    out = torch.full((num_tokens, topk), -1, dtype=torch.int64, device=q_idx.device)
-    seqs = token_sequences(cu_seqlens, num_tokens)
+    q, w, new, cu, tables, positions = indexer_inputs(q_idx, weights, k_new, cu_seqlens, block_tables, positions, topk)
+    num_tokens = q.shape[0]
+    out = torch.full((num_tokens, topk), -1, dtype=torch.int64, device=q.device)
+    seqs = token_sequences(cu, num_tokens)
     for t in range(num_tokens):
         pos = int(positions[t])
-        keys = gather_context(k_pool, k_new, cu_seqlens, block_tables, positions, seqs[t],
-                              torch.arange(pos + 1, device=q_idx.device))  # [pos+1, Di] fp32
-        per_head = torch.relu(q_idx[t].float() @ keys.T)  # [Hi, pos+1]
-        score = weights[t].float() @ per_head  # [pos+1]
+        keys = gather_context(k_pool, new, cu, tables, positions, seqs[t],
+                              torch.arange(pos + 1, device=q.device))  # [pos+1, Di] fp32
+        per_head = torch.relu(q[t] @ keys.T)  # [Hi, pos+1]
+        score = w[t] @ per_head  # [pos+1]
         order = torch.sort(score, descending=True, stable=True).indices[:topk]
         out[t, : order.numel()] = order
     return out

@@ -27,9 +27,10 @@ import triton
 import triton.language as tl
 
 from ..pool_table import TRITON_DTYPES, check_pool_offsets, in_pool, pool_entry, pool_table
-from ..sparse_mla_attention.reference import token_sequences
+from ..sparse_mla_attention.inputs import token_sequences
 from ..sparse_mla_attention.triton_kernel import e8m0_scale, fp8_codes
 from ..triton_dot import INTERPRETED, mma
+from .inputs import indexer_inputs
 from .sizes import DEFAULT_SCRATCH_BUDGET, SELECT_BLOCK, blocks_per_program, chunk_shape, padded_topk
 
 SCORE_WARPS = 8
@@ -292,14 +293,9 @@ def dsa_indexer_launch(
 ) -> torch.Tensor:
     """`dsa_indexer_triton` with the key pool [NB, block_size, W] of `pool_dtype` as row `pool_index` of
     `pool_table`. Nothing is checked on the host (the TensorRT plugin's path); whoever builds the table checks it."""
-    num_tokens, num_heads, dim = q_idx.shape
-    q = q_idx.float().contiguous()
-    w = weights.float().contiguous()
-    new = k_new.float().contiguous()
-    cu = cu_seqlens.to(torch.int64).contiguous()
-    tables = block_tables.to(torch.int64).contiguous()
+    q, w, new, cu, tables, pos = indexer_inputs(q_idx, weights, k_new, cu_seqlens, block_tables, positions, topk)
+    num_tokens, num_heads, dim = q.shape
     seqs = token_sequences(cu, num_tokens).contiguous()
-    pos = positions.to(torch.int64).contiguous()
     length = tables.shape[1] * block_size
     chunk = chunk_shape(num_tokens, length, topk, budget_bytes, block_n)
     block_n, stages = score_tiles(pool_dtype, block_size, block_n)

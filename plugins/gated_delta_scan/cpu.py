@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_inputs, l2norm
+from .inputs import check_inputs, l2norm
 
 CHUNK = 64
 _SUB = 16

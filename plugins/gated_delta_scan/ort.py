@@ -22,7 +22,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from .. import DOMAIN, PLUGIN_VERSION
-from .common import L2NORM_EPS
+from .inputs import L2NORM_EPS
 from .onnx_schema import INPUTS, OP_TYPE, OUTPUTS
 
 ONNX_OPSET = 21

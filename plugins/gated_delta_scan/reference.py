@@ -6,7 +6,7 @@ Per sequence and head, with fp32 state S in R^{K x V}:
     S   = S + beta_t * k_t[:, None] * (v_t - S^T k_t)[None, :]
     o_t = S^T (q_t * scale)                         # read from the UPDATED state
 
-Conventions are those of fla's ``naive_recurrent_kda`` (see ``common`` for shapes); ``cu_seqlens`` packs
+Conventions are those of fla's ``naive_recurrent_kda`` (see ``inputs`` for shapes); ``cu_seqlens`` packs
 several sequences into batch 1 and ``use_qk_l2norm_in_kernel`` L2-normalises q and k over K first
 (x / sqrt(sum x^2 + 1e-6), in fp32).
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_inputs, l2norm
+from .inputs import check_inputs, l2norm
 
 
 def gated_delta_scan(

@@ -23,7 +23,7 @@ import triton.language as tl
 from ..aot_contract import aot_compile_options
 from ..pool_table import check_pool_offsets, device_pool_table, in_pool, pool_entry, pool_table
 
-from .common import L2NORM_EPS, check_inputs
+from .inputs import L2NORM_EPS, check_inputs
 from .sizes import block_sizes
 
 _EPS = tl.constexpr(L2NORM_EPS)

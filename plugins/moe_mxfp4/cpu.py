@@ -14,7 +14,8 @@ import torch
 
 from moe_export.quantize import mxfp4
 
-from .reference import ACTIVATIONS, gated_activation
+from .inputs import moe_inputs
+from .reference import gated_activation
 
 _TILE_ELEMS = 1 << 18
 
@@ -54,11 +55,8 @@ def moe_mxfp4_cpu(
     situ_linear_beta: float = 25.0,
 ) -> torch.Tensor:
     """x [T, D], expert_ids [T, k], expert_weights [T, k], weights as in `reference.py` -> y [T, D] fp32."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    num_tokens, top_k = expert_ids.shape
-    num_local, two_inter, dim = w13_packed.shape[0], w13_packed.shape[1], x.shape[1]
-    inter = two_inter // 2
+    num_tokens, top_k, num_local, inter, dim = moe_inputs(x, expert_ids, expert_weights, w13_packed, w13_scale,
+                                                          w2_packed, w2_scale, activation)
     y = torch.zeros(num_tokens + 1, dim, dtype=torch.float32)  # row num_tokens absorbs padding rows
     pairs, experts, counts = group_by_expert(expert_ids, expert_offset, num_local)
     if experts.numel() == 0:

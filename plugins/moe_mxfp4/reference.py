@@ -17,7 +17,7 @@ import torch
 
 from moe_export.quantize import mxfp4
 
-ACTIVATIONS = ("situ", "silu")
+from .inputs import ACTIVATIONS, moe_inputs
 
 
 def gated_activation(
@@ -46,10 +46,9 @@ def moe_mxfp4_reference(
     situ_linear_beta: float = 25.0,
 ) -> torch.Tensor:
     """One (token, choice) pair at a time; weights decoded with `quantize.mxfp4.decode`. -> y [T, D] fp32."""
-    num_tokens, top_k = expert_ids.shape
-    num_local = w13_packed.shape[0]
-    inter = w13_packed.shape[1] // 2
-    y = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    num_tokens, top_k, num_local, inter, dim = moe_inputs(x, expert_ids, expert_weights, w13_packed, w13_scale,
+                                                          w2_packed, w2_scale, activation)
+    y = torch.zeros(num_tokens, dim, dtype=torch.float32, device=x.device)
     for t in range(num_tokens):
         for j in range(top_k):
             e = int(expert_ids[t, j]) - expert_offset

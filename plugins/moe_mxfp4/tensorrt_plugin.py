@@ -47,7 +47,7 @@ from .. import PLUGIN_NAMESPACE
 from ..collectives.nccl import received_rows_bound
 from ..tensorrt_common import Float32Field, Int32Field, as_torch, scalar, text
 from .onnx_schema import OP_TYPE
-from .reference import ACTIVATIONS
+from .inputs import ACTIVATIONS
 from .triton_kernel import moe_mxfp4_triton
 
 PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{OP_TYPE}"

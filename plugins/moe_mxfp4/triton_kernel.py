@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ..triton_dot import INTERPRETED, mma
-from .reference import ACTIVATIONS
+from .inputs import moe_inputs
 from .sizes import (COMBINE_BLOCK_D, DEFAULT_SCRATCH_BUDGET, aligned, block_programs, chunk_tokens, combine_programs,
                     pair_capacity, tile_config)
 
@@ -364,14 +364,12 @@ def moe_mxfp4_triton(
     sum(recv_counts) read on the device, are read and written (rows >= n may hold anything, y's are left as they
     are), the chunks cover rows [0, row_bound) only (row_bound >= n, default T) and the grids are bounded
     (`sizes.block_programs`, `sizes.combine_programs`), whatever T."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    num_tokens, top_k, _, inter, dim = moe_inputs(x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packed,
+                                                  w2_scale, activation)
     if x.dtype != torch.bfloat16:
         raise ValueError(f"moe_mxfp4_triton: x must be bf16 (the tensor-core path, bf16 in and out), got {x.dtype}")
-    num_tokens, top_k = expert_ids.shape
     bound = _rows_to_run(num_tokens, recv_counts, row_bound, x.device)
     x = x[:bound]
-    inter, dim = w13_packed.shape[1] // 2, x.shape[1]
     experts = [t.contiguous() for t in (w13_packed, w13_scale, w2_packed, w2_scale)]
     experts[0], experts[2] = experts[0].view(torch.int32), experts[2].view(torch.int32)  # words of 8 values
     y = torch.empty(num_tokens, dim, dtype=x.dtype, device=x.device) if out is None else out

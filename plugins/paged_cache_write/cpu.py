@@ -4,7 +4,8 @@ a graph output to an input, so its graphs return the new rows and the runtime st
 
 import torch
 
-from ..sparse_mla_attention.reference import token_sequences
+from ..sparse_mla_attention.inputs import token_sequences
+from .inputs import write_inputs
 from .reference import stored_rows
 
 
@@ -23,7 +24,8 @@ def paged_cache_write_(
 ) -> torch.Tensor:
     """Write new_rows [T, D] fp32 into pool [NB, BS, W] in place (W = D, or D + 1 for a uint8 fp8 pool); returns
     the pool."""
-    rows = cache_rows(cu_seqlens, block_tables, positions, pool.shape[1])
+    new_rows, cu, tables, positions = write_inputs(new_rows, cu_seqlens, block_tables, positions, pool)
+    rows = cache_rows(cu, tables, positions, pool.shape[1])
     # index_copy_, not `pool[rows] = ...`: torch's CPU index_put_ took ~8 ms for 192 rows whatever the pool's size
     # or dtype (twelve pools per tiny-k3 prefill step: ~90 ms of a ~210 ms step), index_copy_ 0.05 ms. The rows are
     # distinct (one per token position, in blocks only this sequence writes).

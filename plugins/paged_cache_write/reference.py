@@ -14,7 +14,8 @@ import torch
 
 from moe_export.quantize import fp8_cache
 
-from ..sparse_mla_attention.reference import token_sequences
+from ..sparse_mla_attention.inputs import token_sequences
+from .inputs import write_inputs
 
 
 def stored_rows(pool: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:
@@ -31,11 +32,12 @@ def paged_cache_write_reference(
 ) -> torch.Tensor:
     """One token at a time: pool [NB, BS, W] (W = D, or D + 1 for fp8), new_rows [T, D] fp32, cu_seqlens [N+1],
     block_tables [N, B], positions [T] (int64) -> a copy of the pool with the rows written."""
+    rows, cu, tables, positions = write_inputs(new_rows, cu_seqlens, block_tables, positions, pool)
     out = pool.clone()
-    seqs = token_sequences(cu_seqlens, new_rows.shape[0])
+    seqs = token_sequences(cu, rows.shape[0])
     block_size = pool.shape[1]
-    for t in range(new_rows.shape[0]):
+    for t in range(rows.shape[0]):
         pos = int(positions[t])
-        block = int(block_tables[seqs[t], pos // block_size])
-        out[block, pos % block_size] = stored_rows(pool, new_rows[t : t + 1])[0]
+        block = int(tables[seqs[t], pos // block_size])
+        out[block, pos % block_size] = stored_rows(pool, rows[t : t + 1])[0]
     return out

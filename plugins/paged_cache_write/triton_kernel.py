@@ -17,6 +17,7 @@ import triton.language as tl
 from ..aot_contract import aot_compile_options
 from ..pool_table import TRITON_DTYPES, check_pool_offsets, in_pool, pool_entry, pool_table
 from ..sparse_mla_attention.triton_kernel import token_sequence
+from .inputs import write_inputs
 
 
 @triton.jit
@@ -89,16 +90,16 @@ def paged_cache_write_launch(
     `pool_dtype`, W = D or D + 1 for fp8) and copy them to rows_out [T, D] fp32. Nothing is checked on the host
     (the TensorRT plugin's path: the table is on the device, and garbage while TensorRT times tactics is handled
     in the kernel); whoever builds the table checks it (`pool_table`)."""
+    new_rows, cu, tables, positions = write_inputs(new_rows, cu_seqlens, block_tables, positions, None)
     num_tokens, dim = new_rows.shape
     if num_tokens == 0:
         return
-    if cu_seqlens.numel() < 2 or block_tables.shape[1] == 0:
+    if cu.numel() < 2 or tables.shape[1] == 0:
         rows_out.copy_(new_rows)
         return
     _paged_cache_write_kernel[(num_tokens,)](
-        pool_table, new_rows.float().contiguous(), cu_seqlens.to(torch.int64).contiguous(),
-        block_tables.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous(),
-        pool_index, cu_seqlens.numel() - 1, num_tokens, block_size, block_tables.shape[1],
+        pool_table, new_rows, cu, tables, positions,
+        pool_index, cu.numel() - 1, num_tokens, block_size, tables.shape[1],
         rows_out,
         D=dim, BLOCK_D=triton.next_power_of_2(dim), POOL_FP8=pool_dtype == torch.uint8,
         POOL_DTYPE=TRITON_DTYPES[pool_dtype],
@@ -115,6 +116,7 @@ def paged_cache_write_triton(
     """Store new_rows [T, D] fp32 into `pool` [NB, BS, W] (W = D, or D + 1 for a uint8 fp8 pool) in place, through
     a pool table of that one pool (the kernel gets the pool's address only from the table); returns the pool.
     The table and the block ids are checked before anything is launched (`pool_table.PoolTableError`)."""
+    new_rows, cu_seqlens, block_tables, positions = write_inputs(new_rows, cu_seqlens, block_tables, positions, pool)
     if pool.shape[0] == 0:
         return pool
     table = pool_table([pool])

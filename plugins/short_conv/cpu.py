@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_inputs
+from .inputs import check_inputs
 
 
 def short_conv(

@@ -6,14 +6,14 @@ at the start of a sequence):
     y_t[c] = silu( sum_{j=0..W-1} w[c, j] * x_{t-W+1+j}[c] )      (taps oldest -> newest, no bias)
 
 The final state is the last W-1 inputs of the sequence, reaching into the initial state when the sequence is
-shorter than W-1. Shapes and ``cu_seqlens`` conventions: see ``common``.
+shorter than W-1. Shapes and ``cu_seqlens`` conventions: see ``inputs``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .common import check_inputs
+from .inputs import check_inputs
 
 
 def short_conv(

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ..aot_contract import aot_compile_options
 from ..pool_table import check_pool_offsets, device_pool_table, in_pool, pool_entry, pool_table
-from .common import check_inputs
+from .inputs import check_inputs
 from .sizes import block_sizes
 
 

@@ -9,7 +9,8 @@ temporaries near `_CHUNK_ELEMS` floats.
 
 import torch
 
-from .reference import gather_context, token_sequences
+from .inputs import attention_inputs, token_sequences
+from .reference import gather_context
 
 _CHUNK_ELEMS = 1 << 24
 
@@ -92,8 +93,9 @@ def sparse_mla_attention_cpu(
 ) -> torch.Tensor:
     """q_lat [T, H, Dc+Dr], kv_pool [NB, BS, Dc+Dr], kv_new [T, Dc+Dr], cu_seqlens [N+1], block_tables [N, B],
     positions [T], topk_indices [T, K] or None (None or K = 0: dense causal) -> o_lat [T, H, Dc] fp32."""
-    q = q_lat.float()
-    ctx = (kv_pool, kv_new, cu_seqlens, block_tables, positions)
-    if topk_indices is None or topk_indices.shape[1] == 0:
-        return _dense(q, ctx, cu_seqlens, positions, scale, kv_lora_rank)
-    return _sparse(q, ctx, token_sequences(cu_seqlens, q.shape[0]), positions, topk_indices, scale, kv_lora_rank)
+    q, new, cu, tables, positions, idx = attention_inputs(q_lat, kv_pool, kv_new, cu_seqlens, block_tables, positions,
+                                                          topk_indices, kv_lora_rank)
+    ctx = (kv_pool, new, cu, tables, positions)
+    if idx is None:
+        return _dense(q, ctx, cu, positions, scale, kv_lora_rank)
+    return _sparse(q, ctx, token_sequences(cu, q.shape[0]), positions, idx, scale, kv_lora_rank)

@@ -26,11 +26,7 @@ import torch
 
 from moe_export.quantize import fp8_cache
 
-
-def token_sequences(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Sequence index of each packed token: cu_seqlens [N+1] int64 -> [T] int64."""
-    tokens = torch.arange(num_tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
-    return torch.searchsorted(cu_seqlens[1:].contiguous(), tokens, right=True)
+from .inputs import attention_inputs, token_sequences
 
 
 def gather_context(
@@ -78,22 +74,22 @@ def sparse_mla_attention_reference(
     positions [T] (int64), topk_indices [T, K] int64 or None (None or K = 0: dense causal)
     -> o_lat [T, H, Dc] fp32, Dc = kv_lora_rank.
     """
-    if topk_indices is not None and topk_indices.shape[1] == 0:
-        topk_indices = None
-    num_tokens, num_heads, _ = q_lat.shape
-    out = torch.zeros(num_tokens, num_heads, kv_lora_rank, dtype=torch.float32, device=q_lat.device)
-    seqs = token_sequences(cu_seqlens, num_tokens)
+    q, new, cu, tables, positions, topk_indices = attention_inputs(q_lat, kv_pool, kv_new, cu_seqlens, block_tables,
+                                                                   positions, topk_indices, kv_lora_rank)
+    num_tokens, num_heads, _ = q.shape
+    out = torch.zeros(num_tokens, num_heads, kv_lora_rank, dtype=torch.float32, device=q.device)
+    seqs = token_sequences(cu, num_tokens)
     for t in range(num_tokens):
         pos = int(positions[t])
         if topk_indices is None:
-            selected = torch.arange(pos + 1, device=q_lat.device)
+            selected = torch.arange(pos + 1, device=q.device)
         else:
             idx = topk_indices[t]
             selected = idx[(idx >= 0) & (idx <= pos)]
         if selected.numel() == 0:
             continue
-        rows = gather_context(kv_pool, kv_new, cu_seqlens, block_tables, positions, seqs[t], selected)
-        scores = (q_lat[t].float() @ rows.T) * scale  # [H, n]
+        rows = gather_context(kv_pool, new, cu, tables, positions, seqs[t], selected)
+        scores = (q[t] @ rows.T) * scale  # [H, n]
         probs = torch.softmax(scores, dim=-1)
         out[t] = probs @ rows[:, :kv_lora_rank]
     return out

@@ -28,6 +28,7 @@ import triton.language as tl
 from ..aot_contract import aot_compile_options
 from ..pool_table import TRITON_DTYPES, check_pool_offsets, in_pool, pool_entry, pool_table
 from ..triton_dot import INTERPRETED, mma
+from .inputs import attention_inputs
 from .sizes import block_sizes, num_splits
 
 _SEQ_BLOCK = tl.constexpr(64)
@@ -207,22 +208,17 @@ def sparse_mla_attention_triton(
     kv_new [T, Dc+Dr] fp32,
     cu_seqlens [N+1], block_tables [N, B], positions [T], topk_indices [T, K] int64 or None (None or K = 0:
     dense causal) -> o_lat [T, H, Dc] fp32."""
-    num_tokens, num_heads, dim = q_lat.shape
-    q = q_lat.float().contiguous()
+    q, new, cu, tables, pos, idx = attention_inputs(q_lat, kv_pool, kv_new, cu_seqlens, block_tables, positions,
+                                                    topk_indices, kv_lora_rank)
+    num_tokens, num_heads, dim = q.shape
     pool = kv_pool.contiguous()
-    new = kv_new.float().contiguous()
-    cu = cu_seqlens.to(torch.int64).contiguous()
-    tables = block_tables.to(torch.int64).contiguous()
-    pos = positions.to(torch.int64).contiguous()
     out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=torch.float32, device=q.device)
-    has_indices = topk_indices is not None and topk_indices.shape[1] > 0
-    idx = topk_indices.to(torch.int64).contiguous() if has_indices else pos  # dense: idx is never read
     if num_tokens == 0 or cu.numel() < 2 or pool.shape[0] == 0 or tables.shape[1] == 0:
         return out.zero_()
     table = pool_table([pool])
     check_pool_offsets(table, 0, block_tables=tables.cpu().numpy())
     sparse_mla_attention_launch(q, torch.from_numpy(table).to(q.device), 0, pool.shape[1], pool.dtype, new, cu, tables,
-                                pos, idx if has_indices else None, out, scale=scale, kv_lora_rank=kv_lora_rank,
+                                pos, idx, out, scale=scale, kv_lora_rank=kv_lora_rank,
                                 block_h=block_h, block_k=block_k, splits=splits)  # fmt: skip
     return out
 

@@ -9,7 +9,7 @@ and of torch.cuda), the import guard.
 As TensorRT-LLM runs its engines:
   - Placement: one process per GPU under `mpiexec -n world_size`; the local rank picks the GPU
     (`plugins.tensorrt_runtime.select_device`), at build and here.
-  - One engine per rank (`rank{N}.engine`, see `export/tensorrt_build.py`) with its collectives inside as
+  - One engine per rank (`rank{N}.engine`, see `export/backends/tensorrt/engine.py`) with its collectives inside as
     plugins; this runner registers the NCCL communicators they use (`plugins.collectives.nccl`: tp and ep
     groups of consecutive ranks, rendezvous from MPI) before deserializing it. A step is one enqueue.
   - Memory: the execution context is created with ExecutionContextAllocationStrategy.USER_MANAGED and given

@@ -1,4 +1,4 @@
-"""The TensorRT runner's vision tower: `vision.engine` (`export/tensorrt_vision.py`) on one rank.
+"""The TensorRT runner's vision tower: `vision.engine` (`export/backends/tensorrt/vision.py`) on one rank.
 
 Every rank deserializes the one tower engine the build wrote (the tower is replicated) with the runtime of its
 text engine, on its GPU, and runs it on the rank's one stream, so a tower call is ordered with the steps

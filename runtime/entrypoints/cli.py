@@ -59,7 +59,7 @@ def plan(
 
     from moe_export.common.recipe import load_recipe
     from moe_export.common.pools import CHECKPOINTS_PER_SLOT, GIB
-    from moe_export.export.planner import make_plan
+    from moe_export.export.plan.planner import make_plan
 
     rec, path = load_recipe(recipe)
     p = make_plan(rec)
@@ -159,7 +159,7 @@ def synth(
     force: bool = typer.Option(False, "--force", help="replace a non-empty output directory"),
 ) -> None:
     """Write a synthetic HF checkpoint (config, sharded safetensors, tokenizer) with random weights."""
-    from moe_export.export.synth import write_synthetic_checkpoint
+    from moe_export.export.convert.synth import write_synthetic_checkpoint
 
     path = write_synthetic_checkpoint(preset, out, seed=seed, force=force)
     console.print(f"wrote synthetic checkpoint {preset} (seed {seed}) to {path}", highlight=False)
@@ -176,9 +176,9 @@ def inspect(
     import json
 
     from moe_export.common.manifest import is_engine_dir
-    from moe_export.export.census import inspect_checkpoint, render_checkpoint_report
-    from moe_export.export.checkpoint import Problem, format_problems
-    from moe_export.export.inspect_engine import inspect_engine, render_engine_report
+    from moe_export.export.convert.census import inspect_checkpoint, render_checkpoint_report
+    from moe_export.export.convert.checkpoint import Problem, format_problems
+    from moe_export.export.build.inspect_engine import inspect_engine, render_engine_report
 
     if is_engine_dir(path):
         engine = inspect_engine(path)

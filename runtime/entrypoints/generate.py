@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from moe_export.export.checkpoint import load_model
+from moe_export.export.convert.checkpoint import load_model
 from moe_export.common.errors import InputError, RequestFailed
 from moe_export.runtime.core.scheduler import Request
 from moe_export.runtime.engine.reference import ReferenceEngine
@@ -107,7 +107,7 @@ def generate_command(path: str | Path, prompt_ids: str | None, prompt: str | Non
             return llm.generate([ids], sampling)[0].output_ids
         finally:
             llm.shutdown()  # also after an error: the follower ranks are released
-    from moe_export.export.planner import check_reference_fits
+    from moe_export.export.plan.planner import check_reference_fits
 
     cfg = ModelConfig.from_pretrained(path)
     check_reference_fits(cfg, str(path))  # before reading any weights

@@ -14,7 +14,7 @@ one node under mpiexec build on their own GPUs; `recipe.tensorrt.prefer_aot` pic
 kernels are cubins for the recipe's GPU (`plugins/tensorrt_target.py`; PTX only as a fallback).
 
 Memory. The build refuses a recipe whose per-GPU total (weights, pools for max_batch sequences with at least
-one max_seq_len, activation memory, plugin workspaces, reserve; `export/planner.py`) does not fit, before
+one max_seq_len, activation memory, plugin workspaces, reserve; `export/plan/planner.py`) does not fit, before
 parsing. Then, before the whole rank is built, a probe engine of its first layers (`probe_graph`: up to the first
 layer of each kind, KDA, MLA and MoE; 4 of K3's 93) is built with the same profile and settings and its activation
 memory (`device_memory_size_v2`, contract USER_MANAGED_DEVICE_MEMORY) checked against the plan: a probe over
@@ -58,7 +58,7 @@ from moe_export.common.engine_file import (
     stream_writer,
 )
 from moe_export.common.errors import InputError
-from moe_export.export.planner import GIB, make_plan
+from moe_export.export.plan.planner import GIB, make_plan
 from moe_export.plugins.collectives.onnx_schema import COLLECTIVE_OPS
 from moe_export.plugins.tensorrt_runtime import import_tensorrt, register_plugins, select_device
 from moe_export.plugins.tensorrt_target import GPU_CAPABILITY, set_target_capability

@@ -1,4 +1,5 @@
-"""Input checks and helpers shared by the gated delta scan implementations.
+"""The input checks and preparation (and the l2norm) every gated delta scan implementation (reference, cpu, triton)
+runs.
 
 Shapes follow fla's ``naive_recurrent_kda``: q, k ``[B, T, H, K]``; v ``[B, T, H, V]``; g ``[B, T, H, K]``
 (log-decay, natural log); beta ``[B, T, H]``; state ``[N, H, K, V]`` fp32 (K-first). With ``cu_seqlens``

@@ -10,7 +10,7 @@ The source enters in two ways. `source_id` (`source_identity`) is cheap, known b
 converted: config.json's sha256 and the shard headers' tensor table (`CheckpointReader.layout_digest`).
 The tensor bytes enter through the convert stage: its key covers `source_id`, and its identity
 (`convert_identity`) adds the digest of the bytes the rank read, hashed as they were converted
-(`export.source_reads`). The graph and backend stages of a rank are keyed by that identity, `config` by
+(`export.build.source_reads`). The graph and backend stages of a rank are keyed by that identity, `config` by
 every rank's. So a rank's downstream keys are known only once its convert stage is resolved (run, or
 found up to date by `source_reads.check`).
 """
@@ -39,11 +39,14 @@ _COMMON_FIELDS: dict[str, tuple[str, ...]] = {
 _MODEL_CODE = (("common", "model_config.py"), ("common", "mapping.py"), ("graphs", "sharding.py"), ("graphs", "weights.py"))
 # Source files each stage runs, as (subpackage of moe_export, glob inside it).
 _COMMON_CODE: dict[str, tuple[tuple[str, str], ...]] = {
-    "convert": (("export", "convert.py"), ("export", "checkpoint.py"), ("export", "transforms.py"), ("quantize", "*.py"),
-                ("plugins", "moe_mxfp4/layout.py"), *_MODEL_CODE),
+    "convert": (("export", "convert/rank.py"), ("export", "convert/checkpoint.py"), ("export", "convert/transforms.py"),
+                ("quantize", "*.py"), ("plugins", "moe_mxfp4/layout.py"), *_MODEL_CODE),
+    # a backend's own graph form (its pool lowering) shapes the graph too
     "graph": (("graphs", "onnx_*.py"), ("graphs", "fp8_rows.py"), ("graphs", "vision.py"), ("plugins", "*.py"),
-              ("plugins", "*/onnx_schema.py"), *_MODEL_CODE),
-    "config": (("export", "build*.py"), ("export", "planner.py"), ("common", "manifest.py"), ("common", "engine_config.py"),
+              ("plugins", "*/onnx_schema.py"), ("plugins", "*/sizes.py"), ("export", "backends/*/graph_form.py"),
+              *_MODEL_CODE),
+    "config": (("export", "build/*.py"), ("export", "plan/planner.py"), ("export", "plan/memory.py"),
+               ("export", "plan/backend_terms.py"), ("common", "manifest.py"), ("common", "engine_config.py"),
                ("common", "pools.py"), *_MODEL_CODE),
     "vision": (("graphs", "vision.py"), ("graphs", "vision_export.py"), ("graphs", "onnx_*.py"), *_MODEL_CODE),
 }

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_export.common.model_config import ModelConfig
-from moe_export.export.checkpoint import CheckpointReader
+from moe_export.export.convert.checkpoint import CheckpointReader
 from moe_export.graphs.weights import WEIGHT_CLASSES, classify_tensor_name
 
 CLASS_LABELS = {

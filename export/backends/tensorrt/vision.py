@@ -4,7 +4,7 @@ The tower has no collectives and the same weights on every rank (it is replicate
 group encodes its share of a request's images, `runtime.engine.vision.encode_spread`), so one build serves
 every rank: the file is the same for all of them, and each rank deserializes its own copy on its own GPU
 (TensorRT engines are specific to the GPU model, which a recipe's ranks share: `target.gpu`). It is built the
-way the text graphs are (`export/tensorrt_build.py`): the whole graph parsed into one STRONGLY_TYPED network
+way the text graphs are (`export/backends/tensorrt/engine.py`): the whole graph parsed into one STRONGLY_TYPED network
 (the graph's fp32 decides the precision), one optimization profile, the builder's workspace limit and a
 device-memory check against the planner's budget, the same `trt_engine` safetensors file format.
 
@@ -25,8 +25,8 @@ import onnx
 from moe_export.common.atomic import atomic_path
 from moe_export.common.engine_file import ENGINE_KEY, EngineFileWriter, stream_reader
 from moe_export.common.errors import InputError
-from moe_export.export.planner import GIB, image_patch_limit, vision_activation_bytes
-from moe_export.export.tensorrt_build import (
+from moe_export.export.plan.planner import GIB, image_patch_limit, vision_activation_bytes
+from moe_export.export.backends.tensorrt.engine import (
     _checked,
     graph_input_dims,
     import_tensorrt,

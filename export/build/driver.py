@@ -12,15 +12,15 @@ Layout of the engine directory OUT (TensorRT-LLM conventions):
     OUT/vision.safetensors, vision.onnx K3's vision tower + projector (bf16 tensors as stored) and its graph,
                                         one copy every rank loads (`graphs.vision_export`)
     OUT/vision.engine                   TensorRT backend, K3: the tower's engine, the one file every rank loads
-                                        (`export/tensorrt_vision.py`)
+                                        (`export/backends/tensorrt/vision.py`)
 What a backend adds after a rank's graph (and after the vision graph) is its module in `export/backends/`.
     OUT/LICENSE                         the source checkpoint's license, copied
     OUT/tiktoken.model ...              the source checkpoint's tokenizer files (`TOKENIZER_FILES`), copied
     OUT/manifest.json                   written last: every file's size + sha256, versions, hashes, keys
 
-The driver is this module; the stages every backend runs are `build_stages`, their records and scratch
-folders `build_records`, the source `build_source`, the global artifacts, publishing and the manifest
-`build_publish`.
+The driver is this module; the stages every backend runs are `build.stages`, their records and scratch
+folders `build.records`, the source `build.source`, the global artifacts, publishing and the manifest
+`build.publish`.
 
 Bookkeeping (not artifacts): `.build/` holds each stage's outputs from when they are produced until
 they are published (moved into OUT), `.state/` one JSON record per finished stage, `.cache/` the
@@ -50,7 +50,7 @@ each byte a rank needs once. Each convert record lists the slices the rank read,
 shard's stamp (device, inode, size, mtime, ctime). A convert stage whose key is unchanged is up to date
 when every shard it read has its recorded stamp (nothing is read), or when the shards whose stamp moved
 still hold the recorded bytes (only the rank's slices of those shards are re-read and compared); the
-exact rule is in `export/source_reads.py`. An unchanged rebuild reads no tensor data (validation still
+exact rule is in `export/build/source_reads.py`. An unchanged rebuild reads no tensor data (validation still
 reads K3's A_log padding).
 
 Crash safety. Every file is written under a temporary name in its final folder and renamed into
@@ -90,13 +90,13 @@ from moe_export.common.manifest import MANIFEST, is_engine_dir
 from moe_export.common.mapping import Mapping
 from moe_export.common.mpi import world_comm
 from moe_export.common.recipe import Recipe
-from moe_export.export import source_reads
+from moe_export.export.build import source_reads
 from moe_export.export.backends import Backend, backend_for
-from moe_export.export.build_lock import OutputLock
-from moe_export.export.build_progress import Progress
-from moe_export.export.build_publish import build_globals, build_manifest, empty_build_folder, publish
-from moe_export.export.build_records import StageRecords, stage_failed
-from moe_export.export.build_source import (
+from moe_export.export.build.lock import OutputLock
+from moe_export.export.build.progress import Progress
+from moe_export.export.build.publish import build_globals, build_manifest, empty_build_folder, publish
+from moe_export.export.build.records import StageRecords, stage_failed
+from moe_export.export.build.source import (
     SYNTH_SEED,
     SYNTH_TEMP_RE,
     Source,
@@ -104,8 +104,8 @@ from moe_export.export.build_source import (
     source_location,
     vision_stamps,
 )
-from moe_export.export.build_stages import BuildContext, Stages, run_convert, run_graph, run_vision
-from moe_export.export.stage_keys import (
+from moe_export.export.build.stages import BuildContext, Stages, run_convert, run_graph, run_vision
+from moe_export.export.build.stage_keys import (
     code_fingerprints,
     convert_identity,
     convert_key,
@@ -156,7 +156,7 @@ def _collective(comm, fn: Callable[[], Any]) -> Any:
 
 def _check_plan(recipe: Recipe) -> dict[int, int]:
     """The planner's checks (layout divides the model, weights fit) before any work; returns per-rank bytes."""
-    from moe_export.export.planner import make_plan
+    from moe_export.export.plan.planner import make_plan
 
     plan = make_plan(recipe)
     if not plan.fits:
@@ -192,7 +192,7 @@ def _prepare(ctx: BuildContext) -> None:
             shutil.rmtree(p, ignore_errors=True)
     kind, path, preset = source_location(ctx.recipe, out)
     if kind == "synthetic" and not path.is_dir():
-        from moe_export.export.synth import write_synthetic_checkpoint
+        from moe_export.export.convert.synth import write_synthetic_checkpoint
 
         write_synthetic_checkpoint(preset, path, seed=SYNTH_SEED)
 
@@ -200,7 +200,7 @@ def _prepare(ctx: BuildContext) -> None:
 def _open_source(ctx: BuildContext) -> None:
     """Open and validate the source, identify it from config.json and the shard headers (no tensor data is
     read), and compute every convert key."""
-    from moe_export.export.checkpoint import INDEX_FILE, open_checkpoint
+    from moe_export.export.convert.checkpoint import INDEX_FILE, open_checkpoint
 
     kind, path, preset = source_location(ctx.recipe, ctx.out)
     if kind == "checkpoint" and not path.is_dir():

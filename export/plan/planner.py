@@ -41,14 +41,14 @@ from moe_export.common.errors import InputError
 from moe_export.common.pools import GIB, EngineMemory, PoolBudget, PoolSizes, pool_sizes
 from moe_export.common.model_config import ModelConfig, shipped_model_config
 from moe_export.common.recipe import Recipe
-from moe_export.export.backends import backend_for
+from moe_export.export.plan.backend_terms import backend_terms
 from moe_export.graphs.sharding import Mapping, check_divisibility, rank_numel
 from moe_export.graphs.vision import (
     tower_activation_bytes,
     vision_config,
     vision_tensor_specs,
 )
-from moe_export.export.plan_memory import host_peak_bytes, nccl_buffer_bytes, usable_gpu_bytes
+from moe_export.export.plan.memory import host_peak_bytes, nccl_buffer_bytes, usable_gpu_bytes
 from moe_export.graphs.weights import WEIGHT_CLASSES, all_tensor_specs
 
 MXFP4_BITS_PER_WEIGHT = 4.25
@@ -60,7 +60,7 @@ def resolve_model_config(recipe: Recipe) -> ModelConfig:
     """Config from the checkpoint's config.json, a synthetic preset, or the recipe's shipped config."""
     src = recipe.model.source
     if src.startswith("synthetic:"):
-        from moe_export.export.synth import preset_config
+        from moe_export.export.convert.synth import preset_config
 
         return preset_config(src.split(":", 1)[1])
     path = Path(src).expanduser()
@@ -86,7 +86,7 @@ def _class_dtype_bytes(recipe: Recipe, weight_class: str, stored_dtype: str) -> 
     held as fp32 by TensorRT too."""
     if stored_dtype == "F32" or weight_class in ("norms", "attn_res", "vision"):
         return 4.0
-    return backend_for(recipe).weight_bytes(recipe)
+    return backend_terms(recipe).weight_bytes(recipe)
 
 
 @dataclass
@@ -101,7 +101,7 @@ class RankPlan:
     memory: dict[str, int] = field(default_factory=dict)  # the GPU's budget by part (`memory_view`)
     overflow: dict[str, int] = field(default_factory=dict)
     vision_activation_bytes: int = 0
-    host_bytes: dict[str, int] = field(default_factory=dict)  # host memory peaks (`plan_memory.host_peak_bytes`)
+    host_bytes: dict[str, int] = field(default_factory=dict)  # host memory peaks (`memory.host_peak_bytes`)
     margin_bytes: int = 0  # GPU bytes beyond weights, engine, reserve, max_batch slots and one max_seq_len cache
 
     def to_dict(self) -> dict:
@@ -209,8 +209,8 @@ class Plan:
         }
 
     def dp_decode_step(self) -> dict | None:
-        """The dp layout's MoE decode-step model on rank 0 (`export/decode_model.py`); None in the tp layout."""
-        from moe_export.export.decode_model import dp_decode_step
+        """The dp layout's MoE decode-step model on rank 0 (`export/plan/decode_model.py`); None in the tp layout."""
+        from moe_export.export.plan.decode_model import dp_decode_step
 
         if self.recipe.parallel.attention != "dp" or not self.config.num_experts:
             return None
@@ -218,8 +218,8 @@ class Plan:
 
     def layouts(self) -> dict[str, dict]:
         """Decode-step MoE bytes per GPU per MoE layer and attention work per GPU of the tp and dp layouts, at
-        max_batch tokens per attention group (`export/traffic.py`)."""
-        from moe_export.export.traffic import plan_layouts
+        max_batch tokens per attention group (`export/plan/traffic.py`)."""
+        from moe_export.export.plan.traffic import plan_layouts
 
         t = self.recipe.target
         return plan_layouts(self.config, t.world_size, self.recipe.parallel.tp, t.gpus_per_node,
@@ -413,10 +413,10 @@ def make_plan(recipe: Recipe, cfg: ModelConfig | None = None) -> Plan:
         weight_bytes = {c: int(math.ceil(v)) for c, v in by_class.items() if v}
         weight_bytes["total"] = sum(weight_bytes.values())
         state = state_bytes_per_sequence(cfg, recipe, mapping)
-        gpu_engine = backend_for(recipe).engine_memory
+        gpu_engine = backend_terms(recipe).engine_memory
         activations = activation_bytes(cfg, recipe, mapping) if gpu_engine else 0
         workspaces = plugin_workspace_bytes(cfg, recipe, mapping) if gpu_engine else {}
-        beside = {"nccl_buffers": nccl_buffer_bytes(mapping) if backend_for(recipe).nccl else 0,
+        beside = {"nccl_buffers": nccl_buffer_bytes(mapping) if backend_terms(recipe).nccl else 0,
                   "vision_activations": vision_act}
         free = memory - reserve - weight_bytes["total"] - activations - sum(workspaces.values()) - sum(beside.values())
         pools = pool_sizes(free, block_size=recipe.limits.block_size, num_slots=recipe.limits.max_batch,
@@ -455,7 +455,7 @@ def _tower_bytes(cfg: ModelConfig, recipe: Recipe, patches: int) -> int:
     if vc is None or images == 0:
         return 0
     group = recipe.parallel.tp  # an attention group is tp ranks in both layouts
-    scores = backend_for(recipe).tower_scores  # fp32 activations on every backend (the tower graph computes in fp32)
+    scores = backend_terms(recipe).tower_scores  # fp32 activations on every backend (the tower graph computes in fp32)
     return tower_activation_bytes(vc, patches * -(-images // group), 4, scores_of=patches if scores else 0)
 
 

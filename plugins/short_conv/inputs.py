@@ -1,4 +1,4 @@
-"""Input checks shared by the short_conv implementations.
+"""The input checks and preparation every short_conv implementation (reference, cpu, triton) runs.
 
 x ``[B, T, C]``; weight ``[C, 1, W]`` (as on disk) or ``[C, W]``, taps ordered oldest -> newest, no bias;
 state ``[N, C, W-1]``: the last W-1 inputs of each sequence, oldest first. With ``cu_seqlens`` (int

@@ -38,7 +38,7 @@ from moe_export.graphs.weights import (
     expert_tensor_specs,
     layer_prefix,
 )
-from moe_export.export import transforms
+from moe_export.export.convert import transforms
 from moe_export.plugins.moe_mxfp4 import layout as mxfp4_layout
 from moe_export.quantize import fp8
 
@@ -162,7 +162,7 @@ def plan_rank_tensors(reader, cfg: ModelConfig, mapping: Mapping, allow_nonfinit
 def rank_source_bytes(reader, cfg: ModelConfig, mapping: Mapping) -> int:
     """Checkpoint bytes a rank's weights come from: its tensor-parallel slice of every non-expert tensor and
     its whole routed experts (what a converter of that rank must read at least)."""
-    from moe_export.export.checkpoint import SAFETENSORS_DTYPES
+    from moe_export.export.convert.checkpoint import SAFETENSORS_DTYPES
 
     total = 0
     for spec in all_tensor_specs(cfg, include_experts=False):

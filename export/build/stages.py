@@ -1,8 +1,9 @@
-"""The stages a build runs for every backend, the hooks that do their work (`Stages`) and the build's context.
+"""The stages a build runs for every backend, the work they do (`Stages`) and the build's context.
 
 Each rank stage function `run_<stage>(ctx, n, mapping)` stages its outputs in `.build/` and returns (outputs
 relative to the engine directory, result, what it read of the source or None); a backend adds its own stages
-(`export/backends/`). The hooks are imported lazily, so a fully up-to-date build imports none of them.
+(`export/backends/`), whose work `Stages.work` gives. The work is imported lazily, so a fully up-to-date build
+imports none of it.
 """
 
 from __future__ import annotations
@@ -17,14 +18,14 @@ from moe_export.common.errors import BuildError, InputError
 from moe_export.common.manifest import GRAPH, WEIGHTS
 from moe_export.common.mapping import Mapping
 from moe_export.common.recipe import Recipe
-from moe_export.export import source_reads
-from moe_export.export.build_progress import Progress
-from moe_export.export.build_records import QUANT_REPORT, StageRecords, move_into, scratch, stage_failed
-from moe_export.export.build_source import Source
+from moe_export.export.build import source_reads
+from moe_export.export.build.progress import Progress
+from moe_export.export.build.records import QUANT_REPORT, StageRecords, move_into, scratch, stage_failed
+from moe_export.export.build.source import Source
 
 
 def _convert_rank(reader, cfg, recipe, mapping, out_path: Path) -> dict:
-    from moe_export.export.convert import convert_rank
+    from moe_export.export.convert.rank import convert_rank
 
     return convert_rank(reader, cfg, recipe, mapping, out_path)
 
@@ -36,44 +37,25 @@ def _export_rank_graph(cfg, recipe, mapping, weights_path: Path, out_path: Path)
     return export_rank_graph(cfg, recipe, mapping, weights_path, out_path, backend_for(recipe).graph_form)
 
 
-def _lower_for_onnxruntime(graph_path: Path, out_dir: Path) -> list[str]:
-    from moe_export.export.backends.onnxruntime import lower_for_onnxruntime
-
-    return lower_for_onnxruntime(graph_path, out_dir)
-
-
-def _build_tensorrt_engine(graph_path: Path, recipe, mapping, out_path: Path) -> None:
-    from moe_export.export.tensorrt_build import build_tensorrt_engine
-
-    build_tensorrt_engine(graph_path, recipe, mapping, out_path)
-
-
-def _build_tensorrt_vision_engine(graph_path: Path, recipe, cfg, out_path: Path) -> None:
-    from moe_export.export.tensorrt_vision import build_vision_engine
-
-    build_vision_engine(graph_path, recipe, cfg, out_path)
-
-
 @dataclass(frozen=True)
 class Stages:
-    """The stage functions the driver calls (the defaults are the real ones). `convert_rank` reads the
-    source only through the reader it is given: its reads are what identify the source bytes it used."""
+    """The work the driver's stages do (the defaults are the real ones; a test passes stand-ins). `convert_rank`
+    reads the source only through the reader it is given: its reads are what identify the source bytes it used.
+    `backend_work`: a backend stage's name (`BackendStage.name`: "lower", "engine", "vision_engine") -> a stand-in
+    for the work that stage does, with the signature of the backend's own function."""
 
     convert_rank: Callable[..., dict] = _convert_rank
     export_rank_graph: Callable[..., dict] = _export_rank_graph
-    lower_for_onnxruntime: Callable[..., list[str]] = _lower_for_onnxruntime
-    build_tensorrt_engine: Callable[..., None] = _build_tensorrt_engine
-    build_tensorrt_vision_engine: Callable[..., None] = _build_tensorrt_vision_engine
+    backend_work: dict[str, Callable[..., Any]] = field(default_factory=dict)
 
-
-def default_hook(name: str) -> Callable[..., Any]:
-    """The real function behind the hook `name` of `Stages`."""
-    return Stages.__dataclass_fields__[name].default
+    def work(self, stage: str, own: Callable[..., Any]) -> Callable[..., Any]:
+        """What backend stage `stage` runs: its stand-in if the build was given one, else `own`."""
+        return self.backend_work.get(stage, own)
 
 
 @dataclass
 class BuildContext:
-    """What the stages of one build process share: the recipe, the output, the hooks, the records, the opened
+    """What the stages of one build process share: the recipe, the output, the stages' work, the records, the opened
     source and the content keys known so far."""
 
     recipe: Recipe

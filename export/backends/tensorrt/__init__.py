@@ -1,7 +1,7 @@
-"""The TensorRT backend (GPU): one engine per rank (`export/tensorrt_build.py`) with its collectives inside as NCCL
-plugins, and K3's vision tower as one engine every rank loads (`export/tensorrt_vision.py`); the graphs compute in
-bf16 and the plugins update the state pools in place. The engine file format is `common/engine_file.py`; the
-runner is `runtime/engine/tensorrt.py`.
+"""The TensorRT backend (GPU): one engine per rank (`engine.py`) with its collectives inside as NCCL plugins, and K3's
+vision tower as one engine every rank loads (`vision.py`); the graphs compute in bf16 and the plugins update the
+state pools in place (`graph_form.py`). The engine file format is `common/engine_file.py`; the runner is
+`runtime/engine/tensorrt.py`.
 """
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ from moe_export.common.engine_file import VISION_ENGINE, rank_engine_name
 from moe_export.common.errors import BuildError, InputError
 from moe_export.common.manifest import GRAPH, WEIGHTS
 from moe_export.common.recipe import Recipe
-from moe_export.export.backends import Backend, BackendStage
-from moe_export.export.build_records import move_into, scratch
+from moe_export.export.backends.base import Backend, BackendStage
+from moe_export.export.backends.tensorrt.graph_form import PoolsInPlace
+from moe_export.export.build.records import move_into, scratch
 from moe_export.graphs.onnx_export import GraphForm
 from onnx import TensorProto
 
 
 def run_engine(ctx, n: int, mapping) -> tuple[list[str], Any, None]:
-    """Stage `engine` of rank n (`ctx`: a `build_stages.BuildContext`): build in a scratch folder that shows the
+    """Stage `engine` of rank n (`ctx`: a `build.stages.BuildContext`): build in a scratch folder that shows the
     graph with its weights next to it (one may be staged, the other published); TensorRT's timing cache is kept in
     .cache/tensorrt between builds."""
     rdir = ctx.state.build / f"rank{n}"
@@ -33,7 +34,9 @@ def run_engine(ctx, n: int, mapping) -> tuple[list[str], Any, None]:
     with scratch(rdir, "engine", inputs) as tmp, ctx.progress.task(f"engine rank {n}", tmp):
         if timing.is_file():
             shutil.copyfile(timing, tmp / timing.name)
-        ctx.stages.build_tensorrt_engine(tmp / GRAPH, ctx.recipe, mapping, tmp / name)
+        from moe_export.export.backends.tensorrt.engine import build_tensorrt_engine
+
+        ctx.stages.work("engine", build_tensorrt_engine)(tmp / GRAPH, ctx.recipe, mapping, tmp / name)
         if not (tmp / name).is_file():
             raise BuildError(f"engine rank {n}: the engine builder wrote no {name}")
         if (tmp / timing.name).is_file():
@@ -46,11 +49,13 @@ def run_engine(ctx, n: int, mapping) -> tuple[list[str], Any, None]:
 def run_vision_engine(ctx) -> tuple[list[str], Any, None]:
     """Stage `vision_engine`: the tower graph built into `vision.engine`, one file every rank loads, in a scratch
     folder showing the graph next to its weights."""
+    from moe_export.export.backends.tensorrt.vision import build_vision_engine
     from moe_export.graphs.vision_export import VISION_GRAPH, VISION_WEIGHTS
 
     inputs = {name: ctx.state.output("vision", name) for name in (VISION_GRAPH, VISION_WEIGHTS)}
     with scratch(ctx.state.build, "vision_engine", inputs) as tmp, ctx.progress.task("vision engine", tmp):
-        ctx.stages.build_tensorrt_vision_engine(tmp / VISION_GRAPH, ctx.recipe, ctx.reader.config, tmp / VISION_ENGINE)
+        ctx.stages.work("vision_engine", build_vision_engine)(tmp / VISION_GRAPH, ctx.recipe, ctx.reader.config,
+                                                              tmp / VISION_ENGINE)
         if not (tmp / VISION_ENGINE).is_file():
             raise BuildError(f"vision engine: the engine builder wrote no {VISION_ENGINE}")
         move_into(tmp / VISION_ENGINE, ctx.state.build / VISION_ENGINE)
@@ -58,21 +63,20 @@ def run_vision_engine(ctx) -> tuple[list[str], Any, None]:
 
 
 def check_tensorrt(recipe: Recipe, stages) -> None:
-    """The real engine builder needs TensorRT: say so before hours of conversion, not after."""
-    from moe_export.export.build_stages import default_hook
-
-    if stages.build_tensorrt_engine is default_hook("build_tensorrt_engine") and importlib.util.find_spec("tensorrt") is None:
+    """The real engine builder needs TensorRT (unless the build was given a stand-in for it): say so before hours of
+    conversion, not after."""
+    if "engine" not in stages.backend_work and importlib.util.find_spec("tensorrt") is None:
         raise InputError(
             f"recipe {recipe.name}: backend 'tensorrt' needs the TensorRT Python package, which is not installed; "
             "build on a GPU machine with TensorRT >= 10.9, or use backend: onnxruntime"
         )
 
 
-_ENGINE_CODE = (("export", "tensorrt_*.py"), ("export", "planner.py"), ("export", "backends/tensorrt.py"),
-                ("common", "engine_file.py"))
+_ENGINE_CODE = (("export", "backends/tensorrt/*.py"), ("export", "plan/planner.py"), ("export", "plan/memory.py"),
+                ("export", "plan/backend_terms.py"), ("common", "engine_file.py"))
 BACKEND = Backend(
     name="tensorrt",
-    graph_form=GraphForm(TensorProto.BFLOAT16, pools_in_place=True, ordered_collectives=True),
+    graph_form=GraphForm(TensorProto.BFLOAT16, pools=PoolsInPlace(), ordered_collectives=True),
     rank_stage=BackendStage("engine", fields=("limits", "target", "workspace_reserve_gib", "tensorrt"),
                             code=(*_ENGINE_CODE, ("plugins", "**/*.py")), libraries=("onnx", "tensorrt", "numpy"),
                             run=run_engine),
@@ -81,9 +85,5 @@ BACKEND = Backend(
                              code=(*_ENGINE_CODE, ("graphs", "vision.py")), libraries=("onnx", "tensorrt", "numpy"),
                              run=run_vision_engine),
     config_files={"engine": "rank{rank}.engine"},
-    weight_bytes=lambda recipe: 2.0,
-    engine_memory=True,
-    tower_scores=False,
-    nccl=True,
     check_available=check_tensorrt,
 )

@@ -50,7 +50,7 @@ def _graph_report(path: Path) -> dict[str, Any]:
 
 def _weights_report(path: Path, classes: dict[str, str]) -> dict[str, Any]:
     """Tensors and bytes by weight class from a safetensors header (tensor data is not read)."""
-    from moe_export.export.checkpoint import read_safetensors_header
+    from moe_export.export.convert.checkpoint import read_safetensors_header
     from moe_export.graphs.weights import classify_tensor_name
 
     tensors, problems = read_safetensors_header(path)

@@ -20,14 +20,14 @@ from moe_export.common.manifest import (
     tool_version,
 )
 from moe_export.export.backends import backend_for
-from moe_export.export.build_records import QUANT_REPORT
-from moe_export.export.build_source import LICENSE
-from moe_export.export.build_stages import BuildContext
+from moe_export.export.build.records import QUANT_REPORT
+from moe_export.export.build.source import LICENSE
+from moe_export.export.build.stages import BuildContext
 
 
 def weight_class_map(ctx: BuildContext) -> dict[str, str]:
     """Weight class of every tensor name in the ranks' weights files (headers only)."""
-    from moe_export.export.checkpoint import read_safetensors_header
+    from moe_export.export.convert.checkpoint import read_safetensors_header
     from moe_export.graphs.weights import all_tensor_specs, classify_tensor_name
 
     cfg = ctx.reader.config
@@ -48,7 +48,7 @@ def engine_config(ctx: BuildContext) -> EngineConfig:
     backend = backend_for(ctx.recipe)
     files = {"rank_dir": "rank{rank}", "weights": WEIGHTS, "quantization_report": QUANT_REPORT,
              **({"graph": GRAPH} if backend.graph_form is not None else {}), **backend.config_files}
-    from moe_export.export.planner import engine_memory
+    from moe_export.export.plan.planner import engine_memory
 
     return EngineConfig.from_recipe(ctx.recipe, ctx.reader.config, version=tool_version(), files=files,
                                     weight_classes=weight_class_map(ctx),

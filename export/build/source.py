@@ -10,7 +10,7 @@ from typing import Any
 from moe_export.common.atomic import sha256_file
 from moe_export.common.model_config import GENERATION_CONFIG
 from moe_export.common.recipe import Recipe
-from moe_export.export.stage_keys import source_identity
+from moe_export.export.build.stage_keys import source_identity
 
 LICENSE = "LICENSE"
 LICENSE_NAMES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "LICENCE", "license", "license.txt")
