@@ -25,9 +25,11 @@ def aligned(n: int) -> int:
 
 
 def block_m_for(num_pairs: int, num_local: int) -> int:
-    """Rows per M-block of the pair layout: 64 (tensor-core tiles) when the experts get 32 pairs or more on
-    average, else 16 (decode)."""
-    return 64 if num_pairs >= 32 * max(num_local, 1) else 16
+    """Rows per M-block of the pair layout: 128 (prefill: each decoded weight tile serves 128 tokens) when the
+    experts get 256 pairs or more on average (a run's padding at most a third of it), 64 (tensor-core tiles) from
+    32, else 16 (decode)."""
+    experts = max(num_local, 1)
+    return 128 if num_pairs >= 256 * experts else 64 if num_pairs >= 32 * experts else 16
 
 
 def workspace_bytes(num_tokens: int, top_k: int, dim: int, inter: int, num_local: int, *,
@@ -80,17 +82,17 @@ def split_k(programs: int, k: int, block_k: int) -> int:
 
 
 def tile_config(num_pairs: int, num_local: int, dim: int, inter: int) -> dict:
-    """Launch tiles for a chunk of `num_pairs` pairs: BLOCK_M from `sizes.block_m_for`. Prefill: BLOCK_N 128
-    (halved, to 16 at least, while the up or down grid over the experts that can be present has fewer than two
-    programs per SM), BLOCK_K 128, 8 warps (the gate and up accumulators and decoded tiles of 64 x 128 held
-    without spills). Decode: BLOCK_N 64, BLOCK_K 256 (at most the shorter of D and I), two warps of 32 weight
+    """Launch tiles for a chunk of `num_pairs` pairs: BLOCK_M from `sizes.block_m_for`. Prefill: BLOCK_N 128 at
+    BLOCK_M 64, 64 at BLOCK_M 128 (the gate and up accumulators of 128 x 128 would spill), halved (to 16 at
+    least) while the up or down grid over the experts that can be present has fewer than two programs per SM,
+    BLOCK_K 128, 8 warps (wgmma). Decode: BLOCK_N 64, BLOCK_K 256 (at most the shorter of D and I), two warps of 32 weight
     rows each (mma.sync; the token tile is the B operand, shared by a warp's two row tiles), and K split
     (`split_k`: `split_up` over D, `split_down` over I) until every SM has a program. 3 stages."""
     block_m = block_m_for(num_pairs, num_local)
     blocks = min(num_local, num_pairs)
     widest = 1 << (min(dim, inter).bit_length() - 1)  # K steps no longer than the shorter weight row
     if block_m >= 64:
-        block_n = 128
+        block_n = 128 if block_m == 64 else 64
         while block_n > 16 and blocks * -(-min(dim, inter) // block_n) < 2 * H200_SMS:
             block_n //= 2
         return dict(block_m=block_m, block_n=block_n, block_k=min(128, widest), num_warps=8, num_stages=3,
