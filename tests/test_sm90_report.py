@@ -32,10 +32,10 @@ KERNELS = {
 }
 # AOT forms that need more shared memory than TensorRT's AOT launch gives: refused with the way out by
 # `plugins.tensorrt_common.aot_kernel_code` (contract AOT_SHARED_MEMORY_OPT_IN_UNKNOWN), as issue 36 designs it
-# (recipes default to tensorrt.prefer_aot: false, the JIT launch, which opts in); K3's bf16 pool form needs
-# 166,656 B, its fp8 form 53,248 B (and spills 240 B: never launched, since refused). A known gap: no SparseMLA AOT
-# form fits TensorRT's AOT launch today (benchmarks/README.md).
-AOT_REFUSED = {f"_sparse_mla_kernel (aot {pool} pool H=12)" for pool in ("fp32", "bf16", "fp8")}
+# (recipes default to tensorrt.prefer_aot: false, the JIT launch, which opts in); K3's fp8 pool form needs 53,248 B
+# (and spills 240 B: never launched, since refused), the fp32 form 110,592 B. K3's bf16 pool form (h100x64) fits:
+# 16 keys unpipelined, 36,864 B (`triton_kernel.aot_key_tiles`; was 166,656 B).
+AOT_REFUSED = {f"_sparse_mla_kernel (aot {pool} pool H=12)" for pool in ("fp32", "fp8")}
 MATMUL_KERNELS = {"moe": ("_moe_up_kernel", "_moe_down_kernel"), "indexer": ("_index_scores_kernel",),
                   "mla": ("_sparse_mla_kernel",)}  # fmt: skip
 
