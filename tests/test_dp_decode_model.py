@@ -1,5 +1,5 @@
 """The dp decode-step model `plan` prints (`export/decode_model.py`) against the code it describes: the expert op's
-chunks, kernel launches and programs counted through `moe_mxfp4_triton` itself on CPU (its four kernels replaced
+chunks, kernel launches and programs counted through `moe_mxfp4_triton` itself on CPU (its kernels replaced
 by recorders), and the per-layer Casts,
 dispatches and receive bound read from a real dp rank graph."""
 

@@ -414,7 +414,7 @@ def test_inner_triton_counted_all_rows_and_none():
 
 
 def test_kernels_compile_for_sm90_static_and_counted():
-    """The four kernels compile to sm_90 PTX with no GPU (the interpreter does not run Triton's code generation):
+    """The kernels compile to sm_90 PTX with no GPU (the interpreter does not run Triton's code generation):
     static and counted modes (counts pointer absent or given), the decode and the K3 row-bound tiles, bf16 dots on
     the tensor cores (wgmma at BLOCK_M 64 and 128)."""
     import triton
