@@ -90,7 +90,7 @@ def _lane(pairs, lane, scale):
 @triton.jit
 def _words_interpreted(w, scale, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
     """`_words_asm` in plain Triton ops (the interpreter runs no inline PTX): w uint8 [BLOCK_N, 4 WORDS], the
-    same masks and shifts on each little-endian word, the same (lo, hi) order."""
+    same rotations and masks on each little-endian word, the same (lo, hi) order."""
     byte = tl.arange(0, 4)[None, None, :]
     word = tl.sum(w.to(tl.uint32).reshape(BLOCK_N, WORDS, 4) << (8 * byte), axis=2)[:, :, None]
     word = tl.broadcast_to(word, [BLOCK_N, WORDS, 4])
@@ -141,7 +141,7 @@ def _zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WEIGHTS_LEFT: tl.conste
 def _mma_tile(w, a, acc, WEIGHTS_LEFT: tl.constexpr, UPCAST: tl.constexpr):
     """acc + one K step, decoded weights w [BLOCK_N, BLOCK_K] and tokens a [BLOCK_M, BLOCK_K]: w @ a^T (decode
     tiles: the weights are the A operand, decoded straight into its registers, 16 tokens the N of the MMA) or
-    a @ w^T (prefill: the wgmma tiles of 64 tokens)."""
+    a @ w^T (prefill: the wgmma tiles of 64 or 128 tokens)."""
     if WEIGHTS_LEFT:
         acc = mma(w, tl.trans(a), acc, UPCAST)
     else:
