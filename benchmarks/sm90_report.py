@@ -8,7 +8,7 @@ launch (nothing runs, the tensors may be empty). AOT kernels (the `aot_compile` 
 recorded at their `triton.compile` call. Every distinct request is then compiled with `triton.compile` for sm_90
 (the ptxas Triton ships), its PTX assembled again with `ptxas -v` (Triton's own flags) for registers and spills,
 and its SASS read back with Triton's `cuobjdump`. Per kernel and config (one row; `launches` lists the cases and
-grids that ask for it):
+grids that ask for it, with `programs`, the grid's size):
   kernel, group, num_warps, num_stages, shared (bytes of shared memory per block), n_regs, spill_stores,
   spill_loads (bytes per thread), wgmma (HGMMA), mma_sync (HMMA), cp_async (LDGSTS), cp_async_bulk (UBLKCP /
   UTMALDG / UTMAPF), global_scratch / profile_scratch (bytes per program), aot (an `aot_compile` result), and for
@@ -113,7 +113,8 @@ class Recorder:
         options = {k: options[k] for k in _OPTION_KEYS if options.get(k) is not None}
         ident = (self._group, src.hash(), json.dumps(sorted(options.items())))
         req = self.requests.setdefault(ident, Request(self._group, src, options, aot, []))
-        launch = {"case": self._case, "grid": self._grid}
+        programs = None if self._grid is None else int(torch.tensor(self._grid).prod())
+        launch = {"case": self._case, "grid": self._grid, "programs": programs}
         if launch not in req.launches:
             req.launches.append(launch)
 
@@ -453,11 +454,11 @@ def report_in_processes(groups: list[str], cache: str, jobs: int) -> list[dict]:
 
 
 _COLUMNS = ("kernel", "case", "warps", "stages", "regs", "spill st/ld", "shared", "wgmma", "mma.sync", "cp.async",
-            "bulk", "per unit")  # fmt: skip
+            "bulk", "per unit", "programs")  # fmt: skip
 
 
 def table(rows: list[dict]) -> str:
-    """The report as a Markdown table (one row per kernel and config; its first case named)."""
+    """The report as a Markdown table (one row per kernel and config; its first case named, with its programs)."""
     lines = ["| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
     for r in rows:
         cases = r["launches"][0]["case"] + (f" (+{len(r['launches']) - 1})" if len(r["launches"]) > 1 else "")
@@ -465,7 +466,7 @@ def table(rows: list[dict]) -> str:
         kernel = r["kernel"] + (" (AOT)" if r["aot"] else "")
         cells = (kernel, f"{r['group']}: {cases}", r["num_warps"], r["num_stages"], r["n_regs"],
                  f"{r['spill_stores']} / {r['spill_loads']}", r["shared"], r["wgmma"], r["mma_sync"], r["cp_async"],
-                 r["cp_async_bulk"], per)  # fmt: skip
+                 r["cp_async_bulk"], per, r["launches"][0]["programs"] or "-")  # fmt: skip
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 

@@ -1,10 +1,11 @@
 """The dp decode-step model `plan` prints (`export/plan/decode_model.py`) against the code it describes: the expert op's
-chunks, kernel launches and programs counted through `moe_mxfp4_triton` itself on CPU (its four kernels replaced
+chunks, kernel launches and programs counted through `moe_mxfp4_triton` itself on CPU (its kernels replaced
 by recorders), and the per-layer Casts,
 dispatches and receive bound read from a real dp rank graph."""
 
 from __future__ import annotations
 
+import math
 import onnx
 import torch
 from moe_export.common.recipe import load_recipe
@@ -26,9 +27,9 @@ class Recorder:
 
 
 def record_launches(monkeypatch, rows, k, dim, inter, local, budget, **counted):
-    """[(kernel, grid)] of one `moe_mxfp4_triton` call over `rows` rows, its four kernels replaced by recorders."""
+    """[(kernel, grid)] of one `moe_mxfp4_triton` call over `rows` rows, its kernels replaced by recorders."""
     log: list = []
-    for name in ("_pair_layout_kernel", "_moe_up_kernel", "_moe_down_kernel", "_combine_kernel"):
+    for name in ("_pair_layout_kernel", "_moe_up_kernel", "_moe_act_kernel", "_moe_down_kernel", "_combine_kernel"):
         monkeypatch.setattr(triton_kernel, name, Recorder(log, name))
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 8, (rows, k), generator=gen)
@@ -41,7 +42,7 @@ def record_launches(monkeypatch, rows, k, dim, inter, local, budget, **counted):
 
 
 def programs(log):
-    return sum(g[0] * (g[1] if len(g) > 1 else 1) for _, g in log)
+    return sum(math.prod(g) for _, g in log)
 
 
 def test_expert_op_model_counts_what_moe_mxfp4_triton_does(monkeypatch):
@@ -66,7 +67,8 @@ def test_counted_expert_op_model_counts_what_moe_mxfp4_triton_does(monkeypatch):
     model = counted_moe_op(bound, k, dim, inter, local, budget)
     log = logs[400]
     assert model["chunks"] == 3 == sum(e[0] == "_combine_kernel" for e in log)
-    assert model["kernel_launches"] == len(log) == 12 and model["kernel_programs"] == programs(log)
+    # per chunk: pair layout, up (K split in two: 2 experts x 1 N tile < 132 SMs), its activation, down, combine
+    assert model["kernel_launches"] == len(log) == 15 and model["kernel_programs"] == programs(log)
     up = [g for name, g in log if name == "_moe_up_kernel"]
     assert up[0][0] == min(local, moe_sizes.pair_capacity(8 * k, local, 16) // 16)  # one program row per expert
     assert model["full_buffer_passes"] == 0 and model["output_bytes"] == bound * dim * 2

@@ -255,6 +255,38 @@ def test_inner_triton_refuses_fp32_and_the_standard_layout_differs():
 
 
 @inner_triton
+@pytest.mark.parametrize("activation", ["situ", "silu"])
+def test_inner_triton_split_k(activation):
+    """K split over programs (the decode grids of few experts): the up projection's partial sums [split, C, 2I]
+    summed by the activation kernel, the down projection's partial rows summed by the combine, over 2 and 3 splits
+    of one K step each (D 64, I 96 at BLOCK_K 32), repeated and off-rank experts: within BF16_TOL of the reference."""
+    from moe_export.plugins.moe_mxfp4 import triton_kernel
+
+    case, offset = make_case(seed=9, T=5, k=3)
+    case["expert_ids"][1] = torch.tensor([offset + 1, offset + 1, offset])
+    case["expert_ids"][2] = torch.tensor([0, 1, 2])  # nothing on this rank
+    want = bf16_reference(case, offset, activation=activation)
+    tiles = dict(block_m=4, block_n=16, block_k=32, split_up=2, split_down=3)
+    got = triton_kernel.moe_mxfp4_triton(**kernel_case(case), expert_offset=offset, activation=activation,
+                                         tiles=tiles)  # fmt: skip
+    close(got, want, tol=BF16_TOL)
+    assert got[2].abs().max() == 0
+
+
+@inner_triton
+def test_inner_triton_prefill_tiles_of_128_rows():
+    """The prefill tiles at 256 pairs or more per expert (`sizes.block_m_for`): blocks of 128 pair rows (tokens x
+    weights, the wgmma orientation), 64 weight rows: within BF16_TOL of the reference."""
+    from moe_export.plugins.moe_mxfp4 import sizes, triton_kernel
+
+    case, offset = make_case(seed=10, T=40, k=3, E=2, offset=0, num_global=3)  # 80 of 120 pairs on this rank
+    want = bf16_reference(case, offset)
+    assert sizes.block_m_for(256 * 2, 2) == 128
+    tiles = dict(block_m=128, block_n=64, block_k=32, num_warps=8)
+    close(triton_kernel.moe_mxfp4_triton(**kernel_case(case), expert_offset=offset, tiles=tiles), want, tol=BF16_TOL)
+
+
+@inner_triton
 def test_inner_triton_block_layout_repeated_expert_and_off_rank():
     """Pairs grouped by expert in one layout launch and padded to BLOCK_M; duplicates, off-rank ids, chunks and
     a caller's workspace; the layout equals grouping the pairs on the host, sized from shapes only."""
@@ -382,16 +414,16 @@ def test_inner_triton_counted_all_rows_and_none():
 
 
 def test_kernels_compile_for_sm90_static_and_counted():
-    """The four kernels compile to sm_90 PTX with no GPU (the interpreter does not run Triton's code generation):
+    """The kernels compile to sm_90 PTX with no GPU (the interpreter does not run Triton's code generation):
     static and counted modes (counts pointer absent or given), the decode and the K3 row-bound tiles, bf16 dots on
-    the tensor cores (wgmma at BLOCK_M 64)."""
+    the tensor cores (wgmma at BLOCK_M 64 and 128)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     from moe_export.plugins.moe_mxfp4 import sizes, triton_kernel as tk
 
     pointers = dict(x_ptr="*bf16", act_ptr="*bf16", y_ptr="*bf16", partial_ptr="*fp32", out_ptr="*fp32",
-                    route_w_ptr="*fp32", w_ptr="*i32", s_ptr="*u8", pair_rows_ptr="*i64", pair_ptr="*i64",
+                    route_w_ptr="*fp32", w_ptr="*u8", s_ptr="*u8", pre_ptr="*fp32", pair_rows_ptr="*i64", pair_ptr="*i64",
                     ids_ptr="*i64", counts_ptr="*i64", block_expert_ptr="*i32", num_blocks_ptr="*i32")  # fmt: skip
 
     def ptx(kernel, constexprs, **options):
@@ -406,25 +438,34 @@ def test_kernels_compile_for_sm90_static_and_counted():
         absent = {} if counted else {"counts_ptr": None}
         ptx(tk._pair_layout_kernel, dict(COUNTED=counted, BLOCK_M=16, BLOCK_P=256, BLOCK_E=16, BLOCK_S=64, **absent))
         ptx(tk._combine_kernel, dict(COUNTED=counted, BLOCK_D=512, BLOCK_S=64, **absent))
-    for pairs in (16, 192 * 16):  # one token; K3's decode row bound
+    for pairs in (16, 192 * 16, 4096 * 4):  # one token; K3's decode row bound; a 4,096-token prefill
         cfg = sizes.tile_config(pairs, 14, 3584, 3072)
-        tiles = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], EVEN=True, UPCAST=False)
+        tiles = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], EVEN=True,
+                     SPLIT=cfg["split_up"] > 1, WEIGHTS_LEFT=cfg["block_m"] < 64, UPCAST=False)  # fmt: skip
         launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         up = ptx(tk._moe_up_kernel, dict(ACT_SILU=False, **tiles), **launch)
-        down = ptx(tk._moe_down_kernel, tiles, **launch)
-        if cfg["block_m"] == 64:
+        down = ptx(tk._moe_down_kernel, {**tiles, "SPLIT": cfg["split_down"] > 1}, **launch)
+        if cfg["block_m"] >= 64:
             assert "wgmma.mma_async" in up and "wgmma.mma_async" in down
 
 
 def test_tile_config_fills_the_gpu_at_decode():
-    """Decode shapes (one EP rank of K3: 14 experts, D 3584, I 3072) shrink BLOCK_N towards two programs per SM of
-    an H200 (one token, one expert: 16, so every SM gets one); prefill takes the 64 x 128 tensor-core tiles."""
+    """Decode shapes (one EP rank of K3: 14 experts, D 3584, I 3072) take tiles of 64 weight rows and split K
+    until every SM of an H200 has a program (one token, one expert: 48 and 56 N tiles, split 3 ways); prefill
+    takes wgmma tiles of 64 tokens (the dp row bound) or 128 (a 4,096-token step)."""
     from moe_export.plugins.moe_mxfp4 import sizes
 
+    for pairs in (1, 2, 16, 64 * 4):
+        cfg = sizes.tile_config(pairs, 14, 3584, 3072)
+        blocks = min(14, pairs)
+        assert cfg["block_m"] == 16 and cfg["block_n"] == 64
+        assert blocks * 3072 // 64 * cfg["split_up"] >= sizes.H200_SMS  # every SM reads weights
+        assert blocks * 3584 // 64 * cfg["split_down"] >= sizes.H200_SMS
     one = sizes.tile_config(1, 14, 3584, 3072)
-    assert one["block_m"] == 16 and one["block_n"] == 16 and 3072 // 16 >= sizes.H200_SMS  # every SM reads
-    assert sizes.tile_config(256, 14, 3584, 3072)["block_n"] == 128
-    assert sizes.tile_config(4096 * 4, 14, 3584, 3072)["block_m"] == 64
+    assert (one["split_up"], one["split_down"]) == (3, 3)
+    assert sizes.split_k(1000, 3584, 256) == 1 and sizes.split_k(1, 512, 256) == 2  # at most one split per step
+    assert sizes.tile_config(192 * 16, 14, 3584, 3072)["block_m"] == 64  # the dp layer's K3 row bound
+    assert sizes.tile_config(4096 * 4, 14, 3584, 3072)["block_m"] == 128  # prefill: a decoded tile, 128 tokens
 
 
 def test_scratch_bytes_bounded_by_the_budget():

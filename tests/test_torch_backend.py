@@ -164,7 +164,7 @@ def test_experts_are_put_once_in_the_layout_the_kernel_table_reads(runtime_engin
         save_file(tensors, path, metadata={**meta, "mxfp4_layout": layout.KERNEL})
     kw = dict(num_slots=2, num_blocks=8, cuda_graphs=False)
     stored = moe_experts(TorchEngine(standard_dir, **kw))
-    with pytest.raises(InputError, match="'triton-kernel' layout, the kernels read 'standard'"):
+    with pytest.raises(InputError, match=f"'{layout.KERNEL}' layout, the kernels read 'standard'"):
         TorchEngine(kernel_dir, **kw)
     monkeypatch.setattr(torch_runner, "kernels_for", lambda device, pools: CUDAKernels(pools))
     moved = [tuple(layout.to_kernel_layout(t) for t in pair) for pair in stored]

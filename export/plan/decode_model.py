@@ -43,10 +43,14 @@ def _expert_op_launches(rows: int, top_k: int, dim: int, inter: int, num_local: 
     for t0 in range(0, rows, step):
         n = min(step, rows - t0)
         tiles = moe.tile_config(n * top_k, num_local, dim, inter)
-        bm, bn = tiles["block_m"], tiles["block_n"]
-        if moe.pair_capacity(n * top_k, num_local, bm):
-            launches += 3  # pair layout, up, down
-            programs += 1 + moe.block_programs(n * top_k, num_local, bm, counted) * (-(-inter // bn) + -(-dim // bn))
+        bm, bn, split_up = tiles["block_m"], tiles["block_n"], tiles["split_up"]
+        cap = moe.pair_capacity(n * top_k, num_local, bm)
+        if cap:
+            launches += 3 + (split_up > 1)  # pair layout, up, (the activation after a split up), down
+            grid_m = moe.block_programs(n * top_k, num_local, bm, counted)
+            programs += 1 + grid_m * (-(-inter // bn) * split_up + -(-dim // bn) * tiles["split_down"])
+            if split_up > 1:
+                programs += min(cap, 2 * moe.H200_SMS) * -(-inter // moe.ACT_BLOCK_I)
         launches += 1  # combine
         programs += moe.combine_programs(n, dim, counted) * -(-dim // moe.COMBINE_BLOCK_D)
     return launches, programs

@@ -3,15 +3,15 @@
 Same shape, dtype and scale bytes as the standard layout of `reference.py` (packed uint8 [..., n/2], low nibble =
 even element; E8M0 scales [..., n/32] untouched): only the bits inside each little-endian 32-bit word (the 8
 consecutive values k = 8j .. 8j+7 of a row) move, so that a few instructions turn a word into four bf16 pairs.
-Word j holds value 8j + 2X + L in lane L (bits 16L .. 16L+15) of pair X in {0, 1, 2, 3}; in a lane, the value's
-E2M1 bits (s e1 e0 m) sit where one shift and mask (two for X = 2, 3) move them to a bf16's sign (15) and its
-exponent / mantissa bits 8, 7, 6:
+Word j holds value 8j + 2X + L in lane L (bits 16L .. 16L+15) of pair X in {0, 1, 2, 3}; the value's E2M1 bits
+(s e1 e0 m) sit where one left rotation of the word by r and a mask move them to a bf16's sign (15) and its
+exponent / mantissa bits 8, 7, 6 of lane L (lane 1: the lane 0 positions + 16, mod 32):
 
-    X   bits of the lane holding  m  e0  e1   s     the kernel's pair (uint32 word w)
-    0                             6   7   8  15     w & 0x81C081C0
-    1                             3   4   5  12     (w << 3) & 0x81C081C0
-    2                             2  13  14  11     ((w >> 6) & 0x01800180) | ((w << 4) & 0x80408040)
-    3                             0   1  10   9     ((w >> 2) & 0x01000100) | ((w << 6) & 0x80C080C0)
+    X   bits of the word (lane 0) holding  m  e0  e1   s     the kernel's pair (uint32 word w, rotl = rotate left)
+    0                                      6   7   8  15     w & 0x81C081C0
+    1                                      2   3   4  11     rotl(w, 4) & 0x81C081C0
+    2                                     28  29  30   5     rotl(w, 10) & 0x81C081C0
+    3                                      0   1  26   9     (rotl(w, 6) & 0x80C080C0) | (rotl(w, 14) & 0x01000100)
 
 A pair is then two bf16 holding value x 2^-126 (E2M1 subnormals included), and one bf16x2 multiply by the block
 scale times 2^126, 2^(s-1), gives the values exactly; 2^(s-1) is a bf16 for scale bytes s <= 128 (block scales
@@ -23,9 +23,9 @@ positions prepared so that a mask and a multiply decode); the placement here is 
 import torch
 
 STANDARD = "standard"  # a weights file's `mxfp4_layout` metadata: the bytes of `reference.py` (CPU and ORT kernels)
-KERNEL = "triton-kernel"  # ... this module's layout (the Triton kernels: TensorRT builds, the torch runner on GPUs)
-# (pair X, lane L) -> the bit of the lane holding each of the value's E2M1 bits m, e0, e1, s
-_BITS = {0: (6, 7, 8, 15), 1: (3, 4, 5, 12), 2: (2, 13, 14, 11), 3: (0, 1, 10, 9)}
+KERNEL = "triton-kernel-v2"  # ... this module's layout (Triton kernels: TensorRT builds, torch runner on GPUs); v2: rotations
+# pair X -> the bit of the word holding each of the value's E2M1 bits m, e0, e1, s in lane 0 (lane 1: + 16, mod 32)
+_BITS = {0: (6, 7, 8, 15), 1: (2, 3, 4, 11), 2: (28, 29, 30, 5), 3: (0, 1, 26, 9)}
 MAX_SCALE_BYTE = 128  # 2^(s-1) must be a finite bf16
 
 
@@ -47,7 +47,7 @@ def to_kernel_layout(packed: torch.Tensor) -> torch.Tensor:
         for lane in (0, 1):
             code = codes[..., 2 * x + lane].to(torch.int64)
             for bit, pos in enumerate(positions):
-                word |= ((code >> bit) & 1) << (pos + 16 * lane)
+                word |= ((code >> bit) & 1) << ((pos + 16 * lane) % 32)
     return _words_to_bytes(word, packed.shape)
 
 
@@ -66,7 +66,7 @@ def from_kernel_layout(packed: torch.Tensor) -> torch.Tensor:
         for lane in (0, 1):
             code = torch.zeros_like(word)
             for bit, pos in enumerate(_BITS[x]):
-                code |= ((word >> (pos + 16 * lane)) & 1) << bit
+                code |= ((word >> ((pos + 16 * lane) % 32)) & 1) << bit
             codes.append(code)
     c = torch.stack(codes, dim=-1).flatten(-2).unflatten(-1, (-1, 2))  # [..., n/2, 2] (even, odd)
     return (c[..., 0] | (c[..., 1] << 4)).to(torch.uint8)

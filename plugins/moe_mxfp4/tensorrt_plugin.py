@@ -33,7 +33,7 @@ int8 (`sizes.workspace_bytes` at the recipe's max_num_tokens, set by the graph e
 the engine's device memory like any activation, reused between layers.
 
 Why there is no `aot_impl`: a QDP AOT implementation is one kernel launch whose only tensors are the plugin's
-inputs and outputs, but `triton_kernel.moe_mxfp4_triton` is four launches (pair layout, up, down, combine) with
+inputs and outputs, but `triton_kernel.moe_mxfp4_triton` is four launches (pair layout, up, down, combine; five with a split up) with
 intermediate buffers. An AOT version needs a fused single-launch MoE kernel
 (expert grouping in the kernel, the up-projection activation kept on chip, the k routed contributions reduced
 in the kernel, deterministically).

@@ -20,9 +20,11 @@ empty [0, 0] int64 `topk_indices`, which the op defines as dense (see `reference
   (the table row), N (= block_tables rows), T (= tokens), BS (= block size), B (= block_tables columns), K
   (= topk_indices columns; 0 makes the kernel dense and leaves `topk_indices` unread), then the output pointer;
   grid (T, cdiv(H, 16)), the kernel's dynamic shared memory declared. H and Dc+Dr must be build-time constants.
-  At Dc = 512 the kernel needs ~110 KiB of dynamic shared memory, more than a launch gets without an opt-in,
-  which TensorRT's AOT launcher is not known to do: the AOT build is refused there with a clear message
-  (contract AOT_SHARED_MEMORY_OPT_IN_UNKNOWN) and K3 engines use the JIT launch (tensorrt.prefer_aot: false).
+  At Dc = 512 the fp32 and fp8 pool forms need more dynamic shared memory than a launch gets without an opt-in
+  (~108 KiB, 52 KiB), which TensorRT's AOT launcher is not known to do: their AOT builds are refused with a clear
+  message (contract AOT_SHARED_MEMORY_OPT_IN_UNKNOWN) and such engines use the JIT launch (tensorrt.prefer_aot:
+  false); the bf16 pool form (16 keys a step, unpipelined: `triton_kernel.aot_key_tiles`) needs 36 KiB and is
+  handed over.
   Triton's two scratch parameters are removed from the PTX entry (`tensorrt_common.aot_kernel_code`).
 """
 

@@ -235,6 +235,15 @@ def key_tiles(pool_dtype: torch.dtype) -> tuple[int, int]:
     return 32, 2 if pool_dtype == torch.bfloat16 else 1
 
 
+def aot_key_tiles(pool_dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_K, stages) of the AOT form (TensorRT's AOT launch gives 48 KiB of shared memory, no opt-in): bf16
+    rows 16 keys unpipelined (36,864 B at K3's widths, 8 warps, no spills); the other pools as `key_tiles`
+    (refused: fp32 needs 73,728 B at 16 keys, fp8 53,248 B and spills)."""
+    if pool_dtype == torch.bfloat16:
+        return 16, 1
+    return key_tiles(pool_dtype)
+
+
 def sparse_mla_attention_launch(q, pool_table, pool_index, block_size, pool_dtype, new, cu, tables, pos, idx, out, *,
                                 scale: float, kv_lora_rank: int, block_h: int = 16, block_k: int | None = None,
                                 splits: int | None = None) -> None:
@@ -299,7 +308,7 @@ def aot_compile(
     from triton.backends.compiler import GPUTarget
 
     block_dc, block_dr = block_sizes(kv_lora_rank, rope_dim)
-    default_k, stages = key_tiles(pool_dtype)
+    default_k, stages = aot_key_tiles(pool_dtype)
     block_k = block_k or default_k
     signature = dict(
         q_ptr="*fp32", pool_table_ptr="*i64", new_ptr="*fp32", cu_seqlens_ptr="*i64", block_tables_ptr="*i64",
