@@ -41,6 +41,8 @@ class RenderedChat:
     tools: list | None = None
     tool_choice: object = None
     response_format: dict | None = None
+    calls_before: int = 0  # tool calls of the conversation's assistant messages (K3 numbers the new turn's on)
+    history_len: int | None = None  # prompt tokens before what only this request adds after the conversation
 
 
 class InputProcessor:
@@ -114,7 +116,8 @@ class InputProcessor:
                          add_generation_prompt=add_generation_prompt, vision=vision is not None, images=images)
         for m in carried:  # e.g. a stored Responses chain: the same turn sent back as text renders the same way
             self.turns.remember(m, m["turn_ids"])
-        return RenderedChat(ids, images.order if images else [], plan, tools, tool_choice, response_format)
+        return RenderedChat(ids, images.order if images else [], plan, tools, tool_choice, response_format,
+                            calls_before(messages))
 
     def _recalled(self, message):
         """`message` with the turn_ids remembered for it, if it is an assistant message without any."""
@@ -131,7 +134,8 @@ class InputProcessor:
         plan = rendered.plan
         starts = output_starts_in_reasoning(self.family, plan.enabled)
         budget = ReasoningBudget(self.tokenizer, self.family, plan.cap if plan.enabled else None, starts_in_reasoning=starts)
-        parser = OutputParser(self.tokenizer, self.family, starts_in_reasoning=starts, tools_declared=bool(rendered.tools))
+        parser = OutputParser(self.tokenizer, self.family, starts_in_reasoning=starts, tools_declared=bool(rendered.tools),
+                              first_call_index=rendered.calls_before)
         tracked = Tracked(self.new_id(request_id), list(rendered.prompt_ids), sampling or self.default_sampling, parser,
                           budget, self._turn_start[plan.enabled], images=list(rendered.images), thinking_tier=plan.tier)
         if rendered.tools or rendered.response_format is not None:  # only these may need a grammar
@@ -162,3 +166,9 @@ class InputProcessor:
             if self._grammar_vocab is None:  # built on the first constrained request
                 self._grammar_vocab = GrammarVocab(self.tokenizer, self.family, self.vocab_size)
             tracked.grammar = GrammarLogitsProcessor(self._grammar_vocab, self._grammar_vocab.compile(tag))
+
+
+def calls_before(messages: list[dict]) -> int:
+    """Tool calls of a conversation's assistant messages (a new K3 turn's call ids count on from it, settled before
+    the turn is remembered: the turn memory's key holds the ids)."""
+    return sum(len(m.get("tool_calls") or ()) for m in messages if isinstance(m, dict) and m.get("role") == "assistant")

@@ -179,6 +179,29 @@ def test_follow_up_turn_sent_back_as_text_continues_the_kept_state(server, oai):
         update={"prompt_tokens_details": again.usage.prompt_tokens_details})
 
 
+def test_resent_history_continues_the_kept_state_every_turn(server, oai):
+    """Three agent turns through chat completions, each resending the whole history with a forced tool call: K3 call
+    ids count on across turns (`functions.NAME:1` in turn 2), settled before the turn is remembered, so each earlier
+    assistant turn renders as its generated tokens and every turn continues the previous turn's kept state."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    forced = {"tools": WEATHER, "tool_choice": named, "parallel_tool_calls": False, **GREEDY}
+    messages = [{"role": "user", "content": "Weather for a week in Paris, then Rome?"}]
+    prev = None
+    for turn in range(3):
+        r = oai.chat.completions.create(model="m", messages=messages, max_tokens=200, **forced)
+        (call,) = r.choices[0].message.tool_calls
+        assert call.id == f"functions.get_weather:{turn}"
+        if prev is not None:
+            assert r.usage.prompt_tokens_details.cached_tokens == prev.usage.prompt_tokens + prev.usage.completion_tokens - 1
+        msg = r.choices[0].message
+        messages = messages + [
+            {"role": "assistant", "content": msg.content, "reasoning_content": msg.model_extra["reasoning_content"],
+             "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": f"day {turn}: rain"},
+        ]
+        prev = r
+
+
 def test_responses_chain_continues_the_kept_state(server, oai):
     """previous_response_id: the stored turn carries its generated tokens, and turn 2 reuses the kept state."""
     tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER_PARAMS}]
