@@ -29,6 +29,9 @@ class Request:
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
     budget: object | None = None
     images: list = field(default_factory=list)  # runtime.images.PreparedImage of each `<|media_pad|>` run, in order
+    # chats: prompt tokens before what only this request renders after the conversation (K3's tool-choice message),
+    # where the next turn's prompt departs from this one: the recurrent state is checkpointed at exactly that position
+    history_len: int | None = None
 
 
 @dataclass
@@ -99,6 +102,7 @@ class RemoteRequest:
     sampling: SamplingParams
     budget: BudgetSpec | None
     images: list
+    history_len: int | None = None
 
 
 @dataclass
