@@ -138,7 +138,7 @@ class InputProcessor:
                               first_call_index=rendered.calls_before)
         tracked = Tracked(self.new_id(request_id), list(rendered.prompt_ids), sampling or self.default_sampling, parser,
                           budget, self._turn_start[plan.enabled], images=list(rendered.images), thinking_tier=plan.tier,
-                          history_len=rendered.history_len)
+                          turn_points=turn_points(rendered))
         if rendered.tools or rendered.response_format is not None:  # only these may need a grammar
             self._constrain(tracked, rendered, starts, parallel_tool_calls)
         return tracked
@@ -167,6 +167,15 @@ class InputProcessor:
             if self._grammar_vocab is None:  # built on the first constrained request
                 self._grammar_vocab = GrammarVocab(self.tokenizer, self.family, self.vocab_size)
             tracked.grammar = GrammarLogitsProcessor(self._grammar_vocab, self._grammar_vocab.compile(tag))
+
+
+def turn_points(rendered: RenderedChat) -> tuple[int, ...]:
+    """Where the next turn's prompt may depart from this chat's (`Request.turn_points`): the end of the conversation
+    before K3's tool-choice / response-format message (the next prompt holds this turn there), and the end of the
+    prompt (the next prompt holds this turn's output there: as generated, or, from a client that sends it back
+    without its reasoning, departing at once)."""
+    end = len(rendered.prompt_ids)
+    return (end,) if rendered.history_len is None else (rendered.history_len, end)
 
 
 def calls_before(messages: list[dict]) -> int:

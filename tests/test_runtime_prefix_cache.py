@@ -3,7 +3,7 @@ and a recurrent-state checkpoint gives the same greedy tokens and logits (up to 
 prompt on an engine of its own (the oracle), for K3 (with and without the DSA indexer) and Kimi Linear: prefixes
 ending mid-block, exactly at a block boundary, sharing only part of a block, repeated prompts, the divergence
 checkpoint, requests sharing a prefix in the same step, eviction then re-use, and under mpiexec (tp 2); exact-position
-checkpoints where an agent's next prompt departs (`Request.history_len`) and their eviction by session."""
+checkpoints where an agent's next prompt departs (`Request.turn_points`) and their eviction by session."""
 
 from __future__ import annotations
 
@@ -117,10 +117,10 @@ def test_eviction_then_reuse(runtime_engine):
     check(sched, fresh, "a-reused", BASE[:70] + tail(6, 23), 64, n=4)
 
 
-def run_turn(sched: EngineCore, rid: str, prompt: list[int], n: int, history_len: int | None) -> tuple[list[int], Recorder, int]:
-    """`run` with the prompt's history length (`Request.history_len`: a chat's turn with a tool-choice message)."""
+def run_turn(sched: EngineCore, rid: str, prompt: list[int], n: int, points: tuple[int, ...]) -> tuple[list[int], Recorder, int]:
+    """`run` (this request's tokens only) with the prompt's `Request.turn_points`."""
     rec = Recorder()
-    sched.add(Request(rid, prompt, SamplingParams(max_tokens=n, ignore_eos=True), [rec], history_len=history_len))
+    sched.add(Request(rid, prompt, SamplingParams(max_tokens=n, ignore_eos=True), [rec], turn_points=points))
     tokens, cached = [], 0
     while sched.has_work:
         for u in sched.step():
@@ -135,7 +135,7 @@ def test_required_turns_resume_at_the_exact_divergence(runtime_engine, preset):
     """An agent loop whose prompts end with an instruction after the conversation (K3's `required` tool-choice
     message): each next prompt is the conversation + the previous output + new tokens, so it departs from the
     previous prompt + output at the conversation's end, mid-block. It resumes exactly there (cached tokens = the
-    common prefix), from the checkpoint taken at `history_len`, writing into that checkpoint's partial block, with
+    common prefix), from the checkpoint taken at that turn point, writing into that checkpoint's partial block, with
     the tokens and logits of a full prefill; with sessions kept and without. While another running sequence holds
     the partial block, a prompt resumes at the block boundary before the divergence instead."""
     engine_dir = runtime_engine(preset, 2, 2, 4)
@@ -146,7 +146,7 @@ def test_required_turns_resume_at_the_exact_divergence(runtime_engine, preset):
         conv, common = BASE[:37], 0  # mid-block (BS 16)
         for turn in range(3):
             prompt = conv + instruction
-            got, rec, cached = run_turn(sched, f"{keep}-{turn}", prompt, 6, history_len=len(conv))
+            got, rec, cached = run_turn(sched, f"{keep}-{turn}", prompt, 6, (len(conv), len(prompt)))
             assert cached == common and (cached % BS or not turn), (keep, turn)
             want, frec = oracle(fresh, prompt, 6)
             assert got == want, (keep, turn)
@@ -156,13 +156,30 @@ def test_required_turns_resume_at_the_exact_divergence(runtime_engine, preset):
     # the partial block is held by its running sequence: the next turn cannot write into it
     sched = EngineCore(eng, keep_sessions=False)
     conv = BASE[:45]
-    sched.add(Request("first", conv + instruction, SamplingParams(max_tokens=30, ignore_eos=True), history_len=len(conv)))
+    sched.add(Request("first", conv + instruction, SamplingParams(max_tokens=30, ignore_eos=True), turn_points=(len(conv),)))
     for _ in range(5):  # its prompt's chunks end at the checkpoints 32, 45 (exact), 48; then it decodes
         sched.step()
     nxt = conv + tail(9, 61)
-    got, rec, cached = run_turn(sched, "next", nxt, 3, history_len=None)
+    got, rec, cached = run_turn(sched, "next", nxt, 3, ())
     assert cached == 32  # the block boundary before the divergence at 45
     want, frec = oracle(fresh, nxt, 3)
+    assert got == want
+    assert_same(rec, frec, fresh)
+
+
+def test_a_turn_sent_back_otherwise_resumes_at_its_prompt_end(runtime_engine):
+    """A client that sends a turn back without its reasoning: the next prompt holds the previous prompt, then other
+    tokens than the output. It resumes at exactly the previous prompt's end (mid-block: the checkpoint at that
+    turn point), not at the block boundary before it, with the tokens and logits of a full prefill."""
+    engine_dir = runtime_engine("tiny-k3", 2, 2, 4)
+    eng, fresh = Engine(engine_dir, threads=1), Engine(engine_dir, num_slots=1, threads=1)
+    sched = EngineCore(eng)
+    first = BASE[:53]
+    run_turn(sched, "first", first, 6, (len(first),))
+    nxt = first + tail(20, 70)
+    got, rec, cached = run_turn(sched, "next", nxt, 4, (len(nxt),))
+    assert cached == len(first)
+    want, frec = oracle(fresh, nxt, 4)
     assert got == want
     assert_same(rec, frec, fresh)
 

@@ -18,10 +18,10 @@ tokens, the last block boundary of each prompt (repeated prompts, multi-turn con
 block boundary where a prompt's cached blocks end (the divergence point another request will share). A
 checkpoint is referenced by nobody after its copy-back.
 
-Exact-position checkpoints: a chat prompt says where the next turn's prompt will depart from it
-(`Request.history_len`: K3 renders the tool-choice message after the conversation, so the next prompt holds
-the next turn there instead). The state is checkpointed at exactly that position (and at the block boundary
-before it), named by the hash of the full blocks before it and the tokens of its partial block, and the
+Exact-position checkpoints: a chat prompt says where the next turn's prompt may depart from it
+(`Request.turn_points`: the end of the conversation before the tool-choice message K3 renders after it, where
+the next prompt holds this turn instead; the end of the prompt, where the model's own tokens begin). The state
+is checkpointed at exactly those positions (and at the block boundary before each), named by the hash of the full blocks before it and the tokens of its partial block, and the
 checkpoint holds a reference on that partial block, whose first positions keep their cache rows. A prompt
 continuing those exact tokens resumes there when it can write into the partial block (copy-on-write without a
 copy): nobody else holds it but the cache's name and kept sessions, which are then dropped (the partial
@@ -168,6 +168,14 @@ class PrefixCache:
         del self._blocks[self._block_names.pop(block)]
         self.allocator.decref([block])
 
+    def partials_on(self, block: int) -> list[bytes]:
+        """Names of the exact-position checkpoints holding `block`."""
+        return [name for name, part in self._partials.items() if part.block == block]
+
+    def drop_checkpoint(self, name: bytes) -> None:
+        """Forget a checkpoint (an exact-position one's block reference released)."""
+        self._forget_checkpoint(name, release_block=True)
+
     def take_partial(self, name: bytes) -> int:
         """Consume an exact-position checkpoint whose state a sequence restores this step and whose partial block
         it writes into: the block's reference passes to the caller, the checkpoint id is free again (a restore
@@ -176,15 +184,15 @@ class PrefixCache:
         return part.block
 
     def checkpoint_targets(self, prompt_len: int, resume: int, matched_blocks: int,
-                           history_len: int | None = None) -> list[int]:
-        """Positions in (resume, prompt_len) where a sequence's state is checkpointed, ascending: block boundaries
+                           turn_points: tuple[int, ...] = ()) -> list[int]:
+        """Positions in (resume, prompt_len] where a sequence's state is checkpointed, ascending: block boundaries
         every `interval` tokens, the divergence point of its cached blocks, its prompt's last block boundary; and
-        `history_len` exactly (where the next turn departs) with the block boundary before it."""
+        each of `turn_points` exactly (where a next turn may depart) with the block boundary before it."""
         last = (prompt_len - 1) // self.block_size * self.block_size
         targets = set(range(self.interval, last + 1, self.interval)) | {last, matched_blocks * self.block_size}
-        if history_len is not None and history_len < prompt_len:
-            targets |= {history_len, history_len // self.block_size * self.block_size}
-        return sorted(t for t in targets if resume < t and (t <= last or t == history_len))
+        points = {p for p in turn_points if 0 < p <= prompt_len}
+        targets |= points | {p // self.block_size * self.block_size for p in points}
+        return sorted(t for t in targets if resume < t and (t <= last or t in points))
 
     def add_blocks(self, hashes: list[bytes], blocks: list[int]) -> None:
         """Name computed full blocks (a reference taken on each newly named one); a hash already named keeps

@@ -75,17 +75,21 @@ class Resources:
 
     def _take_partial(self, found: PartialMatch) -> int | None:
         """The partial block of an exact-position checkpoint, for the resuming sequence to write into (the
-        checkpoint consumed, the block's name and the kept sessions holding it dropped), or None when someone
-        else holds it (a running sequence): then the prompt resumes at a block boundary."""
+        checkpoint consumed; the block's name, the kept sessions and the other exact-position checkpoints holding it
+        dropped), or None when someone else holds it (a running sequence): then the prompt resumes at a block
+        boundary."""
         index = found.position // self.allocator.block_size
         holders = self.sessions.take_holding(index, found.block)
         named = self.prefix.named(found.block)
-        if self.allocator.refcount(found.block) != 1 + named + len(holders):
+        others = [name for name in self.prefix.partials_on(found.block) if name != found.name]
+        if self.allocator.refcount(found.block) != 1 + named + len(holders) + len(others):
             for kept in holders:
                 self.sessions.keep(kept)
             return None
         for kept in holders:
             self._release_kept(kept)
+        for name in others:
+            self.prefix.drop_checkpoint(name)
         if named:
             self.prefix.unname(found.block)
         return self.prefix.take_partial(found.name)
@@ -147,7 +151,7 @@ class Resources:
                 self.prefix.touch_session(seq.lineage)
             seq.named = resume // self.allocator.block_size
             seq.targets = self.prefix.checkpoint_targets(len(seq.tokens), seq.num_computed, matched,
-                                                         seq.request.history_len)
+                                                         seq.request.turn_points)
             self.prefix.queried_tokens += len(seq.tokens)
             self.prefix.hit_tokens += seq.cached_tokens
         return True
