@@ -211,8 +211,8 @@ def test_prefix_cache_lru_and_references():
 
 def test_checkpoints_are_evicted_by_session_agents_last():
     """A full pool gives up the least recently used checkpoint of a one-turn lineage first, even when agent sessions'
-    are older; among agent sessions only, the least recently used session's oldest. An exact-position checkpoint
-    holds a reference on its partial block until it goes."""
+    are older; among agent sessions only, the least recently used session's oldest; never the writer's own while
+    others' remain. An exact-position checkpoint holds a reference on its partial block until it goes."""
     alloc = BlockAllocator(4, 4)
     cache = PrefixCache(alloc, num_checkpoints=3, interval=4)
     ids = {}
@@ -230,8 +230,10 @@ def test_checkpoints_are_evicted_by_session_agents_last():
     cache.touch_session("a")  # a resumed: c is now the least recently used session
     assert cache.take_checkpoint() == ids[b"b1"] and alloc.free_blocks == 4  # c's checkpoint and its block went
     cache.add_checkpoint(b"d1", ids[b"b1"], "d", agent=True)
+    assert cache.take_checkpoint("a") == ids[b"b1"]  # a writes: d1 (this id) goes, though a is older
+    cache.add_checkpoint(b"d2", ids[b"b1"], "d", agent=True)
     assert cache.take_checkpoint() == ids[b"a1"]  # a is now the least recently used session: its oldest goes
-    assert cache.has_checkpoint(b"a2") and cache.has_checkpoint(b"d1")
+    assert cache.has_checkpoint(b"a2") and cache.has_checkpoint(b"d2")
 
 
 def test_prefix_caching_under_mpiexec(runtime_engine):

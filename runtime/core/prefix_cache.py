@@ -30,7 +30,9 @@ checkpoint is consumed); otherwise it resumes at the block boundary before, repl
 Eviction is least recently used by session: each checkpoint belongs to a lineage (the request that wrote it,
 or the lineage of the kept session or checkpoint that request resumed from); a lineage resumed from at least
 once is an agent session. When the pool is full, the least recently used checkpoint of a one-turn lineage
-goes first; only when every checkpoint belongs to an agent session, the least recently used session's oldest.
+goes first; only when every checkpoint belongs to an agent session, the least recently used session's oldest;
+a lineage never evicts its own checkpoints while others' remain (a new prompt's interval checkpoints stay, for
+the requests that will share its prefix).
 """
 
 from __future__ import annotations
@@ -217,17 +219,20 @@ class PrefixCache:
             self._agents.add(lineage)
             self._sessions.move_to_end(lineage)
 
-    def take_checkpoint(self) -> int | None:
-        """A checkpoint id to write (a free one, else the evicted one's: see the module doc); None when the pool
-        has none."""
+    def take_checkpoint(self, writer: str = "") -> int | None:
+        """A checkpoint id for lineage `writer` to write (a free one, else the evicted one's: see the module doc);
+        None when the pool has none."""
         if self._free_checkpoints:
             return self._free_checkpoints.pop()
         if not self._checkpoints:
             return None
-        victim = next((h for h in self._checkpoints if self._lineage[h] not in self._agents), None)
-        if victim is None:  # agent sessions only: the least recently used session's oldest checkpoint
+        others = [(i, h) for i, h in enumerate(self._checkpoints) if self._lineage[h] != writer]
+        victim = next((h for _, h in others if self._lineage[h] not in self._agents), None)
+        if victim is None and others:  # agent sessions only: the least recently used session's oldest checkpoint
             rank = {lineage: i for i, lineage in enumerate(self._sessions)}
-            victim = min(enumerate(self._checkpoints), key=lambda e: (rank[self._lineage[e[1]]], e[0]))[1]
+            victim = min(others, key=lambda e: (rank[self._lineage[e[1]]], e[0]))[1]
+        if victim is None:  # the writer's own: its oldest
+            victim = next(iter(self._checkpoints))
         self._forget_checkpoint(victim, release_block=True)
         return self._free_checkpoints.pop()
 

@@ -194,7 +194,7 @@ class Resources:
                 h = parent
             if self.prefix.has_checkpoint(h):
                 continue
-            checkpoint = self.prefix.take_checkpoint()
+            checkpoint = self.prefix.take_checkpoint(seq.lineage)
             if checkpoint is None:
                 continue
             save = CheckpointSave(seq.slot, checkpoint, h, seq.lineage, agent=seq.cached_tokens > 0)
