@@ -12,7 +12,7 @@ is `moe-export serve ENGINE --default-effort low --served-model-name agent --sto
 One conversation per (API, tool choice), greedy (temperature 0; this `anthropic` client has no such argument, so
 there it goes in `extra_body`), on the official clients:
   - `chat`: `openai` chat completions, the whole history resent each round (the assistant message as returned,
-    then a `tool` message);
+    its streamed `reasoning_content` included, as K3 wants every past turn's reasoning back, then a `tool` message);
   - `responses`: `openai` Responses, each round only the `function_call_output`, chained by `previous_response_id`;
   - `messages`: `anthropic` messages, the whole history resent (the `tool_use` blocks as returned, then a
     `tool_result`).
@@ -145,7 +145,7 @@ class Conversation:
         stream = self.client().chat.completions.create(
             model=MODEL, messages=messages, tools=[{"type": "function", "function": TOOL}], tool_choice=choice,
             temperature=0, max_tokens=MAX_OUTPUT_TOKENS, stream=True, stream_options={"include_usage": True})
-        ttft, usage, content, calls = None, None, "", {}
+        ttft, usage, content, reasoning, calls = None, None, "", "", {}
         for chunk in stream:
             if chunk.usage is not None:
                 usage = chunk.usage
@@ -153,6 +153,7 @@ class Conversation:
                 if ttft is None and (c.delta.content or c.delta.tool_calls or getattr(c.delta, "reasoning_content", None)):
                     ttft = time.perf_counter() - start
                 content += c.delta.content or ""
+                reasoning += getattr(c.delta, "reasoning_content", None) or ""
                 for tc in c.delta.tool_calls or []:
                     call = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
                     call["id"] = tc.id or call["id"]
@@ -161,7 +162,7 @@ class Conversation:
                         call["arguments"] += tc.function.arguments or ""
         if not calls:
             raise RuntimeError(f"chat/{self.choice}: the forced tool call is missing (content {content[:80]!r})")
-        message = {"role": "assistant", "content": content or None,
+        message = {"role": "assistant", "content": content or None, "reasoning_content": reasoning,
                    "tool_calls": [{"id": c["id"], "type": "function",
                                    "function": {"name": c["name"], "arguments": c["arguments"]}}
                                   for _, c in sorted(calls.items())]}

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ChatTemplate", "OutputParser", "ParsedDelta", "ParsedMessage", "Segment", "generation_prompt_ids", "parse_output",
-    "output_starts_in_reasoning", "render", "render_ids", "render_segments", "renderer_name", "segments_to_ids",
+    "output_starts_in_reasoning", "render", "render_ids", "render_prompt", "render_segments", "renderer_name", "segments_to_ids",
 ]
 
 EFFORTS = (*k3.EFFORTS, "none")
@@ -127,9 +127,15 @@ def check_family(family: str) -> None:
 
 
 def render_ids(tokenizer: Tokenizer, messages: list[dict], *, family: str | None = None, **kwargs: Any) -> list[int]:
-    """Token ids of `render(messages, **kwargs)` with the tokenizer's checkpoint chat template if it has one,
-    else the built-in renderer of `family` (default: the tokenizer's): markers as special tokens, each text
-    segment encoded alone with special tokens disallowed.
+    """`render_prompt`'s token ids."""
+    return render_prompt(tokenizer, messages, family=family, **kwargs)[0]
+
+
+def render_prompt(tokenizer: Tokenizer, messages: list[dict], *, family: str | None = None,
+                  **kwargs: Any) -> tuple[list[int], int | None]:
+    """(token ids, history length) of `render(messages, **kwargs)` with the tokenizer's checkpoint chat template if
+    it has one, else the built-in renderer of `family` (default: the tokenizer's): markers as special tokens, each
+    text segment encoded alone with special tokens disallowed.
 
     An assistant message may carry `turn_ids`, the tokens the model produced for it (generation prompt and
     output; `ChatOutput.turn_ids`). When they spell the start of the message's rendering exactly (the same
@@ -137,7 +143,10 @@ def render_ids(tokenizer: Tokenizer, messages: list[dict], *, family: str | None
     with one special token the format does not place there, such as [EOS]), the message is rendered as those
     tokens followed by the encoding of the rest of its rendering: the same prompt, tokenized as the model wrote
     it, so a kept session of that turn continues. Otherwise the message is encoded as usual. (Built-in
-    renderers only: a checkpoint template's output has no message boundaries.)"""
+    renderers only: a checkpoint template's output has no message boundaries.)
+
+    History length: the tokens before the internal messages K3 renders after the conversation (tool choice,
+    response format; `Rendered.trailer_start`), where the next turn's prompt departs from this one (None: none)."""
     family = family or tokenizer.family
     images = kwargs.pop("images", None)  # runtime.images.PromptImages: the image parts' media tokens
     template = kwargs.pop("chat_template", None) or tokenizer.chat_template
@@ -153,7 +162,11 @@ def render_ids(tokenizer: Tokenizer, messages: list[dict], *, family: str | None
         ids += segments_to_ids(tokenizer, rendered.segments[done:start], images)
         ids += _with_turn_ids(tokenizer, rendered.segments[start:stop], turn, f"messages[{i}]")
         done = stop
-    return ids + segments_to_ids(tokenizer, rendered.segments[done:], images)
+    trailer = rendered.trailer_start
+    if trailer is None:
+        return ids + segments_to_ids(tokenizer, rendered.segments[done:], images), None
+    ids += segments_to_ids(tokenizer, rendered.segments[done:trailer], images)
+    return ids + segments_to_ids(tokenizer, rendered.segments[trailer:], images), len(ids)
 
 
 def _with_turn_ids(tokenizer: Tokenizer, segments: list[Segment], turn: Any, where: str) -> list[int]:

@@ -17,7 +17,7 @@ from moe_export.runtime.chat import (
     OutputParser,
     generation_prompt_ids,
     output_starts_in_reasoning,
-    render_ids,
+    render_prompt,
 )
 from moe_export.runtime.client.request_core import Tracked
 from moe_export.runtime.core.budget import ReasoningBudget, ThinkingPlan, resolve_thinking
@@ -41,6 +41,8 @@ class RenderedChat:
     tools: list | None = None
     tool_choice: object = None
     response_format: dict | None = None
+    calls_before: int = 0  # tool calls of the conversation's assistant messages (K3 numbers the new turn's on)
+    history_len: int | None = None  # prompt tokens before what only this request adds after the conversation
 
 
 class InputProcessor:
@@ -94,7 +96,7 @@ class InputProcessor:
     def render(self, messages: list[dict], *, tools=None, reasoning_effort=None, tool_choice=None,
                response_format=None, add_generation_prompt: bool = True) -> RenderedChat:
         """Render a conversation (once per request): an assistant message that is a turn this engine generated
-        (or that carries `turn_ids`) is rendered as the turn's tokens (`chat.render_ids`); image parts become
+        (or that carries `turn_ids`) is rendered as the turn's tokens (`chat.render_prompt`); image parts become
         their media tokens (`runtime.images`)."""
         plan = resolve_thinking(reasoning_effort, self.thinking_caps, self.default_effort)
         if self.tokenizer is None:
@@ -109,12 +111,13 @@ class InputProcessor:
         if self.turns is not None and isinstance(messages, list):
             carried = [m for m in messages if isinstance(m, dict) and m.get("role") == "assistant" and m.get("turn_ids") is not None]
             messages = [self._recalled(m) for m in messages]
-        ids = render_ids(self.tokenizer, messages, family=self.family, tools=tools, thinking=plan.enabled,
+        ids, history_len = render_prompt(self.tokenizer, messages, family=self.family, tools=tools, thinking=plan.enabled,
                          thinking_effort=plan.tier, tool_choice=tool_choice, response_format=response_format,
                          add_generation_prompt=add_generation_prompt, vision=vision is not None, images=images)
         for m in carried:  # e.g. a stored Responses chain: the same turn sent back as text renders the same way
             self.turns.remember(m, m["turn_ids"])
-        return RenderedChat(ids, images.order if images else [], plan, tools, tool_choice, response_format)
+        return RenderedChat(ids, images.order if images else [], plan, tools, tool_choice, response_format,
+                            calls_before(messages), history_len)
 
     def _recalled(self, message):
         """`message` with the turn_ids remembered for it, if it is an assistant message without any."""
@@ -131,9 +134,11 @@ class InputProcessor:
         plan = rendered.plan
         starts = output_starts_in_reasoning(self.family, plan.enabled)
         budget = ReasoningBudget(self.tokenizer, self.family, plan.cap if plan.enabled else None, starts_in_reasoning=starts)
-        parser = OutputParser(self.tokenizer, self.family, starts_in_reasoning=starts, tools_declared=bool(rendered.tools))
+        parser = OutputParser(self.tokenizer, self.family, starts_in_reasoning=starts, tools_declared=bool(rendered.tools),
+                              first_call_index=rendered.calls_before)
         tracked = Tracked(self.new_id(request_id), list(rendered.prompt_ids), sampling or self.default_sampling, parser,
-                          budget, self._turn_start[plan.enabled], images=list(rendered.images), thinking_tier=plan.tier)
+                          budget, self._turn_start[plan.enabled], images=list(rendered.images), thinking_tier=plan.tier,
+                          turn_points=turn_points(rendered))
         if rendered.tools or rendered.response_format is not None:  # only these may need a grammar
             self._constrain(tracked, rendered, starts, parallel_tool_calls)
         return tracked
@@ -162,3 +167,18 @@ class InputProcessor:
             if self._grammar_vocab is None:  # built on the first constrained request
                 self._grammar_vocab = GrammarVocab(self.tokenizer, self.family, self.vocab_size)
             tracked.grammar = GrammarLogitsProcessor(self._grammar_vocab, self._grammar_vocab.compile(tag))
+
+
+def turn_points(rendered: RenderedChat) -> tuple[int, ...]:
+    """Where the next turn's prompt may depart from this chat's (`Request.turn_points`): the end of the conversation
+    before K3's tool-choice / response-format message (the next prompt holds this turn there), and the end of the
+    prompt (the next prompt holds this turn's output there: as generated, or, from a client that sends it back
+    without its reasoning, departing at once)."""
+    end = len(rendered.prompt_ids)
+    return (end,) if rendered.history_len is None else (rendered.history_len, end)
+
+
+def calls_before(messages: list[dict]) -> int:
+    """Tool calls of a conversation's assistant messages (a new K3 turn's call ids count on from it, settled before
+    the turn is remembered: the turn memory's key holds the ids)."""
+    return sum(len(m.get("tool_calls") or ()) for m in messages if isinstance(m, dict) and m.get("role") == "assistant")

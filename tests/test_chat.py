@@ -16,6 +16,7 @@ from moe_export.runtime.chat import (
     prompt_starts_in_reasoning,
     render,
     render_ids,
+    render_prompt,
 )
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Météo", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -91,6 +92,27 @@ def test_history_plus_generation_prompt_is_a_prefix_of_the_next_turn(toks, famil
     for thinking in (True, False):
         opened = tok.decode(generation_prompt_ids(tok, family, thinking)).endswith(("think<|sep|>", "<think>"))
         assert prompt_starts_in_reasoning(family, thinking) == opened == (family == "k3" and thinking)
+
+
+def test_history_length_is_where_the_next_required_turn_departs(toks):
+    """K3 renders `required` / response-format messages after the conversation: the next turn's prompt departs from
+    this one where that message begins, `render_prompt`'s history length (the conversation's rendering; the tokens
+    agree a few more, `<|open|>message role="`, as both go on with a message), and a prompt without such messages
+    has none."""
+    tok = toks["k3"]
+    msgs = [{"role": "user", "content": "Plan a trip"}]
+    assert render_prompt(tok, msgs, tools=[WEATHER])[1] is None
+    prompt, history = render_prompt(tok, msgs, tools=[WEATHER], tool_choice="required")
+    turn = {"role": "assistant", "reasoning_content": "r", "content": "", "tool_calls": [call("functions.get_weather:0", "get_weather", {"city": "Oslo"})]}
+    follow = render_ids(tok, [*msgs, turn, {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "cold"}],
+                        tools=[WEATHER], tool_choice="required")
+    common = next(i for i, (a, b) in enumerate(zip(prompt, follow)) if a != b)
+    conversation = render_ids(tok, msgs, tools=[WEATHER], add_generation_prompt=False)
+    assert history == len(conversation) and prompt[:history] == conversation
+    assert history <= common and tok.decode(prompt[history:common]) == '<|open|>message role="'
+    assert tok.decode(prompt[history:]).startswith('<|open|>message role="system" type="tool-choice"')
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    assert render_prompt(tok, msgs, response_format=schema)[1] == len(render_ids(tok, msgs, add_generation_prompt=False))
 
 
 def _find(ids: list[int], sub: list[int]) -> int:

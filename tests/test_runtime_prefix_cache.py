@@ -2,7 +2,8 @@
 and a recurrent-state checkpoint gives the same greedy tokens and logits (up to float32 reordering) as a full re-prefill of the same
 prompt on an engine of its own (the oracle), for K3 (with and without the DSA indexer) and Kimi Linear: prefixes
 ending mid-block, exactly at a block boundary, sharing only part of a block, repeated prompts, the divergence
-checkpoint, requests sharing a prefix in the same step, eviction then re-use, and under mpiexec (tp 2)."""
+checkpoint, requests sharing a prefix in the same step, eviction then re-use, and under mpiexec (tp 2); exact-position
+checkpoints where an agent's next prompt departs (`Request.turn_points`) and their eviction by session."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from test_runtime_scheduler import MPI_SCRIPT, mpiexec
 from test_runtime_sessions import Recorder, assert_same, run
 
 from moe_export.runtime.core.blocks import BlockAllocator
-from moe_export.runtime.core.prefix_cache import PrefixCache, block_hashes
+from moe_export.runtime.core.prefix_cache import PartialCheckpoint, PrefixCache, block_hashes, partial_name
 from moe_export.runtime.core.engine_core import EngineCore
 from moe_export.runtime.core.scheduler import Request
 from moe_export.runtime.engine.ort import Engine
@@ -116,6 +117,73 @@ def test_eviction_then_reuse(runtime_engine):
     check(sched, fresh, "a-reused", BASE[:70] + tail(6, 23), 64, n=4)
 
 
+def run_turn(sched: EngineCore, rid: str, prompt: list[int], n: int, points: tuple[int, ...]) -> tuple[list[int], Recorder, int]:
+    """`run` (this request's tokens only) with the prompt's `Request.turn_points`."""
+    rec = Recorder()
+    sched.add(Request(rid, prompt, SamplingParams(max_tokens=n, ignore_eos=True), [rec], turn_points=points))
+    tokens, cached = [], 0
+    while sched.has_work:
+        for u in sched.step():
+            if u.request_id == rid:
+                tokens += u.token_ids
+                cached = max(cached, u.cached_tokens)
+    return tokens, rec, cached
+
+
+@pytest.mark.parametrize("preset", ["tiny-k3", "tiny-kimi-linear"])
+def test_required_turns_resume_at_the_exact_divergence(runtime_engine, preset):
+    """An agent loop whose prompts end with an instruction after the conversation (K3's `required` tool-choice
+    message): each next prompt is the conversation + the previous output + new tokens, so it departs from the
+    previous prompt + output at the conversation's end, mid-block. It resumes exactly there (cached tokens = the
+    common prefix), from the checkpoint taken at that turn point, writing into that checkpoint's partial block, with
+    the tokens and logits of a full prefill; with sessions kept and without. While another running sequence holds
+    the partial block, a prompt resumes at the block boundary before the divergence instead."""
+    engine_dir = runtime_engine(preset, 2, 2, 4)
+    eng, fresh = Engine(engine_dir, threads=1), Engine(engine_dir, num_slots=1, threads=1)
+    instruction = tail(7, 40)
+    for keep in (True, False):
+        sched = EngineCore(eng, keep_sessions=keep)
+        conv, common = BASE[:37], 0  # mid-block (BS 16)
+        for turn in range(3):
+            prompt = conv + instruction
+            got, rec, cached = run_turn(sched, f"{keep}-{turn}", prompt, 6, (len(conv), len(prompt)))
+            assert cached == common and (cached % BS or not turn), (keep, turn)
+            want, frec = oracle(fresh, prompt, 6)
+            assert got == want, (keep, turn)
+            assert_same(rec, frec, fresh)
+            common = len(conv)
+            conv = conv + got + tail(11 + 5 * turn, 50 + turn)  # the output, then the tool's answer
+    # the partial block is held by its running sequence: the next turn cannot write into it
+    sched = EngineCore(eng, keep_sessions=False)
+    conv = BASE[:45]
+    sched.add(Request("first", conv + instruction, SamplingParams(max_tokens=30, ignore_eos=True), turn_points=(len(conv),)))
+    for _ in range(5):  # its prompt's chunks end at the checkpoints 32, 45 (exact), 48; then it decodes
+        sched.step()
+    nxt = conv + tail(9, 61)
+    got, rec, cached = run_turn(sched, "next", nxt, 3, ())
+    assert cached == 32  # the block boundary before the divergence at 45
+    want, frec = oracle(fresh, nxt, 3)
+    assert got == want
+    assert_same(rec, frec, fresh)
+
+
+def test_a_turn_sent_back_otherwise_resumes_at_its_prompt_end(runtime_engine):
+    """A client that sends a turn back without its reasoning: the next prompt holds the previous prompt, then other
+    tokens than the output. It resumes at exactly the previous prompt's end (mid-block: the checkpoint at that
+    turn point), not at the block boundary before it, with the tokens and logits of a full prefill."""
+    engine_dir = runtime_engine("tiny-k3", 2, 2, 4)
+    eng, fresh = Engine(engine_dir, threads=1), Engine(engine_dir, num_slots=1, threads=1)
+    sched = EngineCore(eng)
+    first = BASE[:53]
+    run_turn(sched, "first", first, 6, (len(first),))
+    nxt = first + tail(20, 70)
+    got, rec, cached = run_turn(sched, "next", nxt, 4, (len(nxt),))
+    assert cached == len(first)
+    want, frec = oracle(fresh, nxt, 4)
+    assert got == want
+    assert_same(rec, frec, fresh)
+
+
 def test_prefix_cache_lru_and_references():
     alloc = BlockAllocator(6, 4)
     cache = PrefixCache(alloc, num_checkpoints=1, interval=8)
@@ -139,6 +207,33 @@ def test_prefix_cache_lru_and_references():
     assert cache.take_checkpoint() == c and cache.cached_checkpoints == 0  # the one checkpoint, recycled (LRU)
     # every 8 tokens, the divergence point (9 cached blocks: 36), the last block boundary before token 99 (96)
     assert cache.checkpoint_targets(100, 16, 9) == [24, 32, 36, 40, 48, 56, 64, 72, 80, 88, 96]
+
+
+def test_checkpoints_are_evicted_by_session_agents_last():
+    """A full pool gives up the least recently used checkpoint of a one-turn lineage first, even when agent sessions'
+    are older; among agent sessions only, the least recently used session's oldest; never the writer's own while
+    others' remain. An exact-position checkpoint holds a reference on its partial block until it goes."""
+    alloc = BlockAllocator(4, 4)
+    cache = PrefixCache(alloc, num_checkpoints=3, interval=4)
+    ids = {}
+    for name, lineage, agent in ((b"a1", "a", True), (b"b1", "b", False), (b"a2", "a", True)):
+        ids[name] = cache.take_checkpoint()
+        cache.add_checkpoint(name, ids[name], lineage, agent=agent)
+    assert cache.take_checkpoint() == ids[b"b1"] and not cache.has_checkpoint(b"b1")
+    (block,) = alloc.allocate(1)
+    tail = np.array([5, 6], dtype=np.int64)
+    part = PartialCheckpoint(b"", tail, block)
+    alloc.incref([block])  # the checkpoint's reference
+    cache.add_checkpoint(partial_name(b"", tail), ids[b"b1"], "c", part, agent=True)
+    alloc.decref([block])  # its sequence is done: the checkpoint alone holds the block
+    assert alloc.refcount(block) == 1
+    cache.touch_session("a")  # a resumed: c is now the least recently used session
+    assert cache.take_checkpoint() == ids[b"b1"] and alloc.free_blocks == 4  # c's checkpoint and its block went
+    cache.add_checkpoint(b"d1", ids[b"b1"], "d", agent=True)
+    assert cache.take_checkpoint("a") == ids[b"b1"]  # a writes: d1 (this id) goes, though a is older
+    cache.add_checkpoint(b"d2", ids[b"b1"], "d", agent=True)
+    assert cache.take_checkpoint() == ids[b"a1"]  # a is now the least recently used session: its oldest goes
+    assert cache.has_checkpoint(b"a2") and cache.has_checkpoint(b"d2")
 
 
 def test_prefix_caching_under_mpiexec(runtime_engine):

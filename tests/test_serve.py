@@ -179,6 +179,54 @@ def test_follow_up_turn_sent_back_as_text_continues_the_kept_state(server, oai):
         update={"prompt_tokens_details": again.usage.prompt_tokens_details})
 
 
+def test_resent_history_continues_the_kept_state_every_turn(server, oai):
+    """Three agent turns through chat completions, each resending the whole history with a forced tool call: K3 call
+    ids count on across turns (`functions.NAME:1` in turn 2), settled before the turn is remembered, so each earlier
+    assistant turn renders as its generated tokens and every turn continues the previous turn's kept state."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    forced = {"tools": WEATHER, "tool_choice": named, "parallel_tool_calls": False, **GREEDY}
+    messages = [{"role": "user", "content": "Weather for a week in Paris, then Rome?"}]
+    prev = None
+    for turn in range(3):
+        r = oai.chat.completions.create(model="m", messages=messages, max_tokens=200, **forced)
+        (call,) = r.choices[0].message.tool_calls
+        assert call.id == f"functions.get_weather:{turn}"
+        if prev is not None:
+            assert r.usage.prompt_tokens_details.cached_tokens == prev.usage.prompt_tokens + prev.usage.completion_tokens - 1
+        msg = r.choices[0].message
+        messages = messages + [
+            {"role": "assistant", "content": msg.content, "reasoning_content": msg.model_extra["reasoning_content"],
+             "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": f"day {turn}: rain"},
+        ]
+        prev = r
+
+
+def test_required_turn_resumes_where_the_conversation_ended(server, oai):
+    """`tool_choice: "required"`: K3 renders its tool-choice message after the conversation, so the next turn's
+    prompt (the history resent, the assistant's turn where that message was) departs from turn 1's prompt at the
+    conversation's end, mid-block. Turn 2 resumes exactly there (the checkpoint at that turn point), not at the
+    block boundary before it."""
+    from moe_export.runtime.chat import render_prompt
+    from moe_export.runtime.tokenizer import load_tokenizer
+
+    required = {"tools": WEATHER, "tool_choice": "required", "parallel_tool_calls": False, **GREEDY}
+    messages = [{"role": "user", "content": "Is it warm in Rome this week?"}]
+    first = oai.chat.completions.create(model="m", messages=messages, max_tokens=200, **required)
+    msg = first.choices[0].message
+    (call,) = msg.tool_calls
+    tok = load_tokenizer(server.settings.engine_dir)
+    history = render_prompt(tok, messages, tools=WEATHER, tool_choice="required", thinking_effort="low")[1]
+    assert history % server.llm.llm.engine.block_size  # precondition: the conversation ends mid-block
+    turn2 = messages + [
+        {"role": "assistant", "content": msg.content, "reasoning_content": msg.model_extra["reasoning_content"],
+         "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "warm"},
+    ]
+    second = oai.chat.completions.create(model="m", messages=turn2, max_tokens=12, **required)
+    assert second.usage.prompt_tokens_details.cached_tokens == history
+
+
 def test_responses_chain_continues_the_kept_state(server, oai):
     """previous_response_id: the stored turn carries its generated tokens, and turn 2 reuses the kept state."""
     tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER_PARAMS}]

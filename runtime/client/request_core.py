@@ -176,6 +176,7 @@ class Tracked:
     images: list = field(default_factory=list)  # runtime.images.PreparedImage of the prompt's images, in order
     grammar: GrammarLogitsProcessor | None = None  # tool_choice / response_format enforced, whatever the entry point
     thinking_tier: str | None = None  # chats: the resolved thinking tier (resolved once, by `InputProcessor.render`)
+    turn_points: tuple[int, ...] = ()  # chats: `Request.turn_points`
 
 
 class RequestCore:
@@ -208,7 +209,7 @@ class RequestCore:
             raise self.fatal_error
         processors = list(processors or ()) + ([tracked.grammar] if tracked.grammar is not None else [])
         self.engine_core.add(Request(tracked.request_id, tracked.prompt_ids, tracked.sampling, processors, tracked.budget,
-                               tracked.images))
+                               tracked.images, tracked.turn_points))
         tracked.out = OutputText(self.tokenizer, tracked.sampling.stop, tracked.parser)
         self.tracked[tracked.request_id] = tracked
 

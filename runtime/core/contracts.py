@@ -29,6 +29,10 @@ class Request:
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
     budget: object | None = None
     images: list = field(default_factory=list)  # runtime.images.PreparedImage of each `<|media_pad|>` run, in order
+    # chats: prompt positions where the next turn's prompt may depart from this one, where the recurrent state is
+    # checkpointed exactly (`InputProcessor.chat_request`): the end of the conversation before a message K3 renders
+    # after it (tool choice, response format), and the end of the prompt (where the model's own tokens begin)
+    turn_points: tuple[int, ...] = ()
 
 
 @dataclass
@@ -103,6 +107,7 @@ class RemoteRequest:
     sampling: SamplingParams
     budget: BudgetSpec | None
     images: list
+    turn_points: tuple[int, ...] = ()
 
 
 @dataclass

@@ -2,15 +2,16 @@
 prefix cache (`core.prefix_cache`: named full blocks and state checkpoints) and kept sessions (`core.sessions`).
 
 A sequence is admitted when a slot and the blocks for its prompt plus `max_tokens` are free (cached prefix
-blocks held by nobody else, then kept sessions, are evicted, least recently used first, to make room). It
-resumes from the longest of a kept session it exactly extends or a cached prefix."""
+blocks held by nobody else, then kept sessions, then exact-position checkpoints' partial blocks, are evicted,
+least recently used first, to make room). It resumes from the longest of a kept session it exactly extends, a
+cached prefix up to a block boundary, or one up to an exact-position checkpoint."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from moe_export.runtime.core.blocks import BlockAllocator
-from moe_export.runtime.core.prefix_cache import PrefixCache, block_hashes
+from moe_export.runtime.core.prefix_cache import PartialCheckpoint, PartialMatch, PrefixCache, block_hashes, partial_name
 from moe_export.runtime.core.sequence import Sequence
 from moe_export.runtime.core.sessions import KeptSequence, SessionCache
 from moe_export.runtime.core.state_offload import FoundState, StateLoad, StateOffload, StateRead
@@ -20,11 +21,15 @@ from moe_export.runtime.engine.runner import ModelRunner
 
 @dataclass
 class CheckpointSave:
-    """After a step, `slot`'s state is copied into `checkpoint`, named `name` (the hash of the block it ends)."""
+    """After a step, `slot`'s state is copied into `checkpoint`, named `name` (the hash of the block it ends, or an
+    exact-position one's `partial_name`: `partial` says where it ends, its block reference taken) for `lineage`."""
 
     slot: int
     checkpoint: int
     name: bytes
+    lineage: str = ""
+    agent: bool = False  # the sequence resumed from its lineage's state: an agent session
+    partial: PartialCheckpoint | None = None
 
 
 class Resources:
@@ -67,7 +72,30 @@ class Resources:
             if (short > 0 or (slot and not self.free_slots)) and len(self.sessions):
                 self._release_kept(self.sessions.evict_lru())
                 continue
+            if short > 0 and self.prefix is not None and self.prefix.evict_partial():
+                continue
             return short <= 0 and not (slot and not self.free_slots)
+
+    def _take_partial(self, found: PartialMatch) -> int | None:
+        """The partial block of an exact-position checkpoint, for the resuming sequence to write into (the
+        checkpoint consumed; the block's name, the kept sessions and the other exact-position checkpoints holding it
+        dropped), or None when someone else holds it (a running sequence): then the prompt resumes at a block
+        boundary."""
+        index = found.position // self.allocator.block_size
+        holders = self.sessions.take_holding(index, found.block)
+        named = self.prefix.named(found.block)
+        others = [name for name in self.prefix.partials_on(found.block) if name != found.name]
+        if self.allocator.refcount(found.block) != 1 + named + len(holders) + len(others):
+            for kept in holders:
+                self.sessions.keep(kept)
+            return None
+        for kept in holders:
+            self._release_kept(kept)
+        for name in others:
+            self.prefix.drop_checkpoint(name)
+        if named:
+            self.prefix.unname(found.block)
+        return self.prefix.take_partial(found.name)
 
     def admit(self, seq: Sequence, resets: list[int], restores: list[tuple[int, int]]) -> bool:
         """Give `seq` a slot and its blocks, resuming from a kept session it extends or a cached prefix, whichever
@@ -75,11 +103,25 @@ class Resources:
         need = self.blocks_for(seq)
         key = seq.session_key(len(seq.tokens))
         kept = self.sessions.take_longest_prefix(key) if self.keep_sessions else None
-        resume, shared, checkpoint, matched = 0, [], None, 0
+        resume, shared, checkpoint, matched, lineage = 0, [], None, 0, None
         if self.prefix is not None:  # the kept session's block names are reused: only the new blocks are hashed
+            bs = self.allocator.block_size
             known = kept.hashes if kept is not None else []
-            seq.hashes = known + block_hashes(key, self.allocator.block_size, len(known), known[-1] if known else b"")
+            seq.hashes = known + block_hashes(key, bs, len(known), known[-1] if known else b"")
             resume, shared, checkpoint, matched = self.prefix.match(seq.hashes, len(seq.tokens))
+            if resume:
+                lineage = self.prefix.lineage(seq.hashes[resume // bs - 1])
+            floor = max(resume, len(kept.tokens) if kept is not None else 0)
+            found = self.prefix.match_partial(key, seq.hashes, len(seq.tokens), matched, floor)
+            if found is not None:
+                found_lineage = self.prefix.lineage(found.name)
+                block = self._take_partial(found)
+                if block is None:
+                    self.allocator.decref(found.blocks)
+                else:
+                    self.allocator.decref(shared)
+                    resume, shared, checkpoint = found.position, found.blocks + [block], found.checkpoint
+                    lineage = found_lineage
             if resume and kept is not None and len(kept.tokens) >= resume:
                 self.allocator.decref(shared)
                 resume, shared, checkpoint = 0, [], None
@@ -103,6 +145,7 @@ class Resources:
         if kept is not None:
             seq.slot, seq.blocks = kept.slot, kept.blocks
             seq.num_computed = seq.cached_tokens = len(kept.tokens)
+            seq.lineage = kept.lineage or seq.request_id
             if need > have:
                 seq.blocks = seq.blocks + self.allocator.allocate(need - have)
         else:
@@ -113,9 +156,13 @@ class Resources:
                 resets.append(seq.slot)
             else:
                 restores.append((checkpoint, seq.slot))
+            seq.lineage = lineage if checkpoint is not None and lineage else seq.request_id
         if self.prefix is not None:
-            seq.named = len(shared)
-            seq.targets = self.prefix.checkpoint_targets(len(seq.tokens), seq.num_computed, matched)
+            if seq.num_computed:
+                self.prefix.touch_session(seq.lineage)
+            seq.named = resume // self.allocator.block_size
+            seq.targets = self.prefix.checkpoint_targets(len(seq.tokens), seq.num_computed, matched,
+                                                         seq.request.turn_points)
             self.prefix.queried_tokens += len(seq.tokens)
             self.prefix.hit_tokens += seq.cached_tokens
         return True
@@ -152,7 +199,8 @@ class Resources:
             used = self.allocator.blocks_needed(seq.num_computed)
             self.allocator.decref(seq.blocks[used:])
             hashes = seq.hashes[:seq.num_computed // self.allocator.block_size]
-            kept = KeptSequence(seq.session_key(seq.num_computed).copy(), seq.slot, seq.blocks[:used], hashes)
+            kept = KeptSequence(seq.session_key(seq.num_computed).copy(), seq.slot, seq.blocks[:used], hashes,
+                                seq.lineage)
             replaced = self.sessions.keep(kept)
             if replaced is not None:
                 self._release_kept(replaced)
@@ -178,25 +226,39 @@ class Resources:
             if not seq.targets or seq.targets[0] != end:
                 continue
             seq.targets.pop(0)
-            h = seq.hashes[end // self.allocator.block_size - 1]
+            bs = self.allocator.block_size
+            full, partial = divmod(end, bs)
+            parent = seq.hashes[full - 1] if full else b""
+            if partial:
+                tail = seq.session_key(end)[full * bs:].copy()
+                h = partial_name(parent, tail)
+            else:
+                h = parent
             if self.prefix.has_checkpoint(h):
                 continue
-            checkpoint = self.prefix.take_checkpoint()
-            if checkpoint is not None:
-                saves.append(CheckpointSave(seq.slot, checkpoint, h))
+            checkpoint = self.prefix.take_checkpoint(seq.lineage)
+            if checkpoint is None:
+                continue
+            save = CheckpointSave(seq.slot, checkpoint, h, seq.lineage, agent=seq.cached_tokens > 0)
+            if partial:  # the block's first rows are the tail's: it stays allocated while the checkpoint lives
+                save.partial = PartialCheckpoint(parent, tail, seq.blocks[full])
+                self.allocator.incref([save.partial.block])
+            saves.append(save)
         return saves
 
     def commit_saves(self, saves: list[CheckpointSave]) -> None:
         """Name the checkpoints a finished step wrote."""
         for save in saves:
-            self.prefix.add_checkpoint(save.name, save.checkpoint)
+            self.prefix.add_checkpoint(save.name, save.checkpoint, save.lineage, save.partial, save.agent)
             if self.offload is not None:
-                self.offload.checkpoint_named(save.name, save.checkpoint)
+                self.offload.checkpoint_named(save.name, save.checkpoint, save.partial)
 
     def drop_saves(self, saves: list[CheckpointSave]) -> None:
         """Give back the checkpoints of a step that failed (their contents are not the states they were to be)."""
         for save in saves:
             self.prefix.free_checkpoint(save.checkpoint)
+            if save.partial is not None:
+                self.allocator.decref([save.partial.block])
 
     def name_blocks(self, seq: Sequence, computed: int) -> None:
         """Name `seq`'s full blocks below position `computed` (where a finished step brought it) in the prefix

@@ -24,6 +24,7 @@ class Sequence:
     hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks (prefix caching)
     named: int = 0  # its blocks [0, named) are named in the prefix cache (or were already: shared)
     targets: list[int] = field(default_factory=list)  # prompt positions whose state is checkpointed, ascending
+    lineage: str = ""  # the session its checkpoints belong to (`core.prefix_cache`)
     text: IncrementalDecoder | None = None  # the output's text, a step at a time (with a text_decoder)
     text_len: int = 0  # characters of output text decoded so far
     text_tail: str = ""  # their last characters, as many as a stop string may have begun in

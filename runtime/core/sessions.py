@@ -28,12 +28,14 @@ import numpy as np
 class KeptSequence:
     """State of `tokens` [n] int64 (positions [0, n), a session key: `Sequence.session_key`) in `slot`, cache in
     `blocks` (one reference held); `hashes`: the prefix-cache names of its full blocks, when computed (a prompt
-    that continues it reuses them and hashes only its new blocks)."""
+    that continues it reuses them and hashes only its new blocks); `lineage`: the session it belongs to
+    (`core.prefix_cache`)."""
 
     tokens: np.ndarray
     slot: int
     blocks: list[int]
     hashes: list[bytes] = field(default_factory=list)
+    lineage: str = ""
 
     @property
     def digest(self) -> bytes:
@@ -73,6 +75,11 @@ class SessionCache:
         self.hits += 1
         self.reused_tokens += len(self._entries[best].tokens)
         return self._entries.pop(best)
+
+    def take_holding(self, index: int, block: int) -> list[KeptSequence]:
+        """Remove and return the kept sequences whose block `index` is `block`."""
+        keys = [k for k, kept in self._entries.items() if len(kept.blocks) > index and kept.blocks[index] == block]
+        return [self._entries.pop(k) for k in keys]
 
     def evict_lru(self) -> KeptSequence | None:
         """Remove and return the least recently used entry (None when empty)."""

@@ -43,6 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_export.runtime.core.prefix_cache import PartialCheckpoint
+
 SUFFIX = ".safetensors"
 STATE_PREFIX = "state/"  # tensor names of a state entry: the slot's recurrent rows ...
 TAIL_PREFIX = "tail/"  # ... and the partial last block's rows (a state whose tail is not empty)
@@ -453,10 +455,16 @@ class StateOffload:
             self._queued.update(OffloadStore.block_entry(h) for h, _ in todo)
             self._reads.append(StateRead(blocks=[b for _, b in todo], names=[h for h, _ in todo]))
 
-    def checkpoint_named(self, name: bytes, checkpoint: int) -> None:
+    def checkpoint_named(self, name: bytes, checkpoint: int, partial: PartialCheckpoint | None = None) -> None:
         """A checkpoint the prefix cache committed: the state right after the full block named `name` (a block
-        boundary; a state past one is offloaded with its tail block, as `session_kept` does)."""
-        self._state_read(StateRead(checkpoint=checkpoint, prefix=name))
+        boundary), or with `partial` at an exact position: after the full blocks named `partial.parent`, its
+        `partial.tail` tokens in block `partial.block`, whose rows go with it (as `session_kept`'s tail)."""
+        if partial is None:
+            self._state_read(StateRead(checkpoint=checkpoint, prefix=name))
+            return
+        tail = tuple(int(t) for t in partial.tail)
+        self._state_read(StateRead(checkpoint=checkpoint, prefix=partial.parent, tail=tail,
+                                   tail_block=partial.block if tail else None))
 
     def session_kept(self, tokens: np.ndarray, hashes: list[bytes], slot: int, blocks: list[int]) -> None:
         """A kept session (`tokens` [n], the chained hashes of its full blocks, its slot and blocks): its full blocks

@@ -26,10 +26,13 @@ class Segment:
 @dataclass
 class Rendered:
     """A rendered conversation: its segments, and where each assistant message lies in them
-    ((message index, start, stop) into `segments`)."""
+    ((message index, start, stop) into `segments`), and where the internal messages that follow the conversation
+    begin (K3's tool-choice / response-format messages: a later turn's prompt has the next turn there instead;
+    None when there are none)."""
 
     segments: list[Segment] = field(default_factory=list)
     assistant_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    trailer_start: int | None = None
 
     @property
     def text(self) -> str:

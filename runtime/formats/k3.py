@@ -289,6 +289,7 @@ def render_k3(
             w.out.assistant_spans.append((i, start, len(w.out.segments)))
         else:
             raise InputError(f"{where}.role must be system, developer, user, assistant or tool, got {role!r}")
+    conversation_end = len(w.out.segments)
     if isinstance(tool_choice, str) and tool_choice in TOOL_CHOICE:
         w.system("tool-choice", TOOL_CHOICE[tool_choice])
     kind = response_format.get("type", response_format) if isinstance(response_format, dict) else response_format
@@ -296,6 +297,8 @@ def render_k3(
         w.system("response-format", RESPONSE_FORMAT["json_object"])
     elif kind == "json_schema":
         w.system("response-format", RESPONSE_FORMAT["json_schema"].format(compact_json(deep_sorted(response_schema(response_format)))))
+    if len(w.out.segments) > conversation_end:
+        w.out.trailer_start = conversation_end
     if add_generation_prompt:
         generation_prompt(w, thinking)
     return w.out

@@ -96,14 +96,17 @@ class OutputParser:
 
     feed(ids) -> ParsedDelta of new reasoning / content text; finish() -> ParsedMessage. After finish(),
     `delta` holds the text finish() itself added (an unfinished tool call, a held-back character): stream
-    it as the last delta."""
+    it as the last delta. first_call_index: K3 numbers a turn's calls `functions.NAME:i` from it (the calls of the
+    conversation's earlier turns, so ids stay unique across turns; K2's model writes its own ids)."""
 
-    def __init__(self, tokenizer: Tokenizer, family: str, *, starts_in_reasoning: bool, tools_declared: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, family: str, *, starts_in_reasoning: bool, tools_declared: bool = True,
+                 first_call_index: int = 0) -> None:
         if family not in FAMILIES:
             raise InputError(f"chat family must be one of {', '.join(FAMILIES)}, got {family!r}")
         self.tok = tokenizer
         self.family = family
         self.tools_declared = tools_declared
+        self.first_call_index = first_call_index
         self.channel = "reasoning" if starts_in_reasoning else "content"  # | "tools"
         self.reasoning: list[str] = []
         self.content: list[str] = []
@@ -287,7 +290,7 @@ class OutputParser:
             # a json block carries the arguments text as written (K3 renders arguments that are not a JSON
             # object string that way); argument elements are re-serialised as a JSON object
             arguments = call.json_text if call.json_text is not None else json.dumps(call.args or {}, ensure_ascii=False)
-            call_id = f"functions.{call.name}:{len(self.tool_calls)}"
+            call_id = f"functions.{call.name}:{self.first_call_index + len(self.tool_calls)}"
         else:
             arguments, call_id = call.arg_text.strip() or "{}", call.call_id
         self.tool_calls.append({"id": call_id, "type": "function", "function": {"name": call.name, "arguments": arguments}})

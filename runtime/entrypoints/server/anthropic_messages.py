@@ -59,7 +59,7 @@ async def create_message(svc: Service, req: AnthropicMessagesRequest, disconnect
     sampling = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=None, stop=req.stop_sequences)
     message_id = convert.new_id("msg_")
     rendered = await svc.render(messages, tools=tools, tool_choice=tool_choice, response_format=None, effort=effort)
-    run = await svc.run_chat(message_id, messages, rendered, sampling, max_tokens=req.max_tokens, parallel=parallel)
+    run = await svc.run_chat(message_id, rendered, sampling, max_tokens=req.max_tokens, parallel=parallel)
     if req.stream:
         return message_events(svc, run, message_id, model)
     out = await svc.final_output(run.deltas, disconnected)

@@ -47,7 +47,7 @@ async def chat_completion(svc: Service, req: ChatCompletionRequest, disconnected
                             seed=None if req.seed is None else req.seed + i, stop=req.stop, logprobs=req.logprobs,
                             ignore_eos=req.ignore_eos, top_logprobs=req.top_logprobs or 0, extras=extras)
             runs.append(await svc.run_chat(
-                request_id if req.n == 1 else f"{request_id}-{i}", messages, rendered, sampling, max_tokens=max_tokens,
+                request_id if req.n == 1 else f"{request_id}-{i}", rendered, sampling, max_tokens=max_tokens,
                 parallel=req.parallel_tool_calls,
                 max_tokens_param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
             ))

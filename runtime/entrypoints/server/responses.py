@@ -60,7 +60,7 @@ async def create_response(svc: Service, req: ResponsesRequest, scope: str, disco
         messages = await svc.inline_image_urls(messages)
         rendered = await svc.render(messages, tools=tools, tool_choice=tool_choice,
                                     response_format=convert.response_format_from_text(req.text), effort=effort)
-        run = await svc.run_chat(response_id, messages, rendered, sampling, max_tokens=req.max_output_tokens,
+        run = await svc.run_chat(response_id, rendered, sampling, max_tokens=req.max_output_tokens,
                                  parallel=req.parallel_tool_calls, max_tokens_param="max_output_tokens")
     turn = ResponseTurn(svc, req, scope, response_id, model, input_messages,
                         (req.reasoning or {}).get("effort") if isinstance(effort, str) else run.tier, run)

@@ -213,7 +213,7 @@ class Service:
         return await self.off_loop(self.llm.processor.render, messages, tools=tools, reasoning_effort=effort,
                                    tool_choice=tool_choice, response_format=response_format)
 
-    async def run_chat(self, request_id: str, messages: list[dict], rendered: RenderedChat, sampling: dict, *,
+    async def run_chat(self, request_id: str, rendered: RenderedChat, sampling: dict, *,
                        max_tokens: int | None, parallel: bool, max_tokens_param: str = "max_tokens") -> ChatRun:
         """Start one chat generation (a choice) of a rendered conversation (`sampling`: sampling_params' arguments
         but max_tokens). Bad requests raise here, before any response byte is sent."""
@@ -227,13 +227,13 @@ class Service:
         except APIError:
             await stream.aclose()  # not started: nothing was submitted
             raise
-        first, deltas = await self.timed(stream, calls_before(messages))
+        first, deltas = await self.timed(stream)
         self.metrics.requests_by_tier.labels(first.thinking_tier).inc()
         return ChatRun(deltas, first.thinking_tier, prompt_tokens)
 
-    async def timed(self, stream: AsyncIterator, calls_before: int = 0) -> tuple[object, AsyncIterator]:
+    async def timed(self, stream: AsyncIterator) -> tuple[object, AsyncIterator]:
         """Await the first delta (errors surface now), then re-yield all deltas, recording TTFT / ITL: (the first
-        delta, all deltas). calls_before: tool calls earlier in the conversation (K3 call ids count on from it)."""
+        delta, all deltas)."""
         start = time.perf_counter()
         self.in_flight += 1
         try:
@@ -242,21 +242,17 @@ class Service:
             self.in_flight -= 1
             raise
         self.metrics.ttft.observe(time.perf_counter() - start)
-        return first, self._timed_deltas(first, stream, calls_before)
+        return first, self._timed_deltas(first, stream)
 
-    async def _timed_deltas(self, first, stream: AsyncIterator, calls_before: int) -> AsyncIterator:
+    async def _timed_deltas(self, first, stream: AsyncIterator) -> AsyncIterator:
         last = time.perf_counter()
         try:
-            if first.finished:
-                self._number_calls(first.output, calls_before)
             yield first
             async for delta in stream:
                 now = time.perf_counter()
                 if delta.token_ids:
                     self.metrics.itl.observe(now - last)
                     last = now
-                if delta.finished:
-                    self._number_calls(delta.output, calls_before)
                 yield delta
         finally:
             self.in_flight -= 1
@@ -293,14 +289,6 @@ class Service:
     async def final_output(self, deltas: AsyncIterator, disconnected: Disconnected):
         return (await self.final_outputs([deltas], disconnected))[0]
 
-    def _number_calls(self, out, calls_before: int) -> None:
-        """K3 names a turn's calls `functions.NAME:i` from i = 0 in every turn: number them on from the
-        conversation's earlier calls, so that call ids are unique across turns (K2's model writes its own)."""
-        if self.llm.family != "k3" or out is None:
-            return
-        for i, call in enumerate(out.tool_calls or []):
-            call["id"] = f"functions.{call['function']['name']}:{calls_before + i}"
-
     def finish(self, route: str, out, tier: str) -> None:
         """Count a finished generation of `route` (status 200, tokens, tool calls, structured-output failures)."""
         self.metrics.requests.labels(route, "200").inc()
@@ -314,11 +302,6 @@ class Service:
 
     def decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
-
-
-def calls_before(messages: list[dict]) -> int:
-    """Tool calls of a conversation's assistant messages."""
-    return sum(len(m.get("tool_calls") or ()) for m in messages if m.get("role") == "assistant")
 
 
 async def merged(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
