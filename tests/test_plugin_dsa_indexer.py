@@ -187,7 +187,12 @@ def test_reference_tie_rule_and_padding():
 
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("topk", [1, 6, 64])
-def test_cpu_matches_reference(name, topk):
+@pytest.mark.parametrize("tile_positions", [None, 24])
+def test_cpu_matches_reference(name, topk, tile_positions, monkeypatch):
+    """Equal to the reference; also with key tiles of 24 positions (3 blocks of 8, 1 of 24 or 16: a running top-k
+    merged over many tiles, the last one partial)."""
+    if tile_positions:
+        monkeypatch.setattr(cpu, "_TILE_POSITIONS", tile_positions)
     case = make_case(seed=2, **CASES[name])
     assert torch.equal(cpu.dsa_indexer_cpu(**case, topk=topk), reference.dsa_indexer_reference(**case, topk=topk))
 
