@@ -256,18 +256,18 @@ def run_tiled_decodes(engine_dir: Path, contexts: list[int], steps: int, rounds:
     """Decode ms per token at each context on one tiled cache (`tiled_engine` up to the largest): `rounds` rounds of
     `steps` steps at each context in turn (positions context, context + 1, ...; a step at position p reads the
     keys before p alone), so a load on the machine falls on every context alike. {context: [mean wall, mean CPU,
-    least round's CPU]} ms (the first round is a warm-up, not counted)."""
-    eng, table, seed, _, _ = tiled_engine(engine_dir, max(contexts), (rounds + 1) * steps)
+    least round's CPU]} ms (the first round is a warm-up, and the first step of each round, not counted)."""
+    eng, table, seed, _, _ = tiled_engine(engine_dir, max(contexts), (rounds + 1) * (steps + 1))
     token, done = seed[-1], {c: 0 for c in contexts}
     wall: dict[int, list[float]] = {c: [] for c in contexts}
     cpu: dict[int, list[float]] = {c: [] for c in contexts}
     for r in range(rounds + 1):
-        for c in contexts:
-            times, cpus, token = decode_steps_at(eng, table, token, range(c + done[c], c + done[c] + steps))
-            done[c] += steps
+        for c in contexts:  # steps + 1 steps, the first not counted: it follows another context's (cold caches)
+            times, cpus, token = decode_steps_at(eng, table, token, range(c + done[c], c + done[c] + steps + 1))
+            done[c] += steps + 1
             if r:
-                wall[c].append(sum(times) / steps)
-                cpu[c].append(sum(cpus) / steps)
+                wall[c].append(sum(times[1:]) / steps)
+                cpu[c].append(sum(cpus[1:]) / steps)
     return {str(c): [round(1e3 * sum(wall[c]) / rounds, 2), round(1e3 * sum(cpu[c]) / rounds, 2),
                      round(1e3 * min(cpu[c]), 2)] for c in contexts}
 
