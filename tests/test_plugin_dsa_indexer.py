@@ -67,6 +67,9 @@ CASES = {
     # blocks of 16: a 16-position Triton tile lies in one cache block (its rows read from one scalar address)
     "bf16_pool_blocks_of_16": dict(dtype=torch.bfloat16, block_size=16),
     "fp8_pool_blocks_of_16": dict(dtype=torch.uint8, block_size=16),
+    # several sequences deep in a longer context (37 whole blocks before position 299), decode and a short chunk
+    "long_context_several": dict(L=300, slots=(2, 0, 1), starts=(299, 131, 57), lengths=(1, 1, 3), S=3,
+                                 dtype=torch.bfloat16),
 }
 
 
@@ -184,7 +187,12 @@ def test_reference_tie_rule_and_padding():
 
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("topk", [1, 6, 64])
-def test_cpu_matches_reference(name, topk):
+@pytest.mark.parametrize("tile_positions", [None, 24])
+def test_cpu_matches_reference(name, topk, tile_positions, monkeypatch):
+    """Equal to the reference; also with key tiles of 24 positions (3 blocks of 8, 1 of 24 or 16: a running top-k
+    merged over many tiles, the last one partial)."""
+    if tile_positions:
+        monkeypatch.setattr(cpu, "_TILE_POSITIONS", tile_positions)
     case = make_case(seed=2, **CASES[name])
     assert torch.equal(cpu.dsa_indexer_cpu(**case, topk=topk), reference.dsa_indexer_reference(**case, topk=topk))
 
@@ -234,8 +242,10 @@ def test_schema_checker_and_strict_shape_inference(with_function):
     assert {a.name for a in model.graph.node[0].attribute} == {"topk", "plugin_version", "plugin_namespace"}
 
 
-# default key tiles, and tiles of one block (many Loop iterations)
-TILE_FORMS = {"default": {}, "one_block_tiles": dict(tile_elems=1)}
+# default key tiles; tiles of one block (many Loop iterations); tiles of 384 floats: 3 blocks of 8 positions for a
+# sequence of fewer than 5 tokens (16 floats a position), 2 for one of 6 (24): a sequence's 4 whole blocks before
+# position 39 in a tile of 3 and a partial tile of 1, not a multiple of the tile
+TILE_FORMS = {"default": {}, "one_block_tiles": dict(tile_elems=1), "uneven_tiles": dict(tile_elems=384)}
 
 
 @pytest.mark.parametrize("name", list(CASES))

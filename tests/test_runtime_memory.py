@@ -132,5 +132,6 @@ def test_long_context_benchmark_smoke(tmp_path):
         assert point["decode_ms_per_token"] > 0 and point["host_ms_per_step"] > 0 and point["peak_rss_mb"] >= 0
         assert min(point["decode_ms_per_token_tiled_cache"]) > 0 and got["host_instant"][context]["host_ms_per_step_instant"] > 0
     assert {f"{m}_tiny-k3-dsa_2048_over_512" for m in ("host_ms", "host_cpu_ms", "decode", "decode_cpu", "decode_tiled",
-                                                       "decode_cpu_tiled")} | {
-        f"{m}_2048_over_512" for m in ("host_ms_per_step_instant", "host_cpu_ms_per_step_instant")} == set(got["ratios"])
+                                                       "decode_cpu_tiled", "decode_cpu_least_tiled")} | {
+        f"{m}_2048_over_512" for m in ("host_ms_per_step_instant", "host_cpu_ms_per_step_instant",
+                                       "host_cpu_ms_per_step_instant_least")} == set(got["ratios"])

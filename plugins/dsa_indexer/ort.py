@@ -4,9 +4,10 @@ ONNX (opset 21) that ORT inlines; the TensorRT graph keeps the bare node.
 Body (`sparse_mla_attention.ort`'s streaming: one sequence at a time, its whole pool blocks before the chunk in
 tiles of about TILE_ELEMS floats, then the rest of its context, the chunk's own keys from `k_new` included, under
 the causal mask; fp32 after the gather or the fp8 decode): each tile scored as weights @ relu(q_idx @ keys^T) ([Tn, 1, Hi] x [Tn, Hi, X])
-and merged into a running top-k: the tile's own TopK, then TopK(topk) over [running values | the tile's best]
-(largest, sorted; ONNX breaks ties towards the lower index, and the running columns hold lower positions than the
-tile's, in order: ties go to the lower position, as the op says). No full sort; memory O(Tn x tile), never the context or the pool. -inf picks
+and merged into a running top-k by one TopK(topk) over [running values | the tile's scores] (largest, sorted; ONNX
+breaks ties towards the lower index, and the running columns hold lower positions than the tile's, in order: ties go
+to the lower position, as the op says; one TopK a tile, not the tile's own and then a merge of the two lists: fewer
+nodes a tile, the same selection). No full sort; memory O(Tn x tile), never the context or the pool. -inf picks
 (fewer candidates than topk) -> -1.
 """
 
@@ -24,6 +25,7 @@ def function_proto(fp8_pool: bool = False, tile_elems: int = TILE_ELEMS) -> onnx
     b = FunctionBuilder("dsa")
     topk = b.attr("topk", "int")
     k = b.op("Unsqueeze", topk, b.ints([0]))
+    last = b.op("Sub", k, b.int_scalar(1))
     heads = b.dim("q_idx", 1)
     empty = b.op("Expand", b.int_scalar(-1), b.op("Concat", b.ints([0]), k, axis=0))
 
@@ -39,18 +41,13 @@ def function_proto(fp8_pool: bool = False, tile_elems: int = TILE_ELEMS) -> onnx
             return s.op("Squeeze", s.op("MatMul", weights, per_head), s.ints([1]))  # [Tn, X]
 
         def merge(s: FunctionBuilder, scores: str, p0: str, values: list[str]) -> list[str]:
-            """The tile's own top min(topk, X) (positions p0 + column), then the best topk of [running | those]."""
+            """The best topk of [running | the tile's scores] (positions p0 + column) in one TopK."""
             best, order = values
-            width = s.op("Shape", scores, start=1, end=2)
-            tile_best, tile_cols = s.op("TopK", scores, s.op("Min", k, width), outputs=2, axis=-1, largest=1, sorted=1)
-            kept, picked = s.op("TopK", s.op("Concat", best, tile_best, axis=1), k, outputs=2, axis=-1, largest=1,
+            kept, picked = s.op("TopK", s.op("Concat", best, scores, axis=1), k, outputs=2, axis=-1, largest=1,
                                 sorted=1)
-            running = s.op("Less", picked, k)
-            from_running = s.op("GatherElements", order, s.op("Min", picked, s.op("Sub", k, s.int_scalar(1))), axis=1)
-            tile_at = s.op("Max", s.op("Sub", picked, k), s.int_scalar(0))
-            from_tile = s.op("Add", s.op("GatherElements", tile_cols, s.op("Min", tile_at, s.op("Sub", s.op(
-                "Shape", tile_cols, start=1, end=2), s.int_scalar(1))), axis=1), p0)
-            return [kept, s.op("Where", running, from_running, from_tile)]
+            from_running = s.op("GatherElements", order, s.op("Min", picked, last), axis=1)
+            from_tile = s.op("Add", s.op("Sub", picked, k), p0)
+            return [kept, s.op("Where", s.op("Less", picked, k), from_running, from_tile)]
 
         state = pool_tiles(sub, seq, "k_pool", heads, fp8_pool, tile_elems, init,
                            lambda s, keys, p0, p1, values: merge(s, score(s, keys), p0, values))
