@@ -66,7 +66,7 @@ class FakeLLM:
         self.render_error: InputError | None = None
         self.cached = 0
         self.family = "k3"
-        self.tool_calls: list[dict] = []  # the calls each answer makes (K3 ids, numbered from 0 in every turn)
+        self.tool_calls: list[dict] = []  # the calls each answer makes (K3 ids numbered as the output parser does)
         self.seen: list[tuple] = []  # (messages or prompt ids, SamplingParams, effort)
         self.rendered: list[tuple] = []  # (RenderedChat, messages, effort) of each rendering
         self.processor = FakeProcessor(self)
@@ -78,8 +78,9 @@ class FakeLLM:
 
     def stream(self, request: Tracked, logits_processors=None):
         chat = request.thinking_tier is not None  # (plain prompts' alternatives only: `_stream`)
+        first_call = request.parser.first_call_index if request.parser is not None else 0
         return self._stream(request.request_id, len(request.prompt_ids), request.thinking_tier or "none",
-                            not chat and request.sampling.logprobs)
+                            not chat and request.sampling.logprobs, first_call)
 
     def chat_stream(self, messages, sampling, **kwargs):
         rendered = self.processor.render(messages, reasoning_effort=kwargs.pop("reasoning_effort", None))
@@ -91,7 +92,7 @@ class FakeLLM:
     def abort(self, request_id: str) -> None:
         pass
 
-    async def _stream(self, rid: str, prompt_tokens: int, tier: str, logprobs: bool = False):
+    async def _stream(self, rid: str, prompt_tokens: int, tier: str, logprobs: bool = False, first_call: int = 0):
         """Two tokens, 5 and 6 ("fg"); with logprobs, each with two alternatives that decode alike (i, i + 26)."""
         lps, tops = ([-0.1, -0.2], [[(5, -0.1), (31, -2.5)], [(6, -0.2), (32, -3.0)]]) if logprobs else (None, None)
         failure, self.fail_next = self.fail_next, None
@@ -99,7 +100,8 @@ class FakeLLM:
             raise failure
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 2, "reasoning_tokens": 0,
                  "cached_tokens": self.cached}
-        calls = [{"id": f"functions.{c['function']['name']}:{i}", **c} for i, c in enumerate(self.tool_calls)]
+        calls = [{"id": f"functions.{c['function']['name']}:{i}", **c}
+                 for i, c in enumerate(self.tool_calls, start=first_call)]  # the parser's `first_call_index`
         out = ChatOutput(rid, [1] * prompt_tokens, [5, 6], "fg", None, "fg", calls, "tool_calls" if calls else "stop",
                          usage, lps, top_logprobs=tops)
         yield StreamDelta(rid, [5], text="f", content="f", thinking_tier=tier)

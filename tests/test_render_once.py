@@ -1,4 +1,4 @@
-"""Every front end renders a request once (`InputProcessor.render`, counted at `render_ids`): the server's chat
+"""Every front end renders a request once (`InputProcessor.render`, counted at `render_prompt`): the server's chat
 completions (n choices included), Responses and Anthropic messages routes, batch's endpoint lines and document
 tasks (`AsyncLLM.chat`, eval's path too) and `LLM.chat`; the Triton model: test_triton_repo.py. Before the input
 processor the server rendered a chat twice per choice (its prompt length, then the stream's own rendering)."""
@@ -20,17 +20,17 @@ def engine(runtime_engine):
 
 @pytest.fixture
 def renders(monkeypatch) -> list:
-    """The conversations rendered (one entry per `render_ids` call)."""
+    """The conversations rendered (one entry per `render_prompt` call)."""
     import moe_export.runtime.processor as processor
 
     calls: list = []
-    real = processor.render_ids
+    real = processor.render_prompt
 
     def counting(tokenizer, messages, **kwargs):
         calls.append(messages)
         return real(tokenizer, messages, **kwargs)
 
-    monkeypatch.setattr(processor, "render_ids", counting)
+    monkeypatch.setattr(processor, "render_prompt", counting)
     return calls
 
 

@@ -263,18 +263,6 @@ def test_completions_top_logprobs_keep_alternatives_that_decode_alike(tmp_path):
     assert tops == [{"f": -0.1, "token_id:31": -2.5}, {"g": -0.2, "token_id:32": -3.0}]
 
 
-def test_k3_tool_call_ids_are_unique_across_turns(tmp_path):
-    llm = FakeLLM()
-    llm.tool_calls = [{"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]
-    app, _ = make_app(tmp_path, llm)
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    first = post(app, "/v1/chat/completions", {**CHAT, "tools": tools}).json()["choices"][0]["message"]
-    history = [*CHAT["messages"], first, {"role": "tool", "tool_call_id": first["tool_calls"][0]["id"], "content": "sun"}]
-    second = post(app, "/v1/chat/completions", {"messages": history, "max_tokens": 4, "tools": tools})
-    ids = [first["tool_calls"][0]["id"], second.json()["choices"][0]["message"]["tool_calls"][0]["id"]]
-    assert ids == ["functions.get_weather:0", "functions.get_weather:1"]
-
-
 def test_one_metrics_label_per_route_template(tmp_path):
     app, _ = make_app(tmp_path, FakeLLM())
     asyncio.run(call(app, ("GET", "/v1/models/m", None), ("GET", "/v1/models/nope", None)))

@@ -331,3 +331,27 @@ def test_serve_busy_port_is_a_clear_error():
         taken.listen()
         with pytest.raises(InputError, match=rf"cannot listen on 127.0.0.1:{taken.getsockname()[1]}"):
             listening_socket("127.0.0.1", taken.getsockname()[1]).close()
+
+
+def test_k3_call_ids_count_on_across_turns(tokenizers):
+    """K3 call ids `functions.NAME:N` are unique across a conversation's turns: the input processor counts the calls
+    of the conversation's assistant turns and the request's output parser numbers the new turn's calls on from there
+    (before the turn is remembered, so a resent history renders as the generated tokens)."""
+    from moe_export.runtime.processor import InputProcessor
+    from moe_export.runtime.sampling import SamplingParams
+
+    tok = tokenizers["k3"]
+    processor = InputProcessor(tok, vision=None, thinking_caps={"low": 64}, default_effort="low", turns=None,
+                               fetch_image_url=None, vocab_size=4096, default_sampling=SamplingParams(), engine_dir=None)
+    first = {"id": "functions.get_weather:0", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    history = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "", "tool_calls": [first]},
+               {"role": "tool", "tool_call_id": first["id"], "content": "sun"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    tag = structural_tag_for("k3", tools=WEATHER, tool_choice=named, response_format=None, thinking=False,
+                             starts_in_reasoning=False)
+    out, _ = constrained_random_decode(tok, "k3", tag, seed=0, forced_close=None)
+    for conversation, want in ((history[:1], "functions.get_weather:0"), (history, "functions.get_weather:1")):
+        parser = processor.chat(conversation, tools=WEATHER, tool_choice=named, reasoning_effort="none").parser
+        parser.feed(out)
+        assert [call["id"] for call in parser.finish().tool_calls] == [want]

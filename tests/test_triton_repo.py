@@ -510,20 +510,20 @@ def test_a_request_that_fails_in_the_engine_fails_alone(model, pb_utils):
 
 
 def test_each_request_is_rendered_once_off_the_runtime_loop(model, pb_utils, monkeypatch):
-    """A chat request renders once (`InputProcessor.render`, counted at `render_ids`), in the client's request
+    """A chat request renders once (`InputProcessor.render`, counted at `render_prompt`), in the client's request
     worker, not on the runtime's event loop thread."""
     import threading
 
     import moe_export.runtime.processor as processor
 
     threads: list[str] = []
-    real = processor.render_ids
+    real = processor.render_prompt
 
     def counting(*args, **kwargs):
         threads.append(threading.current_thread().name)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(processor, "render_ids", counting)
+    monkeypatch.setattr(processor, "render_prompt", counting)
     request = make_request(pb_utils, model, "once", messages=[{"role": "user", "content": "hi"}],
                            params={"max_tokens": 2}, stream=False)
     model.execute([request])

@@ -43,6 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_export.common.engine_config import CONFIG
+from moe_export.common.manifest import MANIFEST
 from moe_export.runtime.core.prefix_cache import PartialCheckpoint
 
 SUFFIX = ".safetensors"
@@ -103,8 +105,8 @@ def engine_identity(engine, engine_dir: str | Path) -> bytes:
     dtype, row shape), block size, and the engine's manifest.json (every file's sha256, weights included: another
     build is another engine; config.json where an engine has no manifest)."""
     root = Path(engine_dir)
-    manifest = root / "manifest.json"
-    files = manifest.read_bytes() if manifest.is_file() else (root / "config.json").read_bytes()
+    manifest = root / MANIFEST
+    files = manifest.read_bytes() if manifest.is_file() else (root / CONFIG).read_bytes()  # hashed, not parsed
     desc = json.dumps([f"{type(engine).__module__}.{type(engine).__qualname__}", engine.block_size,
                        engine.state_layout()], sort_keys=True, default=str)
     return hashlib.blake2b(desc.encode() + files, digest_size=16).digest()
