@@ -50,7 +50,7 @@ def sample():
         peak_anon[0] = max(peak_anon[0], rss_anon_kib())
 import builtins, io, os, shutil
 from pathlib import Path
-import moe_export.export.build as build_mod
+import moe_export.export.build.driver as build_mod
 from moe_export.export.convert import checkpoint
 from moe_export.export.convert.rank import rank_source_bytes
 from moe_export.common.mapping import Mapping
