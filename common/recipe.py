@@ -18,6 +18,7 @@ from moe_export.common.errors import InputError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 MAX_SEQ_LEN_LIMIT = 1048576
+MAX_CHECKPOINTS_PER_SLOT = 4096  # a sanity bound (a 1M-token prompt at an 8k-token interval wants 128); memory decides
 
 
 class _Strict(BaseModel):
@@ -81,6 +82,10 @@ class LimitsSection(_Strict):
     max_image_patches: int | None = Field(
         default=None, ge=4, description="patch limit per image, lowering the checkpoint's in_patch_limit (K3: 65536); "
         "null: the largest whose tower activations fit in the workspace reserve")
+    checkpoints_per_slot: int = Field(
+        default=16, ge=0, le=MAX_CHECKPOINTS_PER_SLOT,
+        description="recurrent-state checkpoints of the prefix cache per sequence slot (0: no prefix caching of "
+        "hybrid models); host memory, counted by the planner (in the rank's memory on a CPU target)")
 
 
 class VisionSection(_Strict):

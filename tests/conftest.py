@@ -290,9 +290,10 @@ def default_engine(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def runtime_engine(tmp_path_factory: pytest.TempPathFactory):
-    """(preset, tp, ep, world, max_num_tokens=64, attention="tp", backend="onnxruntime") -> engine directory built
-    once per session from tiny-cpu.yaml with small runtime limits (max_batch 6, max_seq_len 1024, max_num_tokens,
-    block_size 16, thinking caps 6/12/20, fp32 cache pools)."""
+    """(preset, tp, ep, world, max_num_tokens=64, attention="tp", backend="onnxruntime", checkpoints_per_slot=None)
+    -> engine directory built once per session from tiny-cpu.yaml with small runtime limits (max_batch 6,
+    max_seq_len 1024, max_num_tokens, block_size 16, thinking caps 6/12/20, fp32 cache pools; the recipe's default
+    checkpoints_per_slot unless given)."""
     import yaml
     from moe_export.common.recipe import load_recipe
     from moe_export.export.build import build
@@ -301,19 +302,22 @@ def runtime_engine(tmp_path_factory: pytest.TempPathFactory):
     built: dict[tuple, object] = {}
 
     def get(preset: str = "tiny-k3", tp: int = 2, ep: int = 2, world: int = 4, max_num_tokens: int = 64,
-            attention: str = "tp", backend: str = "onnxruntime"):
-        key = (preset, tp, ep, world, max_num_tokens, attention, backend)
+            attention: str = "tp", backend: str = "onnxruntime", checkpoints_per_slot: int | None = None):
+        key = (preset, tp, ep, world, max_num_tokens, attention, backend, checkpoints_per_slot)
         if key not in built:
             from pathlib import Path
 
             data = yaml.safe_load(Path(load_recipe("tiny-cpu.yaml")[1]).read_text())
             data["name"] = (f"rt-{preset}-tp{tp}-ep{ep}-w{world}" + (f"-t{max_num_tokens}" if max_num_tokens != 64 else "")
-                            + (f"-{attention}" if attention != "tp" else "") + (f"-{backend}" if backend != "onnxruntime" else ""))
+                            + (f"-{attention}" if attention != "tp" else "") + (f"-{backend}" if backend != "onnxruntime" else "")
+                            + (f"-c{checkpoints_per_slot}" if checkpoints_per_slot is not None else ""))
             data["model"] = {"source": f"synthetic:{preset}"}
             data["target"]["gpus_per_node"] = world
             data["parallel"] = {"tp": tp, "ep": ep, "attention": attention}
             data["backend"] = backend
             data["limits"].update({"max_batch": 6, "max_seq_len": 1024, "max_num_tokens": max_num_tokens, "block_size": 16})
+            if checkpoints_per_slot is not None:
+                data["limits"]["checkpoints_per_slot"] = checkpoints_per_slot
             data["thinking"] = {"low": 6, "high": 12, "max": 20}
             data["quantization"]["kv_cache"] = "fp32"  # exact parity with the fp32 reference (bf16 pools: test_engine_parity)
             path = root / f"{data['name']}.yaml"

@@ -21,8 +21,13 @@ chunked top-k, the vocab all-gather). ONNX Runtime builds keep their temporaries
 
 One arithmetic for pool sizes (`pool_sizes`), used by this planner, the engine loader (`engine_pool_sizes`)
 and the TensorRT optimization profile: memory left after weights, engine memory and the reserve, minus
-max_batch recurrent-state slots, divided by the bytes of one cache block (block_size tokens of every cache
-pool of the rank) = cache blocks per pool.
+max_batch recurrent-state slots (and on a CPU target their prefix-cache state checkpoints, which share that
+memory), divided by the bytes of one cache block (block_size tokens of every cache pool of the rank) = cache blocks
+per pool.
+Prefix-cache checkpoints: `limits.checkpoints_per_slot` x max_batch copies of one slot's recurrent state, host
+memory (`checkpoint_host_bytes`): pinned beside a GPU (counted in the host peak, not the GPU's budget), the rank's
+memory itself on a CPU target (`bytes_per_checkpoint`), where they leave fewer cache blocks and an engine
+whose pools no longer hold one max_seq_len sequence is refused, naming the field.
 Vision (K3): the tower and projector weights are replicated on every rank (class "vision", never quantized), and
 one tower call's activations (`vision_activation_bytes`: a request's `limits.max_images_per_request` images at the
 patch limit, spread over the attention group) must fit in the workspace reserve (the tower runs before the
@@ -102,7 +107,7 @@ class RankPlan:
     overflow: dict[str, int] = field(default_factory=dict)
     vision_activation_bytes: int = 0
     host_bytes: dict[str, int] = field(default_factory=dict)  # host memory peaks (`memory.host_peak_bytes`)
-    margin_bytes: int = 0  # GPU bytes beyond weights, engine, reserve, max_batch slots and one max_seq_len cache
+    margin_bytes: int = 0  # bytes beyond weights, engine, reserve, max_batch slots (CPU: their checkpoints) and one max_seq_len cache
 
     def to_dict(self) -> dict:
         return {
@@ -119,6 +124,7 @@ class RankPlan:
             "num_slots": self.pools.num_slots,
             "num_blocks": self.pools.num_blocks,
             "cache_tokens": self.pools.cache_tokens,
+            "num_checkpoints": self.pools.num_checkpoints,
             "checkpoint_host_bytes": self.pools.checkpoint_host_bytes,
             "sequences_that_fit": {str(n): self.pools.sequences_that_fit(n) for n in REPORTED_SEQUENCE_LENGTHS},
             "memory": self.memory,
@@ -146,6 +152,7 @@ class Plan:
 
     def verdict(self) -> str:
         worst = min(self.per_rank, key=lambda r: r.max_sequences)
+        limits = self.recipe.limits
         seq = self.recipe.limits.max_seq_len
         engine = worst.memory.get("activations", 0) + worst.memory.get("plugin_workspaces", 0)
         beside = worst.memory.get("nccl_buffers", 0) + worst.memory.get("vision_activations", 0)
@@ -153,11 +160,15 @@ class Plan:
                 + worst.state_bytes_per_sequence["total"])  # fmt: skip
         if not self.fits and need <= self.memory_bytes:
             pools = worst.pools
+            checkpoints = worst.memory.get("state_checkpoints", 0)
+            taken = (f" and their {pools.num_checkpoints} prefix-cache state checkpoints (limits.checkpoints_per_slot="
+                     f"{limits.checkpoints_per_slot}) {checkpoints / GIB:.2f} GiB" if checkpoints else "")
             return (
                 f"does not fit: rank {worst.rank}: after weights, engine memory and reserve, max_batch={pools.num_slots} "
-                f"recurrent-state slots take {pools.num_slots * pools.bytes_per_slot / GIB:.2f} GiB and the cache "
-                f"pools hold {pools.cache_tokens} tokens, less than one sequence of {seq}: lower limits.max_batch "
-                f"or limits.max_seq_len, or store the cache in fp8"
+                f"recurrent-state slots take {pools.num_slots * pools.bytes_per_slot / GIB:.2f} GiB{taken} and the "
+                f"cache pools hold {pools.cache_tokens} tokens, less than one sequence of {seq}: lower "
+                f"{'limits.checkpoints_per_slot, ' if checkpoints else ''}limits.max_batch or limits.max_seq_len, "
+                "or store the cache in fp8"
             )
         if not self.fits:
             over = need - self.memory_bytes
@@ -365,13 +376,15 @@ def moe_all_to_all_bytes(cfg: ModelConfig, mapping: Mapping, max_num_tokens: int
 
 
 def memory_view(weights: int, pools: PoolSizes, activations: int, workspaces: dict[str, int], beside: dict[str, int],
-                reserve: int, capacity: int) -> dict[str, int]:  # fmt: skip
-    """One GPU's memory by part (bytes): weights, recurrent-state slots, cache blocks, engine activations, each
-    plugin's workspace, what runs beside the engine (`beside`: NCCL's buffers, the vision tower's activations),
-    the reserve; `total` and the GPU's usable `capacity`."""
+                reserve: int, capacity: int, checkpoints: int = 0) -> dict[str, int]:  # fmt: skip
+    """One GPU's (or CPU rank's) memory by part (bytes): weights, recurrent-state slots, the prefix cache's state
+    checkpoints where they share this memory (`checkpoints`, CPU targets only: the row is absent otherwise), cache
+    blocks, engine activations, each plugin's workspace, what runs beside the engine (`beside`: NCCL's buffers, the
+    vision tower's activations), the reserve; `total` and the usable `capacity`."""
     view = {
         "weights": weights,
         "state_slots": pools.num_slots * pools.bytes_per_slot,
+        **({"state_checkpoints": checkpoints} if checkpoints else {}),
         "cache_blocks": pools.num_blocks * pools.bytes_per_block,
         "activations": activations,
         **{f"workspace.{k}": v for k, v in workspaces.items()},
@@ -419,17 +432,28 @@ def make_plan(recipe: Recipe, cfg: ModelConfig | None = None) -> Plan:
         beside = {"nccl_buffers": nccl_buffer_bytes(mapping) if backend_terms(recipe).nccl else 0,
                   "vision_activations": vision_act}
         free = memory - reserve - weight_bytes["total"] - activations - sum(workspaces.values()) - sum(beside.values())
+        slot_bytes = sum(recurrent_bytes_per_sequence(cfg, recipe, mapping).values())
+        per_checkpoint = bytes_per_checkpoint(recipe, slot_bytes)
         pools = pool_sizes(free, block_size=recipe.limits.block_size, num_slots=recipe.limits.max_batch,
-                           bytes_per_slot=sum(recurrent_bytes_per_sequence(cfg, recipe, mapping).values()),
-                           bytes_per_token=sum(cache_bytes_per_token(cfg, recipe).values()))
+                           bytes_per_slot=slot_bytes, bytes_per_token=sum(cache_bytes_per_token(cfg, recipe).values()),
+                           num_checkpoints=recipe.limits.checkpoints_per_slot * recipe.limits.max_batch,
+                           bytes_per_checkpoint=per_checkpoint)
         max_seqs = pools.sequences_that_fit(recipe.limits.max_seq_len) if free >= 0 else 0
-        view = memory_view(weight_bytes["total"], pools, activations, workspaces, beside, reserve, memory)
+        checkpoints = pools.num_checkpoints * per_checkpoint  # of this memory (CPU targets)
+        view = memory_view(weight_bytes["total"], pools, activations, workspaces, beside, reserve, memory, checkpoints)
         host = host_peak_bytes(weight_bytes["total"] - weight_bytes.get("vision", 0), pools.checkpoint_host_bytes)
         one_sequence = -(-recipe.limits.max_seq_len // pools.block_size) * pools.bytes_per_block
-        margin = free - pools.num_slots * pools.bytes_per_slot - one_sequence
+        margin = free - pools.num_slots * pools.bytes_per_slot - checkpoints - one_sequence
         per_rank.append(RankPlan(rank, mapping.to_dict(), weight_bytes, state, int(free), int(max_seqs), pools, view,
                                  vision_activation_bytes=vision_act, host_bytes=host, margin_bytes=int(margin)))
     return Plan(recipe, cfg, total, active, per_rank, memory, reserve)
+
+
+def bytes_per_checkpoint(recipe: Recipe, bytes_per_slot: int) -> int:
+    """What one prefix-cache state checkpoint (a copy of one slot's recurrent state, `bytes_per_slot`) takes of the
+    memory the pools are planned in: all of it on a CPU target (every pool and checkpoint is host memory), nothing
+    beside a GPU (the runners keep checkpoints in pinned host memory)."""
+    return bytes_per_slot if recipe.target.gpu == "cpu" else 0
 
 
 def image_patch_limit(cfg: ModelConfig, recipe: Recipe) -> int:
@@ -479,7 +503,8 @@ def engine_pool_sizes(recipe: Recipe, cfg: ModelConfig, num_slots: int | None = 
 def engine_memory(recipe: Recipe, cfg: ModelConfig) -> EngineMemory:
     """What the build records in config.json for the runners: each rank's pool budget and the image patch limit."""
     plan = make_plan(recipe, cfg)
-    ranks = tuple(PoolBudget(r.free_bytes, r.pools.bytes_per_slot, r.pools.bytes_per_token) for r in plan.per_rank)
+    ranks = tuple(PoolBudget(r.free_bytes, r.pools.bytes_per_slot, r.pools.bytes_per_token,
+                             bytes_per_checkpoint(recipe, r.pools.bytes_per_slot)) for r in plan.per_rank)
     return EngineMemory(ranks, image_patch_limit(cfg, recipe))
 
 

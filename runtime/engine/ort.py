@@ -33,7 +33,6 @@ import onnx
 import torch
 from moe_export.common.engine_config import EngineConfig
 from moe_export.common.errors import InputError
-from moe_export.common.pools import CHECKPOINTS_PER_SLOT
 from moe_export.common.mapping import Mapping
 from moe_export.common.mpi import mpi_world
 from moe_export.common.ort_plan import CollectiveStep, OrtPlan, PlanStep, SegmentStep
@@ -233,10 +232,11 @@ class Engine:
 
     num_slots: concurrent sequences (recurrent-state slots, default the recipe's max_batch); num_blocks:
     cache blocks of `block_size` tokens in each paged pool (default: the planner's `pool_sizes`, i.e.
-    the rank's memory left after weights, workspace and the slots, per block); max_step_pairs: most (step token,
+    the rank's memory left after weights, workspace, the slots and the checkpoints, per block); max_step_pairs: most (step token,
     attended position) pairs the scheduler packs into one step (default None: no such bound, the attention bodies
     stream over key tiles, so a step's temporaries do not grow with its context); num_checkpoints: recurrent-state checkpoints for prefix
-    caching (default CHECKPOINTS_PER_SLOT x num_slots; host memory, like every pool of this runner)."""
+    caching (default the recipe's limits.checkpoints_per_slot x num_slots; host memory, like every pool of this runner,
+paid from the same budget)."""
 
     def __init__(self, engine_dir: str | Path, *, num_slots: int | None = None, num_blocks: int | None = None,
                  threads: int | None = None, max_step_pairs: int | None = None, num_checkpoints: int | None = None):
@@ -247,7 +247,11 @@ class Engine:
         limits = self.config.limits
         self.num_slots = num_slots or limits.max_batch
         self.max_seq_len, self.max_num_tokens, self.block_size = limits.max_seq_len, limits.max_num_tokens, limits.block_size
-        self.num_blocks = num_blocks or self.config.memory.pool_sizes(self.block_size, self.num_slots).num_blocks
+        if num_checkpoints is not None and num_checkpoints < 0:
+            raise InputError(f"num_checkpoints must be at least 0, got {num_checkpoints}")
+        self.num_checkpoints = limits.checkpoints_per_slot * self.num_slots if num_checkpoints is None else num_checkpoints
+        self.num_blocks = num_blocks or self.config.memory.pool_sizes(self.block_size, self.num_slots,
+                                                                      self.num_checkpoints).num_blocks
         if max_step_pairs is not None and max_step_pairs < 1:
             raise InputError(f"max_step_pairs must be at least 1, got {max_step_pairs}")
         self.max_step_pairs = max_step_pairs
@@ -269,9 +273,6 @@ class Engine:
         for r, runner in zip(local, self.ranks):
             if runner.rank != r:
                 raise InputError(f"{rank_dirs[r]}: its graph holds the mapping of rank {runner.rank}, not rank {r}")
-        if num_checkpoints is not None and num_checkpoints < 0:
-            raise InputError(f"num_checkpoints must be at least 0, got {num_checkpoints}")
-        self.num_checkpoints = CHECKPOINTS_PER_SLOT * self.num_slots if num_checkpoints is None else num_checkpoints
         for runner in self.ranks:
             runner.make_checkpoints(self.num_checkpoints)
         self.checkpoint_interval = checkpoint_interval(

@@ -8,7 +8,7 @@ import copy
 import numpy as np
 import torch
 
-from moe_export.common.pools import CHECKPOINTS_PER_SLOT
+from moe_export.common.recipe import LimitsSection
 from moe_export.runtime.engine.batch import StepBatch, check_checkpoint, check_slot, check_step_batch
 from moe_export.runtime.engine.runner import choose_tokens
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch
@@ -34,7 +34,7 @@ class ReferenceEngine:
         self.model_config = {"vocab_size": model.cfg.vocab_size}
         self.config = None  # not built from an engine directory: no EngineConfig
         self.caches = [model.new_cache(1) for _ in range(num_slots)]
-        self.num_checkpoints = CHECKPOINTS_PER_SLOT * num_slots
+        self.num_checkpoints = LimitsSection().checkpoints_per_slot * num_slots  # the recipe's default
         self.checkpoint_interval = -(-max_num_tokens // block_size) * block_size
         self.checkpoints: dict[int, object] = {}
 

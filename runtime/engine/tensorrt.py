@@ -72,7 +72,6 @@ from moe_export.common.errors import InputError
 from moe_export.common.model_config import ModelConfig
 from moe_export.common.mpi import mpi_world
 from moe_export.common.engine_file import VISION_ENGINE, rank_engine_name
-from moe_export.common.pools import CHECKPOINTS_PER_SLOT
 from moe_export.graphs.onnx_export import POOL_TABLE, POOLS_KEY
 from moe_export.plugins.pool_table import device_pool_table
 from moe_export.runtime.engine.batch import (
@@ -278,7 +277,8 @@ class TensorRTEngine(PoolRows):
             self.pool_table = {POOL_TABLE: device_pool_table(list(self.pools.values()))} if self.pools else {}
             # prefix-caching state checkpoints in pinned host memory (GPU memory stays the planner's pools): a
             # save / restore is one async copy of a slot's rows on this rank's stream, ordered with the steps
-            self.num_checkpoints = CHECKPOINTS_PER_SLOT * self.num_slots if num_checkpoints is None else num_checkpoints
+            self.num_checkpoints = (self.config.limits.checkpoints_per_slot * self.num_slots if num_checkpoints is None
+                                    else num_checkpoints)
             self.checkpoints = {name: torch.zeros((self.num_checkpoints, *pool.shape[1:]), dtype=pool.dtype, pin_memory=True)
                                 for name, pool in self.pools.items() if name.startswith(RESET_ON_NEW_SEQUENCE)}
         self.checkpoint_interval = checkpoint_interval(

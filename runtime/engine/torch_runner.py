@@ -29,7 +29,6 @@ import torch
 from moe_export.common.engine_config import EngineConfig
 from moe_export.common.errors import InputError
 from moe_export.common.mpi import local_rank, mpi_world
-from moe_export.common.pools import CHECKPOINTS_PER_SLOT
 from moe_export.graphs.vision_export import VISION_WEIGHTS
 from moe_export.quantize import fp8_cache
 from moe_export.runtime.engine.batch import (RESET_ON_NEW_SEQUENCE, StepBatch, check_checkpoint,
@@ -99,7 +98,11 @@ class TorchEngine(PoolRows):
         limits = recipe.limits
         self.num_slots = num_slots or limits.max_batch
         self.max_seq_len, self.max_num_tokens, self.block_size = limits.max_seq_len, limits.max_num_tokens, limits.block_size
-        self.num_blocks = num_blocks or self.config.memory.pool_sizes(self.block_size, self.num_slots).num_blocks
+        if num_checkpoints is not None and num_checkpoints < 0:
+            raise InputError(f"num_checkpoints must be at least 0, got {num_checkpoints}")
+        self.num_checkpoints = limits.checkpoints_per_slot * self.num_slots if num_checkpoints is None else num_checkpoints
+        self.num_blocks = num_blocks or self.config.memory.pool_sizes(self.block_size, self.num_slots,
+                                                                      self.num_checkpoints).num_blocks
         if self.num_blocks < 1:
             raise InputError(f"{self.dir}: no memory left for cache blocks with {self.num_slots} slots "
                              "(see `moe-export plan`); pass fewer slots or num_blocks")
@@ -132,9 +135,6 @@ class TorchEngine(PoolRows):
         self.kernels = {r: kernels_for(self.device, list(p.values())) for r, p in self.pools.items()}
         for r, model in self.models.items():
             model.use_expert_layout(self.kernels[r].expert_layout)  # converted at most once, here
-        if num_checkpoints is not None and num_checkpoints < 0:
-            raise InputError(f"num_checkpoints must be at least 0, got {num_checkpoints}")
-        self.num_checkpoints = CHECKPOINTS_PER_SLOT * self.num_slots if num_checkpoints is None else num_checkpoints
         self.checkpoints = {r: {n: host_zeros((self.num_checkpoints, *p.shape[1:]), p.dtype, self.device)
                                 for n, p in pools.items() if n.startswith(RESET_ON_NEW_SEQUENCE)}
                             for r, pools in self.pools.items()}

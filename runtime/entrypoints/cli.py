@@ -58,7 +58,7 @@ def plan(
     import json
 
     from moe_export.common.recipe import load_recipe
-    from moe_export.common.pools import CHECKPOINTS_PER_SLOT, GIB
+    from moe_export.common.pools import GIB
     from moe_export.export.plan.planner import make_plan
 
     rec, path = load_recipe(recipe)
@@ -89,6 +89,7 @@ def plan(
         gpu.add_column("part")
         gpu.add_column("GiB", justify="right")
         labels = {"weights": "weights", "state_slots": f"recurrent-state pools ({worst.pools.num_slots} slots)",
+                  "state_checkpoints": f"prefix-cache state checkpoints ({worst.pools.num_checkpoints:,})",
                   "cache_blocks": f"cache pools ({worst.pools.num_blocks:,} blocks)",
                   "activations": "engine activations (one buffer per rank)",
                   "plugin_workspaces": "plugin workspaces", "nccl_buffers": "NCCL buffers",
@@ -104,8 +105,9 @@ def plan(
         console.print(f"cache per rank: {d['cache_tokens_per_rank']:,} tokens in blocks of {rec.limits.block_size} "
                       f"({rec.limits.max_batch} sequence slots); at once: {fit}")
         console.print(f"host memory per rank: prefix-cache state checkpoints {worst.pools.checkpoint_host_bytes / GIB:.2f} "
-                      f"GiB ({CHECKPOINTS_PER_SLOT} per slot x {worst.pools.num_slots} slots x "
-                      f"{worst.pools.bytes_per_slot / 2**20:,.1f} MiB; pinned for TensorRT)")
+                      f"GiB ({rec.limits.checkpoints_per_slot} per slot (limits.checkpoints_per_slot) x "
+                      f"{worst.pools.num_slots} slots x {worst.pools.bytes_per_slot / 2**20:,.1f} MiB; pinned beside a "
+                      "GPU, the rank's own memory on a CPU target)")
         layouts = Table(title=f"decode step per GPU, {rec.limits.max_batch} tokens per attention group "
                               f"(MoE bytes per MoE layer; attention token x heads per layer)")
         for col in ("layout", "groups", "tokens served / GPU", "MoE bytes sent", "of which between nodes",
