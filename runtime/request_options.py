@@ -3,7 +3,9 @@ the chat path's keyword arguments. The server (`entrypoints/server/service.py`, 
 Triton model (`sampling_parameters`), eval and batch's document tasks all build their requests' sampling here.
 
 The sampling options are the fields of `SamplingParams`, by name, with the JSON types their annotations admit
-(`SAMPLING_OPTIONS`): a field added to SamplingParams is an option of every front end without a change here."""
+(`SAMPLING_OPTIONS`): a field added to SamplingParams is an option of every front end without a change here.
+The session a request names (`SESSION_KEYS`) becomes `RequestOptions.session` (`Request.session`: the prefix
+cache keeps its state checkpoints as an agent session's)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,11 @@ JSON_TYPES: dict[str, tuple[type, ...]] = {
 SAMPLING_OPTIONS: dict[str, tuple[type, ...]] = {f.name: JSON_TYPES[f.type] for f in fields(SamplingParams)}
 """Every SamplingParams field -> the JSON types its option accepts."""
 CHAT_KEYS = ("reasoning_effort", "tools", "tool_choice", "response_format")
+# the session a request names, the first one given: OpenAI's `prompt_cache_key` (chat completions, Responses), else
+# its `user` (the end user's id, which `prompt_cache_key` replaces for caching; Anthropic's `metadata.user_id` is
+# passed as `user`)
+SESSION_KEYS = ("prompt_cache_key", "user")
+MAX_SESSION_CHARS = 256  # Anthropic's bound on metadata.user_id
 
 
 def options_of_type(annotation: str) -> tuple[str, ...]:
@@ -35,10 +42,12 @@ def options_of_type(annotation: str) -> tuple[str, ...]:
 
 @dataclass
 class RequestOptions:
-    """What one request asks for: sampling (a SamplingParams) and the chat path's keyword arguments."""
+    """What one request asks for: sampling (a SamplingParams), the chat path's keyword arguments and the session it
+    names (None: anonymous)."""
 
     sampling: SamplingParams
     chat_kwargs: dict[str, Any] = field(default_factory=dict)
+    session: str | None = None
 
 
 def _option(key: str, value, types: tuple[type, ...]):
@@ -65,18 +74,19 @@ def _option(key: str, value, types: tuple[type, ...]):
 def parse_request_options(options: dict[str, Any], defaults: SamplingParams, *, where: str | None = None,
                           ignored: tuple[str, ...] = (), excluded: tuple[str, ...] = ()) -> RequestOptions:
     """`options`: a JSON object of sampling options (`SAMPLING_OPTIONS` but `excluded`: what this front end does
-    not serve) and CHAT_KEYS; a None value leaves the engine's default (`defaults`: `LLM.default_sampling`). Keys in
-    `ignored` are dropped; any other key, or a bad value, raises InputError naming it, after `where` when given
-    (e.g. 'sampling_parameters'); without `where` a bad sampling value raises `SamplingValueError` (its `field`
-    names the option)."""
+    not serve), CHAT_KEYS and SESSION_KEYS (a non-empty string of at most MAX_SESSION_CHARS characters); a None
+    value leaves the engine's default (`defaults`: `LLM.default_sampling`). Keys in `ignored` are dropped; any
+    other key, or a bad value, raises InputError naming it, after `where` when given (e.g. 'sampling_parameters');
+    without `where` a bad value raises `SamplingValueError` (its `field` names the option)."""
     prefix = f"{where}: " if where else ""
     if not isinstance(options, dict):
         raise InputError(f"{prefix}expected a JSON object, got {type(options).__name__}")
     served = {k: t for k, t in SAMPLING_OPTIONS.items() if k not in excluded and k not in ignored}
-    unknown = sorted(k for k in options if k not in served and k not in CHAT_KEYS and k not in ignored)
+    known = (*CHAT_KEYS, *SESSION_KEYS)
+    unknown = sorted(k for k in options if k not in served and k not in known and k not in ignored)
     if unknown:
         raise InputError(f"{prefix}unsupported field(s) {', '.join(unknown)}; supported: "
-                         f"{', '.join(sorted([*served, *CHAT_KEYS]))}")
+                         f"{', '.join(sorted([*served, *known]))}")
     chat = {k: options[k] for k in CHAT_KEYS if options.get(k) is not None}
     if "reasoning_effort" in chat and not isinstance(chat["reasoning_effort"], (str, int)):
         raise InputError(f"{prefix}reasoning_effort must be low, high, max, none or a token count")
@@ -85,8 +95,16 @@ def parse_request_options(options: dict[str, Any], defaults: SamplingParams, *, 
     try:
         given = {k: _option(k, options[k], types) for k, types in served.items() if options.get(k) is not None}
         sampling = with_defaults(defaults, **given)
+        sessions = [_session(k, options[k]) for k in SESSION_KEYS if options.get(k) is not None]
     except InputError as exc:  # (a SamplingValueError names its option: `field`)
         if not where:
             raise
         raise InputError(f"{prefix}{exc}") from None
-    return RequestOptions(sampling, chat)
+    return RequestOptions(sampling, chat, sessions[0] if sessions else None)
+
+
+def _session(key: str, value) -> str:
+    """A session key checked (SamplingValueError naming the option otherwise)."""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_SESSION_CHARS:
+        raise SamplingValueError(key, f"must be a string of 1 to {MAX_SESSION_CHARS} characters, got {value!r:.80}")
+    return value

@@ -69,6 +69,7 @@ class FakeLLM:
         self.tool_calls: list[dict] = []  # the calls each answer makes (K3 ids numbered as the output parser does)
         self.seen: list[tuple] = []  # (messages or prompt ids, SamplingParams, effort)
         self.rendered: list[tuple] = []  # (RenderedChat, messages, effort) of each rendering
+        self.sessions: list[str | None] = []  # `Tracked.session` of each request run
         self.processor = FakeProcessor(self)
 
     def stats(self) -> dict:
@@ -77,6 +78,7 @@ class FakeLLM:
         return dict.fromkeys(keys, 0)
 
     def stream(self, request: Tracked, logits_processors=None):
+        self.sessions.append(request.session)
         chat = request.thinking_tier is not None  # (plain prompts' alternatives only: `_stream`)
         first_call = request.parser.first_call_index if request.parser is not None else 0
         return self._stream(request.request_id, len(request.prompt_ids), request.thinking_tier or "none",

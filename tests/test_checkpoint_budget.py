@@ -103,12 +103,13 @@ def tail(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(10, 500, n).tolist()
 
 
-def cached_tokens(core, rid: str, prompt: list[int]) -> int:
-    """Run a request to its end (3 greedy tokens): the prompt tokens it took from the prefix cache."""
+def cached_tokens(core, rid: str, prompt: list[int], session: str | None = None) -> int:
+    """Run a request (naming `session`, if given) to its end (3 greedy tokens): the prompt tokens it took from the
+    prefix cache."""
     from moe_export.runtime.core.contracts import Request
     from moe_export.runtime.sampling import SamplingParams
 
-    core.add(Request(rid, prompt, SamplingParams(max_tokens=3, ignore_eos=True)))
+    core.add(Request(rid, prompt, SamplingParams(max_tokens=3, ignore_eos=True), session=session))
     cached = 0
     while core.has_work:
         for u in core.step():

@@ -177,6 +177,7 @@ class Tracked:
     grammar: GrammarLogitsProcessor | None = None  # tool_choice / response_format enforced, whatever the entry point
     thinking_tier: str | None = None  # chats: the resolved thinking tier (resolved once, by `InputProcessor.render`)
     turn_points: tuple[int, ...] = ()  # chats: `Request.turn_points`
+    session: str | None = None  # the session the request names: `Request.session`
 
 
 class RequestCore:
@@ -209,7 +210,7 @@ class RequestCore:
             raise self.fatal_error
         processors = list(processors or ()) + ([tracked.grammar] if tracked.grammar is not None else [])
         self.engine_core.add(Request(tracked.request_id, tracked.prompt_ids, tracked.sampling, processors, tracked.budget,
-                               tracked.images, tracked.turn_points))
+                               tracked.images, tracked.turn_points, tracked.session))
         tracked.out = OutputText(self.tokenizer, tracked.sampling.stop, tracked.parser)
         self.tracked[tracked.request_id] = tracked
 

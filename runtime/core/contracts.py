@@ -33,6 +33,10 @@ class Request:
     # checkpointed exactly (`InputProcessor.chat_request`): the end of the conversation before a message K3 renders
     # after it (tool choice, response format), and the end of the prompt (where the model's own tokens begin)
     turn_points: tuple[int, ...] = ()
+    # the session the request names (OpenAI `prompt_cache_key` / `user`, Anthropic `metadata.user_id`:
+    # `request_options.parse_request_options`): its state checkpoints belong to that session, an agent session
+    # from its first request on, evicted last (`core.prefix_cache`); None: an anonymous request
+    session: str | None = None
 
 
 @dataclass
@@ -108,6 +112,7 @@ class RemoteRequest:
     budget: BudgetSpec | None
     images: list
     turn_points: tuple[int, ...] = ()
+    session: str | None = None
 
 
 @dataclass

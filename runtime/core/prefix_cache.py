@@ -27,9 +27,11 @@ continuing those exact tokens resumes there when it can write into the partial b
 copy): nobody else holds it but the cache's name and kept sessions, which are then dropped (the partial
 checkpoint is consumed); otherwise it resumes at the block boundary before, replaying the few tokens after it.
 
-Eviction is least recently used by session: each checkpoint belongs to a lineage (the request that wrote it,
-or the lineage of the kept session or checkpoint that request resumed from); a lineage resumed from at least
-once is an agent session. When the pool is full, the least recently used checkpoint of a one-turn lineage
+Eviction is least recently used by session: each checkpoint belongs to a lineage (the session its request names,
+`Request.session`: OpenAI's `prompt_cache_key` / `user`, Anthropic's `metadata.user_id`; else the request that wrote
+it, or the lineage of the kept session or checkpoint that request resumed from); a named session, from its first
+request on, and a lineage resumed from at least once are agent sessions. The pool holds
+`limits.checkpoints_per_slot` x the slots (the planner prices it). When the pool is full, the least recently used checkpoint of a one-turn lineage
 goes first; only when every checkpoint belongs to an agent session, the least recently used session's oldest;
 a lineage never evicts its own checkpoints while others' remain (a new prompt's interval checkpoints stay, for
 the requests that will share its prefix).

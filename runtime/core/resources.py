@@ -19,6 +19,11 @@ from moe_export.runtime.engine.batch import SequenceChunk
 from moe_export.runtime.engine.runner import ModelRunner
 
 
+def session_lineage(session: str) -> str:
+    """The lineage of the checkpoints of requests naming `session` (`Request.session`; apart from request ids)."""
+    return "session:" + session
+
+
 @dataclass
 class CheckpointSave:
     """After a step, `slot`'s state is copied into `checkpoint`, named `name` (the hash of the block it ends, or an
@@ -28,7 +33,7 @@ class CheckpointSave:
     checkpoint: int
     name: bytes
     lineage: str = ""
-    agent: bool = False  # the sequence resumed from its lineage's state: an agent session
+    agent: bool = False  # the sequence resumed from its lineage's state, or names its session: an agent session
     partial: PartialCheckpoint | None = None
 
 
@@ -160,6 +165,9 @@ class Resources:
         if self.prefix is not None:
             if seq.num_computed:
                 self.prefix.touch_session(seq.lineage)
+            if seq.request.session is not None:  # a named session owns its checkpoints from its first request on
+                seq.lineage = session_lineage(seq.request.session)
+                self.prefix.touch_session(seq.lineage)
             seq.named = resume // self.allocator.block_size
             seq.targets = self.prefix.checkpoint_targets(len(seq.tokens), seq.num_computed, matched,
                                                          seq.request.turn_points)
@@ -184,6 +192,8 @@ class Resources:
         loaded = [i for i, b in enumerate(present) if b is None]
         self.prefix.add_blocks([names[i] for i in loaded], [seq.blocks[i] for i in loaded])
         seq.num_computed = seq.cached_tokens = found.position
+        session = seq.request.session
+        seq.lineage = session_lineage(session) if session is not None else seq.request_id
         seq.named = found.blocks
         seq.targets = self.prefix.checkpoint_targets(len(seq.tokens), seq.num_computed, max(matched, found.blocks))
         self.prefix.queried_tokens += len(seq.tokens)
@@ -239,7 +249,8 @@ class Resources:
             checkpoint = self.prefix.take_checkpoint(seq.lineage)
             if checkpoint is None:
                 continue
-            save = CheckpointSave(seq.slot, checkpoint, h, seq.lineage, agent=seq.cached_tokens > 0)
+            agent = seq.cached_tokens > 0 or seq.request.session is not None
+            save = CheckpointSave(seq.slot, checkpoint, h, seq.lineage, agent=agent)
             if partial:  # the block's first rows are the tail's: it stays allocated while the checkpoint lives
                 save.partial = PartialCheckpoint(parent, tail, seq.blocks[full])
                 self.allocator.incref([save.partial.block])

@@ -88,7 +88,7 @@ class GroupedScheduler:
         else:
             self.outbox[group].add.append(RemoteRequest(request.request_id, list(request.prompt_ids), request.sampling,
                                                         budget_spec(request.budget), list(request.images),
-                                                        request.turn_points))
+                                                        request.turn_points, request.session))
         self.loads[group] += 1
         self.placed[request.request_id] = (group, tuple(request.prompt_ids), request.budget)
 
@@ -181,7 +181,8 @@ def lead_group(engine: GroupedRunner, budget_factory=None, **scheduler_kwargs) -
             for r in mine.add:
                 budget = budget_factory(r.budget) if r.budget is not None and budget_factory is not None else None
                 try:
-                    sched.add(Request(r.request_id, r.prompt_ids, r.sampling, [], budget, r.images, r.turn_points))
+                    sched.add(Request(r.request_id, r.prompt_ids, r.sampling, [], budget, r.images, r.turn_points,
+                                      r.session))
                 except InputError as exc:  # rank 0 checked it with the same limits; kept as a safety net
                     rejected.append(SequenceUpdate(r.request_id, [], None, True, "abort", error=str(exc)))
             for rid in mine.abort:

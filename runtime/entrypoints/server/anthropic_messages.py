@@ -56,7 +56,8 @@ async def create_message(svc: Service, req: AnthropicMessagesRequest, disconnect
                        "max_tokens")
     messages = await svc.inline_image_urls(messages)
     parallel = not (req.tool_choice or {}).get("disable_parallel_tool_use", False)
-    sampling = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=None, stop=req.stop_sequences)
+    sampling = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=None, stop=req.stop_sequences,
+                    session={"user": req.metadata.user_id if req.metadata is not None else None})
     message_id = convert.new_id("msg_")
     rendered = await svc.render(messages, tools=tools, tool_choice=tool_choice, response_format=None, effort=effort)
     run = await svc.run_chat(message_id, rendered, sampling, max_tokens=req.max_tokens, parallel=parallel)

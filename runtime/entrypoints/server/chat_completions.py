@@ -45,7 +45,8 @@ async def chat_completion(svc: Service, req: ChatCompletionRequest, disconnected
         for i in range(req.n):  # n choices: n sequences, each seeded apart (seed + i when a seed is given)
             sampling = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                             seed=None if req.seed is None else req.seed + i, stop=req.stop, logprobs=req.logprobs,
-                            ignore_eos=req.ignore_eos, top_logprobs=req.top_logprobs or 0, extras=extras)
+                            ignore_eos=req.ignore_eos, top_logprobs=req.top_logprobs or 0, extras=extras,
+                            session={"prompt_cache_key": req.prompt_cache_key, "user": req.user})
             runs.append(await svc.run_chat(
                 request_id if req.n == 1 else f"{request_id}-{i}", rendered, sampling, max_tokens=max_tokens,
                 parallel=req.parallel_tool_calls,

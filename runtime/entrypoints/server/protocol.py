@@ -55,6 +55,9 @@ class ChatCompletionRequest(Penalties):
     stream_options: dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
+    # the session the request belongs to (`request_options.SESSION_KEYS`): its prefix-cache state is kept longest
+    prompt_cache_key: str | None = None
+    user: str | None = None
 
 
 class CompletionRequest(Penalties):
@@ -91,6 +94,12 @@ class ResponsesRequest(Lenient):
     parallel_tool_calls: bool = True
     metadata: dict[str, Any] | None = None
     ignore_eos: bool = False
+    prompt_cache_key: str | None = None  # as ChatCompletionRequest's
+    user: str | None = None
+
+
+class AnthropicMetadata(Lenient):
+    user_id: str | None = None  # the session the request belongs to (passed on as `user`)
 
 
 class AnthropicMessagesRequest(Lenient):
@@ -106,7 +115,7 @@ class AnthropicMessagesRequest(Lenient):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
     stream: bool = False
-    metadata: dict[str, Any] | None = None
+    metadata: AnthropicMetadata | None = None
 
 
 class AnthropicCountTokensRequest(Lenient):

@@ -53,7 +53,7 @@ async def create_response(svc: Service, req: ResponsesRequest, scope: str, disco
     tool_choice = convert.responses_tool_choice(req.tool_choice, tools)
     effort = convert.openai_effort((req.reasoning or {}).get("effort"))
     sampling = dict(temperature=req.temperature, top_p=req.top_p, top_k=None, seed=None, stop=None,
-                    ignore_eos=req.ignore_eos)
+                    ignore_eos=req.ignore_eos, session={"prompt_cache_key": req.prompt_cache_key, "user": req.user})
     response_id = convert.new_id("resp_")
     renames = {"response_format.json_schema": "text.format", "response_format": "text.format", "max_tokens": "max_output_tokens"}
     with convert.user_field_names(names, renames):

@@ -25,8 +25,7 @@ from moe_export.runtime.entrypoints.server.store import ResponseStore
 from moe_export.runtime.client.protocol import EngineClient
 from moe_export.runtime.image_urls import private_allowed, public_address
 from moe_export.runtime.processor import RenderedChat
-from moe_export.runtime.request_options import parse_request_options
-from moe_export.runtime.sampling import SamplingParams
+from moe_export.runtime.request_options import RequestOptions, parse_request_options
 
 MAX_CHOICES = 64  # most sequences one completions request may start (prompts x n)
 DISCONNECT_POLL_S = 0.1  # how often a whole (non-streamed) answer checks that its client is still there
@@ -188,21 +187,21 @@ class Service:
                                 f"{asked}. Please reduce the length of the prompt or completion.", param)
         return requested if requested is not None else min(self.settings.default_max_tokens, room)
 
-    def sampling_params(self, temperature, top_p, top_k, seed, max_tokens: int, stop, logprobs=False, ignore_eos=False,
-                        top_logprobs: int = 0, extras: dict | None = None) -> SamplingParams:
-        """The request's values over the engine's one set of defaults (`LLM.default_sampling`: the model's
-        generation_config.json, else greedy). No seed: the sampler draws a random one (identical unseeded
-        sampled requests differ, as in vLLM / OpenAI). extras: penalties, min_p, min_tokens, logit_bias
-        (`sampler_extras`)."""
+    def request_options(self, temperature, top_p, top_k, seed, max_tokens: int, stop, logprobs=False, ignore_eos=False,
+                        top_logprobs: int = 0, extras: dict | None = None, session: dict | None = None) -> RequestOptions:
+        """The request's sampling values over the engine's one set of defaults (`LLM.default_sampling`: the model's
+        generation_config.json, else greedy) and the session it names. No seed: the sampler draws a random one
+        (identical unseeded sampled requests differ, as in vLLM / OpenAI). extras: penalties, min_p, min_tokens,
+        logit_bias (`sampler_extras`); session: the request's `request_options.SESSION_KEYS` fields."""
         extras = dict(extras or {})
         if extras.get("min_tokens", 0) > max_tokens:
             raise APIError(400, f"min_tokens {extras['min_tokens']} is over max_tokens {max_tokens}", "min_tokens")
         seed = None if seed is None else seed % SEED_MOD
         options = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens,
                        stop=[] if stop is None else stop, logprobs=bool(logprobs), ignore_eos=bool(ignore_eos),
-                       top_logprobs=int(top_logprobs or 0), **extras)
+                       top_logprobs=int(top_logprobs or 0), **extras, **(session or {}))
         try:
-            return parse_request_options(options, self.llm.default_sampling).sampling
+            return parse_request_options(options, self.llm.default_sampling)
         except InputError as exc:  # (`SamplingValueError` names its field)
             raise APIError(400, str(exc), getattr(exc, "field", None)) from None
 
@@ -215,12 +214,13 @@ class Service:
 
     async def run_chat(self, request_id: str, rendered: RenderedChat, sampling: dict, *,
                        max_tokens: int | None, parallel: bool, max_tokens_param: str = "max_tokens") -> ChatRun:
-        """Start one chat generation (a choice) of a rendered conversation (`sampling`: sampling_params' arguments
+        """Start one chat generation (a choice) of a rendered conversation (`sampling`: request_options' arguments
         but max_tokens). Bad requests raise here, before any response byte is sent."""
         prompt_tokens = len(rendered.prompt_ids)
-        params = self.sampling_params(**sampling, max_tokens=self.fit_max_tokens(prompt_tokens, max_tokens, max_tokens_param))
+        opts = self.request_options(**sampling, max_tokens=self.fit_max_tokens(prompt_tokens, max_tokens, max_tokens_param))
         request = await self.off_loop(  # its budget, parser and grammar (compiled for a forced tool call / format)
-            self.llm.processor.chat_request, rendered, params, parallel_tool_calls=parallel, request_id=request_id)
+            self.llm.processor.chat_request, rendered, opts.sampling, parallel_tool_calls=parallel, request_id=request_id)
+        request.session = opts.session
         stream = self.llm.stream(request)
         try:  # the queue check and the count in timed() with no await between them: requests rendered at once
             self.check_queue()  # cannot all pass the check before any of them is counted

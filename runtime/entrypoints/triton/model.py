@@ -253,6 +253,7 @@ class TritonPythonModel:
                                                    request_id=request_id, **opts.chat_kwargs)
             else:
                 prepared = await self.llm.off_loop(self.llm.processor.generate, job["prompt"], opts.sampling, request_id)
+            prepared.session = opts.session  # sampling_parameters' `prompt_cache_key` / `user`
             deltas = self.llm.stream(prepared)
             async for delta in deltas:
                 if sender.is_cancelled():
