@@ -47,6 +47,12 @@ penalties, prefix caching and kept sessions on; one process, rounds of steps alt
 and, load-robust, the least round's CPU time; `host_ms_per_step_instant_{hi}_over_{lo}` and its CPU forms, goal
 <= 1.2).
 
+`prefill_profile` (per preset, each context): the lightning indexer's share of one full prefill step (max_num_tokens
+tokens) at that context and its FLOP rate, with the rest of the step (every other term), wall and CPU ms
+(`run_prefill_profile`: the step through `Engine.step` on a tiled cache, the engine's DSAIndexer function timed alone
+at the same shapes); `growth_{hi}_over_{lo}`: each over the smallest context. At a fixed step size, a term growing
+with the context grows the prefill with its square: the indexer should be the only one (`rest` flat).
+
 `loadavg` is read before and after; numbers taken while other work loads the machine are not evidence.
 """
 
@@ -272,6 +278,97 @@ def run_tiled_decodes(engine_dir: Path, contexts: list[int], steps: int, rounds:
                      round(1e3 * min(cpu[c]), 2)] for c in contexts}
 
 
+def indexer_session(runner, rank_dir: Path, segment: str):
+    """(an ONNX Runtime session of one DSAIndexer node with the segment's own function body, the engine session's
+    options and the node's topk; the name of the key pool its first indexer reads; how many indexer layers the
+    segment has), or (None, None, 0) without one."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import helper
+
+    model = onnx.load(str(rank_dir / segment), load_external_data=False)
+    nodes = [n for n in model.graph.node if n.op_type == "DSAIndexer"]
+    if not nodes:
+        return None, None, 0
+    function = next(f for f in model.functions if f.name == "DSAIndexer")
+    node = helper.make_node("DSAIndexer", ["q_idx", "weights", "k_pool", "k_new", "cu_seqlens", "block_tables",
+                                           "positions"], ["indices"], domain=function.domain,
+                            topk=next(a.i for a in nodes[0].attribute if a.name == "topk"))
+    graph_inputs = {vi.name: vi for vi in model.graph.input}
+    pool = nodes[0].input[2]
+    inputs = [helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in ("q_idx", "weights")]
+    inputs += [helper.make_value_info("k_pool", graph_inputs[pool].type),
+               helper.make_tensor_value_info("k_new", onnx.TensorProto.FLOAT, None)]
+    inputs += [graph_inputs[name] for name in ("cu_seqlens", "block_tables", "positions")]
+    graph = helper.make_graph([node], "indexer", inputs,
+                              [helper.make_tensor_value_info("indices", onnx.TensorProto.INT64, None)])
+    one = helper.make_model(graph, opset_imports=list(model.opset_import), functions=[function])
+    sess = ort.InferenceSession(one.SerializeToString(), runner.sessions[segment].get_session_options(),
+                                providers=["CPUExecutionProvider"])
+    return sess, pool, len(nodes)
+
+
+def run_prefill_profile(engine_dir: Path, contexts: list[int], rounds: int = 3) -> dict:
+    """The lightning indexer's share of a full prefill step at each context: one step of max_num_tokens (Tn) tokens
+    at position `context` of a tiled cache (`tiled_engine` up to the largest context) through `Engine.step`, and the
+    engine's DSAIndexer function timed alone at the same shapes (`indexer_session`: one node, the engine's own
+    function body, session options and topk, its key pool the engine's pool, Tn random queries, the step's block
+    table and positions) times the number of indexer layers; `rest` = the step less the indexer: every other term
+    (projections, KDA scan, sparse MLA attention, MoE, head). Wall and CPU ms (this process, all threads), each the
+    least of `rounds` rounds (after one not counted), the step and the indexer alternated. The indexer's FLOPs in
+    the step: layers x Hi x (2 Di + 2) x pairs, pairs = Tn x context + Tn (Tn + 1) / 2 (token, attended position)
+    pairs (2 Di for q . k, 2 for the head-weighted relu sum); its rate: those FLOPs over its time. At a fixed step
+    size a term whose time grows with the context makes the prefill's total grow with the square of the context:
+    `rest` staying flat from context to context while the indexer grows shows it is the only such term."""
+    import numpy as np
+    import onnxruntime as ort
+    from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
+    from moe_export.runtime.engine.ranks import rank_folders
+
+    eng, table, seed, _, _ = tiled_engine(engine_dir, max(contexts), MAX_NUM_TOKENS)
+    runner, rank_dir = eng.ranks[0], rank_folders(eng.dir)[0]
+    segment = next(s for s in runner.sessions)
+    sess, pool, layers = indexer_session(runner, rank_dir, segment)
+    text = eng.model_config.get("text_config", eng.model_config)
+    heads, dim = int(text.get("index_n_heads") or 0), int(text.get("index_head_dim") or 0)
+    n = eng.max_num_tokens
+    rng = np.random.default_rng(0)
+    out: dict = {}
+    for context in contexts:
+        chunk = [seed[(context + i) % len(seed)] for i in range(n)]
+        blocks = table[:-(-(context + n) // eng.block_size)]
+        batch = StepBatch.from_sequences([SequenceChunk(0, context, chunk, blocks)], eng.image_width)
+        feed = {"q_idx": rng.standard_normal((n, heads, dim), dtype=np.float32),
+                "weights": rng.random((n, heads), dtype=np.float32),
+                "k_pool": runner.pool_feeds.get(pool), "k_new": rng.standard_normal((n, dim), dtype=np.float32),
+                "cu_seqlens": np.array([0, n], dtype=np.int64), "block_tables": np.array([blocks], dtype=np.int64),
+                "positions": np.arange(context, context + n, dtype=np.int64)}
+        step, alone = [], []  # (wall s, CPU s) each
+        for _ in range(rounds + 1):  # the first round warms up, not counted
+            t0, c0 = time.perf_counter(), time.process_time()
+            eng.step(batch)
+            step.append((time.perf_counter() - t0, time.process_time() - c0))
+            if sess is not None:
+                t0, c0 = time.perf_counter(), time.process_time()
+                sess.run_with_ort_values(["indices"], {k: v if isinstance(v, ort.OrtValue) else
+                                                       ort.OrtValue.ortvalue_from_numpy(v) for k, v in feed.items()})
+                alone.append((time.perf_counter() - t0, time.process_time() - c0))
+        point = {"step_tokens": n}
+        for i, kind in enumerate(("", "_cpu")):
+            least = min(t[i] for t in step[1:])
+            point[f"step{kind}_ms"] = round(1e3 * least, 2)
+            if alone:
+                indexer = layers * min(t[i] for t in alone[1:])
+                flops = layers * heads * (2 * dim + 2) * (n * context + n * (n + 1) // 2)
+                point.update({f"indexer{kind}_ms": round(1e3 * indexer, 2), f"rest{kind}_ms": round(1e3 * (least - indexer), 2),
+                              f"indexer{kind}_share": round(indexer / least, 3),
+                              f"indexer{kind}_gflop_per_s": round(flops / 1e9 / indexer, 2)})
+        if alone:
+            point.update(indexer_layers=layers, indexer_gflop=round(flops / 1e9, 3))
+        out[str(context)] = point
+    return out
+
+
 class InstantRunner:
     """A model-free runner (`ModelRunner`'s fields; no pools): every step samples token 7 at once, so a scheduler
     over it costs its host work alone."""
@@ -373,6 +470,7 @@ def main() -> None:
     ap.add_argument("--prefill-limit-s", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--million-decode", nargs=2, metavar=("PRESET", "WORK"), help=argparse.SUPPRESS)
     ap.add_argument("--tiled-decode", nargs=3, metavar=("PRESET", "MAX_SEQ_LEN", "WORK"), help=argparse.SUPPRESS)
+    ap.add_argument("--prefill-profile", nargs=3, metavar=("PRESET", "MAX_SEQ_LEN", "WORK"), help=argparse.SUPPRESS)
     ap.add_argument("--host-points", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -390,6 +488,11 @@ def main() -> None:
         contexts = [int(c) for c in args.contexts.split(",")]
         print(json.dumps(run_tiled_decodes(engine, contexts, args.decode_steps)))
         return
+    if args.prefill_profile:
+        preset, max_seq_len, work = args.prefill_profile
+        engine = build_engine(Path(work), preset, int(max_seq_len))
+        print(json.dumps(run_prefill_profile(engine, [int(c) for c in args.contexts.split(",")])))
+        return
     if args.million_decode:
         preset, work = args.million_decode
         print(json.dumps(run_million_decode(build_engine(Path(work), preset, 1 << 20), args.decode_steps)))
@@ -401,7 +504,7 @@ def main() -> None:
     max_seq_len = 1 << 20 if args.million else max(max(contexts) + 1024, 262144 if not args.smoke else 4096)
     baseline_contexts = [int(c) for c in args.baseline_contexts.split(",")] if args.baseline else []
     report: dict = {"smoke": args.smoke, "loadavg_before": loadavg(), "cpus": os.cpu_count(), "max_num_tokens": MAX_NUM_TOKENS,
-                    "max_seq_len": max_seq_len, "points": {}, "ratios": {}}
+                    "max_seq_len": max_seq_len, "points": {}, "ratios": {}, "prefill_profile": {}}
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -438,6 +541,13 @@ def main() -> None:
             for context in contexts:  # [wall, CPU] ms
                 pts[str(context)]["decode_ms_per_token_tiled_cache"] = tiled.get(str(context))
             lo, hi = str(min(contexts)), str(max(contexts))
+            profile = report["prefill_profile"][preset] = point_process(
+                None, "--prefill-profile", preset, str(max_seq_len), str(work), "--contexts", ",".join(map(str, contexts)),
+                timeout=3600)
+            if profile.get(lo, {}).get("indexer_ms") and profile.get(hi, {}).get("indexer_ms"):  # growth, fixed step size
+                profile[f"growth_{hi}_over_{lo}"] = {t: round(profile[hi][t] / profile[lo][t], 2) for t in (
+                    "step_ms", "indexer_ms", "rest_ms", "step_cpu_ms", "indexer_cpu_ms", "rest_cpu_ms")}
+            print(preset, "prefill profile", json.dumps(profile), flush=True)
             if tiled.get(lo) and tiled.get(hi):
                 report["ratios"][f"decode_tiled_{preset}_{hi}_over_{lo}"] = round(tiled[hi][0] / tiled[lo][0], 2)
                 report["ratios"][f"decode_cpu_tiled_{preset}_{hi}_over_{lo}"] = round(tiled[hi][1] / tiled[lo][1], 2)
