@@ -47,11 +47,12 @@ penalties, prefix caching and kept sessions on; one process, rounds of steps alt
 and, load-robust, the least round's CPU time; `host_ms_per_step_instant_{hi}_over_{lo}` and its CPU forms, goal
 <= 1.2).
 
-`prefill_profile` (per preset, each context): the lightning indexer's share of one full prefill step (max_num_tokens
-tokens) at that context and its FLOP rate, with the rest of the step (every other term), wall and CPU ms
-(`run_prefill_profile`: the step through `Engine.step` on a tiled cache, the engine's DSAIndexer function timed alone
-at the same shapes); `growth_{hi}_over_{lo}`: each over the smallest context. At a fixed step size, a term growing
-with the context grows the prefill with its square: the indexer should be the only one (`rest` flat).
+`prefill_profile` (per preset with an indexer, each context): the lightning indexer's share of one full prefill step
+(max_num_tokens tokens) at that context and its FLOP rate, beside the rest of the step (every other term), wall and
+CPU ms (`run_prefill_profile`: the step through `Engine.step` on a tiled cache, and again with the indexer's function
+replaced by one reading no key; the function also timed alone at the same shapes); `growth_{hi}_over_{lo}`: each over
+the smallest context. At a fixed step size a term growing with the context grows the prefill with its square: the
+indexer should be the only one (`rest` flat).
 
 `loadavg` is read before and after; numbers taken while other work loads the machine are not evidence.
 """
@@ -308,29 +309,63 @@ def indexer_session(runner, rank_dir: Path, segment: str):
     return sess, pool, len(nodes)
 
 
-def run_prefill_profile(engine_dir: Path, contexts: list[int], rounds: int = 3) -> dict:
+def without_indexer(model) -> bool:
+    """Replaces `model`'s DSAIndexer function by one that reads no key and selects nothing (indices [T, topk] of
+    -1: the sparse attention after it gathers and masks its topk rows as before); False if it has none."""
+    from onnx import AttributeProto, TensorProto, helper
+
+    for function in model.functions:
+        if function.name == "DSAIndexer":
+            topk = helper.make_node("Constant", [], ["topk"])
+            topk.attribute.append(AttributeProto(name="value_int", ref_attr_name="topk", type=AttributeProto.INT))
+            nodes = [topk,
+                     helper.make_node("Constant", [], ["axes"], value=helper.make_tensor("a", TensorProto.INT64, [1], [0])),
+                     helper.make_node("Unsqueeze", ["topk", "axes"], ["k"]),
+                     helper.make_node("Shape", ["q_idx"], ["t"], start=0, end=1),
+                     helper.make_node("Concat", ["t", "k"], ["shape"], axis=0),
+                     helper.make_node("Constant", [], ["none"], value=helper.make_tensor("n", TensorProto.INT64, [], [-1])),
+                     helper.make_node("Expand", ["none", "shape"], ["indices"])]
+            del function.node[:]
+            function.node.extend(nodes)
+            return True
+    return False
+
+
+def run_prefill_profile(engine_dir: Path, contexts: list[int], rounds: int = 5) -> dict:
     """The lightning indexer's share of a full prefill step at each context: one step of max_num_tokens (Tn) tokens
-    at position `context` of a tiled cache (`tiled_engine` up to the largest context) through `Engine.step`, and the
-    engine's DSAIndexer function timed alone at the same shapes (`indexer_session`: one node, the engine's own
-    function body, session options and topk, its key pool the engine's pool, Tn random queries, the step's block
-    table and positions) times the number of indexer layers; `rest` = the step less the indexer: every other term
-    (projections, KDA scan, sparse MLA attention, MoE, head). Wall and CPU ms (this process, all threads), each the
-    least of `rounds` rounds (after one not counted), the step and the indexer alternated. The indexer's FLOPs in
-    the step: layers x Hi x (2 Di + 2) x pairs, pairs = Tn x context + Tn (Tn + 1) / 2 (token, attended position)
-    pairs (2 Di for q . k, 2 for the head-weighted relu sum); its rate: those FLOPs over its time. At a fixed step
-    size a term whose time grows with the context makes the prefill's total grow with the square of the context:
-    `rest` staying flat from context to context while the indexer grows shows it is the only such term."""
+    at position `context` of a tiled cache (`tiled_engine` up to the largest context) through `Engine.step`
+    (`step`), the same step with the DSAIndexer function replaced by one that reads no key (`without_indexer`; the
+    engine's sessions re-made from that graph with their own options): `rest`, every other term (projections, KDA
+    scan, sparse MLA attention, MoE, head), and `indexer` = step - rest; beside it `indexer_alone`, the engine's
+    DSAIndexer function timed alone at the same shapes (`indexer_session`: one node, its own body, session options
+    and topk, the engine's key pool, Tn random queries, the step's block table and positions) times the number of
+    indexer layers, with warm caches. Wall and CPU ms (this process, all threads), each the least of `rounds`
+    rounds (after one not counted), the three alternated. The indexer's FLOPs in the step: layers x Hi x (2 Di + 2)
+    x pairs, pairs = Tn x context + Tn (Tn + 1) / 2 (token, attended position) pairs (2 Di for q . k, 2 for the
+    head-weighted relu sum); its rate: those FLOPs over its time in the step and alone. At a fixed step size a
+    term whose time grows with the context makes the prefill's total grow with the square of the context: `rest`
+    staying flat from context to context while the indexer grows shows it is the only such term."""
     import numpy as np
+    import onnx
     import onnxruntime as ort
     from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
     from moe_export.runtime.engine.ranks import rank_folders
 
     eng, table, seed, _, _ = tiled_engine(engine_dir, max(contexts), MAX_NUM_TOKENS)
     runner, rank_dir = eng.ranks[0], rank_folders(eng.dir)[0]
-    segment = next(s for s in runner.sessions)
-    sess, pool, layers = indexer_session(runner, rank_dir, segment)
+    full, ablated = dict(runner.sessions), dict(runner.sessions)
+    alone, layers = None, 0
+    for segment, sess in full.items():
+        model = onnx.load(str(rank_dir / segment), load_external_data=False)
+        if without_indexer(model):
+            alone, pool, layers = indexer_session(runner, rank_dir, segment)
+            opts = sess.get_session_options()  # the graph read from bytes: its external data from the rank folder
+            opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(rank_dir))
+            ablated[segment] = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    if alone is None:
+        return {}
     text = eng.model_config.get("text_config", eng.model_config)
-    heads, dim = int(text.get("index_n_heads") or 0), int(text.get("index_head_dim") or 0)
+    heads, dim = int(text["index_n_heads"]), int(text["index_head_dim"])
     n = eng.max_num_tokens
     rng = np.random.default_rng(0)
     out: dict = {}
@@ -338,33 +373,35 @@ def run_prefill_profile(engine_dir: Path, contexts: list[int], rounds: int = 3) 
         chunk = [seed[(context + i) % len(seed)] for i in range(n)]
         blocks = table[:-(-(context + n) // eng.block_size)]
         batch = StepBatch.from_sequences([SequenceChunk(0, context, chunk, blocks)], eng.image_width)
-        feed = {"q_idx": rng.standard_normal((n, heads, dim), dtype=np.float32),
-                "weights": rng.random((n, heads), dtype=np.float32),
-                "k_pool": runner.pool_feeds.get(pool), "k_new": rng.standard_normal((n, dim), dtype=np.float32),
-                "cu_seqlens": np.array([0, n], dtype=np.int64), "block_tables": np.array([blocks], dtype=np.int64),
-                "positions": np.arange(context, context + n, dtype=np.int64)}
-        step, alone = [], []  # (wall s, CPU s) each
-        for _ in range(rounds + 1):  # the first round warms up, not counted
-            t0, c0 = time.perf_counter(), time.process_time()
-            eng.step(batch)
-            step.append((time.perf_counter() - t0, time.process_time() - c0))
-            if sess is not None:
+        feed = {k: v if isinstance(v, ort.OrtValue) else ort.OrtValue.ortvalue_from_numpy(v) for k, v in {
+            "q_idx": rng.standard_normal((n, heads, dim), dtype=np.float32),
+            "weights": rng.random((n, heads), dtype=np.float32), "k_pool": runner.pool_feeds[pool],
+            "k_new": rng.standard_normal((n, dim), dtype=np.float32), "cu_seqlens": np.array([0, n], dtype=np.int64),
+            "block_tables": np.array([blocks], dtype=np.int64),
+            "positions": np.arange(context, context + n, dtype=np.int64)}.items()}
+        times: dict[str, list[tuple[float, float]]] = {"step": [], "rest": [], "indexer_alone": []}  # (wall, CPU) s
+        for r in range(rounds + 1):  # the first round warms up, not counted
+            for name in times:
+                runner.sessions.update(ablated if name == "rest" else full)
                 t0, c0 = time.perf_counter(), time.process_time()
-                sess.run_with_ort_values(["indices"], {k: v if isinstance(v, ort.OrtValue) else
-                                                       ort.OrtValue.ortvalue_from_numpy(v) for k, v in feed.items()})
-                alone.append((time.perf_counter() - t0, time.process_time() - c0))
-        point = {"step_tokens": n}
+                if name == "indexer_alone":
+                    alone.run_with_ort_values(["indices"], feed)
+                else:
+                    eng.step(batch)
+                if r:
+                    times[name].append((time.perf_counter() - t0, time.process_time() - c0))
+        runner.sessions.update(full)
+        flops = layers * heads * (2 * dim + 2) * (n * context + n * (n + 1) // 2)
+        point = {"step_tokens": n, "indexer_layers": layers, "indexer_gflop": round(flops / 1e9, 3)}
         for i, kind in enumerate(("", "_cpu")):
-            least = min(t[i] for t in step[1:])
-            point[f"step{kind}_ms"] = round(1e3 * least, 2)
-            if alone:
-                indexer = layers * min(t[i] for t in alone[1:])
-                flops = layers * heads * (2 * dim + 2) * (n * context + n * (n + 1) // 2)
-                point.update({f"indexer{kind}_ms": round(1e3 * indexer, 2), f"rest{kind}_ms": round(1e3 * (least - indexer), 2),
-                              f"indexer{kind}_share": round(indexer / least, 3),
-                              f"indexer{kind}_gflop_per_s": round(flops / 1e9 / indexer, 2)})
-        if alone:
-            point.update(indexer_layers=layers, indexer_gflop=round(flops / 1e9, 3))
+            step, rest = (min(t[i] for t in times[name]) for name in ("step", "rest"))
+            by_itself = layers * min(t[i] for t in times["indexer_alone"])
+            point.update({f"step{kind}_ms": round(1e3 * step, 2), f"rest{kind}_ms": round(1e3 * rest, 2),
+                          f"indexer{kind}_ms": round(1e3 * (step - rest), 2),
+                          f"indexer{kind}_share": round((step - rest) / step, 3),
+                          f"indexer{kind}_gflop_per_s": round(flops / 1e9 / max(step - rest, 1e-9), 2),
+                          f"indexer_alone{kind}_ms": round(1e3 * by_itself, 2),
+                          f"indexer_alone{kind}_gflop_per_s": round(flops / 1e9 / by_itself, 2)})
         out[str(context)] = point
     return out
 
@@ -546,7 +583,8 @@ def main() -> None:
                 timeout=3600)
             if profile.get(lo, {}).get("indexer_ms") and profile.get(hi, {}).get("indexer_ms"):  # growth, fixed step size
                 profile[f"growth_{hi}_over_{lo}"] = {t: round(profile[hi][t] / profile[lo][t], 2) for t in (
-                    "step_ms", "indexer_ms", "rest_ms", "step_cpu_ms", "indexer_cpu_ms", "rest_cpu_ms")}
+                    "step_ms", "indexer_ms", "rest_ms", "indexer_alone_ms", "step_cpu_ms", "indexer_cpu_ms", "rest_cpu_ms",
+                    "indexer_alone_cpu_ms")}
             print(preset, "prefill profile", json.dumps(profile), flush=True)
             if tiled.get(lo) and tiled.get(hi):
                 report["ratios"][f"decode_tiled_{preset}_{hi}_over_{lo}"] = round(tiled[hi][0] / tiled[lo][0], 2)
