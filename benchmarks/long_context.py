@@ -47,12 +47,12 @@ penalties, prefix caching and kept sessions on; one process, rounds of steps alt
 and, load-robust, the least round's CPU time; `host_ms_per_step_instant_{hi}_over_{lo}` and its CPU forms, goal
 <= 1.2).
 
-`prefill_profile` (per preset with an indexer, each context): the lightning indexer's share of one full prefill step
-(max_num_tokens tokens) at that context and its FLOP rate, beside the rest of the step (every other term), wall and
-CPU ms (`run_prefill_profile`: the step through `Engine.step` on a tiled cache, and again with the indexer's function
-replaced by one reading no key; the function also timed alone at the same shapes); `growth_{hi}_over_{lo}`: each over
-the smallest context. At a fixed step size a term growing with the context grows the prefill with its square: the
-indexer should be the only one (`rest` flat).
+`prefill_profile` and `decode_profile` (per preset with an indexer, each context): the lightning indexer's share of
+one full prefill step (max_num_tokens tokens) and of one decode step at that context, and its FLOP rate, beside the
+rest of the step (every other term), wall and CPU ms (`run_step_profiles`: the step through `Engine.step` on a tiled
+cache, and again with the indexer's function replaced by one reading no key; the function also timed alone at the
+same shapes); `growth_{hi}_over_{lo}`: each over the smallest context. At a fixed step size a term growing with the
+context grows the prefill with its square: the indexer should be the only one (`rest` flat).
 
 `loadavg` is read before and after; numbers taken while other work loads the machine are not evidence.
 """
@@ -331,16 +331,17 @@ def without_indexer(model) -> bool:
     return False
 
 
-def run_prefill_profile(engine_dir: Path, contexts: list[int], rounds: int = 5) -> dict:
-    """The lightning indexer's share of a full prefill step at each context: one step of max_num_tokens (Tn) tokens
-    at position `context` of a tiled cache (`tiled_engine` up to the largest context) through `Engine.step`
+def run_step_profiles(engine_dir: Path, contexts: list[int], rounds: dict[str, int] | None = None) -> dict:
+    """{"prefill": ..., "decode": ...}: the lightning indexer's share of a full prefill step (Tn = max_num_tokens
+    tokens) and of a decode step (Tn = 1) at each context: one step of Tn tokens at position `context` of a tiled
+    cache (`tiled_engine` up to the largest context) through `Engine.step`
     (`step`), the same step with the DSAIndexer function replaced by one that reads no key (`without_indexer`; the
     engine's sessions re-made from that graph with their own options): `rest`, every other term (projections, KDA
     scan, sparse MLA attention, MoE, head), and `indexer` = step - rest; beside it `indexer_alone`, the engine's
     DSAIndexer function timed alone at the same shapes (`indexer_session`: one node, its own body, session options
     and topk, the engine's key pool, Tn random queries, the step's block table and positions) times the number of
-    indexer layers, with warm caches. Wall and CPU ms (this process, all threads), each the least of `rounds`
-    rounds (after one not counted), the three alternated. The indexer's FLOPs in the step: layers x Hi x (2 Di + 2)
+    indexer layers, with warm caches. Wall and CPU ms (this process, all threads), each the least of `rounds[kind]`
+    rounds (after one not counted; default 5 prefill, 30 decode), the three alternated. The indexer's FLOPs in the step: layers x Hi x (2 Di + 2)
     x pairs, pairs = Tn x context + Tn (Tn + 1) / 2 (token, attended position) pairs (2 Di for q . k, 2 for the
     head-weighted relu sum); its rate: those FLOPs over its time in the step and alone. At a fixed step size a
     term whose time grows with the context makes the prefill's total grow with the square of the context: `rest`
@@ -363,13 +364,14 @@ def run_prefill_profile(engine_dir: Path, contexts: list[int], rounds: int = 5) 
             opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(rank_dir))
             ablated[segment] = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
     if alone is None:
-        return {}
+        return {"prefill": {}, "decode": {}}
     text = eng.model_config.get("text_config", eng.model_config)
     heads, dim = int(text["index_n_heads"]), int(text["index_head_dim"])
-    n = eng.max_num_tokens
+    rounds = {"prefill": 5, "decode": 30, **(rounds or {})}
     rng = np.random.default_rng(0)
-    out: dict = {}
-    for context in contexts:
+    out: dict = {"prefill": {}, "decode": {}}
+    for kind, context in ((k, c) for k in out for c in contexts):
+        n = eng.max_num_tokens if kind == "prefill" else 1
         chunk = [seed[(context + i) % len(seed)] for i in range(n)]
         blocks = table[:-(-(context + n) // eng.block_size)]
         batch = StepBatch.from_sequences([SequenceChunk(0, context, chunk, blocks)], eng.image_width)
@@ -380,7 +382,7 @@ def run_prefill_profile(engine_dir: Path, contexts: list[int], rounds: int = 5) 
             "block_tables": np.array([blocks], dtype=np.int64),
             "positions": np.arange(context, context + n, dtype=np.int64)}.items()}
         times: dict[str, list[tuple[float, float]]] = {"step": [], "rest": [], "indexer_alone": []}  # (wall, CPU) s
-        for r in range(rounds + 1):  # the first round warms up, not counted
+        for r in range(rounds[kind] + 1):  # the first round warms up, not counted
             for name in times:
                 runner.sessions.update(ablated if name == "rest" else full)
                 t0, c0 = time.perf_counter(), time.process_time()
@@ -393,16 +395,16 @@ def run_prefill_profile(engine_dir: Path, contexts: list[int], rounds: int = 5) 
         runner.sessions.update(full)
         flops = layers * heads * (2 * dim + 2) * (n * context + n * (n + 1) // 2)
         point = {"step_tokens": n, "indexer_layers": layers, "indexer_gflop": round(flops / 1e9, 3)}
-        for i, kind in enumerate(("", "_cpu")):
+        for i, unit in enumerate(("", "_cpu")):
             step, rest = (min(t[i] for t in times[name]) for name in ("step", "rest"))
             by_itself = layers * min(t[i] for t in times["indexer_alone"])
-            point.update({f"step{kind}_ms": round(1e3 * step, 2), f"rest{kind}_ms": round(1e3 * rest, 2),
-                          f"indexer{kind}_ms": round(1e3 * (step - rest), 2),
-                          f"indexer{kind}_share": round((step - rest) / step, 3),
-                          f"indexer{kind}_gflop_per_s": round(flops / 1e9 / max(step - rest, 1e-9), 2),
-                          f"indexer_alone{kind}_ms": round(1e3 * by_itself, 2),
-                          f"indexer_alone{kind}_gflop_per_s": round(flops / 1e9 / by_itself, 2)})
-        out[str(context)] = point
+            point.update({f"step{unit}_ms": round(1e3 * step, 2), f"rest{unit}_ms": round(1e3 * rest, 2),
+                          f"indexer{unit}_ms": round(1e3 * (step - rest), 2),
+                          f"indexer{unit}_share": round((step - rest) / step, 3),
+                          f"indexer{unit}_gflop_per_s": round(flops / 1e9 / max(step - rest, 1e-9), 2),
+                          f"indexer_alone{unit}_ms": round(1e3 * by_itself, 2),
+                          f"indexer_alone{unit}_gflop_per_s": round(flops / 1e9 / by_itself, 2)})
+        out[kind][str(context)] = point
     return out
 
 
@@ -507,7 +509,7 @@ def main() -> None:
     ap.add_argument("--prefill-limit-s", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--million-decode", nargs=2, metavar=("PRESET", "WORK"), help=argparse.SUPPRESS)
     ap.add_argument("--tiled-decode", nargs=3, metavar=("PRESET", "MAX_SEQ_LEN", "WORK"), help=argparse.SUPPRESS)
-    ap.add_argument("--prefill-profile", nargs=3, metavar=("PRESET", "MAX_SEQ_LEN", "WORK"), help=argparse.SUPPRESS)
+    ap.add_argument("--step-profiles", nargs=3, metavar=("PRESET", "MAX_SEQ_LEN", "WORK"), help=argparse.SUPPRESS)
     ap.add_argument("--host-points", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -525,10 +527,10 @@ def main() -> None:
         contexts = [int(c) for c in args.contexts.split(",")]
         print(json.dumps(run_tiled_decodes(engine, contexts, args.decode_steps)))
         return
-    if args.prefill_profile:
-        preset, max_seq_len, work = args.prefill_profile
+    if args.step_profiles:
+        preset, max_seq_len, work = args.step_profiles
         engine = build_engine(Path(work), preset, int(max_seq_len))
-        print(json.dumps(run_prefill_profile(engine, [int(c) for c in args.contexts.split(",")])))
+        print(json.dumps(run_step_profiles(engine, [int(c) for c in args.contexts.split(",")])))
         return
     if args.million_decode:
         preset, work = args.million_decode
@@ -541,7 +543,8 @@ def main() -> None:
     max_seq_len = 1 << 20 if args.million else max(max(contexts) + 1024, 262144 if not args.smoke else 4096)
     baseline_contexts = [int(c) for c in args.baseline_contexts.split(",")] if args.baseline else []
     report: dict = {"smoke": args.smoke, "loadavg_before": loadavg(), "cpus": os.cpu_count(), "max_num_tokens": MAX_NUM_TOKENS,
-                    "max_seq_len": max_seq_len, "points": {}, "ratios": {}, "prefill_profile": {}}
+                    "max_seq_len": max_seq_len, "points": {}, "ratios": {}, "prefill_profile": {},
+                    "decode_profile": {}}
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -578,14 +581,15 @@ def main() -> None:
             for context in contexts:  # [wall, CPU] ms
                 pts[str(context)]["decode_ms_per_token_tiled_cache"] = tiled.get(str(context))
             lo, hi = str(min(contexts)), str(max(contexts))
-            profile = report["prefill_profile"][preset] = point_process(
-                None, "--prefill-profile", preset, str(max_seq_len), str(work), "--contexts", ",".join(map(str, contexts)),
-                timeout=3600)
-            if profile.get(lo, {}).get("indexer_ms") and profile.get(hi, {}).get("indexer_ms"):  # growth, fixed step size
-                profile[f"growth_{hi}_over_{lo}"] = {t: round(profile[hi][t] / profile[lo][t], 2) for t in (
-                    "step_ms", "indexer_ms", "rest_ms", "indexer_alone_ms", "step_cpu_ms", "indexer_cpu_ms", "rest_cpu_ms",
-                    "indexer_alone_cpu_ms")}
-            print(preset, "prefill profile", json.dumps(profile), flush=True)
+            profiles = point_process(None, "--step-profiles", preset, str(max_seq_len), str(work), "--contexts",
+                                     ",".join(map(str, contexts)), timeout=3600)
+            for kind in ("prefill", "decode"):
+                profile = report[f"{kind}_profile"][preset] = profiles.get(kind, profiles)
+                if profile.get(lo, {}).get("indexer_ms") and profile.get(hi, {}).get("indexer_ms"):  # each term's growth
+                    profile[f"growth_{hi}_over_{lo}"] = {f"{t}{unit}_ms": round(
+                        profile[hi][f"{t}{unit}_ms"] / profile[lo][f"{t}{unit}_ms"], 2)
+                        for t in ("step", "indexer", "rest", "indexer_alone") for unit in ("", "_cpu")}
+                print(preset, kind, "profile", json.dumps(profile), flush=True)
             if tiled.get(lo) and tiled.get(hi):
                 report["ratios"][f"decode_tiled_{preset}_{hi}_over_{lo}"] = round(tiled[hi][0] / tiled[lo][0], 2)
                 report["ratios"][f"decode_cpu_tiled_{preset}_{hi}_over_{lo}"] = round(tiled[hi][1] / tiled[lo][1], 2)
