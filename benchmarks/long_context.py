@@ -332,19 +332,19 @@ def without_indexer(model) -> bool:
 
 
 def run_step_profiles(engine_dir: Path, contexts: list[int], rounds: dict[str, int] | None = None) -> dict:
-    """{"prefill": ..., "decode": ...}: the lightning indexer's share of a full prefill step (Tn = max_num_tokens
-    tokens) and of a decode step (Tn = 1) at each context: one step of Tn tokens at position `context` of a tiled
-    cache (`tiled_engine` up to the largest context) through `Engine.step`
-    (`step`), the same step with the DSAIndexer function replaced by one that reads no key (`without_indexer`; the
-    engine's sessions re-made from that graph with their own options): `rest`, every other term (projections, KDA
-    scan, sparse MLA attention, MoE, head), and `indexer` = step - rest; beside it `indexer_alone`, the engine's
-    DSAIndexer function timed alone at the same shapes (`indexer_session`: one node, its own body, session options
-    and topk, the engine's key pool, Tn random queries, the step's block table and positions) times the number of
-    indexer layers, with warm caches. Wall and CPU ms (this process, all threads), each the least of `rounds[kind]`
-    rounds (after one not counted; default 5 prefill, 30 decode), the three alternated. The indexer's FLOPs in the step: layers x Hi x (2 Di + 2)
-    x pairs, pairs = Tn x context + Tn (Tn + 1) / 2 (token, attended position) pairs (2 Di for q . k, 2 for the
-    head-weighted relu sum); its rate: those FLOPs over its time in the step and alone. At a fixed step size a
-    term whose time grows with the context makes the prefill's total grow with the square of the context: `rest`
+    """{"prefill": ..., "decode": ...} by context (empty without an indexer): the lightning indexer's share of a full
+    prefill step (Tn = max_num_tokens tokens) and of a decode step (Tn = 1): one step of Tn tokens at position
+    `context` of a tiled cache (`tiled_engine` up to the largest context) through `Engine.step` (`step`); the same
+    step with the DSAIndexer function replaced by one that reads no key (`without_indexer`; the engine's sessions
+    re-made from that graph with their own options): `rest`, every other term (projections, KDA scan, sparse MLA
+    attention, MoE, head); `indexer` = step - rest; and `indexer_alone`: the engine's DSAIndexer function timed
+    alone at the same shapes (`indexer_session`: one node, its own body, session options and topk, the engine's key
+    pool, Tn random queries, the step's block table and positions; warm caches) times the number of indexer layers.
+    Wall and CPU ms (this process, all threads), each the least of `rounds[kind]` rounds (default 5 prefill, 30
+    decode; one more before them not counted), the three alternated. The indexer's FLOPs in the step: layers x Hi x
+    (2 Di + 2) x pairs, pairs = Tn x context + Tn (Tn + 1) / 2 (token, attended position) pairs (2 Di for q . k, 2
+    for the head-weighted relu sum); its rate: those FLOPs over its time in the step and alone. At a fixed step size
+    a term whose time grows with the context makes the prefill's total grow with the square of the context: `rest`
     staying flat from context to context while the indexer grows shows it is the only such term."""
     import numpy as np
     import onnx
@@ -352,10 +352,13 @@ def run_step_profiles(engine_dir: Path, contexts: list[int], rounds: dict[str, i
     from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
     from moe_export.runtime.engine.ranks import rank_folders
 
+    rank_dir = rank_folders(engine_dir)[0]
+    if not any(n.op_type == "DSAIndexer" for f in rank_dir.glob("*.onnx")
+               for n in onnx.load(str(f), load_external_data=False).graph.node):
+        return {"prefill": {}, "decode": {}}
     eng, table, seed, _, _ = tiled_engine(engine_dir, max(contexts), MAX_NUM_TOKENS)
-    runner, rank_dir = eng.ranks[0], rank_folders(eng.dir)[0]
+    runner = eng.ranks[0]
     full, ablated = dict(runner.sessions), dict(runner.sessions)
-    alone, layers = None, 0
     for segment, sess in full.items():
         model = onnx.load(str(rank_dir / segment), load_external_data=False)
         if without_indexer(model):
@@ -363,8 +366,6 @@ def run_step_profiles(engine_dir: Path, contexts: list[int], rounds: dict[str, i
             opts = sess.get_session_options()  # the graph read from bytes: its external data from the rank folder
             opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(rank_dir))
             ablated[segment] = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    if alone is None:
-        return {"prefill": {}, "decode": {}}
     text = eng.model_config.get("text_config", eng.model_config)
     heads, dim = int(text["index_n_heads"]), int(text["index_head_dim"])
     rounds = {"prefill": 5, "decode": 30, **(rounds or {})}
