@@ -47,6 +47,13 @@ penalties, prefix caching and kept sessions on; one process, rounds of steps alt
 and, load-robust, the least round's CPU time; `host_ms_per_step_instant_{hi}_over_{lo}` and its CPU forms, goal
 <= 1.2).
 
+`prefill_profile` and `decode_profile` (per preset with an indexer, each context): the lightning indexer's share of
+one full prefill step (max_num_tokens tokens) and of one decode step at that context, and its FLOP rate, beside the
+rest of the step (every other term), wall and CPU ms (`run_step_profiles`: the step through `Engine.step` on a tiled
+cache, and again with the indexer's function replaced by one reading no key; the function also timed alone at the
+same shapes); `growth_{hi}_over_{lo}`: each over the smallest context. At a fixed step size a term growing with the
+context grows the prefill with its square: the indexer should be the only one (`rest` flat).
+
 `loadavg` is read before and after; numbers taken while other work loads the machine are not evidence.
 """
 
@@ -272,6 +279,136 @@ def run_tiled_decodes(engine_dir: Path, contexts: list[int], steps: int, rounds:
                      round(1e3 * min(cpu[c]), 2)] for c in contexts}
 
 
+def indexer_session(runner, rank_dir: Path, segment: str):
+    """(an ONNX Runtime session of one DSAIndexer node with the segment's own function body, the engine session's
+    options and the node's topk; the name of the key pool its first indexer reads; how many indexer layers the
+    segment has), or (None, None, 0) without one."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import helper
+
+    model = onnx.load(str(rank_dir / segment), load_external_data=False)
+    nodes = [n for n in model.graph.node if n.op_type == "DSAIndexer"]
+    if not nodes:
+        return None, None, 0
+    function = next(f for f in model.functions if f.name == "DSAIndexer")
+    node = helper.make_node("DSAIndexer", ["q_idx", "weights", "k_pool", "k_new", "cu_seqlens", "block_tables",
+                                           "positions"], ["indices"], domain=function.domain,
+                            topk=next(a.i for a in nodes[0].attribute if a.name == "topk"))
+    graph_inputs = {vi.name: vi for vi in model.graph.input}
+    pool = nodes[0].input[2]
+    inputs = [helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in ("q_idx", "weights")]
+    inputs += [helper.make_value_info("k_pool", graph_inputs[pool].type),
+               helper.make_tensor_value_info("k_new", onnx.TensorProto.FLOAT, None)]
+    inputs += [graph_inputs[name] for name in ("cu_seqlens", "block_tables", "positions")]
+    graph = helper.make_graph([node], "indexer", inputs,
+                              [helper.make_tensor_value_info("indices", onnx.TensorProto.INT64, None)])
+    one = helper.make_model(graph, opset_imports=list(model.opset_import), functions=[function])
+    sess = ort.InferenceSession(one.SerializeToString(), runner.sessions[segment].get_session_options(),
+                                providers=["CPUExecutionProvider"])
+    return sess, pool, len(nodes)
+
+
+def without_indexer(model) -> bool:
+    """Replaces `model`'s DSAIndexer function by one that reads no key and selects nothing (indices [T, topk] of
+    -1: the sparse attention after it gathers and masks its topk rows as before); False if it has none."""
+    from onnx import AttributeProto, TensorProto, helper
+
+    for function in model.functions:
+        if function.name == "DSAIndexer":
+            topk = helper.make_node("Constant", [], ["topk"])
+            topk.attribute.append(AttributeProto(name="value_int", ref_attr_name="topk", type=AttributeProto.INT))
+            nodes = [topk,
+                     helper.make_node("Constant", [], ["axes"], value=helper.make_tensor("a", TensorProto.INT64, [1], [0])),
+                     helper.make_node("Unsqueeze", ["topk", "axes"], ["k"]),
+                     helper.make_node("Shape", ["q_idx"], ["t"], start=0, end=1),
+                     helper.make_node("Concat", ["t", "k"], ["shape"], axis=0),
+                     helper.make_node("Constant", [], ["none"], value=helper.make_tensor("n", TensorProto.INT64, [], [-1])),
+                     helper.make_node("Expand", ["none", "shape"], ["indices"])]
+            del function.node[:]
+            function.node.extend(nodes)
+            return True
+    return False
+
+
+def run_step_profiles(engine_dir: Path, contexts: list[int], rounds: dict[str, int] | None = None) -> dict:
+    """{"prefill": ..., "decode": ...} by context (empty without an indexer): the lightning indexer's share of a full
+    prefill step (Tn = max_num_tokens tokens) and of a decode step (Tn = 1): one step of Tn tokens at position
+    `context` of a tiled cache (`tiled_engine` up to the largest context) through `Engine.step` (`step`); the same
+    step with the DSAIndexer function replaced by one that reads no key (`without_indexer`; the engine's sessions
+    re-made from that graph with their own options): `rest`, every other term (projections, KDA scan, sparse MLA
+    attention, MoE, head); `indexer` = step - rest; and `indexer_alone`: the engine's DSAIndexer function timed
+    alone at the same shapes (`indexer_session`: one node, its own body, session options and topk, the engine's key
+    pool, Tn random queries, the step's block table and positions; warm caches) times the number of indexer layers.
+    Wall and CPU ms (this process, all threads), each the least of `rounds[kind]` rounds (default 5 prefill, 30
+    decode; one more before them not counted), the three alternated. The indexer's FLOPs in the step: layers x Hi x
+    (2 Di + 2) x pairs, pairs = Tn x context + Tn (Tn + 1) / 2 (token, attended position) pairs (2 Di for q . k, 2
+    for the head-weighted relu sum); its rate: those FLOPs over its time in the step and alone. At a fixed step size
+    a term whose time grows with the context makes the prefill's total grow with the square of the context: `rest`
+    staying flat from context to context while the indexer grows shows it is the only such term."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
+    from moe_export.runtime.engine.ranks import rank_folders
+
+    rank_dir = rank_folders(engine_dir)[0]
+    if not any(n.op_type == "DSAIndexer" for f in rank_dir.glob("*.onnx")
+               for n in onnx.load(str(f), load_external_data=False).graph.node):
+        return {"prefill": {}, "decode": {}}
+    eng, table, seed, _, _ = tiled_engine(engine_dir, max(contexts), MAX_NUM_TOKENS)
+    runner = eng.ranks[0]
+    full, ablated = dict(runner.sessions), dict(runner.sessions)
+    for segment, sess in full.items():
+        model = onnx.load(str(rank_dir / segment), load_external_data=False)
+        if without_indexer(model):
+            alone, pool, layers = indexer_session(runner, rank_dir, segment)
+            opts = sess.get_session_options()  # the graph read from bytes: its external data from the rank folder
+            opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(rank_dir))
+            ablated[segment] = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    text = eng.model_config.get("text_config", eng.model_config)
+    heads, dim = int(text["index_n_heads"]), int(text["index_head_dim"])
+    rounds = {"prefill": 5, "decode": 30, **(rounds or {})}
+    rng = np.random.default_rng(0)
+    out: dict = {"prefill": {}, "decode": {}}
+    for kind, context in ((k, c) for k in out for c in contexts):
+        n = eng.max_num_tokens if kind == "prefill" else 1
+        chunk = [seed[(context + i) % len(seed)] for i in range(n)]
+        blocks = table[:-(-(context + n) // eng.block_size)]
+        batch = StepBatch.from_sequences([SequenceChunk(0, context, chunk, blocks)], eng.image_width)
+        feed = {k: v if isinstance(v, ort.OrtValue) else ort.OrtValue.ortvalue_from_numpy(v) for k, v in {
+            "q_idx": rng.standard_normal((n, heads, dim), dtype=np.float32),
+            "weights": rng.random((n, heads), dtype=np.float32), "k_pool": runner.pool_feeds[pool],
+            "k_new": rng.standard_normal((n, dim), dtype=np.float32), "cu_seqlens": np.array([0, n], dtype=np.int64),
+            "block_tables": np.array([blocks], dtype=np.int64),
+            "positions": np.arange(context, context + n, dtype=np.int64)}.items()}
+        times: dict[str, list[tuple[float, float]]] = {"step": [], "rest": [], "indexer_alone": []}  # (wall, CPU) s
+        for r in range(rounds[kind] + 1):  # the first round warms up, not counted
+            for name in times:
+                runner.sessions.update(ablated if name == "rest" else full)
+                t0, c0 = time.perf_counter(), time.process_time()
+                if name == "indexer_alone":
+                    alone.run_with_ort_values(["indices"], feed)
+                else:
+                    eng.step(batch)
+                if r:
+                    times[name].append((time.perf_counter() - t0, time.process_time() - c0))
+        runner.sessions.update(full)
+        flops = layers * heads * (2 * dim + 2) * (n * context + n * (n + 1) // 2)
+        point = {"step_tokens": n, "indexer_layers": layers, "indexer_gflop": round(flops / 1e9, 3)}
+        for i, unit in enumerate(("", "_cpu")):
+            step, rest = (min(t[i] for t in times[name]) for name in ("step", "rest"))
+            by_itself = layers * min(t[i] for t in times["indexer_alone"])
+            point.update({f"step{unit}_ms": round(1e3 * step, 2), f"rest{unit}_ms": round(1e3 * rest, 2),
+                          f"indexer{unit}_ms": round(1e3 * (step - rest), 2),
+                          f"indexer{unit}_share": round((step - rest) / step, 3),
+                          f"indexer{unit}_gflop_per_s": round(flops / 1e9 / max(step - rest, 1e-9), 2),
+                          f"indexer_alone{unit}_ms": round(1e3 * by_itself, 2),
+                          f"indexer_alone{unit}_gflop_per_s": round(flops / 1e9 / by_itself, 2)})
+        out[kind][str(context)] = point
+    return out
+
+
 class InstantRunner:
     """A model-free runner (`ModelRunner`'s fields; no pools): every step samples token 7 at once, so a scheduler
     over it costs its host work alone."""
@@ -373,6 +510,7 @@ def main() -> None:
     ap.add_argument("--prefill-limit-s", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--million-decode", nargs=2, metavar=("PRESET", "WORK"), help=argparse.SUPPRESS)
     ap.add_argument("--tiled-decode", nargs=3, metavar=("PRESET", "MAX_SEQ_LEN", "WORK"), help=argparse.SUPPRESS)
+    ap.add_argument("--step-profiles", nargs=3, metavar=("PRESET", "MAX_SEQ_LEN", "WORK"), help=argparse.SUPPRESS)
     ap.add_argument("--host-points", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -390,6 +528,11 @@ def main() -> None:
         contexts = [int(c) for c in args.contexts.split(",")]
         print(json.dumps(run_tiled_decodes(engine, contexts, args.decode_steps)))
         return
+    if args.step_profiles:
+        preset, max_seq_len, work = args.step_profiles
+        engine = build_engine(Path(work), preset, int(max_seq_len))
+        print(json.dumps(run_step_profiles(engine, [int(c) for c in args.contexts.split(",")])))
+        return
     if args.million_decode:
         preset, work = args.million_decode
         print(json.dumps(run_million_decode(build_engine(Path(work), preset, 1 << 20), args.decode_steps)))
@@ -401,7 +544,8 @@ def main() -> None:
     max_seq_len = 1 << 20 if args.million else max(max(contexts) + 1024, 262144 if not args.smoke else 4096)
     baseline_contexts = [int(c) for c in args.baseline_contexts.split(",")] if args.baseline else []
     report: dict = {"smoke": args.smoke, "loadavg_before": loadavg(), "cpus": os.cpu_count(), "max_num_tokens": MAX_NUM_TOKENS,
-                    "max_seq_len": max_seq_len, "points": {}, "ratios": {}}
+                    "max_seq_len": max_seq_len, "points": {}, "ratios": {}, "prefill_profile": {},
+                    "decode_profile": {}}
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -438,6 +582,15 @@ def main() -> None:
             for context in contexts:  # [wall, CPU] ms
                 pts[str(context)]["decode_ms_per_token_tiled_cache"] = tiled.get(str(context))
             lo, hi = str(min(contexts)), str(max(contexts))
+            profiles = point_process(None, "--step-profiles", preset, str(max_seq_len), str(work), "--contexts",
+                                     ",".join(map(str, contexts)), timeout=3600)
+            for kind in ("prefill", "decode"):
+                profile = report[f"{kind}_profile"][preset] = profiles.get(kind, profiles)
+                if profile.get(lo, {}).get("indexer_ms") and profile.get(hi, {}).get("indexer_ms"):  # each term's growth
+                    profile[f"growth_{hi}_over_{lo}"] = {f"{t}{unit}_ms": round(
+                        profile[hi][f"{t}{unit}_ms"] / profile[lo][f"{t}{unit}_ms"], 2)
+                        for t in ("step", "indexer", "rest", "indexer_alone") for unit in ("", "_cpu")}
+                print(preset, kind, "profile", json.dumps(profile), flush=True)
             if tiled.get(lo) and tiled.get(hi):
                 report["ratios"][f"decode_tiled_{preset}_{hi}_over_{lo}"] = round(tiled[hi][0] / tiled[lo][0], 2)
                 report["ratios"][f"decode_cpu_tiled_{preset}_{hi}_over_{lo}"] = round(tiled[hi][1] / tiled[lo][1], 2)

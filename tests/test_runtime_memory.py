@@ -117,8 +117,8 @@ def test_steps_reuse_the_heap_instead_of_faulting_in_fresh_pages(runtime_engine)
 
 
 def test_long_context_benchmark_smoke(tmp_path):
-    """`benchmarks/long_context.py --smoke` (tiny-k3-dsa, 512 and 2,048 tokens; the tiled-cache decode and the
-    model-free host points too): every key of each point, and every
+    """`benchmarks/long_context.py --smoke` (tiny-k3-dsa, 512 and 2,048 tokens; the tiled-cache decode, the
+    model-free host points and the indexer's share of a prefill step too): every key of each point, and every
     prefill step but the last (and the one ending at the prompt's last block boundary, a prefix-cache checkpoint)
     has max_num_tokens tokens."""
     out = tmp_path / "long.json"
@@ -131,6 +131,13 @@ def test_long_context_benchmark_smoke(tmp_path):
         assert point["short_prefill_steps"] == 0, point
         assert point["decode_ms_per_token"] > 0 and point["host_ms_per_step"] > 0 and point["peak_rss_mb"] >= 0
         assert min(point["decode_ms_per_token_tiled_cache"]) > 0 and got["host_instant"][context]["host_ms_per_step_instant"] > 0
+        for kind, tokens in (("prefill", 512), ("decode", 1)):
+            profile = got[f"{kind}_profile"]["tiny-k3-dsa"][context]
+            assert profile["step_tokens"] == tokens and profile["indexer_layers"] == 2, profile
+            assert profile["rest_cpu_ms"] > 0 and profile["indexer_alone_cpu_gflop_per_s"] > 0, profile
+    for kind in ("prefill", "decode"):
+        assert set(got[f"{kind}_profile"]["tiny-k3-dsa"]["growth_2048_over_512"]) == {
+            f"{t}{unit}_ms" for t in ("step", "indexer", "rest", "indexer_alone") for unit in ("", "_cpu")}
     assert {f"{m}_tiny-k3-dsa_2048_over_512" for m in ("host_ms", "host_cpu_ms", "decode", "decode_cpu", "decode_tiled",
                                                        "decode_cpu_tiled", "decode_cpu_least_tiled")} | {
         f"{m}_2048_over_512" for m in ("host_ms_per_step_instant", "host_cpu_ms_per_step_instant",
