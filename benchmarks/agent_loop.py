@@ -1,13 +1,15 @@
 """An agent loop through `moe-export serve`: each round forced to call a tool, what the server prefills per round.
 
     python benchmarks/agent_loop.py [--rounds 30] [--apis chat,responses,messages] [--choices named,required]
-        [--restart-round 15] [--work DIR] [--json PATH]
+        [--restart-round 15] [--no-warm-turns] [--work DIR] [--json PATH]
     python benchmarks/agent_loop.py --smoke      # 3 rounds, Responses named, restart after round 2 (a test runs it)
 
 Engine: tiny-cpu.yaml (the embedded default recipe, synthetic tiny-k3) built as the serving tests build it
 (`tests/serve_support.py` `build_serve_engine`: world 1, so no mpiexec on a 2-core machine) with max_seq_len 32,768
 (the shipped 4,096 holds about 8 rounds of this loop) and max_batch 2; built once into --work and reused. The server
-is `moe-export serve ENGINE --default-effort low --served-model-name agent --store WORK/responses.sqlite`.
+is `moe-export serve ENGINE --default-effort low --served-model-name agent --store WORK/responses.sqlite`, with
+`--no-warm-turns` when given (the mode is printed): without warm turns a `required` round prefills the model's
+previous output itself; with them (the default) the server prefills it between rounds (`Scheduler.add_warm`).
 
 One conversation per (API, tool choice), greedy (temperature 0; this `anthropic` client has no such argument, so
 there it goes in `extra_body`), on the official clients:
@@ -26,7 +28,11 @@ Per round: `input` (prompt tokens: chat `prompt_tokens`, Responses `input_tokens
 `input_tokens_details.cached_tokens` / `cache_read_input_tokens`), `uncached` = input - cached (what the server
 prefilled), `output` (completion / output tokens), `new` = input - the previous round's input (the growth of the
 prompt), `ideal` = new - the previous round's output (the tokens no cache can hold), `ttft_s` (time to the first
-streamed delta) and `wall_s`.
+streamed delta) and `wall_s`; `warm` is the growth of the server's `moe_export_warm_prefill_tokens_total` since the
+previous round's response (the tokens warm turns prefilled between rounds: the previous round's output rendered as
+the next prompt holds it; scraped right after each response, so a round's figure may hold the warm turn of the
+round itself rather than of the one before; the sums are exact). The summary adds `uncached_sum`, `warm_sum` and
+their total, the prefill work of the run wherever it was done.
 Over rounds 2..N per (API, choice), the round after a restart excepted: medians and maxima of uncached / new / ideal and of the per-round ratios
 uncached / ideal and uncached / new. Goals (issue 38): `named`: uncached / ideal median <= 1.2 and max <= 1.8
 (1.5x the median goal; the next prompt continues the previous prompt and output); `required` / `any`: uncached /
@@ -94,14 +100,24 @@ def tool_output(round_no: int, url: str) -> str:
 class Server:
     """`moe-export serve` on the benchmark's engine and store (restartable)."""
 
-    def __init__(self, engine: Path, store: Path) -> None:
-        self.engine, self.store = engine, store
+    def __init__(self, engine: Path, store: Path, flags: tuple[str, ...] = ()) -> None:
+        self.engine, self.store, self.flags = engine, store, flags
         self.proc = None
         self.url = ""
+        self.warm_seen = 0.0  # the warm prefill counter at the last `warm_tokens()`
 
     def start(self, *extra: str) -> None:
         self.proc, self.url = start_cli_server([str(self.engine), "--default-effort", "low", "--served-model-name",
-                                                MODEL, "--store", str(self.store), "--no-access-log", *extra])
+                                                MODEL, "--store", str(self.store), "--no-access-log", *self.flags, *extra])
+        self.warm_seen = 0.0
+
+    def warm_tokens(self) -> int:
+        """Tokens warm turns prefilled since the last call (the server's counter; 0 after a restart)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=60).text
+        value = next((float(line.split()[1]) for line in text.splitlines()
+                      if line.startswith("moe_export_warm_prefill_tokens_total ")), 0.0)
+        grown, self.warm_seen = value - self.warm_seen, value
+        return int(grown)
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -135,8 +151,8 @@ class Conversation:
         wall = time.perf_counter() - start
         if keep:
             self._keep(tool_text, turn)
-        return {**usage, "uncached": usage["input"] - usage["cached"], "ttft_s": round(ttft, 4),
-                "wall_s": round(wall, 4)}
+        return {**usage, "uncached": usage["input"] - usage["cached"], "warm": self.server.warm_tokens(),
+                "ttft_s": round(ttft, 4), "wall_s": round(wall, 4)}
 
     def _chat(self, tool_text, start):
         messages = self.history + ([{"role": "tool", "tool_call_id": self.call_id, "content": tool_text}]
@@ -249,6 +265,8 @@ def summarize(rounds: list[dict], choice: str, restart_round: int | None) -> dic
     out["goal"] = f"uncached / {base}: median <= {goal}, max <= {goal * MAX_OVER_MEDIAN_GOAL:.2f}"
     out["ratio_median"], out["ratio_max"] = round(statistics.median(ratios), 3), round(max(ratios), 3)
     out["met"] = out["ratio_median"] <= goal and out["ratio_max"] <= goal * MAX_OVER_MEDIAN_GOAL
+    out["warm_median"] = statistics.median(r["warm"] for r in later)
+    out["uncached_sum"], out["warm_sum"] = sum(r["uncached"] for r in later), sum(r["warm"] for r in later)
     return out
 
 
@@ -281,16 +299,16 @@ def run_loop(api: str, choice: str, server: Server, rounds: int, restart_round: 
     return out
 
 
-def run(work: Path, rounds: int, apis: list[str], choices: list[str], restart_round: int) -> dict:
+def run(work: Path, rounds: int, apis: list[str], choices: list[str], restart_round: int, warm_turns: bool = True) -> dict:
     engine = build_serve_engine(work, limits=LIMITS)  # content-addressed: a rerun in the same --work reuses it
     result = {"loadavg_before": loadavg(), "rounds": rounds, "engine": "tiny-cpu.yaml, synthetic tiny-k3, world 1, "
-              + ", ".join(f"{k} {v}" for k, v in LIMITS.items()), "runs": {}}
+              + ", ".join(f"{k} {v}" for k, v in LIMITS.items()), "warm_turns": warm_turns, "runs": {}}
     for api in apis:
         for choice in choices:
             store = work / f"responses-{api}-{choice}.sqlite"
             for path in work.glob(f"{store.name}*"):  # the database, its WAL files and its offloaded state
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
-            server = Server(engine, store)
+            server = Server(engine, store, () if warm_turns else ("--no-warm-turns",))
             server.start()
             try:
                 result["runs"][f"{api}/{choice}"] = run_loop(api, choice, server, rounds, restart_round)
@@ -301,13 +319,16 @@ def run(work: Path, rounds: int, apis: list[str], choices: list[str], restart_ro
 
 
 def report(result: dict) -> None:
-    print(f"\nagent loop, {result['rounds']} rounds, {result['engine']}; loadavg {result['loadavg_before']} -> "
+    print(f"\nagent loop, {result['rounds']} rounds, {result['engine']}; warm turns "
+          f"{'on' if result['warm_turns'] else 'off (--no-warm-turns)'}; loadavg {result['loadavg_before']} -> "
           f"{result['loadavg_after']}")
     print("API/choice          uncached med/max   new med/max   ideal med/max   ratio med/max   goal")
     for name, run_ in result["runs"].items():
         print(f"{name:<19} {run_['uncached_median']:>7}/{run_['uncached_max']:<7} {run_['new_median']:>6}/"
               f"{run_['new_max']:<6} {run_['ideal_median']:>6}/{run_['ideal_max']:<7} {run_['ratio_median']:>6}/"
               f"{run_['ratio_max']:<7} {run_['goal']}: {'met' if run_['met'] else 'NOT met'}")
+        print(f"  prefill work: uncached {run_['uncached_sum']} + warm {run_['warm_sum']} = "
+              f"{run_['uncached_sum'] + run_['warm_sum']} tokens; warm per round median {run_['warm_median']}")
         if "restart" in run_:
             rs = run_["restart"]
             print(f"  restart before round {rs['round']}: uncached {rs['restart_uncached']} (ratio "
@@ -333,6 +354,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=None, help="folder for the engine and stores (default: a temporary one)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--smoke", action="store_true", help="3 rounds, Responses named, restart after round 2")
+    ap.add_argument("--no-warm-turns", action="store_true", help="serve with --no-warm-turns (the next round prefills "
+                    "the model's previous output itself)")
     args = ap.parse_args()
     apis, choices = names(args.apis, APIS, "--apis"), names(args.choices, CHOICES, "--choices")
     rounds, restart_round = args.rounds, args.restart_round
@@ -343,7 +366,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        result = {"smoke": args.smoke, **run(work, rounds, apis, choices, restart_round)}
+        result = {"smoke": args.smoke, **run(work, rounds, apis, choices, restart_round, not args.no_warm_turns)}
     report(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

@@ -8,6 +8,7 @@ choice: its sampling values, budget, parser, grammar). `chat` does both."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -136,9 +137,11 @@ class InputProcessor:
         budget = ReasoningBudget(self.tokenizer, self.family, plan.cap if plan.enabled else None, starts_in_reasoning=starts)
         parser = OutputParser(self.tokenizer, self.family, starts_in_reasoning=starts, tools_declared=bool(rendered.tools),
                               first_call_index=rendered.calls_before)
+        next_turn = (functools.partial(self.next_turn_prompt, rendered)
+                     if rendered.history_len is not None and not rendered.images else None)
         tracked = Tracked(self.new_id(request_id), list(rendered.prompt_ids), sampling or self.default_sampling, parser,
                           budget, self._turn_start[plan.enabled], images=list(rendered.images), thinking_tier=plan.tier,
-                          turn_points=turn_points(rendered))
+                          turn_points=turn_points(rendered), next_turn=next_turn)
         if rendered.tools or rendered.response_format is not None:  # only these may need a grammar
             self._constrain(tracked, rendered, starts, parallel_tool_calls)
         return tracked
@@ -150,6 +153,22 @@ class InputProcessor:
         rendered = self.render(messages, tools=tools, reasoning_effort=reasoning_effort, tool_choice=tool_choice,
                                response_format=response_format)
         return self.chat_request(rendered, sampling, parallel_tool_calls=parallel_tool_calls, request_id=request_id)
+
+    def next_turn_prompt(self, rendered: RenderedChat, message: dict) -> list[int]:
+        """The ids the next turn's prompt begins with after `rendered` (a chat whose prompt has K3's tool-choice /
+        response-format message after the conversation: `history_len` set) was answered with `message` (the assistant
+        message as the turn memory remembers it, `turn_ids` included): the conversation, then this turn rendered as
+        the next prompt renders it (`chat.render_prompt`: its generated tokens and the rest of its rendering), up to
+        where the next prompt's new messages begin. A K3 assistant message renders the same wherever it stands, so
+        it is rendered alone: what it adds to the rendering of no message (the tool declarations, the effort)."""
+        plan = rendered.plan
+        kwargs = {"family": self.family, "tools": rendered.tools, "thinking": plan.enabled,
+                  "thinking_effort": plan.tier, "add_generation_prompt": False}
+        head = render_prompt(self.tokenizer, [], **kwargs)[0]
+        alone = render_prompt(self.tokenizer, [message], **kwargs)[0]
+        if alone[:len(head)] != head:
+            raise InputError("the assistant message's rendering does not extend the conversation's start")
+        return rendered.prompt_ids[:rendered.history_len] + alone[len(head):]
 
     def _constrain(self, tracked: Tracked, rendered: RenderedChat, starts: bool, parallel_tool_calls: bool) -> None:
         """Attach the grammar a request's tools or response_format enforce, if any (xgrammar, which pulls in

@@ -32,4 +32,6 @@ def test_agent_loop_benchmark_smoke(tmp_path):
     # the restarted server loads the chain's state offloaded next to the store (`runtime.core.state_offload`): only
     # the tool's answer and the framing around it are prefilled
     assert rounds[2]["cached"] > 0 and restart["restart_uncached"] == rounds[2]["uncached"] < rounds[2]["ideal"] * 1.2
-    assert "responses/named" in run.stdout and ("met" in run.stdout)
+    assert "responses/named" in run.stdout and ("met" in run.stdout) and "warm turns on" in run.stdout
+    # named tool choice: the next prompt continues the kept session, no warm turn is needed
+    assert got["warm_turns"] is True and all(r["warm"] == 0 for r in rounds)

@@ -205,8 +205,9 @@ def test_resent_history_continues_the_kept_state_every_turn(server, oai):
 def test_required_turn_resumes_where_the_conversation_ended(server, oai):
     """`tool_choice: "required"`: K3 renders its tool-choice message after the conversation, so the next turn's
     prompt (the history resent, the assistant's turn where that message was) departs from turn 1's prompt at the
-    conversation's end, mid-block. Turn 2 resumes exactly there (the checkpoint at that turn point), not at the
-    block boundary before it."""
+    conversation's end, mid-block. Between the turns the server prefills the conversation and turn 1's output as
+    turn 2 renders them (a warm turn, resuming at the checkpoint of that turn point), so turn 2 resumes after the
+    model's own output; the warm prefill is counted by /metrics, not in the usage."""
     from moe_export.runtime.chat import render_prompt
     from moe_export.runtime.tokenizer import load_tokenizer
 
@@ -223,8 +224,12 @@ def test_required_turn_resumes_where_the_conversation_ended(server, oai):
          "tool_calls": [call.model_dump()]},
         {"role": "tool", "tool_call_id": call.id, "content": "warm"},
     ]
+    # the conversation and turn 1 as the server renders them back (turn 1 as its generated tokens: the turn memory)
+    warm = len(server.llm.processor.render(turn2[:2], tools=WEATHER, reasoning_effort="low",
+                                           add_generation_prompt=False).prompt_ids)
     second = oai.chat.completions.create(model="m", messages=turn2, max_tokens=12, **required)
-    assert second.usage.prompt_tokens_details.cached_tokens == history
+    assert second.usage.prompt_tokens_details.cached_tokens == warm > history + first.usage.completion_tokens
+    assert metric(server, "moe_export_warm_prefill_tokens_total") >= warm - history
 
 
 def test_responses_chain_continues_the_kept_state(server, oai):

@@ -44,6 +44,10 @@ class LLM:
     reuse_sessions: keep finished turns' state for reuse by a continuing prompt, and their tokens, so that a
     turn sent back as text is rendered as generated and the prompt continues the kept state (default on).
     prefix_caching: share cached prompt prefixes across requests (`runtime.core.prefix_cache`; default on).
+    warm_turns: when a chat whose next prompt departs from its own finishes (K3's tool-choice message after the
+    conversation, e.g. tool_choice "required"), prefill the start of that next prompt (the conversation and this turn)
+    in the background, so the next turn prefills only its new messages (`Scheduler.add_warm`; default on; with
+    prefix caching and reuse_sessions only).
     overlap: run each model step in a worker thread while the host plans the next step and processes the
     previous step's outputs (`EngineCore(overlap=True)`, see `runtime.core.scheduler`; default on, also under
     mpiexec; not in the dp layout; greedy outputs are the same either way).
@@ -60,8 +64,8 @@ class LLM:
 
     def __init__(self, engine_dir: str | Path, *, default_effort: str = "max", num_slots: int | None = None,
                  num_blocks: int | None = None, threads: int | None = None, reuse_sessions: bool = True,
-                 prefix_caching: bool = True, allow_image_urls: bool = False, allow_private_image_urls: bool = False,
-                 overlap: bool = True, runner=None, skip_tokenizer_init: bool = False,
+                 prefix_caching: bool = True, warm_turns: bool = True, allow_image_urls: bool = False,
+                 allow_private_image_urls: bool = False, overlap: bool = True, runner=None, skip_tokenizer_init: bool = False,
                  offload_dir: str | Path | None = None, offload_host_bytes: int = OFFLOAD_HOST_BYTES,
                  offload_disk_bytes: int = OFFLOAD_DISK_BYTES) -> None:
         from moe_export.runtime.engine import open_engine
@@ -76,6 +80,7 @@ class LLM:
         self.eos_token_ids = sorted(set(tokenizer_eos) | set(engine_eos_ids(self.engine)))
         self.reuse_sessions = reuse_sessions
         self.prefix_caching = prefix_caching
+        self.warm_turns = warm_turns and prefix_caching and reuse_sessions
         self.overlap = overlap
         # prefix state offloaded to host memory and `offload_dir` (`core.state_offload`; rank 0, prefix caching on)
         self.offload = (open_state_offload(self.engine, engine_dir, offload_dir, host_bytes=offload_host_bytes,
@@ -94,7 +99,8 @@ class LLM:
                                         default_effort=default_effort, turns=self.turns,
                                         fetch_image_url=self.fetch_image_url, vocab_size=self.vocab_size,
                                         default_sampling=self.default_sampling, engine_dir=engine_dir)
-        self._core = (RequestCore(self.engine, self.tokenizer, self.turns, **self.scheduler_kwargs())
+        self._core = (RequestCore(self.engine, self.tokenizer, self.turns, warm_turns=self.warm_turns,
+                                  **self.scheduler_kwargs())
                       if self.engine.is_root else None)
 
     # ---- request preparation (rank 0): the input processor's --------------------------------------

@@ -12,10 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from moe_export.common.errors import EngineDead
+from moe_export.common.errors import EngineDead, InputError
 from moe_export.runtime.chat import OutputParser, ParsedDelta, ParsedMessage
 from moe_export.runtime.core.budget import ReasoningBudget
 from moe_export.runtime.core.contracts import Request, SequenceUpdate
+from moe_export.runtime.core.engine_core import EngineCore
 from moe_export.runtime.core.execution import WORLD_BROKEN, FaultWatch
 from moe_export.runtime.core.sessions import TurnMemory
 from moe_export.runtime.core.wide_ep import open_engine_core
@@ -178,6 +179,9 @@ class Tracked:
     thinking_tier: str | None = None  # chats: the resolved thinking tier (resolved once, by `InputProcessor.render`)
     turn_points: tuple[int, ...] = ()  # chats: `Request.turn_points`
     session: str | None = None  # the session the request names: `Request.session`
+    # chats with a message after the conversation (K3's tool choice): this turn's message -> the ids the next turn's
+    # prompt begins with (`InputProcessor.next_turn_prompt`), prefilled ahead as a warm turn
+    next_turn: Callable[[dict], list[int]] | None = None
 
 
 class RequestCore:
@@ -185,11 +189,17 @@ class RequestCore:
 
     A failure confined to one request (its output stage raising here, or the scheduler ending it) becomes a final
     delta with `error` set; any exception out of the scheduler's step kills the core: `fatal_error` is then an
-    `EngineDead`, raised by every later call, and follower ranks are released."""
+    `EngineDead`, raised by every later call, and follower ranks are released.
 
-    def __init__(self, engine: ModelRunner, tokenizer, turns: TurnMemory | None, **core_kwargs) -> None:
+    warm_turns: when a chat whose next prompt departs from its own (`Tracked.next_turn`) finishes, the start of that
+    next prompt (the conversation and this turn) is prefilled in the background (`Scheduler.add_warm`), so the next
+    turn resumes after the model's own output (one-group engine cores only)."""
+
+    def __init__(self, engine: ModelRunner, tokenizer, turns: TurnMemory | None, *, warm_turns: bool = False,
+                 **core_kwargs) -> None:
         self.engine, self.tokenizer, self.turns = engine, tokenizer, turns
         self.engine_core = open_engine_core(engine, **core_kwargs)
+        self.warm_turns = warm_turns and isinstance(self.engine_core, EngineCore)
         self.tracked: dict[str, Tracked] = {}
         self.fatal_error: EngineDead | None = None
         self.on_dead: list[Callable[[EngineDead], None]] = []  # called (any thread) when a rank's fault kills the core
@@ -328,4 +338,15 @@ class RequestCore:
                          None if tr.grammar is None else tr.grammar.completed)
         if turn_ids is not None and self.turns is not None and reason != "abort":
             self.turns.remember(out.message(), turn_ids)
+            if self.warm_turns and tr.next_turn is not None:
+                self._warm(tr, out)
         return out
+
+    def _warm(self, tr: Tracked, out: ChatOutput) -> None:
+        """Queue the warm turn of a finished chat: the start of its next prompt, prefilled ahead (none when this
+        turn's message does not render)."""
+        try:
+            ids = tr.next_turn(out.message())
+        except InputError:
+            return
+        self.engine_core.add_warm(Request(f"{tr.request_id}:warm", ids, SamplingParams(max_tokens=1)))

@@ -55,6 +55,10 @@ class EngineCore:
     def add(self, request: Request) -> None:
         self.scheduler.add(request)
 
+    def add_warm(self, request: Request) -> None:
+        """A warm turn: prefill-only, at low priority (`Scheduler.add_warm`)."""
+        self.scheduler.add_warm(request)
+
     def check(self, request: Request) -> Sequence:
         return self.scheduler.check(request)
 

@@ -102,9 +102,10 @@ class Resources:
             self.prefix.unname(found.block)
         return self.prefix.take_partial(found.name)
 
-    def admit(self, seq: Sequence, resets: list[int], restores: list[tuple[int, int]]) -> bool:
+    def admit(self, seq: Sequence, resets: list[int], restores: list[tuple[int, int]], count: bool = True) -> bool:
         """Give `seq` a slot and its blocks, resuming from a kept session it extends or a cached prefix, whichever
-        is longer (a restored (checkpoint, slot) goes to `restores`, a fresh slot to `resets`); False: must wait."""
+        is longer (a restored (checkpoint, slot) goes to `restores`, a fresh slot to `resets`); False: must wait.
+        count: its prompt counts in the prefix cache's queried / hit tokens (not a warm turn's)."""
         need = self.blocks_for(seq)
         key = seq.session_key(len(seq.tokens))
         kept = self.sessions.take_longest_prefix(key) if self.keep_sessions else None
@@ -171,8 +172,9 @@ class Resources:
             seq.named = resume // self.allocator.block_size
             seq.targets = self.prefix.checkpoint_targets(len(seq.tokens), seq.num_computed, matched,
                                                          seq.request.turn_points)
-            self.prefix.queried_tokens += len(seq.tokens)
-            self.prefix.hit_tokens += seq.cached_tokens
+            if count:
+                self.prefix.queried_tokens += len(seq.tokens)
+                self.prefix.hit_tokens += seq.cached_tokens
         return True
 
     def _admit_offloaded(self, seq: Sequence, found: FoundState, need: int, matched: int) -> bool:

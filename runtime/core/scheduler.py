@@ -16,6 +16,14 @@ A prompt resumes from the longest of: a kept session it exactly extends (`core.s
 (`core.prefix_cache`: shared cache blocks + a recurrent-state checkpoint copied into its slot). A prefilling
 sequence's chunks end at its checkpoint targets, and the state is copied out after that step.
 
+Warm turns (`add_warm`): when a chat whose next prompt departs from its own finishes (K3 renders the tool-choice
+message after the conversation, so the model's output was generated after text the next prompt does not hold), the
+start of that next prompt (the conversation and the turn as the next prompt renders it) is prefilled as an internal
+prefill-only request and kept as a session, so the next turn prefills only its new messages. The total prefill work
+is the same; it moves into the gap between turns. A warm turn is admitted only when no request waits, its chunks
+take the room the requests leave, it samples and reports nothing, and it gives its slot and blocks up to a request
+that needs them; a request whose prompt continues a warm turn waits for it instead of prefilling the same tokens.
+
 Overlap (`overlap=True`): each model step runs in a worker thread, and the host plans and packs step N+1 while
 step N runs. A decode row of N+1 whose input is the token N is still choosing carries a future token
 (`future_token(j)`: row j of step N's sampled ids), which the worker fills in from N's ids just before N+1 starts, so
@@ -162,6 +170,13 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._ids: set[str] = set()
         self._ended: list[SequenceUpdate] = []  # requests that ended between steps (aborts, failures)
+        # warm turns (see `add_warm`): queued, and admitted ones prefilling (by request id, in admission order)
+        self.warm_queue: deque[Sequence] = deque()
+        self.warm_running: dict[str, Sequence] = {}
+        self.max_warm = engine.num_slots  # queued warm turns beyond it: the oldest is dropped
+        self.warm_prefill_tokens = 0  # tokens warm turns fed (prefill work done between turns, not by requests)
+        self.warm_turns = 0  # warm turns prefilled to their end (kept as sessions)
+        self.warm_dropped = 0  # warm turns given up (their slot or blocks needed, or not admissible)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -169,6 +184,49 @@ class Scheduler:
         """Queue a request; InputError if it can never run (empty or too long prompt, unknown ids, duplicate id)."""
         self.waiting.append(self.check(request))
         self._ids.add(request.request_id)
+
+    def add_warm(self, request: Request) -> None:
+        """Queue a warm turn: a prefill-only internal request (the start of a chat's next prompt: its conversation and
+        the turn that just finished, `RequestCore`), run at low priority and kept as a session at its end, so the
+        next prompt resumes after the model's own output. It is admitted only when no request waits (or at once when
+        the request at the head of the queue continues it: that request then waits for it rather than prefilling the
+        same tokens itself), its chunks go after the requests' own, no token is sampled and nothing is reported;
+        it is dropped when a request needs its slot or blocks. A prompt that can never run is ignored."""
+        try:
+            seq = self.check(request)
+        except InputError:
+            return
+        seq.text = None
+        self._ids.add(request.request_id)
+        self.warm_queue.append(seq)
+        while len(self.warm_queue) > self.max_warm:
+            self._drop_warm(self.warm_queue.popleft())
+
+    def _drop_warm(self, seq: Sequence) -> None:
+        """Give up a warm turn (queued or admitted): its slot and blocks freed."""
+        self.warm_running.pop(seq.request_id, None)
+        self._ids.discard(seq.request_id)
+        self.resources.release(seq, keep=False)
+        self.warm_dropped += 1
+
+    def _continued_warm(self, seq: Sequence, resets: list[int], restores: list[tuple[int, int]]) -> bool:
+        """Whether `seq`'s prompt continues a warm turn's prompt that is prefilling, or queued (then admitted now):
+        `seq` waits for it. A queued one that cannot be admitted is dropped."""
+        def continues(warm: Sequence) -> bool:
+            n = len(warm.tokens)
+            return n < len(seq.tokens) and np.array_equal(seq.session_key(n), warm.session_key(n))
+
+        if any(continues(w) for w in self.warm_running.values()):
+            return True
+        warm = next((w for w in self.warm_queue if continues(w)), None)
+        if warm is None:
+            return False
+        self.warm_queue.remove(warm)
+        if self.resources.admit(warm, resets, restores, count=False):
+            self.warm_running[warm.request_id] = warm
+            return True
+        self._drop_warm(warm)
+        return False
 
     def check(self, request: Request) -> Sequence:
         """The sequence of a request this scheduler could run (not queued); InputError if it can never run."""
@@ -271,7 +329,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._ended)
+        return bool(self.waiting or self.running or self._ended or self.warm_queue or self.warm_running)
 
     @property
     def load(self) -> int:
@@ -279,7 +337,9 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def stats(self) -> dict:
-        return {"waiting": len(self.waiting), "running": len(self.running), **self.resources.stats()}
+        return {"waiting": len(self.waiting), "running": len(self.running), **self.resources.stats(),
+                "warm_prefill_tokens": self.warm_prefill_tokens, "warm_turns": self.warm_turns,
+                "warm_dropped": self.warm_dropped}
 
     # ---- one iteration --------------------------------------------------------------------------
 
@@ -339,12 +399,32 @@ class Scheduler:
         for seq in decoding + prefilling:
             if not add_chunk(seq):
                 return rows
-        while (self.waiting and step_tokens < self.limits.max_num_tokens
-               and self.resources.admit(self.waiting[0], resets, restores)):
-            seq = self.waiting.popleft()
+        while self.waiting and step_tokens < self.limits.max_num_tokens:
+            seq = self.waiting[0]
+            if self._continued_warm(seq, resets, restores):
+                break
+            if not self.resources.admit(seq, resets, restores):
+                if not self.warm_running:
+                    break
+                self._drop_warm(next(reversed(self.warm_running.values())))  # its slot / blocks go to the request
+                continue
+            self.waiting.popleft()
             self.running.append(seq)
             if not add_chunk(seq):
+                return rows
+        while not self.waiting and self.warm_queue and step_tokens < self.limits.max_num_tokens:
+            seq = self.warm_queue[0]
+            if self.resources.admit(seq, resets, restores, count=False):
+                self.warm_running[self.warm_queue.popleft().request_id] = seq
+            elif self.running or self.warm_running:  # the slots are busy: later
                 break
+            else:  # it can never run alone
+                self._drop_warm(self.warm_queue.popleft())
+        for seq in self.warm_running.values():  # after the requests' chunks: the step's room left
+            before = step_tokens
+            if seq.num_computed < len(seq.tokens) and not add_chunk(seq):
+                break
+            self.warm_prefill_tokens += step_tokens - before
         return rows
 
     def can_plan_ahead(self, step: ScheduledStep) -> bool:
@@ -371,6 +451,8 @@ class Scheduler:
             seq = row.seq
             if seq.num_computed + len(row.chunk.tokens) < len(seq.tokens) + seq.pending:
                 continue  # mid-prompt
+            if seq.request_id in self.warm_running:
+                continue  # a warm turn samples nothing
             try:
                 row.sampling = build_row(seq, self.eos_token_ids, self.vocab_size)
             except Exception as exc:
@@ -386,7 +468,7 @@ class Scheduler:
         rows = [r for r in rows if r.seq.slot >= 0]  # (a failed row's sequence is released)
         updates, self._ended = self._ended, []
         if not rows:
-            if self.waiting and not self.running and not updates:
+            if self.waiting and not self.running and not self.warm_running and not updates:
                 raise RuntimeError("the scheduler cannot admit any waiting request although nothing runs")
             return ScheduledStep(updates)
         saves = self.resources.checkpoint_saves([r.seq for r in rows], [r.chunk for r in rows])
@@ -414,6 +496,12 @@ class Scheduler:
                 self.resources.name_blocks(r.seq, r.chunk.start + len(r.chunk.tokens))
         if self.resources.prefix is not None:
             self.resources.commit_saves(step.saves)
+        for r in step.rows:  # a warm turn prefilled to its end: kept as a session
+            seq = r.seq
+            if seq.request_id in self.warm_running and seq.slot >= 0 and r.chunk.start + len(r.chunk.tokens) == len(seq.tokens):
+                del self.warm_running[seq.request_id]
+                self._release(seq, keep=True)
+                self.warm_turns += 1
         for r in step.sampled:
             if r.seq.slot >= 0:
                 step.updates.append(self._take(r.seq, sampled, r.sample_index))
@@ -426,7 +514,9 @@ class Scheduler:
             self.resources.drop_saves(step.saves)
         self.resources.offload_read(step.plan.reads, None)
         for r in step.rows:
-            if r.seq.slot >= 0:
+            if r.seq.request_id in self.warm_running:
+                self._drop_warm(r.seq)
+            elif r.seq.slot >= 0:
                 step.updates.append(self._fail(r.seq, f"an engine step it was in failed: {describe(exc)}"))
         return step.updates
 

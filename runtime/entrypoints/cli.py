@@ -432,6 +432,7 @@ def serve(
     allow_private_image_urls: bool = typer.Option(False, "--allow-private-image-urls", help="with --allow-image-urls: also fetch from loopback, private and link-local addresses (never cloud metadata addresses)"),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="do not share cached prompt prefixes (cache blocks + recurrent-state checkpoints) across requests"),
     offload_gib: float = typer.Option(8.0, "--offload-gib", help="with --store FILE: disk cap of the prefix state (cache blocks, recurrent-state checkpoints, kept conversations) offloaded to FILE.state/, so stored Responses chains resume after a restart without prefilling again (0: off; one-process engines)"),
+    no_warm_turns: bool = typer.Option(False, "--no-warm-turns", help="do not prefill a finished turn's continuation between turns (with tool_choice \"required\" / any, the next turn then prefills the model's previous output itself)"),
     no_access_log: bool = typer.Option(False, "--no-access-log", help="no line per request on stdout (uvicorn's access log: client, method, path, status)"),
 ) -> None:
     """OpenAI- and Anthropic-compatible HTTP server (rank 0; other ranks follow under `mpiexec -n WORLD`).
@@ -442,7 +443,8 @@ def serve(
     run_server(engine, host=host, port=port, api_keys=resolve_api_keys(api_key), store=store,
                default_effort=default_effort, max_queue=max_queue, served_model_names=tuple(served_model_name or ()),
                allow_image_urls=allow_image_urls, allow_private_image_urls=allow_private_image_urls,
-               prefix_caching=not no_prefix_caching, access_log=not no_access_log, offload_gib=offload_gib)
+               prefix_caching=not no_prefix_caching, access_log=not no_access_log, offload_gib=offload_gib,
+               warm_turns=not no_warm_turns)
 
 
 def main() -> None:

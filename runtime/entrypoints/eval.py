@@ -217,7 +217,7 @@ def summarize_tier(results: list[dict]) -> dict:
 async def run_eval_async(engine_dir: str, tasks: list[EvalTask], tiers: list[str]) -> dict:
     from moe_export.runtime.client.async_llm import AsyncLLM
 
-    llm = AsyncLLM(engine_dir)
+    llm = AsyncLLM(engine_dir, warm_turns=False)  # one-shot tasks, never continued: no warm turns
     try:
         per_tier, rows = {}, []
         for tier in tiers:

@@ -84,7 +84,8 @@ def start_llm(engine_dir: str, default_effort: str | None, concurrency: int, doc
     from moe_export.runtime.client.async_llm import AsyncLLM
     from moe_export.runtime.client.llm import LLM
 
-    llm = LLM(engine_dir, **({} if default_effort is None else {"default_effort": default_effort}))
+    # each line is one request, never continued: no warm turns (`LLM.warm_turns`)
+    llm = LLM(engine_dir, warm_turns=False, **({} if default_effort is None else {"default_effort": default_effort}))
     try:
         if doc_job is not None and doc_job.images and llm.engine.vision is None:
             raise InputError(f"--images: the runner of {engine_dir} has no vision tower, so it takes no images")

@@ -47,7 +47,8 @@ def check_serve_args(engine_dir: str, host: str, port: int, store: str | None, d
 def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_keys: tuple[str, ...] = (),
           store: str | None = None, default_effort: str = "max", max_queue: int = 256,
           served_model_names: tuple[str, ...] = (), allow_image_urls: bool = False, allow_private_image_urls: bool = False,
-          prefix_caching: bool = True, access_log: bool = True, offload_gib: float = 8.0) -> None:
+          prefix_caching: bool = True, access_log: bool = True, offload_gib: float = 8.0,
+          warm_turns: bool = True) -> None:
     """Run the server until SIGTERM / SIGINT (blocks). Under mpiexec, ranks > 0 run the follower loop. access_log:
     uvicorn's line per request on stdout (client, method, path, status); its other messages from warnings up."""
     check_serve_args(engine_dir, host, port, store, default_effort, max_queue)
@@ -82,7 +83,8 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
     # a durable store keeps the prefix state next to it (`runtime.core.state_offload`): chains resume after a restart
     offload = {"offload_dir": f"{store}.state", "offload_disk_bytes": int(offload_gib * (1 << 30))} \
         if store is not None and offload_gib > 0 and (world is None or world[1] == 1) else {}
-    llm = AsyncLLM(engine_dir, default_effort=default_effort, prefix_caching=prefix_caching, **offload)
+    llm = AsyncLLM(engine_dir, default_effort=default_effort, prefix_caching=prefix_caching, warm_turns=warm_turns,
+                   **offload)
     dead: list[bool] = []
 
     def on_engine_dead() -> None:

@@ -16,7 +16,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 class RuntimeStatsCollector:
     """Scheduler gauges from `stats()`: waiting, running, blocks_used, blocks_total, reuse_hits, reuse_tokens,
-    prefix_queried_tokens, prefix_hit_tokens, and with a state offload offload_loaded_tokens, offload_files_rejected,
+    prefix_queried_tokens, prefix_hit_tokens, warm_prefill_tokens, and with a state offload offload_loaded_tokens, offload_files_rejected,
     offload_disk_bytes."""
 
     def __init__(self, stats: Callable[[], dict]) -> None:
@@ -38,6 +38,10 @@ class RuntimeStatsCollector:
         yield CounterMetricFamily("moe_export_prefix_cache_hit_tokens",
                                   "prompt tokens not prefilled thanks to a cached prefix or kept session",
                                   value=s["prefix_hit_tokens"])
+        if "warm_prefill_tokens" in s:  # one-group engine cores: warm turns (`Scheduler.add_warm`)
+            yield CounterMetricFamily("moe_export_warm_prefill_tokens",
+                                      "tokens prefilled between turns by warm turns (not by requests)",
+                                      value=s["warm_prefill_tokens"])
         if s.get("offload_files_written") or s.get("offload_loaded_tokens"):  # `serve --store`: the state offload
             yield CounterMetricFamily("moe_export_offload_loaded_tokens",
                                       "prompt tokens whose state was loaded from the offload store", value=s["offload_loaded_tokens"])
