@@ -185,7 +185,9 @@ class Resources:
         self.prefix.add_blocks([names[i] for i in loaded], [seq.blocks[i] for i in loaded])
         seq.num_computed = seq.cached_tokens = found.position
         seq.named = found.blocks
-        seq.targets = self.prefix.checkpoint_targets(len(seq.tokens), seq.num_computed, max(matched, found.blocks))
+        seq.lineage = seq.request_id  # (the stored state's lineage is not stored: this request starts one)
+        seq.targets = self.prefix.checkpoint_targets(len(seq.tokens), seq.num_computed, max(matched, found.blocks),
+                                                     seq.request.turn_points)
         self.prefix.queried_tokens += len(seq.tokens)
         self.prefix.hit_tokens += seq.cached_tokens
         self.offload.loaded_tokens += seq.cached_tokens
