@@ -5,6 +5,7 @@ core dies, the server stops the same way and `serve` raises EngineDead (the comm
 
 from __future__ import annotations
 
+import gc
 import ipaddress
 import logging
 import os
@@ -85,6 +86,11 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
     llm = AsyncLLM(engine_dir, default_effort=default_effort, prefix_caching=prefix_caching, **offload)
     if world is None or world[1] == 1:  # (under mpiexec every rank would have to join the warm-up's steps)
         warm_up(llm.llm)
+    # What start-up made (modules, the engine, tokenizer, offload index: millions of objects) lives as long as the
+    # server: moved out of the collector's generations, so that no full collection walks it while a request waits
+    # (the first such collection came during the first request after a start: 146 ms of CPU before its first token).
+    gc.collect()
+    gc.freeze()
     dead: list[bool] = []
 
     def on_engine_dead() -> None:
