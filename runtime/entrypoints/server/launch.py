@@ -67,6 +67,7 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         LLM(engine_dir, default_effort=default_effort, prefix_caching=prefix_caching).run_follower()
         return
+    import anyio
     import uvicorn
     from moe_export.runtime.entrypoints.server.app import ServerSettings, create_app
     from sse_starlette.sse import AppStatus
@@ -86,6 +87,7 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
     llm = AsyncLLM(engine_dir, default_effort=default_effort, prefix_caching=prefix_caching, **offload)
     if world is None or world[1] == 1:  # (under mpiexec every rank would have to join the warm-up's steps)
         warm_up(llm.llm)
+    anyio.run(anyio.sleep, 0)  # anyio's asyncio backend, which sse-starlette imports on the first streamed answer
     # What start-up made (modules, the engine, tokenizer, offload index: millions of objects) lives as long as the
     # server: moved out of the collector's generations, so that no full collection walks it while a request waits
     # (the first such collection came during the first request after a start: 146 ms of CPU before its first token).
