@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_runtime_prefix_cache import oracle, tail
-from test_runtime_sessions import assert_same, run
+from test_runtime_prefix_cache import oracle, run_turn, tail
+from test_runtime_sessions import Recorder, assert_same, run
 
 from moe_export.runtime.core.contracts import Request
 from moe_export.runtime.core.engine_core import EngineCore
@@ -183,3 +183,56 @@ def test_an_idle_engine_has_its_last_turn_on_disk(runtime_engine, tmp_path):
     assert cached == len(TURN1) + len(out1) - 1
     again.shutdown()
     core.shutdown()
+
+
+def test_turn_after_a_restart_round_resumes_at_its_turn_point(runtime_engine, tmp_path):
+    """K3's `required` loop across a restart: each prompt is the conversation + an instruction after it, with the
+    conversation's end as a turn point. The restart round resumes from the stored state at the previous round's turn
+    point, and checkpoints its own turn point as any round does, so the round after it resumes there exactly
+    (cached = the common prefix, mid-block), with the tokens and logits of a full prefill."""
+    engine_dir = runtime_engine("tiny-k3", 1, 1, 1)
+    instruction = tail(7, 40)
+    conv = TURN1[:37]  # mid-block (block size 16)
+    core, _ = open_core(engine_dir, tmp_path / "state")
+    out, _, _ = run_turn(core, "r1", conv + instruction, 6, (len(conv), len(conv) + len(instruction)))
+    core.shutdown()
+    fresh = open_engine(engine_dir, num_slots=1, threads=1)
+    core, offload = open_core(engine_dir, tmp_path / "state")  # the restart
+    for turn in (2, 3):
+        common = len(conv)
+        conv = conv + out + tail(20 + turn, 60 + turn)  # the output, then the tool's answer
+        prompt = conv + instruction
+        out, rec, cached = run_turn(core, f"r{turn}", prompt, 6, (len(conv), len(prompt)))
+        assert cached == common and cached % 16, turn
+        want, frec = oracle(fresh, prompt, 6)
+        assert out == want, turn
+        assert_same(rec, frec, fresh)
+    assert offload.loaded_tokens == 37  # turn 2 from the store; turn 3 from the device's checkpoint
+    core.shutdown()
+
+
+def test_server_warm_up_leaves_nothing_behind(runtime_engine, tmp_path):
+    """`serve`'s warm-up (one short request on an engine core of its own, before /health answers) remembers
+    nothing: no kept session, cached block or offload file; a restarted LLM warmed that way still resumes turn 1
+    from the store, with the greedy tokens and logits of a full prefill."""
+    from moe_export.runtime.client.llm import LLM
+    from moe_export.runtime.entrypoints.server.launch import warm_up
+
+    engine_dir = runtime_engine("tiny-k3", 1, 1, 1)
+    out1 = first_turn(engine_dir, tmp_path / "state")
+    llm = LLM(engine_dir, offload_dir=tmp_path / "state", threads=1)
+    warm_up(llm)
+    stats = llm.stats()
+    assert stats["kept_sessions"] == stats["prefix_cached_blocks"] == stats["prefix_checkpoints"] == 0
+    assert stats["blocks_used"] == 0 and stats["offload_files_written"] == 0
+    prompt2 = TURN1 + out1 + TOOL
+    rec = Recorder()
+    (out,) = llm.generate([prompt2], SamplingParams(max_tokens=5, ignore_eos=True), logits_processors=[rec])
+    assert out.usage["cached_tokens"] == len(TURN1) + len(out1) - 1
+    llm.shutdown()
+    fresh = Engine(engine_dir, num_slots=1, threads=1)
+    want, frec = oracle(fresh, prompt2, 5)
+    assert out.output_ids == want
+    width = rec.logits[0].shape[0]  # the LLM samples over the tokenizer's ids, fewer than the engine's logits
+    frec.logits = [x[:width] for x in frec.logits]
+    assert_same(rec, frec, fresh)

@@ -195,9 +195,11 @@ class Resources:
         self.prefix.add_blocks([names[i] for i in loaded], [seq.blocks[i] for i in loaded])
         seq.num_computed = seq.cached_tokens = found.position
         session = seq.request.session
+        # (the stored state's lineage is not stored: this request starts one, or joins the session it names)
         seq.lineage = session_lineage(session) if session is not None else seq.request_id
         seq.named = found.blocks
-        seq.targets = self.prefix.checkpoint_targets(len(seq.tokens), seq.num_computed, max(matched, found.blocks))
+        seq.targets = self.prefix.checkpoint_targets(len(seq.tokens), seq.num_computed, max(matched, found.blocks),
+                                                     seq.request.turn_points)
         self.prefix.queried_tokens += len(seq.tokens)
         self.prefix.hit_tokens += seq.cached_tokens
         self.offload.loaded_tokens += seq.cached_tokens
