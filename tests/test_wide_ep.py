@@ -490,6 +490,10 @@ def test_placement_follow_ups_least_loaded_and_processors_in_group_0():
     assert sched.place(Request("b", [1, 2, 3, 4])) == 2  # the longest finished prompt it continues
     assert sched.place(Request("c", [1, 2, 7])) == 3
     assert sched.place(Request("d", [1, 2, 3, 4], logits_processors=[lambda ids, logits: logits])) == 0
+    # warm turns: the group whose finished prompt shares the longest prefix (the latest on a tie), then remembered
+    assert sched.warm_group([1, 2, 3, 9]) == 2 and sched.warm_group([1, 2, 8]) == 3 and sched.warm_group([5]) is None
+    sched.remember((1, 2, 8), 1)
+    assert sched.place(Request("e", [1, 2, 8, 4])) == 1
 
 
 @pytest.mark.slow
