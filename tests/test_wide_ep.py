@@ -490,6 +490,10 @@ def test_placement_follow_ups_least_loaded_and_processors_in_group_0():
     assert sched.place(Request("b", [1, 2, 3, 4])) == 2  # the longest finished prompt it continues
     assert sched.place(Request("c", [1, 2, 7])) == 3
     assert sched.place(Request("d", [1, 2, 3, 4], logits_processors=[lambda ids, logits: logits])) == 0
+    # warm turns: the group whose finished prompt shares the longest prefix (the latest on a tie), then remembered
+    assert sched.warm_group([1, 2, 3, 9]) == 2 and sched.warm_group([1, 2, 8]) == 3 and sched.warm_group([5]) is None
+    sched.remember((1, 2, 8), 1)
+    assert sched.place(Request("e", [1, 2, 8, 4])) == 1
 
 
 @pytest.mark.slow
@@ -509,3 +513,43 @@ def test_mpiexec_8_ranks_image_chat_in_another_group(dp_engine):
     got = json.loads(r.stdout.strip().splitlines()[-1])["outputs"]
     local = LLM(engine_dir, threads=1).chat(chats, GREEDY, reasoning_effort="none")
     assert got == [o.output_ids for o in local]
+
+
+def test_mpiexec_2_ranks_warm_turns_in_the_turns_group(dp_engine):
+    """`mpiexec -n 2` (tp 1 x dp 2): warm turns run in the group that ran the turn and the next turn is placed there
+    (`GroupedScheduler.add_warm`). A `required` tool-choice chat (group 0) resumes round 2 at the warm prompt's end;
+    token prompts placed in group 1: the warm turn and the prompt continuing it go to group 1, which resumes it at the
+    warm turn's end (the request sent before the warm turn ran waits for it). Greedy tokens equal a cacheless engine's
+    in one process."""
+    from mpi_wide_ep_warm_run import ANSWER, CONV, INSTRUCTION
+    from test_warm_turns import REQUIRED, next_prompt_messages
+
+    from moe_export.runtime import LLM
+
+    engine_dir = dp_engine("tiny-k3", 1, 2)
+    mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
+    r = subprocess.run([mpiexec, "-n", "2", sys.executable, str(HERE / "mpi_wide_ep_warm_run.py"), str(engine_dir)],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    cacheless = LLM(engine_dir, threads=1, default_effort="low", prefix_caching=False, reuse_sessions=False)
+    chat = got["chat"]
+    messages = [{"role": "user", "content": "Plan a week in Rome."}]
+    for k, max_tokens in enumerate((300, 24)):
+        (want,) = cacheless.chat([messages], SamplingParams(max_tokens=max_tokens), **REQUIRED)
+        assert chat["rounds"][k]["output_ids"] == want.output_ids, k
+        if not k:
+            assert want.tool_calls
+            messages = next_prompt_messages("chat", messages, want, "rain, 14 C")
+    assert chat["rounds"][1]["cached_tokens"] == chat["warm_len"] > chat["history_len"]
+    group1 = got["group1"]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    first = cacheless.generate([CONV + INSTRUCTION], params)[0].output_ids
+    warm = CONV + first
+    want = [o.output_ids for o in cacheless.generate([[7, 8, 9], CONV + INSTRUCTION, warm + ANSWER + INSTRUCTION],
+                                                     params)]
+    cacheless.shutdown()
+    assert group1["outputs"] == want
+    assert group1["groups"] == [1, 1, 1]
+    assert group1["cached_tokens"] == group1["warm_len"] == len(warm)
+    assert got["warm_turns"] == 3  # the chat's two rounds' (round 2's ran during the token phase) and group 1's

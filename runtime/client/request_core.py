@@ -16,7 +16,6 @@ from moe_export.common.errors import EngineDead, InputError
 from moe_export.runtime.chat import OutputParser, ParsedDelta, ParsedMessage
 from moe_export.runtime.core.budget import ReasoningBudget
 from moe_export.runtime.core.contracts import Request, SequenceUpdate
-from moe_export.runtime.core.engine_core import EngineCore
 from moe_export.runtime.core.execution import WORLD_BROKEN, FaultWatch
 from moe_export.runtime.core.sessions import TurnMemory
 from moe_export.runtime.core.wide_ep import open_engine_core
@@ -193,13 +192,13 @@ class RequestCore:
 
     warm_turns: when a chat whose next prompt departs from its own (`Tracked.next_turn`) finishes, the start of that
     next prompt (the conversation and this turn) is prefilled in the background (`Scheduler.add_warm`), so the next
-    turn resumes after the model's own output (one-group engine cores only)."""
+    turn resumes after the model's own output (in the dp layout in the group that ran the turn, `GroupedScheduler.add_warm`)."""
 
     def __init__(self, engine: ModelRunner, tokenizer, turns: TurnMemory | None, *, warm_turns: bool = False,
                  **core_kwargs) -> None:
         self.engine, self.tokenizer, self.turns = engine, tokenizer, turns
         self.engine_core = open_engine_core(engine, **core_kwargs)
-        self.warm_turns = warm_turns and isinstance(self.engine_core, EngineCore)
+        self.warm_turns = warm_turns
         self.tracked: dict[str, Tracked] = {}
         self.fatal_error: EngineDead | None = None
         self.on_dead: list[Callable[[EngineDead], None]] = []  # called (any thread) when a rank's fault kills the core

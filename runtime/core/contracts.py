@@ -113,6 +113,7 @@ class RemoteRequest:
     images: list
     turn_points: tuple[int, ...] = ()
     session: str | None = None
+    warm: bool = False  # a warm turn (`Scheduler.add_warm`), not a request
 
 
 @dataclass

@@ -18,7 +18,10 @@ Placement (rank 0). A request whose prompt continues the prompt of a request tha
 (a conversation's follow-up turn) goes to g, which keeps that turn's state; otherwise it goes to the group
 with the fewest requests waiting or running. Requests with logits processors stay in group 0: rank 0 runs
 them itself, so the processor objects the caller holds are the ones that saw the output (the server reads a
-grammar processor's state when the request ends). A leader rebuilds a request's thinking budget from its spec with
+grammar processor's state when the request ends). A warm turn (`add_warm`: the start of a finished chat's next prompt,
+prefilled between turns) goes to the group whose finished prompt shares the longest prefix with it (the group that
+ran the turn, which holds the conversation's state), and is remembered as that group's finished prompt, so the next
+turn, which continues it, is placed there too and resumes at its end. A leader rebuilds a request's thinking budget from its spec with
 its own tokenizer; rank 0 replays the group's tokens into its own copy, so usage counts reasoning tokens.
 """
 
@@ -86,11 +89,47 @@ class GroupedScheduler:
         if group == 0:
             self.local.add(request)
         else:
-            self.outbox[group].add.append(RemoteRequest(request.request_id, list(request.prompt_ids), request.sampling,
-                                                        budget_spec(request.budget), list(request.images),
-                                                        request.turn_points, request.session))
+            self.outbox[group].add.append(remote_request(request))
         self.loads[group] += 1
         self.placed[request.request_id] = (group, tuple(request.prompt_ids), request.budget)
+
+    def add_warm(self, request: Request) -> None:
+        """A warm turn (`Scheduler.add_warm`: prefill-only, low priority, reports nothing), in the group that ran the
+        turn it continues: the one whose finished prompt shares the longest prefix with it (its conversation's state
+        is there). Its prompt is remembered as that group's, so the next turn is placed there (`place`). A prompt
+        that can never run is ignored."""
+        try:
+            self.local.check(request)
+        except InputError:
+            return
+        group = self.warm_group(request.prompt_ids)
+        if group is None:
+            return
+        if group == 0:
+            self.local.add_warm(request)
+        else:
+            self.outbox[group].add.append(remote_request(request, warm=True))
+        self.remember(tuple(request.prompt_ids), group)
+
+    def warm_group(self, prompt_ids: list[int]) -> int | None:
+        """The group whose finished prompt shares the longest prefix with `prompt_ids` (the latest on a tie); None
+        when no finished prompt shares a token with it."""
+        prompt = np.asarray(prompt_ids)
+        best, group = 0, None
+        for held, g in reversed(self.history.items()):
+            n = min(len(held), len(prompt))
+            differ = np.flatnonzero(np.asarray(held[:n]) != prompt[:n])
+            shared = int(differ[0]) if differ.size else n
+            if shared > best:
+                best, group = shared, g
+        return group
+
+    def remember(self, prompt: tuple[int, ...], group: int) -> None:
+        """`prompt` finished in (or was prefilled ahead in) `group`: follow-up turns continuing it go there."""
+        self.history[prompt] = group
+        self.history.move_to_end(prompt)
+        while len(self.history) > PLACEMENT_HISTORY:
+            self.history.popitem(last=False)
 
     def abort(self, request_id: str) -> bool:
         if request_id not in self.placed:
@@ -136,10 +175,7 @@ class GroupedScheduler:
             if u.finished and u.request_id in self.placed:
                 group, prompt, _ = self.placed.pop(u.request_id)
                 if u.finish_reason != "abort":
-                    self.history[prompt] = group
-                    self.history.move_to_end(prompt)
-                    while len(self.history) > PLACEMENT_HISTORY:
-                        self.history.popitem(last=False)
+                    self.remember(prompt, group)
         return updates
 
     def stats(self) -> dict:
@@ -155,6 +191,12 @@ class GroupedScheduler:
     def shutdown(self) -> None:
         """Release every rank: the leaders (and through them their groups), then group 0's followers."""
         release_ranks(self.engine)
+
+
+def remote_request(request: Request, warm: bool = False) -> RemoteRequest:
+    """What a group's leader needs to add `request` (`warm`: as a warm turn)."""
+    return RemoteRequest(request.request_id, list(request.prompt_ids), request.sampling, budget_spec(request.budget),
+                         list(request.images), request.turn_points, request.session, warm)
 
 
 def expert_load_summary(tokens: np.ndarray) -> dict:
@@ -180,9 +222,13 @@ def lead_group(engine: GroupedRunner, budget_factory=None, **scheduler_kwargs) -
             rejected = []
             for r in mine.add:
                 budget = budget_factory(r.budget) if r.budget is not None and budget_factory is not None else None
+                request = Request(r.request_id, r.prompt_ids, r.sampling, [], budget, r.images, r.turn_points,
+                                  r.session)
+                if r.warm:  # reports nothing, rejected or not
+                    sched.add_warm(request)
+                    continue
                 try:
-                    sched.add(Request(r.request_id, r.prompt_ids, r.sampling, [], budget, r.images, r.turn_points,
-                                      r.session))
+                    sched.add(request)
                 except InputError as exc:  # rank 0 checked it with the same limits; kept as a safety net
                     rejected.append(SequenceUpdate(r.request_id, [], None, True, "abort", error=str(exc)))
             for rid in mine.abort:
