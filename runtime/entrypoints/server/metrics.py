@@ -38,7 +38,7 @@ class RuntimeStatsCollector:
         yield CounterMetricFamily("moe_export_prefix_cache_hit_tokens",
                                   "prompt tokens not prefilled thanks to a cached prefix or kept session",
                                   value=s["prefix_hit_tokens"])
-        if "warm_prefill_tokens" in s:  # one-group engine cores: warm turns (`Scheduler.add_warm`)
+        if "warm_prefill_tokens" in s:  # warm turns (`Scheduler.add_warm`; a dp layout sums its groups)
             yield CounterMetricFamily("moe_export_warm_prefill_tokens",
                                       "tokens prefilled between turns by warm turns (not by requests)",
                                       value=s["warm_prefill_tokens"])
