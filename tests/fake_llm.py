@@ -111,5 +111,8 @@ class FakeLLM:
             raise failure
         yield StreamDelta(rid, [6], text="g", content="g", finished=True, output=out, thinking_tier=tier)
 
+    def warm_up(self) -> None:
+        pass  # no runner, so no first-step cost
+
     def shutdown(self) -> None:
         pass

@@ -212,16 +212,15 @@ def test_turn_after_a_restart_round_resumes_at_its_turn_point(runtime_engine, tm
 
 
 def test_server_warm_up_leaves_nothing_behind(runtime_engine, tmp_path):
-    """`serve`'s warm-up (one short request on an engine core of its own, before /health answers) remembers
+    """`serve`'s warm-up (`LLM.warm_up`: one short request on an engine core of its own, before /health answers) remembers
     nothing: no kept session, cached block or offload file; a restarted LLM warmed that way still resumes turn 1
     from the store, with the greedy tokens and logits of a full prefill."""
     from moe_export.runtime.client.llm import LLM
-    from moe_export.runtime.entrypoints.server.launch import warm_up
 
     engine_dir = runtime_engine("tiny-k3", 1, 1, 1)
     out1 = first_turn(engine_dir, tmp_path / "state")
     llm = LLM(engine_dir, offload_dir=tmp_path / "state", threads=1)
-    warm_up(llm)
+    llm.warm_up()
     stats = llm.stats()
     assert stats["kept_sessions"] == stats["prefix_cached_blocks"] == stats["prefix_checkpoints"] == 0
     assert stats["blocks_used"] == 0 and stats["offload_files_written"] == 0

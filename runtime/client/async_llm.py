@@ -197,6 +197,10 @@ class AsyncLLM:
     def stats(self) -> dict:
         return self._core.stats()
 
+    def warm_up(self) -> None:
+        """`LLM.warm_up` on the LLM this serves (before any request: its thread is idle)."""
+        self.llm.warm_up()
+
     def shutdown(self) -> None:
         """Abort open requests and stop the thread; an LLM this AsyncLLM created is shut down too (follower
         ranks released), one passed in stays usable."""

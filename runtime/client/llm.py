@@ -30,6 +30,9 @@ from moe_export.runtime.processor import InputProcessor
 from moe_export.runtime.sampling import LogitsProcessor, SamplingParams, model_defaults
 from moe_export.runtime.tokenizer import load_tokenizer
 
+WARM_UP_PROMPT = 40  # tokens of `LLM.warm_up`'s request: two full blocks of 16 and a partial one
+WARM_UP_OUTPUT = 4
+
 OFFLOAD_HOST_BYTES = 1 << 30  # the offload store's host-memory tier
 OFFLOAD_DISK_BYTES = 8 << 30  # and its directory on disk (`moe-export serve --offload-gib`)
 
@@ -204,6 +207,24 @@ class LLM:
         if self.engine.is_root:
             raise InputError("run_follower() is for non-root ranks; rank 0 serves requests")
         run_rank(self.engine, budget_factory=self._budget, **self.scheduler_kwargs())
+
+    def warm_up(self) -> None:
+        """One short greedy request (WARM_UP_PROMPT tokens, WARM_UP_OUTPUT out) through this engine on an engine core
+        of its own (no prefix cache, kept session or offload store: nothing of it is remembered), so that the first
+        real request does not pay the runner's first-step costs (ONNX Runtime's first run of each session, torch's
+        first sampler and cache-write ops); `serve` calls it before /health answers. No request may be open meanwhile;
+        the slot and blocks it used are free again and are written before they are read by any request (a new
+        sequence resets or loads its slot's state and writes its own positions). One rank only: under mpiexec every
+        rank would have to join its steps."""
+        from moe_export.runtime.core.contracts import Request
+        from moe_export.runtime.core.engine_core import EngineCore
+
+        core = EngineCore(self.engine, keep_sessions=False, prefix_caching=False, overlap=False)
+        prompt = [i % self.vocab_size for i in range(1, WARM_UP_PROMPT + 1)]
+        core.add(Request("warm-up", prompt, SamplingParams(max_tokens=WARM_UP_OUTPUT, ignore_eos=True)))
+        while core.has_work:
+            core.step()
+        core.shutdown()
 
     def shutdown(self) -> None:
         """Rank 0: release the follower ranks (multi-rank); the LLM takes no requests afterwards."""

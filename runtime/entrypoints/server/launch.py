@@ -88,7 +88,7 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
     llm = AsyncLLM(engine_dir, default_effort=default_effort, prefix_caching=prefix_caching, warm_turns=warm_turns,
                    **offload)
     if world is None or world[1] == 1:  # (under mpiexec every rank would have to join the warm-up's steps)
-        warm_up(llm.llm)
+        llm.warm_up()
     anyio.run(anyio.sleep, 0)  # anyio's asyncio backend, which sse-starlette imports on the first streamed answer
     # What start-up made (modules, the engine, tokenizer, offload index: millions of objects) lives as long as the
     # server: moved out of the collector's generations, so that no full collection walks it while a request waits
@@ -120,29 +120,6 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
     if dead:
         raise EngineDead(f"the engine core stopped ({llm.fatal_error}); "
                          "the server exited for its supervisor to restart it")
-
-
-WARM_UP_PROMPT = 40  # tokens: two full blocks of 16 and a partial one
-WARM_UP_OUTPUT = 4
-
-
-def warm_up(llm) -> None:
-    """Run one short greedy request through `llm`'s engine before the server answers /health, on an engine core of its
-    own (no prefix cache, kept session or offload store: nothing of it is remembered), so that the first request
-    after a start or a restart does not pay the runner's first-step costs (ONNX Runtime's first run of each
-    session, torch's first sampler and cache-write ops). The serving engine core is idle meanwhile (no request
-    can arrive before the socket serves); the slot and blocks it used are free again and are written before
-    they are read by any request (a new sequence resets or loads its slot's state and writes its own positions)."""
-    from moe_export.runtime.core.contracts import Request
-    from moe_export.runtime.core.engine_core import EngineCore
-    from moe_export.runtime.sampling import SamplingParams
-
-    core = EngineCore(llm.engine, keep_sessions=False, prefix_caching=False, overlap=False)
-    prompt = [i % llm.vocab_size for i in range(1, WARM_UP_PROMPT + 1)]
-    core.add(Request("warm-up", prompt, SamplingParams(max_tokens=WARM_UP_OUTPUT, ignore_eos=True)))
-    while core.has_work:
-        core.step()
-    core.shutdown()
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
