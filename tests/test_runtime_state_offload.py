@@ -6,6 +6,13 @@ least recently used files."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from test_runtime_prefix_cache import oracle, run_turn, tail
@@ -236,3 +243,39 @@ def test_server_warm_up_leaves_nothing_behind(runtime_engine, tmp_path):
     width = rec.logits[0].shape[0]  # the LLM samples over the tokenizer's ids, fewer than the engine's logits
     frec.logits = [x[:width] for x in frec.logits]
     assert_same(rec, frec, fresh)
+
+
+MPI_SCRIPT = Path(__file__).with_name("mpi_offload_run.py")
+
+
+def mpi_turn(engine_dir, store, prompt: list[int], n: int) -> dict:
+    """One request on a fresh `mpiexec -n 2` world (new processes: a restart) offloading to `store`."""
+    mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
+    r = subprocess.run([mpiexec, "-n", "2", sys.executable, str(MPI_SCRIPT), str(engine_dir), str(store),
+                        json.dumps(prompt), str(n)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_tp_ranks_offload_their_own_shards_and_agree_on_loads(runtime_engine, tmp_path):
+    """mpiexec -n 2, tp 2: each rank writes its own shards' files (`rank{N}/`); after a restart (new processes on
+    the same store) the follow-up turn resumes from them and answers as a cacheless prefill does. With one rank's
+    state files damaged, no rank loads (the ranks agree): the turn is prefilled in full, with the same tokens."""
+    engine_dir = runtime_engine("tiny-k3", 2, 2, 2)
+    first = mpi_turn(engine_dir, tmp_path / "state", TURN1, 6)
+    assert first["cached"] == 0 and all(first["written"])
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["rank0", "rank1"]
+    shutil.copytree(tmp_path / "state", tmp_path / "damaged")
+    prompt2 = TURN1 + first["tokens"] + TOOL
+    want, _ = oracle(Engine(engine_dir, num_slots=1, threads=1), prompt2, 5)
+    resumed = mpi_turn(engine_dir, tmp_path / "state", prompt2, 5)
+    assert resumed["cached"] == resumed["loaded"] == len(TURN1) + len(first["tokens"]) - 1
+    assert resumed["tokens"] == want and resumed["rejected"] == [0, 0]
+    states = sorted((tmp_path / "damaged" / "rank1").glob("s-*.safetensors"))
+    assert states
+    for path in states:
+        damage(path, "tampered")
+    fallback = mpi_turn(engine_dir, tmp_path / "damaged", prompt2, 5)
+    assert fallback["cached"] == fallback["loaded"] == 0 and fallback["tokens"] == want
+    assert fallback["rejected"] == [0, len(states)]
