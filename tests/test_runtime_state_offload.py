@@ -279,3 +279,43 @@ def test_tp_ranks_offload_their_own_shards_and_agree_on_loads(runtime_engine, tm
     fallback = mpi_turn(engine_dir, tmp_path / "damaged", prompt2, 5)
     assert fallback["cached"] == fallback["loaded"] == 0 and fallback["tokens"] == want
     assert fallback["rejected"] == [0, len(states)]
+
+
+def test_mpiexec_serve_store_resumes_a_chain_after_a_restart(tmp_path_factory, tmp_path):
+    """`mpiexec -n 2 moe-export serve --store FILE` (tp 2): a Responses chain continued after a restart resumes
+    from FILE.state/rank{0,1}/ (cached tokens > 0) and answers as a restarted server that offloads nothing (a full prefill) does."""
+    import openai
+    from serve_support import build_serve_engine, start_cli_server, stop_process
+
+    engine = build_serve_engine(tmp_path_factory.mktemp("serve-engine-tp2"), tp=2, ep=2, world=2)
+    store = tmp_path / "history.sqlite"
+    opts = {"model": "m", "max_output_tokens": 10, "temperature": 0}
+
+    def serving(*extra):
+        proc, url = start_cli_server([str(engine), *extra, "--default-effort", "low", "--served-model-name", "m"],
+                                     mpiexec_ranks=2, env={"MOE_EXPORT_API_KEY": "k"})
+        return proc, openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+
+    proc, client = serving("--store", str(store))
+    try:
+        r1 = client.responses.create(input="First turn, with enough words to fill a few cache blocks of the engine.",
+                                     **opts)
+    finally:
+        assert stop_process(proc) == 0
+    assert sorted(p.name for p in store.with_name(store.name + ".state").iterdir()) == ["rank0", "rank1"]
+    plain = tmp_path / "plain.sqlite"
+    shutil.copy(store, plain)  # the same chain, for a server that offloads nothing
+    proc, client = serving("--store", str(store))  # the restart: new processes, empty device pools
+    try:
+        r2 = client.responses.create(input="Second turn.", previous_response_id=r1.id, **opts)
+    finally:
+        assert stop_process(proc) == 0
+    assert r2.usage.input_tokens_details.cached_tokens > 0
+    proc, client = serving("--store", str(plain), "--offload-gib", "0")  # nothing cached: the chain prefilled
+    try:
+        full = client.responses.create(input="Second turn.", previous_response_id=r1.id, **opts)
+    finally:
+        assert stop_process(proc) == 0
+    assert full.usage.input_tokens_details.cached_tokens == 0
+    assert full.usage.input_tokens == r2.usage.input_tokens
+    assert [i.model_dump(exclude={"id"}) for i in r2.output] == [i.model_dump(exclude={"id"}) for i in full.output]
