@@ -2,7 +2,8 @@
 restart) loads its kept session's state, cache blocks and recurrent state, from disk and gives the same greedy tokens
 and logits (up to float32 reordering) as a full prefill on an engine with no cache of any kind (the oracle); a
 tampered, truncated or foreign file is never loaded (the request is answered as without it); the disk cap evicts
-least recently used files."""
+least recently used files. Under mpiexec (tp 2) each rank resumes from its own files, and a rank without a valid
+copy makes every rank prefill."""
 
 from __future__ import annotations
 

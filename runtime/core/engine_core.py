@@ -17,9 +17,9 @@ import numpy as np
 from moe_export.common.errors import EngineDead
 from moe_export.runtime.core.contracts import Request, SequenceUpdate, VisionPlan
 from moe_export.runtime.core.execution import WORLD_BROKEN, PreviousStepFailed, StepExecutor
-from moe_export.runtime.core.state_offload import ReadPlan
 from moe_export.runtime.core.scheduler import ScheduledStep, Scheduler, describe
 from moe_export.runtime.core.sequence import Sequence
+from moe_export.runtime.core.state_offload import ReadPlan
 from moe_export.runtime.engine.runner import ModelRunner, StepRefused
 
 MAX_FAILED_STEPS = 3  # runner failures in a row after which the engine core is dead
