@@ -565,7 +565,7 @@ class StateOffload:
         """The deepest stored state of a prompt (full-block `hashes`, `key` its tokens [n] int64) beyond position
         `beat` and at most prompt_len - 1 (its last token is fed), whose full blocks are each in the device's prefix
         cache (`cached_block(h)` not None) or in the store; None when there is none (or its files fail their
-        checks)."""
+        checks; under mpiexec: or some rank's copy of the deepest one is missing or fails its check, `AgreePlan`)."""
         bs, last = self.block_size, prompt_len - 1
         if beat >= last:
             return None
