@@ -284,9 +284,9 @@ def test_one_process_hands_the_step_plan_over_unserialized(engine, monkeypatch):
     seen = []
     run_plan = execution_module.run_plan
 
-    def spy(eng, plan, sampling=None):
+    def spy(eng, plan, sampling=None, offload=None):
         seen.append(plan)
-        return run_plan(eng, plan, sampling)
+        return run_plan(eng, plan, sampling, offload)
 
     def no_pickling(*args, **kwargs):
         raise AssertionError("the step plan was serialized in one process")

@@ -2,9 +2,17 @@
 restart) loads its kept session's state, cache blocks and recurrent state, from disk and gives the same greedy tokens
 and logits (up to float32 reordering) as a full prefill on an engine with no cache of any kind (the oracle); a
 tampered, truncated or foreign file is never loaded (the request is answered as without it); the disk cap evicts
-least recently used files."""
+least recently used files. Under mpiexec (tp 2) each rank resumes from its own files, and a rank without a valid
+copy makes every rank prefill."""
 
 from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -235,3 +243,79 @@ def test_server_warm_up_leaves_nothing_behind(runtime_engine, tmp_path):
     width = rec.logits[0].shape[0]  # the LLM samples over the tokenizer's ids, fewer than the engine's logits
     frec.logits = [x[:width] for x in frec.logits]
     assert_same(rec, frec, fresh)
+
+
+MPI_SCRIPT = Path(__file__).with_name("mpi_offload_run.py")
+
+
+def mpi_turn(engine_dir, store, prompt: list[int], n: int) -> dict:
+    """One request on a fresh `mpiexec -n 2` world (new processes: a restart) offloading to `store`."""
+    mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
+    r = subprocess.run([mpiexec, "-n", "2", sys.executable, str(MPI_SCRIPT), str(engine_dir), str(store),
+                        json.dumps(prompt), str(n)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_tp_ranks_offload_their_own_shards_and_agree_on_loads(runtime_engine, tmp_path):
+    """mpiexec -n 2, tp 2: each rank writes its own shards' files (`rank{N}/`); after a restart (new processes on
+    the same store) the follow-up turn resumes from them and answers as a cacheless prefill does. With one rank's
+    state files damaged, no rank loads (the ranks agree): the turn is prefilled in full, with the same tokens."""
+    engine_dir = runtime_engine("tiny-k3", 2, 2, 2)
+    first = mpi_turn(engine_dir, tmp_path / "state", TURN1, 6)
+    assert first["cached"] == 0 and all(first["written"])
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["rank0", "rank1"]
+    shutil.copytree(tmp_path / "state", tmp_path / "damaged")
+    prompt2 = TURN1 + first["tokens"] + TOOL
+    want, _ = oracle(Engine(engine_dir, num_slots=1, threads=1), prompt2, 5)
+    resumed = mpi_turn(engine_dir, tmp_path / "state", prompt2, 5)
+    assert resumed["cached"] == resumed["loaded"] == len(TURN1) + len(first["tokens"]) - 1
+    assert resumed["tokens"] == want and resumed["rejected"] == [0, 0]
+    states = sorted((tmp_path / "damaged" / "rank1").glob("s-*.safetensors"))
+    assert states
+    for path in states:
+        damage(path, "tampered")
+    fallback = mpi_turn(engine_dir, tmp_path / "damaged", prompt2, 5)
+    assert fallback["cached"] == fallback["loaded"] == 0 and fallback["tokens"] == want
+    assert fallback["rejected"] == [0, len(states)]
+
+
+def test_mpiexec_serve_store_resumes_a_chain_after_a_restart(tmp_path_factory, tmp_path):
+    """`mpiexec -n 2 moe-export serve --store FILE` (tp 2): a Responses chain continued after a restart resumes
+    from FILE.state/rank{0,1}/ (cached tokens > 0) and answers as a restarted server that offloads nothing (a full prefill) does."""
+    import openai
+    from serve_support import build_serve_engine, start_cli_server, stop_process
+
+    engine = build_serve_engine(tmp_path_factory.mktemp("serve-engine-tp2"), tp=2, ep=2, world=2)
+    store = tmp_path / "history.sqlite"
+    opts = {"model": "m", "max_output_tokens": 10, "temperature": 0}
+
+    def serving(*extra):
+        proc, url = start_cli_server([str(engine), *extra, "--default-effort", "low", "--served-model-name", "m"],
+                                     mpiexec_ranks=2, env={"MOE_EXPORT_API_KEY": "k"})
+        return proc, openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+
+    proc, client = serving("--store", str(store))
+    try:
+        r1 = client.responses.create(input="First turn, with enough words to fill a few cache blocks of the engine.",
+                                     **opts)
+    finally:
+        assert stop_process(proc) == 0
+    assert sorted(p.name for p in store.with_name(store.name + ".state").iterdir()) == ["rank0", "rank1"]
+    plain = tmp_path / "plain.sqlite"
+    shutil.copy(store, plain)  # the same chain, for a server that offloads nothing
+    proc, client = serving("--store", str(store))  # the restart: new processes, empty device pools
+    try:
+        r2 = client.responses.create(input="Second turn.", previous_response_id=r1.id, **opts)
+    finally:
+        assert stop_process(proc) == 0
+    assert r2.usage.input_tokens_details.cached_tokens > 0
+    proc, client = serving("--store", str(plain), "--offload-gib", "0")  # nothing cached: the chain prefilled
+    try:
+        full = client.responses.create(input="Second turn.", previous_response_id=r1.id, **opts)
+    finally:
+        assert stop_process(proc) == 0
+    assert full.usage.input_tokens_details.cached_tokens == 0
+    assert full.usage.input_tokens == r2.usage.input_tokens
+    assert [i.model_dump(exclude={"id"}) for i in r2.output] == [i.model_dump(exclude={"id"}) for i in full.output]

@@ -23,7 +23,7 @@ from moe_export.runtime.core.budget import ReasoningBudget
 from moe_export.runtime.core.contracts import BudgetSpec
 from moe_export.runtime.core.sessions import TurnMemory
 from moe_export.runtime.core.state_offload import open_state_offload
-from moe_export.runtime.core.wide_ep import run_rank
+from moe_export.runtime.core.wide_ep import is_grouped, run_rank
 from moe_export.runtime.engine import engine_eos_ids
 from moe_export.runtime.image_urls import fetch_image_url, private_allowed, public_address
 from moe_export.runtime.processor import InputProcessor
@@ -58,7 +58,8 @@ class LLM:
     token id lists, outputs carry ids and no text, the stop ids are the engine's; chats and stop strings need one.
     offload_dir: keep the prefix cache's state (blocks, checkpoints, kept sessions) in host memory (at most
     offload_host_bytes) and in this directory (at most offload_disk_bytes) too, so a restarted LLM resumes
-    conversations from it (`runtime.core.state_offload`; one-process engines, with prefix caching).
+    conversations from it (`runtime.core.state_offload`; one process or the tp layout under mpiexec, not
+    the dp layout's groups; with prefix caching).
     allow_image_urls: image parts may be http(s) URLs, fetched with a size and time limit from public addresses
     (`runtime.image_urls`; default: data URLs only); allow_private_image_urls: from any address but cloud metadata.
 
@@ -85,10 +86,11 @@ class LLM:
         self.prefix_caching = prefix_caching
         self.warm_turns = warm_turns and prefix_caching and reuse_sessions
         self.overlap = overlap
-        # prefix state offloaded to host memory and `offload_dir` (`core.state_offload`; rank 0, prefix caching on)
+        # prefix state offloaded to host memory and `offload_dir` (`core.state_offload`; prefix caching on; under
+        # mpiexec every rank's own, in the tp layout)
         self.offload = (open_state_offload(self.engine, engine_dir, offload_dir, host_bytes=offload_host_bytes,
                                            disk_bytes=offload_disk_bytes)
-                        if offload_dir is not None and prefix_caching and self.engine.is_root else None)
+                        if offload_dir is not None and prefix_caching and not is_grouped(self.engine) else None)
         # how http(s) image parts are fetched (`runtime.image_urls`: the addresses allowed); None: URLs refused
         self.fetch_image_url = None if not allow_image_urls else functools.partial(
             fetch_image_url, allowed=private_allowed if allow_private_image_urls else public_address)

@@ -13,11 +13,13 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import numpy as np
 from moe_export.common.errors import EngineDead
 from moe_export.runtime.core.contracts import Request, SequenceUpdate, VisionPlan
-from moe_export.runtime.core.execution import PreviousStepFailed, StepExecutor
+from moe_export.runtime.core.execution import WORLD_BROKEN, PreviousStepFailed, StepExecutor
 from moe_export.runtime.core.scheduler import ScheduledStep, Scheduler, describe
 from moe_export.runtime.core.sequence import Sequence
+from moe_export.runtime.core.state_offload import ReadPlan
 from moe_export.runtime.engine.runner import ModelRunner, StepRefused
 
 MAX_FAILED_STEPS = 3  # runner failures in a row after which the engine core is dead
@@ -43,7 +45,10 @@ class EngineCore:
         self.engine = engine
         self.scheduler = Scheduler(engine, **scheduler_kwargs)
         self.overlap = self.scheduler.overlap
-        self.executor = StepExecutor(engine, overlap=self.overlap)
+        offload = self.scheduler.resources.offload
+        self.executor = StepExecutor(engine, overlap=self.overlap, offload=offload)
+        if offload is not None:  # (multi-rank: every rank checks its own copy before a load)
+            offload.agree = self.executor.in_order
         self.lockstep = lockstep
         self.max_failed_steps = max_failed_steps
         self.failed_steps = 0  # runner failures in a row
@@ -97,7 +102,7 @@ class EngineCore:
         if self.overlap and self._flight is None and self.has_work:
             self._flight = self._start()
         if not self.has_work:  # idle: the offload store's queued reads now (`core.state_offload`), not at a next step
-            self.scheduler.resources.offload_idle(self.engine)
+            self.scheduler.resources.offload_idle(self._read_rows)
         return updates
 
     def _start(self) -> Flight:
@@ -162,5 +167,11 @@ class EngineCore:
         """Let a step still running finish (overlap), then tell follower ranks to leave `follow()` (rank 0,
         multi-rank only)."""
         self._flight = None
+        if not WORLD_BROKEN.is_set():  # (every rank reads what is still queued, after a step still running)
+            self.scheduler.resources.offload_idle(self._read_rows)
         self.executor.shutdown()
-        self.scheduler.resources.flush_offload(self.engine)
+        self.scheduler.resources.close_offload()
+
+    def _read_rows(self, plan: ReadPlan) -> list[dict[str, np.ndarray]]:
+        """An offload read on every rank, in order with the steps."""
+        return self.executor.in_order(plan).reads

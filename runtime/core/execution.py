@@ -24,7 +24,7 @@ from typing import cast
 import numpy as np
 from moe_export.common.errors import EngineDead
 from moe_export.runtime.core.contracts import RunnerOutput, StepPlan, VisionPlan
-from moe_export.runtime.core.state_offload import run_load, run_read
+from moe_export.runtime.core.state_offload import AgreePlan, ReadPlan, StateOffload, run_agree, run_load, run_read
 from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
 from moe_export.runtime.engine.runner import ModelRunner, StepRefused, VisionRunner
 from moe_export.runtime.engine.sampler import SamplingBatch
@@ -37,20 +37,30 @@ WORLD_BROKEN = threading.Event()  # set in this process once a step's collective
 _NOTICES: list = []  # the fault notices this rank sent (their MPI requests stay alive until the world ends)
 
 
-def run_plan(engine: ModelRunner, plan: StepPlan | VisionPlan, sampling: SamplingBatch | None = None) -> RunnerOutput:
-    """Apply a plan on this rank: a tower call -> the images' embeddings; a step -> offloaded rows read, slots reset
-    and restored, offloaded state loaded, one runner step choosing the tokens of `sampling` (rank 0; None on
-    followers), then the checkpoint saves. A step without chunks is an idle step of a dp-layout group (see
-    `runtime.core.wide_ep`)."""
+Plan = StepPlan | VisionPlan | ReadPlan | AgreePlan
+
+
+def run_plan(engine: ModelRunner, plan: Plan, sampling: SamplingBatch | None = None,
+             offload: StateOffload | None = None) -> RunnerOutput:
+    """Apply a plan on this rank: a tower call -> the images' embeddings; an offload read (no step in flight) -> its
+    rows; an offload agreement (`state_offload.AgreePlan`, multi-rank) -> nothing (this rank's `offload` holds the
+    state or not); a step -> offloaded rows read, slots reset and restored, offloaded state loaded, one runner step
+    choosing the tokens of `sampling` (rank 0; None on followers), then the checkpoint saves. A step without chunks
+    is an idle step of a dp-layout group (see `runtime.core.wide_ep`)."""
     if isinstance(plan, VisionPlan):
         return RunnerOutput(image_embeds=cast(VisionRunner, engine).encode_images(plan.images))
+    if isinstance(plan, AgreePlan):
+        run_agree(engine.comm, offload, plan)
+        return RunnerOutput()
     reads = [run_read(engine, read) for read in plan.reads]
+    if isinstance(plan, ReadPlan):
+        return RunnerOutput(reads=reads)
     for slot in plan.resets:
         engine.reset_slot(slot)
     for checkpoint, slot in plan.restores:
         engine.restore_state(slot, checkpoint)
     for load in plan.loads:
-        run_load(engine, load)
+        run_load(engine, load, offload)
     width = cast(VisionRunner, engine).image_width if engine.vision is not None else None
     batch = StepBatch.from_sequences(plan.chunks, width) if plan.chunks else None
     out = RunnerOutput(sampled=engine.sample(batch, sampling), reads=reads)
@@ -66,16 +76,18 @@ class PreviousStepFailed(RuntimeError):
 class StepExecutor:
     """Rank 0's side of running plans over `engine`: broadcast each plan (multi-rank) and run it here. overlap:
     every plan runs in one worker thread, in order (`submit` returns at once); else `submit` runs it now.
-    steps: step plans started so far (tower calls excluded); failed: the latest step run failed."""
+    steps: step plans started so far (tower calls excluded); failed: the latest step run failed. offload: this
+    rank's offload store (`core.state_offload`), which loads and agreements use."""
 
-    def __init__(self, engine: ModelRunner, *, overlap: bool) -> None:
+    def __init__(self, engine: ModelRunner, *, overlap: bool, offload: StateOffload | None = None) -> None:
         self.engine = engine
+        self.offload = offload
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="moe-export-step") if overlap else None
         self.last_ids: np.ndarray | None = None  # the latest sampled ids (fill future tokens)
         self.steps = 0
         self.failed = False
 
-    def execute(self, plan: StepPlan | VisionPlan, sampling: SamplingBatch | None = None) -> RunnerOutput:
+    def execute(self, plan: Plan, sampling: SamplingBatch | None = None) -> RunnerOutput:
         """Broadcast `plan` (multi-rank) and run it on this rank. Under mpiexec a failure other than an agreed
         refusal ends the world (`stop_the_world`) and raises EngineDead: the engine core cannot go on."""
         step = isinstance(plan, StepPlan)
@@ -85,7 +97,7 @@ class StepExecutor:
         try:
             if comm is not None:
                 comm.broadcast(plan)
-            out = run_plan(self.engine, plan, sampling)
+            out = run_plan(self.engine, plan, sampling, self.offload)
         except BaseException as exc:
             self.failed = self.failed or step
             if comm is None or isinstance(exc, StepRefused):
@@ -121,10 +133,14 @@ class StepExecutor:
             done.set_exception(exc)
         return done
 
+    def in_order(self, plan: VisionPlan | ReadPlan | AgreePlan) -> RunnerOutput:
+        """Run a plan that is not a step (a tower call, an offload read or agreement) in order with the steps (in
+        the worker with overlap) and wait for it."""
+        return self.pool.submit(self.execute, plan).result() if self.pool is not None else self.execute(plan)
+
     def encode(self, plan: VisionPlan) -> list[np.ndarray]:
-        """A tower call, in order with the steps (in the worker with overlap)."""
-        out = self.pool.submit(self.execute, plan).result() if self.pool is not None else self.execute(plan)
-        return out.image_embeds
+        """A tower call, in order with the steps."""
+        return self.in_order(plan).image_embeds
 
     def shutdown(self) -> None:
         """Let a step still running finish, then tell follower ranks to leave `follow()` (multi-rank)."""
@@ -134,16 +150,19 @@ class StepExecutor:
             self.engine.comm.broadcast(None)
 
 
-def follow(engine: ModelRunner) -> int:
-    """Non-root ranks: execute rank 0's plans until it shuts down; returns the number of steps run (a step every
-    rank refused by agreement counts; any other failure ends the world)."""
+def follow(engine: ModelRunner, offload: StateOffload | None = None) -> int:
+    """Non-root ranks: execute rank 0's plans until it shuts down, storing the rows they read in this rank's
+    `offload`; returns the number of plans run (a step every rank refused by agreement counts; any other failure
+    ends the world)."""
     steps = 0
     while True:
         try:
             plan = engine.comm.broadcast(None)
             if plan is None:
                 return steps
-            run_plan(engine, plan)
+            out = run_plan(engine, plan, offload=offload)
+            if offload is not None and out.reads:
+                offload.reads_done(plan.reads, out.reads)
         except StepRefused:
             pass
         except BaseException as exc:

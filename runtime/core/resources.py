@@ -303,15 +303,15 @@ class Resources:
         if self.offload is not None and reads:
             self.offload.reads_done(reads, rows)
 
-    def offload_idle(self, engine: ModelRunner) -> None:
-        """No step in flight: read what the offload store still waits for (kept sessions' last states)."""
+    def offload_idle(self, read_rows) -> None:
+        """No step in flight: read what the offload store still waits for (kept sessions' last states) with
+        `read_rows(ReadPlan)` (on every rank)."""
         if self.offload is not None:
-            self.offload.read_now(engine)
+            self.offload.read_now(read_rows)
 
-    def flush_offload(self, engine: ModelRunner) -> None:
-        """At shutdown (no step in flight): read what is still queued and wait for the offload files."""
+    def close_offload(self) -> None:
+        """At shutdown (after `offload_idle`): wait for the offload files."""
         if self.offload is not None:
-            self.offload.read_now(engine)
             self.offload.store.close()
 
     def stats(self) -> dict:

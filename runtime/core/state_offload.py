@@ -26,8 +26,14 @@ contents do not hash to its header is never loaded (ours are deleted; another id
 
 Costs: a step that reads copies its rows to the host before it runs (on a GPU runner a wait for its stream: the
 write-through is synchronous, not on a copy stream of its own as HiCache's); hashing and files are the writer
-thread's. At admission the lookup walks the prompt's block names (dictionary lookups, no hashing). Multi-rank
-runners under mpiexec are not offloaded (rank 0 would see only its own shards)."""
+thread's. At admission the lookup walks the prompt's block names (dictionary lookups, no hashing).
+
+Under mpiexec (the tp layout; not the dp layout) every rank holds its own shards of the pools, so every rank keeps
+its own store, `rank{N}/` in the directory (its identity is its own layout: `{rank}/{pool}` keys). Rank 0's
+scheduler decides; the followers get the same work through the plans rank 0 broadcasts (`core.execution`): a step's
+`reads` and an idle `ReadPlan` are read and stored on every rank, and before a load every rank checks its own copy
+of what rank 0 found (`AgreePlan`: the load happens only if all ranks hold a valid copy, else the request prefills).
+The agreed rows stay on each rank under the plan's ticket until the step's `StateLoad` names it."""
 
 from __future__ import annotations
 
@@ -74,12 +80,35 @@ class StateRead:
 @dataclass
 class StateLoad:
     """Rows to write into the runner before a step's chunks: cache `blocks` [n] (rows: pool key -> uint8 [n, bytes])
-    and the recurrent state of `slot` (pool key -> uint8 [bytes])."""
+    and the recurrent state of `slot` (pool key -> uint8 [bytes]). Under mpiexec the rows are each rank's own: the
+    load names the `ticket` of the `AgreePlan` that fetched them (state and block_rows are empty)."""
 
     slot: int
     state: dict[str, np.ndarray]
     blocks: list[int]
     block_rows: dict[str, np.ndarray]
+    ticket: int | None = None
+
+
+@dataclass
+class AgreePlan:
+    """Rank 0 found a stored state to load (under mpiexec): every rank fetches its own copy of it (the state after
+    `prefix` with `tail`, at `position`, after `blocks` full blocks; `missing`: block index -> chained hash of the
+    blocks the device does not hold) and keeps it under `ticket` only if every rank's copy is valid."""
+
+    ticket: int
+    prefix: bytes
+    tail: tuple[int, ...]
+    blocks: int
+    position: int
+    missing: dict[int, bytes]
+
+
+@dataclass
+class ReadPlan:
+    """Rows to read on every rank while no step is in flight (the engine core idle or shutting down)."""
+
+    reads: list[StateRead]
 
 
 def run_read(engine, read: StateRead) -> dict[str, np.ndarray]:
@@ -94,10 +123,21 @@ def run_read(engine, read: StateRead) -> dict[str, np.ndarray]:
     return out
 
 
-def run_load(engine, load: StateLoad) -> None:
+def run_load(engine, load: StateLoad, offload: StateOffload | None = None) -> None:
+    """Write a load into this rank's runner (under mpiexec its ticket's rows, from this rank's `offload`)."""
+    state, block_rows = (load.state, load.block_rows) if load.ticket is None else offload.claim(load.ticket)
     if load.blocks:
-        engine.write_blocks(load.blocks, load.block_rows)
-    engine.write_slot(load.slot, load.state)
+        engine.write_blocks(load.blocks, block_rows)
+    engine.write_slot(load.slot, state)
+
+
+def run_agree(comm, offload: StateOffload, plan: AgreePlan) -> None:
+    """Every rank: fetch this rank's copy of `plan`'s state; hold it under the ticket if all ranks have one."""
+    from mpi4py import MPI
+
+    found = offload.fetch(plan)
+    if comm.world.allreduce(int(found is not None), op=MPI.MIN):
+        offload.hold(plan.ticket, found)
 
 
 def engine_identity(engine, engine_dir: str | Path) -> bytes:
@@ -415,24 +455,29 @@ class FoundState:
     position: int
     state: dict[str, np.ndarray]
     missing: dict[int, dict[str, np.ndarray]]
+    ticket: int | None = None  # under mpiexec: the `AgreePlan` under which every rank holds its own copy
 
 
 def open_state_offload(engine, engine_dir: str | Path, directory: str | Path, *, host_bytes: int,
                        disk_bytes: int) -> StateOffload:
-    """The offload store of `engine` (built from `engine_dir`) in `directory` (created if missing). InputError when
-    the runner cannot read its rows on the host (`runner.OffloadRunner`) or runs under mpiexec."""
+    """The offload store of `engine` (built from `engine_dir`) in `directory` (created if missing; under mpiexec
+    this rank's `rank{N}/` in it). InputError when the runner cannot read its rows on the host
+    (`runner.OffloadRunner`) or is a dp-layout engine under mpiexec."""
     from moe_export.common.errors import InputError
 
     if not hasattr(engine, "read_slot"):
         raise InputError(f"{type(engine).__name__} cannot offload its state (no host reads of its rows)")
+    if engine.comm is not None and engine.dp_layout:
+        raise InputError("state offload is for one-process engines and the tp layout (the dp layout's groups "
+                         "schedule their own requests)")
     if engine.comm is not None:
-        raise InputError("state offload is for one-process engines (under mpiexec rank 0 holds only its own shards)")
+        directory = Path(directory) / f"rank{engine.comm.world.Get_rank()}"
     if disk_bytes < 0 or host_bytes < 0:
         raise InputError(f"offload caps must be >= 0 bytes, got host {host_bytes}, disk {disk_bytes}")
     layout = engine.state_layout()
     store = OffloadStore(directory, engine_identity(engine, engine_dir), layout, host_bytes=host_bytes,
                          disk_bytes=disk_bytes)
-    return StateOffload(store, engine.block_size)
+    return StateOffload(store, engine.block_size, multi_rank=engine.comm is not None)
 
 
 class StateOffload:
@@ -440,9 +485,14 @@ class StateOffload:
     `reads_done`), and at admission the deepest stored state of a prompt (`find`) and the loads that bring it back
     (`take_loads`)."""
 
-    def __init__(self, store: OffloadStore, block_size: int) -> None:
+    def __init__(self, store: OffloadStore, block_size: int, *, multi_rank: bool = False) -> None:
         self.store = store
         self.block_size = block_size
+        self.multi_rank = multi_rank  # under mpiexec: loads are agreed by all ranks (`AgreePlan`)
+        # rank 0, multi-rank: runs an AgreePlan on every rank, in order with the steps (set by the engine core)
+        self.agree = None
+        self._tickets = 0
+        self._held: dict[int, FoundState] = {}  # agreed states by ticket, until their load
         self._reads: list[StateRead] = []
         self._loads: list[StateLoad] = []
         self._queued: set[str] = set()  # entries read or being read, not yet stored
@@ -502,19 +552,20 @@ class StateOffload:
                 if out is not None:
                     self.store.put_block(h, {k: v[i] for k, v in out.items()})
 
-    def read_now(self, engine) -> None:
-        """Read what is queued now, straight from the runner: only while no step is in flight (the engine core is
-        idle, or shutting down), so that an idle server's last turns are on disk without waiting for a next step."""
+    def read_now(self, read_rows) -> None:
+        """Read what is queued now with `read_rows(ReadPlan) -> rows` (on every rank): only while no step is in flight
+        (the engine core is idle, or shutting down), so that an idle server's last turns are on disk without waiting
+        for a next step."""
         reads = self.take_reads()
         if reads:
-            self.reads_done(reads, [run_read(engine, r) for r in reads])
+            self.reads_done(reads, read_rows(ReadPlan(reads)))
 
     # ---- loads ----
     def find(self, hashes: list[bytes], key, prompt_len: int, beat: int, cached_block) -> FoundState | None:
         """The deepest stored state of a prompt (full-block `hashes`, `key` its tokens [n] int64) beyond position
         `beat` and at most prompt_len - 1 (its last token is fed), whose full blocks are each in the device's prefix
         cache (`cached_block(h)` not None) or in the store; None when there is none (or its files fail their
-        checks)."""
+        checks; under mpiexec: or some rank's copy of the deepest one is missing or fails its check, `AgreePlan`)."""
         bs, last = self.block_size, prompt_len - 1
         if beat >= last:
             return None
@@ -535,26 +586,63 @@ class StateOffload:
                 state = self.store.get_state(prefix, tail)
                 if state is None:
                     continue
+                names = {i: hashes[i] for i in range(k) if cached_block(hashes[i]) is None}
                 missing = {}
-                for i in range(k):
-                    if cached_block(hashes[i]) is None:
-                        rows = self.store.get_block(hashes[i])
-                        if rows is None:
-                            return None
-                        missing[i] = rows
-                return FoundState(k, pos, state, missing)
+                for i, h in names.items():
+                    rows = self.store.get_block(h)
+                    if rows is None:
+                        return None
+                    missing[i] = rows
+                if not self.multi_rank:
+                    return FoundState(k, pos, state, missing)
+                self._tickets += 1  # every rank must hold its own valid copy, else no rank loads
+                self.agree(AgreePlan(self._tickets, prefix, tuple(tail), k, pos, names))
+                return FoundState(k, pos, state, missing, self._tickets) if self._tickets in self._held else None
         return None
 
-    def load(self, slot: int, found: FoundState, blocks: list[int]) -> None:
-        """Queue the writes that bring `found` into `slot` and `blocks` (the sequence's block table)."""
+    def fetch(self, plan: AgreePlan) -> FoundState | None:
+        """This rank's copy of an `AgreePlan`'s state (checked; None when a file is missing or fails its check)."""
+        state = self.store.get_state(plan.prefix, plan.tail)
+        if state is None:
+            return None
+        missing = {}
+        for i, h in plan.missing.items():
+            rows = self.store.get_block(h)
+            if rows is None:
+                return None
+            missing[i] = rows
+        return FoundState(plan.blocks, plan.position, state, missing, plan.ticket)
+
+    def hold(self, ticket: int, found: FoundState) -> None:
+        self._held[ticket] = found
+
+    def claim(self, ticket: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """The rows of an agreed state (`load_rows`), no longer held. Loads come in ticket order, so an older held
+        ticket is one whose admission gave up (no room): dropped."""
+        for old in [t for t in self._held if t < ticket]:
+            del self._held[old]
+        return self.load_rows(self._held.pop(ticket))[:2]
+
+    def load_rows(self, found: FoundState) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], list[int]]:
+        """What brings `found` back: its state rows, the rows of the blocks to write (pool key -> [n, bytes]) and
+        their indices in the block table (the missing full blocks, then the tail's block)."""
         state = {k[len(STATE_PREFIX):]: v for k, v in found.state.items() if k.startswith(STATE_PREFIX)}
-        targets = sorted(found.missing)
-        rows = [found.missing[i] for i in targets]
-        if found.position > found.blocks * self.block_size:
-            targets.append(found.blocks)
+        targets = self.load_targets(found)
+        rows = [found.missing[i] for i in targets[:len(found.missing)]]
+        if len(targets) > len(found.missing):
             rows.append({k[len(TAIL_PREFIX):]: v for k, v in found.state.items() if k.startswith(TAIL_PREFIX)})
         block_rows = {k: np.stack([r[k] for r in rows]) for k in self.store.block_keys} if rows else {}
-        self._loads.append(StateLoad(slot, state, [blocks[i] for i in targets], block_rows))
+        return state, block_rows, targets
+
+    def load_targets(self, found: FoundState) -> list[int]:
+        """The block-table indices a load of `found` writes: its missing full blocks, then its tail's block."""
+        return sorted(found.missing) + ([found.blocks] if found.position > found.blocks * self.block_size else [])
+
+    def load(self, slot: int, found: FoundState, blocks: list[int]) -> None:
+        """Queue the writes that bring `found` into `slot` and `blocks` (the sequence's block table); under
+        mpiexec each rank writes its own rows, held under `found.ticket`."""
+        state, block_rows, targets = self.load_rows(found) if found.ticket is None else ({}, {}, self.load_targets(found))
+        self._loads.append(StateLoad(slot, state, [blocks[i] for i in targets], block_rows, found.ticket))
 
     def take_loads(self) -> list[StateLoad]:
         loads, self._loads = self._loads, []

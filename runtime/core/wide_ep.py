@@ -266,4 +266,4 @@ def run_rank(engine: ModelRunner, budget_factory=None, **scheduler_kwargs) -> in
     leader's plans, until rank 0 shuts down; returns the number of steps run."""
     if is_grouped(engine) and engine.comm.leaders is not None:
         return lead_group(cast(GroupedRunner, engine), budget_factory, **scheduler_kwargs)
-    return follow(engine)
+    return follow(engine, scheduler_kwargs.get("offload"))

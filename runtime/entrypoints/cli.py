@@ -431,7 +431,7 @@ def serve(
     allow_image_urls: bool = typer.Option(False, "--allow-image-urls", help="K3 engines: fetch http(s) image URLs from public addresses (32 MiB, 10 s limits, every redirect checked); default: data URLs only"),
     allow_private_image_urls: bool = typer.Option(False, "--allow-private-image-urls", help="with --allow-image-urls: also fetch from loopback, private and link-local addresses (never cloud metadata addresses)"),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="do not share cached prompt prefixes (cache blocks + recurrent-state checkpoints) across requests"),
-    offload_gib: float = typer.Option(8.0, "--offload-gib", help="with --store FILE: disk cap of the prefix state (cache blocks, recurrent-state checkpoints, kept conversations) offloaded to FILE.state/, so stored Responses chains resume after a restart without prefilling again (0: off; one-process engines)"),
+    offload_gib: float = typer.Option(8.0, "--offload-gib", help="with --store FILE: disk cap of the prefix state (cache blocks, recurrent-state checkpoints, kept conversations) offloaded to FILE.state/, so stored Responses chains resume after a restart without prefilling again (0: off; one process or the tp layout under mpiexec, each rank its own FILE.state/rank{N}/)"),
     no_warm_turns: bool = typer.Option(False, "--no-warm-turns", help="do not prefill a finished turn's continuation between turns (with tool_choice \"required\" / any, the next turn then prefills the model's previous output itself)"),
     no_access_log: bool = typer.Option(False, "--no-access-log", help="no line per request on stdout (uvicorn's access log: client, method, path, status)"),
 ) -> None:

@@ -62,11 +62,15 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
     from moe_export.runtime.client.llm import LLM
 
     world = mpi_world()
+    # a durable store keeps the prefix state next to it (`runtime.core.state_offload`; under mpiexec each rank its own
+    # shards', in FILE.state/rank{N}/): chains resume after a restart
+    offload = {"offload_dir": f"{store}.state", "offload_disk_bytes": int(offload_gib * (1 << 30))} \
+        if store is not None and offload_gib > 0 else {}
     if world is not None and world[0] != 0:
         # mpiexec forwards SIGTERM to every rank; followers leave when rank 0 has drained and shuts down.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        LLM(engine_dir, default_effort=default_effort, prefix_caching=prefix_caching).run_follower()
+        LLM(engine_dir, default_effort=default_effort, prefix_caching=prefix_caching, **offload).run_follower()
         return
     import anyio
     import uvicorn
@@ -82,9 +86,6 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
     )
     sock = listening_socket(host, port)  # before loading: a busy port fails fast, with no engine loaded
     # image URLs are downloaded by the server (`image_fetch`, off the event loop), never by the runtime
-    # a durable store keeps the prefix state next to it (`runtime.core.state_offload`): chains resume after a restart
-    offload = {"offload_dir": f"{store}.state", "offload_disk_bytes": int(offload_gib * (1 << 30))} \
-        if store is not None and offload_gib > 0 and (world is None or world[1] == 1) else {}
     llm = AsyncLLM(engine_dir, default_effort=default_effort, prefix_caching=prefix_caching, warm_turns=warm_turns,
                    **offload)
     if world is None or world[1] == 1:  # (under mpiexec every rank would have to join the warm-up's steps)
