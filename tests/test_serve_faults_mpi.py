@@ -66,7 +66,8 @@ def test_request_faults_fail_alone_and_a_runner_fault_ends_the_world(world):
     greedy = answered(url)
     # top_k above the vocabulary (576) keeps every token; top_p below float32's range keeps the most likely one
     r = post(url, "/v1/messages", {"model": "m", "max_tokens": 4, "temperature": 1, "top_k": 577, "messages": HI})
-    assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 4, r.text
+    # (sampled at temperature 1 from every token: an end marker may come before max_tokens, as it did in one CI run)
+    assert r.status_code == 200 and 1 <= r.json()["usage"]["output_tokens"] <= 4, r.text
     assert answered(url) == greedy
     r = post(url, "/v1/chat/completions", {**CHAT, "temperature": 1, "top_p": 1e-300})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == greedy, r.text
