@@ -32,6 +32,7 @@ from moe_export.runtime.formats.parsing import (
     OutputParser,
     ParsedDelta,
     ParsedMessage,
+    ToolCallDelta,
     parse_output,
 )
 from moe_export.runtime.formats.template import ChatTemplate
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from moe_export.runtime.tokenizer import Tokenizer
 
 __all__ = [
-    "ChatTemplate", "OutputParser", "ParsedDelta", "ParsedMessage", "Segment", "generation_prompt_ids", "parse_output",
+    "ChatTemplate", "OutputParser", "ParsedDelta", "ParsedMessage", "Segment", "ToolCallDelta", "generation_prompt_ids", "parse_output",
     "output_starts_in_reasoning", "render", "render_ids", "render_prompt", "render_segments", "renderer_name", "segments_to_ids",
 ]
 

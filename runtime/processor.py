@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -42,7 +43,7 @@ class RenderedChat:
     tools: list | None = None
     tool_choice: object = None
     response_format: dict | None = None
-    calls_before: int = 0  # tool calls of the conversation's assistant messages (K3 numbers the new turn's on)
+    calls_before: int = 0  # where K3 numbers the new turn's call ids from (`calls_before`)
     history_len: int | None = None  # prompt tokens before what only this request adds after the conversation
 
 
@@ -198,6 +199,10 @@ def turn_points(rendered: RenderedChat) -> tuple[int, ...]:
 
 
 def calls_before(messages: list[dict]) -> int:
-    """Tool calls of a conversation's assistant messages (a new K3 turn's call ids count on from it, settled before
-    the turn is remembered: the turn memory's key holds the ids)."""
-    return sum(len(m.get("tool_calls") or ()) for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
+    """Where a new K3 turn's call ids count on from (settled before the turn is remembered: the turn memory's key
+    holds the ids): the tool calls of the conversation's assistant messages, or past the highest K3 number among
+    their ids where that is more (a turn whose output held a call that failed to parse skipped its number)."""
+    calls = [c for m in messages if isinstance(m, dict) and m.get("role") == "assistant" for c in m.get("tool_calls") or ()]
+    numbers = [int(n.group(1)) for c in calls if isinstance(c, dict)
+               for n in [re.fullmatch(r"functions\.[^:]*:(\d+)", str(c.get("id")))] if n]
+    return max([len(calls), *(n + 1 for n in numbers)])

@@ -19,6 +19,8 @@ from moe_export.runtime.chat import (
     render_prompt,
 )
 
+from test_parsing import streamed_calls
+
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Météo", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 
 
@@ -365,6 +367,8 @@ def test_random_outputs_never_raise_or_leak(toks, family):
         deltas.append(parser.delta)
         assert "".join(d.reasoning for d in deltas) == (msg.reasoning_content or "")
         assert "".join(d.content for d in deltas) == (msg.content or "")
+        done, failed = streamed_calls(deltas)  # the calls streamed piece by piece are the message's
+        assert done == msg.tool_calls and len(failed) <= msg.tool_call_parse_failures
         for c in msg.tool_calls:  # K3's json block carries its text as written; the rest is JSON
             assert isinstance(c["function"]["arguments"], str)
         if msg.tool_call_parse_failures == 0:

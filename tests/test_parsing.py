@@ -12,16 +12,39 @@ from moe_export.runtime.chat import OutputParser, output_starts_in_reasoning, pa
 SPECIAL_NAMES = ("<|", "|>", "<think>", "</think>")
 
 
+def streamed_calls(deltas) -> tuple[list[dict], list[dict]]:
+    """The tool calls a stream of ParsedDeltas adds up to: (those that ended "done", in OpenAI shape; those that
+    ended "failed", with the arguments they streamed), after checking each call opens once, with an id and a
+    name, and gets pieces only while open."""
+    calls: dict[int, dict] = {}
+    ends: dict[int, str] = {}
+    for d in deltas:
+        for piece in d.tool_calls:
+            if piece.id is not None:
+                assert piece.index not in calls and piece.name
+                calls[piece.index] = {"id": piece.id, "type": "function", "function": {"name": piece.name, "arguments": ""}}
+            assert piece.index in calls and piece.index not in ends
+            calls[piece.index]["function"]["arguments"] += piece.arguments
+            if piece.end is not None:
+                ends[piece.index] = piece.end
+    assert sorted(ends) == sorted(calls)  # every call that opened ended
+    return ([c for i, c in sorted(calls.items()) if ends[i] == "done"],
+            [c for i, c in sorted(calls.items()) if ends[i] == "failed"])
+
+
 def parsed_both_ways(tok, family, ids, *, thinking=True, tools_declared=True):
-    """The whole parse of `ids`, after checking that a token-by-token stream adds up to it."""
+    """The whole parse of `ids`, after checking that a stream adds up to it, token by token and in chunks: its text
+    by channel, and its tool calls piece by piece (ids, names and arguments exactly)."""
     starts = output_starts_in_reasoning(family, thinking)
     whole = parse_output(tok, family, ids, starts_in_reasoning=starts, tools_declared=tools_declared)
-    parser = OutputParser(tok, family, starts_in_reasoning=starts, tools_declared=tools_declared)
-    deltas = [parser.feed([t]) for t in ids]
-    assert parser.finish() == whole
-    deltas.append(parser.delta)
-    assert "".join(d.reasoning for d in deltas) == (whole.reasoning_content or "")
-    assert "".join(d.content for d in deltas) == (whole.content or "")
+    for chunk in (1, 4):
+        parser = OutputParser(tok, family, starts_in_reasoning=starts, tools_declared=tools_declared)
+        deltas = [parser.feed(ids[k:k + chunk]) for k in range(0, len(ids), chunk)]
+        assert parser.finish() == whole
+        deltas.append(parser.delta)
+        assert "".join(d.reasoning for d in deltas) == (whole.reasoning_content or "")
+        assert "".join(d.content for d in deltas) == (whole.content or "")
+        assert streamed_calls(deltas)[0] == whole.tool_calls
     return whole
 
 
@@ -140,3 +163,59 @@ def test_special_token_look_alikes_stay_text(toks, family):
     parsed = parsed_both_ways(tok, family, look + answer_prefix(tok, family)[1:] + look)
     text = tok.decode(look)
     assert parsed.reasoning_content == text and parsed.content == text and parsed.tool_calls == []
+
+
+@pytest.mark.parametrize("family", ["k3", "k2"])
+def test_tool_calls_stream_as_they_are_generated(toks, family):
+    """A call opens (id and name) as soon as its name is read, before any argument token; its arguments arrive
+    piece by piece while it is generated (a string value escaped as it comes); it ends "done" at its close, the
+    pieces adding up to the message's arguments."""
+    tok = toks[family]
+    text = 'line one\n"quoted" \\ and more words'
+    if family == "k3":
+        call = k3_call(tok, "f", [('key="q" type="string"', text), ('key="n" type="integer"', "12")])
+        want = json.dumps({"q": text, "n": 12}, ensure_ascii=False)
+    else:
+        want = json.dumps({"q": text, "n": 12})
+        call = k2_call(tok, "functions.f:0", f" {want}\n")
+    prefix = answer_prefix(tok, family) + tool_section(tok, family, [], close=False)
+    ids = prefix + call
+    parser = OutputParser(tok, family, starts_in_reasoning=True, first_call_index=3)
+    parser.feed(prefix)
+    deltas = [parser.feed([t]) for t in call]
+    pieces = [(step, p) for step, d in enumerate(deltas) for p in d.tool_calls]
+    opened_at = next(step for step, p in pieces if p.id is not None)
+    first_args = next(step for step, p in pieces if p.arguments)
+    ended_at = next(step for step, p in pieces if p.end is not None)
+    assert opened_at <= first_args and sum(1 for _, p in pieces if p.arguments) > 3 and ended_at == len(call) - 1
+    assert pieces[0][1].id == ("functions.f:3" if family == "k3" else "functions.f:0") and pieces[0][1].name == "f"
+    assert pieces[-1][1].end == "done"
+    (whole,) = parser.finish().tool_calls
+    assert whole["function"]["arguments"] == want == "".join(p.arguments for _, p in pieces)
+    assert whole["id"] == pieces[0][1].id
+    assert parsed_both_ways(tok, family, ids).tool_calls[0]["function"]["arguments"] == want
+
+
+@pytest.mark.parametrize("family", ["k3", "k2"])
+def test_a_streamed_call_that_fails_ends_failed_before_its_text(toks, family):
+    """A call opened in the stream that turns out not to parse ends "failed" and its text follows as content (the
+    message's content holds it; its tool_calls do not); a later call gets an id of its own."""
+    tok = toks[family]
+    s = tok.encode_special
+    if family == "k3":
+        bad = [s("<|open|>"), *tok.encode('call tool="f" index="1"'), s("<|sep|>"), s("<|open|>"), *tok.encode("argument"),
+               s("<|sep|>"), *tok.encode("7"), s("<|close|>"), *tok.encode("argument"), s("<|sep|>"),
+               s("<|close|>"), *tok.encode("call"), s("<|sep|>")]  # an argument without a key
+        good = k3_call(tok, "f", [('key="a" type="number"', "1")])
+    else:
+        bad = [s("<|tool_call_begin|>"), *tok.encode("functions.f:0"), s("<|tool_call_argument_begin|>"), *tok.encode('{"a"'),
+               s("<|im_middle|>"), *tok.encode("1}"), s("<|tool_call_end|>")]  # a marker out of place
+        good = k2_call(tok, "functions.f:1", '{"a": 1}')
+    parser = OutputParser(tok, family, starts_in_reasoning=False)
+    deltas = [parser.feed(tool_section(tok, family, [], close=False))] + [parser.feed([t]) for t in bad + good]
+    msg = parser.finish()
+    done, failed = streamed_calls(deltas)
+    assert done == msg.tool_calls and len(failed) == 1 and msg.tool_call_parse_failures == 1
+    assert failed[0]["id"] != done[0]["id"]
+    end = next(d for d in deltas if any(p.end == "failed" for p in d.tool_calls))
+    assert [k for k, _ in end.parts] == ["tool_call", "content"] and end.content == msg.content == tok.decode(bad)

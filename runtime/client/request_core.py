@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from moe_export.common.errors import EngineDead, InputError
-from moe_export.runtime.chat import OutputParser, ParsedDelta, ParsedMessage
+from moe_export.runtime.chat import OutputParser, ParsedDelta, ParsedMessage, ToolCallDelta
 from moe_export.runtime.core.budget import ReasoningBudget
 from moe_export.runtime.core.contracts import Request, SequenceUpdate
 from moe_export.runtime.core.execution import WORLD_BROKEN, FaultWatch
@@ -64,13 +64,15 @@ class ChatOutput:
 @dataclass
 class StreamDelta:
     """New output of one step: token ids (with their logprobs and most likely alternatives when asked), raw text
-    delta and, for chats, parsed reasoning / content deltas."""
+    delta and, for chats, parsed reasoning / content deltas and `parts`: the step's reasoning / content text and
+    tool-call pieces in output order (`ParsedDelta.parts`; what the server streams)."""
 
     request_id: str
     token_ids: list[int]
     text: str = ""
     reasoning: str = ""
     content: str = ""
+    parts: list[tuple[str, str | ToolCallDelta]] = field(default_factory=list)
     finished: bool = False
     output: ChatOutput | None = None
     error: str | None = None  # set (with finished) when the engine failed the request (`RequestFailed`)
@@ -136,20 +138,15 @@ class OutputText:
         delta = ParsedDelta()
         if self.parser is None:
             return delta
-
-        def add(d: ParsedDelta) -> None:
-            delta.reasoning += d.reasoning
-            delta.content += d.content
-
         while self.unparsed and self.unparsed[0][1] <= self.sent:
             group, self.parsed_to = self.unparsed.popleft()
-            add(self.parser.feed(group))
+            delta.add(self.parser.feed(group))
         if finished:
             cut = self.unparsed[0][0] if stop_index is not None and self.unparsed and self.parsed_to < stop_index else []
             if cut and not any(self.tok.is_special(t) for t in cut):
-                add(self.parser.feed_text(self.text()[self.parsed_to: stop_index]))
+                delta.add(self.parser.feed_text(self.text()[self.parsed_to: stop_index]))
             if stop_token:
-                add(self.parser.feed(ids[-1:]))
+                delta.add(self.parser.feed(ids[-1:]))
         return delta
 
     def text(self) -> str:
@@ -297,19 +294,20 @@ class RequestCore:
         stop_token = u.finished and u.finish_reason == "stop" and bool(u.token_ids) and u.stop_text_index is None
         text, parsed = tr.out.step(u.token_ids, u.text, complete=u.text_complete, finished=u.finished,
                                    stop_token=stop_token, stop_index=u.stop_text_index)
-        delta = StreamDelta(u.request_id, list(u.token_ids), text, parsed.reasoning, parsed.content,
+        output = None
+        if u.finished:
+            del self.tracked[u.request_id]
+            output = self._output(tr, u)
+            if tr.parser is not None:  # what finish() released: a held character, the end of an unfinished tool call
+                parsed.add(tr.parser.delta)
+        if tr.parser is None:
+            parsed.add_text("content", text)
+        delta = StreamDelta(u.request_id, list(u.token_ids), text, parsed.reasoning, parsed.content, parsed.parts,
                             thinking_tier=tr.thinking_tier)
         if tr.sampling.logprobs:
             delta.logprobs, delta.top_logprobs = list(u.logprobs or []), list(u.top_logprobs or [])
-        if tr.parser is None:
-            delta.content = text
         if u.finished:
-            del self.tracked[u.request_id]
-            delta.finished = True
-            delta.output = self._output(tr, u)
-            if tr.parser is not None:  # what finish() released: a held character, an unfinished tool call
-                delta.reasoning += tr.parser.delta.reasoning
-                delta.content += tr.parser.delta.content
+            delta.finished, delta.output = True, output
             delta.error = u.error and f"request {tr.request_id} failed in the engine: {u.error}"
         return delta
 

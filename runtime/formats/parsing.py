@@ -2,10 +2,20 @@
 
 Parsing works on token ids: markers are special tokens, so the parser knows a marker from text that
 merely looks like one (a `<|im_end|>` or `</think>` the model spelled with ordinary tokens is text, where
-vLLM's text-based parsers would take it for a marker). Streaming (`OutputParser.feed`) returns reasoning /
-content text deltas; a tag header (`<|open|>think` before its `<|sep|>`) and an incomplete UTF-8
-character are held back until complete. Tool calls are returned by `finish()` in OpenAI shape
-(`arguments` a JSON string).
+vLLM's text-based parsers would take it for a marker). Streaming (`OutputParser.feed`) returns the new
+reasoning / content text and tool-call pieces in output order (`ParsedDelta`); a tag header (`<|open|>think`
+before its `<|sep|>`) and an incomplete UTF-8 character are held back until complete. `finish()` returns
+the message, tool calls in OpenAI shape (`arguments` a JSON string).
+
+Tool calls stream as they are generated (`ToolCallDelta`): a call opens once its function name is read (K3:
+its `<|open|>call tool="NAME"` tag; K2: its id, at the argument marker), with the id the message will carry;
+then its arguments text arrives in fragments, then it ends. The fragments of a call that ends "done" add up
+to its `arguments` exactly: K3 argument elements are written out as a JSON object as they arrive (a string
+value's text escaped as it comes; a value of any other type when its element closes, since it is read as
+JSON only then), a `json` block's text as written; K2's arguments without surrounding whitespace (held back
+until text follows it). A call that opened and then does not parse (or that the output ends inside) ends
+"failed": it is not among the message's tool calls, and what the message says of it (its text as content,
+or nothing when cut short) follows in the stream as for a whole parse.
 
 Behaviours, aligned with vLLM's Kimi K2 / K3 reasoning and tool parsers where they are right:
   - Where the output starts (`starts_in_reasoning`, see `chat.output_starts_in_reasoning`): K3 with
@@ -25,8 +35,9 @@ Behaviours, aligned with vLLM's Kimi K2 / K3 reasoning and tool parsers where th
     request declared no tools are dropped: no markup reaches content; each counts in
     `tool_call_parse_failures` (`failure_reasons` says why, for logs).
   - A finished call that does not parse (a K2 call id that is not `functions.NAME:INDEX`, a marker out of
-    place, a K3 argument without a key) becomes content as the model wrote it, so the client sees what
-    came out; it counts as a failure too.
+    place, a K3 argument without a key or not closed) becomes content as the model wrote it, so the client
+    sees what came out; it counts as a failure too.
+  - A K3 key given twice stays twice in the arguments text (JSON readers keep the last value).
 """
 
 from __future__ import annotations
@@ -57,11 +68,63 @@ if TYPE_CHECKING:
     from moe_export.runtime.tokenizer import Tokenizer
 
 @dataclass
-class ParsedDelta:
-    """New text of one `feed` call, by channel."""
+class ToolCallDelta:
+    """A piece of a tool call as the output streams. index: the call's place among the calls this output opened
+    (from 0; a failed call keeps its place, so after one the message's tool_calls are numbered apart); id, name:
+    set on the piece that opens the call (the id the message gives it); arguments: text to append to the call's
+    arguments; end: None while the call goes on, "done" (it is one of the message's tool calls, its arguments
+    the fragments joined) or "failed" (it is not: it did not parse, or the output ended inside it)."""
 
-    reasoning: str = ""
-    content: str = ""
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+    end: str | None = None
+
+
+@dataclass
+class ParsedDelta:
+    """New output of one or more `feed` calls, in output order: parts are ("reasoning" | "content", text) and
+    ("tool_call", ToolCallDelta); adjacent text of one channel, and adjacent pieces of one open call, joined.
+    `reasoning` / `content`: the text by channel."""
+
+    parts: list[tuple[str, str | ToolCallDelta]] = field(default_factory=list)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(v for k, v in self.parts if k == "reasoning")
+
+    @property
+    def content(self) -> str:
+        return "".join(v for k, v in self.parts if k == "content")
+
+    @property
+    def tool_calls(self) -> list[ToolCallDelta]:
+        return [v for k, v in self.parts if k == "tool_call"]
+
+    def add_text(self, channel: str, text: str) -> None:
+        if not text:
+            return
+        if self.parts and self.parts[-1][0] == channel:
+            self.parts[-1] = (channel, self.parts[-1][1] + text)
+        else:
+            self.parts.append((channel, text))
+
+    def add_call(self, piece: ToolCallDelta) -> None:
+        last = self.parts[-1][1] if self.parts and self.parts[-1][0] == "tool_call" else None
+        if last is not None and last.index == piece.index and last.end is None and piece.id is None:
+            last.arguments += piece.arguments
+            last.end = piece.end
+        else:
+            self.parts.append(("tool_call", ToolCallDelta(piece.index, piece.id, piece.name, piece.arguments, piece.end)))
+
+    def add(self, other: ParsedDelta) -> None:
+        """Append `other` (which follows this delta in the output)."""
+        for kind, value in other.parts:
+            if kind == "tool_call":
+                self.add_call(value)
+            else:
+                self.add_text(kind, value)
 
 
 @dataclass
@@ -89,15 +152,19 @@ class _Call:
     arg_text: str = ""
     header: str = ""  # K2: the call id text before the argument marker
     error: str | None = None
+    index: int | None = None  # its ToolCallDelta index once opened in the stream
+    arguments: str = ""  # the arguments text streamed so far
+    held: str = ""  # K2: whitespace held back (streamed only when more text follows it)
 
 
 class OutputParser:
     """Streaming parser of one assistant output (token ids after the generation prompt).
 
-    feed(ids) -> ParsedDelta of new reasoning / content text; finish() -> ParsedMessage. After finish(),
-    `delta` holds the text finish() itself added (an unfinished tool call, a held-back character): stream
-    it as the last delta. first_call_index: K3 numbers a turn's calls `functions.NAME:i` from it (the calls of the
-    conversation's earlier turns, so ids stay unique across turns; K2's model writes its own ids)."""
+    feed(ids) -> ParsedDelta of new reasoning / content text and tool-call pieces; finish() -> ParsedMessage.
+    After finish(), `delta` holds what finish() itself added (a held-back character, the end of an unfinished
+    tool call): stream it as the last delta. first_call_index: K3 numbers a turn's calls `functions.NAME:i` from it (the calls of the
+    conversation's earlier turns, so ids stay unique across turns; K2's model writes its own ids), counting every
+    call it opens, a failed one included (so that no two calls of a stream share an id)."""
 
     def __init__(self, tokenizer: Tokenizer, family: str, *, starts_in_reasoning: bool, tools_declared: bool = True,
                  first_call_index: int = 0) -> None:
@@ -119,6 +186,7 @@ class OutputParser:
         self.header_kind = ""
         self.header_ids: list[int] = []  # K3: the tag's tokens so far
         self.call: _Call | None = None
+        self.opened = 0  # tool calls opened in the stream
         self.delta = ParsedDelta()
 
     # -- output channels
@@ -131,15 +199,33 @@ class OutputParser:
             self._call_text(text)
         elif self.channel == "reasoning":
             self.reasoning.append(text)
-            self.delta.reasoning += text
+            self.delta.add_text("reasoning", text)
         elif self.channel == "content":
-            self.content.append(text)
-            self.delta.content += text
+            self._emit_content(text)
         # text between calls inside a tool section is dropped (it is not part of any message field)
 
     def _emit_content(self, text: str) -> None:
         self.content.append(text)
-        self.delta.content += text
+        self.delta.add_text("content", text)
+
+    # -- tool calls as they stream
+    def _open(self, call: _Call, call_id: str) -> None:
+        """Open `call` in the stream (its function name is known; `call_id` is the id the message gives it)."""
+        call.call_id, call.index = call_id, self.opened
+        self.opened += 1
+        self.delta.add_call(ToolCallDelta(call.index, id=call_id, name=call.name))
+
+    def _args(self, call: _Call, text: str) -> None:
+        """Append `text` to the call's arguments (streamed when the call is open); nothing once it has failed."""
+        if not text or call.error:
+            return
+        call.arguments += text
+        if call.index is not None:
+            self.delta.add_call(ToolCallDelta(call.index, arguments=text))
+
+    def _end(self, call: _Call, end: str) -> None:
+        if call.index is not None:
+            self.delta.add_call(ToolCallDelta(call.index, end=end))
 
     def feed(self, token_ids: list[int]) -> ParsedDelta:
         """Consume new output tokens; return the reasoning / content text they complete."""
@@ -231,6 +317,8 @@ class OutputParser:
         self.call = _Call(ids=list(self.header_ids), name=attrs.get("tool") if attrs else None)
         if not self.call.name:
             self.call.error = "the call has no tool attribute"
+        elif self.tools_declared:  # (a call when no tools were declared is dropped: never streamed)
+            self._open(self.call, f"functions.{self.call.name}:{self.first_call_index + self.opened}")
 
     def _k3_call_tag(self, call: _Call, is_open: bool, name: str | None, attrs: dict | None) -> None:
         if attrs is None:
@@ -239,6 +327,8 @@ class OutputParser:
             if "key" not in attrs:
                 call.error = call.error or f"argument tag without a key: {attrs}"
             call.arg_key, call.arg_type, call.arg_text = attrs.get("key", ""), attrs.get("type", "string"), ""
+            opening = "{" if call.args is None else ", "
+            self._args(call, opening + json.dumps(call.arg_key, ensure_ascii=False) + ": " + ('"' if call.arg_type == "string" else ""))
         elif not is_open and name == "argument" and call.arg_key is not None:
             self._finish_argument(call)
         elif is_open and name == "json" and call.arg_key is None and call.args is None and call.json_text is None:
@@ -246,6 +336,8 @@ class OutputParser:
         elif not is_open and name == "json" and call.json_text is not None and not call.json_done:
             call.json_done = True
         elif not is_open and name == "call":
+            if call.arg_key is not None:
+                call.error = call.error or f"argument {call.arg_key!r} was not closed"
             self.call = None
             self._finish_call(call)
         else:
@@ -265,13 +357,20 @@ class OutputParser:
         if call.args is None:
             call.args = {}
         call.args[key] = value
+        # a string's text was streamed as it came (escaped); any other value is known only now
+        self._args(call, '"' if kind == "string" else json.dumps(value, ensure_ascii=False))
 
     def _call_text(self, text: str) -> None:
         call = self.call
         if call.arg_key is not None:
             call.arg_text += text
+            if self.family == "k2":
+                self._k2_arguments(call, text)
+            elif call.arg_type == "string":  # escaped piece by piece as json.dumps escapes the whole (per character)
+                self._args(call, json.dumps(text, ensure_ascii=False)[1:-1])
         elif call.json_text is not None and not call.json_done:
             call.json_text += text
+            self._args(call, text)
         elif self.family == "k2":
             call.header += text
         elif text.strip():
@@ -286,14 +385,15 @@ class OutputParser:
         if call.error:
             self._fail(call, call.error)
             return
-        if self.family == "k3":
-            # a json block carries the arguments text as written (K3 renders arguments that are not a JSON
-            # object string that way); argument elements are re-serialised as a JSON object
-            arguments = call.json_text if call.json_text is not None else json.dumps(call.args or {}, ensure_ascii=False)
-            call_id = f"functions.{call.name}:{self.first_call_index + len(self.tool_calls)}"
-        else:
-            arguments, call_id = call.arg_text.strip() or "{}", call.call_id
-        self.tool_calls.append({"id": call_id, "type": "function", "function": {"name": call.name, "arguments": arguments}})
+        # the arguments are what streamed: a json block's text as written (K3 renders arguments that are not a
+        # JSON object string that way); K3 argument elements written out as a JSON object (`{"k": v, ...}`, as
+        # json.dumps writes a dict); K2's text stripped; no arguments at all: {}
+        if self.family == "k3" and call.json_text is None:
+            self._args(call, "{}" if call.args is None else "}")
+        elif self.family == "k2" and not call.arguments:
+            self._args(call, "{}")
+        self.tool_calls.append({"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}})
+        self._end(call, "done")
 
     def _fail(self, call: _Call, reason: str) -> None:
         """A finished call that does not parse: its tokens, decoded as the model wrote them, become content."""
@@ -301,9 +401,10 @@ class OutputParser:
         self._emit_content(self.tok.decode(call.ids))
 
     def _drop(self, call: _Call, reason: str) -> None:
-        """A call that is not returned: counted, with its reason."""
+        """A call that is not returned: counted, with its reason; ended "failed" in the stream if it opened there."""
         self.failures += 1
         self.failure_reasons.append(reason)
+        self._end(call, "failed")
 
     # -- K2
     def _k2_special(self, name: str) -> None:
@@ -314,6 +415,8 @@ class OutputParser:
                 call.name = _k2_function_name(call.call_id)
                 if call.name is None:
                     call.error = f"call id {call.call_id!r} is not functions.NAME:INDEX"
+                elif self.tools_declared:
+                    self._open(call, call.call_id)
                 call.arg_key, call.arg_text = "", ""
             elif name == CALL_END:
                 self.call = None
@@ -339,6 +442,17 @@ class OutputParser:
         elif name == CALLS_BEGIN:
             self.channel = "tools"
         # other specials carry no text
+
+
+    def _k2_arguments(self, call: _Call, text: str) -> None:
+        """Stream K2 argument text without its surrounding whitespace: leading whitespace dropped, whitespace
+        held until text follows it."""
+        text = call.held + text
+        if not call.arguments:
+            text = text.lstrip()
+        body = text.rstrip()
+        call.held = text[len(body):]
+        self._args(call, body)
 
 
 def _k2_function_name(call_id: str) -> str | None:
