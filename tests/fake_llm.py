@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from moe_export.common.errors import InputError
+from moe_export.runtime.chat import ToolCallDelta
 from moe_export.runtime.client.request_core import ChatOutput, StreamDelta, Tracked
 from moe_export.runtime.core.budget import ThinkingPlan
 from moe_export.runtime.processor import RenderedChat
@@ -106,10 +107,13 @@ class FakeLLM:
                  for i, c in enumerate(self.tool_calls, start=first_call)]  # the parser's `first_call_index`
         out = ChatOutput(rid, [1] * prompt_tokens, [5, 6], "fg", None, "fg", calls, "tool_calls" if calls else "stop",
                          usage, lps, top_logprobs=tops)
-        yield StreamDelta(rid, [5], text="f", content="f", thinking_tier=tier)
+        yield StreamDelta(rid, [5], text="f", content="f", parts=[("content", "f")], thinking_tier=tier)
         if failure is not None:
             raise failure
-        yield StreamDelta(rid, [6], text="g", content="g", finished=True, output=out, thinking_tier=tier)
+        pieces = [("tool_call", ToolCallDelta(k, c["id"], c["function"]["name"], c["function"]["arguments"], "done"))
+                  for k, c in enumerate(calls)]
+        yield StreamDelta(rid, [6], text="g", content="g", parts=[("content", "g"), *pieces], finished=True, output=out,
+                          thinking_tier=tier)
 
     def warm_up(self) -> None:
         pass  # no runner, so no first-step cost

@@ -128,8 +128,8 @@ def test_tool_call_round_trip_keeps_reasoning_verbatim(server, oai):
     chunks = list(oai.chat.completions.create(model="m", messages=messages, tools=WEATHER, max_tokens=200, stream=True,
                                               tool_choice={"type": "function", "function": {"name": "get_weather"}}, **GREEDY))
     streamed_calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [(tc.id, tc.function.name, tc.function.arguments) for tc in streamed_calls] == [
-        (call.id, call.function.name, call.function.arguments)]
+    assert [(tc.index, tc.id, tc.function.name) for tc in streamed_calls if tc.id] == [(0, call.id, call.function.name)]
+    assert "".join(tc.function.arguments or "" for tc in streamed_calls) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     second = oai.chat.completions.create(model="m", messages=turn2, tools=WEATHER, max_tokens=20, **GREEDY)
     assert second.choices[0].finish_reason in ("stop", "length")
@@ -560,6 +560,85 @@ def test_stream_events_validate_against_the_sdks_own_models(server):
         "tools": [{"name": "get_weather", "input_schema": WEATHER_PARAMS}], "tool_choice": {"type": "any"}})
     kinds = [TypeAdapter(RawMessageStreamEvent).validate_python(e).type for e in events]
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds
+
+
+# a forced call with a long string argument: its text streams in many pieces (one per decode step at most)
+NOTE_PARAMS = {"type": "object", "properties": {"text": {"type": "string", "minLength": 40, "maxLength": 60}},
+               "required": ["text"], "additionalProperties": False}
+NOTE_TOOL = {"name": "save_note", "description": "Save a note.", "parameters": NOTE_PARAMS}
+MIN_ARGUMENT_DELTAS = 10  # 40+ characters of argument text, streamed as generated, arrive over at least this many steps
+
+
+def unparsed(item) -> dict:
+    """An output item's fields but its id and the fields the openai stream helper's parsing adds."""
+    fields = item.model_dump(exclude={"id", "parsed_arguments"})
+    for part in fields.get("content") or []:
+        part.pop("parsed", None)
+    return fields
+
+
+def test_responses_stream_a_forced_call_as_it_is_generated(oai):
+    """openai's `responses.stream` helper: the function_call item opens (call_id, name) before its arguments,
+    which arrive as many deltas (each from its own decode step: the first came that many steps before the call
+    ended), then `.done`; the items streamed are the final object's, ids included, and equal the whole answer's."""
+    body = dict(model="m", input="Note this.", tools=[{"type": "function", **NOTE_TOOL}], max_output_tokens=300,
+                tool_choice={"type": "function", "name": "save_note"}, temperature=0)
+    with oai.responses.stream(**body) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    whole = oai.responses.create(**body)
+    kinds = [e.type for e in events]
+    deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    added = next(e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call")
+    assert len(deltas) >= MIN_ARGUMENT_DELTAS and added.item.arguments == "" and added.item.name == "save_note"
+    assert kinds.index("response.output_item.added", kinds.index("response.function_call_arguments.delta") - 1) < \
+        kinds.index("response.function_call_arguments.delta") < kinds.index("response.function_call_arguments.done")
+    (call,) = [i for i in final.output if i.type == "function_call"]
+    assert "".join(d.delta for d in deltas) == call.arguments and added.item.call_id == call.call_id
+    done = [e.item.model_dump() for e in events if e.type == "response.output_item.done"]
+    assert len(done) == len(final.output) and all(  # (the helper's final items add parsed fields)
+        item == {k: v for k, v in parsed.model_dump().items() if k in item} for item, parsed in zip(done, final.output))
+    assert [unparsed(i) for i in final.output] == [unparsed(i) for i in whole.output]
+    jsonschema.validate(json.loads(call.arguments), NOTE_PARAMS)
+
+
+def test_chat_stream_a_forced_call_as_it_is_generated(oai):
+    """openai's `chat.completions.stream` helper: the call's first chunk has index, id and name, then many
+    argument fragments; the completion it accumulates equals the whole answer."""
+    body = dict(model="m", messages=[{"role": "user", "content": "Note this."}], max_tokens=300, temperature=0,
+                tools=[{"type": "function", "function": {**NOTE_TOOL, "strict": True}}], tool_choice="required")
+    with oai.chat.completions.stream(**body) as stream:
+        events = list(stream)
+        final = stream.get_final_completion()
+    whole = oai.chat.completions.create(**body)
+    deltas = [e for e in events if e.type == "tool_calls.function.arguments.delta"]
+    assert len(deltas) >= MIN_ARGUMENT_DELTAS
+    (call,) = whole.choices[0].message.tool_calls
+    assert deltas[-1].arguments == call.function.arguments
+    fields = {"role", "content", "reasoning_content", "tool_calls"}  # (the helper adds parsed fields and indexes)
+    joined, want = final.choices[0].message.model_dump(), whole.choices[0].message.model_dump()
+    assert [{k: joined[k] for k in fields - {"tool_calls"}}, [(c["id"], c["type"], c["function"]["name"], c["function"]["arguments"])
+            for c in joined["tool_calls"]]] == [{k: want[k] for k in fields - {"tool_calls"}},
+                                                [(call.id, call.type, call.function.name, call.function.arguments)]]
+    assert final.choices[0].finish_reason == whole.choices[0].finish_reason == "tool_calls"
+
+
+def test_anthropic_stream_a_forced_call_as_it_is_generated(claude):
+    """anthropic's `messages.stream` helper: the tool_use block starts (id, name) before its input, which arrives
+    as many input_json_delta fragments; the message it accumulates equals the whole answer."""
+    body = dict(model="m", max_tokens=300, messages=[{"role": "user", "content": "Note this."}],
+                tools=[{"name": NOTE_TOOL["name"], "input_schema": NOTE_PARAMS}], tool_choice={"type": "any"},
+                extra_body=GREEDY)
+    with claude.messages.stream(**body) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    whole = claude.messages.create(**body)
+    deltas = [e for e in events if e.type == "input_json"]
+    start = next(e for e in events if e.type == "content_block_start" and e.content_block.type == "tool_use")
+    assert len(deltas) >= MIN_ARGUMENT_DELTAS and events.index(start) < events.index(deltas[0])
+    assert start.content_block.name == "save_note" and start.content_block.input == {}
+    assert final.model_dump(exclude={"id", "usage"}) == whole.model_dump(exclude={"id", "usage"})  # (usage: the cache)
+    assert whole.stop_reason == "tool_use" and deltas[-1].snapshot == whole.content[-1].input
 
 
 # --- what real clients found ----------------------------------------------------------------

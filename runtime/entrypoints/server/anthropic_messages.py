@@ -83,35 +83,42 @@ def close_block(kind: str | None, index: int) -> list[dict]:
 
 
 async def message_events(svc: Service, run: ChatRun, message_id: str, model: str) -> AsyncIterator[dict]:
-    """message_start, the thinking / text / tool_use blocks, message_delta (stop reason, usage), message_stop."""
+    """message_start, the thinking / text / tool_use blocks as generated, message_delta (stop reason, usage),
+    message_stop. A tool_use block starts once the call's name is read (`input` {}), gets its arguments as
+    `input_json_delta` fragments, and stops when the call ends. A call the model opened that then does not parse
+    (not enforced by a grammar, so only under tool_choice auto) stops like the others and is not in the message:
+    there its text is content, as in the whole answer (a text block after it streams that text)."""
     yield event("message_start", message={
         "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": run.prompt_tokens, "output_tokens": 0}})
     index, open_kind, out = -1, None, None
     async for d in run.deltas:
-        for kind, text in (("thinking", d.reasoning), ("text", d.content)):
-            if not text:
-                continue
-            if open_kind != kind:
+        for part, value in d.parts:
+            kind = {"reasoning": "thinking", "content": "text"}.get(part, "tool_use")
+            if open_kind != kind or kind == "tool_use" and value.id is not None:
                 for e in close_block(open_kind, index):
                     yield e
                 index += 1
                 open_kind = kind
-                block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text", "text": ""}
+                block = ({"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else
+                         {"type": "text", "text": ""} if kind == "text" else
+                         {"type": "tool_use", "id": value.id, "name": value.name, "input": {}})
                 yield event("content_block_start", index=index, content_block=block)
-            delta = {"type": "thinking_delta", "thinking": text} if kind == "thinking" else {"type": "text_delta", "text": text}
+            if kind == "tool_use":
+                if value.arguments:
+                    yield event("content_block_delta", index=index,
+                                delta={"type": "input_json_delta", "partial_json": value.arguments})
+                if value.end is not None:
+                    for e in close_block(open_kind, index):
+                        yield e
+                    open_kind = None
+                continue
+            delta = {"type": "thinking_delta", "thinking": value} if kind == "thinking" else {"type": "text_delta", "text": value}
             yield event("content_block_delta", index=index, delta=delta)
         if d.finished:
             out = d.output
     for e in close_block(open_kind, index):
         yield e
     svc.finish(ROUTE, out, run.tier)
-    for call in out.tool_calls or []:
-        index += 1
-        yield event("content_block_start", index=index,
-                    content_block={"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": {}})
-        yield event("content_block_delta", index=index,
-                    delta={"type": "input_json_delta", "partial_json": call["function"]["arguments"]})
-        yield event("content_block_stop", index=index)
     yield event("message_delta", delta=convert.anthropic_stop(out), usage=convert.anthropic_usage(out.usage))
     yield event("message_stop")

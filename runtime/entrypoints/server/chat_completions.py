@@ -68,7 +68,13 @@ async def chat_completion(svc: Service, req: ChatCompletionRequest, disconnected
 
 async def chunk_events(svc: Service, req: ChatCompletionRequest, runs: list[ChatRun], request_id: str,
                        model: str) -> AsyncIterator[dict]:
-    """The chat.completion.chunk events of started runs, then [DONE] (with a usage chunk when asked)."""
+    """The chat.completion.chunk events of started runs, then [DONE] (with a usage chunk when asked).
+
+    Text and tool calls stream as generated, in OpenAI's chunk format: a call's first chunk gives its index, id,
+    type and function name, later ones `function.arguments` fragments. `index` counts the calls the model opened;
+    a call that then does not parse (not enforced by a grammar, so only under tool_choice auto) gets no more
+    chunks and is not in the final message, whose content holds its text (streamed as content after it): a client
+    that joins the chunks has it among its calls, which the whole answer does not."""
     created = int(time.time())
 
     def chunk(index: int, delta: dict, finish_reason=None, usage=None, choices=True, logprobs=None) -> dict:
@@ -79,18 +85,24 @@ async def chunk_events(svc: Service, req: ChatCompletionRequest, runs: list[Chat
             body["usage"] = usage
         return {"data": json.dumps(body)}
 
-    for i in range(len(runs)):
-        yield chunk(i, {"role": "assistant", "content": ""})
+    for i in range(len(runs)):  # content null until some arrives (as OpenAI's tool-call streams): a client joining the
+        yield chunk(i, {"role": "assistant", "content": None})  # chunks gets the whole answer's null when none does
     outs = []
     async for i, d in merged([r.deltas for r in runs]):
         # the step's tokens' logprobs ride on its first chunk (an empty delta when its text is held back)
         logprobs = convert.chat_logprobs([svc.decode_one(t) for t in d.token_ids], d.logprobs, d.top_logprobs,
                                          svc.decode_one) if d.logprobs else None
-        if d.reasoning:
-            yield chunk(i, {"reasoning_content": d.reasoning}, logprobs=logprobs)
-            logprobs = None
-        if d.content:
-            yield chunk(i, {"content": d.content}, logprobs=logprobs)
+        for kind, value in d.parts:
+            if kind != "tool_call":
+                yield chunk(i, {"reasoning_content" if kind == "reasoning" else "content": value}, logprobs=logprobs)
+            elif value.id is not None or value.arguments:
+                call = {"index": value.index, "function": {"arguments": value.arguments}}
+                if value.id is not None:
+                    call = {"index": value.index, "id": value.id, "type": "function",
+                            "function": {"name": value.name, "arguments": value.arguments}}
+                yield chunk(i, {"tool_calls": [call]}, logprobs=logprobs)
+            else:  # a call's end: no chunk of its own
+                continue
             logprobs = None
         if logprobs is not None:
             yield chunk(i, {}, logprobs=logprobs)
@@ -98,8 +110,6 @@ async def chunk_events(svc: Service, req: ChatCompletionRequest, runs: list[Chat
             out = d.output
             outs.append(out)
             svc.finish(ROUTE, out, runs[i].tier)
-            if out.tool_calls:
-                yield chunk(i, {"tool_calls": [{"index": k, **call} for k, call in enumerate(out.tool_calls)]})
             yield chunk(i, {}, out.finish_reason)
     if (req.stream_options or {}).get("include_usage"):
         yield chunk(0, {}, usage=convert.openai_usage(convert.summed_usage(outs)), choices=False)

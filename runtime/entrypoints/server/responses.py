@@ -13,6 +13,7 @@ from moe_export.runtime.entrypoints.server.errors import APIError, shown
 from moe_export.runtime.entrypoints.server.protocol import ResponsesRequest
 from moe_export.runtime.entrypoints.server.service import ChatRun, Disconnected, Service
 from moe_export.runtime.entrypoints.server.store import MissingResponse, StoredResponse
+from moe_export.runtime.chat import ToolCallDelta
 
 ROUTE = "/v1/responses"
 router = APIRouter()
@@ -70,21 +71,33 @@ async def create_response(svc: Service, req: ResponsesRequest, scope: str, disco
 
 
 class ResponseTurn:
-    """One started Responses turn: completes (stores) its response object, or streams its events."""
+    """One started Responses turn: completes (stores) its response object, or streams its events.
+
+    Streamed, as OpenAI does: each output item (reasoning, message, function_call) opens with
+    `response.output_item.added`, gets its deltas as the model generates them and closes with its `.done` events
+    and `response.output_item.done`; a function call opens once its name is read (the item with name, call_id and
+    arguments ""), then `response.function_call_arguments.delta` per fragment, `.done`. The final
+    `response.completed` (or `.incomplete`) object gives the items the ids they streamed under. A call the model
+    opened that then does not parse (not enforced by a grammar, so only under tool_choice auto) is closed by
+    `response.output_item.done` with status "incomplete" and the arguments it streamed, and is not in the final
+    object: there its text is part of the message's content, as in the whole answer (a message item after it
+    streams that text)."""
 
     def __init__(self, svc: Service, req: ResponsesRequest, scope: str, response_id: str, model: str,
                  input_messages: list[dict], effort_name, run: ChatRun) -> None:
         self.svc, self.req, self.scope, self.response_id, self.model = svc, req, scope, response_id, model
         self.input_messages, self.effort_name, self.run = input_messages, effort_name, run
         self.seq = 0
-        self.open_item: dict | None = None
+        self.open_item: dict | None = None  # {"item", "text"} (a function call's text: its arguments so far)
         self.output_index = -1
+        self.streamed_ids: dict[tuple[str, str | None], str] = {}  # (type, call_id) -> the id an item streamed under
 
     def complete(self, out) -> dict:
         req = self.req
         status = "incomplete" if out.finish_reason == "length" else "completed"
         obj = convert.responses_object(self.response_id, req, model=self.model, status=status,
-                                       output=convert.responses_output_items(out), usage=out.usage, effort=self.effort_name)
+                                       output=self.as_streamed(convert.responses_output_items(out)), usage=out.usage,
+                                       effort=self.effort_name)
         if req.store:
             items = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
             self.svc.store.put(StoredResponse(self.response_id, req.previous_response_id, items, self.input_messages,
@@ -96,10 +109,24 @@ class ResponseTurn:
         self.seq += 1
         return {"event": kind, "data": json.dumps({"type": kind, "sequence_number": self.seq - 1, **fields})}
 
-    def close_item(self) -> list[dict]:
+    def as_streamed(self, items: list[dict]) -> list[dict]:
+        """The final output items with the ids they streamed under (a function call found by its call_id; the
+        first reasoning / message item streamed, for the final one of its type)."""
+        for item in items:
+            key = (item["type"], item.get("call_id"))
+            if key in self.streamed_ids:
+                item["id"] = self.streamed_ids[key]
+        return items
+
+    def close_item(self, status: str = "completed") -> list[dict]:
         item, text, where = self.open_item["item"], self.open_item["text"], dict(output_index=self.output_index)
         events = []
-        if item["type"] == "reasoning":
+        if item["type"] == "function_call":
+            item["arguments"] = text
+            if status == "completed":
+                events.append(self.event("response.function_call_arguments.done", item_id=item["id"], **where,
+                                         arguments=text, name=item["name"]))
+        elif item["type"] == "reasoning":
             item["content"] = [{"type": "reasoning_text", "text": text}]
             events.append(self.event("response.reasoning_text.done", item_id=item["id"], **where, content_index=0, text=text))
         else:
@@ -108,19 +135,24 @@ class ResponseTurn:
             events.append(self.event("response.output_text.done", item_id=item["id"], **where, content_index=0, text=text,
                                      logprobs=[]))
             events.append(self.event("response.content_part.done", item_id=item["id"], **where, content_index=0, part=part))
-        item["status"] = "completed"
+        item["status"] = status
         events.append(self.event("response.output_item.done", **where, item=item))
         self.open_item = None
         return events
 
-    def open_new_item(self, kind: str) -> list[dict]:
+    def open_new_item(self, kind: str, call: ToolCallDelta | None = None) -> list[dict]:
+        """Close the open item and open one of `kind` (reasoning, message, or function_call: the `call` opening)."""
         events = self.close_item() if self.open_item is not None else []
         self.output_index += 1
         if kind == "reasoning":
             item = {"type": "reasoning", "id": convert.new_id("rs_"), "summary": [], "content": [], "status": "in_progress"}
-        else:
+        elif kind == "message":
             item = {"type": "message", "id": convert.new_id("msg_"), "role": "assistant", "content": [],
                     "status": "in_progress"}
+        else:
+            item = {"type": "function_call", "id": convert.new_id("fc_"), "call_id": call.id, "name": call.name,
+                    "arguments": "", "status": "in_progress"}
+        self.streamed_ids.setdefault((kind, item.get("call_id")), item["id"])
         self.open_item = {"item": item, "text": ""}
         events.append(self.event("response.output_item.added", output_index=self.output_index, item=item))
         if kind == "message":
@@ -139,17 +171,15 @@ class ResponseTurn:
                                  content_index=0, delta=text, **extra))
         return events
 
-    def call_events(self, obj: dict) -> list[dict]:
-        events = []
-        for call in (i for i in obj["output"] if i["type"] == "function_call"):
-            self.output_index += 1
-            where = dict(item_id=call["id"], output_index=self.output_index)
-            events.append(self.event("response.output_item.added", output_index=self.output_index,
-                                     item={**call, "arguments": "", "status": "in_progress"}))
-            events.append(self.event("response.function_call_arguments.delta", **where, delta=call["arguments"]))
-            events.append(self.event("response.function_call_arguments.done", **where, arguments=call["arguments"],
-                                     name=call["name"]))
-            events.append(self.event("response.output_item.done", output_index=self.output_index, item=call))
+    def call_events(self, piece: ToolCallDelta) -> list[dict]:
+        """Events of a tool-call piece: the function_call item opening, an arguments delta, its end."""
+        events = self.open_new_item("function_call", piece) if piece.id is not None else []
+        if piece.arguments:
+            self.open_item["text"] += piece.arguments
+            events.append(self.event("response.function_call_arguments.delta", item_id=self.open_item["item"]["id"],
+                                     output_index=self.output_index, delta=piece.arguments))
+        if piece.end is not None:
+            events += self.close_item("completed" if piece.end == "done" else "incomplete")
         return events
 
     async def events(self) -> AsyncIterator[dict]:
@@ -159,17 +189,16 @@ class ResponseTurn:
         yield self.event("response.in_progress", response=shell)
         out = None
         async for d in self.run.deltas:
-            for kind, text in (("reasoning", d.reasoning), ("message", d.content)):
-                if text:
-                    for e in self.text_events(kind, text):
-                        yield e
+            for kind, value in d.parts:
+                events = (self.call_events(value) if kind == "tool_call" else
+                          self.text_events("reasoning" if kind == "reasoning" else "message", value))
+                for e in events:
+                    yield e
             if d.finished:
                 out = d.output
         for e in self.close_item() if self.open_item is not None else []:
             yield e
         obj = self.complete(out)
-        for e in self.call_events(obj):
-            yield e
         yield self.event("response.completed" if obj["status"] == "completed" else "response.incomplete", response=obj)
 
 
