@@ -219,3 +219,18 @@ def test_a_streamed_call_that_fails_ends_failed_before_its_text(toks, family):
     assert failed[0]["id"] != done[0]["id"]
     end = next(d for d in deltas if any(p.end == "failed" for p in d.tool_calls))
     assert [k for k, _ in end.parts] == ["tool_call", "content"] and end.content == msg.content == tok.decode(bad)
+
+
+def test_the_next_turn_numbers_its_calls_past_every_id_of_the_conversation():
+    """K3 numbers a turn's calls from `calls_before`: past the highest `functions.NAME:N` of the conversation (a turn
+    whose failed call took :0 has only :1 among its tool_calls), else the count of its calls (ids of other forms)."""
+    from moe_export.runtime.processor import calls_before
+
+    def turn(*ids):
+        return {"role": "assistant", "content": "", "tool_calls": [
+            {"id": i, "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in ids]}
+
+    user = {"role": "user", "content": "q"}
+    assert calls_before([user, turn("functions.f:1")]) == 2
+    assert calls_before([user, turn("functions.f:0", "functions.f:1"), turn("functions.g:2")]) == 3
+    assert calls_before([user, turn("call_a", "call_b")]) == 2 and calls_before([user]) == 0

@@ -74,7 +74,8 @@ async def chunk_events(svc: Service, req: ChatCompletionRequest, runs: list[Chat
     type and function name, later ones `function.arguments` fragments. `index` counts the calls the model opened;
     a call that then does not parse (not enforced by a grammar, so only under tool_choice auto) gets no more
     chunks and is not in the final message, whose content holds its text (streamed as content after it): a client
-    that joins the chunks has it among its calls, which the whole answer does not."""
+    that joins the chunks has it among its calls with the arguments it streamed (not JSON), which the whole answer
+    does not."""
     created = int(time.time())
 
     def chunk(index: int, delta: dict, finish_reason=None, usage=None, choices=True, logprobs=None) -> dict:
