@@ -40,10 +40,20 @@ class TargetSection(_Strict):
     nodes: int = Field(ge=1)
     gpus_per_node: int = Field(ge=1, description="GPUs (or CPU ranks) per node")
     memory_gib: float | None = Field(default=None, gt=0, description="per-rank memory; defaults by gpu kind")
+    host_memory_gib: float | None = Field(
+        default=None, gt=0, description="host memory of one node (GPU targets): the planner refuses a run whose ranks' "
+        "pinned prefix-cache checkpoints and plan-loading buffers need more; null: reported, not checked")
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @model_validator(mode="after")
+    def _host_memory_beside_gpus(self) -> TargetSection:
+        if self.gpu == "cpu" and self.host_memory_gib is not None:
+            raise ValueError("host_memory_gib is for GPU targets: a CPU target's ranks are planned in target.memory_gib "
+                             "(their checkpoints included)")
+        return self
 
 
 GPU_MEMORY_GIB = {"h100": 80.0, "h200": 141.0, "b200": 180.0}

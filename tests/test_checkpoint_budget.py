@@ -99,6 +99,32 @@ def test_checkpoints_that_leave_no_room_for_one_sequence_are_refused(tmp_path):
     assert res.returncode == 2 and "lower limits.checkpoints_per_slot" in said and "Traceback" not in said
 
 
+def test_pinned_checkpoints_beyond_a_nodes_host_memory_are_refused(tmp_path):
+    """h100x64 (8 ranks a node): a node's run-time host memory is its 8 ranks' pinned checkpoints and read buffers;
+    with target.host_memory_gib just above it the plan fits, just below it does not, the verdict naming both fields;
+    `plan` exits 2 on such a recipe, and a CPU target refuses the field (its ranks plan in target.memory_gib)."""
+    rec = load_recipe("h100x64.yaml")[0]
+    plan = make_plan(rec)
+    node = max(plan.host_run_bytes_per_node())
+    assert node == sum(r.host_bytes["run"] for r in plan.per_rank[:8]) > 8 * 16 * rec.limits.max_batch * 2**20
+    assert plan.to_dict()["host_run_bytes_per_node"] == node and plan.to_dict()["host_memory_bytes_per_node"] is None
+    roomy = make_plan(with_checkpoints(rec, 16, host_memory_gib=(node + 2**20) / 2**30))
+    assert roomy.fits and roomy.to_dict()["host_memory_bytes_per_node"] >= node
+    short = make_plan(with_checkpoints(rec, 16, host_memory_gib=(node - 2**20) / 2**30))
+    assert not short.fits and "target.host_memory_gib" in short.verdict()
+    assert "limits.checkpoints_per_slot=16" in short.verdict() and short.to_dict()["fits"] is False
+    text = (shipped_dir() / "h100x64.yaml").read_text().replace("memory_gib: 80", "memory_gib: 80\n  host_memory_gib: 4")
+    p = tmp_path / "small-host.yaml"
+    p.write_text(text)
+    res = run_cli("plan", "--recipe", str(p))
+    said = " ".join(res.stderr.split())
+    assert res.returncode == 2 and "target.host_memory_gib is 4" in said and "Traceback" not in said
+    cpu = (shipped_dir() / "tiny-cpu.yaml").read_text().replace("memory_gib: 2", "memory_gib: 2\n  host_memory_gib: 4")
+    p.write_text(cpu)
+    with pytest.raises(InputError, match="host_memory_gib is for GPU targets"):
+        load_recipe(p)
+
+
 def tail(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(10, 500, n).tolist()
 

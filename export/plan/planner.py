@@ -147,10 +147,36 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        """Every rank's pools (max_batch slots, the blocks left) hold at least one sequence of max_seq_len."""
-        return all(r.max_sequences >= 1 for r in self.per_rank)
+        """Every rank's pools (max_batch slots, the blocks left) hold at least one sequence of max_seq_len, and every
+        node's host memory (`target.host_memory_gib`, where given) holds its ranks' run-time host memory."""
+        return all(r.max_sequences >= 1 for r in self.per_rank) and self.host_fits
+
+    def host_run_bytes_per_node(self) -> list[int]:
+        """Each node's run-time host memory: its ranks' (ranks n x gpus_per_node ..) `host_bytes["run"]` summed
+        (pinned prefix-cache checkpoints, one plan read chunk while loading)."""
+        per_node = self.recipe.target.gpus_per_node
+        return [sum(r.host_bytes.get("run", 0) for r in self.per_rank[n:n + per_node])
+                for n in range(0, len(self.per_rank), per_node)]
+
+    @property
+    def host_fits(self) -> bool:
+        """Every node's run-time host memory within `target.host_memory_gib` (True where it is not given)."""
+        gib = self.recipe.target.host_memory_gib
+        return gib is None or max(self.host_run_bytes_per_node(), default=0) <= gib * GIB
 
     def verdict(self) -> str:
+        if not self.host_fits:
+            nodes = self.host_run_bytes_per_node()
+            node = max(range(len(nodes)), key=nodes.__getitem__)
+            limits, per_node = self.recipe.limits, self.recipe.target.gpus_per_node
+            checkpoints = sum(r.pools.checkpoint_host_bytes for r in self.per_rank[node * per_node:(node + 1) * per_node])
+            return (
+                f"does not fit: node {node}'s {per_node} ranks need {nodes[node] / GIB:.2f} GiB of host memory running "
+                f"(pinned prefix-cache state checkpoints {checkpoints / GIB:.2f} GiB: limits.checkpoints_per_slot="
+                f"{limits.checkpoints_per_slot} x max_batch={limits.max_batch} per rank; plan read buffers) but "
+                f"target.host_memory_gib is {self.recipe.target.host_memory_gib:g}: lower limits.checkpoints_per_slot "
+                "or limits.max_batch"
+            )
         worst = min(self.per_rank, key=lambda r: r.max_sequences)
         limits = self.recipe.limits
         seq = self.recipe.limits.max_seq_len
@@ -205,6 +231,9 @@ class Plan:
             "margin_bytes": min(r.margin_bytes for r in self.per_rank),
             "host_peak_bytes_per_rank": max(r.host_bytes["peak"] for r in self.per_rank),
             "host_peak_bytes_per_rank_plan_buffer": max(r.host_bytes["build_plan_buffer"] for r in self.per_rank),
+            "host_run_bytes_per_node": max(self.host_run_bytes_per_node(), default=0),
+            "host_memory_bytes_per_node": (None if self.recipe.target.host_memory_gib is None
+                                           else int(self.recipe.target.host_memory_gib * GIB)),
             "weight_bytes_per_rank": max(r.weight_bytes["total"] for r in self.per_rank),
             "reserve_bytes_per_rank": self.reserve_bytes,
             "max_seq_len": self.recipe.limits.max_seq_len,

@@ -108,6 +108,11 @@ def plan(
                       f"GiB ({rec.limits.checkpoints_per_slot} per slot (limits.checkpoints_per_slot) x "
                       f"{worst.pools.num_slots} slots x {worst.pools.bytes_per_slot / 2**20:,.1f} MiB; pinned beside a "
                       "GPU, the rank's own memory on a CPU target)")
+        if rec.target.gpu != "cpu":
+            limit = d["host_memory_bytes_per_node"]
+            console.print(f"host memory per node running: {d['host_run_bytes_per_node'] / GIB:.2f} GiB ("
+                          f"{rec.target.gpus_per_node} ranks; " + (f"target.host_memory_gib {limit / GIB:g})" if limit
+                                                                   else "target.host_memory_gib not given: not checked)"))
         layouts = Table(title=f"decode step per GPU, {rec.limits.max_batch} tokens per attention group "
                               f"(MoE bytes per MoE layer; attention token x heads per layer)")
         for col in ("layout", "groups", "tokens served / GPU", "MoE bytes sent", "of which between nodes",
