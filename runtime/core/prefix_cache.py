@@ -25,7 +25,9 @@ is checkpointed at exactly those positions (and at the block boundary before eac
 checkpoint holds a reference on that partial block, whose first positions keep their cache rows. A prompt
 continuing those exact tokens resumes there when it can write into the partial block (copy-on-write without a
 copy): nobody else holds it but the cache's name and kept sessions, which are then dropped (the partial
-checkpoint is consumed); otherwise it resumes at the block boundary before, replaying the few tokens after it.
+checkpoint is consumed once the request is admitted; a request that must wait leaves it named, and a warm turn holds
+it until it has checkpointed its own last block boundary, naming it again if it is given up before); otherwise it
+resumes at the block boundary before, replaying the few tokens after it.
 
 Eviction is least recently used by session: each checkpoint belongs to a lineage (the session its request names,
 `Request.session`: OpenAI's `prompt_cache_key` / `user`, Anthropic's `metadata.user_id`; else the request that wrote
