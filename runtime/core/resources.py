@@ -154,13 +154,8 @@ class Resources:
             if held is not None:
                 self.prefix.restore_held(held)
             return False
-        if held is not None:  # it writes into the held checkpoint's partial block from the checkpoint's position on
-            if self.prefix.named(held.partial.block):
-                self.prefix.unname(held.partial.block)
-            if warm:
-                seq.held = held
-            else:
-                self.prefix.release_held(held)
+        if held is not None:
+            self._write_into(held, seq, warm)
         if kept is not None:
             seq.slot, seq.blocks = kept.slot, kept.blocks
             seq.num_computed = seq.cached_tokens = len(kept.tokens)
@@ -177,18 +172,33 @@ class Resources:
                 restores.append((checkpoint, seq.slot))
             seq.lineage = lineage if checkpoint is not None and lineage else seq.request_id
         if self.prefix is not None:
-            if seq.num_computed:
-                self.prefix.touch_session(seq.lineage)
-            if seq.request.session is not None:  # a named session owns its checkpoints from its first request on
-                seq.lineage = session_lineage(seq.request.session)
-                self.prefix.touch_session(seq.lineage)
-            seq.named = resume // self.allocator.block_size
-            seq.targets = self.prefix.checkpoint_targets(len(seq.tokens), seq.num_computed, matched,
-                                                         seq.request.turn_points)
-            if not warm:
-                self.prefix.queried_tokens += len(seq.tokens)
-                self.prefix.hit_tokens += seq.cached_tokens
+            self._follow(seq, resume, matched, warm)
         return True
+
+    def _write_into(self, held: HeldCheckpoint, seq: Sequence, warm: bool) -> None:
+        """`seq`, admitted resuming from `held`, writes into its partial block from the checkpoint's position on (the
+        block's name dropped); a warm turn goes on holding the checkpoint (`release`), any other sequence consumes it."""
+        if self.prefix.named(held.partial.block):
+            self.prefix.unname(held.partial.block)
+        if warm:
+            seq.held = held
+        else:
+            self.prefix.release_held(held)
+
+    def _follow(self, seq: Sequence, resume: int, matched: int, warm: bool) -> None:
+        """The prefix cache's side of an admitted `seq` resuming at `resume`: its lineage's use, its checkpoint targets
+        and, unless a warm turn, its prompt in the queried / hit counters."""
+        if seq.num_computed:
+            self.prefix.touch_session(seq.lineage)
+        if seq.request.session is not None:  # a named session owns its checkpoints from its first request on
+            seq.lineage = session_lineage(seq.request.session)
+            self.prefix.touch_session(seq.lineage)
+        seq.named = resume // self.allocator.block_size
+        seq.targets = self.prefix.checkpoint_targets(len(seq.tokens), seq.num_computed, matched,
+                                                     seq.request.turn_points)
+        if not warm:
+            self.prefix.queried_tokens += len(seq.tokens)
+            self.prefix.hit_tokens += seq.cached_tokens
 
     def _admit_offloaded(self, seq: Sequence, found: FoundState, need: int, matched: int) -> bool:
         """Admit `seq` resuming from a state of the offload store: the full blocks the prefix cache holds are
