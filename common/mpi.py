@@ -14,6 +14,7 @@ OMPI_COMM_WORLD_LOCAL_RANK (Open MPI), PMIX_LOCAL_RANK (PMIx) or SLURM_LOCALID (
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 from collections.abc import Mapping
@@ -216,7 +217,8 @@ def torch_group_comms(mapping: RankMapping, backend: str, device=None, timeout_s
     set): loopback when the whole world is on one host (NCCL's bootstrap too: NCCL_SOCKET_IFNAME, unless set), else
     the interface on the route between the hosts, so ranks on several hosts find each other whatever their hostnames
     resolve to. Collective: every rank calls it, and every rank creates every group (torch.distributed requires it).
-    `timeout_s`: the collectives' timeout (torch's default when None)."""
+    `timeout_s`: the collectives' timeout (torch's default when None). gloo's groups are destroyed at exit
+    (`destroy_groups`)."""
     import datetime
 
     import torch
@@ -228,6 +230,8 @@ def torch_group_comms(mapping: RankMapping, backend: str, device=None, timeout_s
         timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend, store=rendezvous_store(mapping, backend), rank=mapping.rank,
                                 world_size=mapping.world_size, timeout=timeout)
+        if backend == "gloo":
+            atexit.register(destroy_groups)  # (after MPI's start: runs before its finalize)
     mine = {}
     for kind in ("tp", "ep"):
         for ranks in mapping.groups(kind):
@@ -235,3 +239,15 @@ def torch_group_comms(mapping: RankMapping, backend: str, device=None, timeout_s
             if mapping.rank in ranks:
                 mine[kind] = group
     return mine
+
+
+def destroy_groups() -> None:
+    """Destroy this process's torch.distributed groups while the interpreter is whole (registered at exit by
+    `torch_group_comms` for gloo): left to the interpreter's teardown, gloo's worker threads may still hold the
+    tensors of the last collectives, whose release then needs a Python that is gone, and the process ends in
+    std::terminate ("terminate called without an active exception"; pytorch/pytorch#190489). Local: no rank waits
+    for another."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -29,8 +29,8 @@ SAMPLING_OPTIONS: dict[str, tuple[type, ...]] = {f.name: JSON_TYPES[f.type] for 
 """Every SamplingParams field -> the JSON types its option accepts."""
 CHAT_KEYS = ("reasoning_effort", "tools", "tool_choice", "response_format")
 # the session a request names, the first one given: OpenAI's `prompt_cache_key` (chat completions, Responses), else
-# its `user` (the end user's id, which `prompt_cache_key` replaces for caching; Anthropic's `metadata.user_id` is
-# passed as `user`)
+# its `user` (the end user's id, which `prompt_cache_key` replaces for caching; legacy completions have only `user`;
+# Anthropic's `metadata.user_id` is passed as `user`)
 SESSION_KEYS = ("prompt_cache_key", "user")
 MAX_SESSION_CHARS = 256  # Anthropic's bound on metadata.user_id
 

@@ -1,4 +1,4 @@
-"""Run under `mpiexec -n WORLD` (a tp-layout engine): every rank opens its own offload store in argv[2] (its
+"""Run under `mpiexec -n WORLD` (a tp-layout engine, any runner: `open_engine`): every rank opens its own offload store in argv[2] (its
 `rank{N}/`), rank 0 runs the prompt argv[3] (JSON token ids) for argv[4] greedy tokens with prefix caching, the other
 ranks follow. Rank 0 prints one JSON line: {"tokens", "cached" (prompt tokens resumed), "loaded" (of them from the
 store), "rejected" / "written" (per rank: files that failed their check, files written)}."""
@@ -12,13 +12,13 @@ from moe_export.runtime.core.contracts import Request
 from moe_export.runtime.core.engine_core import EngineCore
 from moe_export.runtime.core.execution import follow
 from moe_export.runtime.core.state_offload import open_state_offload
-from moe_export.runtime.engine.ort import Engine
+from moe_export.runtime.engine import open_engine
 from moe_export.runtime.sampling import SamplingParams
 
 
 def main() -> None:
     engine_dir, store = sys.argv[1], sys.argv[2]
-    engine = Engine(engine_dir, threads=1)
+    engine = open_engine(engine_dir, threads=1)
     offload = open_state_offload(engine, engine_dir, store, host_bytes=1 << 30, disk_bytes=1 << 30)
     world = engine.comm.world
     if not engine.is_root:

@@ -17,6 +17,7 @@ import onnx
 import pytest
 import torch
 import yaml
+from moe_export.common.engine_config import EngineConfig
 from moe_export.common.errors import InputError
 from moe_export.common.manifest import artifact_files, verify_engine_dir
 from moe_export.common.recipe import Recipe
@@ -216,6 +217,7 @@ def stage_keys(recipe: Recipe, source_id: str, license_sha256: str | None, token
         ({"limits.max_seq_len": 256}, {"graph", "lower", "config"}),
         ({"name": "other"}, {"config"}),
         ({"workspace_reserve_gib": 0.5}, {"config"}),
+        ({"limits.checkpoints_per_slot": 4}, {"config"}),  # the runners' checkpoint pool: no graph holds it
     ],
 )
 def test_stage_keys_change_only_where_the_recipe_field_matters(change, expected):
@@ -241,6 +243,14 @@ def test_stage_keys_engine_and_source():
     read_other = stage_keys(trt, "src", None, {}, reads={1: "other bytes"})  # rank 1 read other tensor bytes
     assert {k for k in base if base[k] != read_other[k]} == {"graph/rank1", "engine/rank1", "config"}
     assert set(STAGE_FIELDS) == {"convert", "graph", "lower", "engine", "vision", "vision_engine"}
+    # the checkpoint budget reaches a TensorRT engine through the planner's pool sizes (its `pool_limits`), which
+    # count the checkpoints only on a CPU target (`bytes_per_checkpoint`: pinned host memory beside a GPU)
+    for gpu, changed in (("cpu", {"engine", "config"}), ("h100", {"config"})):
+        target = {"target.gpu": gpu, "target.memory_gib": 80}
+        base = stage_keys(tiny_recipe("synthetic:tiny-k3", backend="tensorrt", **target), "src", None, {})
+        fewer = stage_keys(tiny_recipe("synthetic:tiny-k3", backend="tensorrt", **target,
+                                       **{"limits.checkpoints_per_slot": 4}), "src", None, {})
+        assert {k.split("/")[0] for k in base if base[k] != fewer[k]} == changed, gpu
 
 
 # ---- builds ----
@@ -300,6 +310,20 @@ def test_thinking_change_rewrites_only_config_and_manifest(ckpt, tmp_path):
     assert {k for k in state_before if state_before[k] != state_after.get(k)} == {"config.json", "publish.json"}
     assert verify_engine_dir(out)["ok"]
     assert_published_alone(out)
+
+
+def test_checkpoint_budget_change_rewrites_only_config(ckpt, tmp_path):
+    """`limits.checkpoints_per_slot` is read by the runners from config.json (the checkpoint pool they allocate);
+    the graphs take their pools with symbolic sizes: a rebuild with another value reuses every other stage."""
+    out = tmp_path / "e"
+    build(tiny_recipe(ckpt), out, stages=FAKE_STAGES, progress=False)
+    before = inodes(out)
+    res = build(tiny_recipe(ckpt, **{"limits.checkpoints_per_slot": 4}), out, stages=FAKE_STAGES, progress=False)
+    assert res.ran == ["config"]
+    after = inodes(out)
+    assert {k for k in before if before[k] != after[k]} == {"config.json"}
+    assert EngineConfig.read(out).limits.checkpoints_per_slot == 4
+    assert verify_engine_dir(out)["ok"]
 
 
 def test_quantization_change_rebuilds_convert_graph_lowering(ckpt, tmp_path):

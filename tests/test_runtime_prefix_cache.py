@@ -167,6 +167,25 @@ def test_required_turns_resume_at_the_exact_divergence(runtime_engine, preset):
     assert_same(rec, frec, fresh)
 
 
+def test_a_request_waiting_for_a_slot_keeps_the_exact_checkpoint_it_will_resume_from(runtime_engine):
+    """One slot, busy: the next turn of a `required` loop waits (its admission fails at each step) while another
+    request decodes. Its exact-position checkpoint at the conversation's end outlives the failed admissions: once
+    admitted it resumes there (not at the block boundary before it), with the tokens and logits of a full prefill."""
+    engine_dir = runtime_engine("tiny-k3", 2, 2, 4)
+    eng, fresh = Engine(engine_dir, num_slots=1, threads=1), Engine(engine_dir, num_slots=1, threads=1)
+    sched = EngineCore(eng)
+    conv, instruction = BASE[:37], tail(7, 40)  # mid-block (BS 16)
+    got, _, _ = run_turn(sched, "t0", conv + instruction, 6, (len(conv), len(conv) + len(instruction)))
+    sched.add(Request("other", tail(40, 80), SamplingParams(max_tokens=5, ignore_eos=True)))
+    sched.step()  # "other" takes the slot (t0's kept session evicted) and decodes for 4 more steps
+    nxt = conv + got + tail(11, 50) + instruction
+    got, rec, cached = run_turn(sched, "t1", nxt, 4, (len(nxt) - len(instruction), len(nxt)))
+    assert cached == len(conv)
+    want, frec = oracle(fresh, nxt, 4)
+    assert got == want
+    assert_same(rec, frec, fresh)
+
+
 def test_a_turn_sent_back_otherwise_resumes_at_its_prompt_end(runtime_engine):
     """A client that sends a turn back without its reasoning: the next prompt holds the previous prompt, then other
     tokens than the output. It resumes at exactly the previous prompt's end (mid-block: the checkpoint at that

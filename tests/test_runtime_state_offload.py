@@ -258,17 +258,19 @@ def mpi_turn(engine_dir, store, prompt: list[int], n: int) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def test_tp_ranks_offload_their_own_shards_and_agree_on_loads(runtime_engine, tmp_path):
-    """mpiexec -n 2, tp 2: each rank writes its own shards' files (`rank{N}/`); after a restart (new processes on
-    the same store) the follow-up turn resumes from them and answers as a cacheless prefill does. With one rank's
-    state files damaged, no rank loads (the ranks agree): the turn is prefilled in full, with the same tokens."""
-    engine_dir = runtime_engine("tiny-k3", 2, 2, 2)
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
+def test_tp_ranks_offload_their_own_shards_and_agree_on_loads(runtime_engine, tmp_path, backend):
+    """mpiexec -n 2, tp 2 (ONNX Runtime and torch runners): each rank writes its own shards' files (`rank{N}/`);
+    after a restart (new processes on the same store) the follow-up turn resumes from them and answers as a
+    cacheless prefill on the same runner does. With one rank's state files damaged, no rank loads (the ranks
+    agree): the turn is prefilled in full, with the same tokens."""
+    engine_dir = runtime_engine("tiny-k3", 2, 2, 2, backend=backend)
     first = mpi_turn(engine_dir, tmp_path / "state", TURN1, 6)
     assert first["cached"] == 0 and all(first["written"])
     assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["rank0", "rank1"]
     shutil.copytree(tmp_path / "state", tmp_path / "damaged")
     prompt2 = TURN1 + first["tokens"] + TOOL
-    want, _ = oracle(Engine(engine_dir, num_slots=1, threads=1), prompt2, 5)
+    want, _ = oracle(open_engine(engine_dir, num_slots=1, threads=1), prompt2, 5)
     resumed = mpi_turn(engine_dir, tmp_path / "state", prompt2, 5)
     assert resumed["cached"] == resumed["loaded"] == len(TURN1) + len(first["tokens"]) - 1
     assert resumed["tokens"] == want and resumed["rejected"] == [0, 0]

@@ -53,7 +53,8 @@ def test_a_bad_session_key_is_refused_naming_it(value):
 
 def test_the_served_apis_pass_the_session_to_the_engine_request(tmp_path):
     """The official clients' fields reach `Tracked.session`: chat completions and Responses `prompt_cache_key` (over
-    `user`) and `user`, Anthropic messages `metadata.user_id`; none: anonymous; a bad one is a 400 naming it."""
+    `user`) and `user`, legacy completions `user` (each of its choices), Anthropic messages `metadata.user_id`; none:
+    anonymous; a bad one is a 400 naming it."""
     import anthropic
     import httpx
     import httpx2  # (the anthropic client's fork of httpx)
@@ -75,10 +76,13 @@ def test_the_served_apis_pass_the_session_to_the_engine_request(tmp_path):
         await oai.responses.create(model="m", input="hi", max_output_tokens=2, user="u-2")
         await ant.messages.create(model="m", messages=messages, max_tokens=2, metadata={"user_id": "u-3"})
         await ant.messages.create(model="m", messages=messages, max_tokens=2)
-        bad = await http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, "user": ""})
+        await oai.completions.create(model="m", prompt=["hi", "ho"], max_tokens=2, user="u-4")
+        await oai.completions.create(model="m", prompt="hi", max_tokens=2)
+        bad = [await http.post(route, json={**body, "max_tokens": 2, "user": ""}) for route, body in (
+            ("/v1/chat/completions", {"messages": messages}), ("/v1/completions", {"prompt": "hi"}))]
         await http.aclose()
         return bad
 
     bad = asyncio.run(go())
-    assert llm.sessions == ["agent-7", "u-1", None, "agent-8", "u-2", "u-3", None]
-    assert bad.status_code == 400 and "user must be a string" in bad.text
+    assert llm.sessions == ["agent-7", "u-1", None, "agent-8", "u-2", "u-3", None, "u-4", "u-4", None]
+    assert all(b.status_code == 400 and "user must be a string" in b.text for b in bad)

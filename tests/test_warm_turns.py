@@ -90,6 +90,36 @@ def test_a_warm_turn_yields_to_requests(runtime_engine):
     assert core.stats()["warm_dropped"] >= 1 and not core.scheduler.warm_running
 
 
+def test_a_dropped_warm_turn_leaves_the_conversation_end_checkpoint(runtime_engine):
+    """One slot: a turn ends; its warm turn resumes at the conversation's end (from the exact-position checkpoint
+    there) and is dropped mid-prefill for a request that needs the slot. The next turn (conversation + output + tool
+    answer + instruction) still resumes at the conversation's exact end, as on an engine without warm turns (not at
+    the block boundary before it), with the tokens and logits of a full prefill."""
+    engine_dir = runtime_engine("tiny-k3", 2, 2, 4)
+    fresh = Engine(engine_dir, num_slots=1, threads=1)
+    conv, instruction, other = BASE[:37], tail(7, 40), tail(40, 80)
+    assert len(conv) % fresh.block_size  # the conversation ends mid-block
+    results = {}
+    for warm_turn in (True, False):
+        eng = Engine(engine_dir, num_slots=1, threads=1)
+        eng.max_num_tokens = 8  # steps of 8 tokens: the warm turn's 30 take 4
+        core = EngineCore(eng)
+        got, _, _ = run_turn(core, "t0", conv + instruction, 30, (len(conv), len(conv) + len(instruction)))
+        if warm_turn:
+            core.add_warm(warm("t0:warm", conv + got))
+            core.step()  # admitted, resuming at len(conv); its first chunk fed, not its last
+            assert "t0:warm" in core.scheduler.warm_running
+        run_turn(core, "other", other, 3, ())  # needs the only slot: the warm turn is dropped
+        assert core.stats()["warm_dropped"] == int(warm_turn) and not core.scheduler.warm_running
+        prompt = conv + got + tail(11, 50) + instruction
+        results[warm_turn] = run_turn(core, "t1", prompt, 6, (len(prompt) - len(instruction), len(prompt)))
+    want, frec = oracle(fresh, prompt, 6)
+    for warm_turn, (got, rec, cached) in results.items():
+        assert cached == len(conv), warm_turn
+        assert got == want, warm_turn
+        assert_same(rec, frec, fresh)
+
+
 @pytest.fixture(scope="module")
 def llms(runtime_engine):
     engine_dir = runtime_engine("tiny-k3", 2, 2, 4)

@@ -494,6 +494,13 @@ def test_placement_follow_ups_least_loaded_and_processors_in_group_0():
     assert sched.warm_group([1, 2, 3, 9]) == 2 and sched.warm_group([1, 2, 8]) == 3 and sched.warm_group([5]) is None
     sched.remember((1, 2, 8), 1)
     assert sched.place(Request("e", [1, 2, 8, 4])) == 1
+    # a constrained chat (a logits processor: group 0): its warm turn goes to group 0, and so does its next turn,
+    # constrained or not (the warm prompt, remembered as group 0's, is the longest it continues)
+    sched.remember((4, 5, 6), 0)
+    assert sched.warm_group([4, 5, 6, 7]) == 0
+    sched.remember((4, 5, 6, 7), 0)
+    assert sched.place(Request("f", [4, 5, 6, 7, 8])) == 0
+    assert sched.place(Request("g", [4, 5, 6, 7, 8], logits_processors=[lambda ids, logits: logits])) == 0
 
 
 @pytest.mark.slow

@@ -34,9 +34,11 @@ mtime and inode as recorded, staged in `.build/` or already published in OUT) is
 
     convert/rankN  source layout (config.json's sha256 + the shard headers' tensor table) + quantization +
                    parallel + target (gpu, world size) + rank mapping; and the source bytes it read (below)
-    graph/rankN    convert identity (its key + the digest of the bytes it read) + attention + limits
+    graph/rankN    convert identity (its key + the digest of the bytes it read) + attention + limits (but
+                   checkpoints_per_slot: the runners' checkpoint pool; a graph's pools have symbolic sizes)
     lower/rankN    graph key                             (backend onnxruntime)
-    engine/rankN   graph key + limits + target + workspace_reserve_gib   (backend tensorrt)
+    engine/rankN   graph key + limits + target + workspace_reserve_gib   (backend tensorrt; checkpoints_per_slot
+                   only on a CPU target, where the planner's pool sizes the engine records count the checkpoints)
     config         the whole recipe + source layout + every convert identity (the class map reads the
                    weights) + generation_config.json's sha256 (its stop ids go into config.json)
     license        the source LICENSE file's sha256

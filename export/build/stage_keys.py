@@ -28,6 +28,7 @@ from moe_export.common.mapping import Mapping
 from moe_export.common.model_config import GENERATION_CONFIG
 from moe_export.common.recipe import Recipe
 from moe_export.export.backends import all_backends, backend_for
+from moe_export.export.plan.planner import bytes_per_checkpoint
 
 # Recipe fields (dotted paths into the recipe) each stage's output depends on, beyond its upstream keys; the
 # stages a backend adds (`export/backends/`) declare theirs.
@@ -112,7 +113,14 @@ def code_fingerprints() -> dict[str, dict[str, Any]]:
 
 
 def _fields(recipe: Recipe, stage: str) -> dict:
+    """The recipe fields a stage's key covers (`STAGE_FIELDS`). `limits.checkpoints_per_slot` (the prefix cache's
+    checkpoint pool, which the runners allocate as config.json says) is left out of the graph's (a graph's pools have
+    symbolic sizes) and, where the checkpoints take none of the memory the pools are planned in (a GPU target:
+    pinned host memory, `bytes_per_checkpoint`), of every stage's: the planner's pool sizes, which a TensorRT engine
+    records, do not depend on it there."""
     dump = recipe.model_dump(mode="json")
+    if stage == "graph" or not bytes_per_checkpoint(recipe, 1):
+        del dump["limits"]["checkpoints_per_slot"]
     return {f: _pick(dump, f) for f in STAGE_FIELDS[stage]}
 
 

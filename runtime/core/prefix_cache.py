@@ -25,7 +25,9 @@ is checkpointed at exactly those positions (and at the block boundary before eac
 checkpoint holds a reference on that partial block, whose first positions keep their cache rows. A prompt
 continuing those exact tokens resumes there when it can write into the partial block (copy-on-write without a
 copy): nobody else holds it but the cache's name and kept sessions, which are then dropped (the partial
-checkpoint is consumed); otherwise it resumes at the block boundary before, replaying the few tokens after it.
+checkpoint is consumed once the request is admitted; a request that must wait leaves it named, and a warm turn holds
+it until it has checkpointed its own last block boundary, naming it again if it is given up before); otherwise it
+resumes at the block boundary before, replaying the few tokens after it.
 
 Eviction is least recently used by session: each checkpoint belongs to a lineage (the session its request names,
 `Request.session`: OpenAI's `prompt_cache_key` / `user`, Anthropic's `metadata.user_id`; else the request that wrote
@@ -77,10 +79,24 @@ class PartialCheckpoint:
 
 
 @dataclass
+class HeldCheckpoint:
+    """An exact-position checkpoint taken out of the cache by a sequence resuming from it (`PrefixCache.hold_partial`):
+    its id stays taken and one reference on its partial block stays held, so that it can be named again as it was
+    (`restore_held`: the sequence did not resume from it after all, or is a warm turn given up) or given up
+    (`release_held`)."""
+
+    name: bytes
+    checkpoint: int
+    lineage: str
+    agent: bool
+    partial: PartialCheckpoint
+
+
+@dataclass
 class PartialMatch:
     """A prompt's deepest exact-position checkpoint: resume at `position` with the full blocks `blocks` (a
     reference taken on each: the caller owns them) and the checkpoint `name` / id `checkpoint` (its partial block
-    not yet taken: `PrefixCache.take_partial`)."""
+    not yet taken: `PrefixCache.hold_partial`)."""
 
     position: int
     blocks: list[int]
@@ -180,12 +196,25 @@ class PrefixCache:
         """Forget a checkpoint (an exact-position one's block reference released)."""
         self._forget_checkpoint(name, release_block=True)
 
-    def take_partial(self, name: bytes) -> int:
-        """Consume an exact-position checkpoint whose state a sequence restores this step and whose partial block
-        it writes into: the block's reference passes to the caller, the checkpoint id is free again (a restore
-        runs before any save of the same step)."""
-        part = self._forget_checkpoint(name, release_block=False)
-        return part.block
+    def hold_partial(self, name: bytes) -> HeldCheckpoint:
+        """Take out an exact-position checkpoint whose state a sequence is to restore and whose partial block it is
+        to write into (from the checkpoint's first position on: its tail's rows stay as they are). It is no longer
+        found, but its id and block reference are held (`HeldCheckpoint`) until `release_held` or `restore_held`."""
+        lineage, checkpoint = self._lineage[name], self._checkpoints[name]
+        agent = lineage in self._agents
+        part = self._forget_checkpoint(name, release_block=False, free_id=False)
+        return HeldCheckpoint(name, checkpoint, lineage, agent, part)
+
+    def release_held(self, held: HeldCheckpoint) -> None:
+        """Give up a held checkpoint: its id is free again (a restore runs before any save of the same step), its
+        block reference released."""
+        self._free_checkpoints.append(held.checkpoint)
+        self.allocator.decref([held.partial.block])
+
+    def restore_held(self, held: HeldCheckpoint) -> None:
+        """Name a held checkpoint again, for its lineage, the most recently used (its block reference passes back to
+        the cache). Valid while nobody wrote its checkpoint id or its partial block's rows before its position."""
+        self.add_checkpoint(held.name, held.checkpoint, held.lineage, held.partial, held.agent)
 
     def checkpoint_targets(self, prompt_len: int, resume: int, matched_blocks: int,
                            turn_points: tuple[int, ...] = ()) -> list[int]:
@@ -242,10 +271,12 @@ class PrefixCache:
         self._forget_checkpoint(victim, release_block=True)
         return self._free_checkpoints.pop()
 
-    def _forget_checkpoint(self, h: bytes, release_block: bool) -> PartialCheckpoint | None:
-        """Drop checkpoint `h` (its id back to the free list, an exact-position one's block reference released if
-        `release_block`); its partial record, if it had one."""
-        self._free_checkpoints.append(self._checkpoints.pop(h))
+    def _forget_checkpoint(self, h: bytes, release_block: bool, free_id: bool = True) -> PartialCheckpoint | None:
+        """Drop checkpoint `h` (its id back to the free list if `free_id`, an exact-position one's block reference
+        released if `release_block`); its partial record, if it had one."""
+        checkpoint = self._checkpoints.pop(h)
+        if free_id:
+            self._free_checkpoints.append(checkpoint)
         lineage = self._lineage.pop(h)
         self._lineage_checkpoints[lineage] -= 1
         if not self._lineage_checkpoints[lineage]:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_export.runtime.core.blocks import BlockAllocator
-from moe_export.runtime.core.prefix_cache import PartialCheckpoint, PartialMatch, PrefixCache, block_hashes, partial_name
+from moe_export.runtime.core.prefix_cache import (HeldCheckpoint, PartialCheckpoint, PartialMatch, PrefixCache,
+                                                  block_hashes, partial_name)
 from moe_export.runtime.core.sequence import Sequence
 from moe_export.runtime.core.sessions import KeptSequence, SessionCache
 from moe_export.runtime.core.state_offload import FoundState, StateLoad, StateOffload, StateRead
@@ -81,11 +82,11 @@ class Resources:
                 continue
             return short <= 0 and not (slot and not self.free_slots)
 
-    def _take_partial(self, found: PartialMatch) -> int | None:
-        """The partial block of an exact-position checkpoint, for the resuming sequence to write into (the
-        checkpoint consumed; the block's name, the kept sessions and the other exact-position checkpoints holding it
-        dropped), or None when someone else holds it (a running sequence): then the prompt resumes at a block
-        boundary."""
+    def _take_partial(self, found: PartialMatch) -> HeldCheckpoint | None:
+        """An exact-position checkpoint held for the resuming sequence to write into its partial block (a reference
+        on the block taken for the sequence; the block's name, the kept sessions and the other exact-position
+        checkpoints holding it dropped), or None when someone else holds the block (a running sequence): then the
+        prompt resumes at a block boundary."""
         index = found.position // self.allocator.block_size
         holders = self.sessions.take_holding(index, found.block)
         named = self.prefix.named(found.block)
@@ -98,18 +99,19 @@ class Resources:
             self._release_kept(kept)
         for name in others:
             self.prefix.drop_checkpoint(name)
-        if named:
-            self.prefix.unname(found.block)
-        return self.prefix.take_partial(found.name)
+        self.allocator.incref([found.block])
+        return self.prefix.hold_partial(found.name)
 
-    def admit(self, seq: Sequence, resets: list[int], restores: list[tuple[int, int]], count: bool = True) -> bool:
+    def admit(self, seq: Sequence, resets: list[int], restores: list[tuple[int, int]], warm: bool = False) -> bool:
         """Give `seq` a slot and its blocks, resuming from a kept session it extends or a cached prefix, whichever
-        is longer (a restored (checkpoint, slot) goes to `restores`, a fresh slot to `resets`); False: must wait.
-        count: its prompt counts in the prefix cache's queried / hit tokens (not a warm turn's)."""
+        is longer (a restored (checkpoint, slot) goes to `restores`, a fresh slot to `resets`); False: must wait
+        (an exact-position checkpoint it would have resumed from is named again, for its next try). warm: a warm
+        turn, whose prompt does not count in the prefix cache's queried / hit tokens and which holds the
+        exact-position checkpoint it resumes from until it ends (`Sequence.held`: see `release`)."""
         need = self.blocks_for(seq)
         key = seq.session_key(len(seq.tokens))
         kept = self.sessions.take_longest_prefix(key) if self.keep_sessions else None
-        resume, shared, checkpoint, matched, lineage = 0, [], None, 0, None
+        resume, shared, checkpoint, matched, lineage, held = 0, [], None, 0, None, None
         if self.prefix is not None:  # the kept session's block names are reused: only the new blocks are hashed
             bs = self.allocator.block_size
             known = kept.hashes if kept is not None else []
@@ -121,14 +123,14 @@ class Resources:
             found = self.prefix.match_partial(key, seq.hashes, len(seq.tokens), matched, floor)
             if found is not None:
                 found_lineage = self.prefix.lineage(found.name)
-                block = self._take_partial(found)
-                if block is None:
+                held = self._take_partial(found)
+                if held is None:
                     self.allocator.decref(found.blocks)
                 else:
                     self.allocator.decref(shared)
-                    resume, shared, checkpoint = found.position, found.blocks + [block], found.checkpoint
+                    resume, shared, checkpoint = found.position, found.blocks + [found.block], found.checkpoint
                     lineage = found_lineage
-            if resume and kept is not None and len(kept.tokens) >= resume:
+            if resume and kept is not None and len(kept.tokens) >= resume:  # (never a held one's: floor)
                 self.allocator.decref(shared)
                 resume, shared, checkpoint = 0, [], None
             elif resume and kept is not None:
@@ -141,13 +143,19 @@ class Resources:
                 if kept is not None:
                     self._unkeep(kept)
                 self.allocator.decref(shared)
+                if held is not None:
+                    self.prefix.restore_held(held)
                 return self._admit_offloaded(seq, found, need, matched)
         have = len(kept.blocks) if kept is not None else len(shared)
         if not self._make_room(need - have, kept is None):
             if kept is not None:
                 self._unkeep(kept)
             self.allocator.decref(shared)
+            if held is not None:
+                self.prefix.restore_held(held)
             return False
+        if held is not None:
+            self._write_into(held, seq, warm)
         if kept is not None:
             seq.slot, seq.blocks = kept.slot, kept.blocks
             seq.num_computed = seq.cached_tokens = len(kept.tokens)
@@ -164,18 +172,33 @@ class Resources:
                 restores.append((checkpoint, seq.slot))
             seq.lineage = lineage if checkpoint is not None and lineage else seq.request_id
         if self.prefix is not None:
-            if seq.num_computed:
-                self.prefix.touch_session(seq.lineage)
-            if seq.request.session is not None:  # a named session owns its checkpoints from its first request on
-                seq.lineage = session_lineage(seq.request.session)
-                self.prefix.touch_session(seq.lineage)
-            seq.named = resume // self.allocator.block_size
-            seq.targets = self.prefix.checkpoint_targets(len(seq.tokens), seq.num_computed, matched,
-                                                         seq.request.turn_points)
-            if count:
-                self.prefix.queried_tokens += len(seq.tokens)
-                self.prefix.hit_tokens += seq.cached_tokens
+            self._follow(seq, resume, matched, warm)
         return True
+
+    def _write_into(self, held: HeldCheckpoint, seq: Sequence, warm: bool) -> None:
+        """`seq`, admitted resuming from `held`, writes into its partial block from the checkpoint's position on (the
+        block's name dropped); a warm turn goes on holding the checkpoint (`release`), any other sequence consumes it."""
+        if self.prefix.named(held.partial.block):
+            self.prefix.unname(held.partial.block)
+        if warm:
+            seq.held = held
+        else:
+            self.prefix.release_held(held)
+
+    def _follow(self, seq: Sequence, resume: int, matched: int, warm: bool) -> None:
+        """The prefix cache's side of an admitted `seq` resuming at `resume`: its lineage's use, its checkpoint targets
+        and, unless a warm turn, its prompt in the queried / hit counters."""
+        if seq.num_computed:
+            self.prefix.touch_session(seq.lineage)
+        if seq.request.session is not None:  # a named session owns its checkpoints from its first request on
+            seq.lineage = session_lineage(seq.request.session)
+            self.prefix.touch_session(seq.lineage)
+        seq.named = resume // self.allocator.block_size
+        seq.targets = self.prefix.checkpoint_targets(len(seq.tokens), seq.num_computed, matched,
+                                                     seq.request.turn_points)
+        if not warm:
+            self.prefix.queried_tokens += len(seq.tokens)
+            self.prefix.hit_tokens += seq.cached_tokens
 
     def _admit_offloaded(self, seq: Sequence, found: FoundState, need: int, matched: int) -> bool:
         """Admit `seq` resuming from a state of the offload store: the full blocks the prefix cache holds are
@@ -206,7 +229,19 @@ class Resources:
         return True
 
     def release(self, seq: Sequence, keep: bool) -> None:
-        """Hand a sequence's slot and blocks back, or keep them as a session keyed by its computed tokens."""
+        """Hand a sequence's slot and blocks back, or keep them as a session keyed by its computed tokens. A warm
+        turn's held checkpoint (`admit`) is given up once the warm turn has its own: it prefilled its whole prompt
+        and checkpointed its last block boundary, beyond the held position; else (given up midway) named again."""
+        if seq.held is not None:
+            held, seq.held = seq.held, None
+            bs = self.allocator.block_size
+            last = (len(seq.tokens) - 1) // bs  # full blocks before its last block boundary
+            own = (seq.num_computed >= len(seq.tokens) and last * bs > seq.cached_tokens
+                   and self.prefix.has_checkpoint(seq.hashes[last - 1]))
+            if own:
+                self.prefix.release_held(held)
+            else:
+                self.prefix.restore_held(held)
         if seq.slot < 0:
             return
         if keep and self.keep_sessions and seq.num_computed > 0:

@@ -222,7 +222,7 @@ class Scheduler:
         if warm is None:
             return False
         self.warm_queue.remove(warm)
-        if self.resources.admit(warm, resets, restores, count=False):
+        if self.resources.admit(warm, resets, restores, warm=True):
             self.warm_running[warm.request_id] = warm
             return True
         self._drop_warm(warm)
@@ -414,7 +414,7 @@ class Scheduler:
                 return rows
         while not self.waiting and self.warm_queue and step_tokens < self.limits.max_num_tokens:
             seq = self.warm_queue[0]
-            if self.resources.admit(seq, resets, restores, count=False):
+            if self.resources.admit(seq, resets, restores, warm=True):
                 self.warm_running[self.warm_queue.popleft().request_id] = seq
             elif self.running or self.warm_running:  # the slots are busy: later
                 break

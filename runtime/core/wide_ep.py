@@ -18,7 +18,9 @@ Placement (rank 0). A request whose prompt continues the prompt of a request tha
 (a conversation's follow-up turn) goes to g, which keeps that turn's state; otherwise it goes to the group
 with the fewest requests waiting or running. Requests with logits processors stay in group 0: rank 0 runs
 them itself, so the processor objects the caller holds are the ones that saw the output (the server reads a
-grammar processor's state when the request ends). A warm turn (`add_warm`: the start of a finished chat's next prompt,
+grammar processor's state when the request ends); a constrained turn of a conversation that ran unconstrained in
+another group therefore prefills it again in group 0 (that group's kept session or warm turn is out of its reach),
+while a constrained chat's warm turn and next turns, constrained or not, all stay in group 0. A warm turn (`add_warm`: the start of a finished chat's next prompt,
 prefilled between turns) goes to the group whose finished prompt shares the longest prefix with it (the group that
 ran the turn, which holds the conversation's state), and is remembered as that group's finished prompt, so the next
 turn, which continues it, is placed there too and resumes at its end. A leader rebuilds a request's thinking budget from its spec with

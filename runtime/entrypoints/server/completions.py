@@ -41,13 +41,15 @@ async def completion(svc: Service, req: CompletionRequest, disconnected: Disconn
             max_tokens = svc.fit_max_tokens(len(ids), req.max_tokens, "max_tokens")
             for j in range(req.n):  # choice index p_index * n + j, as vLLM orders them
                 k = p_index * req.n + j
-                sampling = svc.request_options(req.temperature, req.top_p, req.top_k,
-                                               None if req.seed is None else req.seed + j, max_tokens, req.stop,
-                                               req.logprobs is not None, req.ignore_eos, top_logprobs=req.logprobs or 0,
-                                               extras=extras).sampling
+                opts = svc.request_options(req.temperature, req.top_p, req.top_k,
+                                           None if req.seed is None else req.seed + j, max_tokens, req.stop,
+                                           req.logprobs is not None, req.ignore_eos, top_logprobs=req.logprobs or 0,
+                                           extras=extras, session={"user": req.user})
                 svc.check_queue()
                 rid = request_id if len(prompts) * req.n == 1 else f"{request_id}-{k}"
-                streams.append((await svc.timed(svc.llm.generate_stream(ids, sampling, request_id=rid)))[1])
+                request = svc.llm.processor.generate(ids, opts.sampling, rid)
+                request.session = opts.session
+                streams.append((await svc.timed(svc.llm.stream(request)))[1])
     except BaseException:
         for stream in streams:
             await stream.aclose()

@@ -75,6 +75,7 @@ class CompletionRequest(Penalties):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     ignore_eos: bool = False
+    user: str | None = None  # the session the request belongs to (this API has no prompt_cache_key)
 
 
 class ResponsesRequest(Lenient):
