@@ -104,15 +104,7 @@ def plan(
         fit = ", ".join(f"{n} x {int(length):,} tokens" for length, n in d["sequences_that_fit"].items())
         console.print(f"cache per rank: {d['cache_tokens_per_rank']:,} tokens in blocks of {rec.limits.block_size} "
                       f"({rec.limits.max_batch} sequence slots); at once: {fit}")
-        console.print(f"host memory per rank: prefix-cache state checkpoints {worst.pools.checkpoint_host_bytes / GIB:.2f} "
-                      f"GiB ({rec.limits.checkpoints_per_slot} per slot (limits.checkpoints_per_slot) x "
-                      f"{worst.pools.num_slots} slots x {worst.pools.bytes_per_slot / 2**20:,.1f} MiB; pinned beside a "
-                      "GPU, the rank's own memory on a CPU target)")
-        if rec.target.gpu != "cpu":
-            limit = d["host_memory_bytes_per_node"]
-            console.print(f"host memory per node running: {d['host_run_bytes_per_node'] / GIB:.2f} GiB ("
-                          f"{rec.target.gpus_per_node} ranks; " + (f"target.host_memory_gib {limit / GIB:g})" if limit
-                                                                   else "target.host_memory_gib not given: not checked)"))
+        _print_checkpoint_host_memory(d, rec, worst.pools)
         layouts = Table(title=f"decode step per GPU, {rec.limits.max_batch} tokens per attention group "
                               f"(MoE bytes per MoE layer; attention token x heads per layer)")
         for col in ("layout", "groups", "tokens served / GPU", "MoE bytes sent", "of which between nodes",
@@ -131,6 +123,22 @@ def plan(
         if not as_json:
             err_console.print(f"error: recipe {rec.name}: {p.verdict()}", highlight=False)
         raise typer.Exit(2)
+
+
+def _print_checkpoint_host_memory(d: dict, rec, pools) -> None:
+    """`plan`'s lines on the prefix cache's checkpoints: per rank, and beside GPUs per node against
+    target.host_memory_gib."""
+    from moe_export.common.pools import GIB
+
+    console.print(f"host memory per rank: prefix-cache state checkpoints {pools.checkpoint_host_bytes / GIB:.2f} "
+                  f"GiB ({rec.limits.checkpoints_per_slot} per slot (limits.checkpoints_per_slot) x "
+                  f"{pools.num_slots} slots x {pools.bytes_per_slot / 2**20:,.1f} MiB; pinned beside a "
+                  "GPU, the rank's own memory on a CPU target)")
+    if rec.target.gpu != "cpu":
+        limit = d["host_memory_bytes_per_node"]
+        console.print(f"host memory per node running: {d['host_run_bytes_per_node'] / GIB:.2f} GiB ("
+                      f"{rec.target.gpus_per_node} ranks; " + (f"target.host_memory_gib {limit / GIB:g})" if limit
+                                                               else "target.host_memory_gib not given: not checked)"))
 
 
 def _print_margins_and_dp_step(d: dict) -> None:
