@@ -319,3 +319,31 @@ def test_mpiexec_serve_store_resumes_a_chain_after_a_restart(tmp_path_factory, t
     assert full.usage.input_tokens_details.cached_tokens == 0
     assert full.usage.input_tokens == r2.usage.input_tokens
     assert [i.model_dump(exclude={"id"}) for i in r2.output] == [i.model_dump(exclude={"id"}) for i in full.output]
+
+
+def test_mpiexec_serve_warms_up_every_rank(tmp_path_factory):
+    """`mpiexec -n 2 moe-export serve` (tp 2) runs the warm-up before /health answers: its steps reach rank 1 through
+    the serving core's broadcast (each step's collectives need both ranks, so rank 0 reports its steps only once rank 1
+    has run them too), and the greedy answer to the first request equals the same request's after another one (no
+    prefix caching: both prefilled in full; the warm-up's slot and blocks left nothing behind on either rank)."""
+    import re
+
+    import openai
+    from serve_support import build_serve_engine, start_cli_server, stop_process
+
+    engine = build_serve_engine(tmp_path_factory.mktemp("serve-engine-tp2"), tp=2, ep=2, world=2)
+    proc, url = start_cli_server([str(engine), "--default-effort", "low", "--served-model-name", "m",
+                                  "--no-prefix-caching"], mpiexec_ranks=2)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    opts = {"model": "m", "max_tokens": 8, "temperature": 0}
+    ask = [{"role": "user", "content": "Name the colours of a rainbow, in order, one per line."}]
+    try:
+        first = client.chat.completions.create(messages=ask, **opts)
+        client.chat.completions.create(messages=[{"role": "user", "content": "Another question in between."}], **opts)
+        again = client.chat.completions.create(messages=ask, **opts)
+    finally:
+        assert stop_process(proc) == 0
+    report = re.search(r"warm-up: (\d+) engine steps on (\d+) rank", proc.stderr.read())
+    assert report is not None and int(report[1]) > 0 and report[2] == "2"
+    assert first.choices[0].message.content == again.choices[0].message.content
+    assert first.usage.completion_tokens == again.usage.completion_tokens > 0
