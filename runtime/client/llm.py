@@ -13,6 +13,7 @@ Requests are prepared by `runtime.processor.InputProcessor` and run through `cli
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -239,7 +240,10 @@ class LLM:
         core = EngineCore(self.engine, executor=serving.executor, keep_sessions=False, prefix_caching=False,
                           overlap=False)
         length = min(WARM_UP_CHUNKS * self.engine.max_num_tokens + WARM_UP_TAIL, self.engine.max_seq_len - WARM_UP_OUTPUT)
-        prompt = [i % self.vocab_size for i in range(1, length + 1)]
+        tok, pad = self.tokenizer, self.engine.media_pad_id if self.engine.vision is not None else None
+        ids = range(1, min(self.vocab_size, tok.vocab_size) if tok is not None else self.vocab_size)
+        ordinary = (t for t in itertools.cycle(ids) if t != pad and (tok is None or not tok.is_special(t)))  # text
+        prompt = list(itertools.islice(ordinary, length))
         grammar = self._warm_up_grammar()
         core.add(Request("warm-up", prompt, SamplingParams(max_tokens=WARM_UP_OUTPUT, temperature=0.0, ignore_eos=True),
                          [grammar] if grammar is not None else []))
