@@ -220,7 +220,7 @@ def test_turn_after_a_restart_round_resumes_at_its_turn_point(runtime_engine, tm
 
 
 def test_server_warm_up_leaves_nothing_behind(runtime_engine, tmp_path):
-    """`serve`'s warm-up (`LLM.warm_up`: one short request on an engine core of its own, before /health answers) remembers
+    """`serve`'s warm-up (`LLM.warm_up`: one request on an engine core of its own, before /health answers) remembers
     nothing: no kept session, cached block or offload file; a restarted LLM warmed that way still resumes turn 1
     from the store, with the greedy tokens and logits of a full prefill."""
     from moe_export.runtime.client.llm import LLM
