@@ -115,8 +115,8 @@ class FakeLLM:
         yield StreamDelta(rid, [6], text="g", content="g", parts=[("content", "g"), *pieces], finished=True, output=out,
                           thinking_tier=tier)
 
-    def warm_up(self) -> None:
-        pass  # no runner, so no first-step cost
+    def warm_up(self) -> int:
+        return 0  # no runner, so no first-step cost and no engine step
 
     def shutdown(self) -> None:
         pass

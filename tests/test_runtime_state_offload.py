@@ -220,7 +220,7 @@ def test_turn_after_a_restart_round_resumes_at_its_turn_point(runtime_engine, tm
 
 
 def test_server_warm_up_leaves_nothing_behind(runtime_engine, tmp_path):
-    """`serve`'s warm-up (`LLM.warm_up`: one short request on an engine core of its own, before /health answers) remembers
+    """`serve`'s warm-up (`LLM.warm_up`: one request on an engine core of its own, before /health answers) remembers
     nothing: no kept session, cached block or offload file; a restarted LLM warmed that way still resumes turn 1
     from the store, with the greedy tokens and logits of a full prefill."""
     from moe_export.runtime.client.llm import LLM
@@ -321,3 +321,31 @@ def test_mpiexec_serve_store_resumes_a_chain_after_a_restart(tmp_path_factory, t
     assert full.usage.input_tokens_details.cached_tokens == 0
     assert full.usage.input_tokens == r2.usage.input_tokens
     assert [i.model_dump(exclude={"id"}) for i in r2.output] == [i.model_dump(exclude={"id"}) for i in full.output]
+
+
+def test_mpiexec_serve_warms_up_every_rank(tmp_path_factory):
+    """`mpiexec -n 2 moe-export serve` (tp 2) runs the warm-up before /health answers: its steps reach rank 1 through
+    the serving core's broadcast (each step's collectives need both ranks, so rank 0 reports its steps only once rank 1
+    has run them too), and the greedy answer to the first request equals the same request's after another one (no
+    prefix caching: both prefilled in full; the warm-up's slot and blocks left nothing behind on either rank)."""
+    import re
+
+    import openai
+    from serve_support import build_serve_engine, start_cli_server, stop_process
+
+    engine = build_serve_engine(tmp_path_factory.mktemp("serve-engine-tp2"), tp=2, ep=2, world=2)
+    proc, url = start_cli_server([str(engine), "--default-effort", "low", "--served-model-name", "m",
+                                  "--no-prefix-caching"], mpiexec_ranks=2)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    opts = {"model": "m", "max_tokens": 8, "temperature": 0}
+    ask = [{"role": "user", "content": "Name the colours of a rainbow, in order, one per line."}]
+    try:
+        first = client.chat.completions.create(messages=ask, **opts)
+        client.chat.completions.create(messages=[{"role": "user", "content": "Another question in between."}], **opts)
+        again = client.chat.completions.create(messages=ask, **opts)
+    finally:
+        assert stop_process(proc) == 0
+    report = re.search(r"warm-up: (\d+) engine steps on (\d+) rank", proc.stderr.read())
+    assert report is not None and int(report[1]) > 0 and report[2] == "2"
+    assert first.choices[0].message.content == again.choices[0].message.content
+    assert first.usage.completion_tokens == again.usage.completion_tokens > 0

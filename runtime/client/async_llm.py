@@ -197,9 +197,9 @@ class AsyncLLM:
     def stats(self) -> dict:
         return self._core.stats()
 
-    def warm_up(self) -> None:
-        """`LLM.warm_up` on the LLM this serves (before any request: its thread is idle)."""
-        self.llm.warm_up()
+    def warm_up(self) -> int:
+        """`LLM.warm_up` on the LLM this serves (before any request: its thread is idle); the engine steps it ran."""
+        return self.llm.warm_up()
 
     def shutdown(self) -> None:
         """Abort open requests and stop the thread; an LLM this AsyncLLM created is shut down too (follower

@@ -13,6 +13,7 @@ Requests are prepared by `runtime.processor.InputProcessor` and run through `cli
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,8 +31,14 @@ from moe_export.runtime.processor import InputProcessor
 from moe_export.runtime.sampling import LogitsProcessor, SamplingParams, model_defaults
 from moe_export.runtime.tokenizer import load_tokenizer
 
-WARM_UP_PROMPT = 40  # tokens of `LLM.warm_up`'s request: two full blocks of 16 and a partial one
+# `LLM.warm_up`'s request: WARM_UP_CHUNKS full prefill steps (max_num_tokens each: the second one attends to the first
+# through the cache pools, as every prefill of a resumed conversation does), then WARM_UP_TAIL tokens (two full blocks
+# of 16 and a partial one) and WARM_UP_OUTPUT decode steps under a forced call of WARM_UP_TOOL
+WARM_UP_CHUNKS = 2
+WARM_UP_TAIL = 40
 WARM_UP_OUTPUT = 4
+WARM_UP_TOOL = {"type": "function", "function": {"name": "warm_up", "parameters": {
+    "type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}
 
 OFFLOAD_HOST_BYTES = 1 << 30  # the offload store's host-memory tier
 OFFLOAD_DISK_BYTES = 8 << 30  # and its directory on disk (`moe-export serve --offload-gib`)
@@ -210,23 +217,50 @@ class LLM:
             raise InputError("run_follower() is for non-root ranks; rank 0 serves requests")
         run_rank(self.engine, budget_factory=self._budget, **self.scheduler_kwargs())
 
-    def warm_up(self) -> None:
-        """One short greedy request (WARM_UP_PROMPT tokens, WARM_UP_OUTPUT out) through this engine on an engine core
-        of its own (no prefix cache, kept session or offload store: nothing of it is remembered), so that the first
-        real request does not pay the runner's first-step costs (ONNX Runtime's first run of each session, torch's
-        first sampler and cache-write ops); `serve` calls it before /health answers. No request may be open meanwhile;
-        the slot and blocks it used are free again and are written before they are read by any request (a new
-        sequence resets or loads its slot's state and writes its own positions). One rank only: under mpiexec every
-        rank would have to join its steps."""
+    def warm_up(self) -> int:
+        """Run one greedy request through this engine before the first real one (`serve` calls it before /health
+        answers), so that no request after a start pays a first-use cost the others do not: WARM_UP_CHUNKS full
+        prefill steps and a partial one (the largest step temporaries, grown once in the step thread's heap; ONNX
+        Runtime's first run of each session; torch's first sampler and cache-write ops), then WARM_UP_OUTPUT tokens
+        constrained by a forced tool call (`_warm_up_grammar`). Returns the engine steps it ran (0 in the dp layout).
+
+        It runs on an engine core of its own (no prefix cache, kept session or offload store: nothing of it is
+        remembered) whose steps go through this LLM's own step executor: its worker thread, and under mpiexec its
+        broadcast, so every rank runs the same steps as for any request (the followers are in `run_follower`).
+        No request may be open meanwhile; the slot and blocks it used are free again and are written before they
+        are read by any request (a new sequence resets or loads its slot's state and writes its own positions).
+        Not in the dp layout (`runtime.core.wide_ep`): there group leaders schedule their own groups' steps, and a
+        core of rank 0's would drive group 0 alone."""
         from moe_export.runtime.core.contracts import Request
         from moe_export.runtime.core.engine_core import EngineCore
 
-        core = EngineCore(self.engine, keep_sessions=False, prefix_caching=False, overlap=False)
-        prompt = [i % self.vocab_size for i in range(1, WARM_UP_PROMPT + 1)]
-        core.add(Request("warm-up", prompt, SamplingParams(max_tokens=WARM_UP_OUTPUT, ignore_eos=True)))
+        serving = self._root().engine_core
+        if not isinstance(serving, EngineCore):
+            return 0
+        core = EngineCore(self.engine, executor=serving.executor, keep_sessions=False, prefix_caching=False,
+                          overlap=False)
+        length = min(WARM_UP_CHUNKS * self.engine.max_num_tokens + WARM_UP_TAIL, self.engine.max_seq_len - WARM_UP_OUTPUT)
+        tok, pad = self.tokenizer, self.engine.media_pad_id if self.engine.vision is not None else None
+        ids = range(1, min(self.vocab_size, tok.vocab_size) if tok is not None else self.vocab_size)
+        ordinary = (t for t in itertools.cycle(ids) if t != pad and (tok is None or not tok.is_special(t)))  # text
+        prompt = list(itertools.islice(ordinary, length))
+        grammar = self._warm_up_grammar()
+        core.add(Request("warm-up", prompt, SamplingParams(max_tokens=WARM_UP_OUTPUT, temperature=0.0, ignore_eos=True),
+                         [grammar] if grammar is not None else []))
+        started = serving.executor.steps
         while core.has_work:
             core.step()
-        core.shutdown()
+        return serving.executor.steps - started
+
+    def _warm_up_grammar(self) -> LogitsProcessor | None:
+        """The grammar of a chat forcing a call of WARM_UP_TOOL (None without a chat family): preparing it renders a
+        chat with tools, builds the tokenizer's grammar vocabulary (every token's text, once per process) and runs
+        xgrammar's first compile, none of which a request then pays."""
+        if self.family is None:
+            return None
+        forced = {"type": "function", "function": {"name": WARM_UP_TOOL["function"]["name"]}}
+        return self.processor.chat([{"role": "user", "content": "warm-up"}], tools=[WARM_UP_TOOL],
+                                   tool_choice=forced).grammar
 
     def shutdown(self) -> None:
         """Rank 0: release the follower ranks (multi-rank); the LLM takes no requests afterwards."""

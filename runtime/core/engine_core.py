@@ -36,17 +36,19 @@ class Flight:
 class EngineCore:
     """Scheduler + executor over `engine` (rank 0). scheduler_kwargs: `Scheduler`'s (overlap included).
     max_failed_steps: runner failures in a row that make `step()` raise EngineDead. lockstep: a dp-layout group's
-    core: every `step()` runs exactly one engine step, an idle one when nothing is runnable (no overlap)."""
+    core: every `step()` runs exactly one engine step, an idle one when nothing is runnable (no overlap).
+    executor: run the steps on another core's `StepExecutor` (its worker thread, its broadcast to the follower
+    ranks; `LLM.warm_up`, whose scheduler has no offload store) instead of one of its own."""
 
     def __init__(self, engine: ModelRunner, *, max_failed_steps: int = MAX_FAILED_STEPS, lockstep: bool = False,
-                 **scheduler_kwargs) -> None:
+                 executor: StepExecutor | None = None, **scheduler_kwargs) -> None:
         if lockstep:
             scheduler_kwargs["overlap"] = False
         self.engine = engine
         self.scheduler = Scheduler(engine, **scheduler_kwargs)
         self.overlap = self.scheduler.overlap
         offload = self.scheduler.resources.offload
-        self.executor = StepExecutor(engine, overlap=self.overlap, offload=offload)
+        self.executor = executor or StepExecutor(engine, overlap=self.overlap, offload=offload)
         if offload is not None:  # (multi-rank: every rank checks its own copy before a load)
             offload.agree = self.executor.in_order
         self.lockstep = lockstep

@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 from moe_export.common.engine_config import EngineConfig
@@ -88,14 +89,6 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
     # image URLs are downloaded by the server (`image_fetch`, off the event loop), never by the runtime
     llm = AsyncLLM(engine_dir, default_effort=default_effort, prefix_caching=prefix_caching, warm_turns=warm_turns,
                    **offload)
-    if world is None or world[1] == 1:  # (under mpiexec every rank would have to join the warm-up's steps)
-        llm.warm_up()
-    anyio.run(anyio.sleep, 0)  # anyio's asyncio backend, which sse-starlette imports on the first streamed answer
-    # What start-up made (modules, the engine, tokenizer, offload index: millions of objects) lives as long as the
-    # server: moved out of the collector's generations, so that no full collection walks it while a request waits
-    # (the first such collection came during the first request after a start: 146 ms of CPU before its first token).
-    gc.collect()
-    gc.freeze()
     dead: list[bool] = []
 
     def on_engine_dead() -> None:
@@ -103,10 +96,22 @@ def serve(engine_dir: str, *, host: str = "127.0.0.1", port: int = 8000, api_key
         server.should_exit = True
 
     try:  # the app shuts the runtime down (and releases follower ranks) at exit
+        # the warm-up's steps run on every rank (under mpiexec the followers are in `run_follower` by now)
+        started = time.perf_counter()
+        steps = llm.warm_up()
+        print(f"warm-up: {steps} engine steps on {world[1] if world else 1} rank(s) in "
+              f"{time.perf_counter() - started:.2f} s", file=sys.stderr, flush=True)
         app = create_app(llm, settings, on_engine_dead=on_engine_dead)
     except BaseException:
         llm.shutdown()
         raise
+    anyio.run(anyio.sleep, 0)  # anyio's asyncio backend, which sse-starlette imports on the first streamed answer
+    # What start-up made (modules, the engine, tokenizer, offload index, the app and its routes: millions of objects)
+    # lives as long as the server: moved out of the collector's generations, so that no full collection walks it while
+    # a request waits (the first such collection came during the first request after a start: 146 ms of CPU before
+    # its first token).
+    gc.collect()
+    gc.freeze()
     config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=600, access_log=access_log)
     if access_log:
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
