@@ -153,7 +153,7 @@ def _indexed_attention(b: FunctionBuilder, idx: str, seq: str, scale: str, rank:
 # TILE_ELEMS floats whatever the context, and a prefill chunk never shrinks as it grows. Positions after a token,
 # and pool rows not written yet, are never read.
 TILE_ELEMS = 1 << 21
-TILE_POSITIONS = 1 << 14  # at most per tile: a decode step's tile of rows stays cache-sized (16k x D fp32)
+TILE_POSITIONS = 1 << 15  # at most per tile: a decode step's keys (32k x D fp32: fewer Loop turns than 16k, quiet runs in benchmarks/README)
 
 
 def key_loop(b: FunctionBuilder, count: str, carried: list[tuple[str, int]], body) -> list[str]:
