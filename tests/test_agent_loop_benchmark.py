@@ -29,6 +29,10 @@ def test_agent_loop_benchmark_smoke(tmp_path):
     # the server without prefix caching prefilled the same prompt: the whole chain, read back from the store
     assert restart["round"] == 3 and restart["reprefill_uncached"] == rounds[2]["input"]
     assert restart["restart_ttft_over_reprefill"] > 0 and isinstance(restart["met"], bool)
+    # measured as two interleaved pairs, each server on a fresh copy of the store: no attempt sees another's state
+    pairs = restart["pairs"]
+    assert len(pairs) == 2 and all(p["reprefill_uncached"] == rounds[2]["input"] for p in pairs)
+    assert all(p["restart_uncached"] == rounds[2]["uncached"] for p in pairs)
     # the restarted server loads the chain's state offloaded next to the store (`runtime.core.state_offload`): only
     # the tool's answer and the framing around it are prefilled
     assert rounds[2]["cached"] > 0 and restart["restart_uncached"] == rounds[2]["uncached"] < rounds[2]["ideal"] * 1.2
