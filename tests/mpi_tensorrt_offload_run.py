@@ -9,7 +9,8 @@ row of every pool of rank R, in generation G (argv[5]), holds `row_pattern(G, R,
 is open; a state slot again each time the runner resets it, after its zeroing). With argv[6], the kept session of an
 earlier generation-1 run ({"slot", "blocks"}: its slot and block table), every load the runner is given (its
 `write_slot` / `write_blocks`) is checked right after it is written: the pool rows it names hold, bit for bit, that
-run's rows of this rank (the slot's state rows, then its block rows in table order).
+run's rows of this rank (its slot's state rows, which a checkpoint of that run copied, then its block rows in table
+order).
 
 Rank 0 prints `offload_turn`'s JSON line plus "kept" (this run's last kept session: slot, blocks, tokens) and "loads"
 (per rank: {"slots", "blocks"}: the state slots and block rows written by loads, "bad": rows that differ)."""

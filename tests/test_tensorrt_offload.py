@@ -7,7 +7,9 @@ allocated, the warm-up steps, its MPI communicators and torch.distributed groups
 `rank{N}/` of the store (the stand-in's steps write nothing, so each rank's rows hold known values the script wrote,
 distinct per rank, pool, row and run), and after a restart (new processes, other values in every pool) the agreed
 load writes turn 1's rows of that rank back bit for bit: the kept session's state rows into the new slot, its full
-blocks and its tail block into the new block table, in order. With one rank's state files damaged, no rank loads.
+blocks and its tail block into the new block table, in order; likewise a checkpoint at a block boundary (read from
+the runner's host checkpoints, its `save_state` copy of the slot) with its blocks. With one rank's state files
+damaged, no rank loads.
 NOT verified here: the tokens (nothing computes; they are whatever the uninitialized logits give), the stream
 ordering of the reads and writes against the steps (one host, no stream runs asynchronously), NCCL (the engine's
 groups run on gloo) and the plugins writing the rows (tests/test_tensorrt_plugins.py covers the plugins)."""
@@ -82,7 +84,8 @@ def tensorrt_turn(engine_dir, store, prompt: list[int], n: int, run: int, earlie
 def test_tensorrt_tp_ranks_offload_their_own_rows_and_load_them_back_bit_exactly(tensorrt_tp2_engine, tmp_path):
     """mpiexec -n 2, tp 2, TensorRT runner over the stand-ins: each rank writes its own rows to `rank{N}/`; after a
     restart the follow-up turn resumes from them (cached = loaded = turn 1's kept session) and every rank's load
-    writes that rank's turn-1 rows back bit for bit (the state, then 4 full blocks and the tail's block); with one
+    writes that rank's turn-1 rows back bit for bit (the state, then 4 full blocks and the tail's block; a prompt
+    diverging after the 4th block: the checkpoint there and the 4 blocks); with one
     rank's state files damaged, no rank loads (the ranks agree) and nothing is written into any pool."""
     first = tensorrt_turn(tensorrt_tp2_engine, tmp_path / "state", TURN1, 6, 1)
     assert first["cached"] == 0 and all(first["written"])
@@ -90,11 +93,17 @@ def test_tensorrt_tp_ranks_offload_their_own_rows_and_load_them_back_bit_exactly
     kept = first["kept"]
     assert kept["tokens"] == len(TURN1) + len(first["tokens"]) - 1  # every token but the last sampled one was fed
     shutil.copytree(tmp_path / "state", tmp_path / "damaged")
+    shutil.copytree(tmp_path / "state", tmp_path / "checkpoint")
     prompt2 = TURN1 + first["tokens"] + TOOL
     resumed = tensorrt_turn(tensorrt_tp2_engine, tmp_path / "state", prompt2, 5, 2, kept)
     assert resumed["cached"] == resumed["loaded"] == kept["tokens"] and resumed["rejected"] == [0, 0]
     blocks = -(-kept["tokens"] // BLOCK_SIZE)  # 75 tokens: 4 full blocks and the tail's
     assert resumed["loads"] == [{"slots": 1, "blocks": blocks, "bad": []}] * 2
+    # a prompt leaving turn 1 after its 4th block: the checkpoint committed there (read from the runner's pinned host
+    # checkpoints, a copy of the slot's state rows) and the 4 full blocks are loaded
+    diverged = tensorrt_turn(tensorrt_tp2_engine, tmp_path / "checkpoint", TURN1[:64] + TOOL, 5, 2, kept)
+    assert diverged["cached"] == diverged["loaded"] == 64 and diverged["rejected"] == [0, 0]
+    assert diverged["loads"] == [{"slots": 1, "blocks": 4, "bad": []}] * 2
     states = sorted((tmp_path / "damaged" / "rank1").glob("s-*.safetensors"))
     assert states
     for path in states:
