@@ -16,18 +16,17 @@ from moe_export.runtime.engine import open_engine
 from moe_export.runtime.sampling import SamplingParams
 
 
-def main() -> None:
-    engine_dir, store = sys.argv[1], sys.argv[2]
-    engine = open_engine(engine_dir, threads=1)
+def offload_turn(engine, engine_dir: str, store: str, prompt: list[int], n: int) -> dict | None:
+    """The turn on an opened runner (every rank): rank 0 returns the JSON line's dict, the other ranks None."""
     offload = open_state_offload(engine, engine_dir, store, host_bytes=1 << 30, disk_bytes=1 << 30)
     world = engine.comm.world
     if not engine.is_root:
         follow(engine, offload)
         offload.store.close()
         world.gather((offload.store.rejected, offload.store.written), root=0)
-        return
+        return None
     core = EngineCore(engine, offload=offload, overlap=True)
-    core.add(Request("r", json.loads(sys.argv[3]), SamplingParams(max_tokens=int(sys.argv[4]), ignore_eos=True)))
+    core.add(Request("r", prompt, SamplingParams(max_tokens=n, ignore_eos=True)))
     tokens, cached = [], 0
     while core.has_work:
         for u in core.step():
@@ -35,8 +34,16 @@ def main() -> None:
             cached = max(cached, u.cached_tokens)
     core.shutdown()
     counts = world.gather((offload.store.rejected, offload.store.written), root=0)
-    print(json.dumps({"tokens": tokens, "cached": cached, "loaded": offload.loaded_tokens,
-                      "rejected": [c[0] for c in counts], "written": [c[1] for c in counts]}))
+    return {"tokens": tokens, "cached": cached, "loaded": offload.loaded_tokens,
+            "rejected": [c[0] for c in counts], "written": [c[1] for c in counts]}
+
+
+def main() -> None:
+    engine_dir = sys.argv[1]
+    out = offload_turn(open_engine(engine_dir, threads=1), engine_dir, sys.argv[2], json.loads(sys.argv[3]),
+                       int(sys.argv[4]))
+    if out is not None:
+        print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -248,11 +248,12 @@ def test_server_warm_up_leaves_nothing_behind(runtime_engine, tmp_path):
 MPI_SCRIPT = Path(__file__).with_name("mpi_offload_run.py")
 
 
-def mpi_turn(engine_dir, store, prompt: list[int], n: int) -> dict:
-    """One request on a fresh `mpiexec -n 2` world (new processes: a restart) offloading to `store`."""
+def mpi_turn(engine_dir, store, prompt: list[int], n: int, *extra: str, script: Path = MPI_SCRIPT) -> dict:
+    """One request on a fresh `mpiexec -n 2` world (new processes: a restart) offloading to `store` (`script`, given
+    `extra` arguments after the turn's)."""
     mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
-    r = subprocess.run([mpiexec, "-n", "2", sys.executable, str(MPI_SCRIPT), str(engine_dir), str(store),
-                        json.dumps(prompt), str(n)], capture_output=True, text=True, timeout=120,
+    r = subprocess.run([mpiexec, "-n", "2", sys.executable, str(script), str(engine_dir), str(store),
+                        json.dumps(prompt), str(n), *extra], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
