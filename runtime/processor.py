@@ -28,7 +28,8 @@ from moe_export.runtime.images import PromptImages
 from moe_export.runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from moe_export.runtime.core.structured import GrammarVocab
+    from moe_export.runtime.core.contracts import GrammarSpec
+    from moe_export.runtime.core.structured import GrammarLogitsProcessor, GrammarVocab
 
 
 @dataclass
@@ -174,19 +175,28 @@ class InputProcessor:
     def _constrain(self, tracked: Tracked, rendered: RenderedChat, starts: bool, parallel_tool_calls: bool) -> None:
         """Attach the grammar a request's tools or response_format enforce, if any (xgrammar, which pulls in
         transformers, is imported here: requests without either never load it)."""
-        from moe_export.runtime.core.structured import (
-            GrammarLogitsProcessor,
-            GrammarVocab,
-            structural_tag_for,
-        )
+        from moe_export.runtime.core.structured import structural_tag_for
 
         tag = structural_tag_for(self.family, tools=rendered.tools, tool_choice=rendered.tool_choice,
                                  response_format=rendered.response_format, thinking=rendered.plan.enabled,
                                  starts_in_reasoning=starts, parallel_tool_calls=parallel_tool_calls)
         if tag is not None:
-            if self._grammar_vocab is None:  # built on the first constrained request
-                self._grammar_vocab = GrammarVocab(self.tokenizer, self.family, self.vocab_size)
-            tracked.grammar = GrammarLogitsProcessor(self._grammar_vocab, self._grammar_vocab.compile(tag))
+            tracked.grammar = self.grammar_vocab().grammar(tag)
+
+    def grammar_vocab(self) -> GrammarVocab:
+        """The tokenizer as xgrammar sees it (built on the first constrained request, once per process)."""
+        from moe_export.runtime.core.structured import GrammarVocab
+
+        if self._grammar_vocab is None:
+            self._grammar_vocab = GrammarVocab(self.tokenizer, self.family, self.vocab_size)
+        return self._grammar_vocab
+
+    def grammar(self, spec: GrammarSpec) -> GrammarLogitsProcessor:
+        """A fresh grammar processor from its spec: a dp-layout group leader's copy of a request's grammar
+        (`core.wide_ep`), built with this process's vocabulary."""
+        from moe_export.runtime.core.structured import GrammarLogitsProcessor
+
+        return GrammarLogitsProcessor(self.grammar_vocab(), spec)
 
 
 def turn_points(rendered: RenderedChat) -> tuple[int, ...]:

@@ -1,7 +1,7 @@
 """Run under `mpiexec -n 2` on a tp 1 x dp 2 engine (argv[1]): warm turns in the dp layout (`GroupedScheduler.add_warm`).
 Rank 0 runs two phases and prints one JSON line:
-- "chat": two rounds of a `tool_choice: "required"` chat (greedy, the history resent through chat completions; a
-  grammar request, so group 0): each round's output ids and cached tokens, the warm prompt's length after round 1
+- "chat": two rounds of a `tool_choice: "required"` chat (greedy, the history resent through chat completions; the
+  first request, least loaded: group 0): each round's output ids and cached tokens, the warm prompt's length after round 1
   and the conversation's end (`history_len`);
 - "group1": token prompts through `generate`: [other, first] (least loaded: group 0, then group 1), then a warm turn
   of first's conversation + its output (`add_warm`, the output standing where first's instruction stood), then the

@@ -14,7 +14,6 @@ from moe_export.common.errors import InputError
 from moe_export.export.convert.synth import write_synthetic_tokenizer
 from moe_export.runtime.chat import parse_output
 from moe_export.runtime.core.structured import (
-    GrammarLogitsProcessor,
     GrammarVocab,
     structural_tag_for,
 )
@@ -122,7 +121,7 @@ def constrained_random_decode(tok, family, tag, *, seed: int, forced_close: list
     if family not in VOCABS:
         VOCABS[family] = GrammarVocab(tok, family, tok.vocab_size + 8)
     vocab = VOCABS[family]
-    proc = GrammarLogitsProcessor(vocab, vocab.compile(tag))
+    proc = vocab.grammar(tag)
     gen = torch.Generator().manual_seed(seed)
     out: list[int] = []
     for step in range(steps):
@@ -296,7 +295,7 @@ def test_bad_schemas_are_input_errors(tokenizers, schema, message):
     for kwargs in ({"tools": None, "tool_choice": None, "response_format": fmt},
                    {"tools": tools, "tool_choice": "required", "response_format": None}):
         with pytest.raises(InputError, match=message):
-            vocab.compile(structural_tag_for("k3", thinking=False, starts_in_reasoning=False, **kwargs))
+            vocab.grammar(structural_tag_for("k3", thinking=False, starts_in_reasoning=False, **kwargs))
 
 
 def test_no_grammar_for_auto_tools_or_text():

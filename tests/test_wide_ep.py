@@ -477,11 +477,22 @@ def test_mpiexec_8_ranks_serve_spreads_chats_over_groups(dp_engine):
     assert code == 0
 
 
-def test_placement_follow_ups_least_loaded_and_processors_in_group_0():
+def test_placement_follow_ups_least_loaded_grammars_follow_and_other_processors_in_group_0(tmp_path):
     from collections import OrderedDict
 
+    from moe_export.export.convert.synth import write_synthetic_tokenizer
     from moe_export.runtime.core.scheduler import Request
+    from moe_export.runtime.core.structured import GrammarVocab, structural_tag_for
     from moe_export.runtime.core.wide_ep import GroupedScheduler
+
+    write_synthetic_tokenizer(tmp_path, "k3", 512)
+    tag = structural_tag_for("k3", tools=None, tool_choice=None, response_format={"type": "json_object"},
+                             thinking=False, starts_in_reasoning=False)
+    tokenizer = load_tokenizer(tmp_path)
+    grammar = GrammarVocab(tokenizer, "k3", tokenizer.vocab_size).grammar(tag)  # a JSON response format
+
+    def own(ids, logits):  # a caller's own processor
+        return logits
 
     sched = GroupedScheduler.__new__(GroupedScheduler)  # placement reads only loads and history
     sched.groups, sched.loads = 4, [2, 0, 1, 0]
@@ -489,18 +500,22 @@ def test_placement_follow_ups_least_loaded_and_processors_in_group_0():
     assert sched.place(Request("a", [9, 9])) == 1  # least loaded, lowest group first
     assert sched.place(Request("b", [1, 2, 3, 4])) == 2  # the longest finished prompt it continues
     assert sched.place(Request("c", [1, 2, 7])) == 3
-    assert sched.place(Request("d", [1, 2, 3, 4], logits_processors=[lambda ids, logits: logits])) == 0
+    assert sched.place(Request("d", [1, 2, 3, 4], logits_processors=[own])) == 0
+    assert sched.place(Request("d", [1, 2, 3, 4], logits_processors=[grammar, own])) == 0
+    assert sched.place(Request("d", [1, 2, 3, 4], logits_processors=[grammar])) == 2  # rebuilt there from its spec
+    assert sched.place(Request("d", [9, 9], logits_processors=[grammar])) == 1
     # warm turns: the group whose finished prompt shares the longest prefix (the latest on a tie), then remembered
     assert sched.warm_group([1, 2, 3, 9]) == 2 and sched.warm_group([1, 2, 8]) == 3 and sched.warm_group([5]) is None
     sched.remember((1, 2, 8), 1)
     assert sched.place(Request("e", [1, 2, 8, 4])) == 1
-    # a constrained chat (a logits processor: group 0): its warm turn goes to group 0, and so does its next turn,
-    # constrained or not (the warm prompt, remembered as group 0's, is the longest it continues)
-    sched.remember((4, 5, 6), 0)
-    assert sched.warm_group([4, 5, 6, 7]) == 0
-    sched.remember((4, 5, 6, 7), 0)
-    assert sched.place(Request("f", [4, 5, 6, 7, 8])) == 0
-    assert sched.place(Request("g", [4, 5, 6, 7, 8], logits_processors=[lambda ids, logits: logits])) == 0
+    # a constrained chat that ran in group 3: its warm turn goes to group 3, and so does its next turn, constrained or
+    # not (the warm prompt, remembered as group 3's, is the longest it continues); a caller's processor: group 0
+    sched.remember((4, 5, 6), 3)
+    assert sched.warm_group([4, 5, 6, 7]) == 3
+    sched.remember((4, 5, 6, 7), 3)
+    assert sched.place(Request("f", [4, 5, 6, 7, 8])) == 3
+    assert sched.place(Request("g", [4, 5, 6, 7, 8], logits_processors=[grammar])) == 3
+    assert sched.place(Request("h", [4, 5, 6, 7, 8], logits_processors=[own])) == 0
 
 
 @pytest.mark.slow
@@ -560,3 +575,56 @@ def test_mpiexec_2_ranks_warm_turns_in_the_turns_group(dp_engine):
     assert group1["groups"] == [1, 1, 1]
     assert group1["cached_tokens"] == group1["warm_len"] == len(warm)
     assert got["warm_turns"] == 3  # the chat's two rounds' (round 2's ran during the token phase) and group 1's
+
+
+def test_mpiexec_2_ranks_constrained_turn_in_the_conversations_group(dp_engine):
+    """`mpiexec -n 2` (tp 1 x dp 2): a conversation placed in group 1 unconstrained, then a `required` tool-choice
+    turn continuing it and a named forced call after that (`mpi_wide_ep_grammar_run`): both run in group 1 (their
+    grammars rebuilt by its leader from their specs), the first resuming at the end of the conversation's kept
+    session (its prompt and output but the last token, whose state was never computed), the second at the end of
+    the first one's warm turn (group 1 too). Prompts, greedy tokens, tool calls and rank 0's grammar processor's
+    final state (complete call: `completed`; cut short by max_tokens: not) equal a cacheless engine's in one
+    process."""
+    from mpi_wide_ep_grammar_run import (
+        CALL,
+        CONV,
+        CUT,
+        FIRST,
+        NAMED,
+        OTHER,
+        WEATHER,
+        constrained_turn,
+        second_messages,
+        third_messages,
+        turn,
+    )
+
+    from moe_export.runtime import LLM
+
+    engine_dir = dp_engine("tiny-k3", 1, 2)
+    mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
+    r = subprocess.run([mpiexec, "-n", "2", sys.executable, str(HERE / "mpi_wide_ep_grammar_run.py"), str(engine_dir)],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    other, first, second, third = got["turns"]
+    assert got["groups"] == [0, 1, 1, 1, 1]  # other, conv, turn 2, turn 2's warm prompt, turn 3
+    assert second["cached_tokens"] == len(first["prompt_ids"]) + len(first["output_ids"]) - 1
+    assert third["cached_tokens"] == got["warm_len"]
+    assert got["warm_turns"] == 1
+
+    cacheless = LLM(engine_dir, threads=1, default_effort="none", prefix_caching=False, reuse_sessions=False)
+    want_other, want_first = cacheless.chat([OTHER, CONV], FIRST, tools=WEATHER)
+    messages = second_messages(want_first)
+    want_second, second_grammar = constrained_turn(cacheless, messages, CALL, "required")
+    want_third, third_grammar = constrained_turn(cacheless, third_messages(messages, want_second), CUT, NAMED)
+    cacheless.shutdown()
+    want = [turn(want_other), turn(want_first), turn(want_second, second_grammar), turn(want_third, third_grammar)]
+    for k, (g, w) in enumerate(zip(got["turns"], want)):
+        assert {**g, "cached_tokens": 0} == w, k
+    # the grammar held: the call is whole and in the schema; cut short, the call is not complete
+    (call,) = second["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) in ({"city": "Rome"}, {"city": "Oslo"})
+    assert second["grammar"] == {"completed": True, "failed": False, "consumed": len(second["output_ids"]) - 1}
+    assert third["grammar"] == {"completed": False, "failed": False, "consumed": len(third["output_ids"]) - 1}

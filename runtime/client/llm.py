@@ -215,7 +215,8 @@ class LLM:
         rank schedules the requests rank 0 sends its group, the others follow it; `runtime.core.wide_ep`)."""
         if self.engine.is_root:
             raise InputError("run_follower() is for non-root ranks; rank 0 serves requests")
-        run_rank(self.engine, budget_factory=self._budget, **self.scheduler_kwargs())
+        run_rank(self.engine, budget_factory=self._budget, grammar_factory=self.processor.grammar,
+                 **self.scheduler_kwargs())
 
     def warm_up(self) -> int:
         """Run one greedy request through this engine before the first real one (`serve` calls it before /health

@@ -103,8 +103,18 @@ class BudgetSpec:
 
 
 @dataclass
+class GrammarSpec:
+    """What a group leader needs to rebuild a request's fresh grammar processor (`core.structured`) with its own
+    vocabulary: the structural tag as lowered for the engine's grammar vocabulary (JSON text,
+    `GrammarVocab.lower`)."""
+
+    tag_json: str
+
+
+@dataclass
 class RemoteRequest:
-    """A request rank 0 places in another attention group (logits processors never travel: see `wide_ep`)."""
+    """A request rank 0 places in another attention group (its logits processors travel as grammar specs only:
+    see `wide_ep`)."""
 
     request_id: str
     prompt_ids: list[int]
@@ -114,6 +124,7 @@ class RemoteRequest:
     turn_points: tuple[int, ...] = ()
     session: str | None = None
     warm: bool = False  # a warm turn (`Scheduler.add_warm`), not a request
+    grammars: list[GrammarSpec] = field(default_factory=list)  # its logits processors, in order
 
 
 @dataclass

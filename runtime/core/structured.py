@@ -30,6 +30,7 @@ import xgrammar as xgr
 from jsonschema import exceptions as schema_exceptions
 from jsonschema import validators as schema_validators
 from moe_export.common.errors import InputError
+from moe_export.runtime.core.contracts import GrammarSpec
 from moe_export.graphs.tokens import (
     CALL_ARGS,
     CALL_BEGIN,
@@ -188,10 +189,14 @@ class GrammarVocab:
         except (RuntimeError, ValueError, TypeError) as exc:
             raise InputError(f"cannot build the output grammar ({_xgrammar_error(exc)})") from None
 
-    def compile(self, tag: st.StructuralTag) -> xgr.CompiledGrammar:
-        lowered = self.lower(tag)
+    def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        """The grammar of a lowered structural tag (compiled once per distinct tag: cached)."""
         with self._lock:
-            return self._compile(lowered)
+            return self._compile(spec.tag_json)
+
+    def grammar(self, tag: st.StructuralTag) -> GrammarLogitsProcessor:
+        """A fresh processor of `tag`'s grammar, with the spec it can be rebuilt from (`GrammarSpec`)."""
+        return GrammarLogitsProcessor(self, GrammarSpec(self.lower(tag)))
 
 
 def reasoning_mode(family: str, thinking: bool, starts_in_reasoning: bool) -> str:
@@ -433,22 +438,29 @@ class GrammarLogitsProcessor:
     the tokens the grammar allows next, and the runner applies every constrained row's mask in one batched
     pass (the runtime samples ids below the tokenizer's size only). Tokens the runtime forced (thinking budget)
     are fed to the matcher too; `failed` is set if the output ever left the grammar (then it stops
-    constraining). Called as a LogitsProcessor ((output ids, logits [V]) -> logits) it masks one row."""
+    constraining). Called as a LogitsProcessor ((output ids, logits [V]) -> logits) it masks one row.
 
-    def __init__(self, vocab: GrammarVocab, compiled: xgr.CompiledGrammar) -> None:
-        self.vocab = vocab
+    spec: what it is built from; a dp-layout group leader builds the request's own processor from it with its
+    own vocabulary, and rank 0 keeps this one in step with `advance` (`core.wide_ep`)."""
+
+    def __init__(self, vocab: GrammarVocab, spec: GrammarSpec) -> None:
+        self.vocab, self.spec = vocab, spec
         self.bitmask_width = xgr.get_bitmask_shape(1, vocab.vocab_size)[1]
-        self.matcher = xgr.GrammarMatcher(compiled)
+        self.matcher = xgr.GrammarMatcher(vocab.compile(spec))
         self.consumed = 0
         self.failed = False
 
-    def fill_bitmask(self, output_ids: list[int], row: torch.Tensor) -> bool:
-        """Advance over the new output ids and write the next token's mask into `row` [bitmask_width] int32;
-        False (row untouched) when the grammar no longer constrains (completed, or the output left it)."""
+    def advance(self, output_ids: list[int]) -> None:
+        """Feed the matcher the output ids past those it has seen (`output_ids`: the whole output so far)."""
         for token in output_ids[self.consumed:]:
             if not self.failed and not self.matcher.is_terminated() and not self.matcher.accept_token(token):
                 self.failed = True
         self.consumed = len(output_ids)
+
+    def fill_bitmask(self, output_ids: list[int], row: torch.Tensor) -> bool:
+        """Advance over the new output ids and write the next token's mask into `row` [bitmask_width] int32;
+        False (row untouched) when the grammar no longer constrains (completed, or the output left it)."""
+        self.advance(output_ids)
         if self.failed or self.matcher.is_terminated():
             return False
         self.matcher.fill_next_token_bitmask(row.view(1, -1))

@@ -16,15 +16,22 @@ One world step:
 
 Placement (rank 0). A request whose prompt continues the prompt of a request that finished in group g
 (a conversation's follow-up turn) goes to g, which keeps that turn's state; otherwise it goes to the group
-with the fewest requests waiting or running. Requests with logits processors stay in group 0: rank 0 runs
-them itself, so the processor objects the caller holds are the ones that saw the output (the server reads a
-grammar processor's state when the request ends); a constrained turn of a conversation that ran unconstrained in
-another group therefore prefills it again in group 0 (that group's kept session or warm turn is out of its reach),
-while a constrained chat's warm turn and next turns, constrained or not, all stay in group 0. A warm turn (`add_warm`: the start of a finished chat's next prompt,
+with the fewest requests waiting or running. A warm turn (`add_warm`: the start of a finished chat's next prompt,
 prefilled between turns) goes to the group whose finished prompt shares the longest prefix with it (the group that
 ran the turn, which holds the conversation's state), and is remembered as that group's finished prompt, so the next
-turn, which continues it, is placed there too and resumes at its end. A leader rebuilds a request's thinking budget from its spec with
-its own tokenizer; rank 0 replays the group's tokens into its own copy, so usage counts reasoning tokens.
+turn, which continues it, is placed there too and resumes at its end.
+
+What a group's leader rebuilds. A request's thinking budget travels as its spec (`BudgetSpec`), rebuilt by the leader
+with its own tokenizer; rank 0 replays the group's tokens into its own copy, so usage counts reasoning tokens. Its
+grammar (`core.structured.GrammarLogitsProcessor`: a forced or required tool call, a JSON response format) travels as
+its lowered structural tag (`GrammarSpec`): the leader builds its own processor from it with its own grammar
+vocabulary (compiled once per distinct tag, in the world step that adds the request) and masks the group's sampling
+with it, while rank 0 advances the caller's processor over the group's tokens, over the output before each new token
+(the output the leader's processor had seen when it masked that token), so what the server reads from it at the end
+(`completed`) is what it reads when the request runs in group 0; constrained requests and their conversations' warm
+turns are placed as any other. Penalties, bias and bans are sampling parameters: they travel with the request. Any other
+logits processor (a caller's own callable, which cannot be rebuilt elsewhere) keeps its request in group 0, where rank
+0 runs it itself; such a turn of a conversation that ran in another group prefills it again in group 0.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import numpy as np
 from moe_export.common.errors import InputError
 from moe_export.runtime.core.contracts import (
     BudgetSpec,
+    GrammarSpec,
     GroupControl,
     GroupReport,
     RemoteRequest,
@@ -54,6 +62,33 @@ def budget_spec(budget) -> BudgetSpec | None:
     return None if budget is None else BudgetSpec(budget.family, budget.cap, budget.in_reasoning)
 
 
+def grammar_specs(processors: list) -> list[GrammarSpec] | None:
+    """What a leader needs to rebuild a request's logits processors: each one's `GrammarSpec` (grammars:
+    `core.structured`), in order; None when one has none (a caller's own processor: it runs in group 0)."""
+    specs = [getattr(proc, "spec", None) for proc in processors]
+    return specs if all(isinstance(spec, GrammarSpec) for spec in specs) else None
+
+
+class Placed:
+    """Rank 0's record of a request it placed: its group and prompt (remembered for follow-up turns when it
+    finishes) and, placed in another group, the budget and grammars rank 0 keeps in step with the group's tokens."""
+
+    def __init__(self, group: int, request: Request) -> None:
+        self.group, self.prompt = group, tuple(request.prompt_ids)
+        self.budget, self.grammars = request.budget, request.logits_processors
+        self.output: list[int] = []
+
+    def observe(self, token_ids: list[int]) -> None:
+        """The group's new tokens: the budget sees each, and each grammar the output before each (the leader's copy
+        had seen that output when it masked the token: `GrammarLogitsProcessor.fill_bitmask`)."""
+        for token in token_ids:
+            for grammar in self.grammars:
+                grammar.advance(self.output)
+            self.output.append(token)
+            if self.budget is not None:
+                self.budget.observe(token)
+
+
 class GroupedScheduler:
     """Rank 0's engine core over every attention group (the `EngineCore` interface the LLM front ends use):
     group 0 runs here, the others on their leaders; each `step()` is one world step."""
@@ -67,15 +102,16 @@ class GroupedScheduler:
         self.group_stats: list[dict] = [{} for _ in range(self.groups)]  # the leaders' latest scheduler stats
         self.remote_work = [False] * self.groups
         self.outbox = [GroupControl() for _ in range(self.groups)]
-        self.placed: dict[str, tuple[int, tuple[int, ...], object]] = {}  # request id -> (group, prompt, budget)
+        self.placed: dict[str, Placed] = {}
         self.history: OrderedDict[tuple[int, ...], int] = OrderedDict()  # finished prompts -> their group
         # tokens routed to each expert per MoE layer over the world: the last world step's and the running total
         self.step_expert_tokens = np.zeros_like(engine.expert_tokens)
         self.expert_tokens = np.zeros_like(engine.expert_tokens)
 
     def place(self, request: Request) -> int:
-        """The group for a request: the one holding its conversation's state, else the least loaded."""
-        if request.logits_processors:
+        """The group for a request: group 0 when a logits processor of it cannot be rebuilt elsewhere (`grammar_specs`),
+        else the one holding its conversation's state, else the least loaded."""
+        if grammar_specs(request.logits_processors) is None:
             return 0
         prompt = tuple(request.prompt_ids)
         held = [(len(p), g) for p, g in self.history.items() if len(p) <= len(prompt) and prompt[: len(p)] == p]
@@ -93,7 +129,7 @@ class GroupedScheduler:
         else:
             self.outbox[group].add.append(remote_request(request))
         self.loads[group] += 1
-        self.placed[request.request_id] = (group, tuple(request.prompt_ids), request.budget)
+        self.placed[request.request_id] = Placed(group, request)
 
     def add_warm(self, request: Request) -> None:
         """A warm turn (`Scheduler.add_warm`: prefill-only, low priority, reports nothing), in the group that ran the
@@ -136,7 +172,7 @@ class GroupedScheduler:
     def abort(self, request_id: str) -> bool:
         if request_id not in self.placed:
             return False
-        group = self.placed[request_id][0]
+        group = self.placed[request_id].group
         if group == 0:
             return self.local.abort(request_id)
         self.outbox[group].abort.append(request_id)
@@ -149,7 +185,7 @@ class GroupedScheduler:
 
     def group_of(self, request_id: str) -> int | None:
         entry = self.placed.get(request_id)
-        return None if entry is None else entry[0]
+        return None if entry is None else entry.group
 
     def step(self) -> list[SequenceUpdate]:
         """One world step: requests out to the leaders, one engine step everywhere, updates back."""
@@ -168,16 +204,15 @@ class GroupedScheduler:
             self.loads[group] = report.stats["waiting"] + report.stats["running"]
             self.step_expert_tokens += report.expert_tokens
             for u in report.updates:
-                budget = self.placed[u.request_id][2] if u.request_id in self.placed else None
-                for token in u.token_ids if budget is not None else ():
-                    budget.observe(token)
+                if u.request_id in self.placed:
+                    self.placed[u.request_id].observe(u.token_ids)
             updates.extend(report.updates)
         self.expert_tokens += self.step_expert_tokens
         for u in updates:
             if u.finished and u.request_id in self.placed:
-                group, prompt, _ = self.placed.pop(u.request_id)
+                entry = self.placed.pop(u.request_id)
                 if u.finish_reason != "abort":
-                    self.remember(prompt, group)
+                    self.remember(entry.prompt, entry.group)
         return updates
 
     def stats(self) -> dict:
@@ -196,9 +231,11 @@ class GroupedScheduler:
 
 
 def remote_request(request: Request, warm: bool = False) -> RemoteRequest:
-    """What a group's leader needs to add `request` (`warm`: as a warm turn)."""
+    """What a group's leader needs to add `request` (`warm`: as a warm turn; placed there, every logits processor of
+    it has a grammar spec)."""
     return RemoteRequest(request.request_id, list(request.prompt_ids), request.sampling, budget_spec(request.budget),
-                         list(request.images), request.turn_points, request.session, warm)
+                         list(request.images), request.turn_points, request.session, warm,
+                         grammar_specs(request.logits_processors) or [])
 
 
 def expert_load_summary(tokens: np.ndarray) -> dict:
@@ -209,9 +246,10 @@ def expert_load_summary(tokens: np.ndarray) -> dict:
     return {"routed": int(tokens.sum()), "max_over_mean": [round(float(v), 4) for v in ratio]}
 
 
-def lead_group(engine: GroupedRunner, budget_factory=None, **scheduler_kwargs) -> int:
+def lead_group(engine: GroupedRunner, budget_factory=None, grammar_factory=None, **scheduler_kwargs) -> int:
     """A group leader other than world rank 0: run its group's requests in world steps until rank 0 shuts
-    down; returns the number of steps run. `budget_factory(spec)` rebuilds a request's thinking budget."""
+    down; returns the number of steps run. `budget_factory(spec)` rebuilds a request's thinking budget,
+    `grammar_factory(spec)` its grammar processors (given wherever rank 0 may send grammars: `LLM.run_follower`)."""
     sched = EngineCore(engine, lockstep=True, **scheduler_kwargs)
     leaders, steps = engine.comm.leaders, 0
     while True:
@@ -224,14 +262,15 @@ def lead_group(engine: GroupedRunner, budget_factory=None, **scheduler_kwargs) -
             rejected = []
             for r in mine.add:
                 budget = budget_factory(r.budget) if r.budget is not None and budget_factory is not None else None
-                request = Request(r.request_id, r.prompt_ids, r.sampling, [], budget, r.images, r.turn_points,
-                                  r.session)
                 if r.warm:  # reports nothing, rejected or not
-                    sched.add_warm(request)
+                    sched.add_warm(Request(r.request_id, r.prompt_ids, r.sampling, [], budget, r.images, r.turn_points,
+                                           r.session))
                     continue
                 try:
-                    sched.add(request)
-                except InputError as exc:  # rank 0 checked it with the same limits; kept as a safety net
+                    processors = [grammar_factory(spec) for spec in r.grammars]
+                    sched.add(Request(r.request_id, r.prompt_ids, r.sampling, processors, budget, r.images,
+                                      r.turn_points, r.session))
+                except InputError as exc:  # rank 0 checked and compiled it with the same limits; kept as a safety net
                     rejected.append(SequenceUpdate(r.request_id, [], None, True, "abort", error=str(exc)))
             for rid in mine.abort:
                 sched.abort(rid)
@@ -263,9 +302,9 @@ def release_ranks(engine: ModelRunner) -> None:
     engine.comm.broadcast(None)
 
 
-def run_rank(engine: ModelRunner, budget_factory=None, **scheduler_kwargs) -> int:
+def run_rank(engine: ModelRunner, budget_factory=None, grammar_factory=None, **scheduler_kwargs) -> int:
     """A rank other than world rank 0: lead its group (dp layout, first rank of a group) or follow its
     leader's plans, until rank 0 shuts down; returns the number of steps run."""
     if is_grouped(engine) and engine.comm.leaders is not None:
-        return lead_group(cast(GroupedRunner, engine), budget_factory, **scheduler_kwargs)
+        return lead_group(cast(GroupedRunner, engine), budget_factory, grammar_factory, **scheduler_kwargs)
     return follow(engine, scheduler_kwargs.get("offload"))
