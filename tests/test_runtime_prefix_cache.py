@@ -136,8 +136,7 @@ def test_required_turns_resume_at_the_exact_divergence(runtime_engine, preset):
     message): each next prompt is the conversation + the previous output + new tokens, so it departs from the
     previous prompt + output at the conversation's end, mid-block. It resumes exactly there (cached tokens = the
     common prefix), from the checkpoint taken at that turn point, writing into that checkpoint's partial block, with
-    the tokens and logits of a full prefill; with sessions kept and without. While another running sequence holds
-    the partial block, a prompt resumes at the block boundary before the divergence instead."""
+    the tokens and logits of a full prefill; with sessions kept and without."""
     engine_dir = runtime_engine(preset, 2, 2, 4)
     eng, fresh = Engine(engine_dir, threads=1), Engine(engine_dir, num_slots=1, threads=1)
     instruction = tail(7, 40)
@@ -153,18 +152,74 @@ def test_required_turns_resume_at_the_exact_divergence(runtime_engine, preset):
             assert_same(rec, frec, fresh)
             common = len(conv)
             conv = conv + got + tail(11 + 5 * turn, 50 + turn)  # the output, then the tool's answer
-    # the partial block is held by its running sequence: the next turn cannot write into it
+
+
+def test_requests_continuing_one_exact_checkpoint_at_once_copy_its_block(runtime_engine):
+    """Copy-on-write of an exact-position checkpoint's partial block: while the request that wrote the block still
+    runs (it decodes into it), the same follow-up sent twice at once and another departing at the same point all
+    resume at the exact checkpoint (not at the block boundary before it), each from a copy of the block, and every
+    one of the four, the writer included, has the tokens and logits of a full prefill. The checkpoint stays named."""
+    engine_dir = runtime_engine("tiny-k3", 2, 2, 4)
+    eng, fresh = Engine(engine_dir, threads=1), Engine(engine_dir, num_slots=1, threads=1)
+    assert eng.num_slots >= 4
     sched = EngineCore(eng, keep_sessions=False)
-    conv = BASE[:45]
-    sched.add(Request("first", conv + instruction, SamplingParams(max_tokens=30, ignore_eos=True), turn_points=(len(conv),)))
-    for _ in range(5):  # its prompt's chunks end at the checkpoints 32, 45 (exact), 48; then it decodes
-        sched.step()
-    nxt = conv + tail(9, 61)
-    got, rec, cached = run_turn(sched, "next", nxt, 3, ())
-    assert cached == 32  # the block boundary before the divergence at 45
-    want, frec = oracle(fresh, nxt, 3)
-    assert got == want
-    assert_same(rec, frec, fresh)
+    conv, instruction = BASE[:45], tail(7, 40)  # the divergence at 45: mid-block (BS 16)
+    prompts = {"first": conv + instruction, "again-a": conv + tail(9, 61), "again-b": conv + tail(9, 61),
+               "other": conv + tail(12, 62)}
+    recs = {rid: Recorder() for rid in prompts}
+    got = {rid: [] for rid in prompts}
+    cached = dict.fromkeys(prompts, 0)
+
+    def step():
+        for u in sched.step():
+            got[u.request_id] += u.token_ids
+            cached[u.request_id] = max(cached[u.request_id], u.cached_tokens)
+
+    sched.add(Request("first", prompts["first"], SamplingParams(max_tokens=30, ignore_eos=True), [recs["first"]],
+                      turn_points=(len(conv),)))
+    while len(got["first"]) < 2:  # its prompt's chunks end at 45 (the exact checkpoint), 48 and 52; it decodes
+        step()
+    for rid in ("again-a", "again-b", "other"):
+        sched.add(Request(rid, prompts[rid], SamplingParams(max_tokens=4, ignore_eos=True), [recs[rid]]))
+    while sched.has_work:
+        step()
+    assert cached == {"first": 0, "again-a": len(conv), "again-b": len(conv), "other": len(conv)}
+    for rid, prompt in prompts.items():
+        want, frec = oracle(fresh, prompt, len(got[rid]))
+        assert got[rid] == want, rid
+        assert_same(recs[rid], frec, fresh)
+
+
+def test_a_chat_prefill_steps_end_only_at_its_targets(runtime_engine):
+    """An agent loop (`required`: conversation + instruction, turn points at the conversation's end and the prompt's
+    end): each next prompt resumes at the previous conversation's exact end and its prefill steps end exactly at its
+    checkpoint targets: the interval boundary (64) it crosses and its two turn points, never at the block boundary
+    before a turn point (the partial block is copied, not replayed), with a full prefill's tokens and logits."""
+    engine_dir = runtime_engine("tiny-k3", 2, 2, 4)
+    eng, fresh = Engine(engine_dir, threads=1), Engine(engine_dir, num_slots=1, threads=1)
+    ends: list[list[int]] = []  # per step: where each of its chunks ends (position after its last token)
+    sample = eng.sample
+
+    def counting(batch, sampling):
+        ends.append([int(batch.positions[hi - 1]) + 1 for hi in batch.cu_seqlens[1:]])
+        return sample(batch, sampling)
+
+    eng.sample = counting
+    sched = EngineCore(eng)
+    instruction = tail(7, 40)
+    conv, resume = BASE[:37], 0
+    # the turns' prompts end at 44, 61, 83; their conversations at 37, 54, 76 (mid-block, BS 16)
+    for turn, want_ends in enumerate([[37, 44], [54, 61], [64, 76, 83]]):
+        prompt = conv + instruction
+        ends.clear()
+        got, rec, cached = run_turn(sched, str(turn), prompt, 6, (len(conv), len(prompt)))
+        assert cached == resume, turn
+        assert [e for (e,) in ends if e <= len(prompt)] == want_ends, (turn, ends)
+        want, frec = oracle(fresh, prompt, 6)
+        assert got == want, turn
+        assert_same(rec, frec, fresh)
+        resume = len(conv)
+        conv = conv + got + tail(11 + 5 * turn, 50 + turn)
 
 
 def test_a_request_waiting_for_a_slot_keeps_the_exact_checkpoint_it_will_resume_from(runtime_engine):
