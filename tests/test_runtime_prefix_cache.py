@@ -326,6 +326,27 @@ def test_prefix_caching_under_mpiexec(runtime_engine):
     assert got["tokens"] == [oracle(fresh, p, 5)[0] for p in prompts]
 
 
+def test_exact_checkpoint_copy_on_write_under_mpiexec(runtime_engine):
+    """mpiexec -n 2 (tp 2): a turn checkpoints the conversation's exact end (mid-block); the same follow-up sent twice
+    at once and another departing there all resume at it, each rank copying the partial block's rows of its own
+    shards (`StepPlan.copies`), with the tokens of full prefills in one process."""
+    engine_dir = runtime_engine("tiny-k3", 2, 2, 2)
+    conv, instruction = BASE[:45], tail(7, 40)
+    follow_up = conv + tail(9, 61)
+    spec = [{"prompt": conv + instruction, "max_tokens": 5, "turn_points": [len(conv), len(conv) + len(instruction)]},
+            {"prompt": follow_up, "max_tokens": 5, "with_next": True},
+            {"prompt": follow_up, "max_tokens": 5, "with_next": True},
+            {"prompt": conv + tail(12, 62), "max_tokens": 5}]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PREFIX_CACHING": "1"}
+    r = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(MPI_SCRIPT), str(engine_dir), json.dumps(spec)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads([line for line in r.stdout.splitlines() if line.strip()][-1])
+    assert got["cached"] == [0, len(conv), len(conv), len(conv)]
+    fresh = Engine(engine_dir, num_slots=1, threads=1)
+    assert got["tokens"] == [oracle(fresh, s["prompt"], 5)[0] for s in spec]
+
+
 def test_plan_counts_the_checkpoint_pool_the_runner_allocates(runtime_engine):
     """`moe-export plan`'s host memory for prefix-cache checkpoints is what each rank's runner allocates."""
     from moe_export.export.plan.planner import make_plan
