@@ -3,7 +3,9 @@ and a recurrent-state checkpoint gives the same greedy tokens and logits (up to 
 prompt on an engine of its own (the oracle), for K3 (with and without the DSA indexer) and Kimi Linear: prefixes
 ending mid-block, exactly at a block boundary, sharing only part of a block, repeated prompts, the divergence
 checkpoint, requests sharing a prefix in the same step, eviction then re-use, and under mpiexec (tp 2); exact-position
-checkpoints where an agent's next prompt departs (`Request.turn_points`) and their eviction by session."""
+checkpoints where an agent's next prompt departs (`Request.turn_points`): resumed by copy-on-write of their partial
+block (several requests at once, the block's writer still running; under mpiexec too), prefill steps ending only at
+the checkpoint targets, and their eviction by session."""
 
 from __future__ import annotations
 
