@@ -25,13 +25,14 @@ is checkpointed at exactly those positions (a step ends there: recurrent state i
 step ends at the block boundary before them), named by the hash of the full blocks before it and the tokens of its
 partial block, and the checkpoint holds a reference on that partial block, whose first positions keep their cache
 rows (a sequence writes only from the position it resumed at on, and the partial block it resumed inside is a
-copy of its own or a kept session's it took over, whose end is not before the checkpoint's). A prompt continuing those exact tokens resumes there with copy-on-write of the partial block: its
-state is copied back from the checkpoint and the partial block's rows into a fresh block of its own
-(`StepPlan.copies`, run on every rank before the step's chunks), whoever else holds that block (the sequence that
-wrote it, still running or kept as a session, other requests resuming from the same checkpoint, a warm turn). The
-checkpoint is not consumed: any number of requests, at once or later, resume from it. A prompt whose end is a turn
-point gets no checkpoint at its last block boundary either (the one at its end serves the next turn; a repeat of
-the same prompt resumes at its deepest earlier checkpoint).
+copy of its own or a kept session's it took over, whose end is not before the checkpoint's). A prompt continuing
+those exact tokens resumes there with copy-on-write of the partial block: the state is copied back from the
+checkpoint and the partial block's rows into a fresh block of the prompt's own (`StepPlan.copies`, run on every
+rank before the step's chunks), whoever else holds that block (the sequence that wrote it, still running or kept
+as a session, other requests resuming from the same checkpoint, a warm turn). The checkpoint is not consumed: any
+number of requests, at once or later, resume from it. A prompt whose end is a turn point gets no checkpoint at its
+last block boundary either (the one at its end serves the next turn; a repeat of the same prompt resumes at its
+deepest earlier checkpoint).
 
 Eviction is least recently used by session: each checkpoint belongs to a lineage (the session its request names,
 `Request.session`: OpenAI's `prompt_cache_key` / `user`, Anthropic's `metadata.user_id`; else the request that wrote
@@ -86,8 +87,9 @@ class PartialCheckpoint:
 class PartialMatch:
     """A prompt's deepest exact-position checkpoint: resume at `position` with the full blocks `blocks` (a
     reference taken on each: the caller owns them), the checkpoint `name` / id `checkpoint` restored and the rows of
-    its partial block `block` copied into a block of the caller's own (no reference taken: the checkpoint holds one
-    until its copy has run, `StepPlan.copies`)."""
+    its partial block `block` copied into a block of the caller's own (no reference taken on it: the copy runs at
+    the start of the next step, `StepPlan.copies`, before any step can write the block, even one the checkpoint gave
+    up meanwhile)."""
 
     position: int
     blocks: list[int]
