@@ -1,8 +1,9 @@
 """Run under `mpiexec -n WORLD`: rank 0 schedules the requests in argv[2] (JSON list of {prompt,
 max_tokens}) together on the engine argv[1]; other ranks follow. Rank 0 prints one JSON line:
 {"tokens": [...per request], "root_steps": N, "follower_steps": [...]}.
-With PREFIX_CACHING=1 the requests run one after another with prefix caching on, and the line also holds
-"cached": [...per request] (prompt tokens resumed from the prefix cache). With OVERLAP=1 rank 0 plans each
+With PREFIX_CACHING=1 the requests run one after another with prefix caching on (a request whose spec has
+"with_next": true is added together with the next one), and the line also holds "cached": [...per request] (prompt
+tokens resumed from the prefix cache); a spec's "turn_points" are its `Request.turn_points`. With OVERLAP=1 rank 0 plans each
 step while the previous one runs (`EngineCore(overlap=True)`: broadcasts and steps in its worker thread), and
 the line also holds "planned_ahead".
 
@@ -55,8 +56,9 @@ def main() -> None:
             steps += 1
 
     for i, s in enumerate(spec):
-        sched.add(Request(str(i), s["prompt"], SamplingParams(max_tokens=s["max_tokens"], ignore_eos=True)))
-        if one_by_one:
+        sched.add(Request(str(i), s["prompt"], SamplingParams(max_tokens=s["max_tokens"], ignore_eos=True),
+                          turn_points=tuple(s.get("turn_points", ()))))
+        if one_by_one and not s.get("with_next"):
             drain()
     drain()
     sched.shutdown()

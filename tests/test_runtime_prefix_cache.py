@@ -3,7 +3,9 @@ and a recurrent-state checkpoint gives the same greedy tokens and logits (up to 
 prompt on an engine of its own (the oracle), for K3 (with and without the DSA indexer) and Kimi Linear: prefixes
 ending mid-block, exactly at a block boundary, sharing only part of a block, repeated prompts, the divergence
 checkpoint, requests sharing a prefix in the same step, eviction then re-use, and under mpiexec (tp 2); exact-position
-checkpoints where an agent's next prompt departs (`Request.turn_points`) and their eviction by session."""
+checkpoints where an agent's next prompt departs (`Request.turn_points`): resumed by copy-on-write of their partial
+block (several requests at once, the block's writer still running; under mpiexec too), prefill steps ending only at
+the checkpoint targets, and their eviction by session."""
 
 from __future__ import annotations
 
@@ -14,14 +16,18 @@ import sys
 
 import numpy as np
 import pytest
+from fp32_reorder import num_layers, reorder_atol
 from test_runtime_scheduler import MPI_SCRIPT, mpiexec
 from test_runtime_sessions import Recorder, assert_same, run
 
+from moe_export.export.convert.checkpoint import load_model
 from moe_export.runtime.core.blocks import BlockAllocator
 from moe_export.runtime.core.prefix_cache import PartialCheckpoint, PrefixCache, block_hashes, partial_name
 from moe_export.runtime.core.engine_core import EngineCore
 from moe_export.runtime.core.scheduler import Request
+from moe_export.runtime.engine import open_engine
 from moe_export.runtime.engine.ort import Engine
+from moe_export.runtime.engine.reference import ReferenceEngine
 from moe_export.runtime.sampling import SamplingParams
 
 BS = 16  # the runtime_engine fixture's block size; its max_num_tokens 64 makes the checkpoint interval 64
@@ -136,8 +142,7 @@ def test_required_turns_resume_at_the_exact_divergence(runtime_engine, preset):
     message): each next prompt is the conversation + the previous output + new tokens, so it departs from the
     previous prompt + output at the conversation's end, mid-block. It resumes exactly there (cached tokens = the
     common prefix), from the checkpoint taken at that turn point, writing into that checkpoint's partial block, with
-    the tokens and logits of a full prefill; with sessions kept and without. While another running sequence holds
-    the partial block, a prompt resumes at the block boundary before the divergence instead."""
+    the tokens and logits of a full prefill; with sessions kept and without."""
     engine_dir = runtime_engine(preset, 2, 2, 4)
     eng, fresh = Engine(engine_dir, threads=1), Engine(engine_dir, num_slots=1, threads=1)
     instruction = tail(7, 40)
@@ -153,18 +158,85 @@ def test_required_turns_resume_at_the_exact_divergence(runtime_engine, preset):
             assert_same(rec, frec, fresh)
             common = len(conv)
             conv = conv + got + tail(11 + 5 * turn, 50 + turn)  # the output, then the tool's answer
-    # the partial block is held by its running sequence: the next turn cannot write into it
+
+
+@pytest.mark.parametrize("runner", ["onnxruntime", "torch", "reference"])
+def test_requests_continuing_one_exact_checkpoint_at_once_copy_its_block(runtime_engine, synthetic_checkpoint, runner):
+    """Copy-on-write of an exact-position checkpoint's partial block: while the request that wrote the block still
+    runs (it decodes into it), the same follow-up sent twice at once and another departing at the same point all
+    resume at the exact checkpoint (not at the block boundary before it), each from a copy of the block, and every
+    one of the four, the writer included, has the tokens and logits of a full prefill (ONNX Runtime and torch
+    runners; the reference, whose checkpoints hold a slot's whole cache, has no block rows to copy)."""
+    if runner == "reference":
+        model = load_model(synthetic_checkpoint("tiny-k3"))
+        eng, fresh = (ReferenceEngine(model, num_slots=n, max_seq_len=128, max_num_tokens=64, block_size=BS) for n in (4, 1))
+        layers = model.cfg.num_layers
+    else:
+        engine_dir = runtime_engine("tiny-k3", *((2, 2, 4) if runner == "onnxruntime" else (1, 1, 1)), backend=runner)
+        eng, fresh = open_engine(engine_dir, threads=1), open_engine(engine_dir, num_slots=1, threads=1)
+        layers = num_layers(fresh.model_config)
+    assert eng.num_slots >= 4
     sched = EngineCore(eng, keep_sessions=False)
-    conv = BASE[:45]
-    sched.add(Request("first", conv + instruction, SamplingParams(max_tokens=30, ignore_eos=True), turn_points=(len(conv),)))
-    for _ in range(5):  # its prompt's chunks end at the checkpoints 32, 45 (exact), 48; then it decodes
-        sched.step()
-    nxt = conv + tail(9, 61)
-    got, rec, cached = run_turn(sched, "next", nxt, 3, ())
-    assert cached == 32  # the block boundary before the divergence at 45
-    want, frec = oracle(fresh, nxt, 3)
-    assert got == want
-    assert_same(rec, frec, fresh)
+    conv, instruction = BASE[:45], tail(7, 40)  # the divergence at 45: mid-block (BS 16)
+    prompts = {"first": conv + instruction, "again-a": conv + tail(9, 61), "again-b": conv + tail(9, 61),
+               "other": conv + tail(12, 62)}
+    recs = {rid: Recorder() for rid in prompts}
+    got = {rid: [] for rid in prompts}
+    cached = dict.fromkeys(prompts, 0)
+
+    def step():
+        for u in sched.step():
+            got[u.request_id] += u.token_ids
+            cached[u.request_id] = max(cached[u.request_id], u.cached_tokens)
+
+    sched.add(Request("first", prompts["first"], SamplingParams(max_tokens=30, ignore_eos=True), [recs["first"]],
+                      turn_points=(len(conv),)))
+    while len(got["first"]) < 2:  # its prompt's chunks end at 45 (the exact checkpoint), 48 and 52; it decodes
+        step()
+    for rid in ("again-a", "again-b", "other"):
+        sched.add(Request(rid, prompts[rid], SamplingParams(max_tokens=4, ignore_eos=True), [recs[rid]]))
+    while sched.has_work:
+        step()
+    assert cached == {"first": 0, "again-a": len(conv), "again-b": len(conv), "other": len(conv)}
+    for rid, prompt in prompts.items():
+        want, frec = oracle(fresh, prompt, len(got[rid]))
+        assert got[rid] == want, rid
+        assert len(recs[rid].logits) == len(frec.logits), rid
+        for x, y in zip(recs[rid].logits, frec.logits):
+            atol = reorder_atol(y.numpy(), layers, fresh.max_seq_len)  # float32 sums in other orders
+            np.testing.assert_allclose(x.numpy(), y.numpy(), atol=atol, rtol=0, err_msg=rid)
+
+
+def test_a_chat_prefill_steps_end_only_at_its_targets(runtime_engine):
+    """An agent loop (`required`: conversation + instruction, turn points at the conversation's end and the prompt's
+    end): each next prompt resumes at the previous conversation's exact end and its prefill steps end exactly at its
+    checkpoint targets: the interval boundary (64) it crosses and its two turn points, never at the block boundary
+    before a turn point (the partial block is copied, not replayed), with a full prefill's tokens and logits."""
+    engine_dir = runtime_engine("tiny-k3", 2, 2, 4)
+    eng, fresh = Engine(engine_dir, threads=1), Engine(engine_dir, num_slots=1, threads=1)
+    ends: list[list[int]] = []  # per step: where each of its chunks ends (position after its last token)
+    sample = eng.sample
+
+    def counting(batch, sampling):
+        ends.append([int(batch.positions[hi - 1]) + 1 for hi in batch.cu_seqlens[1:]])
+        return sample(batch, sampling)
+
+    eng.sample = counting
+    sched = EngineCore(eng)
+    instruction = tail(7, 40)
+    conv, resume = BASE[:37], 0
+    # the turns' prompts end at 44, 61, 83; their conversations at 37, 54, 76 (mid-block, BS 16)
+    for turn, want_ends in enumerate([[37, 44], [54, 61], [64, 76, 83]]):
+        prompt = conv + instruction
+        ends.clear()
+        got, rec, cached = run_turn(sched, str(turn), prompt, 6, (len(conv), len(prompt)))
+        assert cached == resume, turn
+        assert [e for (e,) in ends if e <= len(prompt)] == want_ends, (turn, ends)
+        want, frec = oracle(fresh, prompt, 6)
+        assert got == want, turn
+        assert_same(rec, frec, fresh)
+        resume = len(conv)
+        conv = conv + got + tail(11 + 5 * turn, 50 + turn)
 
 
 def test_a_request_waiting_for_a_slot_keeps_the_exact_checkpoint_it_will_resume_from(runtime_engine):
@@ -269,6 +341,27 @@ def test_prefix_caching_under_mpiexec(runtime_engine):
     assert got["cached"] == [0, 64, 80]
     fresh = Engine(engine_dir, num_slots=1, threads=1)
     assert got["tokens"] == [oracle(fresh, p, 5)[0] for p in prompts]
+
+
+def test_exact_checkpoint_copy_on_write_under_mpiexec(runtime_engine):
+    """mpiexec -n 2 (tp 2): a turn checkpoints the conversation's exact end (mid-block); the same follow-up sent twice
+    at once and another departing there all resume at it, each rank copying the partial block's rows of its own
+    shards (`StepPlan.copies`), with the tokens of full prefills in one process."""
+    engine_dir = runtime_engine("tiny-k3", 2, 2, 2)
+    conv, instruction = BASE[:45], tail(7, 40)
+    follow_up = conv + tail(9, 61)
+    spec = [{"prompt": conv + instruction, "max_tokens": 5, "turn_points": [len(conv), len(conv) + len(instruction)]},
+            {"prompt": follow_up, "max_tokens": 5, "with_next": True},
+            {"prompt": follow_up, "max_tokens": 5, "with_next": True},
+            {"prompt": conv + tail(12, 62), "max_tokens": 5}]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PREFIX_CACHING": "1"}
+    r = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(MPI_SCRIPT), str(engine_dir), json.dumps(spec)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads([line for line in r.stdout.splitlines() if line.strip()][-1])
+    assert got["cached"] == [0, len(conv), len(conv), len(conv)]
+    fresh = Engine(engine_dir, num_slots=1, threads=1)
+    assert got["tokens"] == [oracle(fresh, s["prompt"], 5)[0] for s in spec]
 
 
 def test_plan_counts_the_checkpoint_pool_the_runner_allocates(runtime_engine):

@@ -120,6 +120,32 @@ def test_a_dropped_warm_turn_leaves_the_conversation_end_checkpoint(runtime_engi
         assert_same(rec, frec, fresh)
 
 
+def test_a_request_departing_where_a_warm_turn_resumes_resumes_there_too(runtime_engine):
+    """A warm turn resumes at the conversation's exact end (the exact-position checkpoint there) and, while it
+    prefills, a request departing at that same point (the conversation + other tokens) arrives: it resumes there too
+    (from a copy of the checkpoint's partial block, not at the block boundary before it); the next turn resumes at the
+    warm turn's end. Every one has the tokens and logits of a full prefill."""
+    engine_dir = runtime_engine("tiny-k3", 2, 2, 4)
+    eng, fresh = Engine(engine_dir, threads=1), Engine(engine_dir, num_slots=1, threads=1)
+    eng.max_num_tokens = 8  # steps of 8 tokens: the warm turn's 30 take 4
+    core = EngineCore(eng)
+    conv, instruction = BASE[:37], tail(7, 40)  # the conversation ends mid-block (BS 16)
+    got, _, _ = run_turn(core, "t0", conv + instruction, 30, (len(conv), len(conv) + len(instruction)))
+    core.add_warm(warm("t0:warm", conv + got))
+    core.step()  # admitted, resuming at len(conv); its first chunk fed, not its last
+    assert "t0:warm" in core.scheduler.warm_running
+    side = conv + tail(9, 63)
+    side_got, side_rec, side_cached = run_turn(core, "side", side, 4, ())
+    assert side_cached == len(conv) and core.stats()["warm_turns"] == 1 and core.stats()["warm_dropped"] == 0
+    prompt = conv + got + tail(11, 50) + instruction
+    nxt_got, nxt_rec, nxt_cached = run_turn(core, "t1", prompt, 6, (len(prompt) - len(instruction), len(prompt)))
+    assert nxt_cached == len(conv) + len(got)  # the warm turn's end
+    for p, n, tokens, rec in ((side, 4, side_got, side_rec), (prompt, 6, nxt_got, nxt_rec)):
+        want, frec = oracle(fresh, p, n)
+        assert tokens == want
+        assert_same(rec, frec, fresh)
+
+
 @pytest.fixture(scope="module")
 def llms(runtime_engine):
     engine_dir = runtime_engine("tiny-k3", 2, 2, 4)

@@ -63,10 +63,11 @@ class SequenceUpdate:
 @dataclass
 class StepPlan:
     """One engine step as every rank of a group runs it, in order: read `reads` (offloaded state,
-    `core.state_offload`), reset `resets` slots, restore (checkpoint, slot) `restores`, write `loads` (state brought
-    back from the offload store), run `chunks` (none: an idle step of a dp-layout group), then save
-    (slot, checkpoint) `saves`. Rank 0 broadcasts it under mpiexec; in one process the runner gets the
-    scheduler's own chunk objects."""
+    `core.state_offload`), reset `resets` slots, restore (checkpoint, slot) `restores`, copy the cache rows of
+    (source, destination) blocks `copies` (all read, then all written: copy-on-write of an exact-position checkpoint's
+    partial block, `core.prefix_cache`), write `loads` (state brought back from the offload store), run `chunks`
+    (none: an idle step of a dp-layout group), then save (slot, checkpoint) `saves`. Rank 0 broadcasts it under
+    mpiexec; in one process the runner gets the scheduler's own chunk objects."""
 
     resets: list[int] = field(default_factory=list)
     restores: list[tuple[int, int]] = field(default_factory=list)
@@ -74,6 +75,7 @@ class StepPlan:
     saves: list[tuple[int, int]] = field(default_factory=list)
     reads: list = field(default_factory=list)  # state_offload.StateRead
     loads: list = field(default_factory=list)  # state_offload.StateLoad
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

@@ -44,7 +44,7 @@ def run_plan(engine: ModelRunner, plan: Plan, sampling: SamplingBatch | None = N
              offload: StateOffload | None = None) -> RunnerOutput:
     """Apply a plan on this rank: a tower call -> the images' embeddings; an offload read (no step in flight) -> its
     rows; an offload agreement (`state_offload.AgreePlan`, multi-rank) -> nothing (this rank's `offload` holds the
-    state or not); a step -> offloaded rows read, slots reset and restored, offloaded state loaded, one runner step
+    state or not); a step -> offloaded rows read, slots reset and restored, blocks copied, offloaded state loaded, one runner step
     choosing the tokens of `sampling` (rank 0; None on followers), then the checkpoint saves. A step without chunks
     is an idle step of a dp-layout group (see `runtime.core.wide_ep`)."""
     if isinstance(plan, VisionPlan):
@@ -59,6 +59,9 @@ def run_plan(engine: ModelRunner, plan: Plan, sampling: SamplingBatch | None = N
         engine.reset_slot(slot)
     for checkpoint, slot in plan.restores:
         engine.restore_state(slot, checkpoint)
+    if plan.copies:
+        sources, destinations = zip(*plan.copies)
+        engine.write_blocks(list(destinations), engine.read_blocks(list(sources)))
     for load in plan.loads:
         run_load(engine, load, offload)
     width = cast(VisionRunner, engine).image_width if engine.vision is not None else None

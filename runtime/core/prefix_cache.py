@@ -14,20 +14,25 @@ and named by that boundary's block hash. A request resumes from the deepest boun
 all cached AND which has a checkpoint, at most its prompt length - 1 (the last prompt token is always fed,
 its logits give the first output token): the checkpoint is copied back into the request's slot and only the
 rest of the prompt is prefilled. Where checkpoints are taken (`checkpoint_targets`): every `interval`
-tokens, the last block boundary of each prompt (repeated prompts, multi-turn continuations), and the
-block boundary where a prompt's cached blocks end (the divergence point another request will share). A
-checkpoint is referenced by nobody after its copy-back.
+tokens, the last block boundary of each prompt (repeated prompts, multi-turn continuations) unless its end is a
+turn point (below), and the block boundary where a prompt's cached blocks end (the divergence point another
+request will share). A checkpoint is referenced by nobody after its copy-back.
 
 Exact-position checkpoints: a chat prompt says where the next turn's prompt may depart from it
 (`Request.turn_points`: the end of the conversation before the tool-choice message K3 renders after it, where
 the next prompt holds this turn instead; the end of the prompt, where the model's own tokens begin). The state
-is checkpointed at exactly those positions (and at the block boundary before each), named by the hash of the full blocks before it and the tokens of its partial block, and the
-checkpoint holds a reference on that partial block, whose first positions keep their cache rows. A prompt
-continuing those exact tokens resumes there when it can write into the partial block (copy-on-write without a
-copy): nobody else holds it but the cache's name and kept sessions, which are then dropped (the partial
-checkpoint is consumed once the request is admitted; a request that must wait leaves it named, and a warm turn holds
-it until it has checkpointed its own last block boundary, naming it again if it is given up before); otherwise it
-resumes at the block boundary before, replaying the few tokens after it.
+is checkpointed at exactly those positions (a step ends there: recurrent state is saved only at a step's end; no
+step ends at the block boundary before them), named by the hash of the full blocks before it and the tokens of its
+partial block, and the checkpoint holds a reference on that partial block, whose first positions keep their cache
+rows (a sequence writes only from the position it resumed at on, and the partial block it resumed inside is a
+copy of its own or a kept session's it took over, whose end is not before the checkpoint's). A prompt continuing
+those exact tokens resumes there with copy-on-write of the partial block: the state is copied back from the
+checkpoint and the partial block's rows into a fresh block of the prompt's own (`StepPlan.copies`, run on every
+rank before the step's chunks), whoever else holds that block (the sequence that wrote it, still running or kept
+as a session, other requests resuming from the same checkpoint, a warm turn). The checkpoint is not consumed: any
+number of requests, at once or later, resume from it. A prompt whose end is a turn point gets no checkpoint at its
+last block boundary either (the one at its end serves the next turn; a repeat of the same prompt resumes at its
+deepest earlier checkpoint).
 
 Eviction is least recently used by session: each checkpoint belongs to a lineage (the session its request names,
 `Request.session`: OpenAI's `prompt_cache_key` / `user`, Anthropic's `metadata.user_id`; else the request that wrote
@@ -79,24 +84,12 @@ class PartialCheckpoint:
 
 
 @dataclass
-class HeldCheckpoint:
-    """An exact-position checkpoint taken out of the cache by a sequence resuming from it (`PrefixCache.hold_partial`):
-    its id stays taken and one reference on its partial block stays held, so that it can be named again as it was
-    (`restore_held`: the sequence did not resume from it after all, or is a warm turn given up) or given up
-    (`release_held`)."""
-
-    name: bytes
-    checkpoint: int
-    lineage: str
-    agent: bool
-    partial: PartialCheckpoint
-
-
-@dataclass
 class PartialMatch:
     """A prompt's deepest exact-position checkpoint: resume at `position` with the full blocks `blocks` (a
-    reference taken on each: the caller owns them) and the checkpoint `name` / id `checkpoint` (its partial block
-    not yet taken: `PrefixCache.hold_partial`)."""
+    reference taken on each: the caller owns them), the checkpoint `name` / id `checkpoint` restored and the rows of
+    its partial block `block` copied into a block of the caller's own (no reference taken on it: the copy runs at
+    the start of the next step, `StepPlan.copies`, before any step can write the block, even one the checkpoint gave
+    up meanwhile)."""
 
     position: int
     blocks: list[int]
@@ -177,54 +170,21 @@ class PrefixCache:
                 for h in reversed(hashes[:k]):
                     self._blocks.move_to_end(h)
                 self.allocator.incref(blocks)
+                self._checkpoints.move_to_end(name)
                 return PartialMatch(end, blocks, name, self._checkpoints[name], self._partials[name].block)
         return None
-
-    def named(self, block: int) -> bool:
-        return block in self._block_names
-
-    def unname(self, block: int) -> None:
-        """Forget a named block's name (its reference released): its content is about to change."""
-        del self._blocks[self._block_names.pop(block)]
-        self.allocator.decref([block])
-
-    def partials_on(self, block: int) -> list[bytes]:
-        """Names of the exact-position checkpoints holding `block`."""
-        return [name for name, part in self._partials.items() if part.block == block]
-
-    def drop_checkpoint(self, name: bytes) -> None:
-        """Forget a checkpoint (an exact-position one's block reference released)."""
-        self._forget_checkpoint(name, release_block=True)
-
-    def hold_partial(self, name: bytes) -> HeldCheckpoint:
-        """Take out an exact-position checkpoint whose state a sequence is to restore and whose partial block it is
-        to write into (from the checkpoint's first position on: its tail's rows stay as they are). It is no longer
-        found, but its id and block reference are held (`HeldCheckpoint`) until `release_held` or `restore_held`."""
-        lineage, checkpoint = self._lineage[name], self._checkpoints[name]
-        agent = lineage in self._agents
-        part = self._forget_checkpoint(name, release_block=False, free_id=False)
-        return HeldCheckpoint(name, checkpoint, lineage, agent, part)
-
-    def release_held(self, held: HeldCheckpoint) -> None:
-        """Give up a held checkpoint: its id is free again (a restore runs before any save of the same step), its
-        block reference released."""
-        self._free_checkpoints.append(held.checkpoint)
-        self.allocator.decref([held.partial.block])
-
-    def restore_held(self, held: HeldCheckpoint) -> None:
-        """Name a held checkpoint again, for its lineage, the most recently used (its block reference passes back to
-        the cache). Valid while nobody wrote its checkpoint id or its partial block's rows before its position."""
-        self.add_checkpoint(held.name, held.checkpoint, held.lineage, held.partial, held.agent)
 
     def checkpoint_targets(self, prompt_len: int, resume: int, matched_blocks: int,
                            turn_points: tuple[int, ...] = ()) -> list[int]:
         """Positions in (resume, prompt_len] where a sequence's state is checkpointed, ascending: block boundaries
-        every `interval` tokens, the divergence point of its cached blocks, its prompt's last block boundary; and
-        each of `turn_points` exactly (where a next turn may depart) with the block boundary before it."""
+        every `interval` tokens, the divergence point of its cached blocks, each of `turn_points` exactly (where a next
+        turn may depart; resumed with copy-on-write of its partial block, so no block boundary before it is added),
+        and its prompt's last block boundary unless the prompt's end is a turn point."""
         last = (prompt_len - 1) // self.block_size * self.block_size
-        targets = set(range(self.interval, last + 1, self.interval)) | {last, matched_blocks * self.block_size}
         points = {p for p in turn_points if 0 < p <= prompt_len}
-        targets |= points | {p // self.block_size * self.block_size for p in points}
+        targets = set(range(self.interval, last + 1, self.interval)) | {matched_blocks * self.block_size} | points
+        if prompt_len not in points:
+            targets.add(last)
         return sorted(t for t in targets if resume < t and (t <= last or t in points))
 
     def add_blocks(self, hashes: list[bytes], blocks: list[int]) -> None:
@@ -268,15 +228,13 @@ class PrefixCache:
             victim = min(others, key=lambda e: (rank[self._lineage[e[1]]], e[0]))[1]
         if victim is None:  # the writer's own: its oldest
             victim = next(iter(self._checkpoints))
-        self._forget_checkpoint(victim, release_block=True)
+        self._forget_checkpoint(victim)
         return self._free_checkpoints.pop()
 
-    def _forget_checkpoint(self, h: bytes, release_block: bool, free_id: bool = True) -> PartialCheckpoint | None:
-        """Drop checkpoint `h` (its id back to the free list if `free_id`, an exact-position one's block reference
-        released if `release_block`); its partial record, if it had one."""
+    def _forget_checkpoint(self, h: bytes) -> None:
+        """Drop checkpoint `h`: its id back to the free list, an exact-position one's block reference released."""
         checkpoint = self._checkpoints.pop(h)
-        if free_id:
-            self._free_checkpoints.append(checkpoint)
+        self._free_checkpoints.append(checkpoint)
         lineage = self._lineage.pop(h)
         self._lineage_checkpoints[lineage] -= 1
         if not self._lineage_checkpoints[lineage]:
@@ -288,9 +246,7 @@ class PrefixCache:
             after.discard(h)
             if not after:
                 del self._partials_after[part.parent]
-            if release_block:
-                self.allocator.decref([part.block])
-        return part
+            self.allocator.decref([part.block])
 
     def free_checkpoint(self, checkpoint: int) -> None:
         """Give back a taken checkpoint id unnamed (the step that was to write it failed)."""
@@ -323,7 +279,7 @@ class PrefixCache:
         victim = next((h for h in self._checkpoints if h in self._partials), None)
         if victim is None:
             return False
-        self._forget_checkpoint(victim, release_block=True)
+        self._forget_checkpoint(victim)
         return True
 
     def evict_blocks(self, n: int) -> int:

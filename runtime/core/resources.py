@@ -4,15 +4,15 @@ prefix cache (`core.prefix_cache`: named full blocks and state checkpoints) and 
 A sequence is admitted when a slot and the blocks for its prompt plus `max_tokens` are free (cached prefix
 blocks held by nobody else, then kept sessions, then exact-position checkpoints' partial blocks, are evicted,
 least recently used first, to make room). It resumes from the longest of a kept session it exactly extends, a
-cached prefix up to a block boundary, or one up to an exact-position checkpoint."""
+cached prefix up to a block boundary, or one up to an exact-position checkpoint (whose partial block's rows are
+copied into a block of its own: `StepPlan.copies`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from moe_export.runtime.core.blocks import BlockAllocator
-from moe_export.runtime.core.prefix_cache import (HeldCheckpoint, PartialCheckpoint, PartialMatch, PrefixCache,
-                                                  block_hashes, partial_name)
+from moe_export.runtime.core.prefix_cache import PartialCheckpoint, PrefixCache, block_hashes, partial_name
 from moe_export.runtime.core.sequence import Sequence
 from moe_export.runtime.core.sessions import KeptSequence, SessionCache
 from moe_export.runtime.core.state_offload import FoundState, StateLoad, StateOffload, StateRead
@@ -52,6 +52,7 @@ class Resources:
         self.prefix = PrefixCache(self.allocator, slots, engine.checkpoint_interval) if prefix_caching and slots else None
         self.free_slots = list(range(engine.num_slots - 1, -1, -1))
         self.offload = offload if self.prefix is not None else None  # (its entries are named by the prefix cache's)
+        self._copies: list[tuple[int, int]] = []  # (source, destination) blocks for the step being planned
 
     def blocks_for(self, seq: Sequence) -> int:
         """Blocks covering every position this request may feed (the last sampled token is never fed)."""
@@ -82,36 +83,15 @@ class Resources:
                 continue
             return short <= 0 and not (slot and not self.free_slots)
 
-    def _take_partial(self, found: PartialMatch) -> HeldCheckpoint | None:
-        """An exact-position checkpoint held for the resuming sequence to write into its partial block (a reference
-        on the block taken for the sequence; the block's name, the kept sessions and the other exact-position
-        checkpoints holding it dropped), or None when someone else holds the block (a running sequence): then the
-        prompt resumes at a block boundary."""
-        index = found.position // self.allocator.block_size
-        holders = self.sessions.take_holding(index, found.block)
-        named = self.prefix.named(found.block)
-        others = [name for name in self.prefix.partials_on(found.block) if name != found.name]
-        if self.allocator.refcount(found.block) != 1 + named + len(holders) + len(others):
-            for kept in holders:
-                self.sessions.keep(kept)
-            return None
-        for kept in holders:
-            self._release_kept(kept)
-        for name in others:
-            self.prefix.drop_checkpoint(name)
-        self.allocator.incref([found.block])
-        return self.prefix.hold_partial(found.name)
-
     def admit(self, seq: Sequence, resets: list[int], restores: list[tuple[int, int]], warm: bool = False) -> bool:
         """Give `seq` a slot and its blocks, resuming from a kept session it extends or a cached prefix, whichever
-        is longer (a restored (checkpoint, slot) goes to `restores`, a fresh slot to `resets`); False: must wait
-        (an exact-position checkpoint it would have resumed from is named again, for its next try). warm: a warm
-        turn, whose prompt does not count in the prefix cache's queried / hit tokens and which holds the
-        exact-position checkpoint it resumes from until it ends (`Sequence.held`: see `release`)."""
+        is longer (a restored (checkpoint, slot) goes to `restores`, a fresh slot to `resets`, an exact-position
+        checkpoint's partial block copied into the sequence's own to `take_copies`); False: must wait. warm: a warm
+        turn, whose prompt does not count in the prefix cache's queried / hit tokens."""
         need = self.blocks_for(seq)
         key = seq.session_key(len(seq.tokens))
         kept = self.sessions.take_longest_prefix(key) if self.keep_sessions else None
-        resume, shared, checkpoint, matched, lineage, held = 0, [], None, 0, None, None
+        resume, shared, checkpoint, matched, lineage, copy_from = 0, [], None, 0, None, None
         if self.prefix is not None:  # the kept session's block names are reused: only the new blocks are hashed
             bs = self.allocator.block_size
             known = kept.hashes if kept is not None else []
@@ -121,16 +101,11 @@ class Resources:
                 lineage = self.prefix.lineage(seq.hashes[resume // bs - 1])
             floor = max(resume, len(kept.tokens) if kept is not None else 0)
             found = self.prefix.match_partial(key, seq.hashes, len(seq.tokens), matched, floor)
-            if found is not None:
-                found_lineage = self.prefix.lineage(found.name)
-                held = self._take_partial(found)
-                if held is None:
-                    self.allocator.decref(found.blocks)
-                else:
-                    self.allocator.decref(shared)
-                    resume, shared, checkpoint = found.position, found.blocks + [found.block], found.checkpoint
-                    lineage = found_lineage
-            if resume and kept is not None and len(kept.tokens) >= resume:  # (never a held one's: floor)
+            if found is not None:  # copy-on-write: its partial block's rows into a block of the sequence's own
+                self.allocator.decref(shared)
+                resume, shared, checkpoint, copy_from = found.position, found.blocks, found.checkpoint, found.block
+                lineage = self.prefix.lineage(found.name)
+            if resume and kept is not None and len(kept.tokens) >= resume:  # (never a partial one's: floor)
                 self.allocator.decref(shared)
                 resume, shared, checkpoint = 0, [], None
             elif resume and kept is not None:
@@ -143,19 +118,13 @@ class Resources:
                 if kept is not None:
                     self._unkeep(kept)
                 self.allocator.decref(shared)
-                if held is not None:
-                    self.prefix.restore_held(held)
                 return self._admit_offloaded(seq, found, need, matched)
         have = len(kept.blocks) if kept is not None else len(shared)
         if not self._make_room(need - have, kept is None):
             if kept is not None:
                 self._unkeep(kept)
             self.allocator.decref(shared)
-            if held is not None:
-                self.prefix.restore_held(held)
             return False
-        if held is not None:
-            self._write_into(held, seq, warm)
         if kept is not None:
             seq.slot, seq.blocks = kept.slot, kept.blocks
             seq.num_computed = seq.cached_tokens = len(kept.tokens)
@@ -170,20 +139,18 @@ class Resources:
                 resets.append(seq.slot)
             else:
                 restores.append((checkpoint, seq.slot))
+            if copy_from is not None:
+                self._copies.append((copy_from, seq.blocks[len(shared)]))
             seq.lineage = lineage if checkpoint is not None and lineage else seq.request_id
         if self.prefix is not None:
             self._follow(seq, resume, matched, warm)
         return True
 
-    def _write_into(self, held: HeldCheckpoint, seq: Sequence, warm: bool) -> None:
-        """`seq`, admitted resuming from `held`, writes into its partial block from the checkpoint's position on (the
-        block's name dropped); a warm turn goes on holding the checkpoint (`release`), any other sequence consumes it."""
-        if self.prefix.named(held.partial.block):
-            self.prefix.unname(held.partial.block)
-        if warm:
-            seq.held = held
-        else:
-            self.prefix.release_held(held)
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies of the sequences admitted since the last call (`StepPlan.copies`:
+        run before the step's chunks, so a source a checkpoint gave up meanwhile is read before anyone writes it)."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def _follow(self, seq: Sequence, resume: int, matched: int, warm: bool) -> None:
         """The prefix cache's side of an admitted `seq` resuming at `resume`: its lineage's use, its checkpoint targets
@@ -229,21 +196,12 @@ class Resources:
         return True
 
     def release(self, seq: Sequence, keep: bool) -> None:
-        """Hand a sequence's slot and blocks back, or keep them as a session keyed by its computed tokens. A warm
-        turn's held checkpoint (`admit`) is given up once the warm turn has its own: it prefilled its whole prompt
-        and checkpointed its last block boundary, beyond the held position; else (given up midway) named again."""
-        if seq.held is not None:
-            held, seq.held = seq.held, None
-            bs = self.allocator.block_size
-            last = (len(seq.tokens) - 1) // bs  # full blocks before its last block boundary
-            own = (seq.num_computed >= len(seq.tokens) and last * bs > seq.cached_tokens
-                   and self.prefix.has_checkpoint(seq.hashes[last - 1]))
-            if own:
-                self.prefix.release_held(held)
-            else:
-                self.prefix.restore_held(held)
+        """Hand a sequence's slot and blocks back, or keep them as a session keyed by its computed tokens (a copy into
+        its blocks not yet in a plan is dropped: it was released in the schedule that admitted it)."""
         if seq.slot < 0:
             return
+        if self._copies:
+            self._copies = [c for c in self._copies if c[1] not in seq.blocks]
         if keep and self.keep_sessions and seq.num_computed > 0:
             used = self.allocator.blocks_needed(seq.num_computed)
             self.allocator.decref(seq.blocks[used:])

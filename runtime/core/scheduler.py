@@ -483,7 +483,7 @@ class Scheduler:
         sampling = (pack_rows([rows[n].sampling for n in positions], positions, self.sample_vocab)
                     if positions else None)
         plan = StepPlan(resets, restores, [r.chunk for r in rows], [(s.slot, s.checkpoint) for s in saves],
-                        *self.resources.offload_io())
+                        *self.resources.offload_io(), copies=self.resources.take_copies())
         return ScheduledStep(updates, rows, plan, sampling, saves)
 
     def update(self, step: ScheduledStep, sampled: SampledTokens | None, reads: list | None = None) -> list[SequenceUpdate]:

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from moe_export.runtime.core.contracts import Request
-from moe_export.runtime.core.prefix_cache import HeldCheckpoint
 from moe_export.runtime.tokenizer import IncrementalDecoder
 
 
@@ -26,7 +25,6 @@ class Sequence:
     named: int = 0  # its blocks [0, named) are named in the prefix cache (or were already: shared)
     targets: list[int] = field(default_factory=list)  # prompt positions whose state is checkpointed, ascending
     lineage: str = ""  # the session its checkpoints belong to (`core.prefix_cache`)
-    held: HeldCheckpoint | None = None  # a warm turn's: the exact-position checkpoint it resumed from (`core.resources`)
     text: IncrementalDecoder | None = None  # the output's text, a step at a time (with a text_decoder)
     text_len: int = 0  # characters of output text decoded so far
     text_tail: str = ""  # their last characters, as many as a stop string may have begun in

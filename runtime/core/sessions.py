@@ -76,11 +76,6 @@ class SessionCache:
         self.reused_tokens += len(self._entries[best].tokens)
         return self._entries.pop(best)
 
-    def take_holding(self, index: int, block: int) -> list[KeptSequence]:
-        """Remove and return the kept sequences whose block `index` is `block`."""
-        keys = [k for k, kept in self._entries.items() if len(kept.blocks) > index and kept.blocks[index] == block]
-        return [self._entries.pop(k) for k in keys]
-
     def evict_lru(self) -> KeptSequence | None:
         """Remove and return the least recently used entry (None when empty)."""
         if not self._entries:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from moe_export.common.recipe import LimitsSection
-from moe_export.runtime.engine.batch import StepBatch, check_checkpoint, check_slot, check_step_batch
+from moe_export.runtime.engine.batch import StepBatch, check_blocks, check_checkpoint, check_slot, check_step_batch
 from moe_export.runtime.engine.runner import choose_tokens
 from moe_export.runtime.engine.sampler import SampledTokens, SamplingBatch
 
@@ -49,6 +49,16 @@ class ReferenceEngine:
     def restore_state(self, slot: int, checkpoint: int) -> None:
         check_checkpoint(self, slot, checkpoint)
         self.caches[slot] = copy.deepcopy(self.checkpoints[checkpoint])
+
+    def read_blocks(self, blocks: list[int]) -> dict[str, np.ndarray]:
+        """`ModelRunner.read_blocks`: no cache pools (a slot's attention rows live in its own cache, and a checkpoint
+        copies them whole): no rows, so a block copy (`StepPlan.copies`) changes nothing."""
+        check_blocks(self, blocks)
+        return {}
+
+    def write_blocks(self, blocks: list[int], rows: dict[str, np.ndarray]) -> None:
+        """`ModelRunner.write_blocks` of `read_blocks`' (empty) rows: nothing to write."""
+        check_blocks(self, blocks)
 
     def step(self, batch: StepBatch) -> np.ndarray:
         """logits [N, vocab] fp32 of each sequence's last token; each chunk continues its slot's cache."""

@@ -51,6 +51,13 @@ class ModelRunner(Protocol):
         """Copy checkpoint `checkpoint` into `slot`'s recurrent state rows (a new sequence resuming from a cached
         prefix, instead of `reset_slot`; ordered before the next step)."""
 
+    def read_blocks(self, blocks: list[int]) -> dict[str, np.ndarray]:
+        """The cache pools' rows of `blocks` as uint8 [n, bytes] per pool key `{rank}/{pool}` (ordered after the work
+        queued before it): for the offload store and the copy-on-write of a partial block (`StepPlan.copies`)."""
+
+    def write_blocks(self, blocks: list[int], rows: dict[str, np.ndarray]) -> None:
+        """Write rows read by `read_blocks` into `blocks` (ordered before the next step)."""
+
     def step(self, batch: StepBatch) -> np.ndarray:
         """Run one step; logits [N, vocab] fp32 on the host (parity checks)."""
 
@@ -63,8 +70,8 @@ class ModelRunner(Protocol):
 class OffloadRunner(ModelRunner, Protocol):
     """A runner whose state rows can be read and written as raw bytes on the host, for the offload store
     (`runtime.core.state_offload`; ONNX Runtime, torch and TensorRT runners). Rows are keyed `{rank}/{pool}` and
-    are uint8: a recurrent-state row [bytes], cache blocks [n, bytes] (any pool dtype). A read is ordered after the
-    work queued before it (a device runner waits for its stream)."""
+    are uint8: a recurrent-state row [bytes], cache blocks [n, bytes] (any pool dtype: `ModelRunner.read_blocks`). A
+    read is ordered after the work queued before it (a device runner waits for its stream)."""
 
     def state_layout(self) -> dict[str, list]:
         """Per pool key: [kind ("state": recurrent rows by slot | "cache": paged blocks), bytes of one row (a slot's or
@@ -78,12 +85,6 @@ class OffloadRunner(ModelRunner, Protocol):
 
     def write_slot(self, slot: int, rows: dict[str, np.ndarray]) -> None:
         """Set `slot`'s recurrent state to rows read by `read_slot` / `read_checkpoint` (instead of `reset_slot`)."""
-
-    def read_blocks(self, blocks: list[int]) -> dict[str, np.ndarray]:
-        """The cache pools' rows of `blocks`."""
-
-    def write_blocks(self, blocks: list[int], rows: dict[str, np.ndarray]) -> None:
-        """Write rows read by `read_blocks` into `blocks`."""
 
 
 class StepCommunicator(Protocol):
