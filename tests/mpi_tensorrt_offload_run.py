@@ -4,7 +4,7 @@ host tensors for the "cuda" pools, nothing computed), with its communicators' to
 place of NCCL (no GPU here; the host side is MPI as on a GPU), then runs `mpi_offload_run.offload_turn` (the
 ONNX Runtime / torch runners' offload turn: store argv[2], prompt argv[3], argv[4] greedy tokens).
 
-The stand-in's steps write no pool row, so the rows the offload reads are the ones this script writes first: every
+The stand-in's steps write no pool row and no logits (zeroed after each step, so greedy sampling takes token 0), so the rows the offload reads are the ones this script writes first: every
 row of every pool of rank R, in generation G (argv[5]), holds `row_pattern(G, R, pool, row)` (filled once the runner
 is open; a state slot again each time the runner resets it, after its zeroing). With argv[6], the kept session of an
 earlier generation-1 run ({"slot", "blocks"}: its slot and block table), every load the runner is given (its
@@ -88,6 +88,14 @@ def main() -> None:
         fill(engine, gen, lambda name, pool: [slot] if name in state else [])
 
     engine.reset_slot = reset_then_fill
+    forward = engine._forward
+
+    def forward_with_finite_logits(batch):
+        """The stand-in computes no logits (their buffer holds whatever the allocator left, NaN included, and a
+        step whose logits are all NaN samples nothing): zeros, so greedy sampling takes token 0."""
+        return forward(batch).zero_()
+
+    engine._forward = forward_with_finite_logits
     loads = {"slots": 0, "blocks": 0, "bad": []}
     index = {name: p for p, name in enumerate(engine.pools)}
 
