@@ -27,8 +27,8 @@ Per round: `input` (prompt tokens: chat `prompt_tokens`, Responses `input_tokens
 `cache_read_input_tokens` + `cache_creation_input_tokens`), `cached` (`prompt_tokens_details.cached_tokens` /
 `input_tokens_details.cached_tokens` / `cache_read_input_tokens`), `uncached` = input - cached (what the server
 prefilled), `output` (completion / output tokens), `new` = input - the previous round's input (the growth of the
-prompt), `ideal` = new - the previous round's output (the tokens no cache can hold), `ttft_s` (time to the first
-streamed delta) and `wall_s`; `warm` is the growth of the server's `moe_export_warm_prefill_tokens_total` since the
+prompt), `ideal` = new - the previous round's output (the tokens no cache can hold), `ttft_s` (time from sending the
+request to the first streamed delta; each round's client is built before the clock starts) and `wall_s`; `warm` is the growth of the server's `moe_export_warm_prefill_tokens_total` since the
 previous round's response (the tokens warm turns prefilled between rounds: the previous round's output rendered as
 the next prompt holds it; scraped right after each response, so a round's figure may hold the warm turn of the
 round itself rather than of the one before; the sums are exact). The summary adds `uncached_sum`, `warm_sum` and
@@ -145,20 +145,21 @@ class Conversation:
     def step(self, tool_text: str | None, keep: bool = True) -> dict:
         """Send one round (adding `tool_text` as the answer to the last call); `keep=False` sends it without
         continuing the conversation from it."""
-        start = time.perf_counter()
         send = {"chat": self._chat, "responses": self._responses, "messages": self._messages}[self.api]
-        ttft, usage, turn = send(tool_text, start)
+        client = self.client()  # built before the clock starts: constructing one takes ~20 ms, none of it the server's
+        start = time.perf_counter()
+        ttft, usage, turn = send(client, tool_text, start)
         wall = time.perf_counter() - start
         if keep:
             self._keep(tool_text, turn)
         return {**usage, "uncached": usage["input"] - usage["cached"], "warm": self.server.warm_tokens(),
                 "ttft_s": round(ttft, 4), "wall_s": round(wall, 4)}
 
-    def _chat(self, tool_text, start):
+    def _chat(self, client, tool_text, start):
         messages = self.history + ([{"role": "tool", "tool_call_id": self.call_id, "content": tool_text}]
                                    if tool_text is not None else [])
         choice = {"type": "function", "function": {"name": TOOL["name"]}} if self.choice == "named" else "required"
-        stream = self.client().chat.completions.create(
+        stream = client.chat.completions.create(
             model=MODEL, messages=messages, tools=[{"type": "function", "function": TOOL}], tool_choice=choice,
             temperature=0, max_tokens=MAX_OUTPUT_TOKENS, stream=True, stream_options={"include_usage": True})
         ttft, usage, content, reasoning, calls = None, None, "", "", {}
@@ -185,13 +186,13 @@ class Conversation:
         cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
         return ttft, {"input": usage.prompt_tokens, "cached": cached or 0, "output": usage.completion_tokens}, message
 
-    def _responses(self, tool_text, start):
+    def _responses(self, client, tool_text, start):
         if tool_text is None:
             items = [{"role": "user", "content": TASK}]
         else:
             items = [{"type": "function_call_output", "call_id": self.call_id, "output": tool_text}]
         choice = {"type": "function", "name": TOOL["name"]} if self.choice == "named" else "required"
-        stream = self.client().responses.create(
+        stream = client.responses.create(
             model=MODEL, input=items, previous_response_id=self.previous_id, tools=[{"type": "function", **TOOL}],
             tool_choice=choice, temperature=0, max_output_tokens=MAX_OUTPUT_TOKENS, stream=True)
         ttft, final = None, None
@@ -210,13 +211,13 @@ class Conversation:
         cached = u.input_tokens_details.cached_tokens if u.input_tokens_details else 0
         return ttft, {"input": u.input_tokens, "cached": cached or 0, "output": u.output_tokens}, (final.id, calls[-1].call_id)
 
-    def _messages(self, tool_text, start):
+    def _messages(self, client, tool_text, start):
         messages = self.history + ([{"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": self.call_id, "content": tool_text}]}] if tool_text is not None else [])
         choice = {"type": "tool", "name": TOOL["name"]} if self.choice == "named" else {"type": "any"}
         tools = [{"name": TOOL["name"], "description": TOOL["description"], "input_schema": TOOL["parameters"]}]
         ttft = None
-        with self.client().messages.stream(model=MODEL, messages=messages, tools=tools, tool_choice=choice,
+        with client.messages.stream(model=MODEL, messages=messages, tools=tools, tool_choice=choice,
                                            max_tokens=MAX_OUTPUT_TOKENS, extra_body={"temperature": 0}) as stream:
             for event in stream:
                 if ttft is None and event.type == "content_block_delta":
