@@ -82,8 +82,10 @@ class OffloadRunner(ModelRunner, Protocol):
     def read_blocks(self, blocks: list[int]) -> dict[str, np.ndarray]:
         """The cache pools' rows of `blocks`."""
 
-    def write_blocks(self, blocks: list[int], rows: dict[str, np.ndarray]) -> None:
-        """Write rows read by `read_blocks` into `blocks`."""
+    def write_blocks(self, blocks: list[int], rows: dict) -> None:
+        """Write rows read by `read_blocks` into `blocks`: per pool key the blocks' rows in order, an [n, bytes]
+        array or n [bytes] arrays (the offload store's own: a host runner writes each into its place, a device
+        runner gathers them for one copy to the device)."""
 
 
 class StepCommunicator(Protocol):
