@@ -22,6 +22,7 @@ its text.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from moe_export.common.errors import InputError
@@ -46,6 +47,7 @@ __all__ = [
 ]
 
 EFFORTS = (*k3.EFFORTS, "none")
+TURN_CACHE = 4096  # assistant turns whose rendering from their turn ids is remembered (`_with_turn_ids`)
 
 
 def render(
@@ -175,11 +177,22 @@ def _with_turn_ids(tokenizer: Tokenizer, segments: list[Segment], turn: Any, whe
     of it but a final special token, up to a marker), else the segments' own encoding."""
     if not isinstance(turn, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in turn):
         raise InputError(f"{where}.turn_ids must be a list of token ids")
-    rest = _rest_after(tokenizer, segments, turn, inside_text=True)
-    if rest is None and turn and tokenizer.is_special(turn[-1]):
-        turn = turn[:-1]
-        rest = _rest_after(tokenizer, segments, turn, inside_text=False)
-    return segments_to_ids(tokenizer, segments) if rest is None else turn + segments_to_ids(tokenizer, rest)
+    texts, specials = tuple(seg.text for seg in segments), tuple(seg.special for seg in segments)
+    return list(_turn_ids_rendered(tokenizer, texts, specials, tuple(turn)))
+
+
+@lru_cache(maxsize=TURN_CACHE)
+def _turn_ids_rendered(tokenizer: Tokenizer, texts: tuple[str, ...], specials: tuple[bool, ...],
+                       turn: tuple[int, ...]) -> tuple[int, ...]:
+    """`_with_turn_ids` of one assistant message's segments (their texts and special flags) and turn ids, remembered:
+    every request of a conversation renders its earlier turns again (each walk decodes the turn's text runs)."""
+    segments = [Segment(text, special) for text, special in zip(texts, specials)]
+    ids = list(turn)
+    rest = _rest_after(tokenizer, segments, ids, inside_text=True)
+    if rest is None and ids and tokenizer.is_special(ids[-1]):
+        ids = ids[:-1]
+        rest = _rest_after(tokenizer, segments, ids, inside_text=False)
+    return tuple(segments_to_ids(tokenizer, segments) if rest is None else ids + segments_to_ids(tokenizer, rest))
 
 
 def _rest_after(tokenizer: Tokenizer, segments: list[Segment], ids: list[int], *, inside_text: bool) -> list[Segment] | None:
