@@ -199,8 +199,9 @@ class RankRunner:
                 data = np.ascontiguousarray(rows[f"{self.rank}/{n}"], dtype=np.uint8)
                 pool[index] = data.view(pool.dtype).reshape(pool.shape[1:])
                 continue
+            pool_bytes = pool.view(np.uint8).reshape(pool.shape[0], -1, copy=False)  # the pool's memory, never a copy
             for block, row in zip(index, rows[f"{self.rank}/{n}"], strict=True):
-                pool[block] = np.ascontiguousarray(row, dtype=np.uint8).view(pool.dtype).reshape(pool.shape[1:])
+                pool_bytes[block] = row
 
     def write_back(self, env: dict[str, np.ndarray], batch: StepBatch) -> None:
         """Store the step's new state in place: the touched slots' recurrent state at `slot_ids`, the new
