@@ -184,8 +184,8 @@ def test_turn_ids_render_a_turn_as_generated_only_when_they_spell_it(toks, famil
 
 def test_a_turn_rendered_from_its_ids_is_walked_once(toks, monkeypatch):
     """Every request of a conversation renders its earlier turns again: a turn's rendering from its ids is remembered
-    (by its segments and ids, so another turn, or the same ids in another message, is walked on its own) and equals
-    the rendering without the memory."""
+    (by its segments and ids, so another turn, or the same ids in another message, is walked on its own), equals the
+    rendering without the memory, and the memory keeps the most recently used turns within its cap of turn ids."""
     import moe_export.runtime.chat as chat
 
     tok = toks["k3"]
@@ -203,8 +203,14 @@ def test_a_turn_rendered_from_its_ids_is_walked_once(toks, monkeypatch):
     other = {**msg, "content": "walked twice"}
     render_ids(tok, [*user, {**other, "turn_ids": turn}])
     assert len(walks) == 4
-    chat._turn_ids_rendered.cache_clear()
+    chat.TURNS_RENDERED.clear()
     assert render_ids(tok, conversation) == first and len(walks) == 6
+    monkeypatch.setattr(chat, "TURNS_RENDERED", chat.RenderedTurns(len(turn)))  # room for one turn's ids
+    render_ids(tok, conversation)
+    render_ids(tok, [*user, {**other, "turn_ids": turn}])  # the least recently used turn goes
+    assert len(walks) == 10 and chat.TURNS_RENDERED.tokens == len(turn)
+    render_ids(tok, conversation)
+    assert len(walks) == 12
 
 
 def test_images(toks):
