@@ -28,9 +28,9 @@ Per round: `input` (prompt tokens: chat `prompt_tokens`, Responses `input_tokens
 `cache_read_input_tokens` + `cache_creation_input_tokens`), `cached` (`prompt_tokens_details.cached_tokens` /
 `input_tokens_details.cached_tokens` / `cache_read_input_tokens`), `uncached` = input - cached (what the server
 prefilled), `output` (completion / output tokens), `new` = input - the previous round's input (the growth of the
-prompt), `ideal` = new - the previous round's output (the tokens no cache can hold), `ttft_s` (time to the first
-streamed delta) and `wall_s`; `warm` is the growth of the server's `moe_export_warm_prefill_tokens_total` since the
-previous round's response (the tokens warm turns prefilled between rounds: the previous round's output rendered as
+prompt), `ideal` = new - the previous round's output (the tokens no cache can hold), `ttft_s` (time from sending the
+request to the first streamed delta; the client is built before the clock starts, below) and `wall_s`; `warm` is the
+growth of the server's `moe_export_warm_prefill_tokens_total` since the previous round's response (the tokens warm turns prefilled between rounds: the previous round's output rendered as
 the next prompt holds it; scraped right after each response, so a round's figure may hold the warm turn of the
 round itself rather than of the one before; the sums are exact). The summary adds `uncached_sum`, `warm_sum` and
 their total, the prefill work of the run wherever it was done.

@@ -22,6 +22,8 @@ its text.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from moe_export.common.errors import InputError
@@ -46,6 +48,9 @@ __all__ = [
 ]
 
 EFFORTS = (*k3.EFFORTS, "none")
+# assistant turns whose rendering from their turn ids is remembered (`_with_turn_ids`): the most recently used, up to
+# TURN_CACHE_TOKENS turn ids in all (~70 bytes a token, key and value: ~70 MiB)
+TURN_CACHE_TOKENS = 1 << 20
 
 
 def render(
@@ -175,11 +180,58 @@ def _with_turn_ids(tokenizer: Tokenizer, segments: list[Segment], turn: Any, whe
     of it but a final special token, up to a marker), else the segments' own encoding."""
     if not isinstance(turn, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in turn):
         raise InputError(f"{where}.turn_ids must be a list of token ids")
-    rest = _rest_after(tokenizer, segments, turn, inside_text=True)
-    if rest is None and turn and tokenizer.is_special(turn[-1]):
-        turn = turn[:-1]
-        rest = _rest_after(tokenizer, segments, turn, inside_text=False)
-    return segments_to_ids(tokenizer, segments) if rest is None else turn + segments_to_ids(tokenizer, rest)
+    key = (tokenizer, tuple(seg.text for seg in segments), tuple(seg.special for seg in segments), tuple(turn))
+    return list(TURNS_RENDERED.get(key, lambda: _turn_ids_rendered(*key)))
+
+
+class RenderedTurns:
+    """An LRU of rendered turns (`_with_turn_ids`: every request of a conversation renders its earlier turns again, each
+    walk decoding the turn's text runs), keyed by (tokenizer, segment texts, special flags, turn ids), within
+    `max_tokens` turn ids in all. Thread-safe."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self._items: OrderedDict[tuple, tuple[int, ...]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple, make) -> tuple[int, ...]:
+        """The ids remembered under `key`, else `make()`'s (remembered unless the turn alone is over the cap)."""
+        with self._lock:
+            ids = self._items.get(key)
+            if ids is not None:
+                self._items.move_to_end(key)
+                return ids
+        ids = make()
+        if len(key[3]) <= self.max_tokens:
+            with self._lock:
+                if key not in self._items:
+                    self._items[key] = ids
+                    self.tokens += len(key[3])
+                while self.tokens > self.max_tokens:
+                    old, _ = self._items.popitem(last=False)
+                    self.tokens -= len(old[3])
+        return ids
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self.tokens = 0
+
+
+TURNS_RENDERED = RenderedTurns(TURN_CACHE_TOKENS)
+
+
+def _turn_ids_rendered(tokenizer: Tokenizer, texts: tuple[str, ...], specials: tuple[bool, ...],
+                       turn: tuple[int, ...]) -> tuple[int, ...]:
+    """`_with_turn_ids` of one assistant message's segments (their texts and special flags) and turn ids."""
+    segments = [Segment(text, special) for text, special in zip(texts, specials)]
+    ids = list(turn)
+    rest = _rest_after(tokenizer, segments, ids, inside_text=True)
+    if rest is None and ids and tokenizer.is_special(ids[-1]):
+        ids = ids[:-1]
+        rest = _rest_after(tokenizer, segments, ids, inside_text=False)
+    return tuple(segments_to_ids(tokenizer, segments) if rest is None else ids + segments_to_ids(tokenizer, rest))
 
 
 def _rest_after(tokenizer: Tokenizer, segments: list[Segment], ids: list[int], *, inside_text: bool) -> list[Segment] | None:

@@ -21,7 +21,8 @@ import binascii
 import codecs
 import re
 from abc import ABC, abstractmethod
-from functools import cached_property
+from collections.abc import Callable
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 from moe_export.common.errors import InputError
@@ -54,6 +55,9 @@ KIMI_PATTERN = "|".join(
 # MAX_ENCODE_CHARS characters, then each piece wherever a whitespace or non-whitespace run passes MAX_RUN_CHARS.
 MAX_ENCODE_CHARS = 400_000
 MAX_RUN_CHARS = 25_000
+# `Tokenizer.encode` remembers the ids of texts up to SHORT_TEXT_CHARS characters, the SHORT_TEXT_CACHE most recent
+SHORT_TEXT_CHARS = 64
+SHORT_TEXT_CACHE = 8192
 
 
 def split_long_runs(text: str, max_run: int = MAX_RUN_CHARS) -> list[str]:
@@ -125,7 +129,13 @@ class Tokenizer(ABC):
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` as ordinary text: special-token strings in it are encoded as text. Cut every
-        MAX_ENCODE_CHARS characters first, then at long runs, as Kimi's tokenizer code does."""
+        MAX_ENCODE_CHARS characters first, then at long runs, as Kimi's tokenizer code does (a text of at most
+        MAX_RUN_CHARS characters has nothing to cut). Texts of at most SHORT_TEXT_CHARS characters (a chat's markers'
+        names, roles, tool names: most of a rendered conversation's segments) are encoded once per process."""
+        if len(text) <= SHORT_TEXT_CHARS:
+            return list(self._encode_short(text))
+        if len(text) <= MAX_RUN_CHARS:
+            return self._encode_text(text)
         return [
             t
             for start in range(0, len(text), MAX_ENCODE_CHARS)
@@ -159,6 +169,11 @@ class Tokenizer(ABC):
     @cached_property
     def _special_ids(self) -> frozenset[int]:
         return frozenset(self._specials.values())
+
+    @cached_property
+    def _encode_short(self) -> Callable[[str], tuple[int, ...]]:
+        """`_encode_text` of short texts, remembered (the SHORT_TEXT_CACHE most recently used)."""
+        return lru_cache(maxsize=SHORT_TEXT_CACHE)(lambda text: tuple(self._encode_text(text)))
 
 
 class KimiTokenizer(Tokenizer):

@@ -182,6 +182,37 @@ def test_turn_ids_render_a_turn_as_generated_only_when_they_spell_it(toks, famil
         render_ids(tok, [*user, {**msg, "turn_ids": "1 2 3"}])
 
 
+def test_a_turn_rendered_from_its_ids_is_walked_once(toks, monkeypatch):
+    """Every request of a conversation renders its earlier turns again: a turn's rendering from its ids is remembered
+    (by its segments and ids, so another turn, or the same ids in another message, is walked on its own), equals the
+    rendering without the memory, and the memory keeps the most recently used turns within its cap of turn ids."""
+    import moe_export.runtime.chat as chat
+
+    tok = toks["k3"]
+    user = [{"role": "user", "content": "Plan a trip"}]
+    msg = {"role": "assistant", "reasoning_content": "think it through", "content": "walked once"}
+    turn = render_ids(tok, [*user, msg], add_generation_prompt=False)[len(render_ids(tok, user)) - len(
+        generation_prompt_ids(tok, "k3", True)):] + [tok.encode_special("[EOS]")]
+    walks = []
+    walk = chat._rest_after
+    monkeypatch.setattr(chat, "_rest_after", lambda *a, **k: walks.append(a[2]) or walk(*a, **k))
+    conversation = [*user, {**msg, "turn_ids": turn}, {"role": "user", "content": "more"}]
+    first = render_ids(tok, conversation)
+    assert len(walks) == 2  # (the turn ends in a stop token: walked with it, then without it)
+    assert render_ids(tok, conversation) == first and len(walks) == 2
+    other = {**msg, "content": "walked twice"}
+    render_ids(tok, [*user, {**other, "turn_ids": turn}])
+    assert len(walks) == 4
+    chat.TURNS_RENDERED.clear()
+    assert render_ids(tok, conversation) == first and len(walks) == 6
+    monkeypatch.setattr(chat, "TURNS_RENDERED", chat.RenderedTurns(len(turn)))  # room for one turn's ids
+    render_ids(tok, conversation)
+    render_ids(tok, [*user, {**other, "turn_ids": turn}])  # the least recently used turn goes
+    assert len(walks) == 10 and chat.TURNS_RENDERED.tokens == len(turn)
+    render_ids(tok, conversation)
+    assert len(walks) == 12
+
+
 def test_images(toks):
     msgs = [{"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]
     with pytest.raises(InputError, match=r"messages\[0\].content\[1\] is an image, but this engine has no vision graph"):

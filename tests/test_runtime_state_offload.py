@@ -71,6 +71,28 @@ def test_restart_resumes_from_offloaded_state(runtime_engine, tmp_path, preset, 
     core.shutdown()
 
 
+def test_loaded_blocks_are_written_from_the_store_without_a_copy(runtime_engine, tmp_path):
+    """After a restart the loaded blocks' rows reach the runner as the store's own arrays (no stacked copy of them
+    all: at K3 scale hundreds of MB), and the ONNX Runtime runner writes each into its place."""
+    engine_dir = runtime_engine("tiny-k3", 1, 1, 1)
+    out1 = first_turn(engine_dir, tmp_path / "state")
+    core, offload = open_core(engine_dir, tmp_path / "state")
+    eng = core.engine
+    written = []
+    write_blocks = eng.write_blocks
+    eng.write_blocks = lambda blocks, rows: written.append((list(blocks), rows)) or write_blocks(blocks, rows)
+    got, _, cached = run(core, "t2", TURN1 + out1 + TOOL, 5)
+    assert cached == len(TURN1) + len(out1) - 1
+    ((blocks, rows),) = written
+    held = {id(a) for entry in offload.store._host.values() for a in entry.values()}
+    assert rows and all(len(v) == len(blocks) and all(id(row) in held for row in v) for v in rows.values())
+    full = eng.read_blocks(blocks[:-1])  # (the last one is turn 1's tail block: the next tokens are written in it)
+    assert all(np.array_equal(full[k], np.stack(v[:-1])) for k, v in rows.items())
+    fresh = open_engine(engine_dir, num_slots=1, threads=1)
+    assert got == oracle(fresh, TURN1 + out1 + TOOL, 5)[0]
+    core.shutdown()
+
+
 def damage(path, how: str) -> None:
     data = bytearray(path.read_bytes())
     if how == "tampered":  # one byte of the rows (the end of the file is tensor data)

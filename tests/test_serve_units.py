@@ -298,6 +298,41 @@ def test_bad_schemas_are_input_errors(tokenizers, schema, message):
             vocab.grammar(structural_tag_for("k3", thinking=False, starts_in_reasoning=False, **kwargs))
 
 
+def test_tool_tags_are_built_once_per_distinct_request(monkeypatch):
+    """An agent sends the same tools every turn: their schemas are checked and their tag built once; other tools, the
+    same properties in another order (the call's argument order follows it), or arguments that JSON does not give
+    back equal, are built again; a bad schema fails every time."""
+    import moe_export.runtime.core.structured as structured
+
+    checked = []
+    check = structured.check_tool_parameters
+    monkeypatch.setattr(structured, "check_tool_parameters", lambda p, where: checked.append(where) or check(p, where))
+    tools = json.loads(json.dumps(WEATHER))
+    tools[0]["function"]["name"] = "weather_once"  # (not built by another test: the cache lives as long as the process)
+    kwargs = dict(tool_choice="required", response_format=None, thinking=True, starts_in_reasoning=True)
+    first = structural_tag_for("k3", tools=tools, **kwargs)
+    assert structural_tag_for("k3", tools=json.loads(json.dumps(tools)), **kwargs) is first
+    assert len(checked) == 1
+    props = tools[0]["function"]["parameters"]["properties"]
+    swapped = json.loads(json.dumps(tools))
+    swapped[0]["function"]["parameters"]["properties"] = dict(reversed(props.items()))
+    other = structural_tag_for("k3", tools=swapped, **kwargs)
+    assert len(checked) == 2 and other.model_dump() != first.model_dump()
+    # a tuple is not a JSON array (jsonschema refuses it), but JSON would give a list back: not keyed by its JSON
+    as_tuple = [{**tools[0], "function": {**tools[0]["function"], "parameters": {
+        **tools[0]["function"]["parameters"], "required": ("city", "days")}}}]
+    for _ in range(2):
+        with pytest.raises(InputError, match="is not of type 'array'"):
+            structural_tag_for("k3", tools=as_tuple, **kwargs)
+    assert len(checked) == 4
+    bad = json.loads(json.dumps(tools))
+    bad[0]["function"]["parameters"]["properties"]["city"] = {"type": "no-such-type"}
+    for _ in range(2):
+        with pytest.raises(InputError, match="not a valid JSON schema"):
+            structural_tag_for("k3", tools=bad, **kwargs)
+    assert len(checked) == 6
+
+
 def test_no_grammar_for_auto_tools_or_text():
     assert structural_tag_for("k3", tools=WEATHER, tool_choice="auto", response_format=None, thinking=True,
                               starts_in_reasoning=True) is None

@@ -15,7 +15,7 @@ from moe_export.export.convert.synth import (
     synthetic_special_ids,
     write_synthetic_tokenizer,
 )
-from moe_export.runtime.tokenizer import KIMI_PATTERN, load_tokenizer, split_long_runs
+from moe_export.runtime.tokenizer import KIMI_PATTERN, SHORT_TEXT_CHARS, load_tokenizer, split_long_runs
 
 
 @pytest.fixture(scope="module", params=["k3", "k2"])
@@ -120,6 +120,22 @@ def test_inputs_are_cut_every_400k_characters_before_the_run_split(kimi):
     assert ids == kimi.encode(text[:400_000]) + kimi.encode(text[400_000:])
     assert ids != [t for piece in split_long_runs(text) for t in kimi.encode(piece)]
     assert kimi.decode(ids) == text
+
+
+def test_short_texts_are_encoded_once(kimi, monkeypatch):
+    """A chat renders the same short segments (roles, marker names, tool names) in every turn: their ids come from
+    the library once per process, as the library gives them, and a caller's list is its own."""
+    texts = ["assistant", " tool", "search", "", "x" * SHORT_TEXT_CHARS, "word " * 30]
+    want = [kimi._encode_text(t) for t in texts]
+    calls = []
+    library = kimi._encode_text
+    monkeypatch.setattr(kimi, "_encode_text", lambda text: calls.append(text) or library(text))
+    assert [kimi.encode(t) for t in texts] == want
+    first = list(calls)
+    got = kimi.encode("assistant")
+    got.append(-1)  # the caller's own list: the remembered ids do not change
+    assert [kimi.encode(t) for t in texts] == want
+    assert calls == first + ["word " * 30]  # longer than SHORT_TEXT_CHARS: encoded each time
 
 
 def test_kimi_linear_258_special_ids(tmp_path):

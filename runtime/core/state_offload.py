@@ -67,14 +67,15 @@ class StateRead:
 
 @dataclass
 class StateLoad:
-    """Rows to write into the runner before a step's chunks: cache `blocks` [n] (rows: pool key -> uint8 [n, bytes])
-    and the recurrent state of `slot` (pool key -> uint8 [bytes]). Under mpiexec the rows are each rank's own: the
+    """Rows to write into the runner before a step's chunks: cache `blocks` [n] (rows: pool key -> the n blocks' rows,
+    uint8 [bytes] each, the store's own arrays: the runner writes each into its place) and the recurrent state of
+    `slot` (pool key -> uint8 [bytes]). Under mpiexec the rows are each rank's own: the
     load names the `ticket` of the `AgreePlan` that fetched them (state and block_rows are empty)."""
 
     slot: int
     state: dict[str, np.ndarray]
     blocks: list[int]
-    block_rows: dict[str, np.ndarray]
+    block_rows: dict[str, list[np.ndarray]]
     ticket: int | None = None
 
 
@@ -298,22 +299,23 @@ class StateOffload:
     def hold(self, ticket: int, found: FoundState) -> None:
         self._held[ticket] = found
 
-    def claim(self, ticket: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    def claim(self, ticket: int) -> tuple[dict[str, np.ndarray], dict[str, list[np.ndarray]]]:
         """The rows of an agreed state (`load_rows`), no longer held. Loads come in ticket order, so an older held
         ticket is one whose admission gave up (no room): dropped."""
         for old in [t for t in self._held if t < ticket]:
             del self._held[old]
         return self.load_rows(self._held.pop(ticket))[:2]
 
-    def load_rows(self, found: FoundState) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], list[int]]:
-        """What brings `found` back: its state rows, the rows of the blocks to write (pool key -> [n, bytes]) and
-        their indices in the block table (the missing full blocks, then the tail's block)."""
+    def load_rows(self, found: FoundState) -> tuple[dict[str, np.ndarray], dict[str, list[np.ndarray]], list[int]]:
+        """What brings `found` back: its state rows, the rows of the blocks to write (pool key -> each block's row,
+        the store's arrays themselves: no copy of them all is made before the runner writes each into its place)
+        and their indices in the block table (the missing full blocks, then the tail's block)."""
         state = {k[len(STATE_PREFIX):]: v for k, v in found.state.items() if k.startswith(STATE_PREFIX)}
         targets = self.load_targets(found)
         rows = [found.missing[i] for i in targets[:len(found.missing)]]
         if len(targets) > len(found.missing):
             rows.append({k[len(TAIL_PREFIX):]: v for k, v in found.state.items() if k.startswith(TAIL_PREFIX)})
-        block_rows = {k: np.stack([r[k] for r in rows]) for k in self.store.block_keys} if rows else {}
+        block_rows = {k: [r[k] for r in rows] for k in self.store.block_keys} if rows else {}
         return state, block_rows, targets
 
     def load_targets(self, found: FoundState) -> list[int]:

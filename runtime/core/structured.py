@@ -52,6 +52,7 @@ XGRAMMAR_MODEL = {"k3": "kimi_k3", "k2": "kimi"}
 K3_RESPONSE_BEGIN, K3_RESPONSE_END, K3_MESSAGE_END = f"{OPEN}response{SEP}", f"{CLOSE}response{SEP}", f"{CLOSE}message{SEP}"
 CALL_INDEX_PATTERN = "[1-9][0-9]?"  # K2 / K3 call index: 1-based position of the call
 JSON_MAX_WHITESPACE = 1  # consecutive whitespace characters allowed inside constrained JSON / arguments
+TAG_CACHE = 256  # structural tags remembered (`structural_tag_for`)
 # a raw-text (K3 string argument) character: anything but C0 controls other than tab, newline, carriage return
 # (the marker stand-ins are C0 controls, so an argument never holds a marker)
 RAW_TEXT_CHAR = r"[^\x00-\x08\x0b\x0c\x0e-\x1f]"
@@ -415,7 +416,26 @@ def structural_tag_for(
     family: str, *, tools: list[dict] | None, tool_choice, response_format: dict | None, thinking: bool,
     starts_in_reasoning: bool, parallel_tool_calls: bool = True,
 ) -> st.StructuralTag | None:
-    """The grammar a request needs, or None when nothing is enforced (tool_choice auto/none, text output)."""
+    """The grammar a request needs, or None when nothing is enforced (tool_choice auto/none, text output). Built
+    once per distinct set of arguments (an agent sends the same tools every turn: their schemas are checked and
+    their tag built on the first): the key is the arguments' JSON text, key order included (the tag follows it),
+    for arguments that JSON gives back equal (else the tag is built each time). Callers must not change the tag."""
+    args = [family, tools, tool_choice, response_format, thinking, starts_in_reasoning, parallel_tool_calls]
+    try:
+        key = json.dumps(args)
+        exact = json.loads(key) == args
+    except (TypeError, ValueError):
+        exact = False
+    return _structural_tag_of_json(key) if exact else _structural_tag(*args)
+
+
+@lru_cache(maxsize=TAG_CACHE)
+def _structural_tag_of_json(key: str) -> st.StructuralTag | None:
+    return _structural_tag(*json.loads(key))
+
+
+def _structural_tag(family: str, tools: list[dict] | None, tool_choice, response_format: dict | None, thinking: bool,
+                    starts_in_reasoning: bool, parallel_tool_calls: bool) -> st.StructuralTag | None:
     mode = reasoning_mode(family, thinking, starts_in_reasoning)
     if tools and (tool_choice == "required" or isinstance(tool_choice, dict)):
         return _tools_tag(family, tools, tool_choice, mode, parallel_tool_calls)

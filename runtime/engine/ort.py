@@ -189,16 +189,19 @@ class RankRunner:
         pools = self.pools if kind == "slot" else self.checkpoints
         return {f"{self.rank}/{n}": pools[n][index].reshape(-1).view(np.uint8).copy() for n in self.checkpoints}
 
-    def write_rows(self, kind: str, index, rows: dict[str, np.ndarray]) -> None:
-        """Write raw bytes read by `read_rows` back into a slot ("slot") or blocks ("blocks")."""
+    def write_rows(self, kind: str, index, rows: dict) -> None:
+        """Write raw bytes read by `read_rows` back into a slot ("slot": [bytes] per pool) or blocks ("blocks": per pool
+        the blocks' rows in `index` order, [n, bytes] or n rows of [bytes]; each written straight into its place)."""
         for n, pool in self.pools.items():
             if n.startswith(RESET_ON_NEW_SEQUENCE) != (kind == "slot"):
                 continue
-            data = np.ascontiguousarray(rows[f"{self.rank}/{n}"], dtype=np.uint8).view(pool.dtype)
             if kind == "slot":
-                pool[index] = data.reshape(pool.shape[1:])
-            else:
-                pool[index] = data.reshape(len(index), *pool.shape[1:])
+                data = np.ascontiguousarray(rows[f"{self.rank}/{n}"], dtype=np.uint8)
+                pool[index] = data.view(pool.dtype).reshape(pool.shape[1:])
+                continue
+            pool_bytes = pool.view(np.uint8).reshape(pool.shape[0], -1, copy=False)  # the pool's memory, never a copy
+            for block, row in zip(index, rows[f"{self.rank}/{n}"], strict=True):
+                pool_bytes[block] = row
 
     def write_back(self, env: dict[str, np.ndarray], batch: StepBatch) -> None:
         """Store the step's new state in place: the touched slots' recurrent state at `slot_ids`, the new
@@ -361,7 +364,7 @@ paid from the same budget)."""
         check_blocks(self, blocks)
         return {k: v for r in self.ranks for k, v in r.read_rows("blocks", list(blocks)).items()}
 
-    def write_blocks(self, blocks: list[int], rows: dict[str, np.ndarray]) -> None:
+    def write_blocks(self, blocks: list[int], rows: dict) -> None:
         check_blocks(self, blocks)
         for r in self.ranks:
             r.write_rows("blocks", list(blocks), rows)

@@ -55,8 +55,10 @@ class ModelRunner(Protocol):
         """The cache pools' rows of `blocks` as uint8 [n, bytes] per pool key `{rank}/{pool}` (ordered after the work
         queued before it): for the offload store and the copy-on-write of a partial block (`StepPlan.copies`)."""
 
-    def write_blocks(self, blocks: list[int], rows: dict[str, np.ndarray]) -> None:
-        """Write rows read by `read_blocks` into `blocks` (ordered before the next step)."""
+    def write_blocks(self, blocks: list[int], rows: dict) -> None:
+        """Write rows read by `read_blocks` into `blocks` (ordered before the next step): per pool key the blocks'
+        rows in order, an [n, bytes] array or n [bytes] arrays (the offload store's own: a host runner writes each
+        into its place, a device runner gathers them for one copy to the device)."""
 
     def step(self, batch: StepBatch) -> np.ndarray:
         """Run one step; logits [N, vocab] fp32 on the host (parity checks)."""

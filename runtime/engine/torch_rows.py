@@ -23,8 +23,9 @@ def read_row_bytes(pool: torch.Tensor, index) -> np.ndarray:
     return rows.contiguous().reshape(len(index), -1).view(torch.uint8).cpu().numpy()
 
 
-def write_row_bytes(pool: torch.Tensor, index, data: np.ndarray) -> None:
-    """Write `read_row_bytes`' bytes back into row(s) `index` of `pool`."""
+def write_row_bytes(pool: torch.Tensor, index, data) -> None:
+    """Write `read_row_bytes`' bytes back into row(s) `index` of `pool` (`data`: [bytes], [n, bytes] or n [bytes] rows,
+    gathered on the host for one copy to the device)."""
     n = 1 if isinstance(index, int) else len(index)
     src = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8).reshape(n, -1)).to(pool.device)
     rows = src.view(pool.dtype).reshape(n, *pool.shape[1:])
@@ -73,6 +74,6 @@ class PoolRows:
         check_slot(self, slot)
         self._write("slot", slot, rows)
 
-    def write_blocks(self, blocks: list[int], rows: dict[str, np.ndarray]) -> None:
+    def write_blocks(self, blocks: list[int], rows: dict) -> None:
         check_blocks(self, blocks)
         self._write("blocks", list(blocks), rows)

@@ -113,18 +113,20 @@ class ResponseStore:
         """The chat messages of the whole chain ending at `response_id` (oldest first: each turn's input
         messages, then its assistant message, which carries the turn's token ids); MissingResponse naming
         the first response of the chain that is missing (the response itself or a deleted ancestor)."""
-        turns: list[StoredResponse] = []
+        turns: list[tuple[str, str]] = []  # (input messages, output message) as stored, newest first
         next_id: str | None = response_id
-        while next_id is not None:
-            rec = self.get(next_id, scope)
-            if rec is None:
+        while next_id is not None:  # (only the columns a history holds: a response object is read by `get`)
+            with self._lock:
+                row = self._db.execute("SELECT parent_id, input_messages, output_message FROM responses "
+                                       "WHERE id = ? AND key_scope = ?", (next_id, scope)).fetchone()
+            if row is None:
                 raise MissingResponse(next_id)
-            turns.append(rec)
-            next_id = rec.parent_id
+            next_id = row[0]
+            turns.append(row[1:])
         messages: list[dict] = []
-        for rec in reversed(turns):
-            messages.extend(rec.input_messages)
-            messages.append(rec.output_message)
+        for inputs, output in reversed(turns):
+            messages.extend(json.loads(inputs))
+            messages.append(json.loads(output))
         return messages
 
     def close(self) -> None:
