@@ -144,7 +144,9 @@ def test_follow_up_turn_sent_back_as_text_continues_the_kept_state(server, oai):
     """An agent loop: turn 1 (reasoning + a forced tool call) comes back as text and re-encodes to other tokens
     than the model sampled; the server renders it as the generated tokens (same text and markers), so turn 2
     reuses the kept state; the same prompt again (turn 2's kept sequence is longer than it) resumes from the prefix
-    cache's checkpoint at its last block boundary with the same answer. (The call is forced by name: K3
+    cache's deepest checkpoint before its end, the exact one at turn 1's prompt end (a prompt ending at a turn point
+    gets no checkpoint at its last block boundary: `runtime.core.prefix_cache`), with the same answer. (The call is
+    forced by name: K3
     renders no message for that, while `required` adds one after the conversation, which the next prompt
     moves, so nothing would be reused.)"""
     from moe_export.runtime.chat import render_ids
@@ -173,8 +175,7 @@ def test_follow_up_turn_sent_back_as_text_continues_the_kept_state(server, oai):
     assert second.usage.prompt_tokens == len(served)
     assert second.usage.prompt_tokens_details.cached_tokens == kept
     again = oai.chat.completions.create(model="m", messages=turn2, max_tokens=12, **forced)
-    block = server.llm.llm.engine.block_size
-    assert again.usage.prompt_tokens_details.cached_tokens == (len(served) - 1) // block * block
+    assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens
     assert again.choices[0].message == second.choices[0].message and again.usage == second.usage.model_copy(
         update={"prompt_tokens_details": again.usage.prompt_tokens_details})
 
