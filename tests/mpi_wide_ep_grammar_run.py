@@ -14,8 +14,9 @@ prompt finished in (warm prompt included) and turn 2's warm prompt's length. The
 
 from __future__ import annotations
 
-import json
 import sys
+
+from mpi_wide_ep_warm_run import run_on_root
 
 from moe_export.runtime import LLM
 from moe_export.runtime.sampling import SamplingParams
@@ -53,26 +54,23 @@ def turn(out, grammar: dict | None = None) -> dict:
             "tool_calls": out.tool_calls, "grammar": grammar}
 
 
+def conversation(llm: LLM) -> dict:
+    """Rank 0's turns: the unconstrained conversation and the other prompt, then the two constrained turns."""
+    core = llm._core.engine_core
+    other, first = llm.chat([OTHER, CONV], FIRST, tools=WEATHER)
+    messages = second_messages(first)
+    rendered = llm.processor.render(messages, tools=WEATHER, tool_choice="required")
+    second, second_grammar = constrained_turn(llm, messages, CALL, "required")
+    warm = llm.processor.next_turn_prompt(rendered, second.message())
+    third, third_grammar = constrained_turn(llm, third_messages(messages, second), CUT, NAMED)
+    return {"turns": [turn(other), turn(first), turn(second, second_grammar), turn(third, third_grammar)],
+            "groups": [core.history.get(tuple(p)) for p in (other.prompt_ids, first.prompt_ids, second.prompt_ids,
+                                                            warm, third.prompt_ids)],
+            "warm_len": len(warm), "warm_turns": llm.stats()["warm_turns"]}
+
+
 def main() -> None:
-    llm = LLM(sys.argv[1], threads=1, default_effort="none")
-    if not llm.engine.is_root:
-        llm.run_follower()
-        return
-    try:  # a failure releases the follower
-        core = llm._core.engine_core
-        other, first = llm.chat([OTHER, CONV], FIRST, tools=WEATHER)
-        messages = second_messages(first)
-        rendered = llm.processor.render(messages, tools=WEATHER, tool_choice="required")
-        second, second_grammar = constrained_turn(llm, messages, CALL, "required")
-        warm = llm.processor.next_turn_prompt(rendered, second.message())
-        third, third_grammar = constrained_turn(llm, third_messages(messages, second), CUT, NAMED)
-        out = {"turns": [turn(other), turn(first), turn(second, second_grammar), turn(third, third_grammar)],
-               "groups": [core.history.get(tuple(p)) for p in (other.prompt_ids, first.prompt_ids, second.prompt_ids,
-                                                               warm, third.prompt_ids)],
-               "warm_len": len(warm), "warm_turns": llm.stats()["warm_turns"]}
-    finally:
-        llm.shutdown()
-    print(json.dumps(out))
+    run_on_root(LLM(sys.argv[1], threads=1, default_effort="none"), conversation)
 
 
 if __name__ == "__main__":

@@ -50,17 +50,22 @@ def group1_phase(llm: LLM) -> dict:
             "cached_tokens": nxt.usage["cached_tokens"]}
 
 
-def main() -> None:
-    llm = LLM(sys.argv[1], threads=1, default_effort="low")
+def run_on_root(llm: LLM, body) -> None:
+    """Rank 0 runs `body(llm)` and prints its dict as JSON, shutting the LLM down even when it fails (which releases
+    the followers); every other rank follows."""
     if not llm.engine.is_root:
         llm.run_follower()
         return
-    try:  # a failure releases the follower
-        out = {"chat": chat_phase(llm), "group1": group1_phase(llm)}
-        out["warm_turns"] = llm.stats()["warm_turns"]
+    try:
+        out = body(llm)
     finally:
         llm.shutdown()
     print(json.dumps(out))
+
+
+def main() -> None:
+    run_on_root(LLM(sys.argv[1], threads=1, default_effort="low"), lambda llm: {
+        "chat": chat_phase(llm), "group1": group1_phase(llm), "warm_turns": llm.stats()["warm_turns"]})
 
 
 if __name__ == "__main__":

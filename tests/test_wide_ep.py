@@ -362,6 +362,15 @@ ROUNDS = [
 ]
 
 
+def mpiexec_json(script: str, world: int, *args: str, timeout: int = 300) -> dict:
+    """`mpiexec -n WORLD python tests/SCRIPT ARGS` (OMP_NUM_THREADS 1): the JSON of its last output line."""
+    mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
+    r = subprocess.run([mpiexec, "-n", str(world), sys.executable, str(HERE / script), *args], capture_output=True,
+                       text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def run_mpi(engine_dir: Path, world: int, *extra: str) -> dict:
     mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
     r = subprocess.run([mpiexec, "-n", str(world), sys.executable, str(HERE / "mpi_wide_ep_run.py"), str(engine_dir),
@@ -549,11 +558,7 @@ def test_mpiexec_2_ranks_warm_turns_in_the_turns_group(dp_engine):
     from moe_export.runtime import LLM
 
     engine_dir = dp_engine("tiny-k3", 1, 2)
-    mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
-    r = subprocess.run([mpiexec, "-n", "2", sys.executable, str(HERE / "mpi_wide_ep_warm_run.py"), str(engine_dir)],
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = mpiexec_json("mpi_wide_ep_warm_run.py", 2, str(engine_dir))
     cacheless = LLM(engine_dir, threads=1, default_effort="low", prefix_caching=False, reuse_sessions=False)
     chat = got["chat"]
     messages = [{"role": "user", "content": "Plan a week in Rome."}]
@@ -602,11 +607,7 @@ def test_mpiexec_2_ranks_constrained_turn_in_the_conversations_group(dp_engine):
     from moe_export.runtime import LLM
 
     engine_dir = dp_engine("tiny-k3", 1, 2)
-    mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
-    r = subprocess.run([mpiexec, "-n", "2", sys.executable, str(HERE / "mpi_wide_ep_grammar_run.py"), str(engine_dir)],
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = mpiexec_json("mpi_wide_ep_grammar_run.py", 2, str(engine_dir))
     other, first, second, third = got["turns"]
     assert got["groups"] == [0, 1, 1, 1, 1]  # other, conv, turn 2, turn 2's warm prompt, turn 3
     assert second["cached_tokens"] == len(first["prompt_ids"]) + len(first["output_ids"]) - 1
