@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import subprocess
+import pytest
 import sys
 from pathlib import Path
 
 
+@pytest.mark.slow  # 20-42 s on 2 cores: the default run stays under 20 minutes
 def test_agent_loop_benchmark_smoke(tmp_path):
     out = tmp_path / "agent.json"
     run = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks/agent_loop.py"), "--smoke",

@@ -575,6 +575,7 @@ def test_killed_build_resumes_to_identical_bytes(tmp_path):
     assert_published_alone(killed)
 
 
+@pytest.mark.slow  # 20-42 s on 2 cores: the default run stays under 20 minutes
 def test_second_build_into_a_locked_output_exits_2_naming_the_holder(tmp_path):
     """While one build runs, a second into the same OUT exits 2 naming the first's pid (without sweeping the
     first's temporary files); the first finishes with a verified output."""

@@ -116,6 +116,7 @@ def test_steps_reuse_the_heap_instead_of_faulting_in_fresh_pages(runtime_engine)
     assert faults < 3000, f"{faults:.0f} minor page faults per step"
 
 
+@pytest.mark.slow  # 20-42 s on 2 cores: the default run stays under 20 minutes
 def test_long_context_benchmark_smoke(tmp_path):
     """`benchmarks/long_context.py --smoke` (tiny-k3-dsa, 512 and 2,048 tokens; the tiled-cache decode, the
     model-free host points and the indexer's share of a prefill step too): every key of each point, and every

@@ -130,6 +130,7 @@ def test_mpiexec_gloo_worlds_end_cleanly():
         assert json.loads(r.stdout.strip().splitlines()[-1]) == [[3.0] * 20, [3.0] * 20, [7.0] * 20, [7.0] * 20]
 
 
+@pytest.mark.slow  # 20-42 s on 2 cores: the default run stays under 20 minutes
 def test_cuda_kernel_table_equals_cpu_kernels_in_the_triton_interpreter(runtime_engine):
     """The GPU path's kernel table (Triton kernels over the runner's pools through one pool table) on CPU under
     TRITON_INTERPRET=1, against the CPU kernels: DSA model, tp 2 x ep 2, prefill then decode; the engine loads its

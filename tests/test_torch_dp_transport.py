@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from fp32_reorder import num_layers, reorder_atol
 from moe_export.runtime.engine.batch import SequenceChunk, StepBatch
@@ -33,6 +34,7 @@ STEPS = [  # per step, per group: chunks [slot, start, tokens, blocks], or None 
 GRAPHS_FROM = 3
 
 
+@pytest.mark.slow  # 20-42 s on 2 cores: the default run stays under 20 minutes
 def test_dp_decode_steps_on_the_device_transport(runtime_engine):
     torch_dir = runtime_engine("tiny-k3", 2, 4, 4, attention="dp", backend="torch")
     mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
